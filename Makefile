@@ -1,0 +1,27 @@
+# Two commands for a newcomer: `make check` (the verification matrix on CPU) and `make test`.
+# Both create .venv when it is missing. torch is pinned to the CPU build this machine offers
+# (a bare `torch` requirement would pull a multi-GB CUDA build); the package itself accepts >=2.6.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: check test venv clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+check: $(VENV)/.installed
+	$(VENV)/bin/moeshard check
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,144 @@
+"""Configuration of one MoE layer: model shape, routing, quantization.
+
+All configuration objects are frozen dataclasses validated in ``__post_init__``; a refusal is a
+``ValueError`` that names the field and the offending values. ``ParallelConfig`` lives in
+``moeshard.parallel.config`` because it also needs the world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ACTIVATIONS = ("silu", "gelu")
+SCORINGS = ("softmax", "sigmoid")
+QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4")
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; refuses dtypes a layer cannot run in."""
+    for name, value in MODEL_DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype: {dtype} is not a model dtype; expected one of {sorted(MODEL_DTYPES)}")
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """Accepts ``torch.bfloat16``, ``"bfloat16"`` or the short ``"bf16"``/``"fp16"``/``"fp32"``."""
+    if isinstance(value, torch.dtype):
+        dtype_name(value)
+        return value
+    short = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    name = short.get(value, value)
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"dtype: {value!r} is not one of {sorted(MODEL_DTYPES) + sorted(short)}")
+    return MODEL_DTYPES[name]
+
+
+def _positive(owner: str, **fields: int) -> None:
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{owner}.{name}: must be a positive integer, got {value!r}")
+
+
+def _choice(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}.{name}: {value!r} is not one of {list(allowed)}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing of one MoE block.
+
+    Routing (see ``moeshard.router``):
+      * ``scoring="softmax"``: Mixtral (``renormalize=True``) and Qwen2/Qwen3-MoE
+        (``renormalize`` = ``norm_topk_prob``).
+      * ``scoring="sigmoid"``: DeepSeek-V3; ``use_correction_bias`` adds
+        ``e_score_correction_bias`` for selection only; ``n_group``/``topk_group`` restrict the
+        choice to the best groups; ``routed_scaling_factor`` multiplies the final weights.
+    Shared experts: ``num_shared_experts`` experts of ``shared_intermediate_size`` fused into one
+    MLP of width ``num_shared_experts * shared_intermediate_size`` (DeepSeek-V3, Qwen2-MoE), optionally
+    multiplied by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    activation: str = "silu"
+    scoring: str = "softmax"
+    renormalize: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    use_correction_bias: bool = False
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        owner = "MoEConfig"
+        _positive(owner, num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
+                  intermediate_size=self.intermediate_size, n_group=self.n_group, topk_group=self.topk_group)
+        _choice(owner, "activation", self.activation, ACTIVATIONS)
+        _choice(owner, "scoring", self.scoring, SCORINGS)
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"{owner}.top_k: {self.top_k} is larger than num_experts={self.num_experts}")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"{owner}.n_group: num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"{owner}.topk_group: {self.topk_group} is larger than n_group={self.n_group}")
+        if self.n_group > 1:
+            per_group = self.num_experts // self.n_group
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError(f"{owner}.top_k: {self.top_k} exceeds the experts of the kept groups "
+                                 f"(topk_group={self.topk_group} x {per_group} experts per group)")
+            if self.scoring == "sigmoid" and per_group < 2:
+                raise ValueError(f"{owner}.n_group: sigmoid grouped top-k scores a group by its best two "
+                                 f"experts, but n_group={self.n_group} leaves {per_group} expert per group")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"{owner}.routed_scaling_factor: must be > 0, got {self.routed_scaling_factor!r}")
+        if self.use_correction_bias and self.scoring != "sigmoid":
+            raise ValueError(f"{owner}.use_correction_bias: only defined for scoring='sigmoid', got scoring={self.scoring!r}")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"{owner}.num_shared_experts: must be >= 0, got {self.num_shared_experts}")
+        if self.num_shared_experts and self.shared_intermediate_size <= 0:
+            raise ValueError(f"{owner}.shared_intermediate_size: must be > 0 with num_shared_experts="
+                             f"{self.num_shared_experts}, got {self.shared_intermediate_size}")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ValueError(f"{owner}.shared_expert_gate: True needs num_shared_experts > 0")
+
+    @property
+    def has_shared_experts(self) -> bool:
+        return self.num_shared_experts > 0
+
+    @property
+    def shared_width(self) -> int:
+        """Intermediate width of the fused shared-expert MLP."""
+        return self.num_shared_experts * self.shared_intermediate_size
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How the routed experts are quantized (shared experts and the router stay in the model dtype).
+
+    ``scheme`` is one of ``QUANT_SCHEMES`` (see ``moeshard.quant``). ``defer_input_quant=True``
+    dispatches the activations in the model dtype and lets the expert kernel quantize them, so
+    the dispatched activation scale is ``None``.
+    """
+
+    scheme: str = "none"
+    defer_input_quant: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("QuantConfig", "scheme", self.scheme, QUANT_SCHEMES)
+        if self.defer_input_quant and self.scheme == "none":
+            raise ValueError("QuantConfig.defer_input_quant: True has no meaning with scheme='none'")
+
+    @property
+    def quantized(self) -> bool:
+        return self.scheme != "none"

@@ -1,0 +1,240 @@
+"""``MoELayer``: one MoE block under any (dp, tp, ep) layout.
+
+    x [T, H]  this DP rank's tokens (replicated over its TP ranks)
+     -> SP only: keep this TP rank's contiguous chunk (real rows only)
+     -> router: fp32 logits [T, E] -> topk ids / fp32 weights [T, K]
+     -> quantize activations (unless none or deferred): data + per-row scales
+     -> dispatch (backend) -> experts (grouped kernel) -> combine (backend): fp32 [T, H]
+     -> TP without EP: all-reduce the partial sums over TP
+     -> + shared experts (model dtype, on the same rows, once)
+     -> SP only: all-gather over TP, drop the padding -> [T, H]
+
+Per-tensor activation scales (fp8_tensor, nvfp4's global scale) are dynamic over the layer's
+quantization domain: the EP group when EP is on (amax all-reduced, one scalar), this DP rank's
+tokens otherwise. So the single-device reference on the same tokens reproduces them exactly.
+Inference only: no gradient flows through dispatch and combine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig, dtype_name
+from moeshard.dispatch.registry import BACKENDS, default_backend, support
+from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.experts.grouped import PER_TENSOR_SCHEMES, GroupedExperts
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.groups import ParallelGroups
+from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
+from moeshard.quant import QuantizedActivations, QuantizedWeight, from_wire, quantize_activations, to_wire
+from moeshard.router import route, router_logits
+from moeshard.sharding import ShardSpec, shard_experts
+from moeshard.weights import SHARED_ALIASES, MoEWeights
+
+
+class Gate(nn.Module):
+    """weight: [E, H] router; e_score_correction_bias: fp32 [E] (DeepSeek-V3) when configured."""
+
+    def __init__(self, weights: MoEWeights) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weights.gate.clone(), requires_grad=False)
+        if weights.correction_bias is not None:
+            self.register_buffer("e_score_correction_bias", weights.correction_bias.float().clone())
+        else:
+            self.e_score_correction_bias = None
+
+
+class RoutedExperts(nn.Module):
+    """This rank's routed experts under the canonical names ``gate_up_proj`` [E_l, 2 I_l, H] and
+    ``down_proj`` [E_l, H, I_l]; quantized weights add ``<name>_scale`` (and ``_global_scale``)."""
+
+    def __init__(self, weights: ExpertWeights) -> None:
+        super().__init__()
+        self.scheme = weights.scheme
+        self._shapes = {}
+        for name, w in (("gate_up_proj", weights.gate_up), ("down_proj", weights.down)):
+            if isinstance(w, QuantizedWeight):
+                self.register_buffer(name, w.data)
+                self.register_buffer(name + "_scale", w.scale)
+                self.register_buffer(name + "_global_scale", w.global_scale)
+                self._shapes[name] = w.shape
+            else:
+                setattr(self, name, nn.Parameter(w, requires_grad=False))
+
+    def _weight(self, name: str):
+        if self.scheme == "none":
+            return getattr(self, name)
+        return QuantizedWeight(self.scheme, getattr(self, name), getattr(self, name + "_scale"),
+                               getattr(self, name + "_global_scale"), self._shapes[name])
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self._weight("gate_up_proj"), self._weight("down_proj"), self.scheme)
+
+
+class SharedExperts(nn.Module):
+    """The fused shared-expert MLP: down(act(gate(x)) * up(x)); width S; never sharded."""
+
+    def __init__(self, weights: MoEWeights, activation: str) -> None:
+        super().__init__()
+        self.activation = activation
+        self.gate_proj = nn.Linear(1, 1, bias=False)
+        self.up_proj = nn.Linear(1, 1, bias=False)
+        self.down_proj = nn.Linear(1, 1, bias=False)
+        for layer, w in ((self.gate_proj, weights.shared_gate), (self.up_proj, weights.shared_up),
+                         (self.down_proj, weights.shared_down)):
+            layer.weight = nn.Parameter(w.clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = F.silu if self.activation == "silu" else F.gelu
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> None:
+    """One small all-gather at construction: every rank must agree on the layer's configuration.
+
+    Every rank sees the same gathered table, so every rank raises together (nobody is left
+    waiting in a later collective)."""
+    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=groups.device)
+    table = [torch.empty_like(mine) for _ in range(groups.world_size)]
+    dist.all_gather(table, mine)
+    rows = torch.stack(table).cpu()
+    for i, name in enumerate(fields):
+        column = rows[:, i].tolist()
+        if len(set(column)) > 1:
+            raise ValueError(f"MoELayer (rank {groups.rank}): ranks disagree on {name}: "
+                             + ", ".join(f"rank {r}={v}" for r, v in enumerate(column)))
+
+
+class MoELayer(nn.Module):
+    """One MoE block.
+
+    cfg: model shape and routing; quant: expert quantization; groups: process groups of an
+    initialised torch.distributed world (None: one device); backend: a name from
+    ``moeshard.dispatch.registry.BACKENDS`` (default: ``local`` without EP, ``all2all`` with EP);
+    weights: full canonical weights, identical on every rank (None: random, from torch's RNG);
+    device: where this rank computes (default ``groups.device`` or CPU).
+
+    Cross-rank precondition: every rank of the world constructs the layer with the same cfg,
+    quant, layout and backend (checked here by one all-gather) and calls ``forward`` the same
+    number of times; token counts may differ per DP rank.
+    """
+
+    def __init__(self, cfg: MoEConfig, quant: QuantConfig | None = None, groups: ParallelGroups | None = None,
+                 backend: str | None = None, weights: MoEWeights | None = None, device=None) -> None:
+        super().__init__()
+        quant = quant or QuantConfig()
+        parallel = groups.config if groups is not None else ParallelConfig()
+        rank = groups.rank if groups is not None else 0
+        parallel.validate(parallel.world_size, cfg, rank)
+        backend = backend or default_backend(parallel)
+        ok, reason = support(backend, quant, parallel)
+        if not ok:
+            raise ValueError(f"MoELayer (rank {rank}): backend {backend!r}: {reason}")
+        if groups is not None:
+            _check_same_on_all_ranks(groups, {
+                "num_experts": cfg.num_experts, "top_k": cfg.top_k, "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size, "shared_width": cfg.shared_width,
+                "dtype": list(("float32", "bfloat16", "float16")).index(dtype_name(cfg.dtype)),
+                "quant": QUANT_SCHEMES.index(quant.scheme), "defer_input_quant": int(quant.defer_input_quant),
+                "backend": list(BACKENDS).index(backend),
+                "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep)})
+        self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
+        self.device = torch.device(device) if device is not None else (groups.device if groups else torch.device("cpu"))
+        weights = weights if weights is not None else MoEWeights.random(cfg)
+        weights.validate(cfg)
+        weights = weights.to(dtype=cfg.dtype)
+        self.shard = self._shard_spec(rank)
+        self.gate = Gate(weights)
+        self.experts = RoutedExperts(shard_experts(weights.gate_up, weights.down, cfg, quant, self.shard))
+        self.shared_experts = SharedExperts(weights, cfg.activation) if cfg.has_shared_experts else None
+        self.shared_expert_gate = None
+        if cfg.shared_expert_gate:
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate.weight = nn.Parameter(weights.shared_expert_gate.clone(), requires_grad=False)
+        self.to(self.device)
+        self.backend = BACKENDS[backend].factory(cfg.num_experts, groups)
+        self.kernel = GroupedExperts(cfg.activation, cfg.dtype)
+        self._register_load_state_dict_pre_hook(self._accept_shared_alias)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], cfg: MoEConfig, **kwargs) -> "MoELayer":
+        """A layer from a full block state dict (transformers-5 names); kwargs as ``__init__``."""
+        return cls(cfg, weights=MoEWeights.from_state_dict(state, cfg), **kwargs)
+
+    @staticmethod
+    def _accept_shared_alias(state, prefix, *args) -> None:
+        # Qwen2-MoE names its shared MLP ``shared_expert`` (singular).
+        for key in [k for k in state if k.startswith(prefix + SHARED_ALIASES[1])]:
+            state[prefix + SHARED_ALIASES[0] + key[len(prefix + SHARED_ALIASES[1]):]] = state.pop(key)
+
+    def _shard_spec(self, rank: int) -> ShardSpec:
+        p, E = self.parallel, self.cfg.num_experts
+        experts = p.local_experts(rank, E)
+        if p.enable_ep:
+            return ShardSpec(experts.start, experts.stop)
+        return ShardSpec(0, E, p.tp_rank(rank), p.tp)
+
+    # -- forward --------------------------------------------------------------------------
+    def _check_input(self, x: torch.Tensor) -> None:
+        rank = self.groups.rank if self.groups else 0
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
+            raise ValueError(f"MoELayer.forward (rank {rank}): x must be [T, hidden_size="
+                             f"{self.cfg.hidden_size}], got {tuple(x.shape)}")
+        if x.dtype != self.cfg.dtype:
+            raise ValueError(f"MoELayer.forward (rank {rank}): x.dtype is {x.dtype}, the layer's dtype is {self.cfg.dtype}")
+        if x.device != self.device and not (x.device.type == self.device.type == "cuda" and self.device.index is None):
+            raise ValueError(f"MoELayer.forward (rank {rank}): x is on {x.device}, the layer on {self.device}")
+
+    def _input_amax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """fp32 []: amax of the quantization domain, for per-tensor activation scales."""
+        if self.quant.scheme not in PER_TENSOR_SCHEMES:
+            return None
+        amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        if self.groups is not None and self.groups.ep_group is not None:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.groups.ep_group)
+        return amax
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] rows this rank routes -> fp32 [T, H] routed-expert output (TP-reduced)."""
+        routing = route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias)
+        amax = self._input_amax(x)
+        scheme = self.quant.scheme
+        if self.quant.quantized and not self.quant.defer_input_quant:
+            q = quantize_activations(x, scheme, amax=amax)
+            payload, row_scale = to_wire(q.data), None if q.row_scale is None else to_wire(q.row_scale)
+        else:
+            q, payload, row_scale = None, x, None
+        d = self.backend.dispatch(payload, row_scale, routing)
+        if q is not None:
+            # Scales reach the kernel only after dispatch, in the kernel's own layout.
+            rows = QuantizedActivations(scheme, from_wire(d.x, q.data.dtype),
+                                        None if d.x_scale is None else from_wire(d.x_scale, q.row_scale.dtype),
+                                        q.tensor_scale)
+        else:
+            rows = d.x
+        y = self.kernel(ExpertInput(rows, d.expert_ids, amax), self.experts.weights())
+        out = self.backend.combine(y, d)
+        if self.parallel.tp > 1 and not self.parallel.enable_ep:
+            dist.all_reduce(out, group=self.groups.tp_group)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] in ``cfg.dtype`` on this rank's device (T may be 0 and may differ per DP
+        rank; identical on the TP ranks of one DP rank) -> [T, H] in ``cfg.dtype``."""
+        self._check_input(x)
+        p = self.parallel
+        if p.is_sequence_parallel:
+            x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
+        out = self._routed(x)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared.float()
+        out = out.to(self.cfg.dtype)
+        if p.is_sequence_parallel:
+            out = sequence_parallel_gather(out, chunk, self.groups.tp_group)
+        return out

@@ -1,0 +1,89 @@
+"""Router: gate logits -> top-k expert ids and fp32 weights.
+
+Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
+
+* softmax scoring (Mixtral, Qwen2/Qwen3-MoE): p = softmax(logits); take the top K of p;
+  with ``renormalize`` divide the K weights by their sum (Mixtral always, Qwen ``norm_topk_prob``).
+* sigmoid scoring (DeepSeek-V3): s = sigmoid(logits); selection uses s + correction bias
+  (when ``use_correction_bias``), but the weights are the unbiased s of the chosen experts.
+  With ``n_group > 1`` each group is scored by the sum of its best two (biased) scores, only the
+  best ``topk_group`` groups stay eligible. Optional renormalization, then every weight is
+  multiplied by ``routed_scaling_factor``.
+
+Ties: ``torch.topk`` order for equal values is not specified, so ties are broken explicitly in
+favour of the lower expert (and group) index, which makes routing reproducible across devices and
+batch sizes. Everything is computed in fp32 on device; nothing synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeshard.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class Routing:
+    """topk_ids: int64 [T, K] expert ids; topk_weights: fp32 [T, K] combine weights."""
+
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+def _topk_low_index_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] of the k largest scores per row; equal scores go to the lower index.
+
+    A stable descending sort gives exactly that order.
+    """
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _group_mask(choice_scores: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """bool [T, E]: True for experts in the ``topk_group`` best groups of each token."""
+    T, E = choice_scores.shape
+    grouped = choice_scores.view(T, cfg.n_group, E // cfg.n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]; values only, order irrelevant
+    keep = _topk_low_index_first(group_scores, cfg.topk_group)  # [T, topk_group]
+    mask = torch.zeros(T, cfg.n_group, dtype=torch.bool, device=choice_scores.device)
+    mask.scatter_(1, keep, True)
+    return mask.repeat_interleave(E // cfg.n_group, dim=1)
+
+
+def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None) -> Routing:
+    """Routes T tokens.
+
+    logits: [T, E] router logits (any float dtype; computed on in fp32).
+    correction_bias: [E] DeepSeek-V3 ``e_score_correction_bias``; required iff ``cfg.use_correction_bias``.
+    """
+    if logits.dim() != 2 or logits.shape[1] != cfg.num_experts:
+        raise ValueError(f"route: logits must be [T, num_experts={cfg.num_experts}], got {tuple(logits.shape)}")
+    if cfg.use_correction_bias and correction_bias is None:
+        raise ValueError("route: cfg.use_correction_bias is True but no correction_bias was given")
+    logits = logits.float()
+    if cfg.scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        scores = logits.sigmoid()
+    choice = scores
+    if cfg.use_correction_bias:
+        choice = scores + correction_bias.float().view(1, -1)
+    if cfg.n_group > 1:
+        # Experts outside the kept groups can never win: -inf is below any score.
+        choice = choice.masked_fill(~_group_mask(choice, cfg), float("-inf"))
+    ids = _topk_low_index_first(choice, cfg.top_k)
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return Routing(topk_ids=ids, topk_weights=weights)
+
+
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """x: [T, H] model dtype; gate_weight: [E, H] -> fp32 logits [T, E].
+
+    Computed in fp32 on every path so that the layer and the reference pick the same experts.
+    """
+    return torch.nn.functional.linear(x.float(), gate_weight.float())

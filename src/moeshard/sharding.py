@@ -1,0 +1,88 @@
+"""From full weights to this rank's shard of the routed experts.
+
+Expert parallelism keeps whole experts: rank with EP index j holds experts
+[j * E / ep, (j + 1) * E / ep). Tensor parallelism (EP off) slices the intermediate dimension:
+TP rank r keeps gate rows [r I/tp, (r+1) I/tp), the same up rows (offset by I), and the same
+columns of down. Weights are quantized per expert before slicing, so every TP shard carries the
+scales of the full expert (a per-expert fp8 scale or nvfp4 global scale is shared by the shards)
+and ``shard.dequantize()`` equals a slice of ``full.dequantize()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeshard.config import MoEConfig, QuantConfig
+from moeshard.experts.base import ExpertWeights, Weight
+from moeshard.quant import QuantizedWeight, quantize_weight
+
+# Alignment that an intermediate slice boundary needs, per scheme (block size of its scales).
+SLICE_ALIGN = {"none": 1, "fp8_tensor": 1, "fp8_token": 1, "fp8_block": 128, "nvfp4": 16}
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """expert_start/expert_stop: this rank's experts; tp_rank/tp_size: its slice of I (tp_size 1
+    under EP, where experts stay whole)."""
+
+    expert_start: int
+    expert_stop: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def validate(self, cfg: MoEConfig, quant: QuantConfig) -> None:
+        I = cfg.intermediate_size
+        if not 0 <= self.expert_start < self.expert_stop <= cfg.num_experts:
+            raise ValueError(f"ShardSpec: experts [{self.expert_start}, {self.expert_stop}) outside "
+                             f"[0, {cfg.num_experts})")
+        if I % self.tp_size:
+            raise ValueError(f"ShardSpec: intermediate_size={I} is not divisible by tp={self.tp_size}")
+        width, align = I // self.tp_size, SLICE_ALIGN[quant.scheme]
+        if self.tp_size > 1 and width % align:
+            raise ValueError(f"ShardSpec: quant {quant.scheme!r} needs tensor-parallel slices of the "
+                             f"intermediate dimension aligned to {align}, but intermediate_size={I} / "
+                             f"tp={self.tp_size} = {width}")
+        if quant.scheme == "nvfp4":
+            for name, k in (("hidden_size", cfg.hidden_size), ("intermediate slice", width)):
+                if k % 16:
+                    raise ValueError(f"ShardSpec: nvfp4 needs {name} divisible by 16, got {k}")
+
+
+def _slice_rows(w: Weight, start: int, stop: int) -> Weight:
+    return w.slice_out(start, stop) if isinstance(w, QuantizedWeight) else w[:, start:stop]
+
+
+def _slice_cols(w: Weight, start: int, stop: int) -> Weight:
+    return w.slice_in(start, stop) if isinstance(w, QuantizedWeight) else w[..., start:stop]
+
+
+def _cat_rows(a: Weight, b: Weight) -> Weight:
+    return QuantizedWeight.cat_out([a, b]) if isinstance(a, QuantizedWeight) else torch.cat([a, b], dim=1)
+
+
+def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
+                  spec: ShardSpec) -> ExpertWeights:
+    """gate_up: [E, 2I, H], down: [E, H, I] full-precision full weights (any float dtype; experts
+    outside the spec may be absent only if the caller passes the selected experts themselves,
+    i.e. E == expert_stop - expert_start). Returns this rank's ``ExpertWeights``."""
+    spec.validate(cfg, quant)
+    if gate_up.shape[0] == cfg.num_experts:
+        gate_up = gate_up[spec.expert_start:spec.expert_stop]
+        down = down[spec.expert_start:spec.expert_stop]
+    gate_up = gate_up.to(cfg.dtype).contiguous()
+    down = down.to(cfg.dtype).contiguous()
+    gu: Weight = gate_up
+    dn: Weight = down
+    if quant.quantized:
+        gu, dn = quantize_weight(gate_up, quant.scheme), quantize_weight(down, quant.scheme)
+    if spec.tp_size > 1:
+        I = cfg.intermediate_size
+        w = I // spec.tp_size
+        lo, hi = spec.tp_rank * w, (spec.tp_rank + 1) * w
+        gu = _cat_rows(_slice_rows(gu, lo, hi), _slice_rows(gu, I + lo, I + hi))
+        dn = _slice_cols(dn, lo, hi)
+        if not quant.quantized:
+            gu, dn = gu.contiguous(), dn.contiguous()
+    return ExpertWeights(gu, dn, quant.scheme)

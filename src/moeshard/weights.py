@@ -1,0 +1,153 @@
+"""Full (unsharded, unquantized) weights of one MoE block under their canonical names.
+
+The names and shapes are those of a transformers-5 sparse MoE block, so ``block.state_dict()``
+of Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 maps onto ``MoEWeights`` without renaming:
+
+==================================  ===============  ==========================================
+name                                shape            meaning
+==================================  ===============  ==========================================
+gate.weight                         [E, H]           router
+gate.e_score_correction_bias        [E]              DeepSeek-V3 selection bias (optional)
+experts.gate_up_proj                [E, 2I, H]       rows [0, I) gate, rows [I, 2I) up
+experts.down_proj                   [E, H, I]
+shared_experts.gate_proj.weight     [S, H]           S = num_shared_experts * shared size
+shared_experts.up_proj.weight       [S, H]
+shared_experts.down_proj.weight     [H, S]
+shared_expert_gate.weight           [1, H]           Qwen2-MoE sigmoid gate (optional)
+==================================  ===============  ==========================================
+
+Qwen2-MoE spells the shared MLP ``shared_expert.`` (singular); both spellings are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from moeshard.config import MoEConfig
+
+SHARED_ALIASES = ("shared_experts.", "shared_expert.")
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """Every tensor of one MoE block, unsharded, in one dtype (see the module table for shapes)."""
+
+    gate: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    correction_bias: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
+    shared_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+    shared_expert_gate: torch.Tensor | None = None
+
+    def expected_shapes(self, cfg: MoEConfig) -> dict[str, tuple[int, ...] | None]:
+        E, H, I, S = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.shared_width
+        shared = cfg.has_shared_experts
+        return {
+            "gate": (E, H),
+            "gate_up": (E, 2 * I, H),
+            "down": (E, H, I),
+            "correction_bias": (E,) if cfg.use_correction_bias else None,
+            "shared_gate": (S, H) if shared else None,
+            "shared_up": (S, H) if shared else None,
+            "shared_down": (H, S) if shared else None,
+            "shared_expert_gate": (1, H) if cfg.shared_expert_gate else None,
+        }
+
+    def validate(self, cfg: MoEConfig) -> None:
+        """Raises ValueError naming the tensor, the expected and the actual shape."""
+        for name, shape in self.expected_shapes(cfg).items():
+            value = getattr(self, name)
+            if shape is None:
+                if value is not None:
+                    raise ValueError(f"MoEWeights.{name}: given, but the config has no use for it ({cfg})")
+                continue
+            if value is None:
+                raise ValueError(f"MoEWeights.{name}: missing; expected shape {shape}")
+            if tuple(value.shape) != shape:
+                raise ValueError(f"MoEWeights.{name}: expected shape {shape}, got {tuple(value.shape)}")
+            if not value.is_floating_point():
+                raise ValueError(f"MoEWeights.{name}: expected a floating tensor, got {value.dtype}")
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "MoEWeights":
+        """Moves every tensor; ``correction_bias`` keeps fp32 since it decides routing."""
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                keep = f.name == "correction_bias"
+                value = value.to(device=device, dtype=None if keep else dtype)
+            moved[f.name] = value
+        return MoEWeights(**moved)
+
+    @staticmethod
+    def random(cfg: MoEConfig, generator: torch.Generator | None = None, dtype=None) -> "MoEWeights":
+        """Random weights at a scale where outputs stay O(1): std 1/sqrt(fan_in).
+
+        The router weights get a larger scale (std 2/sqrt(H)) so that top-k choices are well
+        separated and ties between near-equal logits are rare in tests.
+        """
+        E, H, I, S = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.shared_width
+        dtype = dtype or cfg.dtype
+
+        def rnd(*shape, fan_in):
+            t = torch.randn(*shape, generator=generator, dtype=torch.float32) / fan_in**0.5
+            return t.to(dtype)
+
+        shared = cfg.has_shared_experts
+        return MoEWeights(
+            gate=(rnd(E, H, fan_in=H).float() * 2).to(dtype),
+            gate_up=rnd(E, 2 * I, H, fan_in=H),
+            down=rnd(E, H, I, fan_in=I),
+            correction_bias=(torch.rand(E, generator=generator) * 0.1) if cfg.use_correction_bias else None,
+            shared_gate=rnd(S, H, fan_in=H) if shared else None,
+            shared_up=rnd(S, H, fan_in=H) if shared else None,
+            shared_down=rnd(H, S, fan_in=S) if shared else None,
+            shared_expert_gate=rnd(1, H, fan_in=H) if cfg.shared_expert_gate else None,
+        )
+
+    @staticmethod
+    def from_state_dict(state: dict[str, torch.Tensor], cfg: MoEConfig, prefix: str = "") -> "MoEWeights":
+        """Reads the canonical names (module table) under ``prefix``; validates shapes."""
+        def get(name: str, required: bool) -> torch.Tensor | None:
+            key = prefix + name
+            if key in state:
+                return state[key]
+            if required:
+                raise ValueError(f"state dict: missing tensor {key!r}")
+            return None
+
+        def shared(name: str) -> torch.Tensor | None:
+            if not cfg.has_shared_experts:
+                return None
+            for alias in SHARED_ALIASES:
+                if prefix + alias + name in state:
+                    return state[prefix + alias + name]
+            raise ValueError(f"state dict: missing tensor {prefix + SHARED_ALIASES[0] + name!r} "
+                             f"(or {prefix + SHARED_ALIASES[1] + name!r})")
+
+        weights = MoEWeights(
+            gate=get("gate.weight", True),
+            gate_up=get("experts.gate_up_proj", True),
+            down=get("experts.down_proj", True),
+            correction_bias=get("gate.e_score_correction_bias", cfg.use_correction_bias) if cfg.use_correction_bias else None,
+            shared_gate=shared("gate_proj.weight"),
+            shared_up=shared("up_proj.weight"),
+            shared_down=shared("down_proj.weight"),
+            shared_expert_gate=get("shared_expert_gate.weight", True) if cfg.shared_expert_gate else None,
+        )
+        weights.validate(cfg)
+        return weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The canonical names (inverse of ``from_state_dict``)."""
+        names = {
+            "gate": "gate.weight", "gate_up": "experts.gate_up_proj", "down": "experts.down_proj",
+            "correction_bias": "gate.e_score_correction_bias",
+            "shared_gate": "shared_experts.gate_proj.weight", "shared_up": "shared_experts.up_proj.weight",
+            "shared_down": "shared_experts.down_proj.weight", "shared_expert_gate": "shared_expert_gate.weight",
+        }
+        return {key: getattr(self, f) for f, key in names.items() if getattr(self, f) is not None}
