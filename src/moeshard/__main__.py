@@ -1,3 +1,5 @@
 from moeshard.cli import main
 
-raise SystemExit(main())
+# Guarded: spawned ranks re-import the main module and must not run the CLI again.
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,7 +25,8 @@ from torch import nn
 from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig, dtype_name
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES, GroupedExperts
+from moeshard.experts import select_kernel
+from moeshard.experts.grouped import PER_TENSOR_SCHEMES
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
@@ -115,6 +116,9 @@ class MoELayer(nn.Module):
     initialised torch.distributed world (None: one device); backend: a name from
     ``moeshard.dispatch.registry.BACKENDS`` (default: ``local`` without EP, ``all2all`` with EP);
     weights: full canonical weights, identical on every rank (None: random, from torch's RNG);
+    local_experts: this rank's routed experts already sharded (and quantized) for ``quant`` and
+    the layout, e.g. read slice by slice from a checkpoint; then ``weights.gate_up`` and
+    ``weights.down`` may be None;
     device: where this rank computes (default ``groups.device`` or CPU).
 
     Cross-rank precondition: every rank of the world constructs the layer with the same cfg,
@@ -123,7 +127,8 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig | None = None, groups: ParallelGroups | None = None,
-                 backend: str | None = None, weights: MoEWeights | None = None, device=None) -> None:
+                 backend: str | None = None, weights: MoEWeights | None = None,
+                 local_experts: ExpertWeights | None = None, device=None) -> None:
         super().__init__()
         quant = quant or QuantConfig()
         parallel = groups.config if groups is not None else ParallelConfig()
@@ -144,11 +149,15 @@ class MoELayer(nn.Module):
         self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
         self.device = torch.device(device) if device is not None else (groups.device if groups else torch.device("cpu"))
         weights = weights if weights is not None else MoEWeights.random(cfg)
-        weights.validate(cfg)
+        weights.validate(cfg, routed=local_experts is None)
         weights = weights.to(dtype=cfg.dtype)
         self.shard = self._shard_spec(rank)
+        self.shard.validate(cfg, quant)
+        if local_experts is None:
+            local_experts = shard_experts(weights.gate_up, weights.down, cfg, quant, self.shard)
+        self._check_local_experts(local_experts, rank)
         self.gate = Gate(weights)
-        self.experts = RoutedExperts(shard_experts(weights.gate_up, weights.down, cfg, quant, self.shard))
+        self.experts = RoutedExperts(local_experts)
         self.shared_experts = SharedExperts(weights, cfg.activation) if cfg.has_shared_experts else None
         self.shared_expert_gate = None
         if cfg.shared_expert_gate:
@@ -156,7 +165,7 @@ class MoELayer(nn.Module):
             self.shared_expert_gate.weight = nn.Parameter(weights.shared_expert_gate.clone(), requires_grad=False)
         self.to(self.device)
         self.backend = BACKENDS[backend].factory(cfg.num_experts, groups)
-        self.kernel = GroupedExperts(cfg.activation, cfg.dtype)
+        self.kernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme)
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
 
     @classmethod
@@ -169,6 +178,18 @@ class MoELayer(nn.Module):
         # Qwen2-MoE names its shared MLP ``shared_expert`` (singular).
         for key in [k for k in state if k.startswith(prefix + SHARED_ALIASES[1])]:
             state[prefix + SHARED_ALIASES[0] + key[len(prefix + SHARED_ALIASES[1]):]] = state.pop(key)
+
+    def _check_local_experts(self, experts: ExpertWeights, rank: int) -> None:
+        s, cfg = self.shard, self.cfg
+        E_l, I_l = s.expert_stop - s.expert_start, cfg.intermediate_size // s.tp_size
+        want = {"gate_up": (E_l, 2 * I_l, cfg.hidden_size), "down": (E_l, cfg.hidden_size, I_l)}
+        for name, shape in want.items():
+            got = tuple(getattr(experts, name).shape)
+            if got != shape:
+                raise ValueError(f"MoELayer (rank {rank}): local_experts.{name} has shape {got}, "
+                                 f"this rank's shard needs {shape}")
+        if experts.scheme != self.quant.scheme:
+            raise ValueError(f"MoELayer (rank {rank}): local_experts are {experts.scheme!r}, quant is {self.quant.scheme!r}")
 
     def _shard_spec(self, rank: int) -> ShardSpec:
         p, E = self.parallel, self.cfg.num_experts

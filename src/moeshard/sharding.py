@@ -71,8 +71,9 @@ def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, qua
     if gate_up.shape[0] == cfg.num_experts:
         gate_up = gate_up[spec.expert_start:spec.expert_stop]
         down = down[spec.expert_start:spec.expert_stop]
-    gate_up = gate_up.to(cfg.dtype).contiguous()
-    down = down.to(cfg.dtype).contiguous()
+    # copy=True: the layer owns its weights; it must never alias (and later mutate) the caller's.
+    gate_up = gate_up.to(cfg.dtype, copy=True).contiguous()
+    down = down.to(cfg.dtype, copy=True).contiguous()
     gu: Weight = gate_up
     dn: Weight = down
     if quant.quantized:

@@ -39,10 +39,10 @@ LAYER: dict[tuple[str, str], tuple[float, float]] = {
 
 QUANT_ERROR: dict[str, float] = {
     "none": 0.0,
-    "fp8_tensor": 0.08,
-    "fp8_token": 0.06,
-    "fp8_block": 0.06,
-    "nvfp4": 0.25,
+    "fp8_tensor": 0.10,
+    "fp8_token": 0.10,
+    "fp8_block": 0.10,
+    "nvfp4": 0.30,
 }
 
 

@@ -35,8 +35,8 @@ class MoEWeights:
     """Every tensor of one MoE block, unsharded, in one dtype (see the module table for shapes)."""
 
     gate: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
     correction_bias: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
     shared_up: torch.Tensor | None = None
@@ -57,10 +57,15 @@ class MoEWeights:
             "shared_expert_gate": (1, H) if cfg.shared_expert_gate else None,
         }
 
-    def validate(self, cfg: MoEConfig) -> None:
-        """Raises ValueError naming the tensor, the expected and the actual shape."""
+    def validate(self, cfg: MoEConfig, routed: bool = True) -> None:
+        """Raises ValueError naming the tensor, the expected and the actual shape.
+
+        routed=False: the routed experts (``gate_up``, ``down``) are supplied elsewhere, already
+        sharded, and may be None here."""
         for name, shape in self.expected_shapes(cfg).items():
             value = getattr(self, name)
+            if not routed and name in ("gate_up", "down") and value is None:
+                continue
             if shape is None:
                 if value is not None:
                     raise ValueError(f"MoEWeights.{name}: given, but the config has no use for it ({cfg})")

@@ -47,6 +47,16 @@ def expert_amax(h: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> 
     return seg[expert_ids].unsqueeze(1)
 
 
+def group_sizes(ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """int64 [num_groups]: how many of ``ids`` (int64 [M]) fall in each group.
+
+    ``torch.bincount`` sizes its output from the data and so synchronises with the host on CUDA;
+    a scatter-add into a fixed-size buffer does not, which keeps the forward graph-capturable.
+    """
+    counts = torch.zeros(num_groups, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))
+
+
 @functools.cache
 def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs here (it depends on torch version, device and dtype)."""
@@ -106,7 +116,7 @@ class GroupedExperts:
         E_l, scheme = weights.num_experts, weights.scheme
         ids = inp.expert_ids
         order = torch.argsort(ids, stable=True)
-        offsets = torch.cumsum(torch.bincount(ids, minlength=E_l), 0).to(torch.int32)
+        offsets = torch.cumsum(group_sizes(ids, E_l), 0).to(torch.int32)
         sorted_ids = ids[order]
         x = inp.x.index_rows(order) if isinstance(inp.x, QuantizedActivations) else inp.x[order]
         if scheme != "none" and not isinstance(x, QuantizedActivations):

@@ -1,0 +1,1 @@
+"""One module per ``moeshard`` subcommand (see ``moeshard.cli``)."""

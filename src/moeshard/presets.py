@@ -1,0 +1,59 @@
+"""Named model shapes, shared by ``moeshard check``, ``run --random`` and ``bench``.
+
+Each preset has its real size and a scaled-down CPU size with the same routing features
+(scoring, grouping, shared experts), small enough for the CPU verification matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moeshard.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    full: MoEConfig
+    small: MoEConfig
+    summary: str
+
+    def config(self, size: str = "small", dtype: torch.dtype | None = None) -> MoEConfig:
+        if size not in ("small", "full"):
+            raise ValueError(f"preset size: {size!r} is not one of ['small', 'full']")
+        cfg = self.full if size == "full" else self.small
+        return replace(cfg, dtype=dtype) if dtype is not None else cfg
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("mixtral-8x7b",
+           MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512),
+           "softmax top-2 of 8, renormalized"),
+    Preset("qwen3-30b-a3b",
+           MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, renormalize=True),
+           MoEConfig(num_experts=16, top_k=4, hidden_size=128, intermediate_size=512, renormalize=True),
+           "softmax top-8 of 128, norm_topk_prob"),
+    Preset("qwen2-57b-a14b",
+           MoEConfig(num_experts=64, top_k=8, hidden_size=3584, intermediate_size=2560, renormalize=False,
+                     num_shared_experts=1, shared_intermediate_size=20480, shared_expert_gate=True),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, renormalize=False,
+                     num_shared_experts=1, shared_intermediate_size=64, shared_expert_gate=True),
+           "softmax top-k without renormalization, gated shared expert"),
+    Preset("deepseek-v3",
+           MoEConfig(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, scoring="sigmoid",
+                     n_group=8, topk_group=4, routed_scaling_factor=2.5, use_correction_bias=True,
+                     num_shared_experts=1, shared_intermediate_size=2048),
+           MoEConfig(num_experts=16, top_k=4, hidden_size=128, intermediate_size=512, scoring="sigmoid",
+                     n_group=4, topk_group=2, routed_scaling_factor=2.5, use_correction_bias=True,
+                     num_shared_experts=1, shared_intermediate_size=64),
+           "sigmoid, correction bias, grouped top-k, routed scaling, shared expert"),
+)}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"preset: {name!r} is not one of {sorted(PRESETS)}")
+    return PRESETS[name]

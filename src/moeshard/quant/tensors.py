@@ -1,0 +1,421 @@
+"""Quantized expert weights and activations: the containers and the quantize functions.
+
+Shape legend: ``E`` experts, ``N`` output features (rows of a weight), ``K`` input features
+(columns of a weight, columns of the activations), ``M`` activation rows (routed tokens).
+
+Both containers are frozen dataclasses with ``eq=False``: the generated ``__eq__`` would compare
+tensors with ``==`` and raise on ``bool()``; identity equality is what a cache or a set needs.
+Every quantize / dequantize / gather here is pure torch with no host read-back, so it runs on CPU
+and CUDA alike. Slicing, ``cat_out`` and ``to`` happen at load time and may synchronize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .fp8 import FP8_DTYPE, abs_amax, block_amax, expand_blocks, fp8_dequantize, fp8_quantize, fp8_scale, from_wire, to_wire
+from .nvfp4 import NVFP4_BLOCK, nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
+
+SCHEMES = ("fp8_tensor", "fp8_token", "fp8_block", "nvfp4")
+FP8_BLOCK = 128  # fp8_block: weight tiles are 128 x 128, activation groups 1 x 128
+
+
+def check_scheme(where: str, scheme: str) -> None:
+    """Raises ``ValueError`` naming ``where`` and ``scheme`` unless it is one of ``SCHEMES``."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"{where}: scheme {scheme!r} is not a quantized scheme; expected one of {list(SCHEMES)}")
+
+
+def _expect(where: str, t: Tensor | None, shape: tuple[int, ...] | None, dtype: torch.dtype | None) -> None:
+    # One message format for every layout check: the field, what was expected and what came.
+    if shape is None:
+        if t is not None:
+            raise ValueError(f"{where}: expected None, got a {t.dtype} tensor of shape {list(t.shape)}")
+        return
+    if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+        got = f"{t.dtype} {list(t.shape)}" if isinstance(t, Tensor) else repr(t)
+        raise ValueError(f"{where}: expected {dtype} {list(shape)}, got {got}")
+
+
+def _same_device(where: str, **tensors: Tensor | None) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"{where}: tensors are on different devices: {devices}")
+
+
+def _own(t: Tensor) -> Tensor:
+    # Slices are copied so that a shard owns its storage: a view would keep the full
+    # (unsharded) weight alive on every rank. The copy goes through uint8 for float8.
+    return from_wire(to_wire(t).clone(memory_format=torch.contiguous_format), t.dtype)
+
+
+def _take(t: Tensor, ids: Tensor) -> Tensor:
+    return from_wire(to_wire(t).index_select(0, ids), t.dtype)
+
+
+def _cat(ts: list[Tensor], dim: int) -> Tensor:
+    return from_wire(torch.cat([to_wire(t) for t in ts], dim=dim), ts[0].dtype)
+
+
+def _check_index(where: str, idx: Tensor) -> None:
+    if not isinstance(idx, Tensor) or idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32):
+        got = f"{idx.dtype} {list(idx.shape)}" if isinstance(idx, Tensor) else repr(idx)
+        raise ValueError(f"{where}: expected a 1-D int64 (or int32) index tensor, got {got}")
+
+
+def _check_range(where: str, name: str, start: int, stop: int, size: int) -> None:
+    for label, value in (("start", start), ("stop", stop)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{where}: {label} must be an int, got {value!r}")
+    if not 0 <= start <= stop <= size:
+        raise ValueError(f"{where}: [{start}, {stop}) is not a range of {name}={size} (need 0 <= start <= stop <= {name})")
+
+
+def _check_float_dtype(where: str, dtype: torch.dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+
+
+def _check_block_bounds(where: str, name: str, start: int, stop: int, size: int, block: int) -> None:
+    # ``size`` is the dimension's length (a stop there may end in a partial tile), -1 if none.
+    if start % block or (stop % block and stop != size):
+        end = f" (or the end of {name}, {size})" if size >= 0 else ""
+        raise ValueError(f"{where}: boundaries [{start}, {stop}) of {name} must be multiples of {block}{end}")
+
+
+def _check_equal_scales(field: str, scales: list[Tensor]) -> None:
+    for i, s in enumerate(scales[1:], start=1):
+        if not torch.equal(s.to(scales[0].device), scales[0]):
+            raise ValueError(f"QuantizedWeight.cat_out: parts[{i}].{field} differs from parts[0].{field}; the result "
+                             f"has one {field} per expert, so the parts must share it (slice them from one weight)")
+
+
+def _weight_layout(scheme: str, e: int, n: int, k: int) -> tuple[tuple, torch.dtype, tuple, torch.dtype, tuple | None]:
+    """(data shape, data dtype, scale shape, scale dtype, global_scale shape or None) of a scheme."""
+    if scheme == "nvfp4":
+        return (e, n, k // 2), torch.uint8, (e, n, k // NVFP4_BLOCK), FP8_DTYPE, (e,)
+    scale_shape = {"fp8_tensor": (e,), "fp8_token": (e, n),
+                   "fp8_block": (e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))}[scheme]
+    return (e, n, k), FP8_DTYPE, scale_shape, torch.float32, None
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """Stacked expert weights ``[E, N, K]`` (``y = x @ w[e].T``) in one quantized scheme.
+
+    Fields:
+        scheme: ``'fp8_tensor' | 'fp8_token' | 'fp8_block' | 'nvfp4'``.
+        data: fp8 schemes: float8_e4m3fn ``[E, N, K]``; nvfp4: uint8 ``[E, N, K // 2]``, two
+            e2m1 codes per byte (column 2i in the low nibble).
+        scale: fp8_tensor: fp32 ``[E]`` (one per expert); fp8_token: fp32 ``[E, N]`` (one per
+            output channel); fp8_block: fp32 ``[E, ceil(N/128), ceil(K/128)]`` (one per 128 x 128
+            tile, edge tiles partial); nvfp4: float8_e4m3fn ``[E, N, K // 16]``, unswizzled.
+            fp8: ``w ~= data * scale``.
+        global_scale: nvfp4: fp32 ``[E]``, ``2688 / amax(w[e])``, ``w ~= e2m1(data) * scale / global_scale``;
+            ``None`` otherwise.
+        shape: the logical ``(E, N, K)``.
+    """
+
+    scheme: str
+    data: Tensor
+    scale: Tensor
+    global_scale: Tensor | None
+    shape: tuple[int, int, int]
+
+    def __post_init__(self) -> None:
+        check_scheme("QuantizedWeight.scheme", self.scheme)
+        shape = tuple(self.shape)
+        if len(shape) != 3 or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"QuantizedWeight.shape: expected (E, N, K) of non-negative ints, got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        e, n, k = shape
+        if self.scheme == "nvfp4" and k % NVFP4_BLOCK:
+            raise ValueError(f"QuantizedWeight.shape: nvfp4 needs K % {NVFP4_BLOCK} == 0, got K={k}")
+        data_shape, data_dtype, scale_shape, scale_dtype, global_shape = _weight_layout(self.scheme, e, n, k)
+        _expect(f"QuantizedWeight.data ({self.scheme})", self.data, data_shape, data_dtype)
+        _expect(f"QuantizedWeight.scale ({self.scheme})", self.scale, scale_shape, scale_dtype)
+        _expect(f"QuantizedWeight.global_scale ({self.scheme})", self.global_scale, global_shape, torch.float32)
+        _same_device("QuantizedWeight", data=self.data, scale=self.scale, global_scale=self.global_scale)
+
+    def _replace(self, data: Tensor, scale: Tensor, global_scale: Tensor | None, shape: tuple[int, int, int]) -> QuantizedWeight:
+        return QuantizedWeight(self.scheme, data, scale, global_scale, shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight ``[E, N, K]`` in ``dtype`` (computed in fp32, then cast)."""
+        _check_float_dtype("QuantizedWeight.dequantize", dtype)
+        _, n, k = self.shape
+        if self.scheme == "fp8_tensor":
+            w = fp8_dequantize(self.data, self.scale[:, None, None])
+        elif self.scheme == "fp8_token":
+            w = fp8_dequantize(self.data, self.scale[:, :, None])
+        elif self.scheme == "fp8_block":
+            w = fp8_dequantize(self.data, expand_blocks(self.scale, (FP8_BLOCK, FP8_BLOCK), (n, k)))
+        else:
+            w = nvfp4_dequantize(self.data, self.scale, self.global_scale[:, None, None])
+        return w.to(dtype)
+
+    def select_experts(self, ids: Tensor) -> QuantizedWeight:
+        """Keeps experts ``ids`` (int64 ``[E']``, values in ``[0, E)``, on this weight's device), in that order.
+
+        Out-of-range ids are not checked here (that would read them back to the host); torch's
+        gather raises on CPU and asserts on CUDA.
+        """
+        _check_index("QuantizedWeight.select_experts", ids)
+        ids = ids.to(self.data.device)
+        glob = None if self.global_scale is None else _take(self.global_scale, ids)
+        _, n, k = self.shape
+        return self._replace(_take(self.data, ids), _take(self.scale, ids), glob, (ids.shape[0], n, k))
+
+    def slice_out(self, start: int, stop: int) -> QuantizedWeight:
+        """Output rows ``[start, stop)`` of N, scales sliced to match; equals ``dequantize()[:, start:stop]``.
+
+        fp8_block needs ``start`` and ``stop`` on 128-row tile boundaries (``stop`` may also be N),
+        since a tile's single scale cannot be split.
+        """
+        e, n, k = self.shape
+        _check_range("QuantizedWeight.slice_out", "N", start, stop, n)
+        rows = slice(start, stop)
+        if self.scheme == "fp8_tensor":
+            scale = _own(self.scale)
+        elif self.scheme == "fp8_token":
+            scale = _own(self.scale[:, rows])
+        elif self.scheme == "fp8_block":
+            _check_block_bounds("QuantizedWeight.slice_out", "N", start, stop, n, FP8_BLOCK)
+            scale = _own(self.scale[:, start // FP8_BLOCK:-(-stop // FP8_BLOCK)])
+        else:
+            scale = _own(self.scale[:, rows])
+        glob = None if self.global_scale is None else _own(self.global_scale)
+        return self._replace(_own(self.data[:, rows]), scale, glob, (e, stop - start, k))
+
+    def slice_in(self, start: int, stop: int) -> QuantizedWeight:
+        """Input columns ``[start, stop)`` of K, scales sliced to match; equals ``dequantize()[..., start:stop]``.
+
+        fp8_block needs 128-column tile boundaries (``stop`` may also be K); nvfp4 needs both
+        bounds multiples of 16 (a block scale cannot be split; 16 also keeps whole bytes).
+        """
+        e, n, k = self.shape
+        _check_range("QuantizedWeight.slice_in", "K", start, stop, k)
+        cols = slice(start, stop)
+        if self.scheme in ("fp8_tensor", "fp8_token"):
+            data, scale = self.data[..., cols], self.scale
+        elif self.scheme == "fp8_block":
+            _check_block_bounds("QuantizedWeight.slice_in", "K", start, stop, k, FP8_BLOCK)
+            data, scale = self.data[..., cols], self.scale[..., start // FP8_BLOCK:-(-stop // FP8_BLOCK)]
+        else:
+            # K is a multiple of 16, so "stop == K" needs no exception here.
+            _check_block_bounds("QuantizedWeight.slice_in", "K", start, stop, -1, NVFP4_BLOCK)
+            data = self.data[..., start // 2:stop // 2]
+            scale = self.scale[..., start // NVFP4_BLOCK:stop // NVFP4_BLOCK]
+        glob = None if self.global_scale is None else _own(self.global_scale)
+        return self._replace(_own(data), _own(scale), glob, (e, n, stop - start))
+
+    @staticmethod
+    def cat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Concatenates ``parts`` along N (re-fuses gate and up halves sliced from one weight).
+
+        Requirements, each a ``ValueError`` when broken:
+          * same scheme, E and K everywhere;
+          * fp8_tensor: equal per-expert scales (one scale must describe the whole result);
+          * nvfp4: equal global scales (a block scale is relative to its expert's global scale);
+          * fp8_block: every part but the last has N % 128 == 0 (tiles must stay aligned).
+        Halves sliced from one quantized weight always satisfy these. Comparing scales reads
+        them back to the host; this is a load-time operation.
+        """
+        if not parts:
+            raise ValueError("QuantizedWeight.cat_out: parts is empty")
+        first = parts[0]
+        e, _, k = first.shape
+        for i, p in enumerate(parts):
+            if p.scheme != first.scheme or p.shape[0] != e or p.shape[2] != k:
+                raise ValueError(f"QuantizedWeight.cat_out: parts[{i}] is {p.scheme!r} (E, N, K)={p.shape}, parts[0] is "
+                                 f"{first.scheme!r} {first.shape}; scheme, E and K must match")
+        if first.scheme == "fp8_tensor":
+            _check_equal_scales("scale", [p.scale for p in parts])
+        if first.scheme == "nvfp4":
+            _check_equal_scales("global_scale", [p.global_scale for p in parts])
+        if first.scheme == "fp8_block":
+            for i, p in enumerate(parts[:-1]):
+                if p.shape[1] % FP8_BLOCK:
+                    raise ValueError(f"QuantizedWeight.cat_out: fp8_block parts[{i}] has N={p.shape[1]}, not a multiple "
+                                     f"of {FP8_BLOCK}; only the last part may end in a partial tile")
+        n_total = sum(p.shape[1] for p in parts)
+        data = _cat([p.data for p in parts], dim=1)
+        scale = first.scale if first.scheme == "fp8_tensor" else _cat([p.scale for p in parts], dim=1)
+        return first._replace(data, _own(scale), None if first.global_scale is None else _own(first.global_scale),
+                              (e, n_total, k))
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight on ``device``."""
+        glob = None if self.global_scale is None else self.global_scale.to(device)
+        return self._replace(self.data.to(device), self.scale.to(device), glob, self.shape)
+
+
+def quantize_weight(w: Tensor, scheme: str) -> QuantizedWeight:
+    """Quantizes stacked expert weights.
+
+    Args:
+        w: float ``[E, N, K]`` (fp32, bf16, fp16 or fp64). nvfp4 needs K % 16 == 0.
+        scheme: one of ``SCHEMES``.
+    Returns:
+        ``QuantizedWeight`` on ``w``'s device. Per-tensor quantities are per expert: the
+        fp8_tensor scale and the nvfp4 global scale use the amax of ``w[e]``.
+    """
+    check_scheme("quantize_weight", scheme)
+    if not isinstance(w, Tensor) or w.dim() != 3 or not w.is_floating_point():
+        got = f"{w.dtype} {list(w.shape)}" if isinstance(w, Tensor) else repr(w)
+        raise ValueError(f"quantize_weight: w must be a float [E, N, K] tensor, got {got}")
+    e, n, k = w.shape
+    if scheme == "fp8_tensor":
+        scale = fp8_scale(abs_amax(w, (1, 2)))
+        return QuantizedWeight(scheme, fp8_quantize(w, scale[:, None, None]), scale, None, (e, n, k))
+    if scheme == "fp8_token":
+        scale = fp8_scale(abs_amax(w, (2,)))
+        return QuantizedWeight(scheme, fp8_quantize(w, scale[:, :, None]), scale, None, (e, n, k))
+    if scheme == "fp8_block":
+        scale = fp8_scale(block_amax(w, (FP8_BLOCK, FP8_BLOCK)))
+        data = fp8_quantize(w, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (n, k)))
+        return QuantizedWeight(scheme, data, scale, None, (e, n, k))
+    if k % NVFP4_BLOCK:
+        raise ValueError(f"quantize_weight: nvfp4 needs K % {NVFP4_BLOCK} == 0, got w.shape[2] (K)={k}")
+    glob = nvfp4_global_scale(abs_amax(w, (1, 2)))
+    data, scale = nvfp4_quantize(w, glob[:, None, None])
+    return QuantizedWeight(scheme, data, scale, glob, (e, n, k))
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedActivations:
+    """Activation rows ``[M, K]`` in one quantized scheme, as dispatched to the experts.
+
+    Fields:
+        scheme: ``'fp8_tensor' | 'fp8_token' | 'fp8_block' | 'nvfp4'``.
+        data: fp8 schemes: float8_e4m3fn ``[M, K]``; nvfp4: uint8 ``[M, K // 2]`` (two e2m1 codes
+            per byte, column 2i in the low nibble).
+        row_scale: scales that belong to one row and travel with it through dispatch:
+            fp8_token fp32 ``[M, 1]``; fp8_block fp32 ``[M, ceil(K / 128)]`` (one per 1 x 128
+            group, the last one partial); nvfp4 float8_e4m3fn ``[M, K // 16]`` (unswizzled);
+            fp8_tensor ``None``.
+        tensor_scale: fp32 ``[]`` (one for all rows) or ``[M, 1]`` (per row, when the caller's
+            amax was per row): fp8_tensor's scale (``x ~= data * tensor_scale``) or nvfp4's global
+            scale (``x ~= e2m1(data) * row_scale / tensor_scale``); ``None`` for fp8_token and
+            fp8_block.
+    """
+
+    scheme: str
+    data: Tensor
+    row_scale: Tensor | None
+    tensor_scale: Tensor | None
+
+    def __post_init__(self) -> None:
+        check_scheme("QuantizedActivations.scheme", self.scheme)
+        where = f"QuantizedActivations ({self.scheme})"
+        nvfp4 = self.scheme == "nvfp4"
+        data_dtype = torch.uint8 if nvfp4 else FP8_DTYPE
+        if not isinstance(self.data, Tensor) or self.data.dim() != 2 or self.data.dtype != data_dtype:
+            got = f"{self.data.dtype} {list(self.data.shape)}" if isinstance(self.data, Tensor) else repr(self.data)
+            raise ValueError(f"{where}.data: expected a 2-D {data_dtype} tensor, got {got}")
+        m, k = self.shape
+        row_shape = {"fp8_tensor": None, "fp8_token": (m, 1), "fp8_block": (m, -(-k // FP8_BLOCK)),
+                     "nvfp4": (m, k // NVFP4_BLOCK)}[self.scheme]
+        _expect(f"{where}.row_scale", self.row_scale, row_shape, FP8_DTYPE if nvfp4 else torch.float32)
+        if self.scheme in ("fp8_tensor", "nvfp4"):
+            ts = self.tensor_scale
+            if not isinstance(ts, Tensor) or ts.dtype != torch.float32 or tuple(ts.shape) not in ((), (m, 1)):
+                got = f"{ts.dtype} {list(ts.shape)}" if isinstance(ts, Tensor) else repr(ts)
+                raise ValueError(f"{where}.tensor_scale: expected float32 [] or [{m}, 1], got {got}")
+        else:
+            _expect(f"{where}.tensor_scale", self.tensor_scale, None, None)
+        _same_device(where, data=self.data, row_scale=self.row_scale, tensor_scale=self.tensor_scale)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical ``(M, K)`` (nvfp4 stores K // 2 bytes per row)."""
+        m, width = self.data.shape
+        return m, width * 2 if self.scheme == "nvfp4" else width
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The activations ``[M, K]`` in ``dtype`` (computed in fp32, then cast)."""
+        _check_float_dtype("QuantizedActivations.dequantize", dtype)
+        if self.scheme == "fp8_tensor":
+            x = fp8_dequantize(self.data, self.tensor_scale)
+        elif self.scheme == "fp8_token":
+            x = fp8_dequantize(self.data, self.row_scale)
+        elif self.scheme == "fp8_block":
+            x = fp8_dequantize(self.data, expand_blocks(self.row_scale, (1, FP8_BLOCK), self.shape))
+        else:
+            x = nvfp4_dequantize(self.data, self.row_scale, self.tensor_scale)
+        return x.to(dtype)
+
+    def index_rows(self, idx: Tensor) -> QuantizedActivations:
+        """Rows ``idx`` (int64 ``[M']``, values in ``[0, M)``) with their scales.
+
+        ``data`` and ``row_scale`` are gathered; ``tensor_scale`` is gathered when it is per row
+        (``[M, 1]``) and kept when it is ``[]``.
+        """
+        _check_index("QuantizedActivations.index_rows", idx)
+        idx = idx.to(self.data.device)
+        rows = None if self.row_scale is None else _take(self.row_scale, idx)
+        ts = self.tensor_scale
+        if ts is not None and ts.dim() == 2:
+            ts = _take(ts, idx)
+        return QuantizedActivations(self.scheme, _take(self.data, idx), rows, ts)
+
+
+def _check_amax(amax: Tensor | None, x: Tensor) -> None:
+    if amax is None:
+        return
+    m = x.shape[0]
+    if not isinstance(amax, Tensor) or not amax.is_floating_point() or tuple(amax.shape) not in ((), (m, 1)):
+        got = f"{amax.dtype} {list(amax.shape)}" if isinstance(amax, Tensor) else repr(amax)
+        raise ValueError(f"quantize_activations: amax must be a float tensor of shape [] or [M, 1] = [{m}, 1], got {got}")
+    if amax.device != x.device:
+        raise ValueError(f"quantize_activations: amax is on {amax.device}, x on {x.device}")
+
+
+def quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None) -> QuantizedActivations:
+    """Quantizes activation rows dynamically.
+
+    Args:
+        x: float ``[M, K]`` (fp32, bf16, fp16 or fp64); M may be 0. nvfp4 needs K % 16 == 0.
+        scheme: one of ``SCHEMES``.
+        amax: optional fp32 ``[]`` or ``[M, 1]``, used only for the per-tensor quantities
+            (fp8_tensor's scale, nvfp4's global scale) in place of ``x.abs().amax()``: the layer
+            passes an amax all-reduced over ranks, or each row's expert-group amax, so that every
+            parallel layout quantizes a row identically. Per-row and per-group scales (fp8_token,
+            fp8_block, nvfp4 block scales) always come from ``x`` itself; there ``amax`` is only
+            validated. Default: the amax of ``x`` (0 when M = 0), raised to ``AMAX_FLOOR``.
+    Returns:
+        ``QuantizedActivations`` on ``x``'s device; its ``tensor_scale`` has ``amax``'s shape.
+    """
+    check_scheme("quantize_activations", scheme)
+    if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
+        got = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else repr(x)
+        raise ValueError(f"quantize_activations: x must be a float [M, K] tensor, got {got}")
+    _check_amax(amax, x)
+    m, k = x.shape
+    if scheme == "nvfp4" and k % NVFP4_BLOCK:
+        raise ValueError(f"quantize_activations: nvfp4 needs K % {NVFP4_BLOCK} == 0, got x.shape[1] (K)={k}")
+    tensor_amax = abs_amax(x, (0, 1)) if amax is None else amax.float()
+    if scheme == "fp8_tensor":
+        scale = fp8_scale(tensor_amax)
+        return QuantizedActivations(scheme, fp8_quantize(x, scale), None, scale)
+    if scheme == "fp8_token":
+        scale = fp8_scale(abs_amax(x, (1,), keepdim=True))
+        return QuantizedActivations(scheme, fp8_quantize(x, scale), scale, None)
+    if scheme == "fp8_block":
+        scale = fp8_scale(block_amax(x, (1, FP8_BLOCK)))
+        return QuantizedActivations(scheme, fp8_quantize(x, expand_blocks(scale, (1, FP8_BLOCK), (m, k))), scale, None)
+    glob = nvfp4_global_scale(tensor_amax)
+    data, block_scale = nvfp4_quantize(x, glob)
+    return QuantizedActivations(scheme, data, block_scale, glob)
+
+
+def fake_quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None) -> Tensor:
+    """fp32 ``[M, K]``: ``x`` quantized exactly as ``quantize_activations`` does, then dequantized.
+
+    The single-device reference uses it so that its activations carry the same quantization
+    error as the layer's.
+    """
+    return quantize_activations(x, scheme, amax).dequantize(torch.float32)

@@ -1,0 +1,154 @@
+"""MoELayer on one device: every router x quant x dtype x token count against the reference,
+transformers state dicts, quantization error bounds, refusals."""
+
+import itertools
+
+import pytest
+import torch
+
+from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig
+from moeshard.layer import MoELayer
+from moeshard.presets import PRESETS
+from moeshard.reference import reference_forward
+from moeshard.tolerances import QUANT_ERROR, compare
+from moeshard.weights import MoEWeights
+
+QUANTS = [QuantConfig(s) for s in QUANT_SCHEMES] + [QuantConfig(s, True) for s in QUANT_SCHEMES[1:]]
+
+
+def _inputs(cfg, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    return MoEWeights.random(cfg, g), torch.randn(T, cfg.hidden_size, generator=g).to(cfg.dtype)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.scheme + ("+defer" if q.defer_input_quant else ""))
+def test_layer_matches_reference(preset, dtype, quant):
+    cfg = PRESETS[preset].config("small", getattr(torch, dtype))
+    for T, seed in ((0, 1), (1, 2), (7, 3), (64, 4)):
+        w, x = _inputs(cfg, T, seed)
+        layer = MoELayer(cfg, quant=quant, weights=w)
+        out = layer(x)
+        assert out.shape == (T, cfg.hidden_size) and out.dtype == cfg.dtype
+        err, atol, rtol, ok = compare(out, reference_forward(x, w, cfg, quant), cfg.dtype, quant.scheme)
+        assert ok, f"T={T}: max error {err} over atol={atol} rtol={rtol}"
+
+
+def test_unquantized_fp32_is_tight():
+    cfg = PRESETS["deepseek-v3"].config("small")
+    w, x = _inputs(cfg, 33, 7)
+    out = MoELayer(cfg, weights=w)(x)
+    assert (out.double() - reference_forward(x, w, cfg)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("scheme", QUANT_SCHEMES[1:])
+def test_quantization_error_is_bounded_and_not_zero(scheme):
+    """The quantized layer against the unquantized one: relative RMS within the scheme's bound,
+    and visibly non-zero (the weights really are quantized)."""
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    w, x = _inputs(cfg, 64, 11)
+    plain = reference_forward(x, w, cfg)
+    out = MoELayer(cfg, quant=QuantConfig(scheme), weights=w)(x).double()
+    rel = float((out - plain).pow(2).mean().sqrt() / plain.pow(2).mean().sqrt())
+    assert 1e-3 < rel <= QUANT_ERROR[scheme], rel
+
+
+def test_defer_input_quant_equals_early_quantization():
+    cfg = PRESETS["qwen3-30b-a3b"].config("small")
+    w, x = _inputs(cfg, 20, 5)
+    for scheme in QUANT_SCHEMES[1:]:
+        early = MoELayer(cfg, quant=QuantConfig(scheme), weights=w)(x)
+        late = MoELayer(cfg, quant=QuantConfig(scheme, True), weights=w)(x)
+        assert torch.equal(early, late), scheme
+
+
+def test_planted_bug_is_caught_by_the_reference():
+    """The comparison can fail: a 2% change to one expert's weights exceeds the fp32 tolerance."""
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    w, x = _inputs(cfg, 64, 3)
+    layer = MoELayer(cfg, weights=w)
+    with torch.no_grad():
+        layer.experts.down_proj[3] *= 1.02
+    assert not compare(layer(x), reference_forward(x, w, cfg), cfg.dtype, "none")[3]
+
+
+def _hf_block(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "qwen2_moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+        c = transformers.Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
+        cfg = MoEConfig(8, 2, 32, 16, renormalize=False, num_shared_experts=1, shared_intermediate_size=24,
+                        shared_expert_gate=True)
+        return Qwen2MoeSparseMoeBlock(c), cfg
+    if kind == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        c = transformers.MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
+        return MixtralSparseMoeBlock(c), MoEConfig(8, 2, 32, 16)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    c = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                                    norm_topk_prob=True)
+    return Qwen3MoeSparseMoeBlock(c), MoEConfig(8, 2, 32, 16, renormalize=True)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_transformers_state_dict_loads_as_is(kind):
+    block, cfg = _hf_block(kind)
+    for p in block.parameters():  # transformers may leave some tensors uninitialised
+        torch.nn.init.normal_(p, std=0.2)
+    layer = MoELayer(cfg)
+    layer.load_state_dict(block.state_dict())
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        expected = block(x.unsqueeze(0))
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    assert torch.allclose(layer(x), expected.reshape(9, 32), atol=1e-5, rtol=1e-5)
+
+
+def test_from_state_dict_quantizes():
+    cfg = PRESETS["deepseek-v3"].config("small")
+    w, x = _inputs(cfg, 8, 9)
+    layer = MoELayer.from_state_dict(w.state_dict(), cfg, quant=QuantConfig("fp8_block"))
+    assert layer.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert "experts.gate_up_proj_scale" in layer.state_dict()
+    assert compare(layer(x), reference_forward(x, w, cfg, QuantConfig("fp8_block")), cfg.dtype, "fp8_block")[3]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda cfg: torch.zeros(3, cfg.hidden_size + 1), r"x must be \[T, hidden_size=128\], got \(3, 129\)"),
+    (lambda cfg: torch.zeros(3, cfg.hidden_size, dtype=torch.float64), r"x.dtype is torch.float64"),
+    (lambda cfg: torch.zeros(cfg.hidden_size), r"got \(128,\)"),
+])
+def test_bad_input_is_refused(bad, match):
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    with pytest.raises(ValueError, match=match):
+        MoELayer(cfg)(bad(cfg))
+
+
+def test_bad_weights_are_refused():
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    w = MoEWeights.random(cfg)
+    sd = w.state_dict()
+    sd["experts.down_proj"] = sd["experts.down_proj"][:, :, :-1]
+    with pytest.raises(ValueError, match=r"down: expected shape \(8, 128, 512\), got \(8, 128, 511\)"):
+        MoELayer.from_state_dict(sd, cfg)
+    del sd["gate.weight"]
+    with pytest.raises(ValueError, match="missing tensor 'gate.weight'"):
+        MoELayer.from_state_dict(sd, cfg)
+
+
+def test_unsupported_backend_is_refused_with_reason():
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    with pytest.raises(ValueError, match="all2all needs expert parallelism"):
+        MoELayer(cfg, backend="all2all")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        MoELayer(cfg, backend="nope")
+
+
+def test_zero_tokens_every_quant():
+    cfg = PRESETS["deepseek-v3"].config("small", torch.bfloat16)
+    for q in QUANTS:
+        out = MoELayer(cfg, quant=q)(torch.zeros(0, cfg.hidden_size, dtype=torch.bfloat16))
+        assert out.shape == (0, cfg.hidden_size)
