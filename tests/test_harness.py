@@ -1,0 +1,110 @@
+"""The harness itself: it reports planted faults, failing ranks and hung ranks, never hangs, and
+its command line keeps its contract."""
+
+import json
+import time
+
+import pytest
+
+import faults
+from moeshard.cli import main
+from moeshard.harness.cases import MatrixOptions, generate, parse_layout, select_ids
+from moeshard.harness.runner import Runner
+
+EP2 = parse_layout("dp2-tp1-ep")
+SP = parse_layout("dp2-tp2-ep")
+
+
+def _cases(layouts, quants=("none",), dtypes=("float32",), tokens=None, backends=None):
+    opts = MatrixOptions(world_sizes=tuple(sorted({p.world_size for p in layouts})), layouts=tuple(layouts),
+                         quants=quants, dtypes=dtypes, tokens_per_rank=tokens, backends=backends)
+    return [c for c in generate(opts) if not c.skipped and c.parallel in layouts]
+
+
+def test_clean_layer_passes_the_same_cases():
+    outcomes = Runner().run(_cases([EP2], tokens=(5, 3)))
+    assert outcomes and all(o.status == "pass" for o in outcomes), [(o.case.id, o.reason) for o in outcomes]
+
+
+def test_dropped_rows_are_reported_as_failure():
+    outcomes = Runner(layer_factory=faults.DropsLastDPRankRows).run(_cases([EP2], tokens=(5, 3)))
+    assert outcomes and all(o.status == "fail" for o in outcomes)
+    assert all("rank 1 returned shape (2, 128), expected (3, 128)" in o.reason for o in outcomes), outcomes[0].reason
+
+
+def test_mis_scaled_expert_is_reported_as_failure():
+    cases = _cases([parse_layout("dp1-tp1-noep"), EP2], tokens=None)
+    cases = [c for c in cases if c.tokens and sum(c.tokens) >= 3]
+    outcomes = Runner(layer_factory=faults.MisScalesOneExpert).run(cases)
+    assert outcomes and all(o.status == "fail" for o in outcomes), [(o.case.id, o.status) for o in outcomes]
+    assert all("max error" in o.reason for o in outcomes)
+
+
+def test_raising_rank_is_reported_and_the_run_goes_on():
+    cases = _cases([EP2], tokens=(2, 2))
+    start = time.monotonic()
+    outcomes = Runner(layer_factory=faults.RaisesOnRank1, case_timeout_s=20).run(cases[:2])
+    assert time.monotonic() - start < 60
+    assert [o.status for o in outcomes] == ["error", "error"]  # respawned for the second case
+    assert "rank 1 raised RuntimeError: planted failure on rank 1" in outcomes[0].reason
+
+
+def test_hung_rank_is_reported_not_waited_for():
+    cases = _cases([EP2], tokens=(2, 2))[:1]
+    start = time.monotonic()
+    outcomes = Runner(layer_factory=faults.SleepsOnRank1, case_timeout_s=4).run(cases)
+    elapsed = time.monotonic() - start
+    assert elapsed < 40, elapsed
+    (o,) = outcomes
+    assert o.status == "error"
+    assert "[1] hung" in o.reason, o.reason          # the silent rank is named
+    assert "rank 0 raised" in o.reason, o.reason     # its peer timed out in a collective and said so
+
+
+def test_case_ids_are_stable_and_selectable():
+    cases = generate(MatrixOptions(world_sizes=(1, 2)))
+    again = generate(MatrixOptions(world_sizes=(1, 2)))
+    assert [c.id for c in cases] == [c.id for c in again] and [c.seed for c in cases] == [c.seed for c in again]
+    picked = select_ids(cases, [cases[5].id, cases[2].id])
+    assert [c.id for c in picked] == [cases[5].id, cases[2].id] and picked[0].seed == cases[5].seed
+    with pytest.raises(ValueError, match="no case with id 'nope'"):
+        select_ids(cases, ["nope"])
+
+
+def test_default_matrix_covers_every_layout_backend_and_quant():
+    cases = [c for c in generate(MatrixOptions()) if not c.skipped]
+    combos = {(c.parallel, c.backend, c.quant) for c in cases}
+    assert {c.world_size for c in cases} == {1, 2, 4}
+    sp = [c for c in cases if c.parallel == SP]
+    assert {c.backend for c in sp} == {"allgather_reducescatter", "all2all"}
+    assert len({c.quant for c in sp}) == 9
+    assert any(0 in c.tokens for c in cases) and any(c.parallel.is_sequence_parallel and min(c.tokens) < c.parallel.tp
+                                                      for c in cases)
+    assert len(combos) == len(cases) // 2  # one case per dtype for every (layout, backend, quant)
+
+
+def test_cli_json_schema_and_exit_code(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    code = main(["check", "--world-sizes", "1", "--quants", "none,fp8_block+defer", "--json", str(path)])
+    assert code == 0
+    doc = json.loads(path.read_text())
+    keys = {"id", "layout", "backend", "quant", "dtype", "num_experts", "top_k", "hidden", "intermediate", "tokens",
+            "max_abs_err", "atol", "rtol", "status", "reason"}
+    assert doc["cases"] and all(keys <= set(c) for c in doc["cases"])
+    assert set(doc["cases"][0]["layout"]) == {"dp", "tp", "ep", "sp"}
+    assert doc["summary"]["fail"] == doc["summary"]["error"] == 0 and doc["summary"]["pass"] > 0
+    out = capsys.readouterr().out
+    assert "passed, 0 failed" in out and "wall time" in out
+
+
+def test_cli_refuses_bad_options(capsys):
+    assert main(["check", "--world-sizes", "3"]) == 2
+    assert "--world-sizes: 3 is not one of [1, 2, 4, 8]" in capsys.readouterr().err
+    assert main(["check", "--quants", "int4"]) == 2
+    assert main(["check", "--layouts", "dp2-tpx-ep"]) == 2
+
+
+def test_cli_list_and_tokens_per_rank(capsys):
+    assert main(["check", "--list", "--layouts", "dp2-tp2-ep", "--tokens-per-rank", "0,1", "--quants", "nvfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "dp2-tp2-ep/all2all/nvfp4/float32/" in out and "/t0,1" in out and "cases valid" in out
