@@ -1,0 +1,130 @@
+"""How one MoE layer is spread over ranks: data (DP), tensor (TP) and expert (EP) parallelism.
+
+Global rank layout (the same everywhere in moeshard)::
+
+    r = dp_rank * tp + tp_rank            0 <= dp_rank < dp, 0 <= tp_rank < tp
+
+so the TP ranks of one DP rank are neighbours (``[d*tp, d*tp + tp)``), which keeps the chatty
+TP collectives on the closest devices.  With ``enable_ep`` every rank is one expert-parallel
+rank (``ep_size = dp * tp``, ``ep_rank = r``), and with ``tp > 1`` the layer becomes sequence
+parallel: each TP rank routes only its 1/tp chunk of the (replicated) tokens, otherwise every
+routed copy would be dispatched tp times.
+
+Experts are placed in contiguous blocks: EP rank ``e`` owns ``[e * E/ep_size, (e+1) * E/ep_size)``.
+An expert count that does not divide by ``ep_size`` is refused rather than placed unevenly:
+uneven placement changes every rank's weight shapes and the dispatch tables, and no model we
+target needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeshard.config import MoEConfig
+
+
+def _at(rank: int | None) -> str:
+    """Message prefix naming the rank that refuses, when it is known."""
+    return "ParallelConfig" if rank is None else f"ParallelConfig (rank {rank})"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Layout of ranks: ``dp`` data-parallel replicas, each split ``tp`` ways; EP on or off.
+
+    ``dp`` and ``tp`` are positive ints; ``enable_ep`` is a bool.  Validated on construction;
+    ``validate`` checks it against a world size and an ``MoEConfig``.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    enable_ep: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ParallelConfig.{name}: must be a positive integer, got {value!r}")
+        if not isinstance(self.enable_ep, bool):
+            raise ValueError(f"ParallelConfig.enable_ep: must be a bool, got {self.enable_ep!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the experts are spread over: every rank with EP on, none (1) with it off."""
+        return self.dp * self.tp if self.enable_ep else 1
+
+    @property
+    def is_sequence_parallel(self) -> bool:
+        """EP with tp > 1: each TP rank routes its own chunk of the replicated tokens."""
+        return self.enable_ep and self.tp > 1
+
+    @property
+    def name(self) -> str:
+        """Short id such as ``"dp2-tp2-ep"`` or ``"dp1-tp4"``."""
+        return f"dp{self.dp}-tp{self.tp}" + ("-ep" if self.enable_ep else "")
+
+    def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+            raise ValueError(f"{self.name}: rank must be an integer in [0, {self.world_size}), got {rank!r}")
+
+    def dp_rank(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank % self.tp
+
+    def ep_rank(self, rank: int) -> int:
+        """``rank`` with EP on (the EP group is all ranks, in global order), 0 with EP off."""
+        self._check_rank(rank)
+        return rank if self.enable_ep else 0
+
+    def validate_world_size(self, world_size: int, rank: int | None = None) -> None:
+        """Refuses a world size other than ``dp * tp``; ``rank`` (if known) goes into the message."""
+        if world_size != self.world_size:
+            raise ValueError(f"{_at(rank)}: world size {world_size} does not match layout {self.name}: "
+                             f"dp*tp = {self.dp}*{self.tp} = {self.world_size}")
+
+    def validate(self, world_size: int, moe: MoEConfig | None = None, rank: int | None = None) -> None:
+        """Checks the layout against the world size and, if given, the MoE block's shape.
+
+        Raises ``ValueError`` naming the field, the values and ``rank`` when:
+          * ``world_size != dp * tp``;
+          * EP on and ``moe.num_experts % ep_size != 0`` (uneven expert placement is refused);
+          * EP off, ``tp > 1`` and ``moe.intermediate_size % tp != 0`` (TP splits each expert's
+            intermediate dimension into equal slices).
+        Pure and local: every rank can call it before any collective.
+        """
+        self.validate_world_size(world_size, rank)
+        if moe is None:
+            return
+        if self.enable_ep:
+            if moe.num_experts % self.ep_size:
+                raise ValueError(
+                    f"{_at(rank)}: MoEConfig.num_experts={moe.num_experts} is not divisible by the EP size "
+                    f"{self.ep_size} of layout {self.name}; uneven expert placement is not supported "
+                    f"(choose dp*tp dividing {moe.num_experts})")
+        elif self.tp > 1 and moe.intermediate_size % self.tp:
+            raise ValueError(
+                f"{_at(rank)}: MoEConfig.intermediate_size={moe.intermediate_size} is not divisible by "
+                f"tp={self.tp} of layout {self.name}; tensor parallelism splits it into equal slices")
+
+    def local_experts(self, rank: int, num_experts: int) -> range:
+        """Global ids of the experts this rank holds: a contiguous block of ``E / ep_size``.
+
+        With EP off every rank holds all experts (``range(num_experts)``).
+        """
+        self._check_rank(rank)
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+            raise ValueError(f"{_at(rank)}: num_experts must be a positive integer, got {num_experts!r}")
+        if num_experts % self.ep_size:
+            raise ValueError(f"{_at(rank)}: num_experts={num_experts} is not divisible by the EP size "
+                             f"{self.ep_size} of layout {self.name}; uneven expert placement is not supported")
+        per_rank = num_experts // self.ep_size
+        first = self.ep_rank(rank) * per_rank
+        return range(first, first + per_rank)
