@@ -211,7 +211,10 @@ class Runner:
                 outcomes.append(outcome)
                 self.on_outcome(outcome)
         finally:
-            _stop(procs, exit_wait_s=10.0 if failure is None else 0.0)
+            # After a clean run the ranks are only tearing down their groups: let them exit on
+            # their own. After a failure or Ctrl-C (KeyboardInterrupt), stop them at once.
+            clean = failure is None and len(outcomes) == len(cases)
+            _stop(procs, exit_wait_s=10.0 if clean else 0.0)
             events.close()
             del store
         return outcomes
