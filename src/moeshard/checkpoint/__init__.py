@@ -1,0 +1,28 @@
+"""Real checkpoints: one layer's MoE block of a Hugging Face model, read per rank.
+
+Modules, one concern each:
+
+* ``hf_config``: config.json -> ``HFMoEModel`` (model type, ``MoEConfig``, dense layers, FP8).
+* ``reader``: ``SafetensorsCheckpoint``, slice reads from single or sharded safetensors files.
+* ``names``: ``BlockNames``, where a block's tensors are stored (hub per-expert or fused names).
+* ``experts``: ``ExpertReader``, this rank's routed experts, one expert at a time.
+* ``loader``: ``load_moe_block`` -> ``LoadedBlock`` and ``build_layer`` -> ``MoELayer``.
+* ``run_job``: what one rank of ``moeshard run`` does (load, split tokens, forward, gather).
+
+Example (one rank)::
+
+    block = load_moe_block("Qwen3-30B-A3B", layer=0, dtype="bfloat16")
+    layer = build_layer(block)
+    y = layer(x)           # x: [T, H] bfloat16
+"""
+
+from moeshard.checkpoint.hf_config import SUPPORTED_MODEL_TYPES, HFMoEModel, parse_hf_config, read_hf_config
+from moeshard.checkpoint.loader import LoadedBlock, build_layer, load_moe_block, resolve_quant
+from moeshard.sharding import shard_spec
+from moeshard.checkpoint.names import BlockNames, resolve_block_names
+from moeshard.checkpoint.reader import SafetensorsCheckpoint
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "BlockNames", "HFMoEModel", "LoadedBlock", "SafetensorsCheckpoint", "build_layer",
+    "load_moe_block", "parse_hf_config", "read_hf_config", "resolve_block_names", "resolve_quant", "shard_spec",
+]

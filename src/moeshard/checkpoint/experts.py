@@ -1,0 +1,225 @@
+"""This rank's routed experts, read from a checkpoint one expert at a time.
+
+Shapes: E experts, H hidden, I intermediate size, [lo, hi) this rank's slice of I (the whole
+[0, I) under EP or without TP), w = hi - lo.
+
+What is read, per local expert (a ``ShardSpec`` says which experts and which slice of I):
+
+* unquantized or ``fp8_block`` from a full-precision checkpoint: exactly the kept slice, gate rows
+  [lo, hi), up rows [lo, hi) (fused: [I + lo, I + hi)), down columns [lo, hi). ``fp8_block``
+  scales cover 128 x 128 tiles and a TP slice boundary is a tile boundary (``ShardSpec`` checks
+  it), so quantizing the slice gives bit for bit the shard of the quantized full expert.
+* ``fp8_tensor``, ``fp8_token``, ``nvfp4`` under TP: a scale of these schemes spans the whole
+  expert (fp8_tensor's and nvfp4's global scale: the amax of all of ``w[e]``; fp8_token's
+  per-row scale of down: a whole row of I). The shard's scale must be the full expert's, or
+  the TP ranks would quantize the same expert differently and the all-reduced sum would not
+  match the single-device model. So the expert's full gate/up rows and down columns are read,
+  quantized, then sliced with ``QuantizedWeight.slice_out``/``slice_in``/``cat_out``, and the
+  full-precision expert is dropped before the next one is read.
+* an FP8 block checkpoint (``weight`` float8_e4m3fn + ``weight_scale_inv`` fp32, w ~= q * scale,
+  exactly ``QuantizedWeight("fp8_block")``'s convention): the fp8 bytes of the kept slice and the
+  scale tiles that cover it, gate tiles then up tiles -- the layout ``QuantizedWeight.cat_out``
+  gives, written in place so no expert is held twice (it needs the gate part to end on a tile
+  boundary, I % 128 == 0, as ``cat_out`` does). Nothing goes through full precision.
+
+Each expert's reads open and close the files (see ``reader``). Unquantized and FP8-checkpoint
+slices are copied from the file mapping straight into the rank's tensors, allocated once for
+all local experts; quantized ones go through one reusable scratch expert. So the resident set
+peaks near this rank's share plus one expert, whatever the file size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeshard.checkpoint.names import BlockNames, scale_name
+from moeshard.checkpoint.reader import SafetensorsCheckpoint
+from moeshard.config import MoEConfig, QuantConfig
+from moeshard.experts.base import ExpertWeights, Weight
+from moeshard.quant import FP8_BLOCK, QuantizedWeight, from_wire, quantize_weight, to_wire
+from moeshard.sharding import ShardSpec
+
+WHOLE_EXPERT_SCALE = ("fp8_tensor", "fp8_token", "nvfp4")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu)
+
+
+def _blocks(n: int) -> int:
+    return -(-n // FP8_BLOCK)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """What one rank reads. experts: global ids; keep: its [lo, hi) of I; read: the [lo, hi) of I
+    read from the file (``keep``, or all of I for schemes whose scales span the expert)."""
+
+    experts: range
+    keep: tuple[int, int]
+    read: tuple[int, int]
+
+    @staticmethod
+    def of(cfg: MoEConfig, quant: QuantConfig, spec: ShardSpec, fp8_checkpoint: bool) -> "ExpertPlan":
+        I = cfg.intermediate_size
+        width = I // spec.tp_size
+        keep = (spec.tp_rank * width, (spec.tp_rank + 1) * width)
+        whole = spec.tp_size > 1 and quant.scheme in WHOLE_EXPERT_SCALE and not fp8_checkpoint
+        return ExpertPlan(range(spec.expert_start, spec.expert_stop), keep, (0, I) if whole else keep)
+
+
+class _Stack:
+    """Per-expert weights ``[1, N, K]`` (tensors or ``QuantizedWeight``) gathered into ``[E_l, N, K]``.
+
+    The destination is allocated once, from the first expert, so the experts are never held
+    twice (a list plus a ``cat``)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.buffers: list[torch.Tensor | None] | None = None
+        self.first: Weight | None = None
+
+    @staticmethod
+    def _parts(w: Weight) -> list[torch.Tensor | None]:
+        return [w.data, w.scale, w.global_scale] if isinstance(w, QuantizedWeight) else [w]
+
+    def put(self, i: int, w: Weight) -> None:
+        parts = self._parts(w)
+        if self.buffers is None:
+            self.first = w
+            self.buffers = [None if p is None else torch.empty((self.count, *p.shape[1:]), dtype=p.dtype)
+                            for p in parts]
+        for buf, p in zip(self.buffers, parts):
+            if buf is not None:
+                to_wire(buf)[i:i + 1].copy_(to_wire(p))  # bytes: float8 has no copy_ on every build
+
+    def result(self) -> Weight:
+        w, bufs = self.first, self.buffers
+        if isinstance(w, QuantizedWeight):
+            return QuantizedWeight(w.scheme, from_wire(bufs[0], w.data.dtype), bufs[1], bufs[2],
+                                   (self.count, w.shape[1], w.shape[2]))
+        return bufs[0]
+
+
+class ExpertReader:
+    """Reads the routed experts of one block (names, cfg) from ``ckpt`` for one rank's plan."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fp8_checkpoint: bool) -> None:
+        self.ckpt, self.names, self.cfg, self.fp8 = ckpt, names, cfg, fp8_checkpoint
+        self._check_shapes()
+
+    # -- validation, from headers only ----------------------------------------------------
+    def _check_shapes(self) -> None:
+        E, H, I = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.intermediate_size
+        weight_dtypes = (torch.float8_e4m3fn,) if self.fp8 else FLOAT_DTYPES
+        n = self.names
+        if n.fused:
+            want = {n.fused_gate_up: (E, 2 * I, H), n.fused_down: (E, H, I)}
+            scales = {scale_name(n.fused_gate_up): (E, _blocks(2 * I), _blocks(H)),
+                      scale_name(n.fused_down): (E, _blocks(H), _blocks(I))}
+        else:
+            want, scales = {}, {}
+            for e in range(E):
+                for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+                    want[n.expert(e, proj)] = shape
+                    scales[scale_name(n.expert(e, proj))] = (_blocks(shape[0]), _blocks(shape[1]))
+        for name, shape in want.items():
+            self.ckpt.expect(name, shape, weight_dtypes)
+        if self.fp8:
+            for name, shape in scales.items():
+                self.ckpt.expect(name, shape, SCALE_DTYPES)
+            if not n.fused and I % FP8_BLOCK:
+                raise ValueError(f"fp8 checkpoint: intermediate size I={I} is not a multiple of {FP8_BLOCK}, so the "
+                                 f"per-expert gate and up tiles cannot be fused into one fp8_block weight "
+                                 f"without requantizing")
+
+    # -- one expert -----------------------------------------------------------------------
+    def _requests(self, e: int, lo: int, hi: int, scales: bool) -> list[tuple[str, tuple]]:
+        """(name, index) of gate rows, up rows, down columns [lo, hi) of expert e (or of their
+        scale tiles, ``scales=True``)."""
+        I, n = self.cfg.intermediate_size, self.names
+        if scales:
+            name = scale_name
+            rows = lambda a, b: slice(a // FP8_BLOCK, _blocks(b))  # noqa: E731
+        else:
+            name = lambda s: s  # noqa: E731
+            rows = slice
+        if n.fused:
+            if (lo, hi) == (0, I):
+                # The whole expert: one read of all 2I rows (also the only way to read fp8 tiles that
+                # straddle the gate/up boundary when I is not a multiple of 128).
+                gate_up = [(name(n.fused_gate_up), (e, rows(0, 2 * I)))]
+            else:
+                gate_up = [(name(n.fused_gate_up), (e, rows(lo, hi))), (name(n.fused_gate_up), (e, rows(I + lo, I + hi)))]
+            return gate_up + [(name(n.fused_down), (e, slice(None), rows(lo, hi)))]
+        return [(name(n.expert(e, "gate")), (rows(lo, hi),)), (name(n.expert(e, "up")), (rows(lo, hi),)),
+                (name(n.expert(e, "down")), (slice(None), rows(lo, hi)))]
+
+    def _into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor, scales: bool) -> None:
+        """Reads expert e's gate/up rows and down columns [lo, hi) (or their scale tiles) straight
+        into ``gate_up`` [2 rows, K] (gate half first, then up) and ``down`` [H, cols]."""
+        *gu_requests, down_request = self._requests(e, lo, hi, scales)
+        parts = [gate_up] if len(gu_requests) == 1 else list(gate_up.chunk(2, dim=0))
+        self.ckpt.read_into(gu_requests + [down_request], parts + [down])
+
+    def _check_scales(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        if not (bool((gate_up > 0).all()) and bool((down > 0).all())):
+            names = [name for name, _ in self._requests(e, lo, hi, scales=True)]
+            raise ValueError(f"fp8 checkpoint: a block scale of expert {e} is <= 0 (tensors {names})")
+
+    def read(self, quant: QuantConfig, spec: ShardSpec) -> ExpertWeights:
+        """This rank's ``ExpertWeights`` for ``quant`` and ``spec`` (validated here)."""
+        spec.validate(self.cfg, quant)
+        plan = ExpertPlan.of(self.cfg, quant, spec, self.fp8)
+        if self.fp8:
+            return self._read_fp8(plan)
+        if not quant.quantized:
+            return self._read_plain(plan)
+        return self._read_quantized(plan, quant)
+
+    def _read_plain(self, plan: ExpertPlan) -> ExpertWeights:
+        """Model-dtype slices, copied from the file straight into the rank's tensors."""
+        (lo, hi), E_l, H = plan.keep, len(plan.experts), self.cfg.hidden_size
+        gate_up = torch.empty(E_l, 2 * (hi - lo), H, dtype=self.cfg.dtype)
+        down = torch.empty(E_l, H, hi - lo, dtype=self.cfg.dtype)
+        for i, e in enumerate(plan.experts):
+            self._into(e, lo, hi, gate_up[i], down[i], scales=False)
+        return ExpertWeights(gate_up, down, "none")
+
+    def _read_fp8(self, plan: ExpertPlan) -> ExpertWeights:
+        """fp8 bytes and fp32 tile scales of the kept slice, as stored; gate tiles then up tiles,
+        which is what ``QuantizedWeight.cat_out`` of the two parts gives."""
+        (lo, hi), E_l, H = plan.keep, len(plan.experts), self.cfg.hidden_size
+        w = hi - lo
+        gu_data = torch.empty(E_l, 2 * w, H, dtype=torch.float8_e4m3fn)
+        dn_data = torch.empty(E_l, H, w, dtype=torch.float8_e4m3fn)
+        gu_rows = _blocks(2 * w) if (lo, hi) == (0, self.cfg.intermediate_size) and self.names.fused else 2 * _blocks(w)
+        gu_scale = torch.empty(E_l, gu_rows, _blocks(H))
+        dn_scale = torch.empty(E_l, _blocks(H), _blocks(w))
+        for i, e in enumerate(plan.experts):
+            self._into(e, lo, hi, gu_data[i], dn_data[i], scales=False)
+            self._into(e, lo, hi, gu_scale[i], dn_scale[i], scales=True)
+            self._check_scales(e, lo, hi, gu_scale[i], dn_scale[i])
+        # Constructing the QuantizedWeight checks the layout: a gate/up seam inside a 128-row tile
+        # (I not a multiple of 128) would not match the [E, ceil(2w/128), .] scale shape.
+        gate_up = QuantizedWeight("fp8_block", gu_data, gu_scale, None, (E_l, 2 * w, H))
+        return ExpertWeights(gate_up, QuantizedWeight("fp8_block", dn_data, dn_scale, None, (E_l, H, w)), "fp8_block")
+
+    def _read_quantized(self, plan: ExpertPlan, quant: QuantConfig) -> ExpertWeights:
+        """Each expert read into one scratch buffer in the model dtype, quantized, sliced to the
+        kept part when the read covered the whole expert, and stacked."""
+        I, H = self.cfg.intermediate_size, self.cfg.hidden_size
+        (klo, khi), (rlo, rhi) = plan.keep, plan.read
+        scratch_gu = torch.empty(1, 2 * (rhi - rlo), H, dtype=self.cfg.dtype)
+        scratch_dn = torch.empty(1, H, rhi - rlo, dtype=self.cfg.dtype)
+        gate_ups, downs = _Stack(len(plan.experts)), _Stack(len(plan.experts))
+        for i, e in enumerate(plan.experts):
+            self._into(e, rlo, rhi, scratch_gu[0], scratch_dn[0], scales=False)
+            gu, dn = quantize_weight(scratch_gu, quant.scheme), quantize_weight(scratch_dn, quant.scheme)
+            if (rlo, rhi) != (klo, khi):
+                # Whole expert read for a whole-expert scale: keep this rank's slice only.
+                gu = QuantizedWeight.cat_out([gu.slice_out(klo, khi), gu.slice_out(I + klo, I + khi)])
+                dn = dn.slice_in(klo, khi)
+            gate_ups.put(i, gu)
+            downs.put(i, dn)
+        return ExpertWeights(gate_ups.result(), downs.result(), quant.scheme)

@@ -1,0 +1,150 @@
+"""One layer's MoE block from a Hugging Face model directory, as one rank needs it.
+
+    config.json --------------------------> HFMoEModel -> MoEConfig (model shape, routing)
+    *.safetensors (+ index) -- headers ---> names, shapes, dtypes checked before any data is read
+                            -- router, bias, shared experts (small): read whole
+                            -- routed experts: only this rank's experts / slice of I (``experts``)
+    -> LoadedBlock -> build_layer(...) -> MoELayer
+
+Nothing here needs a process group: the layout (``ParallelConfig``) and the rank say what to
+read, so a loader can run (and be measured) alone. ``build_layer`` hands the result to
+``MoELayer`` as ``weights`` (router, bias, shared experts) plus ``local_experts``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeshard.checkpoint.experts import FLOAT_DTYPES, SCALE_DTYPES, ExpertReader
+from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
+from moeshard.checkpoint.names import BlockNames, resolve_block_names, scale_name
+from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
+from moeshard.config import MoEConfig, QuantConfig, parse_dtype
+from moeshard.experts.base import ExpertWeights
+from moeshard.parallel.config import ParallelConfig
+from moeshard.quant import FP8_BLOCK
+from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
+from moeshard.sharding import ShardSpec, shard_spec
+from moeshard.weights import MoEWeights
+
+
+@dataclass(frozen=True)
+class LoadedBlock:
+    """One rank's view of one MoE block.
+
+    model: what config.json says; layer: the layer index; cfg: the block's ``MoEConfig`` (in the
+    dtype the layer will run in); quant: the expert quantization; parallel/rank/spec: the layout,
+    this rank, and which experts / slice of I it holds; names: where the tensors were found;
+    weights: router ``gate`` [E, H], ``correction_bias`` fp32 [E] and shared experts, in
+    ``cfg.dtype``, with ``gate_up``/``down`` None; local_experts: this rank's routed experts,
+    ``gate_up`` [E_l, 2 I_l, H], ``down`` [E_l, H, I_l], quantized for ``quant``.
+    """
+
+    model: HFMoEModel
+    layer: int
+    cfg: MoEConfig
+    quant: QuantConfig
+    parallel: ParallelConfig
+    rank: int
+    spec: ShardSpec
+    names: BlockNames
+    weights: MoEWeights
+    local_experts: ExpertWeights
+
+
+def resolve_quant(model: HFMoEModel, quant: QuantConfig | str | None) -> QuantConfig:
+    """The expert quantization: ``None`` means the checkpoint's own (fp8_block for an FP8 block
+    checkpoint, else none). An FP8 block checkpoint loads only as fp8_block: its weights are read
+    as stored, never dequantized and requantized into another scheme."""
+    if isinstance(quant, str):
+        quant = QuantConfig(quant)
+    if quant is None:
+        return QuantConfig("fp8_block" if model.fp8_block else "none")
+    if model.fp8_block and quant.scheme != "fp8_block":
+        raise ValueError(f"quant {quant.scheme!r} was asked for, but {model.source} describes an FP8 block checkpoint "
+                         f"(quantization_config quant_method 'fp8', 128x128 blocks), which loads only as quant "
+                         f"'fp8_block'")
+    return quant
+
+
+class _SmallTensors:
+    """Router, correction bias and shared experts: read whole, checked, in the model dtype."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fp8: bool) -> None:
+        self.ckpt, self.names, self.cfg, self.fp8 = ckpt, names, cfg, fp8
+
+    def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A weight in ``dtype`` (default the model dtype). In an FP8 checkpoint an fp8 weight is
+        dequantized with its ``weight_scale_inv``: shared experts run in the model dtype."""
+        allowed = FLOAT_DTYPES + ((torch.float8_e4m3fn,) if self.fp8 else ())
+        info = self.ckpt.expect(name, shape, allowed)
+        dtype = dtype or self.cfg.dtype
+        t = self.ckpt.read(name)
+        check_finite(t, name, info.file)
+        if t.dtype != torch.float8_e4m3fn:
+            return t.to(dtype)
+        sname = scale_name(name)
+        blocks = tuple(-(-n // FP8_BLOCK) for n in shape)
+        sinfo = self.ckpt.expect(sname, blocks, SCALE_DTYPES)
+        scale = self.ckpt.read(sname).float()
+        check_finite(scale, sname, sinfo.file)
+        return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), shape)).to(dtype)
+
+    def weights(self) -> MoEWeights:
+        cfg, n = self.cfg, self.names
+        E, H, S = cfg.num_experts, cfg.hidden_size, cfg.shared_width
+        shared = cfg.has_shared_experts
+        return MoEWeights(
+            gate=self.dense(n.router, (E, H)),
+            gate_up=None,
+            down=None,
+            # The bias decides routing; it stays fp32 like the layer keeps it.
+            correction_bias=self.dense(n.correction_bias, (E,), torch.float32) if cfg.use_correction_bias else None,
+            shared_gate=self.dense(n.shared("gate"), (S, H)) if shared else None,
+            shared_up=self.dense(n.shared("up"), (S, H)) if shared else None,
+            shared_down=self.dense(n.shared("down"), (H, S)) if shared else None,
+            shared_expert_gate=self.dense(n.shared_expert_gate, (1, H)) if cfg.shared_expert_gate else None,
+        )
+
+
+def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfig | None = None, rank: int = 0,
+                   quant: QuantConfig | str | None = None, dtype: torch.dtype | str | None = None) -> LoadedBlock:
+    """Reads layer ``layer``'s MoE block for ``rank`` of ``parallel`` (default: one rank).
+
+    quant: expert quantization (None: the checkpoint's own, see ``resolve_quant``); dtype: the
+    model dtype to run in (None: the checkpoint's declared dtype, else fp32).
+    Everything that can be checked from config.json and the safetensors headers is checked
+    before any tensor data is read; every refusal is a ValueError naming the field or tensor.
+    """
+    model = read_hf_config(model_dir)
+    model.check_layer(layer)
+    quant = resolve_quant(model, quant)
+    cfg = model.moe_config(parse_dtype(dtype) if dtype is not None else None)
+    parallel = parallel or ParallelConfig()
+    parallel.validate(parallel.world_size, cfg, rank)
+    spec = shard_spec(parallel, rank, cfg.num_experts)
+    spec.validate(cfg, quant)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    names = resolve_block_names(ckpt, model, layer)
+    experts = ExpertReader(ckpt, names, cfg, model.fp8_block)  # checks every expert tensor's shape
+    weights = _SmallTensors(ckpt, names, cfg, model.fp8_block).weights()
+    weights.validate(cfg, routed=False)
+    local = experts.read(quant, spec)
+    return LoadedBlock(model=model, layer=layer, cfg=cfg, quant=quant, parallel=parallel, rank=rank, spec=spec,
+                       names=names, weights=weights, local_experts=local)
+
+
+def build_layer(block: LoadedBlock, groups=None, backend: str | None = None, device=None):
+    """The ``MoELayer`` of a loaded block. groups: this rank's ``ParallelGroups`` (None for one
+    rank; its layout must be ``block.parallel``); backend, device: as ``MoELayer``."""
+    from moeshard.layer import MoELayer
+
+    layout = groups.config if groups is not None else ParallelConfig()
+    if layout != block.parallel or (groups is not None and groups.rank != block.rank):
+        raise ValueError(f"build_layer: the block was loaded for rank {block.rank} of {block.parallel.name}, but "
+                         f"the groups are rank {groups.rank if groups else 0} of {layout.name}")
+    return MoELayer(block.cfg, quant=block.quant, groups=groups, backend=backend, weights=block.weights,
+                    local_experts=block.local_experts, device=device)

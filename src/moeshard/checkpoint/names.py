@@ -1,0 +1,121 @@
+"""Where the tensors of one layer's MoE block are stored, under either naming.
+
+Block prefix ``P`` is ``model.layers.{L}.mlp.`` (Mixtral on the hub: ``model.layers.{L}.block_sparse_moe.``).
+
+====================================  ==========================================  ==============
+tensor                                per expert, as published on the hub         fused (transformers 5)
+====================================  ==========================================  ==============
+router [E, H]                         P gate.weight                               same
+correction bias [E] (DeepSeek-V3)     P gate.e_score_correction_bias              same
+gate rows of expert e [I, H]          P experts.{e}.gate_proj.weight  (Mixtral w1)  P experts.gate_up_proj [E, 2I, H]
+up rows of expert e [I, H]            P experts.{e}.up_proj.weight    (Mixtral w3)    (rows I..2I)
+down of expert e [H, I]               P experts.{e}.down_proj.weight  (Mixtral w2)  P experts.down_proj [E, H, I]
+shared MLP [S, H], [S, H], [H, S]     P shared_experts.{gate,up,down}_proj.weight (DeepSeek-V3)
+                                      P shared_expert.{gate,up,down}_proj.weight  (Qwen2-MoE)
+shared expert gate [1, H]             P shared_expert_gate.weight (Qwen2-MoE)
+====================================  ==========================================  ==============
+
+FP8 checkpoints add a block scale next to each quantized weight: ``<module>.weight_scale_inv`` for a
+``<module>.weight``, ``<name>_scale_inv`` for a fused parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeshard.checkpoint.hf_config import HFMoEModel
+from moeshard.checkpoint.reader import SafetensorsCheckpoint
+from moeshard.weights import SHARED_ALIASES
+
+# (gate, up, down) module names of one expert, in the two spellings found on the hub.
+EXPERT_SPELLINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+PROJECTIONS = ("gate", "up", "down")
+
+
+def scale_name(weight_name: str) -> str:
+    """The FP8 block-scale tensor that belongs to ``weight_name``."""
+    if weight_name.endswith(".weight"):
+        return weight_name[: -len("weight")] + "weight_scale_inv"
+    return weight_name + "_scale_inv"
+
+
+@dataclass(frozen=True)
+class BlockNames:
+    """Tensor names of one block. prefix: e.g. ``"model.layers.3.mlp."``; fused: the routed experts
+    are stored as ``experts.gate_up_proj``/``experts.down_proj``; spelling: per-expert module
+    names (gate, up, down); shared_prefix: ``"shared_experts."`` or ``"shared_expert."`` (None
+    without shared experts)."""
+
+    prefix: str
+    fused: bool
+    spelling: tuple[str, str, str]
+    shared_prefix: str | None
+
+    @property
+    def router(self) -> str:
+        return self.prefix + "gate.weight"
+
+    @property
+    def correction_bias(self) -> str:
+        return self.prefix + "gate.e_score_correction_bias"
+
+    @property
+    def fused_gate_up(self) -> str:
+        return self.prefix + "experts.gate_up_proj"
+
+    @property
+    def fused_down(self) -> str:
+        return self.prefix + "experts.down_proj"
+
+    def expert(self, e: int, projection: str) -> str:
+        """Per-expert weight name; projection is "gate", "up" or "down"."""
+        return f"{self.prefix}experts.{e}.{self.spelling[PROJECTIONS.index(projection)]}.weight"
+
+    def shared(self, projection: str) -> str:
+        return f"{self.prefix}{self.shared_prefix}{projection}_proj.weight"
+
+    @property
+    def shared_expert_gate(self) -> str:
+        return self.prefix + "shared_expert_gate.weight"
+
+
+def _prefixes(model: HFMoEModel, layer: int) -> list[str]:
+    base = f"model.layers.{layer}."
+    if model.model_type == "mixtral":
+        return [base + "block_sparse_moe.", base + "mlp."]
+    return [base + "mlp."]
+
+
+def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: int) -> BlockNames:
+    """Finds which prefix and which expert naming the checkpoint uses for ``layer``'s block.
+
+    ValueError names the tensors looked for and the files looked in.
+    """
+    files = [p.name for p in ckpt.files]
+    candidates = _prefixes(model, layer)
+    prefix = next((p for p in candidates if ckpt.has(p + "gate.weight")), None)
+    if prefix is None:
+        wanted = " or ".join(repr(p + "gate.weight") for p in candidates)
+        raise ValueError(f"layer {layer}: router tensor {wanted} is missing; looked in {files} under "
+                         f"{str(ckpt.model_dir)!r}")
+    fused = ckpt.has(prefix + "experts.gate_up_proj")
+    spelling = EXPERT_SPELLINGS[0]
+    if fused:
+        if not ckpt.has(prefix + "experts.down_proj"):
+            raise ValueError(f"layer {layer}: {prefix}experts.gate_up_proj is present but {prefix}experts.down_proj "
+                             f"is missing; looked in {files}")
+    else:
+        found = [s for s in EXPERT_SPELLINGS if ckpt.has(f"{prefix}experts.0.{s[0]}.weight")]
+        if not found:
+            tried = [prefix + "experts.gate_up_proj"] + [f"{prefix}experts.0.{s[0]}.weight" for s in EXPERT_SPELLINGS]
+            raise ValueError(f"layer {layer}: no routed-expert tensors found; looked for {tried} in {files} under "
+                             f"{str(ckpt.model_dir)!r}")
+        spelling = found[0]
+    shared_prefix = None
+    if model.moe.has_shared_experts:
+        present = [a for a in SHARED_ALIASES if ckpt.has(f"{prefix}{a}gate_proj.weight")]
+        if not present:
+            tried = [f"{prefix}{a}gate_proj.weight" for a in SHARED_ALIASES]
+            raise ValueError(f"layer {layer}: the config has shared experts but none of {tried} is in {files}")
+        shared_prefix = present[0]
+    return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix)

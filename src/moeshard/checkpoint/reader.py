@@ -1,0 +1,254 @@
+"""Reading slices of tensors from a directory of safetensors files, never whole files.
+
+A model directory holds ``model.safetensors``, or shards listed in ``model.safetensors.index.json``
+(``weight_map``: tensor name -> file), or any set of ``*.safetensors`` files (their headers are
+read to learn the names). Pickle-based weights (``*.bin``, ``*.pt``, ``*.pth``) are refused:
+unpickling a file can run arbitrary code, so moeshard never does it.
+
+How reading stays small: ``safe_open(...).get_slice(name)[index]`` returns a *view* into the
+file's memory map, and only the pages that view touches become resident. ``read`` copies the
+view into memory the caller owns and then closes the file, which unmaps it, so the resident set
+grows by the copies plus, transiently, the pages of one batch of reads. A rank that reads its
+experts one at a time therefore peaks at about its own share plus one expert, not at the file
+size (``bench/checkpoint_memory.py`` measures it).
+
+Every failure is a ValueError naming the file: a missing file, a missing tensor (with the files
+looked in), a malformed or truncated header (safetensors checks that the header covers the
+whole file when it opens it, so a truncated file is refused before any read), a wrong index.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moeshard.quant import from_wire, to_wire
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+# safetensors dtype strings -> torch dtypes (the ones a model's weights or scales can have).
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+Index = tuple[slice | int, ...]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """shape and dtype of one stored tensor, and the file it lives in."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    file: Path
+
+
+def _owned_copy(view: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A contiguous copy of a memory-mapped view (optionally converted), owning its storage."""
+    if dtype is not None and dtype != view.dtype:
+        return view.to(dtype=dtype, memory_format=torch.contiguous_format)
+    # 1-byte floats are copied as bytes: not every build implements clone for them.
+    return from_wire(to_wire(view).clone(memory_format=torch.contiguous_format), view.dtype)
+
+
+class SafetensorsCheckpoint:
+    """The tensors of one model directory: which file holds which name; slice reads.
+
+    ``model_dir``: the directory. Construction reads only ``model.safetensors.index.json`` or, without
+    one, the headers of the ``*.safetensors`` files; no tensor data.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise ValueError(f"model directory {str(self.model_dir)!r} does not exist or is not a directory")
+        self._where: dict[str, Path] = {}
+        self._info: dict[str, TensorInfo] = {}
+        index = self.model_dir / INDEX_FILE
+        if index.is_file():
+            self._read_index(index)
+        else:
+            files = sorted(self.model_dir.glob("*.safetensors"))
+            if not files:
+                self._refuse_empty()
+            for path in files:
+                with self._open(path) as f:
+                    for name in f.keys():
+                        self._where[name] = path
+
+    # -- discovery ------------------------------------------------------------------------
+    def _refuse_empty(self) -> None:
+        pickled = sorted(p.name for p in self.model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickled:
+            raise ValueError(f"model directory {str(self.model_dir)!r} has no *.safetensors weights, only pickle-based "
+                             f"files {pickled[:5]}; moeshard never unpickles .bin/.pt files (unpickling can run "
+                             f"arbitrary code). Convert them to safetensors first.")
+        raise ValueError(f"model directory {str(self.model_dir)!r} has no *.safetensors files and no {INDEX_FILE}")
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: not a valid safetensors index (need a JSON object with 'weight_map'): "
+                             f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to file names")
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or Path(file).name != file or not file.endswith(".safetensors"):
+                raise ValueError(f"{index}: tensor {name!r} maps to {file!r}, not a *.safetensors file name in "
+                                 f"this directory")
+            self._where[name] = self.model_dir / file
+
+    def _open(self, path: Path):
+        if not path.is_file():
+            raise ValueError(f"safetensors file {str(path)!r} does not exist")
+        try:
+            return safe_open(str(path), framework="pt")
+        except SafetensorError as exc:
+            raise ValueError(f"safetensors file {str(path)!r} is malformed or truncated: {exc}") from None
+        except OSError as exc:
+            raise ValueError(f"safetensors file {str(path)!r} cannot be opened: {exc}") from None
+
+    @property
+    def files(self) -> list[Path]:
+        """The files holding tensors, in name order."""
+        return sorted(set(self._where.values()))
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def names(self, prefix: str = "") -> list[str]:
+        return sorted(n for n in self._where if n.startswith(prefix))
+
+    def _missing(self, name: str, hint: str = "") -> ValueError:
+        where = self._where.get(name)
+        looked = [str(where)] if where else [p.name for p in self.files]
+        return ValueError(f"tensor {name!r} is missing{hint}; looked in {looked} under {str(self.model_dir)!r}")
+
+    def info(self, name: str) -> TensorInfo:
+        """Shape, dtype and file of ``name`` (reads the header of its file once)."""
+        if name in self._info:
+            return self._info[name]
+        if name not in self._where:
+            raise self._missing(name)
+        path = self._where[name]
+        with self._open(path) as f:
+            if name not in set(f.keys()):
+                raise ValueError(f"tensor {name!r} is missing from {str(path)!r}, the file the index names for it")
+            for key in f.keys():
+                sl = f.get_slice(key)
+                if sl.get_dtype() not in DTYPES:
+                    continue
+                self._info[key] = TensorInfo(key, tuple(sl.get_shape()), DTYPES[sl.get_dtype()], path)
+        if name not in self._info:
+            raise ValueError(f"tensor {name!r} in {str(path)!r} has a dtype moeshard cannot use")
+        return self._info[name]
+
+    def expect(self, name: str, shape: Sequence[int], dtypes: Iterable[torch.dtype] | None = None) -> TensorInfo:
+        """``info(name)`` after checking its shape (and dtype); ValueError names tensor, file, both values."""
+        info = self.info(name)
+        if info.shape != tuple(shape):
+            raise ValueError(f"tensor {name!r} in {str(info.file)!r} has shape {list(info.shape)}, expected "
+                             f"{list(shape)} from the model config")
+        if dtypes is not None:
+            dtypes = tuple(dtypes)
+            if info.dtype not in dtypes:
+                raise ValueError(f"tensor {name!r} in {str(info.file)!r} has dtype {info.dtype}, expected one of "
+                                 f"{[str(d) for d in dtypes]}")
+        return info
+
+    # -- reading --------------------------------------------------------------------------
+    def read_many(self, requests: Sequence[tuple[str, Index]], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Reads ``tensor[index]`` for each ``(name, index)``; each file is opened once per call.
+
+        index: a tuple of slices/ints over the leading dimensions (``()`` = the whole tensor).
+        dtype: convert floating tensors to it (1-byte floats and integers keep their dtype).
+        Returns owned, contiguous CPU tensors in request order; the files are closed (unmapped)
+        before returning.
+        """
+        by_file: dict[Path, list[int]] = {}
+        for i, (name, _) in enumerate(requests):
+            self.info(name)
+            by_file.setdefault(self._where[name], []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(requests)
+        for path, which in by_file.items():
+            with self._open(path) as f:
+                for i in which:
+                    name, index = requests[i]
+                    try:
+                        view = f.get_slice(name)[index] if index else f.get_slice(name)[:]
+                    except SafetensorError as exc:
+                        raise ValueError(f"tensor {name!r} in {str(path)!r} cannot be read: {exc}") from None
+                    target = dtype if dtype is not None and view.is_floating_point() and view.element_size() > 1 else None
+                    out[i] = _owned_copy(view, target)
+                    del view
+        return out  # type: ignore[return-value]
+
+    def read_into(self, requests: Sequence[tuple[str, Index]], destinations: Sequence[torch.Tensor]) -> None:
+        """Copies ``tensor[index]`` of each request straight into the matching destination (a
+        preallocated tensor or a view of one, its shape the slice's; floating values are converted
+        to its dtype, 1-byte floats are copied as bytes and must match). No intermediate copy is
+        made, so a rank's memory holds its share plus the mapped pages of this one batch.
+        Each destination is checked for NaN/Inf after the copy."""
+        by_file: dict[Path, list[int]] = {}
+        for i, (name, _) in enumerate(requests):
+            self.info(name)
+            by_file.setdefault(self._where[name], []).append(i)
+        for path, which in by_file.items():
+            with self._open(path) as f:
+                for i in which:
+                    (name, index), dst = requests[i], destinations[i]
+                    try:
+                        view = f.get_slice(name)[index] if index else f.get_slice(name)[:]
+                    except SafetensorError as exc:
+                        raise ValueError(f"tensor {name!r} in {str(path)!r} cannot be read: {exc}") from None
+                    if tuple(view.shape) != tuple(dst.shape):
+                        raise ValueError(f"tensor {name!r} in {str(path)!r}: slice {index} has shape {list(view.shape)}, "
+                                         f"the destination {list(dst.shape)}")
+                    if dst.element_size() == 1:
+                        if view.dtype != dst.dtype:
+                            raise ValueError(f"tensor {name!r} in {str(path)!r} has dtype {view.dtype}, expected {dst.dtype}")
+                        to_wire(dst).copy_(to_wire(view))  # bytes: float8 has no copy_ on every build
+                    elif view.element_size() == 1:
+                        dst.copy_(view.float())  # e.g. UE8M0 scales; small tensors
+                    else:
+                        dst.copy_(view)
+                    del view
+                    check_finite(dst, name, path)
+
+    def read(self, name: str, index: Index = (), dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One slice; see ``read_many``."""
+        return self.read_many([(name, index)], dtype)[0]
+
+
+FINITE_CHUNK = 1 << 18  # elements per step of check_finite
+
+
+def check_finite(t: torch.Tensor, name: str, file: Path | str) -> None:
+    """ValueError if ``t`` holds NaN or Inf (float8_e4m3fn: its NaN code, it has no Inf).
+
+    Checked in chunks: ``isfinite`` on a whole expert would allocate temporaries the size of the
+    expert, which the allocator may keep, defeating the point of reading slice by slice."""
+    if not t.is_floating_point():
+        return
+    flat = t.reshape(-1)
+    bad = 0
+    for start in range(0, flat.numel(), FINITE_CHUNK):
+        chunk = flat[start:start + FINITE_CHUNK]
+        if t.dtype == torch.float8_e4m3fn:
+            bad += int(((chunk.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        else:
+            bad += chunk.numel() - int(torch.isfinite(chunk).sum())
+    if bad:
+        raise ValueError(f"tensor {name!r} in {str(file)!r} holds {bad} NaN/Inf value(s)")

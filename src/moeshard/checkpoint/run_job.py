@@ -1,0 +1,339 @@
+"""What ``moeshard run`` does: plan once (no processes yet), then run the plan on every rank.
+
+    plan_run(RunSpec)            parent, before any process starts: reads config.json (or the
+                                 preset) and the input's header, resolves dtype, quant, backend,
+                                 token split; refuses anything wrong with a ValueError
+    run_rank(RunPlan, groups)    every rank: load its share (checkpoint slices, or random weights
+                                 from the seed), all ranks agree that loading worked, read its DP
+                                 rank's rows of the input, forward, all-gather the outputs over DP
+                                 -> RankResult (rank 0 holds the output of all T tokens, in order)
+    run_plans(plans)             ``spawn`` entry: runs several plans on one set of ranks
+
+Tokens: the input holds the global tokens ``hidden_states [T, H]``. DP rank d gets rows
+``[sum(n[:d]), sum(n[:d+1]))`` with ``n = tokens_per_rank`` (default: an even split, the first
+``T % dp`` DP ranks one more); the TP ranks of a DP rank share its rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+
+from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
+from moeshard.checkpoint.loader import load_moe_block, resolve_quant
+from moeshard.sharding import shard_spec
+from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name, parse_dtype
+from moeshard.dispatch.registry import default_backend, support
+from moeshard.parallel.collectives import all_gatherv
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.groups import ParallelGroups
+from moeshard.presets import get_preset
+from moeshard.weights import MoEWeights
+
+INPUT_KEY = "hidden_states"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What the user asked for (the command line, as data).
+
+    Exactly one of ``model_dir`` (a Hugging Face directory; ``layer`` picks the block) and
+    ``preset`` (random weights of a ``moeshard.presets`` shape, ``preset_size`` small|full, from
+    ``seed``). ``input_path``: safetensors with ``hidden_states [T, H]``; without it ``num_tokens``
+    rows are generated from ``seed``. ``quant``/``dtype``/``backend`` None: automatic (the
+    checkpoint's own quantization and dtype, the layout's default backend).
+    ``tokens_per_rank``: rows per DP rank (must sum to T); None: even split.
+    """
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model_dir: str | None = None
+    layer: int | None = None
+    preset: str | None = None
+    preset_size: str = "small"
+    seed: int = 0
+    input_path: str | None = None
+    num_tokens: int = 16
+    tokens_per_rank: tuple[int, ...] | None = None
+    quant: str | None = None
+    defer_input_quant: bool = False
+    dtype: str | None = None
+    backend: str | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if (self.model_dir is None) == (self.preset is None):
+            raise ValueError("run: give exactly one of a model directory (--model) and a preset (--random), got "
+                             f"model={self.model_dir!r}, random={self.preset!r}")
+        if self.model_dir is not None and self.layer is None:
+            raise ValueError("run: --model needs --layer (the index of the decoder layer whose MoE block to run)")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"run: device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+            raise ValueError(f"run: --tokens must be an integer >= 0, got {self.num_tokens!r}")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A checked, fully resolved run; every rank executes the same plan.
+
+    cfg: the block (dtype resolved); quant; backend; tokens_per_rank: rows per DP rank;
+    total_tokens: T; source: one line saying what runs; generated_input: True when the input
+    comes from the seed rather than a file.
+    """
+
+    spec: RunSpec
+    cfg: MoEConfig
+    quant: QuantConfig
+    backend: str
+    tokens_per_rank: tuple[int, ...]
+    total_tokens: int
+    source: str
+    generated_input: bool
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.spec.parallel
+
+    def row_range(self, dp_rank: int) -> tuple[int, int]:
+        start = sum(self.tokens_per_rank[:dp_rank])
+        return start, start + self.tokens_per_rank[dp_rank]
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """One rank's report. experts: [start, stop) of the experts it holds; intermediate: its
+    [lo, hi) of I; tokens: its DP rank's rows; load_s / forward_s: seconds; output: rank 0 only,
+    ``[T, H]`` in the model dtype on CPU, all tokens in input order (None elsewhere)."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    tokens: int
+    experts: tuple[int, int]
+    intermediate: tuple[int, int]
+    load_s: float
+    forward_s: float
+    output: torch.Tensor | None
+
+
+def split_tokens(total: int, dp: int, given: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Rows per DP rank: ``given`` (checked: dp entries >= 0 summing to total) or an even split
+    with the first ``total % dp`` ranks getting one more."""
+    if given is None:
+        return tuple(total // dp + (1 if d < total % dp else 0) for d in range(dp))
+    given = tuple(given)
+    if len(given) != dp or any(not isinstance(n, int) or n < 0 for n in given):
+        raise ValueError(f"--tokens-per-rank: expected {dp} integers >= 0 (one per DP rank), got {list(given)}")
+    if sum(given) != total:
+        raise ValueError(f"--tokens-per-rank: {list(given)} sums to {sum(given)}, but the input has T={total} tokens")
+    return given
+
+
+def _open_input(path: str):
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"input file {path!r} does not exist")
+    try:
+        return safe_open(str(p), framework="pt")
+    except SafetensorError as exc:
+        raise ValueError(f"input file {path!r} is not a valid safetensors file (malformed or truncated): {exc}") from None
+
+
+def input_header(path: str) -> tuple[tuple[int, ...], str]:
+    """(shape, safetensors dtype string) of the input's ``hidden_states``, from the header only."""
+    with _open_input(path) as f:
+        if INPUT_KEY not in set(f.keys()):
+            raise ValueError(f"input file {path!r} has no tensor {INPUT_KEY!r} (it has {sorted(f.keys())[:8]})")
+        sl = f.get_slice(INPUT_KEY)
+        return tuple(sl.get_shape()), sl.get_dtype()
+
+
+def read_input_rows(path: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [start, stop) of ``hidden_states`` in ``dtype``, an owned copy (only those rows are read)."""
+    with _open_input(path) as f:
+        rows = f.get_slice(INPUT_KEY)[start:stop]
+        out = rows.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"input file {path!r}: {INPUT_KEY} rows [{start}, {stop}) hold NaN/Inf")
+    return out
+
+
+def random_hidden_states(num_tokens: int, hidden_size: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """The generated input: ``[T, H]`` standard normal from ``seed + 1`` (the weights use ``seed``)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(num_tokens, hidden_size, generator=gen).to(dtype)
+
+
+def random_weights(cfg: MoEConfig, seed: int) -> MoEWeights:
+    """Full random weights of ``cfg`` from ``seed`` (identical on every rank)."""
+    return MoEWeights.random(cfg, generator=torch.Generator().manual_seed(seed))
+
+
+def plan_run(spec: RunSpec) -> RunPlan:
+    """Checks everything that can be checked before processes start; returns the plan."""
+    p = spec.parallel
+    model: HFMoEModel | None = None
+    if spec.model_dir is not None:
+        model = read_hf_config(spec.model_dir)
+        model.check_layer(spec.layer)
+        quant = resolve_quant(model, spec.quant)
+        base_cfg = model.moe_config()
+        source = f"{model.model_type} {spec.model_dir} layer {spec.layer}"
+    else:
+        preset = get_preset(spec.preset)
+        base_cfg = preset.config(spec.preset_size)
+        quant = QuantConfig(spec.quant or "none")
+        source = f"random {preset.name} ({spec.preset_size}), seed {spec.seed}"
+    if spec.defer_input_quant:
+        quant = QuantConfig(quant.scheme, defer_input_quant=True)
+
+    if spec.input_path is not None:
+        shape, st_dtype = input_header(spec.input_path)
+        if len(shape) != 2 or shape[1] != base_cfg.hidden_size:
+            raise ValueError(f"input file {spec.input_path!r}: {INPUT_KEY} must be [T, hidden_size={base_cfg.hidden_size}], "
+                             f"got {list(shape)}")
+        total = shape[0]
+        in_dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(st_dtype)
+        if st_dtype not in ("F32", "BF16", "F16", "F64"):
+            raise ValueError(f"input file {spec.input_path!r}: {INPUT_KEY} has dtype {st_dtype}, expected a float dtype")
+    else:
+        total, in_dtype = spec.num_tokens, None
+
+    # dtype: asked for > the input's > the checkpoint's declared dtype > the preset's (fp32).
+    if spec.dtype is not None:
+        dtype = parse_dtype(spec.dtype)
+    elif in_dtype is not None:
+        dtype = MODEL_DTYPES[in_dtype]
+    elif model is not None and model.checkpoint_dtype is not None:
+        dtype = model.checkpoint_dtype
+    else:
+        dtype = base_cfg.dtype
+    cfg = replace(base_cfg, dtype=dtype)
+
+    p.validate(p.world_size, cfg)
+    backend = spec.backend or default_backend(p)
+    ok, reason = support(backend, quant, p)
+    if not ok:
+        raise ValueError(f"backend {backend!r} cannot run layout {p.name} with quant {quant.scheme!r}: {reason}")
+    for rank in range(p.world_size):
+        shard_spec(p, rank, cfg.num_experts).validate(cfg, quant)
+    tokens = split_tokens(total, p.dp, spec.tokens_per_rank)
+    return RunPlan(spec=spec, cfg=cfg, quant=quant, backend=backend, tokens_per_rank=tokens, total_tokens=total,
+                   source=source, generated_input=spec.input_path is None)
+
+
+# -- on every rank ----------------------------------------------------------------------------
+def _agree(groups: ParallelGroups | None, error: BaseException | None, rank: int) -> None:
+    """All ranks learn whether any rank failed to load, before the layer's first collective, so
+    a rank that cannot load makes every rank raise (with that rank's reason) instead of leaving
+    the others waiting. The reasons travel as (kind, text) strings between our own ranks; a
+    ValueError (a refusal of bad input) stays a ValueError everywhere, anything else becomes a
+    RuntimeError."""
+    mine = None if error is None else (type(error).__name__, f"rank {rank}: {error}")
+    if groups is None:
+        reasons = [mine]
+    else:
+        reasons = [None] * groups.world_size
+        dist.all_gather_object(reasons, mine)
+    failed = [r for r, reason in enumerate(reasons) if reason is not None]
+    if failed:
+        kind, text = reasons[failed[0]]
+        also = f" (ranks that failed to load: {failed})" if len(failed) > 1 else ""
+        raise (ValueError if kind == "ValueError" else RuntimeError)(text + also) from error
+
+
+def _load(plan: RunPlan, rank: int) -> tuple[MoEWeights, object | None]:
+    """(weights, local_experts) for ``MoELayer``: checkpoint slices, or full random weights."""
+    spec = plan.spec
+    if spec.model_dir is not None:
+        block = load_moe_block(spec.model_dir, spec.layer, parallel=plan.parallel, rank=rank, quant=plan.quant,
+                               dtype=plan.cfg.dtype)
+        return block.weights, block.local_experts
+    return random_weights(plan.cfg, spec.seed), None
+
+
+def _input_rows(plan: RunPlan, dp_rank: int) -> torch.Tensor:
+    start, stop = plan.row_range(dp_rank)
+    if plan.spec.input_path is not None:
+        return read_input_rows(plan.spec.input_path, start, stop, plan.cfg.dtype)
+    return random_hidden_states(plan.total_tokens, plan.cfg.hidden_size, plan.spec.seed, plan.cfg.dtype)[start:stop]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RankResult:
+    """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
+    from moeshard.layer import MoELayer
+
+    p = plan.parallel
+    rank = groups.rank if groups is not None else 0
+    device = groups.device if groups is not None else torch.device(plan.spec.device)
+    dp_rank, tp_rank = p.dp_rank(rank), p.tp_rank(rank)
+    t0 = time.perf_counter()
+    error, weights, local = None, None, None
+    try:
+        weights, local = _load(plan, rank)
+        x = _input_rows(plan, dp_rank).to(device)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see _agree)
+        error = exc
+    _agree(groups, error, rank)
+    layer = MoELayer(plan.cfg, quant=plan.quant, groups=groups, backend=plan.backend, weights=weights,
+                     local_experts=local, device=device)
+    del weights, local
+    _sync(device)
+    load_s = time.perf_counter() - t0
+    if groups is not None:
+        dist.barrier()
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        out = layer(x)
+    _sync(device)
+    forward_s = time.perf_counter() - t1
+    if p.dp > 1:
+        # Every TP column gathers over its own DP group (all ranks take part, none waits alone);
+        # rank 0's group holds DP ranks 0..dp-1 in order, so its result is all T tokens in order.
+        out = all_gatherv(out, list(plan.tokens_per_rank), groups.dp_group, "dp")
+    spec = layer.shard
+    width = plan.cfg.intermediate_size // spec.tp_size
+    return RankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, tokens=plan.tokens_per_rank[dp_rank],
+                      experts=(spec.expert_start, spec.expert_stop),
+                      intermediate=(spec.tp_rank * width, (spec.tp_rank + 1) * width),
+                      load_s=load_s, forward_s=forward_s, output=out.cpu() if rank == 0 else None)
+
+
+def run_plans(plans: list[RunPlan]) -> list[RankResult | dict]:
+    """``spawn`` entry: every plan in order on this rank (all plans need this world size).
+
+    A plan that raises is recorded as ``{"error": type name, "message": ...}`` and the next plan
+    runs; groups are built once per layout and reused.
+    """
+    groups_of: dict[tuple, ParallelGroups] = {}
+    results: list[RankResult | dict] = []
+    for plan in plans:
+        p = plan.parallel
+        key = (p.dp, p.tp, p.enable_ep)
+        if key not in groups_of:
+            side = p.enable_ep and plan.spec.device == "cuda"  # all2all's count channel on CUDA
+            groups_of[key] = ParallelGroups.build(p, side_channel=side)
+        try:
+            results.append(run_rank(plan, groups_of[key]))
+        except Exception as exc:  # noqa: BLE001 - recorded for the caller, which reports it
+            results.append({"error": type(exc).__name__, "message": str(exc)})
+    return results
+
+
+def describe(plan: RunPlan) -> dict[str, str]:
+    """The plan in words (for the summary and the output file's metadata)."""
+    p, q = plan.parallel, plan.quant
+    return {"source": plan.source, "layout": p.name, "backend": plan.backend,
+            "quant": q.scheme + (" (deferred input quantization)" if q.defer_input_quant else ""),
+            "dtype": dtype_name(plan.cfg.dtype), "device": plan.spec.device,
+            "tokens_per_dp_rank": ",".join(map(str, plan.tokens_per_rank))}

@@ -1,0 +1,189 @@
+"""``moeshard run``: apply one MoE block of a real checkpoint (or random weights) to hidden states
+under a (dp, tp, ep) layout, and write the output.
+
+    moeshard run --model DIR --layer L --input IN.safetensors --output OUT.safetensors \\
+                 [--dp D --tp T --ep] [--backend B] [--quant Q] [--defer-input-quant] \\
+                 [--device cpu|cuda] [--tokens-per-rank 5,3] [--dtype bfloat16]
+    moeshard run --random deepseek-v3 --seed 0 --tokens 64 --dp 2 --ep --output OUT.safetensors
+
+IN holds ``hidden_states [T, H]``, all tokens; OUT gets ``hidden_states [T, H]``, the block's
+output for every token in input order (plus ``input_hidden_states`` when the input was
+generated from the seed). Ranks: ``dp * tp`` local processes (gloo on cpu, NCCL on cuda, one
+GPU each), or, started under torchrun (``RANK`` and ``WORLD_SIZE`` set), this process is one
+rank of torchrun's world, which must have ``dp * tp`` ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from moeshard.checkpoint.run_job import RankResult, RunPlan, RunSpec, describe, plan_run, run_plans, run_rank
+from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
+from moeshard.dispatch.registry import BACKENDS
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.groups import ParallelGroups
+from moeshard.parallel.spawn import RankFailure, destroy, init_from_env, spawn
+from moeshard.presets import PRESETS
+
+
+def _tokens_per_rank(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--tokens-per-rank: expected a comma-separated list of integers, got {text!r}") from None
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("run", help="apply a checkpoint's MoE block to hidden states under a layout",
+                              description="Apply one MoE block of a Hugging Face checkpoint (or random weights) to "
+                                          "hidden states under a (dp, tp, ep) layout and write the output.")
+    src = p.add_argument_group("what runs")
+    src.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + *.safetensors)")
+    src.add_argument("--layer", type=int, metavar="L", help="decoder layer whose MoE block runs (with --model)")
+    src.add_argument("--random", metavar="PRESET", choices=sorted(PRESETS),
+                     help=f"random weights of a preset instead of a checkpoint: {', '.join(sorted(PRESETS))}")
+    src.add_argument("--full", action="store_true", help="with --random: the preset's real size (default: small)")
+    src.add_argument("--seed", type=int, default=0, help="seed of random weights and generated input (default 0)")
+    io = p.add_argument_group("tokens")
+    io.add_argument("--input", metavar="IN", help="safetensors file with hidden_states [T, H] (default: generated)")
+    io.add_argument("--tokens", type=int, default=16, metavar="T", help="tokens to generate without --input (16)")
+    io.add_argument("--tokens-per-rank", metavar="N0,N1,...", help="tokens per DP rank (default: even split)")
+    io.add_argument("--output", metavar="OUT", help="safetensors file to write hidden_states [T, H] to")
+    lay = p.add_argument_group("layout and numerics")
+    lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP rank (default 1)")
+    lay.add_argument("--ep", action="store_true", help="expert parallelism over all dp*tp ranks")
+    lay.add_argument("--backend", choices=sorted(BACKENDS), help="dispatch backend (default: local, all2all with --ep)")
+    lay.add_argument("--quant", choices=QUANT_SCHEMES, help="expert quantization (default: the checkpoint's own)")
+    lay.add_argument("--defer-input-quant", action="store_true", help="dispatch unquantized activations")
+    lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"],
+                     help="model dtype (default: the input's, else the checkpoint's)")
+    lay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    lay.add_argument("--timeout", type=float, default=600.0, help="seconds the whole run may take (default 600)")
+    p.set_defaults(func=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    """The ``RunSpec`` of parsed arguments (ValueError for combinations that make no sense)."""
+    if args.full and args.random is None:
+        raise ValueError("--full only applies to --random")
+    if args.random is not None and args.model is not None:
+        raise ValueError(f"give either --model or --random, not both (got --model {args.model!r}, --random {args.random!r})")
+    if args.output is not None and not Path(args.output).resolve().parent.is_dir():
+        raise ValueError(f"--output {args.output!r}: directory {str(Path(args.output).resolve().parent)!r} does not exist")
+    return RunSpec(parallel=ParallelConfig(args.dp, args.tp, args.ep), model_dir=args.model, layer=args.layer,
+                   preset=args.random, preset_size="full" if args.full else "small", seed=args.seed,
+                   input_path=args.input, num_tokens=args.tokens, tokens_per_rank=_tokens_per_rank(args.tokens_per_rank),
+                   quant=args.quant, defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
+                   device=args.device)
+
+
+def _under_torchrun() -> bool:
+    # torchrun's contract is its environment; this is the one place `run` looks at it.
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _as_value_error(failure: RankFailure) -> Exception:
+    """Refusals raised on the ranks come back as one ValueError (the CLI prints it, exit 2);
+    anything else stays a RankFailure with every rank's traceback."""
+    if failure.errors and not failure.missing and all(e.type_name == "ValueError" for e in failure.errors.values()):
+        first = failure.errors[min(failure.errors)]
+        return ValueError(first.message)
+    return failure
+
+
+def _execute_local(plan: RunPlan, timeout_s: float) -> list[RankResult]:
+    world = plan.parallel.world_size
+    if plan.spec.device == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
+                         f"{torch.cuda.device_count()} are visible")
+    if world == 1:
+        return [run_rank(plan, None)]
+    try:
+        per_rank = spawn(run_plans, world, args=([plan],), device=plan.spec.device, timeout_s=timeout_s)
+    except RankFailure as failure:
+        raise _as_value_error(failure) from None
+    results = [r[0] for r in per_rank]
+    errors = [r for r in results if isinstance(r, dict)]
+    if errors:
+        raise ValueError(errors[0]["message"]) if errors[0]["error"] == "ValueError" else RuntimeError(errors[0]["message"])
+    return results
+
+
+def _execute_torchrun(plan: RunPlan) -> list[RankResult] | None:
+    """Runs as one rank of torchrun's world; returns every rank's result on rank 0, None elsewhere."""
+    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo")
+    try:
+        plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
+        side = plan.parallel.enable_ep and plan.spec.device == "cuda"
+        result = run_rank(plan, ParallelGroups.build(plan.parallel, side_channel=side))
+        reports = [None] * dist.get_world_size()
+        light = replace(result, output=None)
+        dist.all_gather_object(reports, light)  # our own small dataclasses, between our own ranks
+        if dist.get_rank() != 0:
+            return None
+        return [result] + reports[1:]
+    finally:
+        destroy()
+
+
+def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    from moeshard.checkpoint.run_job import random_hidden_states
+
+    tensors = {"hidden_states": output.contiguous()}
+    if plan.generated_input:
+        tensors["input_hidden_states"] = random_hidden_states(plan.total_tokens, plan.cfg.hidden_size,
+                                                              plan.spec.seed, plan.cfg.dtype)
+    save_file(tensors, path, metadata={"moeshard_run": json.dumps(describe(plan))})
+
+
+def _summary(plan: RunPlan, results: list[RankResult], output_path: str | None, wall_s: float) -> None:
+    console = Console()
+    info = describe(plan)
+    console.print(f"[bold]moeshard run[/bold]: {info['source']}")
+    console.print(f"layout {info['layout']} ({plan.parallel.world_size} rank(s), {info['device']}), backend "
+                  f"{info['backend']}, quant {info['quant']}, dtype {info['dtype']}")
+    console.print(f"tokens {plan.total_tokens}" + (" (generated from the seed)" if plan.generated_input else "")
+                  + f", per DP rank [{info['tokens_per_dp_rank']}]")
+    table = Table(show_header=True, header_style="bold")
+    for col in ("rank", "dp", "tp", "tokens", "experts", "I slice", "load s", "forward s"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(str(r.rank), str(r.dp_rank), str(r.tp_rank), str(r.tokens), f"{r.experts[0]}-{r.experts[1] - 1}",
+                      f"{r.intermediate[0]}:{r.intermediate[1]}", f"{r.load_s:.3f}", f"{r.forward_s:.4f}")
+    console.print(table)
+    out = results[0].output
+    where = output_path if output_path is not None else "not written (no --output)"
+    console.print(f"output {where}: hidden_states {list(out.shape)} {str(out.dtype).removeprefix('torch.')}")
+    console.print(f"wall time {wall_s:.2f} s")
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    plan = plan_run(spec_from_args(args))
+    if _under_torchrun():
+        results = _execute_torchrun(plan)
+        if results is None:
+            return 0
+    else:
+        results = _execute_local(plan, args.timeout)
+    if args.output is not None:
+        _write(args.output, plan, results[0].output)
+    _summary(plan, results, args.output, time.perf_counter() - start)
+    sys.stdout.flush()
+    return 0
