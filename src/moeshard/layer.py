@@ -32,7 +32,7 @@ from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
 from moeshard.quant import QuantizedActivations, QuantizedWeight, from_wire, quantize_activations, to_wire
 from moeshard.router import route, router_logits
-from moeshard.sharding import ShardSpec, shard_experts
+from moeshard.sharding import shard_experts, shard_spec
 from moeshard.weights import SHARED_ALIASES, MoEWeights
 
 
@@ -151,7 +151,7 @@ class MoELayer(nn.Module):
         weights = weights if weights is not None else MoEWeights.random(cfg)
         weights.validate(cfg, routed=local_experts is None)
         weights = weights.to(dtype=cfg.dtype)
-        self.shard = self._shard_spec(rank)
+        self.shard = shard_spec(self.parallel, rank, cfg.num_experts)
         self.shard.validate(cfg, quant)
         if local_experts is None:
             local_experts = shard_experts(weights.gate_up, weights.down, cfg, quant, self.shard)
@@ -190,13 +190,6 @@ class MoELayer(nn.Module):
                                  f"this rank's shard needs {shape}")
         if experts.scheme != self.quant.scheme:
             raise ValueError(f"MoELayer (rank {rank}): local_experts are {experts.scheme!r}, quant is {self.quant.scheme!r}")
-
-    def _shard_spec(self, rank: int) -> ShardSpec:
-        p, E = self.parallel, self.cfg.num_experts
-        experts = p.local_experts(rank, E)
-        if p.enable_ep:
-            return ShardSpec(experts.start, experts.stop)
-        return ShardSpec(0, E, p.tp_rank(rank), p.tp)
 
     # -- forward --------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, Weight
+from moeshard.parallel.config import ParallelConfig
 from moeshard.quant import QuantizedWeight, quantize_weight
 
 # Alignment that an intermediate slice boundary needs, per scheme (block size of its scales).
@@ -48,6 +49,15 @@ class ShardSpec:
             for name, k in (("hidden_size", cfg.hidden_size), ("intermediate slice", width)):
                 if k % 16:
                     raise ValueError(f"ShardSpec: nvfp4 needs {name} divisible by 16, got {k}")
+
+
+def shard_spec(parallel: ParallelConfig, rank: int, num_experts: int) -> ShardSpec:
+    """The experts and slice of I that ``rank`` holds under ``parallel``: EP on, whole experts
+    ``parallel.local_experts(rank, E)``; EP off, all experts and this TP rank's slice of I."""
+    experts = parallel.local_experts(rank, num_experts)
+    if parallel.enable_ep:
+        return ShardSpec(experts.start, experts.stop)
+    return ShardSpec(0, num_experts, parallel.tp_rank(rank), parallel.tp)
 
 
 def _slice_rows(w: Weight, start: int, stop: int) -> Weight:

@@ -78,12 +78,13 @@ class MoEWeights:
                 raise ValueError(f"MoEWeights.{name}: expected a floating tensor, got {value.dtype}")
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "MoEWeights":
-        """Moves every tensor; ``correction_bias`` keeps fp32 since it decides routing."""
+        """Moves every tensor; the router (``gate``, ``correction_bias``) keeps its stored
+        precision, since it decides routing (DeepSeek-V3 checkpoints keep it in fp32)."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                keep = f.name == "correction_bias"
+                keep = f.name in ("gate", "correction_bias")
                 value = value.to(device=device, dtype=None if keep else dtype)
             moved[f.name] = value
         return MoEWeights(**moved)
