@@ -111,14 +111,7 @@ class SafetensorsCheckpoint:
             self._where[name] = self.model_dir / file
 
     def _open(self, path: Path):
-        if not path.is_file():
-            raise ValueError(f"safetensors file {str(path)!r} does not exist")
-        try:
-            return safe_open(str(path), framework="pt")
-        except SafetensorError as exc:
-            raise ValueError(f"safetensors file {str(path)!r} is malformed or truncated: {exc}") from None
-        except OSError as exc:
-            raise ValueError(f"safetensors file {str(path)!r} cannot be opened: {exc}") from None
+        return open_safetensors(path)
 
     @property
     def files(self) -> list[Path]:
@@ -252,3 +245,16 @@ def check_finite(t: torch.Tensor, name: str, file: Path | str) -> None:
             bad += chunk.numel() - int(torch.isfinite(chunk).sum())
     if bad:
         raise ValueError(f"tensor {name!r} in {str(file)!r} holds {bad} NaN/Inf value(s)")
+
+
+def open_safetensors(path: Path | str, what: str = "safetensors file"):
+    """``safe_open`` with refusals that name the file: missing, malformed/truncated, unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {str(path)!r} does not exist")
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise ValueError(f"{what} {str(path)!r} is malformed or truncated: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"{what} {str(path)!r} cannot be opened: {exc}") from None

@@ -22,17 +22,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
 
 from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
 from moeshard.checkpoint.loader import load_moe_block, resolve_quant
-from moeshard.sharding import shard_spec
+from moeshard.checkpoint.reader import open_safetensors
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name, parse_dtype
 from moeshard.dispatch.registry import default_backend, support
 from moeshard.parallel.collectives import all_gatherv
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.presets import get_preset
+from moeshard.sharding import shard_spec
 from moeshard.weights import MoEWeights
 
 INPUT_KEY = "hidden_states"
@@ -135,13 +135,7 @@ def split_tokens(total: int, dp: int, given: tuple[int, ...] | None = None) -> t
 
 
 def _open_input(path: str):
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"input file {path!r} does not exist")
-    try:
-        return safe_open(str(p), framework="pt")
-    except SafetensorError as exc:
-        raise ValueError(f"input file {path!r} is not a valid safetensors file (malformed or truncated): {exc}") from None
+    return open_safetensors(path, "input file")
 
 
 def input_header(path: str) -> tuple[tuple[int, ...], str]:
