@@ -1,0 +1,174 @@
+"""Runs the benchmark matrix: models x token counts x quantizations, plus ceilings and baselines.
+
+Per case (one model, one token count, one quant) the same routed rows feed:
+
+* ``experts``: the kernel ``select_kernel`` picks, on the routed rows (graph-replayed);
+* ``layer``: ``MoELayer`` on one GPU, local backend, from hidden states to output
+  (router, quantization, dispatch, experts, combine, shared experts; graph-replayed);
+* baselines for bf16 (``moeshard.bench.baselines``) and row-scaled fp8.
+
+Ratios are derived from figures of the same run only.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from moeshard.bench import baselines
+from moeshard.bench.ceilings import copy_gbps, matmul_tflops
+from moeshard.bench.device import describe, require_cuda
+from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.workload import (ModelOnDevice, active_experts, bytes_per_expert, expert_flops, experts_for,
+                                     hidden_states, layer_flops, make_model, routed_input)
+from moeshard.config import QUANT_SCHEMES, QuantConfig
+from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
+from moeshard.layer import MoELayer
+from moeshard.presets import PRESETS
+
+BENCH_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to run. Token counts: prefill 4096..16384, decode 1..128 by default."""
+
+    models: tuple[str, ...] = BENCH_MODELS
+    quants: tuple[str, ...] = QUANT_SCHEMES
+    prefill_tokens: tuple[int, ...] = (4096, 16384)
+    decode_tokens: tuple[int, ...] = (1, 16, 64, 128)
+    prefill_reps: int = 10
+    decode_reps: int = 40
+    layer: bool = True
+    baselines: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        for m in self.models:
+            if m not in PRESETS:
+                raise ValueError(f"bench: model {m!r} is not one of {sorted(PRESETS)}")
+        for q in self.quants:
+            if q not in QUANT_SCHEMES:
+                raise ValueError(f"bench: quant {q!r} is not one of {list(QUANT_SCHEMES)}")
+        for name in ("prefill_tokens", "decode_tokens"):
+            if any(t <= 0 for t in getattr(self, name)):
+                raise ValueError(f"bench: {name} must be positive, got {getattr(self, name)}")
+        if self.prefill_reps <= 0 or self.decode_reps <= 0:
+            raise ValueError(f"bench: repetitions must be positive, got {self.prefill_reps}, {self.decode_reps}")
+
+
+def _timed(rec: dict, key: str, fn: Callable[[], object], reps: int, flush: L2Flush, graph: bool = True) -> None:
+    """Stores the median ms of ``fn`` (captured in a CUDA graph unless ``graph`` is False) as
+    ``rec[key + "_ms"]``; a failure (capture refused, kernel error) is stored as ``key + "_error"``
+    so that one broken implementation does not end the run."""
+    g = None
+    try:
+        if graph:
+            g = graphed(fn)
+            rec[key + "_ms"] = time_cuda(g, warmup=2, reps=reps, flush=flush).median_ms
+        else:
+            rec[key + "_ms"] = time_cuda(fn, warmup=2, reps=max(3, reps // 2), flush=flush).median_ms
+    except Exception as exc:
+        torch.cuda.synchronize()
+        rec[key + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    finally:
+        if g is not None:
+            g.release()
+
+
+def _case(model: ModelOnDevice, scheme: str, experts, kernel, layer: MoELayer | None, regime: str, tokens: int,
+          opts: BenchOptions, flush: L2Flush) -> dict:
+    cfg = model.cfg
+    E = cfg.num_experts
+    reps = opts.prefill_reps if regime == "prefill" else opts.decode_reps
+    x = hidden_states(model, tokens, opts.seed + tokens)
+    inp, _ = routed_input(model, x, QuantConfig(scheme))
+    rows, active = inp.num_rows, active_experts(inp.expert_ids, E)
+    rec = {"model": model.name, "regime": regime, "tokens": tokens, "quant": scheme, "rows": rows,
+           "active_experts": active, "kernel": type(kernel).__name__,
+           "expert_flops": expert_flops(rows, cfg), "layer_flops": layer_flops(tokens, cfg),
+           "weight_bytes": bytes_per_expert(experts) * active}
+    _timed(rec, "experts", lambda: kernel(inp, experts), reps, flush)
+    if layer is not None:
+        _timed(rec, "layer", lambda: layer(x), reps, flush)
+    if opts.baselines and scheme == "none":
+        x_sorted, offsets, counts = baselines.sorted_rows(inp, E)
+        _timed(rec, "grouped_mm", baselines.grouped_mm(x_sorted, offsets, experts), reps, flush)
+        portable = GroupedExperts(cfg.activation, cfg.dtype)
+        _timed(rec, "portable", lambda: portable(inp, experts), reps, flush)
+        _timed(rec, "loop", baselines.per_expert_loop(x_sorted, counts, experts, cfg.activation), reps, flush,
+               graph=False)
+    if opts.baselines and scheme in ("fp8_tensor", "fp8_token"):
+        x_sorted, offsets, _ = baselines.sorted_rows(inp, E)
+        fn = baselines.scaled_grouped_mm(x_sorted, offsets, experts)
+        if fn is not None:
+            _timed(rec, "scaled_grouped_mm", fn, reps, flush)
+    return rec
+
+
+def derive(records: list[dict], ceilings: dict) -> None:
+    """Adds throughput figures and same-run ratios to every record, in place."""
+    peak, copy = ceilings["matmul"]["tflops"], ceilings["copy"]["gbps"]
+    bf16 = {(r["model"], r["tokens"]): r for r in records if r["quant"] == "none"}
+    for r in records:
+        if "experts_ms" not in r:
+            r["ratios"] = {}
+            continue
+        t = r["experts_ms"] * 1e-3
+        r["expert_tflops"] = r["expert_flops"] / t / 1e12
+        r["weight_gbps"] = r["weight_bytes"] / t / 1e9
+        ratios = {"vs_peak": r["expert_tflops"] / peak, "vs_copy": r["weight_gbps"] / copy}
+        if "layer_ms" in r:
+            r["layer_tflops"] = r["layer_flops"] / (r["layer_ms"] * 1e-3) / 1e12
+            ratios["layer_over_experts"] = r["experts_ms"] / r["layer_ms"]
+            ratios["layer_over_experts_flops"] = r["layer_tflops"] / r["expert_tflops"]
+        for base in ("grouped_mm", "portable", "loop", "scaled_grouped_mm"):
+            if f"{base}_ms" in r:
+                ratios[f"vs_{base}"] = r[f"{base}_ms"] / r["experts_ms"]
+                if base == "grouped_mm":
+                    r["grouped_mm_tflops"] = r["expert_flops"] / (r["grouped_mm_ms"] * 1e-3) / 1e12
+        ref = bf16.get((r["model"], r["tokens"]))
+        if ref is not None and r["quant"] != "none" and "experts_ms" in ref:
+            ratios["vs_bf16"] = ref["experts_ms"] / r["experts_ms"]
+        r["ratios"] = ratios
+
+
+def run(opts: BenchOptions, progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Runs everything in ``opts``; returns the JSON-ready result (device, ceilings, records)."""
+    opts.validate()
+    device = require_cuda()
+    flush = L2Flush(device)
+    progress("ceilings: dense bf16 matmul 8192^3, device copy 2 GiB")
+    ceilings = {"matmul": matmul_tflops(device), "copy": copy_gbps(device)}
+    progress(f"  matmul {ceilings['matmul']['tflops']:.0f} TFLOP/s, copy {ceilings['copy']['gbps']:.0f} GB/s")
+    records: list[dict] = []
+    cases = [("prefill", t) for t in opts.prefill_tokens] + [("decode", t) for t in opts.decode_tokens]
+    for name in opts.models:
+        progress(f"{name}: weights on the GPU")
+        model = make_model(name, device, opts.seed)
+        for scheme in opts.quants:
+            experts = experts_for(model, scheme)
+            kernel = select_kernel(model.cfg.activation, model.cfg.dtype, device, scheme)
+            layer = None
+            if opts.layer:
+                layer = MoELayer(model.cfg, QuantConfig(scheme), weights=model.shell, local_experts=experts,
+                                 device=device)
+            for regime, tokens in cases:
+                rec = _case(model, scheme, experts, kernel, layer, regime, tokens, opts, flush)
+                records.append(rec)
+                progress(f"  {name} {scheme:10s} {regime:7s} T={tokens:<6d} "
+                         + ", ".join(f"{k[:-3]} {v:.3f} ms" for k, v in rec.items() if k.endswith("_ms"))
+                         + "".join(f"; {k}: {v}" for k, v in rec.items() if k.endswith("_error")))
+            del layer, experts, kernel
+            gc.collect()
+            torch.cuda.empty_cache()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    derive(records, ceilings)
+    choices = {q: kernel_choice(torch.bfloat16, device, q) for q in opts.quants}
+    return {"device": describe(device), "options": asdict(opts), "ceilings": ceilings,
+            "kernels": {q: {"name": n, "reason": why} for q, (n, why) in choices.items()}, "records": records}

@@ -1,0 +1,86 @@
+"""Timing on the GPU: CUDA events around each repetition, median of several.
+
+Every repetition is preceded by an L2 flush (a write of a buffer larger than the cache, outside
+the timed region), so decode shapes whose weights would otherwise stay in L2 between
+repetitions are timed as they run in a model, reading weights from HBM. ``graphed`` captures a
+callable in a CUDA graph, as a serving engine runs a layer, so host launch overhead is not
+counted; eager timing is kept for code that cannot be captured (the per-expert loop).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per call: median, fastest and slowest of ``reps`` repetitions."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    reps: int
+
+    def as_dict(self) -> dict:
+        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "max_ms": self.max_ms, "reps": self.reps}
+
+
+class L2Flush:
+    """Overwrites a buffer of several times the L2 size before each timed repetition."""
+
+    def __init__(self, device: torch.device) -> None:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20)
+        self.buffer = torch.empty(max(4 * l2, 256 * 2**20) // 4, dtype=torch.int32, device=device)
+
+    def __call__(self) -> None:
+        self.buffer.zero_()
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int, reps: int, flush: L2Flush | None) -> Timing:
+    """Runs ``fn`` ``warmup`` times, then times ``reps`` calls with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        if flush is not None:
+            flush()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return Timing(statistics.median(times), min(times), max(times), reps)
+
+
+class graphed:
+    """``fn`` captured in a CUDA graph; calling the object replays it.
+
+    ``fn`` is run three times on a side stream first (Triton compilation, cuBLAS handles and
+    allocator pools must exist before capture). ``output`` holds the captured result tensor(s).
+    """
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = fn()
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+    def release(self) -> None:
+        """Frees the graph's memory pool (large at prefill sizes)."""
+        self.output = None
+        self.graph.reset()

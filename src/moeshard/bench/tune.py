@@ -1,0 +1,133 @@
+"""Tile-shape sweeps of the grouped GEMM (``moeshard bench --tune``).
+
+Each candidate is timed alone on routed rows of a real shape: the fused gate_up GEMM on gathered
+rows (fp8 widened to fp16, as ``TritonExperts`` runs it), and the down GEMM on h at the padded
+positions (quantized as the scheme does). The best
+candidates per regime are what ``moeshard.kernels.configs`` encodes; rerun this on new hardware.
+A candidate that fails to compile or launch (shared memory, registers, a Triton version without
+TMA descriptors) is recorded with its error and skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moeshard.bench.timing import L2Flush, time_cuda
+from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
+from moeshard.config import QuantConfig
+from moeshard.experts.grouped import PER_TENSOR_SCHEMES
+from moeshard.kernels.align import align_rows
+from moeshard.kernels.configs import GemmConfig as C
+from moeshard.kernels.grouped_gemm import moe_gemm
+from moeshard.kernels.quant import quantize_h
+
+# (scheme, model, tokens) -> candidates for the gate_up and the down GEMM; grouped by model so that
+# each full-size model is generated once.
+SWEEPS: list[tuple[str, str, int, dict[str, list[C]]]] = [
+    ("none", "mixtral-8x7b", 16384, {
+        "gate_up": [C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 4, tma=True), C(128, 128, 64, 8, 8, 3),
+                    C(128, 64, 64, 8, 4, 4), C(128, 64, 64, 8, 4, 4, tma=True)],
+        "down": [C(128, 256, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 3, tma=True), C(128, 128, 64, 8, 8, 4),
+                 C(128, 128, 64, 8, 8, 4, tma=True), C(128, 128, 64, 8, 4, 4)]}),
+    ("fp8_block", "mixtral-8x7b", 16384, {
+        "gate_up": [C(128, 64, 64, 8, 8, 4), C(128, 64, 64, 8, 8, 4, tma=True), C(128, 64, 128, 8, 8, 3)],
+        "down": [C(128, 128, 128, 8, 8, 4), C(128, 128, 128, 8, 8, 4, tma=True), C(128, 64, 128, 8, 4, 4),
+                 C(128, 64, 128, 8, 4, 4, tma=True)]}),
+    ("none", "mixtral-8x7b", 1, {
+        "gate_up": [C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4), C(16, 128, 128, 1, 4, 3)],
+        "down": [C(16, 16, 128, 1, 4, 6), C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4)]}),
+    ("nvfp4", "mixtral-8x7b", 16384, {
+        "gate_up": [C(128, 64, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 3), C(128, 64, 128, 8, 8, 3)],
+        "down": [C(128, 128, 64, 8, 8, 3), C(128, 64, 64, 8, 4, 3), C(128, 128, 128, 8, 8, 3)]}),
+    ("none", "deepseek-v3", 4096, {
+        "gate_up": [C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 4, tma=True), C(64, 128, 64, 8, 4, 4),
+                    C(64, 64, 64, 8, 4, 4, tma=True)],
+        "down": [C(128, 256, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 4, tma=True), C(64, 128, 64, 8, 4, 4),
+                 C(64, 256, 64, 8, 8, 3, tma=True)]}),
+    ("none", "deepseek-v3", 1, {
+        "gate_up": [C(16, 16, 128, 1, 4, 6), C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4)],
+        "down": [C(16, 64, 128, 1, 4, 4), C(16, 128, 128, 1, 4, 4)]}),
+    ("none", "deepseek-v3", 64, {
+        "gate_up": [C(16, 64, 128, 1, 4, 4), C(16, 64, 128, 1, 4, 4, tma=True), C(16, 128, 128, 1, 4, 3),
+                    C(16, 64, 256, 1, 4, 3), C(16, 32, 256, 1, 4, 4)],
+        "down": [C(16, 64, 128, 1, 4, 4), C(16, 64, 128, 1, 4, 4, tma=True), C(16, 128, 128, 1, 4, 4),
+                 C(16, 64, 256, 1, 4, 3), C(16, 32, 256, 1, 4, 4)]}),
+    ("fp8_block", "deepseek-v3", 64, {
+        "gate_up": [C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4), C(16, 128, 128, 1, 4, 3)],
+        "down": [C(16, 64, 128, 1, 4, 4), C(16, 64, 128, 1, 4, 4, tma=True), C(16, 128, 128, 1, 4, 4),
+                 C(16, 32, 128, 1, 4, 6)]}),
+    ("nvfp4", "deepseek-v3", 64, {
+        "gate_up": [C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 3), C(16, 128, 128, 1, 4, 3)],
+        "down": [C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 3), C(16, 128, 128, 1, 4, 3)]}),
+]
+
+
+def _time(fn: Callable[[], object], flush: L2Flush, reps: int) -> dict:
+    try:
+        return {"ms": time_cuda(fn, warmup=2, reps=reps, flush=flush).median_ms}
+    except Exception as exc:  # compile / launch failures of one candidate must not end the sweep
+        torch.cuda.synchronize()
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def sweep(device: torch.device, progress: Callable[[str], None], reps: int = 10,
+          only: tuple[str, ...] | None = None) -> list[dict]:
+    """Runs ``SWEEPS`` (or the schemes in ``only``); one entry per (shape, GEMM, candidate)."""
+    flush = L2Flush(device)
+    out: list[dict] = []
+    models: dict[str, object] = {}
+    for scheme, name, tokens, cands in SWEEPS:
+        if only and scheme not in only:
+            continue
+        if name not in models:
+            models.clear()
+            torch.cuda.empty_cache()
+            models[name] = make_model(name, device)
+        model = models[name]
+        cfg = model.cfg
+        experts = experts_for(model, scheme)
+        inp, _ = routed_input(model, hidden_states(model, tokens, tokens), QuantConfig(scheme))
+        E, H, I, M = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, inp.num_rows
+        per_tensor = scheme in PER_TENSOR_SCHEMES
+        for gemm in ("gate_up", "down"):
+            for c in cands[gemm]:
+                amax = torch.zeros(E, dtype=torch.float32, device=device) if per_tensor else None
+                plan = align_rows(inp.expert_ids, E, c.block_m, amax=amax)
+                if gemm == "gate_up":
+                    h = torch.empty(plan.padded_rows, I, dtype=cfg.dtype, device=device)
+                    fn = (lambda c=c, plan=plan, h=h, amax=amax, x=inp.x, w=experts.gate_up:
+                          moe_gemm(x, w, plan, h, c, activation=cfg.activation, gather=True, amax=amax, fp8_exact=True))
+                    flops = 4 * M * H * I
+                else:
+                    h = (torch.randn(plan.padded_rows, I, device=device) * 0.1).to(cfg.dtype)
+                    if amax is not None:
+                        amax.fill_(float(h.abs().amax()))
+                    a = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
+                    y = torch.empty(M, H, dtype=cfg.dtype, device=device)
+                    fn = (lambda c=c, plan=plan, a=a, y=y, w=experts.down:
+                          moe_gemm(a, w, plan, y, c, activation=None, gather=False))
+                    flops = 2 * M * H * I
+                res = _time(fn, flush, reps)
+                entry = {"scheme": scheme, "model": name, "tokens": tokens, "gemm": gemm, "config": c.as_dict(), **res}
+                if "ms" in res:
+                    entry["tflops"] = flops / (res["ms"] * 1e-3) / 1e12
+                out.append(entry)
+                progress(f"  tune {scheme:9s} {name:13s} T={tokens:<6d} {gemm:7s} {c.as_dict()} -> "
+                         + (f"{res['ms']:.3f} ms ({entry['tflops']:.0f} TFLOP/s)" if "ms" in res else res["error"]))
+        del experts, inp
+        torch.cuda.empty_cache()
+    return out
+
+
+def best(results: list[dict]) -> list[dict]:
+    """The fastest candidate per (scheme, model, tokens, gemm)."""
+    winners: dict[tuple, dict] = {}
+    for r in results:
+        if "ms" not in r:
+            continue
+        key = (r["scheme"], r["model"], r["tokens"], r["gemm"])
+        if key not in winners or r["ms"] < winners[key]["ms"]:
+            winners[key] = r
+    return list(winners.values())

@@ -1,0 +1,146 @@
+"""What the benchmark runs: full-size presets, random weights made on the GPU, routed rows.
+
+Legend: T tokens, K top-k, M = T * K routed rows, E experts, H hidden, I intermediate,
+S shared-expert width.
+
+Routing is realistic rather than uniform: random hidden states go through the preset's random
+router (softmax or DeepSeek's grouped sigmoid), so expert loads carry the natural imbalance of a
+random gate. The same routed rows feed every implementation of one case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeshard.config import MoEConfig, QuantConfig
+from moeshard.dispatch.local import LocalBackend
+from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.experts.grouped import PER_TENSOR_SCHEMES
+from moeshard.presets import get_preset
+from moeshard.quant import QuantizedActivations, QuantizedWeight, from_wire, quantize_activations, quantize_weight, to_wire
+from moeshard.router import Routing, route, router_logits
+from moeshard.weights import MoEWeights
+
+# Elements quantized or drawn per step: bounds the fp32 temporaries to about 1 GiB each.
+CHUNK_ELEMENTS = 2**28
+
+
+@dataclass(frozen=True)
+class ModelOnDevice:
+    """One preset's block at full size on the GPU, in bf16.
+
+    shell: router, correction bias and shared experts (``gate_up`` / ``down`` are None);
+    gate_up: [E, 2I, H]; down: [E, H, I].
+    """
+
+    name: str
+    cfg: MoEConfig
+    shell: MoEWeights
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def _randn(shape: tuple[int, ...], std: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """bf16 normal(0, std) of ``shape``, drawn in fp32 a slab of leading rows at a time."""
+    out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    per_row = max(1, out[0].numel()) if out.dim() > 1 else 1
+    step = max(1, CHUNK_ELEMENTS // per_row)
+    for i in range(0, shape[0], step):
+        rows = out[i:i + step]
+        rows.copy_(torch.randn(rows.shape, generator=gen, device=device) * std)
+    return out
+
+
+def make_model(name: str, device: torch.device, seed: int = 0) -> ModelOnDevice:
+    """The preset's full-size block with std 1/sqrt(fan_in) weights (router 2/sqrt(H), as
+    ``MoEWeights.random``), generated on ``device``."""
+    cfg = get_preset(name).config("full", torch.bfloat16)
+    E, H, I, S = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.shared_width
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shared = cfg.has_shared_experts
+    shell = MoEWeights(
+        gate=_randn((E, H), 2 / H**0.5, gen, device),
+        gate_up=None,
+        down=None,
+        correction_bias=torch.rand(E, generator=gen, device=device) * 0.1 if cfg.use_correction_bias else None,
+        shared_gate=_randn((S, H), 1 / H**0.5, gen, device) if shared else None,
+        shared_up=_randn((S, H), 1 / H**0.5, gen, device) if shared else None,
+        shared_down=_randn((H, S), 1 / S**0.5, gen, device) if shared else None,
+        shared_expert_gate=_randn((1, H), 1 / H**0.5, gen, device) if cfg.shared_expert_gate else None,
+    )
+    return ModelOnDevice(name, cfg, shell, _randn((E, 2 * I, H), 1 / H**0.5, gen, device),
+                         _randn((E, H, I), 1 / I**0.5, gen, device))
+
+
+def _quantize_chunked(w: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """``quantize_weight`` a few experts at a time (identical result: every scale is per expert
+    or finer), concatenated along E through uint8 views."""
+    E, N, K = w.shape
+    step = max(1, CHUNK_ELEMENTS // (N * K))
+    parts = [quantize_weight(w[i:i + step], scheme) for i in range(0, E, step)]
+
+    def cat(ts):
+        return from_wire(torch.cat([to_wire(t) for t in ts]), ts[0].dtype)
+
+    glob = None if parts[0].global_scale is None else cat([p.global_scale for p in parts])
+    return QuantizedWeight(scheme, cat([p.data for p in parts]), cat([p.scale for p in parts]), glob, (E, N, K))
+
+
+def experts_for(model: ModelOnDevice, scheme: str) -> ExpertWeights:
+    """The routed experts in ``scheme`` (bf16 tensors for "none", shared with ``model``)."""
+    if scheme == "none":
+        return ExpertWeights(model.gate_up, model.down)
+    return ExpertWeights(_quantize_chunked(model.gate_up, scheme), _quantize_chunked(model.down, scheme), scheme)
+
+
+def hidden_states(model: ModelOnDevice, tokens: int, seed: int) -> torch.Tensor:
+    """bf16 [T, H] standard normal hidden states."""
+    gen = torch.Generator(device=model.gate_up.device).manual_seed(seed)
+    return torch.randn(tokens, model.cfg.hidden_size, generator=gen, device=model.gate_up.device).to(torch.bfloat16)
+
+
+def routed_input(model: ModelOnDevice, x: torch.Tensor, quant: QuantConfig) -> tuple[ExpertInput, Routing]:
+    """The rows the layer's experts receive for ``x`` under the local backend, quantized before
+    dispatch as ``MoELayer`` does, with the routing that produced them."""
+    cfg = model.cfg
+    routing = route(router_logits(x, model.shell.gate), cfg, model.shell.correction_bias)
+    scheme = quant.scheme
+    amax = x.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
+    backend = LocalBackend(cfg.num_experts)
+    if scheme == "none":
+        d = backend.dispatch(x, None, routing)
+        return ExpertInput(d.x, d.expert_ids, None), routing
+    q = quantize_activations(x, scheme, amax=amax)
+    d = backend.dispatch(to_wire(q.data), None if q.row_scale is None else to_wire(q.row_scale), routing)
+    rows = QuantizedActivations(scheme, from_wire(d.x, q.data.dtype),
+                                None if d.x_scale is None else from_wire(d.x_scale, q.row_scale.dtype), q.tensor_scale)
+    return ExpertInput(rows, d.expert_ids, amax), routing
+
+
+def expert_flops(rows: int, cfg: MoEConfig) -> int:
+    """Multiply-adds x 2 of the routed experts: gate_up [M, H] x [H, 2I] and down [M, I] x [I, H]."""
+    return 6 * rows * cfg.hidden_size * cfg.intermediate_size
+
+
+def layer_flops(tokens: int, cfg: MoEConfig) -> int:
+    """Routed experts + router + shared experts (+ the shared-expert gate) of one forward."""
+    H = cfg.hidden_size
+    flops = expert_flops(tokens * cfg.top_k, cfg) + 2 * tokens * H * cfg.num_experts
+    flops += 6 * tokens * H * cfg.shared_width + (2 * tokens * H if cfg.shared_expert_gate else 0)
+    return flops
+
+
+def bytes_per_expert(experts: ExpertWeights) -> float:
+    """Weight bytes one expert's GEMMs read: data, scales and global scales of both projections."""
+    total = 0
+    for w in (experts.gate_up, experts.down):
+        tensors = (w.data, w.scale, w.global_scale) if isinstance(w, QuantizedWeight) else (w,)
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total / experts.num_experts
+
+
+def active_experts(expert_ids: torch.Tensor, num_experts: int) -> int:
+    """How many experts receive at least one row (read back once, outside any timed region)."""
+    return int((torch.bincount(expert_ids, minlength=num_experts) > 0).sum())

@@ -1,0 +1,58 @@
+"""Triton kernels for the routed experts (GPU; also run by Triton's CPU interpreter in tests).
+
+    expert_ids [M] --align--> tiles of BLOCK_M rows, one expert per tile (no host sync)
+    rows [M, H] --gather by tile--> gate_up GEMM with act(gate) * up fused --> h [P, I]
+        --quantize per scheme (per-expert / per-row / per-128 / nvfp4)--> h_q
+        --down GEMM, rows scattered back to their original order--> y [M, H]
+
+One concern per module: ``align`` (tile plan of routed rows), ``grouped_gemm`` (the grouped
+GEMM for every scheme), ``quant`` (activation quantization of h), ``combine`` (weighted sum
+over top-k for the local backend), ``configs`` (tile shapes per regime), ``experts``
+(``TritonExperts``, the drop-in for ``GroupedExperts``).
+
+Importing this package never imports Triton; ``triton_support`` says whether the kernels can
+run on a device and why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+
+@functools.cache
+def triton_importable() -> tuple[bool, str]:
+    """(ok, reason): whether ``import triton`` works in this environment."""
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    try:
+        import triton.language  # noqa: F401  (imports triton itself too)
+    except Exception as exc:  # an incompatible build raises all sorts of errors at import
+        return False, f"import triton failed: {type(exc).__name__}: {exc}"
+    return True, ""
+
+
+def triton_support(device: torch.device, dtype: torch.dtype, scheme: str) -> tuple[bool, str]:
+    """(ok, reason): whether ``TritonExperts`` runs ``scheme`` in model ``dtype`` on ``device``.
+
+    bf16 / fp16 only: fp32 models keep the exact portable path (Triton's fp32 dot would be tf32).
+    fp8 schemes need fp8 tensor cores (compute capability 8.9+); nvfp4 dequantizes in the kernel
+    and multiplies in fp16, which any tensor-core GPU (8.0+) does.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"Triton kernels run on CUDA devices, not {device.type}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False, f"Triton experts support bfloat16 and float16 models, not {dtype}"
+    ok, reason = triton_importable()
+    if not ok:
+        return False, reason
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) < (8, 0):
+        return False, f"compute capability {major}.{minor} < 8.0 (no bf16 tensor cores)"
+    if scheme.startswith("fp8") and (major, minor) < (8, 9):
+        return False, f"{scheme} needs fp8 tensor cores (compute capability 8.9+), device has {major}.{minor}"
+    return True, ""

@@ -1,0 +1,126 @@
+"""Tile shapes of the grouped GEMM, chosen on the host from shapes alone (graph-safe).
+
+Regimes, by expected rows per active expert r = M / min(M, E):
+
+* decode and small batches (r <= 42): every tile streams its expert's weights once, so the
+  kernel is bound by weight bytes. BLOCK_M (16, 32 or 64) is the smallest that holds 1.5 r rows,
+  so that most experts take one tile (a second tile reads the weights again: Mixtral at 64
+  tokens, 16 rows per expert, reached 71% of copy bandwidth with 16-row tiles). BLOCK_N is the
+  widest that still gives one program per multiprocessor (one token of Mixtral touches two
+  experts: its down projection needs 32-column tiles to spread 2 x 4096 weight rows over 132
+  SMs; measured best against 16 and 64), and the pipeline is as deep as shared memory allows.
+* mid (r <= 96, BLOCK_M 64): less padding per expert than 128-row tiles.
+* prefill (BLOCK_M 128): compute-bound tiles, 8 warps, grouped launch order so that a group of
+  row tiles reuses one expert's weight tiles from L2; weights through TMA once experts have
+  >= 1024 rows (measured faster there, slightly slower at 128 rows per expert).
+
+The prefill and decode entries are the fastest candidates of ``moeshard bench --tune`` on an
+H200 (2026-11-30, Triton 3.6): bf16 gate_up 128x128x64 w8 s4 TMA 590 TFLOP/s and down
+128x256x64 w8 s3 TMA 653 TFLOP/s on Mixtral prefill; fp8 down 128x128x128 w8 s4 TMA 686
+TFLOP/s; fp8 gate_up (fp8 widened to fp16, see ``grouped_gemm``) 128x64x64 w8 s4 221 TFLOP/s;
+nvfp4 gate_up 128x128x64 and down 128x128x128. The mid entries were chosen from the
+compiler's register report (no spills) and not tuned on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """BLOCK_M x BLOCK_N output tile, BLOCK_K reduction step, GROUP_M launch grouping,
+    num_warps / num_stages as Triton takes them; tma: weight tiles (and contiguous A tiles)
+    through Hopper's tensor memory accelerator instead of per-thread loads."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    tma: bool = False
+
+    def as_dict(self) -> dict:
+        return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "group_m": self.group_m,
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "tma": self.tma}
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Tile shapes of the two GEMMs; they share block_m (the row tiles are the same)."""
+
+    gate_up: GemmConfig
+    down: GemmConfig
+
+    @property
+    def block_m(self) -> int:
+        return self.gate_up.block_m
+
+
+def rows_per_expert(num_rows: int, num_experts: int) -> float:
+    """Expected rows per active expert under balanced routing."""
+    return num_rows / max(1, min(num_rows, num_experts))
+
+
+@functools.cache
+def multiprocessors(device_index: int | None) -> int:
+    """SM count of a CUDA device (132 on an H200); 132 where there is none (CPU interpreter)."""
+    if device_index is None or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Shared memory for the software pipeline, of the 227 KB a block may use on Hopper (the rest
+# is left to the epilogue's layout conversion). Triton keeps num_stages tiles for wgmma
+# (BLOCK_M >= 64) and num_stages - 1 for mma.sync.
+PIPELINE_BYTES = 200 * 1024
+
+
+def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, scheme: str) -> GemmConfig:
+    """A weight-streaming tile: the widest BLOCK_N giving at least one program per SM, with as
+    many pipeline stages as shared memory holds (deeper for narrow tiles)."""
+    widths = (64, 32) if block_m == 64 else (128, 64, 32)  # 64 x 128 fused tiles spill
+    block_n = 16
+    for candidate in widths:
+        if tiles * -(-n // candidate) >= sms:
+            block_n = candidate
+            break
+    if scheme == "nvfp4":
+        # Dequantization holds the unpacked tile in registers; loads are not the limit.
+        return GemmConfig(block_m, block_n, 128, group_m=1, num_warps=4, num_stages=3)
+    elt = 1 if scheme.startswith("fp8") else 2
+    stage = (block_m + (2 if fused else 1) * block_n) * 128 * elt
+    fit = PIPELINE_BYTES // stage + (1 if block_m < 64 else 0)
+    stages = max(2, min(6 if block_n <= 32 else 4, fit))
+    return GemmConfig(block_m, block_n, 128, group_m=1, num_warps=4, num_stages=stages)
+
+
+def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str,
+                  sms: int = 132) -> ExpertsConfig:
+    """Tile shapes for M routed rows over E experts, hidden H, intermediate I (per rank),
+    on a GPU with ``sms`` multiprocessors."""
+    r = rows_per_expert(num_rows, num_experts)
+    fp8 = scheme.startswith("fp8")
+    if r <= 42:
+        # One tile per expert for most experts (loads vary around r): a second tile would read
+        # the expert's weights again.
+        block_m = 16 if 1.5 * r <= 16 else (32 if 1.5 * r <= 32 else 64)
+        tiles = min(num_rows, num_experts)
+        return ExpertsConfig(_streaming(block_m, inter, tiles, sms, True, scheme),
+                             _streaming(block_m, hidden, tiles, sms, False, scheme))
+    if r <= 96:
+        if scheme == "nvfp4":
+            return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 3), GemmConfig(64, 128, 64, 8, 4, 3))
+        if fp8:
+            return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 128, 8, 4, 4))
+        return ExpertsConfig(GemmConfig(64, 128, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4))
+    tma = r >= 1024
+    if scheme == "nvfp4":
+        return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
+    if fp8:
+        return ExpertsConfig(GemmConfig(128, 64, 64, 8, 8, 4), GemmConfig(128, 128, 128, 8, 8, 4, tma=True))
+    return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=tma), GemmConfig(128, 256, 64, 8, 8, 3, tma=tma))

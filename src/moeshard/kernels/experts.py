@@ -1,0 +1,69 @@
+"""``TritonExperts``: the routed experts on Triton kernels, a drop-in for ``GroupedExperts``.
+
+    expert_ids [M] --align_rows--> tile plan (BLOCK_M rows per tile, one expert each)
+    x [M, H] (model dtype or quantized) --gate_up GEMM, act fused, rows gathered--> h [P, I]
+    h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
+    h_q --down GEMM, rows scattered to their original order--> y [M, H]
+
+Four launches for bf16/fp16 (plan, scatter, two GEMMs), five when quantized; no host sync, no
+sort, no gather or unpermute pass over rows. Numerics are the reference's: the gate_up product is
+rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is
+quantized exactly as ``quantize_activations`` would (per-tensor scales per expert).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.experts.grouped import PER_TENSOR_SCHEMES, GroupedExperts
+from moeshard.kernels.align import align_rows
+from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_config
+from moeshard.kernels.grouped_gemm import moe_gemm
+from moeshard.kernels.quant import quantize_h
+from moeshard.quant import QuantizedActivations, quantize_activations
+
+
+class TritonExperts(GroupedExperts):
+    """Routed experts on the fused Triton kernels; bf16/fp16 models, every quant scheme.
+
+    activation: "silu" | "gelu"; out_dtype: bfloat16 or float16.
+    config: fixed tile shapes (the benchmark's tuner passes candidates); None picks them from
+    the shapes (``moeshard.kernels.configs.select_config``).
+    """
+
+    def __init__(self, activation: str, out_dtype: torch.dtype, config: ExpertsConfig | None = None) -> None:
+        if out_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"TritonExperts: out_dtype must be bfloat16 or float16, got {out_dtype}")
+        if activation not in ("silu", "gelu"):
+            raise ValueError(f"TritonExperts: activation {activation!r} is not one of ['silu', 'gelu']")
+        super().__init__(activation, out_dtype)
+        self.config = config
+
+    def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
+        """Returns [M, H] in ``out_dtype``: each row through its expert, unweighted, in input order."""
+        scheme = weights.scheme
+        ids = inp.expert_ids
+        M, E = ids.shape[0], weights.num_experts
+        H, I = weights.hidden_size, weights.intermediate_size
+        x = inp.x
+        device = ids.device
+        if M == 0:
+            return torch.empty(0, H, dtype=self.out_dtype, device=device)
+        if scheme == "none" and x.dtype != self.out_dtype:
+            raise TypeError(f"TritonExperts: activations are {x.dtype}, the model dtype is {self.out_dtype}")
+        if scheme != "none" and not isinstance(x, QuantizedActivations):
+            # defer_input_quant: quantize here, with the layer-wide amax for per-tensor scales.
+            x = quantize_activations(x, scheme, amax=inp.input_amax if scheme in PER_TENSOR_SCHEMES else None)
+        cfg = self.config or select_config(M, E, H, I, scheme,
+                                           multiprocessors(device.index if device.type == "cuda" else None))
+        per_tensor = scheme in PER_TENSOR_SCHEMES
+        amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
+        plan = align_rows(ids, E, cfg.block_m, amax=amax)
+        h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
+        # gate_up feeds a rounding and a requantization: it must be fp32-accurate (fp8_exact).
+        moe_gemm(x, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=True, amax=amax,
+                 fp8_exact=True)
+        h_in = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
+        y = torch.empty(M, H, dtype=self.out_dtype, device=device)
+        return moe_gemm(h_in, weights.down, plan, y, cfg.down, activation=None, gather=False)

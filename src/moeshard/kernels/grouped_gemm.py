@@ -1,0 +1,361 @@
+"""The grouped expert GEMM: ``out[rows of tile] = A[rows] @ W[expert of tile].T`` per row tile.
+
+Legend: M routed rows, P padded positions (see ``align``), E experts, N output columns,
+K reduction; A is [M or P, K], W is [E, N_w, K] (N_w = 2N for the fused gate_up, else N).
+
+One kernel serves both projections and every scheme (constexpr branches, one compiled variant
+each):
+
+* gate_up (``FUSE_ACT``): A rows are gathered through ``sorted_rows``; the program keeps two
+  accumulators, gate columns [n, n + BN) and up columns [N + n, N + n + BN) of W, and writes
+  h = act(gate) * up at the padded positions, each factor rounded to the model dtype first as
+  the reference does. With ``TRACK_AMAX`` it also max-reduces |h| of the tile's real rows into
+  the expert's amax (per-tensor activation scales of the down projection).
+* down (``SCATTER_OUT``): A is h at the padded positions; results go straight to the original
+  row order (no separate unpermute pass).
+
+Schemes (``QUANT``):
+
+=====  ===========  ==============================================================
+QUANT  scheme       arithmetic
+=====  ===========  ==============================================================
+0      none         bf16/fp16 dot, fp32 accumulation
+1      fp8 tensor / e4m3 dot; each BLOCK_K step accumulates into a fresh fp32 tile
+       fp8 token    (Hopper's fp8 MMA keeps fewer accumulator bits), then
+                    acc * a_scale[row] * w_scale[e, n] (per-tensor scales are strided 0)
+2      fp8 block    e4m3 dot per 128-column step, acc += dot * a_scale[row, kb] *
+                    w_scale[e, n // 128, kb]
+1, 2   ``FP8_EXACT`` the same with both operands widened to fp16 (exact) first: fp32-accurate
+                    sums, at the fp16 tensor-core rate. The gate_up GEMM needs it: its output
+                    is rounded to the model dtype and quantized again, and the ~14-bit fp8
+                    accumulation moves enough values across those rounding boundaries to
+                    break the tolerance table (see docs/performance.md).
+3      nvfp4        e2m1 codes and e4m3 block scales dequantized in registers to
+                    fp16 (value * block scale is exact in fp16), fp16 dot, then
+                    acc / (a_global[row] * w_global[e])
+=====  ===========  ==============================================================
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeshard.kernels.align import RowAlignment
+from moeshard.kernels.configs import GemmConfig
+from moeshard.quant import QuantizedActivations, QuantizedWeight
+
+QUANT_MODE = {"none": 0, "fp8_tensor": 1, "fp8_token": 1, "fp8_block": 2, "nvfp4": 3}
+ACTIVATION = {"silu": 0, "gelu": 1}
+
+
+@triton.jit
+def _e2m1_scaled_f16(packed, scale, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """packed uint8 [ROWS, COLS // 2] e2m1 codes (value 2i in the low nibble), scale e4m3
+    [ROWS, COLS // 16] -> fp16 [ROWS, COLS] = e2m1 value * block scale.
+
+    e2m1 (s, e1 e0, m) placed in the fp16 bit pattern as (s, 000 e1 e0, m 000000000) is the value
+    times 2^-14 for every code, the subnormal 0.5 included; multiplying by 2^14 in fp16 is exact.
+    e2m1 value * e4m3 scale has at most 6 significant bits and lies in [2^-10, 2688], so the
+    fp16 product is exact too: no fp32 round trip is needed.
+    """
+    lo = packed & 0xF
+    hi = packed >> 4
+    code = tl.reshape(tl.join(lo, hi), (ROWS, COLS)).to(tl.uint16)
+    bits = ((code & 0x7) << 9) | ((code & 0x8) << 12)
+    value = bits.to(tl.float16, bitcast=True) * 16384.0
+    s = scale.to(tl.float16)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, COLS // 16, 16)), (ROWS, COLS))
+    return value * s
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _gelu_mul(gate, up):
+    return 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+
+
+@triton.jit
+def _load_tile(ptr, ptrs, row, col, rows_ok, cols_ok, TMA: tl.constexpr, MASK_ROWS: tl.constexpr,
+               EVEN_K: tl.constexpr, ZERO: tl.constexpr):
+    """One [R, C] operand tile: through a TMA descriptor at (row, col) (out-of-bounds parts read
+    as zeros), or through ``ptrs`` with the row / column masks the shapes need (masked lanes
+    read ``ZERO``, 0.0 for float tiles and 0 for packed nvfp4 bytes)."""
+    if TMA:
+        return ptr.load([row, col])
+    elif MASK_ROWS and EVEN_K:
+        return tl.load(ptrs, mask=rows_ok[:, None], other=ZERO)
+    elif MASK_ROWS:
+        return tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=ZERO)
+    elif EVEN_K:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=cols_ok[None, :], other=ZERO)
+
+
+# num_tiles varies with the routed rows; specializing on it would compile a variant per value class.
+@triton.jit(do_not_specialize=["num_tiles"])
+def moe_gemm_kernel(
+        a_ptr, a_scale_ptr, a_global_ptr,
+        w_ptr, w_scale_ptr, w_global_ptr,
+        out_ptr, amax_ptr,
+        sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
+        num_tiles, N, K, N_w, up_offset,
+        stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+        stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+        stride_om, stride_on,
+        QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
+        GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
+        EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
+    # blocks together, so each weight tile is read from HBM once per group, not once per tile.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    first = tl.load(start_ptr + expert)
+    count = tl.load(count_ptr + expert)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_p - first < count
+    if GATHER_A or SCATTER_OUT:
+        orig_rows = tl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0).to(tl.int64)
+    # rows: where this tile's A rows (and their scales) live.
+    if GATHER_A:
+        rows = orig_rows
+    else:
+        rows = offs_p.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    # Out-of-range columns read row 0 of the expert instead of masking every load; their
+    # results are never stored.
+    offs_wn = tl.where(n_ok, offs_n, 0).to(tl.int64)
+
+    # nvfp4 stores two values per byte along K: the stored tile is BLOCK_K // 2 wide.
+    PACK: tl.constexpr = 2 if QUANT == 3 else 1
+    ZERO: tl.constexpr = 0 if QUANT == 3 else 0.0
+    BKS: tl.constexpr = BLOCK_K // PACK
+    offs_ks = tl.arange(0, BKS)
+    # With TMA the descriptor addresses the tile itself; 0 stands in for the unused pointers.
+    if TMA_A:
+        a_ptrs = 0
+    else:
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_ks[None, :] * stride_ak
+    if TMA_W:
+        w_ptrs = 0
+    else:
+        w_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_ks[None, :] * stride_wk
+    w_row = expert.to(tl.int32) * N_w + pid_n * BLOCK_N
+    a_row = pid_m * BLOCK_M
+    if QUANT == 3:
+        offs_kq = tl.arange(0, BLOCK_K // 16)
+        as_ptrs = a_scale_ptr + rows[:, None] * stride_asm + offs_kq[None, :] * stride_ask
+        ws_ptrs = w_scale_ptr + expert * stride_wse + offs_wn[:, None] * stride_wsn + offs_kq[None, :] * stride_wsk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 // PACK
+        k_ok = ks + offs_ks < K // PACK
+        a = _load_tile(a_ptr, a_ptrs + ks * stride_ak, a_row, ks, row_ok, k_ok, TMA_A, GATHER_A, EVEN_K, ZERO)
+        b = _load_tile(w_ptr, w_ptrs + ks * stride_wk, w_row, ks, n_ok, k_ok, TMA_W, False, EVEN_K, ZERO)
+        if FUSE_ACT:
+            b_up = _load_tile(w_ptr, w_ptrs + (up_offset * stride_wn + ks * stride_wk), w_row + up_offset, ks,
+                              n_ok, k_ok, TMA_W, False, EVEN_K, ZERO)
+        if QUANT == 3:
+            kq = k0 // 16
+            kq_ok = kq + offs_kq < K // 16
+            a_s = _load_tile(a_scale_ptr, as_ptrs + kq * stride_ask, 0, 0, row_ok, kq_ok, False, True, EVEN_K, 0.0)
+            w_s = _load_tile(w_scale_ptr, ws_ptrs + kq * stride_wsk, 0, 0, n_ok, kq_ok, False, False, EVEN_K, 0.0)
+            a = _e2m1_scaled_f16(a, a_s, BLOCK_M, BLOCK_K)
+            acc = tl.dot(a, tl.trans(_e2m1_scaled_f16(b, w_s, BLOCK_N, BLOCK_K)), acc)
+            if FUSE_ACT:
+                wu_s = _load_tile(w_scale_ptr, ws_ptrs + (up_offset * stride_wsn + kq * stride_wsk), 0, 0, n_ok,
+                                  kq_ok, False, False, EVEN_K, 0.0)
+                acc_up = tl.dot(a, tl.trans(_e2m1_scaled_f16(b_up, wu_s, BLOCK_N, BLOCK_K)), acc_up)
+        elif QUANT == 0:
+            acc = tl.dot(a, tl.trans(b), acc)
+            if FUSE_ACT:
+                acc_up = tl.dot(a, tl.trans(b_up), acc_up)
+        elif FP8_EXACT:
+            # e4m3 -> fp16 is exact and fp16 MMA accumulates in fp32; Hopper's fp8 MMA keeps about
+            # 14 bits while accumulating, which moves gate_up across bf16 rounding boundaries.
+            a = a.to(tl.float16)
+            if QUANT == 1:
+                acc = tl.dot(a, tl.trans(b.to(tl.float16)), acc)
+                if FUSE_ACT:
+                    acc_up = tl.dot(a, tl.trans(b_up.to(tl.float16)), acc_up)
+            else:
+                kb = k0 // 128
+                a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
+                ws_base = w_scale_ptr + expert * stride_wse + kb * stride_wsk
+                w_s = tl.load(ws_base + (offs_wn // 128) * stride_wsn)
+                acc += tl.dot(a, tl.trans(b.to(tl.float16))) * a_s[:, None] * w_s[None, :]
+                if FUSE_ACT:
+                    wu_s = tl.load(ws_base + ((offs_wn + up_offset) // 128) * stride_wsn)
+                    acc_up += tl.dot(a, tl.trans(b_up.to(tl.float16))) * a_s[:, None] * wu_s[None, :]
+        elif QUANT == 1:
+            acc += tl.dot(a, tl.trans(b))
+            if FUSE_ACT:
+                acc_up += tl.dot(a, tl.trans(b_up))
+        else:
+            kb = k0 // 128
+            a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
+            ws_base = w_scale_ptr + expert * stride_wse + kb * stride_wsk
+            w_s = tl.load(ws_base + (offs_wn // 128) * stride_wsn)
+            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * w_s[None, :]
+            if FUSE_ACT:
+                wu_s = tl.load(ws_base + ((offs_wn + up_offset) // 128) * stride_wsn)
+                acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * wu_s[None, :]
+
+    if QUANT == 1:
+        a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
+        ws_base = w_scale_ptr + expert * stride_wse
+        acc = acc * a_s[:, None] * tl.load(ws_base + offs_wn * stride_wsn)[None, :]
+        if FUSE_ACT:
+            acc_up = acc_up * a_s[:, None] * tl.load(ws_base + (offs_wn + up_offset) * stride_wsn)[None, :]
+    elif QUANT == 3:
+        a_g = tl.load(a_global_ptr + rows * stride_ag, mask=row_ok, other=1.0)
+        denom = a_g[:, None] * tl.load(w_global_ptr + expert)
+        acc = acc / denom
+        if FUSE_ACT:
+            acc_up = acc_up / denom
+
+    out_ty = out_ptr.dtype.element_ty
+    if FUSE_ACT:
+        # The reference rounds the gate_up product to the model dtype before the activation,
+        # and the activation's fp32 result to the model dtype again.
+        gate = acc.to(out_ty).to(tl.float32)
+        up = acc_up.to(out_ty).to(tl.float32)
+        if ACT == 0:
+            h = _silu_mul(gate, up)
+        else:
+            h = _gelu_mul(gate, up)
+        result = h.to(out_ty)
+    else:
+        result = acc.to(out_ty)
+    if TRACK_AMAX:
+        seen = tl.where(row_ok[:, None] & n_ok[None, :], tl.abs(result.to(tl.float32)), 0.0)
+        tl.atomic_max(amax_ptr + expert, tl.max(tl.max(seen, axis=1), axis=0), sem="relaxed")
+    if SCATTER_OUT:
+        out_ptrs = out_ptr + orig_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, result, mask=row_ok[:, None] & n_ok[None, :])
+    else:
+        # Padding rows are stored too (their A rows loaded as zeros, so they hold exact zeros):
+        # the next stage may read whole tiles without masking.
+        out_ptrs = out_ptr + offs_p.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, result, mask=n_ok[None, :])
+
+
+def _scale_strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
+    """Strides of a scale tensor broadcast to ``dims`` dimensions (0 where it has size one or is
+    missing), so one kernel handles per-tensor, per-row and per-block scales alike."""
+    if t is None:
+        return (0,) * dims
+    if t.dim() == 0:
+        return (0,) * dims
+    strides = [s if n > 1 else 0 for n, s in zip(t.shape, t.stride())]
+    return tuple(strides + [0] * (dims - len(strides)))
+
+
+def _a_operand(a: torch.Tensor | QuantizedActivations):
+    """(data, scale, global, stride_asm, stride_ask, stride_ag, quant mode) of activations."""
+    if not isinstance(a, QuantizedActivations):
+        return a, a, a, 0, 0, 0, 0
+    mode = QUANT_MODE[a.scheme]
+    if a.scheme == "fp8_tensor":
+        scale = a.tensor_scale
+        sm, sk = _scale_strides(scale, 2)
+        return a.data, scale, scale, sm, sk, 0, mode
+    if a.scheme == "nvfp4":
+        sm, sk = a.row_scale.stride()
+        ag = _scale_strides(a.tensor_scale, 2)[0]  # [] -> 0, [M, 1] -> its row stride
+        return a.data, a.row_scale, a.tensor_scale, sm, sk, ag, mode
+    sm, sk = _scale_strides(a.row_scale, 2)
+    return a.data, a.row_scale, a.row_scale, sm, sk, 0, mode
+
+
+def _w_operand(w: torch.Tensor | QuantizedWeight):
+    """(data, scale, global, (stride_wse, stride_wsn, stride_wsk), quant mode) of weights."""
+    if not isinstance(w, QuantizedWeight):
+        return w, w, w, (0, 0, 0), 0
+    if w.scheme == "nvfp4":
+        return w.data, w.scale, w.global_scale, w.scale.stride(), QUANT_MODE["nvfp4"]
+    return w.data, w.scale, w.scale, _scale_strides(w.scale, 3), QUANT_MODE[w.scheme]
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a 2-D row-major view with a 16-byte aligned base and row stride."""
+    return (t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+            and all(t.stride(d) == t.stride(d + 1) * t.shape[d + 1] for d in range(t.dim() - 2)))
+
+
+def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | QuantizedWeight, plan: RowAlignment,
+             out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
+             amax: torch.Tensor | None = None, fp8_exact: bool = False) -> torch.Tensor:
+    """Launches the grouped GEMM; writes and returns ``out``.
+
+    a: activations [M, K] (``gather=True``: original rows, read through ``plan.sorted_rows``) or
+       [P, K] (``gather=False``: padded positions); model dtype or quantized, same scheme as w.
+    w: [E, N_w, K] model dtype or ``QuantizedWeight``.
+    out: ``activation`` given (gate_up): [P, N_w / 2] in the model dtype, written at padded
+       positions; else (down): [M, N_w], written at the original rows (``plan.sorted_rows``).
+    amax: fp32 [E] zeroed buffer; gate_up max-reduces each expert's |h| into it.
+    config.tma: weights (and, for the down GEMM, the contiguous h tiles) are read through TMA
+       descriptors where the layout allows it; gathered rows always use pointer loads.
+    fp8_exact: fp8 operands are widened to fp16 (exactly) for an fp32-accurate product; without
+       it they go to the fp8 tensor cores, whose accumulation keeps about 14 bits within each
+       BLOCK_K step (the fp32 sum across steps is exact).
+    """
+    a_data, a_scale, a_global, s_am, s_ak, s_ag, a_mode = _a_operand(a)
+    w_data, w_scale, w_global, (s_we, s_wn, s_wk), w_mode = _w_operand(w)
+    if a_mode != w_mode:
+        raise ValueError(f"moe_gemm: activation scheme (mode {a_mode}) and weight scheme (mode {w_mode}) differ")
+    fused = activation is not None
+    e, n_w, k = w.shape
+    n = n_w // 2 if fused else n_w
+    if fused and n_w % 2:
+        raise ValueError(f"moe_gemm: fused gate_up needs an even number of weight rows, got {n_w}")
+    if w_mode == 3 and k % 16:
+        raise ValueError(f"moe_gemm: nvfp4 needs K % 16 == 0, got K={k}")
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    pack = 2 if w_mode == 3 else 1
+    a_arg, w_arg = a_data, w_data
+    tma_a = tma_w = False
+    if config.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        if _tma_ok(w_data):
+            w_arg = TensorDescriptor.from_tensor(w_data.view(e * n_w, k // pack), [bn, bk // pack])
+            tma_w = True
+        if not gather and _tma_ok(a_data):
+            a_arg = TensorDescriptor.from_tensor(a_data, [bm, bk // pack])
+            tma_a = True
+    grid = (plan.max_tiles * triton.cdiv(n, bn),)
+    moe_gemm_kernel[grid](
+        a_arg, a_scale, a_global, w_arg, w_scale, w_global,
+        out, amax if amax is not None else out,
+        plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
+        plan.max_tiles, n, k, n_w, n if fused else 0,
+        a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
+        w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
+        out.stride(0), out.stride(1),
+        QUANT=w_mode, FUSE_ACT=fused, ACT=ACTIVATION[activation] if fused else 0,
+        GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
+        TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out

@@ -1,0 +1,242 @@
+"""The Triton expert kernels on CPU, through Triton's interpreter, plus CPU-side selection logic.
+
+The kernel tests run when ``triton`` is installed (it is in the ``test`` extra; CPU interpreter
+mode needs no GPU) and are skipped with the reason otherwise. ``TRITON_INTERPRET=1`` is set while
+``moeshard.kernels.*`` is imported here, so the kernels are decorated as interpreted functions.
+
+Triton's interpreter takes two numerical shortcuts the GPU does not (seen in Triton 3.9):
+float downcasts (fp32 -> bf16 / fp8) truncate or round half up without carrying into the
+exponent (124.5 / scale rounds to 64 instead of 128 in e4m3), and a bf16 ``tl.dot`` multiplies the
+raw uint16 bit patterns. The kernels' numerics are defined by the GPU's conversions (round to
+nearest even, fp8 saturating), so the ``exact_interpreter`` fixture routes those two operations
+through torch's correctly rounded conversions for the duration of the test; everything else is
+the unmodified interpreter. The same kernels are checked on a GPU by tests/gpu/test_gpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from moeshard.dispatch.base import weighted_sum
+from moeshard.dispatch.local import LocalBackend
+from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
+from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.experts.grouped import PER_TENSOR_SCHEMES, activate
+from moeshard.kernels.configs import select_config
+from moeshard.quant import QuantizedActivations, fake_quantize_activations, quantize_activations, quantize_weight
+from moeshard.router import Routing
+from moeshard.tolerances import compare
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+_KERNEL_MODULES = ("moeshard.kernels.align", "moeshard.kernels.grouped_gemm", "moeshard.kernels.quant",
+                   "moeshard.kernels.combine", "moeshard.kernels.experts")
+_COMPILED_ALREADY = any(m in sys.modules for m in _KERNEL_MODULES) and os.environ.get("TRITON_INTERPRET") != "1"
+
+if HAVE_TRITON and not CUDA and not _COMPILED_ALREADY:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from moeshard.kernels.align import align_rows
+        from moeshard.kernels.combine import combine_topk
+        from moeshard.kernels.configs import ExpertsConfig, GemmConfig
+        from moeshard.kernels.experts import TritonExperts
+        from moeshard.kernels.quant import quantize_h
+    finally:
+        if _saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
+
+if not HAVE_TRITON:
+    _SKIP = "triton is not installed (pip install triton; CPU interpreter mode needs no GPU)"
+elif CUDA:
+    _SKIP = "CUDA is available: tests/gpu/test_gpu_kernels.py checks the compiled kernels"
+else:
+    _SKIP = "moeshard.kernels was imported in compiled mode before this module could select the interpreter"
+needs_interpreter = pytest.mark.skipif(not HAVE_TRITON or CUDA or _COMPILED_ALREADY, reason=_SKIP)
+
+SCHEMES = ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"]
+
+
+@pytest.fixture(autouse=True)
+def interpreter_mode(monkeypatch):
+    """TRITON_INTERPRET=1 while a test runs (Triton reads it again at launch time)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def exact_interpreter(monkeypatch):
+    """Correctly rounded float conversions and dot products inside Triton's interpreter."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    torch_dtype = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                   tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    fp8_max = {tl.float8e4nv: 448.0, tl.float8e5: 57344.0}
+
+    def as_torch(data, dtype):
+        t = torch.from_numpy(np.ascontiguousarray(data))
+        want = torch_dtype[dtype]
+        return t if t.dtype == want else t.view(bits[want.itemsize]).view(want)
+
+    def convert_float(data, src, dst, rounding_mode):
+        x = as_torch(data, src)
+        if dst in fp8_max:  # the GPU's conversion saturates (cvt.rn.satfinite)
+            x = x.float().clamp(-fp8_max[dst], fp8_max[dst])
+        out = x.to(torch_dtype[dst])
+        raw = out.view(bits[out.dtype.itemsize]).numpy()
+        return raw.view(getattr(np, f"uint{8 * out.dtype.itemsize}")).reshape(data.shape)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a32 = as_torch(a.data, a.dtype.scalar).float().numpy()
+        b32 = as_torch(b.data, b.dtype.scalar).float().numpy()
+        return interpreter.TensorHandle(np.matmul(a32, b32).astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert_float)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def expert_reference(x, ids, w: ExpertWeights, activation: str, dtype) -> torch.Tensor:
+    """fp64 [M, H]: each row through its expert with the reference's roundings."""
+    scheme = w.scheme
+    xa = x.dequantize(torch.float32).double() if isinstance(x, QuantizedActivations) else x.double()
+    w13 = (w.gate_up.dequantize() if scheme != "none" else w.gate_up).double()
+    w2 = (w.down.dequantize() if scheme != "none" else w.down).double()
+    y = torch.zeros(ids.shape[0], w2.shape[1], dtype=torch.float64)
+    for e in range(w13.shape[0]):
+        rows = (ids == e).nonzero().flatten()
+        if rows.numel():
+            h = activate((xa[rows] @ w13[e].T).to(dtype), activation, dtype)
+            if scheme != "none":
+                h = fake_quantize_activations(h, scheme, h.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None)
+            y[rows] = h.double() @ w2[e].T
+    return y
+
+
+def _problem(M, E, H, I, dtype, scheme, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=gen).to(dtype)
+    ids = torch.randint(0, E, (M,), generator=gen)
+    ids[: M // 4] = E - 1  # one expert with several tiles, and likely an expert with none
+    gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(dtype)
+    dn = (torch.randn(E, H, I, generator=gen) / I**0.5).to(dtype)
+    if scheme == "none":
+        return x, ids, ExpertWeights(gu, dn)
+    return quantize_activations(x, scheme), ids, ExpertWeights(quantize_weight(gu, scheme), quantize_weight(dn, scheme), scheme)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M,E,bm", [(1, 4, 16), (37, 5, 16), (200, 3, 32), (90, 40, 16)])
+def test_align_rows(M, E, bm):
+    ids = torch.randint(0, E, (M,), generator=torch.Generator().manual_seed(M))
+    plan = align_rows(ids, E, bm)
+    counts = torch.bincount(ids, minlength=E)
+    assert torch.equal(plan.count.long(), counts)
+    tiles = plan.tile_expert.tolist()
+    for e in range(E):
+        s, c = int(plan.start[e]), int(counts[e])
+        assert s % bm == 0
+        assert torch.equal(plan.sorted_rows[s:s + c].long().sort().values, (ids == e).nonzero().flatten())
+        assert tiles[s // bm:(s + c + bm - 1) // bm] == [e] * ((c + bm - 1) // bm)
+    used = sum((int(c) + bm - 1) // bm for c in counts)
+    assert tiles[used:] == [-1] * (len(tiles) - used)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_quantize_h_bit_exact(exact_interpreter, scheme):
+    E, K = 3, 160  # K: one full and one partial 128-column group
+    ids = torch.randint(0, E, (40,), generator=torch.Generator().manual_seed(1))
+    amax = torch.empty(E)
+    plan = align_rows(ids, E, 16, amax=amax)
+    gen = torch.Generator().manual_seed(2)
+    h = (torch.randn(plan.padded_rows, K, generator=gen) * torch.exp(torch.randn(plan.padded_rows, 1, generator=gen))
+         ).to(torch.bfloat16)
+    tile_of = plan.tile_expert.repeat_interleave(16)
+    for e in range(E):
+        amax[e] = h[tile_of == e].float().abs().amax()
+    q = quantize_h(h, scheme, plan, amax)
+    live = tile_of >= 0
+    row_amax = amax[tile_of.clamp(min=0)].unsqueeze(1)[live]
+    ref = quantize_activations(h[live], scheme, amax=row_amax if scheme in PER_TENSOR_SCHEMES else None)
+
+    def bits(t):
+        return t.view(torch.uint8) if t.element_size() == 1 else t
+
+    assert torch.equal(bits(q.data[live]), bits(ref.data))
+    if ref.row_scale is not None:
+        assert torch.equal(bits(q.row_scale[live]), bits(ref.row_scale))
+    if ref.tensor_scale is not None:
+        assert torch.equal(q.tensor_scale[live], ref.tensor_scale)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,scheme", [(torch.bfloat16, s) for s in SCHEMES] + [(torch.float16, "none"),
+                                                                                   (torch.float16, "nvfp4")])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_triton_experts_match_reference(exact_interpreter, dtype, scheme, tma):
+    M, E, H, I = 45, 4, 64, 96  # I = 96: the last 64-wide column tile is partial
+    x, ids, w = _problem(M, E, H, I, dtype, scheme, seed=7)
+    gemm = GemmConfig(16, 64, 32, group_m=2, tma=tma)
+    y = TritonExperts("silu", dtype, ExpertsConfig(gemm, gemm))(ExpertInput(x, ids), w)
+    err, atol, rtol, ok = compare(y, expert_reference(x, ids, w, "silu", dtype), dtype, scheme)
+    assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
+
+
+@needs_interpreter
+def test_triton_experts_gelu_and_deferred_quant(exact_interpreter):
+    x, ids, w = _problem(30, 3, 64, 64, torch.bfloat16, "fp8_tensor", seed=8)
+    x_model = x.dequantize(torch.bfloat16)
+    amax = x_model.abs().amax().float()
+    gemm = GemmConfig(16, 32, 32, group_m=1)
+    y = TritonExperts("gelu", torch.bfloat16, ExpertsConfig(gemm, gemm))(ExpertInput(x_model, ids, amax), w)
+    ref = expert_reference(quantize_activations(x_model, "fp8_tensor", amax=amax), ids, w, "gelu", torch.bfloat16)
+    assert compare(y, ref, torch.bfloat16, "fp8_tensor")[3]
+
+
+@needs_interpreter
+def test_combine_topk():
+    y = torch.randn(12, 40).to(torch.bfloat16)
+    w = torch.rand(4, 3)
+    ref = (y.view(4, 3, 40).double() * w.double()[..., None]).sum(1)
+    assert (combine_topk(y, w).double() - ref).abs().max() < 1e-5
+
+
+def test_local_backend_round_trip():
+    T, K, H = 6, 3, 8
+    x = torch.randn(T, H)
+    routing = Routing(torch.randint(0, 4, (T, K)), torch.rand(T, K))
+    d = LocalBackend(4).dispatch(x, x[:, :2], routing)
+    assert torch.equal(d.x, x.repeat_interleave(K, dim=0))
+    assert torch.equal(d.x_scale, x[:, :2].repeat_interleave(K, dim=0))
+    assert torch.equal(d.expert_ids, routing.topk_ids.reshape(-1))
+    y = torch.randn(T * K, H)
+    expected = weighted_sum(y, routing.topk_weights.reshape(-1), torch.arange(T).repeat_interleave(K), T)
+    torch.testing.assert_close(LocalBackend(4).combine(y, d), expected, rtol=1e-6, atol=1e-6)
+    empty = LocalBackend(4).dispatch(x[:0], None, Routing(routing.topk_ids[:0], routing.topk_weights[:0]))
+    assert LocalBackend(4).combine(torch.empty(0, H), empty).shape == (0, H)
+
+
+def test_selection_on_cpu():
+    assert type(select_kernel("silu", torch.bfloat16, torch.device("cpu"), "none")) is GroupedExperts
+    name, reason = kernel_choice(torch.bfloat16, "cpu", "fp8_block")
+    assert name == "grouped" and "CUDA" in reason
+    # Decode (a few rows per expert) takes 16-row tiles; prefill 128-row tiles.
+    assert select_config(8, 256, 7168, 2048, "none").block_m == 16
+    # 16 rows per expert on average: 32-row tiles, so that most experts take one tile.
+    assert select_config(128, 8, 4096, 14336, "none").block_m == 32
+    assert select_config(16384 * 2, 8, 4096, 14336, "none").block_m == 128
+    # fp8_block steps must stay inside one 128-column scale group.
+    fp8 = select_config(16384 * 2, 8, 4096, 14336, "fp8_block")
+    assert 128 % fp8.gate_up.block_k == 0 and 128 % fp8.down.block_k == 0
+    # One token of Mixtral: two experts; narrow column tiles keep every SM busy.
+    one = select_config(2, 8, 4096, 14336, "none", sms=132)
+    assert 2 * (4096 // one.down.block_n) >= 132
