@@ -22,14 +22,15 @@ LAYER: dict[tuple[str, str], tuple[float, float]] = {
     # bf16: a few roundings of intermediates at 2^-8, scaled up by DeepSeek's routed scaling
     # factor 2.5 (1.6e-2 was exceeded at 300 tokens of the deepseek-v3 preset).
     ("bfloat16", "none"): (2e-2, 2e-2),
-    # Quantized: as above, plus room for one activation whose fp8 bucket flipped because the
-    # value before quantization differed in its last bit (about one e4m3 step, 1/8 relative).
-    ("float32", "fp8_tensor"): (2e-2, 1e-2),
-    ("float32", "fp8_token"): (2e-2, 1e-2),
-    ("float32", "fp8_block"): (2e-2, 1e-2),
-    ("float16", "fp8_tensor"): (2e-2, 1e-2),
-    ("float16", "fp8_token"): (2e-2, 1e-2),
-    ("float16", "fp8_block"): (2e-2, 1e-2),
+    # Quantized: as above, plus room for an activation whose fp8 bucket flipped because the value
+    # before quantization differed in its last bit (one e4m3 step, 1/8 relative). The size of a
+    # flip does not depend on the model dtype, so neither does this allowance.
+    ("float32", "fp8_tensor"): (3e-2, 2e-2),
+    ("float32", "fp8_token"): (3e-2, 2e-2),
+    ("float32", "fp8_block"): (3e-2, 2e-2),
+    ("float16", "fp8_tensor"): (3e-2, 2e-2),
+    ("float16", "fp8_token"): (3e-2, 2e-2),
+    ("float16", "fp8_block"): (3e-2, 2e-2),
     ("bfloat16", "fp8_tensor"): (3e-2, 2e-2),
     ("bfloat16", "fp8_token"): (3e-2, 2e-2),
     ("bfloat16", "fp8_block"): (3e-2, 2e-2),
