@@ -24,10 +24,15 @@ from moeshard.router import route, router_logits
 from moeshard.weights import MoEWeights
 
 
-def _dequantized(w: torch.Tensor, scheme: str) -> torch.Tensor:
-    if scheme == "none":
-        return w.double()
-    return quantize_weight(w, scheme).dequantize(torch.float32).double()
+def _expert(w: torch.Tensor, e: int, scheme: str, device: torch.device) -> torch.Tensor:
+    """fp64 [N, K]: expert ``e`` of ``w`` [E, N, K] as the layer sees it (quantized, dequantized).
+
+    Every scheme's scales are per expert, so quantizing one expert alone gives exactly its part
+    of the whole tensor's quantization; only experts that receive rows are ever materialised."""
+    w = w[e:e + 1].to(device)
+    if scheme != "none":
+        w = quantize_weight(w, scheme).dequantize(torch.float32)
+    return w[0].double()
 
 
 def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None) -> torch.Tensor:
@@ -38,43 +43,44 @@ def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None) -> torc
 
 def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quant: QuantConfig | None = None,
                       intermediate_shards: int = 1, input_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, H] in ``cfg.dtype`` (the domain's tokens) -> fp64 [T, H].
+    """x: [T, H] in ``cfg.dtype`` (the domain's tokens) -> fp64 [T, H] on x's device.
 
-    weights: full weights; intermediate_shards: number of TP slices of I (1 under EP);
-    input_amax: fp32 [] amax of the quantization domain (default: amax of x).
+    weights: full weights (any device); intermediate_shards: number of TP slices of I (1 under
+    EP); input_amax: fp32 [] amax of the quantization domain (default: amax of x).
     """
     quant = quant or QuantConfig()
     scheme, dtype = quant.scheme, cfg.dtype
-    weights = weights.to(dtype=dtype)
+    weights = weights.to(dtype=dtype)  # stays where it is; each expert travels to x's device when used
     T, H = x.shape
-    routing = route(router_logits(x, weights.gate), cfg, weights.correction_bias)
-    w13 = _dequantized(weights.gate_up, scheme)
-    w2 = _dequantized(weights.down, scheme)
+    bias = None if weights.correction_bias is None else weights.correction_bias.to(x.device)
+    routing = route(router_logits(x, weights.gate.to(x.device)), cfg, bias)
     if scheme in PER_TENSOR_SCHEMES and input_amax is None:
-        input_amax = x.abs().amax().float() if x.numel() else torch.zeros(())
+        input_amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
     xq = _fake_quant(x, scheme, input_amax)
-    out = torch.zeros(T, H, dtype=torch.float64)
+    out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
     I = cfg.intermediate_size
     width = I // intermediate_shards
     for e in range(cfg.num_experts):
         tok, k = (routing.topk_ids == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        gate_up = (xq[tok] @ w13[e].T).to(dtype)
+        gate_up = (xq[tok] @ _expert(weights.gate_up, e, scheme, x.device).T).to(dtype)
         gate, up = gate_up[:, :I], gate_up[:, I:]
-        h = torch.empty(tok.numel(), I, dtype=torch.float64)
+        h = torch.empty(tok.numel(), I, dtype=torch.float64, device=x.device)
         for s in range(intermediate_shards):
             cols = slice(s * width, (s + 1) * width)
             hs = activate(torch.cat([gate[:, cols], up[:, cols]], dim=1), cfg.activation, dtype)
             amax = hs.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
             h[:, cols] = _fake_quant(hs, scheme, amax)
-        y = h @ w2[e].T
+        y = h @ _expert(weights.down, e, scheme, x.device).T
         out[tok] += y * routing.topk_weights[tok, k].double().unsqueeze(1)  # tok has no repeats for one expert
     if cfg.has_shared_experts:
         x64 = x.double()
+        w = {name: getattr(weights, name).to(x.device, torch.float64)
+             for name in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, name) is not None}
         act = F.silu if cfg.activation == "silu" else F.gelu
-        shared = (act(x64 @ weights.shared_gate.double().T) * (x64 @ weights.shared_up.double().T)) @ weights.shared_down.double().T
-        if weights.shared_expert_gate is not None:
-            shared = torch.sigmoid(x64 @ weights.shared_expert_gate.double().T) * shared
+        shared = (act(x64 @ w["shared_gate"].T) * (x64 @ w["shared_up"].T)) @ w["shared_down"].T
+        if "shared_expert_gate" in w:
+            shared = torch.sigmoid(x64 @ w["shared_expert_gate"].T) * shared
         out += shared
     return out
