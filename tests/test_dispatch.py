@@ -109,3 +109,22 @@ def test_registry_refusal_reason_is_the_layers():
     from moeshard.dispatch.registry import support
     ok, reason = support("local", QuantConfig("nvfp4"), ParallelConfig(2, 2, True))
     assert not ok and reason == "local runs without expert parallelism only; layout dp2-tp2-ep has EP on"
+
+
+def _disagreeing_quant():
+    from moeshard.config import MoEConfig
+    from moeshard.layer import MoELayer
+    rank = dist.get_rank()
+    groups = ParallelGroups.build(ParallelConfig(dp=1, tp=2, enable_ep=False))
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=64)
+    # rank 1's quant would also fail its own alignment check (fp8_block needs 128-aligned TP
+    # slices): it must still reach the exchange, so rank 0 is not left waiting.
+    MoELayer(cfg, quant=QuantConfig("fp8_block" if rank else "none"), groups=groups)
+
+
+def test_disagreeing_quant_is_named_on_every_rank():
+    with pytest.raises(RankFailure) as info:
+        spawn(_disagreeing_quant, 2, timeout_s=60)
+    assert set(info.value.errors) == {0, 1}, str(info.value)
+    for err in info.value.errors.values():
+        assert "ranks disagree on quant: rank 0=none, rank 1=fp8_block" in err.message

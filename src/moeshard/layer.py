@@ -17,12 +17,14 @@ Inference only: no gradient flows through dispatch and combine.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig, dtype_name
+from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES, MoEConfig, QuantConfig, dtype_name
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.experts import select_kernel
@@ -93,6 +95,14 @@ class SharedExperts(nn.Module):
         return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _code(name: str) -> int:
+    """A stable integer for a name, for the configuration exchange (decoded by ``_NAMES``)."""
+    return zlib.crc32(name.encode())
+
+
+_NAMES = {_code(n): n for n in (*QUANT_SCHEMES, *BACKENDS, *MODEL_DTYPES)}
+
+
 def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> None:
     """One small all-gather at construction: every rank must agree on the layer's configuration.
 
@@ -106,7 +116,7 @@ def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> 
         column = rows[:, i].tolist()
         if len(set(column)) > 1:
             raise ValueError(f"MoELayer (rank {groups.rank}): ranks disagree on {name}: "
-                             + ", ".join(f"rank {r}={v}" for r, v in enumerate(column)))
+                             + ", ".join(f"rank {r}={_NAMES.get(v, v)}" for r, v in enumerate(column)))
 
 
 class MoELayer(nn.Module):
@@ -133,19 +143,20 @@ class MoELayer(nn.Module):
         quant = quant or QuantConfig()
         parallel = groups.config if groups is not None else ParallelConfig()
         rank = groups.rank if groups is not None else 0
-        parallel.validate(parallel.world_size, cfg, rank)
         backend = backend or default_backend(parallel)
-        ok, reason = support(backend, quant, parallel)
-        if not ok:
-            raise ValueError(f"MoELayer (rank {rank}): backend {backend!r}: {reason}")
         if groups is not None:
+            # First, before any rank-local refusal: the checks below are pure functions of what
+            # this exchange proves identical, so every rank then raises (or not) together.
             _check_same_on_all_ranks(groups, {
                 "num_experts": cfg.num_experts, "top_k": cfg.top_k, "hidden_size": cfg.hidden_size,
                 "intermediate_size": cfg.intermediate_size, "shared_width": cfg.shared_width,
-                "dtype": list(("float32", "bfloat16", "float16")).index(dtype_name(cfg.dtype)),
-                "quant": QUANT_SCHEMES.index(quant.scheme), "defer_input_quant": int(quant.defer_input_quant),
-                "backend": list(BACKENDS).index(backend),
+                "dtype": _code(dtype_name(cfg.dtype)), "quant": _code(quant.scheme),
+                "defer_input_quant": int(quant.defer_input_quant), "backend": _code(backend),
                 "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep)})
+        parallel.validate(parallel.world_size, cfg, rank)
+        ok, reason = support(backend, quant, parallel)
+        if not ok:
+            raise ValueError(f"MoELayer (rank {rank}): backend {backend!r}: {reason}")
         self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
         self.device = torch.device(device) if device is not None else (groups.device if groups else torch.device("cpu"))
         weights = weights if weights is not None else MoEWeights.random(cfg)
