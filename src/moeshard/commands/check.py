@@ -50,8 +50,7 @@ def options(args) -> matrix.MatrixOptions:
     world_sizes = _ints(args.world_sizes, "--world-sizes") if args.world_sizes else ((1, 2, 4, 8) if args.full else (1, 2, 4))
     layouts = None
     if args.layouts:
-        sep = ";" if ";" in args.layouts or args.layouts.count(",") > 1 and "dp" not in args.layouts else ","
-        layouts = tuple(matrix.parse_layout(t) for t in args.layouts.split(sep) if t.strip())
+        layouts = matrix.parse_layouts(args.layouts)
         if args.world_sizes is None:
             world_sizes = tuple(sorted({p.world_size for p in layouts}))
     return matrix.MatrixOptions(

@@ -55,6 +55,12 @@ def parse_layout(text: str) -> ParallelConfig:
         raise ValueError(f"--layouts: {text!r} is not a layout; write dp2-tp2-ep, dp1-tp2-noep or 2,2,on") from None
 
 
+def parse_layouts(text: str) -> tuple[ParallelConfig, ...]:
+    """"dp2-tp2-ep,dp1-tp2-noep" (commas) or "2,2,on;1,2,off" (semicolons) -> layouts."""
+    named = text.strip().lower().startswith("dp") and ";" not in text
+    return tuple(parse_layout(t) for t in text.split("," if named else ";") if t.strip())
+
+
 @dataclass(frozen=True)
 class Case:
     """One verification case. ``tokens``: tokens per DP rank; ``reason``: why it is skipped."""
