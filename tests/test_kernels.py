@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+from quant_asserts import assert_same_quantization
 
 from moeshard.dispatch.base import weighted_sum
 from moeshard.dispatch.local import LocalBackend
@@ -167,15 +168,7 @@ def test_quantize_h_bit_exact(exact_interpreter, scheme):
     live = tile_of >= 0
     row_amax = amax[tile_of.clamp(min=0)].unsqueeze(1)[live]
     ref = quantize_activations(h[live], scheme, amax=row_amax if scheme in PER_TENSOR_SCHEMES else None)
-
-    def bits(t):
-        return t.view(torch.uint8) if t.element_size() == 1 else t
-
-    assert torch.equal(bits(q.data[live]), bits(ref.data))
-    if ref.row_scale is not None:
-        assert torch.equal(bits(q.row_scale[live]), bits(ref.row_scale))
-    if ref.tensor_scale is not None:
-        assert torch.equal(q.tensor_scale[live], ref.tensor_scale)
+    assert_same_quantization(q, ref, live)
 
 
 @needs_interpreter
