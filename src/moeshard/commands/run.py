@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import replace
@@ -33,7 +32,7 @@ from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
 from moeshard.dispatch.registry import BACKENDS
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
-from moeshard.parallel.spawn import RankFailure, destroy, init_from_env, spawn
+from moeshard.parallel.spawn import RankFailure, destroy, init_from_env, launched_by_torchrun, spawn
 from moeshard.presets import PRESETS
 
 
@@ -89,11 +88,6 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
                    input_path=args.input, num_tokens=args.tokens, tokens_per_rank=_tokens_per_rank(args.tokens_per_rank),
                    quant=args.quant, defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
                    device=args.device)
-
-
-def _under_torchrun() -> bool:
-    # torchrun's contract is its environment; this is the one place `run` looks at it.
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _as_value_error(failure: RankFailure) -> Exception:
@@ -176,7 +170,7 @@ def _summary(plan: RunPlan, results: list[RankResult], output_path: str | None, 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     plan = plan_run(spec_from_args(args))
-    if _under_torchrun():
+    if launched_by_torchrun():
         results = _execute_torchrun(plan)
         if results is None:
             return 0

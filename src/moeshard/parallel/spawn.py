@@ -295,13 +295,19 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), dev
     return [results[r] for r in range(world_size)]
 
 
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun world (torchrun's contract is its
+    environment: ``RANK`` and ``WORLD_SIZE`` are set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     """Joins the process group torchrun describes (``env://``) and returns this rank's device.
 
     Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (``MASTER_ADDR``/``MASTER_PORT`` are read
     by torch's env:// rendezvous, used unchanged).  ``backend=None`` picks nccl when CUDA is
     available, else gloo; with nccl the current CUDA device is set to ``LOCAL_RANK``.  This is the
-    only place moeshard reads environment variables.
+    only place moeshard reads environment variables (with ``launched_by_torchrun``).
     """
     if dist.is_initialized():
         raise RuntimeError("init_from_env: the default process group is already initialised")
