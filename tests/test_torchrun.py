@@ -22,3 +22,24 @@ def test_torchrun_two_ranks_sequence_parallel_and_tp():
         ids = {r["id"].split("/")[0] for r in report["results"]}
         assert ids == {"dp1-tp2-ep", "dp2-tp1-ep", "dp1-tp2-noep"}, ids
         assert all(r["ok"] for r in report["results"]), report
+
+
+def test_moeshard_run_under_torchrun_matches_one_process(tmp_path):
+    """`torchrun -m moeshard run` joins torchrun's world and writes what one process writes."""
+    from safetensors.torch import load_file
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    common = ["run", "--random", "qwen2-57b-a14b", "--tokens", "9", "--seed", "3"]
+    one = subprocess.run([sys.executable, "-m", "moeshard", *common, "--output", str(tmp_path / "one.safetensors")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                         "-m", "moeshard", *common, "--dp", "1", "--tp", "2", "--ep",
+                         "--output", str(tmp_path / "tr.safetensors")],
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert tr.returncode == 0, tr.stdout[-2000:] + tr.stderr[-2000:]
+    a = load_file(str(tmp_path / "one.safetensors"))["hidden_states"]
+    b = load_file(str(tmp_path / "tr.safetensors"))["hidden_states"]
+    assert a.shape == b.shape == (9, 128)
+    assert (a - b).abs().max() < 1e-5
