@@ -138,3 +138,11 @@ def test_ctrl_c_stops_every_rank(tmp_path):
         time.sleep(0.2)
     else:
         raise AssertionError("processes of the interrupted run are still alive")
+
+
+def test_full_uses_larger_shapes_and_world_size_8(capsys):
+    assert main(["check", "--full", "--list", "--quants", "none", "--dtypes", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "@medium/" in out and "dp8-tp1-ep/" in out and "dp2-tp4-ep/" in out
+    ids = [line.split()[0] for line in out.splitlines() if line.startswith("dp4-tp1-ep/all2all/none/")]
+    assert len({i.split("/")[4] for i in ids}) == 4  # every preset, not one in rotation

@@ -1,7 +1,9 @@
 """Named model shapes, shared by ``moeshard check``, ``run --random`` and ``bench``.
 
-Each preset has its real size and a scaled-down CPU size with the same routing features
-(scoring, grouping, shared experts), small enough for the CPU verification matrix.
+Each preset has its real size (``full``), a scaled-down CPU size with the same routing features
+(scoring, grouping, shared experts) small enough for the CPU verification matrix (``small``),
+and ``medium``: 4x the hidden size, 2x the intermediate sizes and up to 2x the experts of
+``small``, for the longer CPU runs (``moeshard check --full``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import torch
 from moeshard.config import MoEConfig
 
 
+SIZES = ("small", "medium", "full")
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -20,10 +25,17 @@ class Preset:
     small: MoEConfig
     summary: str
 
+    @property
+    def medium(self) -> MoEConfig:
+        s = self.small
+        return replace(s, hidden_size=4 * s.hidden_size, intermediate_size=2 * s.intermediate_size,
+                       num_experts=min(2 * s.num_experts, self.full.num_experts),
+                       shared_intermediate_size=2 * s.shared_intermediate_size)
+
     def config(self, size: str = "small", dtype: torch.dtype | None = None) -> MoEConfig:
-        if size not in ("small", "full"):
-            raise ValueError(f"preset size: {size!r} is not one of ['small', 'full']")
-        cfg = self.full if size == "full" else self.small
+        if size not in SIZES:
+            raise ValueError(f"preset size: {size!r} is not one of {list(SIZES)}")
+        cfg = {"small": self.small, "medium": self.medium, "full": self.full}[size]
         return replace(cfg, dtype=dtype) if dtype is not None else cfg
 
 

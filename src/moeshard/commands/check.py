@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moeshard.harness import cases as matrix
 from moeshard.harness import report
 from moeshard.harness.runner import Runner
+from moeshard.presets import SIZES
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -36,8 +37,10 @@ def add_parser(sub) -> None:
     p.add_argument("--presets", default=None, help="comma list of model shape presets")
     p.add_argument("--tokens-per-rank", default=None, help="pin token counts per DP rank, e.g. 0,5 or 1,0,3,2")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--full", action="store_true", help="add world size 8 and every preset for each combination "
-                                                       "(on cuda: full-size shapes)")
+    p.add_argument("--full", action="store_true", help="add world size 8, every preset for each combination and "
+                                                       "larger shapes (medium on cpu, full size on cuda)")
+    p.add_argument("--size", default=None, choices=list(SIZES), help="preset size (default small; --full: medium on "
+                                                                    "cpu, full on cuda)")
     p.add_argument("--only", default=None, help="comma list of case ids to run")
     p.add_argument("--list", action="store_true", help="list the cases (and skip reasons) without running")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -56,7 +59,7 @@ def options(args) -> matrix.MatrixOptions:
     return matrix.MatrixOptions(
         world_sizes=world_sizes, layouts=layouts, backends=_names(args.backends), quants=_names(args.quants),
         dtypes=_names(args.dtypes), presets=_names(args.presets),
-        size="full" if args.full and args.device == "cuda" else "small",
+        size=args.size or (("full" if args.device == "cuda" else "medium") if args.full else "small"),
         tokens_per_rank=_ints(args.tokens_per_rank, "--tokens-per-rank") if args.tokens_per_rank else None,
         all_presets=args.full, seed=args.seed)
 
