@@ -110,15 +110,32 @@ def test_cli_list_and_tokens_per_rank(capsys):
     assert "dp2-tp2-ep/all2all/nvfp4/float32/" in out and "/t0,1" in out and "cases valid" in out
 
 
+def _processes_in_group(pgid: int) -> list[int]:
+    import os
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
 def test_ctrl_c_stops_every_rank(tmp_path):
     import os
     import signal
     import subprocess
     import sys
     env = dict(os.environ, PYTHONPATH=str(__import__("pathlib").Path(__file__).parents[1] / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "moeshard", "check", "--world-sizes", "4", "--dtypes", "float32"],
+    # medium shapes: far more work than can finish while the test waits for the ranks
+    proc = subprocess.Popen([sys.executable, "-m", "moeshard", "check", "--world-sizes", "4", "--size", "medium"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    time.sleep(12)  # ranks are spawned and running cases by now
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(_processes_in_group(proc.pid)) < 5:  # the CLI and its 4 ranks
+        time.sleep(0.5)
+    time.sleep(3)  # ranks are inside their cases by now
     assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
     os.killpg(proc.pid, signal.SIGINT)
     try:
