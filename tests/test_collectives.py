@@ -11,11 +11,11 @@ import functools
 import os
 import time
 
+import multirank
 import pytest
 import torch
 import torch.distributed as dist
 
-import multirank
 from moeshard.config import MoEConfig
 from moeshard.parallel.collectives import all_gatherv
 from moeshard.parallel.config import ParallelConfig

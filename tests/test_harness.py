@@ -4,9 +4,9 @@ its command line keeps its contract."""
 import json
 import time
 
+import faults
 import pytest
 
-import faults
 from moeshard.cli import main
 from moeshard.harness.cases import MatrixOptions, generate, parse_layout, select_ids
 from moeshard.harness.runner import Runner

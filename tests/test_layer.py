@@ -1,7 +1,6 @@
 """MoELayer on one device: every router x quant x dtype x token count against the reference,
 transformers state dicts, quantization error bounds, refusals."""
 
-import itertools
 
 import pytest
 import torch

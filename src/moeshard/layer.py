@@ -26,8 +26,8 @@ from torch import nn
 
 from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES, MoEConfig, QuantConfig, dtype_name
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
-from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.experts import select_kernel
+from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.experts.grouped import PER_TENSOR_SCHEMES
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups

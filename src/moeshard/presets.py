@@ -14,7 +14,6 @@ import torch
 
 from moeshard.config import MoEConfig
 
-
 SIZES = ("small", "medium", "full")
 
 

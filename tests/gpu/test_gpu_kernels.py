@@ -21,13 +21,13 @@ CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 if CUDA:
+    from moeshard.bench.tune import SWEEPS
     from moeshard.config import QuantConfig
     from moeshard.experts import GroupedExperts, select_kernel
     from moeshard.experts.base import ExpertInput, ExpertWeights
     from moeshard.experts.grouped import PER_TENSOR_SCHEMES, activate
     from moeshard.kernels.align import align_rows
     from moeshard.kernels.combine import combine_topk
-    from moeshard.bench.tune import SWEEPS
     from moeshard.kernels.configs import ExpertsConfig, GemmConfig, select_config
     from moeshard.kernels.experts import TritonExperts
     from moeshard.kernels.quant import quantize_h

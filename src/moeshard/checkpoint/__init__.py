@@ -18,9 +18,9 @@ Example (one rank)::
 
 from moeshard.checkpoint.hf_config import SUPPORTED_MODEL_TYPES, HFMoEModel, parse_hf_config, read_hf_config
 from moeshard.checkpoint.loader import LoadedBlock, build_layer, load_moe_block, resolve_quant
-from moeshard.sharding import shard_spec
 from moeshard.checkpoint.names import BlockNames, resolve_block_names
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
+from moeshard.sharding import shard_spec
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "BlockNames", "HFMoEModel", "LoadedBlock", "SafetensorsCheckpoint", "build_layer",

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 may
 # only have the old one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
