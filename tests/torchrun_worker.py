@@ -25,7 +25,9 @@ def main() -> int:
             continue
         r = run_case(case, rank, device, cache.get(case.parallel))
         results.append({"id": case.id, "ok": r.ok, "err": r.max_abs_err, "rows": r.rows})
-    print("RESULT " + json.dumps({"rank": rank, "results": results}), flush=True)
+    # One file per rank: two ranks printing to torchrun's shared stdout can interleave lines.
+    with open(f"{sys.argv[2]}/rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "results": results}, f)
     destroy()
     return 0
 
