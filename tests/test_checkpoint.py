@@ -37,7 +37,7 @@ from moeshard.config import QuantConfig
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.spawn import RankFailure, spawn
 from moeshard.quant import QuantizedWeight
-from moeshard.reference import reference_forward
+from moeshard.reference import Reference, reference_forward
 from moeshard.sharding import shard_experts
 from moeshard.tolerances import compare
 from moeshard.weights import MoEWeights
@@ -280,8 +280,8 @@ def _plan(case: Case, ckpts: dict[str, Ckpt]) -> RunPlan:
     return plan_run(spec)
 
 
-def _expected(case: Case, c: Ckpt) -> tuple[torch.Tensor, str]:
-    """(fp64 [T, H] expected output, quant scheme for the tolerance)."""
+def _expected(case: Case, c: Ckpt) -> tuple[torch.Tensor | Reference, str]:
+    """(fp64 [T, H] expected output (transformers') or the reference, quant scheme for the tolerance)."""
     dp, tp, ep = case.layout
     scheme = case.quant or c.quant
     if scheme == "none":
@@ -297,7 +297,7 @@ def _expected(case: Case, c: Ckpt) -> tuple[torch.Tensor, str]:
     for n in case.tokens:
         parts.append(reference_forward(c.x[start:start + n], c.ref_weights, cfg, quant, intermediate_shards=shards))
         start += n
-    return torch.cat(parts), scheme
+    return Reference.cat(parts), scheme
 
 
 @pytest.fixture(scope="module")
@@ -340,9 +340,10 @@ def test_block_matches_transformers_under_layout(matrix, ckpts, ws, case_id):
         assert r.rank == rank
     out = results[0].output
     expected, scheme = _expected(case, ckpts[case.ckpt])
-    assert out.shape == (T, expected.shape[1]) and out.dtype == torch.float32
+    plain = expected.out if isinstance(expected, Reference) else expected
+    assert out.shape == (T, plain.shape[1]) and out.dtype == torch.float32
     err, atol, rtol, ok = compare(out, expected, torch.float32, scheme)
-    worst = int((out.double() - expected).abs().amax(dim=1).argmax())
+    worst = int((out.double() - plain).abs().amax(dim=1).argmax())
     assert ok, f"{case_id}: max |out - expected| = {err:.3g} > {atol} + {rtol}*|expected| (worst row {worst})"
     dp, tp, ep = case.layout
     E = ckpts[case.ckpt].ref_weights.gate.shape[0]

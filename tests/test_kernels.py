@@ -27,9 +27,13 @@ from moeshard.dispatch.base import weighted_sum
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
 from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES, activate
+from moeshard.experts.grouped import PER_TENSOR_SCHEMES
 from moeshard.kernels.configs import select_config
-from moeshard.quant import QuantizedActivations, fake_quantize_activations, quantize_activations, quantize_weight
+from moeshard.quant import (
+    quantize_activations,
+    quantize_weight,
+)
+from moeshard.reference import expert_reference
 from moeshard.router import Routing
 from moeshard.tolerances import compare
 
@@ -103,23 +107,6 @@ def exact_interpreter(monkeypatch):
 
     monkeypatch.setattr(interpreter, "_convert_float", convert_float)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-
-
-def expert_reference(x, ids, w: ExpertWeights, activation: str, dtype) -> torch.Tensor:
-    """fp64 [M, H]: each row through its expert with the reference's roundings."""
-    scheme = w.scheme
-    xa = x.dequantize(torch.float32).double() if isinstance(x, QuantizedActivations) else x.double()
-    w13 = (w.gate_up.dequantize() if scheme != "none" else w.gate_up).double()
-    w2 = (w.down.dequantize() if scheme != "none" else w.down).double()
-    y = torch.zeros(ids.shape[0], w2.shape[1], dtype=torch.float64)
-    for e in range(w13.shape[0]):
-        rows = (ids == e).nonzero().flatten()
-        if rows.numel():
-            h = activate((xa[rows] @ w13[e].T).to(dtype), activation, dtype)
-            if scheme != "none":
-                h = fake_quantize_activations(h, scheme, h.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None)
-            y[rows] = h.double() @ w2[e].T
-    return y
 
 
 def _problem(M, E, H, I, dtype, scheme, seed):

@@ -20,7 +20,7 @@ from moeshard.checkpoint.run_job import random_weights
 from moeshard.commands import run as run_command
 from moeshard.config import QuantConfig
 from moeshard.presets import get_preset
-from moeshard.reference import reference_forward
+from moeshard.reference import Reference, reference_forward
 from moeshard.tolerances import compare
 
 
@@ -165,8 +165,8 @@ def test_run_random_on_two_gpus_matches_reference(tmp_path, layout, quant, dtype
         ref = reference_forward(x, weights, cfg, q)
     else:  # per-tensor activation scales are per DP rank without EP
         sizes = [int(n) for n in meta["tokens_per_dp_rank"].split(",")]
-        ref = torch.cat([reference_forward(part, weights, cfg, q, intermediate_shards=tp)
-                         for part in torch.split(x, sizes)])
+        ref = Reference.cat([reference_forward(part, weights, cfg, q, intermediate_shards=tp)
+                             for part in torch.split(x, sizes)])
     err, atol, rtol, ok = compare(got["hidden_states"], ref, getattr(torch, dtype), quant)
     assert ok, f"{meta}: max error {err} > {atol} + {rtol} |ref|"
 

@@ -9,19 +9,58 @@ apart from quantization error and tolerances stay tight:
   is, split into ``intermediate_shards`` column slices (the TP slices of I), and each slice is
   quantized with per-tensor scales taken per expert over that expert's rows.
 
+Ambiguous roundings. A correct kernel computes the gate_up sums in another order and precision
+than fp64, so a sum that lies within that accumulation error of a rounding boundary (of the
+model dtype, then of the fp8 / nvfp4 grid of h) may legitimately round either way, and one such
+flip moves the output by a whole quantization step of h times a column of the down weights.
+The reference therefore also evaluates h at the four corners of the error box of every sum
+(gate and up each shifted by -+ ``accumulation * sum |x| |w|``), each corner rounded and
+quantized with its own scales, and reports ``slack = sum_k w_k * (|q_corner - q| @ |W2|^T
++ accumulation * |q| @ |W2|^T)``: nonzero only where a rounding is in doubt, plus the down
+GEMM's own accumulation error. ``moeshard.tolerances.compare`` adds it to the table's bound.
+(A flip of an element and an opposite flip of its scale group's amax in the same row is a
+second-order event that the corners do not cover.)
+
 ``quantization_error`` compares the quantized and unquantized references separately.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from moeshard.config import MoEConfig, QuantConfig
+from moeshard.experts.base import ExpertWeights
 from moeshard.experts.grouped import PER_TENSOR_SCHEMES, activate
-from moeshard.quant import fake_quantize_activations, quantize_weight
+from moeshard.quant import (
+    QuantizedActivations,
+    fake_quantize_activations,
+    quantize_weight,
+)
 from moeshard.router import route, router_logits
+from moeshard.tolerances import ACCUMULATION
 from moeshard.weights import MoEWeights
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a correct layer returns, and how far ambiguous roundings let it stray.
+
+    out: fp64 [T, H] the reference output; slack: fp64 [T, H] >= 0 (see the module docstring),
+    added to the tolerance table's bound by ``moeshard.tolerances.compare``.
+    """
+
+    out: torch.Tensor
+    slack: torch.Tensor
+
+    def rows(self, start: int, stop: int) -> Reference:
+        return Reference(self.out[start:stop], self.slack[start:stop])
+
+    @staticmethod
+    def cat(parts: list[Reference]) -> Reference:
+        return Reference(torch.cat([p.out for p in parts]), torch.cat([p.slack for p in parts]))
 
 
 def _expert(w: torch.Tensor, e: int, scheme: str, device: torch.device) -> torch.Tensor:
@@ -41,12 +80,72 @@ def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None) -> torc
     return fake_quantize_activations(x, scheme, amax=amax if scheme in PER_TENSOR_SCHEMES else None).double()
 
 
+def _intermediate(gate_up: torch.Tensor, activation: str, dtype: torch.dtype, scheme: str,
+                  shards: int) -> torch.Tensor:
+    """fp64 gate_up sums [R, 2I] of one expert's rows -> fp64 [R, I]: h rounded to ``dtype``
+    and quantized per TP slice of I as the layer does (per-tensor scales over the slice)."""
+    gate_up = gate_up.to(dtype)
+    I = gate_up.shape[1] // 2
+    width = I // shards
+    h = torch.empty(gate_up.shape[0], I, dtype=torch.float64, device=gate_up.device)
+    for s in range(shards):
+        cols = slice(s * width, (s + 1) * width)
+        hs = activate(torch.cat([gate_up[:, cols], gate_up[:, I:][:, cols]], dim=1), activation, dtype)
+        amax = hs.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
+        h[:, cols] = _fake_quant(hs, scheme, amax)
+    return h
+
+
+def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str, dtype: torch.dtype,
+                scheme: str, shards: int = 1, accumulation: float = ACCUMULATION["fp32"]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's rows with the layer's roundings, and their slack.
+
+    x: fp64 [R, H] the rows as the expert sees them (dequantized); w13: fp64 [2I, H] gate and up
+    rows; w2: fp64 [H, I]; shards: TP slices of I quantized separately; accumulation: relative
+    accumulation error of the kernel's sums, as a fraction of sum |a| |b| (``ACCUMULATION``).
+    Returns (y, slack), both fp64 [R, H], unweighted.
+    """
+    exact = x @ w13.T
+    h = _intermediate(exact, activation, dtype, scheme, shards)
+    delta = accumulation * (x.abs() @ w13.abs().T)
+    I = w2.shape[1]
+    doubt = torch.zeros_like(h)
+    for gate_sign, up_sign in ((-1, -1), (-1, 1), (1, -1), (1, 1)):
+        shift = delta.clone()
+        shift[:, :I] *= gate_sign
+        shift[:, I:] *= up_sign
+        doubt = torch.maximum(doubt, (_intermediate(exact + shift, activation, dtype, scheme, shards) - h).abs())
+    w2_abs = w2.abs()
+    slack = doubt @ w2_abs.T + accumulation * (h.abs() @ w2_abs.T)
+    return h @ w2.T, slack
+
+
+def expert_reference(x: torch.Tensor | QuantizedActivations, expert_ids: torch.Tensor, weights: ExpertWeights,
+                     activation: str, dtype: torch.dtype, accumulation: float = ACCUMULATION["fp32"]) -> Reference:
+    """The routed experts alone: row m of ``x`` ([M, H], model dtype or quantized) through expert
+    ``expert_ids[m]`` of ``weights`` (per-tensor scales of h per expert), unweighted -> fp64 [M, H]."""
+    scheme = weights.scheme
+    xa = x.dequantize(torch.float32).double() if isinstance(x, QuantizedActivations) else x.double()
+    w13 = (weights.gate_up.dequantize() if scheme != "none" else weights.gate_up).double()
+    w2 = (weights.down.dequantize() if scheme != "none" else weights.down).double()
+    out = torch.zeros(expert_ids.shape[0], w2.shape[1], dtype=torch.float64, device=expert_ids.device)
+    slack = torch.zeros_like(out)
+    for e in range(w13.shape[0]):
+        rows = (expert_ids == e).nonzero().flatten()
+        if rows.numel():
+            out[rows], slack[rows] = expert_rows(xa[rows], w13[e], w2[e], activation, dtype, scheme,
+                                                 accumulation=accumulation)
+    return Reference(out, slack)
+
+
 def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quant: QuantConfig | None = None,
-                      intermediate_shards: int = 1, input_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, H] in ``cfg.dtype`` (the domain's tokens) -> fp64 [T, H] on x's device.
+                      intermediate_shards: int = 1, input_amax: torch.Tensor | None = None,
+                      accumulation: float = ACCUMULATION["fp32"]) -> Reference:
+    """x: [T, H] in ``cfg.dtype`` (the domain's tokens) -> ``Reference`` of [T, H] on x's device.
 
     weights: full weights (any device); intermediate_shards: number of TP slices of I (1 under
-    EP); input_amax: fp32 [] amax of the quantization domain (default: amax of x).
+    EP); input_amax: fp32 [] amax of the quantization domain (default: amax of x);
+    accumulation: the expert kernel's accumulation error (``MoELayer.accumulation``).
     """
     quant = quant or QuantConfig()
     scheme, dtype = quant.scheme, cfg.dtype
@@ -58,22 +157,17 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
         input_amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
     xq = _fake_quant(x, scheme, input_amax)
     out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
-    I = cfg.intermediate_size
-    width = I // intermediate_shards
+    slack = torch.zeros_like(out)
     for e in range(cfg.num_experts):
         tok, k = (routing.topk_ids == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        gate_up = (xq[tok] @ _expert(weights.gate_up, e, scheme, x.device).T).to(dtype)
-        gate, up = gate_up[:, :I], gate_up[:, I:]
-        h = torch.empty(tok.numel(), I, dtype=torch.float64, device=x.device)
-        for s in range(intermediate_shards):
-            cols = slice(s * width, (s + 1) * width)
-            hs = activate(torch.cat([gate[:, cols], up[:, cols]], dim=1), cfg.activation, dtype)
-            amax = hs.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
-            h[:, cols] = _fake_quant(hs, scheme, amax)
-        y = h @ _expert(weights.down, e, scheme, x.device).T
-        out[tok] += y * routing.topk_weights[tok, k].double().unsqueeze(1)  # tok has no repeats for one expert
+        y, s = expert_rows(xq[tok], _expert(weights.gate_up, e, scheme, x.device),
+                           _expert(weights.down, e, scheme, x.device), cfg.activation, dtype, scheme,
+                           intermediate_shards, accumulation)
+        w = routing.topk_weights[tok, k].double().unsqueeze(1)
+        out[tok] += y * w  # tok has no repeats for one expert
+        slack[tok] += s * w.abs()
     if cfg.has_shared_experts:
         x64 = x.double()
         w = {name: getattr(weights, name).to(x.device, torch.float64)
@@ -83,4 +177,4 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
         if "shared_expert_gate" in w:
             shared = torch.sigmoid(x64 @ w["shared_expert_gate"].T) * shared
         out += shared
-    return out
+    return Reference(out, slack)

@@ -75,16 +75,16 @@ def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups
     shards = 1 if p.enable_ep else p.tp
     full_ref = reference_forward(domain, weights, cfg, case.quant, intermediate_shards=shards)
     T = case.tokens[dp_rank]
-    ref = full_ref[offset:offset + T]
+    ref = full_ref.rows(offset, offset + T)
     quant_error = None
     if rank == 0 and case.quant.quantized and domain.shape[0]:
         plain = reference_forward(domain, weights, cfg, QuantConfig(), intermediate_shards=shards)
-        quant_error = relative_rms(full_ref, plain)
+        quant_error = relative_rms(full_ref.out, plain.out)
     if tuple(out.shape) != (T, cfg.hidden_size):
         return RankResult(rank, out.shape[0] if out.dim() else 0, T, float("inf"), 0.0, 0.0, False, -1, quant_error,
                           f"rank {rank} returned shape {tuple(out.shape)}, expected {(T, cfg.hidden_size)}")
     err, atol, rtol, ok = compare(out, ref, cfg.dtype, case.quant.scheme)
-    worst = int((out.double() - ref).abs().amax(dim=1).argmax()) if T else -1
+    worst = int((out.double() - ref.out).abs().amax(dim=1).argmax()) if T else -1
     detail = ""
     if quant_error is not None and quant_error > QUANT_ERROR[case.quant.scheme]:
         ok = False

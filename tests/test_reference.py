@@ -1,0 +1,85 @@
+"""The reference's slack: ambiguous roundings priced exactly, nothing else let through.
+
+* hand-computed: a gate sum exactly halfway between two bf16 values may round either way, and
+  the slack is that difference through the activation times the down weight; a sum far from
+  any boundary gets only the down GEMM's accumulation term;
+* property: a result computed with gate_up sums that differ from the exact ones within the
+  accumulation contract (as a correct kernel's do) passes ``compare``, also where flips of fp8 /
+  nvfp4 buckets make it fail the table alone; a real bug (one expert scaled by 1 + 2^-5) fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeshard.experts.grouped import PER_TENSOR_SCHEMES, activate
+from moeshard.quant import fake_quantize_activations, quantize_activations, quantize_weight
+from moeshard.reference import Reference, expert_rows
+from moeshard.tolerances import ACCUMULATION, compare
+
+BF16 = torch.bfloat16
+U = ACCUMULATION["fp32"]
+
+
+def _one_unit(gate: float, up: float, down: float):
+    """H = I = 1, x = [[1]]: the gate and up sums are exactly ``gate`` and ``up``."""
+    x = torch.ones(1, 1, dtype=torch.float64)
+    w13 = torch.tensor([[gate], [up]], dtype=torch.float64)
+    w2 = torch.tensor([[down]], dtype=torch.float64)
+    return expert_rows(x, w13, w2, "silu", BF16, "none")
+
+
+def _h(gate: float, up: float) -> float:
+    return float(activate(torch.tensor([[gate, up]], dtype=BF16), "silu", BF16).double())
+
+
+def test_a_sum_halfway_between_bf16_values_may_round_either_way():
+    halfway = 1 + 2**-8  # between the bf16 neighbours 1 and 1 + 2^-7
+    y, slack = _one_unit(halfway, 1.0, 3.0)
+    lo, hi = _h(1.0, 1.0), _h(1 + 2**-7, 1.0)
+    assert float(y) == 3.0 * lo  # round half to even: the gate becomes 1.0
+    assert float(slack) == pytest.approx(3.0 * abs(hi - lo) + U * 3.0 * abs(lo), rel=1e-12)
+    assert 3.0 * abs(hi - lo) > 0.02  # a whole bf16 step of h: more than the table's bf16 atol
+
+
+def test_a_sum_away_from_boundaries_gets_only_the_accumulation_term():
+    y, slack = _one_unit(1.25, 1.0, 3.0)
+    assert float(slack) == pytest.approx(U * 3.0 * abs(_h(1.25, 1.0)), rel=1e-12)
+    assert float(slack) < 2e-5  # against a whole bf16 step of y (~0.02)
+
+
+def _layer_like(x, w13, w2, scheme: str, noise: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """What a kernel with gate_up sums ``exact + noise`` computes (then the layer's roundings)."""
+    gate_up = (x @ w13.T + noise).to(BF16)
+    h = activate(gate_up, "silu", BF16)
+    if scheme != "none":
+        amax = h.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
+        h = fake_quantize_activations(h, scheme, amax=amax)
+    return (h.double() @ w2.T * scale).to(BF16)
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_results_within_the_accumulation_contract_pass_and_a_bug_does_not(scheme):
+    gen = torch.Generator().manual_seed(3)
+    R, H, I = 512, 256, 384
+    x, w13, w2 = torch.randn(R, H, generator=gen), torch.randn(2 * I, H, generator=gen) / H**0.5, \
+        torch.randn(H, I, generator=gen) / I**0.5
+    if scheme != "none":
+        x = quantize_activations(x.to(BF16), scheme).dequantize(torch.float32)
+        w13 = quantize_weight(w13.to(BF16)[None], scheme).dequantize(torch.float32)[0]
+        w2 = quantize_weight(w2.to(BF16)[None], scheme).dequantize(torch.float32)[0]
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    y, slack = expert_rows(x, w13, w2, "silu", BF16, scheme)
+    ref = Reference(y, slack)
+    # Sums off by up to 90% of the contract, with random signs: a legitimate kernel.
+    bound = U * (x.abs() @ w13.abs().T)
+    noise = 0.9 * bound * (torch.rand(bound.shape, generator=gen, dtype=torch.float64) * 2 - 1)
+    # Scaled up so that this small problem shows flips (the contract itself is tiny).
+    noisy = _layer_like(x, w13, w2, scheme, noise * 2**10)
+    wide = Reference(*expert_rows(x, w13, w2, "silu", BF16, scheme, accumulation=U * 2**10))
+    assert compare(_layer_like(x, w13, w2, scheme, noise), ref, BF16, scheme)[3]
+    assert compare(noisy, wide, BF16, scheme)[3]
+    if scheme != "none":  # flips of fp8 / nvfp4 buckets exceed the table alone
+        assert not compare(noisy, wide.out, BF16, scheme)[3]
+    assert not compare(_layer_like(x, w13, w2, scheme, noise, scale=1 + 2**-5), ref, BF16, scheme)[3]
