@@ -22,11 +22,14 @@ from moeshard.quant import QuantizedActivations, quantize_activations
 
 
 def sorted_rows(inp: ExpertInput, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """(rows sorted by expert [M, H] in the model dtype, int32 cumulative offsets [E], counts)."""
+    """(rows sorted by expert [M, H] in the model dtype, int32 cumulative offsets [E], counts).
+
+    Routed row m is x[m // inp.repeat]; the gather materialises the M rows (outside timing).
+    """
     x = inp.x.dequantize(torch.bfloat16) if isinstance(inp.x, QuantizedActivations) else inp.x
     order = torch.argsort(inp.expert_ids, stable=True)
     counts = group_sizes(inp.expert_ids, num_experts)
-    return x[order].contiguous(), torch.cumsum(counts, 0).to(torch.int32), counts.tolist()
+    return x[order // inp.repeat].contiguous(), torch.cumsum(counts, 0).to(torch.int32), counts.tolist()
 
 
 def grouped_mm(x_sorted: torch.Tensor, offsets: torch.Tensor, experts: ExpertWeights) -> Callable[[], object]:

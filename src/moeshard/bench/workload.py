@@ -103,7 +103,8 @@ def hidden_states(model: ModelOnDevice, tokens: int, seed: int) -> torch.Tensor:
 
 def routed_input(model: ModelOnDevice, x: torch.Tensor, quant: QuantConfig) -> tuple[ExpertInput, Routing]:
     """The rows the layer's experts receive for ``x`` under the local backend, quantized before
-    dispatch as ``MoELayer`` does, with the routing that produced them."""
+    dispatch as ``MoELayer`` does, with the routing that produced them. As in the layer, the
+    input's x holds T rows with ``repeat = K`` (M = T * K routed rows)."""
     cfg = model.cfg
     routing = route(router_logits(x, model.shell.gate), cfg, model.shell.correction_bias)
     scheme = quant.scheme
@@ -111,12 +112,12 @@ def routed_input(model: ModelOnDevice, x: torch.Tensor, quant: QuantConfig) -> t
     backend = LocalBackend(cfg.num_experts)
     if scheme == "none":
         d = backend.dispatch(x, None, routing)
-        return ExpertInput(d.x, d.expert_ids, None), routing
+        return ExpertInput(d.x, d.expert_ids, None, repeat=d.repeat), routing
     q = quantize_activations(x, scheme, amax=amax)
     d = backend.dispatch(to_wire(q.data), None if q.row_scale is None else to_wire(q.row_scale), routing)
     rows = QuantizedActivations(scheme, from_wire(d.x, q.data.dtype),
                                 None if d.x_scale is None else from_wire(d.x_scale, q.row_scale.dtype), q.tensor_scale)
-    return ExpertInput(rows, d.expert_ids, amax), routing
+    return ExpertInput(rows, d.expert_ids, amax, repeat=d.repeat), routing
 
 
 def expert_flops(rows: int, cfg: MoEConfig) -> int:

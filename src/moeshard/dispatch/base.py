@@ -1,7 +1,8 @@
 """The dispatch/combine interface shared by every backend.
 
     this rank's tokens x [T, Hp] (+ row scales [T, S]) and routing [T, K]
-      --dispatch--> rows for this rank's experts: Dispatched.x [M, Hp], x_scale [M, S], expert_ids [M]
+      --dispatch--> rows for this rank's experts: Dispatched.x [M / repeat, Hp], x_scale [M / repeat, S],
+                    expert_ids [M] (routed row m reads x[m // repeat]; repeat is 1 except for ``local``)
       --experts--> y [M, H]
       --combine(y, dispatched)--> fp32 [T, H] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t])
 
@@ -27,18 +28,22 @@ from moeshard.router import Routing
 
 @dataclass(frozen=True)
 class Dispatched:
-    """What this rank's experts must compute.
+    """What this rank's experts must compute: M routed rows.
 
-    x: [M, Hp] received rows (model dtype, or uint8 wire view of quantized data).
-    x_scale: [M, S] their per-row scales (wire view) or None.
-    expert_ids: int64 [M] local expert index of each row.
+    x: [M / repeat, Hp] received rows (model dtype, or uint8 wire view of quantized data).
+    x_scale: [M / repeat, S] their per-row scales (wire view) or None.
+    expert_ids: int64 [M] local expert index of each routed row.
     state: backend-private record that ``combine`` consumes (frozen dataclass).
+    repeat: x and x_scale hold one row per ``repeat`` consecutive routed rows: routed row m is
+       x[m // repeat] (with x_scale[m // repeat]). The ``local`` backend sets it to top-k, so the
+       K copies of a token are never materialised; backends that move rows keep 1.
     """
 
     x: torch.Tensor
     x_scale: torch.Tensor | None
     expert_ids: torch.Tensor
     state: Any
+    repeat: int = 1
 
 
 class DispatchBackend(Protocol):

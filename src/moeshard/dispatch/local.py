@@ -1,8 +1,10 @@
 """``local``: no expert parallelism; every rank holds every (possibly TP-sliced) expert.
 
-Each (token, k) pair becomes one row, in token-major order: row ``t * K + k`` is token t's k-th
-choice. No communication, and nothing here reads a value back to the host, so the single-device
-forward stays CUDA-graph capturable.
+Each (token, k) pair becomes one routed row, in token-major order: row ``t * K + k`` is token t's
+k-th choice. The rows are not copied: dispatch hands the experts x [T, Hp] itself with
+``repeat = K`` (routed row m reads x[m // K]), and the expert kernels gather through that index,
+which saves writing and re-reading a [T * K, Hp] copy. No communication, and nothing here reads a
+value back to the host, so the single-device forward stays CUDA-graph capturable.
 
 Because rows are token-major, combine needs no scatter: ``out[t] = sum_k w[t, k] * y[t*K + k]``
 is a strided reduction, done in one pass by a Triton kernel on CUDA (``moeshard.kernels.combine``)
@@ -31,12 +33,6 @@ class LocalState:
         return self.topk_weights.shape[0]
 
 
-def _repeat_rows(t: torch.Tensor, k: int) -> torch.Tensor:
-    """[T, C] -> [T * K, C], each row repeated K times in place (one copy kernel, no index)."""
-    T = t.shape[0]
-    return t.unsqueeze(1).expand(T, k, *t.shape[1:]).reshape(T * k, *t.shape[1:])
-
-
 class LocalBackend:
     name = "local"
 
@@ -44,13 +40,18 @@ class LocalBackend:
         self.num_experts = num_experts
 
     def dispatch(self, x: torch.Tensor, x_scale: torch.Tensor | None, routing: Routing) -> Dispatched:
-        """x: [T, Hp]; x_scale: [T, S] or None; routing ids/weights [T, K] -> rows [T*K, Hp]."""
-        T, K = routing.topk_ids.shape
+        """x: [T, Hp]; x_scale: [T, S] or None; routing ids/weights [T, K] -> T * K routed rows.
+
+        The result's x / x_scale are the inputs themselves ([T, Hp] / [T, S], not copied) with
+        ``repeat = K``; expert_ids is [T * K], token-major.
+        """
+        K = routing.topk_ids.shape[1]
         return Dispatched(
-            x=_repeat_rows(x, K),
-            x_scale=None if x_scale is None else _repeat_rows(x_scale, K),
+            x=x,
+            x_scale=x_scale,
             expert_ids=routing.topk_ids.reshape(-1),
             state=LocalState(routing.topk_weights.float().contiguous()),
+            repeat=K,
         )
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:

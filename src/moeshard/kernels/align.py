@@ -1,16 +1,21 @@
 """Tile plan of routed rows: every BLOCK_M-row tile belongs to one expert, built on the device.
 
-Legend: M routed rows, E local experts, BM = BLOCK_M, P = max_tiles * BM padded positions.
+Legend: M routed rows, E local experts, BM = BLOCK_M, P = max_tiles * BM padded positions,
+G histogram programs (G <= HIST_PROGRAMS, each counting a contiguous chunk of the ids).
 
-    expert_ids [M] --plan kernel (1 program)--> count [E], start [E] (padded, BM-aligned),
-                                               tile_expert [max_tiles] (-1 past the last tile)
-                   --scatter kernel (M / 1024 programs)--> sorted_rows [P]: row at each position
+    expert_ids [M] --histogram kernel (G programs)--> partial counts [G, E], one row per chunk
+                   --plan kernel (1 program)--> count [E], start [E] (padded, BM-aligned),
+                                               cursor [E] = 0 (and amax [E] = 0 on request)
+                   --scatter kernel (max(M / 1024, E) programs)--> sorted_rows [P]: row at each
+                                               position, tile_expert [max_tiles] (-1 past the last tile)
 
 Expert e's rows occupy positions [start[e], start[e] + count[e]); the padding up to the next
 multiple of BM is never read as a row (kernels mask positions p with p - start[e] >= count[e]).
 The number of tiles is data dependent, so launches are sized by ``max_tiles``, a bound known on
 the host from M and E alone (no device-to-host read, hence CUDA-graph safe); programs of tiles
-past the end see tile_expert == -1 and return at once.
+past the end see tile_expert == -1 and return at once. Every launch size here, G included, is a
+function of M and E only. Partial counts are written, not accumulated, so no buffer needs zeroing
+before the plan; the one-program plan kernel only sums G rows of E counts.
 
 Within an expert, rows are placed in the order their atomic increments land, which varies from
 run to run; every row is computed independently of its neighbours, so results do not.
@@ -24,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-SCATTER_BLOCK = 1024
+SCATTER_BLOCK = 1024  # rows (and tiles) per scatter program
+HIST_CHUNK = 1024  # ids per tl.histogram call
+HIST_PROGRAMS = 128  # at most this many histogram programs (about one per SM on an H100 / H200)
 
 
 def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -59,48 +66,78 @@ class RowAlignment:
         return self.sorted_rows.shape[0]
 
 
-# M and num_tiles change with every batch; one compiled variant serves all of them.
-@triton.jit(do_not_specialize=["M", "num_tiles"])
-def _plan_kernel(ids_ptr, M, E, num_tiles,
-                 count_ptr, start_ptr, cursor_ptr, tile_expert_ptr, amax_ptr,
-                 BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr,
-                 TILE_CHUNK: tl.constexpr, ZERO_AMAX: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "per_program"])
+def _histogram_kernel(ids_ptr, M, E, per_program, partial_ptr,
+                      NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """partial_ptr[pid, e] (int32 [G, E]) = how many of ids[pid * per_program, ...) (a chunk of
+    ``per_program`` ids, fewer in the last) equal e."""
+    pid = tl.program_id(0)
     bins = tl.arange(0, NUM_BINS)
+    lo = pid * per_program
+    hi = tl.minimum(lo + per_program, M)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for m0 in range(0, M, CHUNK):
+    for m0 in range(lo, hi, CHUNK):
         offs = m0 + tl.arange(0, CHUNK)
-        # Masked lanes land in bin E, which is past the experts and ignored (NUM_BINS > E).
-        ids = tl.load(ids_ptr + offs, mask=offs < M, other=E).to(tl.int32)
+        # Masked lanes read expert 0 and are taken off bin 0 below: bins then need not exceed E
+        # (a spare bin for them would double NUM_BINS at E = 256), and no histogram mask is needed.
+        ids = tl.load(ids_ptr + offs, mask=offs < hi, other=0).to(tl.int32)
         counts += tl.histogram(ids, NUM_BINS)
+    rows = tl.maximum(hi - lo, 0)
+    masked = tl.cdiv(rows, CHUNK) * CHUNK - rows
+    counts = tl.where(bins == 0, counts - masked, counts)
+    tl.store(partial_ptr + pid * E + bins, counts, mask=bins < E)
+
+
+@triton.jit(do_not_specialize=["num_parts"])
+def _plan_kernel(partial_ptr, num_parts, E, count_ptr, start_ptr, cursor_ptr, amax_ptr,
+                 BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, PART_BLOCK: tl.constexpr,
+                 ZERO_AMAX: tl.constexpr):
+    """count = sum of the [num_parts, E] partial counts; start = exclusive prefix sum of the counts
+    rounded up to BLOCK_M; cursor = 0; amax = 0 when ZERO_AMAX."""
+    bins = tl.arange(0, NUM_BINS)
     in_range = bins < E
-    counts = tl.where(in_range, counts, 0)
+    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for g0 in range(0, num_parts, PART_BLOCK):
+        g = g0 + tl.arange(0, PART_BLOCK)
+        part = tl.load(partial_ptr + g[:, None] * E + bins[None, :],
+                       mask=(g < num_parts)[:, None] & in_range[None, :], other=0)
+        counts += tl.sum(part, axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
+    starts = tl.cumsum(padded, 0) - padded
     tl.store(count_ptr + bins, counts, mask=in_range)
     tl.store(start_ptr + bins, starts, mask=in_range)
     tl.store(cursor_ptr + bins, tl.zeros([NUM_BINS], dtype=tl.int32), mask=in_range)
     if ZERO_AMAX:
         tl.store(amax_ptr + bins, tl.zeros([NUM_BINS], dtype=tl.float32), mask=in_range)
-    total = tl.sum(padded, 0)
-    for t0 in range(0, num_tiles, TILE_CHUNK):
-        t = t0 + tl.arange(0, TILE_CHUNK)
-        pos = t * BLOCK_M
-        # The tile's expert is the number of experts whose padded range ends at or before it.
-        before = (ends[None, :] <= pos[:, None]) & in_range[None, :]
-        expert = tl.sum(before.to(tl.int32), axis=1)
-        expert = tl.where(pos < total, expert, -1)
-        tl.store(tile_expert_ptr + t, expert, mask=t < num_tiles)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _scatter_kernel(ids_ptr, M, start_ptr, cursor_ptr, sorted_rows_ptr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+# M and num_tiles change with every batch; one compiled variant serves all of them.
+@triton.jit(do_not_specialize=["M", "num_tiles"])
+def _scatter_kernel(ids_ptr, M, E, num_tiles, start_ptr, count_ptr, cursor_ptr, sorted_rows_ptr, tile_expert_ptr,
+                    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, TILE_BLOCK: tl.constexpr):
+    """Program pid places rows [pid * BLOCK, +BLOCK) at their experts' next free positions, writes
+    expert pid's tiles into tile_expert (pid < E), and -1 into the tiles of [pid * BLOCK, +BLOCK)
+    past the last expert's (the grid has max(M / BLOCK, E) programs and num_tiles <= M, so every
+    expert and every tile is covered)."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
     slot = tl.atomic_add(cursor_ptr + expert, 1, mask=mask, sem="relaxed")
     start = tl.load(start_ptr + expert, mask=mask, other=0)
     tl.store(sorted_rows_ptr + start + slot, offs, mask=mask)
+
+    # tile_expert from one round of loads per program (a search over the experts' ends per tile
+    # would chain log2(E) dependent loads, which a decode step waits for).
+    if pid < E:
+        first = tl.load(start_ptr + pid) // BLOCK_M
+        n = (tl.load(count_ptr + pid) + BLOCK_M - 1) // BLOCK_M
+        for t0 in range(0, n, TILE_BLOCK):
+            t = t0 + tl.arange(0, TILE_BLOCK)
+            tl.store(tile_expert_ptr + first + t, tl.full([TILE_BLOCK], 0, tl.int32) + pid, mask=t < n)
+    if pid * BLOCK < num_tiles:
+        used = tl.load(start_ptr + E - 1) // BLOCK_M + (tl.load(count_ptr + E - 1) + BLOCK_M - 1) // BLOCK_M
+        tl.store(tile_expert_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= used) & (offs < num_tiles))
 
 
 def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -109,22 +146,31 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
 
     amax: optional fp32 [num_experts] buffer that the plan kernel zeroes on the way (the gate_up
     GEMM then max-reduces each expert's |h| into it), saving a separate memset launch.
+    Three launches (histogram, plan, scatter), all sized from M and E on the host.
     """
     M, E = expert_ids.shape[0], num_experts
     device = expert_ids.device
     tiles = max_tiles(M, E, block_m)
+    # G programs of per_program ids each (a multiple of HIST_CHUNK): at most HIST_PROGRAMS, so
+    # that the one-program plan kernel has at most HIST_PROGRAMS rows of partial counts to sum.
+    chunks = triton.cdiv(M, HIST_CHUNK)
+    per_program = triton.cdiv(chunks, min(chunks, HIST_PROGRAMS)) * HIST_CHUNK
+    parts = triton.cdiv(M, per_program)
+    partial = torch.empty(parts, E, dtype=torch.int32, device=device)
     count = torch.empty(E, dtype=torch.int32, device=device)
     start = torch.empty(E, dtype=torch.int32, device=device)
     cursor = torch.empty(E, dtype=torch.int32, device=device)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=device)
     sorted_rows = torch.empty(tiles * block_m, dtype=torch.int32, device=device)
-    num_bins = triton.next_power_of_2(E + 1)
-    # Keep the [TILE_CHUNK, NUM_BINS] comparison within ~8K elements of registers.
-    tile_chunk = max(16, min(1024, 8192 // num_bins))
-    _plan_kernel[(1,)](expert_ids, M, E, tiles, count, start, cursor, tile_expert,
-                       amax if amax is not None else count,
-                       BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=1024, TILE_CHUNK=tile_chunk,
+    num_bins = max(32, triton.next_power_of_2(E))
+    _histogram_kernel[(parts,)](expert_ids, M, E, per_program, partial,
+                                NUM_BINS=num_bins, CHUNK=HIST_CHUNK, num_warps=4)
+    # Sum the partial counts a [PART_BLOCK, NUM_BINS] tile (~8K elements) at a time.
+    _plan_kernel[(1,)](partial, parts, E, count, start, cursor, amax if amax is not None else count,
+                       BLOCK_M=block_m, NUM_BINS=num_bins, PART_BLOCK=max(1, 8192 // num_bins),
                        ZERO_AMAX=amax is not None, num_warps=4)
-    _scatter_kernel[(triton.cdiv(M, SCATTER_BLOCK),)](expert_ids, M, start, cursor, sorted_rows,
-                                                      BLOCK=SCATTER_BLOCK, num_warps=4)
+    # At least one program per row block and per expert (see _scatter_kernel); tiles <= M.
+    _scatter_kernel[(max(triton.cdiv(M, SCATTER_BLOCK), E),)](expert_ids, M, E, tiles, start, count, cursor,
+                                                              sorted_rows, tile_expert, BLOCK=SCATTER_BLOCK,
+                                                              BLOCK_M=block_m, TILE_BLOCK=128, num_warps=4)
     return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)

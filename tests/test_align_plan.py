@@ -1,0 +1,65 @@
+"""``align_rows`` with several histogram programs, through Triton's CPU interpreter.
+
+tests/test_kernels.py checks small plans (one histogram program); here the histogram is split
+over programs of one or several 1024-id chunks, with a partial last chunk, one expert, more than
+256 experts, skewed loads and the ``amax`` zeroing. The kernels are imported inside the tests
+under ``TRITON_INTERPRET=1`` (see tests/test_local_repeat.py for why not at collection).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+_SKIP = ("triton is not installed (pip install triton; CPU interpreter mode needs no GPU)" if not HAVE_TRITON
+         else "CUDA is available: tests/gpu/test_gpu_kernels.py checks the compiled kernels")
+pytestmark = pytest.mark.skipif(not HAVE_TRITON or CUDA, reason=_SKIP)
+
+
+@pytest.fixture
+def align(monkeypatch):
+    """moeshard.kernels.align, interpreted (TRITON_INTERPRET=1 for the import and the launches)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from triton.runtime.jit import JITFunction
+
+    from moeshard.kernels import align
+    if any(isinstance(v, JITFunction) for v in vars(align).values()):
+        pytest.skip("moeshard.kernels.align was imported in compiled mode before this test could select the "
+                    "interpreter")
+    return align
+
+
+def _check_plan(align, ids: torch.Tensor, E: int, bm: int) -> None:
+    amax = torch.full((E,), 7.0)
+    plan = align.align_rows(ids, E, bm, amax=amax)
+    assert torch.equal(amax, torch.zeros(E))
+    counts = torch.bincount(ids.long(), minlength=E)
+    padded = (counts + bm - 1) // bm * bm
+    assert torch.equal(plan.count.long(), counts)
+    assert torch.equal(plan.start.long(), torch.cumsum(padded, 0) - padded)
+    assert plan.max_tiles == align.max_tiles(ids.shape[0], E, bm) and plan.num_rows == ids.shape[0]
+    tiles = plan.tile_expert.tolist()
+    for e in range(E):
+        s, c = int(plan.start[e]), int(counts[e])
+        assert torch.equal(plan.sorted_rows[s:s + c].long().sort().values, (ids.long() == e).nonzero().flatten())
+        assert tiles[s // bm:(s + c + bm - 1) // bm] == [e] * ((c + bm - 1) // bm)
+    used = int(padded.sum()) // bm
+    assert tiles[used:] == [-1] * (len(tiles) - used)
+
+
+@pytest.mark.parametrize("hist_programs", [1, 3, 128])
+@pytest.mark.parametrize("M,E,bm", [(1, 1, 16), (1024, 7, 16), (1025, 7, 16), (5000, 33, 16), (3073, 300, 32),
+                                    (7000, 256, 128), (2048, 1, 64)])
+def test_align_rows_multi_program(align, monkeypatch, hist_programs, M, E, bm):
+    monkeypatch.setattr(align, "HIST_PROGRAMS", hist_programs)
+    g = torch.Generator().manual_seed(M + E)
+    ids = torch.randint(0, E, (M,), generator=g)
+    _check_plan(align, ids, E, bm)
+    skewed = ids.clone()
+    skewed[: M // 2] = E - 1  # one expert with many tiles, likely a few experts with none
+    skewed[M // 2: M // 2 + M // 8] = 0
+    _check_plan(align, skewed.to(torch.int32), E, bm)

@@ -1,0 +1,222 @@
+"""``repeat``: the local backend hands the experts each token once for its K routed rows.
+
+Routed row m of an ``ExpertInput`` (or ``Dispatched``) with ``repeat = K`` is x[m // K]. Every
+consumer must give exactly what it gives for the explicitly repeated rows with ``repeat = 1``:
+bit for bit, for every scheme, quantized before dispatch or deferred, in ``GroupedExperts``, in
+``TritonExperts`` (Triton's CPU interpreter) and through the whole ``MoELayer``.
+
+Interpreter set-up as in tests/test_kernels.py (``TRITON_INTERPRET=1`` while the kernel modules
+are imported, skipped without triton or with CUDA), with one difference: the kernels are imported
+inside the tests, under the fixture's ``TRITON_INTERPRET=1``, not at collection. pytest collects
+every module before running any test, so an import at collection here would leave the kernel
+modules in ``sys.modules`` before tests/test_kernels.py is collected (e.g. in the order
+``pytest tests/test_local_repeat.py tests/test_kernels.py``), and that module would then skip its
+kernel tests as "imported in compiled mode".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from moeshard.config import QUANT_SCHEMES, QuantConfig
+from moeshard.dispatch.base import Dispatched, weighted_sum
+from moeshard.dispatch.local import LocalBackend
+from moeshard.experts import GroupedExperts
+from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.experts.grouped import PER_TENSOR_SCHEMES
+from moeshard.layer import MoELayer
+from moeshard.presets import PRESETS
+from moeshard.quant import QuantizedActivations, quantize_activations, quantize_weight
+from moeshard.router import Routing
+from moeshard.weights import MoEWeights
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+if not HAVE_TRITON:
+    _SKIP = "triton is not installed (pip install triton; CPU interpreter mode needs no GPU)"
+else:
+    _SKIP = "CUDA is available: tests/gpu/test_gpu_kernels.py checks the compiled kernels"
+needs_interpreter = pytest.mark.skipif(not HAVE_TRITON or CUDA, reason=_SKIP)
+
+QUANTIZED = ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"]
+T, K, E, H, I = 9, 3, 5, 160, 64  # H = 160: one full and one partial 128-column fp8_block group
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """(TritonExperts, ExpertsConfig, GemmConfig, moe_gemm), interpreted: TRITON_INTERPRET=1 is set
+    for the test (Triton reads it again at launch time) and while the modules are first imported."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from triton.runtime.jit import JITFunction
+
+    from moeshard.kernels import align, grouped_gemm
+    from moeshard.kernels.configs import ExpertsConfig, GemmConfig
+    from moeshard.kernels.experts import TritonExperts
+    for mod in (align, grouped_gemm, sys.modules["moeshard.kernels.quant"]):
+        if any(isinstance(v, JITFunction) for v in vars(mod).values()):
+            pytest.skip(f"{mod.__name__} was imported in compiled mode before this test could select the interpreter")
+    return TritonExperts, ExpertsConfig, GemmConfig, grouped_gemm.moe_gemm
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _problem(scheme: str, dtype=torch.bfloat16, seed: int = 0, h: int = H, i: int = I):
+    """x [T, h] (rows of very different magnitudes, so per-row scales differ), ids [T * K] with one
+    expert left empty, and the experts' weights in ``scheme``."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, h, generator=g) * torch.exp(torch.randn(T, 1, generator=g))).to(dtype)
+    ids = torch.randint(0, E - 1, (T * K,), generator=g)
+    gu = (torch.randn(E, 2 * i, h, generator=g) / h**0.5).to(dtype)
+    dn = (torch.randn(E, h, i, generator=g) / i**0.5).to(dtype)
+    if scheme == "none":
+        return x, ids, ExpertWeights(gu, dn)
+    return x, ids, ExpertWeights(quantize_weight(gu, scheme), quantize_weight(dn, scheme), scheme)
+
+
+def _expand(x, k: int = K):
+    """The explicitly repeated rows: row m = x[m // k] (what ``local`` dispatched before)."""
+    if isinstance(x, QuantizedActivations):
+        return x.index_rows(torch.arange(x.shape[0]).repeat_interleave(k))
+    return x.repeat_interleave(k, dim=0)
+
+
+def _inputs(x, ids, scheme: str, mode: str) -> tuple[ExpertInput, ExpertInput]:
+    """(repeat = K on x's T rows, repeat = 1 on the T * K expanded rows) for one way of quantizing.
+
+    mode: "model" (scheme none, or deferred quantization with the layer's amax), "deferred-no-amax"
+    (deferred, the experts take the amax themselves), "early" (quantized before dispatch with one
+    amax), "early-row-amax" (per-tensor schemes quantized with a per-row amax [T, 1]).
+    """
+    per_tensor = scheme in PER_TENSOR_SCHEMES
+    amax = x.abs().amax().float() if per_tensor else None
+    if mode == "model":
+        return ExpertInput(x, ids, amax, repeat=K), ExpertInput(_expand(x), ids, amax)
+    if mode == "deferred-no-amax":
+        return ExpertInput(x, ids, repeat=K), ExpertInput(_expand(x), ids)
+    if mode == "early-row-amax":
+        amax = x.abs().amax(dim=1, keepdim=True).float()
+    q = quantize_activations(x, scheme, amax=amax)
+    return ExpertInput(q, ids, repeat=K), ExpertInput(_expand(q), ids)
+
+
+def _modes(scheme: str) -> list[str]:
+    if scheme == "none":
+        return ["model"]
+    modes = ["model", "deferred-no-amax", "early"]
+    return modes + ["early-row-amax"] if scheme in PER_TENSOR_SCHEMES else modes
+
+
+CASES = [(s, m) for s in ["none", *QUANTIZED] for m in _modes(s)]
+
+
+# -- the containers -----------------------------------------------------------------------------
+def test_local_dispatch_keeps_tokens_unexpanded():
+    x = torch.randn(T, 8)
+    scale = x[:, :2].abs()
+    routing = Routing(torch.randint(0, E, (T, K)), torch.rand(T, K))
+    d = LocalBackend(E).dispatch(x, scale, routing)
+    assert d.repeat == K
+    assert d.x is x and d.x_scale is scale  # no copy at all
+    assert torch.equal(d.expert_ids, routing.topk_ids.reshape(-1))
+    assert LocalBackend(E).dispatch(x, None, routing).x_scale is None
+    # combine is unchanged: y has one row per routed row, token-major.
+    y = torch.randn(T * K, 8)
+    expected = weighted_sum(y, routing.topk_weights.reshape(-1), torch.arange(T).repeat_interleave(K), T)
+    torch.testing.assert_close(LocalBackend(E).combine(y, d), expected, rtol=1e-6, atol=1e-6)
+    empty = LocalBackend(E).dispatch(x[:0], None, Routing(routing.topk_ids[:0], routing.topk_weights[:0]))
+    assert empty.repeat == K and empty.x.shape == (0, 8) and empty.expert_ids.shape == (0,)
+    assert LocalBackend(E).combine(torch.empty(0, 8), empty).shape == (0, 8)
+
+
+def test_dispatched_and_expert_input_default_to_one_row_per_routed_row():
+    ids = torch.zeros(4, dtype=torch.int64)
+    assert Dispatched(torch.zeros(4, 2), None, ids, None).repeat == 1
+    inp = ExpertInput(torch.zeros(4, 2), ids)
+    assert inp.repeat == 1 and inp.num_rows == 4
+    assert ExpertInput(torch.zeros(2, 2), ids, repeat=2).num_rows == 4
+
+
+@pytest.mark.parametrize("rows,repeat", [(4, 2), (3, 1), (1, 3)])
+def test_expert_input_refuses_rows_that_do_not_match(rows, repeat):
+    with pytest.raises(ValueError, match=f"x has {rows} rows and repeat={repeat}.*expert_ids has 4"):
+        ExpertInput(torch.zeros(rows, 2), torch.zeros(4, dtype=torch.int64), repeat=repeat)
+
+
+@pytest.mark.parametrize("repeat", [0, -1, 2.0, True])
+def test_expert_input_refuses_a_bad_repeat(repeat):
+    with pytest.raises(ValueError, match="ExpertInput.repeat"):
+        ExpertInput(torch.zeros(2, 2), torch.zeros(4, dtype=torch.int64), repeat=repeat)
+
+
+# -- the portable experts ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scheme,mode", CASES)
+def test_grouped_experts_bit_identical(scheme, mode, dtype):
+    x, ids, w = _problem(scheme, dtype)
+    with_repeat, expanded = _inputs(x, ids, scheme, mode)
+    experts = GroupedExperts("silu", dtype)
+    y = experts(with_repeat, w)
+    assert y.shape == (T * K, H) and y.dtype == dtype
+    assert torch.equal(y, experts(expanded, w))
+
+
+# -- the Triton experts, interpreted ----------------------------------------------------------
+@needs_interpreter
+@pytest.mark.parametrize("scheme,mode", [("none", "model"), ("fp8_block", "early"), ("fp8_tensor", "model"),
+                                         ("nvfp4", "early-row-amax")])
+def test_triton_experts_bit_identical(kernels, exact_interpreter, scheme, mode):
+    TritonExperts, ExpertsConfig, GemmConfig, _ = kernels
+    x, ids, w = _problem(scheme, seed=1, h=64, i=48)  # I = 48: a partial 32-wide column tile
+    with_repeat, expanded = _inputs(x, ids, scheme, mode)
+    gemm = GemmConfig(16, 32, 32, group_m=2)
+    experts = TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm))
+    y = experts(with_repeat, w)
+    assert torch.equal(y, experts(expanded, w))
+    # And the numbers are the experts' (not, say, a row read as zeros in both runs).
+    ref = GroupedExperts("silu", torch.bfloat16)(expanded, w).float()
+    assert (y.float() - ref).abs().max() <= 0.1 * ref.abs().max()
+
+
+@needs_interpreter
+def test_moe_gemm_refuses_a_row_div_it_cannot_use(kernels):
+    _, _, GemmConfig, moe_gemm = kernels
+    from moeshard.kernels.align import align_rows
+    x, ids, w = _problem("none", h=64, i=32)
+    plan = align_rows(ids, E, 16)
+    h = torch.empty(plan.padded_rows, 32, dtype=torch.bfloat16)
+    gemm = GemmConfig(16, 32, 32, group_m=1)
+    with pytest.raises(ValueError, match="a has 9 rows, a_row_div=2"):
+        moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True, a_row_div=2)
+    with pytest.raises(ValueError, match="needs gather=True"):
+        moe_gemm(h, w.down, plan, torch.empty(T * K, 64, dtype=torch.bfloat16), gemm, activation=None,
+                 gather=False, a_row_div=K)
+
+
+# -- the layer --------------------------------------------------------------------------------
+class _ExpandingLocal(LocalBackend):
+    """``local`` as it was: every routed row copied out (repeat = 1)."""
+
+    def dispatch(self, x, x_scale, routing):
+        d = super().dispatch(x, x_scale, routing)
+        k = d.repeat
+        return Dispatched(_expand(d.x, k), None if d.x_scale is None else _expand(d.x_scale, k), d.expert_ids, d.state)
+
+
+@pytest.mark.parametrize("quant", [QuantConfig(s) for s in QUANT_SCHEMES] + [QuantConfig(s, True) for s in QUANTIZED],
+                         ids=lambda q: q.scheme + ("+defer" if q.defer_input_quant else ""))
+def test_layer_output_unchanged(quant):
+    cfg = PRESETS["deepseek-v3"].config("small", torch.bfloat16)
+    assert cfg.top_k == 4
+    g = torch.Generator().manual_seed(3)
+    w = MoEWeights.random(cfg, g)
+    x = torch.randn(11, cfg.hidden_size, generator=g).to(cfg.dtype)
+    layer = MoELayer(cfg, quant=quant, weights=w)
+    out = layer(x)
+    layer.backend = _ExpandingLocal(cfg.num_experts)
+    assert torch.equal(out, layer(x))
