@@ -179,6 +179,12 @@ class MoELayer(nn.Module):
         self.kernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme)
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
 
+    @property
+    def accumulation(self) -> float:
+        """The expert kernel's accumulation error for this layer's scheme: pass it to
+        ``reference_forward`` so that the reference prices the roundings it may flip."""
+        return self.kernel.accumulation(self.quant.scheme)
+
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], cfg: MoEConfig, **kwargs) -> "MoELayer":
         """A layer from a full block state dict (transformers-5 names); kwargs as ``__init__``."""
@@ -234,13 +240,15 @@ class MoELayer(nn.Module):
             q, payload, row_scale = None, x, None
         d = self.backend.dispatch(payload, row_scale, routing)
         if q is not None:
-            # Scales reach the kernel only after dispatch, in the kernel's own layout.
+            # Scales reach the kernel only after dispatch, in the kernel's own layout. d.x may hold
+            # one row per d.repeat routed rows; q.tensor_scale is [] (amax is one scalar), so it
+            # fits either way.
             rows = QuantizedActivations(scheme, from_wire(d.x, q.data.dtype),
                                         None if d.x_scale is None else from_wire(d.x_scale, q.row_scale.dtype),
                                         q.tensor_scale)
         else:
             rows = d.x
-        y = self.kernel(ExpertInput(rows, d.expert_ids, amax), self.experts.weights())
+        y = self.kernel(ExpertInput(rows, d.expert_ids, amax, repeat=d.repeat), self.experts.weights())
         out = self.backend.combine(y, d)
         if self.parallel.tp > 1 and not self.parallel.enable_ep:
             dist.all_reduce(out, group=self.groups.tp_group)

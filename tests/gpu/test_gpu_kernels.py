@@ -78,20 +78,23 @@ def _check(out: torch.Tensor, ref: Reference, dtype, scheme: str, what: str) -> 
                 f"(|ref| max {ref.out.abs().max():.3g}, slack max {ref.slack.max():.3g})")
 
 
-CASES = [(torch.bfloat16, s, shape) for s in SCHEMES for shape in SHAPES] + \
-        [(torch.float16, s, shape) for s in ("none", "fp8_token", "nvfp4") for shape in ("decode", "prefill")]
+CASES = [(torch.bfloat16, s, shape, "mma") for s in SCHEMES for shape in SHAPES] + \
+        [(torch.float16, s, shape, "mma") for s in ("none", "fp8_token", "nvfp4") for shape in ("decode", "prefill")] + \
+        [(torch.bfloat16, s, shape, "exact") for s in ("fp8_tensor", "fp8_token", "fp8_block") for shape in ("mid", "prefill")]
 
 
-@pytest.mark.parametrize("dtype,scheme,shape", CASES, ids=lambda v: str(v).replace("torch.", ""))
-def test_triton_experts_match_reference(dtype, scheme, shape):
+@pytest.mark.parametrize("dtype,scheme,shape,fp8_gate_up", CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_triton_experts_match_reference(dtype, scheme, shape, fp8_gate_up):
     M, E, H, I = SHAPES[shape]
     w = _weights(E, H, I, dtype, scheme, seed=M)
     x = torch.randn(M, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M + 2)).to(dtype)
     ids = _ids(M, E, seed=M + 1)
     xin = quantize_activations(x, scheme) if scheme != "none" else x
-    y = TritonExperts("silu", dtype)(ExpertInput(xin, ids), w)
+    kernel = TritonExperts("silu", dtype, fp8_gate_up=fp8_gate_up)
+    y = kernel(ExpertInput(xin, ids), w)
     assert y.shape == (M, H) and y.dtype == dtype
-    _check(y, expert_reference(xin, ids, w, "silu", dtype), dtype, scheme, f"{scheme} {shape}")
+    ref = expert_reference(xin, ids, w, "silu", dtype, accumulation=kernel.accumulation(scheme))
+    _check(y, ref, dtype, scheme, f"{scheme} {shape} {fp8_gate_up}")
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -103,9 +106,11 @@ def test_gelu_and_deferred_quantization(scheme):
     ids = _ids(M, E, seed=4)
     amax = x.abs().amax().float()
     # Deferred: model-dtype rows in, the kernel quantizes them with the layer-wide amax.
-    y = TritonExperts("gelu", dtype)(ExpertInput(x, ids, amax if scheme in PER_TENSOR_SCHEMES else None), w)
+    kernel = TritonExperts("gelu", dtype)
+    y = kernel(ExpertInput(x, ids, amax if scheme in PER_TENSOR_SCHEMES else None), w)
     xin = quantize_activations(x, scheme, amax=amax if scheme in PER_TENSOR_SCHEMES else None) if scheme != "none" else x
-    _check(y, expert_reference(xin, ids, w, "gelu", dtype), dtype, scheme, f"gelu deferred {scheme}")
+    ref = expert_reference(xin, ids, w, "gelu", dtype, accumulation=kernel.accumulation(scheme))
+    _check(y, ref, dtype, scheme, f"gelu deferred {scheme}")
 
 
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
@@ -169,7 +174,7 @@ def test_layer_matches_reference(preset, scheme):
     assert type(layer.kernel).__name__ == "TritonExperts"
     for T in (1, 5, 300):
         x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to(cfg.dtype)
-        ref = reference_forward(x, weights, cfg, QuantConfig(scheme))
+        ref = reference_forward(x, weights, cfg, QuantConfig(scheme), accumulation=layer.accumulation)
         err, atol, rtol, ok = compare(layer(x.cuda()).cpu(), ref, cfg.dtype, scheme)
         if ok:
             continue
@@ -241,7 +246,7 @@ def test_tuning_candidates_match_reference(scheme, gemm, config):
     E, H, I = 8, 512, 512
     M = 64 if config.block_m <= 32 else 2048
     dtype = torch.bfloat16
-    if gemm == "gate_up":
+    if gemm.startswith("gate_up"):
         cfg = ExpertsConfig(config, config)
     else:
         cfg = ExpertsConfig(GemmConfig(config.block_m, 64, config.block_k, 1, 4, 2), config)
@@ -249,8 +254,10 @@ def test_tuning_candidates_match_reference(scheme, gemm, config):
     x = torch.randn(M, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M + 2)).to(dtype)
     ids = _ids(M, E, seed=12)
     xin = quantize_activations(x, scheme) if scheme != "none" else x
-    y = TritonExperts("silu", dtype, cfg)(ExpertInput(xin, ids), w)
-    _check(y, expert_reference(xin, ids, w, "silu", dtype), dtype, scheme, f"{scheme} {gemm} {config}")
+    kernel = TritonExperts("silu", dtype, cfg, fp8_gate_up="exact" if gemm == "gate_up" else "mma")
+    y = kernel(ExpertInput(xin, ids), w)
+    ref = expert_reference(xin, ids, w, "silu", dtype, accumulation=kernel.accumulation(scheme))
+    _check(y, ref, dtype, scheme, f"{scheme} {gemm} {config}")
 
 
 def test_select_kernel():

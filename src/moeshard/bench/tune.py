@@ -1,7 +1,7 @@
 """Tile-shape sweeps of the grouped GEMM (``moeshard bench --tune``).
 
 Each candidate is timed alone on routed rows of a real shape: the fused gate_up GEMM on gathered
-rows (fp8 widened to fp16, as ``TritonExperts`` runs it), and the down GEMM on h at the padded
+rows (``gate_up``: fp8 widened to fp16; ``gate_up_mma``: on the fp8 tensor cores), and the down GEMM on h at the padded
 positions (quantized as the scheme does). The best
 candidates per regime are what ``moeshard.kernels.configs`` encodes; rerun this on new hardware.
 A candidate that fails to compile or launch (shared memory, registers, a Triton version without
@@ -33,6 +33,8 @@ SWEEPS: list[tuple[str, str, int, dict[str, list[C]]]] = [
                  C(128, 128, 64, 8, 8, 4, tma=True), C(128, 128, 64, 8, 4, 4)]}),
     ("fp8_block", "mixtral-8x7b", 16384, {
         "gate_up": [C(128, 64, 64, 8, 8, 4), C(128, 64, 64, 8, 8, 4, tma=True), C(128, 64, 128, 8, 8, 3)],
+        # 128 x 128 fused fp8 tiles spill (147-171 TFLOP/s in the 2026-11-30 sweep), as do 4 warps (152).
+        "gate_up_mma": [C(128, 64, 128, 8, 8, 4), C(128, 64, 128, 8, 8, 4, tma=True)],
         "down": [C(128, 128, 128, 8, 8, 4), C(128, 128, 128, 8, 8, 4, tma=True), C(128, 64, 128, 8, 4, 4),
                  C(128, 64, 128, 8, 4, 4, tma=True)]}),
     ("none", "mixtral-8x7b", 1, {
@@ -91,14 +93,16 @@ def sweep(device: torch.device, progress: Callable[[str], None], reps: int = 10,
         inp, _ = routed_input(model, hidden_states(model, tokens, tokens), QuantConfig(scheme))
         E, H, I, M = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, inp.num_rows
         per_tensor = scheme in PER_TENSOR_SCHEMES
-        for gemm in ("gate_up", "down"):
+        for gemm in cands:
             for c in cands[gemm]:
                 amax = torch.zeros(E, dtype=torch.float32, device=device) if per_tensor else None
                 plan = align_rows(inp.expert_ids, E, c.block_m, amax=amax)
-                if gemm == "gate_up":
+                if gemm.startswith("gate_up"):
                     h = torch.empty(plan.padded_rows, I, dtype=cfg.dtype, device=device)
-                    fn = (lambda c=c, plan=plan, h=h, amax=amax, x=inp.x, w=experts.gate_up:
-                          moe_gemm(x, w, plan, h, c, activation=cfg.activation, gather=True, amax=amax, fp8_exact=True))
+                    fn = (lambda c=c, plan=plan, h=h, amax=amax, x=inp.x, r=inp.repeat, w=experts.gate_up:
+                          moe_gemm(x, w, plan, h, c, activation=cfg.activation, gather=True, amax=amax,
+                                   fp8_exact=gemm == "gate_up",
+                                   a_row_div=r))
                     flops = 4 * M * H * I
                 else:
                     h = (torch.randn(plan.padded_rows, I, device=device) * 0.1).to(cfg.dtype)

@@ -1,6 +1,6 @@
 """The vectorised expert computation: rows grouped by expert, one grouped GEMM per projection.
 
-    rows [M, H] --sort by expert--> [M, H] --gate_up GEMM--> [M, 2 I_l]
+    rows [M / repeat, H] --gather routed rows sorted by expert--> [M, H] --gate_up GEMM--> [M, 2 I_l]
         --act(gate) * up--> h [M, I_l] (model dtype; quantized per scheme)
         --down GEMM--> [M, H] --unsort--> [M, H]
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from moeshard.experts.base import ExpertInput, ExpertWeights, Weight
 from moeshard.quant import QuantizedActivations, QuantizedWeight, quantize_activations
+from moeshard.tolerances import ACCUMULATION
 
 PER_TENSOR_SCHEMES = ("fp8_tensor", "nvfp4")
 
@@ -83,6 +84,11 @@ class GroupedExperts:
         self.activation = activation
         self.out_dtype = out_dtype
 
+    def accumulation(self, scheme: str) -> float:
+        """Relative accumulation error of this kernel's GEMM sums for ``scheme`` (a fraction of
+        sum |a| |b|, ``moeshard.tolerances.ACCUMULATION``): what the reference must allow."""
+        return ACCUMULATION["fp32"]
+
     # -- the seam -------------------------------------------------------------------------
     def gemm(self, a: torch.Tensor | QuantizedActivations, w: Weight, offsets: torch.Tensor) -> torch.Tensor:
         """Grouped ``a @ w[e].T`` for each expert's contiguous rows.
@@ -112,13 +118,17 @@ class GroupedExperts:
 
     # -- the pipeline ---------------------------------------------------------------------
     def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
-        """Returns [M, H] in ``out_dtype``: each row through its expert, unweighted."""
+        """Returns [M, H] in ``out_dtype``: each routed row (x[m // inp.repeat]) through its expert, unweighted."""
         E_l, scheme = weights.num_experts, weights.scheme
         ids = inp.expert_ids
         order = torch.argsort(ids, stable=True)
         offsets = torch.cumsum(group_sizes(ids, E_l), 0).to(torch.int32)
         sorted_ids = ids[order]
-        x = inp.x.index_rows(order) if isinstance(inp.x, QuantizedActivations) else inp.x[order]
+        # Routed row m lives at row m // repeat of x (the local backend does not copy a token's K
+        # routed rows); the gather below is the only place that materialises them. index_rows
+        # gathers per-row scales (row_scale, and a per-row tensor_scale [M / repeat, 1]) with them.
+        src = order // inp.repeat if inp.repeat > 1 else order
+        x = inp.x.index_rows(src) if isinstance(inp.x, QuantizedActivations) else inp.x[src]
         if scheme != "none" and not isinstance(x, QuantizedActivations):
             # defer_input_quant: quantize here, with the layer-wide amax for per-tensor scales.
             x = quantize_activations(x, scheme, amax=inp.input_amax if scheme in PER_TENSOR_SCHEMES else None)

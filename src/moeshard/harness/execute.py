@@ -73,7 +73,8 @@ def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups
     else:
         domain, offset = xs[dp_rank], 0
     shards = 1 if p.enable_ep else p.tp
-    full_ref = reference_forward(domain, weights, cfg, case.quant, intermediate_shards=shards)
+    full_ref = reference_forward(domain, weights, cfg, case.quant, intermediate_shards=shards,
+                                 accumulation=layer.accumulation)
     T = case.tokens[dp_rank]
     ref = full_ref.rows(offset, offset + T)
     quant_error = None

@@ -17,7 +17,8 @@ Regimes, by expected rows per active expert r = M / min(M, E):
 The prefill and decode entries are the fastest candidates of ``moeshard bench --tune`` on an
 H200 (2026-11-30, Triton 3.6): bf16 gate_up 128x128x64 w8 s4 TMA 590 TFLOP/s and down
 128x256x64 w8 s3 TMA 653 TFLOP/s on Mixtral prefill; fp8 down 128x128x128 w8 s4 TMA 686
-TFLOP/s; fp8 gate_up (fp8 widened to fp16, see ``grouped_gemm``) 128x64x64 w8 s4 221 TFLOP/s;
+TFLOP/s; fp8 gate_up on the fp8 tensor cores 128x64x128 w8 s4 TMA 454 TFLOP/s (fp8_block; 128x128
+fused fp8 tiles spill: 147-171), widened to fp16 (``fp8_gate_up="exact"``) 128x64x64 w8 s4 223;
 nvfp4 gate_up 128x128x64 and down 128x128x128. The mid entries were chosen from the
 compiler's register report (no spills) and not tuned on the GPU.
 """
@@ -100,9 +101,9 @@ def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, scheme: 
 
 
 def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str,
-                  sms: int = 132) -> ExpertsConfig:
+                  sms: int = 132, fp8_gate_up: str = "mma") -> ExpertsConfig:
     """Tile shapes for M routed rows over E experts, hidden H, intermediate I (per rank),
-    on a GPU with ``sms`` multiprocessors."""
+    on a GPU with ``sms`` multiprocessors; fp8_gate_up as ``TritonExperts`` takes it."""
     r = rows_per_expert(num_rows, num_experts)
     fp8 = scheme.startswith("fp8")
     if r <= 42:
@@ -122,5 +123,6 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     if scheme == "nvfp4":
         return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
     if fp8:
-        return ExpertsConfig(GemmConfig(128, 64, 64, 8, 8, 4), GemmConfig(128, 128, 128, 8, 8, 4, tma=True))
+        gate_up = GemmConfig(128, 64, 128, 8, 8, 4, tma=True) if fp8_gate_up == "mma" else GemmConfig(128, 64, 64, 8, 8, 4)
+        return ExpertsConfig(gate_up, GemmConfig(128, 128, 128, 8, 8, 4, tma=True))
     return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=tma), GemmConfig(128, 256, 64, 8, 8, 3, tma=tma))

@@ -1,12 +1,14 @@
 """``TritonExperts``: the routed experts on Triton kernels, a drop-in for ``GroupedExperts``.
 
     expert_ids [M] --align_rows--> tile plan (BLOCK_M rows per tile, one expert each)
-    x [M, H] (model dtype or quantized) --gate_up GEMM, act fused, rows gathered--> h [P, I]
+    x [M / repeat, H] (model dtype or quantized) --gate_up GEMM, act fused, routed row m gathered
+        from x[m // repeat]--> h [P, I]
     h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
 
-Four launches for bf16/fp16 (plan, scatter, two GEMMs), five when quantized; no host sync, no
-sort, no gather or unpermute pass over rows. Numerics are the reference's: the gate_up product is
+Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized; no host
+sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
+routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up product is
 rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is
 quantized exactly as ``quantize_activations`` would (per-tensor scales per expert).
 """
@@ -22,6 +24,7 @@ from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_conf
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
 from moeshard.quant import QuantizedActivations, quantize_activations
+from moeshard.tolerances import ACCUMULATION
 
 
 class TritonExperts(GroupedExperts):
@@ -30,18 +33,30 @@ class TritonExperts(GroupedExperts):
     activation: "silu" | "gelu"; out_dtype: bfloat16 or float16.
     config: fixed tile shapes (the benchmark's tuner passes candidates); None picks them from
     the shapes (``moeshard.kernels.configs.select_config``).
+    fp8_gate_up: "mma" multiplies fp8 on the fp8 tensor cores (~14-bit accumulation within each
+    BLOCK_K step, fp32 across steps); "exact" widens fp8 to fp16 first (fp32-accurate sums at the
+    fp16 rate). The down GEMM always uses the fp8 tensor cores.
     """
 
-    def __init__(self, activation: str, out_dtype: torch.dtype, config: ExpertsConfig | None = None) -> None:
+    def __init__(self, activation: str, out_dtype: torch.dtype, config: ExpertsConfig | None = None,
+                 fp8_gate_up: str = "mma") -> None:
+        if fp8_gate_up not in ("mma", "exact"):
+            raise ValueError(f"TritonExperts: fp8_gate_up {fp8_gate_up!r} is not one of ['mma', 'exact']")
         if out_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"TritonExperts: out_dtype must be bfloat16 or float16, got {out_dtype}")
         if activation not in ("silu", "gelu"):
             raise ValueError(f"TritonExperts: activation {activation!r} is not one of ['silu', 'gelu']")
         super().__init__(activation, out_dtype)
         self.config = config
+        self.fp8_gate_up = fp8_gate_up
+
+    def accumulation(self, scheme: str) -> float:
+        """fp8 schemes run (at least) the down GEMM on the fp8 tensor cores."""
+        return ACCUMULATION["fp8_mma"] if scheme.startswith("fp8") else ACCUMULATION["fp32"]
 
     def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
-        """Returns [M, H] in ``out_dtype``: each row through its expert, unweighted, in input order."""
+        """Returns [M, H] in ``out_dtype``: each routed row (x[m // inp.repeat]) through its
+        expert, unweighted, in input order."""
         scheme = weights.scheme
         ids = inp.expert_ids
         M, E = ids.shape[0], weights.num_experts
@@ -54,16 +69,19 @@ class TritonExperts(GroupedExperts):
             raise TypeError(f"TritonExperts: activations are {x.dtype}, the model dtype is {self.out_dtype}")
         if scheme != "none" and not isinstance(x, QuantizedActivations):
             # defer_input_quant: quantize here, with the layer-wide amax for per-tensor scales.
+            # x may hold one row per inp.repeat routed rows: quantizing it unexpanded gives each
+            # routed row the same values as the expanded rows would get (row and block scales are
+            # per row; without input_amax the per-tensor amax over x equals the one over its copies).
             x = quantize_activations(x, scheme, amax=inp.input_amax if scheme in PER_TENSOR_SCHEMES else None)
         cfg = self.config or select_config(M, E, H, I, scheme,
-                                           multiprocessors(device.index if device.type == "cuda" else None))
+                                           multiprocessors(device.index if device.type == "cuda" else None),
+                                           self.fp8_gate_up)
         per_tensor = scheme in PER_TENSOR_SCHEMES
         amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
         plan = align_rows(ids, E, cfg.block_m, amax=amax)
         h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
-        # gate_up feeds a rounding and a requantization: it must be fp32-accurate (fp8_exact).
         moe_gemm(x, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=True, amax=amax,
-                 fp8_exact=True)
+                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat)
         h_in = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
         return moe_gemm(h_in, weights.down, plan, y, cfg.down, activation=None, gather=False)

@@ -1,18 +1,20 @@
 """The grouped expert GEMM: ``out[rows of tile] = A[rows] @ W[expert of tile].T`` per row tile.
 
 Legend: M routed rows, P padded positions (see ``align``), E experts, N output columns,
-K reduction; A is [M or P, K], W is [E, N_w, K] (N_w = 2N for the fused gate_up, else N).
+K reduction; A is [M / a_row_div or P, K], W is [E, N_w, K] (N_w = 2N for the fused gate_up, else N).
 
 One kernel serves both projections and every scheme (constexpr branches, one compiled variant
 each):
 
-* gate_up (``FUSE_ACT``): A rows are gathered through ``sorted_rows``; the program keeps two
+* gate_up (``FUSE_ACT``): A rows are gathered through ``sorted_rows``: position p reads A row
+  ``sorted_rows[p] // a_row_div`` and its scales (a_row_div = ``ExpertInput.repeat``: the local
+  backend passes each token once for its K routed rows, so no [M, K] copy is made); the program keeps two
   accumulators, gate columns [n, n + BN) and up columns [N + n, N + n + BN) of W, and writes
   h = act(gate) * up at the padded positions, each factor rounded to the model dtype first as
   the reference does. With ``TRACK_AMAX`` it also max-reduces |h| of the tile's real rows into
   the expert's amax (per-tensor activation scales of the down projection).
 * down (``SCATTER_OUT``): A is h at the padded positions; results go straight to the original
-  row order (no separate unpermute pass).
+  routed row order, row ``sorted_rows[p]`` of the [M, N] output (no separate unpermute pass).
 
 Schemes (``QUANT``):
 
@@ -26,10 +28,10 @@ QUANT  scheme       arithmetic
 2      fp8 block    e4m3 dot per 128-column step, acc += dot * a_scale[row, kb] *
                     w_scale[e, n // 128, kb]
 1, 2   ``FP8_EXACT`` the same with both operands widened to fp16 (exact) first: fp32-accurate
-                    sums, at the fp16 tensor-core rate. The gate_up GEMM needs it: its output
-                    is rounded to the model dtype and quantized again, and the ~14-bit fp8
-                    accumulation moves enough values across those rounding boundaries to
-                    break the tolerance table (see docs/performance.md).
+                    sums, at the fp16 tensor-core rate (``TritonExperts(fp8_gate_up="exact")``).
+                    Without it the ~14-bit fp8 accumulation moves some gate_up sums across
+                    rounding boundaries of h; the reference prices exactly those flips from the
+                    accumulation error the kernel declares (``ACCUMULATION["fp8_mma"]``).
 3      nvfp4        e2m1 codes and e4m3 block scales dequantized in registers to
                     fp16 (value * block scale is exact in fp16), fp16 dot, then
                     acc / (a_global[row] * w_global[e])
@@ -105,7 +107,7 @@ def moe_gemm_kernel(
         w_ptr, w_scale_ptr, w_global_ptr,
         out_ptr, amax_ptr,
         sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
-        num_tiles, N, K, N_w, up_offset,
+        num_tiles, N, K, N_w, up_offset, a_row_div,
         stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
         stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
         stride_om, stride_on,
@@ -132,10 +134,12 @@ def moe_gemm_kernel(
     offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
-        orig_rows = tl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0).to(tl.int64)
-    # rows: where this tile's A rows (and their scales) live.
+        orig_rows32 = tl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0)
+        orig_rows = orig_rows32.to(tl.int64)
+    # rows: where this tile's A rows (and their scales) live. Routed row m of a gathered A is
+    # row m // a_row_div (divided in int32: sorted_rows is int32, and 64-bit division is slow).
     if GATHER_A:
-        rows = orig_rows
+        rows = (orig_rows32 // a_row_div).to(tl.int64)
     else:
         rows = offs_p.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -192,7 +196,7 @@ def moe_gemm_kernel(
                 acc_up = tl.dot(a, tl.trans(b_up), acc_up)
         elif FP8_EXACT:
             # e4m3 -> fp16 is exact and fp16 MMA accumulates in fp32; Hopper's fp8 MMA keeps about
-            # 14 bits while accumulating, which moves gate_up across bf16 rounding boundaries.
+            # 14 bits while accumulating.
             a = a.to(tl.float16)
             if QUANT == 1:
                 acc = tl.dot(a, tl.trans(b.to(tl.float16)), acc)
@@ -305,11 +309,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | QuantizedWeight, plan: RowAlignment,
              out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
-             amax: torch.Tensor | None = None, fp8_exact: bool = False) -> torch.Tensor:
+             amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
-    a: activations [M, K] (``gather=True``: original rows, read through ``plan.sorted_rows``) or
-       [P, K] (``gather=False``: padded positions); model dtype or quantized, same scheme as w.
+    a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
+       m // a_row_div through ``plan.sorted_rows``) or [P, K] (``gather=False``: padded
+       positions); model dtype or quantized, same scheme as w.
     w: [E, N_w, K] model dtype or ``QuantizedWeight``.
     out: ``activation`` given (gate_up): [P, N_w / 2] in the model dtype, written at padded
        positions; else (down): [M, N_w], written at the original rows (``plan.sorted_rows``).
@@ -319,7 +324,18 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     fp8_exact: fp8 operands are widened to fp16 (exactly) for an fp32-accurate product; without
        it they go to the fp8 tensor cores, whose accumulation keeps about 14 bits within each
        BLOCK_K step (the fp32 sum across steps is exact).
+    a_row_div: ``ExpertInput.repeat``: how many consecutive routed rows share one row of a
+       (gather only; 1 otherwise).
     """
+    a_rows = a.shape[0]
+    if not isinstance(a_row_div, int) or isinstance(a_row_div, bool) or a_row_div < 1:
+        raise ValueError(f"moe_gemm: a_row_div must be an int >= 1, got {a_row_div!r}")
+    if not gather and a_row_div != 1:
+        raise ValueError(f"moe_gemm: a_row_div={a_row_div} needs gather=True (a at padded positions is never shared)")
+    want_rows = plan.num_rows if gather else plan.padded_rows
+    if a_rows * a_row_div != want_rows:
+        raise ValueError(f"moe_gemm: a has {a_rows} rows, a_row_div={a_row_div}; the plan needs "
+                         f"{'M' if gather else 'P'} = {want_rows} = rows * a_row_div")
     a_data, a_scale, a_global, s_am, s_ak, s_ag, a_mode = _a_operand(a)
     w_data, w_scale, w_global, (s_we, s_wn, s_wk), w_mode = _w_operand(w)
     if a_mode != w_mode:
@@ -348,7 +364,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         a_arg, a_scale, a_global, w_arg, w_scale, w_global,
         out, amax if amax is not None else out,
         plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
-        plan.max_tiles, n, k, n_w, n if fused else 0,
+        plan.max_tiles, n, k, n_w, n if fused else 0, a_row_div,
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
         out.stride(0), out.stride(1),
