@@ -569,3 +569,20 @@ def test_activations_survive_the_wire(scheme):
     assert all(t is None or t.dtype in (torch.uint8, torch.float32) for t in sent)
     back = QuantizedActivations(scheme, *[None if t is None else from_wire(t, f.dtype) for t, f in zip(sent, fields)])
     assert torch.equal(back.dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_scales_from_another_tensor(scheme):
+    """scales_from=x is the default; with the scales of 2x every scale doubles exactly (and the
+    nvfp4 global scale halves), so x lands on the grid of x / 2 quantized with x's scales, doubled;
+    the scales of 1.5x put x on another grid."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 160 if scheme != "nvfp4" else 64, generator=g)
+    base = fake_quantize_activations(x, scheme)
+    assert torch.equal(fake_quantize_activations(x, scheme, scales_from=x), base)
+    coarse = fake_quantize_activations(x, scheme, scales_from=2 * x)
+    assert torch.equal(coarse, 2 * fake_quantize_activations(x / 2, scheme, scales_from=x))
+    # Scales of 1.5 x move the grid itself: values round differently.
+    assert not torch.equal(fake_quantize_activations(x, scheme, scales_from=1.5 * x), base)
+    with pytest.raises(ValueError, match=r"scales_from must have x's shape \[6, "):
+        quantize_activations(x, scheme, scales_from=x[:3])

@@ -14,12 +14,12 @@ than fp64, so a sum that lies within that accumulation error of a rounding bound
 model dtype, then of the fp8 / nvfp4 grid of h) may legitimately round either way, and one such
 flip moves the output by a whole quantization step of h times a column of the down weights.
 The reference therefore also evaluates h at the four corners of the error box of every sum
-(gate and up each shifted by -+ ``accumulation * sum |x| |w|``), each corner rounded and
-quantized with its own scales, and reports ``slack = sum_k w_k * (|q_corner - q| @ |W2|^T
-+ accumulation * |q| @ |W2|^T)``: nonzero only where a rounding is in doubt, plus the down
-GEMM's own accumulation error. ``moeshard.tolerances.compare`` adds it to the table's bound.
-(A flip of an element and an opposite flip of its scale group's amax in the same row is a
-second-order event that the corners do not cover.)
+(gate and up each shifted by -+ ``accumulation * sum |x| |w|``, each rounded as the layer rounds
+it), takes each element's smallest and largest candidate, quantizes both with the scales of the
+smallest-magnitude and of the largest-magnitude candidates (a scale group's amax may flip too),
+and reports ``slack = sum_k w_k * (max |q_candidate - q| @ |W2|^T + accumulation * |q| @ |W2|^T)``:
+nonzero only where a rounding is in doubt, plus the down GEMM's own accumulation error.
+``moeshard.tolerances.compare`` adds it to the table's bound.
 
 ``quantization_error`` compares the quantized and unquantized references separately.
 """
@@ -74,26 +74,32 @@ def _expert(w: torch.Tensor, e: int, scheme: str, device: torch.device) -> torch
     return w[0].double()
 
 
-def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None) -> torch.Tensor:
+def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None,
+                scales_from: torch.Tensor | None = None) -> torch.Tensor:
     if scheme == "none":
         return x.double()
-    return fake_quantize_activations(x, scheme, amax=amax if scheme in PER_TENSOR_SCHEMES else None).double()
+    return fake_quantize_activations(x, scheme, amax=amax if scheme in PER_TENSOR_SCHEMES else None,
+                                     scales_from=scales_from).double()
 
 
-def _intermediate(gate_up: torch.Tensor, activation: str, dtype: torch.dtype, scheme: str,
-                  shards: int) -> torch.Tensor:
-    """fp64 gate_up sums [R, 2I] of one expert's rows -> fp64 [R, I]: h rounded to ``dtype``
-    and quantized per TP slice of I as the layer does (per-tensor scales over the slice)."""
-    gate_up = gate_up.to(dtype)
-    I = gate_up.shape[1] // 2
+def _activated(gate_up: torch.Tensor, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    """fp64 gate_up sums [R, 2I] -> h = act(gate) * up [R, I] in ``dtype``, each factor rounded
+    to ``dtype`` first, as the layer's GEMM epilogue rounds them."""
+    return activate(gate_up.to(dtype), activation, dtype)
+
+
+def _quantized(h: torch.Tensor, scheme: str, shards: int, scales_from: torch.Tensor | None = None) -> torch.Tensor:
+    """h [R, I] in the model dtype -> fp64 [R, I] quantized per TP slice of I as the layer does
+    (per-tensor scales over the slice), with the scales of ``scales_from`` (h's shape) if given."""
+    I = h.shape[1]
     width = I // shards
-    h = torch.empty(gate_up.shape[0], I, dtype=torch.float64, device=gate_up.device)
+    out = torch.empty(h.shape, dtype=torch.float64, device=h.device)
     for s in range(shards):
         cols = slice(s * width, (s + 1) * width)
-        hs = activate(torch.cat([gate_up[:, cols], gate_up[:, I:][:, cols]], dim=1), activation, dtype)
-        amax = hs.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
-        h[:, cols] = _fake_quant(hs, scheme, amax)
-    return h
+        source = h[:, cols] if scales_from is None else scales_from[:, cols]
+        amax = source.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
+        out[:, cols] = _fake_quant(h[:, cols], scheme, amax, None if scales_from is None else source)
+    return out
 
 
 def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str, dtype: torch.dtype,
@@ -104,20 +110,36 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation
     rows; w2: fp64 [H, I]; shards: TP slices of I quantized separately; accumulation: relative
     accumulation error of the kernel's sums, as a fraction of sum |a| |b| (``ACCUMULATION``).
     Returns (y, slack), both fp64 [R, H], unweighted.
+
+    The candidates of h: the four corners of the error box (gate and up each shifted by -+
+    delta). Every element may take any value between their smallest and largest (lo, hi), and
+    every scale group any amax between the one its smallest-magnitude candidates give and the
+    one its largest give; quantizing lo and hi with each of those two sets of scales gives the
+    extreme outcomes of every element's rounding (rounding is monotone in value / scale).
     """
     exact = x @ w13.T
-    h = _intermediate(exact, activation, dtype, scheme, shards)
+    h = _activated(exact, activation, dtype)
+    hq = _quantized(h, scheme, shards)
     delta = accumulation * (x.abs() @ w13.abs().T)
     I = w2.shape[1]
-    doubt = torch.zeros_like(h)
+    corners = []
     for gate_sign, up_sign in ((-1, -1), (-1, 1), (1, -1), (1, 1)):
         shift = delta.clone()
         shift[:, :I] *= gate_sign
         shift[:, I:] *= up_sign
-        doubt = torch.maximum(doubt, (_intermediate(exact + shift, activation, dtype, scheme, shards) - h).abs())
+        corners.append(_activated(exact + shift, activation, dtype))
+    stacked = torch.stack([h, *corners])
+    lo, hi = stacked.amin(dim=0), stacked.amax(dim=0)
+    magnitude = stacked.abs()
+    small = stacked.gather(0, magnitude.argmin(dim=0, keepdim=True))[0]
+    large = stacked.gather(0, magnitude.argmax(dim=0, keepdim=True))[0]
+    doubt = torch.zeros_like(hq)
+    for value in (lo, hi):
+        for scales in (small, large):
+            doubt = torch.maximum(doubt, (_quantized(value, scheme, shards, scales) - hq).abs())
     w2_abs = w2.abs()
-    slack = doubt @ w2_abs.T + accumulation * (h.abs() @ w2_abs.T)
-    return h @ w2.T, slack
+    slack = doubt @ w2_abs.T + accumulation * (hq.abs() @ w2_abs.T)
+    return hq @ w2.T, slack
 
 
 def expert_reference(x: torch.Tensor | QuantizedActivations, expert_ids: torch.Tensor, weights: ExpertWeights,

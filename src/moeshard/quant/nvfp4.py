@@ -93,13 +93,15 @@ def _per_block(g: Tensor) -> Tensor:
     return g.unsqueeze(-1) if g.dim() else g
 
 
-def nvfp4_quantize(x: Tensor, global_scale: Tensor) -> tuple[Tensor, Tensor]:
+def nvfp4_quantize(x: Tensor, global_scale: Tensor, scales_from: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Quantizes the last dimension of ``x`` to NVFP4.
 
     Args:
         x: float ``[..., K]`` (any float dtype), K a multiple of 16.
         global_scale: fp32 ``g`` (see ``nvfp4_global_scale``), shape ``[]`` or broadcastable to
             ``[..., 1]`` (one per row or per leading index).
+        scales_from: optional tensor of ``x``'s shape whose block amaxes set the block scales
+            (default ``x``'s own); values beyond them saturate at e2m1's 6.
     Returns:
         packed: uint8 ``[..., K // 2]`` e2m1 codes, two per byte.
         block_scale: float8_e4m3fn ``[..., K // 16]``, one per 16 consecutive values of ``x``.
@@ -109,7 +111,8 @@ def nvfp4_quantize(x: Tensor, global_scale: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(f"nvfp4: the quantized dimension K={k} must be a multiple of {NVFP4_BLOCK}")
     g = global_scale.float()
     blocks = x.float().reshape(*x.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
-    amax = blocks.abs().amax(dim=-1)
+    source = blocks if scales_from is None else scales_from.float().reshape(blocks.shape)
+    amax = source.abs().amax(dim=-1)
     block_scale = ((amax / const(E2M1_MAX, amax)) * g).clamp(max=FP8_MAX).to(FP8_DTYPE)
     s = block_scale.float().unsqueeze(-1)
     # A block whose scale rounds to 0 in e4m3 holds values far below the global amax; dividing

@@ -374,7 +374,8 @@ def _check_amax(amax: Tensor | None, x: Tensor) -> None:
         raise ValueError(f"quantize_activations: amax is on {amax.device}, x on {x.device}")
 
 
-def quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None) -> QuantizedActivations:
+def quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None,
+                         scales_from: Tensor | None = None) -> QuantizedActivations:
     """Quantizes activation rows dynamically.
 
     Args:
@@ -386,6 +387,10 @@ def quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None) -> 
             parallel layout quantizes a row identically. Per-row and per-group scales (fp8_token,
             fp8_block, nvfp4 block scales) always come from ``x`` itself; there ``amax`` is only
             validated. Default: the amax of ``x`` (0 when M = 0), raised to ``AMAX_FLOOR``.
+        scales_from: optional float tensor of ``x``'s shape from which every scale is taken
+            instead of from ``x`` (the per-tensor one too, unless ``amax`` is given); values beyond
+            a scale's range saturate. The reference uses it to quantize one candidate value of an
+            activation with the scales another candidate would produce.
     Returns:
         ``QuantizedActivations`` on ``x``'s device; its ``tensor_scale`` has ``amax``'s shape.
     """
@@ -394,28 +399,33 @@ def quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None) -> 
         got = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else repr(x)
         raise ValueError(f"quantize_activations: x must be a float [M, K] tensor, got {got}")
     _check_amax(amax, x)
+    if scales_from is not None and (not isinstance(scales_from, Tensor) or scales_from.shape != x.shape):
+        got = list(scales_from.shape) if isinstance(scales_from, Tensor) else repr(scales_from)
+        raise ValueError(f"quantize_activations: scales_from must have x's shape {list(x.shape)}, got {got}")
+    source = x if scales_from is None else scales_from
     m, k = x.shape
     if scheme == "nvfp4" and k % NVFP4_BLOCK:
         raise ValueError(f"quantize_activations: nvfp4 needs K % {NVFP4_BLOCK} == 0, got x.shape[1] (K)={k}")
-    tensor_amax = abs_amax(x, (0, 1)) if amax is None else amax.float()
+    tensor_amax = abs_amax(source, (0, 1)) if amax is None else amax.float()
     if scheme == "fp8_tensor":
         scale = fp8_scale(tensor_amax)
         return QuantizedActivations(scheme, fp8_quantize(x, scale), None, scale)
     if scheme == "fp8_token":
-        scale = fp8_scale(abs_amax(x, (1,), keepdim=True))
+        scale = fp8_scale(abs_amax(source, (1,), keepdim=True))
         return QuantizedActivations(scheme, fp8_quantize(x, scale), scale, None)
     if scheme == "fp8_block":
-        scale = fp8_scale(block_amax(x, (1, FP8_BLOCK)))
+        scale = fp8_scale(block_amax(source, (1, FP8_BLOCK)))
         return QuantizedActivations(scheme, fp8_quantize(x, expand_blocks(scale, (1, FP8_BLOCK), (m, k))), scale, None)
     glob = nvfp4_global_scale(tensor_amax)
-    data, block_scale = nvfp4_quantize(x, glob)
+    data, block_scale = nvfp4_quantize(x, glob, scales_from)
     return QuantizedActivations(scheme, data, block_scale, glob)
 
 
-def fake_quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None) -> Tensor:
+def fake_quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None,
+                              scales_from: Tensor | None = None) -> Tensor:
     """fp32 ``[M, K]``: ``x`` quantized exactly as ``quantize_activations`` does, then dequantized.
 
     The single-device reference uses it so that its activations carry the same quantization
     error as the layer's.
     """
-    return quantize_activations(x, scheme, amax).dequantize(torch.float32)
+    return quantize_activations(x, scheme, amax, scales_from).dequantize(torch.float32)
