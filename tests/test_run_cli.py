@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from moeshard.checkpoint.run_job import random_weights
 from moeshard.commands import run as run_command
 from moeshard.config import QuantConfig
+from moeshard.experts import select_kernel
 from moeshard.presets import get_preset
 from moeshard.reference import Reference, reference_forward
 from moeshard.tolerances import compare
@@ -161,11 +162,13 @@ def test_run_random_on_two_gpus_matches_reference(tmp_path, layout, quant, dtype
     weights, x = random_weights(cfg, 2), got["input_hidden_states"]
     ep, tp = "--ep" in layout, 2 if "--tp" in layout else 1
     q = QuantConfig(quant, defer_input_quant="--defer-input-quant" in layout) if quant != "none" else QuantConfig()
+    # The accumulation error of the kernel the ranks ran (fp8 GEMMs on the fp8 tensor cores).
+    acc = select_kernel(cfg.activation, cfg.dtype, torch.device("cuda"), quant).accumulation(quant)
     if ep:
-        ref = reference_forward(x, weights, cfg, q)
+        ref = reference_forward(x, weights, cfg, q, accumulation=acc)
     else:  # per-tensor activation scales are per DP rank without EP
         sizes = [int(n) for n in meta["tokens_per_dp_rank"].split(",")]
-        ref = Reference.cat([reference_forward(part, weights, cfg, q, intermediate_shards=tp)
+        ref = Reference.cat([reference_forward(part, weights, cfg, q, intermediate_shards=tp, accumulation=acc)
                              for part in torch.split(x, sizes)])
     err, atol, rtol, ok = compare(got["hidden_states"], ref, getattr(torch, dtype), quant)
     assert ok, f"{meta}: max error {err} > {atol} + {rtol} |ref|"
