@@ -220,3 +220,18 @@ def test_layer_output_unchanged(quant):
     out = layer(x)
     layer.backend = _ExpandingLocal(cfg.num_experts)
     assert torch.equal(out, layer(x))
+
+
+@needs_interpreter
+def test_triton_experts_declare_their_accumulation(kernels):
+    """fp8 schemes run (at least) the down GEMM on the fp8 tensor cores, in both gate_up modes."""
+    from moeshard.tolerances import ACCUMULATION
+
+    TritonExperts = kernels[0]
+    for mode in ("mma", "exact"):
+        experts = TritonExperts("silu", torch.bfloat16, fp8_gate_up=mode)
+        for scheme in ("fp8_tensor", "fp8_token", "fp8_block"):
+            assert experts.accumulation(scheme) == ACCUMULATION["fp8_mma"]
+        assert experts.accumulation("none") == experts.accumulation("nvfp4") == ACCUMULATION["fp32"]
+    with pytest.raises(ValueError, match=r"fp8_gate_up 'fast' is not one of \['mma', 'exact'\]"):
+        TritonExperts("silu", torch.bfloat16, fp8_gate_up="fast")
