@@ -134,8 +134,9 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation
     small = stacked.gather(0, magnitude.argmin(dim=0, keepdim=True))[0]
     large = stacked.gather(0, magnitude.argmax(dim=0, keepdim=True))[0]
     doubt = torch.zeros_like(hq)
+    # Unquantized h has no scales whose groups could flip: its candidates are lo and hi alone.
     for value in (lo, hi):
-        for scales in (small, large):
+        for scales in ((small, large) if scheme != "none" else (None,)):
             doubt = torch.maximum(doubt, (_quantized(value, scheme, shards, scales) - hq).abs())
     w2_abs = w2.abs()
     slack = doubt @ w2_abs.T + accumulation * (hq.abs() @ w2_abs.T)
