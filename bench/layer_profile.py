@@ -1,0 +1,84 @@
+"""Where the layer's time goes, kernel by kernel (GPU): the measurements behind the "Whole layer"
+section of docs/performance.md.
+
+    PYTHONPATH=src python3 bench/layer_profile.py [--models deepseek-v3,qwen3-30b-a3b] [--tokens 16384]
+                                                 [--quant none]
+
+Prints, per model: the GPU time per forward of every kernel of ``MoELayer`` (one GPU, local
+backend; torch.profiler over 5 forwards after 3 warm-up ones), then ``align_rows`` alone, then
+the router GEMM in fp32 (what the layer runs) against bf16 tensor cores with fp32 output, each
+with its largest distance from the exact (fp64) logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moeshard.bench.workload import experts_for, hidden_states, make_model
+from moeshard.config import QuantConfig
+from moeshard.kernels.align import align_rows
+from moeshard.layer import MoELayer
+from moeshard.router import router_logits
+
+
+def kernel_times(fn, reps: int = 5) -> list[tuple[str, float]]:
+    """(kernel name, microseconds per call of ``fn``), largest first."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def wall_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--quant", default="none")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("layer_profile: needs a CUDA GPU")
+    device = torch.device("cuda")
+    for name in args.models.split(","):
+        model = make_model(name, device)
+        cfg = model.cfg
+        layer = MoELayer(cfg, QuantConfig(args.quant), weights=model.shell,
+                         local_experts=experts_for(model, args.quant), device=device)
+        x = hidden_states(model, args.tokens, seed=args.tokens)
+        print(f"== {name}, {args.tokens} tokens, {args.quant}: GPU time per forward")
+        for kernel, us in kernel_times(lambda: layer(x))[:20]:
+            print(f"  {us:10.1f} us  {kernel[:100]}")
+        ids = torch.randint(0, cfg.num_experts, (args.tokens * cfg.top_k,), device=device)
+        plan_us = sum(us for _, us in kernel_times(lambda: align_rows(ids, cfg.num_experts, 128)))
+        print(f"  align_rows alone (M={ids.numel()}, E={cfg.num_experts}): {plan_us:.1f} us")
+        gate = model.shell.gate
+        exact = x.double() @ gate.double().T
+        for label, fn in (("fp32 (the layer)", lambda: router_logits(x, gate)),
+                          ("bf16 tensor cores, fp32 out", lambda: torch.mm(x, gate.T, out_dtype=torch.float32))):
+            err = float((fn().double() - exact).abs().max())
+            print(f"  router {label}: {wall_ms(fn):.3f} ms, max |logit - exact| {err:.2e}")
+        layer = model = None  # free the full-size weights before the next model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
