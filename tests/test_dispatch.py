@@ -11,16 +11,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moeshard.config import QuantConfig
+from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.all2all import All2AllBackend
 from moeshard.dispatch.registry import BACKENDS
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.spawn import RankFailure, spawn
+from moeshard.quant import QuantizedActivations, quantize_activations, to_wire
 from moeshard.router import Routing
 
-E, K, H = 8, 3, 6
+E, K, H = 8, 3, 32
+CFG = MoEConfig(E, K, H, 16)
 TOKEN_SETS = {2: [(5, 3), (0, 4), (1, 0), (7, 7)], 4: [(1, 0, 3, 2), (0, 0, 0, 2), (6, 1, 9, 0)]}
+WIRE_QUANTS = ("fp8_token", "nvfp4")  # row scales of two dtypes; nvfp4 also a per-tensor scale
 
 
 def _routing(rank: int, T: int, seed: int) -> tuple[torch.Tensor, Routing]:
@@ -33,33 +36,51 @@ def _routing(rank: int, T: int, seed: int) -> tuple[torch.Tensor, Routing]:
     return x, Routing(ids, w)
 
 
+def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and torch.equal(to_wire(a), to_wire(b))
+
+
 def _worker(world: int) -> list[dict]:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     groups = ParallelGroups.build(ParallelConfig(dp=world, tp=1, enable_ep=True))
     results = []
     for backend in ("allgather_reducescatter", "all2all"):
-        be = BACKENDS[backend].factory(E, groups)
+        be = BACKENDS[backend].factory(CFG, QuantConfig(), groups)
         per_rank = E // world
         for seed, tokens in enumerate(TOKEN_SETS[world]):
-            for with_scale in (False, True):
-                x, routing = _routing(rank, tokens[rank], seed)
-                scale = (x[:, :1] * 2).to(torch.uint8) if with_scale else None  # a per-row "scale" to carry
-                d = be.dispatch(x, scale, routing)
-                got = sorted((int(r[0]) // 1000, int(r[0]) % 1000, int(e) + rank * per_rank)
-                             for r, e in zip(d.x, d.expert_ids))
-                everyone = [None] * world
-                dist.all_gather_object(everyone, (x[:, 0].tolist(), routing.topk_ids.tolist()))
-                want = sorted((src, int(tag) % 1000, e) for src, (tags, ids) in enumerate(everyone)
-                              for tag, row in zip(tags, ids) for e in row if e // per_rank == rank)
-                scale_ok = (d.x_scale is None) == (not with_scale) and (
-                    not with_scale or torch.equal(d.x_scale, (d.x[:, :1] * 2).to(torch.uint8)))
-                y = d.x * (1 + d.expert_ids + rank * per_rank).unsqueeze(1).float()
-                out = be.combine(y, d)
-                expect = x * (routing.topk_weights * (1 + routing.topk_ids).float()).sum(1, keepdim=True)
-                results.append(dict(backend=backend, tokens=tokens, scale=with_scale, rows_ok=got == want,
-                                    scale_ok=scale_ok, combine_err=float((out - expect).abs().max() / expect.abs().max().clamp_min(1)) if out.numel() else 0.0,
-                                    shape_ok=tuple(out.shape) == (tokens[rank], H)))
+            x, routing = _routing(rank, tokens[rank], seed)
+            d = be.dispatch(x, routing)
+            rows, ids = d.input.x, d.input.expert_ids
+            got = [(int(r[0]) // 1000, int(r[0]) % 1000, int(e) + rank * per_rank) for r, e in zip(rows, ids)]
+            everyone = [None] * world
+            dist.all_gather_object(everyone, (x, routing.topk_ids.tolist()))
+            want = sorted((src, t, e) for src, (xs, ids_) in enumerate(everyone)
+                          for t, row in enumerate(ids_) for e in row if e // per_rank == rank)
+            y = rows * (1 + ids + rank * per_rank).unsqueeze(1).float()
+            out = be.combine(y, d)
+            expect = x * (routing.topk_weights * (1 + routing.topk_ids).float()).sum(1, keepdim=True)
+            # Quantized before dispatch: row i of the quantized dispatch is the same (source, token)
+            # as row i above; it must arrive as that token's quantization on its rank, bit for bit,
+            # with its scales (the per-tensor one over the whole EP group).
+            wire_ok = {}
+            domain = torch.cat([xs for xs, _ in everyone])
+            for scheme in WIRE_QUANTS:
+                dq = BACKENDS[backend].factory(CFG, QuantConfig(scheme), groups).dispatch(x, routing).input
+                q = dq.x
+                ok = isinstance(q, QuantizedActivations) and q.shape == (len(got), H)
+                amax = domain.abs().amax().float() if domain.numel() else torch.zeros(())
+                for i, (src, t, _) in enumerate(got if ok else []):
+                    ref = quantize_activations(everyone[src][0][t:t + 1], scheme, amax=amax)
+                    ok = ok and _same_bits(q.data[i:i + 1], ref.data) and _same_bits(
+                        None if q.row_scale is None else q.row_scale[i:i + 1], ref.row_scale)
+                    ok = ok and _same_bits(q.tensor_scale, ref.tensor_scale)
+                wire_ok[scheme] = ok and torch.equal(dq.expert_ids, ids)
+            results.append(dict(backend=backend, tokens=tokens, rows_ok=sorted(got) == want, wire_ok=wire_ok,
+                                combine_err=float((out - expect).abs().max() / expect.abs().max().clamp_min(1)) if out.numel() else 0.0,
+                                shape_ok=tuple(out.shape) == (tokens[rank], H)))
     return results
 
 
@@ -71,9 +92,10 @@ def world_results(request):
 def test_backends_move_exactly_the_routed_rows(world_results):
     world, per_rank = world_results
     for rank, results in enumerate(per_rank):
-        assert len(results) == 2 * len(TOKEN_SETS[world]) * 2
+        assert len(results) == 2 * len(TOKEN_SETS[world])
         for r in results:
-            assert r["rows_ok"] and r["scale_ok"] and r["shape_ok"], (rank, r)
+            assert r["rows_ok"] and r["shape_ok"], (rank, r)
+            assert all(r["wire_ok"].values()), (rank, r)
             assert r["combine_err"] < 1e-6, (rank, r)  # relative to the largest value (~5e4)
 
 
@@ -102,7 +124,7 @@ def test_all2all_refuses_cuda_without_side_channel():
                             device=torch.device("cuda", 1))
     with pytest.raises(ValueError, match=r"all2all \(rank 1\): on CUDA the count exchange needs a gloo side "
                                          r"channel, but ParallelGroups.side_group is None"):
-        All2AllBackend(E, groups)
+        All2AllBackend(CFG, QuantConfig(), groups)
 
 
 def test_registry_refusal_reason_is_the_layers():
@@ -128,3 +150,15 @@ def test_disagreeing_quant_is_named_on_every_rank():
     assert set(info.value.errors) == {0, 1}, str(info.value)
     for err in info.value.errors.values():
         assert "ranks disagree on quant: rank 0=none, rank 1=fp8_block" in err.message
+
+
+def test_support_enforces_the_side_group_and_the_kernels_layouts():
+    from moeshard.dispatch.registry import support
+    from moeshard.experts.base import EXPERT_BLOCKS
+    ep2 = ParallelConfig(2, 1, True)
+    ok, reason = support("all2all", QuantConfig(), ep2, device="cuda", has_side_group=False)
+    assert not ok and "all2all on cuda needs a gloo side channel" in reason and "side_channel=True" in reason
+    assert support("all2all", QuantConfig(), ep2, device="cuda", has_side_group=True) == (True, "")
+    assert support("all2all", QuantConfig(), ep2, device="cpu", has_side_group=False) == (True, "")
+    ok, reason = support("local", QuantConfig(), ParallelConfig(), kernel_layouts=(EXPERT_BLOCKS,))
+    assert not ok and reason == "local hands the experts 'flat' rows, but the expert kernel accepts ['expert_blocks']"

@@ -27,12 +27,9 @@ from moeshard.dispatch.base import weighted_sum
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
 from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES
 from moeshard.kernels.configs import select_config
-from moeshard.quant import (
-    quantize_activations,
-    quantize_weight,
-)
+from moeshard.config import MoEConfig, QuantConfig
+from moeshard.quant import get_scheme, quantize_activations, quantize_weight
 from moeshard.reference import expert_reference
 from moeshard.router import Routing
 from moeshard.tolerances import compare
@@ -120,7 +117,7 @@ def test_quantize_h_bit_exact(exact_interpreter, scheme):
     q = quantize_h(h, scheme, plan, amax)
     live = tile_of >= 0
     row_amax = amax[tile_of.clamp(min=0)].unsqueeze(1)[live]
-    ref = quantize_activations(h[live], scheme, amax=row_amax if scheme in PER_TENSOR_SCHEMES else None)
+    ref = quantize_activations(h[live], scheme, amax=row_amax if get_scheme(scheme).per_tensor_activation else None)
     assert_same_quantization(q, ref, live)
 
 
@@ -158,16 +155,17 @@ def test_combine_topk():
 
 def test_local_backend_round_trip():
     T, K, H = 6, 3, 8
+    backend = LocalBackend(MoEConfig(4, K, H, 16), QuantConfig())
     x = torch.randn(T, H)
     routing = Routing(torch.randint(0, 4, (T, K)), torch.rand(T, K))
-    d = LocalBackend(4).dispatch(x, x[:, :2], routing)
-    assert d.repeat == K and torch.equal(d.x, x) and torch.equal(d.x_scale, x[:, :2])
-    assert torch.equal(d.expert_ids, routing.topk_ids.reshape(-1))
+    d = backend.dispatch(x, routing)
+    assert d.input.repeat == K and torch.equal(d.input.x, x)
+    assert torch.equal(d.input.expert_ids, routing.topk_ids.reshape(-1))
     y = torch.randn(T * K, H)
     expected = weighted_sum(y, routing.topk_weights.reshape(-1), torch.arange(T).repeat_interleave(K), T)
-    torch.testing.assert_close(LocalBackend(4).combine(y, d), expected, rtol=1e-6, atol=1e-6)
-    empty = LocalBackend(4).dispatch(x[:0], None, Routing(routing.topk_ids[:0], routing.topk_weights[:0]))
-    assert LocalBackend(4).combine(torch.empty(0, H), empty).shape == (0, H)
+    torch.testing.assert_close(backend.combine(y, d), expected, rtol=1e-6, atol=1e-6)
+    empty = backend.dispatch(x[:0], Routing(routing.topk_ids[:0], routing.topk_weights[:0]))
+    assert backend.combine(torch.empty(0, H), empty).shape == (0, H)
 
 
 def test_selection_on_cpu():

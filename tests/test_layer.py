@@ -9,7 +9,8 @@ from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig
 from moeshard.layer import MoELayer
 from moeshard.presets import PRESETS
 from moeshard.reference import reference_forward
-from moeshard.tolerances import QUANT_ERROR, compare
+from moeshard.quant import get_scheme
+from moeshard.tolerances import compare
 from moeshard.weights import MoEWeights
 
 QUANTS = [QuantConfig(s) for s in QUANT_SCHEMES] + [QuantConfig(s, True) for s in QUANT_SCHEMES[1:]]
@@ -50,7 +51,7 @@ def test_quantization_error_is_bounded_and_not_zero(scheme):
     plain = reference_forward(x, w, cfg).out
     out = MoELayer(cfg, quant=QuantConfig(scheme), weights=w)(x).double()
     rel = float((out - plain).pow(2).mean().sqrt() / plain.pow(2).mean().sqrt())
-    assert 1e-3 < rel <= QUANT_ERROR[scheme], rel
+    assert 1e-3 < rel <= get_scheme(scheme).quant_error, rel
 
 
 def test_defer_input_quant_equals_early_quantization():

@@ -22,15 +22,14 @@ import sys
 import pytest
 import torch
 
-from moeshard.config import QUANT_SCHEMES, QuantConfig
+from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig
 from moeshard.dispatch.base import Dispatched, weighted_sum
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts import GroupedExperts
 from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES
 from moeshard.layer import MoELayer
 from moeshard.presets import PRESETS
-from moeshard.quant import QuantizedActivations, quantize_activations, quantize_weight
+from moeshard.quant import QuantizedActivations, get_scheme, quantize_activations, quantize_weight
 from moeshard.router import Routing
 from moeshard.weights import MoEWeights
 
@@ -93,7 +92,7 @@ def _inputs(x, ids, scheme: str, mode: str) -> tuple[ExpertInput, ExpertInput]:
     (deferred, the experts take the amax themselves), "early" (quantized before dispatch with one
     amax), "early-row-amax" (per-tensor schemes quantized with a per-row amax [T, 1]).
     """
-    per_tensor = scheme in PER_TENSOR_SCHEMES
+    per_tensor = get_scheme(scheme).per_tensor_activation
     amax = x.abs().amax().float() if per_tensor else None
     if mode == "model":
         return ExpertInput(x, ids, amax, repeat=K), ExpertInput(_expand(x), ids, amax)
@@ -109,34 +108,40 @@ def _modes(scheme: str) -> list[str]:
     if scheme == "none":
         return ["model"]
     modes = ["model", "deferred-no-amax", "early"]
-    return modes + ["early-row-amax"] if scheme in PER_TENSOR_SCHEMES else modes
+    return modes + ["early-row-amax"] if get_scheme(scheme).per_tensor_activation else modes
 
 
 CASES = [(s, m) for s in ["none", *QUANTIZED] for m in _modes(s)]
 
 
 # -- the containers -----------------------------------------------------------------------------
+def _local(quant: QuantConfig = QuantConfig()) -> LocalBackend:
+    return LocalBackend(MoEConfig(E, K, 32, 16), quant)
+
+
 def test_local_dispatch_keeps_tokens_unexpanded():
-    x = torch.randn(T, 8)
-    scale = x[:, :2].abs()
+    x = torch.randn(T, 32)
     routing = Routing(torch.randint(0, E, (T, K)), torch.rand(T, K))
-    d = LocalBackend(E).dispatch(x, scale, routing)
-    assert d.repeat == K
-    assert d.x is x and d.x_scale is scale  # no copy at all
-    assert torch.equal(d.expert_ids, routing.topk_ids.reshape(-1))
-    assert LocalBackend(E).dispatch(x, None, routing).x_scale is None
+    d = _local().dispatch(x, routing)
+    assert d.input.repeat == K
+    assert d.input.x is x  # no copy at all
+    assert torch.equal(d.input.expert_ids, routing.topk_ids.reshape(-1))
+    # Quantized before dispatch: each token once, with its own row scales.
+    q = _local(QuantConfig("fp8_token")).dispatch(x, routing).input
+    want = quantize_activations(x, "fp8_token")
+    assert q.repeat == K and isinstance(q.x, QuantizedActivations)
+    assert torch.equal(_bits(q.x.data), _bits(want.data)) and torch.equal(q.x.row_scale, want.row_scale)
     # combine is unchanged: y has one row per routed row, token-major.
     y = torch.randn(T * K, 8)
     expected = weighted_sum(y, routing.topk_weights.reshape(-1), torch.arange(T).repeat_interleave(K), T)
-    torch.testing.assert_close(LocalBackend(E).combine(y, d), expected, rtol=1e-6, atol=1e-6)
-    empty = LocalBackend(E).dispatch(x[:0], None, Routing(routing.topk_ids[:0], routing.topk_weights[:0]))
-    assert empty.repeat == K and empty.x.shape == (0, 8) and empty.expert_ids.shape == (0,)
-    assert LocalBackend(E).combine(torch.empty(0, 8), empty).shape == (0, 8)
+    torch.testing.assert_close(_local().combine(y, d), expected, rtol=1e-6, atol=1e-6)
+    empty = _local().dispatch(x[:0], Routing(routing.topk_ids[:0], routing.topk_weights[:0]))
+    assert empty.input.repeat == K and empty.input.x.shape == (0, 32) and empty.input.expert_ids.shape == (0,)
+    assert _local().combine(torch.empty(0, 8), empty).shape == (0, 8)
 
 
-def test_dispatched_and_expert_input_default_to_one_row_per_routed_row():
+def test_expert_input_defaults_to_one_row_per_routed_row():
     ids = torch.zeros(4, dtype=torch.int64)
-    assert Dispatched(torch.zeros(4, 2), None, ids, None).repeat == 1
     inp = ExpertInput(torch.zeros(4, 2), ids)
     assert inp.repeat == 1 and inp.num_rows == 4
     assert ExpertInput(torch.zeros(2, 2), ids, repeat=2).num_rows == 4
@@ -202,10 +207,10 @@ def test_moe_gemm_refuses_a_row_div_it_cannot_use(kernels):
 class _ExpandingLocal(LocalBackend):
     """``local`` as it was: every routed row copied out (repeat = 1)."""
 
-    def dispatch(self, x, x_scale, routing):
-        d = super().dispatch(x, x_scale, routing)
-        k = d.repeat
-        return Dispatched(_expand(d.x, k), None if d.x_scale is None else _expand(d.x_scale, k), d.expert_ids, d.state)
+    def dispatch(self, x, routing):
+        d = super().dispatch(x, routing)
+        inp = d.input
+        return Dispatched(ExpertInput(_expand(inp.x, inp.repeat), inp.expert_ids, inp.input_amax), d.state)
 
 
 @pytest.mark.parametrize("quant", [QuantConfig(s) for s in QUANT_SCHEMES] + [QuantConfig(s, True) for s in QUANTIZED],
@@ -218,14 +223,14 @@ def test_layer_output_unchanged(quant):
     x = torch.randn(11, cfg.hidden_size, generator=g).to(cfg.dtype)
     layer = MoELayer(cfg, quant=quant, weights=w)
     out = layer(x)
-    layer.backend = _ExpandingLocal(cfg.num_experts)
+    layer.backend = _ExpandingLocal(cfg, quant)
     assert torch.equal(out, layer(x))
 
 
 @needs_interpreter
 def test_triton_experts_declare_their_accumulation(kernels):
     """fp8 schemes run (at least) the down GEMM on the fp8 tensor cores, in both gate_up modes."""
-    from moeshard.tolerances import ACCUMULATION
+    from moeshard.numerics import ACCUMULATION
 
     TritonExperts = kernels[0]
     for mode in ("mma", "exact"):

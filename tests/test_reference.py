@@ -13,10 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES, activate
+from moeshard.experts.base import activate
+from moeshard.quant import get_scheme
 from moeshard.quant import fake_quantize_activations, quantize_activations, quantize_weight
 from moeshard.reference import Reference, expert_rows
-from moeshard.tolerances import ACCUMULATION, compare
+from moeshard.numerics import ACCUMULATION
+from moeshard.tolerances import compare
 
 BF16 = torch.bfloat16
 U = ACCUMULATION["fp32"]
@@ -54,7 +56,7 @@ def _layer_like(x, w13, w2, scheme: str, noise: torch.Tensor, scale: float = 1.0
     gate_up = (x @ w13.T + noise).to(BF16)
     h = activate(gate_up, "silu", BF16)
     if scheme != "none":
-        amax = h.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
+        amax = h.abs().amax().float() if get_scheme(scheme).per_tensor_activation else None
         h = fake_quantize_activations(h, scheme, amax=amax)
     return (h.double() @ w2.T * scale).to(BF16)
 

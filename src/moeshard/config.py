@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.quant.schemes import BUILTIN_SCHEMES, QuantScheme, get_scheme
+
 ACTIVATIONS = ("silu", "gelu")
 SCORINGS = ("softmax", "sigmoid")
-QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4")
+# The built-in schemes; ``moeshard.quant.schemes.scheme_names()`` lists every registered one.
+QUANT_SCHEMES = BUILTIN_SCHEMES
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -126,19 +129,32 @@ class MoEConfig:
 class QuantConfig:
     """How the routed experts are quantized (shared experts and the router stay in the model dtype).
 
-    ``scheme`` is one of ``QUANT_SCHEMES`` (see ``moeshard.quant``). ``defer_input_quant=True``
-    dispatches the activations in the model dtype and lets the expert kernel quantize them, so
-    the dispatched activation scale is ``None``.
+    ``scheme`` is a registered scheme (``moeshard.quant.schemes``: ``none``, ``fp8_tensor``,
+    ``fp8_token``, ``fp8_block``, ``nvfp4`` built in). ``defer_input_quant=True`` dispatches the
+    activations in the model dtype and lets the expert kernel quantize them, so the dispatched
+    activation scale is ``None``.
     """
 
     scheme: str = "none"
     defer_input_quant: bool = False
 
     def __post_init__(self) -> None:
-        _choice("QuantConfig", "scheme", self.scheme, QUANT_SCHEMES)
+        get_scheme(self.scheme, "QuantConfig.scheme")
+        if not isinstance(self.defer_input_quant, bool):
+            raise ValueError(f"QuantConfig.defer_input_quant: must be a bool, got {self.defer_input_quant!r}")
         if self.defer_input_quant and self.scheme == "none":
             raise ValueError("QuantConfig.defer_input_quant: True has no meaning with scheme='none'")
 
     @property
+    def spec(self) -> QuantScheme:
+        """The scheme's descriptor."""
+        return get_scheme(self.scheme, "QuantConfig.scheme")
+
+    @property
     def quantized(self) -> bool:
         return self.scheme != "none"
+
+    @property
+    def name(self) -> str:
+        """``scheme``, with ``+defer`` under deferred input quantization (as case ids write it)."""
+        return self.scheme + ("+defer" if self.defer_input_quant else "")

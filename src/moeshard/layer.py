@@ -9,9 +9,11 @@
      -> + shared experts (model dtype, on the same rows, once)
      -> SP only: all-gather over TP, drop the padding -> [T, H]
 
-Per-tensor activation scales (fp8_tensor, nvfp4's global scale) are dynamic over the layer's
-quantization domain: the EP group when EP is on (amax all-reduced, one scalar), this DP rank's
-tokens otherwise. So the single-device reference on the same tokens reproduces them exactly.
+The backend (``moeshard.dispatch``) owns the middle three steps' wire format: it quantizes
+(per-tensor activation scales are dynamic over the quantization domain, the EP group when EP is
+on, this DP rank's tokens otherwise; see ``moeshard.dispatch.payload``), moves rows and scales,
+and hands the experts their input; the layer only routes, runs the kernel and reduces. So the
+single-device reference on the same tokens reproduces every quantization exactly.
 Inference only: no gradient flows through dispatch and combine.
 """
 
@@ -24,16 +26,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES, MoEConfig, QuantConfig, dtype_name
+from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name
+from moeshard.dispatch.base import DispatchBackend
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.experts import select_kernel
-from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES
+from moeshard.experts.base import ExpertKernel, ExpertWeights
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
-from moeshard.quant import QuantizedActivations, QuantizedWeight, from_wire, quantize_activations, to_wire
-from moeshard.router import route, router_logits
+from moeshard.quant import QuantizedWeight, scheme_names
+from moeshard.router import Routing, route, router_logits
 from moeshard.sharding import shard_experts, shard_spec
 from moeshard.weights import SHARED_ALIASES, MoEWeights
 
@@ -52,7 +54,11 @@ class Gate(nn.Module):
 
 class RoutedExperts(nn.Module):
     """This rank's routed experts under the canonical names ``gate_up_proj`` [E_l, 2 I_l, H] and
-    ``down_proj`` [E_l, H, I_l]; quantized weights add ``<name>_scale`` (and ``_global_scale``)."""
+    ``down_proj`` [E_l, H, I_l]; quantized weights add ``<name>_scale`` (and ``_global_scale``).
+
+    ``weights`` is the kernels' view of the buffers, built once (it validates every layout) and
+    rebuilt only when the module's tensors are replaced (``.to``, ``.cuda``, ...): not per forward.
+    ``load_state_dict`` copies into the existing tensors, so the view stays valid."""
 
     def __init__(self, weights: ExpertWeights) -> None:
         super().__init__()
@@ -66,6 +72,7 @@ class RoutedExperts(nn.Module):
                 self._shapes[name] = w.shape
             else:
                 setattr(self, name, nn.Parameter(w, requires_grad=False))
+        self.weights = self._view()
 
     def _weight(self, name: str):
         if self.scheme == "none":
@@ -73,8 +80,21 @@ class RoutedExperts(nn.Module):
         return QuantizedWeight(self.scheme, getattr(self, name), getattr(self, name + "_scale"),
                                getattr(self, name + "_global_scale"), self._shapes[name])
 
-    def weights(self) -> ExpertWeights:
+    def _view(self) -> ExpertWeights:
         return ExpertWeights(self._weight("gate_up_proj"), self._weight("down_proj"), self.scheme)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.weights = self._view()
+        return out
+
+
+def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
+    """An ``nn.Linear`` without bias holding ``weight`` [out, in] (a copy), built without
+    initialising a random weight first."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    return layer
 
 
 class SharedExperts(nn.Module):
@@ -83,12 +103,9 @@ class SharedExperts(nn.Module):
     def __init__(self, weights: MoEWeights, activation: str) -> None:
         super().__init__()
         self.activation = activation
-        self.gate_proj = nn.Linear(1, 1, bias=False)
-        self.up_proj = nn.Linear(1, 1, bias=False)
-        self.down_proj = nn.Linear(1, 1, bias=False)
-        for layer, w in ((self.gate_proj, weights.shared_gate), (self.up_proj, weights.shared_up),
-                         (self.down_proj, weights.shared_down)):
-            layer.weight = nn.Parameter(w.clone(), requires_grad=False)
+        self.gate_proj = _frozen_linear(weights.shared_gate)
+        self.up_proj = _frozen_linear(weights.shared_up)
+        self.down_proj = _frozen_linear(weights.shared_down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = F.silu if self.activation == "silu" else F.gelu
@@ -96,11 +113,13 @@ class SharedExperts(nn.Module):
 
 
 def _code(name: str) -> int:
-    """A stable integer for a name, for the configuration exchange (decoded by ``_NAMES``)."""
+    """A stable integer for a name, for the configuration exchange (decoded by ``_name``)."""
     return zlib.crc32(name.encode())
 
 
-_NAMES = {_code(n): n for n in (*QUANT_SCHEMES, *BACKENDS, *MODEL_DTYPES)}
+def _name(code: int) -> str | int:
+    """The scheme, backend or dtype name of an exchanged code (the code itself if none)."""
+    return {_code(n): n for n in (*scheme_names(), *BACKENDS, *MODEL_DTYPES)}.get(code, code)
 
 
 def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> None:
@@ -116,7 +135,7 @@ def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> 
         column = rows[:, i].tolist()
         if len(set(column)) > 1:
             raise ValueError(f"MoELayer (rank {groups.rank}): ranks disagree on {name}: "
-                             + ", ".join(f"rank {r}={_NAMES.get(v, v)}" for r, v in enumerate(column)))
+                             + ", ".join(f"rank {r}={_name(v)}" for r, v in enumerate(column)))
 
 
 class MoELayer(nn.Module):
@@ -154,11 +173,14 @@ class MoELayer(nn.Module):
                 "defer_input_quant": int(quant.defer_input_quant), "backend": _code(backend),
                 "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep)})
         parallel.validate(parallel.world_size, cfg, rank)
-        ok, reason = support(backend, quant, parallel)
-        if not ok:
-            raise ValueError(f"MoELayer (rank {rank}): backend {backend!r}: {reason}")
         self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
         self.device = torch.device(device) if device is not None else (groups.device if groups else torch.device("cpu"))
+        self.kernel: ExpertKernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme)
+        ok, reason = support(backend, quant, parallel, device=self.device.type,
+                             has_side_group=groups is not None and groups.side_group is not None,
+                             kernel_layouts=self.kernel.layouts)
+        if not ok:
+            raise ValueError(f"MoELayer (rank {rank}): backend {backend!r}: {reason}")
         weights = weights if weights is not None else MoEWeights.random(cfg)
         weights.validate(cfg, routed=local_experts is None)
         weights = weights.to(dtype=cfg.dtype)
@@ -175,8 +197,7 @@ class MoELayer(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
             self.shared_expert_gate.weight = nn.Parameter(weights.shared_expert_gate.clone(), requires_grad=False)
         self.to(self.device)
-        self.backend = BACKENDS[backend].factory(cfg.num_experts, groups)
-        self.kernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme)
+        self.backend: DispatchBackend = BACKENDS[backend].factory(cfg, quant, groups)
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
 
     @property
@@ -219,36 +240,14 @@ class MoELayer(nn.Module):
         if x.device != self.device and not (x.device.type == self.device.type == "cuda" and self.device.index is None):
             raise ValueError(f"MoELayer.forward (rank {rank}): x is on {x.device}, the layer on {self.device}")
 
-    def _input_amax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """fp32 []: amax of the quantization domain, for per-tensor activation scales."""
-        if self.quant.scheme not in PER_TENSOR_SCHEMES:
-            return None
-        amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-        if self.groups is not None and self.groups.ep_group is not None:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.groups.ep_group)
-        return amax
+    def route(self, x: torch.Tensor) -> Routing:
+        """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global expert ids)."""
+        return route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias)
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] rows this rank routes -> fp32 [T, H] routed-expert output (TP-reduced)."""
-        routing = route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias)
-        amax = self._input_amax(x)
-        scheme = self.quant.scheme
-        if self.quant.quantized and not self.quant.defer_input_quant:
-            q = quantize_activations(x, scheme, amax=amax)
-            payload, row_scale = to_wire(q.data), None if q.row_scale is None else to_wire(q.row_scale)
-        else:
-            q, payload, row_scale = None, x, None
-        d = self.backend.dispatch(payload, row_scale, routing)
-        if q is not None:
-            # Scales reach the kernel only after dispatch, in the kernel's own layout. d.x may hold
-            # one row per d.repeat routed rows; q.tensor_scale is [] (amax is one scalar), so it
-            # fits either way.
-            rows = QuantizedActivations(scheme, from_wire(d.x, q.data.dtype),
-                                        None if d.x_scale is None else from_wire(d.x_scale, q.row_scale.dtype),
-                                        q.tensor_scale)
-        else:
-            rows = d.x
-        y = self.kernel(ExpertInput(rows, d.expert_ids, amax, repeat=d.repeat), self.experts.weights())
+        d = self.backend.dispatch(x, self.route(x))
+        y = self.kernel(d.input, self.experts.weights)
         out = self.backend.combine(y, d)
         if self.parallel.tp > 1 and not self.parallel.enable_ep:
             dist.all_reduce(out, group=self.groups.tp_group)

@@ -26,41 +26,21 @@ nonzero only where a rounding is in doubt, plus the down GEMM's own accumulation
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from moeshard.config import MoEConfig, QuantConfig
-from moeshard.experts.base import ExpertWeights
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES, activate
-from moeshard.quant import (
-    QuantizedActivations,
-    fake_quantize_activations,
-    quantize_weight,
-)
+from moeshard.experts.base import ExpertWeights, activate
+from moeshard.numerics import ACCUMULATION, Reference
+from moeshard.quant import QuantizedActivations, fake_quantize_activations, get_scheme, quantize_weight
 from moeshard.router import route, router_logits
-from moeshard.tolerances import ACCUMULATION
 from moeshard.weights import MoEWeights
 
+__all__ = ["Reference", "expert_reference", "expert_rows", "reference_forward"]
 
-@dataclass(frozen=True)
-class Reference:
-    """What a correct layer returns, and how far ambiguous roundings let it stray.
 
-    out: fp64 [T, H] the reference output; slack: fp64 [T, H] >= 0 (see the module docstring),
-    added to the tolerance table's bound by ``moeshard.tolerances.compare``.
-    """
-
-    out: torch.Tensor
-    slack: torch.Tensor
-
-    def rows(self, start: int, stop: int) -> Reference:
-        return Reference(self.out[start:stop], self.slack[start:stop])
-
-    @staticmethod
-    def cat(parts: list[Reference]) -> Reference:
-        return Reference(torch.cat([p.out for p in parts]), torch.cat([p.slack for p in parts]))
+def _per_tensor(scheme: str) -> bool:
+    return get_scheme(scheme, "reference: quant").per_tensor_activation
 
 
 def _expert(w: torch.Tensor, e: int, scheme: str, device: torch.device) -> torch.Tensor:
@@ -78,7 +58,7 @@ def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None,
                 scales_from: torch.Tensor | None = None) -> torch.Tensor:
     if scheme == "none":
         return x.double()
-    return fake_quantize_activations(x, scheme, amax=amax if scheme in PER_TENSOR_SCHEMES else None,
+    return fake_quantize_activations(x, scheme, amax=amax if _per_tensor(scheme) else None,
                                      scales_from=scales_from).double()
 
 
@@ -97,7 +77,7 @@ def _quantized(h: torch.Tensor, scheme: str, shards: int, scales_from: torch.Ten
     for s in range(shards):
         cols = slice(s * width, (s + 1) * width)
         source = h[:, cols] if scales_from is None else scales_from[:, cols]
-        amax = source.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
+        amax = source.abs().amax().float() if _per_tensor(scheme) else None
         out[:, cols] = _fake_quant(h[:, cols], scheme, amax, None if scales_from is None else source)
     return out
 
@@ -176,7 +156,7 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
     T, H = x.shape
     bias = None if weights.correction_bias is None else weights.correction_bias.to(x.device)
     routing = route(router_logits(x, weights.gate.to(x.device)), cfg, bias)
-    if scheme in PER_TENSOR_SCHEMES and input_amax is None:
+    if _per_tensor(scheme) and input_amax is None:
         input_amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
     xq = _fake_quant(x, scheme, input_amax)
     out = torch.zeros(T, H, dtype=torch.float64, device=x.device)

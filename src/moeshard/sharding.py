@@ -19,9 +19,6 @@ from moeshard.experts.base import ExpertWeights, Weight
 from moeshard.parallel.config import ParallelConfig
 from moeshard.quant import QuantizedWeight, quantize_weight
 
-# Alignment that an intermediate slice boundary needs, per scheme (block size of its scales).
-SLICE_ALIGN = {"none": 1, "fp8_tensor": 1, "fp8_token": 1, "fp8_block": 128, "nvfp4": 16}
-
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -40,15 +37,15 @@ class ShardSpec:
                              f"[0, {cfg.num_experts})")
         if I % self.tp_size:
             raise ValueError(f"ShardSpec: intermediate_size={I} is not divisible by tp={self.tp_size}")
-        width, align = I // self.tp_size, SLICE_ALIGN[quant.scheme]
+        scheme = quant.spec
+        width, align = I // self.tp_size, scheme.slice_align
         if self.tp_size > 1 and width % align:
             raise ValueError(f"ShardSpec: quant {quant.scheme!r} needs tensor-parallel slices of the "
                              f"intermediate dimension aligned to {align}, but intermediate_size={I} / "
                              f"tp={self.tp_size} = {width}")
-        if quant.scheme == "nvfp4":
-            for name, k in (("hidden_size", cfg.hidden_size), ("intermediate slice", width)):
-                if k % 16:
-                    raise ValueError(f"ShardSpec: nvfp4 needs {name} divisible by 16, got {k}")
+        for name, k in (("hidden_size", cfg.hidden_size), ("intermediate slice", width)):
+            if k % scheme.dim_multiple:
+                raise ValueError(f"ShardSpec: {quant.scheme} needs {name} divisible by {scheme.dim_multiple}, got {k}")
 
 
 def shard_spec(parallel: ParallelConfig, rank: int, num_experts: int) -> ShardSpec:

@@ -25,7 +25,7 @@ if CUDA:
     from moeshard.config import QuantConfig
     from moeshard.experts import select_kernel
     from moeshard.experts.base import ExpertInput, ExpertWeights
-    from moeshard.experts.grouped import PER_TENSOR_SCHEMES
+    from moeshard.quant import get_scheme
     from moeshard.kernels.align import align_rows
     from moeshard.kernels.combine import combine_topk
     from moeshard.kernels.configs import ExpertsConfig, GemmConfig, select_config
@@ -107,8 +107,8 @@ def test_gelu_and_deferred_quantization(scheme):
     amax = x.abs().amax().float()
     # Deferred: model-dtype rows in, the kernel quantizes them with the layer-wide amax.
     kernel = TritonExperts("gelu", dtype)
-    y = kernel(ExpertInput(x, ids, amax if scheme in PER_TENSOR_SCHEMES else None), w)
-    xin = quantize_activations(x, scheme, amax=amax if scheme in PER_TENSOR_SCHEMES else None) if scheme != "none" else x
+    y = kernel(ExpertInput(x, ids, amax if get_scheme(scheme).per_tensor_activation else None), w)
+    xin = quantize_activations(x, scheme, amax=amax if get_scheme(scheme).per_tensor_activation else None) if scheme != "none" else x
     ref = expert_reference(xin, ids, w, "gelu", dtype, accumulation=kernel.accumulation(scheme))
     _check(y, ref, dtype, scheme, f"gelu deferred {scheme}")
 
@@ -127,7 +127,7 @@ def test_quantize_h_bit_exact(scheme):
     q = quantize_h(h, scheme, plan, amax)
     live = tile_of >= 0
     row_amax = amax[tile_of.clamp(min=0).long()].unsqueeze(1)[live]
-    ref = quantize_activations(h[live], scheme, amax=row_amax if scheme in PER_TENSOR_SCHEMES else None)
+    ref = quantize_activations(h[live], scheme, amax=row_amax if get_scheme(scheme).per_tensor_activation else None)
     assert_same_quantization(q, ref, live)
 
 

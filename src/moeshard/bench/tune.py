@@ -17,7 +17,7 @@ import torch
 from moeshard.bench.timing import L2Flush, time_cuda
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES
+from moeshard.quant import get_scheme
 from moeshard.kernels.align import align_rows
 from moeshard.kernels.configs import GemmConfig as C
 from moeshard.kernels.grouped_gemm import moe_gemm
@@ -92,7 +92,7 @@ def sweep(device: torch.device, progress: Callable[[str], None], reps: int = 10,
         experts = experts_for(model, scheme)
         inp, _ = routed_input(model, hidden_states(model, tokens, tokens), QuantConfig(scheme))
         E, H, I, M = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, inp.num_rows
-        per_tensor = scheme in PER_TENSOR_SCHEMES
+        per_tensor = get_scheme(scheme).per_tensor_activation
         for gemm in cands:
             for c in cands[gemm]:
                 amax = torch.zeros(E, dtype=torch.float32, device=device) if per_tensor else None

@@ -17,9 +17,8 @@ import torch
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES
 from moeshard.presets import get_preset
-from moeshard.quant import QuantizedActivations, QuantizedWeight, from_wire, quantize_activations, quantize_weight, to_wire
+from moeshard.quant import QuantizedWeight, quantize_weight
 from moeshard.router import Routing, route, router_logits
 from moeshard.weights import MoEWeights
 
@@ -102,22 +101,12 @@ def hidden_states(model: ModelOnDevice, tokens: int, seed: int) -> torch.Tensor:
 
 
 def routed_input(model: ModelOnDevice, x: torch.Tensor, quant: QuantConfig) -> tuple[ExpertInput, Routing]:
-    """The rows the layer's experts receive for ``x`` under the local backend, quantized before
-    dispatch as ``MoELayer`` does, with the routing that produced them. As in the layer, the
-    input's x holds T rows with ``repeat = K`` (M = T * K routed rows)."""
+    """The rows the layer's experts receive for ``x`` under the local backend (quantized before
+    dispatch by the backend itself, as in ``MoELayer``), with the routing that produced them. As
+    in the layer, the input's x holds T rows with ``repeat = K`` (M = T * K routed rows)."""
     cfg = model.cfg
     routing = route(router_logits(x, model.shell.gate), cfg, model.shell.correction_bias)
-    scheme = quant.scheme
-    amax = x.abs().amax().float() if scheme in PER_TENSOR_SCHEMES else None
-    backend = LocalBackend(cfg.num_experts)
-    if scheme == "none":
-        d = backend.dispatch(x, None, routing)
-        return ExpertInput(d.x, d.expert_ids, None, repeat=d.repeat), routing
-    q = quantize_activations(x, scheme, amax=amax)
-    d = backend.dispatch(to_wire(q.data), None if q.row_scale is None else to_wire(q.row_scale), routing)
-    rows = QuantizedActivations(scheme, from_wire(d.x, q.data.dtype),
-                                None if d.x_scale is None else from_wire(d.x_scale, q.row_scale.dtype), q.tensor_scale)
-    return ExpertInput(rows, d.expert_ids, amax, repeat=d.repeat), routing
+    return LocalBackend(cfg, quant).dispatch(x, routing).input, routing
 
 
 def expert_flops(rows: int, cfg: MoEConfig) -> int:

@@ -9,8 +9,8 @@ What is read, per local expert (a ``ShardSpec`` says which experts and which sli
   [lo, hi), up rows [lo, hi) (fused: [I + lo, I + hi)), down columns [lo, hi). ``fp8_block``
   scales cover 128 x 128 tiles and a TP slice boundary is a tile boundary (``ShardSpec`` checks
   it), so quantizing the slice gives bit for bit the shard of the quantized full expert.
-* ``fp8_tensor``, ``fp8_token``, ``nvfp4`` under TP: a scale of these schemes spans the whole
-  expert (fp8_tensor's and nvfp4's global scale: the amax of all of ``w[e]``; fp8_token's
+* schemes whose scales span the whole expert (``QuantScheme.whole_expert_scale``: ``fp8_tensor``,
+  ``fp8_token``, ``nvfp4``) under TP: a scale of these schemes spans the whole expert (fp8_tensor's and nvfp4's global scale: the amax of all of ``w[e]``; fp8_token's
   per-row scale of down: a whole row of I). The shard's scale must be the full expert's, or
   the TP ranks would quantize the same expert differently and the all-reduced sum would not
   match the single-device model. So the expert's full gate/up rows and down columns are read,
@@ -41,7 +41,6 @@ from moeshard.experts.base import ExpertWeights, Weight
 from moeshard.quant import FP8_BLOCK, QuantizedWeight, from_wire, quantize_weight, to_wire
 from moeshard.sharding import ShardSpec
 
-WHOLE_EXPERT_SCALE = ("fp8_tensor", "fp8_token", "nvfp4")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu)
 
@@ -64,7 +63,7 @@ class ExpertPlan:
         I = cfg.intermediate_size
         width = I // spec.tp_size
         keep = (spec.tp_rank * width, (spec.tp_rank + 1) * width)
-        whole = spec.tp_size > 1 and quant.scheme in WHOLE_EXPERT_SCALE and not fp8_checkpoint
+        whole = spec.tp_size > 1 and quant.spec.whole_expert_scale and not fp8_checkpoint
         return ExpertPlan(range(spec.expert_start, spec.expert_stop), keep, (0, I) if whole else keep)
 
 

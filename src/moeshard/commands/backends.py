@@ -17,9 +17,9 @@ def add_parser(sub) -> None:
 
 
 def registry_json() -> list[dict]:
-    return [{"name": s.name, "quants": list(s.quants),
+    return [{"name": s.name, "quants": list(s.supported_quants()),
              "layouts": {"ep": "EP on (dp x tp ranks share experts; SP when tp > 1)", "no_ep": "EP off"}[s.layouts],
-             "quantize_before_dispatch": s.quantize_before_dispatch,
+             "output": s.output, "quantize_before_dispatch": s.quantize_before_dispatch,
              "needs_side_group_on": list(s.side_group_on), "summary": s.summary} for s in BACKENDS.values()]
 
 
@@ -29,10 +29,11 @@ def run(args) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     table = Table(title="moeshard dispatch backends", header_style="bold")
-    for col in ("backend", "layouts", "quants", "quantize before dispatch", "side group", "how"):
+    for col in ("backend", "layouts", "quants", "experts get", "quantize before dispatch", "side group", "how"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["name"], r["layouts"], ", ".join(r["quants"]), "yes" if r["quantize_before_dispatch"] else "no",
+        table.add_row(r["name"], r["layouts"], ", ".join(r["quants"]), r["output"],
+                      "yes" if r["quantize_before_dispatch"] else "no",
                       ", ".join(r["needs_side_group_on"]) or "-", r["summary"])
     wide_console().print(table)
     return 0

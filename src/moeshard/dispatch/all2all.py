@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.base import Dispatched, weighted_sum
+from moeshard.dispatch.payload import prepare
 from moeshard.parallel.collectives import all_to_allv, exchange_counts
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
@@ -38,17 +40,17 @@ class All2AllState:
 class All2AllBackend:
     name = "all2all"
 
-    def __init__(self, num_experts: int, groups: ParallelGroups) -> None:
-        if groups.ep_group is None:
+    def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups) -> None:
+        if groups is None or groups.ep_group is None:
             raise ValueError("all2all: needs expert parallelism (ParallelConfig.enable_ep=True)")
         if groups.device.type == "cuda" and groups.side_group is None:
             raise ValueError(
                 f"all2all (rank {groups.rank}): on CUDA the count exchange needs a gloo side channel, "
                 "but ParallelGroups.side_group is None; build the groups with "
                 "ParallelGroups.build(config, side_channel=True)")
-        self.groups = groups
+        self.groups, self.quant = groups, quant
         self.ep_size = groups.config.ep_size
-        self.experts_per_rank = num_experts // self.ep_size
+        self.experts_per_rank = cfg.num_experts // self.ep_size
 
     def _counts(self, dest: torch.Tensor) -> tuple[list[int], list[int]]:
         send = torch.bincount(dest, minlength=self.ep_size)
@@ -61,19 +63,20 @@ class All2AllBackend:
     def _exchange(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         return all_to_allv(t.contiguous(), send, recv, self.groups.ep_group, "ep")
 
-    def dispatch(self, x: torch.Tensor, x_scale: torch.Tensor | None, routing: Routing) -> Dispatched:
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
+        p = prepare(x, self.quant, self.groups.ep_group)
         T, K = routing.topk_ids.shape
         ids = routing.topk_ids.reshape(-1)
         dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         token_of_row = torch.div(order, K, rounding_mode="floor")
         send, recv = self._counts(dest)
-        recv_x = self._exchange(x.index_select(0, token_of_row), send, recv)
-        recv_scale = None if x_scale is None else self._exchange(x_scale.index_select(0, token_of_row), send, recv)
+        recv_x = self._exchange(p.rows.index_select(0, token_of_row), send, recv)
+        recv_scale = None if p.row_scale is None else self._exchange(p.row_scale.index_select(0, token_of_row), send, recv)
         local_ids = ids[order] - dest[order] * self.experts_per_rank
         recv_ids = self._exchange(local_ids, send, recv)
         weights = routing.topk_weights.reshape(-1)[order]
-        return Dispatched(recv_x, recv_scale, recv_ids, All2AllState(token_of_row, weights, send, recv, T))
+        return Dispatched(p.expert_input(recv_x, recv_scale, recv_ids), All2AllState(token_of_row, weights, send, recv, T))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         s = dispatched.state

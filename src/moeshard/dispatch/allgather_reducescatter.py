@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.base import Dispatched, weighted_sum
+from moeshard.dispatch.payload import prepare
 from moeshard.parallel.collectives import all_gatherv, exchange_sizes, reduce_scatterv
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
@@ -33,32 +35,31 @@ class GatherState:
 class AllGatherReduceScatterBackend:
     name = "allgather_reducescatter"
 
-    def __init__(self, num_experts: int, groups: ParallelGroups) -> None:
-        if groups.ep_group is None:
+    def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups) -> None:
+        if groups is None or groups.ep_group is None:
             raise ValueError("allgather_reducescatter: needs expert parallelism (ParallelConfig.enable_ep=True)")
-        self.groups = groups
+        self.groups, self.quant = groups, quant
         ep = groups.config.ep_size
-        self.experts_per_rank = num_experts // ep
+        self.experts_per_rank = cfg.num_experts // ep
         self.first_expert = groups.index_in("ep") * self.experts_per_rank
 
     def _gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return all_gatherv(t.contiguous(), sizes, self.groups.ep_group, "ep")
 
-    def dispatch(self, x: torch.Tensor, x_scale: torch.Tensor | None, routing: Routing) -> Dispatched:
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
+        p = prepare(x, self.quant, self.groups.ep_group)
         sizes = exchange_sizes(x.shape[0], self.groups.ep_group, x.device)
-        x_all = self._gather(x, sizes)
-        scale_all = None if x_scale is None else self._gather(x_scale, sizes)
+        x_all = self._gather(p.rows, sizes)
+        scale_all = None if p.row_scale is None else self._gather(p.row_scale, sizes)
         ids_all = self._gather(routing.topk_ids, sizes)
         w_all = self._gather(routing.topk_weights, sizes)
         local = ids_all - self.first_expert
         mine = (local >= 0) & (local < self.experts_per_rank)
         token_of_row, k_of_row = mine.nonzero(as_tuple=True)
-        return Dispatched(
-            x=x_all.index_select(0, token_of_row),
-            x_scale=None if scale_all is None else scale_all.index_select(0, token_of_row),
-            expert_ids=local[token_of_row, k_of_row],
-            state=GatherState(token_of_row, w_all[token_of_row, k_of_row], sizes, x_all.shape[0]),
-        )
+        inp = p.expert_input(x_all.index_select(0, token_of_row),
+                             None if scale_all is None else scale_all.index_select(0, token_of_row),
+                             local[token_of_row, k_of_row])
+        return Dispatched(inp, GatherState(token_of_row, w_all[token_of_row, k_of_row], sizes, x_all.shape[0]))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         s = dispatched.state

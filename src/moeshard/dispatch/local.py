@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.base import Dispatched
+from moeshard.dispatch.payload import prepare
 from moeshard.kernels import triton_importable
 from moeshard.router import Routing
 
@@ -36,23 +38,20 @@ class LocalState:
 class LocalBackend:
     name = "local"
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
+    def __init__(self, cfg: MoEConfig, quant: QuantConfig) -> None:
+        self.cfg, self.quant = cfg, quant
 
-    def dispatch(self, x: torch.Tensor, x_scale: torch.Tensor | None, routing: Routing) -> Dispatched:
-        """x: [T, Hp]; x_scale: [T, S] or None; routing ids/weights [T, K] -> T * K routed rows.
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
+        """x: [T, H]; routing ids/weights [T, K] -> T * K routed rows, token-major.
 
-        The result's x / x_scale are the inputs themselves ([T, Hp] / [T, S], not copied) with
-        ``repeat = K``; expert_ids is [T * K], token-major.
+        The experts' input holds this rank's (quantized) tokens themselves ([T, Hp], not copied)
+        with ``repeat = K``; expert_ids is [T * K]. The quantization domain is this rank's tokens
+        (identical on the TP ranks of a DP rank), so no collective runs.
         """
         K = routing.topk_ids.shape[1]
-        return Dispatched(
-            x=x,
-            x_scale=x_scale,
-            expert_ids=routing.topk_ids.reshape(-1),
-            state=LocalState(routing.topk_weights.float().contiguous()),
-            repeat=K,
-        )
+        p = prepare(x, self.quant)
+        inp = p.expert_input(p.rows, p.row_scale, routing.topk_ids.reshape(-1), repeat=K)
+        return Dispatched(inp, LocalState(routing.topk_weights.float().contiguous()))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y: [T*K, H] expert outputs in dispatch order -> fp32 [T, H]."""

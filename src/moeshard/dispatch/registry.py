@@ -1,67 +1,117 @@
 """The one support registry: which backend runs which layouts and quantizations.
 
-The layer refuses an unsupported combination with ``support(...)``'s reason, and the
-verification matrix skips it with the same reason; ``moeshard backends`` prints this table.
+Each entry says, as data, what a backend supports and produces; ``support`` turns it into a
+refusal with a reason. The layer refuses an unsupported combination with that reason before
+any collective, the verification matrix lists it as not applicable with the same reason, and
+``moeshard backends`` prints this table. Adding a backend is one module in ``dispatch/`` and one
+``register_backend`` entry (see CONTRIBUTING.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
-from moeshard.config import QUANT_SCHEMES, QuantConfig
+from moeshard.config import MoEConfig, QuantConfig
+from moeshard.experts.base import FLAT, LAYOUTS
 from moeshard.parallel.config import ParallelConfig
+from moeshard.quant.schemes import scheme_names
+
+if TYPE_CHECKING:
+    from moeshard.dispatch.base import DispatchBackend
+    from moeshard.parallel.groups import ParallelGroups
+
+Factory = Callable[[MoEConfig, QuantConfig, "ParallelGroups | None"], "DispatchBackend"]
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """name; quants it moves; layouts: "ep" (needs EP on) or "no_ep" (needs EP off);
-    quantize_before_dispatch: whether quantized payloads may cross it (else it needs deferral);
-    side_group_on: devices on which it needs ``ParallelGroups.side_group``; summary: one line."""
+    """One backend, as data.
+
+    name: what ``MoELayer(backend=...)`` takes. layouts: ``"ep"`` (needs EP on) or ``"no_ep"``
+    (needs EP off). output: the ``ExpertInput`` layout its dispatch hands the experts
+    (``moeshard.experts.base.LAYOUTS``). quantize_before_dispatch: whether quantized payloads may
+    cross it (else it needs ``defer_input_quant``). side_group_on: device types on which it needs
+    ``ParallelGroups.side_group`` (a gloo group for host-side metadata). summary: one line.
+    factory: ``(cfg, quant, groups) -> DispatchBackend``. quants: the schemes it moves, or None
+    for every registered scheme (a backend that moves rows as opaque bytes supports any).
+    """
 
     name: str
-    quants: tuple[str, ...]
     layouts: str
+    output: str
     quantize_before_dispatch: bool
     side_group_on: tuple[str, ...]
     summary: str
-    factory: Callable
+    factory: Factory
+    quants: tuple[str, ...] | None = None
+
+    def supported_quants(self) -> tuple[str, ...]:
+        return scheme_names() if self.quants is None else self.quants
 
 
-def _local(num_experts, groups):
+def _local(cfg, quant, groups):
     from moeshard.dispatch.local import LocalBackend
-    return LocalBackend(num_experts)
+    return LocalBackend(cfg, quant)
 
 
-def _agrs(num_experts, groups):
+def _agrs(cfg, quant, groups):
     from moeshard.dispatch.allgather_reducescatter import AllGatherReduceScatterBackend
-    return AllGatherReduceScatterBackend(num_experts, groups)
+    return AllGatherReduceScatterBackend(cfg, quant, groups)
 
 
-def _a2a(num_experts, groups):
+def _a2a(cfg, quant, groups):
     from moeshard.dispatch.all2all import All2AllBackend
-    return All2AllBackend(num_experts, groups)
+    return All2AllBackend(cfg, quant, groups)
 
 
-BACKENDS: dict[str, BackendSpec] = {
-    spec.name: spec
-    for spec in (
-        BackendSpec("local", QUANT_SCHEMES, "no_ep", True, (),
-                    "no expert parallelism: each rank computes all (TP-sliced) experts for its tokens", _local),
-        BackendSpec("allgather_reducescatter", QUANT_SCHEMES, "ep", True, (),
-                    "all-gather tokens+routing over EP, local experts, reduce-scatter back (uneven)", _agrs),
-        BackendSpec("all2all", QUANT_SCHEMES, "ep", True, ("cuda",),
-                    "exchange counts, uneven all-to-all of routed copies only, reverse", _a2a),
-    )
-}
+BACKENDS: dict[str, BackendSpec] = {}
 
 
-def support(backend: str, quant: QuantConfig, parallel: ParallelConfig) -> tuple[bool, str]:
-    """(ok, reason) for running ``backend`` with ``quant`` under ``parallel``."""
+def register_backend(spec: BackendSpec) -> BackendSpec:
+    """Adds ``spec`` to the registry after checking its fields; returns it."""
+    where = f"register_backend({spec.name!r})"
+    if spec.name in BACKENDS:
+        raise ValueError(f"{where}: a backend of that name is registered already")
+    if spec.layouts not in ("ep", "no_ep"):
+        raise ValueError(f"{where}: layouts must be 'ep' or 'no_ep', got {spec.layouts!r}")
+    if spec.output not in LAYOUTS:
+        raise ValueError(f"{where}: output must be one of {list(LAYOUTS)}, got {spec.output!r}")
+    if not callable(spec.factory):
+        raise ValueError(f"{where}: factory must be callable, got {spec.factory!r}")
+    BACKENDS[spec.name] = spec
+    return spec
+
+
+def unregister_backend(name: str) -> None:
+    """Removes a backend (tests that register one of their own clean up with this)."""
+    BACKENDS.pop(name, None)
+
+
+for _spec in (
+    BackendSpec("local", "no_ep", FLAT, True, (),
+                "no expert parallelism: each rank computes all (TP-sliced) experts for its tokens", _local),
+    BackendSpec("allgather_reducescatter", "ep", FLAT, True, (),
+                "all-gather tokens+routing over EP, local experts, reduce-scatter back (uneven)", _agrs),
+    BackendSpec("all2all", "ep", FLAT, True, ("cuda",),
+                "exchange counts, uneven all-to-all of routed copies only, reverse", _a2a),
+):
+    register_backend(_spec)
+
+
+def support(backend: str, quant: QuantConfig, parallel: ParallelConfig, *, device: str | None = None,
+            has_side_group: bool | None = None, kernel_layouts: tuple[str, ...] | None = None) -> tuple[bool, str]:
+    """(ok, reason) for running ``backend`` with ``quant`` under ``parallel``.
+
+    The optional facts are checked when given: ``device`` (a device type) with
+    ``has_side_group`` (whether ``ParallelGroups.side_group`` exists) against ``side_group_on``;
+    ``kernel_layouts`` (the expert kernel's ``layouts``) against the backend's ``output``.
+    """
     spec = BACKENDS.get(backend)
     if spec is None:
         return False, f"unknown backend {backend!r}; known: {sorted(BACKENDS)}"
-    if quant.scheme not in spec.quants:
+    if quant.scheme not in spec.supported_quants():
         return False, f"{backend} does not support quant {quant.scheme!r}"
     if spec.layouts == "ep" and not parallel.enable_ep:
         return False, f"{backend} needs expert parallelism (EP on); layout {parallel.name} has EP off"
@@ -69,6 +119,13 @@ def support(backend: str, quant: QuantConfig, parallel: ParallelConfig) -> tuple
         return False, f"{backend} runs without expert parallelism only; layout {parallel.name} has EP on"
     if quant.quantized and not quant.defer_input_quant and not spec.quantize_before_dispatch:
         return False, f"{backend} cannot move quantized activations; use defer_input_quant=True"
+    if device is not None and device in spec.side_group_on and has_side_group is False:
+        return False, (f"{backend} on {device} needs a gloo side channel for its counts, but "
+                       "ParallelGroups.side_group is None; build the groups with "
+                       "ParallelGroups.build(config, side_channel=True)")
+    if kernel_layouts is not None and spec.output not in kernel_layouts:
+        return False, (f"{backend} hands the experts {spec.output!r} rows, but the expert kernel accepts "
+                       f"{list(kernel_layouts)}")
     return True, ""
 
 

@@ -4,10 +4,13 @@
         --act(gate) * up--> h [M, I_l] (model dtype; quantized per scheme)
         --down GEMM--> [M, H] --unsort--> [M, H]
 
-Nothing here synchronises with the host on the ``torch._grouped_mm`` path: group offsets stay on
-the device. ``GroupedExperts.gemm`` is the single seam that faster kernels override
-(``moeshard.kernels``); its default dequantizes quantized operands and multiplies in fp32,
-which is exactly what a block-scaled GEMM with fp32 accumulation computes.
+Padding rows (expert id -1) sort after every expert, past the last group offset: no GEMM
+computes them and their output rows are zero. Both layouts are accepted (``EXPERT_BLOCKS``
+carries per-row expert ids too). Nothing here synchronises with the host on the
+``torch._grouped_mm`` path: group offsets stay on the device. ``GroupedExperts.gemm`` is the
+single seam that faster kernels override (``moeshard.kernels``); its default dequantizes
+quantized operands and multiplies in fp32, which is exactly what a block-scaled GEMM with fp32
+accumulation computes. Any registered scheme runs here (through its codec).
 """
 
 from __future__ import annotations
@@ -15,35 +18,22 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
-from moeshard.experts.base import ExpertInput, ExpertWeights, Weight
-from moeshard.quant import QuantizedActivations, QuantizedWeight, quantize_activations
-from moeshard.tolerances import ACCUMULATION
-
-PER_TENSOR_SCHEMES = ("fp8_tensor", "nvfp4")
-
-
-def activate(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """gate_up: [M, 2 I] -> act(gate) * up in fp32, rounded to ``out_dtype``: [M, I]."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    if activation == "silu":
-        h = F.silu(gate) * up
-    elif activation == "gelu":
-        h = F.gelu(gate) * up
-    else:
-        raise ValueError(f"activation: {activation!r} is not one of ['silu', 'gelu']")
-    return h.to(out_dtype)
+from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights, Weight, activate
+from moeshard.numerics import ACCUMULATION
+from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme, quantize_activations
 
 
 def expert_amax(h: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Per-row amax of each row's expert group: fp32 [M, 1].
 
-    Per-tensor activation scales of the down projection are taken per expert, over all rows that
-    expert receives. Every layout gives an expert the same rows, so the scale is layout-free.
+    expert_ids: int64 [M] in [0, num_experts], where ``num_experts`` marks padding rows (their
+    group is their own and never mixes with an expert's). Per-tensor activation scales of the
+    down projection are taken per expert, over all rows that expert receives. Every layout gives
+    an expert the same rows, so the scale is layout-free.
     """
     row_max = h.abs().amax(dim=1).float() if h.shape[1] else h.new_zeros(h.shape[0], dtype=torch.float32)
-    seg = torch.zeros(num_experts, dtype=torch.float32, device=h.device)
+    seg = torch.zeros(num_experts + 1, dtype=torch.float32, device=h.device)
     seg = seg.scatter_reduce(0, expert_ids, row_max, reduce="amax", include_self=True)
     return seg[expert_ids].unsqueeze(1)
 
@@ -80,13 +70,15 @@ class GroupedExperts:
     activation: "silu" | "gelu"; out_dtype: the model dtype of the result.
     """
 
+    layouts: tuple[str, ...] = (FLAT, EXPERT_BLOCKS)
+
     def __init__(self, activation: str, out_dtype: torch.dtype) -> None:
         self.activation = activation
         self.out_dtype = out_dtype
 
     def accumulation(self, scheme: str) -> float:
         """Relative accumulation error of this kernel's GEMM sums for ``scheme`` (a fraction of
-        sum |a| |b|, ``moeshard.tolerances.ACCUMULATION``): what the reference must allow."""
+        sum |a| |b|, ``moeshard.numerics.ACCUMULATION``): what the reference must allow."""
         return ACCUMULATION["fp32"]
 
     # -- the seam -------------------------------------------------------------------------
@@ -108,7 +100,7 @@ class GroupedExperts:
             raise TypeError(f"gemm: activations {a.dtype} and weights {w.dtype} differ")
         if _grouped_mm_works(a.device.type, a.dtype) and a.shape[1] % 8 == 0 and w.shape[1] % 8 == 0:
             return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
-        out = a.new_empty(a.shape[0], w.shape[1])
+        out = a.new_zeros(a.shape[0], w.shape[1])
         start = 0
         for e, end in enumerate(offsets.tolist()):  # host sync: fallback path only
             if end > start:
@@ -119,24 +111,27 @@ class GroupedExperts:
     # -- the pipeline ---------------------------------------------------------------------
     def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
         """Returns [M, H] in ``out_dtype``: each routed row (x[m // inp.repeat]) through its expert, unweighted."""
-        E_l, scheme = weights.num_experts, weights.scheme
-        ids = inp.expert_ids
+        E_l, scheme = weights.num_experts, get_scheme(weights.scheme, "ExpertWeights.scheme")
+        # Padding rows (-1) become group E_l: they sort last, past the offsets of the real groups.
+        ids = torch.where(inp.expert_ids < 0, E_l, inp.expert_ids)
         order = torch.argsort(ids, stable=True)
-        offsets = torch.cumsum(group_sizes(ids, E_l), 0).to(torch.int32)
+        offsets = torch.cumsum(group_sizes(ids, E_l + 1), 0)[:E_l].to(torch.int32)
         sorted_ids = ids[order]
         # Routed row m lives at row m // repeat of x (the local backend does not copy a token's K
         # routed rows); the gather below is the only place that materialises them. index_rows
         # gathers per-row scales (row_scale, and a per-row tensor_scale [M / repeat, 1]) with them.
         src = order // inp.repeat if inp.repeat > 1 else order
         x = inp.x.index_rows(src) if isinstance(inp.x, QuantizedActivations) else inp.x[src]
-        if scheme != "none" and not isinstance(x, QuantizedActivations):
+        if scheme.quantized and not isinstance(x, QuantizedActivations):
             # defer_input_quant: quantize here, with the layer-wide amax for per-tensor scales.
-            x = quantize_activations(x, scheme, amax=inp.input_amax if scheme in PER_TENSOR_SCHEMES else None)
+            x = quantize_activations(x, scheme.name, amax=inp.input_amax if scheme.per_tensor_activation else None)
         h = activate(self.gemm(x, weights.gate_up, offsets), self.activation, self.out_dtype)
-        if scheme != "none":
-            amax = expert_amax(h, sorted_ids, E_l) if scheme in PER_TENSOR_SCHEMES else None
-            h = quantize_activations(h, scheme, amax=amax)
+        if scheme.quantized:
+            amax = expert_amax(h, sorted_ids, E_l) if scheme.per_tensor_activation else None
+            h = quantize_activations(h, scheme.name, amax=amax)
         y_sorted = self.gemm(h, weights.down, offsets)
+        # Rows past the last offset (padding) were never computed.
+        y_sorted = y_sorted.masked_fill((sorted_ids == E_l).unsqueeze(1), 0)
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
         return y

@@ -10,8 +10,9 @@ import itertools
 import zlib
 from dataclasses import dataclass, field, replace
 
-from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig, parse_dtype
+from moeshard.config import MoEConfig, QuantConfig, parse_dtype
 from moeshard.dispatch.registry import BACKENDS, support
+from moeshard.quant import scheme_names
 from moeshard.parallel.config import ParallelConfig
 from moeshard.presets import PRESETS
 from moeshard.sharding import ShardSpec
@@ -32,7 +33,13 @@ TOKEN_PATTERNS: dict[int, list[tuple[int, ...]]] = {
     8: [(1, 0, 3, 2, 0, 5, 7, 1), (3, 3, 3, 3, 3, 3, 3, 3), (0, 64, 1, 0, 2, 9, 0, 4)],
 }
 
-QUANT_CONFIGS = [QuantConfig(s) for s in QUANT_SCHEMES] + [QuantConfig(s, True) for s in QUANT_SCHEMES[1:]]
+
+
+def quant_configs() -> list[QuantConfig]:
+    """Every registered scheme, then every quantized one with deferred input quantization."""
+    names = scheme_names()
+    return [QuantConfig(s) for s in names] + [QuantConfig(s, True) for s in names if s != "none"]
+
 DTYPES = ("float32", "bfloat16")
 
 
@@ -78,7 +85,7 @@ class Case:
 
     def __post_init__(self) -> None:
         if not self.id:
-            q = self.quant.scheme + ("+defer" if self.quant.defer_input_quant else "")
+            q = self.quant.name
             size = "" if self.size == "small" else f"@{self.size}"
             toks = ",".join(map(str, self.tokens))
             object.__setattr__(self, "id", f"{layout_name(self.parallel)}/{self.backend}/{q}/{self.dtype}/"
@@ -133,7 +140,7 @@ class MatrixOptions:
         for b in self.backends or ():
             if b not in BACKENDS:
                 raise ValueError(f"--backends: {b!r} is not one of {sorted(BACKENDS)}")
-        known = {s for s in QUANT_SCHEMES} | {f"{s}+defer" for s in QUANT_SCHEMES[1:]}
+        known = {q.name for q in quant_configs()}
         for q in self.quants or ():
             if q not in known:
                 raise ValueError(f"--quants: {q!r} is not one of {sorted(known)}")
@@ -173,8 +180,8 @@ def generate(opts: MatrixOptions) -> list[Case]:
         for backend in BACKENDS:
             if opts.backends is not None and backend not in opts.backends:
                 continue
-            for q in QUANT_CONFIGS:
-                if opts.quants is not None and (q.scheme + ("+defer" if q.defer_input_quant else "")) not in opts.quants:
+            for q in quant_configs():
+                if opts.quants is not None and q.name not in opts.quants:
                     continue
                 for dtype in opts.dtypes:
                     n = next(rotation)

@@ -15,7 +15,7 @@ from moeshard.layer import MoELayer
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.reference import reference_forward
-from moeshard.tolerances import QUANT_ERROR, compare
+from moeshard.tolerances import compare
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,10 @@ def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups
     err, atol, rtol, ok = compare(out, ref, cfg.dtype, case.quant.scheme)
     worst = int((out.double() - ref.out).abs().amax(dim=1).argmax()) if T else -1
     detail = ""
-    if quant_error is not None and quant_error > QUANT_ERROR[case.quant.scheme]:
+    bound = case.quant.spec.quant_error
+    if quant_error is not None and quant_error > bound:
         ok = False
-        detail = (f"quantization error {quant_error:.3g} exceeds the {case.quant.scheme} bound "
-                  f"{QUANT_ERROR[case.quant.scheme]}")
+        detail = f"quantization error {quant_error:.3g} exceeds the {case.quant.scheme} bound {bound}"
     elif not ok:
         detail = f"rank {rank}: max error {err:.3g} at token {worst} of DP rank {dp_rank}"
     return RankResult(rank, T, T, err, atol, rtol, ok, worst, quant_error, detail)

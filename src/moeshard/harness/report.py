@@ -21,7 +21,6 @@ from rich.table import Table
 
 from moeshard.harness.cases import layout_name
 from moeshard.harness.runner import CaseOutcome
-from moeshard.tolerances import QUANT_ERROR
 
 STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "yellow"}
 
@@ -37,7 +36,7 @@ def case_json(o: CaseOutcome) -> dict:
         "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
         "shared_experts": cfg.has_shared_experts, "tokens": list(c.tokens),
         "max_abs_err": o.max_abs_err, "atol": o.atol, "rtol": o.rtol,
-        "quant_error": o.quant_error, "quant_error_bound": QUANT_ERROR[c.quant.scheme] if c.quant.quantized else None,
+        "quant_error": o.quant_error, "quant_error_bound": c.quant.spec.quant_error if c.quant.quantized else None,
         "seconds": round(o.seconds, 4), "status": o.status, "reason": o.reason,
     }
 
@@ -70,7 +69,7 @@ def print_table(console: Console, outcomes: list[CaseOutcome], show_skipped: boo
         cfg = c.moe_config()
         p = c.parallel
         table.add_row(layout_name(p) + (" SP" if p.is_sequence_parallel else ""), c.backend,
-                      c.quant.scheme + ("+defer" if c.quant.defer_input_quant else ""), c.dtype,
+                      c.quant.name, c.dtype,
                       f"{c.preset} E{cfg.num_experts}k{cfg.top_k} H{cfg.hidden_size} I{cfg.intermediate_size}"
                       + (" +shared" if cfg.has_shared_experts else ""),
                       ",".join(map(str, c.tokens)), _fmt(o.max_abs_err),

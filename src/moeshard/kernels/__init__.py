@@ -38,9 +38,15 @@ def triton_support(device: torch.device, dtype: torch.dtype, scheme: str) -> tup
     """(ok, reason): whether ``TritonExperts`` runs ``scheme`` in model ``dtype`` on ``device``.
 
     bf16 / fp16 only: fp32 models keep the exact portable path (Triton's fp32 dot would be tf32).
-    fp8 schemes need fp8 tensor cores (compute capability 8.9+); nvfp4 dequantizes in the kernel
-    and multiplies in fp16, which any tensor-core GPU (8.0+) does.
+    The scheme needs a kernel mode (``QuantScheme.kernel_mode``); fp8 schemes need fp8 tensor
+    cores (compute capability 8.9+); nvfp4 dequantizes in the kernel and multiplies in fp16,
+    which any tensor-core GPU (8.0+) does.
     """
+    from moeshard.quant import FP8_DTYPE, get_scheme
+
+    spec = get_scheme(scheme, "triton_support: quant")
+    if spec.kernel_mode is None:
+        return False, f"quant {scheme!r} has no Triton kernel mode (QuantScheme.kernel_mode is None)"
     device = torch.device(device)
     if device.type != "cuda":
         return False, f"Triton kernels run on CUDA devices, not {device.type}"
@@ -53,6 +59,6 @@ def triton_support(device: torch.device, dtype: torch.dtype, scheme: str) -> tup
     major, minor = torch.cuda.get_device_capability(index)
     if (major, minor) < (8, 0):
         return False, f"compute capability {major}.{minor} < 8.0 (no bf16 tensor cores)"
-    if scheme.startswith("fp8") and (major, minor) < (8, 9):
+    if spec.codec is not None and spec.codec.data_dtype == FP8_DTYPE and (major, minor) < (8, 9):
         return False, f"{scheme} needs fp8 tensor cores (compute capability 8.9+), device has {major}.{minor}"
     return True, ""

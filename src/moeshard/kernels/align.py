@@ -70,20 +70,24 @@ class RowAlignment:
 def _histogram_kernel(ids_ptr, M, E, per_program, partial_ptr,
                       NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
     """partial_ptr[pid, e] (int32 [G, E]) = how many of ids[pid * per_program, ...) (a chunk of
-    ``per_program`` ids, fewer in the last) equal e."""
+    ``per_program`` ids, fewer in the last) equal e; padding ids (-1) count nowhere."""
     pid = tl.program_id(0)
     bins = tl.arange(0, NUM_BINS)
     lo = pid * per_program
     hi = tl.minimum(lo + per_program, M)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    padding = tl.zeros([CHUNK], dtype=tl.int32)
     for m0 in range(lo, hi, CHUNK):
         offs = m0 + tl.arange(0, CHUNK)
-        # Masked lanes read expert 0 and are taken off bin 0 below: bins then need not exceed E
-        # (a spare bin for them would double NUM_BINS at E = 256), and no histogram mask is needed.
+        # Masked lanes and padding rows read as expert 0 and are taken off bin 0 below: bins then
+        # need not exceed E (a spare bin would double NUM_BINS at E = 256), and no histogram mask
+        # is needed.
         ids = tl.load(ids_ptr + offs, mask=offs < hi, other=0).to(tl.int32)
-        counts += tl.histogram(ids, NUM_BINS)
+        pad = ids < 0
+        padding += pad.to(tl.int32)
+        counts += tl.histogram(tl.where(pad, 0, ids), NUM_BINS)
     rows = tl.maximum(hi - lo, 0)
-    masked = tl.cdiv(rows, CHUNK) * CHUNK - rows
+    masked = tl.cdiv(rows, CHUNK) * CHUNK - rows + tl.sum(padding)
     counts = tl.where(bins == 0, counts - masked, counts)
     tl.store(partial_ptr + pid * E + bins, counts, mask=bins < E)
 
@@ -121,8 +125,9 @@ def _scatter_kernel(ids_ptr, M, E, num_tiles, start_ptr, count_ptr, cursor_ptr, 
     expert and every tile is covered)."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M
-    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    expert = tl.load(ids_ptr + offs, mask=offs < M, other=-1)
+    mask = expert >= 0  # in range and not a padding row
+    expert = tl.where(mask, expert, 0)
     slot = tl.atomic_add(cursor_ptr + expert, 1, mask=mask, sem="relaxed")
     start = tl.load(start_ptr + expert, mask=mask, other=0)
     tl.store(sorted_rows_ptr + start + slot, offs, mask=mask)
@@ -142,7 +147,8 @@ def _scatter_kernel(ids_ptr, M, E, num_tiles, start_ptr, count_ptr, cursor_ptr, 
 
 def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
                amax: torch.Tensor | None = None) -> RowAlignment:
-    """The tile plan of ``expert_ids`` (int64 or int32 [M], values in [0, num_experts), M > 0).
+    """The tile plan of ``expert_ids`` (int64 or int32 [M], values in [0, num_experts) or -1 for a
+    padding row, which is placed nowhere; M > 0).
 
     amax: optional fp32 [num_experts] buffer that the plan kernel zeroes on the way (the gate_up
     GEMM then max-reduces each expert's |h| into it), saving a separate memset launch.

@@ -30,6 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.quant import get_scheme
+
+# Kernel modes (``moeshard.quant.schemes.KERNEL_MODES``) that pick tile shapes.
+FP8 = (1, 2, 3)
+NVFP4 = 4
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -81,7 +87,7 @@ def multiprocessors(device_index: int | None) -> int:
 PIPELINE_BYTES = 200 * 1024
 
 
-def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, scheme: str) -> GemmConfig:
+def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: int) -> GemmConfig:
     """A weight-streaming tile: the widest BLOCK_N giving at least one program per SM, with as
     many pipeline stages as shared memory holds (deeper for narrow tiles)."""
     widths = (64, 32) if block_m == 64 else (128, 64, 32)  # 64 x 128 fused tiles spill
@@ -90,10 +96,10 @@ def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, scheme: 
         if tiles * -(-n // candidate) >= sms:
             block_n = candidate
             break
-    if scheme == "nvfp4":
+    if mode == NVFP4:
         # Dequantization holds the unpacked tile in registers; loads are not the limit.
         return GemmConfig(block_m, block_n, 128, group_m=1, num_warps=4, num_stages=3)
-    elt = 1 if scheme.startswith("fp8") else 2
+    elt = 1 if mode in FP8 else 2
     stage = (block_m + (2 if fused else 1) * block_n) * 128 * elt
     fit = PIPELINE_BYTES // stage + (1 if block_m < 64 else 0)
     stages = max(2, min(6 if block_n <= 32 else 4, fit))
@@ -105,22 +111,23 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     """Tile shapes for M routed rows over E experts, hidden H, intermediate I (per rank),
     on a GPU with ``sms`` multiprocessors; fp8_gate_up as ``TritonExperts`` takes it."""
     r = rows_per_expert(num_rows, num_experts)
-    fp8 = scheme.startswith("fp8")
+    mode = get_scheme(scheme, "select_config").kernel_mode
+    fp8 = mode in FP8
     if r <= 42:
         # One tile per expert for most experts (loads vary around r): a second tile would read
         # the expert's weights again.
         block_m = 16 if 1.5 * r <= 16 else (32 if 1.5 * r <= 32 else 64)
         tiles = min(num_rows, num_experts)
-        return ExpertsConfig(_streaming(block_m, inter, tiles, sms, True, scheme),
-                             _streaming(block_m, hidden, tiles, sms, False, scheme))
+        return ExpertsConfig(_streaming(block_m, inter, tiles, sms, True, mode),
+                             _streaming(block_m, hidden, tiles, sms, False, mode))
     if r <= 96:
-        if scheme == "nvfp4":
+        if mode == NVFP4:
             return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 3), GemmConfig(64, 128, 64, 8, 4, 3))
         if fp8:
             return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 128, 8, 4, 4))
         return ExpertsConfig(GemmConfig(64, 128, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4))
     tma = r >= 1024
-    if scheme == "nvfp4":
+    if mode == NVFP4:
         return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
     if fp8:
         gate_up = GemmConfig(128, 64, 128, 8, 8, 4, tma=True) if fp8_gate_up == "mma" else GemmConfig(128, 64, 64, 8, 8, 4)

@@ -6,7 +6,8 @@
     h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
 
-Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized; no host
+Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
+rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized; no host
 sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
 routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up product is
 rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is
@@ -17,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.experts.grouped import PER_TENSOR_SCHEMES, GroupedExperts
+from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights
+from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels.align import align_rows
-from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_config
+from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
-from moeshard.quant import QuantizedActivations, quantize_activations
-from moeshard.tolerances import ACCUMULATION
+from moeshard.numerics import ACCUMULATION
+from moeshard.quant import QuantizedActivations, get_scheme, quantize_activations
 
 
 class TritonExperts(GroupedExperts):
@@ -50,14 +51,17 @@ class TritonExperts(GroupedExperts):
         self.config = config
         self.fp8_gate_up = fp8_gate_up
 
+    layouts = (FLAT, EXPERT_BLOCKS)  # padding rows (id -1) are never placed in a tile
+
     def accumulation(self, scheme: str) -> float:
         """fp8 schemes run (at least) the down GEMM on the fp8 tensor cores."""
-        return ACCUMULATION["fp8_mma"] if scheme.startswith("fp8") else ACCUMULATION["fp32"]
+        return ACCUMULATION["fp8_mma"] if get_scheme(scheme).kernel_mode in FP8 else ACCUMULATION["fp32"]
 
     def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
         """Returns [M, H] in ``out_dtype``: each routed row (x[m // inp.repeat]) through its
         expert, unweighted, in input order."""
-        scheme = weights.scheme
+        spec = get_scheme(weights.scheme, "ExpertWeights.scheme")
+        scheme = spec.name
         ids = inp.expert_ids
         M, E = ids.shape[0], weights.num_experts
         H, I = weights.hidden_size, weights.intermediate_size
@@ -72,11 +76,11 @@ class TritonExperts(GroupedExperts):
             # x may hold one row per inp.repeat routed rows: quantizing it unexpanded gives each
             # routed row the same values as the expanded rows would get (row and block scales are
             # per row; without input_amax the per-tensor amax over x equals the one over its copies).
-            x = quantize_activations(x, scheme, amax=inp.input_amax if scheme in PER_TENSOR_SCHEMES else None)
+            x = quantize_activations(x, scheme, amax=inp.input_amax if spec.per_tensor_activation else None)
         cfg = self.config or select_config(M, E, H, I, scheme,
                                            multiprocessors(device.index if device.type == "cuda" else None),
                                            self.fp8_gate_up)
-        per_tensor = scheme in PER_TENSOR_SCHEMES
+        per_tensor = spec.per_tensor_activation
         amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
         plan = align_rows(ids, E, cfg.block_m, amax=amax)
         h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)

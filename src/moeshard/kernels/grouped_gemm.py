@@ -16,23 +16,23 @@ each):
 * down (``SCATTER_OUT``): A is h at the padded positions; results go straight to the original
   routed row order, row ``sorted_rows[p]`` of the [M, N] output (no separate unpermute pass).
 
-Schemes (``QUANT``):
+Schemes (``QUANT`` is the scheme's ``kernel_mode``, ``moeshard.quant.schemes.KERNEL_MODES``):
 
 =====  ===========  ==============================================================
 QUANT  scheme       arithmetic
 =====  ===========  ==============================================================
 0      none         bf16/fp16 dot, fp32 accumulation
-1      fp8 tensor / e4m3 dot; each BLOCK_K step accumulates into a fresh fp32 tile
+1, 2   fp8 tensor / e4m3 dot; each BLOCK_K step accumulates into a fresh fp32 tile
        fp8 token    (Hopper's fp8 MMA keeps fewer accumulator bits), then
                     acc * a_scale[row] * w_scale[e, n] (per-tensor scales are strided 0)
-2      fp8 block    e4m3 dot per 128-column step, acc += dot * a_scale[row, kb] *
+3      fp8 block    e4m3 dot per 128-column step, acc += dot * a_scale[row, kb] *
                     w_scale[e, n // 128, kb]
-1, 2   ``FP8_EXACT`` the same with both operands widened to fp16 (exact) first: fp32-accurate
+1-3    ``FP8_EXACT`` the same with both operands widened to fp16 (exact) first: fp32-accurate
                     sums, at the fp16 tensor-core rate (``TritonExperts(fp8_gate_up="exact")``).
                     Without it the ~14-bit fp8 accumulation moves some gate_up sums across
                     rounding boundaries of h; the reference prices exactly those flips from the
                     accumulation error the kernel declares (``ACCUMULATION["fp8_mma"]``).
-3      nvfp4        e2m1 codes and e4m3 block scales dequantized in registers to
+4      nvfp4        e2m1 codes and e4m3 block scales dequantized in registers to
                     fp16 (value * block scale is exact in fp16), fp16 dot, then
                     acc / (a_global[row] * w_global[e])
 =====  ===========  ==============================================================
@@ -46,9 +46,8 @@ import triton.language as tl
 
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig
-from moeshard.quant import QuantizedActivations, QuantizedWeight
+from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 
-QUANT_MODE = {"none": 0, "fp8_tensor": 1, "fp8_token": 1, "fp8_block": 2, "nvfp4": 3}
 ACTIVATION = {"silu": 0, "gelu": 1}
 
 
@@ -149,8 +148,8 @@ def moe_gemm_kernel(
     offs_wn = tl.where(n_ok, offs_n, 0).to(tl.int64)
 
     # nvfp4 stores two values per byte along K: the stored tile is BLOCK_K // 2 wide.
-    PACK: tl.constexpr = 2 if QUANT == 3 else 1
-    ZERO: tl.constexpr = 0 if QUANT == 3 else 0.0
+    PACK: tl.constexpr = 2 if QUANT == 4 else 1
+    ZERO: tl.constexpr = 0 if QUANT == 4 else 0.0
     BKS: tl.constexpr = BLOCK_K // PACK
     offs_ks = tl.arange(0, BKS)
     # With TMA the descriptor addresses the tile itself; 0 stands in for the unused pointers.
@@ -164,7 +163,7 @@ def moe_gemm_kernel(
         w_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_ks[None, :] * stride_wk
     w_row = expert.to(tl.int32) * N_w + pid_n * BLOCK_N
     a_row = pid_m * BLOCK_M
-    if QUANT == 3:
+    if QUANT == 4:
         offs_kq = tl.arange(0, BLOCK_K // 16)
         as_ptrs = a_scale_ptr + rows[:, None] * stride_asm + offs_kq[None, :] * stride_ask
         ws_ptrs = w_scale_ptr + expert * stride_wse + offs_wn[:, None] * stride_wsn + offs_kq[None, :] * stride_wsk
@@ -179,7 +178,7 @@ def moe_gemm_kernel(
         if FUSE_ACT:
             b_up = _load_tile(w_ptr, w_ptrs + (up_offset * stride_wn + ks * stride_wk), w_row + up_offset, ks,
                               n_ok, k_ok, TMA_W, False, EVEN_K, ZERO)
-        if QUANT == 3:
+        if QUANT == 4:
             kq = k0 // 16
             kq_ok = kq + offs_kq < K // 16
             a_s = _load_tile(a_scale_ptr, as_ptrs + kq * stride_ask, 0, 0, row_ok, kq_ok, False, True, EVEN_K, 0.0)
@@ -198,7 +197,7 @@ def moe_gemm_kernel(
             # e4m3 -> fp16 is exact and fp16 MMA accumulates in fp32; Hopper's fp8 MMA keeps about
             # 14 bits while accumulating.
             a = a.to(tl.float16)
-            if QUANT == 1:
+            if QUANT != 3:
                 acc = tl.dot(a, tl.trans(b.to(tl.float16)), acc)
                 if FUSE_ACT:
                     acc_up = tl.dot(a, tl.trans(b_up.to(tl.float16)), acc_up)
@@ -211,7 +210,7 @@ def moe_gemm_kernel(
                 if FUSE_ACT:
                     wu_s = tl.load(ws_base + ((offs_wn + up_offset) // 128) * stride_wsn)
                     acc_up += tl.dot(a, tl.trans(b_up.to(tl.float16))) * a_s[:, None] * wu_s[None, :]
-        elif QUANT == 1:
+        elif QUANT != 3:
             acc += tl.dot(a, tl.trans(b))
             if FUSE_ACT:
                 acc_up += tl.dot(a, tl.trans(b_up))
@@ -225,13 +224,13 @@ def moe_gemm_kernel(
                 wu_s = tl.load(ws_base + ((offs_wn + up_offset) // 128) * stride_wsn)
                 acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * wu_s[None, :]
 
-    if QUANT == 1:
+    if QUANT == 1 or QUANT == 2:
         a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
         ws_base = w_scale_ptr + expert * stride_wse
         acc = acc * a_s[:, None] * tl.load(ws_base + offs_wn * stride_wsn)[None, :]
         if FUSE_ACT:
             acc_up = acc_up * a_s[:, None] * tl.load(ws_base + (offs_wn + up_offset) * stride_wsn)[None, :]
-    elif QUANT == 3:
+    elif QUANT == 4:
         a_g = tl.load(a_global_ptr + rows * stride_ag, mask=row_ok, other=1.0)
         denom = a_g[:, None] * tl.load(w_global_ptr + expert)
         acc = acc / denom
@@ -275,16 +274,24 @@ def _scale_strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
     return tuple(strides + [0] * (dims - len(strides)))
 
 
+def kernel_mode(scheme: str) -> int:
+    """The scheme's mode in these kernels (``moeshard.quant.schemes.KERNEL_MODES``)."""
+    mode = get_scheme(scheme, "moe_gemm").kernel_mode
+    if mode is None:
+        raise ValueError(f"moe_gemm: quant {scheme!r} has no Triton kernel mode")
+    return mode
+
+
 def _a_operand(a: torch.Tensor | QuantizedActivations):
     """(data, scale, global, stride_asm, stride_ask, stride_ag, quant mode) of activations."""
     if not isinstance(a, QuantizedActivations):
         return a, a, a, 0, 0, 0, 0
-    mode = QUANT_MODE[a.scheme]
-    if a.scheme == "fp8_tensor":
+    mode = kernel_mode(a.scheme)
+    if a.row_scale is None:  # one scale per tensor (or per row from an amax override)
         scale = a.tensor_scale
         sm, sk = _scale_strides(scale, 2)
         return a.data, scale, scale, sm, sk, 0, mode
-    if a.scheme == "nvfp4":
+    if a.tensor_scale is not None:  # row scales and a global scale (nvfp4)
         sm, sk = a.row_scale.stride()
         ag = _scale_strides(a.tensor_scale, 2)[0]  # [] -> 0, [M, 1] -> its row stride
         return a.data, a.row_scale, a.tensor_scale, sm, sk, ag, mode
@@ -296,9 +303,9 @@ def _w_operand(w: torch.Tensor | QuantizedWeight):
     """(data, scale, global, (stride_wse, stride_wsn, stride_wsk), quant mode) of weights."""
     if not isinstance(w, QuantizedWeight):
         return w, w, w, (0, 0, 0), 0
-    if w.scheme == "nvfp4":
-        return w.data, w.scale, w.global_scale, w.scale.stride(), QUANT_MODE["nvfp4"]
-    return w.data, w.scale, w.scale, _scale_strides(w.scale, 3), QUANT_MODE[w.scheme]
+    if w.global_scale is not None:
+        return w.data, w.scale, w.global_scale, w.scale.stride(), kernel_mode(w.scheme)
+    return w.data, w.scale, w.scale, _scale_strides(w.scale, 3), kernel_mode(w.scheme)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -345,10 +352,10 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     n = n_w // 2 if fused else n_w
     if fused and n_w % 2:
         raise ValueError(f"moe_gemm: fused gate_up needs an even number of weight rows, got {n_w}")
-    if w_mode == 3 and k % 16:
+    if w_mode == 4 and k % 16:
         raise ValueError(f"moe_gemm: nvfp4 needs K % 16 == 0, got K={k}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    pack = 2 if w_mode == 3 else 1
+    pack = 2 if w_mode == 4 else 1
     a_arg, w_arg = a_data, w_data
     tma_a = tma_w = False
     if config.tma:
@@ -370,7 +377,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         out.stride(0), out.stride(1),
         QUANT=w_mode, FUSE_ACT=fused, ACT=ACTIVATION[activation] if fused else 0,
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
-        TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2),
+        TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -2,7 +2,8 @@
 ``moeshard.quant.quantize_activations`` does it (``tests/test_kernels.py`` checks equality).
 
 h sits at the padded positions of the tile plan (``align``); programs of ROWS positions take
-their expert from ``tile_expert`` and skip tiles past the end. Modes:
+their expert from ``tile_expert`` and skip tiles past the end. Modes are the schemes'
+``kernel_mode`` (``moeshard.quant.schemes.KERNEL_MODES``):
 
 =========  =========================================================================
 scheme     scales
@@ -24,9 +25,9 @@ import triton
 import triton.language as tl
 
 from moeshard.kernels.align import RowAlignment
+from moeshard.kernels.grouped_gemm import kernel_mode
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, NVFP4_BLOCK, QuantizedActivations
 
-MODE = {"fp8_tensor": 0, "fp8_token": 1, "fp8_block": 2, "nvfp4": 3}
 ROWS = 16
 CHUNK = 128
 
@@ -59,16 +60,16 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, tile_expert_ptr,
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, CHUNK)
     h_rows = h_ptr + rows[:, None] * stride_hm
-    if MODE == 0 or MODE == 3:
+    if MODE == 1 or MODE == 4:
         amax = tl.maximum(tl.load(amax_ptr + expert), AMAX_FLOOR)
-    if MODE == 0:
+    if MODE == 1:
         scale = tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX)
         tl.store(s_ptr + rows * stride_sm, tl.zeros([ROWS], dtype=tl.float32) + scale)
         for k0 in range(0, K, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
             tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale, FP8_MAX), mask=ok[None, :])
-    elif MODE == 1:
+    elif MODE == 2:
         row_max = tl.zeros([ROWS], dtype=tl.float32)
         for k0 in range(0, K, CHUNK):
             ok = (k0 + cols) < K
@@ -80,7 +81,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, tile_expert_ptr,
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
             tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok[None, :])
-    elif MODE == 2:
+    elif MODE == 3:
         for k0 in range(0, K, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
@@ -120,13 +121,13 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
     tiles past the end of the plan are left unwritten (no kernel reads them).
     """
     P, K = h.shape
-    mode = MODE[scheme]
+    mode = kernel_mode(scheme)
     if P % ROWS or plan.block_m % ROWS:
         raise ValueError(f"quantize_h: padded rows {P} and block_m {plan.block_m} must be multiples of {ROWS}")
-    if mode in (0, 3) and amax is None:
+    if mode in (1, 4) and amax is None:
         raise ValueError(f"quantize_h: {scheme} needs the per-expert amax")
     dev = h.device
-    if mode == 3:
+    if mode == 4:
         if K % NVFP4_BLOCK:
             raise ValueError(f"quantize_h: nvfp4 needs I % {NVFP4_BLOCK} == 0, got {K}")
         q = torch.empty(P, K // 2, dtype=torch.uint8, device=dev)
@@ -134,15 +135,15 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
         g = torch.empty(P, 1, dtype=torch.float32, device=dev)
     else:
         q = torch.empty(P, K, dtype=FP8_DTYPE, device=dev)
-        s = torch.empty(P, triton.cdiv(K, CHUNK) if mode == 2 else 1, dtype=torch.float32, device=dev)
+        s = torch.empty(P, triton.cdiv(K, CHUNK) if mode == 3 else 1, dtype=torch.float32, device=dev)
         g = s
     _quantize_h_kernel[(P // ROWS,)](
         h, q, s, g, amax if amax is not None else s, plan.tile_expert,
         K, h.stride(0), q.stride(0), s.stride(0),
         MODE=mode, ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, num_warps=4)
-    if scheme == "fp8_tensor":
+    if mode == 1:
         return QuantizedActivations(scheme, q, None, s)
-    if scheme == "nvfp4":
+    if mode == 4:
         return QuantizedActivations(scheme, q, s, g)
     return QuantizedActivations(scheme, q, s, None)
 

@@ -1,6 +1,8 @@
 """Quantized expert weights and activations (fp8 e4m3 and NVFP4), pure torch, CPU and CUDA.
 
-Schemes (``QuantConfig.scheme``; ``'none'`` means no quantization and is not handled here):
+One descriptor per scheme lives in the registry (``schemes.py``: ``get_scheme``,
+``register_scheme``); its codec (``codecs.py``) stores and computes the scheme. Built in
+(``QuantConfig.scheme``; ``'none'`` means no quantization and has no codec):
 
 =============  ==============================================  ==============================================
 scheme         weights ``[E, N, K]``                           activations ``[M, K]``
@@ -70,8 +72,18 @@ from .nvfp4 import (
     unpack_fp4,
     unswizzle_scales,
 )
+from .codecs import FP8_BLOCK, Codec
+from .schemes import (
+    BUILTIN_SCHEMES,
+    KERNEL_MODES,
+    QuantScheme,
+    get_scheme,
+    quantized_scheme,
+    register_scheme,
+    scheme_names,
+    unregister_scheme,
+)
 from .tensors import (
-    FP8_BLOCK,
     SCHEMES,
     QuantizedActivations,
     QuantizedWeight,
@@ -81,6 +93,8 @@ from .tensors import (
 )
 
 __all__ = [
+    "BUILTIN_SCHEMES", "KERNEL_MODES", "Codec", "QuantScheme", "get_scheme", "quantized_scheme", "register_scheme",
+    "scheme_names", "unregister_scheme",
     "AMAX_FLOOR", "E2M1_MAX", "E2M1_VALUES", "FP8_BLOCK", "FP8_DTYPE", "FP8_MAX", "NVFP4_BLOCK", "SCHEMES",
     "QuantizedActivations", "QuantizedWeight",
     "e2m1_decode", "e2m1_encode", "fake_quantize_activations", "fp8_dequantize", "fp8_quantize", "fp8_scale",

@@ -3,30 +3,34 @@
 Shape legend: ``E`` experts, ``N`` output features (rows of a weight), ``K`` input features
 (columns of a weight, columns of the activations), ``M`` activation rows (routed tokens).
 
-Both containers are frozen dataclasses with ``eq=False``: the generated ``__eq__`` would compare
-tensors with ``==`` and raise on ``bool()``; identity equality is what a cache or a set needs.
+Every layout, quantize and slice decision is the scheme's codec's (``codecs.py``), looked up in
+the registry (``schemes.py``). Both containers are frozen dataclasses with ``eq=False``: the
+generated ``__eq__`` would compare tensors with ``==`` and raise on ``bool()``; identity equality
+is what a cache or a set needs.
 Every quantize / dequantize / gather here is pure torch with no host read-back, so it runs on CPU
 and CUDA alike. Slicing, ``cat_out`` and ``to`` happen at load time and may synchronize.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, abs_amax, block_amax, expand_blocks, fp8_dequantize, fp8_quantize, fp8_scale, from_wire, to_wire
-from .nvfp4 import NVFP4_BLOCK, nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize
+from .codecs import Codec
+from .fp8 import abs_amax, from_wire, to_wire
+from .schemes import BUILTIN_SCHEMES, quantized_scheme
 
-SCHEMES = ("fp8_tensor", "fp8_token", "fp8_block", "nvfp4")
-FP8_BLOCK = 128  # fp8_block: weight tiles are 128 x 128, activation groups 1 x 128
+# The built-in quantized schemes (the registry, ``moeshard.quant.schemes``, may hold more).
+SCHEMES = tuple(s for s in BUILTIN_SCHEMES if s != "none")
 
 
-def check_scheme(where: str, scheme: str) -> None:
-    """Raises ``ValueError`` naming ``where`` and ``scheme`` unless it is one of ``SCHEMES``."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"{where}: scheme {scheme!r} is not a quantized scheme; expected one of {list(SCHEMES)}")
+def _codec(where: str, scheme: str) -> Codec:
+    codec = quantized_scheme(scheme, where).codec
+    assert codec is not None  # quantized_scheme refuses schemes without one
+    return codec
 
 
 def _expect(where: str, t: Tensor | None, shape: tuple[int, ...] | None, dtype: torch.dtype | None) -> None:
@@ -93,29 +97,19 @@ def _check_equal_scales(field: str, scales: list[Tensor]) -> None:
                              f"has one {field} per expert, so the parts must share it (slice them from one weight)")
 
 
-def _weight_layout(scheme: str, e: int, n: int, k: int) -> tuple[tuple, torch.dtype, tuple, torch.dtype, tuple | None]:
-    """(data shape, data dtype, scale shape, scale dtype, global_scale shape or None) of a scheme."""
-    if scheme == "nvfp4":
-        return (e, n, k // 2), torch.uint8, (e, n, k // NVFP4_BLOCK), FP8_DTYPE, (e,)
-    scale_shape = {"fp8_tensor": (e,), "fp8_token": (e, n),
-                   "fp8_block": (e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))}[scheme]
-    return (e, n, k), FP8_DTYPE, scale_shape, torch.float32, None
-
-
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """Stacked expert weights ``[E, N, K]`` (``y = x @ w[e].T``) in one quantized scheme.
 
-    Fields:
-        scheme: ``'fp8_tensor' | 'fp8_token' | 'fp8_block' | 'nvfp4'``.
-        data: fp8 schemes: float8_e4m3fn ``[E, N, K]``; nvfp4: uint8 ``[E, N, K // 2]``, two
-            e2m1 codes per byte (column 2i in the low nibble).
-        scale: fp8_tensor: fp32 ``[E]`` (one per expert); fp8_token: fp32 ``[E, N]`` (one per
-            output channel); fp8_block: fp32 ``[E, ceil(N/128), ceil(K/128)]`` (one per 128 x 128
-            tile, edge tiles partial); nvfp4: float8_e4m3fn ``[E, N, K // 16]``, unswizzled.
-            fp8: ``w ~= data * scale``.
-        global_scale: nvfp4: fp32 ``[E]``, ``2688 / amax(w[e])``, ``w ~= e2m1(data) * scale / global_scale``;
-            ``None`` otherwise.
+    Fields (layouts per scheme in ``moeshard.quant.codecs``):
+        scheme: a registered quantized scheme (``'fp8_tensor' | 'fp8_token' | 'fp8_block' |
+            'nvfp4'`` built in).
+        data: ``codec.data_dtype`` ``[E, N, K // codec.pack]`` (nvfp4: two e2m1 codes per byte,
+            column 2i in the low nibble).
+        scale: ``codec.weight_scale_dtype`` ``codec.weight_scale_shape(E, N, K)``: fp8_tensor
+            ``[E]``, fp8_token ``[E, N]``, fp8_block ``[E, ceil(N/128), ceil(K/128)]``, nvfp4
+            e4m3 ``[E, N, K // 16]`` (unswizzled).
+        global_scale: fp32 ``[E]`` where the codec has one (nvfp4: ``2688 / amax(w[e])``), else None.
         shape: the logical ``(E, N, K)``.
     """
 
@@ -126,19 +120,23 @@ class QuantizedWeight:
     shape: tuple[int, int, int]
 
     def __post_init__(self) -> None:
-        check_scheme("QuantizedWeight.scheme", self.scheme)
+        codec = _codec("QuantizedWeight.scheme", self.scheme)
         shape = tuple(self.shape)
         if len(shape) != 3 or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ValueError(f"QuantizedWeight.shape: expected (E, N, K) of non-negative ints, got {self.shape!r}")
         object.__setattr__(self, "shape", shape)
         e, n, k = shape
-        if self.scheme == "nvfp4" and k % NVFP4_BLOCK:
-            raise ValueError(f"QuantizedWeight.shape: nvfp4 needs K % {NVFP4_BLOCK} == 0, got K={k}")
-        data_shape, data_dtype, scale_shape, scale_dtype, global_shape = _weight_layout(self.scheme, e, n, k)
-        _expect(f"QuantizedWeight.data ({self.scheme})", self.data, data_shape, data_dtype)
-        _expect(f"QuantizedWeight.scale ({self.scheme})", self.scale, scale_shape, scale_dtype)
-        _expect(f"QuantizedWeight.global_scale ({self.scheme})", self.global_scale, global_shape, torch.float32)
+        if k % codec.k_multiple:
+            raise ValueError(f"QuantizedWeight.shape: {self.scheme} needs K % {codec.k_multiple} == 0, got K={k}")
+        where = f"QuantizedWeight.%s ({self.scheme})"
+        _expect(where % "data", self.data, (e, n, k // codec.pack), codec.data_dtype)
+        _expect(where % "scale", self.scale, codec.weight_scale_shape(e, n, k), codec.weight_scale_dtype)
+        _expect(where % "global_scale", self.global_scale, (e,) if codec.has_global else None, torch.float32)
         _same_device("QuantizedWeight", data=self.data, scale=self.scale, global_scale=self.global_scale)
+
+    @property
+    def codec(self) -> Codec:
+        return _codec("QuantizedWeight.scheme", self.scheme)
 
     def _replace(self, data: Tensor, scale: Tensor, global_scale: Tensor | None, shape: tuple[int, int, int]) -> QuantizedWeight:
         return QuantizedWeight(self.scheme, data, scale, global_scale, shape)
@@ -146,16 +144,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight ``[E, N, K]`` in ``dtype`` (computed in fp32, then cast)."""
         _check_float_dtype("QuantizedWeight.dequantize", dtype)
-        _, n, k = self.shape
-        if self.scheme == "fp8_tensor":
-            w = fp8_dequantize(self.data, self.scale[:, None, None])
-        elif self.scheme == "fp8_token":
-            w = fp8_dequantize(self.data, self.scale[:, :, None])
-        elif self.scheme == "fp8_block":
-            w = fp8_dequantize(self.data, expand_blocks(self.scale, (FP8_BLOCK, FP8_BLOCK), (n, k)))
-        else:
-            w = nvfp4_dequantize(self.data, self.scale, self.global_scale[:, None, None])
-        return w.to(dtype)
+        return self.codec.dequantize_weight(self.data, self.scale, self.global_scale, self.shape).to(dtype)
 
     def select_experts(self, ids: Tensor) -> QuantizedWeight:
         """Keeps experts ``ids`` (int64 ``[E']``, values in ``[0, E)``, on this weight's device), in that order.
@@ -172,45 +161,30 @@ class QuantizedWeight:
     def slice_out(self, start: int, stop: int) -> QuantizedWeight:
         """Output rows ``[start, stop)`` of N, scales sliced to match; equals ``dequantize()[:, start:stop]``.
 
-        fp8_block needs ``start`` and ``stop`` on 128-row tile boundaries (``stop`` may also be N),
-        since a tile's single scale cannot be split.
+        Boundaries must fall on the codec's ``out_block`` (fp8_block: 128-row tiles; ``stop`` may
+        also be N), since one scale cannot be split.
         """
         e, n, k = self.shape
+        codec = self.codec
         _check_range("QuantizedWeight.slice_out", "N", start, stop, n)
-        rows = slice(start, stop)
-        if self.scheme == "fp8_tensor":
-            scale = _own(self.scale)
-        elif self.scheme == "fp8_token":
-            scale = _own(self.scale[:, rows])
-        elif self.scheme == "fp8_block":
-            _check_block_bounds("QuantizedWeight.slice_out", "N", start, stop, n, FP8_BLOCK)
-            scale = _own(self.scale[:, start // FP8_BLOCK:-(-stop // FP8_BLOCK)])
-        else:
-            scale = _own(self.scale[:, rows])
+        _check_block_bounds("QuantizedWeight.slice_out", "N", start, stop, n, codec.out_block)
         glob = None if self.global_scale is None else _own(self.global_scale)
-        return self._replace(_own(self.data[:, rows]), scale, glob, (e, stop - start, k))
+        return self._replace(_own(self.data[:, start:stop]), _own(codec.scale_rows(self.scale, start, stop)), glob,
+                             (e, stop - start, k))
 
     def slice_in(self, start: int, stop: int) -> QuantizedWeight:
         """Input columns ``[start, stop)`` of K, scales sliced to match; equals ``dequantize()[..., start:stop]``.
 
-        fp8_block needs 128-column tile boundaries (``stop`` may also be K); nvfp4 needs both
-        bounds multiples of 16 (a block scale cannot be split; 16 also keeps whole bytes).
+        Boundaries must fall on the codec's ``in_block`` and ``pack`` (fp8_block: 128-column tiles,
+        ``stop`` may also be K; nvfp4: multiples of 16, a block scale cannot be split).
         """
         e, n, k = self.shape
+        codec = self.codec
         _check_range("QuantizedWeight.slice_in", "K", start, stop, k)
-        cols = slice(start, stop)
-        if self.scheme in ("fp8_tensor", "fp8_token"):
-            data, scale = self.data[..., cols], self.scale
-        elif self.scheme == "fp8_block":
-            _check_block_bounds("QuantizedWeight.slice_in", "K", start, stop, k, FP8_BLOCK)
-            data, scale = self.data[..., cols], self.scale[..., start // FP8_BLOCK:-(-stop // FP8_BLOCK)]
-        else:
-            # K is a multiple of 16, so "stop == K" needs no exception here.
-            _check_block_bounds("QuantizedWeight.slice_in", "K", start, stop, -1, NVFP4_BLOCK)
-            data = self.data[..., start // 2:stop // 2]
-            scale = self.scale[..., start // NVFP4_BLOCK:stop // NVFP4_BLOCK]
+        _check_block_bounds("QuantizedWeight.slice_in", "K", start, stop, k, math.lcm(codec.in_block, codec.pack))
+        data = self.data[..., start // codec.pack:stop // codec.pack]
         glob = None if self.global_scale is None else _own(self.global_scale)
-        return self._replace(_own(data), _own(scale), glob, (e, n, stop - start))
+        return self._replace(_own(data), _own(codec.scale_cols(self.scale, start, stop)), glob, (e, n, stop - start))
 
     @staticmethod
     def cat_out(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -218,9 +192,9 @@ class QuantizedWeight:
 
         Requirements, each a ``ValueError`` when broken:
           * same scheme, E and K everywhere;
-          * fp8_tensor: equal per-expert scales (one scale must describe the whole result);
-          * nvfp4: equal global scales (a block scale is relative to its expert's global scale);
-          * fp8_block: every part but the last has N % 128 == 0 (tiles must stay aligned).
+          * equal per-expert quantities the codec keeps whole (``codec.shared``: fp8_tensor's
+            scale, nvfp4's global scale): one value must describe the whole result;
+          * every part but the last has N on the codec's ``out_block`` (fp8_block: 128).
         Halves sliced from one quantized weight always satisfy these. Comparing scales reads
         them back to the host; this is a load-time operation.
         """
@@ -232,18 +206,16 @@ class QuantizedWeight:
             if p.scheme != first.scheme or p.shape[0] != e or p.shape[2] != k:
                 raise ValueError(f"QuantizedWeight.cat_out: parts[{i}] is {p.scheme!r} (E, N, K)={p.shape}, parts[0] is "
                                  f"{first.scheme!r} {first.shape}; scheme, E and K must match")
-        if first.scheme == "fp8_tensor":
-            _check_equal_scales("scale", [p.scale for p in parts])
-        if first.scheme == "nvfp4":
-            _check_equal_scales("global_scale", [p.global_scale for p in parts])
-        if first.scheme == "fp8_block":
-            for i, p in enumerate(parts[:-1]):
-                if p.shape[1] % FP8_BLOCK:
-                    raise ValueError(f"QuantizedWeight.cat_out: fp8_block parts[{i}] has N={p.shape[1]}, not a multiple "
-                                     f"of {FP8_BLOCK}; only the last part may end in a partial tile")
+        codec = first.codec
+        for field in codec.shared:
+            _check_equal_scales(field, [getattr(p, field) for p in parts])
+        for i, p in enumerate(parts[:-1]):
+            if p.shape[1] % codec.out_block:
+                raise ValueError(f"QuantizedWeight.cat_out: {first.scheme} parts[{i}] has N={p.shape[1]}, not a multiple "
+                                 f"of {codec.out_block}; only the last part may end in a partial tile")
         n_total = sum(p.shape[1] for p in parts)
         data = _cat([p.data for p in parts], dim=1)
-        scale = first.scale if first.scheme == "fp8_tensor" else _cat([p.scale for p in parts], dim=1)
+        scale = first.scale if "scale" in codec.shared else _cat([p.scale for p in parts], dim=1)
         return first._replace(data, _own(scale), None if first.global_scale is None else _own(first.global_scale),
                               (e, n_total, k))
 
@@ -257,31 +229,21 @@ def quantize_weight(w: Tensor, scheme: str) -> QuantizedWeight:
     """Quantizes stacked expert weights.
 
     Args:
-        w: float ``[E, N, K]`` (fp32, bf16, fp16 or fp64). nvfp4 needs K % 16 == 0.
-        scheme: one of ``SCHEMES``.
+        w: float ``[E, N, K]`` (fp32, bf16, fp16 or fp64); K a multiple of the codec's
+            ``k_multiple`` (nvfp4: 16).
+        scheme: a registered quantized scheme.
     Returns:
         ``QuantizedWeight`` on ``w``'s device. Per-tensor quantities are per expert: the
         fp8_tensor scale and the nvfp4 global scale use the amax of ``w[e]``.
     """
-    check_scheme("quantize_weight", scheme)
+    codec = _codec("quantize_weight", scheme)
     if not isinstance(w, Tensor) or w.dim() != 3 or not w.is_floating_point():
         got = f"{w.dtype} {list(w.shape)}" if isinstance(w, Tensor) else repr(w)
         raise ValueError(f"quantize_weight: w must be a float [E, N, K] tensor, got {got}")
     e, n, k = w.shape
-    if scheme == "fp8_tensor":
-        scale = fp8_scale(abs_amax(w, (1, 2)))
-        return QuantizedWeight(scheme, fp8_quantize(w, scale[:, None, None]), scale, None, (e, n, k))
-    if scheme == "fp8_token":
-        scale = fp8_scale(abs_amax(w, (2,)))
-        return QuantizedWeight(scheme, fp8_quantize(w, scale[:, :, None]), scale, None, (e, n, k))
-    if scheme == "fp8_block":
-        scale = fp8_scale(block_amax(w, (FP8_BLOCK, FP8_BLOCK)))
-        data = fp8_quantize(w, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (n, k)))
-        return QuantizedWeight(scheme, data, scale, None, (e, n, k))
-    if k % NVFP4_BLOCK:
-        raise ValueError(f"quantize_weight: nvfp4 needs K % {NVFP4_BLOCK} == 0, got w.shape[2] (K)={k}")
-    glob = nvfp4_global_scale(abs_amax(w, (1, 2)))
-    data, scale = nvfp4_quantize(w, glob[:, None, None])
+    if k % codec.k_multiple:
+        raise ValueError(f"quantize_weight: {scheme} needs K % {codec.k_multiple} == 0, got w.shape[2] (K)={k}")
+    data, scale, glob = codec.quantize_weight(w)
     return QuantizedWeight(scheme, data, scale, glob, (e, n, k))
 
 
@@ -289,18 +251,19 @@ def quantize_weight(w: Tensor, scheme: str) -> QuantizedWeight:
 class QuantizedActivations:
     """Activation rows ``[M, K]`` in one quantized scheme, as dispatched to the experts.
 
-    Fields:
-        scheme: ``'fp8_tensor' | 'fp8_token' | 'fp8_block' | 'nvfp4'``.
-        data: fp8 schemes: float8_e4m3fn ``[M, K]``; nvfp4: uint8 ``[M, K // 2]`` (two e2m1 codes
-            per byte, column 2i in the low nibble).
-        row_scale: scales that belong to one row and travel with it through dispatch:
-            fp8_token fp32 ``[M, 1]``; fp8_block fp32 ``[M, ceil(K / 128)]`` (one per 1 x 128
-            group, the last one partial); nvfp4 float8_e4m3fn ``[M, K // 16]`` (unswizzled);
-            fp8_tensor ``None``.
-        tensor_scale: fp32 ``[]`` (one for all rows) or ``[M, 1]`` (per row, when the caller's
-            amax was per row): fp8_tensor's scale (``x ~= data * tensor_scale``) or nvfp4's global
-            scale (``x ~= e2m1(data) * row_scale / tensor_scale``); ``None`` for fp8_token and
-            fp8_block.
+    Fields (layouts per scheme in ``moeshard.quant.codecs``):
+        scheme: a registered quantized scheme.
+        data: ``codec.data_dtype`` ``[M, K // codec.pack]`` (nvfp4: two e2m1 codes per byte,
+            column 2i in the low nibble).
+        row_scale: scales that belong to one row and travel with it through dispatch,
+            ``codec.row_scale_dtype`` ``codec.row_scale_shape(M, K)``: fp8_token fp32 ``[M, 1]``;
+            fp8_block fp32 ``[M, ceil(K / 128)]`` (one per 1 x 128 group, the last one partial);
+            nvfp4 float8_e4m3fn ``[M, K // 16]`` (unswizzled); None where the codec has none
+            (fp8_tensor).
+        tensor_scale: where the codec has one (``codec.tensor_scale``): fp32 ``[]`` (one for all
+            rows) or ``[M, 1]`` (per row, when the caller's amax was per row): fp8_tensor's scale
+            (``x ~= data * tensor_scale``) or nvfp4's global scale (``x ~= e2m1(data) *
+            row_scale / tensor_scale``); None otherwise.
     """
 
     scheme: str
@@ -309,18 +272,14 @@ class QuantizedActivations:
     tensor_scale: Tensor | None
 
     def __post_init__(self) -> None:
-        check_scheme("QuantizedActivations.scheme", self.scheme)
+        codec = _codec("QuantizedActivations.scheme", self.scheme)
         where = f"QuantizedActivations ({self.scheme})"
-        nvfp4 = self.scheme == "nvfp4"
-        data_dtype = torch.uint8 if nvfp4 else FP8_DTYPE
-        if not isinstance(self.data, Tensor) or self.data.dim() != 2 or self.data.dtype != data_dtype:
+        if not isinstance(self.data, Tensor) or self.data.dim() != 2 or self.data.dtype != codec.data_dtype:
             got = f"{self.data.dtype} {list(self.data.shape)}" if isinstance(self.data, Tensor) else repr(self.data)
-            raise ValueError(f"{where}.data: expected a 2-D {data_dtype} tensor, got {got}")
+            raise ValueError(f"{where}.data: expected a 2-D {codec.data_dtype} tensor, got {got}")
         m, k = self.shape
-        row_shape = {"fp8_tensor": None, "fp8_token": (m, 1), "fp8_block": (m, -(-k // FP8_BLOCK)),
-                     "nvfp4": (m, k // NVFP4_BLOCK)}[self.scheme]
-        _expect(f"{where}.row_scale", self.row_scale, row_shape, FP8_DTYPE if nvfp4 else torch.float32)
-        if self.scheme in ("fp8_tensor", "nvfp4"):
+        _expect(f"{where}.row_scale", self.row_scale, codec.row_scale_shape(m, k), codec.row_scale_dtype)
+        if codec.tensor_scale:
             ts = self.tensor_scale
             if not isinstance(ts, Tensor) or ts.dtype != torch.float32 or tuple(ts.shape) not in ((), (m, 1)):
                 got = f"{ts.dtype} {list(ts.shape)}" if isinstance(ts, Tensor) else repr(ts)
@@ -330,23 +289,19 @@ class QuantizedActivations:
         _same_device(where, data=self.data, row_scale=self.row_scale, tensor_scale=self.tensor_scale)
 
     @property
+    def codec(self) -> Codec:
+        return _codec("QuantizedActivations.scheme", self.scheme)
+
+    @property
     def shape(self) -> tuple[int, int]:
         """The logical ``(M, K)`` (nvfp4 stores K // 2 bytes per row)."""
         m, width = self.data.shape
-        return m, width * 2 if self.scheme == "nvfp4" else width
+        return m, width * self.codec.pack
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The activations ``[M, K]`` in ``dtype`` (computed in fp32, then cast)."""
         _check_float_dtype("QuantizedActivations.dequantize", dtype)
-        if self.scheme == "fp8_tensor":
-            x = fp8_dequantize(self.data, self.tensor_scale)
-        elif self.scheme == "fp8_token":
-            x = fp8_dequantize(self.data, self.row_scale)
-        elif self.scheme == "fp8_block":
-            x = fp8_dequantize(self.data, expand_blocks(self.row_scale, (1, FP8_BLOCK), self.shape))
-        else:
-            x = nvfp4_dequantize(self.data, self.row_scale, self.tensor_scale)
-        return x.to(dtype)
+        return self.codec.dequantize_activations(self.data, self.row_scale, self.tensor_scale, self.shape).to(dtype)
 
     def index_rows(self, idx: Tensor) -> QuantizedActivations:
         """Rows ``idx`` (int64 ``[M']``, values in ``[0, M)``) with their scales.
@@ -379,8 +334,9 @@ def quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None,
     """Quantizes activation rows dynamically.
 
     Args:
-        x: float ``[M, K]`` (fp32, bf16, fp16 or fp64); M may be 0. nvfp4 needs K % 16 == 0.
-        scheme: one of ``SCHEMES``.
+        x: float ``[M, K]`` (fp32, bf16, fp16 or fp64); M may be 0. K a multiple of the codec's
+            ``k_multiple`` (nvfp4: 16).
+        scheme: a registered quantized scheme.
         amax: optional fp32 ``[]`` or ``[M, 1]``, used only for the per-tensor quantities
             (fp8_tensor's scale, nvfp4's global scale) in place of ``x.abs().amax()``: the layer
             passes an amax all-reduced over ranks, or each row's expert-group amax, so that every
@@ -394,7 +350,7 @@ def quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None,
     Returns:
         ``QuantizedActivations`` on ``x``'s device; its ``tensor_scale`` has ``amax``'s shape.
     """
-    check_scheme("quantize_activations", scheme)
+    codec = _codec("quantize_activations", scheme)
     if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
         got = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else repr(x)
         raise ValueError(f"quantize_activations: x must be a float [M, K] tensor, got {got}")
@@ -403,22 +359,12 @@ def quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None,
         got = list(scales_from.shape) if isinstance(scales_from, Tensor) else repr(scales_from)
         raise ValueError(f"quantize_activations: scales_from must have x's shape {list(x.shape)}, got {got}")
     source = x if scales_from is None else scales_from
-    m, k = x.shape
-    if scheme == "nvfp4" and k % NVFP4_BLOCK:
-        raise ValueError(f"quantize_activations: nvfp4 needs K % {NVFP4_BLOCK} == 0, got x.shape[1] (K)={k}")
+    k = x.shape[1]
+    if k % codec.k_multiple:
+        raise ValueError(f"quantize_activations: {scheme} needs K % {codec.k_multiple} == 0, got x.shape[1] (K)={k}")
     tensor_amax = abs_amax(source, (0, 1)) if amax is None else amax.float()
-    if scheme == "fp8_tensor":
-        scale = fp8_scale(tensor_amax)
-        return QuantizedActivations(scheme, fp8_quantize(x, scale), None, scale)
-    if scheme == "fp8_token":
-        scale = fp8_scale(abs_amax(source, (1,), keepdim=True))
-        return QuantizedActivations(scheme, fp8_quantize(x, scale), scale, None)
-    if scheme == "fp8_block":
-        scale = fp8_scale(block_amax(source, (1, FP8_BLOCK)))
-        return QuantizedActivations(scheme, fp8_quantize(x, expand_blocks(scale, (1, FP8_BLOCK), (m, k))), scale, None)
-    glob = nvfp4_global_scale(tensor_amax)
-    data, block_scale = nvfp4_quantize(x, glob, scales_from)
-    return QuantizedActivations(scheme, data, block_scale, glob)
+    data, row_scale, tensor_scale = codec.quantize_activations(x, tensor_amax, source)
+    return QuantizedActivations(scheme, data, row_scale, tensor_scale)
 
 
 def fake_quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None,
