@@ -25,7 +25,7 @@ from moeshard.bench.timing import L2Flush, graphed, time_cuda
 from moeshard.bench.workload import (ModelOnDevice, active_experts, bytes_per_expert, expert_flops, experts_for,
                                      hidden_states, layer_flops, make_model, routed_input)
 from moeshard.config import QUANT_SCHEMES, QuantConfig
-from moeshard.quant import get_scheme
+from moeshard.quant import scheme_names
 from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
 from moeshard.layer import MoELayer
 from moeshard.presets import PRESETS
@@ -52,7 +52,8 @@ class BenchOptions:
             if m not in PRESETS:
                 raise ValueError(f"bench: model {m!r} is not one of {sorted(PRESETS)}")
         for q in self.quants:
-            get_scheme(q, "bench: quant")
+            if q not in scheme_names():
+                raise ValueError(f"bench: quant {q!r} is not one of {list(scheme_names())}")
         for name in ("prefill_tokens", "decode_tokens"):
             if any(t <= 0 for t in getattr(self, name)):
                 raise ValueError(f"bench: {name} must be positive, got {getattr(self, name)}")
