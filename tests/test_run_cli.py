@@ -16,12 +16,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moeshard.checkpoint.run_job import random_weights
 from moeshard.commands import run as run_command
 from moeshard.config import QuantConfig
 from moeshard.experts import select_kernel
 from moeshard.presets import get_preset
 from moeshard.reference import Reference, reference_forward
+from moeshard.runjob import random_weights
 from moeshard.tolerances import compare
 
 

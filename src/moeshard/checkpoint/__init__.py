@@ -7,7 +7,9 @@ Modules, one concern each:
 * ``names``: ``BlockNames``, where a block's tensors are stored (hub per-expert or fused names).
 * ``experts``: ``ExpertReader``, this rank's routed experts, one expert at a time.
 * ``loader``: ``load_moe_block`` -> ``LoadedBlock`` and ``build_layer`` -> ``MoELayer``.
-* ``run_job``: what one rank of ``moeshard run`` does (load, split tokens, forward, gather).
+
+``moeshard run``'s job (plan, load, split tokens, forward, gather) uses these and lives in
+``moeshard.runjob``.
 
 Example (one rank)::
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from moeshard.checkpoint.run_job import RankResult, RunPlan, RunSpec, describe, plan_run, run_plans, run_rank
+from moeshard.runjob import RunPlan, RunRankResult, RunSpec, describe, plan_run, run_plans, run_rank
 from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
 from moeshard.dispatch.registry import BACKENDS
 from moeshard.parallel.config import ParallelConfig
@@ -99,7 +99,7 @@ def _as_value_error(failure: RankFailure) -> Exception:
     return failure
 
 
-def _execute_local(plan: RunPlan, timeout_s: float) -> list[RankResult]:
+def _execute_local(plan: RunPlan, timeout_s: float) -> list[RunRankResult]:
     world = plan.parallel.world_size
     if plan.spec.device == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
@@ -117,7 +117,7 @@ def _execute_local(plan: RunPlan, timeout_s: float) -> list[RankResult]:
     return results
 
 
-def _execute_torchrun(plan: RunPlan) -> list[RankResult] | None:
+def _execute_torchrun(plan: RunPlan) -> list[RunRankResult] | None:
     """Runs as one rank of torchrun's world; returns every rank's result on rank 0, None elsewhere."""
     init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo")
     try:
@@ -137,7 +137,7 @@ def _execute_torchrun(plan: RunPlan) -> list[RankResult] | None:
 def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
     from safetensors.torch import save_file
 
-    from moeshard.checkpoint.run_job import random_hidden_states
+    from moeshard.runjob import random_hidden_states
 
     tensors = {"hidden_states": output.contiguous()}
     if plan.generated_input:
@@ -146,7 +146,7 @@ def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
     save_file(tensors, path, metadata={"moeshard_run": json.dumps(describe(plan))})
 
 
-def _summary(plan: RunPlan, results: list[RankResult], output_path: str | None, wall_s: float) -> None:
+def _summary(plan: RunPlan, results: list[RunRankResult], output_path: str | None, wall_s: float) -> None:
     console = Console()
     info = describe(plan)
     console.print(f"[bold]moeshard run[/bold]: {info['source']}")

@@ -6,7 +6,7 @@
     run_rank(RunPlan, groups)    every rank: load its share (checkpoint slices, or random weights
                                  from the seed), all ranks agree that loading worked, read its DP
                                  rank's rows of the input, forward, all-gather the outputs over DP
-                                 -> RankResult (rank 0 holds the output of all T tokens, in order)
+                                 -> RunRankResult (rank 0 holds the output of all T tokens, in order)
     run_plans(plans)             ``spawn`` entry: runs several plans on one set of ranks
 
 Tokens: the input holds the global tokens ``hidden_states [T, H]``. DP rank d gets rows
@@ -104,7 +104,7 @@ class RunPlan:
 
 
 @dataclass(frozen=True)
-class RankResult:
+class RunRankResult:
     """One rank's report. experts: [start, stop) of the experts it holds; intermediate: its
     [lo, hi) of I; tokens: its DP rank's rows; load_s / forward_s: seconds; output: rank 0 only,
     ``[T, H]`` in the model dtype on CPU, all tokens in input order (None elsewhere)."""
@@ -262,7 +262,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RankResult:
+def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RunRankResult:
     """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
     from moeshard.layer import MoELayer
 
@@ -296,20 +296,20 @@ def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RankResult:
         out = all_gatherv(out, list(plan.tokens_per_rank), groups.dp_group, "dp")
     spec = layer.shard
     width = plan.cfg.intermediate_size // spec.tp_size
-    return RankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, tokens=plan.tokens_per_rank[dp_rank],
+    return RunRankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, tokens=plan.tokens_per_rank[dp_rank],
                       experts=(spec.expert_start, spec.expert_stop),
                       intermediate=(spec.tp_rank * width, (spec.tp_rank + 1) * width),
                       load_s=load_s, forward_s=forward_s, output=out.cpu() if rank == 0 else None)
 
 
-def run_plans(plans: list[RunPlan]) -> list[RankResult | dict]:
+def run_plans(plans: list[RunPlan]) -> list[RunRankResult | dict]:
     """``spawn`` entry: every plan in order on this rank (all plans need this world size).
 
     A plan that raises is recorded as ``{"error": type name, "message": ...}`` and the next plan
     runs; groups are built once per layout and reused.
     """
     groups_of: dict[tuple, ParallelGroups] = {}
-    results: list[RankResult | dict] = []
+    results: list[RunRankResult | dict] = []
     for plan in plans:
         p = plan.parallel
         key = (p.dp, p.tp, p.enable_ep)
