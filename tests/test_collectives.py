@@ -90,10 +90,10 @@ def test_parallel_config_properties():
     assert [(cfg.dp_rank(r), cfg.tp_rank(r), cfg.ep_rank(r)) for r in range(4)] == \
         [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
     off = ParallelConfig(dp=2, tp=3)
-    assert (off.world_size, off.ep_size, off.is_sequence_parallel, off.name) == (6, 1, False, "dp2-tp3")
+    assert (off.world_size, off.ep_size, off.is_sequence_parallel, off.name) == (6, 1, False, "dp2-tp3-noep")
     assert [off.ep_rank(r) for r in range(6)] == [0] * 6
     assert ParallelConfig(dp=4, enable_ep=True).is_sequence_parallel is False
-    assert ParallelConfig().name == "dp1-tp1"
+    assert ParallelConfig().name == "dp1-tp1-noep"
 
 
 def test_parallel_config_local_experts():
@@ -116,17 +116,42 @@ def test_parallel_config_refuses_fields(kwargs, message):
         ParallelConfig(**kwargs)
 
 
+@pytest.mark.parametrize("text, want", [
+    ("dp2-tp2-ep", (2, 2, True)), ("dp1-tp2-noep", (1, 2, False)), (" DP4-TP1-EP ", (4, 1, True)),
+    ("2,2,on", (2, 2, True)), ("1,2,off", (1, 2, False)), ("2, 1, ON", (2, 1, True)),
+])
+def test_parallel_config_parse(text, want):
+    p = ParallelConfig.parse(text)
+    assert (p.dp, p.tp, p.enable_ep) == want
+    assert ParallelConfig.parse(p.name) == p  # name and parse are one spelling
+
+
+@pytest.mark.parametrize("text", ["dp2-tp1-bogus", "dp2-tp1", "dp2-tp1-ep-x", "dp2-tpx-ep", "2,2", "2,2,maybe",
+                                  "dp-1-tp1-ep", ""])
+def test_parallel_config_parse_is_strict(text):
+    with pytest.raises(ValueError) as info:
+        ParallelConfig.parse(text)
+    message = str(info.value)
+    assert message.startswith(f"{text!r} is not a layout; write dp<D>-tp<T>-ep, dp<D>-tp<T>-noep, "
+                              f"<D>,<T>,on or <D>,<T>,off"), message
+
+
+def test_parallel_config_parse_names_bad_values():
+    with pytest.raises(ValueError, match=r"layout 'dp0-tp2-ep': ParallelConfig\.dp: must be a positive integer, got 0"):
+        ParallelConfig.parse("dp0-tp2-ep")
+
+
 def test_parallel_config_validate():
     ParallelConfig(dp=2, tp=2, enable_ep=True).validate(4, MOE, rank=0)
     ParallelConfig(dp=1, tp=4).validate(4, MOE)  # 12 % 4 == 0
     with pytest.raises(ValueError, match=r"ParallelConfig \(rank 3\): world size 4 does not match layout "
-                                         r"dp2-tp1: dp\*tp = 2\*1 = 2"):
+                                         r"dp2-tp1-noep: dp\*tp = 2\*1 = 2"):
         ParallelConfig(dp=2).validate(4, MOE, rank=3)
     with pytest.raises(ValueError, match=r"\(rank 1\): MoEConfig.num_experts=8 is not divisible by the EP size 3 "
                                          r"of layout dp3-tp1-ep; uneven expert placement is not supported"):
         ParallelConfig(dp=3, enable_ep=True).validate(3, MOE, rank=1)
     with pytest.raises(ValueError, match=r"ParallelConfig: MoEConfig.intermediate_size=12 is not divisible by "
-                                         r"tp=8 of layout dp1-tp8"):
+                                         r"tp=8 of layout dp1-tp8-noep"):
         ParallelConfig(tp=8).validate(8, MOE)
     # EP on: experts are whole, so the intermediate size need not divide by tp.
     ParallelConfig(dp=1, tp=8, enable_ep=True).validate(8, MOE)

@@ -18,9 +18,15 @@ target needs it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from moeshard.config import MoEConfig
+
+# The two spellings of a layout that ParallelConfig.parse reads; ParallelConfig.name writes the first.
+_NAMED = re.compile(r"dp([0-9]+)-tp([0-9]+)-(ep|noep)")
+_TRIPLE = re.compile(r"([0-9]+)\s*,\s*([0-9]+)\s*,\s*(on|off)")
+LAYOUT_FORMS = "dp<D>-tp<T>-ep, dp<D>-tp<T>-noep, <D>,<T>,on or <D>,<T>,off (e.g. dp2-tp2-ep, dp1-tp2-noep, 2,2,on)"
 
 
 def _at(rank: int | None) -> str:
@@ -64,8 +70,28 @@ class ParallelConfig:
 
     @property
     def name(self) -> str:
-        """Short id such as ``"dp2-tp2-ep"`` or ``"dp1-tp4"``."""
-        return f"dp{self.dp}-tp{self.tp}" + ("-ep" if self.enable_ep else "")
+        """The layout's one spelling, e.g. ``"dp2-tp2-ep"`` (EP on) or ``"dp1-tp4-noep"`` (EP off):
+        case ids, JSON, messages and ``parse`` all use it."""
+        return f"dp{self.dp}-tp{self.tp}-" + ("ep" if self.enable_ep else "noep")
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelConfig:
+        """The layout ``text`` names: ``"dp2-tp2-ep"`` / ``"dp1-tp2-noep"`` (``name``'s spelling) or
+        ``"2,2,on"`` / ``"1,2,off"`` (dp, tp, EP); case and surrounding spaces are ignored.
+
+        Strict: anything else (``"dp2-tp1-bogus"``, ``"dp2-tp1"``) is a ValueError naming ``text``
+        and the accepted forms; a well-formed text with bad values (``"dp0-tp1-ep"``) is a
+        ValueError naming ``text`` and the field.
+        """
+        t = text.strip().lower() if isinstance(text, str) else ""
+        match = _NAMED.fullmatch(t) or _TRIPLE.fullmatch(t)
+        if match is None:
+            raise ValueError(f"{text!r} is not a layout; write {LAYOUT_FORMS}")
+        dp, tp, ep = match.groups()
+        try:
+            return cls(int(dp), int(tp), ep in ("ep", "on"))
+        except ValueError as exc:
+            raise ValueError(f"layout {text!r}: {exc}") from None
 
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
