@@ -18,7 +18,7 @@ from rich.console import Console
 
 from moeshard import cli
 from moeshard.bench import report, runner, targets
-from moeshard.commands.bench import _ints
+from moeshard.commands.args import ints
 
 RUN = Path(__file__).resolve().parents[1] / "scripts" / "h200.json"
 
@@ -31,9 +31,9 @@ def test_bench_refuses_without_cuda(capsys):
 
 
 def test_options_are_validated():
-    assert _ints("1,16, 64", "--decode-tokens") == (1, 16, 64)
+    assert ints("1,16, 64", "--decode-tokens") == (1, 16, 64)
     with pytest.raises(ValueError, match="--decode-tokens"):
-        _ints("1,x", "--decode-tokens")
+        ints("1,x", "--decode-tokens")
     with pytest.raises(ValueError, match="model 'gpt'"):
         runner.BenchOptions(models=("gpt",)).validate()
     with pytest.raises(ValueError, match="quant 'int4'"):

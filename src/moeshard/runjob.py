@@ -32,6 +32,7 @@ from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.presets import get_preset
 from moeshard.sharding import shard_spec
+from moeshard.validate import is_int
 from moeshard.weights import MoEWeights
 
 INPUT_KEY = "hidden_states"
@@ -72,7 +73,7 @@ class RunSpec:
             raise ValueError("run: --model needs --layer (the index of the decoder layer whose MoE block to run)")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"run: device must be 'cpu' or 'cuda', got {self.device!r}")
-        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+        if not is_int(self.num_tokens) or self.num_tokens < 0:
             raise ValueError(f"run: --tokens must be an integer >= 0, got {self.num_tokens!r}")
 
 
@@ -126,7 +127,7 @@ def split_tokens(total: int, dp: int, given: tuple[int, ...] | None = None) -> t
     if given is None:
         return tuple(total // dp + (1 if d < total % dp else 0) for d in range(dp))
     given = tuple(given)
-    if len(given) != dp or any(not isinstance(n, int) or n < 0 for n in given):
+    if len(given) != dp or any(not is_int(n) or n < 0 for n in given):
         raise ValueError(f"--tokens-per-rank: expected {dp} integers >= 0 (one per DP rank), got {list(given)}")
     if sum(given) != total:
         raise ValueError(f"--tokens-per-rank: {list(given)} sums to {sum(given)}, but the input has T={total} tokens")

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from moeshard.config import MODEL_DTYPES, MoEConfig
+from moeshard.validate import is_int
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 FP8_CHECKPOINT_BLOCK = (128, 128)
@@ -93,7 +94,7 @@ class HFMoEModel:
 
     def check_layer(self, layer: int) -> None:
         """Raises ValueError unless ``layer`` exists and has an MoE block (says why not)."""
-        if not isinstance(layer, int) or isinstance(layer, bool):
+        if not is_int(layer):
             raise ValueError(f"layer: must be an integer, got {layer!r}")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} is out of range: {self.source} has num_hidden_layers="
@@ -130,7 +131,7 @@ class _Fields:
 
     def int(self, key: str, minimum: int = 1) -> int:
         value = self.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        if not is_int(value) or value < minimum:
             raise ValueError(f"{self.source}: {key} must be an integer >= {minimum}, got {value!r}")
         return value
 

@@ -36,15 +36,6 @@ QUANT_CONFIGS = [QuantConfig(s) for s in QUANT_SCHEMES] + [QuantConfig(s, True) 
 DTYPES = ("float32", "bfloat16")
 
 
-def parse_layouts(text: str) -> tuple[ParallelConfig, ...]:
-    """"dp2-tp2-ep,dp1-tp2-noep" (commas) or "2,2,on;1,2,off" (semicolons) -> layouts (``--layouts``)."""
-    named = text.strip().lower().startswith("dp") and ";" not in text
-    try:
-        return tuple(ParallelConfig.parse(t) for t in text.split("," if named else ";") if t.strip())
-    except ValueError as exc:
-        raise ValueError(f"--layouts: {exc}") from None
-
-
 @dataclass(frozen=True)
 class Case:
     """One verification case. ``tokens``: tokens per DP rank; ``reason``: why it is skipped."""

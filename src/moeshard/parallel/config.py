@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 from moeshard.config import MoEConfig
+from moeshard.validate import is_int, positive_int
 
 # The two spellings of a layout that ParallelConfig.parse reads; ParallelConfig.name writes the first.
 _NAMED = re.compile(r"dp([0-9]+)-tp([0-9]+)-(ep|noep)")
@@ -47,10 +48,8 @@ class ParallelConfig:
     enable_ep: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ParallelConfig.{name}: must be a positive integer, got {value!r}")
+        positive_int("ParallelConfig", "dp", self.dp)
+        positive_int("ParallelConfig", "tp", self.tp)
         if not isinstance(self.enable_ep, bool):
             raise ValueError(f"ParallelConfig.enable_ep: must be a bool, got {self.enable_ep!r}")
 
@@ -94,7 +93,7 @@ class ParallelConfig:
             raise ValueError(f"layout {text!r}: {exc}") from None
 
     def _check_rank(self, rank: int) -> None:
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+        if not is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"{self.name}: rank must be an integer in [0, {self.world_size}), got {rank!r}")
 
     def dp_rank(self, rank: int) -> int:
@@ -146,7 +145,7 @@ class ParallelConfig:
         With EP off every rank holds all experts (``range(num_experts)``).
         """
         self._check_rank(rank)
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+        if not is_int(num_experts) or num_experts <= 0:
             raise ValueError(f"{_at(rank)}: num_experts must be a positive integer, got {num_experts!r}")
         if num_experts % self.ep_size:
             raise ValueError(f"{_at(rank)}: num_experts={num_experts} is not divisible by the EP size "
