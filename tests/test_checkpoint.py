@@ -546,6 +546,37 @@ def test_decoder_sparse_step_makes_dense_layers(tmp_path):
                   model.check_layer, 2)
 
 
+def test_a_new_model_family_is_one_registry_entry(tmp_path, monkeypatch):
+    """A family the code has never heard of loads once FAMILIES has its entry: here qwen3_moe's
+    mapping under another model_type, with its block under ``moe.`` and w1/w3/w2 experts."""
+    from dataclasses import replace
+
+    from moeshard.checkpoint import families
+
+    entry = replace(families.FAMILIES["qwen3_moe"], model_type="toy_moe", block_prefixes=("moe.",),
+                    expert_spellings=(families.W1_W3_W2,))
+    monkeypatch.setitem(families.FAMILIES, "toy_moe", entry)
+    path = tmp_path / "toy"
+    _write_random_fused(path, E=4, Hd=16, I=32)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        fused = {k: f.get_tensor(k) for k in f.keys()}
+    p, q = "model.layers.0.mlp.", "model.layers.0.moe."
+    tensors = {q + "gate.weight": fused[p + "gate.weight"]}
+    for e in range(4):
+        gate, up = fused[p + "experts.gate_up_proj"][e].chunk(2)
+        tensors.update({f"{q}experts.{e}.w1.weight": gate, f"{q}experts.{e}.w3.weight": up,
+                        f"{q}experts.{e}.w2.weight": fused[p + "experts.down_proj"][e]})
+    save_file(tensors, str(path / "model.safetensors"))
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "model_type": "toy_moe"}))
+    block = load_moe_block(path, 0)
+    assert block.model.model_type == "toy_moe" and block.names.prefix == q and block.names.spelling == ("w1", "w3", "w2")
+    assert torch.equal(block.local_experts.gate_up, fused[p + "experts.gate_up_proj"])
+    assert torch.equal(block.local_experts.down, fused[p + "experts.down_proj"])
+    monkeypatch.delitem(families.FAMILIES, "toy_moe")
+    _expect_error(r"model_type 'toy_moe' is not supported", load_moe_block, path, 0)
+
+
 def _fused_copy(tmp_path: Path, edit) -> Path:
     """A small fused checkpoint with ``edit(tensors)`` applied before writing."""
     path = tmp_path / "edited"

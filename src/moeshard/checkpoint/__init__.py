@@ -2,6 +2,8 @@
 
 Modules, one concern each:
 
+* ``families``: ``FAMILIES``, one ``ModelFamily`` per supported model type (defaults, config.json
+  -> ``MoEConfig``, dense layers, block prefixes, expert spellings); a new family is one entry.
 * ``hf_config``: config.json -> ``HFMoEModel`` (model type, ``MoEConfig``, dense layers, FP8).
 * ``reader``: ``SafetensorsCheckpoint``, slice reads from single or sharded safetensors files.
 * ``names``: ``BlockNames``, where a block's tensors are stored (hub per-expert or fused names).
