@@ -21,7 +21,7 @@ from moeshard.parallel.collectives import all_gatherv
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import SequenceChunk, sequence_parallel_chunk
-from moeshard.parallel.spawn import RankFailure, spawn
+from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankFailure, spawn
 
 SPAWN_TIMEOUT_S = 240.0
 COLLECTIVE_TIMEOUT_S = 30.0  # a broken collective fails the run in 30 s instead of hanging it
@@ -276,8 +276,44 @@ def test_spawn_reports_rank_that_exits_without_result():
     assert time.monotonic() - start < 60
 
 
+def _send_rank_tensors(n, channel):
+    for i in range(n):
+        channel.send((i, torch.full((2,), float(dist.get_rank()), dtype=torch.bfloat16)))
+    return "done"
+
+
+def test_local_world_streams_messages_in_order_then_how_each_rank_ended():
+    seen, ends = {0: [], 1: []}, []
+    with LocalWorld(2, timeout_s=60) as world:
+        world.start(_send_rank_tensors, (3, world.channel))
+        for event in world.events():
+            if event.kind == "message":
+                i, t = event.value
+                assert torch.equal(t, torch.full((2,), float(event.rank), dtype=torch.bfloat16))
+                seen[event.rank].append(i)
+            else:
+                assert seen[event.rank] == [0, 1, 2]  # every message before the rank's end
+                ends.append((event.kind, event.rank, event.value))
+        world.stop(CLEAN_EXIT_WAIT_S)
+    assert sorted(ends) == [("finished", 0, "done"), ("finished", 1, "done")]
+    assert world.all_finished and world.failure() is None and world.exitcodes == {0: 0, 1: 0}
+
+
+def test_leaving_a_local_world_stops_every_rank():
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with LocalWorld(2, timeout_s=120) as world:
+            world.start(_sleep_on_rank_one)
+            for event in world.events():
+                assert (event.kind, event.rank) == ("finished", 0)
+                raise KeyboardInterrupt  # as Ctrl-C would, while rank 1 sleeps
+    assert world.exitcodes[1] is not None and world.exitcodes[1] < 0  # rank 1 was terminated, not waited for
+    assert world.exitcodes[0] is not None
+    assert time.monotonic() - start < 30
+
+
 def test_spawn_refuses_bad_arguments():
-    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"LocalWorld\.world_size: must be a positive integer, got 0"):
         spawn(_rank_and_tensor, 0)
-    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+    with pytest.raises(ValueError, match=r"LocalWorld\.device: must be 'cpu' or 'cuda', got 'tpu'"):
         spawn(_rank_and_tensor, 2, device="tpu")
