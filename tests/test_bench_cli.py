@@ -1,7 +1,7 @@
 """``moeshard bench`` without a GPU, and its report machinery on the committed H200 run.
 
 The benchmark itself needs CUDA (tests/gpu and the H200 run in docs/performance.md); here: the
-refusal on CPU machines, option parsing, and that the committed ``bench/h200.json`` is what this
+refusal on CPU machines, option parsing, and that the committed ``scripts/h200.json`` is what this
 code derives from its raw timings (ratios and targets), rendered as a table and a plot.
 """
 
@@ -18,9 +18,9 @@ from rich.console import Console
 
 from moeshard import cli
 from moeshard.bench import report, runner, targets
-from moeshard.commands.bench import _ints
+from moeshard.commands.args import ints
 
-RUN = Path(__file__).resolve().parents[1] / "bench" / "h200.json"
+RUN = Path(__file__).resolve().parents[1] / "scripts" / "h200.json"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA; the refusal is for machines without")
@@ -31,9 +31,9 @@ def test_bench_refuses_without_cuda(capsys):
 
 
 def test_options_are_validated():
-    assert _ints("1,16, 64", "--decode-tokens") == (1, 16, 64)
+    assert ints("1,16, 64", "--decode-tokens") == (1, 16, 64)
     with pytest.raises(ValueError, match="--decode-tokens"):
-        _ints("1,x", "--decode-tokens")
+        ints("1,x", "--decode-tokens")
     with pytest.raises(ValueError, match="model 'gpt'"):
         runner.BenchOptions(models=("gpt",)).validate()
     with pytest.raises(ValueError, match="quant 'int4'"):

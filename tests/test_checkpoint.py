@@ -11,7 +11,7 @@ transformers block's own output (``model.model.layers[L].mlp``, fp32, eager expe
   and compared with ``reference_forward`` on the dequantized weights.
 
 All multi-rank cases of one world size run in one ``spawn`` (module-scoped fixture), each case a
-``RunPlan`` executed by ``moeshard.checkpoint.run_job.run_plans`` -- the code path of
+``RunPlan`` executed by ``moeshard.runjob.run_plans`` -- the code path of
 ``moeshard run``. Every output row of every token is compared; DP ranks get different (and
 uneven, sometimes empty) token counts.
 """
@@ -32,12 +32,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeshard.checkpoint import load_moe_block, read_hf_config
-from moeshard.checkpoint.run_job import RunPlan, RunSpec, plan_run, run_plans, run_rank, split_tokens
 from moeshard.config import QuantConfig
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.spawn import RankFailure, spawn
 from moeshard.quant import QuantizedWeight
 from moeshard.reference import Reference, reference_forward
+from moeshard.runjob import RunPlan, RunSpec, plan_run, run_plans, run_rank, split_tokens
 from moeshard.sharding import shard_experts
 from moeshard.tolerances import compare
 from moeshard.weights import MoEWeights
@@ -544,6 +544,37 @@ def test_decoder_sparse_step_makes_dense_layers(tmp_path):
     assert sorted(model.dense_layers) == [0, 2]
     _expect_error(r"layer 2 .* dense layer \(\(layer \+ 1\) % decoder_sparse_step=2 != 0\); MoE layers: \[1, 3\]",
                   model.check_layer, 2)
+
+
+def test_a_new_model_family_is_one_registry_entry(tmp_path, monkeypatch):
+    """A family the code has never heard of loads once FAMILIES has its entry: here qwen3_moe's
+    mapping under another model_type, with its block under ``moe.`` and w1/w3/w2 experts."""
+    from dataclasses import replace
+
+    from moeshard.checkpoint import families
+
+    entry = replace(families.FAMILIES["qwen3_moe"], model_type="toy_moe", block_prefixes=("moe.",),
+                    expert_spellings=(families.W1_W3_W2,))
+    monkeypatch.setitem(families.FAMILIES, "toy_moe", entry)
+    path = tmp_path / "toy"
+    _write_random_fused(path, E=4, Hd=16, I=32)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        fused = {k: f.get_tensor(k) for k in f.keys()}
+    p, q = "model.layers.0.mlp.", "model.layers.0.moe."
+    tensors = {q + "gate.weight": fused[p + "gate.weight"]}
+    for e in range(4):
+        gate, up = fused[p + "experts.gate_up_proj"][e].chunk(2)
+        tensors.update({f"{q}experts.{e}.w1.weight": gate, f"{q}experts.{e}.w3.weight": up,
+                        f"{q}experts.{e}.w2.weight": fused[p + "experts.down_proj"][e]})
+    save_file(tensors, str(path / "model.safetensors"))
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "model_type": "toy_moe"}))
+    block = load_moe_block(path, 0)
+    assert block.model.model_type == "toy_moe" and block.names.prefix == q and block.names.spelling == ("w1", "w3", "w2")
+    assert torch.equal(block.local_experts.gate_up, fused[p + "experts.gate_up_proj"])
+    assert torch.equal(block.local_experts.down, fused[p + "experts.down_proj"])
+    monkeypatch.delitem(families.FAMILIES, "toy_moe")
+    _expect_error(r"model_type 'toy_moe' is not supported", load_moe_block, path, 0)
 
 
 def _fused_copy(tmp_path: Path, edit) -> Path:

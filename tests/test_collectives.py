@@ -21,7 +21,7 @@ from moeshard.parallel.collectives import all_gatherv
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import SequenceChunk, sequence_parallel_chunk
-from moeshard.parallel.spawn import RankFailure, spawn
+from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankFailure, spawn
 
 SPAWN_TIMEOUT_S = 240.0
 COLLECTIVE_TIMEOUT_S = 30.0  # a broken collective fails the run in 30 s instead of hanging it
@@ -90,10 +90,10 @@ def test_parallel_config_properties():
     assert [(cfg.dp_rank(r), cfg.tp_rank(r), cfg.ep_rank(r)) for r in range(4)] == \
         [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
     off = ParallelConfig(dp=2, tp=3)
-    assert (off.world_size, off.ep_size, off.is_sequence_parallel, off.name) == (6, 1, False, "dp2-tp3")
+    assert (off.world_size, off.ep_size, off.is_sequence_parallel, off.name) == (6, 1, False, "dp2-tp3-noep")
     assert [off.ep_rank(r) for r in range(6)] == [0] * 6
     assert ParallelConfig(dp=4, enable_ep=True).is_sequence_parallel is False
-    assert ParallelConfig().name == "dp1-tp1"
+    assert ParallelConfig().name == "dp1-tp1-noep"
 
 
 def test_parallel_config_local_experts():
@@ -116,17 +116,42 @@ def test_parallel_config_refuses_fields(kwargs, message):
         ParallelConfig(**kwargs)
 
 
+@pytest.mark.parametrize("text, want", [
+    ("dp2-tp2-ep", (2, 2, True)), ("dp1-tp2-noep", (1, 2, False)), (" DP4-TP1-EP ", (4, 1, True)),
+    ("2,2,on", (2, 2, True)), ("1,2,off", (1, 2, False)), ("2, 1, ON", (2, 1, True)),
+])
+def test_parallel_config_parse(text, want):
+    p = ParallelConfig.parse(text)
+    assert (p.dp, p.tp, p.enable_ep) == want
+    assert ParallelConfig.parse(p.name) == p  # name and parse are one spelling
+
+
+@pytest.mark.parametrize("text", ["dp2-tp1-bogus", "dp2-tp1", "dp2-tp1-ep-x", "dp2-tpx-ep", "2,2", "2,2,maybe",
+                                  "dp-1-tp1-ep", ""])
+def test_parallel_config_parse_is_strict(text):
+    with pytest.raises(ValueError) as info:
+        ParallelConfig.parse(text)
+    message = str(info.value)
+    assert message.startswith(f"{text!r} is not a layout; write dp<D>-tp<T>-ep, dp<D>-tp<T>-noep, "
+                              f"<D>,<T>,on or <D>,<T>,off"), message
+
+
+def test_parallel_config_parse_names_bad_values():
+    with pytest.raises(ValueError, match=r"layout 'dp0-tp2-ep': ParallelConfig\.dp: must be a positive integer, got 0"):
+        ParallelConfig.parse("dp0-tp2-ep")
+
+
 def test_parallel_config_validate():
     ParallelConfig(dp=2, tp=2, enable_ep=True).validate(4, MOE, rank=0)
     ParallelConfig(dp=1, tp=4).validate(4, MOE)  # 12 % 4 == 0
     with pytest.raises(ValueError, match=r"ParallelConfig \(rank 3\): world size 4 does not match layout "
-                                         r"dp2-tp1: dp\*tp = 2\*1 = 2"):
+                                         r"dp2-tp1-noep: dp\*tp = 2\*1 = 2"):
         ParallelConfig(dp=2).validate(4, MOE, rank=3)
     with pytest.raises(ValueError, match=r"\(rank 1\): MoEConfig.num_experts=8 is not divisible by the EP size 3 "
                                          r"of layout dp3-tp1-ep; uneven expert placement is not supported"):
         ParallelConfig(dp=3, enable_ep=True).validate(3, MOE, rank=1)
     with pytest.raises(ValueError, match=r"ParallelConfig: MoEConfig.intermediate_size=12 is not divisible by "
-                                         r"tp=8 of layout dp1-tp8"):
+                                         r"tp=8 of layout dp1-tp8-noep"):
         ParallelConfig(tp=8).validate(8, MOE)
     # EP on: experts are whole, so the intermediate size need not divide by tp.
     ParallelConfig(dp=1, tp=8, enable_ep=True).validate(8, MOE)
@@ -251,8 +276,44 @@ def test_spawn_reports_rank_that_exits_without_result():
     assert time.monotonic() - start < 60
 
 
+def _send_rank_tensors(n, channel):
+    for i in range(n):
+        channel.send((i, torch.full((2,), float(dist.get_rank()), dtype=torch.bfloat16)))
+    return "done"
+
+
+def test_local_world_streams_messages_in_order_then_how_each_rank_ended():
+    seen, ends = {0: [], 1: []}, []
+    with LocalWorld(2, timeout_s=60) as world:
+        world.start(_send_rank_tensors, (3, world.channel))
+        for event in world.events():
+            if event.kind == "message":
+                i, t = event.value
+                assert torch.equal(t, torch.full((2,), float(event.rank), dtype=torch.bfloat16))
+                seen[event.rank].append(i)
+            else:
+                assert seen[event.rank] == [0, 1, 2]  # every message before the rank's end
+                ends.append((event.kind, event.rank, event.value))
+        world.stop(CLEAN_EXIT_WAIT_S)
+    assert sorted(ends) == [("finished", 0, "done"), ("finished", 1, "done")]
+    assert world.all_finished and world.failure() is None and world.exitcodes == {0: 0, 1: 0}
+
+
+def test_leaving_a_local_world_stops_every_rank():
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with LocalWorld(2, timeout_s=120) as world:
+            world.start(_sleep_on_rank_one)
+            for event in world.events():
+                assert (event.kind, event.rank) == ("finished", 0)
+                raise KeyboardInterrupt  # as Ctrl-C would, while rank 1 sleeps
+    assert world.exitcodes[1] is not None and world.exitcodes[1] < 0  # rank 1 was terminated, not waited for
+    assert world.exitcodes[0] is not None
+    assert time.monotonic() - start < 30
+
+
 def test_spawn_refuses_bad_arguments():
-    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"LocalWorld\.world_size: must be a positive integer, got 0"):
         spawn(_rank_and_tensor, 0)
-    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+    with pytest.raises(ValueError, match=r"LocalWorld\.device: must be 'cpu' or 'cuda', got 'tpu'"):
         spawn(_rank_and_tensor, 2, device="tpu")

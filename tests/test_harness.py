@@ -8,11 +8,12 @@ import faults
 import pytest
 
 from moeshard.cli import main
-from moeshard.harness.cases import MatrixOptions, generate, parse_layout, select_ids
+from moeshard.harness.cases import MatrixOptions, generate, select_ids
 from moeshard.harness.runner import Runner
+from moeshard.parallel.config import ParallelConfig
 
-EP2 = parse_layout("dp2-tp1-ep")
-SP = parse_layout("dp2-tp2-ep")
+EP2 = ParallelConfig.parse("dp2-tp1-ep")
+SP = ParallelConfig.parse("dp2-tp2-ep")
 
 
 def _cases(layouts, quants=("none",), dtypes=("float32",), tokens=None, backends=None):
@@ -33,7 +34,7 @@ def test_dropped_rows_are_reported_as_failure():
 
 
 def test_mis_scaled_expert_is_reported_as_failure():
-    cases = _cases([parse_layout("dp1-tp1-noep"), EP2], tokens=None)
+    cases = _cases([ParallelConfig.parse("dp1-tp1-noep"), EP2], tokens=None)
     cases = [c for c in cases if c.tokens and sum(c.tokens) >= 3]
     outcomes = Runner(layer_factory=faults.MisScalesOneExpert).run(cases)
     assert outcomes and all(o.status == "fail" for o in outcomes), [(o.case.id, o.status) for o in outcomes]
@@ -102,6 +103,8 @@ def test_cli_refuses_bad_options(capsys):
     assert "--world-sizes: 3 is not one of [1, 2, 4, 8]" in capsys.readouterr().err
     assert main(["check", "--quants", "int4"]) == 2
     assert main(["check", "--layouts", "dp2-tpx-ep"]) == 2
+    assert main(["check", "--layouts", "dp2-tp1-bogus", "--list"]) == 2  # not silently read as EP off
+    assert "--layouts: 'dp2-tp1-bogus' is not a layout; write dp<D>-tp<T>-ep" in capsys.readouterr().err
 
 
 def test_cli_list_and_tokens_per_rank(capsys):

@@ -16,12 +16,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moeshard.checkpoint.run_job import random_weights
 from moeshard.commands import run as run_command
 from moeshard.config import QuantConfig
 from moeshard.experts import select_kernel
 from moeshard.presets import get_preset
 from moeshard.reference import Reference, reference_forward
+from moeshard.runjob import random_weights
 from moeshard.tolerances import compare
 
 
@@ -70,9 +70,9 @@ def test_run_checkpoint_one_rank_matches_transformers(tiny_qwen3, capsys):
     assert ok
     with safe_open(str(out), "pt") as f:
         meta = json.loads(f.metadata()["moeshard_run"])
-    assert meta["layout"] == "dp1-tp1" and meta["backend"] == "local" and meta["quant"] == "none"
+    assert meta["layout"] == "dp1-tp1-noep" and meta["backend"] == "local" and meta["quant"] == "none"
     printed = capsys.readouterr().out
-    for fragment in ("qwen3_moe", "layer 0", "dp1-tp1", "backend local", "quant none", "tokens 9", str(out), "wall time"):
+    for fragment in ("qwen3_moe", "layer 0", "dp1-tp1-noep", "backend local", "quant none", "tokens 9", str(out), "wall time"):
         assert fragment in printed, fragment
 
 

@@ -6,8 +6,9 @@ import sys
 
 import torch
 
-from moeshard.harness.cases import MatrixOptions, generate, parse_layout
+from moeshard.harness.cases import MatrixOptions, generate
 from moeshard.harness.execute import GroupsCache, run_case
+from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.spawn import destroy, init_from_env
 
 
@@ -15,7 +16,7 @@ def main() -> int:
     device = init_from_env()
     torch.set_num_threads(1)
     rank = torch.distributed.get_rank()
-    layouts = tuple(parse_layout(t) for t in sys.argv[1].split(";"))
+    layouts = tuple(ParallelConfig.parse(t) for t in sys.argv[1].split(";"))
     opts = MatrixOptions(world_sizes=(torch.distributed.get_world_size(),), layouts=layouts,
                          quants=("none", "fp8_block", "nvfp4+defer"), dtypes=("bfloat16",))
     cache = GroupsCache(side_channel=device.type == "cuda")

@@ -29,6 +29,7 @@ from moeshard.quant import scheme_names
 from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
 from moeshard.layer import MoELayer
 from moeshard.presets import PRESETS
+from moeshard.validate import positive_int
 
 BENCH_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
 
@@ -55,10 +56,10 @@ class BenchOptions:
             if q not in scheme_names():
                 raise ValueError(f"bench: quant {q!r} is not one of {list(scheme_names())}")
         for name in ("prefill_tokens", "decode_tokens"):
-            if any(t <= 0 for t in getattr(self, name)):
-                raise ValueError(f"bench: {name} must be positive, got {getattr(self, name)}")
-        if self.prefill_reps <= 0 or self.decode_reps <= 0:
-            raise ValueError(f"bench: repetitions must be positive, got {self.prefill_reps}, {self.decode_reps}")
+            for tokens in getattr(self, name):
+                positive_int("BenchOptions", name, tokens)
+        positive_int("BenchOptions", "prefill_reps", self.prefill_reps)
+        positive_int("BenchOptions", "decode_reps", self.decode_reps)
 
 
 def _timed(rec: dict, key: str, fn: Callable[[], object], reps: int, flush: L2Flush, graph: bool = True) -> None:

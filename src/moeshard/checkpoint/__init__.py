@@ -2,12 +2,16 @@
 
 Modules, one concern each:
 
+* ``families``: ``FAMILIES``, one ``ModelFamily`` per supported model type (defaults, config.json
+  -> ``MoEConfig``, dense layers, block prefixes, expert spellings); a new family is one entry.
 * ``hf_config``: config.json -> ``HFMoEModel`` (model type, ``MoEConfig``, dense layers, FP8).
 * ``reader``: ``SafetensorsCheckpoint``, slice reads from single or sharded safetensors files.
 * ``names``: ``BlockNames``, where a block's tensors are stored (hub per-expert or fused names).
 * ``experts``: ``ExpertReader``, this rank's routed experts, one expert at a time.
 * ``loader``: ``load_moe_block`` -> ``LoadedBlock`` and ``build_layer`` -> ``MoELayer``.
-* ``run_job``: what one rank of ``moeshard run`` does (load, split tokens, forward, gather).
+
+``moeshard run``'s job (plan, load, split tokens, forward, gather) uses these and lives in
+``moeshard.runjob``.
 
 Example (one rank)::
 

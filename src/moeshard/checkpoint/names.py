@@ -1,6 +1,8 @@
 """Where the tensors of one layer's MoE block are stored, under either naming.
 
-Block prefix ``P`` is ``model.layers.{L}.mlp.`` (Mixtral on the hub: ``model.layers.{L}.block_sparse_moe.``).
+Block prefix ``P`` is ``model.layers.{L}.`` followed by one of the family's ``block_prefixes``
+(``mlp.``; Mixtral on the hub: ``block_sparse_moe.``), and per-expert modules use one of its
+``expert_spellings`` (``moeshard.checkpoint.families``).
 
 ====================================  ==========================================  ==============
 tensor                                per expert, as published on the hub         fused (transformers 5)
@@ -27,8 +29,6 @@ from moeshard.checkpoint.hf_config import HFMoEModel
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
 from moeshard.weights import SHARED_ALIASES
 
-# (gate, up, down) module names of one expert, in the two spellings found on the hub.
-EXPERT_SPELLINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 PROJECTIONS = ("gate", "up", "down")
 
 
@@ -79,35 +79,30 @@ class BlockNames:
         return self.prefix + "shared_expert_gate.weight"
 
 
-def _prefixes(model: HFMoEModel, layer: int) -> list[str]:
-    base = f"model.layers.{layer}."
-    if model.model_type == "mixtral":
-        return [base + "block_sparse_moe.", base + "mlp."]
-    return [base + "mlp."]
-
-
 def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: int) -> BlockNames:
     """Finds which prefix and which expert naming the checkpoint uses for ``layer``'s block.
 
     ValueError names the tensors looked for and the files looked in.
     """
     files = [p.name for p in ckpt.files]
-    candidates = _prefixes(model, layer)
+    family = model.family
+    candidates = [f"model.layers.{layer}.{p}" for p in family.block_prefixes]
     prefix = next((p for p in candidates if ckpt.has(p + "gate.weight")), None)
     if prefix is None:
         wanted = " or ".join(repr(p + "gate.weight") for p in candidates)
         raise ValueError(f"layer {layer}: router tensor {wanted} is missing; looked in {files} under "
                          f"{str(ckpt.model_dir)!r}")
     fused = ckpt.has(prefix + "experts.gate_up_proj")
-    spelling = EXPERT_SPELLINGS[0]
+    spelling = family.expert_spellings[0]
     if fused:
         if not ckpt.has(prefix + "experts.down_proj"):
             raise ValueError(f"layer {layer}: {prefix}experts.gate_up_proj is present but {prefix}experts.down_proj "
                              f"is missing; looked in {files}")
     else:
-        found = [s for s in EXPERT_SPELLINGS if ckpt.has(f"{prefix}experts.0.{s[0]}.weight")]
+        firsts = [f"{prefix}experts.0.{s[0]}.weight" for s in family.expert_spellings]
+        found = [s for s, name in zip(family.expert_spellings, firsts) if ckpt.has(name)]
         if not found:
-            tried = [prefix + "experts.gate_up_proj"] + [f"{prefix}experts.0.{s[0]}.weight" for s in EXPERT_SPELLINGS]
+            tried = [prefix + "experts.gate_up_proj"] + firsts
             raise ValueError(f"layer {layer}: no routed-expert tensors found; looked for {tried} in {files} under "
                              f"{str(ckpt.model_dir)!r}")
         spelling = found[0]

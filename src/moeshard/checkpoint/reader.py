@@ -10,7 +10,7 @@ file's memory map, and only the pages that view touches become resident. ``read`
 view into memory the caller owns and then closes the file, which unmaps it, so the resident set
 grows by the copies plus, transiently, the pages of one batch of reads. A rank that reads its
 experts one at a time therefore peaks at about its own share plus one expert, not at the file
-size (``bench/checkpoint_memory.py`` measures it).
+size (``scripts/checkpoint_memory.py`` measures it).
 
 Every failure is a ValueError naming the file: a missing file, a missing tensor (with the files
 looked in), a malformed or truncated header (safetensors checks that the header covers the

@@ -11,6 +11,7 @@ import sys
 import time
 
 from moeshard.bench.device import require_cuda
+from moeshard.commands.args import ints, names
 
 
 def add_parser(sub) -> None:
@@ -34,29 +35,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise ValueError(f"{flag}: expected a comma list of integers, got {text!r}") from None
-
-
-def _names(text: str | None) -> tuple[str, ...] | None:
-    return None if text is None else tuple(t.strip() for t in text.split(",") if t.strip())
-
-
 def run(args) -> int:
     device = require_cuda()  # before any import that needs a GPU: a clear refusal, exit code 2
     from moeshard.bench import report, runner, targets, tune
 
-    fields = {"prefill_tokens": _ints(args.prefill_tokens, "--prefill-tokens"),
-              "decode_tokens": _ints(args.decode_tokens, "--decode-tokens"),
+    fields = {"prefill_tokens": ints(args.prefill_tokens, "--prefill-tokens"),
+              "decode_tokens": ints(args.decode_tokens, "--decode-tokens"),
               "prefill_reps": args.reps, "decode_reps": 4 * args.reps, "layer": not args.no_layer,
               "baselines": not args.no_baselines, "seed": args.seed}
     if args.models:
-        fields["models"] = _names(args.models)
+        fields["models"] = names(args.models)
     if args.quants:
-        fields["quants"] = _names(args.quants)
+        fields["quants"] = names(args.quants)
     opts = runner.BenchOptions(**fields)
     opts.validate()
     started = time.time()

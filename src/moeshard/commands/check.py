@@ -7,21 +7,11 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from moeshard.commands.args import ints, layouts, names
 from moeshard.harness import cases as matrix
 from moeshard.harness import report
 from moeshard.harness.runner import Runner
 from moeshard.presets import SIZES
-
-
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip() != "")
-    except ValueError:
-        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
-
-
-def _names(text: str | None) -> tuple[str, ...] | None:
-    return None if text is None else tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 def add_parser(sub) -> None:
@@ -50,17 +40,17 @@ def add_parser(sub) -> None:
 
 
 def options(args) -> matrix.MatrixOptions:
-    world_sizes = _ints(args.world_sizes, "--world-sizes") if args.world_sizes else ((1, 2, 4, 8) if args.full else (1, 2, 4))
-    layouts = None
+    world_sizes = ints(args.world_sizes, "--world-sizes") if args.world_sizes else ((1, 2, 4, 8) if args.full else (1, 2, 4))
+    chosen = None
     if args.layouts:
-        layouts = matrix.parse_layouts(args.layouts)
+        chosen = layouts(args.layouts)
         if args.world_sizes is None:
-            world_sizes = tuple(sorted({p.world_size for p in layouts}))
+            world_sizes = tuple(sorted({p.world_size for p in chosen}))
     return matrix.MatrixOptions(
-        world_sizes=world_sizes, layouts=layouts, backends=_names(args.backends), quants=_names(args.quants),
-        dtypes=_names(args.dtypes), presets=_names(args.presets),
+        world_sizes=world_sizes, layouts=chosen, backends=names(args.backends), quants=names(args.quants),
+        dtypes=names(args.dtypes), presets=names(args.presets),
         size=args.size or (("full" if args.device == "cuda" else "medium") if args.full else "small"),
-        tokens_per_rank=_ints(args.tokens_per_rank, "--tokens-per-rank") if args.tokens_per_rank else None,
+        tokens_per_rank=ints(args.tokens_per_rank, "--tokens-per-rank") if args.tokens_per_rank else None,
         all_presets=args.full, seed=args.seed)
 
 
@@ -76,7 +66,7 @@ def run(args) -> int:
     opts = options(args)
     cases = matrix.generate(opts)
     if args.only:
-        cases = matrix.select_ids(cases, list(_names(args.only)))
+        cases = matrix.select_ids(cases, list(names(args.only)))
     valid = [c for c in cases if not c.skipped]
     if args.list:
         for c in cases:

@@ -27,22 +27,14 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from moeshard.checkpoint.run_job import RankResult, RunPlan, RunSpec, describe, plan_run, run_plans, run_rank
+from moeshard.commands.args import ints
 from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
 from moeshard.dispatch.registry import BACKENDS
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.spawn import RankFailure, destroy, init_from_env, launched_by_torchrun, spawn
 from moeshard.presets import PRESETS
-
-
-def _tokens_per_rank(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"--tokens-per-rank: expected a comma-separated list of integers, got {text!r}") from None
+from moeshard.runjob import RunPlan, RunRankResult, RunSpec, describe, plan_run, run_plans, run_rank
 
 
 def add_parser(subparsers) -> None:
@@ -83,9 +75,10 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         raise ValueError(f"give either --model or --random, not both (got --model {args.model!r}, --random {args.random!r})")
     if args.output is not None and not Path(args.output).resolve().parent.is_dir():
         raise ValueError(f"--output {args.output!r}: directory {str(Path(args.output).resolve().parent)!r} does not exist")
+    split = None if args.tokens_per_rank is None else ints(args.tokens_per_rank, "--tokens-per-rank")
     return RunSpec(parallel=ParallelConfig(args.dp, args.tp, args.ep), model_dir=args.model, layer=args.layer,
                    preset=args.random, preset_size="full" if args.full else "small", seed=args.seed,
-                   input_path=args.input, num_tokens=args.tokens, tokens_per_rank=_tokens_per_rank(args.tokens_per_rank),
+                   input_path=args.input, num_tokens=args.tokens, tokens_per_rank=split,
                    quant=args.quant, defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
                    device=args.device)
 
@@ -99,7 +92,7 @@ def _as_value_error(failure: RankFailure) -> Exception:
     return failure
 
 
-def _execute_local(plan: RunPlan, timeout_s: float) -> list[RankResult]:
+def _execute_local(plan: RunPlan, timeout_s: float) -> list[RunRankResult]:
     world = plan.parallel.world_size
     if plan.spec.device == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
@@ -117,7 +110,7 @@ def _execute_local(plan: RunPlan, timeout_s: float) -> list[RankResult]:
     return results
 
 
-def _execute_torchrun(plan: RunPlan) -> list[RankResult] | None:
+def _execute_torchrun(plan: RunPlan) -> list[RunRankResult] | None:
     """Runs as one rank of torchrun's world; returns every rank's result on rank 0, None elsewhere."""
     init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo")
     try:
@@ -137,7 +130,7 @@ def _execute_torchrun(plan: RunPlan) -> list[RankResult] | None:
 def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
     from safetensors.torch import save_file
 
-    from moeshard.checkpoint.run_job import random_hidden_states
+    from moeshard.runjob import random_hidden_states
 
     tensors = {"hidden_states": output.contiguous()}
     if plan.generated_input:
@@ -146,7 +139,7 @@ def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
     save_file(tensors, path, metadata={"moeshard_run": json.dumps(describe(plan))})
 
 
-def _summary(plan: RunPlan, results: list[RankResult], output_path: str | None, wall_s: float) -> None:
+def _summary(plan: RunPlan, results: list[RunRankResult], output_path: str | None, wall_s: float) -> None:
     console = Console()
     info = describe(plan)
     console.print(f"[bold]moeshard run[/bold]: {info['source']}")

@@ -43,31 +43,6 @@ def quant_configs() -> list[QuantConfig]:
 DTYPES = ("float32", "bfloat16")
 
 
-def layout_name(p: ParallelConfig) -> str:
-    return f"dp{p.dp}-tp{p.tp}-{'ep' if p.enable_ep else 'noep'}"
-
-
-def parse_layout(text: str) -> ParallelConfig:
-    """"dp2-tp2-ep" / "2,2,on" / "2,2,off" -> ParallelConfig."""
-    t = text.strip().lower()
-    try:
-        if t.startswith("dp"):
-            dp, tp, ep = t.split("-")
-            return ParallelConfig(int(dp[2:]), int(tp[2:]), ep == "ep")
-        dp, tp, ep = t.split(",")
-        if ep not in ("on", "off"):
-            raise ValueError
-        return ParallelConfig(int(dp), int(tp), ep == "on")
-    except ValueError:
-        raise ValueError(f"--layouts: {text!r} is not a layout; write dp2-tp2-ep, dp1-tp2-noep or 2,2,on") from None
-
-
-def parse_layouts(text: str) -> tuple[ParallelConfig, ...]:
-    """"dp2-tp2-ep,dp1-tp2-noep" (commas) or "2,2,on;1,2,off" (semicolons) -> layouts."""
-    named = text.strip().lower().startswith("dp") and ";" not in text
-    return tuple(parse_layout(t) for t in text.split("," if named else ";") if t.strip())
-
-
 @dataclass(frozen=True)
 class Case:
     """One verification case. ``tokens``: tokens per DP rank; ``reason``: why it is skipped."""
@@ -88,7 +63,7 @@ class Case:
             q = self.quant.name
             size = "" if self.size == "small" else f"@{self.size}"
             toks = ",".join(map(str, self.tokens))
-            object.__setattr__(self, "id", f"{layout_name(self.parallel)}/{self.backend}/{q}/{self.dtype}/"
+            object.__setattr__(self, "id", f"{self.parallel.name}/{self.backend}/{q}/{self.dtype}/"
                                            f"{self.preset}{size}/t{toks}")
 
     @property

@@ -19,7 +19,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from moeshard.harness.cases import layout_name
 from moeshard.harness.runner import CaseOutcome
 
 STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "yellow"}
@@ -68,7 +67,7 @@ def print_table(console: Console, outcomes: list[CaseOutcome], show_skipped: boo
         c = o.case
         cfg = c.moe_config()
         p = c.parallel
-        table.add_row(layout_name(p) + (" SP" if p.is_sequence_parallel else ""), c.backend,
+        table.add_row(p.name + (" SP" if p.is_sequence_parallel else ""), c.backend,
                       c.quant.name, c.dtype,
                       f"{c.preset} E{cfg.num_experts}k{cfg.top_k} H{cfg.hidden_size} I{cfg.intermediate_size}"
                       + (" +shared" if cfg.has_shared_experts else ""),

@@ -1,35 +1,35 @@
-"""Running cases: one spawn per world size, all of its cases inside, a watchdog per case.
+"""Running cases: one world per world size, all of its cases inside, a watchdog per case.
 
-    parent                                   each rank (moeshard.parallel.spawn._worker)
-    ------                                   ---------
-    spawn world with the pending cases  -->  for each case: ("start", i, rank)
-    progress bar, per-case deadline          run_case(...) -> ("done", i, rank, RankResult)
-    a case fails on a rank / hangs /         or ("case_error", i, rank, RankError), then stop
-    a rank dies: record it with the case     final ("ok" | "error", rank, ...) from _worker
+    parent: Runner._one_spawn, on the           each rank: _case_loop, through world.channel
+    events of one LocalWorld                     ---------
+    ------                                       for each case: ("start", i)
+    start a world with the pending cases   -->   run_case(...) -> ("done", i, RankResult)
+    progress bar, per-case deadline              or ("case_error", i, RankError), then raise
+    a case fails on a rank / hangs /             (LocalWorld reports how each rank ended:
+    a rank dies: record it with the case         finished, raised or died)
     id and ranks, stop every rank, respawn
     for the cases after it
 
 World size 1 runs in this process (no collectives can hang there). The process groups' own
 timeout is half the case timeout, so ranks blocked in a collective by a stuck peer raise and
-report first; the stuck rank is the one that stays silent.
+report first; the stuck rank is the one that stays silent. Ctrl-C stops every rank (leaving the
+world's ``with`` block does).
 """
 
 from __future__ import annotations
 
-import pickle
-import queue as queue_module
 import time
-import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-import torch.multiprocessing as torch_mp
 
 from moeshard.harness.cases import Case
 from moeshard.harness.execute import GroupsCache, RankResult, run_case
 from moeshard.layer import MoELayer
-from moeshard.parallel.spawn import RankError, _dumps, _rendezvous_store, _stop, _worker
+from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError
+
+PEER_REPORT_S = 2.0  # after a rank fails a case: how long its peers may take to report theirs
 
 
 @dataclass
@@ -56,7 +56,7 @@ def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutc
                        sorted(results, key=lambda r: r.rank))
 
 
-def _case_loop(cases: list[Case], device: str, events: Any, layer_factory: Callable) -> int:
+def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_factory: Callable) -> int:
     """Runs inside each rank: every case in order; stops at the first case that raises."""
     rank = torch.distributed.get_rank()
     # Several ranks share the machine's cores: one thread each avoids oversubscribed spinning.
@@ -64,13 +64,13 @@ def _case_loop(cases: list[Case], device: str, events: Any, layer_factory: Calla
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     cache = GroupsCache(side_channel=device == "cuda")
     for i, case in enumerate(cases):
-        events.put(("start", i, rank))
+        channel.send(("start", i))
         try:
             result = run_case(case, rank, dev, cache.get(case.parallel), layer_factory)
         except BaseException as exc:  # noqa: BLE001 - reported with the case id, then this rank stops
-            events.put(("case_error", i, rank, RankError(rank, type(exc).__name__, str(exc), traceback.format_exc())))
+            channel.send(("case_error", i, RankError.of(rank, exc)))
             raise
-        events.put(("done", i, rank, _dumps(result)))
+        channel.send(("done", i, result))
     return len(cases)
 
 
@@ -145,87 +145,74 @@ class Runner:
     def _one_spawn(self, cases: list[Case]) -> list[CaseOutcome]:
         """Runs ``cases`` in one world until they are done or one of them fails hard; returns
         the outcomes of the cases it finished (the failed one included)."""
-        world = cases[0].world_size
-        ctx = torch_mp.get_context("spawn")
-        events = ctx.Queue()
-        store, port = _rendezvous_store(world, self.startup_timeout_s)
-        pg_timeout = max(1.0, self.case_timeout_s / 2)
-        procs = [ctx.Process(target=_worker, name=f"moeshard-check-rank{r}", daemon=True,
-                             args=(r, world, port, self.device, _case_loop,
-                                   (cases, self.device, events, self.layer_factory), events, None, pg_timeout))
-                 for r in range(world)]
+        world_size = cases[0].world_size
         outcomes: list[CaseOutcome] = []
-        # Ranks run ahead independently: buffer every message by case index.
+        # Ranks run ahead independently: every report is kept by case index.
         done: dict[int, dict[int, RankResult]] = {}
         errors: dict[int, dict[int, RankError]] = {}
         started: dict[int, float] = {}
         failed_ranks: set[int] = set()
-        deadline = time.monotonic() + self.startup_timeout_s
-        failure: str | None = None
-        try:
-            for p in procs:
-                p.start()
-            while len(outcomes) < len(cases) and failure is None:
-                i = len(outcomes)
-                try:
-                    msg = events.get(timeout=0.1)
-                except queue_module.Empty:
-                    msg = None
+        died: set[int] = set()
+        world = LocalWorld(world_size, device=self.device, timeout_s=self.startup_timeout_s,
+                           pg_timeout_s=max(1.0, self.case_timeout_s / 2), name="moeshard-check-rank")
+        with world:  # leaving it, Ctrl-C (KeyboardInterrupt) included, stops every rank
+            world.start(_case_loop, (cases, self.device, world.channel, self.layer_factory))
+            for event in world.events():
                 now = time.monotonic()
-                if msg is not None:
-                    kind = msg[0]
-                    if kind == "start":
-                        if msg[1] not in started:
-                            started[msg[1]] = now
-                            if msg[1] == i:
-                                deadline = now + self.case_timeout_s
-                    elif kind == "done":
-                        done.setdefault(msg[1], {})[msg[2]] = pickle.loads(msg[3])
-                    elif kind == "case_error":
-                        errors.setdefault(msg[1], {})[msg[2]] = msg[3]
-                        failed_ranks.add(msg[2])
-                        deadline = min(deadline, now + 2.0)  # let the peers report, briefly
-                    elif kind == "error" and msg[1] not in failed_ranks:
-                        # raised outside any case (start-up, process groups): charge the current case
-                        errors.setdefault(i, {})[msg[1]] = msg[2]
-                        failed_ranks.add(msg[1])
-                        deadline = min(deadline, now + 2.0)
-                case_done = done.get(i, {})
-                if len(case_done) == world:
-                    outcome = summarize(cases[i], list(case_done.values()), now - started.get(i, now))
+                i = len(outcomes)
+                if event.kind == "message":
+                    what, index, *rest = event.value
+                    if what == "start" and index not in started:
+                        started[index] = now
+                        if index == i:
+                            world.deadline = now + self.case_timeout_s
+                    elif what == "done":
+                        done.setdefault(index, {})[event.rank] = rest[0]
+                    elif what == "case_error":
+                        errors.setdefault(index, {})[event.rank] = rest[0]
+                        failed_ranks.add(event.rank)
+                        world.deadline = min(world.deadline, now + PEER_REPORT_S)
+                elif event.kind == "raised" and event.rank not in failed_ranks:
+                    # raised outside any case (start-up, process groups): charge the current case
+                    errors.setdefault(i, {})[event.rank] = event.value
+                    failed_ranks.add(event.rank)
+                    world.deadline = min(world.deadline, now + PEER_REPORT_S)
+                elif event.kind == "died":
+                    died.add(event.rank)
+                while i < len(cases) and len(done.get(i, {})) == world_size:
+                    outcome = summarize(cases[i], list(done[i].values()), now - started.get(i, now))
                     outcomes.append(outcome)
                     self.on_outcome(outcome)
-                    nxt = started.get(i + 1)
-                    deadline = (nxt if nxt is not None else now) + self.case_timeout_s
-                    continue
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode is not None and r not in failed_ranks and r not in case_done]
-                if dead and deadline > now + 1.0:
-                    deadline = now + 1.0  # its last report may still be in the pipe
-                if now >= deadline:
-                    failure = self._describe_failure(world, case_done, errors.get(i, {}), dead, started.get(i), now, procs)
-            if failure is not None:
+                    i += 1
+                    world.deadline = started.get(i, now) + self.case_timeout_s
+                if i == len(cases):
+                    break
+                if died - done.get(i, {}).keys():
+                    world.deadline = now  # a rank of this case is gone: it cannot finish
+            clean = len(outcomes) == len(cases)
+            if not clean:
                 i = len(outcomes)
-                outcome = CaseOutcome(cases[i], "error", failure,
-                                      seconds=time.monotonic() - started[i] if i in started else 0.0)
+                now = time.monotonic()
+                case_done = done.get(i, {})
+                dead = {r: code for r, code in world.exitcodes.items()
+                        if code is not None and r not in failed_ranks and r not in case_done}
+                reason = self._describe_failure(world_size, case_done, errors.get(i, {}), dead, started.get(i), now)
+                outcome = CaseOutcome(cases[i], "error", reason, seconds=now - started[i] if i in started else 0.0)
                 outcomes.append(outcome)
                 self.on_outcome(outcome)
-        finally:
             # After a clean run the ranks are only tearing down their groups: let them exit on
-            # their own. After a failure or Ctrl-C (KeyboardInterrupt), stop them at once.
-            clean = failure is None and len(outcomes) == len(cases)
-            _stop(procs, exit_wait_s=10.0 if clean else 0.0)
-            events.close()
-            del store
+            # their own. After a failure, stop them at once.
+            world.stop(CLEAN_EXIT_WAIT_S if clean else 0.0)
         return outcomes
 
-    def _describe_failure(self, world, done, errors, dead, started_at, now, procs) -> str:
+    def _describe_failure(self, world_size: int, done: dict[int, RankResult], errors: dict[int, RankError],
+                          dead: dict[int, int], started_at: float | None, now: float) -> str:
         parts = []
         for rank, err in sorted(errors.items()):
             parts.append(f"rank {rank} raised {err.type_name}: {err.message.splitlines()[0] if err.message else ''}")
-        for rank in dead:
-            parts.append(f"rank {rank} died (exit code {procs[rank].exitcode})")
-        silent = [r for r in range(world) if r not in done and r not in errors and r not in dead]
+        for rank, code in sorted(dead.items()):
+            parts.append(f"rank {rank} died (exit code {code})")
+        silent = [r for r in range(world_size) if r not in done and r not in errors and r not in dead]
         if silent:
             if started_at is None:
                 parts.append(f"ranks {silent} did not start the case within {self.startup_timeout_s:g} s")

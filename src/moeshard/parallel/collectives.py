@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moeshard.validate import is_int
+
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 may
 # only have the old one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -227,7 +229,7 @@ def exchange_sizes(n: int, group: Any, device: torch.device | str, *, group_name
     Python ints, so it synchronises with the device.
     """
     call = _call("exchange_sizes", group, group_name)
-    if isinstance(n, (bool, Tensor)) or not isinstance(n, int) or n < 0:
+    if not is_int(n) or n < 0:  # a tensor is refused too: reading it would hide a device sync
         raise call.error(f"n must be an int >= 0, got {n!r}")
     mine = torch.tensor([n], dtype=torch.int64, device=device)
     _check_tensor(call, "the size buffer", mine, group)

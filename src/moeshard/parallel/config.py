@@ -18,9 +18,16 @@ target needs it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from moeshard.config import MoEConfig
+from moeshard.validate import is_int, positive_int
+
+# The two spellings of a layout that ParallelConfig.parse reads; ParallelConfig.name writes the first.
+_NAMED = re.compile(r"dp([0-9]+)-tp([0-9]+)-(ep|noep)")
+_TRIPLE = re.compile(r"([0-9]+)\s*,\s*([0-9]+)\s*,\s*(on|off)")
+LAYOUT_FORMS = "dp<D>-tp<T>-ep, dp<D>-tp<T>-noep, <D>,<T>,on or <D>,<T>,off (e.g. dp2-tp2-ep, dp1-tp2-noep, 2,2,on)"
 
 
 def _at(rank: int | None) -> str:
@@ -41,10 +48,8 @@ class ParallelConfig:
     enable_ep: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ParallelConfig.{name}: must be a positive integer, got {value!r}")
+        positive_int("ParallelConfig", "dp", self.dp)
+        positive_int("ParallelConfig", "tp", self.tp)
         if not isinstance(self.enable_ep, bool):
             raise ValueError(f"ParallelConfig.enable_ep: must be a bool, got {self.enable_ep!r}")
 
@@ -64,11 +69,31 @@ class ParallelConfig:
 
     @property
     def name(self) -> str:
-        """Short id such as ``"dp2-tp2-ep"`` or ``"dp1-tp4"``."""
-        return f"dp{self.dp}-tp{self.tp}" + ("-ep" if self.enable_ep else "")
+        """The layout's one spelling, e.g. ``"dp2-tp2-ep"`` (EP on) or ``"dp1-tp4-noep"`` (EP off):
+        case ids, JSON, messages and ``parse`` all use it."""
+        return f"dp{self.dp}-tp{self.tp}-" + ("ep" if self.enable_ep else "noep")
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelConfig:
+        """The layout ``text`` names: ``"dp2-tp2-ep"`` / ``"dp1-tp2-noep"`` (``name``'s spelling) or
+        ``"2,2,on"`` / ``"1,2,off"`` (dp, tp, EP); case and surrounding spaces are ignored.
+
+        Strict: anything else (``"dp2-tp1-bogus"``, ``"dp2-tp1"``) is a ValueError naming ``text``
+        and the accepted forms; a well-formed text with bad values (``"dp0-tp1-ep"``) is a
+        ValueError naming ``text`` and the field.
+        """
+        t = text.strip().lower() if isinstance(text, str) else ""
+        match = _NAMED.fullmatch(t) or _TRIPLE.fullmatch(t)
+        if match is None:
+            raise ValueError(f"{text!r} is not a layout; write {LAYOUT_FORMS}")
+        dp, tp, ep = match.groups()
+        try:
+            return cls(int(dp), int(tp), ep in ("ep", "on"))
+        except ValueError as exc:
+            raise ValueError(f"layout {text!r}: {exc}") from None
 
     def _check_rank(self, rank: int) -> None:
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+        if not is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"{self.name}: rank must be an integer in [0, {self.world_size}), got {rank!r}")
 
     def dp_rank(self, rank: int) -> int:
@@ -120,7 +145,7 @@ class ParallelConfig:
         With EP off every rank holds all experts (``range(num_experts)``).
         """
         self._check_rank(rank)
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+        if not is_int(num_experts) or num_experts <= 0:
             raise ValueError(f"{_at(rank)}: num_experts must be a positive integer, got {num_experts!r}")
         if num_experts % self.ep_size:
             raise ValueError(f"{_at(rank)}: num_experts={num_experts} is not divisible by the EP size "

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moeshard.parallel.collectives import CollectiveInputError, CollectiveSizeError, all_gatherv
+from moeshard.validate import index, int_at_least
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,9 @@ class SequenceChunk:
 
     @classmethod
     def of(cls, total: int, tp_rank: int, tp: int) -> SequenceChunk:
-        for name, value, low in (("total", total, 0), ("tp", tp, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"SequenceChunk.{name}: must be an integer >= {low}, got {value!r}")
-        if not isinstance(tp_rank, int) or isinstance(tp_rank, bool) or not 0 <= tp_rank < tp:
-            raise ValueError(f"SequenceChunk.tp_rank: must be an integer in [0, {tp}), got {tp_rank!r}")
+        int_at_least("SequenceChunk", "total", total, 0)
+        int_at_least("SequenceChunk", "tp", tp, 1)
+        index("SequenceChunk", "tp_rank", tp_rank, tp)
         padded = -(-total // tp) * tp
         chunk = padded // tp
         start = tp_rank * chunk

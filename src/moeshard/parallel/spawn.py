@@ -1,53 +1,57 @@
-"""Starting ranks: ``spawn`` for N local processes, ``init_from_env`` under torchrun.
+"""Starting ranks: ``LocalWorld`` and ``spawn`` for N local processes, ``init_from_env`` under torchrun.
 
-``spawn(fn, world_size, args)`` starts ``world_size`` fresh interpreters ("spawn" start method,
-so nothing of the parent's state, CUDA included, leaks into them), joins them into one process
-group, runs ``fn(*args)`` on each and returns the per-rank results.  It never hangs:
+``LocalWorld`` starts ``world_size`` fresh interpreters ("spawn" start method, so nothing of the
+parent's state, CUDA included, leaks into them), joins them into one process group, runs a
+function on each, and streams to the parent what the ranks send and how each one ends.  Its
+``events()`` is the one loop that polls the ranks; ``spawn`` (run a function on every rank,
+return every result) and the harness's ``Runner`` (cases under a watchdog) are built on it.
+Neither ever hangs:
 
   * the rendezvous is a TCPStore owned by the parent on a socket bound to 127.0.0.1 port 0, so
     it listens on loopback only and two runs at once get different ports (the port is held from
-    the moment it is picked, so there is no pick-then-bind race);
+    the moment it is picked, so there is no pick-then-bind race); gloo's own connections stay on
+    loopback too;
   * the process group has a timeout, so a stuck collective raises inside the rank;
-  * the parent waits at most ``timeout_s`` in all; when a rank fails it waits ``grace_s`` more for
-    the others to report, then terminates and, if needed, kills every child still running.
+  * the parent waits for the ranks at most until ``LocalWorld.deadline``; a rank that exits
+    without a report is noticed within a second;
+  * leaving the ``with`` block stops every rank, whether the block ended normally, raised or was
+    interrupted (Ctrl-C is a KeyboardInterrupt in the parent): after a clean run the ranks get
+    ``CLEAN_EXIT_WAIT_S`` to exit on their own, otherwise they are terminated and, if needed,
+    killed; every child has exited (and been reaped) when the block is left.
 
-A failed run raises ``RankFailure``: each rank's exception with its traceback, the ranks that
-never reported, and the results of those that did.
+``spawn`` waits at most ``timeout_s`` in all; when a rank fails it waits ``grace_s`` more for the
+others to report, then stops them.  A failed run raises ``RankFailure``: each rank's exception
+with its traceback, the ranks that never reported, and the results of those that did.
 """
 
 from __future__ import annotations
 
 import datetime
-import io
 import os
-import pickle
 import queue as queue_module
 import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-LOOPBACK = "127.0.0.1"
-DEFAULT_TIMEOUT_S = 300.0
+from moeshard.parallel.worker import DEFAULT_TIMEOUT_S, LOOPBACK, RankChannel, RankError, loads, rank_main
+from moeshard.validate import positive_int
 
+__all__ = ["CLEAN_EXIT_WAIT_S", "DEFAULT_TIMEOUT_S", "LocalWorld", "RankChannel", "RankError", "RankEvent",
+           "RankFailure", "destroy", "init_from_env", "launched_by_torchrun", "spawn"]
 
-@dataclass(frozen=True)
-class RankError:
-    """An exception raised on one rank: its type name, message and formatted traceback."""
-
-    rank: int
-    type_name: str
-    message: str
-    traceback: str
+CLEAN_EXIT_WAIT_S = 10.0  # after a clean run: how long the ranks may take to tear down their groups
+EXIT_REPORT_WAIT_S = 1.0  # a rank that exited may still have its report in the pipe this long
+_POLL_S = 0.1
 
 
 class RankFailure(RuntimeError):
-    """Some ranks of a ``spawn`` raised, died, or did not finish in time.
+    """Some ranks of a ``spawn`` (or a ``LocalWorld``) raised, died, or did not finish in time.
 
     Attributes:
       ``errors``: rank -> ``RankError`` for each rank that raised.
@@ -81,87 +85,18 @@ class RankFailure(RuntimeError):
         super().__init__("\n".join(lines))
 
 
-def _rebuild_tensor(raw: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return flat.view(getattr(torch, dtype_name)).reshape(shape)
+@dataclass(frozen=True)
+class RankEvent:
+    """What the parent hears from one rank, in the order it happened on that rank.
 
-
-class _ResultPickler(pickle.Pickler):
-    """Pickles tensors as raw bytes + dtype + shape; they come back as plain CPU tensors.
-
-    Plain pickling of tensors cannot be loaded back for float8 dtypes (torch's storage
-    unpickler fails on them), and torch's multiprocessing reductions would pass shared-memory
-    handles that die with the child.  Raw bytes work for every dense dtype, CUDA included.
+    kind: ``"message"`` (value: what the rank sent through ``LocalWorld.channel``), ``"finished"``
+    (value: the function's return value), ``"raised"`` (value: ``RankError``) or ``"died"``
+    (value: exit code; the rank exited without reporting).  The last three end the rank.
     """
 
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided or obj.is_quantized:
-                raise TypeError(f"spawn: cannot return a {obj.layout} / quantized tensor from a rank")
-            raw = b""
-            if obj.numel():
-                raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            return _rebuild_tensor, (raw, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
-        return NotImplemented
-
-
-def _dumps(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
-
-
-def _loopback_device_name() -> str | None:
-    for _, name in socket.if_nameindex():
-        if name in ("lo", "lo0"):
-            return name
-    return None
-
-
-def _worker(rank: int, world_size: int, port: int, device: str, fn: Callable[..., Any], args: Sequence[Any],
-            queue: Any, backend: str | None = None, pg_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Entry point of one spawned rank: join the process group, run ``fn(*args)``, report.
-
-    Args:
-      rank, world_size: this rank and the number of ranks.
-      port: the parent's TCPStore on 127.0.0.1 (the rendezvous).
-      device: ``"cpu"`` or ``"cuda"``; with cuda this rank uses cuda device ``rank``.
-      fn, args: what to run (picklable: a module-level function and picklable arguments).
-      queue: a multiprocessing queue; receives exactly one message,
-        ``("ok", rank, pickled result)`` or ``("error", rank, RankError)``.
-      backend: process-group backend; ``None`` = gloo for cpu, nccl for cuda.
-      pg_timeout_s: the process group's timeout, the bound on every collective.
-    The default process group is destroyed after a successful ``fn``.  After a failure the
-    process just exits: peers may still be inside a collective, and tearing the group down
-    could wait on them; the parent stops whatever is left.
-    """
-    try:
-        # Gloo's own connections would otherwise listen on the address the host name resolves
-        # to; these ranks all live on this machine, so keep them on loopback like the store.
-        loopback = _loopback_device_name()
-        if loopback is not None:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-        backend = backend or ("nccl" if device == "cuda" else "gloo")
-        timeout = datetime.timedelta(seconds=pg_timeout_s)
-        device_id = None
-        if device == "cuda":
-            torch.cuda.set_device(rank)
-            if "nccl" in backend:
-                device_id = torch.device("cuda", rank)  # binds the NCCL communicator to this GPU up front
-        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device_id)
-        result = fn(*args)
-        # Pickle here, not in the queue's feeder thread: an unpicklable result then becomes this
-        # rank's error instead of a message that silently never arrives.
-        message: tuple = ("ok", rank, _dumps(result))
-    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        message = ("error", rank, RankError(rank, type(exc).__name__, str(exc), traceback.format_exc()))
-    queue.put(message)
-    queue.close()
-    queue.join_thread()
-    if message[0] == "ok" and dist.is_initialized():
-        dist.destroy_process_group()
+    kind: str
+    rank: int
+    value: Any
 
 
 def _rendezvous_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
@@ -185,7 +120,7 @@ def _rendezvous_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
     return store, port
 
 
-def _stop(processes: list[Any], exit_wait_s: float) -> None:
+def _stop_processes(processes: list[Any], exit_wait_s: float) -> None:
     """Waits up to ``exit_wait_s`` for the children to exit, then terminates and kills the rest.
 
     Returns only once every child has exited.
@@ -204,6 +139,168 @@ def _stop(processes: list[Any], exit_wait_s: float) -> None:
         if process.is_alive():
             process.kill()
             process.join(5.0)  # SIGKILL cannot be refused; the bound is only for a stuck kernel
+
+
+class LocalWorld:
+    """``world_size`` local ranks in one default process group, watched from the parent::
+
+        with LocalWorld(2, timeout_s=60) as world:
+            world.start(fn, (x, world.channel))   # fn(*args) on every rank; ranks may channel.send()
+            for event in world.events():          # RankEvents until every rank ended or the deadline
+                ...                               # react; move world.deadline; or break
+            world.stop(CLEAN_EXIT_WAIT_S if world.all_finished else 0.0)
+        failure = world.failure()                 # None, or a RankFailure to raise
+
+    Args:
+      world_size: number of ranks, >= 1 (<= visible GPUs for ``device="cuda"``).
+      device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank r on cuda device r).
+      timeout_s: ``deadline`` starts ``timeout_s`` after the ranks are started (the caller may
+        move it); also the rendezvous store's timeout.
+      backend: override the process-group backend (default gloo for cpu, nccl for cuda).
+      pg_timeout_s: the process group's timeout (default ``timeout_s / 2``, so a stuck
+        collective fails inside the rank, with its traceback, before the parent's deadline).
+      name: process names are ``f"{name}{rank}"``.
+    The function must be module-level (picklable), as must its arguments and what it returns or
+    sends; the ranks are daemon processes, so it cannot start processes of its own.
+
+    State, filled in by ``events()``: ``results`` (rank -> return value), ``errors`` (rank ->
+    ``RankError``), ``died`` (rank -> exit code of a rank that exited without reporting; ``stop``
+    adds those seen exited less than ``EXIT_REPORT_WAIT_S`` before), ``timed_out`` (the deadline
+    passed before any rank failed or died).
+    """
+
+    def __init__(self, world_size: int, *, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 backend: str | None = None, pg_timeout_s: float | None = None, name: str = "moeshard-rank") -> None:
+        positive_int("LocalWorld", "world_size", world_size)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"LocalWorld.device: must be 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda" and world_size > torch.cuda.device_count():
+            raise ValueError(f"LocalWorld: world_size={world_size} needs {world_size} GPUs but "
+                             f"{torch.cuda.device_count()} are visible")
+        if not timeout_s > 0:
+            raise ValueError(f"LocalWorld.timeout_s: must be > 0, got {timeout_s!r}")
+        self.world_size, self.device, self.backend, self.name = world_size, device, backend, name
+        self.timeout_s = timeout_s
+        self.pg_timeout_s = timeout_s / 2 if pg_timeout_s is None else pg_timeout_s
+        self._ctx = torch_mp.get_context("spawn")
+        self._queue = self._ctx.Queue()
+        self.channel = RankChannel(self._queue)
+        self._store: Any = None
+        self._processes: list[Any] | None = None
+        self._stopped = False
+        self.deadline = float("inf")
+        self.results: dict[int, Any] = {}
+        self.errors: dict[int, RankError] = {}
+        self.died: dict[int, int] = {}
+        self.timed_out = False
+        self._ended: set[int] = set()
+        self._exit_seen: dict[int, float] = {}  # rank -> when it was first seen exited without a report
+
+    def __enter__(self) -> LocalWorld:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(0.0)  # a no-op after the caller's own stop
+
+    def start(self, fn: Callable[..., Any], args: Sequence[Any] = ()) -> None:
+        """Starts the ranks, each running ``fn(*args)``, and sets ``deadline``."""
+        if self._processes is not None:
+            raise RuntimeError("LocalWorld.start: this world was started already")
+        self._store, port = _rendezvous_store(self.world_size, self.timeout_s)
+        self._processes = [
+            self._ctx.Process(target=rank_main, name=f"{self.name}{rank}", daemon=True,
+                              args=(rank, self.world_size, port, self.device, fn, tuple(args), self._queue,
+                                    self.backend, self.pg_timeout_s))
+            for rank in range(self.world_size)]
+        for process in self._processes:
+            process.start()
+        self.deadline = time.monotonic() + self.timeout_s
+
+    @property
+    def all_finished(self) -> bool:
+        """Every rank returned from its function."""
+        return len(self.results) == self.world_size
+
+    @property
+    def exitcodes(self) -> dict[int, int | None]:
+        """rank -> exit code (None while running; negative: ended by that signal)."""
+        return {rank: process.exitcode for rank, process in enumerate(self._processes or [])}
+
+    def events(self) -> Iterator[RankEvent]:
+        """The one poll loop: yields each ``RankEvent`` as it arrives, until every rank has ended
+        (finished, raised or died) or ``deadline`` passes.
+
+        A rank that exited without a report is "died" once ``EXIT_REPORT_WAIT_S`` has passed
+        (its report may still be in the pipe).  A result or message that cannot be unpickled
+        here is that rank's "raised"; nothing it sends afterwards counts.
+        """
+        if self._processes is None:
+            raise RuntimeError("LocalWorld.events: start() the world first")
+        while len(self._ended) < self.world_size:
+            now = time.monotonic()
+            if now >= self.deadline:
+                self.timed_out = not self.errors and not self.died
+                return
+            try:
+                kind, rank, payload = self._queue.get(timeout=min(_POLL_S, self.deadline - now))
+            except queue_module.Empty:
+                pass
+            else:
+                event = self._receive(kind, rank, payload)
+                if event is not None:
+                    yield event
+            now = time.monotonic()
+            for rank, process in enumerate(self._processes):
+                if rank not in self._ended and process.exitcode is not None:
+                    if now - self._exit_seen.setdefault(rank, now) >= EXIT_REPORT_WAIT_S:
+                        self.died[rank] = process.exitcode
+                        self._ended.add(rank)
+                        yield RankEvent("died", rank, process.exitcode)
+
+    def _receive(self, kind: str, rank: int, payload: Any) -> RankEvent | None:
+        if rank in self._ended:
+            return None
+        if kind == "error":
+            self.errors[rank] = payload
+            self._ended.add(rank)
+            return RankEvent("raised", rank, payload)
+        try:
+            value = loads(payload)
+        except Exception as exc:  # noqa: BLE001 - a value that does not arrive is that rank's failure
+            what = "result" if kind == "ok" else "message"
+            self.errors[rank] = RankError(rank, type(exc).__name__, f"{what} could not be unpickled: {exc}",
+                                          traceback.format_exc())
+            self._ended.add(rank)
+            return RankEvent("raised", rank, self.errors[rank])
+        if kind == "ok":
+            self.results[rank] = value
+            self._ended.add(rank)
+            return RankEvent("finished", rank, value)
+        return RankEvent("message", rank, value)
+
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Gives the ranks up to ``wait_s`` to exit on their own, then terminates and kills the
+        rest; returns once every child has exited.  Only the first call does anything."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for rank in self._exit_seen:
+            if rank not in self._ended:
+                self.died[rank] = self._processes[rank].exitcode
+        try:
+            _stop_processes(self._processes or [], exit_wait_s=wait_s)
+        finally:
+            self._queue.close()
+            self._store = None
+
+    def failure(self) -> RankFailure | None:
+        """None if every rank finished, else the ``RankFailure`` that says who raised, died or
+        did not finish (in time: within ``timeout_s`` unless the caller moved the deadline)."""
+        missing = [r for r in range(self.world_size) if r not in self.results and r not in self.errors]
+        if not self.errors and not missing:
+            return None
+        return RankFailure(self.world_size, dict(self.errors), missing, dict(self.died), self.timed_out,
+                           self.timeout_s, self.exitcodes, dict(self.results))
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), device: str = "cpu",
@@ -225,74 +322,21 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), dev
     Returns the results in rank order.  Raises ``RankFailure`` if any rank raised, died or did
     not finish in time; all children have exited by the time ``spawn`` returns or raises.
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"spawn: world_size must be a positive integer, got {world_size!r}")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"spawn: device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and world_size > torch.cuda.device_count():
-        raise ValueError(f"spawn: world_size={world_size} needs {world_size} GPUs but "
-                         f"{torch.cuda.device_count()} are visible")
     if not timeout_s > 0 or not grace_s >= 0:
         raise ValueError(f"spawn: timeout_s must be > 0 and grace_s >= 0, got {timeout_s!r}, {grace_s!r}")
-    pg_timeout_s = timeout_s / 2 if pg_timeout_s is None else pg_timeout_s
-
-    ctx = torch_mp.get_context("spawn")
-    queue = ctx.Queue()
-    store, port = _rendezvous_store(world_size, timeout_s)
-    processes = [ctx.Process(target=_worker, name=f"moeshard-rank{rank}", daemon=True,
-                             args=(rank, world_size, port, device, fn, tuple(args), queue, backend, pg_timeout_s))
-                 for rank in range(world_size)]
-    results: dict[int, Any] = {}
-    errors: dict[int, RankError] = {}
-    exit_seen: dict[int, float] = {}  # rank -> when it was first seen exited without a report
-    stop_at: float | None = None  # once something failed: when to stop waiting for the others
-    timed_out = False
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout_s
-        while len(results) + len(errors) < world_size:
-            now = time.monotonic()
-            limit = deadline if stop_at is None else min(deadline, stop_at)
-            if now >= limit:
-                timed_out = stop_at is None
-                break
-            try:
-                kind, rank, payload = queue.get(timeout=min(0.2, limit - now))
-            except queue_module.Empty:
-                kind = None
-            if kind == "ok":
-                try:
-                    results[rank] = pickle.loads(payload)
-                except Exception as exc:  # noqa: BLE001 - a broken result is that rank's failure
-                    payload = RankError(rank, type(exc).__name__, f"result could not be unpickled: {exc}",
-                                        traceback.format_exc())
-                    kind = "error"
-            if kind == "error":
-                errors[rank] = payload
-                stop_at = stop_at or time.monotonic() + grace_s
-            # A rank that exited without a report has died, unless its report is still in the
-            # pipe: allow it a second to arrive before calling the run failed.
-            now = time.monotonic()
-            for r, process in enumerate(processes):
-                if r not in results and r not in errors and process.exitcode is not None:
-                    exit_seen.setdefault(r, now)
-            if stop_at is None and any(now - seen >= 1.0 for r, seen in exit_seen.items()
-                                       if r not in results and r not in errors):
-                stop_at = now + grace_s
-    finally:
-        # After a clean run the ranks are only tearing down their process group: let them
-        # exit on their own for a while.  After a failure, stop them at once.
-        clean = len(results) == world_size
-        died = {r: processes[r].exitcode for r in exit_seen if r not in results and r not in errors}
-        _stop(processes, exit_wait_s=10.0 if clean else 0.0)
-        queue.close()
-        del store
-    missing = [r for r in range(world_size) if r not in results and r not in errors]
-    if errors or missing:
-        exitcodes = {r: p.exitcode for r, p in enumerate(processes)}
-        raise RankFailure(world_size, errors, missing, died, timed_out, timeout_s, exitcodes, results)
-    return [results[r] for r in range(world_size)]
+    world = LocalWorld(world_size, device=device, timeout_s=timeout_s, backend=backend, pg_timeout_s=pg_timeout_s)
+    with world:
+        world.start(fn, args)
+        for event in world.events():
+            if event.kind in ("raised", "died"):
+                world.deadline = min(world.deadline, time.monotonic() + grace_s)
+        # After a clean run the ranks are only tearing down their process group: let them exit
+        # on their own for a while.  After a failure, stop them at once.
+        world.stop(CLEAN_EXIT_WAIT_S if world.all_finished else 0.0)
+    failure = world.failure()
+    if failure is not None:
+        raise failure
+    return [world.results[rank] for rank in range(world_size)]
 
 
 def launched_by_torchrun() -> bool:

@@ -1,7 +1,7 @@
 """Where the layer's time goes, kernel by kernel (GPU): the measurements behind the "Whole layer"
 section of docs/performance.md.
 
-    PYTHONPATH=src python3 bench/layer_profile.py [--models deepseek-v3,qwen3-30b-a3b] [--tokens 16384]
+    PYTHONPATH=src python3 scripts/layer_profile.py [--models deepseek-v3,qwen3-30b-a3b] [--tokens 16384]
                                                  [--quant none]
 
 Prints, per model: the GPU time per forward of every kernel of ``MoELayer`` (one GPU, local

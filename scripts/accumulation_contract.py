@@ -1,6 +1,6 @@
 """Does the fp8 gate_up on the tensor cores stay within the accumulation error it declares? (GPU)
 
-    PYTHONPATH=src python3 bench/accumulation_contract.py [--json PATH]
+    PYTHONPATH=src python3 scripts/accumulation_contract.py [--json PATH]
 
 For every fp8 scheme, six expert shapes and two seeds, ``TritonExperts`` runs with the gate_up GEMM
 on the fp8 tensor cores ("mma") and widened to fp16 ("exact"); each result is compared with

@@ -9,7 +9,7 @@ Peak = ``VmHWM`` of the child, reset with ``/proc/self/clear_refs`` after its im
 ``getrusage().ru_maxrss`` is not used: Linux carries it across fork+exec, so a child of a large
 parent reports the parent's size.
 
-    PYTHONPATH=src .venv/bin/python bench/checkpoint_memory.py [--size-mb 400] [--keep DIR]
+    PYTHONPATH=src .venv/bin/python scripts/checkpoint_memory.py [--size-mb 400] [--keep DIR]
 """
 
 from __future__ import annotations

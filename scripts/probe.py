@@ -1,6 +1,6 @@
 """Capability probes on the GPU machine: what this torch / Triton build accepts for our layouts.
 
-    PYTHONPATH=src python3 bench/probe.py > probe.json
+    PYTHONPATH=src python3 scripts/probe.py > probe.json
 
 Each probe runs a tiny problem and compares with a dequantized fp32 product; failures are
 recorded with their error, never raised.

@@ -6,7 +6,7 @@
     run_rank(RunPlan, groups)    every rank: load its share (checkpoint slices, or random weights
                                  from the seed), all ranks agree that loading worked, read its DP
                                  rank's rows of the input, forward, all-gather the outputs over DP
-                                 -> RankResult (rank 0 holds the output of all T tokens, in order)
+                                 -> RunRankResult (rank 0 holds the output of all T tokens, in order)
     run_plans(plans)             ``spawn`` entry: runs several plans on one set of ranks
 
 Tokens: the input holds the global tokens ``hidden_states [T, H]``. DP rank d gets rows
@@ -32,6 +32,7 @@ from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.presets import get_preset
 from moeshard.sharding import shard_spec
+from moeshard.validate import is_int
 from moeshard.weights import MoEWeights
 
 INPUT_KEY = "hidden_states"
@@ -72,7 +73,7 @@ class RunSpec:
             raise ValueError("run: --model needs --layer (the index of the decoder layer whose MoE block to run)")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"run: device must be 'cpu' or 'cuda', got {self.device!r}")
-        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+        if not is_int(self.num_tokens) or self.num_tokens < 0:
             raise ValueError(f"run: --tokens must be an integer >= 0, got {self.num_tokens!r}")
 
 
@@ -104,7 +105,7 @@ class RunPlan:
 
 
 @dataclass(frozen=True)
-class RankResult:
+class RunRankResult:
     """One rank's report. experts: [start, stop) of the experts it holds; intermediate: its
     [lo, hi) of I; tokens: its DP rank's rows; load_s / forward_s: seconds; output: rank 0 only,
     ``[T, H]`` in the model dtype on CPU, all tokens in input order (None elsewhere)."""
@@ -126,7 +127,7 @@ def split_tokens(total: int, dp: int, given: tuple[int, ...] | None = None) -> t
     if given is None:
         return tuple(total // dp + (1 if d < total % dp else 0) for d in range(dp))
     given = tuple(given)
-    if len(given) != dp or any(not isinstance(n, int) or n < 0 for n in given):
+    if len(given) != dp or any(not is_int(n) or n < 0 for n in given):
         raise ValueError(f"--tokens-per-rank: expected {dp} integers >= 0 (one per DP rank), got {list(given)}")
     if sum(given) != total:
         raise ValueError(f"--tokens-per-rank: {list(given)} sums to {sum(given)}, but the input has T={total} tokens")
@@ -262,7 +263,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RankResult:
+def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RunRankResult:
     """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
     from moeshard.layer import MoELayer
 
@@ -296,20 +297,20 @@ def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RankResult:
         out = all_gatherv(out, list(plan.tokens_per_rank), groups.dp_group, "dp")
     spec = layer.shard
     width = plan.cfg.intermediate_size // spec.tp_size
-    return RankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, tokens=plan.tokens_per_rank[dp_rank],
+    return RunRankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, tokens=plan.tokens_per_rank[dp_rank],
                       experts=(spec.expert_start, spec.expert_stop),
                       intermediate=(spec.tp_rank * width, (spec.tp_rank + 1) * width),
                       load_s=load_s, forward_s=forward_s, output=out.cpu() if rank == 0 else None)
 
 
-def run_plans(plans: list[RunPlan]) -> list[RankResult | dict]:
+def run_plans(plans: list[RunPlan]) -> list[RunRankResult | dict]:
     """``spawn`` entry: every plan in order on this rank (all plans need this world size).
 
     A plan that raises is recorded as ``{"error": type name, "message": ...}`` and the next plan
     runs; groups are built once per layout and reused.
     """
     groups_of: dict[tuple, ParallelGroups] = {}
-    results: list[RankResult | dict] = []
+    results: list[RunRankResult | dict] = []
     for plan in plans:
         p = plan.parallel
         key = (p.dp, p.tp, p.enable_ep)
