@@ -23,7 +23,9 @@ from moeshard.router import Routing
 E, K, H = 8, 3, 32
 CFG = MoEConfig(E, K, H, 16)
 TOKEN_SETS = {2: [(5, 3), (0, 4), (1, 0), (7, 7)], 4: [(1, 0, 3, 2), (0, 0, 0, 2), (6, 1, 9, 0)]}
-WIRE_QUANTS = ("fp8_token", "nvfp4")  # row scales of two dtypes; nvfp4 also a per-tensor scale
+WIRE_QUANTS = ("fp8_token", "nvfp4")
+MAX_TOKENS = 9  # low_latency's fixed capacity: the most tokens any rank routes below
+EP_BACKENDS = ("allgather_reducescatter", "all2all", "low_latency")  # row scales of two dtypes; nvfp4 also a per-tensor scale
 
 
 def _routing(rank: int, T: int, seed: int) -> tuple[torch.Tensor, Routing]:
@@ -47,14 +49,16 @@ def _worker(world: int) -> list[dict]:
     torch.set_num_threads(1)
     groups = ParallelGroups.build(ParallelConfig(dp=world, tp=1, enable_ep=True))
     results = []
-    for backend in ("allgather_reducescatter", "all2all"):
-        be = BACKENDS[backend].factory(CFG, QuantConfig(), groups)
+    for backend in EP_BACKENDS:
+        be = BACKENDS[backend].factory(CFG, QuantConfig(), groups, MAX_TOKENS)
         per_rank = E // world
         for seed, tokens in enumerate(TOKEN_SETS[world]):
             x, routing = _routing(rank, tokens[rank], seed)
             d = be.dispatch(x, routing)
             rows, ids = d.input.x, d.input.expert_ids
-            got = [(int(r[0]) // 1000, int(r[0]) % 1000, int(e) + rank * per_rank) for r, e in zip(rows, ids)]
+            # (source rank, token, global expert, row) of every row that is not padding (id -1)
+            got = [(int(r[0]) // 1000, int(r[0]) % 1000, int(e) + rank * per_rank, i)
+                   for i, (r, e) in enumerate(zip(rows, ids)) if e >= 0]
             everyone = [None] * world
             dist.all_gather_object(everyone, (x, routing.topk_ids.tolist()))
             want = sorted((src, t, e) for src, (xs, ids_) in enumerate(everyone)
@@ -68,17 +72,17 @@ def _worker(world: int) -> list[dict]:
             wire_ok = {}
             domain = torch.cat([xs for xs, _ in everyone])
             for scheme in WIRE_QUANTS:
-                dq = BACKENDS[backend].factory(CFG, QuantConfig(scheme), groups).dispatch(x, routing).input
+                dq = BACKENDS[backend].factory(CFG, QuantConfig(scheme), groups, MAX_TOKENS).dispatch(x, routing).input
                 q = dq.x
-                ok = isinstance(q, QuantizedActivations) and q.shape == (len(got), H)
+                ok = isinstance(q, QuantizedActivations) and q.shape == (len(ids), H)
                 amax = domain.abs().amax().float() if domain.numel() else torch.zeros(())
-                for i, (src, t, _) in enumerate(got if ok else []):
+                for src, t, _, i in got if ok else []:
                     ref = quantize_activations(everyone[src][0][t:t + 1], scheme, amax=amax)
                     ok = ok and _same_bits(q.data[i:i + 1], ref.data) and _same_bits(
                         None if q.row_scale is None else q.row_scale[i:i + 1], ref.row_scale)
                     ok = ok and _same_bits(q.tensor_scale, ref.tensor_scale)
                 wire_ok[scheme] = ok and torch.equal(dq.expert_ids, ids)
-            results.append(dict(backend=backend, tokens=tokens, rows_ok=sorted(got) == want, wire_ok=wire_ok,
+            results.append(dict(backend=backend, tokens=tokens, rows_ok=sorted(g[:3] for g in got) == want, wire_ok=wire_ok,
                                 combine_err=float((out - expect).abs().max() / expect.abs().max().clamp_min(1)) if out.numel() else 0.0,
                                 shape_ok=tuple(out.shape) == (tokens[rank], H)))
     return results
@@ -92,7 +96,7 @@ def world_results(request):
 def test_backends_move_exactly_the_routed_rows(world_results):
     world, per_rank = world_results
     for rank, results in enumerate(per_rank):
-        assert len(results) == 2 * len(TOKEN_SETS[world])
+        assert len(results) == len(EP_BACKENDS) * len(TOKEN_SETS[world])
         for r in results:
             assert r["rows_ok"] and r["shape_ok"], (rank, r)
             assert all(r["wire_ok"].values()), (rank, r)

@@ -148,7 +148,12 @@ class MoELayer(nn.Module):
     local_experts: this rank's routed experts already sharded (and quantized) for ``quant`` and
     the layout, e.g. read slice by slice from a checkpoint; then ``weights.gate_up`` and
     ``weights.down`` may be None;
-    device: where this rank computes (default ``groups.device`` or CPU).
+    device: where this rank computes (default ``groups.device`` or CPU);
+    max_tokens_per_rank: the most tokens one ``forward`` hands a rank (None: unbounded); backends
+    with fixed-capacity buffers (``low_latency``) need it, and ``forward`` refuses more.
+
+    On CUDA the shared experts run on a side stream while the routed path is dispatched and
+    computed (``overlap_shared``, default on), and are joined before they are added.
 
     Cross-rank precondition: every rank of the world constructs the layer with the same cfg,
     quant, layout and backend (checked here by one all-gather) and calls ``forward`` the same
@@ -157,12 +162,15 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig | None = None, groups: ParallelGroups | None = None,
                  backend: str | None = None, weights: MoEWeights | None = None,
-                 local_experts: ExpertWeights | None = None, device=None) -> None:
+                 local_experts: ExpertWeights | None = None, device=None,
+                 max_tokens_per_rank: int | None = None) -> None:
         super().__init__()
         quant = quant or QuantConfig()
         parallel = groups.config if groups is not None else ParallelConfig()
         rank = groups.rank if groups is not None else 0
         backend = backend or default_backend(parallel)
+        max_ok = max_tokens_per_rank is None or (isinstance(max_tokens_per_rank, int)
+                                                 and not isinstance(max_tokens_per_rank, bool) and max_tokens_per_rank >= 1)
         if groups is not None:
             # First, before any rank-local refusal: the checks below are pure functions of what
             # this exchange proves identical, so every rank then raises (or not) together.
@@ -171,14 +179,18 @@ class MoELayer(nn.Module):
                 "intermediate_size": cfg.intermediate_size, "shared_width": cfg.shared_width,
                 "dtype": _code(dtype_name(cfg.dtype)), "quant": _code(quant.scheme),
                 "defer_input_quant": int(quant.defer_input_quant), "backend": _code(backend),
-                "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep)})
+                "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep),
+                "max_tokens_per_rank": (max_tokens_per_rank or 0) if max_ok else -1})
+        if not max_ok:
+            raise ValueError(f"MoELayer (rank {rank}): max_tokens_per_rank must be None or an int >= 1, "
+                             f"got {max_tokens_per_rank!r}")
         parallel.validate(parallel.world_size, cfg, rank)
         self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
         self.device = torch.device(device) if device is not None else (groups.device if groups else torch.device("cpu"))
         self.kernel: ExpertKernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme)
         ok, reason = support(backend, quant, parallel, device=self.device.type,
                              has_side_group=groups is not None and groups.side_group is not None,
-                             kernel_layouts=self.kernel.layouts)
+                             kernel_layouts=self.kernel.layouts, has_max_tokens=max_tokens_per_rank is not None)
         if not ok:
             raise ValueError(f"MoELayer (rank {rank}): backend {backend!r}: {reason}")
         weights = weights if weights is not None else MoEWeights.random(cfg)
@@ -197,7 +209,13 @@ class MoELayer(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
             self.shared_expert_gate.weight = nn.Parameter(weights.shared_expert_gate.clone(), requires_grad=False)
         self.to(self.device)
-        self.backend: DispatchBackend = BACKENDS[backend].factory(cfg, quant, groups)
+        self.max_tokens_per_rank = max_tokens_per_rank
+        routed_max = None
+        if max_tokens_per_rank is not None:  # under SP a rank routes its 1/tp chunk
+            routed_max = -(-max_tokens_per_rank // parallel.tp) if parallel.is_sequence_parallel else max_tokens_per_rank
+        self.backend: DispatchBackend = BACKENDS[backend].factory(cfg, quant, groups, routed_max)
+        self.overlap_shared = self.device.type == "cuda"
+        self._side_stream = None
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
 
     @property
@@ -239,6 +257,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer.forward (rank {rank}): x.dtype is {x.dtype}, the layer's dtype is {self.cfg.dtype}")
         if x.device != self.device and not (x.device.type == self.device.type == "cuda" and self.device.index is None):
             raise ValueError(f"MoELayer.forward (rank {rank}): x is on {x.device}, the layer on {self.device}")
+        if self.max_tokens_per_rank is not None and x.shape[0] > self.max_tokens_per_rank:
+            raise ValueError(f"MoELayer.forward (rank {rank}): x has {x.shape[0]} tokens, more than "
+                             f"max_tokens_per_rank={self.max_tokens_per_rank}")
 
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global expert ids)."""
@@ -253,19 +274,41 @@ class MoELayer(nn.Module):
             dist.all_reduce(out, group=self.groups.tp_group)
         return out
 
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts on x [T, H] (gated for Qwen2-MoE), fp32 [T, H]."""
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] in ``cfg.dtype`` on this rank's device (T may be 0 and may differ per DP
-        rank; identical on the TP ranks of one DP rank) -> [T, H] in ``cfg.dtype``."""
+        rank; identical on the TP ranks of one DP rank; at most ``max_tokens_per_rank``) -> [T, H]
+        in ``cfg.dtype``."""
         self._check_input(x)
         p = self.parallel
         if p.is_sequence_parallel:
             x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
-        out = self._routed(x)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared.float()
+        shared = None
+        if self.shared_experts is not None and self.overlap_shared and x.is_cuda:
+            # Independent of dispatch: overlap it (the side stream waits for x, the main stream
+            # for the result; record_stream keeps the allocator from reusing it too early).
+            main = torch.cuda.current_stream(x.device)
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=x.device)
+            side = self._side_stream
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self._shared(x)
+            out = self._routed(x)
+            main.wait_stream(side)
+            shared.record_stream(main)
+        else:
+            out = self._routed(x)
+            if self.shared_experts is not None:
+                shared = self._shared(x)
+        if shared is not None:
+            out = out + shared
         out = out.to(self.cfg.dtype)
         if p.is_sequence_parallel:
             out = sequence_parallel_gather(out, chunk, self.groups.tp_group)

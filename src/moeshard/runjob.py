@@ -280,7 +280,7 @@ def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RunRankResult:
         error = exc
     _agree(groups, error, rank)
     layer = MoELayer(plan.cfg, quant=plan.quant, groups=groups, backend=plan.backend, weights=weights,
-                     local_experts=local, device=device)
+                     local_experts=local, device=device, max_tokens_per_rank=max(max(plan.tokens_per_rank), 1))
     del weights, local
     _sync(device)
     load_s = time.perf_counter() - t0

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from moeshard.dispatch.base import DispatchBackend
     from moeshard.parallel.groups import ParallelGroups
 
-Factory = Callable[[MoEConfig, QuantConfig, "ParallelGroups | None"], "DispatchBackend"]
+# (cfg, quant, groups, max_tokens): max_tokens is the most rows a rank routes in one forward, or
+# None when the layer was given no bound (only backends with needs_max_tokens require one).
+Factory = Callable[[MoEConfig, QuantConfig, "ParallelGroups | None", "int | None"], "DispatchBackend"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,11 @@ class BackendSpec:
     (``moeshard.experts.base.LAYOUTS``). quantize_before_dispatch: whether quantized payloads may
     cross it (else it needs ``defer_input_quant``). side_group_on: device types on which it needs
     ``ParallelGroups.side_group`` (a gloo group for host-side metadata). summary: one line.
-    factory: ``(cfg, quant, groups) -> DispatchBackend``. quants: the schemes it moves, or None
-    for every registered scheme (a backend that moves rows as opaque bytes supports any).
+    factory: ``(cfg, quant, groups, max_tokens) -> DispatchBackend``. quants: the schemes it
+    moves, or None for every registered scheme (a backend that moves rows as opaque bytes supports
+    any). needs_max_tokens: it sizes fixed buffers from ``MoELayer(max_tokens_per_rank=...)``.
+    graph_safe: dispatch and combine never synchronise with the host, so a forward through it can
+    be captured in a CUDA graph.
     """
 
     name: str
@@ -46,24 +51,31 @@ class BackendSpec:
     summary: str
     factory: Factory
     quants: tuple[str, ...] | None = None
+    needs_max_tokens: bool = False
+    graph_safe: bool = False
 
     def supported_quants(self) -> tuple[str, ...]:
         return scheme_names() if self.quants is None else self.quants
 
 
-def _local(cfg, quant, groups):
+def _local(cfg, quant, groups, max_tokens):
     from moeshard.dispatch.local import LocalBackend
     return LocalBackend(cfg, quant)
 
 
-def _agrs(cfg, quant, groups):
+def _agrs(cfg, quant, groups, max_tokens):
     from moeshard.dispatch.allgather_reducescatter import AllGatherReduceScatterBackend
     return AllGatherReduceScatterBackend(cfg, quant, groups)
 
 
-def _a2a(cfg, quant, groups):
+def _a2a(cfg, quant, groups, max_tokens):
     from moeshard.dispatch.all2all import All2AllBackend
     return All2AllBackend(cfg, quant, groups)
+
+
+def _low_latency(cfg, quant, groups, max_tokens):
+    from moeshard.dispatch.low_latency import LowLatencyBackend
+    return LowLatencyBackend(cfg, quant, groups, max_tokens)
 
 
 BACKENDS: dict[str, BackendSpec] = {}
@@ -91,22 +103,30 @@ def unregister_backend(name: str) -> None:
 
 for _spec in (
     BackendSpec("local", "no_ep", FLAT, True, (),
-                "no expert parallelism: each rank computes all (TP-sliced) experts for its tokens", _local),
+                "no expert parallelism: each rank computes all (TP-sliced) experts for its tokens", _local,
+                graph_safe=True),
     BackendSpec("allgather_reducescatter", "ep", FLAT, True, (),
                 "all-gather tokens+routing over EP, local experts, reduce-scatter back (uneven)", _agrs),
     BackendSpec("all2all", "ep", FLAT, True, ("cuda",),
                 "exchange counts, uneven all-to-all of routed copies only, reverse", _a2a),
+    BackendSpec("low_latency", "ep", FLAT, True, (),
+                "fixed-capacity buffers, one packed equal-split all-to-all each way; no host sync "
+                "(CUDA-graph capturable); needs max_tokens_per_rank", _low_latency,
+                needs_max_tokens=True, graph_safe=True),
 ):
     register_backend(_spec)
 
 
 def support(backend: str, quant: QuantConfig, parallel: ParallelConfig, *, device: str | None = None,
-            has_side_group: bool | None = None, kernel_layouts: tuple[str, ...] | None = None) -> tuple[bool, str]:
+            has_side_group: bool | None = None, kernel_layouts: tuple[str, ...] | None = None,
+            has_max_tokens: bool | None = None) -> tuple[bool, str]:
     """(ok, reason) for running ``backend`` with ``quant`` under ``parallel``.
 
     The optional facts are checked when given: ``device`` (a device type) with
     ``has_side_group`` (whether ``ParallelGroups.side_group`` exists) against ``side_group_on``;
-    ``kernel_layouts`` (the expert kernel's ``layouts``) against the backend's ``output``.
+    ``kernel_layouts`` (the expert kernel's ``layouts``) against the backend's ``output``;
+    ``has_max_tokens`` (whether the layer has ``max_tokens_per_rank``) against
+    ``needs_max_tokens``.
     """
     spec = BACKENDS.get(backend)
     if spec is None:
@@ -123,6 +143,9 @@ def support(backend: str, quant: QuantConfig, parallel: ParallelConfig, *, devic
         return False, (f"{backend} on {device} needs a gloo side channel for its counts, but "
                        "ParallelGroups.side_group is None; build the groups with "
                        "ParallelGroups.build(config, side_channel=True)")
+    if has_max_tokens is False and spec.needs_max_tokens:
+        return False, (f"{backend} keeps fixed-capacity buffers: give MoELayer(max_tokens_per_rank=...), the most "
+                       "tokens one forward hands a rank")
     if kernel_layouts is not None and spec.output not in kernel_layouts:
         return False, (f"{backend} hands the experts {spec.output!r} rows, but the expert kernel accepts "
                        f"{list(kernel_layouts)}")

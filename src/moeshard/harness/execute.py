@@ -65,7 +65,9 @@ def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups
     weights = case_weights(cfg, case.seed)
     xs = case_tokens(cfg, case.seed, case.tokens)
     dp_rank = p.dp_rank(rank)
-    layer = layer_factory(cfg, quant=case.quant, groups=groups, backend=case.backend, weights=weights, device=device)
+    # The most tokens any DP rank holds: a fixed-capacity backend sizes its buffers from it.
+    layer = layer_factory(cfg, quant=case.quant, groups=groups, backend=case.backend, weights=weights, device=device,
+                          max_tokens_per_rank=max(max(case.tokens), 1))
     out = layer(xs[dp_rank].to(device)).cpu()
 
     if p.enable_ep:  # one quantization domain: every DP rank's tokens, in DP order

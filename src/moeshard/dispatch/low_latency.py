@@ -1,0 +1,146 @@
+"""``low_latency``: fixed-capacity dispatch with no host synchronisation and no side channel.
+
+    dispatch: every (token, k) pair gets a slot in its destination rank's block of a send buffer
+              [P, C, row] (C = rows a rank can send to one peer, fixed by the configuration);
+              one pack writes each pair's row, row scales and local expert id into its slot
+              (unused slots carry id -1); one equal-split all-to-all moves the whole buffer.
+    combine:  the experts' outputs go back by the reverse equal-split all-to-all, slot for slot;
+              the source rank gathers its pairs' rows and sums them over k, weighted, in fp32.
+
+Nothing is read back to the host and every collective has a size fixed by the configuration, so
+the layer's forward under EP and SP can be captured in a CUDA graph: ranks may even replay
+graphs captured at different token counts (0 included), since their collectives still match.
+The cost is traffic: the whole buffer moves, used or not (C = max_tokens * min(top_k, E_l) rows
+per peer, the worst case of routing). Runs on gloo as on NCCL (bytes travel as uint8).
+
+The experts receive ``FLAT`` rows, P * C of them, the unused ones with expert id -1 (padding).
+Buffers are kept by the backend and allocated on the first call (their shapes follow from the
+configuration, so they never change).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moeshard.config import MoEConfig, QuantConfig
+from moeshard.dispatch.base import Dispatched
+from moeshard.dispatch.payload import Payload, prepare
+from moeshard.parallel.groups import ParallelGroups
+from moeshard.router import Routing
+
+ALIGN = 16  # every section of a slot starts on a 16-byte boundary (vector loads, dtype views)
+ID_BYTES = 4  # int32 local expert id
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _bytes(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """[T, ...] of any dtype as uint8 [T, row_bytes] (flattened first: a size-1 last dimension
+    may carry any stride, which a dtype view refuses)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).view(t.shape[0], row_bytes)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Byte layout of one slot: data [0, data), row scales [scale_at, scale_at + scale),
+    int32 expert id at id_at; ``row`` bytes in all (a multiple of 16)."""
+
+    data: int
+    scale_at: int
+    scale: int
+    id_at: int
+    row: int
+
+    @staticmethod
+    def of(payload: Payload) -> SlotLayout:
+        data = payload.rows.shape[1] * payload.rows.element_size()
+        scale = 0 if payload.row_scale is None else payload.row_scale.shape[1] * payload.row_scale.element_size()
+        scale_at = _up(data)
+        id_at = _up(scale_at + scale)
+        return SlotLayout(data, scale_at, scale, id_at, _up(id_at + ID_BYTES))
+
+
+@dataclass(frozen=True)
+class LowLatencyState:
+    """slot: int64 [T*K] slot of each (token, k) pair in the P*C rows; weights: fp32 [T, K]."""
+
+    slot: torch.Tensor
+    weights: torch.Tensor
+
+
+class LowLatencyBackend:
+    """cfg, quant: the layer's; groups: with EP on; max_tokens: the most rows this rank routes in
+    one forward (the layer's ``max_tokens_per_rank``, divided over the TP ranks under SP)."""
+
+    name = "low_latency"
+
+    def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups, max_tokens: int) -> None:
+        if groups is None or groups.ep_group is None:
+            raise ValueError("low_latency: needs expert parallelism (ParallelConfig.enable_ep=True)")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"low_latency (rank {groups.rank}): max_tokens must be an int >= 1 (the layer's "
+                             f"max_tokens_per_rank), got {max_tokens!r}")
+        self.groups, self.quant, self.max_tokens = groups, quant, max_tokens
+        self.peers = groups.config.ep_size
+        self.experts_per_rank = cfg.num_experts // self.peers
+        self.top_k, self.hidden = cfg.top_k, cfg.hidden_size
+        # A token's K experts are distinct, and at most E_l of them live on one peer.
+        self.capacity = max_tokens * min(cfg.top_k, self.experts_per_rank)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, name: str, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[1] != cols or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(self.peers * self.capacity, cols, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf
+
+    def _slots(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot int64 [T*K], local expert id int32 [T*K]): pair i goes to row slot[i] of the
+        P*C send rows, the position among the pairs for the same peer, in (token, k) order."""
+        ids = routing.topk_ids.reshape(-1)
+        dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")
+        onehot = F.one_hot(dest, self.peers)
+        pos = (onehot.cumsum(0) - onehot).gather(1, dest.unsqueeze(1)).squeeze(1)
+        return dest * self.capacity + pos, (ids - dest * self.experts_per_rank).to(torch.int32)
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
+        T, K = routing.topk_ids.shape
+        if T > self.max_tokens:
+            raise ValueError(f"low_latency (rank {self.groups.rank}): {T} tokens to route, but the buffers hold "
+                             f"max_tokens={self.max_tokens} per rank")
+        p = prepare(x, self.quant, self.groups.ep_group)
+        layout = SlotLayout.of(p)
+        send = self._buffer("send", layout.row, torch.uint8, x.device)
+        recv = self._buffer("recv", layout.row, torch.uint8, x.device)
+        ids_view = send[:, layout.id_at:layout.id_at + ID_BYTES].view(torch.int32)[:, 0]
+        ids_view.fill_(-1)
+        slot, local = self._slots(routing)
+        token = torch.arange(T * K, device=x.device) // K
+        send[slot, :layout.data] = _bytes(p.rows, layout.data)[token]
+        if p.row_scale is not None:
+            send[slot, layout.scale_at:layout.scale_at + layout.scale] = _bytes(p.row_scale, layout.scale)[token]
+        ids_view[slot] = local
+        dist.all_to_all_single(recv, send, group=self.groups.ep_group)
+        rows = recv[:, :layout.data].view(p.rows.dtype)
+        scale = None
+        if p.row_scale is not None:
+            scale = recv[:, layout.scale_at:layout.scale_at + layout.scale].view(p.row_scale.dtype)
+        expert_ids = recv[:, layout.id_at:layout.id_at + ID_BYTES].view(torch.int32).squeeze(1).long()
+        inp = p.expert_input(rows, scale, expert_ids)
+        return Dispatched(inp, LowLatencyState(slot, routing.topk_weights.float()))
+
+    def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """y: [P*C, H] (padding rows unspecified) -> fp32 [T, H]."""
+        s = dispatched.state
+        back = self._buffer("back", y.shape[1], y.dtype, y.device)
+        dist.all_to_all_single(back, y.contiguous(), group=self.groups.ep_group)
+        T, K = s.weights.shape
+        rows = back[s.slot].view(T, K, y.shape[1]).float()
+        return (rows * s.weights.unsqueeze(-1)).sum(dim=1)
