@@ -151,6 +151,13 @@ def test_combine_topk():
     w = torch.rand(4, 3)
     ref = (y.view(4, 3, 40).double() * w.double()[..., None]).sum(1)
     assert (combine_topk(y, w).double() - ref).abs().max() < 1e-5
+    # Gathered rows, as backends that receive results in another order use it; rows that no
+    # pair names hold NaN and must never be read.
+    rows = torch.tensor([[7, 0, 3], [11, 2, 5], [1, 9, 4], [6, 10, 8]])
+    padded = torch.full((14, 40), float("nan"), dtype=torch.bfloat16)
+    padded[rows.reshape(-1)] = y
+    ref = (y.view(4, 3, 40).double() * w.double()[..., None]).sum(1)
+    assert (combine_topk(padded, w, rows).double() - ref).abs().max() < 1e-5
 
 
 def test_local_backend_round_trip():

@@ -1,9 +1,10 @@
 """``all2all``: send each routed copy only to the rank that owns its expert.
 
     dispatch: sort the T*K (token, k) pairs by destination rank; exchange per-destination counts;
-              uneven all-to-all of the rows, their scales and their local expert ids.
-    combine:  the reverse all-to-all of the expert outputs (model dtype), then the weighted sum
-              on the source rank in fp32.
+              pack each pair's row, scales and local expert id into one slot (``packing``);
+              one uneven all-to-all of the slots.
+    combine:  the reverse all-to-all of the expert outputs (model dtype), then one pass that
+              sums each token's K rows, weighted, in fp32 (deterministic).
 
 Least traffic. Split sizes must be known on the host, so counts are read back once per
 dispatch. On CUDA the counts travel over a gloo side channel (``ParallelGroups.side_group``),
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.base import Dispatched, weighted_sum
+from moeshard.dispatch.base import Dispatched, combine_rows
+from moeshard.dispatch.packing import SlotLayout, pack, unpack
 from moeshard.dispatch.payload import prepare
 from moeshard.parallel.collectives import all_to_allv, exchange_counts
 from moeshard.parallel.groups import ParallelGroups
@@ -27,14 +29,13 @@ from moeshard.router import Routing
 
 @dataclass(frozen=True)
 class All2AllState:
-    """token_of_row: int64 [T*K] source token of each sent row (in send order);
-    weights: fp32 [T*K] their combine weights; send/recv: rows per EP rank; num_tokens: T."""
+    """row_of_pair: int64 [T, K] the row of each (token, k) pair in send order (where its
+    result comes back); weights: fp32 [T, K]; send/recv: rows per EP rank."""
 
-    token_of_row: torch.Tensor
+    row_of_pair: torch.Tensor
     weights: torch.Tensor
     send: list[int]
     recv: list[int]
-    num_tokens: int
 
 
 class All2AllBackend:
@@ -69,16 +70,17 @@ class All2AllBackend:
         ids = routing.topk_ids.reshape(-1)
         dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
-        token_of_row = torch.div(order, K, rounding_mode="floor")
+        layout = SlotLayout.of(p)
+        slots = torch.empty(T * K, layout.row, dtype=torch.uint8, device=x.device)
+        pack(slots, torch.arange(T * K, device=x.device), p, torch.div(order, K, rounding_mode="floor"),
+             ids[order] - dest[order] * self.experts_per_rank, layout)
         send, recv = self._counts(dest)
-        recv_x = self._exchange(p.rows.index_select(0, token_of_row), send, recv)
-        recv_scale = None if p.row_scale is None else self._exchange(p.row_scale.index_select(0, token_of_row), send, recv)
-        local_ids = ids[order] - dest[order] * self.experts_per_rank
-        recv_ids = self._exchange(local_ids, send, recv)
-        weights = routing.topk_weights.reshape(-1)[order]
-        return Dispatched(p.expert_input(recv_x, recv_scale, recv_ids), All2AllState(token_of_row, weights, send, recv, T))
+        rows, scale, expert_ids = unpack(self._exchange(slots, send, recv), p, layout)
+        row_of_pair = torch.empty_like(order)
+        row_of_pair[order] = torch.arange(T * K, device=x.device)
+        state = All2AllState(row_of_pair.view(T, K), routing.topk_weights, send, recv)
+        return Dispatched(p.expert_input(rows, scale, expert_ids), state)
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         s = dispatched.state
-        back = self._exchange(y, s.recv, s.send)
-        return weighted_sum(back, s.weights, s.token_of_row, s.num_tokens)
+        return combine_rows(self._exchange(y, s.recv, s.send), s.row_of_pair, s.weights)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from moeshard.experts.base import ExpertInput
+from moeshard.kernels import triton_importable
 from moeshard.router import Routing
 
 
@@ -52,6 +53,20 @@ class DispatchBackend(Protocol):
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y: [M, H] expert outputs for ``dispatched.input``'s rows -> fp32 [T, H] weighted sums."""
         ...
+
+
+def combine_rows(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, H]: ``out[t] = sum_k weights[t, k] * y[rows[t, k]]``, summed over k in order
+    (deterministic), in one pass on CUDA (``moeshard.kernels.combine``).
+
+    y: [R, H] expert outputs (rows not named in ``rows`` are never read, so they may hold
+    anything); rows: int64 [T, K]; weights: fp32 [T, K].
+    """
+    if y.is_cuda and triton_importable()[0]:
+        from moeshard.kernels.combine import combine_topk
+        return combine_topk(y, weights.float().contiguous(), rows.contiguous())
+    T, K = rows.shape
+    return (y[rows.reshape(-1)].view(T, K, y.shape[1]).float() * weights.float().unsqueeze(-1)).sum(dim=1)
 
 
 def weighted_sum(y_rows: torch.Tensor, weights: torch.Tensor, token_of_row: torch.Tensor,

@@ -27,48 +27,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.base import Dispatched
-from moeshard.dispatch.payload import Payload, prepare
+from moeshard.dispatch.base import Dispatched, combine_rows
+from moeshard.dispatch.packing import SlotLayout, pack, unpack
+from moeshard.dispatch.payload import prepare
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
 
-ALIGN = 16  # every section of a slot starts on a 16-byte boundary (vector loads, dtype views)
-ID_BYTES = 4  # int32 local expert id
-
-
-def _up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _bytes(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """[T, ...] of any dtype as uint8 [T, row_bytes] (flattened first: a size-1 last dimension
-    may carry any stride, which a dtype view refuses)."""
-    return t.contiguous().reshape(-1).view(torch.uint8).view(t.shape[0], row_bytes)
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """Byte layout of one slot: data [0, data), row scales [scale_at, scale_at + scale),
-    int32 expert id at id_at; ``row`` bytes in all (a multiple of 16)."""
-
-    data: int
-    scale_at: int
-    scale: int
-    id_at: int
-    row: int
-
-    @staticmethod
-    def of(payload: Payload) -> SlotLayout:
-        data = payload.rows.shape[1] * payload.rows.element_size()
-        scale = 0 if payload.row_scale is None else payload.row_scale.shape[1] * payload.row_scale.element_size()
-        scale_at = _up(data)
-        id_at = _up(scale_at + scale)
-        return SlotLayout(data, scale_at, scale, id_at, _up(id_at + ID_BYTES))
-
-
 @dataclass(frozen=True)
 class LowLatencyState:
-    """slot: int64 [T*K] slot of each (token, k) pair in the P*C rows; weights: fp32 [T, K]."""
+    """slot: int64 [T, K] slot of each (token, k) pair in the P*C rows; weights: fp32 [T, K]."""
 
     slot: torch.Tensor
     weights: torch.Tensor
@@ -119,28 +86,16 @@ class LowLatencyBackend:
         layout = SlotLayout.of(p)
         send = self._buffer("send", layout.row, torch.uint8, x.device)
         recv = self._buffer("recv", layout.row, torch.uint8, x.device)
-        ids_view = send[:, layout.id_at:layout.id_at + ID_BYTES].view(torch.int32)[:, 0]
-        ids_view.fill_(-1)
+        layout.ids(send).fill_(-1)
         slot, local = self._slots(routing)
-        token = torch.arange(T * K, device=x.device) // K
-        send[slot, :layout.data] = _bytes(p.rows, layout.data)[token]
-        if p.row_scale is not None:
-            send[slot, layout.scale_at:layout.scale_at + layout.scale] = _bytes(p.row_scale, layout.scale)[token]
-        ids_view[slot] = local
+        pack(send, slot, p, torch.arange(T * K, device=x.device) // K, local, layout)
         dist.all_to_all_single(recv, send, group=self.groups.ep_group)
-        rows = recv[:, :layout.data].view(p.rows.dtype)
-        scale = None
-        if p.row_scale is not None:
-            scale = recv[:, layout.scale_at:layout.scale_at + layout.scale].view(p.row_scale.dtype)
-        expert_ids = recv[:, layout.id_at:layout.id_at + ID_BYTES].view(torch.int32).squeeze(1).long()
-        inp = p.expert_input(rows, scale, expert_ids)
-        return Dispatched(inp, LowLatencyState(slot, routing.topk_weights.float()))
+        rows, scale, expert_ids = unpack(recv, p, layout)
+        return Dispatched(p.expert_input(rows, scale, expert_ids), LowLatencyState(slot.view(T, K), routing.topk_weights))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y: [P*C, H] (padding rows unspecified) -> fp32 [T, H]."""
         s = dispatched.state
         back = self._buffer("back", y.shape[1], y.dtype, y.device)
         dist.all_to_all_single(back, y.contiguous(), group=self.groups.ep_group)
-        T, K = s.weights.shape
-        rows = back[s.slot].view(T, K, y.shape[1]).float()
-        return (rows * s.weights.unsqueeze(-1)).sum(dim=1)
+        return combine_rows(back, s.slot, s.weights)
