@@ -69,3 +69,27 @@ def test_report_renders(committed, tmp_path):
     else:
         assert report.plot(committed, tmp_path / "r.png") is None
         assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_distributed_bench_plan_runs_on_cpu_ranks(tmp_path, capsys):
+    """``--world-size`` on gloo ranks: the plan, the per-rank timing, the merge across ranks, the
+    ratios and the report run end to end (the figures themselves mean nothing on CPUs)."""
+    out = tmp_path / "dist.json"
+    code = cli.main(["bench", "--world-size", "2", "--device", "cpu", "--size", "small", "--models", "deepseek-v3",
+                     "--quants", "fp8_block", "--decode-tokens", "1", "--prefill-tokens", "5", "--reps", "1",
+                     "--runs", "DP,EP2 low_latency,SP2 all2all", "--json", str(out), "--quiet"])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    runs = {(r["run"], r["tokens"]) for r in doc["records"]}
+    assert runs == {(run, t) for run in ("1 GPU", "DP", "EP2 low_latency", "SP2 all2all") for t in (1, 5)}
+    for r in doc["records"]:
+        assert r["layer_ms"] > 0 and set(r["per_rank_ms"]) == {"0", "1"}, r
+        if r["run"] != "DP":
+            assert r["ratios"]["vs_dp"] > 0
+        if r["run"].startswith(("EP2", "SP2")):
+            assert r["dispatch_ms"] > 0 and r["combine_ms"] > 0 and r["raw_dispatch_ms"] > 0
+            rows = r["tokens"] if r["run"].startswith("EP2") else -(-r["tokens"] // 2)
+            assert r["dispatch_bytes"] == rows * 4 * (128 + 4)  # top-4 of 16; fp8 H=128 + one fp32 scale per 128
+            assert r["combine_bytes"] == rows * 4 * 128 * 2
+    printed = capsys.readouterr().out
+    assert "layer per rank" in printed and "EP2 low_latency" in printed and "raw a2a" in printed

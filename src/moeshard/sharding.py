@@ -69,15 +69,12 @@ def _cat_rows(a: Weight, b: Weight) -> Weight:
     return QuantizedWeight.cat_out([a, b]) if isinstance(a, QuantizedWeight) else torch.cat([a, b], dim=1)
 
 
-def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
-                  spec: ShardSpec) -> ExpertWeights:
-    """gate_up: [E, 2I, H], down: [E, H, I] full-precision full weights (any float dtype; experts
-    outside the spec may be absent only if the caller passes the selected experts themselves,
-    i.e. E == expert_stop - expert_start). Returns this rank's ``ExpertWeights``."""
-    spec.validate(cfg, quant)
-    if gate_up.shape[0] == cfg.num_experts:
-        gate_up = gate_up[spec.expert_start:spec.expert_stop]
-        down = down[spec.expert_start:spec.expert_stop]
+# Experts quantized per step: bounds the fp32 temporaries of quantization to a few experts.
+EXPERT_CHUNK = 8
+
+
+def _shard_chunk(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
+                 spec: ShardSpec) -> tuple[Weight, Weight]:
     # copy=True: the layer owns its weights; it must never alias (and later mutate) the caller's.
     gate_up = gate_up.to(cfg.dtype, copy=True).contiguous()
     down = down.to(cfg.dtype, copy=True).contiguous()
@@ -93,4 +90,26 @@ def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, qua
         dn = _slice_cols(dn, lo, hi)
         if not quant.quantized:
             gu, dn = gu.contiguous(), dn.contiguous()
-    return ExpertWeights(gu, dn, quant.scheme)
+    return gu, dn
+
+
+def _cat_experts(parts: list[Weight]) -> Weight:
+    if isinstance(parts[0], QuantizedWeight):
+        return QuantizedWeight.cat_experts(parts)  # type: ignore[arg-type]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
+                  spec: ShardSpec) -> ExpertWeights:
+    """gate_up: [E, 2I, H], down: [E, H, I] full-precision full weights (any float dtype; experts
+    outside the spec may be absent only if the caller passes the selected experts themselves,
+    i.e. E == expert_stop - expert_start). Returns this rank's ``ExpertWeights``. Experts are
+    converted and quantized ``EXPERT_CHUNK`` at a time, so the temporaries stay small next to
+    the weights themselves (full-size models on one GPU)."""
+    spec.validate(cfg, quant)
+    if gate_up.shape[0] == cfg.num_experts:
+        gate_up = gate_up[spec.expert_start:spec.expert_stop]
+        down = down[spec.expert_start:spec.expert_stop]
+    parts = [_shard_chunk(gate_up[e:e + EXPERT_CHUNK], down[e:e + EXPERT_CHUNK], cfg, quant, spec)
+             for e in range(0, gate_up.shape[0], EXPERT_CHUNK)]
+    return ExpertWeights(_cat_experts([gu for gu, _ in parts]), _cat_experts([dn for _, dn in parts]), quant.scheme)

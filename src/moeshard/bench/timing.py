@@ -10,6 +10,7 @@ counted; eager timing is kept for code that cannot be captured (the per-expert l
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,6 +39,19 @@ class L2Flush:
 
     def __call__(self) -> None:
         self.buffer.zero_()
+
+
+def time_host(fn: Callable[[], object], *, warmup: int, reps: int) -> Timing:
+    """Wall-clock timing of ``fn`` on the host (CPU ranks: the distributed bench's plumbing runs
+    there too; its figures say nothing about GPUs)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return Timing(statistics.median(times), min(times), max(times), reps)
 
 
 def time_cuda(fn: Callable[[], object], *, warmup: int, reps: int, flush: L2Flush | None) -> Timing:

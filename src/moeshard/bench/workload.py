@@ -52,10 +52,10 @@ def _randn(shape: tuple[int, ...], std: float, gen: torch.Generator, device: tor
     return out
 
 
-def make_model(name: str, device: torch.device, seed: int = 0) -> ModelOnDevice:
-    """The preset's full-size block with std 1/sqrt(fan_in) weights (router 2/sqrt(H), as
-    ``MoEWeights.random``), generated on ``device``."""
-    cfg = get_preset(name).config("full", torch.bfloat16)
+def make_model(name: str, device: torch.device, seed: int = 0, size: str = "full") -> ModelOnDevice:
+    """The preset's block (full size unless ``size`` says otherwise) with std 1/sqrt(fan_in)
+    weights (router 2/sqrt(H), as ``MoEWeights.random``), generated on ``device``."""
+    cfg = get_preset(name).config(size, torch.bfloat16)
     E, H, I, S = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.shared_width
     gen = torch.Generator(device=device).manual_seed(seed)
     shared = cfg.has_shared_experts

@@ -1,7 +1,9 @@
 """``moeshard bench``: GPU performance of the expert kernels and the whole layer.
 
 Every figure comes with ratios against ceilings and baselines measured in the same run: dense
-bf16 matmul (8192^3), device copy bandwidth, ``torch._grouped_mm``, a per-expert loop.
+bf16 matmul (8192^3), device copy bandwidth, ``torch._grouped_mm``, a per-expert loop. With
+``--world-size N`` (or under torchrun) the layer runs across N GPUs per layout x backend x quant,
+against the raw NCCL all-to-all, DP without EP and one GPU (``moeshard.bench.distributed``).
 Refuses to run without CUDA (exit code 2).
 """
 
@@ -21,8 +23,20 @@ def add_parser(sub) -> None:
                                    "weight GB/s and ratios against figures measured in the same run.")
     p.add_argument("--models", default=None, help="comma list of presets (default: mixtral-8x7b,qwen3-30b-a3b,deepseek-v3)")
     p.add_argument("--quants", default=None, help="comma list of none, fp8_tensor, fp8_token, fp8_block, nvfp4 (default: all)")
-    p.add_argument("--prefill-tokens", default="4096,16384", help="comma list of prefill token counts")
-    p.add_argument("--decode-tokens", default="1,16,64,128", help="comma list of decode token counts")
+    p.add_argument("--prefill-tokens", default=None, help="comma list of prefill token counts (default 4096,16384; "
+                                                          "with --world-size 1024,4096,16384 per rank)")
+    p.add_argument("--decode-tokens", default=None, help="comma list of decode token counts (default 1,16,64,128; "
+                                                         "with --world-size 1,16,128 per rank)")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="run the layer across N GPUs (one process each) per layout x backend x quant")
+    p.add_argument("--runs", default=None, help="with --world-size: comma list of run names (e.g. 'DP,EP2 low_latency')")
+    p.add_argument("--no-graphs", action="store_true", help="with --world-size: eager timing only")
+    p.add_argument("--timeout", type=float, default=3600.0, help="with --world-size: seconds the whole run may take")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="with --world-size: cpu runs the same plan on gloo ranks (checks the plumbing; its times say "
+                        "nothing about GPUs)")
+    p.add_argument("--size", choices=("full", "medium", "small"), default="full",
+                   help="with --world-size: preset size (default full)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions at prefill (decode: 4x)")
     p.add_argument("--no-layer", action="store_true", help="time the experts only, not the whole layer")
     p.add_argument("--no-baselines", action="store_true", help="skip torch._grouped_mm, portable and loop baselines")
@@ -36,11 +50,18 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from moeshard.parallel.spawn import launched_by_torchrun
+
+    distributed = args.world_size is not None or launched_by_torchrun()
+    if distributed and args.device == "cpu":
+        return _run_distributed(args)
     device = require_cuda()  # before any import that needs a GPU: a clear refusal, exit code 2
+    if distributed:
+        return _run_distributed(args)
     from moeshard.bench import report, runner, targets, tune
 
-    fields = {"prefill_tokens": ints(args.prefill_tokens, "--prefill-tokens"),
-              "decode_tokens": ints(args.decode_tokens, "--decode-tokens"),
+    fields = {"prefill_tokens": ints(args.prefill_tokens or "4096,16384", "--prefill-tokens"),
+              "decode_tokens": ints(args.decode_tokens or "1,16,64,128", "--decode-tokens"),
               "prefill_reps": args.reps, "decode_reps": 4 * args.reps, "layer": not args.no_layer,
               "baselines": not args.no_baselines, "seed": args.seed}
     if args.models:
@@ -71,6 +92,87 @@ def run(args) -> int:
         report.write_json(result, args.json)
     if args.plot and result.get("records"):
         why = report.plot(result, args.plot)
+        if why:
+            print(f"moeshard bench: no plot: {why}", file=sys.stderr)
+    return 0
+
+
+def _dist_options(args, world: int):
+    from moeshard.bench.distributed import DistOptions
+
+    fields: dict = {"world_size": world, "reps": args.reps * 2, "graphs": not args.no_graphs, "seed": args.seed,
+                    "device": args.device, "size": args.size}
+    if args.models:
+        fields["models"] = names(args.models)
+    if args.quants:
+        fields["quants"] = names(args.quants)
+    if args.decode_tokens:
+        fields["decode_tokens"] = ints(args.decode_tokens, "--decode-tokens")
+    if args.prefill_tokens:
+        fields["prefill_tokens"] = ints(args.prefill_tokens, "--prefill-tokens")
+    if args.runs:
+        fields["runs"] = tuple(r.strip() for r in args.runs.split(",") if r.strip())
+    opts = DistOptions(**fields)
+    opts.validate()
+    return opts
+
+
+def _dist_rank(opts, quiet: bool) -> list[dict]:
+    """Entry of one rank (spawned, or under torchrun)."""
+    import torch.distributed as dist
+
+    from moeshard.bench.distributed import rank_records
+
+    started = time.time()
+
+    def progress(line: str) -> None:
+        if not quiet and dist.get_rank() == 0:
+            print(f"[{time.time() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
+
+    return rank_records(opts, progress)
+
+
+def _run_distributed(args) -> int:
+    from dataclasses import asdict
+
+    import torch
+    import torch.distributed as dist
+
+    from moeshard.bench import dist_report, report
+    from moeshard.bench.device import describe
+    from moeshard.bench.distributed import derive, merge
+    from moeshard.parallel.spawn import destroy, init_from_env, launched_by_torchrun, spawn
+
+    started = time.time()
+    if launched_by_torchrun():
+        init_from_env(backend="nccl" if args.device == "cuda" else "gloo")
+        try:
+            opts = _dist_options(args, dist.get_world_size())
+            mine = _dist_rank(opts, args.quiet)
+            per_rank: list = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, mine)  # our own records, between our own ranks
+            if dist.get_rank() != 0:
+                return 0
+        finally:
+            destroy()
+    else:
+        opts = _dist_options(args, args.world_size)
+        if opts.device == "cuda" and torch.cuda.device_count() < opts.world_size:
+            raise ValueError(f"--world-size {opts.world_size} needs {opts.world_size} GPUs, "
+                             f"{torch.cuda.device_count()} are visible")
+        per_rank = spawn(_dist_rank, opts.world_size, args=(opts, args.quiet), device=opts.device,
+                         timeout_s=args.timeout)
+    records = merge(per_rank)
+    derive(records)
+    machine = describe(torch.device("cuda", 0)) if opts.device == "cuda" else {
+        "name": f"CPU ranks (gloo), torch {torch.__version__}", "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {"command": "moeshard " + " ".join(sys.argv[1:]), "world_size": opts.world_size, "device": machine,
+              "options": asdict(opts), "records": records, "seconds": round(time.time() - started, 1)}
+    dist_report.print_tables(result)
+    if args.json:
+        report.write_json(result, args.json)
+    if args.plot:
+        why = dist_report.plot(result, args.plot)
         if why:
             print(f"moeshard bench: no plot: {why}", file=sys.stderr)
     return 0

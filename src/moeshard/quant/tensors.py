@@ -219,6 +219,21 @@ class QuantizedWeight:
         return first._replace(data, _own(scale), None if first.global_scale is None else _own(first.global_scale),
                               (e, n_total, k))
 
+    @staticmethod
+    def cat_experts(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Concatenates ``parts`` along E (experts quantized in chunks); scheme, N and K must match."""
+        if not parts:
+            raise ValueError("QuantizedWeight.cat_experts: parts is empty")
+        first = parts[0]
+        _, n, k = first.shape
+        for i, p in enumerate(parts):
+            if p.scheme != first.scheme or p.shape[1:] != (n, k):
+                raise ValueError(f"QuantizedWeight.cat_experts: parts[{i}] is {p.scheme!r} (E, N, K)={p.shape}, "
+                                 f"parts[0] is {first.scheme!r} {first.shape}; scheme, N and K must match")
+        glob = None if first.global_scale is None else _cat([p.global_scale for p in parts], dim=0)
+        return first._replace(_cat([p.data for p in parts], dim=0), _cat([p.scale for p in parts], dim=0), glob,
+                              (sum(p.shape[0] for p in parts), n, k))
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
         """The same weight on ``device``."""
         glob = None if self.global_scale is None else self.global_scale.to(device)
