@@ -302,7 +302,8 @@ class MoELayer(nn.Module):
                 shared = self._shared(x)
             out = self._routed(x)
             main.wait_stream(side)
-            shared.record_stream(main)
+            if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
+                shared.record_stream(main)
         else:
             out = self._routed(x)
             if self.shared_experts is not None:

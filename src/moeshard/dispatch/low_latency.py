@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.base import Dispatched, combine_rows
@@ -73,7 +72,8 @@ class LowLatencyBackend:
         P*C send rows, the position among the pairs for the same peer, in (token, k) order."""
         ids = routing.topk_ids.reshape(-1)
         dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")
-        onehot = F.one_hot(dest, self.peers)
+        # (not F.one_hot: on CUDA it checks the values' range, a host synchronisation)
+        onehot = (dest.unsqueeze(1) == torch.arange(self.peers, device=dest.device)).long()
         pos = (onehot.cumsum(0) - onehot).gather(1, dest.unsqueeze(1)).squeeze(1)
         return dest * self.capacity + pos, (ids - dest * self.experts_per_rank).to(torch.int32)
 

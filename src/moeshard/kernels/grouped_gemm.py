@@ -49,6 +49,7 @@ from moeshard.kernels.configs import GemmConfig
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 
 ACTIVATION = {"silu": 0, "gelu": 1}
+FP8_ACC_MODES = {"split": 0, "promote": 1, "imprecise": 2}
 
 
 @triton.jit
@@ -113,6 +114,7 @@ def moe_gemm_kernel(
         QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
+        FP8_ACC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -210,10 +212,18 @@ def moe_gemm_kernel(
                 if FUSE_ACT:
                     wu_s = tl.load(ws_base + ((offs_wn + up_offset) // 128) * stride_wsn)
                     acc_up += tl.dot(a, tl.trans(b_up.to(tl.float16))) * a_s[:, None] * wu_s[None, :]
-        elif QUANT != 3:
+        elif QUANT != 3 and FP8_ACC == 0:
             acc += tl.dot(a, tl.trans(b))
             if FUSE_ACT:
                 acc_up += tl.dot(a, tl.trans(b_up))
+        elif QUANT != 3 and FP8_ACC == 1:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            if FUSE_ACT:
+                acc_up = tl.dot(a, tl.trans(b_up), acc_up, max_num_imprecise_acc=BLOCK_K)
+        elif QUANT != 3:
+            acc = tl.dot(a, tl.trans(b), acc)
+            if FUSE_ACT:
+                acc_up = tl.dot(a, tl.trans(b_up), acc_up)
         else:
             kb = k0 // 128
             a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
@@ -316,7 +326,8 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | QuantizedWeight, plan: RowAlignment,
              out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
-             amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1) -> torch.Tensor:
+             amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
+             fp8_acc: str = "split") -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -333,7 +344,14 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
        BLOCK_K step (the fp32 sum across steps is exact).
     a_row_div: ``ExpertInput.repeat``: how many consecutive routed rows share one row of a
        (gather only; 1 otherwise).
+    fp8_acc: how the per-tensor / per-row fp8 GEMMs (modes 1, 2) accumulate on the fp8 tensor
+       cores: "split" (a fresh fp32 tile per BLOCK_K step, added in fp32), "promote" (one
+       accumulator, promoted to fp32 every BLOCK_K terms by the MMA lowering: the same contract),
+       "imprecise" (the tensor cores' reduced-precision accumulation across all of K, as Triton
+       does by default on Hopper). fp8_block always scales per 128-column step.
     """
+    if fp8_acc not in FP8_ACC_MODES:
+        raise ValueError(f"moe_gemm: fp8_acc {fp8_acc!r} is not one of {list(FP8_ACC_MODES)}")
     a_rows = a.shape[0]
     if not isinstance(a_row_div, int) or isinstance(a_row_div, bool) or a_row_div < 1:
         raise ValueError(f"moe_gemm: a_row_div must be an int >= 1, got {a_row_div!r}")
@@ -377,7 +395,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         out.stride(0), out.stride(1),
         QUANT=w_mode, FUSE_ACT=fused, ACT=ACTIVATION[activation] if fused else 0,
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
-        TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3),
+        TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -1,0 +1,146 @@
+"""Where the fp8 expert kernels' time goes, and which variants move it (one H200).
+
+For each model, token count and scheme: every stage of ``TritonExperts`` timed alone (tile plan,
+gate_up GEMM, quantization of h, down GEMM) next to the whole call, each captured in a CUDA
+graph with an L2 flush before every repetition, with the weight bytes each GEMM reads. Then
+variants of the two GEMMs (tile shapes, warps, stages, and for the per-tensor / per-row schemes
+how the fp8 tensor cores accumulate: ``split``, ``promote``, ``imprecise``), each checked
+against the default variant's output (max relative difference) so that a fast wrong variant
+cannot win.
+
+    PYTHONPATH=src python3 scripts/fp8_study.py --json scripts/fp8_study_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, routed_input
+from moeshard.config import QuantConfig
+from moeshard.kernels.align import align_rows
+from moeshard.kernels.configs import GemmConfig as C
+from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.experts import TritonExperts
+from moeshard.kernels.grouped_gemm import moe_gemm
+from moeshard.kernels.quant import quantize_h
+from moeshard.quant import get_scheme
+
+CASES = (("mixtral-8x7b", (1, 16, 128, 4096)), ("deepseek-v3", (16, 128, 4096)))
+SCHEMES = ("none", "fp8_tensor", "fp8_block")
+DECODE = [C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4), C(64, 64, 128, 1, 4, 4), C(16, 64, 128, 1, 8, 4),
+          C(16, 32, 256, 1, 4, 4)]
+PREFILL = [C(128, 64, 128, 8, 8, 4, tma=True), C(64, 128, 128, 8, 4, 3), C(64, 128, 128, 8, 8, 3, tma=True),
+           C(128, 128, 64, 8, 8, 4, tma=True)]
+# Variants are swept where the issue's gaps are largest; every case gets the stage attribution.
+SWEEP = {("mixtral-8x7b", 16), ("mixtral-8x7b", 128), ("deepseek-v3", 128), ("mixtral-8x7b", 4096)}
+ACCS = ("split", "promote", "imprecise")
+
+
+def _ms(fn, flush, reps: int) -> float | str:
+    g = None
+    try:
+        g = graphed(fn)
+        return time_cuda(g, warmup=2, reps=reps, flush=flush).median_ms
+    except Exception as exc:  # a variant that does not compile or launch is a finding, not the end
+        torch.cuda.synchronize()
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    finally:
+        if g is not None:
+            g.release()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def study(name: str, tokens: int, scheme: str, model, flush, out: list, log) -> None:
+    device = model.gate_up.device
+    cfg = model.cfg
+    spec = get_scheme(scheme)
+    experts = experts_for(model, scheme)
+    x = hidden_states(model, tokens, tokens)
+    inp, _ = routed_input(model, x, QuantConfig(scheme))
+    M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    reps = 10 if tokens >= 1024 else 40
+    sel = select_config(M, E, H, I, scheme, multiprocessors(device.index))
+    amax = torch.empty(E, dtype=torch.float32, device=device) if spec.per_tensor_activation else None
+    plan = align_rows(inp.expert_ids, E, sel.block_m, amax=amax)
+    h = torch.empty(plan.padded_rows, I, dtype=cfg.dtype, device=device)
+    moe_gemm(inp.x, experts.gate_up, plan, h, sel.gate_up, activation=cfg.activation, gather=True, amax=amax,
+             a_row_div=inp.repeat)
+    hq = quantize_h(h, scheme, plan, amax) if spec.quantized else h
+    y = torch.empty(M, H, dtype=cfg.dtype, device=device)
+    moe_gemm(hq, experts.down, plan, y, sel.down, activation=None, gather=False)
+    active = int((torch.bincount(inp.expert_ids, minlength=E) > 0).sum())
+    w_bytes = bytes_per_expert(experts) * active
+    kernel = TritonExperts(cfg.activation, cfg.dtype)
+    rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M, "active": active, "weight_bytes": w_bytes,
+           "config": {"gate_up": sel.gate_up.as_dict(), "down": sel.down.as_dict()},
+           "experts_ms": _ms(lambda: kernel(inp, experts), flush, reps),
+           "align_ms": _ms(lambda: align_rows(inp.expert_ids, E, sel.block_m, amax=amax), flush, reps),
+           "gate_up_ms": _ms(lambda: moe_gemm(inp.x, experts.gate_up, plan, h, sel.gate_up, activation=cfg.activation,
+                                              gather=True, amax=amax, a_row_div=inp.repeat), flush, reps),
+           "quant_h_ms": _ms(lambda: quantize_h(h, scheme, plan, amax), flush, reps) if spec.quantized else 0.0,
+           "down_ms": _ms(lambda: moe_gemm(hq, experts.down, plan, y, sel.down, activation=None, gather=False),
+                          flush, reps),
+           "variants": []}
+    log(f"{name} T={tokens} {scheme}: experts {rec['experts_ms']} align {rec['align_ms']} gate_up {rec['gate_up_ms']} "
+        f"quant_h {rec['quant_h_ms']} down {rec['down_ms']} (GB {w_bytes / 1e9:.2f})")
+    y_ref = y.clone()
+    accs = ACCS if spec.kernel_mode in (1, 2) else ("split",)
+    sweep = (name, tokens) in SWEEP and spec.quantized
+    for c in (DECODE if tokens <= 128 else PREFILL) if sweep else ():
+        if c.block_m != sel.block_m:  # the plan (and h's padding) belongs to one BLOCK_M
+            plan_c = align_rows(inp.expert_ids, E, c.block_m, amax=amax)
+        else:
+            plan_c = plan
+        for acc in accs:
+            hv = torch.empty(plan_c.padded_rows, I, dtype=cfg.dtype, device=device)
+            yv = torch.empty(M, H, dtype=cfg.dtype, device=device)
+            ms_g = _ms(lambda: moe_gemm(inp.x, experts.gate_up, plan_c, hv, c, activation=cfg.activation, gather=True,
+                                        amax=amax, a_row_div=inp.repeat, fp8_acc=acc), flush, reps)
+            hqv = quantize_h(hv, scheme, plan_c, amax) if spec.quantized else hv
+            ms_d = _ms(lambda: moe_gemm(hqv, experts.down, plan_c, yv, c, activation=None, gather=False, fp8_acc=acc),
+                       flush, reps)
+            rel_y = _rel(yv, y_ref) if not isinstance(ms_d, str) else None
+            v = {"config": c.as_dict(), "fp8_acc": acc, "gate_up_ms": ms_g, "down_ms": ms_d, "y_rel_diff": rel_y}
+            rec["variants"].append(v)
+            log(f"   {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} tma={c.tma} {acc:9s}: "
+                f"gate_up {ms_g} down {ms_d} rel {rel_y}")
+    out.append(rec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--models", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda", 0)
+    flush = L2Flush(device)
+    out: list = []
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    for name, token_counts in CASES:
+        if args.models and name not in args.models.split(","):
+            continue
+        model = make_model(name, device)
+        for tokens in token_counts:
+            for scheme in SCHEMES:
+                study(name, tokens, scheme, model, flush, out, log)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

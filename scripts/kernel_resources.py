@@ -1,0 +1,96 @@
+"""Registers, spills and tensor-core instructions of the grouped GEMM's variants, without a GPU.
+
+Compiles ``moeshard.kernels.grouped_gemm.moe_gemm_kernel`` for Hopper (sm_90a) with the installed
+Triton, reads registers and stack frame of the cubin (``cuobjdump --dump-resource-usage``), counts local
+memory loads and stores (``LDL`` / ``STL``: spills) and the matrix instructions in its SASS
+(``HGMMA``: bf16/fp16 wgmma; ``QGMMA``: fp8 wgmma; ``HMMA``: mma.sync), for each tile shape and
+fp8 accumulation mode given below. Pointer-loaded weights only (TMA descriptors need a device).
+The Triton here may be newer than the GPU machine's, so treat small differences as noise.
+
+    python scripts/kernel_resources.py            # the table
+    python scripts/kernel_resources.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, moe_gemm_kernel
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+POINTERS = ("a_ptr", "a_scale_ptr", "a_global_ptr", "w_ptr", "w_scale_ptr", "w_global_ptr", "out_ptr", "amax_ptr",
+            "sorted_rows_ptr", "tile_expert_ptr", "start_ptr", "count_ptr")
+INTS = ("num_tiles", "N", "K", "N_w", "up_offset", "a_row_div", "stride_am", "stride_ak", "stride_asm", "stride_ask",
+        "stride_ag", "stride_we", "stride_wn", "stride_wk", "stride_wse", "stride_wsn", "stride_wsk", "stride_om",
+        "stride_on")
+# (name, quant mode, a/w element, fused gate_up)
+PROBLEMS = (("bf16 gate_up", 0, "bf16", True), ("bf16 down", 0, "bf16", False),
+            ("fp8_tensor gate_up", 1, "fp8e4nv", True), ("fp8_tensor down", 1, "fp8e4nv", False),
+            ("fp8_block gate_up", 3, "fp8e4nv", True), ("fp8_block down", 3, "fp8e4nv", False))
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4),
+         (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 4), (128, 128, 64, 8, 4),
+         (128, 128, 128, 8, 3))
+
+
+def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str) -> dict:
+    bm, bn, bk, warps, stages = tile
+    sig = {name: f"*{elt}" if name in ("a_ptr", "w_ptr") else "*fp32" for name in POINTERS}
+    sig["out_ptr"] = "*bf16"
+    sig["sorted_rows_ptr"] = sig["tile_expert_ptr"] = sig["start_ptr"] = sig["count_ptr"] = "*i32"
+    if quant in (1, 3):
+        sig["a_ptr"] = sig["w_ptr"] = "*fp8e4nv"
+    sig.update({name: "i32" for name in INTS})
+    consts = {"QUANT": quant, "FUSE_ACT": fused, "ACT": 0, "GATHER_A": fused, "SCATTER_OUT": not fused,
+              "TRACK_AMAX": False, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
+              "FP8_ACC": FP8_ACC_MODES[fp8_acc], "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
+    sig.update({name: "constexpr" for name in consts})
+    src = ASTSource(fn=moe_gemm_kernel, signature=sig, constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {"registers": int(regs.group(1)) if regs else -1, "stack_bytes": int(stack.group(1)) if stack else -1,
+            "shared": kernel.metadata.shared, "HGMMA": sass.count("HGMMA"), "QGMMA": sass.count("QGMMA"),
+            "HMMA": sass.count("HMMA"), "spill_loads": len(re.findall(r"\bLDL\b", sass)),
+            "spill_stores": len(re.findall(r"\bSTL\b", sass))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for name, quant, elt, fused in PROBLEMS:
+        for tile in TILES:
+            for fp8_acc in (("split", "promote", "imprecise") if quant == 1 else ("split",)):
+                try:
+                    r = compile_one(quant, elt, fused, tile, fp8_acc)
+                except Exception as exc:  # a tile the compiler refuses is a finding too
+                    r = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+                rows.append({"gemm": name, "tile": "x".join(map(str, tile[:3])), "warps": tile[3], "stages": tile[4],
+                             "fp8_acc": fp8_acc, **r})
+                print(f"{name:20s} {rows[-1]['tile']:12s} w{tile[3]} s{tile[4]} {fp8_acc:9s} "
+                      + (r.get("error") or f"regs {r['registers']:3d} stack {r['stack_bytes']:5d} smem {r['shared']:6d} "
+                                           f"HGMMA {r['HGMMA']:3d} QGMMA {r['QGMMA']:3d} HMMA {r['HMMA']:3d} LDL {r['spill_loads']:4d} "
+                                           f"STL {r['spill_stores']:4d}"), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
