@@ -50,11 +50,17 @@ def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str) ->
     if quant in (1, 3):
         sig["a_ptr"] = sig["w_ptr"] = "*fp8e4nv"
     sig.update({name: "i32" for name in INTS})
-    consts = {"QUANT": quant, "FUSE_ACT": fused, "ACT": 0, "GATHER_A": fused, "SCATTER_OUT": not fused,
+    # As at run time: unit strides are specialised to the constant 1, and pointers and the sizes
+    # and strides that are multiples of 16 carry that divisibility (vectorised, aligned loads).
+    unit = {"stride_ak": 1, "stride_wk": 1, "stride_on": 1, "stride_ask": 1}
+    aligned = [*POINTERS, "N", "K", "N_w", "up_offset", "stride_am", "stride_we", "stride_wn", "stride_om"]
+    consts = {**unit, "QUANT": quant, "FUSE_ACT": fused, "ACT": 0, "GATHER_A": fused, "SCATTER_OUT": not fused,
               "TRACK_AMAX": False, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
               "FP8_ACC": FP8_ACC_MODES[fp8_acc], "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})
-    src = ASTSource(fn=moe_gemm_kernel, signature=sig, constexprs=consts)
+    names = list(moe_gemm_kernel.arg_names)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    src = ASTSource(fn=moe_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
