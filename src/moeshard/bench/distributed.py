@@ -193,7 +193,7 @@ def rank_records(opts: DistOptions, progress: Callable[[str], None] = lambda s: 
     groups: dict[ParallelConfig, ParallelGroups] = {}
     for run in runs:  # created in the same order on every rank
         if run.parallel not in groups:
-            groups[run.parallel] = ParallelGroups.build(run.parallel)
+            groups[run.parallel] = ParallelGroups.build(run.parallel, side_channel=True)
     records: list[dict] = []
     for name in opts.models:
         progress(f"{name}: {opts.size} weights on every rank")
