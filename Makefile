@@ -1,7 +1,7 @@
 # Two commands for a newcomer: `make check` (the verification matrix on CPU) and `make test`;
 # `make lint` (ruff, then mypy; configured in pyproject.toml) runs first in CI.
 # Both create .venv when it is missing. torch is pinned to the CPU build this machine offers
-# (a bare `torch` requirement would pull a multi-GB CUDA build); the package itself accepts >=2.6.
+# (a bare `torch` requirement would pull a multi-GB CUDA build); the package itself accepts >=2.11.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
