@@ -1,5 +1,31 @@
+"""Shared test set-up: the 8-rank option, and Triton's CPU interpreter for the kernel tests.
+
+Triton's CPU interpreter: on a machine without CUDA, Triton kernels can only run interpreted,
+and Triton decides that per kernel when the module defining it is imported (``@triton.jit``
+reads ``TRITON_INTERPRET`` then; launches read it again). So this file, which pytest imports
+before it collects any test module, sets ``TRITON_INTERPRET=1`` for the whole session on such a
+machine: whichever test module (or library code) imports ``moeshard.kernels.*`` first, in
+whatever order the tests run, gets the interpreted kernels. Kernel tests take them from the
+session fixture ``interpreted_kernels``, which skips (with the reason) only without triton or
+with CUDA, and fails loudly if the kernels were imported compiled all the same.
+"""
+
+import importlib
+import importlib.util
+import os
+import types
+
 import pytest
 import torch
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+# moeshard.kernels' modules that define Triton kernels (``configs`` has none).
+TRITON_KERNEL_MODULES = ("align", "combine", "grouped_gemm", "quant", "experts")
+
+_SAVED_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if HAVE_TRITON and not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_addoption(parser):
@@ -9,9 +35,21 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "world_size_8: needs 8 ranks; runs only with --world-size-8")
+    config.addinivalue_line("markers", "triton_interpreter: runs Triton kernels in the CPU interpreter (set on "
+                                       "every test that uses the interpreted_kernels fixture)")
+
+
+def pytest_unconfigure(config):
+    if _SAVED_TRITON_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _SAVED_TRITON_INTERPRET
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "interpreted_kernels" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.triton_interpreter)
     if config.getoption("--world-size-8"):
         return
     skip = pytest.mark.skip(reason="8-rank run: pass --world-size-8")
@@ -20,12 +58,46 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def interpreted_kernels():
+    """``moeshard.kernels``' Triton modules, interpreted: a namespace with ``align``, ``combine``,
+    ``grouped_gemm``, ``quant``, ``experts`` and ``configs`` (the modules themselves).
+
+    Skipped, with the reason, where triton is not installed or CUDA is available (there
+    tests/gpu/test_gpu_kernels.py checks the compiled kernels). Otherwise the tests that use it run
+    or fail: a kernel module imported in compiled mode, or ``TRITON_INTERPRET`` not ``1``, is an
+    error here, never a skip, so CPU kernel coverage cannot vanish with the test order.
+    """
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install triton; CPU interpreter mode needs no GPU)")
+    if CUDA:
+        pytest.skip("CUDA is available: tests/gpu/test_gpu_kernels.py checks the compiled kernels")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail(f"TRITON_INTERPRET is {os.environ.get('TRITON_INTERPRET')!r}, not '1': tests/conftest.py sets it "
+                    "for the session on machines without CUDA; something changed it", pytrace=False)
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    names = (*TRITON_KERNEL_MODULES, "configs")
+    modules = {name: importlib.import_module(f"moeshard.kernels.{name}") for name in names}
+    compiled = sorted(f"{mod.__name__}.{attr}" for mod in modules.values() for attr, value in vars(mod).items()
+                      if isinstance(value, JITFunction))
+    if compiled:
+        pytest.fail(f"Triton kernels imported in compiled mode, not for the CPU interpreter: {compiled}. They were "
+                    "imported while TRITON_INTERPRET was not '1': before tests/conftest.py set it (by a plugin, "
+                    "say) or while a test had changed it", pytrace=False)
+    if not any(isinstance(value, InterpretedFunction) for mod in modules.values() for value in vars(mod).values()):
+        pytest.fail(f"no interpreted Triton kernel found in {sorted(m.__name__ for m in modules.values())}: "
+                    "update tests/conftest.py's TRITON_KERNEL_MODULES", pytrace=False)
+    return types.SimpleNamespace(**modules)
+
+
 @pytest.fixture
-def exact_interpreter(monkeypatch):
+def exact_interpreter(interpreted_kernels, monkeypatch):
     """Correctly rounded float conversions and dot products inside Triton's interpreter (numpy's
     casts and float32 dots are not the GPU's), so that the interpreted kernels' outputs are the
-    GPU's numbers, not artefacts that could hide a wrong row. Tests that run kernels under
-    TRITON_INTERPRET=1 request it."""
+    GPU's numbers, not artefacts that could hide a wrong row. Tests that run kernels in the
+    interpreter request it (it implies ``interpreted_kernels``: skipped or failed as that is)."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter

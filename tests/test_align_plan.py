@@ -2,35 +2,21 @@
 
 tests/test_kernels.py checks small plans (one histogram program); here the histogram is split
 over programs of one or several 1024-id chunks, with a partial last chunk, one expert, more than
-256 experts, skewed loads and the ``amax`` zeroing. The kernels are imported inside the tests
-under ``TRITON_INTERPRET=1`` (see tests/test_local_repeat.py for why not at collection).
+256 experts, skewed loads and the ``amax`` zeroing. The kernels come from the
+``interpreted_kernels`` fixture (tests/conftest.py): run or fail on CPU with triton, skipped with
+the reason without triton or with CUDA.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-CUDA = torch.cuda.is_available()
-_SKIP = ("triton is not installed (pip install triton; CPU interpreter mode needs no GPU)" if not HAVE_TRITON
-         else "CUDA is available: tests/gpu/test_gpu_kernels.py checks the compiled kernels")
-pytestmark = pytest.mark.skipif(not HAVE_TRITON or CUDA, reason=_SKIP)
-
 
 @pytest.fixture
-def align(monkeypatch):
-    """moeshard.kernels.align, interpreted (TRITON_INTERPRET=1 for the import and the launches)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from triton.runtime.jit import JITFunction
-
-    from moeshard.kernels import align
-    if any(isinstance(v, JITFunction) for v in vars(align).values()):
-        pytest.skip("moeshard.kernels.align was imported in compiled mode before this test could select the "
-                    "interpreter")
-    return align
+def align(interpreted_kernels):
+    """moeshard.kernels.align, interpreted."""
+    return interpreted_kernels.align
 
 
 def _check_plan(align, ids: torch.Tensor, E: int, bm: int) -> None:

@@ -1,8 +1,9 @@
 """Tests of moeshard.parallel: config, groups, uneven collectives, sequence chunks, spawn.
 
 Multi-rank cases (tests/multirank.py) run in one gloo spawn per world size (2 and 4; 8 with
---world-size-8); each test below asserts one case's records from every rank.  The spawn-failure
-tests start their own small runs.
+--world-size-8); each test below asserts one case's records from every rank.  The same cases run
+over NCCL in one spawn per world size (2 and 4) where that many GPUs are visible, one test per
+world size asserting every case.  The spawn-failure tests start their own small runs.
 """
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ GPUS = torch.cuda.device_count()
 
 
 def _case_params():
-    """(backend, world size, case id): gloo with 2 and 4 ranks (8 behind --world-size-8), and
-    nccl with 2 and 4 ranks where that many GPUs are visible."""
+    """(backend, world size, case id): gloo with 2 and 4 ranks (8 behind --world-size-8)."""
     params = []
-    runs = [("gloo", 2), ("gloo", 4), ("gloo", 8)] + [("nccl", ws) for ws in (2, 4) if ws <= GPUS]
-    for backend, ws in runs:
+    for backend, ws in [("gloo", 2), ("gloo", 4), ("gloo", 8)]:
         marks = [pytest.mark.world_size_8] if ws == 8 else []
         for case in multirank.build_cases(ws):
             params.append(pytest.param(backend, ws, case.id, marks=marks, id=f"{backend}{ws}-{case.id}"))
@@ -60,7 +59,7 @@ def records():
     return get
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cases_by_id(ws: int) -> dict[str, multirank.Case]:
     return {case.id: case for case in multirank.build_cases(ws)}
 
@@ -74,9 +73,23 @@ def test_multirank_case(records, backend, ws, case_id):
         multirank.check(case, rank, ws, rank_records[case_id])
 
 
-@pytest.mark.skipif(GPUS >= 2, reason="the nccl cases above run instead")
-def test_multirank_nccl_needs_gpus():
-    pytest.skip(f"nccl cases need 2 or more GPUs; {GPUS} visible")
+@pytest.mark.parametrize("ws", [pytest.param(ws, marks=pytest.mark.skipif(
+    GPUS < ws, reason=f"nccl cases need {ws} GPUs; {GPUS} visible")) for ws in (2, 4)])
+def test_multirank_nccl(records, ws):
+    """Every multi-rank case over NCCL, one rank per GPU, from one spawn: each rank's record is
+    checked as in test_multirank_case, and every failing (case, rank) is reported."""
+    per_rank = records("nccl", ws)
+    assert len(per_rank) == ws
+    cases = multirank.build_cases(ws)
+    failures = []
+    for case in cases:
+        for rank, rank_records in enumerate(per_rank):
+            try:
+                multirank.check(case, rank, ws, rank_records[case.id])
+            except AssertionError as exc:
+                failures.append(f"{case.id}, rank {rank}: {exc}")
+    shown = "\n".join(failures[:20]) + (f"\n... and {len(failures) - 20} more" if len(failures) > 20 else "")
+    assert not failures, f"{len(failures)} of {len(cases) * ws} (case, rank) records over nccl are wrong:\n{shown}"
 
 
 # ----------------------------------------------------------------------------- ParallelConfig

@@ -1,8 +1,9 @@
 """The Triton expert kernels on CPU, through Triton's interpreter, plus CPU-side selection logic.
 
-The kernel tests run when ``triton`` is installed (it is in the ``test`` extra; CPU interpreter
-mode needs no GPU) and are skipped with the reason otherwise. ``TRITON_INTERPRET=1`` is set while
-``moeshard.kernels.*`` is imported here, so the kernels are decorated as interpreted functions.
+The kernel tests take the kernels from the ``interpreted_kernels`` fixture (tests/conftest.py):
+they run wherever ``triton`` is installed (it is in the ``test`` extra; CPU interpreter mode needs
+no GPU) and there is no CUDA, and fail, never skip, if the kernels were imported compiled; they
+are skipped with the reason without triton or with CUDA.
 
 Triton's interpreter takes two numerical shortcuts the GPU does not (seen in Triton 3.9):
 float downcasts (fp32 -> bf16 / fp8) truncate or round half up without carrying into the
@@ -15,9 +16,10 @@ the unmodified interpreter. The same kernels are checked on a GPU by tests/gpu/t
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,42 +36,13 @@ from moeshard.reference import expert_reference
 from moeshard.router import Routing
 from moeshard.tolerances import compare
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-CUDA = torch.cuda.is_available()
-_KERNEL_MODULES = ("moeshard.kernels.align", "moeshard.kernels.grouped_gemm", "moeshard.kernels.quant",
-                   "moeshard.kernels.combine", "moeshard.kernels.experts")
-_COMPILED_ALREADY = any(m in sys.modules for m in _KERNEL_MODULES) and os.environ.get("TRITON_INTERPRET") != "1"
-
-if HAVE_TRITON and not CUDA and not _COMPILED_ALREADY:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from moeshard.kernels.align import align_rows
-        from moeshard.kernels.combine import combine_topk
-        from moeshard.kernels.configs import ExpertsConfig, GemmConfig
-        from moeshard.kernels.experts import TritonExperts
-        from moeshard.kernels.quant import quantize_h
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
-
-if not HAVE_TRITON:
-    _SKIP = "triton is not installed (pip install triton; CPU interpreter mode needs no GPU)"
-elif CUDA:
-    _SKIP = "CUDA is available: tests/gpu/test_gpu_kernels.py checks the compiled kernels"
-else:
-    _SKIP = "moeshard.kernels was imported in compiled mode before this module could select the interpreter"
-needs_interpreter = pytest.mark.skipif(not HAVE_TRITON or CUDA or _COMPILED_ALREADY, reason=_SKIP)
-
+ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"]
 
 
-@pytest.fixture(autouse=True)
-def interpreter_mode(monkeypatch):
-    """TRITON_INTERPRET=1 while a test runs (Triton reads it again at launch time)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _experts_api(k):
+    """(TritonExperts, GemmConfig, ExpertsConfig) of the interpreted kernels."""
+    return k.experts.TritonExperts, k.configs.GemmConfig, k.configs.ExpertsConfig
 
 
 def _problem(M, E, H, I, dtype, scheme, seed):
@@ -81,12 +54,13 @@ def _problem(M, E, H, I, dtype, scheme, seed):
     dn = (torch.randn(E, H, I, generator=gen) / I**0.5).to(dtype)
     if scheme == "none":
         return x, ids, ExpertWeights(gu, dn)
-    return quantize_activations(x, scheme), ids, ExpertWeights(quantize_weight(gu, scheme), quantize_weight(dn, scheme), scheme)
+    w = ExpertWeights(quantize_weight(gu, scheme), quantize_weight(dn, scheme), scheme)
+    return quantize_activations(x, scheme), ids, w
 
 
-@needs_interpreter
 @pytest.mark.parametrize("M,E,bm", [(1, 4, 16), (37, 5, 16), (200, 3, 32), (90, 40, 16)])
-def test_align_rows(M, E, bm):
+def test_align_rows(interpreted_kernels, M, E, bm):
+    align_rows = interpreted_kernels.align.align_rows
     ids = torch.randint(0, E, (M,), generator=torch.Generator().manual_seed(M))
     plan = align_rows(ids, E, bm)
     counts = torch.bincount(ids, minlength=E)
@@ -101,9 +75,9 @@ def test_align_rows(M, E, bm):
     assert tiles[used:] == [-1] * (len(tiles) - used)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
-def test_quantize_h_bit_exact(exact_interpreter, scheme):
+def test_quantize_h_bit_exact(interpreted_kernels, exact_interpreter, scheme):
+    align_rows, quantize_h = interpreted_kernels.align.align_rows, interpreted_kernels.quant.quantize_h
     E, K = 3, 160  # K: one full and one partial 128-column group
     ids = torch.randint(0, E, (40,), generator=torch.Generator().manual_seed(1))
     amax = torch.empty(E)
@@ -121,11 +95,11 @@ def test_quantize_h_bit_exact(exact_interpreter, scheme):
     assert_same_quantization(q, ref, live)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("dtype,scheme", [(torch.bfloat16, s) for s in SCHEMES] + [(torch.float16, "none"),
                                                                                    (torch.float16, "nvfp4")])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_triton_experts_match_reference(exact_interpreter, dtype, scheme, tma):
+def test_triton_experts_match_reference(interpreted_kernels, exact_interpreter, dtype, scheme, tma):
+    TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
     M, E, H, I = 45, 4, 64, 96  # I = 96: the last 64-wide column tile is partial
     x, ids, w = _problem(M, E, H, I, dtype, scheme, seed=7)
     gemm = GemmConfig(16, 64, 32, group_m=2, tma=tma)
@@ -134,8 +108,8 @@ def test_triton_experts_match_reference(exact_interpreter, dtype, scheme, tma):
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
-@needs_interpreter
-def test_triton_experts_gelu_and_deferred_quant(exact_interpreter):
+def test_triton_experts_gelu_and_deferred_quant(interpreted_kernels, exact_interpreter):
+    TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
     x, ids, w = _problem(30, 3, 64, 64, torch.bfloat16, "fp8_tensor", seed=8)
     x_model = x.dequantize(torch.bfloat16)
     amax = x_model.abs().amax().float()
@@ -145,8 +119,8 @@ def test_triton_experts_gelu_and_deferred_quant(exact_interpreter):
     assert compare(y, ref, torch.bfloat16, "fp8_tensor")[3]
 
 
-@needs_interpreter
-def test_combine_topk():
+def test_combine_topk(interpreted_kernels):
+    combine_topk = interpreted_kernels.combine.combine_topk
     y = torch.randn(12, 40).to(torch.bfloat16)
     w = torch.rand(4, 3)
     ref = (y.view(4, 3, 40).double() * w.double()[..., None]).sum(1)
@@ -158,6 +132,18 @@ def test_combine_topk():
     padded[rows.reshape(-1)] = y
     ref = (y.view(4, 3, 40).double() * w.double()[..., None]).sum(1)
     assert (combine_topk(padded, w, rows).double() - ref).abs().max() < 1e-5
+
+
+def test_kernels_imported_compiled_are_an_error_not_a_skip(interpreted_kernels):
+    """tests/conftest.py's guard: with the kernel modules imported in compiled mode before pytest
+    starts (TRITON_INTERPRET unset), an interpreter test errors; it does not skip or pass."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys, moeshard.kernels.experts, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
+            "'tests/test_kernels.py::test_combine_topk']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "1 error" in out and "Triton kernels imported in compiled mode" in out and "skipped" not in out, out[-3000:]
 
 
 def test_local_backend_round_trip():

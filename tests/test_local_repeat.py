@@ -5,19 +5,11 @@ consumer must give exactly what it gives for the explicitly repeated rows with `
 bit for bit, for every scheme, quantized before dispatch or deferred, in ``GroupedExperts``, in
 ``TritonExperts`` (Triton's CPU interpreter) and through the whole ``MoELayer``.
 
-Interpreter set-up as in tests/test_kernels.py (``TRITON_INTERPRET=1`` while the kernel modules
-are imported, skipped without triton or with CUDA), with one difference: the kernels are imported
-inside the tests, under the fixture's ``TRITON_INTERPRET=1``, not at collection. pytest collects
-every module before running any test, so an import at collection here would leave the kernel
-modules in ``sys.modules`` before tests/test_kernels.py is collected (e.g. in the order
-``pytest tests/test_local_repeat.py tests/test_kernels.py``), and that module would then skip its
-kernel tests as "imported in compiled mode".
+The Triton kernels come from the ``interpreted_kernels`` fixture (tests/conftest.py): run or fail
+on CPU with triton, skipped with the reason without triton or with CUDA.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import sys
 
 import pytest
 import torch
@@ -33,32 +25,15 @@ from moeshard.quant import QuantizedActivations, get_scheme, quantize_activation
 from moeshard.router import Routing
 from moeshard.weights import MoEWeights
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-CUDA = torch.cuda.is_available()
-if not HAVE_TRITON:
-    _SKIP = "triton is not installed (pip install triton; CPU interpreter mode needs no GPU)"
-else:
-    _SKIP = "CUDA is available: tests/gpu/test_gpu_kernels.py checks the compiled kernels"
-needs_interpreter = pytest.mark.skipif(not HAVE_TRITON or CUDA, reason=_SKIP)
-
 QUANTIZED = ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"]
 T, K, E, H, I = 9, 3, 5, 160, 64  # H = 160: one full and one partial 128-column fp8_block group
 
 
 @pytest.fixture
-def kernels(monkeypatch):
-    """(TritonExperts, ExpertsConfig, GemmConfig, moe_gemm), interpreted: TRITON_INTERPRET=1 is set
-    for the test (Triton reads it again at launch time) and while the modules are first imported."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from triton.runtime.jit import JITFunction
-
-    from moeshard.kernels import align, grouped_gemm
-    from moeshard.kernels.configs import ExpertsConfig, GemmConfig
-    from moeshard.kernels.experts import TritonExperts
-    for mod in (align, grouped_gemm, sys.modules["moeshard.kernels.quant"]):
-        if any(isinstance(v, JITFunction) for v in vars(mod).values()):
-            pytest.skip(f"{mod.__name__} was imported in compiled mode before this test could select the interpreter")
-    return TritonExperts, ExpertsConfig, GemmConfig, grouped_gemm.moe_gemm
+def kernels(interpreted_kernels):
+    """(TritonExperts, ExpertsConfig, GemmConfig, moe_gemm), interpreted."""
+    k = interpreted_kernels
+    return k.experts.TritonExperts, k.configs.ExpertsConfig, k.configs.GemmConfig, k.grouped_gemm.moe_gemm
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -172,7 +147,6 @@ def test_grouped_experts_bit_identical(scheme, mode, dtype):
 
 
 # -- the Triton experts, interpreted ----------------------------------------------------------
-@needs_interpreter
 @pytest.mark.parametrize("scheme,mode", [("none", "model"), ("fp8_block", "early"), ("fp8_tensor", "model"),
                                          ("nvfp4", "early-row-amax")])
 def test_triton_experts_bit_identical(kernels, exact_interpreter, scheme, mode):
@@ -188,12 +162,10 @@ def test_triton_experts_bit_identical(kernels, exact_interpreter, scheme, mode):
     assert (y.float() - ref).abs().max() <= 0.1 * ref.abs().max()
 
 
-@needs_interpreter
-def test_moe_gemm_refuses_a_row_div_it_cannot_use(kernels):
+def test_moe_gemm_refuses_a_row_div_it_cannot_use(kernels, interpreted_kernels):
     _, _, GemmConfig, moe_gemm = kernels
-    from moeshard.kernels.align import align_rows
     x, ids, w = _problem("none", h=64, i=32)
-    plan = align_rows(ids, E, 16)
+    plan = interpreted_kernels.align.align_rows(ids, E, 16)
     h = torch.empty(plan.padded_rows, 32, dtype=torch.bfloat16)
     gemm = GemmConfig(16, 32, 32, group_m=1)
     with pytest.raises(ValueError, match="a has 9 rows, a_row_div=2"):
@@ -227,7 +199,6 @@ def test_layer_output_unchanged(quant):
     assert torch.equal(out, layer(x))
 
 
-@needs_interpreter
 def test_triton_experts_declare_their_accumulation(kernels):
     """fp8 schemes run (at least) the down GEMM on the fp8 tensor cores, in both gate_up modes."""
     from moeshard.numerics import ACCUMULATION

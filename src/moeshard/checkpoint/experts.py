@@ -42,7 +42,13 @@ from moeshard.quant import FP8_BLOCK, QuantizedWeight, from_wire, quantize_weigh
 from moeshard.sharding import ShardSpec
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu)
+
+
+def scale_dtypes() -> tuple[torch.dtype, ...]:
+    """Dtypes an fp8 checkpoint's block scales may have: fp32, bf16 and, where this torch has it
+    (2.7+), UE8M0. Looked up when needed, so that importing this module works on older torch."""
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    return (torch.float32, torch.bfloat16) + ((e8m0,) if e8m0 is not None else ())
 
 
 def _blocks(n: int) -> int:
@@ -126,7 +132,7 @@ class ExpertReader:
             self.ckpt.expect(name, shape, weight_dtypes)
         if self.fp8:
             for name, shape in scales.items():
-                self.ckpt.expect(name, shape, SCALE_DTYPES)
+                self.ckpt.expect(name, shape, scale_dtypes())
             if not n.fused and I % FP8_BLOCK:
                 raise ValueError(f"fp8 checkpoint: intermediate size I={I} is not a multiple of {FP8_BLOCK}, so the "
                                  f"per-expert gate and up tiles cannot be fused into one fp8_block weight "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moeshard.checkpoint.experts import FLOAT_DTYPES, SCALE_DTYPES, ExpertReader
+from moeshard.checkpoint.experts import FLOAT_DTYPES, ExpertReader, scale_dtypes
 from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
 from moeshard.checkpoint.names import BlockNames, resolve_block_names, scale_name
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
@@ -88,7 +88,7 @@ class _SmallTensors:
             return t.to(dtype)
         sname = scale_name(name)
         blocks = tuple(-(-n // FP8_BLOCK) for n in shape)
-        sinfo = self.ckpt.expect(sname, blocks, SCALE_DTYPES)
+        sinfo = self.ckpt.expect(sname, blocks, scale_dtypes())
         scale = self.ckpt.read(sname).float()
         check_finite(scale, sname, sinfo.file)
         return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), shape)).to(dtype)

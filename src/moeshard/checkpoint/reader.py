@@ -33,13 +33,22 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
-# safetensors dtype strings -> torch dtypes (the ones a model's weights or scales can have).
+# safetensors dtype strings -> torch dtypes (the ones a model's weights or scales can have);
+# F8_E8M0 (UE8M0 scales) through ``torch_dtype``: torch has it from 2.7 on.
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+def torch_dtype(code: str) -> torch.dtype | None:
+    """The torch dtype of a safetensors dtype string; None where moeshard (or this torch) has none."""
+    if code == "F8_E8M0":
+        return getattr(torch, "float8_e8m0fnu", None)
+    return DTYPES.get(code)
+
 
 Index = tuple[slice | int, ...]
 
@@ -141,9 +150,10 @@ class SafetensorsCheckpoint:
                 raise ValueError(f"tensor {name!r} is missing from {str(path)!r}, the file the index names for it")
             for key in f.keys():
                 sl = f.get_slice(key)
-                if sl.get_dtype() not in DTYPES:
+                dtype = torch_dtype(sl.get_dtype())
+                if dtype is None:
                     continue
-                self._info[key] = TensorInfo(key, tuple(sl.get_shape()), DTYPES[sl.get_dtype()], path)
+                self._info[key] = TensorInfo(key, tuple(sl.get_shape()), dtype, path)
         if name not in self._info:
             raise ValueError(f"tensor {name!r} in {str(path)!r} has a dtype moeshard cannot use")
         return self._info[name]
