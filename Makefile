@@ -26,7 +26,7 @@ test: $(VENV)/.installed
 
 # Both tools always run (a ruff finding does not hide mypy's); fails if either reports anything.
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests bench; ruff=$$?; \
+	$(VENV)/bin/ruff check src tests scripts; ruff=$$?; \
 	$(VENV)/bin/mypy src; mypy=$$?; \
 	test $$ruff -eq 0 && test $$mypy -eq 0
 

@@ -108,6 +108,26 @@ def test_triton_experts_match_reference(interpreted_kernels, exact_interpreter, 
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
+@pytest.mark.parametrize("fp8_acc", ["promote", "imprecise"])
+def test_fp8_accumulation_modes_compute_the_same_products(interpreted_kernels, exact_interpreter, fp8_acc):
+    """The interpreter accumulates exactly, so every accumulation mode must give the split mode's
+    numbers bit for bit there (what they change on Hopper is the tensor cores' precision)."""
+    moe_gemm, align_rows = interpreted_kernels.grouped_gemm.moe_gemm, interpreted_kernels.align.align_rows
+    GemmConfig = interpreted_kernels.configs.GemmConfig
+    x, ids, w = _problem(21, 3, 64, 64, torch.bfloat16, "fp8_token", seed=11)
+    xq = quantize_activations(x, "fp8_token")
+    plan = align_rows(ids, 3, 16)
+    gemm = GemmConfig(16, 32, 32, group_m=1)
+    outs = {}
+    for mode in ("split", fp8_acc):
+        h = torch.zeros(plan.padded_rows, 64, dtype=torch.bfloat16)
+        moe_gemm(xq, w.gate_up, plan, h, gemm, activation="silu", gather=True, fp8_acc=mode)
+        outs[mode] = h
+    assert torch.equal(outs["split"], outs[fp8_acc])
+    with pytest.raises(ValueError, match="fp8_acc 'fast' is not one of"):
+        moe_gemm(xq, w.gate_up, plan, outs["split"], gemm, activation="silu", gather=True, fp8_acc="fast")
+
+
 def test_triton_experts_gelu_and_deferred_quant(interpreted_kernels, exact_interpreter):
     TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
     x, ids, w = _problem(30, 3, 64, 64, torch.bfloat16, "fp8_tensor", seed=8)
