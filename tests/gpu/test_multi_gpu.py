@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from moeshard.bench.timing import graphed
 from moeshard.config import QuantConfig
 from moeshard.layer import MoELayer
 from moeshard.parallel.config import ParallelConfig
@@ -54,20 +55,12 @@ def _worker() -> list[dict]:
                 T = x.shape[0]
                 if T not in graphs:  # one graph per token count, captured by each rank on its own
                     static_x = torch.zeros_like(x)
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        for _ in range(2):
-                            layer(static_x)
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        static_out = layer(static_x)
-                    graphs[T] = (graph, static_x, static_out)
-                graph, static_x, static_out = graphs[T]
+                    graphs[T] = (graphed(lambda static_x=static_x: layer(static_x)), static_x)
+                graph, static_x = graphs[T]
                 static_x.copy_(x)
-                graph.replay()
+                graph()
                 torch.cuda.synchronize()
+                static_out = graph.output
                 domain = torch.cat(xs)
                 offset = sum(counts[:dp_rank])
                 ref = reference_forward(domain.to(device), weights, cfg, quant,

@@ -19,14 +19,14 @@ flush before each, ranks in lock-step through the layer's own collectives.
 from __future__ import annotations
 
 import gc
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from moeshard.bench.timing import L2Flush, graphed, time_cuda, time_host
-from moeshard.bench.workload import ModelOnDevice, hidden_states, make_model
+from moeshard.bench.workload import ModelOnDevice, check_choices, hidden_states, make_model
 from moeshard.config import QuantConfig
 from moeshard.dispatch.packing import SlotLayout
 from moeshard.dispatch.payload import prepare
@@ -35,8 +35,6 @@ from moeshard.layer import MoELayer
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk
-from moeshard.presets import PRESETS
-from moeshard.quant import scheme_names
 from moeshard.validate import positive_int
 from moeshard.weights import MoEWeights
 
@@ -84,12 +82,7 @@ class DistOptions:
     def validate(self) -> None:
         positive_int("DistOptions", "world_size", self.world_size)
         positive_int("DistOptions", "reps", self.reps)
-        for m in self.models:
-            if m not in PRESETS:
-                raise ValueError(f"bench: model {m!r} is not one of {sorted(PRESETS)}")
-        for q in self.quants:
-            if q not in scheme_names():
-                raise ValueError(f"bench: quant {q!r} is not one of {list(scheme_names())}")
+        check_choices(self.models, self.quants)
         known = [r.name for r in default_runs(self.world_size)]
         for name in self.runs or ():
             if name not in known:
@@ -180,6 +173,21 @@ def _measure(layer: MoELayer, run: LayoutRun, x: torch.Tensor, opts: DistOptions
     return rec
 
 
+def _one_gpu(model: ModelOnDevice, quant: QuantConfig, full: MoEWeights, opts: DistOptions, flush: L2Flush | None,
+             rank: int) -> list[dict]:
+    """The ``1 GPU`` baseline: the layer alone on this rank's device, no process group."""
+    alone = MoELayer(model.cfg, quant, weights=full, device=model.gate_up.device)
+    graph = opts.graphs and flush is not None
+    out = []
+    for T in list(opts.decode_tokens) + list(opts.prefill_tokens):
+        x = hidden_states(model, T, opts.seed * 1000 + rank)
+        reps = opts.reps if T <= 1024 else max(3, opts.reps // 4)
+        ms, err = _median_ms(lambda: alone(x), reps, flush, graph)
+        out.append({"model": model.name, "quant": quant.scheme, "tokens": T, "run": "1 GPU", "rank": rank,
+                    "graph_ms" if graph else "layer_ms": ms, **({"error": err} if err else {})})
+    return out
+
+
 def rank_records(opts: DistOptions, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
     """Runs the plan on this rank (every rank of an initialised NCCL world of ``world_size``
     ranks calls it); returns this rank's records."""
@@ -201,15 +209,7 @@ def rank_records(opts: DistOptions, progress: Callable[[str], None] = lambda s: 
         full = _full_weights(model)
         for scheme in opts.quants:
             quant = QuantConfig(scheme)
-            alone = MoELayer(model.cfg, quant, weights=full, device=device)
-            for T in list(opts.decode_tokens) + list(opts.prefill_tokens):
-                x = hidden_states(model, T, opts.seed * 1000 + rank)
-                reps = opts.reps if T <= 1024 else max(3, opts.reps // 4)
-                graph = opts.graphs and cuda
-                ms, err = _median_ms(lambda: alone(x), reps, flush, graph)
-                records.append({"model": name, "quant": scheme, "tokens": T, "run": "1 GPU", "rank": rank,
-                                "graph_ms" if graph else "layer_ms": ms, **({"error": err} if err else {})})
-            del alone
+            records += _one_gpu(model, quant, full, opts, flush, rank)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()

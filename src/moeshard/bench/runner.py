@@ -22,13 +22,11 @@ from moeshard.bench import baselines
 from moeshard.bench.ceilings import copy_gbps, matmul_tflops
 from moeshard.bench.device import describe, require_cuda
 from moeshard.bench.timing import L2Flush, graphed, time_cuda
-from moeshard.bench.workload import (ModelOnDevice, active_experts, bytes_per_expert, expert_flops, experts_for,
+from moeshard.bench.workload import (ModelOnDevice, active_experts, check_choices, bytes_per_expert, expert_flops, experts_for,
                                      hidden_states, layer_flops, make_model, routed_input)
 from moeshard.config import QUANT_SCHEMES, QuantConfig
-from moeshard.quant import scheme_names
 from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
 from moeshard.layer import MoELayer
-from moeshard.presets import PRESETS
 from moeshard.validate import positive_int
 
 BENCH_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
@@ -49,12 +47,7 @@ class BenchOptions:
     seed: int = 0
 
     def validate(self) -> None:
-        for m in self.models:
-            if m not in PRESETS:
-                raise ValueError(f"bench: model {m!r} is not one of {sorted(PRESETS)}")
-        for q in self.quants:
-            if q not in scheme_names():
-                raise ValueError(f"bench: quant {q!r} is not one of {list(scheme_names())}")
+        check_choices(self.models, self.quants)
         for name in ("prefill_tokens", "decode_tokens"):
             for tokens in getattr(self, name):
                 positive_int("BenchOptions", name, tokens)

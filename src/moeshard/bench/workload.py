@@ -17,13 +17,23 @@ import torch
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.presets import get_preset
-from moeshard.quant import QuantizedWeight, quantize_weight
+from moeshard.presets import PRESETS, get_preset
+from moeshard.quant import QuantizedWeight, quantize_weight, scheme_names
 from moeshard.router import Routing, route, router_logits
 from moeshard.weights import MoEWeights
 
 # Elements quantized or drawn per step: bounds the fp32 temporaries to about 1 GiB each.
 CHUNK_ELEMENTS = 2**28
+
+
+def check_choices(models: tuple[str, ...], quants: tuple[str, ...]) -> None:
+    """Refuses a model that is not a preset, or a quantization that is not a registered scheme."""
+    for m in models:
+        if m not in PRESETS:
+            raise ValueError(f"bench: model {m!r} is not one of {sorted(PRESETS)}")
+    for q in quants:
+        if q not in scheme_names():
+            raise ValueError(f"bench: quant {q!r} is not one of {list(scheme_names())}")
 
 
 @dataclass(frozen=True)
@@ -75,16 +85,10 @@ def make_model(name: str, device: torch.device, seed: int = 0, size: str = "full
 
 def _quantize_chunked(w: torch.Tensor, scheme: str) -> QuantizedWeight:
     """``quantize_weight`` a few experts at a time (identical result: every scale is per expert
-    or finer), concatenated along E through uint8 views."""
+    or finer), concatenated along E."""
     E, N, K = w.shape
     step = max(1, CHUNK_ELEMENTS // (N * K))
-    parts = [quantize_weight(w[i:i + step], scheme) for i in range(0, E, step)]
-
-    def cat(ts):
-        return from_wire(torch.cat([to_wire(t) for t in ts]), ts[0].dtype)
-
-    glob = None if parts[0].global_scale is None else cat([p.global_scale for p in parts])
-    return QuantizedWeight(scheme, cat([p.data for p in parts]), cat([p.scale for p in parts]), glob, (E, N, K))
+    return QuantizedWeight.cat_experts([quantize_weight(w[i:i + step], scheme) for i in range(0, E, step)])
 
 
 def experts_for(model: ModelOnDevice, scheme: str) -> ExpertWeights:

@@ -1,21 +1,9 @@
 """Quantized expert weights and activations (fp8 e4m3 and NVFP4), pure torch, CPU and CUDA.
 
 One descriptor per scheme lives in the registry (``schemes.py``: ``get_scheme``,
-``register_scheme``); its codec (``codecs.py``) stores and computes the scheme. Built in
-(``QuantConfig.scheme``; ``'none'`` means no quantization and has no codec):
-
-=============  ==============================================  ==============================================
-scheme         weights ``[E, N, K]``                           activations ``[M, K]``
-=============  ==============================================  ==============================================
-fp8_tensor     e4m3; fp32 scale ``[E]`` (amax of ``w[e]``)     e4m3; fp32 scale ``[]`` (or ``[M, 1]`` from a
-                                                               per-row ``amax`` override): ``tensor_scale``
-fp8_token      e4m3; fp32 scale ``[E, N]`` (per output row)    e4m3; fp32 ``row_scale [M, 1]``
-fp8_block      e4m3; fp32 scale ``[E, ceil(N/128),             e4m3; fp32 ``row_scale [M, ceil(K/128)]``
-               ceil(K/128)]`` per 128 x 128 tile               (1 x 128 groups)
-nvfp4          e2m1 packed uint8 ``[E, N, K/2]``; e4m3 block   e2m1 packed uint8 ``[M, K/2]``; e4m3
-               scale ``[E, N, K/16]``; fp32 global ``[E]``     ``row_scale [M, K/16]``; fp32 global
-                                                               ``tensor_scale []`` (or ``[M, 1]``)
-=============  ==============================================  ==============================================
+``register_scheme``); its codec (``codecs.py``, which tabulates every built-in scheme's weight
+and activation layouts) stores and computes the scheme. ``'none'`` means no quantization and has
+no codec.
 
 Scale conventions (every ``amax`` is first raised to ``AMAX_FLOOR = 1e-12`` so that an all-zero
 tensor, row or block quantizes to zeros instead of NaN/Inf):
