@@ -55,7 +55,7 @@ def _worker() -> list[dict]:
                 T = x.shape[0]
                 if T not in graphs:  # one graph per token count, captured by each rank on its own
                     static_x = torch.zeros_like(x)
-                    graphs[T] = (graphed(lambda static_x=static_x: layer(static_x)), static_x)
+                    graphs[T] = (graphed(lambda static_x=static_x, layer=layer: layer(static_x)), static_x)
                 graph, static_x = graphs[T]
                 static_x.copy_(x)
                 graph()
