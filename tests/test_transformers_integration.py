@@ -173,6 +173,62 @@ def test_eos_does_not_stop_generation(models):
     assert model.generation_config.eos_token_id == ids[0][1]
 
 
+def _fp8_block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/128), ceil(K/128)]), w ~= q * scale_inv per
+    128 x 128 tile: DeepSeek-V3's convention, written out here independently of moeshard.quant."""
+    N, K = w.shape
+    q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    s = torch.empty(-(-N // 128), -(-K // 128))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            tile = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            s[i, j] = tile.abs().max() / 448.0
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (tile / s[i, j]).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def test_fp8_block_checkpoint_whole_model(tmp_path):
+    """A DeepSeek-V3-style FP8 checkpoint: every projection stored as fp8 + weight_scale_inv. The
+    experts load as fp8_block as stored; the other fp8 weights (attention, dense MLP, shared
+    experts) are dequantized into the model dtype; generation runs."""
+    from safetensors.torch import load_file, save_file
+
+    from moeshard.integrations.transformers import MoEBlock, load_sharded_model
+
+    cfg = tf.DeepseekV3Config(vocab_size=64, hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
+                              num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2,
+                              num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                              n_shared_experts=1, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+                              qk_nope_head_dim=16, v_head_dim=16, initializer_range=0.1)
+    torch.manual_seed(5)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    stored, dequantized = {}, {}
+    for name, w in load_file(tmp_path / "model.safetensors").items():
+        if w.dim() == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")):
+            q, s = _fp8_block_quantize(w)
+            stored[name], stored[name.replace(".weight", ".weight_scale_inv")] = q, s
+            full = s.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)[:, :q.shape[1]]
+            dequantized[name] = q.float() * full
+        else:
+            stored[name] = w
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    model = load_sharded_model(tmp_path)
+    layers = model.model.layers
+    assert isinstance(layers[1].mlp, MoEBlock) and layers[1].mlp.quant.scheme == "fp8_block"
+    assert layers[1].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert torch.equal(model.get_parameter(name), dequantized[name])
+    assert torch.equal(layers[1].mlp.shared_experts.up_proj.weight,
+                       dequantized["model.layers.1.mlp.shared_experts.up_proj.weight"])
+    ids, logits = greedy(model, [PROMPTS[0]], NEW_TOKENS, 0, True)
+    assert len(ids[0]) == NEW_TOKENS and torch.isfinite(logits).all()
+
+
 # -- several ranks: one spawn per world size --------------------------------------------------
 def _in_memory_rank(model_dir: str, layout: ParallelConfig, prompts) -> tuple:
     """A rank of the in-memory API: from_pretrained (every expert), then shard_moe_blocks."""
