@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +70,8 @@ def models(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _plan(models, family: str, layout: ParallelConfig = ParallelConfig(), **kw):
+def _plan(models, family: str, layout: ParallelConfig | None = None, **kw):
+    layout = layout or ParallelConfig()
     return plan_generate(GenerateSpec(models[family], PROMPTS, NEW_TOKENS, layout, compare=True, **kw))
 
 
@@ -253,7 +255,8 @@ def _world_rank(plans, in_memory):
 WORLD_CASES = {
     2: [(ParallelConfig(2, 1, True), ("qwen3_moe", "deepseek_v3")), (ParallelConfig(2, 1, False), ("qwen2_moe",)),
         (ParallelConfig(1, 2, False), ("mixtral",))],
-    4: [(ParallelConfig(2, 2, True), ("mixtral", "qwen2_moe", "deepseek_v3")), (ParallelConfig(2, 2, False), ("qwen3_moe",))],
+    4: [(ParallelConfig(2, 2, True), ("mixtral", "qwen2_moe", "deepseek_v3")),
+        (ParallelConfig(2, 2, False), ("qwen3_moe",))],
 }
 
 
@@ -371,6 +374,9 @@ def test_command_refuses_to_overwrite_what_it_reads(models, tmp_path, capsys):
     prompts = tmp_path / "p.json"
     prompts.write_text("[[3, 4], [5]]")
     code = moeshard_generate(["--model", models["mixtral"], "--input-file", str(prompts), "--output", str(prompts)])
+    assert code == 2 and "would overwrite a file this run reads" in capsys.readouterr().err
+    code = moeshard_generate(["--model", models["mixtral"], "--input-ids", "3", "--output",
+                              str(Path(models["mixtral"]) / "model.safetensors")])
     assert code == 2 and "would overwrite a file this run reads" in capsys.readouterr().err
     prompts.write_text('{"ids": [3]}')
     code = moeshard_generate(["--model", models["mixtral"], "--input-file", str(prompts)])

@@ -391,7 +391,8 @@ def compare_generations(plan: GeneratePlan, results: list[GenerateRankResult], r
             raise ValueError("compare_generations: the ranks kept no logits (GenerateSpec.compare was False)")
         ref_ids, ref_logits = reference[r.dp_rank]
         for row, i in enumerate(r.prompts):
-            first[i], errs = _prompt_diffs(r.generated[row], r.logits[:, row], ref_ids[row], ref_logits[:, row], plan.dtype)
+            first[i], errs = _prompt_diffs(r.generated[row], r.logits[:, row], ref_ids[row], ref_logits[:, row],
+                                           plan.dtype)
             same[i] = first[i] is None
             ok = ok and all(good for _, good in errs)
             _fold(step_max, errs)

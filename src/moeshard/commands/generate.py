@@ -117,9 +117,10 @@ def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
         out = Path(args.output).resolve()
         if not out.parent.is_dir():
             raise ValueError(f"--output {args.output!r}: directory {str(out.parent)!r} does not exist")
-        read = [Path(args.model).resolve()] + ([Path(args.input_file).resolve()] if args.input_file else [])
-        if out == read[-1] or Path(args.model).resolve() in out.parents:
-            raise ValueError(f"--output {args.output!r} would overwrite a file this run reads")
+        reads_it = args.input_file is not None and out == Path(args.input_file).resolve()
+        if reads_it or Path(args.model).resolve() in out.parents:
+            raise ValueError(f"--output {args.output!r} would overwrite a file this run reads (the prompt file or "
+                             f"the model directory)")
     return GenerateSpec(model_dir=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
                         parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant,
                         defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
@@ -150,7 +151,8 @@ def execute_local(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResu
     results = [r[0] for r in per_rank]
     errors = [r for r in results if isinstance(r, dict)]
     if errors:
-        raise ValueError(errors[0]["message"]) if errors[0]["error"] == "ValueError" else RuntimeError(errors[0]["message"])
+        kind = ValueError if errors[0]["error"] == "ValueError" else RuntimeError
+        raise kind(errors[0]["message"])
     return results
 
 

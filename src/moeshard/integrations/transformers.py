@@ -375,7 +375,9 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
     """
     model_dir = Path(model_dir)
     parallel, rank = _layout(groups)
-    device = torch.device(device) if device is not None else (groups.device if groups is not None else torch.device("cpu"))
+    if device is None:
+        device = groups.device if groups is not None else "cpu"
+    device = torch.device(device)
     error, model, blocks, routers = None, None, {}, {}
     cfg = quant_cfg = None
     try:
