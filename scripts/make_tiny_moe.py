@@ -17,21 +17,22 @@ import sys
 def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
     import transformers as tf
 
+    sizes = dict(intermediate_size=2 * moe_intermediate, moe_intermediate_size=moe_intermediate)
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, initializer_range=0.2, max_position_embeddings=512)
     if family == "mixtral":
         return tf.MixtralConfig(**common, intermediate_size=moe_intermediate, num_local_experts=experts,
                                 num_experts_per_tok=2)
     if family == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**common, intermediate_size=2 * moe_intermediate, moe_intermediate_size=moe_intermediate,
+        return tf.Qwen2MoeConfig(**common, **sizes,
                                  shared_expert_intermediate_size=moe_intermediate, num_experts=experts,
                                  num_experts_per_tok=2)
     if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**common, intermediate_size=2 * moe_intermediate, moe_intermediate_size=moe_intermediate,
+        return tf.Qwen3MoeConfig(**common, **sizes,
                                  num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True)
     if family == "deepseek_v3":
         common["num_key_value_heads"] = 4
-        return tf.DeepseekV3Config(**common, intermediate_size=2 * moe_intermediate, moe_intermediate_size=moe_intermediate,
+        return tf.DeepseekV3Config(**common, **sizes,
                                    first_k_dense_replace=1, n_routed_experts=experts, num_experts_per_tok=2,
                                    n_group=2, topk_group=1, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=64,
                                    qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)

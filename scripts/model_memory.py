@@ -103,7 +103,8 @@ def main() -> int:
         if not (root / "model" / "config.json").is_file():
             write_model(root / "model", args.layers)
         size = sum(p.stat().st_size for p in (root / "model").glob("*.safetensors"))
-        table = Table(title=f"loading a {size / 2**20:.0f} MiB Qwen3-MoE model ({args.layers} layers x 16 experts, fp32)")
+        title = f"loading a {size / 2**20:.0f} MiB Qwen3-MoE model ({args.layers} layers x 16 experts, fp32)"
+        table = Table(title=title)
         for col in ("layout", "rank", "experts MiB", "other MiB", "peak growth MiB", "growth / file"):
             table.add_column(col, justify="right")
         for layout in LAYOUTS + [None]:
