@@ -1,0 +1,273 @@
+"""``moeshard generate``: greedy generation of a whole transformers MoE model under a (dp, tp, ep)
+layout, its MoE blocks run by moeshard, each rank holding only its slices of the experts.
+
+    moeshard generate --model DIR --input-ids 3,17,42 --max-new-tokens 8 [--dp D --tp T --ep] \\
+                      [--backend B] [--quant Q] [--dtype bf16] [--device cpu|cuda] [--compare] \\
+                      [--output OUT.json]
+    moeshard generate --model DIR --input-ids "3,17,42;5,6" ...    # several prompts
+    moeshard generate --model DIR --input-file prompts.json ...     # [[3,17,42],[5,6]] or one prompt per line
+
+Prompts are split over the DP ranks (contiguous; the TP ranks of a DP rank share its prompts),
+each prompt gets exactly ``--max-new-tokens`` new tokens (EOS does not stop generation), and the
+new ids are printed per prompt. ``--compare`` also runs the same batches through transformers
+alone (every expert, no moeshard) and reports whether the ids are the same and each step's max
+|logits difference| against ``moeshard.tolerances``. Ranks: ``dp * tp`` local processes (gloo on
+cpu, NCCL on cuda, one GPU each), or, under torchrun, this process is one rank of torchrun's world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moeshard.commands.args import ints
+from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
+from moeshard.dispatch.registry import BACKENDS
+from moeshard.generatejob import (GenerateComparison, GeneratePlan, GenerateRankResult, GenerateSpec, by_prompt,
+                                  compare_generations, describe, generate_plans, generate_rank, plan_generate,
+                                  reference_generate)
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.groups import ParallelGroups
+from moeshard.parallel.spawn import RankFailure, destroy, init_from_env, launched_by_torchrun, spawn
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="greedy generation of a whole transformers MoE model under a layout",
+                              description="Greedy generation of a Hugging Face MoE model (Mixtral, Qwen2-MoE, "
+                                          "Qwen3-MoE, DeepSeek-V3) with its MoE blocks run by moeshard under a "
+                                          "(dp, tp, ep) layout.")
+    src = p.add_argument_group("what runs")
+    src.add_argument("--model", metavar="DIR", required=True,
+                     help="Hugging Face model directory (config.json + *.safetensors)")
+    src.add_argument("--input-ids", metavar="IDS", help="prompt token ids, comma-separated; prompts separated by ';'")
+    src.add_argument("--input-file", metavar="PATH",
+                     help="prompts from a file: JSON (a list of ids, or a list of lists) or one prompt per line")
+    src.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="new tokens per prompt (16)")
+    src.add_argument("--output", metavar="OUT", help="write the generated ids (and the comparison) as JSON")
+    src.add_argument("--compare", action="store_true",
+                     help="also generate with transformers alone and report ids and per-step logit differences")
+    lay = p.add_argument_group("layout and numerics")
+    lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP rank (default 1)")
+    lay.add_argument("--ep", action="store_true", help="expert parallelism over all dp*tp ranks")
+    lay.add_argument("--backend", choices=sorted(BACKENDS), help="dispatch backend (default: local, all2all with --ep)")
+    lay.add_argument("--quant", choices=QUANT_SCHEMES, help="expert quantization (default: the checkpoint's own)")
+    lay.add_argument("--defer-input-quant", action="store_true", help="dispatch unquantized activations")
+    lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"],
+                     help="model dtype (default: the checkpoint's)")
+    lay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    lay.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks may take (default 600)")
+    p.set_defaults(func=run)
+
+
+# -- prompts ----------------------------------------------------------------------------------
+def parse_prompts(text: str, flag: str = "--input-ids") -> tuple[tuple[int, ...], ...]:
+    """``"3,17,42;5,6"`` -> ((3, 17, 42), (5, 6)); empty prompts are refused."""
+    prompts = tuple(ints(part, flag) for part in text.split(";") if part.strip())
+    if not prompts or any(not p for p in prompts):
+        raise ValueError(f"{flag}: {text!r} holds an empty prompt; write ids like 3,17,42 (prompts separated by ';')")
+    return prompts
+
+
+def read_prompts(path: str) -> tuple[tuple[int, ...], ...]:
+    """A prompt file: JSON (a list of ints, or a list of lists of ints) or text, one prompt per
+    line with ids separated by commas or spaces (blank lines skipped)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--input-file {path!r} does not exist")
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--input-file {path!r} cannot be read as text: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        lines = [line.replace(",", " ").split() for line in text.splitlines() if line.strip()]
+        try:
+            prompts = tuple(tuple(int(t) for t in line) for line in lines)
+        except ValueError:
+            raise ValueError(f"--input-file {path!r}: neither JSON nor lines of integer token ids") from None
+    else:
+        if isinstance(data, list) and data and all(isinstance(t, int) and not isinstance(t, bool) for t in data):
+            data = [data]
+        if (not isinstance(data, list) or not all(isinstance(p, list) for p in data)
+                or not all(isinstance(t, int) and not isinstance(t, bool) for p in data for t in p)):
+            raise ValueError(f"--input-file {path!r}: the JSON must be a list of token ids or a list of lists of them")
+        prompts = tuple(tuple(p) for p in data)
+    if not prompts or any(not p for p in prompts):
+        raise ValueError(f"--input-file {path!r} holds no prompt, or an empty one")
+    return prompts
+
+
+def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
+    """The ``GenerateSpec`` of parsed arguments (ValueError for combinations that make no sense)."""
+    if (args.input_ids is None) == (args.input_file is None):
+        raise ValueError("give exactly one of --input-ids and --input-file")
+    prompts = parse_prompts(args.input_ids) if args.input_ids is not None else read_prompts(args.input_file)
+    if args.output is not None:
+        out = Path(args.output).resolve()
+        if not out.parent.is_dir():
+            raise ValueError(f"--output {args.output!r}: directory {str(out.parent)!r} does not exist")
+        reads_it = args.input_file is not None and out == Path(args.input_file).resolve()
+        if reads_it or Path(args.model).resolve() in out.parents:
+            raise ValueError(f"--output {args.output!r} would overwrite a file this run reads (the prompt file or "
+                             f"the model directory)")
+    return GenerateSpec(model_dir=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
+                        parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant,
+                        defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
+                        device=args.device, compare=args.compare)
+
+
+# -- ranks ------------------------------------------------------------------------------------
+def _as_value_error(failure: RankFailure) -> Exception:
+    """Refusals raised on the ranks come back as one ValueError (exit 2); anything else stays a
+    RankFailure with every rank's traceback."""
+    if failure.errors and not failure.missing and all(e.type_name == "ValueError" for e in failure.errors.values()):
+        return ValueError(failure.errors[min(failure.errors)].message)
+    return failure
+
+
+def execute_local(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResult]:
+    """Every rank's result: in this process for one rank, else ``dp * tp`` spawned ranks."""
+    world = plan.parallel.world_size
+    if plan.spec.device == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
+                         f"{torch.cuda.device_count()} are visible")
+    if world == 1:
+        return [generate_rank(plan, None)]
+    try:
+        per_rank = spawn(generate_plans, world, args=([plan],), device=plan.spec.device, timeout_s=timeout_s)
+    except RankFailure as failure:
+        raise _as_value_error(failure) from None
+    results = [r[0] for r in per_rank]
+    errors = [r for r in results if isinstance(r, dict)]
+    if errors:
+        kind = ValueError if errors[0]["error"] == "ValueError" else RuntimeError
+        raise kind(errors[0]["message"])
+    return results
+
+
+def _execute_torchrun(plan: GeneratePlan) -> list[GenerateRankResult] | None:
+    """One rank of torchrun's world; returns every rank's result on rank 0, None elsewhere."""
+    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo")
+    try:
+        plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
+        side = plan.parallel.enable_ep and plan.spec.device == "cuda"
+        result = generate_rank(plan, ParallelGroups.build(plan.parallel, side_channel=side))
+        reports = [None] * dist.get_world_size()
+        light = replace(result, logits=None) if result.tp_rank != 0 else result
+        dist.all_gather_object(reports, light)  # our own small dataclasses, between our own ranks
+        return reports if dist.get_rank() == 0 else None
+    finally:
+        destroy()
+
+
+# -- output -----------------------------------------------------------------------------------
+def _write_json(path: str, payload: dict) -> None:
+    """Atomically: a temporary file in the same directory, then renamed over ``path``."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.resolve().parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def report(plan: GeneratePlan, results: list[GenerateRankResult], comparison: GenerateComparison | None,
+           wall_s: float) -> dict:
+    """The run as JSON-able data: the plan, every prompt and its new ids, per-rank figures, the comparison."""
+    generated = by_prompt(plan, results)
+    dp_of = {i: d for d, mine in enumerate(plan.dp_prompts) for i in mine}
+    return {
+        "run": describe(plan),
+        "prompts": [{"input_ids": list(p), "generated_ids": list(g), "dp_rank": dp_of[i]}
+                    for i, (p, g) in enumerate(zip(plan.spec.prompts, generated))],
+        "ranks": [{"rank": r.rank, "dp_rank": r.dp_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
+                   "intermediate": list(r.intermediate), "expert_bytes": r.expert_bytes, "load_s": round(r.load_s, 4),
+                   "generate_s": round(r.generate_s, 4), "tp_disagreements": r.tp_disagreements} for r in results],
+        "comparison": comparison.to_json() if comparison is not None else None,
+        "wall_s": round(wall_s, 3),
+    }
+
+
+def _print(data: dict) -> None:
+    run, out = data["run"], sys.stdout
+    print(f"moeshard generate: {run['model_type']} {run['model']}", file=out)
+    print(f"layout {run['layout']} ({run['world_size']} rank(s), {run['device']}), backend {run['backend']}, "
+          f"quant {run['quant']}, dtype {run['dtype']}, {run['max_new_tokens']} new tokens per prompt", file=out)
+    for r in data["ranks"]:
+        print(f"  rank {r['rank']} (dp {r['dp_rank']}, tp {r['tp_rank']}): experts {r['experts'][0]}-"
+              f"{r['experts'][1] - 1}, I {r['intermediate'][0]}:{r['intermediate'][1]}, "
+              f"{r['expert_bytes'] / 2**20:.2f} MiB of experts, load {r['load_s']:.2f} s, "
+              f"generate {r['generate_s']:.2f} s", file=out)
+    for i, p in enumerate(data["prompts"]):
+        print(f"prompt {i} (dp rank {p['dp_rank']}): {p['input_ids']} -> {p['generated_ids']}", file=out)
+    c = data["comparison"]
+    if c is not None:
+        same = sum(c["same_ids"])
+        print(f"vs transformers alone: same ids for {same} of {len(c['same_ids'])} prompt(s)"
+              + ("" if same == len(c["same_ids"]) else f", first differing step per prompt {c['first_difference']}"),
+              file=out)
+        steps = ", ".join("-" if v is None else f"{v:.3g}" for v in c["step_max_abs_logit_diff"])
+        line = f"max |logits - transformers' logits| per step: [{steps}] (max {c['max_abs_logit_diff']:.3g}); "
+        if c["within_tolerance"] is None:
+            line += (f"quant {c['quant']} against the unquantized model: this is its quantization error, "
+                     f"reported, not judged by the tolerance table")
+        else:
+            line += (f"tolerance {run['dtype']} atol {c['tolerance']['atol']:g} rtol {c['tolerance']['rtol']:g}: "
+                     f"{'within' if c['within_tolerance'] else 'EXCEEDED'}")
+        print(line, file=out)
+        if c["transformers_dtype_vs_fp32_step_max_abs"] is not None:
+            noise = ", ".join("-" if v is None else f"{v:.3g}" for v in c["transformers_dtype_vs_fp32_step_max_abs"])
+            print(f"for scale, transformers' own {run['dtype']} logits against its float32 logits per step: [{noise}]",
+                  file=out)
+    disagreements = sum(r["tp_disagreements"] for r in data["ranks"])
+    if disagreements:
+        print(f"warning: TP ranks' logits differed at {disagreements} step(s); TP rank 0's were used", file=out)
+    print(f"wall time {data['wall_s']:.2f} s", file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    plan = plan_generate(spec_from_args(args))
+    if launched_by_torchrun():
+        results = _execute_torchrun(plan)
+        if results is None:
+            return 0
+    else:
+        results = execute_local(plan, args.timeout)
+    comparison = None
+    if plan.spec.compare:
+        fp32 = reference_generate(plan, dtype=torch.float32) if plan.dtype != torch.float32 else None
+        comparison = compare_generations(plan, results, reference_generate(plan), fp32)
+    data = report(plan, results, comparison, time.perf_counter() - start)
+    if args.output is not None:
+        _write_json(args.output, data)
+    _print(data)
+    sys.stdout.flush()
+    return exit_code(plan, results, comparison)
+
+
+def exit_code(plan: GeneratePlan, results: list[GenerateRankResult], comparison: GenerateComparison | None) -> int:
+    """1 when TP ranks disagreed, or when an unquantized float32 run differs from transformers
+    (ids, or logits beyond the table); else 0. bf16 / fp16 and quantized comparisons are reported,
+    not judged: the table bounds one layer, and a whole model's logits in those dtypes move by
+    more than that through rounding alone (the report prints transformers' own, for scale)."""
+    if any(r.tp_disagreements for r in results):
+        return 1
+    if comparison is not None and plan.dtype == torch.float32 and not plan.quant.quantized:
+        return 0 if comparison.within_tolerance and all(comparison.same_ids) else 1
+    return 0

@@ -1,0 +1,415 @@
+"""What ``moeshard generate`` does: plan once (no processes yet), then greedy generation of a whole
+transformers model on every rank, then (on request) the same generation by transformers alone.
+
+    plan_generate(GenerateSpec)      parent, before any process starts: reads config.json, checks
+                                     the prompts (ids in the vocabulary), the layout against the
+                                     model (expert count, intermediate size, quantization, backend),
+                                     splits the prompts over the DP ranks; refuses with a ValueError
+    generate_rank(plan, groups)      every rank: ``load_sharded_model`` (its slices only; all ranks
+                                     agree that loading worked before the first collective), then
+                                     greedy generation of its DP rank's prompts -> GenerateRankResult
+    generate_plans(plans)            ``spawn`` entry: several plans on one set of ranks
+    reference_generate(plan)         transformers alone (``from_pretrained``, every expert), each DP
+                                     rank's prompts as the same batch -> ids and per-step logits
+    compare_generations(...)         ids and per-step logits, moeshard against transformers
+
+Prompts and ranks: prompt ``i`` goes to DP rank ``d`` by a contiguous split (the first
+``P % dp`` DP ranks get one more, like ``moeshard run``'s tokens); the TP ranks of a DP rank run
+the same prompts as one batch, left-padded to the longest with an attention mask. Every prompt
+gets exactly ``max_new_tokens`` tokens: EOS does not stop generation, because under EP every
+rank must run the same number of forward passes (each MoE block is a collective over all
+ranks) and a fixed count makes the comparison cover every step. With tp > 1, TP rank 0's
+logits are broadcast over the TP group at each step so all TP ranks pick the same token; a step
+where they differed is counted (``tp_disagreements``) and reported, never hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moeshard.checkpoint.hf_config import read_hf_config
+from moeshard.checkpoint.loader import resolve_quant
+from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.groups import ParallelGroups
+from moeshard.tolerances import compare as tolerance_compare
+from moeshard.tolerances import tolerance
+from moeshard.validate import is_int
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """What the user asked for. prompts: token ids, one tuple per prompt; quant/dtype/backend
+    None: the checkpoint's quantization and dtype, the layout's default backend; compare: keep
+    each step's logits so they can be compared with transformers alone."""
+
+    model_dir: str
+    prompts: tuple[tuple[int, ...], ...]
+    max_new_tokens: int = 16
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quant: str | None = None
+    defer_input_quant: bool = False
+    dtype: str | None = None
+    backend: str | None = None
+    device: str = "cpu"
+    compare: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"generate: device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens: must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.prompts:
+            raise ValueError("--input-ids: no prompt given")
+        for i, prompt in enumerate(self.prompts):
+            if not prompt:
+                raise ValueError(f"--input-ids: prompt {i} is empty")
+            if any(not is_int(t) or t < 0 for t in prompt):
+                raise ValueError(f"--input-ids: prompt {i} holds {list(prompt)[:8]}; token ids are integers >= 0")
+
+
+@dataclass(frozen=True)
+class GeneratePlan:
+    """A checked, resolved run; every rank executes the same plan. dp_prompts[d]: indices of the
+    prompts DP rank d runs; pad_token_id: what left padding is filled with (masked out)."""
+
+    spec: GenerateSpec
+    model_type: str
+    cfg: MoEConfig
+    quant: QuantConfig
+    backend: str
+    vocab_size: int
+    pad_token_id: int
+    dp_prompts: tuple[tuple[int, ...], ...]
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.spec.parallel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cfg.dtype
+
+
+@dataclass(frozen=True)
+class GenerateRankResult:
+    """One rank's report. prompts: the prompt indices it ran (its DP rank's); generated: the new
+    ids of each, ``max_new_tokens`` long; logits: fp32 [steps, len(prompts), vocab] when
+    ``spec.compare`` (else None); experts: [start, stop) of the experts it holds, intermediate:
+    its [lo, hi) of I; expert_bytes: bytes of routed-expert tensors it holds; tp_disagreements:
+    steps at which its logits differed from its TP rank 0's."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    prompts: tuple[int, ...]
+    generated: tuple[tuple[int, ...], ...]
+    logits: torch.Tensor | None
+    experts: tuple[int, int]
+    intermediate: tuple[int, int]
+    expert_bytes: int
+    load_s: float
+    generate_s: float
+    tp_disagreements: int
+
+
+def split_prompts(count: int, dp: int) -> tuple[tuple[int, ...], ...]:
+    """Prompt indices per DP rank: contiguous, the first ``count % dp`` ranks get one more."""
+    out, start = [], 0
+    for d in range(dp):
+        n = count // dp + (1 if d < count % dp else 0)
+        out.append(tuple(range(start, start + n)))
+        start += n
+    return tuple(out)
+
+
+def plan_generate(spec: GenerateSpec) -> GeneratePlan:
+    """Checks everything that can be checked before processes start; returns the plan."""
+    from moeshard.integrations.transformers import check_layout
+
+    p = spec.parallel
+    info = read_hf_config(spec.model_dir)
+    raw = json.loads((Path(spec.model_dir) / "config.json").read_text())
+    vocab = raw.get("vocab_size")
+    if not is_int(vocab) or vocab < 1:
+        raise ValueError(f"{info.source}: vocab_size must be a positive integer, got {vocab!r}")
+    for i, prompt in enumerate(spec.prompts):
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise ValueError(f"--input-ids: prompt {i} holds token ids {bad[:8]} outside the vocabulary "
+                             f"[0, {vocab}) of {spec.model_dir}")
+    if len(spec.prompts) < p.dp:
+        raise ValueError(f"--dp {p.dp}: every DP rank runs its own prompts, but only {len(spec.prompts)} prompt(s) "
+                         f"were given; give at least {p.dp} (prompts are separated by ';')")
+    quant = resolve_quant(info, spec.quant)
+    if spec.defer_input_quant:
+        quant = QuantConfig(quant.scheme, defer_input_quant=True)
+    dtype = parse_dtype(spec.dtype) if spec.dtype is not None else (info.checkpoint_dtype or torch.float32)
+    cfg = info.moe_config(dtype)
+    backend = check_layout(cfg, quant, p, spec.backend, spec.device)
+    pad = raw.get("pad_token_id")
+    pad = pad if is_int(pad) and 0 <= pad < vocab else 0
+    return GeneratePlan(spec=spec, model_type=info.model_type, cfg=cfg, quant=quant, backend=backend,
+                        vocab_size=vocab, pad_token_id=pad, dp_prompts=split_prompts(len(spec.prompts), p.dp))
+
+
+# -- generation (on a rank, or transformers alone) ---------------------------------------------
+def _batch(prompts: list[tuple[int, ...]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input_ids [B, L] and attention_mask [B, L] (1 on real tokens)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _same_on_tp_ranks(groups: ParallelGroups):
+    """A transformers LogitsProcessor: TP rank 0's scores are broadcast over the TP group (all TP
+    ranks then pick the same token); counts the steps at which this rank's scores differed."""
+    from transformers import LogitsProcessor
+
+    class SameOnTPRanks(LogitsProcessor):
+        def __init__(self) -> None:
+            self.disagreements = 0
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            agreed = scores.clone()
+            dist.broadcast(agreed, src=groups.tp_ranks[0], group=groups.tp_group)
+            if not torch.equal(agreed, scores):
+                self.disagreements += 1
+            return agreed
+
+    return SameOnTPRanks()
+
+
+def greedy(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad_token_id: int, keep_logits: bool,
+           processors: list | None = None) -> tuple[list[tuple[int, ...]], torch.Tensor | None]:
+    """Greedy generation of exactly ``max_new_tokens`` tokens for each prompt, as one left-padded
+    batch (EOS does not stop it) -> (new ids per prompt, fp32 logits [steps, B, V] or None)."""
+    import copy
+
+    from transformers import LogitsProcessorList
+
+    device = next(model.parameters()).device
+    ids, mask = _batch(prompts, pad_token_id, device)
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None  # exactly max_new_tokens steps on every rank
+    config.pad_token_id = pad_token_id
+    config.do_sample = False
+    for name in ("temperature", "top_p", "top_k"):  # sampling settings a checkpoint may carry
+        setattr(config, name, None)
+    config.max_new_tokens = max_new_tokens
+    config.output_logits = keep_logits
+    config.return_dict_in_generate = True
+    # generate() fills what the given config leaves None from model.generation_config, EOS
+    # included: the model's own is cleared for the call, then restored.
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, generation_config=config,
+                                 logits_processor=LogitsProcessorList(processors or []))
+    finally:
+        model.generation_config.eos_token_id = saved
+    new = out.sequences[:, ids.shape[1]:].cpu()
+    if new.shape[1] != max_new_tokens:
+        raise RuntimeError(f"generate returned {new.shape[1]} new tokens, expected {max_new_tokens}")
+    logits = torch.stack([s.float().cpu() for s in out.logits]) if keep_logits else None
+    return [tuple(row.tolist()) for row in new], logits
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generate_rank(plan: GeneratePlan, groups: ParallelGroups | None) -> GenerateRankResult:
+    """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
+    from moeshard.integrations.transformers import MoEBlock, expert_bytes, load_sharded_model
+
+    p, spec = plan.parallel, plan.spec
+    rank = groups.rank if groups is not None else 0
+    device = groups.device if groups is not None else torch.device(spec.device)
+    dp_rank, tp_rank = p.dp_rank(rank), p.tp_rank(rank)
+    import transformers
+
+    transformers.AutoModelForCausalLM  # noqa: B018 - imported before the load is timed
+    t0 = time.perf_counter()
+    model = load_sharded_model(spec.model_dir, groups, quant=plan.quant, backend=plan.backend, dtype=plan.dtype,
+                               device=device)
+    _sync(device)
+    load_s = time.perf_counter() - t0
+    block = next(m for m in model.modules() if isinstance(m, MoEBlock))
+    processors = [_same_on_tp_ranks(groups)] if p.tp > 1 else []
+    mine = plan.dp_prompts[dp_rank]
+    if groups is not None:
+        dist.barrier()
+    t1 = time.perf_counter()
+    generated, logits = greedy(model, [spec.prompts[i] for i in mine], spec.max_new_tokens, plan.pad_token_id,
+                               spec.compare, processors)
+    _sync(device)
+    generate_s = time.perf_counter() - t1
+    s = block.shard
+    width = plan.cfg.intermediate_size // s.tp_size
+    return GenerateRankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, prompts=mine, generated=tuple(generated),
+                              logits=logits, experts=(s.expert_start, s.expert_stop),
+                              intermediate=(s.tp_rank * width, (s.tp_rank + 1) * width),
+                              expert_bytes=expert_bytes(model), load_s=load_s, generate_s=generate_s,
+                              tp_disagreements=processors[0].disagreements if processors else 0)
+
+
+def generate_plans(plans: list[GeneratePlan]) -> list[GenerateRankResult | dict]:
+    """``spawn`` entry: every plan in order on this rank (all plans need this world size). A plan
+    that raises is recorded as ``{"error": type name, "message": ...}`` and the next plan runs;
+    groups are built once per layout and reused. On CPU the machine's cores are shared out
+    between the local ranks (as torchrun's OMP_NUM_THREADS=1 does): torch's default of every
+    core per rank oversubscribes them, and its spinning threads made generation ~8x slower."""
+    if plans and plans[0].spec.device == "cpu" and dist.is_initialized():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    groups_of: dict[tuple, ParallelGroups] = {}
+    results: list[GenerateRankResult | dict] = []
+    for plan in plans:
+        p = plan.parallel
+        key = (p.dp, p.tp, p.enable_ep)
+        if key not in groups_of:
+            side = p.enable_ep and plan.spec.device == "cuda"  # all2all's count channel on CUDA
+            groups_of[key] = ParallelGroups.build(p, side_channel=side)
+        try:
+            results.append(generate_rank(plan, groups_of[key]))
+        except Exception as exc:  # noqa: BLE001 - recorded for the caller, which reports it
+            results.append({"error": type(exc).__name__, "message": str(exc)})
+    return results
+
+
+Generation = tuple[list[tuple[int, ...]], torch.Tensor]  # (new ids per prompt, fp32 logits [steps, B, V])
+
+
+def reference_generate(plan: GeneratePlan, device: str | torch.device | None = None,
+                       dtype: torch.dtype | None = None) -> list[Generation]:
+    """transformers alone (``from_pretrained``, every expert, no moeshard), in ``dtype`` (default
+    the plan's): per DP rank, its prompts as the same batch -> [(new ids per prompt, logits)]."""
+    import transformers
+
+    device = torch.device(device if device is not None else ("cuda" if plan.spec.device == "cuda" else "cpu"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(plan.spec.model_dir, dtype=dtype or plan.dtype)
+    model = model.to(device).eval()
+    spec = plan.spec
+    return [greedy(model, [spec.prompts[i] for i in mine], spec.max_new_tokens, plan.pad_token_id, True)
+            for mine in plan.dp_prompts]
+
+
+def by_prompt(plan: GeneratePlan, results: list[GenerateRankResult]) -> list[tuple[int, ...]]:
+    """The new ids of every prompt, in prompt order (from each DP rank's TP rank 0)."""
+    out: list[tuple[int, ...] | None] = [None] * len(plan.spec.prompts)
+    for r in results:
+        if r.tp_rank == 0:
+            for i, ids in zip(r.prompts, r.generated):
+                out[i] = ids
+    missing = [i for i, ids in enumerate(out) if ids is None]
+    if missing:
+        raise RuntimeError(f"no rank reported prompts {missing}")
+    return out  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class GenerateComparison:
+    """moeshard against transformers alone, on the same prompts and batches.
+
+    same_ids[i]: prompt i's new ids are identical; first_difference[i]: the first step whose id
+    differs (None if none). step_max_abs[s]: max |logits - transformers' logits| over every
+    prompt still on the same context at step s (every prompt up to and including its first
+    differing step; after it the contexts differ), None once no prompt is; within_tolerance:
+    every compared logit within ``moeshard.tolerances`` for the model dtype (atol, rtol); None
+    for a quantized run, whose difference is the quantization error against the unquantized
+    model (reported, not judged by the tolerance table, which bounds parallel error).
+    dtype_noise[s] (bf16 / fp16 runs, when an fp32 reference was given): the same measure for
+    transformers' own model-dtype logits against its fp32 logits, for scale: how far rounding
+    in that dtype alone moves the logits of this model."""
+
+    same_ids: tuple[bool, ...]
+    first_difference: tuple[int | None, ...]
+    step_max_abs: tuple[float | None, ...]
+    atol: float
+    rtol: float
+    within_tolerance: bool | None
+    quant: str = "none"
+    dtype_noise: tuple[float | None, ...] | None = None
+
+    @property
+    def max_abs(self) -> float:
+        return max((v for v in self.step_max_abs if v is not None), default=0.0)
+
+    def to_json(self) -> dict:
+        noise = None if self.dtype_noise is None else list(self.dtype_noise)
+        return {"same_ids": list(self.same_ids), "first_difference": list(self.first_difference),
+                "step_max_abs_logit_diff": list(self.step_max_abs), "max_abs_logit_diff": self.max_abs,
+                "tolerance": {"atol": self.atol, "rtol": self.rtol}, "within_tolerance": self.within_tolerance,
+                "quant": self.quant, "transformers_dtype_vs_fp32_step_max_abs": noise}
+
+
+def _prompt_diffs(ids, logits, ref_ids, ref_logits, dtype: torch.dtype):
+    """One prompt: (first differing step or None, [(max abs error, within the table)] for each
+    step on the same context, i.e. up to and including the first differing one)."""
+    steps = len(ref_ids)
+    diff = [s for s in range(steps) if ids[s] != ref_ids[s]]
+    last = diff[0] if diff else steps - 1
+    errs = []
+    for s in range(last + 1):
+        err, _, _, good = tolerance_compare(logits[s], ref_logits[s], dtype, "none")
+        errs.append((err, good))
+    return (diff[0] if diff else None), errs
+
+
+def _fold(step_max: list[float | None], errs) -> None:
+    for s, (err, _) in enumerate(errs):
+        step_max[s] = err if step_max[s] is None else max(step_max[s], err)
+
+
+def compare_generations(plan: GeneratePlan, results: list[GenerateRankResult], reference: list[Generation],
+                        fp32_reference: list[Generation] | None = None) -> GenerateComparison:
+    """Compares every DP rank's TP rank 0 with ``reference`` (``reference_generate(plan)``) of the
+    same batch; with ``fp32_reference`` (``reference_generate(plan, dtype=torch.float32)``) also
+    measures transformers' own dtype rounding (``dtype_noise``)."""
+    steps, count = plan.spec.max_new_tokens, len(plan.spec.prompts)
+    same, first = [False] * count, [None] * count
+    step_max: list[float | None] = [None] * steps
+    noise: list[float | None] | None = [None] * steps if fp32_reference is not None else None
+    ok = True
+    for r in results:
+        if r.tp_rank != 0:
+            continue
+        if r.logits is None:
+            raise ValueError("compare_generations: the ranks kept no logits (GenerateSpec.compare was False)")
+        ref_ids, ref_logits = reference[r.dp_rank]
+        for row, i in enumerate(r.prompts):
+            first[i], errs = _prompt_diffs(r.generated[row], r.logits[:, row], ref_ids[row], ref_logits[:, row],
+                                           plan.dtype)
+            same[i] = first[i] is None
+            ok = ok and all(good for _, good in errs)
+            _fold(step_max, errs)
+            if noise is not None:
+                f32_ids, f32_logits = fp32_reference[r.dp_rank]
+                _fold(noise, _prompt_diffs(ref_ids[row], ref_logits[:, row], f32_ids[row], f32_logits[:, row],
+                                           plan.dtype)[1])
+    atol, rtol = tolerance(plan.dtype, "none")
+    return GenerateComparison(same_ids=tuple(same), first_difference=tuple(first), step_max_abs=tuple(step_max),
+                              atol=atol, rtol=rtol, within_tolerance=None if plan.quant.quantized else ok,
+                              quant=plan.quant.name, dtype_noise=None if noise is None else tuple(noise))
+
+
+def describe(plan: GeneratePlan) -> dict:
+    """The plan as JSON-able fields (for the summary and ``--output``)."""
+    spec = plan.spec
+    return {"model": spec.model_dir, "model_type": plan.model_type, "layout": plan.parallel.name,
+            "world_size": plan.parallel.world_size, "device": spec.device, "backend": plan.backend,
+            "quant": plan.quant.name, "dtype": dtype_name(plan.dtype), "max_new_tokens": spec.max_new_tokens,
+            "prompts_per_dp_rank": [list(d) for d in plan.dp_prompts]}

@@ -1,0 +1,1 @@
+"""Integrations with other libraries: ``moeshard.integrations.transformers`` (Hugging Face models)."""

@@ -1,0 +1,416 @@
+"""A whole transformers MoE model under a (dp, tp, ep) layout: every MoE block becomes a moeshard
+``MoELayer``; attention, norms, embeddings, dense MLP layers and the LM head stay transformers'.
+
+    shard_moe_blocks(model, groups, quant=..., backend=...)
+        a model already in memory (the full weights on every rank): each rank keeps its shard of
+        every MoE block's experts and drops the rest
+    load_sharded_model(model_dir, groups, quant=..., backend=..., dtype=..., device=...)
+        from a checkpoint directory: transformers builds the model on the meta device, each rank
+        reads the non-expert weights and, per MoE layer, only its slices of the experts
+        (``moeshard.checkpoint.load_moe_block``), so a model too large for one device in full
+        loads on several
+
+Both replace ``model.model.layers[L].mlp`` of every MoE layer ``L`` (the layers the model
+family's config says have an MoE block; DeepSeek-V3's first dense layers and Qwen's
+``mlp_only_layers`` are left alone) with an ``MoEBlock``: a ``MoELayer`` that takes and returns
+the block's ``[batch, seq, H]`` and keeps transformers' own router module as ``gate``. That
+router runs on every forward, on all of this rank's tokens, exactly as in transformers, so
+``output_router_logits`` (transformers 5 records the router's first output with a forward
+hook) and the auxiliary loss built from it are unchanged; the experts the tokens go to are
+chosen by moeshard's router on the same weight (fp32 logits, ties to the lower index).
+
+Layouts of a whole model (global rank ``r = dp_rank * tp + tp_rank``)::
+
+    layout          experts on a rank        what each rank runs                   collectives per MoE block
+    (1,1,off)       all                      every prompt                          none
+    (1,tp,off) TP   all, I / tp              every prompt (same on all TP ranks)   all-reduce over TP
+    (dp,1,off) DP   all                      its own prompts                       none
+    (dp,tp,off)     all, I / tp              its DP rank's prompts                 all-reduce over TP
+    (dp,1,on) EP    E / dp, whole            its own prompts                       dispatch/combine over all ranks
+    (dp,tp,on) SP   E / (dp*tp), whole       its DP rank's prompts; routes 1/tp    dispatch/combine over all ranks,
+                                             of their tokens                       all-gather over TP
+
+Everything outside the MoE blocks is replicated: each rank holds the full attention, norms,
+embeddings and LM head, and runs them on its DP rank's prompts.
+
+Cross-rank preconditions (what the caller of the model's forward must keep):
+  * the TP ranks of one DP rank run the same tokens (same prompts, same steps), as the layer
+    expects; moeshard's ``generate`` command makes them also pick the same next token;
+  * with EP on, every MoE block's forward is a collective over all ranks: every rank calls the
+    model's forward the same number of times (token counts may differ, zero included);
+    a rank that stops early (say at EOS) leaves the others waiting until the group times out;
+  * with EP off and tp == 1 (DP) the ranks are independent.
+Refused, before any collective, with a ValueError naming the field and the values: a model type
+moeshard does not know, a layout whose world size differs from the process group's, an expert
+count not divisible by the EP size, an intermediate size not divisible by tp (or not aligned to
+the quantization's block under TP), a backend / quantization / layout combination the registry
+does not support, a model on another device than the process group's, a model whose blocks are
+already moeshard's, and (``shard_moe_blocks``) a model transformers loaded pre-quantized. When
+one rank fails to load, every rank raises (with that rank's reason) before the first collective.
+
+Inference only: no gradient flows through dispatch and combine (the loss is computed, it does
+not train the experts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeshard.checkpoint.hf_config import HFMoEModel, parse_hf_config, read_hf_config
+from moeshard.checkpoint.loader import resolve_quant
+from moeshard.checkpoint.names import BlockNames, scale_name
+from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
+from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, parse_dtype
+from moeshard.dispatch.registry import default_backend, support
+from moeshard.layer import MoELayer
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.groups import ParallelGroups
+from moeshard.quant import FP8_BLOCK
+from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
+from moeshard.router import Routing, route, router_logits
+from moeshard.sharding import shard_spec
+from moeshard.weights import MoEWeights
+
+__all__ = ["MoEBlock", "find_moe_blocks", "load_sharded_model", "moe_model_info", "shard_moe_blocks",
+           "check_layout"]
+
+
+class MoEBlock(MoELayer):
+    """A transformers MoE block run by moeshard: ``forward(hidden_states [..., H]) -> [..., H]``.
+
+    router: the block's transformers router module (``gate``: ``weight`` [E, H], DeepSeek-V3's
+    ``e_score_correction_bias`` [E]); it replaces ``MoELayer``'s own ``gate``, so the state dict
+    keeps transformers' names (``gate.weight``, ``experts.gate_up_proj`` — this rank's shard —,
+    ``shared_experts.*``) and the router's forward hooks (transformers' router-logit recorder)
+    keep firing. layer: the decoder layer index (for messages). Other arguments as ``MoELayer``.
+    """
+
+    def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, **kwargs: Any) -> None:
+        super().__init__(cfg, **kwargs)
+        weight = getattr(router, "weight", None)
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
+            raise ValueError(f"MoEBlock (layer {layer}): the router's weight must be [num_experts={cfg.num_experts}, "
+                             f"hidden_size={cfg.hidden_size}], got "
+                             f"{None if not isinstance(weight, torch.Tensor) else tuple(weight.shape)}")
+        self.layer_index = layer
+        self.gate = router.to(self.device)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """x: [T, H] rows this rank routes -> top-k ids / fp32 weights (moeshard's router on the
+        transformers router's weight and correction bias)."""
+        return route(router_logits(x, self.gate.weight), self.cfg, getattr(self.gate, "e_score_correction_bias", None))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states: [..., H] (transformers passes [batch, seq, H]) in the model dtype ->
+        the same shape. The transformers router runs first on all rows, for its outputs'
+        observers (``output_router_logits``); its routing is not used."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        self.gate(x)
+        return super().forward(x).reshape(shape)
+
+    def extra_repr(self) -> str:
+        s = self.shard
+        return (f"layer={self.layer_index}, layout={self.parallel.name}, backend={self.backend_name}, "
+                f"quant={self.quant.name}, experts=[{s.expert_start}, {s.expert_stop}) of {self.cfg.num_experts}")
+
+
+# -- finding the blocks -----------------------------------------------------------------------
+def moe_model_info(model: nn.Module) -> HFMoEModel:
+    """What moeshard reads from the model's config (family, MoE shape and routing, dense layers);
+    ValueError for a model type moeshard does not support."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise ValueError(f"{type(model).__name__} has no transformers config (model.config); expected a "
+                         f"transformers PreTrainedModel")
+    return parse_hf_config(config.to_dict(), f"{type(model).__name__}.config")
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)  # *ForCausalLM keeps the decoder as .model
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers or "
+                         f"model.layers)")
+    return layers
+
+
+def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
+    """layer index -> the transformers MoE block (``layers[L].mlp``) of every MoE layer, in order.
+
+    Refuses a model whose MoE layers do not hold a block with a ``gate`` router and ``experts``,
+    and a model whose blocks are already ``MoEBlock``s."""
+    info = moe_model_info(model)
+    layers = _decoder_layers(model)
+    if len(layers) != info.num_layers:
+        raise ValueError(f"{type(model).__name__}: {len(layers)} decoder layers, but its config says "
+                         f"num_hidden_layers={info.num_layers}")
+    blocks = {}
+    for index, layer in enumerate(layers):
+        if index in info.dense_layers:
+            continue
+        block = getattr(layer, "mlp", None)
+        if isinstance(block, MoEBlock):
+            raise ValueError(f"{type(model).__name__}: layer {index}'s MoE block is already a moeshard MoEBlock "
+                             f"(layout {block.parallel.name}); shard a model once")
+        if not isinstance(getattr(block, "gate", None), nn.Module) or getattr(block, "experts", None) is None:
+            raise ValueError(f"{type(model).__name__}: layer {index} should hold an MoE block with a router (gate) "
+                             f"and experts at .mlp, found {type(block).__name__}")
+        blocks[index] = block
+    return blocks
+
+
+# -- checks before any collective -------------------------------------------------------------
+def _quant(quant: QuantConfig | str | None) -> QuantConfig | None:
+    return QuantConfig(quant) if isinstance(quant, str) else quant
+
+
+def check_layout(cfg: MoEConfig, quant: QuantConfig, parallel: ParallelConfig, backend: str | None = None,
+                 device: str = "cpu", rank: int | None = None) -> str:
+    """Refuses (ValueError naming the field and values) what no rank of ``parallel`` could run
+    for blocks of ``cfg``; returns the backend. Pure: every rank (and a parent before any rank
+    starts) can call it."""
+    parallel.validate(parallel.world_size, cfg, rank)
+    backend = backend or default_backend(parallel)
+    ok, reason = support(backend, quant, parallel, device=device)
+    if not ok:
+        raise ValueError(f"backend {backend!r} cannot run layout {parallel.name} with quant {quant.name!r} on "
+                         f"{device}: {reason}")
+    for r in range(parallel.world_size):
+        shard_spec(parallel, r, cfg.num_experts).validate(cfg, quant)
+    return backend
+
+
+def _layout(groups: ParallelGroups | None) -> tuple[ParallelConfig, int]:
+    if groups is None:
+        return ParallelConfig(), 0
+    if not isinstance(groups, ParallelGroups):
+        raise ValueError(f"groups: expected moeshard ParallelGroups or None, got {type(groups).__name__}")
+    return groups.config, groups.rank
+
+
+def agree(groups: ParallelGroups | None, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed ``what`` (one all_gather_object of the reasons),
+    so a rank that cannot go on makes every rank raise with that rank's reason instead of leaving
+    the others waiting in the next collective. A ValueError stays a ValueError everywhere,
+    anything else becomes a RuntimeError. The reasons are our own (kind, text) strings."""
+    rank = groups.rank if groups is not None else 0
+    mine = None if error is None else (type(error).__name__, f"rank {rank}: {error}")
+    if groups is None:
+        reasons = [mine]
+    else:
+        reasons = [None] * groups.world_size
+        dist.all_gather_object(reasons, mine)
+    failed = [r for r, reason in enumerate(reasons) if reason is not None]
+    if failed:
+        kind, text = reasons[failed[0]]
+        also = f" (ranks that failed {what}: {failed})" if len(failed) > 1 else ""
+        raise (ValueError if kind == "ValueError" else RuntimeError)(text + also) from error
+
+
+# -- a model already in memory ----------------------------------------------------------------
+def _model_dtype(blocks: dict[int, nn.Module], name: str) -> torch.dtype:
+    first = next(iter(blocks.values()))
+    w = getattr(first.experts, "gate_up_proj", None)
+    if not isinstance(w, torch.Tensor) or w.dtype not in MODEL_DTYPES.values():
+        raise ValueError(f"{name}: the experts of layer {next(iter(blocks))} are "
+                         f"{'not a fused gate_up_proj tensor' if not isinstance(w, torch.Tensor) else w.dtype}; "
+                         f"expected transformers-5 fused experts in one of {sorted(MODEL_DTYPES)}")
+    return w.dtype
+
+
+def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, quant: QuantConfig | str | None = None,
+                     backend: str | None = None) -> nn.Module:
+    """Replaces every MoE block of a loaded transformers model with an ``MoEBlock`` under the
+    layout of ``groups`` (None: one device) and returns the model (changed in place).
+
+    model: a transformers Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 model with its full
+    weights, the same on every rank, on this rank's device (``groups.device``); quant: expert
+    quantization (default none); backend: dispatch backend (default: the layout's).
+    Collective when groups is given: every rank of the world calls it with the same model.
+    Each rank keeps only its shard of the experts; the full expert tensors are released.
+    """
+    quant = _quant(quant) or QuantConfig()
+    parallel, rank = _layout(groups)
+    name = type(model).__name__
+    error, work, cfg, device = None, [], None, None
+    try:
+        if getattr(model, "hf_quantizer", None) is not None or getattr(model.config, "quantization_config", None):
+            raise ValueError(f"{name} was loaded pre-quantized by transformers; load it with "
+                             f"moeshard.integrations.transformers.load_sharded_model(model_dir, ...) instead")
+        info = moe_model_info(model)
+        blocks = find_moe_blocks(model)
+        if not blocks:
+            raise ValueError(f"{name}: no MoE block to shard (every layer is dense)")
+        cfg = info.moe_config(_model_dtype(blocks, name))
+        device = groups.device if groups is not None else blocks[next(iter(blocks))].experts.gate_up_proj.device
+        backend = check_layout(cfg, quant, parallel, backend, device.type, rank)
+        for index, block in blocks.items():
+            where = block.experts.gate_up_proj.device
+            if where.type != device.type or (device.index is not None and where.index != device.index):
+                raise ValueError(f"{name}: layer {index}'s experts are on {where}, but this rank computes on {device} "
+                                 f"(move the model to the process group's device first)")
+            work.append((index, block.gate, MoEWeights.from_state_dict(block.state_dict(), cfg)))
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
+        error = exc
+    agree(groups, error, "to prepare the model")
+    layers = _decoder_layers(model)
+    for k, (index, router, weights) in enumerate(work):
+        layers[index].mlp = MoEBlock(router, cfg, layer=index, quant=quant, groups=groups, backend=backend,
+                                     weights=weights, device=device)
+        work[k] = None  # the full experts go with the old block
+    return model
+
+
+# -- from a checkpoint directory --------------------------------------------------------------
+def _read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                fp8: bool) -> torch.Tensor:
+    """One non-expert tensor in ``dtype``; an fp8 weight of an FP8 block checkpoint is
+    dequantized with its ``weight_scale_inv`` (128 x 128 blocks)."""
+    info = ckpt.expect(name, shape)
+    t = ckpt.read(name)
+    check_finite(t, name, info.file)
+    if t.dtype == torch.float8_e4m3fn and fp8:
+        sname = scale_name(name)
+        blocks = tuple(-(-n // FP8_BLOCK) for n in shape)
+        ckpt.expect(sname, blocks)
+        scale = ckpt.read(sname).float()
+        check_finite(scale, sname, info.file)
+        t = fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK,) * len(shape), shape))
+    elif not t.is_floating_point() or t.element_size() == 1:
+        raise ValueError(f"tensor {name!r} in {str(info.file)!r} has dtype {t.dtype}; expected a float tensor")
+    return t.to(dtype)
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Puts ``value`` in place of the parameter or buffer ``name`` (a meta tensor)."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=module._parameters[leaf].requires_grad)
+    else:
+        module._buffers[leaf] = value
+
+
+def _is_meta(t: torch.Tensor | None) -> bool:
+    return t is not None and t.is_meta
+
+
+def _build_on_meta(model_dir: Path, dtype: torch.dtype):
+    """transformers' model of ``model_dir``'s config.json on the meta device (nothing allocated)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if (model_dir / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(str(model_dir))
+    return model
+
+
+def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, names: BlockNames,
+                 device: torch.device, fp8: bool) -> nn.Module:
+    """The block's transformers router with its weight (and bias) read from the checkpoint, in
+    the dtypes transformers gave them (DeepSeek-V3 keeps its router in fp32)."""
+    router = model.get_submodule(prefix + "gate")
+    for local, t in list(router.named_parameters()) + list(router.named_buffers()):
+        stored = names.prefix + "gate." + local  # the checkpoint's block prefix (Mixtral: block_sparse_moe.)
+        _set(router, local, _read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8).to(device))
+    return router
+
+
+def _load_dense(model: nn.Module, ckpt: SafetensorsCheckpoint, skip: tuple[str, ...], device: torch.device,
+                fp8: bool) -> None:
+    """Every parameter and persistent buffer outside the MoE blocks (``skip`` prefixes), read
+    under its own name; tied weights (``lm_head`` with ``tie_word_embeddings``) are tied after;
+    non-persistent buffers (rotary frequencies) are computed as transformers does."""
+    persistent = set(model.state_dict(keep_vars=True))
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    tensors = [(n, t) for n, t in model.named_parameters(remove_duplicate=False)]
+    tensors += [(n, t) for n, t in model.named_buffers(remove_duplicate=False) if n in persistent]
+    for name, t in tensors:
+        if name.startswith(skip) or not _is_meta(t):
+            continue
+        if not ckpt.has(name) and name in tied:
+            continue
+        _set(model, name, _read_dense(ckpt, name, tuple(t.shape), t.dtype, fp8).to(device))
+    model.tie_weights()
+    for name, buffer in list(model.named_buffers()):
+        if name in persistent or not _is_meta(buffer):
+            continue
+        owner = name.rpartition(".")[0]
+        module = model.get_submodule(owner) if owner else model
+        if any(True for _ in module.parameters(recurse=False)):
+            raise ValueError(f"cannot initialise buffer {name!r}: its module {type(module).__name__} also holds "
+                             f"parameters")
+        for leaf, b in list(module._buffers.items()):
+            if _is_meta(b):
+                module._buffers[leaf] = torch.empty_like(b, device=device)
+        with torch.no_grad():
+            model._init_weights(module)  # transformers' own initialisation of e.g. rotary inv_freq
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if _is_meta(t) and not n.startswith(skip)]
+    if left:
+        raise ValueError(f"{ckpt.model_dir}: no value for {left[:6]}{' ...' if len(left) > 6 else ''} (not in the "
+                         f"checkpoint)")
+
+
+def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = None, *,
+                       quant: QuantConfig | str | None = None, backend: str | None = None,
+                       dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> nn.Module:
+    """A transformers causal LM from ``model_dir`` (config.json + safetensors) with every MoE block
+    an ``MoEBlock`` under the layout of ``groups`` (None: one device), in eval mode.
+
+    Each rank reads the non-expert weights whole and, per MoE layer, only its experts (EP) or
+    its slice of the intermediate dimension (TP), one expert at a time, so it holds about the
+    non-expert weights plus its share of the experts. quant: expert quantization (default: the
+    checkpoint's own, fp8_block for an FP8 block checkpoint); backend: dispatch backend;
+    dtype: model dtype (default: the checkpoint's, else fp32); device: default
+    ``groups.device`` or CPU. Collective when groups is given (see the module's preconditions).
+    """
+    model_dir = Path(model_dir)
+    parallel, rank = _layout(groups)
+    if device is None:
+        device = groups.device if groups is not None else "cpu"
+    device = torch.device(device)
+    error, model, blocks, routers = None, None, {}, {}
+    cfg = quant_cfg = None
+    try:
+        from moeshard.checkpoint.loader import load_moe_block
+
+        info = read_hf_config(model_dir)
+        quant_cfg = resolve_quant(info, _quant(quant))
+        dtype = parse_dtype(dtype) if dtype is not None else (info.checkpoint_dtype or torch.float32)
+        cfg = info.moe_config(dtype)
+        backend = check_layout(cfg, quant_cfg, parallel, backend, device.type, rank)
+        model = _build_on_meta(model_dir, dtype)
+        ckpt = SafetensorsCheckpoint(model_dir)
+        prefixes = {index: f"model.layers.{index}.mlp." for index in find_moe_blocks(model)}
+        for index, prefix in prefixes.items():
+            blocks[index] = load_moe_block(model_dir, index, parallel=parallel, rank=rank, quant=quant_cfg, dtype=dtype)
+            routers[index] = _load_router(model, ckpt, prefix, blocks[index].names, device, info.fp8_block)
+        _load_dense(model, ckpt, tuple(prefixes.values()), device, info.fp8_block)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
+        error = exc
+    agree(groups, error, "to load")
+    layers = _decoder_layers(model)
+    for index in sorted(blocks):
+        block = blocks.pop(index)
+        layers[index].mlp = MoEBlock(routers.pop(index), block.cfg, layer=index, quant=block.quant, groups=groups,
+                                     backend=backend, weights=block.weights, local_experts=block.local_experts,
+                                     device=device)
+    return model.eval()
+
+
+def expert_bytes(model: nn.Module) -> int:
+    """Bytes of routed-expert tensors this rank holds (every ``MoEBlock``'s shard, scales included)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, MoEBlock):
+            total += sum(t.nbytes for t in list(module.experts.parameters()) + list(module.experts.buffers()))
+    return total

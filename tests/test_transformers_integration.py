@@ -1,0 +1,392 @@
+"""Whole transformers models with their MoE blocks run by moeshard (issue 17).
+
+Tiny random Mixtral, Qwen2-MoE, Qwen3-MoE (tied embeddings) and DeepSeek-V3 (a dense first
+layer, grouped routing, shared experts) models are saved with ``save_pretrained``; every rank
+loads its share with ``load_sharded_model`` (or shards a model in memory with
+``shard_moe_blocks``) and generates greedily. The expected values are transformers' own: the
+same prompts, as the same batches, through ``from_pretrained`` and ``generate`` with no moeshard.
+
+One spawn per world size runs every case of that size: world 2 (EP2, DP, TP, and the in-memory
+API under EP2), world 4 (SP: dp2-tp2-ep, and dp2-tp2-noep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeshard.generatejob import (GenerateSpec, by_prompt, compare_generations, generate_plans, generate_rank, greedy,
+                                  plan_generate, reference_generate)
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.groups import ParallelGroups
+from moeshard.parallel.spawn import RankFailure, spawn
+
+tf = pytest.importorskip("transformers")
+
+SPAWN_TIMEOUT_S = 240.0
+NEW_TOKENS = 8
+# Different lengths (left padding inside a batch); with dp=2, DP rank 0 runs prompts 0-1, rank 1 runs 2-3.
+PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11,))
+SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.1)
+
+
+def _configs():
+    return {
+        "mixtral": tf.MixtralConfig(**SMALL, intermediate_size=48, num_key_value_heads=2, num_local_experts=4,
+                                    num_experts_per_tok=2),
+        "qwen2_moe": tf.Qwen2MoeConfig(**SMALL, intermediate_size=48, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=24, num_key_value_heads=2, num_experts=4,
+                                       num_experts_per_tok=2),
+        "qwen3_moe": tf.Qwen3MoeConfig(**SMALL, intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=2,
+                                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                       tie_word_embeddings=True),
+        "deepseek_v3": tf.DeepseekV3Config(**SMALL, intermediate_size=48, moe_intermediate_size=16,
+                                           first_k_dense_replace=1, num_key_value_heads=4, n_routed_experts=8,
+                                           num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                                           q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                           v_head_dim=8),
+    }
+
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """family -> directory of a tiny random model saved by transformers."""
+    root = tmp_path_factory.mktemp("tiny-moe")
+    out = {}
+    for seed, (name, cfg) in enumerate(_configs().items()):
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+        model.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+def _plan(models, family: str, layout: ParallelConfig | None = None, **kw):
+    layout = layout or ParallelConfig()
+    return plan_generate(GenerateSpec(models[family], PROMPTS, NEW_TOKENS, layout, compare=True, **kw))
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """transformers alone for a plan's batches, computed once per (model, dtype, batches)."""
+    cache = {}
+
+    def get(plan):
+        key = (plan.spec.model_dir, plan.dtype, plan.dp_prompts)
+        if key not in cache:
+            cache[key] = reference_generate(plan)
+        return cache[key]
+
+    return get
+
+
+def _check_parity(plan, results, reference, same_ids=True):
+    for r in results:
+        assert not isinstance(r, dict), f"rank raised: {r}"
+        assert r.tp_disagreements == 0
+    c = compare_generations(plan, results, reference(plan))
+    assert c.within_tolerance, f"{plan.parallel.name} {plan.model_type}: logits off by {c.step_max_abs}"
+    if same_ids:
+        assert all(c.same_ids), f"{plan.parallel.name} {plan.model_type}: ids differ at steps {c.first_difference}"
+    assert len(by_prompt(plan, results)) == len(PROMPTS)
+    return c
+
+
+def _full_expert_bytes(plan) -> int:
+    cfg = plan.cfg
+    moe_layers = plan.model_type != "deepseek_v3" and 2 or 1
+    return moe_layers * cfg.num_experts * 3 * cfg.intermediate_size * cfg.hidden_size * cfg.dtype.itemsize
+
+
+# -- one rank ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_rank_generates_what_transformers_generates(models, reference, family):
+    plan = _plan(models, family)
+    result = generate_rank(plan, None)
+    _check_parity(plan, [result], reference)
+    assert result.expert_bytes == _full_expert_bytes(plan)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_logits_and_loss_kept(models, family):
+    """The model's forward with labels and output_router_logits: same loss, same aux loss, same
+    recorded router logits as transformers' (the block keeps transformers' router module)."""
+    from moeshard.integrations.transformers import MoEBlock, find_moe_blocks, load_sharded_model, shard_moe_blocks
+
+    ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
+    plain = tf.AutoModelForCausalLM.from_pretrained(models[family]).eval()
+    want = plain(ids, labels=ids, output_router_logits=True)
+    for model in (load_sharded_model(models[family]),
+                  shard_moe_blocks(tf.AutoModelForCausalLM.from_pretrained(models[family]).eval())):
+        got = model(ids, labels=ids, output_router_logits=True)
+        blocks = [layer.mlp for layer in model.model.layers]
+        assert [isinstance(b, MoEBlock) for b in blocks] == [family != "deepseek_v3", True]
+        assert torch.allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(got.loss, want.loss, atol=1e-6)
+        if getattr(want, "aux_loss", None) is not None:
+            assert torch.allclose(got.aux_loss, want.aux_loss, atol=1e-6)
+        assert len(got.router_logits) == len(want.router_logits) > 0
+        for a, b in zip(got.router_logits, want.router_logits):
+            assert torch.equal(a, b)
+        with pytest.raises(ValueError, match="already a moeshard MoEBlock"):
+            find_moe_blocks(model)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_bf16_logits_within_tolerance(models, reference, family):
+    """bf16: moeshard's block sums in fp32 and rounds once, transformers' rounds each expert's
+    share, so logits differ by about a bf16 ulp; they stay within the bf16 tolerance at every
+    step that has the same context (up to and including the first differing id, if any)."""
+    plan = _plan(models, family, dtype="bfloat16")
+    result = generate_rank(plan, None)
+    c = _check_parity(plan, [result], reference, same_ids=False)
+    assert c.atol == 2e-2 and c.max_abs > 0
+
+
+def test_fp8_block_reports_its_quantization_error(models, reference):
+    """A quantized run is compared with the unquantized model: the difference is its quantization
+    error, reported (not judged by the tolerance table, which bounds parallel error)."""
+    plan = _plan(models, "qwen3_moe", quant="fp8_block")
+    result = generate_rank(plan, None)
+    c = compare_generations(plan, [result], reference(plan))
+    assert c.within_tolerance is None and c.quant == "fp8_block"
+    assert 1e-4 < c.max_abs < 0.25, c.step_max_abs
+    assert result.expert_bytes < _full_expert_bytes(plan) / 3  # fp8 bytes + scales, from fp32
+
+
+def test_eos_does_not_stop_generation(models):
+    """Every prompt gets exactly max_new_tokens (under EP every rank must run as many forward
+    passes as the others), even when the model's EOS comes up; the model's own generation config
+    is left as it was."""
+    model = tf.AutoModelForCausalLM.from_pretrained(models["qwen2_moe"]).eval()
+    ids, _ = greedy(model, [PROMPTS[0]], NEW_TOKENS, 0, False)
+    model.generation_config.eos_token_id = ids[0][1]
+    again, _ = greedy(model, [PROMPTS[0]], NEW_TOKENS, 0, False)
+    assert again == ids and len(ids[0]) == NEW_TOKENS
+    assert model.generation_config.eos_token_id == ids[0][1]
+
+
+def _fp8_block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/128), ceil(K/128)]), w ~= q * scale_inv per
+    128 x 128 tile: DeepSeek-V3's convention, written out here independently of moeshard.quant."""
+    N, K = w.shape
+    q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    s = torch.empty(-(-N // 128), -(-K // 128))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            tile = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            s[i, j] = tile.abs().max() / 448.0
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (tile / s[i, j]).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def test_fp8_block_checkpoint_whole_model(tmp_path):
+    """A DeepSeek-V3-style FP8 checkpoint: every projection stored as fp8 + weight_scale_inv. The
+    experts load as fp8_block as stored; the other fp8 weights (attention, dense MLP, shared
+    experts) are dequantized into the model dtype; generation runs."""
+    from safetensors.torch import load_file, save_file
+
+    from moeshard.integrations.transformers import MoEBlock, load_sharded_model
+
+    cfg = tf.DeepseekV3Config(vocab_size=64, hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
+                              num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2,
+                              num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                              n_shared_experts=1, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+                              qk_nope_head_dim=16, v_head_dim=16, initializer_range=0.1)
+    torch.manual_seed(5)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    stored, dequantized = {}, {}
+    for name, w in load_file(tmp_path / "model.safetensors").items():
+        if w.dim() == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")):
+            q, s = _fp8_block_quantize(w)
+            stored[name], stored[name.replace(".weight", ".weight_scale_inv")] = q, s
+            full = s.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)[:, :q.shape[1]]
+            dequantized[name] = q.float() * full
+        else:
+            stored[name] = w
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    model = load_sharded_model(tmp_path)
+    layers = model.model.layers
+    assert isinstance(layers[1].mlp, MoEBlock) and layers[1].mlp.quant.scheme == "fp8_block"
+    assert layers[1].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert torch.equal(model.get_parameter(name), dequantized[name])
+    assert torch.equal(layers[1].mlp.shared_experts.up_proj.weight,
+                       dequantized["model.layers.1.mlp.shared_experts.up_proj.weight"])
+    ids, logits = greedy(model, [PROMPTS[0]], NEW_TOKENS, 0, True)
+    assert len(ids[0]) == NEW_TOKENS and torch.isfinite(logits).all()
+
+
+# -- several ranks: one spawn per world size --------------------------------------------------
+def _in_memory_rank(model_dir: str, layout: ParallelConfig, prompts) -> tuple:
+    """A rank of the in-memory API: from_pretrained (every expert), then shard_moe_blocks."""
+    import transformers
+
+    from moeshard.integrations.transformers import expert_bytes, shard_moe_blocks
+
+    groups = ParallelGroups.build(layout)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    shard_moe_blocks(model, groups)
+    ids, logits = greedy(model, list(prompts), NEW_TOKENS, 0, True)
+    return ids, logits, expert_bytes(model)
+
+
+def _world_rank(plans, in_memory):
+    out = generate_plans(plans)
+    extra = [_in_memory_rank(*args) for args in in_memory]
+    return out, extra
+
+
+# Every family runs under EP or SP at least once (Mixtral under EP2 through the in-memory API).
+WORLD_CASES = {
+    2: [(ParallelConfig(2, 1, True), ("qwen3_moe", "deepseek_v3")), (ParallelConfig(2, 1, False), ("qwen2_moe",)),
+        (ParallelConfig(1, 2, False), ("mixtral",))],
+    4: [(ParallelConfig(2, 2, True), ("mixtral", "qwen2_moe", "deepseek_v3")),
+        (ParallelConfig(2, 2, False), ("qwen3_moe",))],
+}
+
+
+@pytest.fixture(scope="module")
+def world(models):
+    """world size -> ({(layout name, family): per-rank results}, in-memory per-rank results)."""
+    cache = {}
+
+    def get(ws: int):
+        if ws not in cache:
+            keys = [(layout, family) for layout, families in WORLD_CASES[ws] for family in families]
+            plans = [_plan(models, family, layout) for layout, family in keys]
+            in_memory = [(models["mixtral"], ParallelConfig(2, 1, True), PROMPTS[:2])] if ws == 2 else []
+            try:
+                per_rank = spawn(_world_rank, ws, args=(plans, in_memory), timeout_s=SPAWN_TIMEOUT_S)
+            except RankFailure as failure:
+                cache[ws] = failure
+            else:
+                cache[ws] = ({(layout.name, family): (plan, [per_rank[r][0][i] for r in range(ws)])
+                              for i, ((layout, family), plan) in enumerate(zip(keys, plans))},
+                             [per_rank[r][1] for r in range(ws)])
+        if isinstance(cache[ws], RankFailure):
+            pytest.fail(f"the {ws}-rank run failed:\n{cache[ws]}")
+        return cache[ws]
+
+    return get
+
+
+def _world_params():
+    return [pytest.param(ws, layout.name, family, id=f"{layout.name}-{family}")
+            for ws, cases in WORLD_CASES.items() for layout, families in cases for family in families]
+
+
+@pytest.mark.parametrize("ws, layout, family", _world_params())
+def test_layout_generates_what_transformers_generates(world, reference, ws, layout, family):
+    plan, results = world(ws)[0][(layout, family)]
+    _check_parity(plan, results, reference)
+    p = plan.parallel
+    assert [r.rank for r in results] == list(range(ws))
+    # Each rank holds only its share of the experts: 1/(dp*tp) with EP, 1/tp of I under TP.
+    share = p.world_size if p.enable_ep else p.tp
+    assert [r.expert_bytes for r in results] == [_full_expert_bytes(plan) // share] * ws
+    if p.enable_ep:
+        per = plan.cfg.num_experts // ws
+        assert [r.experts for r in results] == [(r * per, (r + 1) * per) for r in range(ws)]
+    # The TP ranks of a DP rank ran the same prompts and produced the same ids.
+    for r in results:
+        assert r.prompts == plan.dp_prompts[r.dp_rank]
+        assert r.generated == results[r.dp_rank * p.tp].generated
+
+
+def test_in_memory_model_under_ep(world, models, reference):
+    """shard_moe_blocks on a model transformers loaded whole: EP2, each DP rank its own prompts."""
+    per_rank = world(2)[1]
+    plan = _plan(models, "mixtral", ParallelConfig(2, 1, True))
+    plan = replace(plan, spec=replace(plan.spec, prompts=PROMPTS[:2]), dp_prompts=((0, 1),))
+    want_ids, want_logits = reference(plan)[0]
+    for rank, ((ids, logits, held),) in enumerate(per_rank):
+        assert ids == want_ids, f"rank {rank}"
+        assert torch.allclose(logits, want_logits, atol=1e-5, rtol=1e-5)
+        assert held == _full_expert_bytes(plan) // 2
+
+
+# -- the command ------------------------------------------------------------------------------
+def moeshard_generate(argv: list[str]) -> int:
+    """``moeshard generate ARGV`` with the CLI's error handling (ValueError -> stderr, exit 2)."""
+    from moeshard.commands import generate as generate_command
+
+    parser = argparse.ArgumentParser(prog="moeshard")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate_command.add_parser(sub)
+    args = parser.parse_args(["generate", *argv])
+    try:
+        return int(args.func(args))
+    except ValueError as exc:
+        print(f"moeshard generate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def test_command_generates_compares_and_writes_json(models, tmp_path, capsys):
+    out = tmp_path / "gen.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("3, 17, 42\n\n5 6\n")
+    code = moeshard_generate(["--model", models["deepseek_v3"], "--input-file", str(prompts), "--max-new-tokens", "8",
+                              "--compare", "--output", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    data = json.loads(out.read_text())
+    assert [p["input_ids"] for p in data["prompts"]] == [[3, 17, 42], [5, 6]]
+    assert all(len(p["generated_ids"]) == 8 for p in data["prompts"])
+    assert data["comparison"]["same_ids"] == [True, True] and data["comparison"]["within_tolerance"] is True
+    assert data["run"]["layout"] == "dp1-tp1-noep"
+    assert "same ids for 2 of 2 prompt(s)" in printed and "within" in printed
+    assert f"-> {data['prompts'][0]['generated_ids']}" in printed
+    assert not list(tmp_path.glob(".gen.json.*"))  # written atomically, nothing left behind
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dp", "2", "--ep", "--input-ids", "3,4"], "--dp 2: every DP rank runs its own prompts, but only 1"),
+    (["--input-ids", "3,64"], "token ids [64] outside the vocabulary [0, 64)"),
+    (["--input-ids", "3;4;5", "--dp", "3", "--ep"], "not divisible by the EP size 3"),
+    (["--input-ids", "3,x"], "--input-ids: '3,x' is not a comma-separated list of integers"),
+    (["--input-ids", "3", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
+    ([], "give exactly one of --input-ids and --input-file"),
+    (["--input-ids", "3", "--tp", "2", "--quant", "fp8_block"], "aligned to 128, but intermediate_size=16 / tp=2 = 8"),
+])
+def test_command_refuses_before_any_rank_starts(models, capsys, argv, message):
+    code = moeshard_generate(["--model", models["qwen3_moe"], *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_command_refuses_to_overwrite_what_it_reads(models, tmp_path, capsys):
+    prompts = tmp_path / "p.json"
+    prompts.write_text("[[3, 4], [5]]")
+    code = moeshard_generate(["--model", models["mixtral"], "--input-file", str(prompts), "--output", str(prompts)])
+    assert code == 2 and "would overwrite a file this run reads" in capsys.readouterr().err
+    code = moeshard_generate(["--model", models["mixtral"], "--input-ids", "3", "--output",
+                              str(Path(models["mixtral"]) / "model.safetensors")])
+    assert code == 2 and "would overwrite a file this run reads" in capsys.readouterr().err
+    prompts.write_text('{"ids": [3]}')
+    code = moeshard_generate(["--model", models["mixtral"], "--input-file", str(prompts)])
+    assert code == 2 and "must be a list of token ids" in capsys.readouterr().err
+
+
+def test_unsupported_model_type_refused(tmp_path):
+    from moeshard.integrations.transformers import shard_moe_blocks
+
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
+        shard_moe_blocks(llama)
