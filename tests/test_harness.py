@@ -77,7 +77,7 @@ def test_default_matrix_covers_every_layout_backend_and_quant():
     combos = {(c.parallel, c.backend, c.quant) for c in cases}
     assert {c.world_size for c in cases} == {1, 2, 4}
     sp = [c for c in cases if c.parallel == SP]
-    assert {c.backend for c in sp} == {"allgather_reducescatter", "all2all"}
+    assert {c.backend for c in sp} == {"allgather_reducescatter", "all2all", "low_latency"}
     assert len({c.quant for c in sp}) == 9
     assert any(0 in c.tokens for c in cases) and any(c.parallel.is_sequence_parallel and min(c.tokens) < c.parallel.tp
                                                       for c in cases)
