@@ -26,6 +26,11 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_SEED = 2**63 - 2
 
 
+def _label(where: str, name: str) -> str:
+    """``where.name``, or just ``name`` for a command-line flag (``where=""``: ``--timeout``)."""
+    return f"{where}.{name}" if where else name
+
+
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an ``int`` and not a ``bool`` (for checks with messages of their own)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -34,14 +39,14 @@ def is_int(value: Any) -> bool:
 def int_at_least(where: str, name: str, value: Any, minimum: int) -> int:
     """``value`` if it is an int >= ``minimum``, else ValueError "... must be an integer >= minimum"."""
     if not is_int(value) or value < minimum:
-        raise ValueError(f"{where}.{name}: must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{_label(where, name)}: must be an integer >= {minimum}, got {value!r}")
     return value
 
 
 def positive_int(where: str, name: str, value: Any) -> int:
     """``value`` if it is an int >= 1, else ValueError "... must be a positive integer"."""
     if not is_int(value) or value <= 0:
-        raise ValueError(f"{where}.{name}: must be a positive integer, got {value!r}")
+        raise ValueError(f"{_label(where, name)}: must be a positive integer, got {value!r}")
     return value
 
 
@@ -53,21 +58,21 @@ def nonneg_int(where: str, name: str, value: Any) -> int:
 def int_in_range(where: str, name: str, value: Any, minimum: int, maximum: int) -> int:
     """``value`` if it is an int in ``[minimum, maximum]``, else ValueError naming the range."""
     if not is_int(value) or not minimum <= value <= maximum:
-        raise ValueError(f"{where}.{name}: must be an integer in [{minimum}, {maximum}], got {value!r}")
+        raise ValueError(f"{_label(where, name)}: must be an integer in [{minimum}, {maximum}], got {value!r}")
     return value
 
 
 def size(where: str, name: str, value: Any, minimum: int = 1) -> int:
     """A dimension or count: an int in ``[minimum, MAX_DIM]`` (``minimum`` 1, or 0 for optional counts)."""
     if is_int(value) and value > MAX_DIM:
-        raise ValueError(f"{where}.{name}: must be at most {MAX_DIM}, got {value!r}")
+        raise ValueError(f"{_label(where, name)}: must be at most {MAX_DIM}, got {value!r}")
     return positive_int(where, name, value) if minimum == 1 else int_at_least(where, name, value, minimum)
 
 
 def boolean(where: str, name: str, value: Any) -> bool:
     """``value`` if it is a ``bool`` (not 0/1, not ``"false"``), else ValueError "... must be a bool"."""
     if not isinstance(value, bool):
-        raise ValueError(f"{where}.{name}: must be a bool, got {value!r}")
+        raise ValueError(f"{_label(where, name)}: must be a bool, got {value!r}")
     return value
 
 
@@ -84,7 +89,7 @@ def finite_float(where: str, name: str, value: Any, low: float, high: float, *, 
             ok = math.isfinite(number) and (number > low if low_open else number >= low) and number <= high
     if not ok:
         bracket = "(" if low_open else "["
-        raise ValueError(f"{where}.{name}: must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}")
+        raise ValueError(f"{_label(where, name)}: must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}")
     return number
 
 
@@ -102,5 +107,5 @@ def seed(where: str, name: str, value: Any) -> int:
 def index(where: str, name: str, value: Any, size: int) -> int:
     """``value`` if it is an int in ``[0, size)``, else ValueError "... must be an integer in [0, size)"."""
     if not is_int(value) or not 0 <= value < size:
-        raise ValueError(f"{where}.{name}: must be an integer in [0, {size}), got {value!r}")
+        raise ValueError(f"{_label(where, name)}: must be an integer in [0, {size}), got {value!r}")
     return value
