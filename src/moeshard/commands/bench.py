@@ -2,7 +2,8 @@
 
 Every figure comes with ratios against ceilings and baselines measured in the same run: dense
 bf16 matmul (8192^3), device copy bandwidth, ``torch._grouped_mm``, a per-expert loop.
-Refuses to run without CUDA (exit code 2).
+Refuses to run without CUDA (exit code 2). ``--json`` and ``--plot`` paths are checked before
+anything is measured (their directories are created) and written atomically.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 import sys
 import time
 
+from pathlib import Path
+
 from moeshard.bench.device import require_cuda
-from moeshard.commands.args import ints, names
+from moeshard.commands.args import ints, names, seed
+from moeshard.outputs import check_output_path
 
 
 def add_parser(sub) -> None:
@@ -36,6 +40,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            check_output_path(path, flag)
+    seed(args.seed)
     device = require_cuda()  # before any import that needs a GPU: a clear refusal, exit code 2
     from moeshard.bench import report, runner, targets, tune
 
