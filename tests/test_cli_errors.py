@@ -122,10 +122,20 @@ def test_a_run_where_every_case_was_skipped_here_fails_with_exit_3(capsys, monke
     (["--seed", "-1"], "--seed: must be an integer in [0, 9223372036854775806], got -1"),
     (["--tokens-per-rank", "999999", "--world-sizes", "1"], "--tokens-per-rank: counts must be in [0, 65536]"),
     (["--tokens-per-rank", "99999999999999999999999", "--world-sizes", "1"], "--tokens-per-rank: 99999999999999999999999 is larger"),
+    (["--dtypes", "int8"], "--dtypes: dtype: 'int8' is not one of"),
 ])
 def test_check_option_refusals_are_one_line_exit_2(argv, message, capsys):
     assert main(["check", *argv]) == 2
     assert message in error_line(capsys, "check")
+
+
+def test_check_memory_is_estimated_before_running(capsys, monkeypatch):
+    from moeshard.commands import check as check_command
+
+    monkeypatch.setattr(check_command, "available_memory", lambda: 4 * 2**30)
+    start = time.monotonic()  # full-size DeepSeek-V3 on CPU ranks: every rank would make 45 GB of weights
+    assert main(["check", "--size", "full", "--world-sizes", "1,2"]) == 2
+    assert "deepseek-v3@full" in error_line(capsys, "check") and time.monotonic() - start < 10
 
 
 # -- output files ------------------------------------------------------------------------------

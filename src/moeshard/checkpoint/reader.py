@@ -261,7 +261,7 @@ def open_safetensors(path: Path | str, what: str = "safetensors file"):
     """``safe_open`` with refusals that name the file: missing, malformed/truncated, unreadable."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{what} {str(path)!r} does not exist")
+        raise ValueError(f"{what} {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
     try:
         return safe_open(str(path), framework="pt")
     except SafetensorError as exc:

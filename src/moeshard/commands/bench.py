@@ -42,7 +42,10 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"{flag} {path!r}: cannot create its directory: {exc.strerror or exc}") from None
             check_output_path(path, flag)
     seed(args.seed)
     device = require_cuda()  # before any import that needs a GPU: a clear refusal, exit code 2

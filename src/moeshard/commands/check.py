@@ -23,6 +23,7 @@ from moeshard.harness import cases as matrix
 from moeshard.harness import report
 from moeshard.harness.runner import CaseOutcome, Runner
 from moeshard.outputs import check_output_path
+from moeshard.parallel.spawn import available_memory
 from moeshard.presets import SIZES
 
 
@@ -86,6 +87,19 @@ def _nothing_valid(cases: list[matrix.Case]) -> NothingVerified:
     return NothingVerified(f"nothing to verify: 0 of {len(cases)} selected cases are valid ({top})")
 
 
+def _check_memory(valid: list[matrix.Case], available: int | None) -> None:
+    """Refuses, before anything runs, a selection whose largest case cannot fit in memory
+    (``--size full`` on a CPU, say: every rank would make DeepSeek-V3's full weights)."""
+    if available is None:
+        return
+    worst = max(valid, key=lambda c: c.memory_bytes())
+    need = worst.memory_bytes()
+    if need > available:
+        raise ValueError(f"case {worst.id} needs about {need / 2**30:.1f} GiB of memory on its {worst.world_size} "
+                         f"rank(s) but {available / 2**30:.1f} GiB is available; choose a smaller --size or fewer "
+                         f"--presets / --world-sizes")
+
+
 def run(args) -> int:
     console = wide_console()
     opts = options(args)
@@ -105,6 +119,7 @@ def run(args) -> int:
         raise ValueError("the filters select no case (see --list)")
     if not valid:
         raise _nothing_valid(cases)
+    _check_memory(valid, available_memory())
     if args.device == "cuda" and torch.cuda.device_count() == 0:
         raise NothingVerified(f"--device cuda: no CUDA device is visible, so none of the {len(valid)} valid cases "
                               f"can run")

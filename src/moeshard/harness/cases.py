@@ -81,6 +81,17 @@ class Case:
     def moe_config(self) -> MoEConfig:
         return PRESETS[self.preset].config(self.size, parse_dtype(self.dtype))
 
+    def memory_bytes(self) -> int:
+        """About the most memory the case holds on all its ranks together: each rank makes the
+        full weights (fp32, then the model dtype), and the fp64 reference holds the dequantized
+        weights, with the tokens and their routed rows beside them."""
+        cfg = self.moe_config()
+        E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+        weights = (E * 3 * I * H + E * H + 3 * cfg.shared_width * H) * (4 + 8)
+        T = sum(self.tokens)
+        tokens = T * K * (2 * I + 2 * H) * 8 + T * H * 16
+        return self.world_size * (weights + tokens)
+
 
 def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoEConfig) -> str:
     """The reason this combination cannot run, or "" when it can (same checks as the layer)."""
@@ -132,7 +143,10 @@ class MatrixOptions:
             if q not in known:
                 raise ValueError(f"--quants: {q!r} is not one of {sorted(known)}")
         for d in self.dtypes:
-            parse_dtype(d)
+            try:
+                parse_dtype(d)
+            except ValueError as exc:
+                raise ValueError(f"--dtypes: {exc}") from None
         for p in self.presets or ():
             if p not in PRESETS:
                 raise ValueError(f"--presets: {p!r} is not one of {sorted(PRESETS)}")

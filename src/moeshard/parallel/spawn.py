@@ -285,12 +285,14 @@ class LocalWorld:
             for rank in range(self.world_size)]
         # The ranks start with SIGINT blocked (inherited) until rank_main ignores it; here a Ctrl-C
         # stays pending and arrives as the KeyboardInterrupt once they are all started.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        masks = hasattr(signal, "pthread_sigmask")
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if masks else None
         try:
             for process in self._processes:
                 process.start()
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            if masks:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.deadline = time.monotonic() + self.timeout_s
 
     @property

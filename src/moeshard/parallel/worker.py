@@ -181,7 +181,8 @@ def rank_main(rank: int, world_size: int, port: int, device: str, fn: Callable[.
     could wait on them; the parent stops whatever is left.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a Ctrl-C left pending while starting
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(os.getppid() if parent_pid is None else parent_pid)
     try:
         # Gloo's own connections would otherwise listen on the address the host name resolves
