@@ -130,6 +130,22 @@ def test_run_parent_signalled_stops_every_rank_and_writes_nothing(tmp_path, sig,
     assert list(tmp_path.iterdir()) == []  # no output, and no temporary file left behind
 
 
+@pytest.mark.parametrize("sig, how, want", [(signal.SIGTERM, "parent", 143), (signal.SIGINT, "group", 130)])
+def test_run_signalled_while_its_ranks_start(tmp_path, sig, how, want):
+    """The signal the moment the first rank exists, while the parent is still starting the others
+    (writing their start-up data) and the ranks are still importing: no rank is left reading a
+    closed pipe (an EOFError traceback) or raising KeyboardInterrupt."""
+    for attempt in range(3):
+        proc = procs.start([*RUN, "--output", str(tmp_path / "out.safetensors")])
+        assert procs.wait_for(lambda: procs.ranks_of(proc.pid) or proc.poll() is not None, 120, poll_s=0.005)
+        (os.killpg if how == "group" else os.kill)(proc.pid, sig)
+        code, out = procs.finish(proc, timeout_s=60)
+        procs.assert_no_survivors(proc.pid, timeout_s=20)
+        assert code == want, (attempt, out[-3000:])
+        assert "Traceback" not in out and "Error" not in out.replace("moeshard run: error", ""), (attempt, out[-3000:])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_run_rank_killed_is_one_line_exit_4(tmp_path):
     out_file = tmp_path / "out.safetensors"
     proc = _start_and_wait_for_ranks([*RUN, "--output", str(out_file)], ranks=2)

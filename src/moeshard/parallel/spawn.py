@@ -22,7 +22,9 @@ Neither ever hangs:
   * a parent killed outright (SIGKILL) takes its ranks with it: each rank dies with its parent
     and hands over its last report within a bound (``moeshard.parallel.worker``);
   * the ranks ignore SIGINT (the parent answers Ctrl-C for all of them), so an interrupted run
-    prints no rank's KeyboardInterrupt traceback;
+    prints no rank's KeyboardInterrupt traceback; a Ctrl-C or SIGTERM that arrives while the
+    ranks are being started is deferred until all of them are (a rank whose start-up data was
+    cut off would die with an EOFError traceback);
   * a world larger than the machine can hold is refused before anything starts
     (``check_local_world``: at most ``RANKS_PER_CORE`` ranks per usable core on CPU, one per
     GPU on CUDA, and ``RANK_MEMORY_BYTES`` of available memory per rank).
@@ -34,11 +36,13 @@ with its traceback, the ranks that never reported, and the results of those that
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue as queue_module
 import signal
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -106,6 +110,42 @@ def check_local_world(world_size: int, device: str = "cpu", what: str = "LocalWo
         raise ValueError(f"{what}: world_size={world_size} local ranks need about "
                          f"{world_size * RANK_MEMORY_BYTES / 2**30:.1f} GiB ({RANK_MEMORY_BYTES // 2**20} MiB each) "
                          f"but {memory / 2**30:.1f} GiB of memory is available")
+
+
+@contextlib.contextmanager
+def _signals_deferred(signums: tuple[int, ...]) -> Iterator[None]:
+    """In the main thread (where Python runs signal handlers): the signals in ``signums`` that
+    arrive inside the block are recorded, then raised again once it is left, so they reach
+    their usual handlers (KeyboardInterrupt, moeshard's SIGTERM handler) after it. Elsewhere a
+    no-op: the main thread's handlers cannot interrupt another thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {s: signal.getsignal(s) for s in signums}
+    previous = {s: h for s, h in previous.items() if h is not None}  # None: a handler not set from Python
+    for s in previous:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread inside the block, so processes started here inherit it blocked."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _ended(code: int | None) -> str:
@@ -283,16 +323,13 @@ class LocalWorld:
                               args=(rank, self.world_size, port, self.device, fn, tuple(args), self._queue,
                                     self.backend, self.pg_timeout_s, os.getpid()))
             for rank in range(self.world_size)]
-        # The ranks start with SIGINT blocked (inherited) until rank_main ignores it; here a Ctrl-C
-        # stays pending and arrives as the KeyboardInterrupt once they are all started.
-        masks = hasattr(signal, "pthread_sigmask")
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if masks else None
-        try:
+        # Starting a rank is fork + exec, then the parent writes the rank's start-up data into a
+        # pipe; a Ctrl-C or SIGTERM raising in between would leave the rank reading an empty pipe
+        # (an EOFError traceback). So the parent defers both signals until every rank is started,
+        # and the ranks inherit SIGINT blocked until rank_main ignores it for good.
+        with _signals_deferred((signal.SIGINT, signal.SIGTERM)), _sigint_blocked():
             for process in self._processes:
                 process.start()
-        finally:
-            if masks:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.deadline = time.monotonic() + self.timeout_s
 
     @property
