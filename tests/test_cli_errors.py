@@ -235,6 +235,12 @@ def test_atomic_write_keeps_the_old_file_on_any_failure(tmp_path):
         Path(tmp).write_text("half")
         raise KeyboardInterrupt
 
+    link = tmp_path / "link.txt"
+    link.symlink_to(path)
+    atomic_write_text(link, "through the link")
+    assert link.is_symlink() and path.read_text() == "through the link"
+    link.unlink()
+    atomic_write_text(path, "new")
     with pytest.raises(KeyboardInterrupt):
         atomic_write(path, interrupted)
     with pytest.raises(OutputError, match="cannot write"):

@@ -65,12 +65,14 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     """Calls ``write(tmp)`` to write a temporary file next to ``path``, then renames it to ``path``.
 
     The new file gets the old one's permission bits, or the usual ones (0666 less the umask).
-    Raises ``OutputError`` naming the path if anything fails; nothing partial is left behind.
+    A symbolic link is followed, as ``open(path, "w")`` would: the file it points to is replaced
+    and the link kept. Raises ``OutputError`` naming the path if anything fails; nothing partial
+    is left behind.
     """
-    target = Path(path)
+    target = Path(path).resolve()
     try:
         mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
-        fd, tmp = tempfile.mkstemp(dir=target.resolve().parent, prefix=f".{target.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         os.close(fd)
     except OSError as exc:
         raise OutputError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from exc
