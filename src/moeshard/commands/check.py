@@ -23,7 +23,7 @@ from moeshard.harness import cases as matrix
 from moeshard.harness import report
 from moeshard.harness.runner import CaseOutcome, Runner
 from moeshard.outputs import check_output_path
-from moeshard.parallel.spawn import available_memory
+from moeshard.parallel.spawn import available_memory, check_local_world
 from moeshard.presets import SIZES
 
 
@@ -120,6 +120,9 @@ def run(args) -> int:
     if not valid:
         raise _nothing_valid(cases)
     _check_memory(valid, available_memory())
+    if args.device == "cpu":  # CUDA worlds larger than the GPUs are skipped, with the reason
+        for world in sorted({c.world_size for c in valid}):
+            check_local_world(world, "cpu", what="--world-sizes")
     if args.device == "cuda" and torch.cuda.device_count() == 0:
         raise NothingVerified(f"--device cuda: no CUDA device is visible, so none of the {len(valid)} valid cases "
                               f"can run")
