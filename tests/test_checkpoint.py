@@ -682,3 +682,45 @@ def test_error_layout_refused_before_spawn(ckpts):
                   RunSpec(parallel=ParallelConfig(tp=4), model_dir=str(c.path), layer=1))
     _expect_error(r"num_experts=8 is not divisible by the EP size 3", plan_run,
                   RunSpec(parallel=ParallelConfig(dp=3, enable_ep=True), model_dir=str(c.path), layer=1))
+
+
+def test_error_duplicate_tensor_without_index_names_both_files(tmp_path):
+    """A stray *.safetensors beside model.safetensors must not silently override a tensor."""
+    path = tmp_path / "dup"
+    _write_random_fused(path, E=4, Hd=16, I=32)
+    save_file({"model.layers.0.mlp.gate.weight": torch.zeros(4, 16)}, str(path / "zz-stray.safetensors"))
+    _expect_error(r"tensor 'model.layers.0.mlp.gate.weight' is stored twice, in 'model.safetensors' and "
+                  r"'zz-stray.safetensors' .* no model.safetensors.index.json", load_moe_block, path, 0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_error_huge_expert_count_is_refused_from_the_headers(tmp_path, fused):
+    """A config claiming 10^9 experts is refused at once by the router's header shape (and a
+    per-expert naming by the number of tensors the files hold), before any loop over experts."""
+    import time
+
+    path = tmp_path / "huge"
+    _write_random_fused(path, E=4, Hd=16, I=32)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_experts": 10**9, "num_experts_per_tok": 2}))
+    if not fused:  # per-expert names, router removed so only the tensor count can bound the loop
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        p = "model.layers.0.mlp."
+        per_expert = {f"{p}experts.{e}.{proj}_proj.weight": w for e in range(4)
+                      for proj, w in zip(("gate", "up"), t[p + "experts.gate_up_proj"][e].chunk(2))}
+        per_expert.update({f"{p}experts.{e}.down_proj.weight": t[p + "experts.down_proj"][e] for e in range(4)})
+        save_file(per_expert | {p + "gate.weight": t[p + "gate.weight"]}, str(path / "model.safetensors"))
+        from moeshard.checkpoint.experts import ExpertReader
+        from moeshard.checkpoint.names import resolve_block_names
+        from moeshard.checkpoint.reader import SafetensorsCheckpoint
+        model = read_hf_config(path)
+        ckpt = SafetensorsCheckpoint(path)
+        start = time.monotonic()
+        _expect_error(r"num_experts=1000000000 needs 3000000000 per-expert tensors .* holds 13 tensors in all",
+                      ExpertReader, ckpt, resolve_block_names(ckpt, model, 0), model.moe_config(), False)
+        assert time.monotonic() - start < 5
+    start = time.monotonic()
+    _expect_error(r"tensor 'model.layers.0.mlp.gate.weight' .* has shape \[4, 16\], expected \[1000000000, 16\]",
+                  load_moe_block, path, 0)
+    assert time.monotonic() - start < 5

@@ -120,6 +120,8 @@ def test_from_state_dict_quantizes():
     (lambda cfg: torch.zeros(3, cfg.hidden_size + 1), r"x must be \[T, hidden_size=128\], got \(3, 129\)"),
     (lambda cfg: torch.zeros(3, cfg.hidden_size, dtype=torch.float64), r"x.dtype is torch.float64"),
     (lambda cfg: torch.zeros(cfg.hidden_size), r"got \(128,\)"),
+    (lambda cfg: torch.zeros(3, cfg.hidden_size).numpy(), r"x must be a torch.Tensor .* got numpy.ndarray"),
+    (lambda cfg: [[0.0] * cfg.hidden_size], r"x must be a torch.Tensor .* got builtins.list"),
 ])
 def test_bad_input_is_refused(bad, match):
     cfg = PRESETS["mixtral-8x7b"].config("small")

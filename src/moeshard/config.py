@@ -12,12 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.quant.schemes import BUILTIN_SCHEMES, QuantScheme, get_scheme
+from moeshard.validate import boolean, finite_float, size
 
 ACTIVATIONS = ("silu", "gelu")
 SCORINGS = ("softmax", "sigmoid")
 # The built-in schemes; ``moeshard.quant.schemes.scheme_names()`` lists every registered one.
 QUANT_SCHEMES = BUILTIN_SCHEMES
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# routed_scaling_factor: published models use 1 to 16 (DeepSeek-V3 2.5, DeepSeek-V2 16); far beyond
+# that the routed outputs overflow the model dtype, so a larger value is refused as absurd.
+MAX_ROUTED_SCALING = 1000.0
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -34,20 +38,14 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
         dtype_name(value)
         return value
     short = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    name = short.get(value, value)
+    name = short.get(value, value) if isinstance(value, str) else None
     if name not in MODEL_DTYPES:
         raise ValueError(f"dtype: {value!r} is not one of {sorted(MODEL_DTYPES) + sorted(short)}")
     return MODEL_DTYPES[name]
 
 
-def _positive(owner: str, **fields: int) -> None:
-    for name, value in fields.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{owner}.{name}: must be a positive integer, got {value!r}")
-
-
 def _choice(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{owner}.{name}: {value!r} is not one of {list(allowed)}")
 
 
@@ -64,6 +62,10 @@ class MoEConfig:
     Shared experts: ``num_shared_experts`` experts of ``shared_intermediate_size`` fused into one
     MLP of width ``num_shared_experts * shared_intermediate_size`` (DeepSeek-V3, Qwen2-MoE), optionally
     multiplied by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
+
+    Every field is type-checked: sizes and counts are ints (not bools) in ``[1, MAX_DIM]``
+    (``num_shared_experts`` and ``shared_intermediate_size`` may be 0), flags are real bools,
+    ``routed_scaling_factor`` a finite number in ``(0, MAX_ROUTED_SCALING]`` (stored as a float).
     """
 
     num_experts: int
@@ -84,11 +86,21 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         owner = "MoEConfig"
-        _positive(owner, num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
-                  intermediate_size=self.intermediate_size, n_group=self.n_group, topk_group=self.topk_group)
+        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "n_group", "topk_group"):
+            size(owner, name, getattr(self, name))
+        for name in ("num_shared_experts", "shared_intermediate_size"):
+            size(owner, name, getattr(self, name), minimum=0)
+        for name in ("renormalize", "use_correction_bias", "shared_expert_gate"):
+            boolean(owner, name, getattr(self, name))
         _choice(owner, "activation", self.activation, ACTIVATIONS)
         _choice(owner, "scoring", self.scoring, SCORINGS)
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "routed_scaling_factor",
+                           finite_float(owner, "routed_scaling_factor", self.routed_scaling_factor, 0.0,
+                                        MAX_ROUTED_SCALING, low_open=True))
+        try:
+            object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        except ValueError as exc:
+            raise ValueError(f"{owner}.{exc}") from None
         if self.top_k > self.num_experts:
             raise ValueError(f"{owner}.top_k: {self.top_k} is larger than num_experts={self.num_experts}")
         if self.num_experts % self.n_group:
@@ -103,12 +115,8 @@ class MoEConfig:
             if self.scoring == "sigmoid" and per_group < 2:
                 raise ValueError(f"{owner}.n_group: sigmoid grouped top-k scores a group by its best two "
                                  f"experts, but n_group={self.n_group} leaves {per_group} expert per group")
-        if not self.routed_scaling_factor > 0:
-            raise ValueError(f"{owner}.routed_scaling_factor: must be > 0, got {self.routed_scaling_factor!r}")
         if self.use_correction_bias and self.scoring != "sigmoid":
             raise ValueError(f"{owner}.use_correction_bias: only defined for scoring='sigmoid', got scoring={self.scoring!r}")
-        if self.num_shared_experts < 0:
-            raise ValueError(f"{owner}.num_shared_experts: must be >= 0, got {self.num_shared_experts}")
         if self.num_shared_experts and self.shared_intermediate_size <= 0:
             raise ValueError(f"{owner}.shared_intermediate_size: must be > 0 with num_shared_experts="
                              f"{self.num_shared_experts}, got {self.shared_intermediate_size}")
@@ -140,8 +148,7 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         get_scheme(self.scheme, "QuantConfig.scheme")
-        if not isinstance(self.defer_input_quant, bool):
-            raise ValueError(f"QuantConfig.defer_input_quant: must be a bool, got {self.defer_input_quant!r}")
+        boolean("QuantConfig", "defer_input_quant", self.defer_input_quant)
         if self.defer_input_quant and self.scheme == "none":
             raise ValueError("QuantConfig.defer_input_quant: True has no meaning with scheme='none'")
 

@@ -250,6 +250,10 @@ class MoELayer(nn.Module):
     # -- forward --------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
         rank = self.groups.rank if self.groups else 0
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"MoELayer.forward (rank {rank}): x must be a torch.Tensor [T, hidden_size="
+                             f"{self.cfg.hidden_size}], got {type(x).__module__}.{type(x).__qualname__} "
+                             f"(convert it with torch.from_numpy / torch.as_tensor first)")
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
             raise ValueError(f"MoELayer.forward (rank {rank}): x must be [T, hidden_size="
                              f"{self.cfg.hidden_size}], got {tuple(x.shape)}")

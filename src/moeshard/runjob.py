@@ -11,31 +11,40 @@
 
 Tokens: the input holds the global tokens ``hidden_states [T, H]``. DP rank d gets rows
 ``[sum(n[:d]), sum(n[:d+1]))`` with ``n = tokens_per_rank`` (default: an even split, the first
-``T % dp`` DP ranks one more); the TP ranks of a DP rank share its rows.
+``T % dp`` DP ranks one more); the TP ranks of a DP rank share its rows. A generated input is
+made in blocks of ``ROW_BLOCK`` rows, each from its own seed, so a rank generates only the
+blocks that hold its rows, never all T.
+
+Bounds checked before any process starts: ``estimate_memory`` (what the ranks and the parent
+will hold) against the available memory, and every size against ``validate.MAX_DIM``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
 from moeshard.checkpoint.loader import load_moe_block, resolve_quant
-from moeshard.checkpoint.reader import open_safetensors
+from moeshard.checkpoint.reader import INDEX_FILE, open_safetensors
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name, parse_dtype
 from moeshard.dispatch.registry import default_backend, support
+from moeshard.errors import RankFailed
 from moeshard.parallel.collectives import all_gatherv
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.presets import get_preset
 from moeshard.sharding import shard_spec
-from moeshard.validate import is_int
+from moeshard.validate import MAX_DIM, is_int, seed as check_seed
 from moeshard.weights import MoEWeights
 
 INPUT_KEY = "hidden_states"
+ROW_BLOCK = 1024  # rows of a generated input made from one seed
 
 
 @dataclass(frozen=True)
@@ -73,8 +82,9 @@ class RunSpec:
             raise ValueError("run: --model needs --layer (the index of the decoder layer whose MoE block to run)")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"run: device must be 'cpu' or 'cuda', got {self.device!r}")
-        if not is_int(self.num_tokens) or self.num_tokens < 0:
-            raise ValueError(f"run: --tokens must be an integer >= 0, got {self.num_tokens!r}")
+        if not is_int(self.num_tokens) or not 0 <= self.num_tokens <= MAX_DIM:
+            raise ValueError(f"run: --tokens must be an integer in [0, {MAX_DIM}], got {self.num_tokens!r}")
+        check_seed("", "--seed", self.seed)
 
 
 @dataclass(frozen=True)
@@ -157,10 +167,29 @@ def read_input_rows(path: str, start: int, stop: int, dtype: torch.dtype) -> tor
     return out
 
 
-def random_hidden_states(num_tokens: int, hidden_size: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """The generated input: ``[T, H]`` standard normal from ``seed + 1`` (the weights use ``seed``)."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(num_tokens, hidden_size, generator=gen).to(dtype)
+def _block_generator(seed: int, block: int) -> torch.Generator:
+    digest = hashlib.blake2b(f"moeshard-run-input:{seed}:{block}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+def random_hidden_states(num_tokens: int, hidden_size: int, seed: int, dtype: torch.dtype,
+                         start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Rows ``[start, stop)`` (default all) of the generated input ``[T, H]``, standard normal.
+
+    Block ``b`` (rows ``[b * ROW_BLOCK, ...)``, the last one shorter) comes from its own seed, a
+    hash of ``seed`` and ``b``, so any slice is generated from the blocks it touches alone, and
+    every rank's slice equals the same rows of the whole input."""
+    stop = num_tokens if stop is None else stop
+    if not 0 <= start <= stop <= num_tokens:
+        raise ValueError(f"random_hidden_states: rows [{start}, {stop}) outside [0, {num_tokens})")
+    out = torch.empty(stop - start, hidden_size, dtype=dtype)
+    for block in range(start // ROW_BLOCK, -(-stop // ROW_BLOCK)):
+        lo = block * ROW_BLOCK
+        rows = min(ROW_BLOCK, num_tokens - lo)
+        values = torch.randn(rows, hidden_size, generator=_block_generator(seed, block))
+        a, b = max(start, lo), min(stop, lo + rows)
+        out[a - start:b - start] = values[a - lo:b - lo].to(dtype)
+    return out
 
 
 def random_weights(cfg: MoEConfig, seed: int) -> MoEWeights:
@@ -214,7 +243,9 @@ def plan_run(spec: RunSpec) -> RunPlan:
     ok, reason = support(backend, quant, p)
     if not ok:
         raise ValueError(f"backend {backend!r} cannot run layout {p.name} with quant {quant.scheme!r}: {reason}")
-    for rank in range(p.world_size):
+    # Every rank's shard passes the same checks (one expert block size, one slice width): the first
+    # and the last stand for all, so no loop runs over a world size the caller has not bounded yet.
+    for rank in {0, p.world_size - 1}:
         shard_spec(p, rank, cfg.num_experts).validate(cfg, quant)
     tokens = split_tokens(total, p.dp, spec.tokens_per_rank)
     return RunPlan(spec=spec, cfg=cfg, quant=quant, backend=backend, tokens_per_rank=tokens, total_tokens=total,
@@ -227,7 +258,7 @@ def _agree(groups: ParallelGroups | None, error: BaseException | None, rank: int
     a rank that cannot load makes every rank raise (with that rank's reason) instead of leaving
     the others waiting. The reasons travel as (kind, text) strings between our own ranks; a
     ValueError (a refusal of bad input) stays a ValueError everywhere, anything else becomes a
-    RuntimeError."""
+    RankFailed (exit code 4 on the command line)."""
     mine = None if error is None else (type(error).__name__, f"rank {rank}: {error}")
     if groups is None:
         reasons = [mine]
@@ -238,7 +269,9 @@ def _agree(groups: ParallelGroups | None, error: BaseException | None, rank: int
     if failed:
         kind, text = reasons[failed[0]]
         also = f" (ranks that failed to load: {failed})" if len(failed) > 1 else ""
-        raise (ValueError if kind == "ValueError" else RuntimeError)(text + also) from error
+        if kind == "ValueError":
+            raise ValueError(text + also) from error
+        raise RankFailed(f"{kind}: {text}{also}") from error
 
 
 def _load(plan: RunPlan, rank: int) -> tuple[MoEWeights, object | None]:
@@ -255,7 +288,7 @@ def _input_rows(plan: RunPlan, dp_rank: int) -> torch.Tensor:
     start, stop = plan.row_range(dp_rank)
     if plan.spec.input_path is not None:
         return read_input_rows(plan.spec.input_path, start, stop, plan.cfg.dtype)
-    return random_hidden_states(plan.total_tokens, plan.cfg.hidden_size, plan.spec.seed, plan.cfg.dtype)[start:stop]
+    return random_hidden_states(plan.total_tokens, plan.cfg.hidden_size, plan.spec.seed, plan.cfg.dtype, start, stop)
 
 
 def _sync(device: torch.device) -> None:
@@ -331,3 +364,53 @@ def describe(plan: RunPlan) -> dict[str, str]:
             "quant": q.scheme + (" (deferred input quantization)" if q.defer_input_quant else ""),
             "dtype": dtype_name(plan.cfg.dtype), "device": plan.spec.device,
             "tokens_per_dp_rank": ",".join(map(str, plan.tokens_per_rank))}
+
+
+# -- bounds, before anything starts --------------------------------------------------------------
+def files_read(spec: RunSpec) -> list[Path]:
+    """Every file the run reads: the input, and the checkpoint's config, index and safetensors
+    files (an output path must be none of them)."""
+    files = [Path(spec.input_path)] if spec.input_path is not None else []
+    if spec.model_dir is not None:
+        model_dir = Path(spec.model_dir)
+        files += [model_dir / "config.json", model_dir / INDEX_FILE]
+        if model_dir.is_dir():
+            files += sorted(model_dir.glob("*.safetensors"))
+    return files
+
+
+def estimate_memory(plan: RunPlan) -> dict[str, int]:
+    """Bytes the run will hold at its peak, by part, for all local ranks and the parent together
+    (an estimate from the shapes; the live ranks' interpreters are ``spawn.RANK_MEMORY_BYTES``
+    each on top). Each rank holds its weights (random weights: every rank makes all of them,
+    in fp32 first), its DP rank's tokens and their routed copies; rank 0 and the parent hold the
+    output of all T tokens (and the parent a generated input)."""
+    cfg, p = plan.cfg, plan.parallel
+    E, H, I, K, S = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.shared_width
+    elt = torch.empty(0, dtype=cfg.dtype).element_size()
+    expert = 3 * I * H
+    if plan.spec.model_dir is None:
+        weights = E * expert * (elt + 4) + (E * H + 3 * S * H) * (elt + 4)
+    else:
+        local = E // p.ep_size
+        weights = local * expert // (1 if p.enable_ep else p.tp) * elt + expert * 4 + (E * H + 3 * S * H) * elt
+    T, widest = plan.total_tokens, max(plan.tokens_per_rank)
+    width = I if p.enable_ep else I // p.tp
+    tokens = widest * H * (4 + elt) + widest * K * (2 * width + 2 * H) * 4 + widest * H * 4
+    output = T * H * elt
+    parent = 2 * output + (T * H * (4 + elt) if plan.generated_input else 0)
+    ranks = p.world_size
+    return {"weights": ranks * weights, "tokens": ranks * tokens, "output": output + parent}
+
+
+def check_memory(plan: RunPlan, available: int | None) -> None:
+    """Refuses (ValueError) a run whose ``estimate_memory`` exceeds ``available`` bytes."""
+    if available is None:
+        return
+    parts = estimate_memory(plan)
+    need = sum(parts.values())
+    if need > available:
+        detail = ", ".join(f"{name} {value / 2**30:.2f}" for name, value in parts.items())
+        raise ValueError(f"this run needs about {need / 2**30:.1f} GiB of memory ({detail} GiB, over "
+                         f"{plan.parallel.world_size} rank(s) and the parent) but {available / 2**30:.1f} GiB is "
+                         f"available; use fewer tokens (--tokens / --input), fewer ranks or a smaller model")

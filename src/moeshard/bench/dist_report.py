@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moeshard.bench.report import SHORT
+from moeshard.outputs import atomic_write
 
 
 def _ms(v: float | None) -> str:
@@ -92,6 +93,6 @@ def plot(result: dict, path: str | Path) -> str | None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"moeshard bench, {result['world_size']} x {result['device']['name']}, {result['device']['date_utc']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return None

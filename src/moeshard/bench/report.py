@@ -8,6 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from moeshard.outputs import atomic_write, atomic_write_text
+
 SHORT = {"mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "qwen3", "deepseek-v3": "dsv3"}
 
 
@@ -108,7 +110,7 @@ def print_tables(result: dict, console: Console | None = None) -> None:
 
 def write_json(result: dict, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_text(path, json.dumps(result, indent=1) + "\n")
 
 
 def plot(result: dict, path: str | Path) -> str | None:
@@ -148,6 +150,8 @@ def plot(result: dict, path: str | Path) -> str | None:
     fig.suptitle(f"moeshard bench, {d['name']}, {d['date_utc']} (ratios against figures of the same run)")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
     return None

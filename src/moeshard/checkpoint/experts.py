@@ -123,6 +123,11 @@ class ExpertReader:
             scales = {scale_name(n.fused_gate_up): (E, _blocks(2 * I), _blocks(H)),
                       scale_name(n.fused_down): (E, _blocks(H), _blocks(I))}
         else:
+            per_expert = 3 * E * (2 if self.fp8 else 1)
+            if per_expert > len(self.ckpt):
+                raise ValueError(f"the config's num_experts={E} needs {per_expert} per-expert tensors for "
+                                 f"{n.prefix}experts.*, but the checkpoint under {str(self.ckpt.model_dir)!r} "
+                                 f"holds {len(self.ckpt)} tensors in all")
             want, scales = {}, {}
             for e in range(E):
                 for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):

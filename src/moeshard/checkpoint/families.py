@@ -30,12 +30,14 @@ approximation, below 1e-3 absolute per activation).
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
-from moeshard.config import MoEConfig
-from moeshard.validate import is_int
+from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
+from moeshard.validate import MAX_DIM, is_int
 
 # Per-expert (gate, up, down) module names: as transformers' per-expert MLPs, and as Mixtral publishes.
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
@@ -51,7 +53,13 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 
 
 class ConfigFields:
-    """``config.json`` values with the family's defaults, and messages that name the field."""
+    """``config.json`` values with the family's defaults, and messages that name the field.
+
+    Every value is read through a typed getter (``int``, ``bool``, ``float``, ``int_list``,
+    ``activation``): a value of the wrong JSON type (``"false"`` for a bool, ``"8"`` or ``1.5`` for
+    an int, ``Infinity`` or ``1e39`` for a scale) is a ValueError naming the file, the field and
+    the value, never read loosely (``bool("false")`` is True).
+    """
 
     def __init__(self, raw: dict[str, Any], family: ModelFamily, source: str) -> None:
         self.raw, self.family, self.source = raw, family, source
@@ -69,7 +77,34 @@ class ConfigFields:
         value = self.get(key)
         if not is_int(value) or value < minimum:
             raise ValueError(f"{self.source}: {key} must be an integer >= {minimum}, got {value!r}")
+        if value > MAX_DIM:
+            raise ValueError(f"{self.source}: {key} must be at most {MAX_DIM}, got {value!r}")
         return value
+
+    def bool(self, key: str) -> bool:
+        value = self.get(key)
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.source}: {key} must be true or false (a JSON boolean), got {value!r}")
+        return value
+
+    def float(self, key: str, low: float, high: float) -> float:
+        """A finite number in ``(low, high]``."""
+        value = self.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        try:
+            ok = ok and math.isfinite(float(value)) and low < float(value) <= high
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{self.source}: {key} must be a finite number in ({low:g}, {high:g}], got {value!r}")
+        return float(value)
+
+    def int_list(self, key: str) -> tuple[int, ...]:
+        """A list of integers >= 0 (layer indices)."""
+        value = self.get(key)
+        if not isinstance(value, list) or not all(is_int(v) and 0 <= v for v in value):
+            raise ValueError(f"{self.source}: {key} must be a list of integers >= 0, got {value!r}")
+        return tuple(value)
 
     def activation(self) -> str:
         name = self.get("hidden_act")
@@ -89,7 +124,8 @@ class ModelFamily:
       one. Shape fields (sizes, expert counts, top-k) have none: a guess there would load the
       wrong tensors, so a missing one is an error.
     moe: config.json -> the block's ``MoEConfig`` (dtype left at its default).
-    dense_layers: (config.json, num_layers) -> {layer: why it has no MoE block}.
+    dense_layers: (config.json, num_layers) -> ``DenseLayers``, {layer: why it has no MoE block},
+      decided per layer by a rule (reading the fields once), never by a loop over all layers.
     block_prefixes: where layer L's block lives, after ``model.layers.{L}.``, in the order tried.
     expert_spellings: per-expert (gate, up, down) module names, in the order tried.
     """
@@ -97,7 +133,7 @@ class ModelFamily:
     model_type: str
     defaults: Mapping[str, Any]
     moe: Callable[[ConfigFields], MoEConfig]
-    dense_layers: Callable[[ConfigFields, int], dict[int, str]]
+    dense_layers: Callable[[ConfigFields, int], Mapping[int, str]]
     block_prefixes: tuple[str, ...] = ("mlp.",)
     expert_spellings: tuple[tuple[str, str, str], ...] = (GATE_UP_DOWN, W1_W3_W2)
 
@@ -109,35 +145,72 @@ class ModelFamily:
 
 
 # -- dense layers ------------------------------------------------------------------------------
-def _no_dense_layers(f: ConfigFields, num_layers: int) -> dict[int, str]:
-    return {}
+SCAN_LIMIT = 100_000  # layers looked at, at most, when a message lists some MoE layers
 
 
-def _qwen_dense_layers(f: ConfigFields, num_layers: int) -> dict[int, str]:
-    only = set(f.get("mlp_only_layers"))
+class DenseLayers(Mapping[int, str]):
+    """``{layer: why it has no MoE block}`` for layers ``0 .. num_layers - 1``, computed per layer by
+    ``why(layer) -> str | None``: a lookup is O(1) whatever ``num_hidden_layers`` says (a config
+    may claim 10^9 layers); only iterating visits every layer."""
+
+    def __init__(self, num_layers: int, why: Callable[[int], str | None]) -> None:
+        self.num_layers, self._why = num_layers, why
+
+    def __getitem__(self, layer: object) -> str:
+        reason = self._why(layer) if is_int(layer) and 0 <= layer < self.num_layers else None
+        if reason is None:
+            raise KeyError(layer)
+        return reason
+
+    def __contains__(self, layer: object) -> bool:
+        return is_int(layer) and 0 <= layer < self.num_layers and self._why(layer) is not None
+
+    def __iter__(self) -> Iterator[int]:
+        return (layer for layer in range(self.num_layers) if self._why(layer) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def moe_layers(self, limit: int) -> list[int]:
+        """The first ``limit`` layers that have an MoE block, among the first ``SCAN_LIMIT`` layers."""
+        scan = range(min(self.num_layers, SCAN_LIMIT))
+        return list(itertools.islice((layer for layer in scan if self._why(layer) is None), limit))
+
+    def __repr__(self) -> str:
+        return f"DenseLayers(num_layers={self.num_layers})"
+
+
+def _no_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
+    return DenseLayers(num_layers, lambda layer: None)
+
+
+def _qwen_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
+    only = frozenset(f.int_list("mlp_only_layers"))
     step = f.int("decoder_sparse_step")
     experts = f.int("num_experts", minimum=0)
-    dense = {}
-    for layer in range(num_layers):
+
+    def why(layer: int) -> str | None:
         if experts == 0:
-            dense[layer] = "num_experts=0"
-        elif layer in only:
-            dense[layer] = f"listed in mlp_only_layers={sorted(only)}"
-        elif (layer + 1) % step:
-            dense[layer] = f"(layer + 1) % decoder_sparse_step={step} != 0"
-    return dense
+            return "num_experts=0"
+        if layer in only:
+            return f"listed in mlp_only_layers={sorted(only)}"
+        if (layer + 1) % step:
+            return f"(layer + 1) % decoder_sparse_step={step} != 0"
+        return None
+    return DenseLayers(num_layers, why)
 
 
-def _deepseek_dense_layers(f: ConfigFields, num_layers: int) -> dict[int, str]:
+def _deepseek_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
     first = f.int("first_k_dense_replace", minimum=0)
     freq = f.int("moe_layer_freq")
-    dense = {}
-    for layer in range(num_layers):
+
+    def why(layer: int) -> str | None:
         if layer < first:
-            dense[layer] = f"layer < first_k_dense_replace={first}"
-        elif layer % freq:
-            dense[layer] = f"layer % moe_layer_freq={freq} != 0"
-    return dense
+            return f"layer < first_k_dense_replace={first}"
+        if layer % freq:
+            return f"layer % moe_layer_freq={freq} != 0"
+        return None
+    return DenseLayers(num_layers, why)
 
 
 # -- config.json -> MoEConfig ------------------------------------------------------------------
@@ -153,7 +226,7 @@ def _qwen_moe(f: ConfigFields, gated_shared_expert: bool) -> MoEConfig:
     shared = f.int("shared_expert_intermediate_size", minimum=0) if gated_shared_expert else 0
     return MoEConfig(num_experts=f.int("num_experts"), top_k=f.int("num_experts_per_tok"), hidden_size=H,
                      intermediate_size=f.int("moe_intermediate_size"), activation=act,
-                     renormalize=bool(f.get("norm_topk_prob")), num_shared_experts=1 if shared else 0,
+                     renormalize=f.bool("norm_topk_prob"), num_shared_experts=1 if shared else 0,
                      shared_intermediate_size=shared, shared_expert_gate=bool(shared))
 
 
@@ -175,9 +248,10 @@ def _deepseek_v3_moe(f: ConfigFields) -> MoEConfig:
     I = f.int("moe_intermediate_size")
     shared = f.int("n_shared_experts", minimum=0)
     return MoEConfig(num_experts=f.int("n_routed_experts"), top_k=f.int("num_experts_per_tok"), hidden_size=H,
-                     intermediate_size=I, activation=act, scoring="sigmoid", renormalize=bool(f.get("norm_topk_prob")),
+                     intermediate_size=I, activation=act, scoring="sigmoid", renormalize=f.bool("norm_topk_prob"),
                      n_group=f.int("n_group"), topk_group=f.int("topk_group"),
-                     routed_scaling_factor=float(f.get("routed_scaling_factor")), use_correction_bias=True,
+                     routed_scaling_factor=f.float("routed_scaling_factor", 0.0, MAX_ROUTED_SCALING),
+                     use_correction_bias=True,
                      num_shared_experts=shared, shared_intermediate_size=I if shared else 0)
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from moeshard.checkpoint.families import FAMILIES, ModelFamily, model_family
+from moeshard.checkpoint.families import FAMILIES, SCAN_LIMIT, ModelFamily, model_family
 from moeshard.config import MODEL_DTYPES, MoEConfig
 from moeshard.validate import is_int
 
@@ -35,7 +35,8 @@ class HFMoEModel:
       num_layers: ``num_hidden_layers``; layers are ``0 .. num_layers - 1``.
       moe: the shape and routing of every MoE block of the model (dtype: ``checkpoint_dtype`` or
         fp32 when the config names none).
-      dense_layers: layer index -> why that layer has no MoE block (a dense MLP instead).
+      dense_layers: layer index -> why that layer has no MoE block (a dense MLP instead); a
+        ``families.DenseLayers``, decided per layer (lookups cost nothing whatever num_layers is).
       checkpoint_dtype: the ``dtype`` / ``torch_dtype`` the config declares, if it is a model
         dtype (fp32/bf16/fp16), else None.
       fp8_block: True for an FP8 checkpoint with 128 x 128 block scales (``weight_scale_inv``).
@@ -45,7 +46,7 @@ class HFMoEModel:
     model_type: str
     num_layers: int
     moe: MoEConfig
-    dense_layers: dict[int, str]
+    dense_layers: Mapping[int, str]
     checkpoint_dtype: torch.dtype | None
     fp8_block: bool
     source: str
@@ -67,15 +68,23 @@ class HFMoEModel:
             raise ValueError(f"layer {layer} is out of range: {self.source} has num_hidden_layers="
                              f"{self.num_layers} (layers 0..{self.num_layers - 1})")
         if layer in self.dense_layers:
-            moe_layers = [i for i in range(self.num_layers) if i not in self.dense_layers]
+            moe_layers = self.dense_layers.moe_layers(9)
             shown = moe_layers[:8] + (["..."] if len(moe_layers) > 8 else [])
+            if not moe_layers:
+                shown = f"none among the first {min(self.num_layers, SCAN_LIMIT)}"
             raise ValueError(f"layer {layer} of this {self.model_type} model has no MoE block: it is a dense "
                              f"layer ({self.dense_layers[layer]}); MoE layers: {shown}")
 
 
-def _checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype | None:
-    name = raw.get("dtype") or raw.get("torch_dtype")
-    if isinstance(name, str):
+def _checkpoint_dtype(raw: dict[str, Any], source: str) -> torch.dtype | None:
+    """The model dtype the config declares (``dtype``, else ``torch_dtype``), None when it declares
+    none or one that is not a model dtype (e.g. an FP8 checkpoint's); a non-string is refused."""
+    for key in ("dtype", "torch_dtype"):
+        name = raw.get(key)
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise ValueError(f"{source}: {key} must be a dtype name such as 'bfloat16', got {name!r}")
         return MODEL_DTYPES.get(name.removeprefix("torch."))
     return None
 
@@ -89,7 +98,7 @@ def _fp8_block(raw: dict[str, Any], source: str) -> bool:
         raise ValueError(f"{source}: quantization_config with quant_method={method!r} is not supported; only "
                          f"DeepSeek-V3-style block FP8 (quant_method 'fp8', weight_block_size [128, 128]) is")
     block = q.get("weight_block_size")
-    if block is None or tuple(block) != FP8_CHECKPOINT_BLOCK:
+    if not isinstance(block, list) or tuple(block) != FP8_CHECKPOINT_BLOCK or not all(is_int(b) for b in block):
         raise ValueError(f"{source}: fp8 quantization_config has weight_block_size={block!r}; moeshard's fp8_block "
                          f"needs {list(FP8_CHECKPOINT_BLOCK)} (per-tensor FP8 checkpoints are not supported)")
     scheme = q.get("activation_scheme", "dynamic")
@@ -113,7 +122,7 @@ def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEMo
             raise
         raise ValueError(f"{source}: the MoE block it describes is invalid: {exc}") from None
     return HFMoEModel(model_type=family.model_type, num_layers=num_layers, moe=moe,
-                      dense_layers=family.dense_layers(f, num_layers), checkpoint_dtype=_checkpoint_dtype(raw),
+                      dense_layers=family.dense_layers(f, num_layers), checkpoint_dtype=_checkpoint_dtype(raw, source),
                       fp8_block=_fp8_block(raw, source), source=source)
 
 

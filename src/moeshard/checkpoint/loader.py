@@ -129,6 +129,9 @@ def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfi
     spec.validate(cfg, quant)
     ckpt = SafetensorsCheckpoint(model_dir)
     names = resolve_block_names(ckpt, model, layer)
+    # The router's header shape [E, H] first: it ties the config's expert count to what the files
+    # hold before anything loops over experts (a config may claim 10^9 of them).
+    ckpt.expect(names.router, (cfg.num_experts, cfg.hidden_size))
     experts = ExpertReader(ckpt, names, cfg, model.fp8_block)  # checks every expert tensor's shape
     weights = _SmallTensors(ckpt, names, cfg, model.fp8_block).weights()
     weights.validate(cfg, routed=False)

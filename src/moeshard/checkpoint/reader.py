@@ -2,7 +2,7 @@
 
 A model directory holds ``model.safetensors``, or shards listed in ``model.safetensors.index.json``
 (``weight_map``: tensor name -> file), or any set of ``*.safetensors`` files (their headers are
-read to learn the names). Pickle-based weights (``*.bin``, ``*.pt``, ``*.pth``) are refused:
+read to learn the names; a name stored in two files is refused, naming both). Pickle-based weights (``*.bin``, ``*.pt``, ``*.pth``) are refused:
 unpickling a file can run arbitrary code, so moeshard never does it.
 
 How reading stays small: ``safe_open(...).get_slice(name)[index]`` returns a *view* into the
@@ -94,6 +94,12 @@ class SafetensorsCheckpoint:
             for path in files:
                 with self._open(path) as f:
                     for name in f.keys():
+                        if name in self._where:
+                            # Without an index nothing says which copy is meant: refuse rather
+                            # than let the file that sorts last win.
+                            raise ValueError(f"tensor {name!r} is stored twice, in {self._where[name].name!r} and "
+                                             f"{path.name!r} under {str(self.model_dir)!r}, and there is no "
+                                             f"{INDEX_FILE} to say which one is meant; remove the stray file")
                         self._where[name] = path
 
     # -- discovery ------------------------------------------------------------------------
@@ -129,6 +135,10 @@ class SafetensorsCheckpoint:
 
     def has(self, name: str) -> bool:
         return name in self._where
+
+    def __len__(self) -> int:
+        """How many tensors the checkpoint holds (bounds every loop over names from a config)."""
+        return len(self._where)
 
     def names(self, prefix: str = "") -> list[str]:
         return sorted(n for n in self._where if n.startswith(prefix))
@@ -261,7 +271,7 @@ def open_safetensors(path: Path | str, what: str = "safetensors file"):
     """``safe_open`` with refusals that name the file: missing, malformed/truncated, unreadable."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{what} {str(path)!r} does not exist")
+        raise ValueError(f"{what} {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
     try:
         return safe_open(str(path), framework="pt")
     except SafetensorError as exc:

@@ -1,4 +1,5 @@
-"""Option values the subcommands share, parsed one way: comma-separated ints, names, layouts.
+"""Option values the subcommands share, parsed one way: comma-separated ints, names, layouts,
+case ids, timeouts, seeds.
 
 Each parser raises ValueError naming the flag and the text it could not read (the CLI prints
 it as one line, exit code 2).
@@ -6,15 +7,59 @@ it as one line, exit code 2).
 
 from __future__ import annotations
 
+from typing import Iterable
+
+from moeshard import validate
 from moeshard.parallel.config import ParallelConfig
 
 
-def ints(text: str, flag: str) -> tuple[int, ...]:
-    """``"1,16, 64"`` -> ``(1, 16, 64)``; empty entries are skipped."""
+def ints(text: str, flag: str, maximum: int = validate.MAX_DIM) -> tuple[int, ...]:
+    """``"1,16, 64"`` -> ``(1, 16, 64)``; empty entries are skipped; values above ``maximum`` are refused."""
     try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
+        values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise ValueError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+    for v in values:
+        if v > maximum:
+            raise ValueError(f"{flag}: {v} is larger than {maximum}")
+    return values
+
+
+def case_ids(values: Iterable[str] | None, flag: str = "--only") -> tuple[str, ...] | None:
+    """Case ids exactly as ``moeshard check --list`` prints them, from one or more ``--only`` values.
+
+    A value holds one id or several, separated by commas or whitespace. Ids contain commas of
+    their own (the token counts, ``.../t0,5``), so a comma starts a new id only where the text
+    after it holds a ``/`` (every id does; token counts never do):
+    ``"a/b/t0,5,c/d/t1"`` -> ``("a/b/t0,5", "c/d/t1")``. None (the option not given) stays None.
+    """
+    if values is None:
+        return None
+    ids: list[str] = []
+    for value in values:
+        for chunk in value.split():
+            first = True
+            for part in chunk.split(","):
+                if not part:
+                    continue
+                if first or "/" in part:
+                    ids.append(part)
+                else:
+                    ids[-1] += "," + part
+                first = False
+    if not ids:
+        raise ValueError(f"{flag}: no case id given")
+    return tuple(ids)
+
+
+def timeout(value: float, flag: str = "--timeout") -> float:
+    """A finite timeout in seconds, > 0 and at most ``validate.MAX_TIMEOUT_S`` (``inf`` is refused)."""
+    return validate.timeout("", flag, value)
+
+
+def seed(value: int, flag: str = "--seed") -> int:
+    """A seed in ``[0, validate.MAX_SEED]``."""
+    return validate.seed("", flag, value)
 
 
 def names(text: str | None) -> tuple[str, ...] | None:

@@ -4,7 +4,8 @@ Every figure comes with ratios against ceilings and baselines measured in the sa
 bf16 matmul (8192^3), device copy bandwidth, ``torch._grouped_mm``, a per-expert loop. With
 ``--world-size N`` (or under torchrun) the layer runs across N GPUs per layout x backend x quant,
 against the raw NCCL all-to-all, DP without EP and one GPU (``moeshard.bench.distributed``).
-Refuses to run without CUDA (exit code 2).
+Refuses to run without CUDA (exit code 2). ``--json`` and ``--plot`` paths are checked before
+anything is measured (their directories are created) and written atomically.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from __future__ import annotations
 import sys
 import time
 
+from pathlib import Path
+
 from moeshard.bench.device import require_cuda
-from moeshard.commands.args import ints, names
+from moeshard.commands.args import ints, names, seed
+from moeshard.outputs import check_output_path
 
 
 def add_parser(sub) -> None:
@@ -50,6 +54,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"{flag} {path!r}: cannot create its directory: {exc.strerror or exc}") from None
+            check_output_path(path, flag)
+    seed(args.seed)
     from moeshard.parallel.spawn import launched_by_torchrun
 
     distributed = args.world_size is not None or launched_by_torchrun()

@@ -1,16 +1,29 @@
-"""``moeshard check``: the verification matrix (see ``moeshard.harness``)."""
+"""``moeshard check``: the verification matrix (see ``moeshard.harness``).
+
+Exit codes (``moeshard.errors``): 0 every valid case passed; 1 a case failed or errored; 2 a bad
+option; 3 nothing was verified (no valid case, or none could run here); 130 / 143 interrupted
+by SIGINT / SIGTERM, after the table, the summary and ``--json`` of the cases that ran.
+Text that is not ours (ids, reasons, a rank's error message) is printed without markup.
+"""
 
 from __future__ import annotations
 
+import collections
+import signal
 import time
 
+import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moeshard.commands.args import ints, layouts, names
+from moeshard.commands.args import case_ids, ints, layouts, names, seed, timeout
+from moeshard.errors import NothingVerified, Terminated
 from moeshard.harness import cases as matrix
 from moeshard.harness import report
-from moeshard.harness.runner import Runner
+from moeshard.harness.runner import CaseOutcome, Runner
+from moeshard.outputs import check_output_path
+from moeshard.parallel.spawn import available_memory, check_local_world
 from moeshard.presets import SIZES
 
 
@@ -31,10 +44,13 @@ def add_parser(sub) -> None:
                                                        "larger shapes (medium on cpu, full size on cuda)")
     p.add_argument("--size", default=None, choices=list(SIZES), help="preset size (default small; --full: medium on "
                                                                     "cpu, full on cuda)")
-    p.add_argument("--only", default=None, help="comma list of case ids to run")
+    p.add_argument("--only", default=None, action="append", metavar="ID",
+                   help="case ids to run, as --list prints them; repeat the option or separate ids by commas or "
+                        "spaces (the commas inside an id's token counts, t0,5, stay part of it)")
     p.add_argument("--list", action="store_true", help="list the cases (and skip reasons) without running")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds one case may take before it counts as hung")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds one case may take before it counts as hung (finite, > 0)")
     p.add_argument("--show-skipped", action="store_true", help="list skipped cases in the table too")
     p.set_defaults(func=run)
 
@@ -51,7 +67,7 @@ def options(args) -> matrix.MatrixOptions:
         dtypes=names(args.dtypes), presets=names(args.presets),
         size=args.size or (("full" if args.device == "cuda" else "medium") if args.full else "small"),
         tokens_per_rank=ints(args.tokens_per_rank, "--tokens-per-rank") if args.tokens_per_rank else None,
-        all_presets=args.full, seed=args.seed)
+        all_presets=args.full, seed=seed(args.seed))
 
 
 def wide_console() -> Console:
@@ -61,39 +77,92 @@ def wide_console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
+def _not_run(case: matrix.Case, why: str) -> CaseOutcome:
+    return CaseOutcome(case, "error", f"not run: {why}")
+
+
+def _nothing_valid(cases: list[matrix.Case]) -> NothingVerified:
+    reasons = collections.Counter(c.reason for c in cases)
+    top = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(2))
+    return NothingVerified(f"nothing to verify: 0 of {len(cases)} selected cases are valid ({top})")
+
+
+def _check_memory(valid: list[matrix.Case], available: int | None) -> None:
+    """Refuses, before anything runs, a selection whose largest case cannot fit in memory
+    (``--size full`` on a CPU, say: every rank would make DeepSeek-V3's full weights)."""
+    if available is None:
+        return
+    worst = max(valid, key=lambda c: c.memory_bytes())
+    need = worst.memory_bytes()
+    if need > available:
+        raise ValueError(f"case {worst.id} needs about {need / 2**30:.1f} GiB of memory on its {worst.world_size} "
+                         f"rank(s) but {available / 2**30:.1f} GiB is available; choose a smaller --size or fewer "
+                         f"--presets / --world-sizes")
+
+
 def run(args) -> int:
     console = wide_console()
     opts = options(args)
+    case_timeout = timeout(args.timeout)
+    if args.json and not args.list:
+        check_output_path(args.json, "--json")
     cases = matrix.generate(opts)
     if args.only:
-        cases = matrix.select_ids(cases, list(names(args.only)))
+        cases = matrix.select_ids(cases, list(case_ids(args.only)), opts.seed)
     valid = [c for c in cases if not c.skipped]
     if args.list:
         for c in cases:
-            console.print(c.id + (f"  [yellow]skip: {c.reason}[/]" if c.skipped else ""), highlight=False)
+            console.print(escape(c.id) + (f"  [yellow]skip: {escape(c.reason)}[/]" if c.skipped else ""), highlight=False)
         console.print(f"{len(valid)} of {len(cases)} cases valid")
         return 0
     if not cases:
         raise ValueError("the filters select no case (see --list)")
+    if not valid:
+        raise _nothing_valid(cases)
+    _check_memory(valid, available_memory())
+    if args.device == "cpu":  # CUDA worlds larger than the GPUs are skipped, with the reason
+        for world in sorted({c.world_size for c in valid}):
+            check_local_world(world, "cpu", what="--world-sizes")
+    if args.device == "cuda" and torch.cuda.device_count() == 0:
+        raise NothingVerified(f"--device cuda: no CUDA device is visible, so none of the {len(valid)} valid cases "
+                              f"can run")
     console.print(f"moeshard check: {len(valid)} of {len(cases)} cases valid on {args.device}, "
                   f"world sizes {sorted({c.world_size for c in cases})}")
     start = time.monotonic()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[last]}"), console=console, transient=True) as progress:
-        task = progress.add_task("checking", total=len(cases), last="")
+    finished: dict[str, CaseOutcome] = {}  # case id -> outcome, as the cases end
+    interrupted: KeyboardInterrupt | None = None
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[last]}"), console=console, transient=True) as progress:
+            task = progress.add_task("checking", total=len(cases), last="")
 
-        def on_outcome(o) -> None:
-            progress.update(task, advance=1, last=f"{o.status} {o.case.id}")
-            if o.status in ("fail", "error"):
-                progress.console.print(f"[bold red]{o.status}[/] {o.case.id}: {o.reason}", highlight=False)
+            def on_outcome(o) -> None:
+                finished[o.case.id] = o
+                progress.update(task, advance=1, last=escape(f"{o.status} {o.case.id}"))
+                if o.status in ("fail", "error"):
+                    progress.console.print(f"[bold red]{o.status}[/] {escape(o.case.id)}: {escape(o.reason)}",
+                                           highlight=False)
 
-        outcomes = Runner(args.device, case_timeout_s=args.timeout, on_outcome=on_outcome).run(cases)
+            outcomes = Runner(args.device, case_timeout_s=case_timeout, on_outcome=on_outcome).run(cases)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the ranks are stopped; report what ran
+        interrupted = exc
+        name = signal.Signals(exc.signum).name if isinstance(exc, Terminated) else "SIGINT"
+        outcomes = [finished.get(c.id) or _not_run(c, f"interrupted by {name}") for c in cases]
     wall = time.monotonic() - start
     report.print_table(console, outcomes, args.show_skipped)
     report.print_skips(console, outcomes)
     report.print_problems(console, outcomes)
     report.print_summary(console, outcomes, wall, args.device)
+    if interrupted is not None:
+        not_run = sum(o.reason.startswith("not run: interrupted") for o in outcomes)
+        console.print(f"[bold red]interrupted[/]: {not_run} valid cases not run", highlight=False)
     if args.json:
         report.write_json(args.json, outcomes, wall, args.device)
-        console.print(f"wrote {args.json}")
+        console.print(f"wrote {escape(args.json)}", highlight=False)
+    if interrupted is not None:
+        raise interrupted
+    if not any(o.status in ("pass", "fail", "error") for o in outcomes):
+        reasons = collections.Counter(o.reason for o, c in zip(outcomes, cases) if not c.skipped)
+        raise NothingVerified(f"nothing was verified: every case was skipped on this machine "
+                              f"({reasons.most_common(1)[0][0]})")
     return 0 if all(o.status in ("pass", "skip") for o in outcomes) else 1

@@ -9,8 +9,15 @@ under a (dp, tp, ep) layout, and write the output.
 IN holds ``hidden_states [T, H]``, all tokens; OUT gets ``hidden_states [T, H]``, the block's
 output for every token in input order (plus ``input_hidden_states`` when the input was
 generated from the seed). Ranks: ``dp * tp`` local processes (gloo on cpu, NCCL on cuda, one
-GPU each), or, started under torchrun (``RANK`` and ``WORLD_SIZE`` set), this process is one
-rank of torchrun's world, which must have ``dp * tp`` ranks.
+GPU each), or, started under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
+and ``MASTER_PORT`` all set; some of them without the others is refused), this process is one
+rank of torchrun's world, which must have ``dp * tp`` ranks; ``--timeout`` bounds its process
+group's rendezvous and collectives.
+
+Before any rank starts: the output path is checked (writable, not a directory, not a file the
+run reads), the world size against the machine, the memory the run will need against what is
+available. The output is written atomically. Exit codes as ``moeshard.errors``: a refusal 2, a
+rank that fails or dies 4, one that times out 5, an output that cannot be written 6.
 """
 
 from __future__ import annotations
@@ -20,21 +27,25 @@ import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from moeshard.commands.args import ints
+from moeshard.commands.args import ints, seed, timeout
 from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
 from moeshard.dispatch.registry import BACKENDS
+from moeshard.errors import OutputError, RankFailed
+from moeshard.outputs import atomic_write, check_output_path
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
-from moeshard.parallel.spawn import RankFailure, destroy, init_from_env, launched_by_torchrun, spawn
+from moeshard.parallel.spawn import (RankFailure, available_memory, check_local_world, destroy, init_from_env,
+                                     spawn, torchrun_environment)
 from moeshard.presets import PRESETS
-from moeshard.runjob import RunPlan, RunRankResult, RunSpec, describe, plan_run, run_plans, run_rank
+from moeshard.runjob import (RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans,
+                             run_rank)
 
 
 def add_parser(subparsers) -> None:
@@ -63,29 +74,45 @@ def add_parser(subparsers) -> None:
     lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"],
                      help="model dtype (default: the input's, else the checkpoint's)")
     lay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    lay.add_argument("--timeout", type=float, default=600.0, help="seconds the whole run may take (default 600)")
+    lay.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds the whole run may take (default 600; finite); under torchrun, the bound on the "
+                          "rendezvous and on every collective")
     p.set_defaults(func=run)
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
-    """The ``RunSpec`` of parsed arguments (ValueError for combinations that make no sense)."""
+    """The ``RunSpec`` of parsed arguments (ValueError for combinations that make no sense, and
+    for an ``--output`` that cannot be written or is a file the run reads)."""
     if args.full and args.random is None:
         raise ValueError("--full only applies to --random")
     if args.random is not None and args.model is not None:
         raise ValueError(f"give either --model or --random, not both (got --model {args.model!r}, --random {args.random!r})")
-    if args.output is not None and not Path(args.output).resolve().parent.is_dir():
-        raise ValueError(f"--output {args.output!r}: directory {str(Path(args.output).resolve().parent)!r} does not exist")
     split = None if args.tokens_per_rank is None else ints(args.tokens_per_rank, "--tokens-per-rank")
-    return RunSpec(parallel=ParallelConfig(args.dp, args.tp, args.ep), model_dir=args.model, layer=args.layer,
-                   preset=args.random, preset_size="full" if args.full else "small", seed=args.seed,
+    spec = RunSpec(parallel=ParallelConfig(args.dp, args.tp, args.ep), model_dir=args.model, layer=args.layer,
+                   preset=args.random, preset_size="full" if args.full else "small", seed=seed(args.seed),
                    input_path=args.input, num_tokens=args.tokens, tokens_per_rank=split,
                    quant=args.quant, defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
                    device=args.device)
+    if args.output is not None:
+        check_output_path(args.output, "--output", reads=files_read(spec))
+    return spec
+
+
+def _rank_errors(results: list) -> None:
+    """``run_plans`` records a rank's exception as a dict: a refusal stays a ValueError (exit 2),
+    anything else is that rank's failure (exit 4)."""
+    errors = [(rank, r) for rank, r in enumerate(results) if isinstance(r, dict)]
+    if not errors:
+        return
+    rank, first = errors[0]
+    if first["error"] == "ValueError":
+        raise ValueError(first["message"])
+    raise RankFailed(f"rank {rank} raised {first['error']}: {first['message']}")
 
 
 def _as_value_error(failure: RankFailure) -> Exception:
     """Refusals raised on the ranks come back as one ValueError (the CLI prints it, exit 2);
-    anything else stays a RankFailure with every rank's traceback."""
+    anything else stays a RankFailure (exit 4, or 5 for a timeout)."""
     if failure.errors and not failure.missing and all(e.type_name == "ValueError" for e in failure.errors.values()):
         first = failure.errors[min(failure.errors)]
         return ValueError(first.message)
@@ -94,9 +121,6 @@ def _as_value_error(failure: RankFailure) -> Exception:
 
 def _execute_local(plan: RunPlan, timeout_s: float) -> list[RunRankResult]:
     world = plan.parallel.world_size
-    if plan.spec.device == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
-                         f"{torch.cuda.device_count()} are visible")
     if world == 1:
         return [run_rank(plan, None)]
     try:
@@ -104,15 +128,14 @@ def _execute_local(plan: RunPlan, timeout_s: float) -> list[RunRankResult]:
     except RankFailure as failure:
         raise _as_value_error(failure) from None
     results = [r[0] for r in per_rank]
-    errors = [r for r in results if isinstance(r, dict)]
-    if errors:
-        raise ValueError(errors[0]["message"]) if errors[0]["error"] == "ValueError" else RuntimeError(errors[0]["message"])
+    _rank_errors(results)
     return results
 
 
-def _execute_torchrun(plan: RunPlan) -> list[RunRankResult] | None:
-    """Runs as one rank of torchrun's world; returns every rank's result on rank 0, None elsewhere."""
-    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo")
+def _execute_torchrun(plan: RunPlan, timeout_s: float) -> list[RunRankResult] | None:
+    """Runs as one rank of torchrun's world; returns every rank's result on rank 0, None elsewhere.
+    ``timeout_s`` bounds the rendezvous and every collective."""
+    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo", timeout_s=timeout_s)
     try:
         plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
         side = plan.parallel.enable_ep and plan.spec.device == "cuda"
@@ -128,6 +151,9 @@ def _execute_torchrun(plan: RunPlan) -> list[RunRankResult] | None:
 
 
 def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
+    """Writes the output file atomically, then reads its header back (a writer that fails
+    silently, on a full disk say, leaves a file whose header does not cover it)."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
     from moeshard.runjob import random_hidden_states
@@ -136,13 +162,24 @@ def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
     if plan.generated_input:
         tensors["input_hidden_states"] = random_hidden_states(plan.total_tokens, plan.cfg.hidden_size,
                                                               plan.spec.seed, plan.cfg.dtype)
-    save_file(tensors, path, metadata={"moeshard_run": json.dumps(describe(plan))})
+
+    def write(tmp: str) -> None:
+        save_file(tensors, tmp, metadata={"moeshard_run": json.dumps(describe(plan))})
+        try:
+            with safe_open(tmp, "pt") as f:
+                complete = set(f.keys()) == set(tensors)
+        except SafetensorError as exc:
+            raise OutputError(f"cannot write {path!r}: the file written is incomplete ({exc})") from None
+        if not complete:
+            raise OutputError(f"cannot write {path!r}: the file written is incomplete")
+
+    atomic_write(path, write)
 
 
 def _summary(plan: RunPlan, results: list[RunRankResult], output_path: str | None, wall_s: float) -> None:
-    console = Console()
+    console = Console(highlight=False)
     info = describe(plan)
-    console.print(f"[bold]moeshard run[/bold]: {info['source']}")
+    console.print(f"[bold]moeshard run[/bold]: {escape(info['source'])}")
     console.print(f"layout {info['layout']} ({plan.parallel.world_size} rank(s), {info['device']}), backend "
                   f"{info['backend']}, quant {info['quant']}, dtype {info['dtype']}")
     console.print(f"tokens {plan.total_tokens}" + (" (generated from the seed)" if plan.generated_input else "")
@@ -156,19 +193,25 @@ def _summary(plan: RunPlan, results: list[RunRankResult], output_path: str | Non
     console.print(table)
     out = results[0].output
     where = output_path if output_path is not None else "not written (no --output)"
-    console.print(f"output {where}: hidden_states {list(out.shape)} {str(out.dtype).removeprefix('torch.')}")
+    console.print(f"output {escape(where)}: hidden_states {list(out.shape)} {str(out.dtype).removeprefix('torch.')}")
     console.print(f"wall time {wall_s:.2f} s")
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    plan = plan_run(spec_from_args(args))
-    if launched_by_torchrun():
-        results = _execute_torchrun(plan)
+    timeout_s = timeout(args.timeout)
+    torchrun = torchrun_environment()
+    spec = spec_from_args(args)
+    if not torchrun:  # before plan_run: a world the machine cannot hold is refused at once
+        check_local_world(spec.parallel.world_size, spec.device, what="--dp x --tp")
+    plan = plan_run(spec)
+    if torchrun:
+        results = _execute_torchrun(plan, timeout_s)
         if results is None:
             return 0
     else:
-        results = _execute_local(plan, args.timeout)
+        check_memory(plan, available_memory())
+        results = _execute_local(plan, timeout_s)
     if args.output is not None:
         _write(args.output, plan, results[0].output)
     _summary(plan, results, args.output, time.perf_counter() - start)

@@ -14,7 +14,7 @@ from moeshard.config import MoEConfig, QuantConfig, parse_dtype
 from moeshard.dispatch.registry import BACKENDS, support
 from moeshard.quant import scheme_names
 from moeshard.parallel.config import ParallelConfig
-from moeshard.presets import PRESETS
+from moeshard.presets import PRESETS, SIZES
 from moeshard.sharding import ShardSpec
 
 # (dp, tp, enable_ep) per world size; with EP on and tp > 1 the layout is sequence parallel.
@@ -33,6 +33,10 @@ TOKEN_PATTERNS: dict[int, list[tuple[int, ...]]] = {
     8: [(1, 0, 3, 2, 0, 5, 7, 1), (3, 3, 3, 3, 3, 3, 3, 3), (0, 64, 1, 0, 2, 9, 0, 4)],
 }
 
+
+# The most tokens one DP rank may be given with --tokens-per-rank: the fp64 reference of every
+# case runs on the CPU, and beyond this a case would take minutes (the default patterns stay <= 64).
+MAX_TOKENS_PER_RANK = 1 << 16
 
 
 def quant_configs() -> list[QuantConfig]:
@@ -77,6 +81,17 @@ class Case:
     def moe_config(self) -> MoEConfig:
         return PRESETS[self.preset].config(self.size, parse_dtype(self.dtype))
 
+    def memory_bytes(self) -> int:
+        """About the most memory the case holds on all its ranks together: each rank makes the
+        full weights (fp32, then the model dtype), and the fp64 reference holds the dequantized
+        weights, with the tokens and their routed rows beside them."""
+        cfg = self.moe_config()
+        E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+        weights = (E * 3 * I * H + E * H + 3 * cfg.shared_width * H) * (4 + 8)
+        T = sum(self.tokens)
+        tokens = T * K * (2 * I + 2 * H) * 8 + T * H * 16
+        return self.world_size * (weights + tokens)
+
 
 def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoEConfig) -> str:
     """The reason this combination cannot run, or "" when it can (same checks as the layer)."""
@@ -109,9 +124,17 @@ class MatrixOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for p in self.layouts or ():
+            if p.world_size not in LAYOUTS:
+                raise ValueError(f"--layouts: {p.name} has world size {p.world_size}; moeshard check runs world "
+                                 f"sizes {sorted(LAYOUTS)}")
         for w in self.world_sizes:
             if w not in LAYOUTS:
                 raise ValueError(f"--world-sizes: {w} is not one of {sorted(LAYOUTS)}")
+        for p in self.layouts or ():
+            if p.world_size not in self.world_sizes:
+                raise ValueError(f"--layouts: {p.name} has world size {p.world_size}, which --world-sizes "
+                                 f"{','.join(map(str, self.world_sizes))} leaves out")
         for b in self.backends or ():
             if b not in BACKENDS:
                 raise ValueError(f"--backends: {b!r} is not one of {sorted(BACKENDS)}")
@@ -120,12 +143,16 @@ class MatrixOptions:
             if q not in known:
                 raise ValueError(f"--quants: {q!r} is not one of {sorted(known)}")
         for d in self.dtypes:
-            parse_dtype(d)
+            try:
+                parse_dtype(d)
+            except ValueError as exc:
+                raise ValueError(f"--dtypes: {exc}") from None
         for p in self.presets or ():
             if p not in PRESETS:
                 raise ValueError(f"--presets: {p!r} is not one of {sorted(PRESETS)}")
-        if self.tokens_per_rank is not None and any(t < 0 for t in self.tokens_per_rank):
-            raise ValueError(f"--tokens-per-rank: counts must be >= 0, got {list(self.tokens_per_rank)}")
+        if self.tokens_per_rank is not None and any(not 0 <= t <= MAX_TOKENS_PER_RANK for t in self.tokens_per_rank):
+            raise ValueError(f"--tokens-per-rank: counts must be in [0, {MAX_TOKENS_PER_RANK}], "
+                             f"got {list(self.tokens_per_rank)}")
 
 
 def generate(opts: MatrixOptions) -> list[Case]:
@@ -167,15 +194,67 @@ def generate(opts: MatrixOptions) -> list[Case]:
                         reason = refusal(p, backend, q, cfg)
                         case = Case(p, backend, q, dtype, preset, opts.size, tuple(tokens), 0, reason)
                         # The seed depends on the id alone, so `--only ID` reproduces a case exactly.
-                        cases.append(replace(case, seed=(zlib.crc32(case.id.encode()) + opts.seed * 7919) % 2**31))
+                        cases.append(replace(case, seed=_case_seed(case.id, opts.seed)))
     return cases
 
 
-def select_ids(cases: list[Case], ids: list[str]) -> list[Case]:
-    """The cases named in ``ids`` (``--only``), in the given order; unknown ids are an error."""
+def case_from_id(case_id: str, seed: int = 0) -> Case:
+    """The case an id names, built from the id alone: an id spells every axis of its case
+    (``layout/backend/quant/dtype/preset[@size]/t<tokens per DP rank>``) and its seed depends on
+    the id alone, so a case listed under any filters (``--list --world-sizes 2``, ``--full``)
+    runs the same under ``--only``. ValueError naming the part of the id that is wrong."""
+    parts = case_id.split("/") if isinstance(case_id, str) else []
+    if len(parts) != 6 or not parts[5].startswith("t"):
+        raise ValueError(f"{case_id!r} is not a case id: expected layout/backend/quant/dtype/preset[@size]/t<tokens>, "
+                         f"e.g. dp2-tp2-ep/all2all/fp8_block/bfloat16/deepseek-v3/t1,0")
+    layout, backend, quant, dtype, preset, toks = parts
+    parallel = ParallelConfig.parse(layout)
+    if parallel.name != layout:
+        raise ValueError(f"{case_id!r}: the layout is spelled {parallel.name!r} in case ids")
+    if backend not in BACKENDS:
+        raise ValueError(f"{case_id!r}: backend {backend!r} is not one of {sorted(BACKENDS)}")
+    quants = {q.name: q for q in quant_configs()}
+    if quant not in quants:
+        raise ValueError(f"{case_id!r}: quant {quant!r} is not one of {sorted(quants)}")
+    if dtype not in DTYPES + ("float16",):
+        raise ValueError(f"{case_id!r}: dtype {dtype!r} is not one of {list(DTYPES) + ['float16']}")
+    preset, _, size = preset.partition("@")
+    size = size or "small"
+    if preset not in PRESETS or size not in SIZES or size == "small" and "@" in parts[4]:
+        raise ValueError(f"{case_id!r}: {parts[4]!r} is not a preset ({sorted(PRESETS)}) with an optional "
+                         f"@medium or @full")
+    try:
+        tokens = tuple(int(t) for t in toks[1:].split(","))
+    except ValueError:
+        raise ValueError(f"{case_id!r}: {toks!r} is not t<tokens per DP rank>, e.g. t1,0") from None
+    if len(tokens) != parallel.dp or any(not 0 <= t <= MAX_TOKENS_PER_RANK for t in tokens):
+        raise ValueError(f"{case_id!r}: {toks!r} must give {parallel.dp} token counts in [0, {MAX_TOKENS_PER_RANK}], "
+                         f"one per DP rank")
+    q = quants[quant]
+    cfg = PRESETS[preset].config(size, parse_dtype(dtype))
+    case = Case(parallel, backend, q, dtype, preset, size, tokens, 0, refusal(parallel, backend, q, cfg))
+    if case.id != case_id:
+        raise ValueError(f"{case_id!r} is not a case id as moeshard check writes it (did you mean {case.id!r}?)")
+    return replace(case, seed=_case_seed(case.id, seed))
+
+
+def _case_seed(case_id: str, seed: int) -> int:
+    """The seed of a case: a function of its id (and --seed) alone, so `--only ID` reproduces it."""
+    return (zlib.crc32(case_id.encode()) + seed * 7919) % 2**31
+
+
+def select_ids(cases: list[Case], ids: list[str], seed: int = 0) -> list[Case]:
+    """The cases named in ``ids`` (``--only``), in the given order: each from ``cases`` when it is
+    there, else built from the id itself (``case_from_id``), so any id ``--list`` prints, under
+    any filters, is accepted. An id that names no case is an error."""
     by_id = {c.id: c for c in cases}
-    missing = [i for i in ids if i not in by_id]
-    if missing:
-        raise ValueError(f"--only: no case with id {missing[0]!r} in this matrix "
-                         f"(see `moeshard check --list` with the same filters)")
-    return [by_id[i] for i in ids]
+    chosen = []
+    for i in ids:
+        if i in by_id:
+            chosen.append(by_id[i])
+            continue
+        try:
+            chosen.append(case_from_id(i, seed))
+        except ValueError as exc:
+            raise ValueError(f"--only: no case with id {i!r}: {str(exc).removeprefix(repr(i) + ': ')}") from None
+    return chosen

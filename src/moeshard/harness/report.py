@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import collections
 import json
-from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moeshard.harness.runner import CaseOutcome
+from moeshard.outputs import atomic_write_text
+
+# Ids, reasons and the ranks' error messages are foreign text (a gloo message holds
+# "[/.../pair.cc:553]", torch's "[enforce fail at alloc_cpu.cpp:127]"): they are always printed
+# through rich.markup.escape, never read as markup; only our own style tags are markup.
 
 STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "yellow"}
 
@@ -50,7 +55,7 @@ def summary(outcomes: list[CaseOutcome], wall: float, device: str) -> dict:
 
 def write_json(path: str, outcomes: list[CaseOutcome], wall: float, device: str) -> None:
     doc = {"cases": [case_json(o) for o in outcomes], "summary": summary(outcomes, wall, device)}
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
 
 
 def _fmt(v: float | None, digits: int = 2) -> str:
@@ -67,10 +72,10 @@ def print_table(console: Console, outcomes: list[CaseOutcome], show_skipped: boo
         c = o.case
         cfg = c.moe_config()
         p = c.parallel
-        table.add_row(p.name + (" SP" if p.is_sequence_parallel else ""), c.backend,
-                      c.quant.name, c.dtype,
-                      f"{c.preset} E{cfg.num_experts}k{cfg.top_k} H{cfg.hidden_size} I{cfg.intermediate_size}"
-                      + (" +shared" if cfg.has_shared_experts else ""),
+        table.add_row(p.name + (" SP" if p.is_sequence_parallel else ""), escape(c.backend),
+                      escape(c.quant.name), c.dtype,
+                      escape(f"{c.preset} E{cfg.num_experts}k{cfg.top_k} H{cfg.hidden_size} I{cfg.intermediate_size}"
+                             + (" +shared" if cfg.has_shared_experts else "")),
                       ",".join(map(str, c.tokens)), _fmt(o.max_abs_err),
                       "" if o.atol is None else f"{o.atol:.0e}/{o.rtol:.0e}", _fmt(o.quant_error, 1),
                       f"[{STYLE[o.status]}]{o.status}[/]")
@@ -81,7 +86,8 @@ def print_problems(console: Console, outcomes: list[CaseOutcome]) -> None:
     """Every failed or errored case with its id (for --only) and its reason, in full."""
     bad = [o for o in outcomes if o.status in ("fail", "error")]
     for o in bad:
-        console.print(f"[{STYLE[o.status]}]{o.status.upper()}[/] {o.case.id}\n    {o.reason}", highlight=False)
+        console.print(f"[{STYLE[o.status]}]{o.status.upper()}[/] {escape(o.case.id)}\n    {escape(o.reason)}",
+                      highlight=False)
 
 
 def print_skips(console: Console, outcomes: list[CaseOutcome]) -> None:
@@ -89,7 +95,7 @@ def print_skips(console: Console, outcomes: list[CaseOutcome]) -> None:
     if reasons:
         console.print(f"[yellow]skipped[/] {sum(reasons.values())} cases (ids in --list and --json):")
         for reason, n in reasons.most_common():
-            console.print(f"  {n:4d} x {reason}", highlight=False)
+            console.print(f"  {n:4d} x {escape(reason)}", highlight=False)
 
 
 def print_summary(console: Console, outcomes: list[CaseOutcome], wall: float, device: str) -> None:

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from moeshard.config import MoEConfig
-from moeshard.validate import is_int, positive_int
+from moeshard.validate import boolean, is_int, size
 
 # The two spellings of a layout that ParallelConfig.parse reads; ParallelConfig.name writes the first.
 _NAMED = re.compile(r"dp([0-9]+)-tp([0-9]+)-(ep|noep)")
@@ -39,7 +39,8 @@ def _at(rank: int | None) -> str:
 class ParallelConfig:
     """Layout of ranks: ``dp`` data-parallel replicas, each split ``tp`` ways; EP on or off.
 
-    ``dp`` and ``tp`` are positive ints; ``enable_ep`` is a bool.  Validated on construction;
+    ``dp`` and ``tp`` are positive ints (at most ``validate.MAX_DIM``); ``enable_ep`` is a bool.
+    Validated on construction (how many ranks a machine can start is ``LocalWorld``'s check);
     ``validate`` checks it against a world size and an ``MoEConfig``.
     """
 
@@ -48,10 +49,9 @@ class ParallelConfig:
     enable_ep: bool = False
 
     def __post_init__(self) -> None:
-        positive_int("ParallelConfig", "dp", self.dp)
-        positive_int("ParallelConfig", "tp", self.tp)
-        if not isinstance(self.enable_ep, bool):
-            raise ValueError(f"ParallelConfig.enable_ep: must be a bool, got {self.enable_ep!r}")
+        size("ParallelConfig", "dp", self.dp)
+        size("ParallelConfig", "tp", self.tp)
+        boolean("ParallelConfig", "enable_ep", self.enable_ep)
 
     @property
     def world_size(self) -> int:

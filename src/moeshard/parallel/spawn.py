@@ -15,9 +15,19 @@ Neither ever hangs:
   * the parent waits for the ranks at most until ``LocalWorld.deadline``; a rank that exits
     without a report is noticed within a second;
   * leaving the ``with`` block stops every rank, whether the block ended normally, raised or was
-    interrupted (Ctrl-C is a KeyboardInterrupt in the parent): after a clean run the ranks get
-    ``CLEAN_EXIT_WAIT_S`` to exit on their own, otherwise they are terminated and, if needed,
-    killed; every child has exited (and been reaped) when the block is left.
+    interrupted (Ctrl-C is a KeyboardInterrupt in the parent; ``moeshard``'s SIGTERM handler
+    raises one too): after a clean run the ranks get ``CLEAN_EXIT_WAIT_S`` to exit on their own,
+    otherwise they are terminated and, if needed, killed; every child has exited (and been
+    reaped) when the block is left;
+  * a parent killed outright (SIGKILL) takes its ranks with it: each rank dies with its parent
+    and hands over its last report within a bound (``moeshard.parallel.worker``);
+  * the ranks ignore SIGINT (the parent answers Ctrl-C for all of them), so an interrupted run
+    prints no rank's KeyboardInterrupt traceback; a Ctrl-C or SIGTERM that arrives while the
+    ranks are being started is deferred until all of them are (a rank whose start-up data was
+    cut off would die with an EOFError traceback);
+  * a world larger than the machine can hold is refused before anything starts
+    (``check_local_world``: at most ``RANKS_PER_CORE`` ranks per usable core on CPU, one per
+    GPU on CUDA, and ``RANK_MEMORY_BYTES`` of available memory per rank).
 
 ``spawn`` waits at most ``timeout_s`` in all; when a rank fails it waits ``grace_s`` more for the
 others to report, then stops them.  A failed run raises ``RankFailure``: each rank's exception
@@ -26,10 +36,13 @@ with its traceback, the ranks that never reported, and the results of those that
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue as queue_module
+import signal
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -40,14 +53,109 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from moeshard.parallel.worker import DEFAULT_TIMEOUT_S, LOOPBACK, RankChannel, RankError, loads, rank_main
-from moeshard.validate import positive_int
+from moeshard.validate import positive_int, timeout
 
 __all__ = ["CLEAN_EXIT_WAIT_S", "DEFAULT_TIMEOUT_S", "LocalWorld", "RankChannel", "RankError", "RankEvent",
-           "RankFailure", "destroy", "init_from_env", "launched_by_torchrun", "spawn"]
+           "RankFailure", "available_memory", "check_local_world", "destroy", "init_from_env", "launched_by_torchrun",
+           "spawn", "torchrun_environment", "usable_cores"]
 
 CLEAN_EXIT_WAIT_S = 10.0  # after a clean run: how long the ranks may take to tear down their groups
 EXIT_REPORT_WAIT_S = 1.0  # a rank that exited may still have its report in the pipe this long
 _POLL_S = 0.1
+# Local CPU ranks: each is an interpreter with torch loaded (a few hundred MB) that mostly waits
+# on its peers, so a few share a core well (the default check runs 4 ranks on 2 cores).
+RANKS_PER_CORE = 8
+RANK_MEMORY_BYTES = 256 * 2**20
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS says, else the count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_local_world(world_size: int, device: str = "cpu", what: str = "LocalWorld") -> None:
+    """Refuses (ValueError) a world of local ranks this machine cannot hold: more ranks than
+    GPUs on CUDA; more than ``RANKS_PER_CORE`` per usable core, or more than the available
+    memory at ``RANK_MEMORY_BYTES`` per rank, on CPU. Cheap; call it before any other work."""
+    positive_int(what, "world_size", world_size)
+    if device == "cuda":
+        if world_size > torch.cuda.device_count():
+            raise ValueError(f"{what}: world_size={world_size} needs {world_size} GPUs (one per rank) but "
+                             f"{torch.cuda.device_count()} are visible")
+        return
+    cores = usable_cores()
+    if world_size > RANKS_PER_CORE * cores:
+        raise ValueError(f"{what}: world_size={world_size} local CPU ranks is more than this machine can run: "
+                         f"{cores} usable cores, at most {RANKS_PER_CORE} ranks per core")
+    memory = available_memory()
+    if memory is not None and world_size * RANK_MEMORY_BYTES > memory:
+        raise ValueError(f"{what}: world_size={world_size} local ranks need about "
+                         f"{world_size * RANK_MEMORY_BYTES / 2**30:.1f} GiB ({RANK_MEMORY_BYTES // 2**20} MiB each) "
+                         f"but {memory / 2**30:.1f} GiB of memory is available")
+
+
+@contextlib.contextmanager
+def _signals_deferred(signums: tuple[int, ...]) -> Iterator[None]:
+    """In the main thread (where Python runs signal handlers): the signals in ``signums`` that
+    arrive inside the block are recorded, then raised again once it is left, so they reach
+    their usual handlers (KeyboardInterrupt, moeshard's SIGTERM handler) after it. Elsewhere a
+    no-op: the main thread's handlers cannot interrupt another thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {s: signal.getsignal(s) for s in signums}
+    previous = {s: h for s, h in previous.items() if h is not None}  # None: a handler not set from Python
+    for s in previous:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread inside the block, so processes started here inherit it blocked."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _ended(code: int | None) -> str:
+    """How a process ended, in words: ``exited with code 3`` / ``was killed by SIGKILL``."""
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class RankFailure(RuntimeError):
@@ -60,6 +168,8 @@ class RankFailure(RuntimeError):
       ``timed_out``: the deadline passed with no rank failed or dead.
       ``exitcodes``: rank -> final exit code of every rank (negative: ended by that signal).
       ``results``: rank -> return value, for the ranks that finished.
+      ``summary``: the failure in one line (each rank's error type and first message line, how
+        dead ranks ended, which did not finish), without the tracebacks ``str()`` adds.
     """
 
     def __init__(self, world_size: int, errors: dict[int, RankError], missing: list[int], died: dict[int, int],
@@ -75,11 +185,14 @@ class RankFailure(RuntimeError):
         for rank, err in sorted(errors.items()):
             lines.append(f"rank {rank} raised {err.type_name}: {err.message}")
         for rank, code in sorted(died.items()):
-            lines.append(f"rank {rank} exited with code {code} without reporting a result")
+            lines.append(f"rank {rank} {_ended(code)} without reporting a result")
         others = [r for r in missing if r not in died]
         if others:
             why = f"did not finish within {timeout_s:g} s" if timed_out else "were stopped after the failure above"
             lines.append(f"ranks {others} {why}")
+        first = [f"rank {rank} raised {err.type_name}: {(err.message.strip().splitlines() or [''])[0]}"
+                 for rank, err in sorted(errors.items())]
+        self.summary = "; ".join(first + lines[1 + len(errors):])
         for rank, err in sorted(errors.items()):
             lines.append(f"--- traceback of rank {rank} ---\n{err.traceback.rstrip()}")
         super().__init__("\n".join(lines))
@@ -152,16 +265,18 @@ class LocalWorld:
         failure = world.failure()                 # None, or a RankFailure to raise
 
     Args:
-      world_size: number of ranks, >= 1 (<= visible GPUs for ``device="cuda"``).
+      world_size: number of ranks, >= 1, within what the machine holds (``check_local_world``).
       device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank r on cuda device r).
       timeout_s: ``deadline`` starts ``timeout_s`` after the ranks are started (the caller may
-        move it); also the rendezvous store's timeout.
+        move it); also the rendezvous store's timeout. Finite (``validate.timeout``).
       backend: override the process-group backend (default gloo for cpu, nccl for cuda).
       pg_timeout_s: the process group's timeout (default ``timeout_s / 2``, so a stuck
         collective fails inside the rank, with its traceback, before the parent's deadline).
       name: process names are ``f"{name}{rank}"``.
     The function must be module-level (picklable), as must its arguments and what it returns or
-    sends; the ranks are daemon processes, so it cannot start processes of its own.
+    sends; the ranks are daemon processes, so it cannot start processes of its own. Start the
+    world from a thread that outlives it (the main thread, as moeshard does): on Linux a rank
+    gets SIGKILL when the thread that started it exits (``moeshard.parallel.worker``).
 
     State, filled in by ``events()``: ``results`` (rank -> return value), ``errors`` (rank ->
     ``RankError``), ``died`` (rank -> exit code of a rank that exited without reporting; ``stop``
@@ -174,14 +289,10 @@ class LocalWorld:
         positive_int("LocalWorld", "world_size", world_size)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"LocalWorld.device: must be 'cpu' or 'cuda', got {device!r}")
-        if device == "cuda" and world_size > torch.cuda.device_count():
-            raise ValueError(f"LocalWorld: world_size={world_size} needs {world_size} GPUs but "
-                             f"{torch.cuda.device_count()} are visible")
-        if not timeout_s > 0:
-            raise ValueError(f"LocalWorld.timeout_s: must be > 0, got {timeout_s!r}")
+        check_local_world(world_size, device)
         self.world_size, self.device, self.backend, self.name = world_size, device, backend, name
-        self.timeout_s = timeout_s
-        self.pg_timeout_s = timeout_s / 2 if pg_timeout_s is None else pg_timeout_s
+        self.timeout_s = timeout("LocalWorld", "timeout_s", timeout_s)
+        self.pg_timeout_s = timeout("LocalWorld", "pg_timeout_s", timeout_s / 2 if pg_timeout_s is None else pg_timeout_s)
         self._ctx = torch_mp.get_context("spawn")
         self._queue = self._ctx.Queue()
         self.channel = RankChannel(self._queue)
@@ -210,10 +321,15 @@ class LocalWorld:
         self._processes = [
             self._ctx.Process(target=rank_main, name=f"{self.name}{rank}", daemon=True,
                               args=(rank, self.world_size, port, self.device, fn, tuple(args), self._queue,
-                                    self.backend, self.pg_timeout_s))
+                                    self.backend, self.pg_timeout_s, os.getpid()))
             for rank in range(self.world_size)]
-        for process in self._processes:
-            process.start()
+        # Starting a rank is fork + exec, then the parent writes the rank's start-up data into a
+        # pipe; a Ctrl-C or SIGTERM raising in between would leave the rank reading an empty pipe
+        # (an EOFError traceback). So the parent defers both signals until every rank is started,
+        # and the ranks inherit SIGINT blocked until rank_main ignores it for good.
+        with _signals_deferred((signal.SIGINT, signal.SIGTERM)), _sigint_blocked():
+            for process in self._processes:
+                process.start()
         self.deadline = time.monotonic() + self.timeout_s
 
     @property
@@ -322,8 +438,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), dev
     Returns the results in rank order.  Raises ``RankFailure`` if any rank raised, died or did
     not finish in time; all children have exited by the time ``spawn`` returns or raises.
     """
-    if not timeout_s > 0 or not grace_s >= 0:
-        raise ValueError(f"spawn: timeout_s must be > 0 and grace_s >= 0, got {timeout_s!r}, {grace_s!r}")
+    timeout("spawn", "timeout_s", timeout_s)
+    if not grace_s >= 0:
+        raise ValueError(f"spawn.grace_s: must be >= 0, got {grace_s!r}")
     world = LocalWorld(world_size, device=device, timeout_s=timeout_s, backend=backend, pg_timeout_s=pg_timeout_s)
     with world:
         world.start(fn, args)
@@ -339,38 +456,59 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), dev
     return [world.results[rank] for rank in range(world_size)]
 
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_environment() -> bool:
+    """Whether this process is one rank of a torchrun world, by torchrun's contract: it sets all
+    of ``TORCHRUN_VARIABLES``. None set: False (moeshard starts its own local ranks). Some but
+    not all (say a stale ``RANK``/``WORLD_SIZE`` left in a shell, without ``LOCAL_RANK``): a
+    ValueError naming what is set and what is missing, rather than a silent switch of mode."""
+    present = [name for name in TORCHRUN_VARIABLES if os.environ.get(name) is not None]
+    if not present:
+        return False
+    missing = [name for name in TORCHRUN_VARIABLES if name not in present]
+    if missing:
+        raise ValueError(f"the environment sets {', '.join(present)} but not {', '.join(missing)}: torchrun sets all "
+                         f"of {', '.join(TORCHRUN_VARIABLES)}. Start moeshard with torchrun, or unset "
+                         f"{', '.join(present)} to run local ranks")
+    return True
+
+
 def launched_by_torchrun() -> bool:
-    """Whether this process is one rank of a torchrun world (torchrun's contract is its
-    environment: ``RANK`` and ``WORLD_SIZE`` are set)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """Whether this process is one rank of a torchrun world (``torchrun_environment``, which
+    refuses a partial torchrun environment)."""
+    return torchrun_environment()
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     """Joins the process group torchrun describes (``env://``) and returns this rank's device.
 
     Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (``MASTER_ADDR``/``MASTER_PORT`` are read
-    by torch's env:// rendezvous, used unchanged).  ``backend=None`` picks nccl when CUDA is
+    by torch's env:// rendezvous, used unchanged). ``timeout_s`` (finite) bounds the rendezvous
+    and every collective of the process group.  ``backend=None`` picks nccl when CUDA is
     available, else gloo; with nccl the current CUDA device is set to ``LOCAL_RANK``.  This is the
-    only place moeshard reads environment variables (with ``launched_by_torchrun``).
+    only place moeshard reads environment variables (with ``torchrun_environment``).
     """
     if dist.is_initialized():
         raise RuntimeError("init_from_env: the default process group is already initialised")
+    timeout("init_from_env", "timeout_s", timeout_s)
     values = {}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         raw = os.environ.get(name)
         try:
             values[name] = int(raw)  # type: ignore[arg-type]
         except (TypeError, ValueError):
-            raise RuntimeError(f"init_from_env: environment variable {name} must be set to an integer "
-                               f"(as torchrun does), got {raw!r}") from None
+            raise ValueError(f"init_from_env: environment variable {name} must be set to an integer "
+                             f"(as torchrun does), got {raw!r}") from None
     rank, world_size, local_rank = values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     device_id = None
     if "nccl" in backend:
         if not 0 <= local_rank < torch.cuda.device_count():
-            raise RuntimeError(f"init_from_env (rank {rank}): LOCAL_RANK={local_rank} but "
-                               f"{torch.cuda.device_count()} GPUs are visible")
+            raise ValueError(f"init_from_env (rank {rank}): LOCAL_RANK={local_rank} but "
+                             f"{torch.cuda.device_count()} GPUs are visible")
         torch.cuda.set_device(local_rank)
         device = device_id = torch.device("cuda", local_rank)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,

@@ -8,15 +8,37 @@ Everything a rank tells the parent crosses one multiprocessing queue as ``(kind,
 
 Values travel as bytes made by ``dumps`` in the rank, so a value that cannot be pickled fails
 there, as that rank's error, instead of vanishing in the queue's feeder thread.
+
+A rank never outlives the process that started it, and never waits forever on it:
+
+  * it dies with its parent: on Linux the kernel sends it SIGKILL when the parent dies
+    (``prctl(PR_SET_PDEATHSIG)``, set before anything else runs), and on every system a watch
+    thread exits the rank within ``PARENT_POLL_S`` once its parent process is gone (the parent
+    may be killed with SIGKILL, which no handler of the parent can see);
+  * its last report is handed over within a bound: if the parent does not read it within the
+    process-group timeout (it is gone, or it has stopped listening), the rank exits anyway
+    (``EXIT_REPORT_STUCK``) instead of blocking in the queue's pipe;
+  * it ignores SIGINT: Ctrl-C reaches the whole foreground process group, and the parent, which
+    stops every rank, is the one that answers it (no KeyboardInterrupt tracebacks from ranks).
+    ``LocalWorld.start`` blocks SIGINT while it starts the ranks, so the ranks inherit it blocked
+    until ``rank_main`` ignores it for good.
+
+Caveat of the parent-death signal: Linux sends it when the *thread* that started the rank
+exits. Start a ``LocalWorld`` from a thread that outlives it (moeshard does, from the main
+thread).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import io
 import os
 import pickle
+import signal
 import socket
+import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -26,6 +48,10 @@ import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 300.0
+PARENT_POLL_S = 0.5
+EXIT_PARENT_GONE = 86  # a rank's exit code when its parent died before it finished
+EXIT_REPORT_STUCK = 87  # ... when nobody read its last report within the process-group timeout
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -100,8 +126,42 @@ def _loopback_device_name() -> str | None:
     return None
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL from the kernel when the parent dies (Linux), a watch thread everywhere, and an
+    immediate exit if the parent is already gone (it may have died before the prctl)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # no libc prctl: the watch thread alone
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_PARENT_GONE)
+
+    def watch() -> None:
+        while True:
+            threading.Event().wait(PARENT_POLL_S)
+            if os.getppid() != parent_pid:
+                os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=watch, name="moeshard-parent-watch", daemon=True).start()
+
+
+def _report(queue: Any, message: tuple, wait_s: float) -> None:
+    """Puts the rank's last report and waits at most ``wait_s`` for it to be written into the
+    pipe (the queue's feeder thread blocks while the pipe is full and nobody reads it)."""
+    queue.put(message)
+    queue.close()
+    joiner = threading.Thread(target=queue.join_thread, name="moeshard-report", daemon=True)
+    joiner.start()
+    joiner.join(wait_s)
+    if joiner.is_alive():
+        os._exit(EXIT_REPORT_STUCK)
+
+
 def rank_main(rank: int, world_size: int, port: int, device: str, fn: Callable[..., Any], args: Sequence[Any],
-              queue: Any, backend: str | None = None, pg_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+              queue: Any, backend: str | None = None, pg_timeout_s: float = DEFAULT_TIMEOUT_S,
+              parent_pid: int | None = None) -> None:
     """Entry point of one spawned rank: join the process group, run ``fn(*args)``, report.
 
     Args:
@@ -112,11 +172,18 @@ def rank_main(rank: int, world_size: int, port: int, device: str, fn: Callable[.
       queue: the world's queue; gets the messages ``fn`` sends, then exactly one final report,
         ``("ok", rank, dumps(result))`` or ``("error", rank, RankError)``.
       backend: process-group backend; ``None`` = gloo for cpu, nccl for cuda.
-      pg_timeout_s: the process group's timeout, the bound on every collective.
+      pg_timeout_s: the process group's timeout, the bound on every collective, and on how long
+        the last report may wait for the parent to read it.
+      parent_pid: the process that started this rank; the rank dies with it (None: the parent
+        as this rank sees it at start).
     The default process group is destroyed after a successful ``fn``.  After a failure the
     process just exits: peers may still be inside a collective, and tearing the group down
     could wait on them; the parent stops whatever is left.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a Ctrl-C left pending while starting
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _die_with_parent(os.getppid() if parent_pid is None else parent_pid)
     try:
         # Gloo's own connections would otherwise listen on the address the host name resolves
         # to; these ranks all live on this machine, so keep them on loopback like the store.
@@ -136,8 +203,6 @@ def rank_main(rank: int, world_size: int, port: int, device: str, fn: Callable[.
         message: tuple = ("ok", rank, dumps(fn(*args)))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         message = ("error", rank, RankError.of(rank, exc))
-    queue.put(message)
-    queue.close()
-    queue.join_thread()
+    _report(queue, message, pg_timeout_s)
     if message[0] == "ok" and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,365 @@
+"""Every expected failure of ``moeshard`` is one line naming the problem and the value, with the
+exit code of ``moeshard.errors.ExitCode``; nothing is computed before a bad option is refused;
+output files are checked first, written atomically and never one the run reads; ``--only``
+takes every id ``--list`` prints; a run that verifies nothing fails.
+
+In-process (``moeshard.cli.main``), except where ranks must start."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import save_file
+
+import faults
+from moeshard.cli import build_parser, main
+from moeshard.commands.args import case_ids
+from moeshard.commands.check import options
+from moeshard.errors import ExitCode
+from moeshard.harness import report
+from moeshard.harness.cases import MatrixOptions, generate, select_ids
+from moeshard.harness.runner import CaseOutcome
+from moeshard.outputs import OutputError, atomic_write, atomic_write_text
+from moeshard.parallel.spawn import LocalWorld, spawn
+from moeshard.runjob import ROW_BLOCK, random_hidden_states
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def error_line(capsys, command: str) -> str:
+    """The one line the command printed on stderr (exactly one, no traceback)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"moeshard {command}: error: "), err
+    return lines[0]
+
+
+# -- exit codes --------------------------------------------------------------------------------
+def test_exit_codes_are_distinct_and_documented():
+    codes = [int(c) for c in ExitCode]
+    assert len(set(codes)) == len(codes)
+    doc = (ROOT / "docs" / "reliability.md").read_text()
+    for code in ExitCode:
+        assert re.search(rf"^\|\s*{int(code)}\s*\|", doc, re.M), f"exit code {int(code)} ({code.name}) is not documented"
+
+
+# -- check: --only, nothing verified, layouts, options ------------------------------------------
+def _listed(argv: list[str], capsys) -> list[str]:
+    assert main(["check", "--list", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].endswith("cases valid")
+    return [line.split()[0] for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("filters", [[], ["--world-sizes", "2"], ["--full"], ["--layouts", "dp4-tp1-ep"],
+                                     ["--world-sizes", "4", "--tokens-per-rank", "0,3,1,2", "--seed", "5"]])
+def test_only_takes_every_id_that_list_prints(filters, capsys):
+    """Under any filters, the listed ids -- joined by commas, the way --only reads them -- select
+    exactly those cases from the *default* matrix, with the listing's seeds and skip reasons."""
+    listed = _listed(filters, capsys)
+    args = build_parser().parse_args(["check", *filters])
+    opts = options(args)
+    want = {c.id: c for c in generate(opts)}
+    got = select_ids(generate(MatrixOptions(seed=opts.seed)), list(case_ids([",".join(listed)])), opts.seed)
+    assert [c.id for c in got] == listed
+    assert all(c == want[c.id] and c.seed == want[c.id].seed for c in got)
+
+
+def test_only_is_repeatable_and_takes_spaces(capsys):
+    ids = [i for i in _listed(["--world-sizes", "2"], capsys) if "," in i][:3]
+    assert main(["check", "--list", "--only", ids[0], "--only", f"{ids[1]} {ids[2]}"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[:-1]] == ids
+    assert main(["check", "--only", "dp2-tp1-ep/all2all/none/float32/mixtral-8x7b/t1"]) == 2
+    assert "must give 2 token counts" in error_line(capsys, "check")
+
+
+def test_readme_only_example_is_in_the_default_matrix(capsys):
+    text = (ROOT / "README.md").read_text()
+    example = re.search(r"moeshard check --only '([^']+)'", text).group(1)
+    assert "," in example  # two DP ranks: the case that could not be selected before
+    default = {c.id: c for c in generate(MatrixOptions())}
+    assert example in default and not default[example].skipped
+    assert _listed(["--only", example], capsys) == [example]
+
+
+def test_a_run_with_no_valid_case_fails_with_exit_3(capsys):
+    assert main(["check", "--world-sizes", "1", "--backends", "all2all"]) == 3
+    assert "nothing to verify: 0 of 18 selected cases are valid" in error_line(capsys, "check")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA devices")
+def test_check_cuda_without_gpu_fails_with_exit_3(capsys):
+    start = time.monotonic()
+    assert main(["check", "--device", "cuda"]) == 3
+    assert "--device cuda: no CUDA device is visible" in error_line(capsys, "check")
+    assert time.monotonic() - start < 10
+
+
+def test_a_run_where_every_case_was_skipped_here_fails_with_exit_3(capsys, monkeypatch):
+    """One GPU, only world-size-2 cases: every valid case is skipped at run time; nothing verified."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["check", "--device", "cuda", "--world-sizes", "2", "--quants", "none"]) == 3
+    assert "nothing was verified: every case was skipped on this machine (world size 2 needs 2 GPUs" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-sizes", "1", "--layouts", "dp2-tp1-ep"], "--layouts: dp2-tp1-ep has world size 2, which --world-sizes 1 leaves out"),
+    (["--world-sizes", "1", "--layouts", "dp3-tp1-noep"], "--layouts: dp3-tp1-noep has world size 3; moeshard check runs"),
+    (["--layouts", "dp1-tp3-noep"], "--layouts: dp1-tp3-noep has world size 3"),
+    (["--timeout", "inf"], "--timeout: must be a finite number in (0, 604800], got inf"),
+    (["--timeout", "nan"], "--timeout: must be a finite number"),
+    (["--timeout", "0"], "--timeout: must be a finite number"),
+    (["--seed", "-1"], "--seed: must be an integer in [0, 9223372036854775806], got -1"),
+    (["--tokens-per-rank", "999999", "--world-sizes", "1"], "--tokens-per-rank: counts must be in [0, 65536]"),
+    (["--tokens-per-rank", "99999999999999999999999", "--world-sizes", "1"], "--tokens-per-rank: 99999999999999999999999 is larger"),
+    (["--dtypes", "int8"], "--dtypes: dtype: 'int8' is not one of"),
+])
+def test_check_option_refusals_are_one_line_exit_2(argv, message, capsys):
+    assert main(["check", *argv]) == 2
+    assert message in error_line(capsys, "check")
+
+
+def test_check_memory_is_estimated_before_running(capsys, monkeypatch):
+    from moeshard.commands import check as check_command
+
+    monkeypatch.setattr(check_command, "available_memory", lambda: 4 * 2**30)
+    start = time.monotonic()  # full-size DeepSeek-V3 on CPU ranks: every rank would make 45 GB of weights
+    assert main(["check", "--size", "full", "--world-sizes", "1,2"]) == 2
+    assert "deepseek-v3@full" in error_line(capsys, "check") and time.monotonic() - start < 10
+
+
+# -- output files ------------------------------------------------------------------------------
+@pytest.mark.parametrize("where, message", [
+    (lambda tmp: tmp, "is a directory"),
+    (lambda tmp: tmp / "missing" / "out.json", "does not exist"),
+    (lambda tmp: Path("/proc/moeshard/out.json"), "does not exist"),
+    (lambda tmp: Path("/proc/moeshard-out.json"), "cannot create a file in directory '/proc'"),
+    (lambda tmp: Path("/dev/null"), "is not a regular file"),
+])
+def test_check_json_path_is_refused_before_running(tmp_path, where, message, capsys):
+    start = time.monotonic()
+    assert main(["check", "--world-sizes", "1,2", "--json", str(where(tmp_path))]) == 2
+    assert message in error_line(capsys, "check")
+    assert time.monotonic() - start < 10  # refused before any case ran
+
+
+def _tiny_checkpoint(path: Path) -> Path:
+    path.mkdir()
+    g = torch.Generator().manual_seed(0)
+    p = "model.layers.0.mlp."
+    save_file({p + "gate.weight": torch.randn(4, 16, generator=g),
+               p + "experts.gate_up_proj": torch.randn(4, 64, 16, generator=g) / 4,
+               p + "experts.down_proj": torch.randn(4, 16, 32, generator=g) / 6}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_hidden_layers": 1, "hidden_size": 16, "moe_intermediate_size": 32,
+        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True}))
+    save_file({"hidden_states": torch.randn(5, 16, generator=g)}, str(path / "in.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("target", ["in.safetensors", "model.safetensors", "config.json", "link-to-input"])
+def test_run_never_overwrites_a_file_it_reads(tmp_path, target, capsys):
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "link-to-input").symlink_to(ckpt / "in.safetensors")
+    before = {f: f.read_bytes() for f in ckpt.iterdir()}
+    out = tmp_path / target if target.startswith("link") else ckpt / target
+    code = main(["run", "--model", str(ckpt), "--layer", "0", "--input", str(ckpt / "in.safetensors"),
+                 "--output", str(out)])
+    assert code == 2
+    assert "a file this run reads; moeshard never overwrites its own input" in error_line(capsys, "run")
+    assert {f: f.read_bytes() for f in ckpt.iterdir()} == before
+
+
+def test_run_output_written_atomically_and_a_full_disk_is_exit_6(tmp_path, capsys, monkeypatch):
+    import safetensors.torch as st
+
+    out = tmp_path / "out.safetensors"
+    argv = ["run", "--random", "mixtral-8x7b", "--tokens", "3", "--output", str(out)]
+    assert main(argv) == 0
+    first = out.read_bytes()
+    real_save = st.save_file
+
+    def disk_full(tensors, path, metadata=None):
+        real_save(tensors, path, metadata=metadata)
+        with open(path, "r+b") as f:
+            f.truncate(100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(st, "save_file", disk_full)
+    assert main([*argv[:-2], "--seed", "1", "--output", str(out)]) == 6
+    assert f"cannot write '{out}': No space left on device" in error_line(capsys, "run")
+    assert out.read_bytes() == first and sorted(tmp_path.iterdir()) == [out]  # old file kept, no temporary left
+
+    def silently_short(tensors, path, metadata=None):  # a writer that loses data without saying so
+        real_save(tensors, path, metadata=metadata)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 8)
+
+    monkeypatch.setattr(st, "save_file", silently_short)
+    assert main([*argv[:-2], "--seed", "1", "--output", str(out)]) == 6
+    assert "the file written is incomplete" in error_line(capsys, "run")
+    assert out.read_bytes() == first and sorted(tmp_path.iterdir()) == [out]
+
+
+def test_check_json_full_disk_is_exit_6(tmp_path, capsys, monkeypatch):
+    import moeshard.outputs as outputs
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(outputs.os, "fsync", no_space)
+    path = tmp_path / "check.json"
+    assert main(["check", "--world-sizes", "1", "--quants", "none", "--dtypes", "float32", "--json", str(path)]) == 6
+    assert "No space left on device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_write_keeps_the_old_file_on_any_failure(tmp_path):
+    path = tmp_path / "f.txt"
+    atomic_write_text(path, "old")
+    os.chmod(path, 0o640)
+    atomic_write_text(path, "new")
+    assert path.read_text() == "new" and path.stat().st_mode & 0o777 == 0o640
+
+    def interrupted(tmp):
+        Path(tmp).write_text("half")
+        raise KeyboardInterrupt
+
+    link = tmp_path / "link.txt"
+    link.symlink_to(path)
+    atomic_write_text(link, "through the link")
+    assert link.is_symlink() and path.read_text() == "through the link"
+    link.unlink()
+    atomic_write_text(path, "new")
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, interrupted)
+    with pytest.raises(OutputError, match="cannot write"):
+        atomic_write(path, lambda tmp: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    assert path.read_text() == "new" and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_bench_output_paths_are_checked_first(tmp_path, capsys):
+    assert main(["bench", "--json", str(tmp_path)]) == 2
+    assert "--json" in error_line(capsys, "bench")
+
+
+# -- run: bounds, seeds, timeouts, torchrun ----------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", str(10**9)], "this run needs about"),
+    (["--tokens", str(10**30)], "--tokens must be an integer in [0, 2147483647]"),
+    (["--dp", "1000"], "world_size=1000 local CPU ranks is more than this machine can run"),
+    (["--dp", str(10**12)], "ParallelConfig.dp: must be at most 2147483647"),
+    (["--seed", str(2**70)], "--seed: must be an integer in [0, 9223372036854775806]"),
+    (["--seed", "-3"], "--seed: must be an integer in [0, 9223372036854775806], got -3"),
+    (["--timeout", "inf"], "--timeout: must be a finite number in (0, 604800], got inf"),
+    (["--output", "/proc/nowhere/out.safetensors"], "does not exist"),
+])
+def test_run_refusals_are_one_line_before_anything_starts(argv, message, capsys):
+    start = time.monotonic()
+    assert main(["run", "--random", "mixtral-8x7b", *argv]) == 2
+    assert message in error_line(capsys, "run")
+    assert time.monotonic() - start < 10
+
+
+def test_run_memory_is_estimated_before_allocating(capsys, monkeypatch):
+    from moeshard.commands import run as run_command
+
+    monkeypatch.setattr(run_command, "available_memory", lambda: 8 * 2**30)
+    start = time.monotonic()
+    assert main(["run", "--random", "deepseek-v3", "--full"]) == 2  # every rank would make 45 GB of weights
+    assert "GiB of memory" in error_line(capsys, "run") and time.monotonic() - start < 10
+
+
+def test_each_rank_generates_only_its_rows():
+    full = random_hidden_states(2 * ROW_BLOCK + 5, 8, 3, torch.float32)
+    for start, stop in [(0, 1), (ROW_BLOCK - 2, ROW_BLOCK + 3), (2 * ROW_BLOCK, 2 * ROW_BLOCK + 5), (7, 7)]:
+        assert torch.equal(random_hidden_states(2 * ROW_BLOCK + 5, 8, 3, torch.float32, start, stop), full[start:stop])
+    t0 = time.monotonic()  # 10^9 rows of 4096 would be 16 TB: only the block holding the slice is made
+    rows = random_hidden_states(10**9, 4096, 0, torch.bfloat16, 5 * 10**8, 5 * 10**8 + 3)
+    assert rows.shape == (3, 4096) and time.monotonic() - t0 < 10
+
+
+def test_stale_rank_variables_do_not_switch_to_torchrun(capsys, monkeypatch):
+    for name in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["run", "--random", "mixtral-8x7b"]) == 2
+    assert "the environment sets RANK, WORLD_SIZE but not LOCAL_RANK, MASTER_ADDR, MASTER_PORT" in \
+        error_line(capsys, "run")
+
+
+def test_timeout_is_honoured_under_torchrun(capsys, monkeypatch):
+    from moeshard.commands import run as run_command
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    seen = {}
+
+    def fake_init(backend=None, timeout_s=None):
+        seen["timeout_s"] = timeout_s
+        raise ValueError("stopped by the test")
+
+    monkeypatch.setattr(run_command, "init_from_env", fake_init)
+    assert main(["run", "--random", "mixtral-8x7b", "--timeout", "7.5"]) == 2
+    assert seen == {"timeout_s": 7.5}
+
+
+def test_infinite_timeouts_are_refused_by_the_api():
+    with pytest.raises(ValueError, match="LocalWorld.timeout_s: must be a finite number"):
+        LocalWorld(2, timeout_s=float("inf"))
+    with pytest.raises(ValueError, match="spawn.timeout_s: must be a finite number"):
+        spawn(faults.sleep_forever, 2, timeout_s=float("nan"))
+    with pytest.raises(ValueError, match="LocalWorld: world_size=100000 local CPU ranks"):
+        LocalWorld(100_000)
+
+
+# -- ranks that fail, die or time out in moeshard run -------------------------------------------
+def test_run_rank_unexpected_error_is_one_line_exit_4(capsys, monkeypatch):
+    import moeshard.runjob as runjob
+
+    def no_memory(plan, rank):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(runjob, "_load", no_memory)
+    assert main(["run", "--random", "mixtral-8x7b"]) == 4
+    line = error_line(capsys, "run")
+    assert "rank 0: [enforce fail at alloc_cpu.cpp:127] err == 0." in line and "RuntimeError" in line
+
+
+def test_run_rank_timeout_is_one_line_exit_5(capsys, monkeypatch):
+    from moeshard.commands import run as run_command
+
+    monkeypatch.setattr(run_command, "_execute_local",
+                        lambda plan, timeout_s: spawn(faults.sleep_forever, 2, timeout_s=timeout_s))
+    start = time.monotonic()
+    assert main(["run", "--random", "mixtral-8x7b", "--dp", "2", "--timeout", "8"]) == 5
+    assert "ranks [0, 1] did not finish within 8 s" in error_line(capsys, "run")
+    assert time.monotonic() - start < 60
+
+
+# -- foreign text is never markup ---------------------------------------------------------------
+def test_reasons_are_printed_verbatim_never_as_markup():
+    case = generate(MatrixOptions(world_sizes=(1,), quants=("none",), dtypes=("float32",)))[0]
+    reason = ("rank 0 raised RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+              "closed by peer [127.0.0.1]:2472; [enforce fail at alloc_cpu.cpp:127] [bold]not bold[/] [/] \\")
+    outcomes = [CaseOutcome(case, "error", reason), CaseOutcome(case, "skip", "[red]skip reason[/red]")]
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=400, force_terminal=False)
+    report.print_table(console, outcomes, show_skipped=True)
+    report.print_skips(console, outcomes)
+    report.print_problems(console, outcomes)
+    report.print_summary(console, outcomes, 1.0, "cpu")
+    text = buffer.getvalue()
+    assert reason in text and "[red]skip reason[/red]" in text
