@@ -45,7 +45,10 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclass(frozen=True)
 class Case:
-    """One verification case. ``tokens``: tokens per DP rank; ``reason``: why it is skipped."""
+    """One verification case. ``tokens``: tokens per DP rank; ``seed``: of its tokens (from the id
+    alone); ``weight_seed``: of its weights, the same for every case of one model shape and dtype
+    (``weight_seed_of``), so that cases share weights and their quantized forms; ``reason``: why
+    it is skipped."""
 
     parallel: ParallelConfig
     backend: str
@@ -57,6 +60,7 @@ class Case:
     seed: int
     reason: str = ""
     id: str = field(default="", compare=False)
+    weight_seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -76,6 +80,16 @@ class Case:
 
     def moe_config(self) -> MoEConfig:
         return PRESETS[self.preset].config(self.size, parse_dtype(self.dtype))
+
+    @property
+    def weights_key(self) -> tuple[str, str, str, int]:
+        """What the case's weights depend on: cases with equal keys have identical weights."""
+        return self.preset, self.size, self.dtype, self.weight_seed
+
+
+def weight_seed_of(preset: str, size: str, dtype: str, run_seed: int = 0) -> int:
+    """The weights' seed of every case of one model shape and dtype (``--seed`` shifts it)."""
+    return (zlib.crc32(f"{preset}@{size}/{dtype}".encode()) + run_seed * 7919) % 2**31
 
 
 def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoEConfig) -> str:
@@ -165,8 +179,9 @@ def generate(opts: MatrixOptions) -> list[Case]:
                         tokens = patterns[(n + k) % len(patterns)]
                         cfg = PRESETS[preset].config(opts.size, parse_dtype(dtype))
                         reason = refusal(p, backend, q, cfg)
-                        case = Case(p, backend, q, dtype, preset, opts.size, tuple(tokens), 0, reason)
-                        # The seed depends on the id alone, so `--only ID` reproduces a case exactly.
+                        case = Case(p, backend, q, dtype, preset, opts.size, tuple(tokens), 0, reason,
+                                    weight_seed=weight_seed_of(preset, opts.size, dtype, opts.seed))
+                        # The seeds depend on the id alone, so `--only ID` reproduces a case exactly.
                         cases.append(replace(case, seed=(zlib.crc32(case.id.encode()) + opts.seed * 7919) % 2**31))
     return cases
 

@@ -57,7 +57,16 @@ def e2m1_encode(y: Tensor) -> Tensor:
 
 
 def e2m1_decode(code: Tensor) -> Tensor:
-    """uint8 e2m1 codes (only the low 4 bits are read) -> fp32 values of the same shape."""
+    """uint8 e2m1 codes (only the low 4 bits are read) -> fp32 values of the same shape.
+
+    A lookup in the 16 values (made on the codes' device by ``_e2m1_value``, no host copy): one
+    gather instead of a dozen elementwise passes over the codes."""
+    table = _e2m1_value(torch.arange(16, dtype=torch.uint8, device=code.device))
+    return table[(code & 0xF).long()]
+
+
+def _e2m1_value(code: Tensor) -> Tensor:
+    """The definition: e2m1 codes -> fp32 values, elementwise."""
     magnitude = code & 0x7
     exponent = (magnitude >> 1).float()
     mantissa = (magnitude & 0x1).float()
