@@ -111,6 +111,7 @@ def test_cli_list_and_tokens_per_rank(capsys):
     assert main(["check", "--list", "--layouts", "dp2-tp2-ep", "--tokens-per-rank", "0,1", "--quants", "nvfp4"]) == 0
     out = capsys.readouterr().out
     assert "dp2-tp2-ep/all2all/nvfp4/float32/" in out and "/t0,1" in out and "cases valid" in out
+    assert "not applicable: local runs without expert parallelism only" in out
 
 
 def _processes_in_group(pgid: int) -> list[int]:
@@ -166,3 +167,25 @@ def test_full_uses_larger_shapes_and_world_size_8(capsys):
     assert "@medium/" in out and "dp8-tp1-ep/" in out and "dp2-tp4-ep/" in out
     ids = [line.split()[0] for line in out.splitlines() if line.startswith("dp4-tp1-ep/all2all/none/")]
     assert len({i.split("/")[4] for i in ids}) == 4  # every preset, not one in rotation
+
+
+def test_cli_prints_a_compact_summary_and_the_full_table_on_request(tmp_path, capsys):
+    """Default: one row per layout x backend (not one per case), structural combinations said to
+    be not applicable, not skipped; --verbose: every case; --json: every case either way."""
+    path = tmp_path / "out.json"
+    args = ["check", "--world-sizes", "2", "--layouts", "dp2-tp1-ep,dp1-tp2-noep", "--quants", "none",
+            "--dtypes", "float32", "--json", str(path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 6, out  # 2 layouts x 3 backends
+    assert sum("not applicable" in r for r in rows) == 3 and "skipped" not in out
+    assert "needs expert parallelism (EP on)" in out and "err/bound" in out
+    assert "3 passed, 0 failed, 0 errors; 3 of 6 cases not applicable by construction" in out
+    doc = json.loads(path.read_text())
+    assert {c["status"] for c in doc["cases"]} == {"pass", "not_applicable"} and len(doc["cases"]) == 6
+    assert all(0 < c["err_to_bound"] <= 1 for c in doc["cases"] if c["status"] == "pass")
+    assert doc["summary"]["not_applicable"] == 3 and doc["summary"]["valid"] == 3
+    assert main(args + ["--verbose"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert len(rows) == 6 and sum(" passed " not in r and "pass" in r for r in rows) == 3

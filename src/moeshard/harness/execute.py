@@ -26,7 +26,7 @@ from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.reference import reference_forward
 from moeshard.sharding import shard_spec
-from moeshard.tolerances import compare
+from moeshard.tolerances import compare_rows
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class RankResult:
     """What one rank's rows showed. rows/expected_rows: output rows it returned / should have;
     worst_row: global token index (within its DP rank) of the largest error, -1 if none;
     quant_error: relative RMS error of the quantized against the unquantized reference over
-    the case's tokens (on rank 0's result only, None elsewhere)."""
+    the case's tokens (on rank 0's result only, None elsewhere); err_to_bound: the largest error
+    relative to its element's bound (``tolerances.Comparison``; inf when rows are missing)."""
 
     rank: int
     rows: int
@@ -46,6 +47,7 @@ class RankResult:
     worst_row: int
     quant_error: float | None
     detail: str = ""
+    err_to_bound: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -144,16 +146,16 @@ def check_rank(case: Case, ref: CaseReference, output: RankOutput) -> RankResult
         return RankResult(rank, T, T, float("inf"), 0.0, 0.0, False, -1, quant_error,
                           f"rank {rank}'s expert kernel declares accumulation {output.accumulation:g}, the "
                           f"reference was computed for {ref.accumulation:g} (another rank's kernel)")
-    err, atol, rtol, ok = compare(out, expected, cfg.dtype, case.quant.scheme)
+    c = compare_rows(out, expected, cfg.dtype, case.quant.scheme)
     worst = int((out.double() - expected.out).abs().amax(dim=1).argmax()) if T else -1
-    detail = ""
+    ok, detail = c.ok, ""
     bound = case.quant.spec.quant_error
     if quant_error is not None and quant_error > bound:
         ok = False
         detail = f"quantization error {quant_error:.3g} exceeds the {case.quant.scheme} bound {bound}"
     elif not ok:
-        detail = f"rank {rank}: max error {err:.3g} at token {worst} of DP rank {dp_rank}"
-    return RankResult(rank, T, T, err, atol, rtol, ok, worst, quant_error, detail)
+        detail = f"rank {rank}: max error {c.max_abs_err:.3g} at token {worst} of DP rank {dp_rank}"
+    return RankResult(rank, T, T, c.max_abs_err, c.atol, c.rtol, ok, worst, quant_error, detail, c.err_to_bound)
 
 
 def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups | None,

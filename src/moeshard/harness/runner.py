@@ -43,7 +43,9 @@ PEER_REPORT_S = 2.0  # after a rank fails a case: how long its peers may take to
 
 @dataclass
 class CaseOutcome:
-    """Result of one case over all its ranks. status: pass | fail | skip | error."""
+    """Result of one case over all its ranks. status: pass | fail | error, not_applicable (the
+    matrix refused the combination by construction: ``Case.reason``) or skip (not run here, e.g.
+    too few GPUs); err_to_bound: the largest error relative to its bound over every rank's rows."""
 
     case: Case
     status: str
@@ -54,6 +56,7 @@ class CaseOutcome:
     quant_error: float | None = None
     seconds: float = 0.0
     ranks: list[RankResult] = field(default_factory=list)
+    err_to_bound: float | None = None
 
 
 def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutcome:
@@ -62,7 +65,7 @@ def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutc
     qerr = next((r.quant_error for r in results if r.quant_error is not None), None)
     return CaseOutcome(case, "fail" if failing else "pass", "; ".join(r.detail for r in failing if r.detail),
                        max(r.max_abs_err for r in results), results[0].atol, results[0].rtol, qerr, seconds,
-                       sorted(results, key=lambda r: r.rank))
+                       sorted(results, key=lambda r: r.rank), max(r.err_to_bound for r in results))
 
 
 def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_factory: Callable) -> int:
@@ -139,13 +142,14 @@ class Runner:
         self.layer_factory, self.on_outcome = layer_factory, on_outcome
 
     def run(self, cases: list[Case]) -> list[CaseOutcome]:
-        """Outcomes in the order of ``cases``; skipped cases are reported, not run. Cases run
+        """Outcomes in the order of ``cases``; cases the matrix refused are reported (not
+        applicable), not run. Cases run
         (and ``on_outcome`` hears of them) in ``execution_order`` within each world size."""
         outcomes: dict[int, CaseOutcome] = {}
         by_world: dict[int, list[int]] = {}
         for i, case in enumerate(cases):
             if case.skipped:
-                outcomes[i] = CaseOutcome(case, "skip", case.reason)
+                outcomes[i] = CaseOutcome(case, "not_applicable", case.reason)
                 self.on_outcome(outcomes[i])
             else:
                 by_world.setdefault(case.world_size, []).append(i)
