@@ -189,3 +189,35 @@ def test_cli_prints_a_compact_summary_and_the_full_table_on_request(tmp_path, ca
     assert main(args + ["--verbose"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
     assert len(rows) == 6 and sum(" passed " not in r and "pass" in r for r in rows) == 3
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_shards_cut_from_cached_experts_equal_the_layers_own_bit_for_bit(scheme):
+    """The harness quantizes every expert once per weights and scheme and cuts each rank's shard
+    from that (CaseData.local_experts); it must be what MoELayer's shard_experts makes."""
+    import torch
+
+    from moeshard.config import QuantConfig
+    from moeshard.harness.inputs import CaseData
+    from moeshard.quant import QuantizedWeight
+    from moeshard.sharding import shard_experts, shard_spec
+
+    data = CaseData()
+    for layout in ("dp1-tp4-noep", "dp2-tp2-ep"):
+        p = ParallelConfig.parse(layout)
+        case = _cases([p], quants=(scheme,), dtypes=("bfloat16",))[0]
+        cfg, w = case.moe_config(), data.weights(case)
+        for rank in (1, 3):
+            spec = shard_spec(p, rank, cfg.num_experts)
+            got, want = data.local_experts(case, spec), shard_experts(w.gate_up, w.down, cfg, QuantConfig(scheme), spec)
+            for a, b in ((got.gate_up, want.gate_up), (got.down, want.down)):
+                if isinstance(b, QuantizedWeight):
+                    assert a.shape == b.shape and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+                    assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+                    assert (a.global_scale is None) == (b.global_scale is None)
+                    assert a.global_scale is None or torch.equal(a.global_scale, b.global_scale)
+                else:
+                    assert torch.equal(a, b)
+            (got.down.data if isinstance(got.down, QuantizedWeight) else got.down).fill_(0)
+            again = data.local_experts(case, spec).down  # a copy each time: the cache is untouched
+            assert bool(((again.data if isinstance(again, QuantizedWeight) else again).view(torch.uint8) != 0).any())

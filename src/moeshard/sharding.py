@@ -85,12 +85,36 @@ def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, qua
     dn: Weight = down
     if quant.quantized:
         gu, dn = quantize_weight(gate_up, quant.scheme), quantize_weight(down, quant.scheme)
+    return _tp_slice(ExpertWeights(gu, dn, quant.scheme), cfg, spec)
+
+
+def prepare_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig) -> ExpertWeights:
+    """Every expert in ``cfg.dtype``, quantized with ``quant`` (per expert): what ``shard_experts``
+    computes before it slices, for all E experts at once; ``shard_of`` then gives any rank's
+    shard of it without quantizing again (bit-identical to ``shard_experts``)."""
+    return shard_experts(gate_up, down, cfg, quant, ShardSpec(0, cfg.num_experts))
+
+
+def shard_of(experts: ExpertWeights, cfg: MoEConfig, quant: QuantConfig, spec: ShardSpec) -> ExpertWeights:
+    """This rank's shard of ``prepare_experts``' result (which stays untouched; the shard owns
+    its storage)."""
+    spec.validate(cfg, quant)
+    ids = torch.arange(spec.expert_start, spec.expert_stop)
+    if isinstance(experts.gate_up, QuantizedWeight):
+        gu, dn = experts.gate_up.select_experts(ids), experts.down.select_experts(ids)
+    else:
+        gu, dn = experts.gate_up[ids], experts.down[ids]  # advanced indexing copies
+    return _tp_slice(ExpertWeights(gu, dn, experts.scheme), cfg, spec)
+
+
+def _tp_slice(experts: ExpertWeights, cfg: MoEConfig, spec: ShardSpec) -> ExpertWeights:
+    gu, dn = experts.gate_up, experts.down
     if spec.tp_size > 1:
         I = cfg.intermediate_size
         w = I // spec.tp_size
         lo, hi = spec.tp_rank * w, (spec.tp_rank + 1) * w
         gu = _cat_rows(_slice_rows(gu, lo, hi), _slice_rows(gu, I + lo, I + hi))
         dn = _slice_cols(dn, lo, hi)
-        if not quant.quantized:
+        if experts.scheme == "none":
             gu, dn = gu.contiguous(), dn.contiguous()
-    return ExpertWeights(gu, dn, quant.scheme)
+    return ExpertWeights(gu, dn, experts.scheme)

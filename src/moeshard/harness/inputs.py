@@ -14,10 +14,9 @@ from typing import Any, Callable, Hashable
 import torch
 
 from moeshard.config import MoEConfig
-from moeshard.experts.base import ExpertWeights, Weight
-from moeshard.quant import QuantizedWeight
+from moeshard.experts.base import ExpertWeights
 from moeshard.reference import DequantizedExperts
-from moeshard.sharding import ShardSpec, shard_experts
+from moeshard.sharding import ShardSpec, prepare_experts, shard_of
 from moeshard.weights import MoEWeights
 
 
@@ -55,27 +54,22 @@ class _Recent:
         return value
 
 
-def _copy(w: Weight) -> Weight:
-    if isinstance(w, QuantizedWeight):
-        glob = None if w.global_scale is None else w.global_scale.clone()
-        return QuantizedWeight(w.scheme, w.data.clone(), w.scale.clone(), glob, w.shape)
-    return w.clone()
-
-
 class CaseData:
     """What consecutive cases share, kept per process (run the cases of one model together: see
     ``execution_order``). Small: a few entries of each kind.
 
     ``weights(case)``: the full weights (``case_weights``); ``dequantized(case, scheme)``: the
     routed experts quantized with ``scheme`` and dequantized, fp64, for the reference;
-    ``local_experts(case, spec)``: a rank's shard for ``case.quant`` (``shard_experts``), a fresh
-    copy each time, since a layer owns (and a test double may change) its weights.
+    ``local_experts(case, spec)``: a rank's shard for ``case.quant``, cut from every expert
+    quantized once per weights and scheme (``sharding.prepare_experts`` / ``shard_of``, equal to
+    the layer's own ``shard_experts`` bit for bit); a fresh copy each time, since a layer owns
+    (and a test double may change) its weights.
     """
 
-    def __init__(self, capacity: int = 4) -> None:
+    def __init__(self) -> None:
         self._weights = _Recent(2)
         self._dequantized = _Recent(2)
-        self._shards = _Recent(capacity)
+        self._prepared = _Recent(2)
 
     def weights(self, case) -> MoEWeights:
         return self._weights.get(case.weights_key, lambda: case_weights(case.moe_config(), case.weight_seed))
@@ -87,9 +81,9 @@ class CaseData:
 
     def local_experts(self, case, spec: ShardSpec) -> ExpertWeights:
         cfg, weights = case.moe_config(), self.weights(case)
-        shard = self._shards.get((case.weights_key, case.quant.scheme, spec),
-                                 lambda: shard_experts(weights.gate_up, weights.down, cfg, case.quant, spec))
-        return ExpertWeights(_copy(shard.gate_up), _copy(shard.down), shard.scheme)
+        prepared = self._prepared.get((case.weights_key, case.quant.scheme),
+                                      lambda: prepare_experts(weights.gate_up, weights.down, cfg, case.quant))
+        return shard_of(prepared, cfg, case.quant, spec)
 
 
 def execution_order(cases: list) -> list[int]:
