@@ -36,9 +36,10 @@ from moeshard.harness.execute import (CaseReference, GroupsCache, RankOutput, Ra
                                       check_rank, run_layer)
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
-from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError
+from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError, start_fork_server
 
-PEER_REPORT_S = 2.0  # after a rank fails a case: how long its peers may take to report theirs
+PEER_REPORT_S = 2.0
+RANK_MODULES = ("moeshard.harness.runner",)  # what the ranks import, once, in the fork server  # after a rank fails a case: how long its peers may take to report theirs
 
 
 @dataclass
@@ -153,6 +154,8 @@ class Runner:
                 self.on_outcome(outcomes[i])
             else:
                 by_world.setdefault(case.world_size, []).append(i)
+        if any(world > 1 for world in by_world):
+            start_fork_server(RANK_MODULES)  # it imports torch while world size 1 runs here
         refs = References()
         threads = torch.get_num_threads()
         # The ranks take the cores; one thread here avoids oversubscribed spinning.
@@ -239,7 +242,7 @@ class Runner:
 
         world = LocalWorld(world_size, device=self.device, timeout_s=self.startup_timeout_s,
                            pg_timeout_s=max(1.0, self.case_timeout_s / 2), name="moeshard-check-rank",
-                           preload=("moeshard.harness.runner",))
+                           preload=RANK_MODULES)
         with world:  # leaving it, Ctrl-C (KeyboardInterrupt) included, stops every rank
             world.start(_case_loop, (cases, self.device, world.channel, self.layer_factory))
             for event in world.events():

@@ -28,6 +28,8 @@ with its traceback, the ranks that never reported, and the results of those that
 from __future__ import annotations
 
 import datetime
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import queue as queue_module
 import socket
@@ -44,7 +46,7 @@ from moeshard.parallel.worker import DEFAULT_TIMEOUT_S, LOOPBACK, RankChannel, R
 from moeshard.validate import positive_int
 
 __all__ = ["CLEAN_EXIT_WAIT_S", "DEFAULT_TIMEOUT_S", "LocalWorld", "RankChannel", "RankError", "RankEvent",
-           "RankFailure", "destroy", "init_from_env", "launched_by_torchrun", "spawn"]
+           "RankFailure", "destroy", "init_from_env", "launched_by_torchrun", "spawn", "start_fork_server"]
 
 CLEAN_EXIT_WAIT_S = 10.0  # after a clean run: how long the ranks may take to tear down their groups
 EXIT_REPORT_WAIT_S = 1.0  # a rank that exited may still have its report in the pipe this long
@@ -147,12 +149,19 @@ def _context(preload: tuple[str, ...]) -> Any:
     once per process, like a spawned rank) imports ``preload`` and forks every rank from there,
     so each rank skips importing torch (~1.7 s of CPU). Nothing of the calling process's state
     reaches the ranks either way. Where there is no forkserver (Windows), "spawn"."""
-    import multiprocessing
     if not preload or "forkserver" not in multiprocessing.get_all_start_methods():
         return torch_mp.get_context("spawn")
     ctx = torch_mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", *preload])  # used when the server starts: the first world
     return ctx
+
+
+def start_fork_server(preload: tuple[str, ...]) -> None:
+    """Starts the fork server of ``LocalWorld(..., preload=preload)`` now, so that it imports
+    while the caller does other work (it starts with the first world otherwise). Returns at once;
+    a no-op where there is no fork server or it runs already."""
+    if _context(preload).get_start_method() == "forkserver":
+        multiprocessing.forkserver.ensure_running()
 
 
 class LocalWorld:
