@@ -8,12 +8,13 @@ TORCH ?= torch==2.13.0
 
 .PHONY: check test venv clean
 
-# .base: what `moeshard check` needs (torch, rich, safetensors); .installed adds the test tools
-# (pytest, transformers, triton), which `make check` does not wait for.
+# .base: what `moeshard check` needs (torch, rich, safetensors; numpy only because torch warns
+# at import without it); .installed adds the test tools (pytest, transformers, triton), which
+# `make check` does not wait for.
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" numpy
 	$(PY) -m pip install -q -e .
 	touch $@
 
