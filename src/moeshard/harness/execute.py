@@ -24,6 +24,7 @@ from moeshard.layer import MoELayer
 from moeshard.numerics import Reference
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
+from moeshard.quant import scheme_names
 from moeshard.reference import reference_forward
 from moeshard.sharding import shard_spec
 from moeshard.tolerances import compare_rows
@@ -102,7 +103,11 @@ def run_layer(case: Case, rank: int, device: torch.device, groups: ParallelGroup
     cfg = case.moe_config()
     weights = data.weights(case)
     xs = case_tokens(cfg, case.seed, case.tokens)
-    local = data.local_experts(case, shard_spec(case.parallel, rank, cfg.num_experts))
+    local = None
+    # A layer factory may register the case's scheme itself (an extension, in a fresh rank): until
+    # it has, the layer shards its own experts.
+    if case.quant.scheme in scheme_names():
+        local = data.local_experts(case, shard_spec(case.parallel, rank, cfg.num_experts))
     layer = layer_factory(cfg, quant=case.quant, groups=groups, backend=case.backend, weights=weights,
                           local_experts=local, device=device)
     on_built(layer.accumulation)
