@@ -9,16 +9,23 @@ TORCH ?= torch==2.13.0
 
 .PHONY: check test lint venv clean
 
-$(VENV)/.installed: pyproject.toml
+# .base: what `moeshard check` needs (torch, rich, safetensors; numpy only because torch warns
+# at import without it); .installed adds the test tools (pytest, transformers, triton), which
+# `make check` does not wait for.
+$(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" numpy
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install -q -e ".[test,lint]"
 	touch $@
 
 venv: $(VENV)/.installed
 
-check: $(VENV)/.installed
+check: $(VENV)/.base
 	$(VENV)/bin/moeshard check
 
 test: $(VENV)/.installed

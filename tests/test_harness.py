@@ -111,6 +111,7 @@ def test_cli_list_and_tokens_per_rank(capsys):
     assert main(["check", "--list", "--layouts", "dp2-tp2-ep", "--tokens-per-rank", "0,1", "--quants", "nvfp4"]) == 0
     out = capsys.readouterr().out
     assert "dp2-tp2-ep/all2all/nvfp4/float32/" in out and "/t0,1" in out and "cases valid" in out
+    assert "not applicable: local runs without expert parallelism only" in out
 
 
 def test_full_uses_larger_shapes_and_world_size_8(capsys):
@@ -119,3 +120,57 @@ def test_full_uses_larger_shapes_and_world_size_8(capsys):
     assert "@medium/" in out and "dp8-tp1-ep/" in out and "dp2-tp4-ep/" in out
     ids = [line.split()[0] for line in out.splitlines() if line.startswith("dp4-tp1-ep/all2all/none/")]
     assert len({i.split("/")[4] for i in ids}) == 4  # every preset, not one in rotation
+
+
+def test_cli_prints_a_compact_summary_and_the_full_table_on_request(tmp_path, capsys):
+    """Default: one row per layout x backend (not one per case), structural combinations said to
+    be not applicable, not skipped; --verbose: every case; --json: every case either way."""
+    path = tmp_path / "out.json"
+    args = ["check", "--world-sizes", "2", "--layouts", "dp2-tp1-ep,dp1-tp2-noep", "--quants", "none",
+            "--dtypes", "float32", "--json", str(path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 6, out  # 2 layouts x 3 backends
+    assert sum("not applicable" in r for r in rows) == 3 and "skipped" not in out
+    assert "needs expert parallelism (EP on)" in out and "err/bound" in out
+    assert "3 passed, 0 failed, 0 errors; 3 of 6 cases not applicable by construction" in out
+    doc = json.loads(path.read_text())
+    assert {c["status"] for c in doc["cases"]} == {"pass", "not_applicable"} and len(doc["cases"]) == 6
+    assert all(0 < c["err_to_bound"] <= 1 for c in doc["cases"] if c["status"] == "pass")
+    assert doc["summary"]["not_applicable"] == 3 and doc["summary"]["valid"] == 3
+    assert main(args + ["--verbose"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert len(rows) == 6 and sum(" passed " not in r and "pass" in r for r in rows) == 3
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_shards_cut_from_cached_experts_equal_the_layers_own_bit_for_bit(scheme):
+    """The harness quantizes every expert once per weights and scheme and cuts each rank's shard
+    from that (CaseData.local_experts); it must be what MoELayer's shard_experts makes."""
+    import torch
+
+    from moeshard.config import QuantConfig
+    from moeshard.harness.inputs import CaseData
+    from moeshard.quant import QuantizedWeight
+    from moeshard.sharding import shard_experts, shard_spec
+
+    data = CaseData()
+    for layout in ("dp1-tp4-noep", "dp2-tp2-ep"):
+        p = ParallelConfig.parse(layout)
+        case = _cases([p], quants=(scheme,), dtypes=("bfloat16",))[0]
+        cfg, w = case.moe_config(), data.weights(case)
+        for rank in (1, 3):
+            spec = shard_spec(p, rank, cfg.num_experts)
+            got, want = data.local_experts(case, spec), shard_experts(w.gate_up, w.down, cfg, QuantConfig(scheme), spec)
+            for a, b in ((got.gate_up, want.gate_up), (got.down, want.down)):
+                if isinstance(b, QuantizedWeight):
+                    assert a.shape == b.shape and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+                    assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+                    assert (a.global_scale is None) == (b.global_scale is None)
+                    assert a.global_scale is None or torch.equal(a.global_scale, b.global_scale)
+                else:
+                    assert torch.equal(a, b)
+            (got.down.data if isinstance(got.down, QuantizedWeight) else got.down).fill_(0)
+            again = data.local_experts(case, spec).down  # a copy each time: the cache is untouched
+            assert bool(((again.data if isinstance(again, QuantizedWeight) else again).view(torch.uint8) != 0).any())

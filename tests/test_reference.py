@@ -98,3 +98,46 @@ def test_the_layer_passes_its_kernels_accumulation_on():
     assert GroupedExperts("silu", BF16).accumulation("fp8_block") == U
     layer = MoELayer(PRESETS["mixtral-8x7b"].config("small", BF16), quant=QuantConfig("fp8_token"))
     assert layer.accumulation == layer.kernel.accumulation("fp8_token") == U  # CPU: the portable kernel
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_batched_reference_is_the_loop_over_experts_bit_for_bit(scheme):
+    """reference_forward batches every expert, TP slice and slack candidate into one quantization
+    pass; each element must be what a loop over experts and slices computes, bit for bit."""
+    from moeshard.config import MoEConfig, QuantConfig
+    from moeshard.reference import DequantizedExperts, reference_forward
+    from moeshard.router import route, router_logits
+    from moeshard.weights import MoEWeights
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=512, dtype=BF16)
+    gen = torch.Generator().manual_seed(11)
+    w = MoEWeights.random(cfg, gen)
+    x = torch.randn(37, 256, generator=gen).to(BF16)
+    shards = 2
+    experts = DequantizedExperts.of(w, scheme, BF16)
+    got = reference_forward(x, w, cfg, QuantConfig(scheme), intermediate_shards=shards, experts=experts)
+    assert torch.equal(got.out, reference_forward(x, w, cfg, QuantConfig(scheme), intermediate_shards=shards).out)
+
+    routing = route(router_logits(x, w.gate), cfg)
+    per_tensor = get_scheme(scheme).per_tensor_activation
+    xq = x.double() if scheme == "none" else fake_quantize_activations(
+        x, scheme, amax=x.abs().amax().float() if per_tensor else None).double()
+    out, slack = torch.zeros(37, 256, dtype=torch.float64), torch.zeros(37, 256, dtype=torch.float64)
+    for e in range(cfg.num_experts):
+        tok, k = (routing.topk_ids == e).nonzero(as_tuple=True)
+        if not tok.numel():
+            continue
+        w13, w2 = experts.gate_up[e], experts.down[e]
+        y, s = expert_rows(xq[tok], w13, w2, "silu", BF16, scheme, shards)
+        # the value, written out: each TP slice of h quantized alone, with one scalar amax
+        h = activate((xq[tok] @ w13.T).to(BF16), "silu", BF16)
+        slices = []
+        for cols in h.split(256, dim=1):
+            amax = cols.abs().amax().float() if per_tensor else None
+            slices.append(cols.double() if scheme == "none" else fake_quantize_activations(cols, scheme, amax=amax).double())
+        assert torch.equal(y, torch.cat(slices, dim=1) @ w2.T)
+        weight = routing.topk_weights[tok, k].double().unsqueeze(1)
+        out[tok] += y * weight
+        slack[tok] += s * weight.abs()
+    assert torch.equal(got.out, out) and torch.equal(got.slack, slack)
+    assert bool((got.slack > 0).all())

@@ -1,4 +1,4 @@
-"""The single-device reference: a plain loop over experts in fp64.
+"""The single-device reference: every routed row through its expert in fp64.
 
 It uses the same dequantized weights as the layer and quantizes activations exactly as the layer
 does (same quantization functions, same grouping), so parallel and kernel errors can be told
@@ -21,10 +21,18 @@ and reports ``slack = sum_k w_k * (max |q_candidate - q| @ |W2|^T + accumulation
 nonzero only where a rounding is in doubt, plus the down GEMM's own accumulation error.
 ``moeshard.tolerances.compare`` adds it to the table's bound.
 
-``quantization_error`` compares the quantized and unquantized references separately.
+Cost. The GEMMs run per expert (fp64, on that expert's rows); the activation and every
+quantization of h (the value and the slack's four candidates, for every expert and TP slice)
+run as one batch over all routed rows (``expert_rows_batched``), each element computed exactly as
+a loop over experts would compute it. ``DequantizedExperts`` holds the quantized-then-dequantized
+expert weights so that callers evaluating many references on the same weights (the
+verification matrix) quantize them once.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,22 +44,46 @@ from moeshard.quant import QuantizedActivations, fake_quantize_activations, get_
 from moeshard.router import route, router_logits
 from moeshard.weights import MoEWeights
 
-__all__ = ["Reference", "expert_reference", "expert_rows", "reference_forward"]
+__all__ = ["DequantizedExperts", "Reference", "expert_reference", "expert_rows", "expert_rows_batched",
+           "reference_forward"]
 
 
 def _per_tensor(scheme: str) -> bool:
     return get_scheme(scheme, "reference: quant").per_tensor_activation
 
 
-def _expert(w: torch.Tensor, e: int, scheme: str, device: torch.device) -> torch.Tensor:
-    """fp64 [N, K]: expert ``e`` of ``w`` [E, N, K] as the layer sees it (quantized, dequantized).
+@dataclass(frozen=True, eq=False)
+class DequantizedExperts:
+    """The routed experts as the layer computes with them: quantized with ``scheme`` (per expert,
+    as the layer's sharding does before it slices), then dequantized, in fp64.
 
-    Every scheme's scales are per expert, so quantizing one expert alone gives exactly its part
-    of the whole tensor's quantization; only experts that receive rows are ever materialised."""
-    w = w[e:e + 1].to(device)
-    if scheme != "none":
-        w = quantize_weight(w, scheme).dequantize(torch.float32)
-    return w[0].double()
+    gate_up: fp64 [E, 2I, H]; down: fp64 [E, H, I]; scheme: the quantization they went through.
+    Build with ``of``; one instance serves every case that shares the weights and the scheme.
+    """
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    scheme: str
+
+    @functools.cached_property
+    def gate_up_abs(self) -> torch.Tensor:
+        return self.gate_up.abs()
+
+    @functools.cached_property
+    def down_abs(self) -> torch.Tensor:
+        return self.down.abs()
+
+    @staticmethod
+    def of(weights: MoEWeights, scheme: str, dtype: torch.dtype, device=None,
+           only: list[int] | None = None) -> DequantizedExperts:
+        """weights: full weights (their routed experts, in any dtype; rounded to ``dtype`` first);
+        only: keep just these experts, in this order (default: all E)."""
+        def prepared(w: torch.Tensor) -> torch.Tensor:
+            w = (w if only is None else w[only]).to(device=device, dtype=dtype)
+            if scheme != "none":  # scales are per expert: the whole tensor quantizes like each expert alone
+                w = quantize_weight(w, scheme).dequantize(torch.float32)
+            return w.double()
+        return DequantizedExperts(prepared(weights.gate_up), prepared(weights.down), scheme)
 
 
 def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None,
@@ -68,17 +100,86 @@ def _activated(gate_up: torch.Tensor, activation: str, dtype: torch.dtype) -> to
     return activate(gate_up.to(dtype), activation, dtype)
 
 
-def _quantized(h: torch.Tensor, scheme: str, shards: int, scales_from: torch.Tensor | None = None) -> torch.Tensor:
-    """h [R, I] in the model dtype -> fp64 [R, I] quantized per TP slice of I as the layer does
-    (per-tensor scales over the slice), with the scales of ``scales_from`` (h's shape) if given."""
-    I = h.shape[1]
+def _group_amax(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """values: [R, S, W]; group: int64 [R] -> fp32 [R, S]: the amax of |values| over all rows of
+    the row's group, per slice s (the per-tensor amax of one expert's rows in one TP slice)."""
+    row_max = values.abs().amax(dim=2).float() if values.shape[2] else values.new_zeros(values.shape[:2], dtype=torch.float32)
+    seg = torch.zeros(num_groups, values.shape[1], dtype=torch.float32, device=values.device)
+    seg = seg.scatter_reduce(0, group.unsqueeze(1).expand_as(row_max), row_max, reduce="amax", include_self=True)
+    return seg[group]
+
+
+def _quantized_candidates(values: list[torch.Tensor], scales: list[torch.Tensor], group: torch.Tensor,
+                          num_groups: int, scheme: str, shards: int) -> list[torch.Tensor]:
+    """Each ``values[c]`` [R, I] (model dtype) quantized with the scales of ``scales[c]`` (same
+    shape) as the layer quantizes h: per TP slice of I (``shards`` slices), per-tensor scales
+    taken per group (expert) of rows and slice. Returns fp64 [R, I] each.
+
+    One quantization call for every candidate, expert and slice: a slice of a row becomes a row
+    of its own ([R * shards, I / shards], the slices are aligned to the scheme's blocks), and a
+    per-tensor amax becomes a per-row one, which quantizes each row exactly as the scalar would.
+    """
+    R, I = values[0].shape
     width = I // shards
-    out = torch.empty(h.shape, dtype=torch.float64, device=h.device)
-    for s in range(shards):
-        cols = slice(s * width, (s + 1) * width)
-        source = h[:, cols] if scales_from is None else scales_from[:, cols]
-        amax = source.abs().amax().float() if _per_tensor(scheme) else None
-        out[:, cols] = _fake_quant(h[:, cols], scheme, amax, None if scales_from is None else source)
+    folded = [v.reshape(R * shards, width) for v in values]
+    source = [s.reshape(R * shards, width) for s in scales]
+    amax = None
+    if _per_tensor(scheme):
+        amax = torch.cat([_group_amax(s.reshape(R, shards, width), group, num_groups).reshape(R * shards, 1)
+                          for s in scales])
+    q = fake_quantize_activations(torch.cat(folded), scheme, amax=amax, scales_from=torch.cat(source)).double()
+    return [part.reshape(R, I) for part in q.split(R * shards)]
+
+
+def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: list[torch.Tensor], activation: str,
+                        dtype: torch.dtype, scheme: str, shards: int = 1, accumulation: float = ACCUMULATION["fp32"],
+                        with_slack: bool = True, abs_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                        ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``expert_rows`` for several experts at once: (y, slack) of ``xs[g]`` through expert
+    (``w13s[g]``, ``w2s[g]``) for each g. The GEMMs run per expert; the activation and the
+    quantizations of h (the value and the slack's four candidates, every expert and TP slice)
+    run in one pass over all rows. Every element is computed exactly as ``expert_rows`` would
+    compute it for one expert. ``with_slack=False`` skips the slack (returns None for it);
+    ``abs_weights``: ``(|w13s|, |w2s|)`` when the caller keeps them."""
+    counts = [x.shape[0] for x in xs]
+    M = sum(counts)
+    if M == 0:
+        return [(x.new_zeros(0, w2.shape[0]), x.new_zeros(0, w2.shape[0]) if with_slack else None)
+                for x, w2 in zip(xs, w2s)]
+    group = torch.repeat_interleave(torch.arange(len(xs)), torch.tensor(counts))
+    exact = torch.cat([x @ w13.T for x, w13 in zip(xs, w13s)])
+    h = _activated(exact, activation, dtype)
+    if not with_slack:
+        hq = _quantized_candidates([h], [h], group, len(xs), scheme, shards)[0] if scheme != "none" else h.double()
+        return [(y @ w2.T, None) for y, w2 in zip(hq.split(counts), w2s)]
+    w13s_abs = [w.abs() for w in w13s] if abs_weights is None else abs_weights[0]
+    w2s_abs = [w.abs() for w in w2s] if abs_weights is None else abs_weights[1]
+    delta = accumulation * torch.cat([x.abs() @ w13_abs.T for x, w13_abs in zip(xs, w13s_abs)])
+    I = w2s[0].shape[1]
+    shifts = []
+    for gate_sign, up_sign in ((-1, -1), (-1, 1), (1, -1), (1, 1)):
+        shift = delta.clone()
+        shift[:, :I] *= gate_sign
+        shift[:, I:] *= up_sign
+        shifts.append(exact + shift)
+    # fp32 holds every model-dtype value exactly, and every quantizer computes in fp32.
+    stacked = torch.stack([h, *_activated(torch.cat(shifts), activation, dtype).split(M)]).float()
+    lo, hi = stacked.amin(dim=0), stacked.amax(dim=0)
+    if scheme == "none":
+        # Unquantized h has no scales whose groups could flip: its candidates are lo and hi alone.
+        hq = h.double()
+        doubt = torch.maximum((lo.double() - hq).abs(), (hi.double() - hq).abs())
+    else:
+        # Scales depend on magnitudes only (every amax is of |values|), so the smallest- and
+        # largest-magnitude candidates' scales are those of their magnitudes.
+        magnitude = stacked.abs()
+        small, large = magnitude.amin(dim=0), magnitude.amax(dim=0)
+        hq, *candidates = _quantized_candidates([h, lo, lo, hi, hi], [h, small, large, small, large],
+                                                group, len(xs), scheme, shards)
+        doubt = torch.stack(candidates).sub_(hq).abs_().amax(dim=0)
+    out = []
+    for hq_g, doubt_g, w2, w2_abs in zip(hq.split(counts), doubt.split(counts), w2s, w2s_abs):
+        out.append((hq_g @ w2.T, doubt_g @ w2_abs.T + accumulation * (hq_g.abs() @ w2_abs.T)))
     return out
 
 
@@ -97,30 +198,7 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation
     one its largest give; quantizing lo and hi with each of those two sets of scales gives the
     extreme outcomes of every element's rounding (rounding is monotone in value / scale).
     """
-    exact = x @ w13.T
-    h = _activated(exact, activation, dtype)
-    hq = _quantized(h, scheme, shards)
-    delta = accumulation * (x.abs() @ w13.abs().T)
-    I = w2.shape[1]
-    corners = []
-    for gate_sign, up_sign in ((-1, -1), (-1, 1), (1, -1), (1, 1)):
-        shift = delta.clone()
-        shift[:, :I] *= gate_sign
-        shift[:, I:] *= up_sign
-        corners.append(_activated(exact + shift, activation, dtype))
-    stacked = torch.stack([h, *corners])
-    lo, hi = stacked.amin(dim=0), stacked.amax(dim=0)
-    magnitude = stacked.abs()
-    small = stacked.gather(0, magnitude.argmin(dim=0, keepdim=True))[0]
-    large = stacked.gather(0, magnitude.argmax(dim=0, keepdim=True))[0]
-    doubt = torch.zeros_like(hq)
-    # Unquantized h has no scales whose groups could flip: its candidates are lo and hi alone.
-    for value in (lo, hi):
-        for scales in ((small, large) if scheme != "none" else (None,)):
-            doubt = torch.maximum(doubt, (_quantized(value, scheme, shards, scales) - hq).abs())
-    w2_abs = w2.abs()
-    slack = doubt @ w2_abs.T + accumulation * (hq.abs() @ w2_abs.T)
-    return hq @ w2.T, slack
+    return expert_rows_batched([x], [w13], [w2], activation, dtype, scheme, shards, accumulation)[0]
 
 
 def expert_reference(x: torch.Tensor | QuantizedActivations, expert_ids: torch.Tensor, weights: ExpertWeights,
@@ -133,26 +211,32 @@ def expert_reference(x: torch.Tensor | QuantizedActivations, expert_ids: torch.T
     w2 = (weights.down.dequantize() if scheme != "none" else weights.down).double()
     out = torch.zeros(expert_ids.shape[0], w2.shape[1], dtype=torch.float64, device=expert_ids.device)
     slack = torch.zeros_like(out)
-    for e in range(w13.shape[0]):
-        rows = (expert_ids == e).nonzero().flatten()
-        if rows.numel():
-            out[rows], slack[rows] = expert_rows(xa[rows], w13[e], w2[e], activation, dtype, scheme,
-                                                 accumulation=accumulation)
+    experts = [e for e in range(w13.shape[0]) if bool((expert_ids == e).any())]
+    rows = [(expert_ids == e).nonzero().flatten() for e in experts]
+    results = expert_rows_batched([xa[r] for r in rows], [w13[e] for e in experts], [w2[e] for e in experts],
+                                  activation, dtype, scheme, accumulation=accumulation)
+    for r, (y, s) in zip(rows, results):
+        out[r], slack[r] = y, s
     return Reference(out, slack)
 
 
 def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quant: QuantConfig | None = None,
                       intermediate_shards: int = 1, input_amax: torch.Tensor | None = None,
-                      accumulation: float = ACCUMULATION["fp32"]) -> Reference:
+                      accumulation: float = ACCUMULATION["fp32"], experts: DequantizedExperts | None = None,
+                      with_slack: bool = True) -> Reference:
     """x: [T, H] in ``cfg.dtype`` (the domain's tokens) -> ``Reference`` of [T, H] on x's device.
 
     weights: full weights (any device); intermediate_shards: number of TP slices of I (1 under
     EP); input_amax: fp32 [] amax of the quantization domain (default: amax of x);
-    accumulation: the expert kernel's accumulation error (``MoELayer.accumulation``).
+    accumulation: the expert kernel's accumulation error (``MoELayer.accumulation``);
+    experts: ``DequantizedExperts.of(weights, quant.scheme, cfg.dtype)`` when the caller keeps
+    one for several calls (default: made here); with_slack=False: the output alone (the slack
+    is returned as zeros), e.g. for the quantization error against the unquantized layer.
     """
     quant = quant or QuantConfig()
     scheme, dtype = quant.scheme, cfg.dtype
-    weights = weights.to(dtype=dtype)  # stays where it is; each expert travels to x's device when used
+    if experts is not None and experts.scheme != scheme:
+        raise ValueError(f"reference_forward: experts were dequantized from {experts.scheme!r}, quant is {scheme!r}")
     T, H = x.shape
     bias = None if weights.correction_bias is None else weights.correction_bias.to(x.device)
     routing = route(router_logits(x, weights.gate.to(x.device)), cfg, bias)
@@ -161,19 +245,28 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
     xq = _fake_quant(x, scheme, input_amax)
     out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
     slack = torch.zeros_like(out)
-    for e in range(cfg.num_experts):
-        tok, k = (routing.topk_ids == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        y, s = expert_rows(xq[tok], _expert(weights.gate_up, e, scheme, x.device),
-                           _expert(weights.down, e, scheme, x.device), cfg.activation, dtype, scheme,
-                           intermediate_shards, accumulation)
+    chosen = [(e, *(routing.topk_ids == e).nonzero(as_tuple=True)) for e in range(cfg.num_experts)]
+    chosen = [(e, tok, k) for e, tok, k in chosen if tok.numel()]
+    ids = [e for e, _, _ in chosen]
+    if experts is None:  # only the experts that receive rows
+        experts, at = DequantizedExperts.of(weights, scheme, dtype, x.device, only=ids), list(range(len(ids)))
+    else:
+        at = ids
+    on = (lambda w: [w[i] for i in at]) if experts.gate_up.device == x.device else \
+        (lambda w: [w[i].to(x.device) for i in at])
+    abs_weights = (on(experts.gate_up_abs), on(experts.down_abs)) if with_slack else None
+    results = expert_rows_batched([xq[tok] for _, tok, _ in chosen], on(experts.gate_up), on(experts.down),
+                                  cfg.activation, dtype, scheme, intermediate_shards, accumulation, with_slack,
+                                  abs_weights)
+    for (e, tok, k), (y, s) in zip(chosen, results):  # in expert order, as a loop over experts adds them
         w = routing.topk_weights[tok, k].double().unsqueeze(1)
         out[tok] += y * w  # tok has no repeats for one expert
-        slack[tok] += s * w.abs()
+        if with_slack:
+            slack[tok] += s * w.abs()
     if cfg.has_shared_experts:
         x64 = x.double()
-        w = {name: getattr(weights, name).to(x.device, torch.float64)
+        # rounded to the model dtype first, as the layer holds them
+        w = {name: getattr(weights, name).to(dtype=dtype).to(x.device, torch.float64)
              for name in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, name) is not None}
         act = F.silu if cfg.activation == "silu" else F.gelu
         shared = (act(x64 @ w["shared_gate"].T) * (x64 @ w["shared_up"].T)) @ w["shared_down"].T

@@ -69,28 +69,9 @@ def _cat_rows(a: Weight, b: Weight) -> Weight:
     return QuantizedWeight.cat_out([a, b]) if isinstance(a, QuantizedWeight) else torch.cat([a, b], dim=1)
 
 
-# Experts quantized per step: bounds the fp32 temporaries of quantization to a few experts.
+# Experts converted and quantized per step: bounds the fp32 temporaries of quantization (and, under
+# TP, the unsliced copies) to a few experts at a time.
 EXPERT_CHUNK = 8
-
-
-def _shard_chunk(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
-                 spec: ShardSpec) -> tuple[Weight, Weight]:
-    # copy=True: the layer owns its weights; it must never alias (and later mutate) the caller's.
-    gate_up = gate_up.to(cfg.dtype, copy=True).contiguous()
-    down = down.to(cfg.dtype, copy=True).contiguous()
-    gu: Weight = gate_up
-    dn: Weight = down
-    if quant.quantized:
-        gu, dn = quantize_weight(gate_up, quant.scheme), quantize_weight(down, quant.scheme)
-    if spec.tp_size > 1:
-        I = cfg.intermediate_size
-        w = I // spec.tp_size
-        lo, hi = spec.tp_rank * w, (spec.tp_rank + 1) * w
-        gu = _cat_rows(_slice_rows(gu, lo, hi), _slice_rows(gu, I + lo, I + hi))
-        dn = _slice_cols(dn, lo, hi)
-        if not quant.quantized:
-            gu, dn = gu.contiguous(), dn.contiguous()
-    return gu, dn
 
 
 def _cat_experts(parts: list[Weight]) -> Weight:
@@ -104,12 +85,51 @@ def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, qua
     """gate_up: [E, 2I, H], down: [E, H, I] full-precision full weights (any float dtype; experts
     outside the spec may be absent only if the caller passes the selected experts themselves,
     i.e. E == expert_stop - expert_start). Returns this rank's ``ExpertWeights``. Experts are
-    converted and quantized ``EXPERT_CHUNK`` at a time, so the temporaries stay small next to
-    the weights themselves (full-size models on one GPU)."""
+    converted, quantized and sliced ``EXPERT_CHUNK`` at a time, so the temporaries stay small
+    next to the weights themselves (full-size models on one GPU)."""
     spec.validate(cfg, quant)
     if gate_up.shape[0] == cfg.num_experts:
         gate_up = gate_up[spec.expert_start:spec.expert_stop]
         down = down[spec.expert_start:spec.expert_stop]
-    parts = [_shard_chunk(gate_up[e:e + EXPERT_CHUNK], down[e:e + EXPERT_CHUNK], cfg, quant, spec)
-             for e in range(0, gate_up.shape[0], EXPERT_CHUNK)]
-    return ExpertWeights(_cat_experts([gu for gu, _ in parts]), _cat_experts([dn for _, dn in parts]), quant.scheme)
+    parts = []
+    for e in range(0, gate_up.shape[0], EXPERT_CHUNK):
+        # copy=True: the layer owns its weights; it must never alias (and later mutate) the caller's.
+        gu: Weight = gate_up[e:e + EXPERT_CHUNK].to(cfg.dtype, copy=True).contiguous()
+        dn: Weight = down[e:e + EXPERT_CHUNK].to(cfg.dtype, copy=True).contiguous()
+        if quant.quantized:
+            gu, dn = quantize_weight(gu, quant.scheme), quantize_weight(dn, quant.scheme)
+        parts.append(_tp_slice(ExpertWeights(gu, dn, quant.scheme), cfg, spec))
+    return ExpertWeights(_cat_experts([p.gate_up for p in parts]), _cat_experts([p.down for p in parts]),
+                         quant.scheme)
+
+
+def prepare_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig) -> ExpertWeights:
+    """Every expert in ``cfg.dtype``, quantized with ``quant`` (per expert): what ``shard_experts``
+    computes before it slices, for all E experts at once; ``shard_of`` then gives any rank's
+    shard of it without quantizing again (bit-identical to ``shard_experts``)."""
+    return shard_experts(gate_up, down, cfg, quant, ShardSpec(0, cfg.num_experts))
+
+
+def shard_of(experts: ExpertWeights, cfg: MoEConfig, quant: QuantConfig, spec: ShardSpec) -> ExpertWeights:
+    """This rank's shard of ``prepare_experts``' result (which stays untouched; the shard owns
+    its storage)."""
+    spec.validate(cfg, quant)
+    ids = torch.arange(spec.expert_start, spec.expert_stop)
+    if isinstance(experts.gate_up, QuantizedWeight):
+        gu, dn = experts.gate_up.select_experts(ids), experts.down.select_experts(ids)
+    else:
+        gu, dn = experts.gate_up[ids], experts.down[ids]  # advanced indexing copies
+    return _tp_slice(ExpertWeights(gu, dn, experts.scheme), cfg, spec)
+
+
+def _tp_slice(experts: ExpertWeights, cfg: MoEConfig, spec: ShardSpec) -> ExpertWeights:
+    gu, dn = experts.gate_up, experts.down
+    if spec.tp_size > 1:
+        I = cfg.intermediate_size
+        w = I // spec.tp_size
+        lo, hi = spec.tp_rank * w, (spec.tp_rank + 1) * w
+        gu = _cat_rows(_slice_rows(gu, lo, hi), _slice_rows(gu, I + lo, I + hi))
+        dn = _slice_cols(dn, lo, hi)
+        if experts.scheme == "none":
+            gu, dn = gu.contiguous(), dn.contiguous()
+    return ExpertWeights(gu, dn, experts.scheme)

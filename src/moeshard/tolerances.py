@@ -14,6 +14,8 @@ the scheme's descriptor (``QuantScheme.quant_error``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moeshard.numerics import Reference
@@ -37,9 +39,23 @@ def tolerance(dtype: torch.dtype | str, scheme: str) -> tuple[float, float]:
     return LAYER[name]
 
 
-def compare(out: torch.Tensor, ref: Reference | torch.Tensor, dtype: torch.dtype | str,
-            scheme: str) -> tuple[float, float, float, bool]:
-    """(max_abs_err, atol, rtol, ok) comparing every element of ``out`` with ``ref``.
+@dataclass(frozen=True)
+class Comparison:
+    """``compare_rows``'s verdict. max_abs_err: largest |out - ref|; atol, rtol: the table's
+    entry; ok: every element within its bound and finite; err_to_bound: largest |out - ref| /
+    (atol + rtol |ref| + slack) over the elements (<= 1 where ok; inf for NaN/Inf; 0 if empty),
+    how close the worst element came to failing."""
+
+    max_abs_err: float
+    atol: float
+    rtol: float
+    ok: bool
+    err_to_bound: float
+
+
+def compare_rows(out: torch.Tensor, ref: Reference | torch.Tensor, dtype: torch.dtype | str,
+                 scheme: str) -> Comparison:
+    """Compares every element of ``out`` with ``ref``.
 
     ref: a ``Reference`` (its slack is added to the bound: ``|out - ref| <= atol + rtol |ref| +
     slack``) or a plain tensor (no slack). NaN or Inf in ``out`` never passes."""
@@ -48,11 +64,20 @@ def compare(out: torch.Tensor, ref: Reference | torch.Tensor, dtype: torch.dtype
     if out.shape != expected.shape:
         raise ValueError(f"compare: output shape {tuple(out.shape)} != reference shape {tuple(expected.shape)}")
     if out.numel() == 0:
-        return 0.0, atol, rtol, True
+        return Comparison(0.0, atol, rtol, True, 0.0)
     expected = expected.double().to(out.device)
     diff = (out.double() - expected).abs()
     bound = atol + rtol * expected.abs()
     if slack is not None:
         bound = bound + slack.double().to(out.device)
-    ok = bool(torch.all(diff <= bound)) and bool(torch.isfinite(out).all())
-    return float(diff.max()), atol, rtol, ok
+    finite = bool(torch.isfinite(out).all())
+    ok = bool(torch.all(diff <= bound)) and finite
+    ratio = float((diff / bound).max()) if finite else float("inf")
+    return Comparison(float(diff.max()), atol, rtol, ok, ratio)
+
+
+def compare(out: torch.Tensor, ref: Reference | torch.Tensor, dtype: torch.dtype | str,
+            scheme: str) -> tuple[float, float, float, bool]:
+    """(max_abs_err, atol, rtol, ok) of ``compare_rows``."""
+    c = compare_rows(out, ref, dtype, scheme)
+    return c.max_abs_err, c.atol, c.rtol, c.ok

@@ -49,7 +49,10 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclass(frozen=True)
 class Case:
-    """One verification case. ``tokens``: tokens per DP rank; ``reason``: why it is skipped."""
+    """One verification case. ``tokens``: tokens per DP rank; ``seed``: of its tokens (from the id
+    alone); ``weight_seed``: of its weights, the same for every case of one model shape and dtype
+    (``weight_seed_of``), so that cases share weights and their quantized forms; ``reason``: why
+    it is skipped."""
 
     parallel: ParallelConfig
     backend: str
@@ -61,6 +64,7 @@ class Case:
     seed: int
     reason: str = ""
     id: str = field(default="", compare=False)
+    weight_seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -91,6 +95,16 @@ class Case:
         T = sum(self.tokens)
         tokens = T * K * (2 * I + 2 * H) * 8 + T * H * 16
         return self.world_size * (weights + tokens)
+
+    @property
+    def weights_key(self) -> tuple[str, str, str, int]:
+        """What the case's weights depend on: cases with equal keys have identical weights."""
+        return self.preset, self.size, self.dtype, self.weight_seed
+
+
+def weight_seed_of(preset: str, size: str, dtype: str, run_seed: int = 0) -> int:
+    """The weights' seed of every case of one model shape and dtype (``--seed`` shifts it)."""
+    return (zlib.crc32(f"{preset}@{size}/{dtype}".encode()) + run_seed * 7919) % 2**31
 
 
 def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoEConfig) -> str:
@@ -192,8 +206,9 @@ def generate(opts: MatrixOptions) -> list[Case]:
                         tokens = patterns[(n + k) % len(patterns)]
                         cfg = PRESETS[preset].config(opts.size, parse_dtype(dtype))
                         reason = refusal(p, backend, q, cfg)
-                        case = Case(p, backend, q, dtype, preset, opts.size, tuple(tokens), 0, reason)
-                        # The seed depends on the id alone, so `--only ID` reproduces a case exactly.
+                        case = Case(p, backend, q, dtype, preset, opts.size, tuple(tokens), 0, reason,
+                                    weight_seed=weight_seed_of(preset, opts.size, dtype, opts.seed))
+                        # The seeds depend on the id alone, so `--only ID` reproduces a case exactly.
                         cases.append(replace(case, seed=_case_seed(case.id, opts.seed)))
     return cases
 
@@ -232,7 +247,8 @@ def case_from_id(case_id: str, seed: int = 0) -> Case:
                          f"one per DP rank")
     q = quants[quant]
     cfg = PRESETS[preset].config(size, parse_dtype(dtype))
-    case = Case(parallel, backend, q, dtype, preset, size, tokens, 0, refusal(parallel, backend, q, cfg))
+    case = Case(parallel, backend, q, dtype, preset, size, tokens, 0, refusal(parallel, backend, q, cfg),
+                weight_seed=weight_seed_of(preset, size, dtype, seed))
     if case.id != case_id:
         raise ValueError(f"{case_id!r} is not a case id as moeshard check writes it (did you mean {case.id!r}?)")
     return replace(case, seed=_case_seed(case.id, seed))

@@ -1,5 +1,14 @@
-"""One case on one rank: build the layer for the case's layout, run this rank's tokens, compare
-every output row with the single-device reference of the rank's quantization domain."""
+"""One case: the layer on a rank (``run_layer``), the reference once per case (``case_reference``),
+and the comparison of every row a rank returned (``check_rank``).
+
+The reference of a case depends on the case alone, not on the rank, so the harness computes it
+once, in the parent process, while the ranks run the layer; the ranks send their output rows
+back and the parent compares them. ``run_case`` does all three on one rank (for callers with no
+parent, such as a torchrun job).
+
+    rank:   inputs -> MoELayer -> ("built": its kernel's accumulation) -> forward -> RankOutput
+    parent: CaseReference (per DP rank's rows, quantization error) -> check_rank per RankOutput
+"""
 
 from __future__ import annotations
 
@@ -10,20 +19,24 @@ import torch
 
 from moeshard.config import QuantConfig
 from moeshard.harness.cases import Case
-from moeshard.harness.inputs import case_tokens, case_weights
+from moeshard.harness.inputs import CaseData, case_tokens
 from moeshard.layer import MoELayer
+from moeshard.numerics import Reference
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
+from moeshard.quant import scheme_names
 from moeshard.reference import reference_forward
-from moeshard.tolerances import compare
+from moeshard.sharding import shard_spec
+from moeshard.tolerances import compare_rows
 
 
 @dataclass(frozen=True)
 class RankResult:
-    """What one rank found. rows/expected_rows: output rows it returned / should have;
+    """What one rank's rows showed. rows/expected_rows: output rows it returned / should have;
     worst_row: global token index (within its DP rank) of the largest error, -1 if none;
     quant_error: relative RMS error of the quantized against the unquantized reference over
-    the domain (reported by rank 0 only, None elsewhere)."""
+    the case's tokens (on rank 0's result only, None elsewhere); err_to_bound: the largest error
+    relative to its element's bound (``tolerances.Comparison``; inf when rows are missing)."""
 
     rank: int
     rows: int
@@ -35,6 +48,29 @@ class RankResult:
     worst_row: int
     quant_error: float | None
     detail: str = ""
+    err_to_bound: float = float("inf")
+
+
+@dataclass(frozen=True)
+class RankOutput:
+    """What a rank's layer returned for a case. out: [rows, H] in the model dtype (CPU), which
+    should be [tokens of its DP rank, H]; accumulation: its expert kernel's declared accumulation
+    error (``MoELayer.accumulation``), which the reference's slack must use."""
+
+    rank: int
+    out: torch.Tensor
+    accumulation: float
+
+
+@dataclass(frozen=True)
+class CaseReference:
+    """The reference of one case. rows[d]: ``Reference`` of DP rank d's tokens ([T_d, H] fp64);
+    accumulation: the one it was computed for; quant_error: relative RMS error of the quantized
+    against the unquantized reference over all tokens (None unquantized or without tokens)."""
+
+    rows: list[Reference]
+    accumulation: float
+    quant_error: float | None
 
 
 class GroupsCache:
@@ -58,41 +94,79 @@ def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
-def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups | None,
-             layer_factory: Callable[..., MoELayer] = MoELayer) -> RankResult:
-    p = case.parallel
+def run_layer(case: Case, rank: int, device: torch.device, groups: ParallelGroups | None,
+              layer_factory: Callable[..., MoELayer] = MoELayer, data: CaseData | None = None,
+              on_built: Callable[[float], None] = lambda accumulation: None) -> RankOutput:
+    """Builds the case's layer on ``rank`` and runs its DP rank's tokens; ``on_built`` gets the
+    layer's accumulation before the forward (so the reference can start)."""
+    data = data or CaseData()
     cfg = case.moe_config()
-    weights = case_weights(cfg, case.seed)
+    weights = data.weights(case)
     xs = case_tokens(cfg, case.seed, case.tokens)
-    dp_rank = p.dp_rank(rank)
+    local = None
+    # A layer factory may register the case's scheme itself (an extension, in a fresh rank): until
+    # it has, the layer shards its own experts.
+    if case.quant.scheme in scheme_names():
+        local = data.local_experts(case, shard_spec(case.parallel, rank, cfg.num_experts))
     # The most tokens any DP rank holds: a fixed-capacity backend sizes its buffers from it.
-    layer = layer_factory(cfg, quant=case.quant, groups=groups, backend=case.backend, weights=weights, device=device,
-                          max_tokens_per_rank=max(max(case.tokens), 1))
-    out = layer(xs[dp_rank].to(device)).cpu()
+    layer = layer_factory(cfg, quant=case.quant, groups=groups, backend=case.backend, weights=weights,
+                          local_experts=local, device=device, max_tokens_per_rank=max(max(case.tokens), 1))
+    on_built(layer.accumulation)
+    out = layer(xs[case.parallel.dp_rank(rank)].to(device)).cpu()
+    return RankOutput(rank, out, layer.accumulation)
 
-    if p.enable_ep:  # one quantization domain: every DP rank's tokens, in DP order
-        domain, offset = torch.cat(xs), sum(case.tokens[:dp_rank])
-    else:
-        domain, offset = xs[dp_rank], 0
+
+def case_reference(case: Case, accumulation: float, data: CaseData | None = None) -> CaseReference:
+    """The reference rows of every DP rank's tokens, each within its quantization domain (all
+    tokens with EP on, the DP rank's own with EP off), and the quantization error."""
+    data = data or CaseData()
+    p, cfg, weights = case.parallel, case.moe_config(), data.weights(case)
+    xs = case_tokens(cfg, case.seed, case.tokens)
+    domains = [torch.cat(xs)] if p.enable_ep else xs
     shards = 1 if p.enable_ep else p.tp
-    full_ref = reference_forward(domain, weights, cfg, case.quant, intermediate_shards=shards,
-                                 accumulation=layer.accumulation)
-    T = case.tokens[dp_rank]
-    ref = full_ref.rows(offset, offset + T)
+    experts = data.dequantized(case, case.quant.scheme)
+    refs = [reference_forward(d, weights, cfg, case.quant, intermediate_shards=shards, accumulation=accumulation,
+                              experts=experts) for d in domains]
     quant_error = None
-    if rank == 0 and case.quant.quantized and domain.shape[0]:
-        plain = reference_forward(domain, weights, cfg, QuantConfig(), intermediate_shards=shards)
-        quant_error = relative_rms(full_ref.out, plain.out)
+    if case.quant.quantized and sum(case.tokens):
+        plain_experts = data.dequantized(case, "none")
+        plain = [reference_forward(d, weights, cfg, QuantConfig(), intermediate_shards=shards, experts=plain_experts,
+                                   with_slack=False).out for d in domains]
+        quant_error = relative_rms(torch.cat([r.out for r in refs]), torch.cat(plain))
+    rows = refs if not p.enable_ep else [refs[0].rows(sum(case.tokens[:d]), sum(case.tokens[:d + 1]))
+                                         for d in range(p.dp)]
+    return CaseReference(rows, accumulation, quant_error)
+
+
+def check_rank(case: Case, ref: CaseReference, output: RankOutput) -> RankResult:
+    """Compares every row ``output`` holds with its DP rank's reference rows."""
+    cfg, rank = case.moe_config(), output.rank
+    dp_rank = case.parallel.dp_rank(rank)
+    T, out = case.tokens[dp_rank], output.out
+    expected = ref.rows[dp_rank]
+    quant_error = ref.quant_error if rank == 0 else None
     if tuple(out.shape) != (T, cfg.hidden_size):
         return RankResult(rank, out.shape[0] if out.dim() else 0, T, float("inf"), 0.0, 0.0, False, -1, quant_error,
                           f"rank {rank} returned shape {tuple(out.shape)}, expected {(T, cfg.hidden_size)}")
-    err, atol, rtol, ok = compare(out, ref, cfg.dtype, case.quant.scheme)
-    worst = int((out.double() - ref.out).abs().amax(dim=1).argmax()) if T else -1
-    detail = ""
+    if output.accumulation != ref.accumulation:
+        return RankResult(rank, T, T, float("inf"), 0.0, 0.0, False, -1, quant_error,
+                          f"rank {rank}'s expert kernel declares accumulation {output.accumulation:g}, the "
+                          f"reference was computed for {ref.accumulation:g} (another rank's kernel)")
+    c = compare_rows(out, expected, cfg.dtype, case.quant.scheme)
+    worst = int((out.double() - expected.out).abs().amax(dim=1).argmax()) if T else -1
+    ok, detail = c.ok, ""
     bound = case.quant.spec.quant_error
     if quant_error is not None and quant_error > bound:
         ok = False
         detail = f"quantization error {quant_error:.3g} exceeds the {case.quant.scheme} bound {bound}"
     elif not ok:
-        detail = f"rank {rank}: max error {err:.3g} at token {worst} of DP rank {dp_rank}"
-    return RankResult(rank, T, T, err, atol, rtol, ok, worst, quant_error, detail)
+        detail = f"rank {rank}: max error {c.max_abs_err:.3g} at token {worst} of DP rank {dp_rank}"
+    return RankResult(rank, T, T, c.max_abs_err, c.atol, c.rtol, ok, worst, quant_error, detail, c.err_to_bound)
+
+
+def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups | None,
+             layer_factory: Callable[..., MoELayer] = MoELayer, data: CaseData | None = None) -> RankResult:
+    """The whole case on one rank: its layer, the reference, the comparison of its rows."""
+    data = data or CaseData()
+    output = run_layer(case, rank, device, groups, layer_factory, data)
+    return check_rank(case, case_reference(case, output.accumulation, data), output)

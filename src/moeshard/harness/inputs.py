@@ -1,14 +1,22 @@
 """Deterministic per-case inputs: the same weights on every rank, different tokens per DP rank.
 
-Every rank regenerates every DP rank's tokens from the case seed, so each rank can build the
-single-device reference for its quantization domain without any communication.
+Weights depend on the model shape, the dtype and the run's seed only (``Case.weights_key``), so
+the cases of one model share them; tokens depend on the case. ``CaseData`` keeps what cases
+share for the cases that follow: the weights (every process), the reference's dequantized
+experts (where references are computed) and a rank's shard of the quantized experts.
 """
 
 from __future__ import annotations
 
+import collections
+from typing import Any, Callable, Hashable
+
 import torch
 
 from moeshard.config import MoEConfig
+from moeshard.experts.base import ExpertWeights
+from moeshard.reference import DequantizedExperts
+from moeshard.sharding import ShardSpec, prepare_experts, shard_of
 from moeshard.weights import MoEWeights
 
 
@@ -26,3 +34,59 @@ def case_tokens(cfg: MoEConfig, seed: int, tokens: tuple[int, ...]) -> list[torc
         x = torch.randn(count, cfg.hidden_size, generator=g) + 0.05 * d
         out.append(x.to(cfg.dtype))
     return out
+
+
+class _Recent:
+    """The last ``capacity`` values by key (least recently used dropped first)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._values: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        if key in self._values:
+            self._values.move_to_end(key)
+            return self._values[key]
+        value = make()
+        self._values[key] = value
+        while len(self._values) > self.capacity:
+            self._values.popitem(last=False)
+        return value
+
+
+class CaseData:
+    """What consecutive cases share, kept per process (run the cases of one model together: see
+    ``execution_order``). Small: a few entries of each kind.
+
+    ``weights(case)``: the full weights (``case_weights``); ``dequantized(case, scheme)``: the
+    routed experts quantized with ``scheme`` and dequantized, fp64, for the reference;
+    ``local_experts(case, spec)``: a rank's shard for ``case.quant``, cut from every expert
+    quantized once per weights and scheme (``sharding.prepare_experts`` / ``shard_of``, equal to
+    the layer's own ``shard_experts`` bit for bit); a fresh copy each time, since a layer owns
+    (and a test double may change) its weights.
+    """
+
+    def __init__(self) -> None:
+        self._weights = _Recent(2)
+        self._dequantized = _Recent(2)
+        self._prepared = _Recent(2)
+
+    def weights(self, case) -> MoEWeights:
+        return self._weights.get(case.weights_key, lambda: case_weights(case.moe_config(), case.weight_seed))
+
+    def dequantized(self, case, scheme: str) -> DequantizedExperts:
+        cfg = case.moe_config()
+        return self._dequantized.get((case.weights_key, scheme),
+                                     lambda: DequantizedExperts.of(self.weights(case), scheme, cfg.dtype))
+
+    def local_experts(self, case, spec: ShardSpec) -> ExpertWeights:
+        cfg, weights = case.moe_config(), self.weights(case)
+        prepared = self._prepared.get((case.weights_key, case.quant.scheme),
+                                      lambda: prepare_experts(weights.gate_up, weights.down, cfg, case.quant))
+        return shard_of(prepared, cfg, case.quant, spec)
+
+
+def execution_order(cases: list) -> list[int]:
+    """Indices of ``cases`` in the order that keeps ``CaseData`` warm: grouped by weights and
+    quantization scheme, otherwise in the given order."""
+    return sorted(range(len(cases)), key=lambda i: (cases[i].weights_key, cases[i].quant.scheme, i))

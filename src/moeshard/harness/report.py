@@ -1,12 +1,22 @@
-"""The report of a check run: a rich table, a summary, and the JSON document.
+"""The report of a check run: a compact summary (default), the full table (``--verbose``), the
+problems in full, and the JSON document (every case, always).
+
+The summary has one row per layout x backend, in matrix order: how many of its cases passed,
+the worst error relative to its bound over all of them (``err/bound``: 1 is the edge of the
+tolerance), and its slowest case; a combination that cannot run by construction (a backend that
+needs expert parallelism on a layout without it, ...) is a row that says "not applicable" and
+why, so a reader sees at once that nothing that could have run was left out.
 
 JSON schema (stable; later versions only add keys):
   {"cases": [{"id", "layout": {"dp", "tp", "ep", "sp"}, "backend", "quant", "defer_input_quant",
               "dtype", "preset", "num_experts", "top_k", "hidden", "intermediate", "shared_experts",
-              "tokens": [per DP rank], "max_abs_err", "atol", "rtol", "quant_error",
-              "quant_error_bound", "seconds", "status": "pass|fail|skip|error", "reason"}],
-   "summary": {"total", "valid", "pass", "fail", "skip", "error", "wall_seconds", "device",
-               "world_sizes", "torch"}}
+              "tokens": [per DP rank], "max_abs_err", "atol", "rtol", "err_to_bound", "quant_error",
+              "quant_error_bound", "seconds", "status": "pass|fail|error|not_applicable|skip", "reason"}],
+   "summary": {"total", "valid", "pass", "fail", "error", "not_applicable", "skip", "wall_seconds",
+               "device", "world_sizes", "torch"}}
+  status not_applicable: the matrix refuses the combination by construction (``reason`` says
+  why); skip: could run, but not here (e.g. fewer GPUs than ranks). valid: the cases that ran.
+  err_to_bound: max over every element of |out - ref| / (atol + rtol |ref| + slack).
 """
 
 from __future__ import annotations
@@ -26,7 +36,8 @@ from moeshard.outputs import atomic_write_text
 # "[/.../pair.cc:553]", torch's "[enforce fail at alloc_cpu.cpp:127]"): they are always printed
 # through rich.markup.escape, never read as markup; only our own style tags are markup.
 
-STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "yellow"}
+STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "yellow", "not_applicable": "dim"}
+LABEL = {"pass": "passed", "fail": "failed", "error": "errors", "skip": "skipped", "not_applicable": "not applicable"}
 
 
 def case_json(o: CaseOutcome) -> dict:
@@ -39,7 +50,7 @@ def case_json(o: CaseOutcome) -> dict:
         "dtype": c.dtype, "preset": c.preset, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
         "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
         "shared_experts": cfg.has_shared_experts, "tokens": list(c.tokens),
-        "max_abs_err": o.max_abs_err, "atol": o.atol, "rtol": o.rtol,
+        "max_abs_err": o.max_abs_err, "atol": o.atol, "rtol": o.rtol, "err_to_bound": o.err_to_bound,
         "quant_error": o.quant_error, "quant_error_bound": c.quant.spec.quant_error if c.quant.quantized else None,
         "seconds": round(o.seconds, 4), "status": o.status, "reason": o.reason,
     }
@@ -47,8 +58,9 @@ def case_json(o: CaseOutcome) -> dict:
 
 def summary(outcomes: list[CaseOutcome], wall: float, device: str) -> dict:
     counts = collections.Counter(o.status for o in outcomes)
-    return {"total": len(outcomes), "valid": len(outcomes) - counts["skip"], "pass": counts["pass"],
-            "fail": counts["fail"], "skip": counts["skip"], "error": counts["error"],
+    return {"total": len(outcomes), "valid": len(outcomes) - counts["not_applicable"] - counts["skip"],
+            "pass": counts["pass"], "fail": counts["fail"], "error": counts["error"],
+            "not_applicable": counts["not_applicable"], "skip": counts["skip"],
             "wall_seconds": round(wall, 2), "device": device,
             "world_sizes": sorted({o.case.world_size for o in outcomes}), "torch": torch.__version__}
 
@@ -62,23 +74,66 @@ def _fmt(v: float | None, digits: int = 2) -> str:
     return "" if v is None else f"{v:.{digits}e}"
 
 
-def print_table(console: Console, outcomes: list[CaseOutcome], show_skipped: bool = False) -> None:
+def _layout(o: CaseOutcome) -> str:
+    p = o.case.parallel
+    return p.name + (" SP" if p.is_sequence_parallel else "")
+
+
+def _counts(group: list[CaseOutcome]) -> str:
+    counts = collections.Counter(o.status for o in group)
+    return ", ".join(f"[{STYLE[s]}]{counts[s]} {LABEL[s]}[/]" for s in LABEL if counts[s])
+
+
+def print_summary_table(console: Console, outcomes: list[CaseOutcome]) -> None:
+    """One row per layout x backend: its cases' statuses, worst error / bound, slowest case (or
+    why it is not applicable). Partly applicable rows list their refusals below the table."""
+    groups: dict[tuple[str, str], list[CaseOutcome]] = {}
+    for o in outcomes:
+        groups.setdefault((o.case.parallel.name, o.case.backend), []).append(o)
+    table = Table(title="moeshard check", header_style="bold")
+    for col in ("layout", "backend", "cases", "err/bound", "slowest case (s) / why not applicable"):
+        table.add_column(col, no_wrap=True)
+    partial: list[CaseOutcome] = []
+    for group in groups.values():
+        ran = [o for o in group if o.status in ("pass", "fail", "error")]
+        refused = [o for o in group if o.status == "not_applicable"]
+        worst = max((o.err_to_bound for o in ran if o.err_to_bound is not None), default=None)
+        if ran:
+            slow = max(ran, key=lambda o: o.seconds)
+            note = f"{slow.seconds:5.2f}  " + slow.case.id.split("/", 2)[2]
+            partial += refused
+        else:
+            # the row names the backend already
+            reasons = sorted({o.reason.removeprefix(o.case.backend + " ") for o in group})
+            note = "; ".join(reasons) if len(reasons) <= 2 else f"{len(reasons)} reasons (--list)"
+        colour = "bold red" if worst is not None and worst > 1 else ""
+        table.add_row(_layout(group[0]), escape(group[0].case.backend), _counts(group),
+                      "" if worst is None else f"[{colour}]{worst:.2f}[/]" if colour else f"{worst:.2f}",
+                      escape(note) if ran else f"[dim]{escape(note)}[/]")
+    console.print(table, highlight=False)
+    if partial:
+        reasons = collections.Counter(o.reason for o in partial)
+        console.print(f"[dim]not applicable within the rows above: {len(partial)} cases (ids in --list and --json):[/]")
+        for reason, n in reasons.most_common():
+            console.print(f"  {n:4d} x {escape(reason)}", highlight=False)
+
+
+def print_table(console: Console, outcomes: list[CaseOutcome]) -> None:
+    """Every case, one row each (``--verbose``)."""
     table = Table(title="moeshard check", show_lines=False, header_style="bold")
-    for col in ("layout", "backend", "quant", "dtype", "shape", "tokens", "max err", "tol (a/r)", "qerr", "status"):
+    for col in ("layout", "backend", "quant", "dtype", "shape", "tokens", "max err", "err/bound", "tol (a/r)",
+                "qerr", "status"):
         table.add_column(col, no_wrap=True)
     for o in outcomes:
-        if o.status == "skip" and not show_skipped:
-            continue
         c = o.case
         cfg = c.moe_config()
-        p = c.parallel
-        table.add_row(p.name + (" SP" if p.is_sequence_parallel else ""), escape(c.backend),
-                      escape(c.quant.name), c.dtype,
+        table.add_row(_layout(o), escape(c.backend), escape(c.quant.name), c.dtype,
                       escape(f"{c.preset} E{cfg.num_experts}k{cfg.top_k} H{cfg.hidden_size} I{cfg.intermediate_size}"
                              + (" +shared" if cfg.has_shared_experts else "")),
                       ",".join(map(str, c.tokens)), _fmt(o.max_abs_err),
+                      "" if o.err_to_bound is None else f"{o.err_to_bound:.2f}",
                       "" if o.atol is None else f"{o.atol:.0e}/{o.rtol:.0e}", _fmt(o.quant_error, 1),
-                      f"[{STYLE[o.status]}]{o.status}[/]")
+                      f"[{STYLE[o.status]}]{LABEL[o.status] if o.status == 'not_applicable' else o.status}[/]")
     console.print(table)
 
 
@@ -91,9 +146,10 @@ def print_problems(console: Console, outcomes: list[CaseOutcome]) -> None:
 
 
 def print_skips(console: Console, outcomes: list[CaseOutcome]) -> None:
+    """Cases that could run but were not run here, by reason."""
     reasons = collections.Counter(o.reason for o in outcomes if o.status == "skip")
     if reasons:
-        console.print(f"[yellow]skipped[/] {sum(reasons.values())} cases (ids in --list and --json):")
+        console.print(f"[yellow]skipped[/] {sum(reasons.values())} cases that could run elsewhere:")
         for reason, n in reasons.most_common():
             console.print(f"  {n:4d} x {escape(reason)}", highlight=False)
 
@@ -101,6 +157,7 @@ def print_skips(console: Console, outcomes: list[CaseOutcome]) -> None:
 def print_summary(console: Console, outcomes: list[CaseOutcome], wall: float, device: str) -> None:
     s = summary(outcomes, wall, device)
     colour = "green" if s["fail"] == s["error"] == 0 else "bold red"
-    console.print(f"[{colour}]{s['pass']} passed, {s['fail']} failed, {s['error']} errors[/], "
-                  f"{s['skip']} skipped; {s['valid']} of {s['total']} cases valid; "
+    skipped = f", {s['skip']} skipped" if s["skip"] else ""
+    console.print(f"[{colour}]{s['pass']} passed, {s['fail']} failed, {s['error']} errors[/]{skipped}; "
+                  f"{s['not_applicable']} of {s['total']} cases not applicable by construction; "
                   f"world sizes {s['world_sizes']} on {device}; wall time {wall:.1f} s")

@@ -3,13 +3,19 @@
     parent: Runner._one_spawn, on the           each rank: _case_loop, through world.channel
     events of one LocalWorld                     ---------
     ------                                       for each case: ("start", i)
-    start a world with the pending cases   -->   run_case(...) -> ("done", i, RankResult)
-    progress bar, per-case deadline              or ("case_error", i, RankError), then raise
-    a case fails on a rank / hangs /             (LocalWorld reports how each rank ended:
-    a rank dies: record it with the case         finished, raised or died)
+    start a world with the pending cases   -->   build the layer: ("built", i, accumulation)
+    on "built": the case's reference starts      forward -> ("done", i, RankOutput)
+      on the reference thread (References)       or ("case_error", i, RankError), then raise
+    on every rank's "done": compare every        (LocalWorld reports how each rank ended:
+      row with the reference, report             finished, raised or died)
+    a case fails on a rank / hangs /
+    a rank dies: record it with the case
     id and ranks, stop every rank, respawn
     for the cases after it
 
+The reference of a case is the same for every rank, so it is computed once, in the parent, on
+a worker thread while the ranks run the layer (and run ahead to the next cases). Cases run
+grouped by weights and scheme (``execution_order``) so that what they share stays cached.
 World size 1 runs in this process (no collectives can hang there). The process groups' own
 timeout is half the case timeout, so ranks blocked in a collective by a stuck peer raise and
 report first; the stuck rank is the one that stays silent. Ctrl-C stops every rank (leaving the
@@ -19,22 +25,28 @@ world's ``with`` block does).
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from moeshard.harness.cases import Case
-from moeshard.harness.execute import GroupsCache, RankResult, run_case
+from moeshard.harness.execute import (CaseReference, GroupsCache, RankOutput, RankResult, case_reference,
+                                      check_rank, run_layer)
+from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
-from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError
+from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError, start_fork_server
 
-PEER_REPORT_S = 2.0  # after a rank fails a case: how long its peers may take to report theirs
+PEER_REPORT_S = 2.0
+RANK_MODULES = ("moeshard.harness.runner",)  # what the ranks import, once, in the fork server  # after a rank fails a case: how long its peers may take to report theirs
 
 
 @dataclass
 class CaseOutcome:
-    """Result of one case over all its ranks. status: pass | fail | skip | error."""
+    """Result of one case over all its ranks. status: pass | fail | error, not_applicable (the
+    matrix refused the combination by construction: ``Case.reason``) or skip (not run here, e.g.
+    too few GPUs); err_to_bound: the largest error relative to its bound over every rank's rows."""
 
     case: Case
     status: str
@@ -45,6 +57,7 @@ class CaseOutcome:
     quant_error: float | None = None
     seconds: float = 0.0
     ranks: list[RankResult] = field(default_factory=list)
+    err_to_bound: float | None = None
 
 
 def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutcome:
@@ -53,7 +66,7 @@ def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutc
     qerr = next((r.quant_error for r in results if r.quant_error is not None), None)
     return CaseOutcome(case, "fail" if failing else "pass", "; ".join(r.detail for r in failing if r.detail),
                        max(r.max_abs_err for r in results), results[0].atol, results[0].rtol, qerr, seconds,
-                       sorted(results, key=lambda r: r.rank))
+                       sorted(results, key=lambda r: r.rank), max(r.err_to_bound for r in results))
 
 
 def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_factory: Callable) -> int:
@@ -63,15 +76,55 @@ def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_facto
     torch.set_num_threads(1)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     cache = GroupsCache(side_channel=device == "cuda")
+    data = CaseData()
     for i, case in enumerate(cases):
         channel.send(("start", i))
         try:
-            result = run_case(case, rank, dev, cache.get(case.parallel), layer_factory)
+            output = run_layer(case, rank, dev, cache.get(case.parallel), layer_factory, data,
+                               on_built=lambda accumulation, i=i: channel.send(("built", i, accumulation)))
         except BaseException as exc:  # noqa: BLE001 - reported with the case id, then this rank stops
             channel.send(("case_error", i, RankError.of(rank, exc)))
             raise
-        channel.send(("done", i, result))
+        channel.send(("done", i, output))
     return len(cases)
+
+
+class References:
+    """The parent's references: one per case, computed on one worker thread, in the order they
+    are asked for, while the caller goes on (torch releases the GIL inside its operations)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moeshard-reference")
+        self._data = CaseData()
+        self._futures: dict[tuple[Case, float], Future] = {}
+
+    def start(self, case: Case, accumulation: float) -> None:
+        """Starts the reference of ``case`` for a kernel with ``accumulation`` (once)."""
+        key = (case, accumulation)
+        if key not in self._futures:
+            self._futures[key] = self._pool.submit(case_reference, case, accumulation, self._data)
+
+    def ready(self, case: Case, accumulation: float) -> bool:
+        """Whether the reference is computed (or failed), so ``take`` will not wait."""
+        future = self._futures.get((case, accumulation))
+        return future is not None and future.done()
+
+    def take(self, case: Case, accumulation: float) -> CaseReference:
+        """The reference (waits for it, starting it if needed); raises what computing it raised."""
+        self.start(case, accumulation)
+        return self._futures.pop((case, accumulation)).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _checked(case: Case, refs: References, outputs: list[RankOutput], seconds: float) -> CaseOutcome:
+    """Every rank's rows compared with the case's reference (computed for rank 0's kernel)."""
+    try:
+        reference = refs.take(case, outputs[0].accumulation)
+    except Exception as exc:  # noqa: BLE001 - the case cannot be judged; the run goes on
+        return CaseOutcome(case, "error", f"the reference raised {type(exc).__name__}: {exc}", seconds=seconds)
+    return summarize(case, [check_rank(case, reference, o) for o in sorted(outputs, key=lambda o: o.rank)], seconds)
 
 
 class Runner:
@@ -90,35 +143,51 @@ class Runner:
         self.layer_factory, self.on_outcome = layer_factory, on_outcome
 
     def run(self, cases: list[Case]) -> list[CaseOutcome]:
-        """Outcomes in the order of ``cases``; skipped cases are reported, not run."""
+        """Outcomes in the order of ``cases``; cases the matrix refused are reported (not
+        applicable), not run. Cases run
+        (and ``on_outcome`` hears of them) in ``execution_order`` within each world size."""
         outcomes: dict[int, CaseOutcome] = {}
         by_world: dict[int, list[int]] = {}
         for i, case in enumerate(cases):
             if case.skipped:
-                outcomes[i] = CaseOutcome(case, "skip", case.reason)
+                outcomes[i] = CaseOutcome(case, "not_applicable", case.reason)
                 self.on_outcome(outcomes[i])
             else:
                 by_world.setdefault(case.world_size, []).append(i)
-        for world, indices in sorted(by_world.items()):
-            if self.device == "cuda" and world > torch.cuda.device_count():
-                for i in indices:
-                    outcomes[i] = CaseOutcome(cases[i], "skip", f"world size {world} needs {world} GPUs, "
-                                                                f"{torch.cuda.device_count()} visible")
-                    self.on_outcome(outcomes[i])
-                continue
-            run = self._in_process if world == 1 else self._spawned
-            for i, outcome in zip(indices, run([cases[i] for i in indices])):
-                outcomes[i] = outcome
+        if any(world > 1 for world in by_world):
+            start_fork_server(RANK_MODULES)  # it imports torch while world size 1 runs here
+        refs = References()
+        threads = torch.get_num_threads()
+        # The ranks take the cores; one thread here avoids oversubscribed spinning.
+        torch.set_num_threads(1)
+        try:
+            for world, indices in sorted(by_world.items()):
+                if self.device == "cuda" and world > torch.cuda.device_count():
+                    for i in indices:
+                        outcomes[i] = CaseOutcome(cases[i], "skip", f"world size {world} needs {world} GPUs, "
+                                                                    f"{torch.cuda.device_count()} visible")
+                        self.on_outcome(outcomes[i])
+                    continue
+                indices = [indices[j] for j in execution_order([cases[i] for i in indices])]
+                run = self._in_process if world == 1 else self._spawned
+                for i, outcome in zip(indices, run([cases[i] for i in indices], refs)):
+                    outcomes[i] = outcome
+        finally:
+            refs.close()
+            torch.set_num_threads(threads)
         return [outcomes[i] for i in range(len(cases))]
 
     # -- world size 1 ---------------------------------------------------------------------
-    def _in_process(self, cases: list[Case]) -> list[CaseOutcome]:
+    def _in_process(self, cases: list[Case], refs: References) -> list[CaseOutcome]:
         dev = torch.device("cuda", 0) if self.device == "cuda" else torch.device("cpu")
+        data = CaseData()
         out = []
         for case in cases:
             start = time.monotonic()
             try:
-                outcome = summarize(case, [run_case(case, 0, dev, None, self.layer_factory)], time.monotonic() - start)
+                output = run_layer(case, 0, dev, None, self.layer_factory, data,
+                                   on_built=lambda accumulation, case=case: refs.start(case, accumulation))
+                outcome = _checked(case, refs, [output], time.monotonic() - start)
             except Exception as exc:  # noqa: BLE001 - a case that raises is an error, the run goes on
                 outcome = CaseOutcome(case, "error", f"rank 0 raised {type(exc).__name__}: {exc}",
                                       seconds=time.monotonic() - start)
@@ -127,10 +196,10 @@ class Runner:
         return out
 
     # -- world size > 1 -------------------------------------------------------------------
-    def _spawned(self, cases: list[Case]) -> list[CaseOutcome]:
+    def _spawned(self, cases: list[Case], refs: References) -> list[CaseOutcome]:
         outcomes: list[CaseOutcome] = []
         while len(outcomes) < len(cases):
-            batch = self._one_spawn(cases[len(outcomes):])
+            batch = self._one_spawn(cases[len(outcomes):], refs)
             outcomes.extend(batch)
             if len(batch) == 1 and batch[0].status == "error" and batch[0].seconds == 0.0:
                 # The world failed before its first case started: respawning would fail the same
@@ -142,30 +211,50 @@ class Runner:
                     outcomes.append(outcome)
         return outcomes
 
-    def _one_spawn(self, cases: list[Case]) -> list[CaseOutcome]:
+    def _one_spawn(self, cases: list[Case], refs: References) -> list[CaseOutcome]:
         """Runs ``cases`` in one world until they are done or one of them fails hard; returns
-        the outcomes of the cases it finished (the failed one included)."""
+        the outcomes of the cases it finished (the failed one included).
+
+        ``w`` is the first case that not every rank has finished: the watchdog's deadline is
+        its own. Cases before it are reported in order as soon as their reference is ready;
+        this loop never waits for a reference while ranks are running."""
         world_size = cases[0].world_size
         outcomes: list[CaseOutcome] = []
         # Ranks run ahead independently: every report is kept by case index.
-        done: dict[int, dict[int, RankResult]] = {}
+        done: dict[int, dict[int, RankOutput]] = {}
         errors: dict[int, dict[int, RankError]] = {}
         started: dict[int, float] = {}
+        finished: dict[int, float] = {}
         failed_ranks: set[int] = set()
         died: set[int] = set()
+        w = 0
+
+        def report(wait: bool) -> None:
+            while len(outcomes) < w:
+                i = len(outcomes)
+                outputs = list(done[i].values())
+                if not wait and not refs.ready(cases[i], outputs[0].accumulation):
+                    return
+                del done[i]
+                outcome = _checked(cases[i], refs, outputs, finished[i] - started.get(i, finished[i]))
+                outcomes.append(outcome)
+                self.on_outcome(outcome)
+
         world = LocalWorld(world_size, device=self.device, timeout_s=self.startup_timeout_s,
-                           pg_timeout_s=max(1.0, self.case_timeout_s / 2), name="moeshard-check-rank")
+                           pg_timeout_s=max(1.0, self.case_timeout_s / 2), name="moeshard-check-rank",
+                           preload=RANK_MODULES)
         with world:  # leaving it, Ctrl-C (KeyboardInterrupt) included, stops every rank
             world.start(_case_loop, (cases, self.device, world.channel, self.layer_factory))
             for event in world.events():
                 now = time.monotonic()
-                i = len(outcomes)
                 if event.kind == "message":
                     what, index, *rest = event.value
                     if what == "start" and index not in started:
                         started[index] = now
-                        if index == i:
+                        if index == w:
                             world.deadline = now + self.case_timeout_s
+                    elif what == "built":
+                        refs.start(cases[index], rest[0])
                     elif what == "done":
                         done.setdefault(index, {})[event.rank] = rest[0]
                     elif what == "case_error":
@@ -174,21 +263,21 @@ class Runner:
                         world.deadline = min(world.deadline, now + PEER_REPORT_S)
                 elif event.kind == "raised" and event.rank not in failed_ranks:
                     # raised outside any case (start-up, process groups): charge the current case
-                    errors.setdefault(i, {})[event.rank] = event.value
+                    errors.setdefault(w, {})[event.rank] = event.value
                     failed_ranks.add(event.rank)
                     world.deadline = min(world.deadline, now + PEER_REPORT_S)
                 elif event.kind == "died":
                     died.add(event.rank)
-                while i < len(cases) and len(done.get(i, {})) == world_size:
-                    outcome = summarize(cases[i], list(done[i].values()), now - started.get(i, now))
-                    outcomes.append(outcome)
-                    self.on_outcome(outcome)
-                    i += 1
-                    world.deadline = started.get(i, now) + self.case_timeout_s
-                if i == len(cases):
+                while w < len(cases) and len(done.get(w, {})) == world_size:
+                    finished[w] = now
+                    w += 1
+                    world.deadline = started.get(w, now) + self.case_timeout_s
+                report(wait=False)
+                if w == len(cases):
                     break
-                if died - done.get(i, {}).keys():
+                if died - done.get(w, {}).keys():
                     world.deadline = now  # a rank of this case is gone: it cannot finish
+            report(wait=True)
             clean = len(outcomes) == len(cases)
             if not clean:
                 i = len(outcomes)
@@ -205,7 +294,7 @@ class Runner:
             world.stop(CLEAN_EXIT_WAIT_S if clean else 0.0)
         return outcomes
 
-    def _describe_failure(self, world_size: int, done: dict[int, RankResult], errors: dict[int, RankError],
+    def _describe_failure(self, world_size: int, done: dict[int, RankOutput], errors: dict[int, RankError],
                           dead: dict[int, int], started_at: float | None, now: float) -> str:
         parts = []
         for rank, err in sorted(errors.items()):

@@ -87,7 +87,8 @@ class _Pickler(pickle.Pickler):
                 raise TypeError(f"cannot send a {obj.layout} / quantized tensor from a rank")
             raw = b""
             if obj.numel():
-                raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                flat = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                raw = ctypes.string_at(flat.data_ptr(), flat.numel())  # no numpy needed
             return _rebuild_tensor, (raw, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
         return NotImplemented
 

@@ -103,9 +103,19 @@ def fp8_quantize(x: Tensor, scale: Tensor) -> Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def fp8_float(q: Tensor) -> Tensor:
+    """``q.float()`` for float8_e4m3fn ``q``, exactly. On CPU, where torch converts float8 one
+    element at a time, as a gather from the 256 values of the format (a table made on the
+    device, no host copy), about 4x faster."""
+    if q.device.type != "cpu":
+        return q.float()
+    table = torch.arange(256, dtype=torch.int32, device=q.device).to(torch.uint8).view(FP8_DTYPE).float()
+    return table.index_select(0, to_wire(q).reshape(-1).int()).view(q.shape)
+
+
 def fp8_dequantize(q: Tensor, scale: Tensor) -> Tensor:
     """fp32 ``q.float() * scale`` (``scale`` broadcastable to ``q``)."""
-    return q.float() * scale
+    return fp8_float(q) * scale
 
 
 def to_wire(t: Tensor) -> Tensor:
