@@ -9,6 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moeshard.dispatch.all2all import All2AllBackend
 from moeshard.layer import MoELayer
 
 
@@ -50,3 +51,20 @@ class SleepsOnRank1(MoELayer):
         if dist.is_initialized() and dist.get_rank() == 1:
             time.sleep(600)
         return super().forward(x)
+
+
+class _SkipsCombineWhenEmpty(All2AllBackend):
+    def combine(self, y, dispatched):
+        if dispatched.state.num_tokens == 0:  # nothing of mine to get back: skip the exchange (the bug)
+            return torch.zeros(0, y.shape[1], dtype=torch.float32, device=y.device)
+        return super().combine(y, dispatched)
+
+
+class SkipsCombineWhenEmpty(MoELayer):
+    """all2all whose combine returns at once on a rank with no tokens, without entering the
+    all-to-all that sends its experts' rows back: its peers wait for them (a hang)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.backend, All2AllBackend):
+            self.backend = _SkipsCombineWhenEmpty(self.cfg, self.quant, self.groups)

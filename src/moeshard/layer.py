@@ -31,9 +31,11 @@ from moeshard.dispatch.base import DispatchBackend
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.experts import select_kernel
 from moeshard.experts.base import ExpertKernel, ExpertWeights
+from moeshard.parallel.collectives import all_reduce
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
+from moeshard.parallel.trace import traced
 from moeshard.quant import QuantizedWeight, scheme_names
 from moeshard.router import Routing, route, router_logits
 from moeshard.sharding import shard_experts, shard_spec
@@ -129,7 +131,8 @@ def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> 
     waiting in a later collective)."""
     mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=groups.device)
     table = [torch.empty_like(mine) for _ in range(groups.world_size)]
-    dist.all_gather(table, mine)
+    with traced(groups.trace, "all_gather", "world", mine):
+        dist.all_gather(table, mine)
     rows = torch.stack(table).cpu()
     for i, name in enumerate(fields):
         column = rows[:, i].tolist()
@@ -250,7 +253,7 @@ class MoELayer(nn.Module):
         y = self.kernel(d.input, self.experts.weights)
         out = self.backend.combine(y, d)
         if self.parallel.tp > 1 and not self.parallel.enable_ep:
-            dist.all_reduce(out, group=self.groups.tp_group)
+            all_reduce(out, self.groups.tp_group, "tp", trace=self.groups.trace)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -268,5 +271,5 @@ class MoELayer(nn.Module):
             out = out + shared.float()
         out = out.to(self.cfg.dtype)
         if p.is_sequence_parallel:
-            out = sequence_parallel_gather(out, chunk, self.groups.tp_group)
+            out = sequence_parallel_gather(out, chunk, self.groups.tp_group, trace=self.groups.trace)
         return out

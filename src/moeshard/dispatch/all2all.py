@@ -54,17 +54,18 @@ class All2AllBackend:
 
     def _counts(self, dest: torch.Tensor) -> tuple[list[int], list[int]]:
         send = torch.bincount(dest, minlength=self.ep_size)
+        trace = self.groups.trace
         if self.groups.side_group is not None:
-            recv = exchange_counts(send.cpu(), self.groups.side_group)
+            recv = exchange_counts(send.cpu(), self.groups.side_group, group_name="ep", trace=trace)
         else:
-            recv = exchange_counts(send, self.groups.ep_group)
+            recv = exchange_counts(send, self.groups.ep_group, group_name="ep", trace=trace)
         return send.tolist(), recv.tolist()
 
     def _exchange(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        return all_to_allv(t.contiguous(), send, recv, self.groups.ep_group, "ep")
+        return all_to_allv(t.contiguous(), send, recv, self.groups.ep_group, "ep", trace=self.groups.trace)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
-        p = prepare(x, self.quant, self.groups.ep_group)
+        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace)
         T, K = routing.topk_ids.shape
         ids = routing.topk_ids.reshape(-1)
         dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")

@@ -24,6 +24,7 @@ from moeshard.layer import MoELayer
 from moeshard.numerics import Reference
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
+from moeshard.parallel.trace import CollectiveTrace
 from moeshard.quant import scheme_names
 from moeshard.reference import reference_forward
 from moeshard.sharding import shard_spec
@@ -74,17 +75,18 @@ class CaseReference:
 
 
 class GroupsCache:
-    """Process groups per layout, built once per spawn (creating groups is collective and slow)."""
+    """Process groups per layout, built once per spawn (creating groups is collective and slow);
+    ``trace``: the rank's ``CollectiveTrace``, which every layout's groups record into."""
 
-    def __init__(self, side_channel: bool) -> None:
-        self.side_channel = side_channel
+    def __init__(self, side_channel: bool, trace: CollectiveTrace | None = None) -> None:
+        self.side_channel, self.trace = side_channel, trace
         self._groups: dict[ParallelConfig, ParallelGroups] = {}
 
     def get(self, parallel: ParallelConfig) -> ParallelGroups | None:
         if not torch.distributed.is_initialized():
             return None
         if parallel not in self._groups:
-            self._groups[parallel] = ParallelGroups.build(parallel, side_channel=self.side_channel)
+            self._groups[parallel] = ParallelGroups.build(parallel, side_channel=self.side_channel, trace=self.trace)
         return self._groups[parallel]
 
 

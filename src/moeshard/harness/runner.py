@@ -24,6 +24,7 @@ world's ``with`` block does).
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,9 +38,11 @@ from moeshard.harness.execute import (CaseReference, GroupsCache, RankOutput, Ra
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
 from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError, start_fork_server
+from moeshard.parallel.trace import CollectiveTrace, explain_divergence
 
 PEER_REPORT_S = 2.0
-RANK_MODULES = ("moeshard.harness.runner",)  # what the ranks import, once, in the fork server  # after a rank fails a case: how long its peers may take to report theirs
+RANK_MODULES = ("moeshard.harness.runner",)  # what the ranks import, once, in the fork server
+TRACE_CAPACITY = 64  # collectives each rank keeps in its trace (a case enters 5 to 15)  # after a rank fails a case: how long its peers may take to report theirs
 
 
 @dataclass
@@ -58,6 +61,7 @@ class CaseOutcome:
     seconds: float = 0.0
     ranks: list[RankResult] = field(default_factory=list)
     err_to_bound: float | None = None
+    explanation: list[str] = field(default_factory=list)
 
 
 def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutcome:
@@ -69,15 +73,20 @@ def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutc
                        sorted(results, key=lambda r: r.rank), max(r.err_to_bound for r in results))
 
 
-def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_factory: Callable) -> int:
-    """Runs inside each rank: every case in order; stops at the first case that raises."""
+def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_factory: Callable,
+               traces: list) -> int:
+    """Runs inside each rank: every case in order; stops at the first case that raises.
+    traces[rank]: this rank's shared buffer for its ``CollectiveTrace``, which the parent reads
+    when a case fails."""
     rank = torch.distributed.get_rank()
     # Several ranks share the machine's cores: one thread each avoids oversubscribed spinning.
     torch.set_num_threads(1)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    cache = GroupsCache(side_channel=device == "cuda")
+    trace = CollectiveTrace(TRACE_CAPACITY, traces[rank])
+    cache = GroupsCache(side_channel=device == "cuda", trace=trace)
     data = CaseData()
     for i, case in enumerate(cases):
+        trace.case = i
         channel.send(("start", i))
         try:
             output = run_layer(case, rank, dev, cache.get(case.parallel), layer_factory, data,
@@ -240,11 +249,12 @@ class Runner:
                 outcomes.append(outcome)
                 self.on_outcome(outcome)
 
+        traces = [CollectiveTrace.shared(TRACE_CAPACITY) for _ in range(world_size)]
         world = LocalWorld(world_size, device=self.device, timeout_s=self.startup_timeout_s,
                            pg_timeout_s=max(1.0, self.case_timeout_s / 2), name="moeshard-check-rank",
                            preload=RANK_MODULES)
         with world:  # leaving it, Ctrl-C (KeyboardInterrupt) included, stops every rank
-            world.start(_case_loop, (cases, self.device, world.channel, self.layer_factory))
+            world.start(_case_loop, (cases, self.device, world.channel, self.layer_factory, traces))
             for event in world.events():
                 now = time.monotonic()
                 if event.kind == "message":
@@ -286,7 +296,9 @@ class Runner:
                 dead = {r: code for r, code in world.exitcodes.items()
                         if code is not None and r not in failed_ranks and r not in case_done}
                 reason = self._describe_failure(world_size, case_done, errors.get(i, {}), dead, started.get(i), now)
-                outcome = CaseOutcome(cases[i], "error", reason, seconds=now - started[i] if i in started else 0.0)
+                diff = _collective_diff(cases[i], i, traces, case_done, errors.get(i, {}), dead, failed_ranks, errors)
+                outcome = CaseOutcome(cases[i], "error", reason, seconds=now - started[i] if i in started else 0.0,
+                                      explanation=diff)
                 outcomes.append(outcome)
                 self.on_outcome(outcome)
             # After a clean run the ranks are only tearing down their groups: let them exit on
@@ -311,3 +323,50 @@ class Runner:
         if done:
             parts.append(f"ranks {sorted(done)} finished")
         return "; ".join(parts)
+
+
+def _where(err: RankError) -> str:
+    """``file:line function`` of the innermost frame of a rank's traceback that is not torch's
+    (from ``moeshard/`` on)."""
+    frames = []
+    for line in err.traceback.splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            path, _, rest = line[6:].partition('", line ')
+            number, _, func = rest.partition(", in ")
+            frames.append((path.replace("\\", "/"), number, func))
+    ours = [f for f in frames if "/torch/" not in f[0]] or frames
+    if not ours:
+        return "?"
+    path, number, func = ours[-1]
+    path = path.split("moeshard/", 1)[-1] if "moeshard/" in path else path.rsplit("/", 1)[-1]
+    return f"{path}:{number} {func}"
+
+
+def _first_line(message: str) -> str:
+    """A rank's error message, first line, without gloo's ``[file.cc:123] `` prefix."""
+    line = (message.splitlines() or [""])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", line)[:160]
+
+
+def _collective_diff(case: Case, index: int, traces: list, done: dict[int, RankOutput],
+                     case_errors: dict[int, RankError], dead: dict[int, int], failed_ranks: set[int],
+                     all_errors: dict[int, dict[int, RankError]]) -> list[str]:
+    """Where the ranks' collective sequences for case ``index`` part (see
+    ``moeshard.parallel.trace.explain_divergence``), from the traces they left in shared memory."""
+    outcome: dict[int, str] = {}
+    for rank in range(len(traces)):
+        if rank in case_errors:
+            err = case_errors[rank]
+            outcome[rank] = f"it raised {err.type_name} ({_first_line(err.message)}) at {_where(err)}"
+        elif rank in done:
+            later = [i for i, errs in all_errors.items() if i > index and rank in errs]
+            outcome[rank] = "it finished the case" + (f" and went on to case {later[0]}" if later else "")
+        elif rank in dead:
+            outcome[rank] = f"it died (exit code {dead[rank]})"
+        else:
+            outcome[rank] = "it sent nothing more (still inside, or stopped)"
+    entries = {rank: CollectiveTrace(TRACE_CAPACITY, buffer).entries() for rank, buffer in enumerate(traces)}
+    ep = list(range(len(traces))) if case.parallel.enable_ep else None
+    return explain_divergence(entries, index, len(traces), outcome, ep)
+
