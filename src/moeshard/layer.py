@@ -36,9 +36,10 @@ from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
 from moeshard.parallel.trace import traced
-from moeshard.quant import QuantizedWeight, scheme_names
+from moeshard.quant import QuantizedActivations, QuantizedWeight, scheme_names, to_wire
 from moeshard.router import Routing, route, router_logits
 from moeshard.sharding import shard_experts, shard_spec
+from moeshard.stages import StageRecorder
 from moeshard.weights import SHARED_ALIASES, MoEWeights
 
 
@@ -141,6 +142,17 @@ def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> 
                              + ", ".join(f"rank {r}={_name(v)}" for r, v in enumerate(column)))
 
 
+def _record_dispatched(rec: StageRecorder, inp, first_expert: int) -> None:
+    """The experts' input as received (wire views, so that bytes can be compared)."""
+    x = inp.x
+    if isinstance(x, QuantizedActivations):
+        rows, scale, tensor_scale = to_wire(x.data), None if x.row_scale is None else to_wire(x.row_scale), x.tensor_scale
+    else:
+        rows, scale, tensor_scale = x, None, None
+    rec.record("dispatch", rows=rows, row_scale=scale, tensor_scale=tensor_scale, expert_ids=inp.expert_ids,
+               repeat=inp.repeat, first_expert=first_expert)
+
+
 class MoELayer(nn.Module):
     """One MoE block.
 
@@ -151,7 +163,9 @@ class MoELayer(nn.Module):
     local_experts: this rank's routed experts already sharded (and quantized) for ``quant`` and
     the layout, e.g. read slice by slice from a checkpoint; then ``weights.gate_up`` and
     ``weights.down`` may be None;
-    device: where this rank computes (default ``groups.device`` or CPU).
+    device: where this rank computes (default ``groups.device`` or CPU);
+    recorder: a ``moeshard.stages.StageRecorder`` that keeps a copy of every stage of the next
+    forward on this rank (``moeshard check --explain``); None: nothing is recorded.
 
     Cross-rank precondition: every rank of the world constructs the layer with the same cfg,
     quant, layout and backend (checked here by one all-gather) and calls ``forward`` the same
@@ -160,7 +174,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig | None = None, groups: ParallelGroups | None = None,
                  backend: str | None = None, weights: MoEWeights | None = None,
-                 local_experts: ExpertWeights | None = None, device=None) -> None:
+                 local_experts: ExpertWeights | None = None, device=None,
+                 recorder: StageRecorder | None = None) -> None:
         super().__init__()
         quant = quant or QuantConfig()
         parallel = groups.config if groups is not None else ParallelConfig()
@@ -201,6 +216,8 @@ class MoELayer(nn.Module):
             self.shared_expert_gate.weight = nn.Parameter(weights.shared_expert_gate.clone(), requires_grad=False)
         self.to(self.device)
         self.backend: DispatchBackend = BACKENDS[backend].factory(cfg, quant, groups)
+        self.recorder = recorder
+        self.backend.recorder = recorder
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
 
     @property
@@ -247,29 +264,53 @@ class MoELayer(nn.Module):
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global expert ids)."""
         return route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias)
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] rows this rank routes -> fp32 [T, H] routed-expert output (TP-reduced)."""
-        d = self.backend.dispatch(x, self.route(x))
+    def _routed(self, x: torch.Tensor, first_token: int = 0) -> torch.Tensor:
+        """x: [T, H] rows this rank routes (rows ``first_token``.. of its DP rank's tokens) ->
+        fp32 [T, H] routed-expert output (TP-reduced)."""
+        rec = self.recorder
+        routing = self.route(x)
+        if rec is not None:
+            rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_token)
+        d = self.backend.dispatch(x, routing)
+        if rec is not None:
+            _record_dispatched(rec, d.input, self.shard.expert_start)
         y = self.kernel(d.input, self.experts.weights)
+        if rec is not None:
+            rec.record("experts", y=y)
         out = self.backend.combine(y, d)
+        if rec is not None:
+            rec.record("combine", out=out)
         if self.parallel.tp > 1 and not self.parallel.enable_ep:
             all_reduce(out, self.groups.tp_group, "tp", trace=self.groups.trace)
+            if rec is not None:
+                rec.record("tp_reduce", out=out)
         return out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] rows this rank routes -> fp32 [T, H] the shared experts' contribution."""
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] in ``cfg.dtype`` on this rank's device (T may be 0 and may differ per DP
         rank; identical on the TP ranks of one DP rank) -> [T, H] in ``cfg.dtype``."""
         self._check_input(x)
         p = self.parallel
+        first = 0
         if p.is_sequence_parallel:
             x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
-        out = self._routed(x)
+            first = chunk.start
+        out = self._routed(x, first)
         if self.shared_experts is not None:
-            shared = self.shared_experts(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared.float()
+            shared = self._shared(x)
+            if self.recorder is not None:
+                self.recorder.record("shared", out=shared)
+            out = out + shared
         out = out.to(self.cfg.dtype)
         if p.is_sequence_parallel:
             out = sequence_parallel_gather(out, chunk, self.groups.tp_group, trace=self.groups.trace)
+        if self.recorder is not None:
+            self.recorder.record("output", out=out)
         return out

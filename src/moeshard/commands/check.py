@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--list", action="store_true", help="list the cases (and skip reasons) without running")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one case may take before it counts as hung")
+    p.add_argument("--explain", action="store_true", help="record every stage on every rank and name the first stage, "
+                                                          "rank, token and expert that leave the bound (every case "
+                                                          "with --only, else the failing ones)")
     p.add_argument("--verbose", "-v", action="store_true", help="print every case in the table (default: one row "
                                                                 "per layout x backend)")
     p.add_argument("--show-skipped", action="store_true", dest="verbose", help=argparse.SUPPRESS)
@@ -90,7 +93,8 @@ def run(args) -> int:
             if o.status in ("fail", "error"):
                 progress.console.print(f"[bold red]{o.status}[/] {o.case.id}: {o.reason}", highlight=False)
 
-        outcomes = Runner(args.device, case_timeout_s=args.timeout, on_outcome=on_outcome).run(cases)
+        explain = ("all" if args.only else "failing") if args.explain else ""
+        outcomes = Runner(args.device, case_timeout_s=args.timeout, on_outcome=on_outcome, explain=explain).run(cases)
     wall = time.monotonic() - start
     if args.verbose:
         report.print_table(console, outcomes)

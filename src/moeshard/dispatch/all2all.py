@@ -23,6 +23,7 @@ from moeshard.dispatch.payload import prepare
 from moeshard.parallel.collectives import all_to_allv, exchange_counts
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
+from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class All2AllState:
 
 class All2AllBackend:
     name = "all2all"
+    recorder: StageRecorder | None = None  # set by the layer when it records its stages
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups) -> None:
         if groups is None or groups.ep_group is None:
@@ -65,7 +67,7 @@ class All2AllBackend:
         return all_to_allv(t.contiguous(), send, recv, self.groups.ep_group, "ep", trace=self.groups.trace)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
-        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace)
+        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace, self.recorder)
         T, K = routing.topk_ids.shape
         ids = routing.topk_ids.reshape(-1)
         dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")

@@ -19,6 +19,7 @@ from moeshard.dispatch.payload import prepare
 from moeshard.parallel.collectives import all_gatherv, exchange_sizes, reduce_scatterv
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
+from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class GatherState:
 
 class AllGatherReduceScatterBackend:
     name = "allgather_reducescatter"
+    recorder: StageRecorder | None = None  # set by the layer when it records its stages
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups) -> None:
         if groups is None or groups.ep_group is None:
@@ -47,7 +49,7 @@ class AllGatherReduceScatterBackend:
         return all_gatherv(t.contiguous(), sizes, self.groups.ep_group, "ep", trace=self.groups.trace)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
-        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace)
+        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace, self.recorder)
         sizes = exchange_sizes(x.shape[0], self.groups.ep_group, x.device, group_name="ep", trace=self.groups.trace)
         x_all = self._gather(p.rows, sizes)
         scale_all = None if p.row_scale is None else self._gather(p.row_scale, sizes)

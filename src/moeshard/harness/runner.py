@@ -35,6 +35,7 @@ import torch
 from moeshard.harness.cases import Case
 from moeshard.harness.execute import (CaseReference, GroupsCache, RankOutput, RankResult, case_reference,
                                       check_rank, run_layer)
+from moeshard.harness.explain import StageReport, explain_case
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
 from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError, start_fork_server
@@ -62,6 +63,7 @@ class CaseOutcome:
     ranks: list[RankResult] = field(default_factory=list)
     err_to_bound: float | None = None
     explanation: list[str] = field(default_factory=list)
+    stages: StageReport | None = None
 
 
 def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutcome:
@@ -74,10 +76,10 @@ def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutc
 
 
 def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_factory: Callable,
-               traces: list) -> int:
+               traces: list, record: bool = False) -> int:
     """Runs inside each rank: every case in order; stops at the first case that raises.
     traces[rank]: this rank's shared buffer for its ``CollectiveTrace``, which the parent reads
-    when a case fails."""
+    when a case fails; record: send every stage's values too (``--explain``)."""
     rank = torch.distributed.get_rank()
     # Several ranks share the machine's cores: one thread each avoids oversubscribed spinning.
     torch.set_num_threads(1)
@@ -90,7 +92,8 @@ def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_facto
         channel.send(("start", i))
         try:
             output = run_layer(case, rank, dev, cache.get(case.parallel), layer_factory, data,
-                               on_built=lambda accumulation, i=i: channel.send(("built", i, accumulation)))
+                               on_built=lambda accumulation, i=i: channel.send(("built", i, accumulation)),
+                               record=record)
         except BaseException as exc:  # noqa: BLE001 - reported with the case id, then this rank stops
             channel.send(("case_error", i, RankError.of(rank, exc)))
             raise
@@ -127,13 +130,24 @@ class References:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _checked(case: Case, refs: References, outputs: list[RankOutput], seconds: float) -> CaseOutcome:
-    """Every rank's rows compared with the case's reference (computed for rank 0's kernel)."""
+def _checked(case: Case, refs: References, outputs: list[RankOutput], seconds: float, explain: str = "",
+             data: CaseData | None = None) -> CaseOutcome:
+    """Every rank's rows compared with the case's reference (computed for rank 0's kernel);
+    explain: "all" or "failing" (which cases get a stage report), "" for none."""
     try:
         reference = refs.take(case, outputs[0].accumulation)
     except Exception as exc:  # noqa: BLE001 - the case cannot be judged; the run goes on
         return CaseOutcome(case, "error", f"the reference raised {type(exc).__name__}: {exc}", seconds=seconds)
-    return summarize(case, [check_rank(case, reference, o) for o in sorted(outputs, key=lambda o: o.rank)], seconds)
+    outcome = summarize(case, [check_rank(case, reference, o) for o in sorted(outputs, key=lambda o: o.rank)], seconds)
+    if explain == "all" or (explain == "failing" and outcome.status == "fail"):
+        try:
+            report = explain_case(case, outputs, outputs[0].accumulation, data)
+        except Exception as exc:  # noqa: BLE001 - an explanation that fails must not hide the verdict
+            outcome.explanation = [f"--explain failed: {type(exc).__name__}: {exc}"]
+        else:
+            outcome.stages = report
+            outcome.explanation = [report.headline, *report.lines]
+    return outcome
 
 
 class Runner:
@@ -141,15 +155,20 @@ class Runner:
 
     case_timeout_s: the most one case may take on all its ranks before it is declared hung.
     startup_timeout_s: the most a spawn may take before its first case starts.
+    explain: "" (no stage recording), "failing" (the ranks record every stage and failing cases
+    get a ``StageReport``) or "all" (every case gets one).
     """
 
     def __init__(self, device: str = "cpu", case_timeout_s: float = 60.0, startup_timeout_s: float = 120.0,
                  layer_factory: Callable[..., MoELayer] = MoELayer,
-                 on_outcome: Callable[[CaseOutcome], None] = lambda o: None) -> None:
+                 on_outcome: Callable[[CaseOutcome], None] = lambda o: None, explain: str = "") -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"--device: {device!r} is not one of ['cpu', 'cuda']")
+        if explain not in ("", "failing", "all"):
+            raise ValueError(f"Runner.explain: {explain!r} is not one of ['', 'failing', 'all']")
         self.device, self.case_timeout_s, self.startup_timeout_s = device, case_timeout_s, startup_timeout_s
-        self.layer_factory, self.on_outcome = layer_factory, on_outcome
+        self.layer_factory, self.on_outcome, self.explain = layer_factory, on_outcome, explain
+        self._explain_data = CaseData()
 
     def run(self, cases: list[Case]) -> list[CaseOutcome]:
         """Outcomes in the order of ``cases``; cases the matrix refused are reported (not
@@ -195,8 +214,9 @@ class Runner:
             start = time.monotonic()
             try:
                 output = run_layer(case, 0, dev, None, self.layer_factory, data,
-                                   on_built=lambda accumulation, case=case: refs.start(case, accumulation))
-                outcome = _checked(case, refs, [output], time.monotonic() - start)
+                                   on_built=lambda accumulation, case=case: refs.start(case, accumulation),
+                                   record=bool(self.explain))
+                outcome = _checked(case, refs, [output], time.monotonic() - start, self.explain, self._explain_data)
             except Exception as exc:  # noqa: BLE001 - a case that raises is an error, the run goes on
                 outcome = CaseOutcome(case, "error", f"rank 0 raised {type(exc).__name__}: {exc}",
                                       seconds=time.monotonic() - start)
@@ -245,7 +265,8 @@ class Runner:
                 if not wait and not refs.ready(cases[i], outputs[0].accumulation):
                     return
                 del done[i]
-                outcome = _checked(cases[i], refs, outputs, finished[i] - started.get(i, finished[i]))
+                outcome = _checked(cases[i], refs, outputs, finished[i] - started.get(i, finished[i]), self.explain,
+                                   self._explain_data)
                 outcomes.append(outcome)
                 self.on_outcome(outcome)
 
@@ -254,7 +275,8 @@ class Runner:
                            pg_timeout_s=max(1.0, self.case_timeout_s / 2), name="moeshard-check-rank",
                            preload=RANK_MODULES)
         with world:  # leaving it, Ctrl-C (KeyboardInterrupt) included, stops every rank
-            world.start(_case_loop, (cases, self.device, world.channel, self.layer_factory, traces))
+            world.start(_case_loop, (cases, self.device, world.channel, self.layer_factory, traces,
+                                     bool(self.explain)))
             for event in world.events():
                 now = time.monotonic()
                 if event.kind == "message":

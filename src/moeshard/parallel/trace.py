@@ -222,7 +222,7 @@ def explain_divergence(traces: dict[int, list[TraceEntry]], case: int, world_siz
     if not seqs:
         return ["no rank left a collective trace"]
     longest = max(len(s) for s in seqs.values())
-    position = None
+    position, problems = None, []
     for k in range(longest):
         here = {r: s[k] for r, s in seqs.items() if k < len(s)}
         ops = {(e.op, e.group) for e in here.values()}
@@ -232,7 +232,6 @@ def explain_divergence(traces: dict[int, list[TraceEntry]], case: int, world_siz
             break
         problems = _consistency(here, ep_members)
         if problems:
-            lines.append(f"at collective #{k + 1} of the case: " + "; ".join(problems))
             position = k
             break
     if position is None:
@@ -262,7 +261,11 @@ def explain_divergence(traces: dict[int, list[TraceEntry]], case: int, world_siz
     ops = {e.op for r, s in seqs.items() if k < len(s) for e in [s[k]]}
     if len(ops) > 1:
         inside.insert(0, "the ranks entered different collectives")
-    lines.insert(0, f"ranks part at collective #{k + 1} of the case: " + "; ".join(inside + never))
+    if problems:
+        op = next(iter(seqs.values()))[k].op
+        lines.insert(0, f"the sizes of collective #{k + 1} of the case ({op}) do not fit: " + "; ".join(problems))
+    else:
+        lines.insert(0, f"ranks part at collective #{k + 1} of the case: " + "; ".join(inside + never))
     lines.extend(details)
     if missing:
         lines.append(f"ranks {missing} left no trace")
