@@ -168,3 +168,20 @@ class TiesBrokenHighOnRank1(MoELayer):
         if self.cfg.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         return Routing(ids, weights * self.cfg.routed_scaling_factor)
+
+
+class _MiscountsOnRank1(AllGatherReduceScatterBackend):
+    def _gather(self, t, sizes):
+        if self.groups.rank == 1:
+            sizes = [s + 1 if i == 1 else s for i, s in enumerate(sizes)]  # its own count off by one
+        return super()._gather(t, sizes)
+
+
+class MiscountsOnRank1(MoELayer):
+    """allgather_reducescatter whose rank 1 believes it holds one row more than it does: the
+    size check of all_gatherv refuses on rank 1 while rank 0 waits in the all-gather."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.backend, AllGatherReduceScatterBackend):
+            _with_backend(self, _MiscountsOnRank1(self.cfg, self.quant, self.groups))

@@ -173,3 +173,16 @@ def test_cli_explain_json(tmp_path, capsys):
     (case,) = json.loads(path.read_text())["cases"]
     assert case["stages"]["first"] is None and case["explanation"][0] == "every stage within its bound on every rank"
     assert "explain: every stage within its bound" in capsys.readouterr().out
+
+
+def test_a_size_mismatch_caught_by_the_size_checks_is_diffed_too():
+    case = _case("dp2-tp1-ep", "none", "allgather_reducescatter", (3, 5), preset="mixtral-8x7b", dtype="float32")
+    (o,) = Runner(layer_factory=faults.MiscountsOnRank1, case_timeout_s=20).run([case])
+    assert o.status == "error" and "CollectiveSizeError" in o.reason
+    head = o.explanation[0]
+    assert head.startswith("ranks part at collective #3 of the case:"), o.explanation
+    assert "rank 1 failed in all_gatherv (ep)" in head and "rank 0 " in head, head
+    assert "the sizes do not fit: the ranks of all_gatherv disagree on the sizes: rank 0 [3, 5], rank 1 [3, 6]" \
+        in o.explanation, o.explanation
+    assert any("rank 1 was inside all_gatherv #3 (ep, sizes [3, 6]" in line and "CollectiveSizeError" in line
+               for line in o.explanation), o.explanation

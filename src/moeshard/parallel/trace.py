@@ -229,6 +229,10 @@ def explain_divergence(traces: dict[int, list[TraceEntry]], case: int, world_siz
         unfinished = [r for r, e in here.items() if e.state != RETURNED]
         if len(here) < len(seqs) or len(ops) > 1 or unfinished:
             position = k
+            if len(here) == len(seqs) and len(ops) == 1:  # same collective everywhere: do the sizes fit?
+                mismatch = _consistency(here, ep_members)
+                if mismatch:
+                    lines.append("the sizes do not fit: " + "; ".join(mismatch))
             break
         problems = _consistency(here, ep_members)
         if problems:
