@@ -5,11 +5,19 @@ reference, so this module must be importable in spawned ranks (tests/ is on sys.
 """
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+import moeshard.dispatch.all2all as all2all_module
+from moeshard.dispatch.all2all import All2AllBackend
+from moeshard.dispatch.allgather_reducescatter import AllGatherReduceScatterBackend
+from moeshard.dispatch.base import Dispatched
+from moeshard.experts.base import ExpertInput
 from moeshard.layer import MoELayer
+from moeshard.quant import QuantizedActivations
+from moeshard.router import Routing, route, router_logits
 
 
 def _dp_rank(layer: MoELayer) -> int:
@@ -88,3 +96,130 @@ def report_nobody_reads(queue) -> None:
 def gloo_interface() -> str | None:
     import os
     return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+class _SkipsCombineWhenEmpty(All2AllBackend):
+    recorder = None
+
+    def combine(self, y, dispatched):
+        if dispatched.state.row_of_pair.shape[0] == 0:  # nothing of mine to get back: skip the exchange (the bug)
+            return torch.zeros(0, y.shape[1], dtype=torch.float32, device=y.device)
+        return super().combine(y, dispatched)
+
+
+class SkipsCombineWhenEmpty(MoELayer):
+    """all2all whose combine returns at once on a rank with no tokens, without entering the
+    all-to-all that sends its experts' rows back: its peers wait for them (a hang)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.backend, All2AllBackend):
+            _with_backend(self, _SkipsCombineWhenEmpty(self.cfg, self.quant, self.groups))
+
+
+# -- planted faults that `moeshard check --explain` must explain (tests/test_explain.py) --------
+
+def _with_backend(layer: MoELayer, backend) -> None:
+    """Replaces the layer's backend by a faulty one, keeping its stage recorder."""
+    backend.recorder = layer.recorder
+    layer.backend = backend
+
+
+class _DropsLastRowOnRank1(AllGatherReduceScatterBackend):
+    def dispatch(self, x, routing):
+        d = super().dispatch(x, routing)
+        inp, state = d.input, d.state
+        if self.groups.rank != 1 or inp.num_rows == 0:
+            return d
+        keep = torch.arange(inp.num_rows - 1)
+        rows = inp.x.index_rows(keep) if isinstance(inp.x, QuantizedActivations) else inp.x[keep]
+        return Dispatched(ExpertInput(rows, inp.expert_ids[keep], inp.input_amax),
+                          replace(state, token_of_row=state.token_of_row[keep], weights=state.weights[keep]))
+
+
+class DropsRowUnderSP(MoELayer):
+    """allgather_reducescatter that loses the last row it dispatches, on rank 1, under SP only."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.parallel.is_sequence_parallel and isinstance(self.backend, AllGatherReduceScatterBackend):
+            _with_backend(self, _DropsLastRowOnRank1(self.cfg, self.quant, self.groups))
+
+
+class MisScaledTPSlice(MoELayer):
+    """Expert 1's slice of the intermediate dimension on TP rank 1 is 3% too large (EP off)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.shard.tp_size > 1 and self.shard.tp_rank == 1 and self.quant.scheme == "none":
+            with torch.no_grad():
+                self.experts.down_proj[1] *= 1.03
+
+
+class _ScalesReversedOnRank0(All2AllBackend):
+    def dispatch(self, x, routing):
+        # all2all packs each routed copy's row, scales and expert id into one slot: rank 0 packs
+        # its rows with their scales in reverse token order (the rows themselves right)
+        original = all2all_module.pack
+
+        def pack(slots, index, payload, token_rows, expert_ids, layout):
+            if self.groups.rank == 0 and payload.row_scale is not None:
+                payload = replace(payload, row_scale=payload.row_scale.flip(0))
+            return original(slots, index, payload, token_rows, expert_ids, layout)
+
+        all2all_module.pack = pack
+        try:
+            return super().dispatch(x, routing)
+        finally:
+            all2all_module.pack = original
+
+
+class ScalesReversedInDispatch(MoELayer):
+    """all2all whose rank 0 sends the rows' scales in reverse order (the rows themselves right)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.backend, All2AllBackend):
+            _with_backend(self, _ScalesReversedOnRank0(self.cfg, self.quant, self.groups))
+
+
+class SharedTwiceUnderSP(MoELayer):
+    """Under SP, the shared experts' contribution is added twice."""
+
+    def _shared(self, x):
+        shared = super()._shared(x)
+        return 2 * shared if self.parallel.is_sequence_parallel else shared
+
+
+class TiesBrokenHighOnRank1(MoELayer):
+    """Rank 1 breaks near-ties (logits within 5e-2 of each other, by a per-index nudge) in
+    favour of the higher expert index; weights stay the scores of the chosen experts."""
+
+    def route(self, x):
+        if not (dist.is_initialized() and dist.get_rank() == 1):
+            return super().route(x)
+        logits = router_logits(x, self.gate.weight)
+        nudge = 5e-2 * torch.arange(self.cfg.num_experts, dtype=logits.dtype) / self.cfg.num_experts
+        ids = route(logits + nudge, self.cfg, self.gate.e_score_correction_bias).topk_ids
+        scores = logits.softmax(dim=-1) if self.cfg.scoring == "softmax" else logits.sigmoid()
+        weights = scores.gather(1, ids)
+        if self.cfg.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return Routing(ids, weights * self.cfg.routed_scaling_factor)
+
+
+class _MiscountsOnRank1(AllGatherReduceScatterBackend):
+    def _gather(self, t, sizes):
+        if self.groups.rank == 1:
+            sizes = [s + 1 if i == 1 else s for i, s in enumerate(sizes)]  # its own count off by one
+        return super()._gather(t, sizes)
+
+
+class MiscountsOnRank1(MoELayer):
+    """allgather_reducescatter whose rank 1 believes it holds one row more than it does: the
+    size check of all_gatherv refuses on rank 1 while rank 0 waits in the all-gather."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.backend, AllGatherReduceScatterBackend):
+            _with_backend(self, _MiscountsOnRank1(self.cfg, self.quant, self.groups))

@@ -31,12 +31,15 @@ from moeshard.dispatch.base import DispatchBackend
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.experts import select_kernel
 from moeshard.experts.base import ExpertKernel, ExpertWeights
+from moeshard.parallel.collectives import all_reduce
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
-from moeshard.quant import QuantizedWeight, scheme_names
+from moeshard.parallel.trace import traced
+from moeshard.quant import QuantizedActivations, QuantizedWeight, scheme_names, to_wire
 from moeshard.router import Routing, route, router_logits
 from moeshard.sharding import shard_experts, shard_spec
+from moeshard.stages import StageRecorder
 from moeshard.weights import SHARED_ALIASES, MoEWeights
 
 
@@ -129,13 +132,25 @@ def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> 
     waiting in a later collective)."""
     mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=groups.device)
     table = [torch.empty_like(mine) for _ in range(groups.world_size)]
-    dist.all_gather(table, mine)
+    with traced(groups.trace, "all_gather", "world", mine):
+        dist.all_gather(table, mine)
     rows = torch.stack(table).cpu()
     for i, name in enumerate(fields):
         column = rows[:, i].tolist()
         if len(set(column)) > 1:
             raise ValueError(f"MoELayer (rank {groups.rank}): ranks disagree on {name}: "
                              + ", ".join(f"rank {r}={_name(v)}" for r, v in enumerate(column)))
+
+
+def _record_dispatched(rec: StageRecorder, inp, first_expert: int) -> None:
+    """The experts' input as received (wire views, so that bytes can be compared)."""
+    x = inp.x
+    if isinstance(x, QuantizedActivations):
+        rows, scale, tensor_scale = to_wire(x.data), None if x.row_scale is None else to_wire(x.row_scale), x.tensor_scale
+    else:
+        rows, scale, tensor_scale = x, None, None
+    rec.record("dispatch", rows=rows, row_scale=scale, tensor_scale=tensor_scale, expert_ids=inp.expert_ids,
+               repeat=inp.repeat, first_expert=first_expert)
 
 
 class MoELayer(nn.Module):
@@ -151,6 +166,8 @@ class MoELayer(nn.Module):
     device: where this rank computes (default ``groups.device`` or CPU);
     max_tokens_per_rank: the most tokens one ``forward`` hands a rank (None: unbounded); backends
     with fixed-capacity buffers (``low_latency``) need it, and ``forward`` refuses more.
+    recorder: a ``moeshard.stages.StageRecorder`` that keeps a copy of every stage of the next
+    forward on this rank (``moeshard check --explain``); None: nothing is recorded.
 
     On CUDA the shared experts run on a side stream while the routed path is dispatched and
     computed (``overlap_shared``, default on), and are joined before they are added.
@@ -163,7 +180,7 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, quant: QuantConfig | None = None, groups: ParallelGroups | None = None,
                  backend: str | None = None, weights: MoEWeights | None = None,
                  local_experts: ExpertWeights | None = None, device=None,
-                 max_tokens_per_rank: int | None = None) -> None:
+                 max_tokens_per_rank: int | None = None, recorder: StageRecorder | None = None) -> None:
         super().__init__()
         quant = quant or QuantConfig()
         parallel = groups.config if groups is not None else ParallelConfig()
@@ -216,6 +233,8 @@ class MoELayer(nn.Module):
         self.backend: DispatchBackend = BACKENDS[backend].factory(cfg, quant, groups, routed_max)
         self.overlap_shared = self.device.type == "cuda"
         self._side_stream = None
+        self.recorder = recorder
+        self.backend.recorder = recorder
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
 
     @property
@@ -269,17 +288,30 @@ class MoELayer(nn.Module):
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global expert ids)."""
         return route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias)
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] rows this rank routes -> fp32 [T, H] routed-expert output (TP-reduced)."""
-        d = self.backend.dispatch(x, self.route(x))
+    def _routed(self, x: torch.Tensor, first_token: int = 0) -> torch.Tensor:
+        """x: [T, H] rows this rank routes (rows ``first_token``.. of its DP rank's tokens) ->
+        fp32 [T, H] routed-expert output (TP-reduced)."""
+        rec = self.recorder
+        routing = self.route(x)
+        if rec is not None:
+            rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_token)
+        d = self.backend.dispatch(x, routing)
+        if rec is not None:
+            _record_dispatched(rec, d.input, self.shard.expert_start)
         y = self.kernel(d.input, self.experts.weights)
+        if rec is not None:
+            rec.record("experts", y=y)
         out = self.backend.combine(y, d)
+        if rec is not None:
+            rec.record("combine", out=out)
         if self.parallel.tp > 1 and not self.parallel.enable_ep:
-            dist.all_reduce(out, group=self.groups.tp_group)
+            all_reduce(out, self.groups.tp_group, "tp", trace=self.groups.trace)
+            if rec is not None:
+                rec.record("tp_reduce", out=out)
         return out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared experts on x [T, H] (gated for Qwen2-MoE), fp32 [T, H]."""
+        """x: [T, H] rows this rank routes -> fp32 [T, H] the shared experts' contribution."""
         shared = self.shared_experts(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -291,8 +323,10 @@ class MoELayer(nn.Module):
         in ``cfg.dtype``."""
         self._check_input(x)
         p = self.parallel
+        first = 0
         if p.is_sequence_parallel:
             x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
+            first = chunk.start
         shared = None
         if self.shared_experts is not None and self.overlap_shared and x.is_cuda:
             # Independent of dispatch: overlap it (the side stream waits for x, the main stream
@@ -304,17 +338,21 @@ class MoELayer(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = self._shared(x)
-            out = self._routed(x)
+            out = self._routed(x, first)
             main.wait_stream(side)
             if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
                 shared.record_stream(main)
         else:
-            out = self._routed(x)
+            out = self._routed(x, first)
             if self.shared_experts is not None:
                 shared = self._shared(x)
         if shared is not None:
+            if self.recorder is not None:
+                self.recorder.record("shared", out=shared)
             out = out + shared
         out = out.to(self.cfg.dtype)
         if p.is_sequence_parallel:
-            out = sequence_parallel_gather(out, chunk, self.groups.tp_group)
+            out = sequence_parallel_gather(out, chunk, self.groups.tp_group, trace=self.groups.trace)
+        if self.recorder is not None:
+            self.recorder.record("output", out=out)
         return out

@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds one case may take before it counts as hung (finite, > 0)")
+    p.add_argument("--explain", action="store_true", help="record every stage on every rank and name the first stage, "
+                                                          "rank, token and expert that leave the bound (every case "
+                                                          "with --only, else the failing ones)")
     p.add_argument("--verbose", "-v", action="store_true", help="print every case in the table (default: one row "
                                                                 "per layout x backend)")
     p.add_argument("--show-skipped", action="store_true", dest="verbose", help=argparse.SUPPRESS)
@@ -147,7 +150,9 @@ def run(args) -> int:
                     progress.console.print(f"[bold red]{o.status}[/] {escape(o.case.id)}: {escape(o.reason)}",
                                            highlight=False)
 
-            outcomes = Runner(args.device, case_timeout_s=case_timeout, on_outcome=on_outcome).run(cases)
+            explain = ("all" if args.only else "failing") if args.explain else ""
+            outcomes = Runner(args.device, case_timeout_s=case_timeout, on_outcome=on_outcome,
+                              explain=explain).run(cases)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the ranks are stopped; report what ran
         interrupted = exc
         name = signal.Signals(exc.signum).name if isinstance(exc, Terminated) else "SIGINT"

@@ -25,6 +25,7 @@ from moeshard.dispatch.payload import prepare
 from moeshard.parallel.collectives import all_to_allv, exchange_counts
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
+from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class All2AllState:
 
 class All2AllBackend:
     name = "all2all"
+    recorder: StageRecorder | None = None  # set by the layer when it records its stages
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups) -> None:
         if groups is None or groups.ep_group is None:
@@ -55,17 +57,18 @@ class All2AllBackend:
 
     def _counts(self, dest: torch.Tensor) -> tuple[list[int], list[int]]:
         send = torch.bincount(dest, minlength=self.ep_size)
+        trace = self.groups.trace
         if self.groups.side_group is not None:
-            recv = exchange_counts(send.cpu(), self.groups.side_group)
+            recv = exchange_counts(send.cpu(), self.groups.side_group, group_name="ep", trace=trace)
         else:
-            recv = exchange_counts(send, self.groups.ep_group)
+            recv = exchange_counts(send, self.groups.ep_group, group_name="ep", trace=trace)
         return send.tolist(), recv.tolist()
 
     def _exchange(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        return all_to_allv(t.contiguous(), send, recv, self.groups.ep_group, "ep")
+        return all_to_allv(t.contiguous(), send, recv, self.groups.ep_group, "ep", trace=self.groups.trace)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
-        p = prepare(x, self.quant, self.groups.ep_group)
+        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace, self.recorder)
         T, K = routing.topk_ids.shape
         ids = routing.topk_ids.reshape(-1)
         dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")

@@ -19,6 +19,7 @@ from moeshard.dispatch.payload import prepare
 from moeshard.parallel.collectives import all_gatherv, exchange_sizes, reduce_scatterv
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
+from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class GatherState:
 
 class AllGatherReduceScatterBackend:
     name = "allgather_reducescatter"
+    recorder: StageRecorder | None = None  # set by the layer when it records its stages
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups) -> None:
         if groups is None or groups.ep_group is None:
@@ -44,11 +46,11 @@ class AllGatherReduceScatterBackend:
         self.first_expert = groups.index_in("ep") * self.experts_per_rank
 
     def _gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        return all_gatherv(t.contiguous(), sizes, self.groups.ep_group, "ep")
+        return all_gatherv(t.contiguous(), sizes, self.groups.ep_group, "ep", trace=self.groups.trace)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
-        p = prepare(x, self.quant, self.groups.ep_group)
-        sizes = exchange_sizes(x.shape[0], self.groups.ep_group, x.device)
+        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace, self.recorder)
+        sizes = exchange_sizes(x.shape[0], self.groups.ep_group, x.device, group_name="ep", trace=self.groups.trace)
         x_all = self._gather(p.rows, sizes)
         scale_all = None if p.row_scale is None else self._gather(p.row_scale, sizes)
         ids_all = self._gather(routing.topk_ids, sizes)
@@ -64,4 +66,4 @@ class AllGatherReduceScatterBackend:
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         s = dispatched.state
         partial = weighted_sum(y, s.weights, s.token_of_row, s.num_gathered)
-        return reduce_scatterv(partial, s.sizes, self.groups.ep_group, "ep")
+        return reduce_scatterv(partial, s.sizes, self.groups.ep_group, "ep", trace=self.groups.trace)

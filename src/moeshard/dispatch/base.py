@@ -41,9 +41,12 @@ class Dispatched:
 
 
 class DispatchBackend(Protocol):
-    """Built by its registry entry's factory from ``(cfg, quant, groups)``."""
+    """Built by its registry entry's factory from ``(cfg, quant, groups)``. ``recorder``: the
+    layer sets it to its ``StageRecorder`` (or None); a backend passes it to ``payload.prepare``
+    so that ``moeshard check --explain`` sees the payload it sends."""
 
     name: str
+    recorder: Any
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         """x: [T, H] this rank's tokens (model dtype); routing: ids/weights [T, K] (global

@@ -22,6 +22,7 @@ from moeshard.dispatch.base import Dispatched
 from moeshard.dispatch.payload import prepare
 from moeshard.kernels import triton_importable
 from moeshard.router import Routing
+from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class LocalState:
 
 class LocalBackend:
     name = "local"
+    recorder: StageRecorder | None = None  # set by the layer when it records its stages
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig) -> None:
         self.cfg, self.quant = cfg, quant
@@ -49,7 +51,7 @@ class LocalBackend:
         (identical on the TP ranks of a DP rank), so no collective runs.
         """
         K = routing.topk_ids.shape[1]
-        p = prepare(x, self.quant)
+        p = prepare(x, self.quant, recorder=self.recorder)
         inp = p.expert_input(p.rows, p.row_scale, routing.topk_ids.reshape(-1), repeat=K)
         return Dispatched(inp, LocalState(routing.topk_weights.float().contiguous()))
 

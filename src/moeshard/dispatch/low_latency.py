@@ -30,7 +30,9 @@ from moeshard.dispatch.base import Dispatched, combine_rows
 from moeshard.dispatch.packing import SlotLayout, pack, unpack
 from moeshard.dispatch.payload import prepare
 from moeshard.parallel.groups import ParallelGroups
+from moeshard.parallel.trace import traced
 from moeshard.router import Routing
+from moeshard.stages import StageRecorder
 
 @dataclass(frozen=True)
 class LowLatencyState:
@@ -45,6 +47,7 @@ class LowLatencyBackend:
     one forward (the layer's ``max_tokens_per_rank``, divided over the TP ranks under SP)."""
 
     name = "low_latency"
+    recorder: StageRecorder | None = None  # set by the layer when it records its stages
 
     def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups, max_tokens: int) -> None:
         if groups is None or groups.ep_group is None:
@@ -82,14 +85,16 @@ class LowLatencyBackend:
         if T > self.max_tokens:
             raise ValueError(f"low_latency (rank {self.groups.rank}): {T} tokens to route, but the buffers hold "
                              f"max_tokens={self.max_tokens} per rank")
-        p = prepare(x, self.quant, self.groups.ep_group)
+        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace, self.recorder)
         layout = SlotLayout.of(p)
         send = self._buffer("send", layout.row, torch.uint8, x.device)
         recv = self._buffer("recv", layout.row, torch.uint8, x.device)
         layout.ids(send).fill_(-1)
         slot, local = self._slots(routing)
         pack(send, slot, p, torch.arange(T * K, device=x.device) // K, local, layout)
-        dist.all_to_all_single(recv, send, group=self.groups.ep_group)
+        sizes = [self.capacity] * self.peers
+        with traced(self.groups.trace, "all_to_all", "ep", send, sizes, sizes):
+            dist.all_to_all_single(recv, send, group=self.groups.ep_group)
         rows, scale, expert_ids = unpack(recv, p, layout)
         return Dispatched(p.expert_input(rows, scale, expert_ids), LowLatencyState(slot.view(T, K), routing.topk_weights))
 
@@ -97,5 +102,7 @@ class LowLatencyBackend:
         """y: [P*C, H] (padding rows unspecified) -> fp32 [T, H]."""
         s = dispatched.state
         back = self._buffer("back", y.shape[1], y.dtype, y.device)
-        dist.all_to_all_single(back, y.contiguous(), group=self.groups.ep_group)
+        sizes = [self.capacity] * self.peers
+        with traced(self.groups.trace, "all_to_all", "ep", y, sizes, sizes):
+            dist.all_to_all_single(back, y.contiguous(), group=self.groups.ep_group)
         return combine_rows(back, s.slot, s.weights)

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from moeshard.config import QuantConfig
 from moeshard.experts.base import ExpertInput
 from moeshard.quant import QuantizedActivations, from_wire, quantize_activations, to_wire
+from moeshard.parallel.collectives import all_reduce
+from moeshard.parallel.trace import CollectiveTrace
 from moeshard.quant.fp8 import abs_amax
+from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -63,26 +65,34 @@ class Payload:
         return ExpertInput(x, expert_ids, self.input_amax, repeat=repeat, block_counts=block_counts)
 
 
-def domain_amax(x: torch.Tensor, group: Any) -> torch.Tensor:
+def domain_amax(x: torch.Tensor, group: Any, trace: CollectiveTrace | None = None) -> torch.Tensor:
     """fp32 []: amax of |x| over every rank of ``group`` (0 for no rows anywhere); ``group``
     None: this rank's x alone. One all-reduce of one scalar, no host synchronisation."""
     amax = abs_amax(x, (0, 1))
     if group is not None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(amax, group, "ep", "max", trace=trace)
     return amax
 
 
-def prepare(x: torch.Tensor, quant: QuantConfig, group: Any = None) -> Payload:
+def prepare(x: torch.Tensor, quant: QuantConfig, group: Any = None, trace: CollectiveTrace | None = None,
+            recorder: StageRecorder | None = None) -> Payload:
     """x: [T, H] this rank's tokens in the model dtype -> the ``Payload`` a backend moves.
 
     group: the quantization domain's process group (the EP group; None without EP). Collective
-    over ``group`` for per-tensor schemes (every rank calls it, T may be 0).
+    over ``group`` for per-tensor schemes (every rank calls it, T may be 0). trace: the rank's
+    ``CollectiveTrace`` (``ParallelGroups.trace``), or None; recorder: the layer's
+    ``StageRecorder`` (the backend's ``recorder``), which gets the payload, or None.
     """
     scheme = quant.spec
-    amax = domain_amax(x, group) if scheme.per_tensor_activation else None
+    amax = domain_amax(x, group, trace) if scheme.per_tensor_activation else None
     if not scheme.quantized or quant.defer_input_quant:
-        return Payload(x, None, None, x.dtype, None, None, amax)
-    q = quantize_activations(x, scheme.name, amax=amax)
-    row_scale = None if q.row_scale is None else to_wire(q.row_scale)
-    return Payload(to_wire(q.data), row_scale, scheme.name, q.data.dtype,
-                   None if q.row_scale is None else q.row_scale.dtype, q.tensor_scale, amax)
+        payload = Payload(x, None, None, x.dtype, None, None, amax)
+    else:
+        q = quantize_activations(x, scheme.name, amax=amax)
+        row_scale = None if q.row_scale is None else to_wire(q.row_scale)
+        payload = Payload(to_wire(q.data), row_scale, scheme.name, q.data.dtype,
+                          None if q.row_scale is None else q.row_scale.dtype, q.tensor_scale, amax)
+    if recorder is not None:
+        recorder.record("payload", rows=payload.rows, row_scale=payload.row_scale, tensor_scale=payload.tensor_scale,
+                        input_amax=amax)
+    return payload

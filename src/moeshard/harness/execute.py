@@ -24,9 +24,11 @@ from moeshard.layer import MoELayer
 from moeshard.numerics import Reference
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
+from moeshard.parallel.trace import CollectiveTrace
 from moeshard.quant import scheme_names
 from moeshard.reference import reference_forward
 from moeshard.sharding import shard_spec
+from moeshard.stages import StageRecorder
 from moeshard.tolerances import compare_rows
 
 
@@ -55,11 +57,13 @@ class RankResult:
 class RankOutput:
     """What a rank's layer returned for a case. out: [rows, H] in the model dtype (CPU), which
     should be [tokens of its DP rank, H]; accumulation: its expert kernel's declared accumulation
-    error (``MoELayer.accumulation``), which the reference's slack must use."""
+    error (``MoELayer.accumulation``), which the reference's slack must use; stages: what each
+    stage produced (``StageRecorder.stages``) when the case ran with ``record``, else None."""
 
     rank: int
     out: torch.Tensor
     accumulation: float
+    stages: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -74,17 +78,18 @@ class CaseReference:
 
 
 class GroupsCache:
-    """Process groups per layout, built once per spawn (creating groups is collective and slow)."""
+    """Process groups per layout, built once per spawn (creating groups is collective and slow);
+    ``trace``: the rank's ``CollectiveTrace``, which every layout's groups record into."""
 
-    def __init__(self, side_channel: bool) -> None:
-        self.side_channel = side_channel
+    def __init__(self, side_channel: bool, trace: CollectiveTrace | None = None) -> None:
+        self.side_channel, self.trace = side_channel, trace
         self._groups: dict[ParallelConfig, ParallelGroups] = {}
 
     def get(self, parallel: ParallelConfig) -> ParallelGroups | None:
         if not torch.distributed.is_initialized():
             return None
         if parallel not in self._groups:
-            self._groups[parallel] = ParallelGroups.build(parallel, side_channel=self.side_channel)
+            self._groups[parallel] = ParallelGroups.build(parallel, side_channel=self.side_channel, trace=self.trace)
         return self._groups[parallel]
 
 
@@ -96,9 +101,10 @@ def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_layer(case: Case, rank: int, device: torch.device, groups: ParallelGroups | None,
               layer_factory: Callable[..., MoELayer] = MoELayer, data: CaseData | None = None,
-              on_built: Callable[[float], None] = lambda accumulation: None) -> RankOutput:
+              on_built: Callable[[float], None] = lambda accumulation: None, record: bool = False) -> RankOutput:
     """Builds the case's layer on ``rank`` and runs its DP rank's tokens; ``on_built`` gets the
-    layer's accumulation before the forward (so the reference can start)."""
+    layer's accumulation before the forward (so the reference can start); ``record``: keep every
+    stage's values (``moeshard.stages``) in the output, for ``--explain``."""
     data = data or CaseData()
     cfg = case.moe_config()
     weights = data.weights(case)
@@ -108,12 +114,14 @@ def run_layer(case: Case, rank: int, device: torch.device, groups: ParallelGroup
     # it has, the layer shards its own experts.
     if case.quant.scheme in scheme_names():
         local = data.local_experts(case, shard_spec(case.parallel, rank, cfg.num_experts))
+    recorder = StageRecorder() if record else None
+    extra = {"recorder": recorder} if record else {}
     # The most tokens any DP rank holds: a fixed-capacity backend sizes its buffers from it.
     layer = layer_factory(cfg, quant=case.quant, groups=groups, backend=case.backend, weights=weights,
-                          local_experts=local, device=device, max_tokens_per_rank=max(max(case.tokens), 1))
+                          local_experts=local, device=device, max_tokens_per_rank=max(max(case.tokens), 1), **extra)
     on_built(layer.accumulation)
     out = layer(xs[case.parallel.dp_rank(rank)].to(device)).cpu()
-    return RankOutput(rank, out, layer.accumulation)
+    return RankOutput(rank, out, layer.accumulation, None if recorder is None else recorder.stages)
 
 
 def case_reference(case: Case, accumulation: float, data: CaseData | None = None) -> CaseReference:

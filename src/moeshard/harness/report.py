@@ -11,12 +11,16 @@ JSON schema (stable; later versions only add keys):
   {"cases": [{"id", "layout": {"dp", "tp", "ep", "sp"}, "backend", "quant", "defer_input_quant",
               "dtype", "preset", "num_experts", "top_k", "hidden", "intermediate", "shared_experts",
               "tokens": [per DP rank], "max_abs_err", "atol", "rtol", "err_to_bound", "quant_error",
-              "quant_error_bound", "seconds", "status": "pass|fail|error|not_applicable|skip", "reason"}],
+              "quant_error_bound", "seconds", "status": "pass|fail|error|not_applicable|skip", "reason",
+              "explanation": [lines], "stages": {"first", "wrong_rows", "headline", "lines"} | null}],
    "summary": {"total", "valid", "pass", "fail", "error", "not_applicable", "skip", "wall_seconds",
                "device", "world_sizes", "torch"}}
   status not_applicable: the matrix refuses the combination by construction (``reason`` says
   why); skip: could run, but not here (e.g. fewer GPUs than ranks). valid: the cases that ran.
   err_to_bound: max over every element of |out - ref| / (atol + rtol |ref| + slack).
+  explanation: why a case failed, in words: for an error (a rank raised or hung), where the ranks'
+  collective sequences part (``moeshard.parallel.trace``); with --explain, the first stage out of
+  bound (``moeshard.harness.explain``), whose details are in "stages".
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def case_json(o: CaseOutcome) -> dict:
         "max_abs_err": o.max_abs_err, "atol": o.atol, "rtol": o.rtol, "err_to_bound": o.err_to_bound,
         "quant_error": o.quant_error, "quant_error_bound": c.quant.spec.quant_error if c.quant.quantized else None,
         "seconds": round(o.seconds, 4), "status": o.status, "reason": o.reason,
+        "explanation": list(o.explanation), "stages": None if o.stages is None else o.stages.as_json(),
     }
 
 
@@ -138,11 +143,18 @@ def print_table(console: Console, outcomes: list[CaseOutcome]) -> None:
 
 
 def print_problems(console: Console, outcomes: list[CaseOutcome]) -> None:
-    """Every failed or errored case with its id (for --only) and its reason, in full."""
-    bad = [o for o in outcomes if o.status in ("fail", "error")]
-    for o in bad:
-        console.print(f"[{STYLE[o.status]}]{o.status.upper()}[/] {escape(o.case.id)}\n    {escape(o.reason)}",
-                      highlight=False)
+    """Every failed or errored case with its id (for --only), its reason in full and, where
+    there is one, its explanation; then the explanations of passing cases (--explain --only)."""
+    for o in outcomes:
+        if o.status in ("fail", "error"):
+            console.print(f"[{STYLE[o.status]}]{o.status.upper()}[/] {escape(o.case.id)}\n    {escape(o.reason)}",
+                          highlight=False)
+        elif not o.explanation:
+            continue
+        else:
+            console.print(f"[{STYLE[o.status]}]{o.status.upper()}[/] {escape(o.case.id)}", highlight=False)
+        for i, line in enumerate(o.explanation):
+            console.print(("    explain: " if i == 0 else "             ") + escape(line), highlight=False)
 
 
 def print_skips(console: Console, outcomes: list[CaseOutcome]) -> None:

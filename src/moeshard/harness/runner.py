@@ -24,6 +24,7 @@ world's ``with`` block does).
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,12 +35,15 @@ import torch
 from moeshard.harness.cases import Case
 from moeshard.harness.execute import (CaseReference, GroupsCache, RankOutput, RankResult, case_reference,
                                       check_rank, run_layer)
+from moeshard.harness.explain import StageReport, explain_case
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
 from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError, start_fork_server
+from moeshard.parallel.trace import CollectiveTrace, explain_divergence
 
 PEER_REPORT_S = 2.0
-RANK_MODULES = ("moeshard.harness.runner",)  # what the ranks import, once, in the fork server  # after a rank fails a case: how long its peers may take to report theirs
+RANK_MODULES = ("moeshard.harness.runner",)  # what the ranks import, once, in the fork server
+TRACE_CAPACITY = 64  # collectives each rank keeps in its trace (a case enters 5 to 15)  # after a rank fails a case: how long its peers may take to report theirs
 
 
 @dataclass
@@ -58,6 +62,8 @@ class CaseOutcome:
     seconds: float = 0.0
     ranks: list[RankResult] = field(default_factory=list)
     err_to_bound: float | None = None
+    explanation: list[str] = field(default_factory=list)
+    stages: StageReport | None = None
 
 
 def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutcome:
@@ -69,19 +75,25 @@ def summarize(case: Case, results: list[RankResult], seconds: float) -> CaseOutc
                        sorted(results, key=lambda r: r.rank), max(r.err_to_bound for r in results))
 
 
-def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_factory: Callable) -> int:
-    """Runs inside each rank: every case in order; stops at the first case that raises."""
+def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_factory: Callable,
+               traces: list, record: bool = False) -> int:
+    """Runs inside each rank: every case in order; stops at the first case that raises.
+    traces[rank]: this rank's shared buffer for its ``CollectiveTrace``, which the parent reads
+    when a case fails; record: send every stage's values too (``--explain``)."""
     rank = torch.distributed.get_rank()
     # Several ranks share the machine's cores: one thread each avoids oversubscribed spinning.
     torch.set_num_threads(1)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    cache = GroupsCache(side_channel=device == "cuda")
+    trace = CollectiveTrace(TRACE_CAPACITY, traces[rank])
+    cache = GroupsCache(side_channel=device == "cuda", trace=trace)
     data = CaseData()
     for i, case in enumerate(cases):
+        trace.case = i
         channel.send(("start", i))
         try:
             output = run_layer(case, rank, dev, cache.get(case.parallel), layer_factory, data,
-                               on_built=lambda accumulation, i=i: channel.send(("built", i, accumulation)))
+                               on_built=lambda accumulation, i=i: channel.send(("built", i, accumulation)),
+                               record=record)
         except BaseException as exc:  # noqa: BLE001 - reported with the case id, then this rank stops
             channel.send(("case_error", i, RankError.of(rank, exc)))
             raise
@@ -118,13 +130,24 @@ class References:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _checked(case: Case, refs: References, outputs: list[RankOutput], seconds: float) -> CaseOutcome:
-    """Every rank's rows compared with the case's reference (computed for rank 0's kernel)."""
+def _checked(case: Case, refs: References, outputs: list[RankOutput], seconds: float, explain: str = "",
+             data: CaseData | None = None) -> CaseOutcome:
+    """Every rank's rows compared with the case's reference (computed for rank 0's kernel);
+    explain: "all" or "failing" (which cases get a stage report), "" for none."""
     try:
         reference = refs.take(case, outputs[0].accumulation)
     except Exception as exc:  # noqa: BLE001 - the case cannot be judged; the run goes on
         return CaseOutcome(case, "error", f"the reference raised {type(exc).__name__}: {exc}", seconds=seconds)
-    return summarize(case, [check_rank(case, reference, o) for o in sorted(outputs, key=lambda o: o.rank)], seconds)
+    outcome = summarize(case, [check_rank(case, reference, o) for o in sorted(outputs, key=lambda o: o.rank)], seconds)
+    if explain == "all" or (explain == "failing" and outcome.status == "fail"):
+        try:
+            report = explain_case(case, outputs, outputs[0].accumulation, data)
+        except Exception as exc:  # noqa: BLE001 - an explanation that fails must not hide the verdict
+            outcome.explanation = [f"--explain failed: {type(exc).__name__}: {exc}"]
+        else:
+            outcome.stages = report
+            outcome.explanation = [report.headline, *report.lines]
+    return outcome
 
 
 class Runner:
@@ -132,15 +155,20 @@ class Runner:
 
     case_timeout_s: the most one case may take on all its ranks before it is declared hung.
     startup_timeout_s: the most a spawn may take before its first case starts.
+    explain: "" (no stage recording), "failing" (the ranks record every stage and failing cases
+    get a ``StageReport``) or "all" (every case gets one).
     """
 
     def __init__(self, device: str = "cpu", case_timeout_s: float = 60.0, startup_timeout_s: float = 120.0,
                  layer_factory: Callable[..., MoELayer] = MoELayer,
-                 on_outcome: Callable[[CaseOutcome], None] = lambda o: None) -> None:
+                 on_outcome: Callable[[CaseOutcome], None] = lambda o: None, explain: str = "") -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"--device: {device!r} is not one of ['cpu', 'cuda']")
+        if explain not in ("", "failing", "all"):
+            raise ValueError(f"Runner.explain: {explain!r} is not one of ['', 'failing', 'all']")
         self.device, self.case_timeout_s, self.startup_timeout_s = device, case_timeout_s, startup_timeout_s
-        self.layer_factory, self.on_outcome = layer_factory, on_outcome
+        self.layer_factory, self.on_outcome, self.explain = layer_factory, on_outcome, explain
+        self._explain_data = CaseData()
 
     def run(self, cases: list[Case]) -> list[CaseOutcome]:
         """Outcomes in the order of ``cases``; cases the matrix refused are reported (not
@@ -186,8 +214,9 @@ class Runner:
             start = time.monotonic()
             try:
                 output = run_layer(case, 0, dev, None, self.layer_factory, data,
-                                   on_built=lambda accumulation, case=case: refs.start(case, accumulation))
-                outcome = _checked(case, refs, [output], time.monotonic() - start)
+                                   on_built=lambda accumulation, case=case: refs.start(case, accumulation),
+                                   record=bool(self.explain))
+                outcome = _checked(case, refs, [output], time.monotonic() - start, self.explain, self._explain_data)
             except Exception as exc:  # noqa: BLE001 - a case that raises is an error, the run goes on
                 outcome = CaseOutcome(case, "error", f"rank 0 raised {type(exc).__name__}: {exc}",
                                       seconds=time.monotonic() - start)
@@ -236,15 +265,18 @@ class Runner:
                 if not wait and not refs.ready(cases[i], outputs[0].accumulation):
                     return
                 del done[i]
-                outcome = _checked(cases[i], refs, outputs, finished[i] - started.get(i, finished[i]))
+                outcome = _checked(cases[i], refs, outputs, finished[i] - started.get(i, finished[i]), self.explain,
+                                   self._explain_data)
                 outcomes.append(outcome)
                 self.on_outcome(outcome)
 
+        traces = [CollectiveTrace.shared(TRACE_CAPACITY) for _ in range(world_size)]
         world = LocalWorld(world_size, device=self.device, timeout_s=self.startup_timeout_s,
                            pg_timeout_s=max(1.0, self.case_timeout_s / 2), name="moeshard-check-rank",
                            preload=RANK_MODULES)
         with world:  # leaving it, Ctrl-C (KeyboardInterrupt) included, stops every rank
-            world.start(_case_loop, (cases, self.device, world.channel, self.layer_factory))
+            world.start(_case_loop, (cases, self.device, world.channel, self.layer_factory, traces,
+                                     bool(self.explain)))
             for event in world.events():
                 now = time.monotonic()
                 if event.kind == "message":
@@ -286,7 +318,9 @@ class Runner:
                 dead = {r: code for r, code in world.exitcodes.items()
                         if code is not None and r not in failed_ranks and r not in case_done}
                 reason = self._describe_failure(world_size, case_done, errors.get(i, {}), dead, started.get(i), now)
-                outcome = CaseOutcome(cases[i], "error", reason, seconds=now - started[i] if i in started else 0.0)
+                diff = _collective_diff(cases[i], i, traces, case_done, errors.get(i, {}), dead, failed_ranks, errors)
+                outcome = CaseOutcome(cases[i], "error", reason, seconds=now - started[i] if i in started else 0.0,
+                                      explanation=diff)
                 outcomes.append(outcome)
                 self.on_outcome(outcome)
             # After a clean run the ranks are only tearing down their groups: let them exit on
@@ -311,3 +345,50 @@ class Runner:
         if done:
             parts.append(f"ranks {sorted(done)} finished")
         return "; ".join(parts)
+
+
+def _where(err: RankError) -> str:
+    """``file:line function`` of the innermost frame of a rank's traceback that is not torch's
+    (from ``moeshard/`` on)."""
+    frames = []
+    for line in err.traceback.splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            path, _, rest = line[6:].partition('", line ')
+            number, _, func = rest.partition(", in ")
+            frames.append((path.replace("\\", "/"), number, func))
+    ours = [f for f in frames if "/torch/" not in f[0]] or frames
+    if not ours:
+        return "?"
+    path, number, func = ours[-1]
+    path = path.split("moeshard/", 1)[-1] if "moeshard/" in path else path.rsplit("/", 1)[-1]
+    return f"{path}:{number} {func}"
+
+
+def _first_line(message: str) -> str:
+    """A rank's error message, first line, without gloo's ``[file.cc:123] `` prefix."""
+    line = (message.splitlines() or [""])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", line)[:160]
+
+
+def _collective_diff(case: Case, index: int, traces: list, done: dict[int, RankOutput],
+                     case_errors: dict[int, RankError], dead: dict[int, int], failed_ranks: set[int],
+                     all_errors: dict[int, dict[int, RankError]]) -> list[str]:
+    """Where the ranks' collective sequences for case ``index`` part (see
+    ``moeshard.parallel.trace.explain_divergence``), from the traces they left in shared memory."""
+    outcome: dict[int, str] = {}
+    for rank in range(len(traces)):
+        if rank in case_errors:
+            err = case_errors[rank]
+            outcome[rank] = f"it raised {err.type_name} ({_first_line(err.message)}) at {_where(err)}"
+        elif rank in done:
+            later = [i for i, errs in all_errors.items() if i > index and rank in errs]
+            outcome[rank] = "it finished the case" + (f" and went on to case {later[0]}" if later else "")
+        elif rank in dead:
+            outcome[rank] = f"it died (exit code {dead[rank]})"
+        else:
+            outcome[rank] = "it sent nothing more (still inside, or stopped)"
+    entries = {rank: CollectiveTrace(TRACE_CAPACITY, buffer).entries() for rank, buffer in enumerate(traces)}
+    ep = list(range(len(traces))) if case.parallel.enable_ep else None
+    return explain_divergence(entries, index, len(traces), outcome, ep)
+

@@ -15,6 +15,9 @@ caller's): ``sizes`` is the same list on every rank; ``recv_sizes[j]`` on rank i
 ends in an error from the backend or in the process group's timeout, the bound on every wait in
 this module.
 
+Every op takes ``trace``: this rank's ``CollectiveTrace`` (``ParallelGroups.trace``), which records
+entering and leaving it (op, group, sizes, dtype, call site; see ``moeshard.parallel.trace``).
+
 Local preconditions are checked on every rank before any communication starts: a refusal is a
 ``CollectiveSizeError`` (sizes and row counts) or ``CollectiveInputError`` (tensor, device,
 dtype, group) whose message names the op, the group, the global rank, what was expected and
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moeshard.parallel.trace import CollectiveTrace, traced
 from moeshard.validate import is_int
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 may
@@ -111,6 +115,25 @@ def _check_tensor(call: _Call, name: str, x: Any, group: Any) -> None:
                          CollectiveInputError)
 
 
+def _ints(values: Any) -> tuple[int, ...]:
+    """``values`` as ints for a trace record, or () when they are not a list of ints (the
+    checks report that)."""
+    try:
+        return tuple(operator.index(v) for v in values) if isinstance(values, (list, tuple)) else ()
+    except TypeError:
+        return ()
+
+
+def all_reduce(x: Tensor, group: Any, group_name: str, op: str = "sum", *,
+               trace: CollectiveTrace | None = None) -> Tensor:
+    """``torch.distributed.all_reduce`` of ``x`` in place (``op``: "sum" or "max"), recorded in
+    ``trace``; returns ``x``."""
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    with traced(trace, f"all_reduce_{op}", group_name, x):
+        dist.all_reduce(x, op=reduce_op, group=group)
+    return x
+
+
 def _as_rows(x: Tensor) -> Tensor:
     """``x [n, *rest]`` as contiguous ``uint8 [n, bytes per row]`` (a view when x is contiguous)."""
     n, row_bytes = x.shape[0], math.prod(x.shape[1:]) * x.element_size()
@@ -139,16 +162,23 @@ def _all_to_all_rows(rows: Tensor, send: list[int], recv: list[int], group: Any)
     return out
 
 
-def all_gatherv(x: Tensor, sizes: list[int], group: Any, group_name: str) -> Tensor:
+def all_gatherv(x: Tensor, sizes: list[int], group: Any, group_name: str, *,
+                trace: CollectiveTrace | None = None) -> Tensor:
     """Concatenates every rank's rows in group-rank order.
 
     Args:
       x: ``[sizes[i], *rest]``, any dtype; this rank's rows (``i`` = index in ``group``).
       sizes: ``G`` ints >= 0, rows contributed by each group rank; the same list on every rank.
       group: the process group (``None`` = default group); group_name: its name for messages.
+      trace: this rank's ``CollectiveTrace`` (``ParallelGroups.trace``), or None.
     Returns ``[sum(sizes), *rest]`` of ``x.dtype``: rows of group rank 0, then 1, ...
     """
     call = _call("all_gatherv", group, group_name)
+    with traced(trace, call.op, group_name, x, _ints(sizes)):
+        return _all_gatherv(call, x, sizes, group)
+
+
+def _all_gatherv(call: _Call, x: Tensor, sizes: list[int], group: Any) -> Tensor:
     sizes = _check_sizes(call, "sizes", sizes)
     _check_tensor(call, "input", x, group)
     mine = sizes[call.group_rank]
@@ -170,7 +200,8 @@ def all_gatherv(x: Tensor, sizes: list[int], group: Any, group_name: str) -> Ten
     return _from_rows(out, x)
 
 
-def reduce_scatterv(x: Tensor, sizes: list[int], group: Any, group_name: str) -> Tensor:
+def reduce_scatterv(x: Tensor, sizes: list[int], group: Any, group_name: str, *,
+                    trace: CollectiveTrace | None = None) -> Tensor:
     """Sums the ranks' inputs and leaves block ``i`` (``sizes[i]`` rows) on group rank ``i``.
 
     Args:
@@ -186,6 +217,11 @@ def reduce_scatterv(x: Tensor, sizes: list[int], group: Any, group_name: str) ->
     gives bit-identical results on both for the same inputs (so tolerances can stay tight).
     """
     call = _call("reduce_scatterv", group, group_name)
+    with traced(trace, call.op, group_name, x, _ints(sizes)):
+        return _reduce_scatterv(call, x, sizes, group)
+
+
+def _reduce_scatterv(call: _Call, x: Tensor, sizes: list[int], group: Any) -> Tensor:
     sizes = _check_sizes(call, "sizes", sizes)
     _check_tensor(call, "input", x, group)
     if x.shape[0] != sum(sizes):
@@ -202,7 +238,8 @@ def reduce_scatterv(x: Tensor, sizes: list[int], group: Any, group_name: str) ->
     return out.to(x.dtype)
 
 
-def all_to_allv(x: Tensor, send_sizes: list[int], recv_sizes: list[int], group: Any, group_name: str) -> Tensor:
+def all_to_allv(x: Tensor, send_sizes: list[int], recv_sizes: list[int], group: Any, group_name: str, *,
+                trace: CollectiveTrace | None = None) -> Tensor:
     """Sends block ``j`` of ``x`` to group rank ``j`` and concatenates what arrives, by sender.
 
     Args:
@@ -214,6 +251,11 @@ def all_to_allv(x: Tensor, send_sizes: list[int], recv_sizes: list[int], group: 
     Returns ``[sum(recv_sizes), *rest]`` of ``x.dtype``: rows from group rank 0, then 1, ...
     """
     call = _call("all_to_allv", group, group_name)
+    with traced(trace, call.op, group_name, x, _ints(send_sizes), _ints(recv_sizes)):
+        return _all_to_allv(call, x, send_sizes, recv_sizes, group)
+
+
+def _all_to_allv(call: _Call, x: Tensor, send_sizes: list[int], recv_sizes: list[int], group: Any) -> Tensor:
     send_sizes = _check_sizes(call, "send_sizes", send_sizes)
     recv_sizes = _check_sizes(call, "recv_sizes", recv_sizes)
     _check_tensor(call, "input", x, group)
@@ -222,13 +264,19 @@ def all_to_allv(x: Tensor, send_sizes: list[int], recv_sizes: list[int], group: 
     return _from_rows(_all_to_all_rows(_as_rows(x), send_sizes, recv_sizes, group), x)
 
 
-def exchange_sizes(n: int, group: Any, device: torch.device | str, *, group_name: str = "group") -> list[int]:
+def exchange_sizes(n: int, group: Any, device: torch.device | str, *, group_name: str = "group",
+                   trace: CollectiveTrace | None = None) -> list[int]:
     """Every rank's ``n`` (an int >= 0), in group-rank order; the same list on every rank.
 
     ``device`` is where the one-element int64 buffer lives: cpu for gloo, cuda for NCCL.  Returns
     Python ints, so it synchronises with the device.
     """
     call = _call("exchange_sizes", group, group_name)
+    with traced(trace, call.op, group_name, None, _ints([n])):
+        return _exchange_sizes(call, n, group, device)
+
+
+def _exchange_sizes(call: _Call, n: int, group: Any, device: torch.device | str) -> list[int]:
     if not is_int(n) or n < 0:  # a tensor is refused too: reading it would hide a device sync
         raise call.error(f"n must be an int >= 0, got {n!r}")
     mine = torch.tensor([n], dtype=torch.int64, device=device)
@@ -238,7 +286,8 @@ def exchange_sizes(n: int, group: Any, device: torch.device | str, *, group_name
     return everyone.tolist()
 
 
-def exchange_counts(counts: Tensor, group: Any, *, group_name: str = "group") -> Tensor:
+def exchange_counts(counts: Tensor, group: Any, *, group_name: str = "group",
+                    trace: CollectiveTrace | None = None) -> Tensor:
     """Tells every rank how many rows each rank will send it.
 
     Args:
@@ -248,6 +297,13 @@ def exchange_counts(counts: Tensor, group: Any, *, group_name: str = "group") ->
     ``recv_sizes`` matching this rank's ``send_sizes = counts`` in ``all_to_allv``.
     """
     call = _call("exchange_counts", group, group_name)
+    # counts are recorded only from the host (reading them off a GPU would add a sync)
+    sent = _ints(counts.tolist()) if isinstance(counts, Tensor) and counts.device.type == "cpu" and counts.dim() == 1 else ()
+    with traced(trace, call.op, group_name, counts if isinstance(counts, Tensor) else None, sent):
+        return _exchange_counts(call, counts, group)
+
+
+def _exchange_counts(call: _Call, counts: Tensor, group: Any) -> Tensor:
     _check_tensor(call, "counts", counts, group)
     if counts.dtype != torch.int64:
         raise call.error(f"counts must be int64, got {counts.dtype}", CollectiveInputError)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.trace import CollectiveTrace
 
 GROUP_NAMES = ("tp", "dp", "ep")
 
@@ -69,6 +70,8 @@ class ParallelGroups:
       * ``device``: where this rank computes: ``cuda:<current device>`` when the default backend is
         nccl (``spawn`` and ``init_from_env`` set the current device), else ``cpu``.
       * ``timeout``: the bound on every collective of these groups (``None``: torch's default).
+      * ``trace``: this rank's ``CollectiveTrace``, which every collective of the layer and its
+        backends records into (``None``: nothing is recorded).
     """
 
     config: ParallelConfig
@@ -83,16 +86,17 @@ class ParallelGroups:
     side_group: Any
     device: torch.device
     timeout: datetime.timedelta | None = None
+    trace: CollectiveTrace | None = None
 
     @classmethod
     def build(cls, config: ParallelConfig, side_channel: bool = False, *,
-              timeout: datetime.timedelta | None = None) -> ParallelGroups:
+              timeout: datetime.timedelta | None = None, trace: CollectiveTrace | None = None) -> ParallelGroups:
         """Creates the groups of ``config`` on every rank; call on all ranks together.
 
         Needs an initialised default process group of exactly ``config.world_size`` ranks;
         refuses (``ValueError`` naming the rank) before creating any group otherwise.
         ``timeout`` bounds every collective on the new groups; ``None`` = the default group's own
-        timeout (the one given to ``spawn`` / ``init_from_env``).
+        timeout (the one given to ``spawn`` / ``init_from_env``). ``trace``: see the class.
         """
         if not isinstance(config, ParallelConfig):
             raise TypeError(f"ParallelGroups.build: config must be a ParallelConfig, got {type(config).__name__}")
@@ -122,7 +126,7 @@ class ParallelGroups:
         return cls(config=config, rank=rank, world_size=world_size,
                    tp_group=tp_groups[dp_index], dp_group=dp_groups[tp_index], ep_group=ep_group,
                    tp_ranks=tp_layout[dp_index], dp_ranks=dp_layout[tp_index], ep_ranks=ep_ranks,
-                   side_group=side_group, device=device, timeout=timeout)
+                   side_group=side_group, device=device, timeout=timeout, trace=trace)
 
     def group(self, group_name: str) -> Any:
         """The group called ``"tp"``, ``"dp"`` or ``"ep"`` (``None`` for ``"ep"`` with EP off)."""

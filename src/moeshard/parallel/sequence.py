@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moeshard.parallel.collectives import CollectiveInputError, CollectiveSizeError, all_gatherv
+from moeshard.parallel.trace import CollectiveTrace
 from moeshard.validate import index, int_at_least
 
 
@@ -72,7 +73,8 @@ def sequence_parallel_chunk(x: Tensor, tp_rank: int, tp: int) -> tuple[Tensor, S
     return x[chunk.start:chunk.start + chunk.real], chunk
 
 
-def sequence_parallel_gather(y: Tensor, chunk: SequenceChunk, tp_group: Any) -> Tensor:
+def sequence_parallel_gather(y: Tensor, chunk: SequenceChunk, tp_group: Any, *,
+                             trace: CollectiveTrace | None = None) -> Tensor:
     """Reassembles the full sequence from every TP rank's chunk, in order, without padding.
 
     Args:
@@ -80,6 +82,7 @@ def sequence_parallel_gather(y: Tensor, chunk: SequenceChunk, tp_group: Any) -> 
       chunk: this rank's ``SequenceChunk`` (from ``sequence_parallel_chunk``); ``total`` and
         ``tp`` are the same on every rank of the group.
       tp_group: the TP group; its size is ``chunk.tp`` and this rank's index is ``chunk.tp_rank``.
+      trace: this rank's ``CollectiveTrace``, or None.
     Returns ``[chunk.total, H]``, identical on every rank of the TP group.  Checks run before the
     collective.  Each rank's block is padded to ``chunk.chunk`` rows for the equal-size all-gather
     and the padding is dropped again (``all_gatherv`` with the per-rank real row counts).
@@ -95,4 +98,4 @@ def sequence_parallel_gather(y: Tensor, chunk: SequenceChunk, tp_group: Any) -> 
     if (size, index) != (chunk.tp, chunk.tp_rank):
         raise CollectiveInputError(f"{where}: the chunk is for tp_rank {chunk.tp_rank} of tp={chunk.tp} but "
                                    f"this rank is index {index} of a group of {size}")
-    return all_gatherv(y, chunk.rows_per_rank, tp_group, "tp")
+    return all_gatherv(y, chunk.rows_per_rank, tp_group, "tp", trace=trace)
