@@ -223,3 +223,23 @@ class MiscountsOnRank1(MoELayer):
         super().__init__(*args, **kwargs)
         if isinstance(self.backend, AllGatherReduceScatterBackend):
             _with_backend(self, _MiscountsOnRank1(self.cfg, self.quant, self.groups))
+
+
+def run_plans_raising_in_combine_on_rank1(plans, traces):
+    """``moeshard run``'s rank entry (``runjob.run_plans``) with a fault planted in the rank: on
+    rank 1, all2all's combine raises before its all-to-all, so rank 0 waits in it until the
+    process group's timeout."""
+    from moeshard.runjob import run_plans
+
+    original = All2AllBackend.combine
+
+    def combine(self, y, dispatched):
+        if self.groups.rank == 1:
+            raise RuntimeError("planted: combine refuses on rank 1")
+        return original(self, y, dispatched)
+
+    All2AllBackend.combine = combine
+    try:
+        return run_plans(plans, traces)
+    finally:
+        All2AllBackend.combine = original

@@ -131,17 +131,17 @@ def test_cli_prints_a_compact_summary_and_the_full_table_on_request(tmp_path, ca
     assert main(args) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("│")]
-    assert len(rows) == 6, out  # 2 layouts x 3 backends
-    assert sum("not applicable" in r for r in rows) == 3 and "skipped" not in out
+    assert len(rows) == 8, out  # 2 layouts x 4 backends
+    assert sum("not applicable" in r for r in rows) == 4 and "skipped" not in out
     assert "needs expert parallelism (EP on)" in out and "err/bound" in out
-    assert "3 passed, 0 failed, 0 errors; 3 of 6 cases not applicable by construction" in out
+    assert "4 passed, 0 failed, 0 errors; 4 of 8 cases not applicable by construction" in out
     doc = json.loads(path.read_text())
-    assert {c["status"] for c in doc["cases"]} == {"pass", "not_applicable"} and len(doc["cases"]) == 6
+    assert {c["status"] for c in doc["cases"]} == {"pass", "not_applicable"} and len(doc["cases"]) == 8
     assert all(0 < c["err_to_bound"] <= 1 for c in doc["cases"] if c["status"] == "pass")
-    assert doc["summary"]["not_applicable"] == 3 and doc["summary"]["valid"] == 3
+    assert doc["summary"]["not_applicable"] == 4 and doc["summary"]["valid"] == 4
     assert main(args + ["--verbose"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
-    assert len(rows) == 6 and sum(" passed " not in r and "pass" in r for r in rows) == 3
+    assert len(rows) == 8 and sum(" passed " not in r and "pass" in r for r in rows) == 4
 
 
 @pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])

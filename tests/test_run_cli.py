@@ -181,3 +181,23 @@ def test_run_checkpoint_on_two_gpus_matches_transformers(tiny_qwen3):
     assert moeshard_run(["--model", str(root / "model"), "--layer", "0", "--input", str(root / "in.safetensors"),
                          "--output", str(out), "--tp", "2", "--device", "cuda"]) == 0
     assert compare(load_file(str(out))["hidden_states"], expected, torch.float32, "none")[3]
+
+
+def test_a_run_whose_ranks_part_says_where_from_the_collective_trace(monkeypatch):
+    """The trace is on by default in ``moeshard run``: a rank that raises while its peer waits
+    in a collective is reported with where the two sequences part."""
+    import faults
+    from moeshard.errors import RankFailed
+    from moeshard.parallel.config import ParallelConfig
+    from moeshard.runjob import RunSpec, plan_run
+
+    plan = plan_run(RunSpec(parallel=ParallelConfig(2, 1, True), preset="mixtral-8x7b", num_tokens=6,
+                            backend="all2all", dtype="float32"))
+    monkeypatch.setattr(run_command, "run_plans", faults.run_plans_raising_in_combine_on_rank1)
+    with pytest.raises(RankFailed) as failed:
+        run_command._execute_local(plan, timeout_s=12.0)
+    message = str(failed.value)
+    assert message.startswith("rank 0 raised") or message.startswith("rank 1 raised RuntimeError"), message
+    assert "collectives: ranks part at collective #" in message, message
+    assert "rank 0 failed in all_to_allv (ep)" in message and "< combine" in message, message
+    assert "rank 1 never entered it (it raised RuntimeError (planted: combine refuses on rank 1))" in message, message

@@ -38,6 +38,7 @@ from moeshard.errors import RankFailed
 from moeshard.parallel.collectives import all_gatherv
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
+from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace
 from moeshard.presets import get_preset
 from moeshard.sharding import shard_spec
 from moeshard.validate import MAX_DIM, is_int, seed as check_seed
@@ -336,20 +337,25 @@ def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RunRankResult:
                       load_s=load_s, forward_s=forward_s, output=out.cpu() if rank == 0 else None)
 
 
-def run_plans(plans: list[RunPlan]) -> list[RunRankResult | dict]:
+def run_plans(plans: list[RunPlan], traces: list | None = None) -> list[RunRankResult | dict]:
     """``spawn`` entry: every plan in order on this rank (all plans need this world size).
 
     A plan that raises is recorded as ``{"error": type name, "message": ...}`` and the next plan
-    runs; groups are built once per layout and reused.
+    runs; groups are built once per layout and reused. traces: one shared buffer per rank
+    (``CollectiveTrace.shared``), or None; rank r records the collectives it enters into
+    ``traces[r]``, plan i as case i, so that the parent can say where the ranks part on failure.
     """
+    trace = None if traces is None else CollectiveTrace(TRACE_CAPACITY, traces[dist.get_rank()])
     groups_of: dict[tuple, ParallelGroups] = {}
     results: list[RunRankResult | dict] = []
-    for plan in plans:
+    for i, plan in enumerate(plans):
         p = plan.parallel
         key = (p.dp, p.tp, p.enable_ep)
+        if trace is not None:
+            trace.case = i
         if key not in groups_of:
             side = p.enable_ep and plan.spec.device == "cuda"  # all2all's count channel on CUDA
-            groups_of[key] = ParallelGroups.build(p, side_channel=side)
+            groups_of[key] = ParallelGroups.build(p, side_channel=side, trace=trace)
         try:
             results.append(run_rank(plan, groups_of[key]))
         except Exception as exc:  # noqa: BLE001 - recorded for the caller, which reports it

@@ -39,11 +39,10 @@ from moeshard.harness.explain import StageReport, explain_case
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
 from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError, start_fork_server
-from moeshard.parallel.trace import CollectiveTrace, explain_divergence
+from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, explain_divergence
 
-PEER_REPORT_S = 2.0
+PEER_REPORT_S = 2.0  # after a rank fails a case: how long its peers may take to report theirs
 RANK_MODULES = ("moeshard.harness.runner",)  # what the ranks import, once, in the fork server
-TRACE_CAPACITY = 64  # collectives each rank keeps in its trace (a case enters 5 to 15)  # after a rank fails a case: how long its peers may take to report theirs
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 _RECORD = struct.Struct("<qBi16s8s12sBB8i8iq64s")
 _MAX_SIZES = 8
 ENTERED, RETURNED, RAISED = 1, 2, 3
+TRACE_CAPACITY = 64  # collectives a rank keeps (a layer forward enters 3 to 15)
 STATE_NAMES = {ENTERED: "inside", RETURNED: "returned", RAISED: "raised"}
 _SKIP_FILES = ("moeshard/parallel/trace.py", "moeshard/parallel/collectives.py", "contextlib.py")
 
