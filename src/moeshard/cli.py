@@ -1,4 +1,4 @@
-"""``moeshard`` command line: check, backends, run, bench.
+"""``moeshard`` command line: check, backends, run, bench, eplb.
 
 Each subcommand lives in ``moeshard.commands.<name>`` and exposes ``add_parser(subparsers)``,
 which registers its options and sets ``func(args) -> int`` (the exit code).
@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("check", "backends", "run", "bench")
+COMMANDS = ("check", "backends", "run", "bench", "eplb")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -192,17 +192,26 @@ class Placement:
         return zlib.crc32(text.encode())
 
     def aligned_to(self, current: Placement) -> Placement:
-        """The same placement with each rank's slots reordered so that experts ``current`` has on
-        that rank keep their slot (replica choice and loads do not depend on the order within a
-        rank; a rebalance then moves fewer weights). ``current`` must have the same shape."""
+        """An equivalent placement that moves fewer weights from ``current`` (same shape): the
+        ranks' sets of slots are permuted so that each lands on the rank of ``current`` it shares
+        the most experts with (greedily, largest overlap first), then each rank's slots are
+        reordered so that experts ``current`` has there keep their slot. Rank loads under the
+        load model do not change (a rank's load is a function of its set of slots)."""
         if (current.num_experts, current.num_ranks, current.num_slots) != (self.num_experts, self.num_ranks, self.num_slots):
             raise ValueError(f"Placement.aligned_to: shapes differ: (E, P, N) = ({self.num_experts}, {self.num_ranks}, "
                              f"{self.num_slots}) vs ({current.num_experts}, {current.num_ranks}, {current.num_slots})")
-        S = self.slots_per_rank
+        S, P = self.slots_per_rank, self.num_ranks
+        sets = [set(self.rank_slots(q)) for q in range(P)]
+        pairs = sorted((-len(sets[q] & set(current.rank_slots(p))), p, q) for p in range(P) for q in range(P))
+        source: dict[int, int] = {}  # rank of the result -> rank of self
+        for _, p, q in pairs:
+            if p not in source and q not in source.values():
+                source[p] = q
         slots: list[int] = []
         active: list[bool] = []
-        for p in range(self.num_ranks):
-            mine = dict(zip(self.rank_slots(p), self.active[p * S:(p + 1) * S]))
+        for p in range(P):
+            q = source[p]
+            mine = dict(zip(self.rank_slots(q), self.active[q * S:(q + 1) * S]))
             old = current.rank_slots(p)
             keep = [e if e in mine else None for e in old]
             rest = iter(sorted(e for e in mine if e not in old))

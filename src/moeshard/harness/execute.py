@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from moeshard.config import QuantConfig
+from moeshard.harness import eplb
 from moeshard.harness.cases import Case
 from moeshard.harness.inputs import case_tokens, case_weights
 from moeshard.layer import MoELayer
@@ -62,13 +63,15 @@ def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups
              layer_factory: Callable[..., MoELayer] = MoELayer) -> RankResult:
     p = case.parallel
     cfg = case.moe_config()
-    weights = case_weights(cfg, case.seed)
-    xs = case_tokens(cfg, case.seed, case.tokens)
+    weights = case_weights(cfg, case.seed, skew=case.skew)
+    xs = case_tokens(cfg, case.seed, case.tokens, skew=case.skew)
     dp_rank = p.dp_rank(rank)
     # The most tokens any DP rank holds: a fixed-capacity backend sizes its buffers from it.
     layer = layer_factory(cfg, quant=case.quant, groups=groups, backend=case.backend, weights=weights, device=device,
-                          max_tokens_per_rank=max(max(case.tokens), 1))
+                          max_tokens_per_rank=max(max(case.tokens), 1), **eplb.layer_kwargs(case))
+    balance = eplb.EPLBCheck(case, layer, groups) if case.eplb is not None else None
     out = layer(xs[dp_rank].to(device)).cpu()
+    after = balance.rebalance_and_rerun(xs[dp_rank].to(device)) if balance is not None else None
 
     if p.enable_ep:  # one quantization domain: every DP rank's tokens, in DP order
         domain, offset = torch.cat(xs), sum(case.tokens[:dp_rank])
@@ -95,4 +98,14 @@ def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups
         detail = f"quantization error {quant_error:.3g} exceeds the {case.quant.scheme} bound {bound}"
     elif not ok:
         detail = f"rank {rank}: max error {err:.3g} at token {worst} of DP rank {dp_rank}"
+    if after is not None:  # load balancing: the same reference after a rebalance, and its checks
+        err2, _, _, ok2 = compare(after.out, ref, cfg.dtype, case.quant.scheme)
+        problems = list(after.problems)
+        if not ok2:
+            problems.append(f"after the rebalance: max error {err2:.3g} (before {err:.3g}, "
+                            f"outputs differ by {float((after.out.double() - out.double()).abs().amax()) if T else 0.0:.3g})")
+        if problems:
+            ok = False
+            detail = "; ".join(([detail] if detail else []) + [f"rank {rank}: {q}" for q in problems])
+        err = max(err, err2)
     return RankResult(rank, T, T, err, atol, rtol, ok, worst, quant_error, detail)
