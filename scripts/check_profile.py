@@ -38,7 +38,7 @@ import torch
 
 from moeshard.harness.cases import MatrixOptions, generate, select_ids
 from moeshard.harness.execute import GroupsCache, RankOutput, case_reference, check_rank
-from moeshard.harness.inputs import CaseData, case_tokens, execution_order
+from moeshard.harness.inputs import CaseData, case_tokens_of, execution_order
 from moeshard.harness.runner import Runner
 from moeshard.layer import MoELayer
 from moeshard.parallel.spawn import spawn
@@ -78,7 +78,7 @@ def _rank_phases(cases: list, reps: int, cold: bool) -> tuple[int, dict, list]:
                 data = CaseData()
             cfg = case.moe_config()
             weights = tick("inputs", lambda: data.weights(case))
-            xs = tick("inputs", lambda: case_tokens(cfg, case.seed, case.tokens))
+            xs = tick("inputs", lambda: case_tokens_of(case))
             local = tick("inputs", lambda: data.local_experts(case, shard_spec(case.parallel, rank, cfg.num_experts)))
             g = groups.get(case.parallel)
             layer = tick("build", lambda: MoELayer(cfg, quant=case.quant, groups=g, backend=case.backend,

@@ -57,7 +57,7 @@ def main() -> int:
     layer, layout, quant, backend, tokens, preset, dtype, what = FAULTS[args.fault]
     p = ParallelConfig.parse(layout)
     opts = MatrixOptions(world_sizes=(p.world_size,), layouts=(p,), quants=(quant,), dtypes=(dtype,),
-                         tokens_per_rank=tokens, backends=(backend,), presets=(preset,))
+                         tokens_per_rank=tokens, backends=(backend,), presets=(preset,), eplb="off")
     (case,) = [c for c in generate(opts) if not c.skipped]
     console.print(f"planted: {what}\ncase: {case.id}")
     (outcome,) = Runner(layer_factory=layer, case_timeout_s=30, explain="all").run([case])

@@ -24,7 +24,7 @@ from moeshard.weights import MoEWeights
 def _case(layout, quant, backend, tokens, preset="deepseek-v3", dtype="bfloat16"):
     p = ParallelConfig.parse(layout)
     opts = MatrixOptions(world_sizes=(p.world_size,), layouts=(p,), quants=(quant,), dtypes=(dtype,),
-                         tokens_per_rank=tokens, backends=(backend,), presets=(preset,))
+                         tokens_per_rank=tokens, backends=(backend,), presets=(preset,), eplb="off")
     (case,) = [c for c in generate(opts) if not c.skipped]
     return case
 

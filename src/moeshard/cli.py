@@ -1,4 +1,4 @@
-"""``moeshard`` command line: check, backends, run, bench, generate.
+"""``moeshard`` command line: check, backends, run, bench, generate, eplb.
 
 Each subcommand lives in ``moeshard.commands.<name>`` and exposes ``add_parser(subparsers)``,
 which registers its options and sets ``func(args) -> int`` (the exit code).
@@ -20,7 +20,7 @@ import threading
 
 from moeshard.errors import ExitCode, MoeshardError, Terminated
 
-COMMANDS = ("check", "backends", "run", "bench", "generate")
+COMMANDS = ("check", "backends", "run", "bench", "generate", "eplb")
 
 
 def build_parser() -> argparse.ArgumentParser:

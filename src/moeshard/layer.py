@@ -19,6 +19,7 @@ Inference only: no gradient flows through dispatch and combine.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import torch
@@ -29,6 +30,9 @@ from torch import nn
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name
 from moeshard.dispatch.base import DispatchBackend
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
+from moeshard.eplb.loads import LoadCounter
+from moeshard.eplb.moves import MoveStats, move_slots, plan_moves
+from moeshard.eplb.placement import Placement, choose_replicas
 from moeshard.experts import select_kernel
 from moeshard.experts.base import ExpertKernel, ExpertWeights
 from moeshard.parallel.collectives import all_reduce
@@ -40,6 +44,7 @@ from moeshard.quant import QuantizedActivations, QuantizedWeight, scheme_names, 
 from moeshard.router import Routing, route, router_logits
 from moeshard.sharding import shard_experts, shard_spec
 from moeshard.stages import StageRecorder
+from moeshard.validate import is_int
 from moeshard.weights import SHARED_ALIASES, MoEWeights
 
 
@@ -83,6 +88,12 @@ class RoutedExperts(nn.Module):
         return QuantizedWeight(self.scheme, getattr(self, name), getattr(self, name + "_scale"),
                                getattr(self, name + "_global_scale"), self._shapes[name])
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot tensor, each [E_l, ...]: weights, then scales and global scales, of
+        gate_up then down (what a rebalance moves slot by slot)."""
+        names = [n + suffix for n in ("gate_up_proj", "down_proj") for suffix in ("", "_scale", "_global_scale")]
+        return [t for t in (getattr(self, n, None) for n in names) if t is not None]
+
     def _view(self) -> ExpertWeights:
         return ExpertWeights(self._weight("gate_up_proj"), self._weight("down_proj"), self.scheme)
 
@@ -125,6 +136,11 @@ def _name(code: int) -> str | int:
     return {_code(n): n for n in (*scheme_names(), *BACKENDS, *MODEL_DTYPES)}.get(code, code)
 
 
+def _placement_code(placement: Placement | None) -> int:
+    """The configuration exchange's value for a placement (0: none)."""
+    return 0 if placement is None or placement.is_identity else placement.fingerprint()
+
+
 def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> None:
     """One small all-gather at construction: every rank must agree on the layer's configuration.
 
@@ -142,15 +158,19 @@ def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> 
                              + ", ".join(f"rank {r}={_name(v)}" for r, v in enumerate(column)))
 
 
-def _record_dispatched(rec: StageRecorder, inp, first_expert: int) -> None:
-    """The experts' input as received (wire views, so that bytes can be compared)."""
+def _record_dispatched(rec: StageRecorder, inp, slot_expert: torch.Tensor) -> None:
+    """The experts' input as received (wire views, so that bytes can be compared), with each
+    row's global logical expert id (-1 padding): slot_expert int64 [S] is the logical expert of
+    each of this rank's slots."""
     x = inp.x
     if isinstance(x, QuantizedActivations):
         rows, scale, tensor_scale = to_wire(x.data), None if x.row_scale is None else to_wire(x.row_scale), x.tensor_scale
     else:
         rows, scale, tensor_scale = x, None, None
-    rec.record("dispatch", rows=rows, row_scale=scale, tensor_scale=tensor_scale, expert_ids=inp.expert_ids,
-               repeat=inp.repeat, first_expert=first_expert)
+    ids = inp.expert_ids
+    logical = torch.where(ids >= 0, slot_expert[ids.clamp_min(0)], torch.full_like(ids, -1))
+    rec.record("dispatch", rows=rows, row_scale=scale, tensor_scale=tensor_scale, expert_ids=logical,
+               repeat=inp.repeat, first_expert=0)
 
 
 class MoELayer(nn.Module):
@@ -165,9 +185,18 @@ class MoELayer(nn.Module):
     ``weights.down`` may be None;
     device: where this rank computes (default ``groups.device`` or CPU);
     max_tokens_per_rank: the most tokens one ``forward`` hands a rank (None: unbounded); backends
-    with fixed-capacity buffers (``low_latency``) need it, and ``forward`` refuses more.
+    with fixed-capacity buffers (``low_latency``) need it, and ``forward`` refuses more;
     recorder: a ``moeshard.stages.StageRecorder`` that keeps a copy of every stage of the next
-    forward on this rank (``moeshard check --explain``); None: nothing is recorded.
+    forward on this rank (``moeshard check --explain``); None: nothing is recorded;
+    placement: expert-parallel load balancing (``moeshard.eplb.Placement``, EP on): E logical
+    experts on P * S physical slots, hot experts with several replicas (None: no redundancy);
+    load_window: forwards over which ``expert_loads`` counts tokens per logical expert.
+
+    With a placement the router's logical ids become slot ids right after routing
+    (``physical_ids``: deterministic, identical on every rank that sees a token); the backend is
+    built for the P * S slots, each rank's kernel computes its S slots, and a replica's weights
+    are its logical expert's. Outputs do not depend on the placement. ``rebalance`` changes it
+    at run time, moving only the slots whose expert changed.
 
     On CUDA the shared experts run on a side stream while the routed path is dispatched and
     computed (``overlap_shared``, default on), and are joined before they are added.
@@ -180,7 +209,8 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, quant: QuantConfig | None = None, groups: ParallelGroups | None = None,
                  backend: str | None = None, weights: MoEWeights | None = None,
                  local_experts: ExpertWeights | None = None, device=None,
-                 max_tokens_per_rank: int | None = None, recorder: StageRecorder | None = None) -> None:
+                 max_tokens_per_rank: int | None = None, placement: Placement | None = None,
+                 load_window: int = 64, recorder: StageRecorder | None = None) -> None:
         super().__init__()
         quant = quant or QuantConfig()
         parallel = groups.config if groups is not None else ParallelConfig()
@@ -188,6 +218,7 @@ class MoELayer(nn.Module):
         backend = backend or default_backend(parallel)
         max_ok = max_tokens_per_rank is None or (isinstance(max_tokens_per_rank, int)
                                                  and not isinstance(max_tokens_per_rank, bool) and max_tokens_per_rank >= 1)
+        placement_ok = placement is None or isinstance(placement, Placement)
         if groups is not None:
             # First, before any rank-local refusal: the checks below are pure functions of what
             # this exchange proves identical, so every rank then raises (or not) together.
@@ -197,11 +228,16 @@ class MoELayer(nn.Module):
                 "dtype": _code(dtype_name(cfg.dtype)), "quant": _code(quant.scheme),
                 "defer_input_quant": int(quant.defer_input_quant), "backend": _code(backend),
                 "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep),
-                "max_tokens_per_rank": (max_tokens_per_rank or 0) if max_ok else -1})
+                "max_tokens_per_rank": (max_tokens_per_rank or 0) if max_ok else -1,
+                "placement": _placement_code(placement) if placement_ok else -1,
+                "load_window": load_window if is_int(load_window) else -1})
         if not max_ok:
             raise ValueError(f"MoELayer (rank {rank}): max_tokens_per_rank must be None or an int >= 1, "
                              f"got {max_tokens_per_rank!r}")
+        if not is_int(load_window) or load_window < 1:
+            raise ValueError(f"MoELayer (rank {rank}): load_window must be an int >= 1, got {load_window!r}")
         parallel.validate(parallel.world_size, cfg, rank)
+        self.placement = self._check_placement(placement, cfg, parallel, rank)
         self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
         self.device = torch.device(device) if device is not None else (groups.device if groups else torch.device("cpu"))
         self.kernel: ExpertKernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme)
@@ -213,7 +249,7 @@ class MoELayer(nn.Module):
         weights = weights if weights is not None else MoEWeights.random(cfg)
         weights.validate(cfg, routed=local_experts is None)
         weights = weights.to(dtype=cfg.dtype)
-        self.shard = shard_spec(self.parallel, rank, cfg.num_experts)
+        self.shard = shard_spec(self.parallel, rank, cfg.num_experts, self.placement)
         self.shard.validate(cfg, quant)
         if local_experts is None:
             local_experts = shard_experts(weights.gate_up, weights.down, cfg, quant, self.shard)
@@ -225,12 +261,21 @@ class MoELayer(nn.Module):
         if cfg.shared_expert_gate:
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
             self.shared_expert_gate.weight = nn.Parameter(weights.shared_expert_gate.clone(), requires_grad=False)
+        self.loads = LoadCounter(cfg.num_experts, load_window)
+        table, count = self.placement.tables()
+        self.register_buffer("replica_table", table, persistent=False)
+        self.register_buffer("replica_count", count, persistent=False)
+        self.register_buffer("slot_expert", torch.tensor(list(self.shard.logical_experts), dtype=torch.int64),
+                             persistent=False)
+        self._dp_rank = parallel.dp_rank(rank)
         self.to(self.device)
         self.max_tokens_per_rank = max_tokens_per_rank
         routed_max = None
         if max_tokens_per_rank is not None:  # under SP a rank routes its 1/tp chunk
             routed_max = -(-max_tokens_per_rank // parallel.tp) if parallel.is_sequence_parallel else max_tokens_per_rank
-        self.backend: DispatchBackend = BACKENDS[backend].factory(cfg, quant, groups, routed_max)
+        # With a placement the backend routes slots: P * S of them, S per EP rank.
+        self.backend: DispatchBackend = BACKENDS[backend].factory(self.placement.backend_config(cfg), quant, groups,
+                                                                  routed_max)
         self.overlap_shared = self.device.type == "cuda"
         self._side_stream = None
         self.recorder = recorder
@@ -253,6 +298,24 @@ class MoELayer(nn.Module):
         # Qwen2-MoE names its shared MLP ``shared_expert`` (singular).
         for key in [k for k in state if k.startswith(prefix + SHARED_ALIASES[1])]:
             state[prefix + SHARED_ALIASES[0] + key[len(prefix + SHARED_ALIASES[1]):]] = state.pop(key)
+
+    @staticmethod
+    def _check_placement(placement: Placement | None, cfg: MoEConfig, parallel: ParallelConfig, rank: int) -> Placement:
+        """The placement to use (identity when None); refuses one that does not fit. Every check
+        is a function of values the configuration exchange proved identical on every rank."""
+        if placement is None:
+            return Placement.identity(cfg.num_experts, parallel.ep_size)
+        if not isinstance(placement, Placement):
+            raise ValueError(f"MoELayer (rank {rank}): placement must be a moeshard.eplb.Placement or None, "
+                             f"got {type(placement).__name__}")
+        if placement.num_experts != cfg.num_experts or placement.num_ranks != parallel.ep_size:
+            raise ValueError(f"MoELayer (rank {rank}): placement is for {placement.num_experts} experts on "
+                             f"{placement.num_ranks} EP ranks, but num_experts={cfg.num_experts} and layout "
+                             f"{parallel.name} has EP size {parallel.ep_size}")
+        if not parallel.enable_ep and not placement.is_identity:
+            raise ValueError(f"MoELayer (rank {rank}): placement {list(placement.slots)} needs expert parallelism; "
+                             f"layout {parallel.name} has EP off (every rank holds every expert once)")
+        return placement
 
     def _check_local_experts(self, experts: ExpertWeights, rank: int) -> None:
         s, cfg = self.shard, self.cfg
@@ -285,20 +348,49 @@ class MoELayer(nn.Module):
                              f"max_tokens_per_rank={self.max_tokens_per_rank}")
 
     def route(self, x: torch.Tensor) -> Routing:
-        """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global expert ids)."""
+        """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global logical
+        expert ids; ``physical_ids`` maps them to the slots the backend routes)."""
         return route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias)
 
-    def _routed(self, x: torch.Tensor, first_token: int = 0) -> torch.Tensor:
-        """x: [T, H] rows this rank routes (rows ``first_token``.. of its DP rank's tokens) ->
-        fp32 [T, H] routed-expert output (TP-reduced)."""
+    def physical_ids(self, topk_ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """topk_ids: int64 [T, K] logical ids of T consecutive tokens of this rank's DP batch, the
+        first at row ``first_row`` -> int64 [T, K] physical slot ids (``moeshard.eplb.placement``:
+        a function of the token's row, its DP rank, k and the expert; the same on every rank).
+        The ids themselves without a placement. No host synchronisation."""
+        if self.placement.is_identity:
+            return topk_ids
+        return choose_replicas(topk_ids, self.replica_table, self.replica_count, first_row, self._dp_rank)
+
+    def _replica_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """fp32 [S] per-slot amax of h -> the amax of each slot's logical expert over all its
+        replicas (one all-reduce of E values over the EP group): h is quantized with the
+        logical expert's per-tensor scale, as on one device."""
+        full = torch.zeros(self.cfg.num_experts, dtype=torch.float32, device=amax.device)
+        full.scatter_reduce_(0, self.slot_expert, amax.float(), reduce="amax", include_self=True)
+        all_reduce(full, self.groups.ep_group, "ep", "max", trace=self.groups.trace)
+        return full[self.slot_expert]
+
+    @property
+    def _shares_amax(self) -> bool:
+        return (self.parallel.enable_ep and self.placement.has_replicas
+                and self.quant.spec.per_tensor_activation)
+
+    def _routed(self, x: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """x: [T, H] rows this rank routes (the first at row ``first_row`` of its DP rank's batch)
+        -> fp32 [T, H] routed-expert output (TP-reduced)."""
         rec = self.recorder
         routing = self.route(x)
         if rec is not None:
-            rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_token)
+            rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_row)
+        self.loads.record(routing.topk_ids)
+        routing = Routing(self.physical_ids(routing.topk_ids, first_row), routing.topk_weights)
         d = self.backend.dispatch(x, routing)
+        inp = d.input
         if rec is not None:
-            _record_dispatched(rec, d.input, self.shard.expert_start)
-        y = self.kernel(d.input, self.experts.weights)
+            _record_dispatched(rec, inp, self.slot_expert)
+        if self._shares_amax:
+            inp = dataclasses.replace(inp, amax_reduce=self._replica_amax)
+        y = self.kernel(inp, self.experts.weights)
         if rec is not None:
             rec.record("experts", y=y)
         out = self.backend.combine(y, d)
@@ -323,10 +415,10 @@ class MoELayer(nn.Module):
         in ``cfg.dtype``."""
         self._check_input(x)
         p = self.parallel
-        first = 0
+        first_row = 0
         if p.is_sequence_parallel:
             x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
-            first = chunk.start
+            first_row = chunk.start
         shared = None
         if self.shared_experts is not None and self.overlap_shared and x.is_cuda:
             # Independent of dispatch: overlap it (the side stream waits for x, the main stream
@@ -338,12 +430,12 @@ class MoELayer(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = self._shared(x)
-            out = self._routed(x, first)
+            out = self._routed(x, first_row)
             main.wait_stream(side)
             if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
                 shared.record_stream(main)
         else:
-            out = self._routed(x, first)
+            out = self._routed(x, first_row)
             if self.shared_experts is not None:
                 shared = self._shared(x)
         if shared is not None:
@@ -356,3 +448,54 @@ class MoELayer(nn.Module):
         if self.recorder is not None:
             self.recorder.record("output", out=out)
         return out
+
+    # -- expert-parallel load balancing -----------------------------------------------------
+    def expert_loads(self, all_reduce: bool = True) -> torch.Tensor:
+        """int64 [E] on the layer's device: routed copies (token, k) per logical expert over the
+        last ``load_window`` forwards. all_reduce: summed over the EP group (EP on; under SP each
+        TP rank counted its own chunk) or over the DP group (EP off: the TP ranks of a DP rank
+        route the same tokens), so every rank gets the whole world's loads; collective then, and
+        every rank must call it. Reads nothing back to the host."""
+        loads = self.loads.read()
+        if all_reduce and self.groups is not None:
+            group = self.groups.ep_group if self.parallel.enable_ep else self.groups.dp_group
+            with traced(self.groups.trace, "all_reduce_sum", "ep" if self.parallel.enable_ep else "dp", loads):
+                dist.all_reduce(loads, group=group)
+        return loads
+
+    def reset_expert_loads(self) -> None:
+        """Empties the load window (this rank only; call it on every rank to restart together)."""
+        self.loads.reset()
+
+    def rebalance(self, placement: Placement) -> MoveStats:
+        """Switches to ``placement`` (same E, P and slots per rank), moving only the slots whose
+        expert changed: from a slot of the same rank when it holds that expert, else from a rank
+        that does, as bytes over the EP group (quantized weights with their scales). Collective:
+        every rank calls it with the same placement (checked first by one all-gather, so ranks
+        that disagree all raise). Buffers keep their shapes and addresses. Returns what this
+        rank moved."""
+        rank = self.groups.rank if self.groups is not None else 0
+        if self.groups is not None:
+            _check_same_on_all_ranks(self.groups, {"placement": _placement_code(placement)
+                                                   if isinstance(placement, Placement) else -1})
+        if not isinstance(placement, Placement):
+            raise ValueError(f"MoELayer.rebalance (rank {rank}): placement must be a moeshard.eplb.Placement, "
+                             f"got {type(placement).__name__}")
+        old = self.placement
+        if (placement.num_experts, placement.num_ranks, placement.num_slots) != (old.num_experts, old.num_ranks,
+                                                                                   old.num_slots):
+            raise ValueError(f"MoELayer.rebalance (rank {rank}): placement has {placement.num_experts} experts on "
+                             f"{placement.num_ranks} ranks in {placement.num_slots} slots, the layer "
+                             f"{old.num_experts} on {old.num_ranks} in {old.num_slots}; a rebalance keeps the slots")
+        self._check_placement(placement, self.cfg, self.parallel, rank)
+        moves = plan_moves(old, placement)
+        group = self.groups.ep_group if self.groups is not None else None
+        stats = move_slots(self.experts.slot_tensors(), moves, old.slots_per_rank,
+                           self.parallel.ep_rank(rank), group, self.groups.trace if self.groups is not None else None)
+        table, count = placement.tables(self.replica_table.device)
+        self.replica_table.copy_(table)
+        self.replica_count.copy_(count)
+        self.shard = shard_spec(self.parallel, rank, self.cfg.num_experts, placement)
+        self.slot_expert.copy_(torch.tensor(list(self.shard.logical_experts), dtype=torch.int64))
+        self.placement = placement
+        return stats

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.config import MoEConfig, QuantConfig
+from moeshard.eplb.placement import Placement
 from moeshard.experts.base import ExpertWeights, Weight
 from moeshard.parallel.config import ParallelConfig
 from moeshard.quant import QuantizedWeight, quantize_weight
@@ -22,19 +23,34 @@ from moeshard.quant import QuantizedWeight, quantize_weight
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """expert_start/expert_stop: this rank's experts; tp_rank/tp_size: its slice of I (tp_size 1
-    under EP, where experts stay whole)."""
+    """expert_start/expert_stop: this rank's experts (physical slots [start, stop) with a
+    placement); tp_rank/tp_size: its slice of I (tp_size 1 under EP, where experts stay whole);
+    experts: with expert-parallel load balancing, the logical expert of each of those slots
+    (``moeshard.eplb.Placement``), whose weights the slot holds; None: slot i holds expert i."""
 
     expert_start: int
     expert_stop: int
     tp_rank: int = 0
     tp_size: int = 1
+    experts: tuple[int, ...] | None = None
+
+    @property
+    def logical_experts(self) -> range | tuple[int, ...]:
+        """The logical expert of each of this rank's slots, in slot order (what is read and kept)."""
+        return range(self.expert_start, self.expert_stop) if self.experts is None else self.experts
 
     def validate(self, cfg: MoEConfig, quant: QuantConfig) -> None:
         I = cfg.intermediate_size
-        if not 0 <= self.expert_start < self.expert_stop <= cfg.num_experts:
+        if self.experts is None and not 0 <= self.expert_start < self.expert_stop <= cfg.num_experts:
             raise ValueError(f"ShardSpec: experts [{self.expert_start}, {self.expert_stop}) outside "
                              f"[0, {cfg.num_experts})")
+        if self.experts is not None:
+            if not 0 <= self.expert_start < self.expert_stop or len(self.experts) != self.expert_stop - self.expert_start:
+                raise ValueError(f"ShardSpec: slots [{self.expert_start}, {self.expert_stop}) and experts "
+                                 f"{list(self.experts)} do not match (one logical expert per slot)")
+            bad = [e for e in self.experts if not 0 <= e < cfg.num_experts]
+            if bad:
+                raise ValueError(f"ShardSpec: logical experts {bad} outside [0, {cfg.num_experts})")
         if I % self.tp_size:
             raise ValueError(f"ShardSpec: intermediate_size={I} is not divisible by tp={self.tp_size}")
         scheme = quant.spec
@@ -48,10 +64,22 @@ class ShardSpec:
                 raise ValueError(f"ShardSpec: {quant.scheme} needs {name} divisible by {scheme.dim_multiple}, got {k}")
 
 
-def shard_spec(parallel: ParallelConfig, rank: int, num_experts: int) -> ShardSpec:
+def shard_spec(parallel: ParallelConfig, rank: int, num_experts: int, placement: Placement | None = None) -> ShardSpec:
     """The experts and slice of I that ``rank`` holds under ``parallel``: EP on, whole experts
-    ``parallel.local_experts(rank, E)``; EP off, all experts and this TP rank's slice of I."""
+    ``parallel.local_experts(rank, E)``; EP off, all experts and this TP rank's slice of I.
+
+    placement: with expert-parallel load balancing (EP on), the rank's S physical slots
+    [ep_rank * S, (ep_rank + 1) * S) and the logical expert each holds; an identity placement
+    gives the spec without one."""
     experts = parallel.local_experts(rank, num_experts)
+    if placement is not None and not placement.is_identity:
+        if not parallel.enable_ep or placement.num_ranks != parallel.ep_size or placement.num_experts != num_experts:
+            raise ValueError(f"shard_spec (rank {rank}): a placement of {placement.num_experts} experts on "
+                             f"{placement.num_ranks} ranks does not fit layout {parallel.name} with "
+                             f"num_experts={num_experts} (EP size {parallel.ep_size})")
+        S = placement.slots_per_rank
+        p = parallel.ep_rank(rank)
+        return ShardSpec(p * S, (p + 1) * S, experts=placement.rank_slots(p))
     if parallel.enable_ep:
         return ShardSpec(experts.start, experts.stop)
     return ShardSpec(0, num_experts, parallel.tp_rank(rank), parallel.tp)
@@ -80,22 +108,31 @@ def _cat_experts(parts: list[Weight]) -> Weight:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
+def _pick(w: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """Experts ``ids`` of ``w`` [E, ...]: a view when they are consecutive, else a copy."""
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return w[ids[0]:ids[0] + len(ids)]
+    return w.index_select(0, torch.tensor(ids, dtype=torch.int64, device=w.device))
+
+
 def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
                   spec: ShardSpec) -> ExpertWeights:
     """gate_up: [E, 2I, H], down: [E, H, I] full-precision full weights (any float dtype; experts
     outside the spec may be absent only if the caller passes the selected experts themselves,
-    i.e. E == expert_stop - expert_start). Returns this rank's ``ExpertWeights``. Experts are
+    i.e. E == expert_stop - expert_start). With a placement (``spec.experts``) slot i gets
+    logical expert ``spec.experts[i]``. Returns this rank's ``ExpertWeights``. Experts are
     converted, quantized and sliced ``EXPERT_CHUNK`` at a time, so the temporaries stay small
     next to the weights themselves (full-size models on one GPU)."""
     spec.validate(cfg, quant)
-    if gate_up.shape[0] == cfg.num_experts:
-        gate_up = gate_up[spec.expert_start:spec.expert_stop]
-        down = down[spec.expert_start:spec.expert_stop]
+    # Each slot gets a copy of its logical expert, quantized alone (every scale is per expert or
+    # finer), so a replica is bit for bit its expert.
+    ids = list(spec.logical_experts) if gate_up.shape[0] == cfg.num_experts else list(range(gate_up.shape[0]))
     parts = []
-    for e in range(0, gate_up.shape[0], EXPERT_CHUNK):
+    for i in range(0, len(ids), EXPERT_CHUNK):
+        chunk = ids[i:i + EXPERT_CHUNK]
         # copy=True: the layer owns its weights; it must never alias (and later mutate) the caller's.
-        gu: Weight = gate_up[e:e + EXPERT_CHUNK].to(cfg.dtype, copy=True).contiguous()
-        dn: Weight = down[e:e + EXPERT_CHUNK].to(cfg.dtype, copy=True).contiguous()
+        gu: Weight = _pick(gate_up, chunk).to(cfg.dtype, copy=True).contiguous()
+        dn: Weight = _pick(down, chunk).to(cfg.dtype, copy=True).contiguous()
         if quant.quantized:
             gu, dn = quantize_weight(gu, quant.scheme), quantize_weight(dn, quant.scheme)
         parts.append(_tp_slice(ExpertWeights(gu, dn, quant.scheme), cfg, spec))
@@ -114,7 +151,7 @@ def shard_of(experts: ExpertWeights, cfg: MoEConfig, quant: QuantConfig, spec: S
     """This rank's shard of ``prepare_experts``' result (which stays untouched; the shard owns
     its storage)."""
     spec.validate(cfg, quant)
-    ids = torch.arange(spec.expert_start, spec.expert_stop)
+    ids = torch.tensor(list(spec.logical_experts), dtype=torch.int64)
     if isinstance(experts.gate_up, QuantizedWeight):
         gu, dn = experts.gate_up.select_experts(ids), experts.down.select_experts(ids)
     else:

@@ -57,10 +57,12 @@ def _blocks(n: int) -> int:
 
 @dataclass(frozen=True)
 class ExpertPlan:
-    """What one rank reads. experts: global ids; keep: its [lo, hi) of I; read: the [lo, hi) of I
-    read from the file (``keep``, or all of I for schemes whose scales span the expert)."""
+    """What one rank reads. experts: the logical expert of each local slot, in slot order (a
+    range without load balancing; with a placement a replica's expert is read once per slot);
+    keep: its [lo, hi) of I; read: the [lo, hi) of I read from the file (``keep``, or all of I for
+    schemes whose scales span the expert)."""
 
-    experts: range
+    experts: range | tuple[int, ...]
     keep: tuple[int, int]
     read: tuple[int, int]
 
@@ -70,7 +72,7 @@ class ExpertPlan:
         width = I // spec.tp_size
         keep = (spec.tp_rank * width, (spec.tp_rank + 1) * width)
         whole = spec.tp_size > 1 and quant.spec.whole_expert_scale and not fp8_checkpoint
-        return ExpertPlan(range(spec.expert_start, spec.expert_stop), keep, (0, I) if whole else keep)
+        return ExpertPlan(spec.logical_experts, keep, (0, I) if whole else keep)
 
 
 class _Stack:

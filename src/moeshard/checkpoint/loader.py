@@ -23,6 +23,7 @@ from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
 from moeshard.checkpoint.names import BlockNames, resolve_block_names, scale_name
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
 from moeshard.config import MoEConfig, QuantConfig, parse_dtype
+from moeshard.eplb.placement import Placement
 from moeshard.experts.base import ExpertWeights
 from moeshard.parallel.config import ParallelConfig
 from moeshard.quant import FP8_BLOCK
@@ -53,6 +54,7 @@ class LoadedBlock:
     names: BlockNames
     weights: MoEWeights
     local_experts: ExpertWeights
+    placement: Placement | None = None
 
 
 def resolve_quant(model: HFMoEModel, quant: QuantConfig | str | None) -> QuantConfig:
@@ -111,11 +113,14 @@ class _SmallTensors:
 
 
 def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfig | None = None, rank: int = 0,
-                   quant: QuantConfig | str | None = None, dtype: torch.dtype | str | None = None) -> LoadedBlock:
+                   quant: QuantConfig | str | None = None, dtype: torch.dtype | str | None = None,
+                   placement: Placement | None = None) -> LoadedBlock:
     """Reads layer ``layer``'s MoE block for ``rank`` of ``parallel`` (default: one rank).
 
     quant: expert quantization (None: the checkpoint's own, see ``resolve_quant``); dtype: the
-    model dtype to run in (None: the checkpoint's declared dtype, else fp32).
+    model dtype to run in (None: the checkpoint's declared dtype, else fp32); placement:
+    expert-parallel load balancing (``moeshard.eplb.Placement``): the rank reads the logical
+    expert of each of its physical slots, once per slot.
     Everything that can be checked from config.json and the safetensors headers is checked
     before any tensor data is read; every refusal is a ValueError naming the field or tensor.
     """
@@ -125,7 +130,7 @@ def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfi
     cfg = model.moe_config(parse_dtype(dtype) if dtype is not None else None)
     parallel = parallel or ParallelConfig()
     parallel.validate(parallel.world_size, cfg, rank)
-    spec = shard_spec(parallel, rank, cfg.num_experts)
+    spec = shard_spec(parallel, rank, cfg.num_experts, placement)
     spec.validate(cfg, quant)
     ckpt = SafetensorsCheckpoint(model_dir)
     names = resolve_block_names(ckpt, model, layer)
@@ -137,7 +142,7 @@ def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfi
     weights.validate(cfg, routed=False)
     local = experts.read(quant, spec)
     return LoadedBlock(model=model, layer=layer, cfg=cfg, quant=quant, parallel=parallel, rank=rank, spec=spec,
-                       names=names, weights=weights, local_experts=local)
+                       names=names, weights=weights, local_experts=local, placement=placement)
 
 
 def build_layer(block: LoadedBlock, groups=None, backend: str | None = None, device=None):
@@ -150,4 +155,4 @@ def build_layer(block: LoadedBlock, groups=None, backend: str | None = None, dev
         raise ValueError(f"build_layer: the block was loaded for rank {block.rank} of {block.parallel.name}, but "
                          f"the groups are rank {groups.rank if groups else 0} of {layout.name}")
     return MoELayer(block.cfg, quant=block.quant, groups=groups, backend=backend, weights=block.weights,
-                    local_experts=block.local_experts, device=device)
+                    local_experts=block.local_experts, device=device, placement=block.placement)

@@ -29,9 +29,11 @@ def case_ids(values: Iterable[str] | None, flag: str = "--only") -> tuple[str, .
     """Case ids exactly as ``moeshard check --list`` prints them, from one or more ``--only`` values.
 
     A value holds one id or several, separated by commas or whitespace. Ids contain commas of
-    their own (the token counts, ``.../t0,5``), so a comma starts a new id only where the text
-    after it holds a ``/`` (every id does; token counts never do):
-    ``"a/b/t0,5,c/d/t1"`` -> ``("a/b/t0,5", "c/d/t1")``. None (the option not given) stays None.
+    their own (the token counts, ``.../t0,5``, which a load-balancing id follows with
+    ``/eplb-...``), so a comma starts a new id only where the text after it holds a ``/`` and
+    does not begin with a token count (every id begins with its layout):
+    ``"a/b/t0,5,c/d/t1,2/eplb-r1"`` -> ``("a/b/t0,5", "c/d/t1,2/eplb-r1")``. None (the option
+    not given) stays None.
     """
     if values is None:
         return None
@@ -42,7 +44,7 @@ def case_ids(values: Iterable[str] | None, flag: str = "--only") -> tuple[str, .
             for part in chunk.split(","):
                 if not part:
                     continue
-                if first or "/" in part:
+                if first or ("/" in part and not part.split("/", 1)[0].isdigit()):
                     ids.append(part)
                 else:
                     ids[-1] += "," + part

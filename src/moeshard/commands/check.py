@@ -42,7 +42,11 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens-per-rank", default=None, help="pin token counts per DP rank, e.g. 0,5 or 1,0,3,2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--full", action="store_true", help="add world size 8, every preset for each combination and "
-                                                       "larger shapes (medium on cpu, full size on cuda)")
+                                                       "larger shapes (medium on cpu, full size on cuda); implies --eplb")
+    p.add_argument("--eplb", action="store_true", help="every EP layout x EP backend x redundant slots per rank (0, 1, "
+                                                       "2) x skew (one, zipf) with expert-parallel load balancing "
+                                                       "(default: a few such cases)")
+    p.add_argument("--no-eplb", action="store_true", help="leave out the load-balancing cases")
     p.add_argument("--size", default=None, choices=list(SIZES), help="preset size (default small; --full: medium on "
                                                                     "cpu, full on cuda)")
     p.add_argument("--only", default=None, action="append", metavar="ID",
@@ -73,7 +77,8 @@ def options(args) -> matrix.MatrixOptions:
         dtypes=names(args.dtypes), presets=names(args.presets),
         size=args.size or (("full" if args.device == "cuda" else "medium") if args.full else "small"),
         tokens_per_rank=ints(args.tokens_per_rank, "--tokens-per-rank") if args.tokens_per_rank else None,
-        all_presets=args.full, seed=seed(args.seed))
+        all_presets=args.full, seed=seed(args.seed),
+        eplb="off" if args.no_eplb else ("full" if args.eplb or args.full else "default"))
 
 
 def wide_console() -> Console:

@@ -16,6 +16,7 @@ accepts (``ExpertKernel.layouts``; ``moeshard.dispatch.registry.support`` checks
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,6 +93,12 @@ class ExpertInput:
        never materialised; the kernels gather through m // repeat instead. Outputs still have M rows.
     block_counts: ``EXPERT_BLOCKS`` layout only: int [E_l] valid rows of each expert's block of
        ``M // E_l`` rows (on the rows' device, never read back to the host). None: ``FLAT``.
+    amax_reduce: None, or a function fp32 [E_l] -> fp32 [E_l] that a kernel must apply, exactly
+       once per call (0 rows included: it may be collective), to the per-expert amax of h before
+       it quantizes h with per-tensor scales (fp8_tensor, nvfp4). The layer sets it when
+       replicas of one logical expert share its rows across ranks (expert-parallel load
+       balancing): it all-reduces the amax over the replicas, so that h is quantized with the
+       logical expert's scale, as on one device. Schemes without per-tensor scales ignore it.
     """
 
     x: torch.Tensor | QuantizedActivations
@@ -99,6 +106,7 @@ class ExpertInput:
     input_amax: torch.Tensor | None = None
     repeat: int = 1
     block_counts: torch.Tensor | None = None
+    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         # Shapes only: nothing here reads a device value, so construction stays graph-capturable.

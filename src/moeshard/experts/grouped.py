@@ -16,6 +16,7 @@ accumulation computes. Any registered scheme runs here (through its codec).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -24,17 +25,21 @@ from moeshard.numerics import ACCUMULATION
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme, quantize_activations
 
 
-def expert_amax(h: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def expert_amax(h: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Per-row amax of each row's expert group: fp32 [M, 1].
 
     expert_ids: int64 [M] in [0, num_experts], where ``num_experts`` marks padding rows (their
     group is their own and never mixes with an expert's). Per-tensor activation scales of the
     down projection are taken per expert, over all rows that expert receives. Every layout gives
-    an expert the same rows, so the scale is layout-free.
+    an expert the same rows, so the scale is layout-free. reduce: ``ExpertInput.amax_reduce``,
+    applied to the experts' amax [num_experts] (replicas of one expert on several ranks).
     """
     row_max = h.abs().amax(dim=1).float() if h.shape[1] else h.new_zeros(h.shape[0], dtype=torch.float32)
     seg = torch.zeros(num_experts + 1, dtype=torch.float32, device=h.device)
     seg = seg.scatter_reduce(0, expert_ids, row_max, reduce="amax", include_self=True)
+    if reduce is not None:
+        seg = torch.cat([reduce(seg[:num_experts]), seg[num_experts:]])
     return seg[expert_ids].unsqueeze(1)
 
 
@@ -127,7 +132,7 @@ class GroupedExperts:
             x = quantize_activations(x, scheme.name, amax=inp.input_amax if scheme.per_tensor_activation else None)
         h = activate(self.gemm(x, weights.gate_up, offsets), self.activation, self.out_dtype)
         if scheme.quantized:
-            amax = expert_amax(h, sorted_ids, E_l) if scheme.per_tensor_activation else None
+            amax = expert_amax(h, sorted_ids, E_l, inp.amax_reduce) if scheme.per_tensor_activation else None
             h = quantize_activations(h, scheme.name, amax=amax)
         y_sorted = self.gemm(h, weights.down, offsets)
         # Rows past the last offset (padding) were never computed.

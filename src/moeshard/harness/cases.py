@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from moeshard.config import MoEConfig, QuantConfig, parse_dtype
 from moeshard.dispatch.registry import BACKENDS, support
+from moeshard.eplb.placement import Layout
 from moeshard.quant import scheme_names
 from moeshard.parallel.config import ParallelConfig
 from moeshard.presets import PRESETS, SIZES
@@ -46,6 +47,36 @@ def quant_configs() -> list[QuantConfig]:
 
 DTYPES = ("float32", "bfloat16")
 
+# Expert-parallel load balancing cases: redundant slots per rank, skewed routing, the policy of
+# the rebalance in the middle of the case.
+EPLB_REDUNDANT = (0, 1, 2)
+EPLB_SKEWS = ("one", "zipf")
+EPLB_POLICIES = ("hierarchical", "greedy")
+EPLB_MODES = ("off", "default", "full")
+# The few EPLB cases of the default matrix: every EP backend, a layout with and one without SP,
+# per-tensor scales (fp8_tensor, nvfp4: replicas must share h's amax) with replicas, both skews.
+DEFAULT_EPLB = (
+    ("dp2-tp1-ep", "all2all", "fp8_tensor", "float32", 1, "zipf", "hierarchical"),
+    ("dp2-tp1-ep", "low_latency", "nvfp4", "bfloat16", 2, "one", "greedy"),
+    ("dp2-tp1-ep", "allgather_reducescatter", "none", "float32", 0, "zipf", "hierarchical"),
+    ("dp2-tp2-ep", "all2all", "fp8_block", "bfloat16", 1, "one", "hierarchical"),
+    ("dp2-tp2-ep", "low_latency", "fp8_tensor+defer", "float32", 2, "zipf", "greedy"),
+)
+
+
+@dataclass(frozen=True)
+class EPLBCase:
+    """The load-balancing part of a case: ``redundant_per_rank`` extra slots per EP rank, routing
+    skewed by ``skew`` (``moeshard.harness.inputs.SKEWS``), rebalanced mid-case by ``policy``."""
+
+    redundant_per_rank: int
+    skew: str
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return f"eplb-r{self.redundant_per_rank}-{self.skew}-{self.policy}"
+
 
 @dataclass(frozen=True)
 class Case:
@@ -65,14 +96,21 @@ class Case:
     reason: str = ""
     id: str = field(default="", compare=False)
     weight_seed: int = 0
+    eplb: EPLBCase | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
             q = self.quant.name
             size = "" if self.size == "small" else f"@{self.size}"
             toks = ",".join(map(str, self.tokens))
+            eplb = "" if self.eplb is None else f"/{self.eplb.name}"
             object.__setattr__(self, "id", f"{self.parallel.name}/{self.backend}/{q}/{self.dtype}/"
-                                           f"{self.preset}{size}/t{toks}")
+                                           f"{self.preset}{size}/t{toks}{eplb}")
+
+    @property
+    def skew(self) -> str:
+        """The routing skew of the case's inputs ("" for the random router)."""
+        return "" if self.eplb is None else self.eplb.skew
 
     @property
     def world_size(self) -> int:
@@ -97,9 +135,9 @@ class Case:
         return self.world_size * (weights + tokens)
 
     @property
-    def weights_key(self) -> tuple[str, str, str, int]:
+    def weights_key(self) -> tuple[str, str, str, int, str]:
         """What the case's weights depend on: cases with equal keys have identical weights."""
-        return self.preset, self.size, self.dtype, self.weight_seed
+        return self.preset, self.size, self.dtype, self.weight_seed, self.skew
 
 
 def weight_seed_of(preset: str, size: str, dtype: str, run_seed: int = 0) -> int:
@@ -107,7 +145,8 @@ def weight_seed_of(preset: str, size: str, dtype: str, run_seed: int = 0) -> int
     return (zlib.crc32(f"{preset}@{size}/{dtype}".encode()) + run_seed * 7919) % 2**31
 
 
-def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoEConfig) -> str:
+def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoEConfig,
+            eplb: EPLBCase | None = None) -> str:
     """The reason this combination cannot run, or "" when it can (same checks as the layer)."""
     ok, reason = support(backend, quant, parallel)
     if not ok:
@@ -117,6 +156,10 @@ def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoE
         E, ep, tp = cfg.num_experts, parallel.ep_size, parallel.tp
         spec = ShardSpec(0, E // ep, 0, 1) if parallel.enable_ep else ShardSpec(0, E, 0, tp)
         spec.validate(cfg, quant)
+        if eplb is not None:
+            if not parallel.enable_ep:
+                return f"load balancing needs expert parallelism; layout {parallel.name} has EP off"
+            Layout(E, ep, eplb.redundant_per_rank)
     except ValueError as exc:
         return str(exc)
     return ""
@@ -136,8 +179,11 @@ class MatrixOptions:
     tokens_per_rank: tuple[int, ...] | None = None
     all_presets: bool = False
     seed: int = 0
+    eplb: str = "default"
 
     def __post_init__(self) -> None:
+        if self.eplb not in EPLB_MODES:
+            raise ValueError(f"eplb: {self.eplb!r} is not one of {list(EPLB_MODES)}")
         for p in self.layouts or ():
             if p.world_size not in LAYOUTS:
                 raise ValueError(f"--layouts: {p.name} has world size {p.world_size}; moeshard check runs world "
@@ -210,18 +256,24 @@ def generate(opts: MatrixOptions) -> list[Case]:
                                     weight_seed=weight_seed_of(preset, opts.size, dtype, opts.seed))
                         # The seeds depend on the id alone, so `--only ID` reproduces a case exactly.
                         cases.append(replace(case, seed=_case_seed(case.id, opts.seed)))
+    if opts.eplb != "off":
+        cases += eplb_cases(opts, layouts, presets)
     return cases
 
 
 def case_from_id(case_id: str, seed: int = 0) -> Case:
     """The case an id names, built from the id alone: an id spells every axis of its case
-    (``layout/backend/quant/dtype/preset[@size]/t<tokens per DP rank>``) and its seed depends on
-    the id alone, so a case listed under any filters (``--list --world-sizes 2``, ``--full``)
-    runs the same under ``--only``. ValueError naming the part of the id that is wrong."""
+    (``layout/backend/quant/dtype/preset[@size]/t<tokens per DP rank>[/eplb-r<R>-<skew>-<policy>]``)
+    and its seed depends on the id alone, so a case listed under any filters (``--list
+    --world-sizes 2``, ``--full``) runs the same under ``--only``. ValueError naming the part of
+    the id that is wrong."""
     parts = case_id.split("/") if isinstance(case_id, str) else []
+    eplb = None
+    if len(parts) == 7 and parts[6].startswith("eplb-"):
+        eplb = _eplb_from_name(case_id, parts.pop())
     if len(parts) != 6 or not parts[5].startswith("t"):
-        raise ValueError(f"{case_id!r} is not a case id: expected layout/backend/quant/dtype/preset[@size]/t<tokens>, "
-                         f"e.g. dp2-tp2-ep/all2all/fp8_block/bfloat16/deepseek-v3/t1,0")
+        raise ValueError(f"{case_id!r} is not a case id: expected layout/backend/quant/dtype/preset[@size]/t<tokens>"
+                         f"[/eplb-r<R>-<skew>-<policy>], e.g. dp2-tp2-ep/all2all/fp8_block/bfloat16/deepseek-v3/t1,0")
     layout, backend, quant, dtype, preset, toks = parts
     parallel = ParallelConfig.parse(layout)
     if parallel.name != layout:
@@ -247,16 +299,78 @@ def case_from_id(case_id: str, seed: int = 0) -> Case:
                          f"one per DP rank")
     q = quants[quant]
     cfg = PRESETS[preset].config(size, parse_dtype(dtype))
-    case = Case(parallel, backend, q, dtype, preset, size, tokens, 0, refusal(parallel, backend, q, cfg),
-                weight_seed=weight_seed_of(preset, size, dtype, seed))
+    case = Case(parallel, backend, q, dtype, preset, size, tokens, 0, refusal(parallel, backend, q, cfg, eplb),
+                weight_seed=weight_seed_of(preset, size, dtype, seed), eplb=eplb)
     if case.id != case_id:
         raise ValueError(f"{case_id!r} is not a case id as moeshard check writes it (did you mean {case.id!r}?)")
     return replace(case, seed=_case_seed(case.id, seed))
 
 
+def _eplb_from_name(case_id: str, name: str) -> EPLBCase:
+    """The ``EPLBCase`` of an id's last part, ``eplb-r<R>-<skew>-<policy>``."""
+    fields = name.split("-")
+    if (len(fields) != 4 or not fields[1].startswith("r") or not fields[1][1:].isdigit()
+            or int(fields[1][1:]) not in EPLB_REDUNDANT or fields[2] not in EPLB_SKEWS or fields[3] not in EPLB_POLICIES):
+        raise ValueError(f"{case_id!r}: {name!r} is not eplb-r<R>-<skew>-<policy> with R in {list(EPLB_REDUNDANT)}, "
+                         f"skew in {list(EPLB_SKEWS)}, policy in {list(EPLB_POLICIES)}")
+    return EPLBCase(int(fields[1][1:]), fields[2], fields[3])
+
+
 def _case_seed(case_id: str, seed: int) -> int:
     """The seed of a case: a function of its id (and --seed) alone, so `--only ID` reproduces it."""
     return (zlib.crc32(case_id.encode()) + seed * 7919) % 2**31
+
+
+def _eplb_case(opts: MatrixOptions, p: ParallelConfig, backend: str, q: QuantConfig, dtype: str, preset: str,
+               tokens: tuple[int, ...], eplb: EPLBCase) -> Case:
+    cfg = PRESETS[preset].config(opts.size, parse_dtype(dtype))
+    case = Case(p, backend, q, dtype, preset, opts.size, tuple(tokens), 0, refusal(p, backend, q, cfg, eplb),
+                weight_seed=weight_seed_of(preset, opts.size, dtype, opts.seed), eplb=eplb)
+    return replace(case, seed=_case_seed(case.id, opts.seed))
+
+
+def eplb_cases(opts: MatrixOptions, layouts: list[ParallelConfig], presets: list[str]) -> list[Case]:
+    """The load-balancing cases among ``layouts`` (the EP ones): ``DEFAULT_EPLB`` (a few), and
+    with ``opts.eplb == "full"`` every EP layout x EP backend x redundant slots per rank
+    (``EPLB_REDUNDANT``) x skew, rotating quantization, dtype, preset, policy and token counts.
+    The axis filters of ``opts`` apply."""
+    quants = [q for q in quant_configs() if opts.quants is None or q.name in opts.quants]
+    dtypes = list(opts.dtypes)
+    backends = [b for b, spec in BACKENDS.items() if spec.layouts == "ep" and (opts.backends is None or b in opts.backends)]
+    ep_layouts = [p for p in layouts if p.enable_ep]
+    cases: dict[str, Case] = {}
+
+    def tokens_for(p: ParallelConfig, n: int) -> tuple[int, ...] | None:
+        if opts.tokens_per_rank is not None:
+            return tuple(opts.tokens_per_rank) if len(opts.tokens_per_rank) == p.dp else None
+        patterns = TOKEN_PATTERNS[p.dp]
+        return tuple(patterns[n % len(patterns)])
+
+    for n, (layout, backend, quant, dtype, r, skew, policy) in enumerate(DEFAULT_EPLB):
+        p = ParallelConfig.parse(layout)
+        q = next((c for c in quants if c.name == quant), None)
+        tokens = tokens_for(p, n)
+        if p in ep_layouts and backend in backends and q is not None and dtype in dtypes and tokens is not None:
+            c = _eplb_case(opts, p, backend, q, dtype, presets[n % len(presets)], tokens, EPLBCase(r, skew, policy))
+            cases[c.id] = c
+    if opts.eplb == "full" and quants and dtypes:
+        # n counts every combination of the unfiltered matrix, so a case's rotated axes (and its
+        # id) do not depend on which layouts or backends the filters keep.
+        every_ep = [ParallelConfig(*t) for w in sorted(LAYOUTS) for t in LAYOUTS[w] if t[2]]
+        n = 0
+        for p in every_ep:
+            for backend in (b for b, spec in BACKENDS.items() if spec.layouts == "ep"):
+                for r in EPLB_REDUNDANT:
+                    for skew in EPLB_SKEWS:
+                        tokens = tokens_for(p, n)
+                        if p in ep_layouts and backend in backends and tokens is not None:
+                            q = quants[n % len(quants)]
+                            dtype = dtypes[(n // len(quants) + n) % len(dtypes)]
+                            eplb = EPLBCase(r, skew, EPLB_POLICIES[(n // 2) % len(EPLB_POLICIES)])
+                            c = _eplb_case(opts, p, backend, q, dtype, presets[(3 * n + 1) % len(presets)], tokens, eplb)
+                            cases.setdefault(c.id, c)
+                        n += 1
+    return list(cases.values())
 
 
 def select_ids(cases: list[Case], ids: list[str], seed: int = 0) -> list[Case]:

@@ -18,8 +18,10 @@ from typing import Callable
 import torch
 
 from moeshard.config import QuantConfig
+from moeshard.harness import eplb
+from moeshard.harness.eplb import EPLBResult
 from moeshard.harness.cases import Case
-from moeshard.harness.inputs import CaseData, case_tokens
+from moeshard.harness.inputs import CaseData, case_tokens_of
 from moeshard.layer import MoELayer
 from moeshard.numerics import Reference
 from moeshard.parallel.config import ParallelConfig
@@ -58,12 +60,15 @@ class RankOutput:
     """What a rank's layer returned for a case. out: [rows, H] in the model dtype (CPU), which
     should be [tokens of its DP rank, H]; accumulation: its expert kernel's declared accumulation
     error (``MoELayer.accumulation``), which the reference's slack must use; stages: what each
-    stage produced (``StageRecorder.stages``) when the case ran with ``record``, else None."""
+    stage produced (``StageRecorder.stages``) when the case ran with ``record``, else None;
+    after: for a load-balancing case, the output after the mid-run rebalance and what the
+    rank's own EPLB checks found (``harness.eplb.EPLBResult``), else None."""
 
     rank: int
     out: torch.Tensor
     accumulation: float
     stages: dict | None = None
+    after: EPLBResult | None = None
 
 
 @dataclass(frozen=True)
@@ -108,20 +113,25 @@ def run_layer(case: Case, rank: int, device: torch.device, groups: ParallelGroup
     data = data or CaseData()
     cfg = case.moe_config()
     weights = data.weights(case)
-    xs = case_tokens(cfg, case.seed, case.tokens)
+    xs = case_tokens_of(case)
+    dp_rank = case.parallel.dp_rank(rank)
     local = None
     # A layer factory may register the case's scheme itself (an extension, in a fresh rank): until
-    # it has, the layer shards its own experts.
-    if case.quant.scheme in scheme_names():
+    # it has, the layer shards its own experts. Under EPLB it shards them per physical slot.
+    if case.quant.scheme in scheme_names() and case.eplb is None:
         local = data.local_experts(case, shard_spec(case.parallel, rank, cfg.num_experts))
     recorder = StageRecorder() if record else None
     extra = {"recorder": recorder} if record else {}
     # The most tokens any DP rank holds: a fixed-capacity backend sizes its buffers from it.
     layer = layer_factory(cfg, quant=case.quant, groups=groups, backend=case.backend, weights=weights,
-                          local_experts=local, device=device, max_tokens_per_rank=max(max(case.tokens), 1), **extra)
+                          local_experts=local, device=device, max_tokens_per_rank=max(max(case.tokens), 1),
+                          **eplb.layer_kwargs(case), **extra)
+    balance = eplb.EPLBCheck(case, layer, groups) if case.eplb is not None else None
     on_built(layer.accumulation)
-    out = layer(xs[case.parallel.dp_rank(rank)].to(device)).cpu()
-    return RankOutput(rank, out, layer.accumulation, None if recorder is None else recorder.stages)
+    x = xs[dp_rank].to(device)
+    out = layer(x).cpu()
+    after = balance.rebalance_and_rerun(x) if balance is not None else None
+    return RankOutput(rank, out, layer.accumulation, None if recorder is None else recorder.stages, after)
 
 
 def case_reference(case: Case, accumulation: float, data: CaseData | None = None) -> CaseReference:
@@ -129,7 +139,7 @@ def case_reference(case: Case, accumulation: float, data: CaseData | None = None
     tokens with EP on, the DP rank's own with EP off), and the quantization error."""
     data = data or CaseData()
     p, cfg, weights = case.parallel, case.moe_config(), data.weights(case)
-    xs = case_tokens(cfg, case.seed, case.tokens)
+    xs = case_tokens_of(case)
     domains = [torch.cat(xs)] if p.enable_ep else xs
     shards = 1 if p.enable_ep else p.tp
     experts = data.dequantized(case, case.quant.scheme)
@@ -169,7 +179,21 @@ def check_rank(case: Case, ref: CaseReference, output: RankOutput) -> RankResult
         detail = f"quantization error {quant_error:.3g} exceeds the {case.quant.scheme} bound {bound}"
     elif not ok:
         detail = f"rank {rank}: max error {c.max_abs_err:.3g} at token {worst} of DP rank {dp_rank}"
-    return RankResult(rank, T, T, c.max_abs_err, c.atol, c.rtol, ok, worst, quant_error, detail, c.err_to_bound)
+    err = c.max_abs_err
+    after = output.after
+    if after is not None:  # load balancing: the same reference after a rebalance, and its checks
+        c2 = compare_rows(after.out, expected, cfg.dtype, case.quant.scheme)
+        problems = list(after.problems)
+        if not c2.ok:
+            moved = float((after.out.double() - out.double()).abs().amax()) if T else 0.0
+            problems.append(f"after the rebalance: max error {c2.max_abs_err:.3g} (before {err:.3g}, "
+                            f"outputs differ by {moved:.3g})")
+        if problems:
+            ok = False
+            detail = "; ".join(([detail] if detail else []) + [f"rank {rank}: {q}" for q in problems])
+        err = max(err, c2.max_abs_err)
+        c = c if c.err_to_bound >= c2.err_to_bound else c2
+    return RankResult(rank, T, T, err, c.atol, c.rtol, ok, worst, quant_error, detail, c.err_to_bound)
 
 
 def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups | None,

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from moeshard.harness.cases import Case
-from moeshard.harness.inputs import CaseData, case_tokens
+from moeshard.harness.inputs import CaseData, case_tokens_of
 from moeshard.parallel.sequence import SequenceChunk
 from moeshard.quant import get_scheme, quantize_activations, to_wire
 from moeshard.reference import _fake_quant, expert_rows_batched
@@ -329,7 +329,7 @@ def explain_case(case: Case, outputs: list, accumulation: float, data: CaseData 
     """outputs: every rank's ``RankOutput`` with its ``stages`` (``StageRecorder.stages``)."""
     data = data or CaseData()
     p, cfg = case.parallel, case.moe_config()
-    xs = case_tokens(cfg, case.seed, case.tokens)
+    xs = case_tokens_of(case)
     domains = [_Domain(case, data, xs, list(range(p.dp)), accumulation)] if p.enable_ep else \
         [_Domain(case, data, xs, [d], accumulation) for d in range(p.dp)]
     found: dict[str, list[Finding]] = {s: [] for s in STAGES}
@@ -344,9 +344,11 @@ def explain_case(case: Case, outputs: list, accumulation: float, data: CaseData 
         if "payload" in rec:
             found["payload"] += _payload(case, r, rec["payload"])
         matched: dict = {}
-        if "dispatch" in rec:
+        # Under load balancing, which rank computes a (token, k) depends on the placement (and
+        # the rebalance): dispatch and experts are not compared, the stages around them are.
+        if "dispatch" in rec and case.eplb is None:
             found["dispatch"] += _dispatch(case, r, rec["dispatch"], matched)
-        if "experts" in rec:
+        if "experts" in rec and case.eplb is None:
             found["experts"] += _experts(case, r, rec["experts"], matched, near)
         if "combine" in rec:
             found["combine"] += _numeric(case, "combine", r, rec["combine"]["out"],
@@ -369,15 +371,20 @@ def explain_case(case: Case, outputs: list, accumulation: float, data: CaseData 
     stage = next((s for s in STAGES if found[s]), None)
     if stage is None:
         recorded = sorted({s for o in outputs for s in (o.stages or {})}, key=STAGES.index)
+        if case.eplb is not None:
+            recorded = [s for s in recorded if s not in ("dispatch", "experts")]
         return StageReport(None, {}, "every stage within its bound on every rank",
-                           [f"stages compared: {', '.join(recorded)}"])
+                           [f"stages compared: {', '.join(recorded)}"]
+                           + (["dispatch and experts not compared under load balancing (the placement decides "
+                               "which rank computes a row)"] if case.eplb is not None else []))
     first_rank = min(f.rank for f in found[stage])
     on_rank = [f for f in found[stage] if f.rank == first_rank]
     headline, first = _headline(stage, first_rank, on_rank)
     lines = [_detail(first)]
     lines.append(f"rows out of bound at stage {stage}: "
                  + ", ".join(f"rank {r} {n}" for r, n in sorted(wrong[stage].items())))
-    earlier = [s + _near(near.get(s)) for s in STAGES[:STAGES.index(stage)] if any(s in (o.stages or {}) for o in outputs)]
+    earlier = [s + _near(near.get(s)) for s in STAGES[:STAGES.index(stage)] if any(s in (o.stages or {}) for o in outputs)
+               and not (case.eplb is not None and s in ("dispatch", "experts"))]
     if earlier:
         lines.append(f"within bounds before it: {', '.join(earlier)}")
     later = [f"{s} ({sum(wrong[s].values())} rows)" for s in STAGES[STAGES.index(stage) + 1:] if s in wrong]

@@ -9,31 +9,58 @@ experts (where references are computed) and a rank's shard of the quantized expe
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Callable, Hashable
 
 import torch
 
 from moeshard.config import MoEConfig
+from moeshard.eplb.skew import skew_bias, skew_gate, skew_tokens
 from moeshard.experts.base import ExpertWeights
 from moeshard.reference import DequantizedExperts
 from moeshard.sharding import ShardSpec, prepare_experts, shard_of
 from moeshard.weights import MoEWeights
 
 
-def case_weights(cfg: MoEConfig, seed: int) -> MoEWeights:
-    """Full weights of the case (CPU, ``cfg.dtype``)."""
-    return MoEWeights.random(cfg, torch.Generator().manual_seed(seed))
+def _skew(cfg: MoEConfig, seed: int, skew: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u fp32 [H], bias fp32 [E]) of a case's skew (``moeshard.eplb.skew``), from its seed."""
+    g = torch.Generator().manual_seed(seed * 7919 + 3)
+    u = torch.randn(cfg.hidden_size, generator=g)
+    return u, skew_bias(cfg.num_experts, skew, g)
 
 
-def case_tokens(cfg: MoEConfig, seed: int, tokens: tuple[int, ...]) -> list[torch.Tensor]:
+def case_weights(cfg: MoEConfig, seed: int, skew: str = "") -> MoEWeights:
+    """Full weights of the case (CPU, ``cfg.dtype``). skew: "" (a random router), or one of
+    ``moeshard.eplb.skew.SKEWS`` with ``case_tokens`` of the same skew: "one" sends every token
+    to one hot expert (its top choice), "zipf" makes expert popularity fall off as a Zipf law."""
+    weights = MoEWeights.random(cfg, torch.Generator().manual_seed(seed))
+    if not skew:
+        return weights
+    u, bias = _skew(cfg, seed, skew)
+    return dataclasses.replace(weights, gate=skew_gate(weights.gate, u, bias))
+
+
+def case_tokens(cfg: MoEConfig, seed: int, tokens: tuple[int, ...], skew: str = "",
+                skew_seed: int = 0) -> list[torch.Tensor]:
     """One [T_d, H] tensor per DP rank d (CPU, ``cfg.dtype``); rank d's values come from its
-    own stream and are offset by d, so rows from different ranks can never be mistaken."""
+    own stream and are offset by d, so rows from different ranks can never be mistaken. skew:
+    as ``case_weights``, whose seed ``skew_seed`` is (every token then carries the skew's common
+    component, the one the weights' router favours)."""
+    u = _skew(cfg, skew_seed, skew)[0] if skew else None
     out = []
     for d, count in enumerate(tokens):
         g = torch.Generator().manual_seed(seed * 1009 + 17 * d + 1)
-        x = torch.randn(count, cfg.hidden_size, generator=g) + 0.05 * d
+        x = torch.randn(count, cfg.hidden_size, generator=g)
+        if u is not None:
+            x = skew_tokens(x, u)
+        x = x + 0.05 * d
         out.append(x.to(cfg.dtype))
     return out
+
+
+def case_tokens_of(case) -> list[torch.Tensor]:
+    """``case_tokens`` of a ``harness.cases.Case`` (its skew matched to its weights)."""
+    return case_tokens(case.moe_config(), case.seed, case.tokens, skew=case.skew, skew_seed=case.weight_seed)
 
 
 class _Recent:
@@ -72,7 +99,8 @@ class CaseData:
         self._prepared = _Recent(2)
 
     def weights(self, case) -> MoEWeights:
-        return self._weights.get(case.weights_key, lambda: case_weights(case.moe_config(), case.weight_seed))
+        return self._weights.get(case.weights_key,
+                                 lambda: case_weights(case.moe_config(), case.weight_seed, skew=case.skew))
 
     def dequantized(self, case, scheme: str) -> DequantizedExperts:
         cfg = case.moe_config()

@@ -68,6 +68,8 @@ class TritonExperts(GroupedExperts):
         x = inp.x
         device = ids.device
         if M == 0:
+            if spec.per_tensor_activation and inp.amax_reduce is not None:
+                inp.amax_reduce(torch.zeros(E, dtype=torch.float32, device=device))  # collective: join it
             return torch.empty(0, H, dtype=self.out_dtype, device=device)
         if scheme == "none" and x.dtype != self.out_dtype:
             raise TypeError(f"TritonExperts: activations are {x.dtype}, the model dtype is {self.out_dtype}")
@@ -86,6 +88,8 @@ class TritonExperts(GroupedExperts):
         h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
         moe_gemm(x, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=True, amax=amax,
                  fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat)
+        if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
+            amax = inp.amax_reduce(amax)
         h_in = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
         return moe_gemm(h_in, weights.down, plan, y, cfg.down, activation=None, gather=False)
