@@ -23,9 +23,9 @@ import torch
 
 from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.kernels.experts import TritonExperts
+from moeshard.numerics import ACCUMULATION
 from moeshard.quant import quantize_activations, quantize_weight
 from moeshard.reference import expert_reference
-from moeshard.numerics import ACCUMULATION
 from moeshard.tolerances import tolerance
 
 # (rows M, experts E, hidden H, intermediate I): decode, small batch, mid, prefill tiles, a larger

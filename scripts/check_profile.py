@@ -64,6 +64,19 @@ class _Timer:
             v[:] = [0.0, 0.0]
 
 
+def _rank_case(case, rank: int, groups: GroupsCache, data: CaseData, tick: _Timer) -> RankOutput:
+    """One case's phases in this rank, each timed into ``tick``."""
+    cfg = case.moe_config()
+    weights = tick("inputs", lambda: data.weights(case))
+    xs = tick("inputs", lambda: case_tokens_of(case))
+    local = tick("inputs", lambda: data.local_experts(case, shard_spec(case.parallel, rank, cfg.num_experts)))
+    g = groups.get(case.parallel)
+    layer = tick("build", lambda: MoELayer(cfg, quant=case.quant, groups=g, backend=case.backend,
+                                           weights=weights, local_experts=local))
+    out = tick("forward", lambda: layer(xs[case.parallel.dp_rank(rank)]))
+    return RankOutput(rank, out, layer.accumulation)
+
+
 def _rank_phases(cases: list, reps: int, cold: bool) -> tuple[int, dict, list]:
     """Inside each rank: the rank's phases of every case, ``reps`` timed runs after a warm-up."""
     torch.set_num_threads(1)
@@ -76,17 +89,17 @@ def _rank_phases(cases: list, reps: int, cold: bool) -> tuple[int, dict, list]:
         for case in cases:
             if cold:
                 data = CaseData()
-            cfg = case.moe_config()
-            weights = tick("inputs", lambda: data.weights(case))
-            xs = tick("inputs", lambda: case_tokens_of(case))
-            local = tick("inputs", lambda: data.local_experts(case, shard_spec(case.parallel, rank, cfg.num_experts)))
-            g = groups.get(case.parallel)
-            layer = tick("build", lambda: MoELayer(cfg, quant=case.quant, groups=g, backend=case.backend,
-                                                   weights=weights, local_experts=local))
-            out = tick("forward", lambda: layer(xs[case.parallel.dp_rank(rank)]))
+            output = _rank_case(case, rank, groups, data, tick)
             if rep == reps:
-                outputs.append(RankOutput(rank, out, layer.accumulation))
+                outputs.append(output)
     return rank, {k: (w / reps, c / reps) for k, (w, c) in tick.totals.items()}, outputs
+
+
+def _parent_case(case, i: int, outputs: list[list[RankOutput]], data: CaseData, tick: _Timer) -> None:
+    """The parent's phases of case ``i``, each timed into ``tick``."""
+    ref = tick("reference", lambda: case_reference(case, outputs[0][i].accumulation, data))
+    results = tick("compare", lambda: [check_rank(case, ref, rank_outputs[i]) for rank_outputs in outputs])
+    assert all(r.ok for r in results), [r.detail for r in results]
 
 
 def _parent_phases(cases: list, outputs: list[list[RankOutput]], reps: int, cold: bool, profile: bool):
@@ -101,9 +114,7 @@ def _parent_phases(cases: list, outputs: list[list[RankOutput]], reps: int, cold
         for i, case in enumerate(cases):
             if cold:
                 data = CaseData()
-            ref = tick("reference", lambda: case_reference(case, outputs[0][i].accumulation, data))
-            results = tick("compare", lambda: [check_rank(case, ref, rank_outputs[i]) for rank_outputs in outputs])
-            assert all(r.ok for r in results), [r.detail for r in results]
+            _parent_case(case, i, outputs, data, tick)
     prof.disable()
     top = []
     if profile:
@@ -132,7 +143,7 @@ def _measure(cases: list, reps: int, cold: bool, profile: bool):
     for rank, phases, _ in ranks:
         print(f"  rank {rank}  " + "  ".join(f"{phases[n][0] * 1e3:6.0f}/{phases[n][1] * 1e3:<6.0f}".rjust(15)
                                             for n in RANK_PHASES))
-    print(f"  parent  " + " " * 17 * len(RANK_PHASES) + "  ".join(
+    print("  parent  " + " " * 17 * len(RANK_PHASES) + "  ".join(
         f"{parent[n][0] * 1e3:6.0f}/{parent[n][1] * 1e3:<6.0f}".rjust(15) for n in PARENT_PHASES))
     cpu = {n: sum(r[1][n][1] for r in ranks) for n in RANK_PHASES} | {n: parent[n][1] for n in PARENT_PHASES}
     print("  CPU s, all ranks + parent: " + ", ".join(f"{n} {cpu[n]:.2f}" for n in cpu)

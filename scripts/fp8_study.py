@@ -104,11 +104,13 @@ def study(name: str, tokens: int, scheme: str, model, flush, out: list, log) -> 
         for acc in accs:
             hv = torch.empty(plan_c.padded_rows, I, dtype=cfg.dtype, device=device)
             yv = torch.empty(M, H, dtype=cfg.dtype, device=device)
-            ms_g = _ms(lambda: moe_gemm(inp.x, experts.gate_up, plan_c, hv, c, activation=cfg.activation, gather=True,
-                                        amax=amax, a_row_div=inp.repeat, fp8_acc=acc), flush, reps)
+            # _ms calls (captures) each closure before the loop moves on; the defaults bind this pass's values.
+            ms_g = _ms(lambda plan_c=plan_c, hv=hv, c=c, acc=acc: moe_gemm(
+                inp.x, experts.gate_up, plan_c, hv, c, activation=cfg.activation, gather=True, amax=amax,
+                a_row_div=inp.repeat, fp8_acc=acc), flush, reps)
             hqv = quantize_h(hv, scheme, plan_c, amax) if spec.quantized else hv
-            ms_d = _ms(lambda: moe_gemm(hqv, experts.down, plan_c, yv, c, activation=None, gather=False, fp8_acc=acc),
-                       flush, reps)
+            ms_d = _ms(lambda hqv=hqv, plan_c=plan_c, yv=yv, c=c, acc=acc: moe_gemm(
+                hqv, experts.down, plan_c, yv, c, activation=None, gather=False, fp8_acc=acc), flush, reps)
             rel_y = _rel(yv, y_ref) if not isinstance(ms_d, str) else None
             v = {"config": c.as_dict(), "fp8_acc": acc, "gate_up_ms": ms_g, "down_ms": ms_d, "y_rel_diff": rel_y}
             rec["variants"].append(v)

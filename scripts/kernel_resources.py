@@ -92,8 +92,8 @@ def main() -> None:
                              "fp8_acc": fp8_acc, **r})
                 print(f"{name:20s} {rows[-1]['tile']:12s} w{tile[3]} s{tile[4]} {fp8_acc:9s} "
                       + (r.get("error") or f"regs {r['registers']:3d} stack {r['stack_bytes']:5d} smem {r['shared']:6d} "
-                                           f"HGMMA {r['HGMMA']:3d} QGMMA {r['QGMMA']:3d} HMMA {r['HMMA']:3d} LDL {r['spill_loads']:4d} "
-                                           f"STL {r['spill_stores']:4d}"), flush=True)
+                                           f"HGMMA {r['HGMMA']:3d} QGMMA {r['QGMMA']:3d} HMMA {r['HMMA']:3d} "
+                                           f"LDL {r['spill_loads']:4d} STL {r['spill_stores']:4d}"), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

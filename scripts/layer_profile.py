@@ -49,6 +49,27 @@ def wall_ms(fn, reps: int = 20) -> float:
     return (time.perf_counter() - start) / reps * 1e3
 
 
+def profile_model(name: str, tokens: int, quant: str, device: torch.device) -> None:
+    """Print the measurements of one model."""
+    model = make_model(name, device)
+    cfg = model.cfg
+    layer = MoELayer(cfg, QuantConfig(quant), weights=model.shell,
+                     local_experts=experts_for(model, quant), device=device)
+    x = hidden_states(model, tokens, seed=tokens)
+    print(f"== {name}, {tokens} tokens, {quant}: GPU time per forward")
+    for kernel, us in kernel_times(lambda: layer(x))[:20]:
+        print(f"  {us:10.1f} us  {kernel[:100]}")
+    ids = torch.randint(0, cfg.num_experts, (tokens * cfg.top_k,), device=device)
+    plan_us = sum(us for _, us in kernel_times(lambda: align_rows(ids, cfg.num_experts, 128)))
+    print(f"  align_rows alone (M={ids.numel()}, E={cfg.num_experts}): {plan_us:.1f} us")
+    gate = model.shell.gate
+    exact = x.double() @ gate.double().T
+    for label, fn in (("fp32 (the layer)", lambda: router_logits(x, gate)),
+                      ("bf16 tensor cores, fp32 out", lambda: torch.mm(x, gate.T, out_dtype=torch.float32))):
+        err = float((fn().double() - exact).abs().max())
+        print(f"  router {label}: {wall_ms(fn):.3f} ms, max |logit - exact| {err:.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b")
@@ -59,24 +80,8 @@ def main() -> None:
         raise SystemExit("layer_profile: needs a CUDA GPU")
     device = torch.device("cuda")
     for name in args.models.split(","):
-        model = make_model(name, device)
-        cfg = model.cfg
-        layer = MoELayer(cfg, QuantConfig(args.quant), weights=model.shell,
-                         local_experts=experts_for(model, args.quant), device=device)
-        x = hidden_states(model, args.tokens, seed=args.tokens)
-        print(f"== {name}, {args.tokens} tokens, {args.quant}: GPU time per forward")
-        for kernel, us in kernel_times(lambda: layer(x))[:20]:
-            print(f"  {us:10.1f} us  {kernel[:100]}")
-        ids = torch.randint(0, cfg.num_experts, (args.tokens * cfg.top_k,), device=device)
-        plan_us = sum(us for _, us in kernel_times(lambda: align_rows(ids, cfg.num_experts, 128)))
-        print(f"  align_rows alone (M={ids.numel()}, E={cfg.num_experts}): {plan_us:.1f} us")
-        gate = model.shell.gate
-        exact = x.double() @ gate.double().T
-        for label, fn in (("fp32 (the layer)", lambda: router_logits(x, gate)),
-                          ("bf16 tensor cores, fp32 out", lambda: torch.mm(x, gate.T, out_dtype=torch.float32))):
-            err = float((fn().double() - exact).abs().max())
-            print(f"  router {label}: {wall_ms(fn):.3f} ms, max |logit - exact| {err:.2e}")
-        layer = model = None  # free the full-size weights before the next model
+        profile_model(name, args.tokens, args.quant, device)
+        # profile_model's return freed the full-size weights; hand their memory back before the next model
         torch.cuda.empty_cache()
 
 

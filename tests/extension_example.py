@@ -118,8 +118,8 @@ class LocalBlocksBackend:
 
 
 SCHEME = QuantScheme("int8_token", Int8Token(), None, 0.05, "int8; scale per output channel / per row")
-BACKEND = BackendSpec("local_blocks", "no_ep", EXPERT_BLOCKS, True, (),
-                      "test only: one padded block per expert", lambda cfg, quant, groups, max_tokens: LocalBlocksBackend(cfg, quant))
+BACKEND = BackendSpec("local_blocks", "no_ep", EXPERT_BLOCKS, True, (), "test only: one padded block per expert",
+                      lambda cfg, quant, groups, max_tokens: LocalBlocksBackend(cfg, quant))
 
 
 def ensure_registered() -> None:

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import math
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moeshard.parallel.collectives import (all_gatherv, all_to_allv, exchange_counts, exchange_sizes,
-                                           reduce_scatterv)
+from moeshard.parallel.collectives import all_gatherv, all_to_allv, exchange_counts, exchange_sizes, reduce_scatterv
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import GROUP_NAMES, ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
@@ -78,7 +78,7 @@ def ref_all_gatherv(x: torch.Tensor, sizes: list[int], group: Any) -> torch.Tens
     outs = [torch.empty_like(padded) for _ in sizes]
     if cap:
         dist.all_gather(outs, padded, group=group)
-    return torch.cat([o[:n] for o, n in zip(outs, sizes)]).view(x.dtype)
+    return torch.cat([o[:n] for o, n in zip(outs, sizes, strict=True)]).view(x.dtype)
 
 
 def ref_reduce_scatterv(x: torch.Tensor, sizes: list[int], group: Any) -> torch.Tensor:
@@ -213,7 +213,8 @@ def _a2a_case(cid: str, group: str, matrix: list[list[int]], dtype: torch.dtype,
         send = matrix[me]
         x = tagged(ctx.rank, sum(send), rest, dtype, salt).to(ctx.device)
         if learn_counts:  # the all2all backend's pattern: learn recv sizes, then move the rows
-            recv = exchange_counts(torch.tensor(send, dtype=torch.int64, device=ctx.device), ctx.group(group), group_name=group).tolist()
+            counts = torch.tensor(send, dtype=torch.int64, device=ctx.device)
+            recv = exchange_counts(counts, ctx.group(group), group_name=group).tolist()
         else:
             recv = [row[me] for row in matrix]
         return {"recv": recv, "out": all_to_allv(x, send, recv, ctx.group(group), group),

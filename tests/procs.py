@@ -53,9 +53,19 @@ def live_in_group(pgid: int) -> list[int]:
     return pids
 
 
+def _is_rank(pid: int) -> bool:
+    """A multiprocessing "spawn" child, or a process the fork server forked (``moeshard check``
+    starts its ranks that way: they carry the server's command line, the server is their parent)."""
+    if "spawn_main" in _cmdline(pid):
+        return True
+    stat = _stat(pid)
+    return (stat is not None and "multiprocessing.forkserver" in _cmdline(pid)
+            and "multiprocessing.forkserver" in _cmdline(stat[1]))
+
+
 def ranks_of(pgid: int) -> list[int]:
-    """The ranks (multiprocessing "spawn" children) running in process group ``pgid``, by pid."""
-    return sorted(pid for pid in live_in_group(pgid) if "spawn_main" in _cmdline(pid))
+    """The ranks running in process group ``pgid``, by pid."""
+    return sorted(pid for pid in live_in_group(pgid) if _is_rank(pid))
 
 
 def wait_for(predicate, timeout_s: float, poll_s: float = 0.1) -> bool:
@@ -75,7 +85,7 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"the command did not end within {timeout_s} s; output:\n{out.decode()[-3000:]}")
+        raise AssertionError(f"the command did not end within {timeout_s} s; output:\n{out.decode()[-3000:]}") from None
     return proc.returncode, out.decode(errors="replace")
 
 

@@ -52,7 +52,7 @@ def test_committed_ratios_follow_from_its_timings(committed):
     for r in rederived:
         r.pop("ratios", None)
     runner.derive(rederived, committed["ceilings"])
-    for new, old in zip(rederived, committed["records"]):
+    for new, old in zip(rederived, committed["records"], strict=True):
         assert new["ratios"].keys() == old["ratios"].keys()
         for key in old["ratios"]:
             assert new["ratios"][key] == pytest.approx(old["ratios"][key], rel=1e-12), (old["model"], old["tokens"], key)

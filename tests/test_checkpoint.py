@@ -382,7 +382,8 @@ def test_slices_read_equal_shards_of_full_weights(tmp_path, quant, layout):
     path = tmp_path / "ckpt"
     _write_random_fused(path, E=4, Hd=32, I=512, dtype=torch.bfloat16)
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        full_gu, full_dn = f.get_tensor("model.layers.0.mlp.experts.gate_up_proj"), f.get_tensor("model.layers.0.mlp.experts.down_proj")
+        full_gu = f.get_tensor("model.layers.0.mlp.experts.gate_up_proj")
+        full_dn = f.get_tensor("model.layers.0.mlp.experts.down_proj")
     parallel = ParallelConfig(*layout)
     for rank in range(parallel.world_size):
         block = load_moe_block(path, 0, parallel=parallel, rank=rank, quant=quant, dtype="float32")
@@ -708,7 +709,7 @@ def test_error_huge_expert_count_is_refused_from_the_headers(tmp_path, fused):
             t = {k: f.get_tensor(k) for k in f.keys()}
         p = "model.layers.0.mlp."
         per_expert = {f"{p}experts.{e}.{proj}_proj.weight": w for e in range(4)
-                      for proj, w in zip(("gate", "up"), t[p + "experts.gate_up_proj"][e].chunk(2))}
+                      for proj, w in zip(("gate", "up"), t[p + "experts.gate_up_proj"][e].chunk(2), strict=True)}
         per_expert.update({f"{p}experts.{e}.down_proj.weight": t[p + "experts.down_proj"][e] for e in range(4)})
         save_file(per_expert | {p + "gate.weight": t[p + "gate.weight"]}, str(path / "model.safetensors"))
         from moeshard.checkpoint.experts import ExpertReader

@@ -15,12 +15,12 @@ import re
 import time
 from pathlib import Path
 
+import faults
 import pytest
 import torch
 from rich.console import Console
 from safetensors.torch import save_file
 
-import faults
 from moeshard.cli import build_parser, main
 from moeshard.commands.args import case_ids
 from moeshard.commands.check import options
@@ -113,7 +113,8 @@ def test_a_run_where_every_case_was_skipped_here_fails_with_exit_3(capsys, monke
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world-sizes", "1", "--layouts", "dp2-tp1-ep"], "--layouts: dp2-tp1-ep has world size 2, which --world-sizes 1 leaves out"),
+    (["--world-sizes", "1", "--layouts", "dp2-tp1-ep"],
+     "--layouts: dp2-tp1-ep has world size 2, which --world-sizes 1 leaves out"),
     (["--world-sizes", "1", "--layouts", "dp3-tp1-noep"], "--layouts: dp3-tp1-noep has world size 3; moeshard check runs"),
     (["--layouts", "dp1-tp3-noep"], "--layouts: dp1-tp3-noep has world size 3"),
     (["--timeout", "inf"], "--timeout: must be a finite number in (0, 604800], got inf"),
@@ -121,7 +122,8 @@ def test_a_run_where_every_case_was_skipped_here_fails_with_exit_3(capsys, monke
     (["--timeout", "0"], "--timeout: must be a finite number"),
     (["--seed", "-1"], "--seed: must be an integer in [0, 9223372036854775806], got -1"),
     (["--tokens-per-rank", "999999", "--world-sizes", "1"], "--tokens-per-rank: counts must be in [0, 65536]"),
-    (["--tokens-per-rank", "99999999999999999999999", "--world-sizes", "1"], "--tokens-per-rank: 99999999999999999999999 is larger"),
+    (["--tokens-per-rank", "99999999999999999999999", "--world-sizes", "1"],
+     "--tokens-per-rank: 99999999999999999999999 is larger"),
     (["--dtypes", "int8"], "--dtypes: dtype: 'int8' is not one of"),
 ])
 def test_check_option_refusals_are_one_line_exit_2(argv, message, capsys):

@@ -58,7 +58,7 @@ def _worker(world: int) -> list[dict]:
             rows, ids = d.input.x, d.input.expert_ids
             # (source rank, token, global expert, row) of every row that is not padding (id -1)
             got = [(int(r[0]) // 1000, int(r[0]) % 1000, int(e) + rank * per_rank, i)
-                   for i, (r, e) in enumerate(zip(rows, ids)) if e >= 0]
+                   for i, (r, e) in enumerate(zip(rows, ids, strict=True)) if e >= 0]
             everyone = [None] * world
             dist.all_gather_object(everyone, (x, routing.topk_ids.tolist()))
             want = sorted((src, t, e) for src, (xs, ids_) in enumerate(everyone)
@@ -83,7 +83,8 @@ def _worker(world: int) -> list[dict]:
                     ok = ok and _same_bits(q.tensor_scale, ref.tensor_scale)
                 wire_ok[scheme] = ok and torch.equal(dq.expert_ids, ids)
             results.append(dict(backend=backend, tokens=tokens, rows_ok=sorted(g[:3] for g in got) == want, wire_ok=wire_ok,
-                                combine_err=float((out - expect).abs().max() / expect.abs().max().clamp_min(1)) if out.numel() else 0.0,
+                                combine_err=(float((out - expect).abs().max() / expect.abs().max().clamp_min(1))
+                                             if out.numel() else 0.0),
                                 shape_ok=tuple(out.shape) == (tokens[rank], H)))
     return results
 

@@ -7,15 +7,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeshard.config import MoEConfig, QuantConfig
-from moeshard.eplb import (POLICIES, Layout, Placement, balancedness, choose_replicas, greedy,  # every POLICIES
-                           hierarchical, rank_loads)                                          # entry is tested
+from moeshard.eplb import (  # every POLICIES entry is tested
+    POLICIES,
+    Layout,
+    Placement,
+    balancedness,
+    choose_replicas,
+    greedy,
+    hierarchical,
+    rank_loads,
+)
 from moeshard.eplb.loads import LoadCounter
 from moeshard.eplb.moves import SlotMove, move_slots, plan_moves
 from moeshard.parallel.config import ParallelConfig
 from moeshard.presets import PRESETS
 from moeshard.quant import QuantizedWeight, quantize_weight, to_wire
 from moeshard.sharding import ShardSpec, shard_experts, shard_spec
-
 
 # ----------------------------------------------------------------------------- layout, placement
 

@@ -74,8 +74,10 @@ def _worker() -> dict:
         parts = [getattr(wt, f) for wt in (fresh.gate_up, fresh.down) for f in ("data", "scale", "global_scale")]
         want = [[to_wire(t[i]) for t in parts if t is not None] for i in range(new.slots_per_rank)]
         got = _slot_bytes(layer)
-        same_bytes = len(got) == len(want) and all(len(g) == len(wt) and all(torch.equal(a, b) for a, b in zip(g, wt))
-                                                   for g, wt in zip(got, want))
+        # The lengths are compared first, so the strict zips never see different lengths.
+        same_bytes = len(got) == len(want) and all(
+            len(g) == len(wt) and all(torch.equal(a, b) for a, b in zip(g, wt, strict=True))
+            for g, wt in zip(got, want, strict=True))
         out[f"moved_{scheme}"] = (stats.rewritten, stats.received, stats.copied, stats.sent, stats.bytes_sent, same_bytes)
         x = _tokens(0, rank)
         ref = reference_forward(torch.cat([_tokens(0, 0), _tokens(0, 1)]), w, CFG, quant,

@@ -25,12 +25,12 @@ import pytest
 import torch
 from quant_asserts import assert_same_quantization
 
+from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.base import weighted_sum
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
 from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.kernels.configs import select_config
-from moeshard.config import MoEConfig, QuantConfig
 from moeshard.quant import get_scheme, quantize_activations, quantize_weight
 from moeshard.reference import expert_reference
 from moeshard.router import Routing

@@ -8,8 +8,8 @@ import torch
 from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig
 from moeshard.layer import MoELayer
 from moeshard.presets import PRESETS
-from moeshard.reference import reference_forward
 from moeshard.quant import get_scheme
+from moeshard.reference import reference_forward
 from moeshard.tolerances import compare
 from moeshard.weights import MoEWeights
 

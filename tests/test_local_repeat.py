@@ -90,7 +90,10 @@ CASES = [(s, m) for s in ["none", *QUANTIZED] for m in _modes(s)]
 
 
 # -- the containers -----------------------------------------------------------------------------
-def _local(quant: QuantConfig = QuantConfig()) -> LocalBackend:
+NO_QUANT = QuantConfig()
+
+
+def _local(quant: QuantConfig = NO_QUANT) -> LocalBackend:
     return LocalBackend(MoEConfig(E, K, 32, 16), quant)
 
 

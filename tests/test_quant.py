@@ -490,7 +490,8 @@ def test_amax_override_sets_the_per_tensor_scales():
     for scheme in ("fp8_token", "fp8_block"):
         assert torch.equal(quantize_activations(x, scheme, amax=a).dequantize(),
                            quantize_activations(x, scheme).dequantize())
-    with pytest.raises(ValueError, match=r"amax must be a float tensor of shape \[\] or \[M, 1\] = \[4, 1\], got torch.float32 \[4\]"):
+    with pytest.raises(ValueError, match=r"amax must be a float tensor of shape \[\] or \[M, 1\] = \[4, 1\], "
+                                         r"got torch.float32 \[4\]"):
         quantize_activations(x, "fp8_tensor", amax=rows[:, 0])
 
 
@@ -550,7 +551,8 @@ def test_unknown_schemes_and_bad_shapes_are_refused():
     with pytest.raises(ValueError, match=r"w must be a float \[E, N, K\] tensor, got torch.int64 \[1, 2, 16\]"):
         quantize_weight(torch.ones(1, 2, 16, dtype=torch.long), "fp8_token")
     q = quantize_weight(torch.randn(2, 4, 32), "fp8_token")
-    with pytest.raises(ValueError, match=r"QuantizedWeight.scale \(fp8_token\): expected torch.float32 \[2, 4\], got torch.float32 \[2\]"):
+    with pytest.raises(ValueError, match=r"QuantizedWeight.scale \(fp8_token\): expected torch.float32 \[2, 4\], "
+                                         r"got torch.float32 \[2\]"):
         QuantizedWeight("fp8_token", q.data, q.scale[:, 0], None, (2, 4, 32))
     with pytest.raises(ValueError, match=r"tensor_scale: expected float32 \[\] or \[3, 1\]"):
         QuantizedActivations("fp8_tensor", torch.zeros(3, 8, dtype=FP8_DTYPE), None, torch.ones(3))
@@ -567,7 +569,8 @@ def test_activations_survive_the_wire(scheme):
     fields = (q.data, q.row_scale, q.tensor_scale)
     sent = [None if t is None else to_wire(t).clone() for t in fields]
     assert all(t is None or t.dtype in (torch.uint8, torch.float32) for t in sent)
-    back = QuantizedActivations(scheme, *[None if t is None else from_wire(t, f.dtype) for t, f in zip(sent, fields)])
+    back = QuantizedActivations(scheme, *[None if t is None else from_wire(t, f.dtype)
+                                          for t, f in zip(sent, fields, strict=True)])
     assert torch.equal(back.dequantize(), q.dequantize())
 
 

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from moeshard.experts.base import activate
-from moeshard.quant import get_scheme
-from moeshard.quant import fake_quantize_activations, quantize_activations, quantize_weight
-from moeshard.reference import Reference, expert_rows
 from moeshard.numerics import ACCUMULATION
+from moeshard.quant import fake_quantize_activations, get_scheme, quantize_activations, quantize_weight
+from moeshard.reference import Reference, expert_rows
 from moeshard.tolerances import compare
 
 BF16 = torch.bfloat16

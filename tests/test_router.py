@@ -53,7 +53,10 @@ def test_sigmoid_bias_selects_but_does_not_weigh():
     r = route(logits, c, bias)
     # biased: [0.5, 0.73, 0.88, 5.27] -> experts 3 and 2; weights are the unbiased sigmoids
     assert r.topk_ids.tolist() == [[3, 2]]
-    sig = lambda v: 1 / (1 + math.exp(-v))
+
+    def sig(v: float) -> float:
+        return 1 / (1 + math.exp(-v))
+
     assert r.topk_weights[0].tolist() == pytest.approx([sig(-1.0), sig(2.0)], rel=1e-6)
 
 

@@ -187,6 +187,7 @@ def test_a_run_whose_ranks_part_says_where_from_the_collective_trace(monkeypatch
     """The trace is on by default in ``moeshard run``: a rank that raises while its peer waits
     in a collective is reported with where the two sequences part."""
     import faults
+
     from moeshard.errors import RankFailed
     from moeshard.parallel.config import ParallelConfig
     from moeshard.runjob import RunSpec, plan_run

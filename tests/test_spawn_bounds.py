@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import faults
 import torch.multiprocessing as torch_mp
 
-import faults
 from moeshard.parallel.spawn import _rendezvous_store, spawn
 from moeshard.parallel.worker import EXIT_REPORT_STUCK
 

@@ -21,8 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeshard.generatejob import (GenerateSpec, by_prompt, compare_generations, generate_plans, generate_rank, greedy,
-                                  plan_generate, reference_generate)
+from moeshard.generatejob import (
+    GenerateSpec,
+    by_prompt,
+    compare_generations,
+    generate_plans,
+    generate_rank,
+    greedy,
+    plan_generate,
+    reference_generate,
+)
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.spawn import RankFailure, spawn
@@ -135,7 +143,7 @@ def test_router_logits_and_loss_kept(models, family):
         if getattr(want, "aux_loss", None) is not None:
             assert torch.allclose(got.aux_loss, want.aux_loss, atol=1e-6)
         assert len(got.router_logits) == len(want.router_logits) > 0
-        for a, b in zip(got.router_logits, want.router_logits):
+        for a, b in zip(got.router_logits, want.router_logits, strict=True):
             assert torch.equal(a, b)
         with pytest.raises(ValueError, match="already a moeshard MoEBlock"):
             find_moe_blocks(model)
@@ -276,7 +284,7 @@ def world(models):
                 cache[ws] = failure
             else:
                 cache[ws] = ({(layout.name, family): (plan, [per_rank[r][0][i] for r in range(ws)])
-                              for i, ((layout, family), plan) in enumerate(zip(keys, plans))},
+                              for i, ((layout, family), plan) in enumerate(zip(keys, plans, strict=True))},
                              [per_rank[r][1] for r in range(ws)])
         if isinstance(cache[ws], RankFailure):
             pytest.fail(f"the {ws}-rank run failed:\n{cache[ws]}")

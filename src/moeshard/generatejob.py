@@ -249,7 +249,10 @@ def generate_rank(plan: GeneratePlan, groups: ParallelGroups | None) -> Generate
     _sync(device)
     load_s = time.perf_counter() - t0
     block = next(m for m in model.modules() if isinstance(m, MoEBlock))
-    processors = [_same_on_tp_ranks(groups)] if p.tp > 1 else []
+    processors = []
+    if p.tp > 1:
+        assert groups is not None  # tp > 1: a world of several ranks, which runs with its groups
+        processors.append(_same_on_tp_ranks(groups))
     mine = plan.dp_prompts[dp_rank]
     if groups is not None:
         dist.barrier()
@@ -300,11 +303,18 @@ def reference_generate(plan: GeneratePlan, device: str | torch.device | None = N
     import transformers
 
     device = torch.device(device if device is not None else ("cuda" if plan.spec.device == "cuda" else "cpu"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(plan.spec.model_dir, dtype=dtype or plan.dtype)
+    # Typed as the nn.Module it is: transformers wraps PreTrainedModel.to with functools.wraps,
+    # whose stub mypy does not bind as a method.
+    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(plan.spec.model_dir,
+                                                                               dtype=dtype or plan.dtype)
     model = model.to(device).eval()
     spec = plan.spec
-    return [greedy(model, [spec.prompts[i] for i in mine], spec.max_new_tokens, plan.pad_token_id, True)
-            for mine in plan.dp_prompts]
+    out: list[Generation] = []
+    for mine in plan.dp_prompts:
+        ids, logits = greedy(model, [spec.prompts[i] for i in mine], spec.max_new_tokens, plan.pad_token_id, True)
+        assert logits is not None  # keep_logits=True
+        out.append((ids, logits))
+    return out
 
 
 def by_prompt(plan: GeneratePlan, results: list[GenerateRankResult]) -> list[tuple[int, ...]]:
@@ -312,12 +322,12 @@ def by_prompt(plan: GeneratePlan, results: list[GenerateRankResult]) -> list[tup
     out: list[tuple[int, ...] | None] = [None] * len(plan.spec.prompts)
     for r in results:
         if r.tp_rank == 0:
-            for i, ids in zip(r.prompts, r.generated):
+            for i, ids in zip(r.prompts, r.generated, strict=True):
                 out[i] = ids
     missing = [i for i, ids in enumerate(out) if ids is None]
     if missing:
         raise RuntimeError(f"no rank reported prompts {missing}")
-    return out  # type: ignore[return-value]
+    return [ids for ids in out if ids is not None]
 
 
 @dataclass(frozen=True)
@@ -396,7 +406,7 @@ def compare_generations(plan: GeneratePlan, results: list[GenerateRankResult], r
             same[i] = first[i] is None
             ok = ok and all(good for _, good in errs)
             _fold(step_max, errs)
-            if noise is not None:
+            if noise is not None and fp32_reference is not None:  # noise is kept exactly when fp32_reference is given
                 f32_ids, f32_logits = fp32_reference[r.dp_rank]
                 _fold(noise, _prompt_diffs(ref_ids[row], ref_logits[:, row], f32_ids[row], f32_logits[:, row],
                                            plan.dtype)[1])

@@ -117,9 +117,13 @@ class SharedExperts(nn.Module):
     def __init__(self, weights: MoEWeights, activation: str) -> None:
         super().__init__()
         self.activation = activation
-        self.gate_proj = _frozen_linear(weights.shared_gate)
-        self.up_proj = _frozen_linear(weights.shared_up)
-        self.down_proj = _frozen_linear(weights.shared_down)
+        gate, up, down = weights.shared_gate, weights.shared_up, weights.shared_down
+        if gate is None or up is None or down is None:
+            missing = [name for name, w in (("shared_gate", gate), ("shared_up", up), ("shared_down", down)) if w is None]
+            raise ValueError(f"SharedExperts: MoEWeights.{', '.join(missing)} missing; the shared MLP needs all three")
+        self.gate_proj = _frozen_linear(gate)
+        self.up_proj = _frozen_linear(up)
+        self.down_proj = _frozen_linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = F.silu if self.activation == "silu" else F.gelu
@@ -206,6 +210,11 @@ class MoELayer(nn.Module):
     number of times; token counts may differ per DP rank.
     """
 
+    # Buffers registered in __init__, declared so that type checkers see tensors, not Module attributes.
+    replica_table: torch.Tensor
+    replica_count: torch.Tensor
+    slot_expert: torch.Tensor
+
     def __init__(self, cfg: MoEConfig, quant: QuantConfig | None = None, groups: ParallelGroups | None = None,
                  backend: str | None = None, weights: MoEWeights | None = None,
                  local_experts: ExpertWeights | None = None, device=None,
@@ -252,6 +261,7 @@ class MoELayer(nn.Module):
         self.shard = shard_spec(self.parallel, rank, cfg.num_experts, self.placement)
         self.shard.validate(cfg, quant)
         if local_experts is None:
+            assert weights.gate_up is not None and weights.down is not None  # validate(routed=True) refused None
             local_experts = shard_experts(weights.gate_up, weights.down, cfg, quant, self.shard)
         self._check_local_experts(local_experts, rank)
         self.gate = Gate(weights)
@@ -259,6 +269,7 @@ class MoELayer(nn.Module):
         self.shared_experts = SharedExperts(weights, cfg.activation) if cfg.has_shared_experts else None
         self.shared_expert_gate = None
         if cfg.shared_expert_gate:
+            assert weights.shared_expert_gate is not None  # validate() requires it when configured
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
             self.shared_expert_gate.weight = nn.Parameter(weights.shared_expert_gate.clone(), requires_grad=False)
         self.loads = LoadCounter(cfg.num_experts, load_window)
@@ -277,7 +288,7 @@ class MoELayer(nn.Module):
         self.backend: DispatchBackend = BACKENDS[backend].factory(self.placement.backend_config(cfg), quant, groups,
                                                                   routed_max)
         self.overlap_shared = self.device.type == "cuda"
-        self._side_stream = None
+        self._side_stream: torch.cuda.Stream | None = None
         self.recorder = recorder
         self.backend.recorder = recorder
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
@@ -289,7 +300,7 @@ class MoELayer(nn.Module):
         return self.kernel.accumulation(self.quant.scheme)
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, torch.Tensor], cfg: MoEConfig, **kwargs) -> "MoELayer":
+    def from_state_dict(cls, state: dict[str, torch.Tensor], cfg: MoEConfig, **kwargs) -> MoELayer:
         """A layer from a full block state dict (transformers-5 names); kwargs as ``__init__``."""
         return cls(cfg, weights=MoEWeights.from_state_dict(state, cfg), **kwargs)
 
@@ -367,6 +378,7 @@ class MoELayer(nn.Module):
         logical expert's per-tensor scale, as on one device."""
         full = torch.zeros(self.cfg.num_experts, dtype=torch.float32, device=amax.device)
         full.scatter_reduce_(0, self.slot_expert, amax.float(), reduce="amax", include_self=True)
+        assert self.groups is not None  # replicas share an amax under EP only, which needs groups
         all_reduce(full, self.groups.ep_group, "ep", "max", trace=self.groups.trace)
         return full[self.slot_expert]
 
@@ -397,6 +409,7 @@ class MoELayer(nn.Module):
         if rec is not None:
             rec.record("combine", out=out)
         if self.parallel.tp > 1 and not self.parallel.enable_ep:
+            assert self.groups is not None  # tp > 1 needs groups (without them the layout is one device)
             all_reduce(out, self.groups.tp_group, "tp", trace=self.groups.trace)
             if rec is not None:
                 rec.record("tp_reduce", out=out)
@@ -404,6 +417,7 @@ class MoELayer(nn.Module):
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] rows this rank routes -> fp32 [T, H] the shared experts' contribution."""
+        assert self.shared_experts is not None  # called only when the config has shared experts
         shared = self.shared_experts(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -417,6 +431,7 @@ class MoELayer(nn.Module):
         p = self.parallel
         first_row = 0
         if p.is_sequence_parallel:
+            assert self.groups is not None  # sequence parallelism needs tp > 1, hence groups
             x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
             first_row = chunk.start
         shared = None
@@ -444,6 +459,7 @@ class MoELayer(nn.Module):
             out = out + shared
         out = out.to(self.cfg.dtype)
         if p.is_sequence_parallel:
+            assert self.groups is not None  # sequence parallelism needs tp > 1, hence groups
             out = sequence_parallel_gather(out, chunk, self.groups.tp_group, trace=self.groups.trace)
         if self.recorder is not None:
             self.recorder.record("output", out=out)

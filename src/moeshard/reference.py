@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, activate
 from moeshard.numerics import ACCUMULATION, Reference
-from moeshard.quant import QuantizedActivations, fake_quantize_activations, get_scheme, quantize_weight
+from moeshard.quant import QuantizedActivations, QuantizedWeight, fake_quantize_activations, get_scheme, quantize_weight
 from moeshard.router import route, router_logits
 from moeshard.weights import MoEWeights
 
@@ -83,6 +83,10 @@ class DequantizedExperts:
             if scheme != "none":  # scales are per expert: the whole tensor quantizes like each expert alone
                 w = quantize_weight(w, scheme).dequantize(torch.float32)
             return w.double()
+        if weights.gate_up is None or weights.down is None:
+            raise ValueError(f"DequantizedExperts.of: weights.gate_up and weights.down must be the full routed experts, "
+                             f"got gate_up={'None' if weights.gate_up is None else 'a tensor'}, "
+                             f"down={'None' if weights.down is None else 'a tensor'}")
         return DequantizedExperts(prepared(weights.gate_up), prepared(weights.down), scheme)
 
 
@@ -145,16 +149,16 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
     M = sum(counts)
     if M == 0:
         return [(x.new_zeros(0, w2.shape[0]), x.new_zeros(0, w2.shape[0]) if with_slack else None)
-                for x, w2 in zip(xs, w2s)]
+                for x, w2 in zip(xs, w2s, strict=True)]
     group = torch.repeat_interleave(torch.arange(len(xs)), torch.tensor(counts))
-    exact = torch.cat([x @ w13.T for x, w13 in zip(xs, w13s)])
+    exact = torch.cat([x @ w13.T for x, w13 in zip(xs, w13s, strict=True)])
     h = _activated(exact, activation, dtype)
     if not with_slack:
         hq = _quantized_candidates([h], [h], group, len(xs), scheme, shards)[0] if scheme != "none" else h.double()
-        return [(y @ w2.T, None) for y, w2 in zip(hq.split(counts), w2s)]
+        return [(y @ w2.T, None) for y, w2 in zip(hq.split(counts), w2s, strict=True)]
     w13s_abs = [w.abs() for w in w13s] if abs_weights is None else abs_weights[0]
     w2s_abs = [w.abs() for w in w2s] if abs_weights is None else abs_weights[1]
-    delta = accumulation * torch.cat([x.abs() @ w13_abs.T for x, w13_abs in zip(xs, w13s_abs)])
+    delta = accumulation * torch.cat([x.abs() @ w13_abs.T for x, w13_abs in zip(xs, w13s_abs, strict=True)])
     I = w2s[0].shape[1]
     shifts = []
     for gate_sign, up_sign in ((-1, -1), (-1, 1), (1, -1), (1, 1)):
@@ -178,7 +182,7 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
                                                 group, len(xs), scheme, shards)
         doubt = torch.stack(candidates).sub_(hq).abs_().amax(dim=0)
     out = []
-    for hq_g, doubt_g, w2, w2_abs in zip(hq.split(counts), doubt.split(counts), w2s, w2s_abs):
+    for hq_g, doubt_g, w2, w2_abs in zip(hq.split(counts), doubt.split(counts), w2s, w2s_abs, strict=True):
         out.append((hq_g @ w2.T, doubt_g @ w2_abs.T + accumulation * (hq_g.abs() @ w2_abs.T)))
     return out
 
@@ -198,7 +202,9 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation
     one its largest give; quantizing lo and hi with each of those two sets of scales gives the
     extreme outcomes of every element's rounding (rounding is monotone in value / scale).
     """
-    return expert_rows_batched([x], [w13], [w2], activation, dtype, scheme, shards, accumulation)[0]
+    y, slack = expert_rows_batched([x], [w13], [w2], activation, dtype, scheme, shards, accumulation)[0]
+    assert slack is not None  # with_slack defaults to True, so the slack is computed
+    return y, slack
 
 
 def expert_reference(x: torch.Tensor | QuantizedActivations, expert_ids: torch.Tensor, weights: ExpertWeights,
@@ -207,15 +213,17 @@ def expert_reference(x: torch.Tensor | QuantizedActivations, expert_ids: torch.T
     ``expert_ids[m]`` of ``weights`` (per-tensor scales of h per expert), unweighted -> fp64 [M, H]."""
     scheme = weights.scheme
     xa = x.dequantize(torch.float32).double() if isinstance(x, QuantizedActivations) else x.double()
-    w13 = (weights.gate_up.dequantize() if scheme != "none" else weights.gate_up).double()
-    w2 = (weights.down.dequantize() if scheme != "none" else weights.down).double()
+    # Quantized schemes hold QuantizedWeight, "none" model-dtype tensors (ExpertWeights).
+    w13 = (weights.gate_up.dequantize() if isinstance(weights.gate_up, QuantizedWeight) else weights.gate_up).double()
+    w2 = (weights.down.dequantize() if isinstance(weights.down, QuantizedWeight) else weights.down).double()
     out = torch.zeros(expert_ids.shape[0], w2.shape[1], dtype=torch.float64, device=expert_ids.device)
     slack = torch.zeros_like(out)
     experts = [e for e in range(w13.shape[0]) if bool((expert_ids == e).any())]
     rows = [(expert_ids == e).nonzero().flatten() for e in experts]
     results = expert_rows_batched([xa[r] for r in rows], [w13[e] for e in experts], [w2[e] for e in experts],
                                   activation, dtype, scheme, accumulation=accumulation)
-    for r, (y, s) in zip(rows, results):
+    for r, (y, s) in zip(rows, results, strict=True):
+        assert s is not None  # with_slack defaults to True, so the slack is computed
         out[r], slack[r] = y, s
     return Reference(out, slack)
 
@@ -245,8 +253,11 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
     xq = _fake_quant(x, scheme, input_amax)
     out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
     slack = torch.zeros_like(out)
-    chosen = [(e, *(routing.topk_ids == e).nonzero(as_tuple=True)) for e in range(cfg.num_experts)]
-    chosen = [(e, tok, k) for e, tok, k in chosen if tok.numel()]
+    chosen: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (expert, its tokens, their k), experts with rows
+    for e in range(cfg.num_experts):
+        tok, k = (routing.topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel():
+            chosen.append((e, tok, k))
     ids = [e for e, _, _ in chosen]
     if experts is None:  # only the experts that receive rows
         experts, at = DequantizedExperts.of(weights, scheme, dtype, x.device, only=ids), list(range(len(ids)))
@@ -258,19 +269,20 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
     results = expert_rows_batched([xq[tok] for _, tok, _ in chosen], on(experts.gate_up), on(experts.down),
                                   cfg.activation, dtype, scheme, intermediate_shards, accumulation, with_slack,
                                   abs_weights)
-    for (e, tok, k), (y, s) in zip(chosen, results):  # in expert order, as a loop over experts adds them
+    for (_, tok, k), (y, s) in zip(chosen, results, strict=True):  # in expert order, as a loop over experts adds them
         w = routing.topk_weights[tok, k].double().unsqueeze(1)
         out[tok] += y * w  # tok has no repeats for one expert
         if with_slack:
+            assert s is not None  # computed when with_slack
             slack[tok] += s * w.abs()
     if cfg.has_shared_experts:
         x64 = x.double()
         # rounded to the model dtype first, as the layer holds them
-        w = {name: getattr(weights, name).to(dtype=dtype).to(x.device, torch.float64)
-             for name in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, name) is not None}
+        sw = {name: getattr(weights, name).to(dtype=dtype).to(x.device, torch.float64)
+              for name in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, name) is not None}
         act = F.silu if cfg.activation == "silu" else F.gelu
-        shared = (act(x64 @ w["shared_gate"].T) * (x64 @ w["shared_up"].T)) @ w["shared_down"].T
-        if "shared_expert_gate" in w:
-            shared = torch.sigmoid(x64 @ w["shared_expert_gate"].T) * shared
+        shared = (act(x64 @ sw["shared_gate"].T) * (x64 @ sw["shared_up"].T)) @ sw["shared_down"].T
+        if "shared_expert_gate" in sw:
+            shared = torch.sigmoid(x64 @ sw["shared_expert_gate"].T) * shared
         out += shared
     return Reference(out, slack)

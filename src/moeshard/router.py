@@ -68,6 +68,7 @@ def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | 
         scores = logits.sigmoid()
     choice = scores
     if cfg.use_correction_bias:
+        assert correction_bias is not None  # refused above when missing
         choice = scores + correction_bias.float().view(1, -1)
     if cfg.n_group > 1:
         # Experts outside the kept groups can never win: -inf is below any score.

@@ -35,13 +35,15 @@ from moeshard.checkpoint.reader import INDEX_FILE, open_safetensors
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name, parse_dtype
 from moeshard.dispatch.registry import default_backend, support
 from moeshard.errors import RankFailed
+from moeshard.experts.base import ExpertWeights
 from moeshard.parallel.collectives import all_gatherv
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace
 from moeshard.presets import get_preset
 from moeshard.sharding import shard_spec
-from moeshard.validate import MAX_DIM, is_int, seed as check_seed
+from moeshard.validate import MAX_DIM, is_int
+from moeshard.validate import seed as check_seed
 from moeshard.weights import MoEWeights
 
 INPUT_KEY = "hidden_states"
@@ -203,12 +205,14 @@ def plan_run(spec: RunSpec) -> RunPlan:
     p = spec.parallel
     model: HFMoEModel | None = None
     if spec.model_dir is not None:
+        assert spec.layer is not None  # RunSpec refuses a model directory without a layer
         model = read_hf_config(spec.model_dir)
         model.check_layer(spec.layer)
         quant = resolve_quant(model, spec.quant)
         base_cfg = model.moe_config()
         source = f"{model.model_type} {spec.model_dir} layer {spec.layer}"
     else:
+        assert spec.preset is not None  # RunSpec holds exactly one of model_dir and preset
         preset = get_preset(spec.preset)
         base_cfg = preset.config(spec.preset_size)
         quant = QuantConfig(spec.quant or "none")
@@ -260,25 +264,23 @@ def _agree(groups: ParallelGroups | None, error: BaseException | None, rank: int
     the others waiting. The reasons travel as (kind, text) strings between our own ranks; a
     ValueError (a refusal of bad input) stays a ValueError everywhere, anything else becomes a
     RankFailed (exit code 4 on the command line)."""
-    mine = None if error is None else (type(error).__name__, f"rank {rank}: {error}")
-    if groups is None:
-        reasons = [mine]
-    else:
-        reasons = [None] * groups.world_size
-        dist.all_gather_object(reasons, mine)
-    failed = [r for r, reason in enumerate(reasons) if reason is not None]
-    if failed:
-        kind, text = reasons[failed[0]]
+    # Imported here, as MoELayer is in run_rank: the parent that plans the run never needs it.
+    from moeshard.integrations.transformers import first_failure
+
+    failure = first_failure(groups, error, rank)
+    if failure is not None:
+        kind, text, failed = failure
         also = f" (ranks that failed to load: {failed})" if len(failed) > 1 else ""
         if kind == "ValueError":
             raise ValueError(text + also) from error
         raise RankFailed(f"{kind}: {text}{also}") from error
 
 
-def _load(plan: RunPlan, rank: int) -> tuple[MoEWeights, object | None]:
+def _load(plan: RunPlan, rank: int) -> tuple[MoEWeights, ExpertWeights | None]:
     """(weights, local_experts) for ``MoELayer``: checkpoint slices, or full random weights."""
     spec = plan.spec
     if spec.model_dir is not None:
+        assert spec.layer is not None  # RunSpec refuses a model directory without a layer
         block = load_moe_block(spec.model_dir, spec.layer, parallel=plan.parallel, rank=rank, quant=plan.quant,
                                dtype=plan.cfg.dtype)
         return block.weights, block.local_experts
@@ -328,6 +330,7 @@ def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RunRankResult:
     if p.dp > 1:
         # Every TP column gathers over its own DP group (all ranks take part, none waits alone);
         # rank 0's group holds DP ranks 0..dp-1 in order, so its result is all T tokens in order.
+        assert groups is not None  # dp > 1: a world of several ranks, which runs with its groups
         out = all_gatherv(out, list(plan.tokens_per_rank), groups.dp_group, "dp")
     spec = layer.shard
     width = plan.cfg.intermediate_size // spec.tp_size

@@ -11,6 +11,7 @@ and ``shard.dequantize()`` equals a slice of ``full.dequantize()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -94,7 +95,12 @@ def _slice_cols(w: Weight, start: int, stop: int) -> Weight:
 
 
 def _cat_rows(a: Weight, b: Weight) -> Weight:
-    return QuantizedWeight.cat_out([a, b]) if isinstance(a, QuantizedWeight) else torch.cat([a, b], dim=1)
+    if isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight):
+        return QuantizedWeight.cat_out([a, b])
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.cat([a, b], dim=1)
+    raise TypeError(f"_cat_rows: both parts must be tensors or both QuantizedWeight, got {type(a).__name__} "
+                    f"and {type(b).__name__}")
 
 
 # Experts converted and quantized per step: bounds the fp32 temporaries of quantization (and, under
@@ -103,9 +109,10 @@ EXPERT_CHUNK = 8
 
 
 def _cat_experts(parts: list[Weight]) -> Weight:
+    # Every part is of one scheme (shard_experts quantizes them alike), so of parts[0]'s kind.
     if isinstance(parts[0], QuantizedWeight):
-        return QuantizedWeight.cat_experts(parts)  # type: ignore[arg-type]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return QuantizedWeight.cat_experts(cast(list[QuantizedWeight], parts))
+    return parts[0] if len(parts) == 1 else torch.cat(cast(list[torch.Tensor], parts), dim=0)
 
 
 def _pick(w: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -131,10 +138,10 @@ def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, qua
     for i in range(0, len(ids), EXPERT_CHUNK):
         chunk = ids[i:i + EXPERT_CHUNK]
         # copy=True: the layer owns its weights; it must never alias (and later mutate) the caller's.
-        gu: Weight = _pick(gate_up, chunk).to(cfg.dtype, copy=True).contiguous()
-        dn: Weight = _pick(down, chunk).to(cfg.dtype, copy=True).contiguous()
-        if quant.quantized:
-            gu, dn = quantize_weight(gu, quant.scheme), quantize_weight(dn, quant.scheme)
+        gu_plain = _pick(gate_up, chunk).to(cfg.dtype, copy=True).contiguous()
+        dn_plain = _pick(down, chunk).to(cfg.dtype, copy=True).contiguous()
+        gu: Weight = quantize_weight(gu_plain, quant.scheme) if quant.quantized else gu_plain
+        dn: Weight = quantize_weight(dn_plain, quant.scheme) if quant.quantized else dn_plain
         parts.append(_tp_slice(ExpertWeights(gu, dn, quant.scheme), cfg, spec))
     return ExpertWeights(_cat_experts([p.gate_up for p in parts]), _cat_experts([p.down for p in parts]),
                          quant.scheme)
@@ -152,10 +159,16 @@ def shard_of(experts: ExpertWeights, cfg: MoEConfig, quant: QuantConfig, spec: S
     its storage)."""
     spec.validate(cfg, quant)
     ids = torch.tensor(list(spec.logical_experts), dtype=torch.int64)
-    if isinstance(experts.gate_up, QuantizedWeight):
-        gu, dn = experts.gate_up.select_experts(ids), experts.down.select_experts(ids)
+    gate_up, down = experts.gate_up, experts.down
+    gu: Weight
+    dn: Weight
+    if isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight):
+        gu, dn = gate_up.select_experts(ids), down.select_experts(ids)
+    elif isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
+        gu, dn = gate_up[ids], down[ids]  # advanced indexing copies
     else:
-        gu, dn = experts.gate_up[ids], experts.down[ids]  # advanced indexing copies
+        raise TypeError(f"shard_of: gate_up and down must both be tensors or both QuantizedWeight, got "
+                        f"{type(gate_up).__name__} and {type(down).__name__}")
     return _tp_slice(ExpertWeights(gu, dn, experts.scheme), cfg, spec)
 
 
@@ -168,5 +181,6 @@ def _tp_slice(experts: ExpertWeights, cfg: MoEConfig, spec: ShardSpec) -> Expert
         gu = _cat_rows(_slice_rows(gu, lo, hi), _slice_rows(gu, I + lo, I + hi))
         dn = _slice_cols(dn, lo, hi)
         if experts.scheme == "none":
+            assert isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor)  # scheme "none" holds tensors
             gu, dn = gu.contiguous(), dn.contiguous()
     return ExpertWeights(gu, dn, experts.scheme)

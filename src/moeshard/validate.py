@@ -19,7 +19,7 @@ Bounds that keep values sane (not limits of any model moeshard targets):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 MAX_DIM = 2**31 - 1
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -31,7 +31,7 @@ def _label(where: str, name: str) -> str:
     return f"{where}.{name}" if where else name
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """Whether ``value`` is an ``int`` and not a ``bool`` (for checks with messages of their own)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -77,7 +77,7 @@ class MoEWeights:
             if not value.is_floating_point():
                 raise ValueError(f"MoEWeights.{name}: expected a floating tensor, got {value.dtype}")
 
-    def to(self, device=None, dtype: torch.dtype | None = None) -> "MoEWeights":
+    def to(self, device=None, dtype: torch.dtype | None = None) -> MoEWeights:
         """Moves every tensor; the router (``gate``, ``correction_bias``) keeps its stored
         precision, since it decides routing (DeepSeek-V3 checkpoints keep it in fp32)."""
         moved = {}
@@ -90,7 +90,7 @@ class MoEWeights:
         return MoEWeights(**moved)
 
     @staticmethod
-    def random(cfg: MoEConfig, generator: torch.Generator | None = None, dtype=None) -> "MoEWeights":
+    def random(cfg: MoEConfig, generator: torch.Generator | None = None, dtype=None) -> MoEWeights:
         """Random weights at a scale where outputs stay O(1): std 1/sqrt(fan_in).
 
         The router weights get a larger scale (std 2/sqrt(H)) so that top-k choices are well
@@ -116,7 +116,7 @@ class MoEWeights:
         )
 
     @staticmethod
-    def from_state_dict(state: dict[str, torch.Tensor], cfg: MoEConfig, prefix: str = "") -> "MoEWeights":
+    def from_state_dict(state: dict[str, torch.Tensor], cfg: MoEConfig, prefix: str = "") -> MoEWeights:
         """Reads the canonical names (module table) under ``prefix``; validates shapes."""
         def get(name: str, required: bool) -> torch.Tensor | None:
             key = prefix + name
@@ -135,8 +135,10 @@ class MoEWeights:
             raise ValueError(f"state dict: missing tensor {prefix + SHARED_ALIASES[0] + name!r} "
                              f"(or {prefix + SHARED_ALIASES[1] + name!r})")
 
+        gate = get("gate.weight", True)
+        assert gate is not None  # required=True raises instead of returning None
         weights = MoEWeights(
-            gate=get("gate.weight", True),
+            gate=gate,
             gate_up=get("experts.gate_up_proj", True),
             down=get("experts.down_proj", True),
             correction_bias=get("gate.e_score_correction_bias", cfg.use_correction_bias) if cfg.use_correction_bias else None,

@@ -25,7 +25,6 @@ if CUDA:
     from moeshard.config import QuantConfig
     from moeshard.experts import select_kernel
     from moeshard.experts.base import ExpertInput, ExpertWeights
-    from moeshard.quant import get_scheme
     from moeshard.kernels.align import align_rows
     from moeshard.kernels.combine import combine_topk
     from moeshard.kernels.configs import ExpertsConfig, GemmConfig, select_config
@@ -34,6 +33,7 @@ if CUDA:
     from moeshard.layer import MoELayer
     from moeshard.presets import PRESETS
     from moeshard.quant import (
+        get_scheme,
         quantize_activations,
         quantize_weight,
     )
@@ -108,7 +108,8 @@ def test_gelu_and_deferred_quantization(scheme):
     # Deferred: model-dtype rows in, the kernel quantizes them with the layer-wide amax.
     kernel = TritonExperts("gelu", dtype)
     y = kernel(ExpertInput(x, ids, amax if get_scheme(scheme).per_tensor_activation else None), w)
-    xin = quantize_activations(x, scheme, amax=amax if get_scheme(scheme).per_tensor_activation else None) if scheme != "none" else x
+    xin = (quantize_activations(x, scheme, amax=amax if get_scheme(scheme).per_tensor_activation else None)
+           if scheme != "none" else x)
     ref = expert_reference(xin, ids, w, "gelu", dtype, accumulation=kernel.accumulation(scheme))
     _check(y, ref, dtype, scheme, f"gelu deferred {scheme}")
 

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -32,17 +32,27 @@ def sorted_rows(inp: ExpertInput, num_experts: int) -> tuple[torch.Tensor, torch
     return x[order // inp.repeat].contiguous(), torch.cumsum(counts, 0).to(torch.int32), counts.tolist()
 
 
+def _plain(experts: ExpertWeights, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up, down) of unquantized experts; the bf16 baselines run on nothing else."""
+    gate_up, down = experts.gate_up, experts.down
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        raise ValueError(f"{where}: experts must be unquantized tensors (scheme 'none'), got scheme {experts.scheme!r}")
+    return gate_up, down
+
+
 def grouped_mm(x_sorted: torch.Tensor, offsets: torch.Tensor, experts: ExpertWeights) -> Callable[[], object]:
     """Both projections through ``torch._grouped_mm``; h is a fixed random [M, I] input."""
     h = torch.randn(x_sorted.shape[0], experts.intermediate_size, device=x_sorted.device).to(x_sorted.dtype)
-    w13 = experts.gate_up.transpose(-2, -1)
-    w2 = experts.down.transpose(-2, -1)
+    gate_up, down = _plain(experts, "grouped_mm")
+    w13 = gate_up.transpose(-2, -1)
+    w2 = down.transpose(-2, -1)
     return lambda: (torch._grouped_mm(x_sorted, w13, offs=offsets), torch._grouped_mm(h, w2, offs=offsets))
 
 
 def per_expert_loop(x_sorted: torch.Tensor, counts: list[int], experts: ExpertWeights,
                     activation: str) -> Callable[[], object]:
     """gate_up, act(gate) * up, down for each expert's contiguous rows, from Python."""
+    gate_up, down = _plain(experts, "per_expert_loop")
     y = torch.empty(x_sorted.shape[0], experts.hidden_size, dtype=x_sorted.dtype, device=x_sorted.device)
     bounds, start = [], 0
     for e, c in enumerate(counts):
@@ -52,8 +62,8 @@ def per_expert_loop(x_sorted: torch.Tensor, counts: list[int], experts: ExpertWe
 
     def run():
         for e, lo, hi in bounds:
-            h = activate(x_sorted[lo:hi] @ experts.gate_up[e].T, activation, x_sorted.dtype)
-            y[lo:hi] = h @ experts.down[e].T
+            h = activate(x_sorted[lo:hi] @ gate_up[e].T, activation, x_sorted.dtype)
+            y[lo:hi] = h @ down[e].T
         return y
     return run
 
@@ -72,6 +82,7 @@ def scaled_grouped_mm(x_sorted: torch.Tensor, offsets: torch.Tensor, experts: Ex
 
     s13, s2 = channel_scales(experts.gate_up), channel_scales(experts.down)
     w13, w2 = experts.gate_up.data.transpose(-2, -1), experts.down.data.transpose(-2, -1)
+    assert xq.row_scale is not None and hq.row_scale is not None  # fp8_token scales every row
     sa, sh = xq.row_scale.reshape(-1), hq.row_scale.reshape(-1)
 
     def run():

@@ -78,7 +78,7 @@ def plot(result: dict, path: str | Path) -> str | None:
     records = result["records"]
     panels = list(dict.fromkeys((r["model"], r["quant"]) for r in records))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
-    for ax, (model, quant) in zip(axes[0], panels):
+    for ax, (model, quant) in zip(axes[0], panels, strict=True):
         for run in dict.fromkeys(r["run"] for r in records):
             pts = sorted((r["tokens"], _best(r)) for r in records
                          if r["model"] == model and r["quant"] == quant and r["run"] == run and _best(r))

@@ -18,9 +18,10 @@ flush before each, ranks in lock-step through the layer's own collectives.
 
 from __future__ import annotations
 
+import functools
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -182,7 +183,7 @@ def _one_gpu(model: ModelOnDevice, quant: QuantConfig, full: MoEWeights, opts: D
     for T in list(opts.decode_tokens) + list(opts.prefill_tokens):
         x = hidden_states(model, T, opts.seed * 1000 + rank)
         reps = opts.reps if T <= 1024 else max(3, opts.reps // 4)
-        ms, err = _median_ms(lambda: alone(x), reps, flush, graph)
+        ms, err = _median_ms(functools.partial(alone, x), reps, flush, graph)
         out.append({"model": model.name, "quant": quant.scheme, "tokens": T, "run": "1 GPU", "rank": rank,
                     "graph_ms" if graph else "layer_ms": ms, **({"error": err} if err else {})})
     return out

@@ -104,6 +104,7 @@ def _rank_copies(layer: MoELayer, x: torch.Tensor) -> list[int]:
     dest = torch.div(slots.flatten(), layer.placement.slots_per_rank, rounding_mode="floor")
     counts = torch.zeros(layer.placement.num_ranks, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, dest, torch.ones_like(dest))
+    assert layer.groups is not None  # this bench builds every layer on its process groups
     dist.all_reduce(counts, group=layer.groups.ep_group)
     return counts.tolist()
 

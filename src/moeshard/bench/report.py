@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from moeshard.outputs import atomic_write, atomic_write_text
@@ -37,10 +37,12 @@ def results_table(result: dict) -> Table:
     d = result["device"]
     t = Table(title=f"moeshard bench on {d['name']} ({d['date_utc']}); dense bf16 {c['matmul']['tflops']:.0f} "
                     f"TFLOP/s, copy {c['copy']['gbps']:.0f} GB/s", title_justify="left")
-    for col, just in (("model", "left"), ("T", "right"), ("quant", "left"), ("experts ms", "right"),
-                      ("TFLOP/s", "right"), ("% peak", "right"), ("W GB/s", "right"), ("% copy", "right"),
-                      ("vs grouped_mm", "right"), ("vs loop", "right"), ("vs bf16", "right"),
-                      ("layer ms", "right"), ("layer/experts", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("model", "left"), ("T", "right"), ("quant", "left"), ("experts ms", "right"),
+        ("TFLOP/s", "right"), ("% peak", "right"), ("W GB/s", "right"), ("% copy", "right"),
+        ("vs grouped_mm", "right"), ("vs loop", "right"), ("vs bf16", "right"),
+        ("layer ms", "right"), ("layer/experts", "right"))
+    for col, just in columns:
         t.add_column(col, justify=just)
     last = None
     for r in result["records"]:
@@ -82,7 +84,7 @@ def tune_table(entries: list[dict]) -> Table:
     t = Table(title="tile sweep (fastest per GEMM marked *)", title_justify="left")
     for col in ("scheme", "shape", "gemm", "BMxBNxBK", "G", "warps", "stages", "tma", "ms", "TFLOP/s"):
         t.add_column(col)
-    fastest = {}
+    fastest: dict[tuple[str, str, int, str], float] = {}
     for e in entries:
         if "ms" in e:
             key = (e["scheme"], e["model"], e["tokens"], e["gemm"])

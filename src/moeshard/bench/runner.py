@@ -13,8 +13,8 @@ Ratios are derived from figures of the same run only.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
@@ -22,8 +22,18 @@ from moeshard.bench import baselines
 from moeshard.bench.ceilings import copy_gbps, matmul_tflops
 from moeshard.bench.device import describe, require_cuda
 from moeshard.bench.timing import L2Flush, graphed, time_cuda
-from moeshard.bench.workload import (ModelOnDevice, active_experts, check_choices, bytes_per_expert, expert_flops, experts_for,
-                                     hidden_states, layer_flops, make_model, routed_input)
+from moeshard.bench.workload import (
+    ModelOnDevice,
+    active_experts,
+    bytes_per_expert,
+    check_choices,
+    expert_flops,
+    experts_for,
+    hidden_states,
+    layer_flops,
+    make_model,
+    routed_input,
+)
 from moeshard.config import QUANT_SCHEMES, QuantConfig
 from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
 from moeshard.layer import MoELayer

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -61,14 +61,14 @@ def time_cuda(fn: Callable[[], object], *, warmup: int, reps: int, flush: L2Flus
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends):
+    for start, end in zip(starts, ends, strict=True):
         if flush is not None:
             flush()
         start.record()
         fn()
         end.record()
     torch.cuda.synchronize()
-    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
     return Timing(statistics.median(times), min(times), max(times), reps)
 
 

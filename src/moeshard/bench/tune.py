@@ -10,18 +10,19 @@ TMA descriptors) is recorded with its error and skipped.
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from collections.abc import Callable
 
 import torch
 
 from moeshard.bench.timing import L2Flush, time_cuda
-from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
+from moeshard.bench.workload import ModelOnDevice, experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
-from moeshard.quant import get_scheme
 from moeshard.kernels.align import align_rows
 from moeshard.kernels.configs import GemmConfig as C
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
+from moeshard.quant import get_scheme
 
 # (scheme, model, tokens) -> candidates for the gate_up and the down GEMM; grouped by model so that
 # each full-size model is generated once.
@@ -79,7 +80,7 @@ def sweep(device: torch.device, progress: Callable[[str], None], reps: int = 10,
     """Runs ``SWEEPS`` (or the schemes in ``only``); one entry per (shape, GEMM, candidate)."""
     flush = L2Flush(device)
     out: list[dict] = []
-    models: dict[str, object] = {}
+    models: dict[str, ModelOnDevice] = {}
     for scheme, name, tokens, cands in SWEEPS:
         if only and scheme not in only:
             continue
@@ -99,10 +100,10 @@ def sweep(device: torch.device, progress: Callable[[str], None], reps: int = 10,
                 plan = align_rows(inp.expert_ids, E, c.block_m, amax=amax)
                 if gemm.startswith("gate_up"):
                     h = torch.empty(plan.padded_rows, I, dtype=cfg.dtype, device=device)
-                    fn = (lambda c=c, plan=plan, h=h, amax=amax, x=inp.x, r=inp.repeat, w=experts.gate_up:
-                          moe_gemm(x, w, plan, h, c, activation=cfg.activation, gather=True, amax=amax,
-                                   fp8_exact=gemm == "gate_up",
-                                   a_row_div=r))
+                    # partial binds this candidate's arguments now (the loop rebinds them before the next call).
+                    fn: Callable[[], torch.Tensor] = functools.partial(
+                        moe_gemm, inp.x, experts.gate_up, plan, h, c, activation=cfg.activation, gather=True, amax=amax,
+                        fp8_exact=gemm == "gate_up", a_row_div=inp.repeat)
                     flops = 4 * M * H * I
                 else:
                     h = (torch.randn(plan.padded_rows, I, device=device) * 0.1).to(cfg.dtype)
@@ -110,8 +111,7 @@ def sweep(device: torch.device, progress: Callable[[str], None], reps: int = 10,
                         amax.fill_(float(h.abs().amax()))
                     a = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
                     y = torch.empty(M, H, dtype=cfg.dtype, device=device)
-                    fn = (lambda c=c, plan=plan, a=a, y=y, w=experts.down:
-                          moe_gemm(a, w, plan, y, c, activation=None, gather=False))
+                    fn = functools.partial(moe_gemm, a, experts.down, plan, y, c, activation=None, gather=False)
                     flops = 2 * M * H * I
                 res = _time(fn, flush, reps)
                 entry = {"scheme": scheme, "model": name, "tokens": tokens, "gemm": gemm, "config": c.as_dict(), **res}

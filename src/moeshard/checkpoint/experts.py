@@ -10,7 +10,8 @@ What is read, per local expert (a ``ShardSpec`` says which experts and which sli
   scales cover 128 x 128 tiles and a TP slice boundary is a tile boundary (``ShardSpec`` checks
   it), so quantizing the slice gives bit for bit the shard of the quantized full expert.
 * schemes whose scales span the whole expert (``QuantScheme.whole_expert_scale``: ``fp8_tensor``,
-  ``fp8_token``, ``nvfp4``) under TP: a scale of these schemes spans the whole expert (fp8_tensor's and nvfp4's global scale: the amax of all of ``w[e]``; fp8_token's
+  ``fp8_token``, ``nvfp4``) under TP: a scale of these schemes spans the whole expert
+  (fp8_tensor's and nvfp4's global scale: the amax of all of ``w[e]``; fp8_token's
   per-row scale of down: a whole row of I). The shard's scale must be the full expert's, or
   the TP ranks would quantize the same expert differently and the all-reduced sum would not
   match the single-device model. So the expert's full gate/up rows and down columns are read,
@@ -30,6 +31,7 @@ peaks near this rank's share plus one expert, whatever the file size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +69,7 @@ class ExpertPlan:
     read: tuple[int, int]
 
     @staticmethod
-    def of(cfg: MoEConfig, quant: QuantConfig, spec: ShardSpec, fp8_checkpoint: bool) -> "ExpertPlan":
+    def of(cfg: MoEConfig, quant: QuantConfig, spec: ShardSpec, fp8_checkpoint: bool) -> ExpertPlan:
         I = cfg.intermediate_size
         width = I // spec.tp_size
         keep = (spec.tp_rank * width, (spec.tp_rank + 1) * width)
@@ -96,16 +98,24 @@ class _Stack:
             self.first = w
             self.buffers = [None if p is None else torch.empty((self.count, *p.shape[1:]), dtype=p.dtype)
                             for p in parts]
-        for buf, p in zip(self.buffers, parts):
+        # Every expert of one stack has the same kind of weight, so the same parts as the first.
+        for buf, p in zip(self.buffers, parts, strict=True):
             if buf is not None:
+                assert p is not None  # buf exists because the first expert's part did
                 to_wire(buf)[i:i + 1].copy_(to_wire(p))  # bytes: float8 has no copy_ on every build
 
     def result(self) -> Weight:
         w, bufs = self.first, self.buffers
+        if w is None or bufs is None:
+            raise ValueError(f"_Stack.result: no expert was put (count={self.count})")
+        data = bufs[0]
+        assert data is not None  # the first part (data, or the plain tensor) is never None
         if isinstance(w, QuantizedWeight):
-            return QuantizedWeight(w.scheme, from_wire(bufs[0], w.data.dtype), bufs[1], bufs[2],
+            scale = bufs[1]
+            assert scale is not None  # a QuantizedWeight's scale is never None
+            return QuantizedWeight(w.scheme, from_wire(data, w.data.dtype), scale, bufs[2],
                                    (self.count, w.shape[1], w.shape[2]))
-        return bufs[0]
+        return data
 
 
 class ExpertReader:
@@ -120,6 +130,9 @@ class ExpertReader:
         E, H, I = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.intermediate_size
         weight_dtypes = (torch.float8_e4m3fn,) if self.fp8 else FLOAT_DTYPES
         n = self.names
+        want: dict[str, tuple[int, ...]]
+        scales: dict[str, tuple[int, ...]]
+        shape: tuple[int, ...]  # a 2-d per-expert shape below, then any shape of want / scales
         if n.fused:
             want = {n.fused_gate_up: (E, 2 * I, H), n.fused_down: (E, H, I)}
             scales = {scale_name(n.fused_gate_up): (E, _blocks(2 * I), _blocks(H)),
@@ -150,6 +163,7 @@ class ExpertReader:
         """(name, index) of gate rows, up rows, down columns [lo, hi) of expert e (or of their
         scale tiles, ``scales=True``)."""
         I, n = self.cfg.intermediate_size, self.names
+        name: Callable[[str], str]
         if scales:
             name = scale_name
             rows = lambda a, b: slice(a // FP8_BLOCK, _blocks(b))  # noqa: E731

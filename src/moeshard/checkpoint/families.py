@@ -30,11 +30,13 @@ approximation, below 1e-3 absolute per activation).
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 from moeshard.validate import MAX_DIM, is_int
@@ -99,7 +101,7 @@ class ConfigFields:
             raise ValueError(f"{self.source}: {key} must be a finite number in ({low:g}, {high:g}], got {value!r}")
         return float(value)
 
-    def int_list(self, key: str) -> tuple[int, ...]:
+    def int_list(self, key: str) -> tuple[builtins.int, ...]:  # builtins: the method int shadows the type here
         """A list of integers >= 0 (layer indices)."""
         value = self.get(key)
         if not isinstance(value, list) or not all(is_int(v) and 0 <= v for v in value):
@@ -133,7 +135,7 @@ class ModelFamily:
     model_type: str
     defaults: Mapping[str, Any]
     moe: Callable[[ConfigFields], MoEConfig]
-    dense_layers: Callable[[ConfigFields, int], Mapping[int, str]]
+    dense_layers: Callable[[ConfigFields, int], DenseLayers]
     block_prefixes: tuple[str, ...] = ("mlp.",)
     expert_spellings: tuple[tuple[str, str, str], ...] = (GATE_UP_DOWN, W1_W3_W2)
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from moeshard.checkpoint.families import FAMILIES, SCAN_LIMIT, ModelFamily, model_family
+from moeshard.checkpoint.families import FAMILIES, SCAN_LIMIT, DenseLayers, ModelFamily, model_family
 from moeshard.config import MODEL_DTYPES, MoEConfig
 from moeshard.validate import is_int
 
@@ -46,7 +46,7 @@ class HFMoEModel:
     model_type: str
     num_layers: int
     moe: MoEConfig
-    dense_layers: Mapping[int, str]
+    dense_layers: DenseLayers
     checkpoint_dtype: torch.dtype | None
     fp8_block: bool
     source: str
@@ -69,7 +69,7 @@ class HFMoEModel:
                              f"{self.num_layers} (layers 0..{self.num_layers - 1})")
         if layer in self.dense_layers:
             moe_layers = self.dense_layers.moe_layers(9)
-            shown = moe_layers[:8] + (["..."] if len(moe_layers) > 8 else [])
+            shown: list[int | str] | str = moe_layers[:8] + (["..."] if len(moe_layers) > 8 else [])
             if not moe_layers:
                 shown = f"none among the first {min(self.num_layers, SCAN_LIMIT)}"
             raise ValueError(f"layer {layer} of this {self.model_type} model has no MoE block: it is a dense "

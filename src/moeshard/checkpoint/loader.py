@@ -93,7 +93,8 @@ class _SmallTensors:
         sinfo = self.ckpt.expect(sname, blocks, scale_dtypes())
         scale = self.ckpt.read(sname).float()
         check_finite(scale, sname, sinfo.file)
-        return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), shape)).to(dtype)
+        rows, cols = shape  # an fp8 weight is 2-d, tiled in 128 x 128 scale blocks
+        return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols))).to(dtype)
 
     def weights(self) -> MoEWeights:
         cfg, n = self.cfg, self.names

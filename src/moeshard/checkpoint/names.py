@@ -100,7 +100,7 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
                              f"is missing; looked in {files}")
     else:
         firsts = [f"{prefix}experts.0.{s[0]}.weight" for s in family.expert_spellings]
-        found = [s for s, name in zip(family.expert_spellings, firsts) if ckpt.has(name)]
+        found = [s for s, name in zip(family.expert_spellings, firsts, strict=True) if ckpt.has(name)]
         if not found:
             tried = [prefix + "experts.gate_up_proj"] + firsts
             raise ValueError(f"layer {layer}: no routed-expert tensors found; looked for {tried} in {files} under "

@@ -2,8 +2,9 @@
 
 A model directory holds ``model.safetensors``, or shards listed in ``model.safetensors.index.json``
 (``weight_map``: tensor name -> file), or any set of ``*.safetensors`` files (their headers are
-read to learn the names; a name stored in two files is refused, naming both). Pickle-based weights (``*.bin``, ``*.pt``, ``*.pth``) are refused:
-unpickling a file can run arbitrary code, so moeshard never does it.
+read to learn the names; a name stored in two files is refused, naming both). Pickle-based
+weights (``*.bin``, ``*.pt``, ``*.pth``) are refused: unpickling a file can run arbitrary code, so
+moeshard never does it.
 
 How reading stays small: ``safe_open(...).get_slice(name)[index]`` returns a *view* into the
 file's memory map, and only the pages that view touches become resident. ``read`` copies the
@@ -20,9 +21,9 @@ whole file when it opens it, so a truncated file is refused before any read), a 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open

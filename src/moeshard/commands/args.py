@@ -7,7 +7,7 @@ it as one line, exit code 2).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from moeshard import validate
 from moeshard.parallel.config import ParallelConfig

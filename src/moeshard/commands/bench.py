@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import time
-
 from pathlib import Path
 
 from moeshard.bench.device import require_cuda

@@ -72,9 +72,11 @@ def options(args) -> matrix.MatrixOptions:
         chosen = layouts(args.layouts)
         if args.world_sizes is None:
             world_sizes = tuple(sorted({p.world_size for p in chosen}))
+    dtypes = names(args.dtypes)
+    assert dtypes is not None  # --dtypes has a default (float32,bfloat16): the parser never leaves it None
     return matrix.MatrixOptions(
         world_sizes=world_sizes, layouts=chosen, backends=names(args.backends), quants=names(args.quants),
-        dtypes=names(args.dtypes), presets=names(args.presets),
+        dtypes=dtypes, presets=names(args.presets),
         size=args.size or (("full" if args.device == "cuda" else "medium") if args.full else "small"),
         tokens_per_rank=ints(args.tokens_per_rank, "--tokens-per-rank") if args.tokens_per_rank else None,
         all_presets=args.full, seed=seed(args.seed),
@@ -119,7 +121,9 @@ def run(args) -> int:
         check_output_path(args.json, "--json")
     cases = matrix.generate(opts)
     if args.only:
-        cases = matrix.select_ids(cases, list(case_ids(args.only)), opts.seed)
+        only = case_ids(args.only)
+        assert only is not None  # args.only was given
+        cases = matrix.select_ids(cases, list(only), opts.seed)
     valid = [c for c in cases if not c.skipped]
     if args.list:
         for c in cases:
@@ -179,7 +183,7 @@ def run(args) -> int:
     if interrupted is not None:
         raise interrupted
     if not any(o.status in ("pass", "fail", "error") for o in outcomes):
-        reasons = collections.Counter(o.reason for o, c in zip(outcomes, cases) if not c.skipped)
+        reasons = collections.Counter(o.reason for o, c in zip(outcomes, cases, strict=True) if not c.skipped)
         raise NothingVerified(f"nothing was verified: every case was skipped on this machine "
                               f"({reasons.most_common(1)[0][0]})")
     return 0 if all(o.status in ("pass", "skip", "not_applicable") for o in outcomes) else 1

@@ -25,16 +25,28 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from moeshard.commands.args import ints
+from moeshard.commands.run import _as_value_error  # refusals on the ranks -> one ValueError (no traces here)
 from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
 from moeshard.dispatch.registry import BACKENDS
-from moeshard.generatejob import (GenerateComparison, GeneratePlan, GenerateRankResult, GenerateSpec, by_prompt,
-                                  compare_generations, describe, generate_plans, generate_rank, plan_generate,
-                                  reference_generate)
+from moeshard.generatejob import (
+    GenerateComparison,
+    GeneratePlan,
+    GenerateRankResult,
+    GenerateSpec,
+    by_prompt,
+    compare_generations,
+    describe,
+    generate_plans,
+    generate_rank,
+    plan_generate,
+    reference_generate,
+)
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.spawn import RankFailure, destroy, init_from_env, launched_by_torchrun, spawn
@@ -128,14 +140,6 @@ def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
 
 
 # -- ranks ------------------------------------------------------------------------------------
-def _as_value_error(failure: RankFailure) -> Exception:
-    """Refusals raised on the ranks come back as one ValueError (exit 2); anything else stays a
-    RankFailure with every rank's traceback."""
-    if failure.errors and not failure.missing and all(e.type_name == "ValueError" for e in failure.errors.values()):
-        return ValueError(failure.errors[min(failure.errors)].message)
-    return failure
-
-
 def execute_local(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResult]:
     """Every rank's result: in this process for one rank, else ``dp * tp`` spawned ranks."""
     world = plan.parallel.world_size
@@ -163,10 +167,11 @@ def _execute_torchrun(plan: GeneratePlan) -> list[GenerateRankResult] | None:
         plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
         side = plan.parallel.enable_ep and plan.spec.device == "cuda"
         result = generate_rank(plan, ParallelGroups.build(plan.parallel, side_channel=side))
-        reports = [None] * dist.get_world_size()
+        reports: list[GenerateRankResult | None] = [None] * dist.get_world_size()
         light = replace(result, logits=None) if result.tp_rank != 0 else result
         dist.all_gather_object(reports, light)  # our own small dataclasses, between our own ranks
-        return reports if dist.get_rank() == 0 else None
+        # all_gather_object filled every entry with a rank's report
+        return cast("list[GenerateRankResult]", reports) if dist.get_rank() == 0 else None
     finally:
         destroy()
 
@@ -194,7 +199,7 @@ def report(plan: GeneratePlan, results: list[GenerateRankResult], comparison: Ge
     return {
         "run": describe(plan),
         "prompts": [{"input_ids": list(p), "generated_ids": list(g), "dp_rank": dp_of[i]}
-                    for i, (p, g) in enumerate(zip(plan.spec.prompts, generated))],
+                    for i, (p, g) in enumerate(zip(plan.spec.prompts, generated, strict=True))],
         "ranks": [{"rank": r.rank, "dp_rank": r.dp_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
                    "intermediate": list(r.intermediate), "expert_bytes": r.expert_bytes, "load_s": round(r.load_s, 4),
                    "generate_s": round(r.generate_s, 4), "tp_disagreements": r.tp_disagreements} for r in results],

@@ -27,6 +27,7 @@ import json
 import sys
 import time
 from dataclasses import replace
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -41,12 +42,18 @@ from moeshard.errors import OutputError, RankFailed
 from moeshard.outputs import atomic_write, check_output_path
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
-from moeshard.parallel.spawn import (RankFailure, available_memory, check_local_world, destroy, init_from_env,
-                                     spawn, torchrun_environment)
+from moeshard.parallel.spawn import (
+    RankFailure,
+    available_memory,
+    check_local_world,
+    destroy,
+    init_from_env,
+    spawn,
+    torchrun_environment,
+)
 from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, explain_divergence
 from moeshard.presets import PRESETS
-from moeshard.runjob import (RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans,
-                             run_rank)
+from moeshard.runjob import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank
 
 
 def add_parser(subparsers) -> None:
@@ -174,12 +181,13 @@ def _execute_torchrun(plan: RunPlan, timeout_s: float) -> list[RunRankResult] | 
         plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
         side = plan.parallel.enable_ep and plan.spec.device == "cuda"
         result = run_rank(plan, ParallelGroups.build(plan.parallel, side_channel=side))
-        reports = [None] * dist.get_world_size()
+        reports: list[RunRankResult | None] = [None] * dist.get_world_size()
         light = replace(result, output=None)
         dist.all_gather_object(reports, light)  # our own small dataclasses, between our own ranks
         if dist.get_rank() != 0:
             return None
-        return [result] + reports[1:]
+        # all_gather_object filled every entry with a rank's report
+        return [result] + cast("list[RunRankResult]", reports[1:])
     finally:
         destroy()
 
@@ -226,6 +234,7 @@ def _summary(plan: RunPlan, results: list[RunRankResult], output_path: str | Non
                       f"{r.intermediate[0]}:{r.intermediate[1]}", f"{r.load_s:.3f}", f"{r.forward_s:.4f}")
     console.print(table)
     out = results[0].output
+    assert out is not None  # rank 0's result holds the output of all T tokens
     where = output_path if output_path is not None else "not written (no --output)"
     console.print(f"output {escape(where)}: hidden_states {list(out.shape)} {str(out.dtype).removeprefix('torch.')}")
     console.print(f"wall time {wall_s:.2f} s")
@@ -247,7 +256,9 @@ def run(args: argparse.Namespace) -> int:
         check_memory(plan, available_memory())
         results = _execute_local(plan, timeout_s)
     if args.output is not None:
-        _write(args.output, plan, results[0].output)
+        output = results[0].output
+        assert output is not None  # rank 0's result holds the output of all T tokens
+        _write(args.output, plan, output)
     _summary(plan, results, args.output, time.perf_counter() - start)
     sys.stdout.flush()
     return 0

@@ -34,6 +34,7 @@ from moeshard.parallel.trace import traced
 from moeshard.router import Routing
 from moeshard.stages import StageRecorder
 
+
 @dataclass(frozen=True)
 class LowLatencyState:
     """slot: int64 [T, K] slot of each (token, k) pair in the P*C rows; weights: fp32 [T, K]."""

@@ -23,9 +23,9 @@ import torch
 
 from moeshard.config import QuantConfig
 from moeshard.experts.base import ExpertInput
-from moeshard.quant import QuantizedActivations, from_wire, quantize_activations, to_wire
 from moeshard.parallel.collectives import all_reduce
 from moeshard.parallel.trace import CollectiveTrace
+from moeshard.quant import QuantizedActivations, from_wire, quantize_activations, to_wire
 from moeshard.quant.fp8 import abs_amax
 from moeshard.stages import StageRecorder
 

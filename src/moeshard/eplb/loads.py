@@ -21,6 +21,10 @@ from moeshard.validate import positive_int
 class LoadCounter(nn.Module):
     """Running window of per-expert token counts. num_experts: E; window: forwards kept."""
 
+    # Buffers registered in __init__, declared so that type checkers see tensors, not Module attributes.
+    ring: torch.Tensor
+    step: torch.Tensor
+
     def __init__(self, num_experts: int, window: int, device: torch.device | str | None = None) -> None:
         super().__init__()
         positive_int("LoadCounter", "num_experts", num_experts)

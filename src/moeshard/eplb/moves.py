@@ -58,7 +58,7 @@ def plan_moves(old: Placement, new: Placement) -> tuple[SlotMove, ...]:
     S = old.slots_per_rank
     turn: dict[int, int] = {}
     moves = []
-    for dst, (was, now) in enumerate(zip(old.slots, new.slots)):
+    for dst, (was, now) in enumerate(zip(old.slots, new.slots, strict=True)):
         if was == now:
             continue
         holders = old.replicas(now, active_only=False)

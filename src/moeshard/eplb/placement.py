@@ -125,7 +125,7 @@ class Placement:
                 raise ValueError(f"Placement.slots: rank {rank} holds experts {twice} twice (slots "
                                  f"[{rank * S}, {(rank + 1) * S}) = {list(mine)}); replicas of one expert must be "
                                  f"on different ranks")
-        served = {e for e, a in zip(slots, active) if a}
+        served = {e for e, a in zip(slots, active, strict=True) if a}
         missing = sorted(set(range(E)) - served)
         if missing:
             raise ValueError(f"Placement.slots: experts {missing} have no active slot (slots {list(slots)}, "
@@ -151,6 +151,12 @@ class Placement:
 
     # -- shape ------------------------------------------------------------------------------
     @property
+    def _active(self) -> tuple[bool, ...]:
+        """``active`` as ``__post_init__`` leaves it: never None (None became all True)."""
+        assert self.active is not None  # replaced by a tuple in __post_init__
+        return self.active
+
+    @property
     def num_slots(self) -> int:
         return len(self.slots)
 
@@ -172,23 +178,24 @@ class Placement:
 
     def replicas(self, expert: int, active_only: bool = True) -> tuple[int, ...]:
         """The slots holding ``expert`` (the active ones by default), in slot (= rank) order."""
-        return tuple(s for s, (e, a) in enumerate(zip(self.slots, self.active)) if e == expert and (a or not active_only))
+        return tuple(s for s, (e, a) in enumerate(zip(self.slots, self._active, strict=True))
+                     if e == expert and (a or not active_only))
 
     @property
     def is_identity(self) -> bool:
         """No slot differs from the layout without load balancing: routing needs no mapping."""
-        return self.slots == tuple(range(self.num_experts)) and all(self.active)
+        return self.slots == tuple(range(self.num_experts)) and all(self._active)
 
     @property
     def has_replicas(self) -> bool:
         """Some expert has two or more active slots (its rows are split over ranks)."""
-        active = [e for e, a in zip(self.slots, self.active) if a]
+        active = [e for e, a in zip(self.slots, self._active, strict=True) if a]
         return len(active) != len(set(active))
 
     def fingerprint(self) -> int:
         """A stable integer of the whole placement, for the configuration exchange between ranks."""
         text = f"{self.num_experts}/{self.num_ranks}/{','.join(map(str, self.slots))}/" + \
-               "".join("1" if a else "0" for a in self.active)
+               "".join("1" if a else "0" for a in self._active)
         return zlib.crc32(text.encode())
 
     def aligned_to(self, current: Placement) -> Placement:
@@ -211,7 +218,7 @@ class Placement:
         active: list[bool] = []
         for p in range(P):
             q = source[p]
-            mine = dict(zip(self.rank_slots(q), self.active[q * S:(q + 1) * S]))
+            mine = dict(zip(self.rank_slots(q), self._active[q * S:(q + 1) * S], strict=True))
             old = current.rank_slots(p)
             keep = [e if e in mine else None for e in old]
             rest = iter(sorted(e for e in mine if e not in old))

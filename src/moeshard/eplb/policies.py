@@ -56,12 +56,14 @@ def _loads(loads: Sequence[float] | torch.Tensor, num_experts: int, where: str) 
 def rank_loads(placement: Placement, loads: Sequence[float] | torch.Tensor) -> list[float]:
     """The P rank loads of ``placement``: each expert's load split evenly over its active slots."""
     L = _loads(loads, placement.num_experts, "rank_loads")
+    active = placement.active
+    assert active is not None  # Placement.__post_init__ replaces None with all True
     n = [0] * placement.num_experts
-    for e, a in zip(placement.slots, placement.active):
+    for e, a in zip(placement.slots, active, strict=True):
         n[e] += a
     S = placement.slots_per_rank
     out = [0.0] * placement.num_ranks
-    for s, (e, a) in enumerate(zip(placement.slots, placement.active)):
+    for s, (e, a) in enumerate(zip(placement.slots, active, strict=True)):
         if a:
             out[s // S] += L[e] / n[e]
     return out

@@ -94,6 +94,8 @@ class GroupedExperts:
         offsets: int32 [E_l], cumulative row ends. Returns [M, N] in ``out_dtype``.
         """
         if isinstance(w, QuantizedWeight):
+            if not isinstance(a, QuantizedActivations):
+                raise TypeError("gemm: unquantized activations with quantized weights")
             a32 = a.dequantize(torch.float32)
             return self._float_gemm(a32, w.dequantize(torch.float32), offsets).to(self.out_dtype)
         if isinstance(a, QuantizedActivations):
@@ -131,10 +133,11 @@ class GroupedExperts:
             # defer_input_quant: quantize here, with the layer-wide amax for per-tensor scales.
             x = quantize_activations(x, scheme.name, amax=inp.input_amax if scheme.per_tensor_activation else None)
         h = activate(self.gemm(x, weights.gate_up, offsets), self.activation, self.out_dtype)
+        h_in: torch.Tensor | QuantizedActivations = h
         if scheme.quantized:
             amax = expert_amax(h, sorted_ids, E_l, inp.amax_reduce) if scheme.per_tensor_activation else None
-            h = quantize_activations(h, scheme.name, amax=amax)
-        y_sorted = self.gemm(h, weights.down, offsets)
+            h_in = quantize_activations(h, scheme.name, amax=amax)
+        y_sorted = self.gemm(h_in, weights.down, offsets)
         # Rows past the last offset (padding) were never computed.
         y_sorted = y_sorted.masked_fill((sorted_ids == E_l).unsqueeze(1), 0)
         y = torch.empty_like(y_sorted)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 from moeshard.config import MoEConfig, QuantConfig, parse_dtype
 from moeshard.dispatch.registry import BACKENDS, support
 from moeshard.eplb.placement import Layout
-from moeshard.quant import scheme_names
 from moeshard.parallel.config import ParallelConfig
 from moeshard.presets import PRESETS, SIZES
+from moeshard.quant import scheme_names
 from moeshard.sharding import ShardSpec
 
 # (dp, tp, enable_ep) per world size; with EP on and tp > 1 the layout is sequence parallel.
@@ -207,9 +207,9 @@ class MatrixOptions:
                 parse_dtype(d)
             except ValueError as exc:
                 raise ValueError(f"--dtypes: {exc}") from None
-        for p in self.presets or ():
-            if p not in PRESETS:
-                raise ValueError(f"--presets: {p!r} is not one of {sorted(PRESETS)}")
+        for preset in self.presets or ():
+            if preset not in PRESETS:
+                raise ValueError(f"--presets: {preset!r} is not one of {sorted(PRESETS)}")
         if self.tokens_per_rank is not None and any(not 0 <= t <= MAX_TOKENS_PER_RANK for t in self.tokens_per_rank):
             raise ValueError(f"--tokens-per-rank: counts must be in [0, {MAX_TOKENS_PER_RANK}], "
                              f"got {list(self.tokens_per_rank)}")

@@ -60,12 +60,14 @@ class EPLBCheck:
             self.routed.append(routing.topk_ids.detach().cpu())
             return dispatch(x, routing)
 
-        layer.backend.dispatch = spy  # an instance attribute: this layer's backend only
+        # An instance attribute, on purpose: it shadows the method for this layer's backend only.
+        layer.backend.dispatch = spy  # type: ignore[method-assign]
 
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, SequenceChunk | None]:
         p = self.case.parallel
         if not p.is_sequence_parallel:
             return x, None
+        assert self.groups is not None  # sequence parallel: tp > 1 ranks, which run with groups
         chunk = SequenceChunk.of(x.shape[0], p.tp_rank(self.groups.rank), p.tp)
         return x[chunk.start:chunk.start + chunk.real], chunk
 
@@ -84,6 +86,7 @@ class EPLBCheck:
         elif not bool(active[used].all()):
             problems.append(f"{when}: a standby slot was routed")
         if chunk is not None:
+            assert self.groups is not None  # a chunk only under sequence parallelism (see _rows)
             # Every TP rank computes the choice for its DP rank's whole batch; they must agree, and
             # the chunks they used must be that choice's rows.
             whole = layer.physical_ids(layer.route(x).topk_ids, 0)
@@ -107,12 +110,14 @@ class EPLBCheck:
         routed = sum(case.tokens) * case.moe_config().top_k
         if int(loads.sum()) != routed:
             problems.append(f"expert_loads counts {int(loads.sum())} routed copies, the domain routed {routed}")
+        assert case.eplb is not None  # an EPLBCheck watches load-balancing cases only
         old = layer.placement
         new = get_policy(case.eplb.policy)(loads, old.layout).aligned_to(old)
         if new.slots == old.slots:  # move weights anyway: every slot one rank further
             S = old.slots_per_rank
-            new = Placement(old.num_experts, old.num_ranks, old.slots[S:] + old.slots[:S],
-                            new.active[S:] + new.active[:S])
+            active = new.active
+            assert active is not None  # Placement.__post_init__ replaces None by one bool per slot
+            new = Placement(old.num_experts, old.num_ranks, old.slots[S:] + old.slots[:S], active[S:] + active[:S])
         stats = layer.rebalance(new)
         S, p = old.slots_per_rank, case.parallel.ep_rank(rank)
         changed = sum(1 for s in range(p * S, (p + 1) * S) if old.slots[s] != new.slots[s])

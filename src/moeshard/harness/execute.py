@@ -12,15 +12,15 @@ parent, such as a torchrun job).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from moeshard.config import QuantConfig
 from moeshard.harness import eplb
-from moeshard.harness.eplb import EPLBResult
 from moeshard.harness.cases import Case
+from moeshard.harness.eplb import EPLBResult
 from moeshard.harness.inputs import CaseData, case_tokens_of
 from moeshard.layer import MoELayer
 from moeshard.numerics import Reference
@@ -146,7 +146,7 @@ def case_reference(case: Case, accumulation: float, data: CaseData | None = None
     refs = [reference_forward(d, weights, cfg, case.quant, intermediate_shards=shards, accumulation=accumulation,
                               experts=experts) for d in domains]
     quant_error = None
-    if case.quant.quantized and sum(case.tokens):
+    if case.quant.quantized and sum(case.tokens) != 0:
         plain_experts = data.dequantized(case, "none")
         plain = [reference_forward(d, weights, cfg, QuantConfig(), intermediate_shards=shards, experts=plain_experts,
                                    with_slack=False).out for d in domains]

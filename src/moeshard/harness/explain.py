@@ -31,7 +31,7 @@ import torch
 from moeshard.harness.cases import Case
 from moeshard.harness.inputs import CaseData, case_tokens_of
 from moeshard.parallel.sequence import SequenceChunk
-from moeshard.quant import get_scheme, quantize_activations, to_wire
+from moeshard.quant import quantize_activations, to_wire
 from moeshard.reference import _fake_quant, expert_rows_batched
 from moeshard.router import route, router_logits
 from moeshard.sharding import shard_spec
@@ -97,7 +97,7 @@ class _Domain:
         bias = None if weights.correction_bias is None else weights.correction_bias
         r = route(router_logits(self.x, weights.gate), cfg, bias)
         self.ids, self.weights = r.topk_ids, r.topk_weights
-        amax = self.x.abs().amax().float() if self.x.numel() else torch.zeros(())
+        amax: torch.Tensor | None = self.x.abs().amax().float() if self.x.numel() else torch.zeros(())
         amax = amax if scheme.per_tensor_activation else None
         self.scales = None
         if scheme.quantized and not case.quant.defer_input_quant:
@@ -115,14 +115,15 @@ class _Domain:
         for s in range(slices):
             y = torch.zeros(N, K, cfg.hidden_size, dtype=torch.float64)
             slack = torch.zeros_like(y)
-            chosen = [(e, *(self.ids == e).nonzero(as_tuple=True)) for e in range(cfg.num_experts)]
-            chosen = [(e, n, k) for e, n, k in chosen if n.numel()]
+            hits = [(e, (self.ids == e).nonzero(as_tuple=True)) for e in range(cfg.num_experts)]
+            chosen = [(e, n, k) for e, (n, k) in hits if n.numel()]
             gate_up = [torch.cat([experts.gate_up[e][s * w:(s + 1) * w], experts.gate_up[e][I + s * w:I + (s + 1) * w]])
                        for e, _, _ in chosen]
             down = [experts.down[e][:, s * w:(s + 1) * w] for e, _, _ in chosen]
             results = expert_rows_batched([xq[n] for _, n, _ in chosen], gate_up, down, cfg.activation, cfg.dtype,
                                           scheme.name, 1, accumulation)
-            for (e, n, k), (ye, se) in zip(chosen, results):
+            for (_, n, k), (ye, se) in zip(chosen, results, strict=True):
+                assert se is not None  # expert_rows_batched computes the slack (with_slack=True)
                 y[n, k], slack[n, k] = ye, se
             self.y.append(y)
             self.slack.append(slack)
@@ -240,10 +241,12 @@ def _payload(case: Case, r: _Rank, rec: dict) -> list[Finding]:
             scales is not None and dom.scales is not None and _same(scales[i:i + 1], dom.scales[n:n + 1]))
         if not (data_ok and scale_ok):
             what = "data" if not data_ok else "scales"
-            exp = dom.rows[n] if not data_ok else dom.scales[n]
-            got = rows[i] if not data_ok else scales[i]
-            out.append(_finding(case, "payload", r.rank, what, dom, n, expected=f"{what} {_fmt(exp)}",
-                                got=f"{what} {_fmt(got)}"))
+            if not data_ok:
+                exp, got = _fmt(dom.rows[n]), _fmt(rows[i])
+            else:  # the scales differ, or only one side has them
+                exp = _fmt(dom.scales[n]) if dom.scales is not None else "none"
+                got = _fmt(scales[i]) if scales is not None else "none"
+            out.append(_finding(case, "payload", r.rank, what, dom, n, expected=f"{what} {exp}", got=f"{what} {got}"))
     return out
 
 
@@ -325,10 +328,17 @@ def _experts(case: Case, r: _Rank, rec: dict, matched: dict, near: dict) -> list
     return found
 
 
+def _total(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``sum(parts)``, one part per TP slice, typed as the tensor it is."""
+    total = sum(parts)
+    assert isinstance(total, torch.Tensor)  # a domain has at least one slice (sum of none would be 0)
+    return total
+
+
 def explain_case(case: Case, outputs: list, accumulation: float, data: CaseData | None = None) -> StageReport:
     """outputs: every rank's ``RankOutput`` with its ``stages`` (``StageRecorder.stages``)."""
     data = data or CaseData()
-    p, cfg = case.parallel, case.moe_config()
+    p = case.parallel
     xs = case_tokens_of(case)
     domains = [_Domain(case, data, xs, list(range(p.dp)), accumulation)] if p.enable_ep else \
         [_Domain(case, data, xs, [d], accumulation) for d in range(p.dp)]
@@ -355,17 +365,17 @@ def explain_case(case: Case, outputs: list, accumulation: float, data: CaseData 
                                          dom.combine[r.slice][r.rows], dom.combine_slack[r.slice][r.rows], r.rows,
                                          near=near)
         if "tp_reduce" in rec:
-            full = sum(dom.combine)[r.rows]
+            full = _total(dom.combine)[r.rows]
             found["tp_reduce"] += _numeric(case, "tp_reduce", r, rec["tp_reduce"]["out"], full,
-                                           sum(dom.combine_slack)[r.rows], r.rows, near=near)
+                                           _total(dom.combine_slack)[r.rows], r.rows, near=near)
         if "shared" in rec and dom.shared is not None:
             found["shared"] += _numeric(case, "shared", r, rec["shared"]["out"], dom.shared[r.rows], None, r.rows,
                                         near=near)
         if "output" in rec:
             d = p.dp_rank(o.rank)
             rows = list(range(dom.offset[d], dom.offset[d] + case.tokens[d]))
-            ref = sum(dom.combine)[rows] + (dom.shared[rows] if dom.shared is not None else 0)
-            found["output"] += _numeric(case, "output", r, rec["output"]["out"], ref, sum(dom.combine_slack)[rows],
+            ref = _total(dom.combine)[rows] + (dom.shared[rows] if dom.shared is not None else 0)
+            found["output"] += _numeric(case, "output", r, rec["output"]["out"], ref, _total(dom.combine_slack)[rows],
                                         rows)
     wrong = {s: dict(collections.Counter(f.rank for f in fs)) for s, fs in found.items() if fs}
     stage = next((s for s in STAGES if found[s]), None)

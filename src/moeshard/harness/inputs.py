@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -109,8 +110,10 @@ class CaseData:
 
     def local_experts(self, case, spec: ShardSpec) -> ExpertWeights:
         cfg, weights = case.moe_config(), self.weights(case)
+        gate_up, down = weights.gate_up, weights.down
+        assert gate_up is not None and down is not None  # case_weights makes every expert
         prepared = self._prepared.get((case.weights_key, case.quant.scheme),
-                                      lambda: prepare_experts(weights.gate_up, weights.down, cfg, case.quant))
+                                      lambda: prepare_experts(gate_up, down, cfg, case.quant))
         return shard_of(prepared, cfg, case.quant, spec)
 
 

@@ -117,9 +117,9 @@ def print_summary_table(console: Console, outcomes: list[CaseOutcome]) -> None:
                       escape(note) if ran else f"[dim]{escape(note)}[/]")
     console.print(table, highlight=False)
     if partial:
-        reasons = collections.Counter(o.reason for o in partial)
+        partial_reasons = collections.Counter(o.reason for o in partial)
         console.print(f"[dim]not applicable within the rows above: {len(partial)} cases (ids in --list and --json):[/]")
-        for reason, n in reasons.most_common():
+        for reason, n in partial_reasons.most_common():
             console.print(f"  {n:4d} x {escape(reason)}", highlight=False)
 
 

@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from moeshard.harness.cases import Case
-from moeshard.harness.execute import (CaseReference, GroupsCache, RankOutput, RankResult, case_reference,
-                                      check_rank, run_layer)
+from moeshard.harness.execute import CaseReference, GroupsCache, RankOutput, RankResult, case_reference, check_rank, run_layer
 from moeshard.harness.explain import StageReport, explain_case
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
@@ -89,9 +88,12 @@ def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_facto
     for i, case in enumerate(cases):
         trace.case = i
         channel.send(("start", i))
+
+        def on_built(accumulation: float, i: int = i) -> None:  # i bound now, for this case
+            channel.send(("built", i, accumulation))
+
         try:
-            output = run_layer(case, rank, dev, cache.get(case.parallel), layer_factory, data,
-                               on_built=lambda accumulation, i=i: channel.send(("built", i, accumulation)),
+            output = run_layer(case, rank, dev, cache.get(case.parallel), layer_factory, data, on_built=on_built,
                                record=record)
         except BaseException as exc:  # noqa: BLE001 - reported with the case id, then this rank stops
             channel.send(("case_error", i, RankError.of(rank, exc)))
@@ -197,7 +199,7 @@ class Runner:
                     continue
                 indices = [indices[j] for j in execution_order([cases[i] for i in indices])]
                 run = self._in_process if world == 1 else self._spawned
-                for i, outcome in zip(indices, run([cases[i] for i in indices], refs)):
+                for i, outcome in zip(indices, run([cases[i] for i in indices], refs), strict=True):
                     outcomes[i] = outcome
         finally:
             refs.close()
@@ -211,9 +213,12 @@ class Runner:
         out = []
         for case in cases:
             start = time.monotonic()
+
+            def on_built(accumulation: float, case: Case = case) -> None:  # case bound now, for this case
+                refs.start(case, accumulation)
+
             try:
-                output = run_layer(case, 0, dev, None, self.layer_factory, data,
-                                   on_built=lambda accumulation, case=case: refs.start(case, accumulation),
+                output = run_layer(case, 0, dev, None, self.layer_factory, data, on_built=on_built,
                                    record=bool(self.explain))
                 outcome = _checked(case, refs, [output], time.monotonic() - start, self.explain, self._explain_data)
             except Exception as exc:  # noqa: BLE001 - a case that raises is an error, the run goes on

@@ -55,7 +55,7 @@ not train the experts).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,9 @@ from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
 from moeshard.router import Routing, route, router_logits
 from moeshard.sharding import shard_spec
 from moeshard.weights import MoEWeights
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["MoEBlock", "find_moe_blocks", "load_sharded_model", "moe_model_info", "shard_moe_blocks",
            "check_layout"]
@@ -98,7 +101,8 @@ class MoEBlock(MoELayer):
                              f"hidden_size={cfg.hidden_size}], got "
                              f"{None if not isinstance(weight, torch.Tensor) else tuple(weight.shape)}")
         self.layer_index = layer
-        self.gate = router.to(self.device)
+        # transformers' router stands in for MoELayer's Gate (the same weight and bias names).
+        self.gate = router.to(self.device)  # type: ignore[assignment]
 
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights (moeshard's router on the
@@ -150,7 +154,7 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     if len(layers) != info.num_layers:
         raise ValueError(f"{type(model).__name__}: {len(layers)} decoder layers, but its config says "
                          f"num_hidden_layers={info.num_layers}")
-    blocks = {}
+    blocks: dict[int, nn.Module] = {}
     for index, layer in enumerate(layers):
         if index in info.dense_layers:
             continue
@@ -158,7 +162,8 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
         if isinstance(block, MoEBlock):
             raise ValueError(f"{type(model).__name__}: layer {index}'s MoE block is already a moeshard MoEBlock "
                              f"(layout {block.parallel.name}); shard a model once")
-        if not isinstance(getattr(block, "gate", None), nn.Module) or getattr(block, "experts", None) is None:
+        if (block is None or not isinstance(getattr(block, "gate", None), nn.Module)
+                or getattr(block, "experts", None) is None):
             raise ValueError(f"{type(model).__name__}: layer {index} should hold an MoE block with a router (gate) "
                              f"and experts at .mlp, found {type(block).__name__}")
         blocks[index] = block
@@ -194,32 +199,55 @@ def _layout(groups: ParallelGroups | None) -> tuple[ParallelConfig, int]:
     return groups.config, groups.rank
 
 
-def agree(groups: ParallelGroups | None, error: BaseException | None, what: str) -> None:
-    """Every rank learns whether any rank failed ``what`` (one all_gather_object of the reasons),
-    so a rank that cannot go on makes every rank raise with that rank's reason instead of leaving
-    the others waiting in the next collective. A ValueError stays a ValueError everywhere,
-    anything else becomes a RuntimeError. The reasons are our own (kind, text) strings."""
-    rank = groups.rank if groups is not None else 0
+def first_failure(groups: ParallelGroups | None, error: BaseException | None,
+                  rank: int) -> tuple[str, str, list[int]] | None:
+    """Every rank's ``error`` (None: it did not fail), exchanged in one all_gather_object of our
+    own (kind, text) strings -> None when no rank failed, else (kind, text) of the first rank
+    that failed, and every rank that failed. The shared step of ``agree`` and of ``moeshard.runjob._agree``."""
     mine = None if error is None else (type(error).__name__, f"rank {rank}: {error}")
+    reasons: list[tuple[str, str] | None]
     if groups is None:
         reasons = [mine]
     else:
         reasons = [None] * groups.world_size
         dist.all_gather_object(reasons, mine)
     failed = [r for r, reason in enumerate(reasons) if reason is not None]
-    if failed:
-        kind, text = reasons[failed[0]]
+    if not failed:
+        return None
+    first = reasons[failed[0]]
+    assert first is not None  # failed lists the ranks with a reason
+    kind, text = first
+    return kind, text, failed
+
+
+def agree(groups: ParallelGroups | None, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed ``what`` (one all_gather_object of the reasons),
+    so a rank that cannot go on makes every rank raise with that rank's reason instead of leaving
+    the others waiting in the next collective. A ValueError stays a ValueError everywhere,
+    anything else becomes a RuntimeError. The reasons are our own (kind, text) strings."""
+    rank = groups.rank if groups is not None else 0
+    failure = first_failure(groups, error, rank)
+    if failure is not None:
+        kind, text, failed = failure
         also = f" (ranks that failed {what}: {failed})" if len(failed) > 1 else ""
         raise (ValueError if kind == "ValueError" else RuntimeError)(text + also) from error
 
 
 # -- a model already in memory ----------------------------------------------------------------
+def _gate_up(block: nn.Module, index: int, name: str) -> torch.Tensor:
+    """The fused ``experts.gate_up_proj`` of layer ``index``'s block (transformers 5)."""
+    w = getattr(block.experts, "gate_up_proj", None)
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"{name}: the experts of layer {index} are not a fused gate_up_proj tensor; "
+                         f"expected transformers-5 fused experts in one of {sorted(MODEL_DTYPES)}")
+    return w
+
+
 def _model_dtype(blocks: dict[int, nn.Module], name: str) -> torch.dtype:
-    first = next(iter(blocks.values()))
-    w = getattr(first.experts, "gate_up_proj", None)
-    if not isinstance(w, torch.Tensor) or w.dtype not in MODEL_DTYPES.values():
-        raise ValueError(f"{name}: the experts of layer {next(iter(blocks))} are "
-                         f"{'not a fused gate_up_proj tensor' if not isinstance(w, torch.Tensor) else w.dtype}; "
+    index = next(iter(blocks))
+    w = _gate_up(blocks[index], index, name)
+    if w.dtype not in MODEL_DTYPES.values():
+        raise ValueError(f"{name}: the experts of layer {index} are {w.dtype}; "
                          f"expected transformers-5 fused experts in one of {sorted(MODEL_DTYPES)}")
     return w.dtype
 
@@ -238,7 +266,10 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
     quant = _quant(quant) or QuantConfig()
     parallel, rank = _layout(groups)
     name = type(model).__name__
-    error, work, cfg, device = None, [], None, None
+    error: Exception | None = None
+    work: list[tuple[int, nn.Module, MoEWeights]] = []
+    cfg: MoEConfig | None = None
+    device: torch.device | None = None
     try:
         if getattr(model, "hf_quantizer", None) is not None or getattr(model.config, "quantization_config", None):
             raise ValueError(f"{name} was loaded pre-quantized by transformers; load it with "
@@ -248,22 +279,26 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
         if not blocks:
             raise ValueError(f"{name}: no MoE block to shard (every layer is dense)")
         cfg = info.moe_config(_model_dtype(blocks, name))
-        device = groups.device if groups is not None else blocks[next(iter(blocks))].experts.gate_up_proj.device
+        first = next(iter(blocks))
+        device = groups.device if groups is not None else _gate_up(blocks[first], first, name).device
         backend = check_layout(cfg, quant, parallel, backend, device.type, rank)
         for index, block in blocks.items():
-            where = block.experts.gate_up_proj.device
+            where = _gate_up(block, index, name).device
             if where.type != device.type or (device.index is not None and where.index != device.index):
                 raise ValueError(f"{name}: layer {index}'s experts are on {where}, but this rank computes on {device} "
                                  f"(move the model to the process group's device first)")
-            work.append((index, block.gate, MoEWeights.from_state_dict(block.state_dict(), cfg)))
+            router = block.gate
+            assert isinstance(router, nn.Module)  # find_moe_blocks checked every block's gate
+            work.append((index, router, MoEWeights.from_state_dict(block.state_dict(), cfg)))
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to prepare the model")
+    assert cfg is not None and device is not None  # agree raised unless this rank prepared every block
     layers = _decoder_layers(model)
-    for k, (index, router, weights) in enumerate(work):
+    while work:
+        index, router, weights = work.pop(0)  # out of work: the full experts go with the old block
         layers[index].mlp = MoEBlock(router, cfg, layer=index, quant=quant, groups=groups, backend=backend,
                                      weights=weights, device=device)
-        work[k] = None  # the full experts go with the old block
     return model
 
 
@@ -281,7 +316,11 @@ def _read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], 
         ckpt.expect(sname, blocks)
         scale = ckpt.read(sname).float()
         check_finite(scale, sname, info.file)
-        t = fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK,) * len(shape), shape))
+        if len(shape) != 2:
+            raise ValueError(f"tensor {name!r} in {str(info.file)!r}: an fp8 weight with block scales must be 2-D, "
+                             f"got shape {list(shape)}")
+        rows, cols = shape
+        t = fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols)))
     elif not t.is_floating_point() or t.element_size() == 1:
         raise ValueError(f"tensor {name!r} in {str(info.file)!r} has dtype {t.dtype}; expected a float tensor")
     return t.to(dtype)
@@ -292,12 +331,14 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner) if owner else model
     if leaf in module._parameters:
-        module._parameters[leaf] = nn.Parameter(value, requires_grad=module._parameters[leaf].requires_grad)
+        old = module._parameters[leaf]
+        assert old is not None  # name is one named_parameters gave, which skips None entries
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
     else:
         module._buffers[leaf] = value
 
 
-def _is_meta(t: torch.Tensor | None) -> bool:
+def _is_meta(t: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
     return t is not None and t.is_meta
 
 
@@ -324,14 +365,14 @@ def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, nam
     return router
 
 
-def _load_dense(model: nn.Module, ckpt: SafetensorsCheckpoint, skip: tuple[str, ...], device: torch.device,
+def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple[str, ...], device: torch.device,
                 fp8: bool) -> None:
     """Every parameter and persistent buffer outside the MoE blocks (``skip`` prefixes), read
     under its own name; tied weights (``lm_head`` with ``tie_word_embeddings``) are tied after;
     non-persistent buffers (rotary frequencies) are computed as transformers does."""
     persistent = set(model.state_dict(keep_vars=True))
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    tensors = [(n, t) for n, t in model.named_parameters(remove_duplicate=False)]
+    tensors: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in model.named_parameters(remove_duplicate=False)]
     tensors += [(n, t) for n, t in model.named_buffers(remove_duplicate=False) if n in persistent]
     for name, t in tensors:
         if name.startswith(skip) or not _is_meta(t):
@@ -398,6 +439,7 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to load")
+    assert model is not None  # agree raised unless this rank built the model
     layers = _decoder_layers(model)
     for index in sorted(blocks):
         block = blocks.pop(index)

@@ -87,7 +87,7 @@ def multiprocessors(device_index: int | None) -> int:
 PIPELINE_BYTES = 200 * 1024
 
 
-def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: int) -> GemmConfig:
+def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: int | None) -> GemmConfig:
     """A weight-streaming tile: the widest BLOCK_N giving at least one program per SM, with as
     many pipeline stages as shared memory holds (deeper for narrow tiles)."""
     widths = (64, 32) if block_m == 64 else (128, 64, 32)  # 64 x 128 fused tiles spill

@@ -71,8 +71,11 @@ class TritonExperts(GroupedExperts):
             if spec.per_tensor_activation and inp.amax_reduce is not None:
                 inp.amax_reduce(torch.zeros(E, dtype=torch.float32, device=device))  # collective: join it
             return torch.empty(0, H, dtype=self.out_dtype, device=device)
-        if scheme == "none" and x.dtype != self.out_dtype:
-            raise TypeError(f"TritonExperts: activations are {x.dtype}, the model dtype is {self.out_dtype}")
+        if scheme == "none":
+            if isinstance(x, QuantizedActivations):
+                raise TypeError(f"TritonExperts: activations are quantized ({x.scheme}), the weights are not (scheme 'none')")
+            if x.dtype != self.out_dtype:
+                raise TypeError(f"TritonExperts: activations are {x.dtype}, the model dtype is {self.out_dtype}")
         if scheme != "none" and not isinstance(x, QuantizedActivations):
             # defer_input_quant: quantize here, with the layer-wide amax for per-tensor scales.
             # x may hold one row per inp.repeat routed rows: quantizing it unexpanded gives each

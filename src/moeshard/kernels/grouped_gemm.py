@@ -280,7 +280,7 @@ def _scale_strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
         return (0,) * dims
     if t.dim() == 0:
         return (0,) * dims
-    strides = [s if n > 1 else 0 for n, s in zip(t.shape, t.stride())]
+    strides = [s if n > 1 else 0 for n, s in zip(t.shape, t.stride(), strict=True)]
     return tuple(strides + [0] * (dims - len(strides)))
 
 
@@ -393,7 +393,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
         out.stride(0), out.stride(1),
-        QUANT=w_mode, FUSE_ACT=fused, ACT=ACTIVATION[activation] if fused else 0,
+        QUANT=w_mode, FUSE_ACT=fused, ACT=ACTIVATION[activation] if activation is not None else 0,  # fused
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,

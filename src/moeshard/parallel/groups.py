@@ -45,8 +45,11 @@ def default_group_timeout() -> datetime.timedelta | None:
     """
     backend = str(dist.get_backend())
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    world = dist.group.WORLD
+    if world is None:  # no default group: nothing to read
+        return None
     try:
-        return dist.group.WORLD._get_backend(device).options._timeout
+        return world._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
 

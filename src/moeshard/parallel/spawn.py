@@ -48,8 +48,9 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -431,11 +432,12 @@ class LocalWorld:
         if self._stopped:
             return
         self._stopped = True
+        processes = self._processes or []  # _exit_seen only holds ranks of started processes
         for rank in self._exit_seen:
             if rank not in self._ended:
-                self.died[rank] = self._processes[rank].exitcode
+                self.died[rank] = processes[rank].exitcode
         try:
-            _stop_processes(self._processes or [], exit_wait_s=wait_s)
+            _stop_processes(processes, exit_wait_s=wait_s)
         finally:
             self._queue.close()
             self._store = None

@@ -23,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import struct
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from types import FrameType
+from typing import Any
 
 # seq, state, case, op, group, dtype, n_send, n_recv, send[8], recv[8], numel, site
 _RECORD = struct.Struct("<qBi16s8s12sBB8i8iq64s")
@@ -141,7 +143,7 @@ def call_site() -> str:
     """``path:line function`` of the nearest caller outside this module, the collectives module
     and contextlib (the path from ``moeshard/`` on); when that function is a private helper
     (``_exchange``), its caller's name too (``_exchange < combine``)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.replace("\\", "/").endswith(_SKIP_FILES):
         frame = frame.f_back
     if frame is None:
@@ -263,8 +265,8 @@ def explain_divergence(traces: dict[int, list[TraceEntry]], case: int, world_siz
             never.append(f"rank {r} never entered it ({said or 'went no further'})")
             before = f"after {s[-1].describe(len(s))}" if s else "before any collective of the case"
             details.append(f"rank {r} never entered collective #{k + 1}: {before}, {said or 'it went no further'}")
-    ops = {e.op for r, s in seqs.items() if k < len(s) for e in [s[k]]}
-    if len(ops) > 1:
+    op_names = {e.op for r, s in seqs.items() if k < len(s) for e in [s[k]]}
+    if len(op_names) > 1:
         inside.insert(0, "the ranks entered different collectives")
     if problems:
         op = next(iter(seqs.values()))[k].op

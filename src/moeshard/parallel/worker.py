@@ -40,8 +40,9 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -148,6 +149,22 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="moeshard-parent-watch", daemon=True).start()
 
 
+def _release_fork_server() -> None:
+    """A rank forked by the fork server holds the write end of the server's "alive" pipe (the
+    standard library hands it to every child, so that the server lives while its children do).
+    With PDEATHSIG tying the rank to the server, that is a loop: after the parent dies neither
+    would ever end. The rank starts no processes, so it gives its end up: the server then exits
+    with the parent, and the rank with the server. (A private attribute of the standard library:
+    it is None in a rank that was not forked by a fork server.)"""
+    import multiprocessing.forkserver as forkserver
+
+    server = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)  # not in the type stubs
+    if fd is not None:
+        os.close(fd)
+        setattr(server, "_forkserver_alive_fd", None)  # noqa: B010 - the same: unknown to the stubs
+
+
 def _report(queue: Any, message: tuple, wait_s: float) -> None:
     """Puts the rank's last report and waits at most ``wait_s`` for it to be written into the
     pipe (the queue's feeder thread blocks while the pipe is full and nobody reads it)."""
@@ -185,6 +202,7 @@ def rank_main(rank: int, world_size: int, port: int, device: str, fn: Callable[.
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(os.getppid() if parent_pid is None else parent_pid)
+    _release_fork_server()
     try:
         # Gloo's own connections would otherwise listen on the address the host name resolves
         # to; these ranks all live on this machine, so keep them on loopback like the store.

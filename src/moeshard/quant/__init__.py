@@ -36,14 +36,16 @@ Error bounds of quantize -> dequantize (per element, proven in ``tests/test_quan
   2^-9 below 2^-6), hence ``<= 2^-4 * amax`` of the element's scale group.
 * nvfp4: ``|x - x'| <= (1/4) * max(|x|, (17/16) * block_amax / 6)`` while the block scale is an
   e4m3 normal, i.e. ``block_amax / amax >= 2^-6 / 448`` (~3.5e-5; below that the subnormal block
-  scale loses precision, and under 2^-10 / 448 the block becomes 0): e2m1 rounds to within a quarter of ``max(|y|, 1)`` (relative 1/4 above 1, absolute
-  1/4 below), and e4m3 rounding makes ``s`` at most ``(1 + 2^-4)`` times ``(block_amax / 6) * g``.
+  scale loses precision, and under 2^-10 / 448 the block becomes 0): e2m1 rounds to within a
+  quarter of ``max(|y|, 1)`` (relative 1/4 above 1, absolute 1/4 below), and e4m3 rounding makes
+  ``s`` at most ``(1 + 2^-4)`` times ``(block_amax / 6) * g``.
 
 Activations can be quantized with an ``amax`` override (an all-reduced or per-row expert-group
 amax) so that every parallel layout quantizes a row identically. Payloads cross the wire as
 uint8 views (``to_wire`` / ``from_wire``), since gloo cannot send float8.
 """
 
+from .codecs import FP8_BLOCK, Codec
 from .fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, fp8_dequantize, fp8_quantize, fp8_scale, from_wire, to_wire
 from .nvfp4 import (
     E2M1_MAX,
@@ -60,7 +62,6 @@ from .nvfp4 import (
     unpack_fp4,
     unswizzle_scales,
 )
-from .codecs import FP8_BLOCK, Codec
 from .schemes import (
     BUILTIN_SCHEMES,
     KERNEL_MODES,

@@ -230,7 +230,13 @@ class QuantizedWeight:
             if p.scheme != first.scheme or p.shape[1:] != (n, k):
                 raise ValueError(f"QuantizedWeight.cat_experts: parts[{i}] is {p.scheme!r} (E, N, K)={p.shape}, "
                                  f"parts[0] is {first.scheme!r} {first.shape}; scheme, N and K must match")
-        glob = None if first.global_scale is None else _cat([p.global_scale for p in parts], dim=0)
+        glob = None
+        if first.global_scale is not None:
+            globs: list[Tensor] = []
+            for p in parts:
+                assert p.global_scale is not None  # same scheme as parts[0], whose codec has a global scale
+                globs.append(p.global_scale)
+            glob = _cat(globs, dim=0)
         return first._replace(_cat([p.data for p in parts], dim=0), _cat([p.scale for p in parts], dim=0), glob,
                               (sum(p.shape[0] for p in parts), n, k))
 
@@ -371,7 +377,7 @@ def quantize_activations(x: Tensor, scheme: str, amax: Tensor | None = None,
         raise ValueError(f"quantize_activations: x must be a float [M, K] tensor, got {got}")
     _check_amax(amax, x)
     if scales_from is not None and (not isinstance(scales_from, Tensor) or scales_from.shape != x.shape):
-        got = list(scales_from.shape) if isinstance(scales_from, Tensor) else repr(scales_from)
+        got = str(list(scales_from.shape)) if isinstance(scales_from, Tensor) else repr(scales_from)
         raise ValueError(f"quantize_activations: scales_from must have x's shape {list(x.shape)}, got {got}")
     source = x if scales_from is None else scales_from
     k = x.shape[1]
