@@ -27,12 +27,12 @@ LAYOUTS = [(1, 1, False, "none"), (2, 1, True, "none"), (4, 1, True, "none"), (8
            (1, 4, False, "none"), (1, 4, False, "fp8_block"), (1, 4, False, "fp8_tensor")]
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := current RSS
@@ -47,8 +47,8 @@ def probe(path: str, dp: int, tp: int, ep: bool, quant: str) -> dict:
     from moeshard.parallel.config import ParallelConfig
     from moeshard.quant import QuantizedWeight
 
-    _reset_peak()
-    before = _status_kib("VmRSS")
+    reset_peak()
+    before = status_kib("VmRSS")
     if dp == 0:
         from safetensors.torch import load_file
 
@@ -65,7 +65,7 @@ def probe(path: str, dp: int, tp: int, ep: bool, quant: str) -> dict:
         for w in (block.local_experts.gate_up, block.local_experts.down):
             parts = [w.data, w.scale, w.global_scale] if isinstance(w, QuantizedWeight) else [w]
             held += sum(p.nbytes for p in parts if p is not None)
-    return {"growth": (_status_kib("VmHWM") - before) * 1024, "held": held}
+    return {"growth": (status_kib("VmHWM") - before) * 1024, "held": held}
 
 
 def write_checkpoint(path: Path, size_mb: int) -> int:

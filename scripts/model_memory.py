@@ -21,23 +21,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from checkpoint_memory import reset_peak, status_kib  # scripts/: the same /proc readings
+
 from moeshard.parallel.config import ParallelConfig
 
 LAYOUTS = [ParallelConfig(1, 1, False), ParallelConfig(2, 1, True), ParallelConfig(4, 1, True),
            ParallelConfig(1, 2, False), ParallelConfig(2, 2, True)]
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := current RSS
-    except OSError:
-        pass
 
 
 def _held(model) -> tuple[int, int]:
@@ -66,14 +55,14 @@ def probe_rank(path: str, layout: ParallelConfig | None) -> dict:
     transformers.AutoModelForCausalLM, transformers.Qwen3MoeForCausalLM, transformers.GenerationConfig  # noqa: B018
     torch.set_num_threads(1)
     groups = ParallelGroups.build(layout) if layout is not None and layout.world_size > 1 else None
-    _reset_peak()
-    before = _status_kib("VmRSS")
+    reset_peak()
+    before = status_kib("VmRSS")
     if layout is None:
         model = transformers.AutoModelForCausalLM.from_pretrained(path)
     else:
         model = load_sharded_model(path, groups)
     experts, other = _held(model)
-    return {"growth": (_status_kib("VmHWM") - before) * 1024, "experts": experts, "other": other}
+    return {"growth": (status_kib("VmHWM") - before) * 1024, "experts": experts, "other": other}
 
 
 def write_model(path: Path, layers: int) -> None:
