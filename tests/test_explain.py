@@ -191,3 +191,20 @@ def test_a_size_mismatch_caught_by_the_size_checks_is_diffed_too():
         in o.explanation, o.explanation
     assert any("rank 1 was inside all_gatherv #3 (ep, sizes [3, 6]" in line and "CollectiveSizeError" in line
                for line in o.explanation), o.explanation
+
+
+def test_a_load_balancing_case_is_explained_around_dispatch_and_experts():
+    """Under a placement which rank computes a (token, k) depends on the replicas: --explain
+    compares routing, payload, combine and output, says that it skips the two stages, and the
+    numbers are the same with and without recording."""
+    (case,) = [c for c in generate(MatrixOptions(world_sizes=(2,), eplb="default"))
+               if c.eplb is not None and c.backend == "all2all" and not c.skipped]
+    assert case.eplb.redundant_per_rank == 1  # replicas on both ranks
+    plain, explained = Runner().run([case])[0], Runner(explain="all").run([case])[0]
+    assert plain.status == explained.status == "pass", (plain.reason, explained.reason)
+    assert explained.explanation[0] == "every stage within its bound on every rank", explained.explanation
+    compared = explained.explanation[1]
+    assert compared.startswith("stages compared: routing, payload") and "dispatch" not in compared
+    assert "combine" in compared and "output" in compared
+    assert "dispatch and experts not compared under load balancing" in explained.explanation[2]
+    assert [r.max_abs_err for r in plain.ranks] == [r.max_abs_err for r in explained.ranks]
