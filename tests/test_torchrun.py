@@ -43,3 +43,23 @@ def test_moeshard_run_under_torchrun_matches_one_process(tmp_path):
     b = load_file(str(tmp_path / "tr.safetensors"))["hidden_states"]
     assert a.shape == b.shape == (9, 128)
     assert (a - b).abs().max() < 1e-5
+
+
+def test_a_failing_rank_under_torchrun_says_which_collectives_it_entered_last(tmp_path):
+    """No parent diffs the ranks under torchrun: each rank's error line names its last
+    collectives, so the two lines show where the ranks part."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                         str(HERE / "torchrun_faulty_run.py"), "--random", "mixtral-8x7b", "--tokens", "6",
+                         "--dp", "2", "--ep", "--backend", "all2all", "--dtype", "float32", "--timeout", "30"],
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert tr.returncode != 0
+    lines = [line for line in (tr.stdout + tr.stderr).splitlines() if "moeshard run: error:" in line]
+    by_rank = {r: [line for line in lines if f"error: rank {r} raised" in line] for r in (0, 1)}
+    (one,) = by_rank[1]
+    assert "RuntimeError: planted: combine refuses on rank 1" in one, lines
+    assert "its last collectives: " in one and "all_to_allv #3 (ep" in one and "< dispatch: returned" in one, one
+    assert "all_to_allv #4" not in one, one  # rank 1 never entered the combine's all-to-all
+    (zero,) = by_rank[0]
+    assert "all_to_allv #4 (ep" in zero and "< combine: raised" in zero, zero  # rank 0 was inside it

@@ -38,7 +38,7 @@ from rich.table import Table
 from moeshard.commands.args import ints, seed, timeout
 from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
 from moeshard.dispatch.registry import BACKENDS
-from moeshard.errors import OutputError, RankFailed
+from moeshard.errors import MoeshardError, OutputError, RankFailed
 from moeshard.outputs import atomic_write, check_output_path
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
@@ -51,7 +51,7 @@ from moeshard.parallel.spawn import (
     spawn,
     torchrun_environment,
 )
-from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, explain_divergence
+from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, explain_divergence, last_collectives
 from moeshard.presets import PRESETS
 from moeshard.runjob import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank
 
@@ -175,12 +175,15 @@ def _execute_local(plan: RunPlan, timeout_s: float) -> list[RunRankResult]:
 
 def _execute_torchrun(plan: RunPlan, timeout_s: float) -> list[RunRankResult] | None:
     """Runs as one rank of torchrun's world; returns every rank's result on rank 0, None elsewhere.
-    ``timeout_s`` bounds the rendezvous and every collective."""
+    ``timeout_s`` bounds the rendezvous and every collective. A rank that fails otherwise than
+    by refusing its input says which collectives it entered last (no parent is there to diff
+    the ranks' traces: each rank's line is in torchrun's output)."""
     init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo", timeout_s=timeout_s)
+    trace = CollectiveTrace(TRACE_CAPACITY)
     try:
         plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
         side = plan.parallel.enable_ep and plan.spec.device == "cuda"
-        result = run_rank(plan, ParallelGroups.build(plan.parallel, side_channel=side))
+        result = run_rank(plan, ParallelGroups.build(plan.parallel, side_channel=side, trace=trace))
         reports: list[RunRankResult | None] = [None] * dist.get_world_size()
         light = replace(result, output=None)
         dist.all_gather_object(reports, light)  # our own small dataclasses, between our own ranks
@@ -188,6 +191,11 @@ def _execute_torchrun(plan: RunPlan, timeout_s: float) -> list[RunRankResult] | 
             return None
         # all_gather_object filled every entry with a rank's report
         return [result] + cast("list[RunRankResult]", reports[1:])
+    except (ValueError, MoeshardError):
+        raise
+    except Exception as exc:
+        raise RankFailed(f"rank {dist.get_rank()} raised {type(exc).__name__}: {_first_line(str(exc))}; "
+                         f"its last collectives: {last_collectives(trace)}") from exc
     finally:
         destroy()
 

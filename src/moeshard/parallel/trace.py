@@ -179,6 +179,16 @@ def traced(trace: CollectiveTrace | None, op: str, group: str, tensor: Any = Non
     return _traced(trace, op, group, tensor, send, recv)
 
 
+def last_collectives(trace: CollectiveTrace, count: int = 3) -> str:
+    """The last ``count`` collectives of one rank's trace in words, each with its number on the
+    rank and whether it returned, raised or is still inside: what a rank reports of itself when
+    no parent is there to diff the ranks (under torchrun)."""
+    entries = trace.entries()[-count:]
+    if not entries:
+        return "no collective entered"
+    return "; ".join(f"{e.describe(e.seq)}: {STATE_NAMES[e.state]}" for e in entries)
+
+
 # -- the diff -------------------------------------------------------------------------------
 
 def _case_entries(entries: list[TraceEntry], case: int) -> list[TraceEntry]:
