@@ -1,5 +1,6 @@
 """Option values the subcommands share, parsed one way: comma-separated ints, names, layouts,
-case ids, timeouts, seeds.
+case ids, timeouts, seeds; and the layout options of the commands that run a model
+(``add_layout_arguments``).
 
 Each parser raises ValueError naming the flag and the text it could not read (the CLI prints
 it as one line, exit code 2).
@@ -7,10 +8,30 @@ it as one line, exit code 2).
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable
 
 from moeshard import validate
 from moeshard.parallel.config import ParallelConfig
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser, dtype_help: str, timeout_help: str) -> None:
+    """The "layout and numerics" options of ``run`` and ``generate``: --dp, --tp, --ep, --backend,
+    --quant, --defer-input-quant, --dtype, --device, --timeout (the two commands word the
+    defaults of --dtype and --timeout their own way)."""
+    from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
+    from moeshard.dispatch.registry import BACKENDS
+
+    lay = parser.add_argument_group("layout and numerics")
+    lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP rank (default 1)")
+    lay.add_argument("--ep", action="store_true", help="expert parallelism over all dp*tp ranks")
+    lay.add_argument("--backend", choices=sorted(BACKENDS), help="dispatch backend (default: local, all2all with --ep)")
+    lay.add_argument("--quant", choices=QUANT_SCHEMES, help="expert quantization (default: the checkpoint's own)")
+    lay.add_argument("--defer-input-quant", action="store_true", help="dispatch unquantized activations")
+    lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"], help=dtype_help)
+    lay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    lay.add_argument("--timeout", type=float, default=600.0, help=timeout_help)
 
 
 def ints(text: str, flag: str, maximum: int = validate.MAX_DIM) -> tuple[int, ...]:

@@ -30,10 +30,8 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from moeshard.commands.args import ints
+from moeshard.commands.args import add_layout_arguments, ints
 from moeshard.commands.run import _as_value_error  # refusals on the ranks -> one ValueError (no traces here)
-from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
-from moeshard.dispatch.registry import BACKENDS
 from moeshard.generatejob import (
     GenerateComparison,
     GeneratePlan,
@@ -67,17 +65,8 @@ def add_parser(subparsers) -> None:
     src.add_argument("--output", metavar="OUT", help="write the generated ids (and the comparison) as JSON")
     src.add_argument("--compare", action="store_true",
                      help="also generate with transformers alone and report ids and per-step logit differences")
-    lay = p.add_argument_group("layout and numerics")
-    lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
-    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP rank (default 1)")
-    lay.add_argument("--ep", action="store_true", help="expert parallelism over all dp*tp ranks")
-    lay.add_argument("--backend", choices=sorted(BACKENDS), help="dispatch backend (default: local, all2all with --ep)")
-    lay.add_argument("--quant", choices=QUANT_SCHEMES, help="expert quantization (default: the checkpoint's own)")
-    lay.add_argument("--defer-input-quant", action="store_true", help="dispatch unquantized activations")
-    lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"],
-                     help="model dtype (default: the checkpoint's)")
-    lay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    lay.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks may take (default 600)")
+    add_layout_arguments(p, dtype_help="model dtype (default: the checkpoint's)",
+                         timeout_help="seconds the ranks may take (default 600)")
     p.set_defaults(func=run)
 
 

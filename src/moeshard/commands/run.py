@@ -35,9 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moeshard.commands.args import ints, seed, timeout
-from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
-from moeshard.dispatch.registry import BACKENDS
+from moeshard.commands.args import add_layout_arguments, ints, seed, timeout
 from moeshard.errors import MoeshardError, OutputError, RankFailed
 from moeshard.outputs import atomic_write, check_output_path
 from moeshard.parallel.config import ParallelConfig
@@ -51,7 +49,7 @@ from moeshard.parallel.spawn import (
     spawn,
     torchrun_environment,
 )
-from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, explain_divergence, last_collectives
+from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, explain_divergence, last_collectives
 from moeshard.presets import PRESETS
 from moeshard.runjob import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank
 
@@ -72,19 +70,9 @@ def add_parser(subparsers) -> None:
     io.add_argument("--tokens", type=int, default=16, metavar="T", help="tokens to generate without --input (16)")
     io.add_argument("--tokens-per-rank", metavar="N0,N1,...", help="tokens per DP rank (default: even split)")
     io.add_argument("--output", metavar="OUT", help="safetensors file to write hidden_states [T, H] to")
-    lay = p.add_argument_group("layout and numerics")
-    lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
-    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP rank (default 1)")
-    lay.add_argument("--ep", action="store_true", help="expert parallelism over all dp*tp ranks")
-    lay.add_argument("--backend", choices=sorted(BACKENDS), help="dispatch backend (default: local, all2all with --ep)")
-    lay.add_argument("--quant", choices=QUANT_SCHEMES, help="expert quantization (default: the checkpoint's own)")
-    lay.add_argument("--defer-input-quant", action="store_true", help="dispatch unquantized activations")
-    lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"],
-                     help="model dtype (default: the input's, else the checkpoint's)")
-    lay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    lay.add_argument("--timeout", type=float, default=600.0,
-                     help="seconds the whole run may take (default 600; finite); under torchrun, the bound on the "
-                          "rendezvous and on every collective")
+    add_layout_arguments(p, dtype_help="model dtype (default: the input's, else the checkpoint's)",
+                         timeout_help="seconds the whole run may take (default 600; finite); under torchrun, the bound "
+                                      "on the rendezvous and on every collective")
     p.set_defaults(func=run)
 
 
@@ -106,10 +94,6 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     return spec
 
 
-def _first_line(message: str) -> str:
-    return (message.strip().splitlines() or [""])[0][:160]
-
-
 def _where_ranks_part(traces: list, plan: RunPlan, outcome: dict[int, str]) -> str:
     """'; collectives: ...': where the ranks' collective sequences part (from the traces the
     ranks left in shared memory), or '' when they all entered and left the same ones."""
@@ -128,7 +112,7 @@ def _rank_errors(results: list, traces: list, plan: RunPlan) -> None:
     rank, first = errors[0]
     if first["error"] == "ValueError":
         raise ValueError(first["message"])
-    outcome = {r: (f"it raised {e['error']} ({_first_line(e['message'])})" if isinstance(e, dict)
+    outcome = {r: (f"it raised {e['error']} ({error_headline(e['message'])})" if isinstance(e, dict)
                    else "it finished") for r, e in enumerate(results)}
     raise RankFailed(f"rank {rank} raised {first['error']}: {first['message']}"
                      + _where_ranks_part(traces, plan, outcome))
@@ -147,7 +131,7 @@ def _as_value_error(failure: RankFailure, traces: list | None = None, plan: RunP
     for rank in range(failure.world_size):
         if rank in failure.errors:
             err = failure.errors[rank]
-            outcome[rank] = f"it raised {err.type_name} ({_first_line(err.message)})"
+            outcome[rank] = f"it raised {err.type_name} ({error_headline(err.message)})"
         elif rank in failure.died:
             outcome[rank] = f"it died (exit code {failure.died[rank]})"
         elif rank in failure.results:
@@ -194,7 +178,7 @@ def _execute_torchrun(plan: RunPlan, timeout_s: float) -> list[RunRankResult] | 
     except (ValueError, MoeshardError):
         raise
     except Exception as exc:
-        raise RankFailed(f"rank {dist.get_rank()} raised {type(exc).__name__}: {_first_line(str(exc))}; "
+        raise RankFailed(f"rank {dist.get_rank()} raised {type(exc).__name__}: {error_headline(str(exc))}; "
                          f"its last collectives: {last_collectives(trace)}") from exc
     finally:
         destroy()

@@ -24,7 +24,6 @@ world's ``with`` block does).
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +37,7 @@ from moeshard.harness.explain import StageReport, explain_case
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
 from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError, start_fork_server
-from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, explain_divergence
+from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, explain_divergence
 
 PEER_REPORT_S = 2.0  # after a rank fails a case: how long its peers may take to report theirs
 RANK_MODULES = ("moeshard.harness.runner",)  # what the ranks import, once, in the fork server
@@ -369,12 +368,6 @@ def _where(err: RankError) -> str:
     return f"{path}:{number} {func}"
 
 
-def _first_line(message: str) -> str:
-    """A rank's error message, first line, without gloo's ``[file.cc:123] `` prefix."""
-    line = (message.splitlines() or [""])[0]
-    return re.sub(r"^\[[^\]]*\]\s*", "", line)[:160]
-
-
 def _collective_diff(case: Case, index: int, traces: list, done: dict[int, RankOutput],
                      case_errors: dict[int, RankError], dead: dict[int, int], failed_ranks: set[int],
                      all_errors: dict[int, dict[int, RankError]]) -> list[str]:
@@ -384,7 +377,7 @@ def _collective_diff(case: Case, index: int, traces: list, done: dict[int, RankO
     for rank in range(len(traces)):
         if rank in case_errors:
             err = case_errors[rank]
-            outcome[rank] = f"it raised {err.type_name} ({_first_line(err.message)}) at {_where(err)}"
+            outcome[rank] = f"it raised {err.type_name} ({error_headline(err.message)}) at {_where(err)}"
         elif rank in done:
             later = [i for i, errs in all_errors.items() if i > index and rank in errs]
             outcome[rank] = "it finished the case" + (f" and went on to case {later[0]}" if later else "")

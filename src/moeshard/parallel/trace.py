@@ -21,6 +21,7 @@ argument) and the plain ``torch.distributed`` calls of the layer and its backend
 from __future__ import annotations
 
 import contextlib
+import re
 import struct
 import sys
 from collections.abc import Iterator, Sequence
@@ -177,6 +178,13 @@ def traced(trace: CollectiveTrace | None, op: str, group: str, tensor: Any = Non
     if trace is None:
         return contextlib.nullcontext()
     return _traced(trace, op, group, tensor, send, recv)
+
+
+def error_headline(message: str) -> str:
+    """The first line of a rank's error message, without gloo's ``[file.cc:123] `` prefix, cut
+    to 160 characters: what a collective diff quotes of how a rank ended."""
+    line = (message.strip().splitlines() or [""])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", line)[:160]
 
 
 def last_collectives(trace: CollectiveTrace, count: int = 3) -> str:
