@@ -1,26 +1,31 @@
 # Two commands for a newcomer: `make check` (the verification matrix on CPU) and `make test`;
 # `make lint` (ruff, then mypy; configured in pyproject.toml) runs first in CI.
-# Both create .venv when it is missing. torch is pinned to the CPU build this machine offers
-# (a bare `torch` requirement would pull a multi-GB CUDA build); the package itself accepts >=2.11.
+# Both create .venv when it is missing. Every package they install has the exact version in
+# constraints.txt (pip -c), so a new release upstream cannot change CI's verdict; the package's
+# own dependencies stay ranges in pyproject.toml. `make upgrade-constraints` re-resolves the file
+# to current releases and runs lint and the suite with it. torch is the CPU build this machine
+# offers (a bare `torch` requirement would pull a multi-GB CUDA build); the package accepts >=2.11.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+CONSTRAINTS := constraints.txt
+PIP_C := -c $(CONSTRAINTS)
 
-.PHONY: check test lint venv clean
+.PHONY: check test test-slow test-all lint venv clean upgrade-constraints
 
 # .base: what `moeshard check` needs (torch, rich, safetensors; numpy only because torch warns
 # at import without it); .installed adds the test tools (pytest, transformers, triton), which
 # `make check` does not wait for.
-$(VENV)/.base: pyproject.toml
+$(VENV)/.base: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)" numpy
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --upgrade pip $(PIP_C)
+	$(PY) -m pip install -q "$(TORCH)" numpy $(PIP_C)
+	$(PY) -m pip install -q -e . $(PIP_C)
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base
-	$(PY) -m pip install -q -e ".[test,lint]"
+	$(PY) -m pip install -q -e ".[test,lint]" $(PIP_C)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -28,7 +33,15 @@ venv: $(VENV)/.installed
 check: $(VENV)/.base
 	$(VENV)/bin/moeshard check
 
+# `make test`: everything but the cases marked slow (pytest.ini_options in pyproject.toml says
+# which); `make test-slow` runs those, `make test-all` both. Nothing is dropped.
 test: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow
+
+test-all: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 # Both tools always run (a ruff finding does not hide mypy's); fails if either reports anything.
@@ -37,5 +50,19 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy src; mypy=$$?; \
 	test $$ruff -eq 0 && test $$mypy -eq 0
 
+# Re-resolve constraints.txt to the current releases: a throwaway venv installs the extras with
+# no constraints, its versions are written to constraints.txt, then .venv is rebuilt from the new
+# file and lint and the whole suite (slow cases too) run. Commit the file only if they pass.
+RESOLVE := .venv-resolve
+upgrade-constraints:
+	rm -rf $(RESOLVE)
+	$(PYTHON) -m venv $(RESOLVE)
+	$(RESOLVE)/bin/python -m pip install -q --upgrade pip
+	$(RESOLVE)/bin/python -m pip install -q "$(TORCH)" numpy
+	$(RESOLVE)/bin/python -m pip install -q -e ".[test,lint]"
+	$(PYTHON) scripts/freeze_constraints.py $(RESOLVE)/bin/python $(CONSTRAINTS)
+	rm -rf $(RESOLVE) $(VENV)
+	$(MAKE) lint test-all
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(RESOLVE)

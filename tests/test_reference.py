@@ -140,3 +140,36 @@ def test_batched_reference_is_the_loop_over_experts_bit_for_bit(scheme):
         slack[tok] += s * weight.abs()
     assert torch.equal(got.out, out) and torch.equal(got.slack, slack)
     assert bool((got.slack > 0).all())
+
+
+# -- tensors made inside the reference live beside its inputs ----------------------------------
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_reference_makes_its_tensors_on_the_inputs_device(scheme):
+    """Why this test exists: the reference once built a group index with a bare ``torch.arange``
+    (on the CPU), so with CUDA inputs every per-tensor scheme crashed in ``scatter_reduce`` —
+    invisible to CI, which has no GPU. Here the inputs are CPU tensors while factory functions
+    default to the meta device: any tensor the reference makes without naming the inputs' device
+    lands on meta, and mixing it with the inputs raises, exactly as it would on CUDA. The results
+    must be those of a plain run."""
+    from moeshard import MoEConfig, QuantConfig
+    from moeshard.experts.base import ExpertWeights
+    from moeshard.reference import expert_reference, reference_forward
+    from moeshard.weights import MoEWeights
+
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=128, dtype=BF16)
+    w = MoEWeights.random(cfg, torch.Generator().manual_seed(0))
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1)).to(BF16)
+    plain = reference_forward(x, w, cfg, QuantConfig(scheme))
+    with torch.device("meta"):
+        strayless = reference_forward(x, w, cfg, QuantConfig(scheme))
+    assert torch.equal(plain.out, strayless.out) and torch.equal(plain.slack, strayless.slack)
+
+    assert w.gate_up is not None and w.down is not None
+    ew = ExpertWeights(w.gate_up, w.down) if scheme == "none" else \
+        ExpertWeights(quantize_weight(w.gate_up, scheme), quantize_weight(w.down, scheme), scheme)
+    xin = quantize_activations(x, scheme) if scheme != "none" else x
+    ids = torch.tensor([1, 1, 3, 0, 1, 3, 3, 1, 0])
+    plain = expert_reference(xin, ids, ew, "silu", BF16)
+    with torch.device("meta"):
+        strayless = expert_reference(xin, ids, ew, "silu", BF16)
+    assert torch.equal(plain.out, strayless.out) and torch.equal(plain.slack, strayless.slack)

@@ -150,7 +150,8 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
     if M == 0:
         return [(x.new_zeros(0, w2.shape[0]), x.new_zeros(0, w2.shape[0]) if with_slack else None)
                 for x, w2 in zip(xs, w2s, strict=True)]
-    group = torch.repeat_interleave(torch.arange(len(xs)), torch.tensor(counts))
+    dev = xs[0].device  # the group index lives beside the rows (scatter_reduce needs one device)
+    group = torch.repeat_interleave(torch.arange(len(xs), device=dev), torch.tensor(counts, device=dev))
     exact = torch.cat([x @ w13.T for x, w13 in zip(xs, w13s, strict=True)])
     h = _activated(exact, activation, dtype)
     if not with_slack:
