@@ -12,7 +12,7 @@ TORCH ?= torch==2.13.0
 CONSTRAINTS := constraints.txt
 PIP_C := -c $(CONSTRAINTS)
 
-.PHONY: check test test-slow test-all lint venv clean upgrade-constraints
+.PHONY: check test test-slow test-all lint venv clean upgrade-constraints gpu-check
 
 # .base: what `moeshard check` needs (torch, rich, safetensors; numpy only because torch warns
 # at import without it); .installed adds the test tools (pytest, transformers, triton), which
@@ -49,6 +49,12 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests scripts; ruff=$$?; \
 	$(VENV)/bin/mypy src; mypy=$$?; \
 	test $$ruff -eq 0 && test $$mypy -eq 0
+
+# The GPU gate (scripts/gpu_gate.py): GPU tests, moeshard check --device cuda, a short bench and a
+# CUDA generate, in one command on the GPU machine (its own torch, no .venv). Summary and logs in
+# results/<machine>/gate/, packed into results/<machine>/gate.tar.gz.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) scripts/gpu_gate.py
 
 # Re-resolve constraints.txt to the current releases: a throwaway venv installs the extras with
 # no constraints, its versions are written to constraints.txt, then .venv is rebuilt from the new

@@ -8,7 +8,7 @@ how the fp8 tensor cores accumulate: ``split``, ``promote``, ``imprecise``), eac
 against the default variant's output (max relative difference) so that a fast wrong variant
 cannot win.
 
-    PYTHONPATH=src python3 scripts/fp8_study.py --json scripts/fp8_study_h200.json
+    PYTHONPATH=src python3 scripts/fp8_study.py --json results/h200/fp8_study.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ DECODE = [C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4), C(64, 64, 128, 1, 4,
           C(16, 32, 256, 1, 4, 4)]
 PREFILL = [C(128, 64, 128, 8, 8, 4, tma=True), C(64, 128, 128, 8, 4, 3), C(64, 128, 128, 8, 8, 3, tma=True),
            C(128, 128, 64, 8, 8, 4, tma=True)]
-# Variants are swept where the issue's gaps are largest; every case gets the stage attribution.
+# Variants are swept where the gaps to the fused-MoE kernel users run are largest; every case gets the stage attribution.
 SWEEP = {("mixtral-8x7b", 16), ("mixtral-8x7b", 128), ("deepseek-v3", 128), ("mixtral-8x7b", 4096)}
 ACCS = ("split", "promote", "imprecise")
 

@@ -1,7 +1,7 @@
 """``moeshard bench`` without a GPU, and its report machinery on the committed H200 run.
 
 The benchmark itself needs CUDA (tests/gpu and the H200 run in docs/performance.md); here: the
-refusal on CPU machines, option parsing, and that the committed ``scripts/h200.json`` is what this
+refusal on CPU machines, option parsing, and that the committed ``results/h200/h200.json`` is what this
 code derives from its raw timings (ratios and targets), rendered as a table and a plot.
 """
 
@@ -20,7 +20,7 @@ from moeshard import cli
 from moeshard.bench import report, runner, targets
 from moeshard.commands.args import ints
 
-RUN = Path(__file__).resolve().parents[1] / "scripts" / "h200.json"
+RUN = Path(__file__).resolve().parents[1] / "results" / "h200" / "h200.json"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA; the refusal is for machines without")

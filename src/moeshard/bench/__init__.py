@@ -11,7 +11,7 @@ One concern per module:
 * ``baselines`` ``torch._grouped_mm`` (GEMMs only), the portable ``GroupedExperts`` pipeline,
                 a per-expert loop, ``torch._scaled_grouped_mm`` for row-scaled fp8.
 * ``runner``    runs every (model, tokens, quant) case and derives the ratios.
-* ``targets``   the issue's performance targets, evaluated on a run's records.
+* ``targets``   the performance targets, evaluated on a run's records.
 * ``tune``      tile-shape sweeps of the grouped GEMM (``--tune``).
 * ``report``    rich table, JSON, PNG plot of the ratios.
 """

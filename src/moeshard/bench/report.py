@@ -32,7 +32,7 @@ def _styled(text: str, style: str) -> str:
 
 
 def results_table(result: dict) -> Table:
-    """One row per case; ratios coloured against the issue's targets."""
+    """One row per case; ratios coloured against the performance targets (``targets``)."""
     c = result["ceilings"]
     d = result["device"]
     t = Table(title=f"moeshard bench on {d['name']} ({d['date_utc']}); dense bf16 {c['matmul']['tflops']:.0f} "

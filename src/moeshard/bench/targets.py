@@ -1,4 +1,4 @@
-"""The issue's performance targets, evaluated on one run's records (ratios of the same run).
+"""The performance targets, evaluated on one run's records (ratios of the same run).
 
 =====================  ==========================================================  =========
 name                   ratio (record filter)                                       threshold
