@@ -685,13 +685,46 @@ def test_error_layout_refused_before_spawn(ckpts):
                   RunSpec(parallel=ParallelConfig(dp=3, enable_ep=True), model_dir=str(c.path), layer=1))
 
 
-def test_error_duplicate_tensor_without_index_names_both_files(tmp_path):
-    """A stray *.safetensors beside model.safetensors must not silently override a tensor."""
-    path = tmp_path / "dup"
+def test_files_beside_the_model_are_ignored_as_transformers_ignores_them(tmp_path, caplog):
+    """model.safetensors is the model; an input and an expected output kept beside it (both with
+    a ``hidden_states`` tensor, even one with a router tensor's name) are not read, and said so."""
+    path = tmp_path / "m"
     _write_random_fused(path, E=4, Hd=16, I=32)
+    alone = load_moe_block(path, 0)
+    for name in ("input.safetensors", "expected.safetensors"):
+        save_file({"hidden_states": torch.ones(3, 16)}, str(path / name))
     save_file({"model.layers.0.mlp.gate.weight": torch.zeros(4, 16)}, str(path / "zz-stray.safetensors"))
-    _expect_error(r"tensor 'model.layers.0.mlp.gate.weight' is stored twice, in 'model.safetensors' and "
-                  r"'zz-stray.safetensors' .* no model.safetensors.index.json", load_moe_block, path, 0)
+    with caplog.at_level("INFO", logger="moeshard.checkpoint"):
+        beside = load_moe_block(path, 0)
+    assert "expected.safetensors, input.safetensors, zz-stray.safetensors" in caplog.text
+    assert torch.equal(alone.weights.gate, beside.weights.gate)
+    assert torch.equal(alone.local_experts.gate_up, beside.local_experts.gate_up)
+
+
+def test_shards_without_an_index_are_read_by_their_pattern(tmp_path):
+    """model-0000i-of-0000N.safetensors without an index: every shard is read, other files not;
+    a tensor stored in two shards is refused naming both, a missing shard naming its number."""
+    path = tmp_path / "m"
+    _write_random_fused(path, E=4, Hd=16, I=32)
+    whole = load_moe_block(path, 0)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    save_file({k: tensors[k] for k in names[::2]}, str(path / "model-00001-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in names[1::2]}, str(path / "model-00002-of-00002.safetensors"))
+    save_file({"hidden_states": torch.ones(2, 16)}, str(path / "input.safetensors"))
+    got = load_moe_block(path, 0)
+    assert torch.equal(got.local_experts.gate_up, whole.local_experts.gate_up)
+    assert torch.equal(got.local_experts.down, whole.local_experts.down)
+    save_file({names[0]: tensors[names[0]]}, str(path / "model-00002-of-00002.safetensors"))
+    _expect_error(rf"tensor '{names[0]}' is stored twice, in 'model-00001-of-00002.safetensors' and "
+                  r"'model-00002-of-00002.safetensors' .* no model.safetensors.index.json", load_moe_block, path, 0)
+    (path / "model-00002-of-00002.safetensors").unlink()
+    _expect_error(r"shard set of 2 files is incomplete or misnumbered: missing shard numbers \[2\]", load_moe_block, path, 0)
+    (path / "model-00001-of-00002.safetensors").unlink()
+    _expect_error(r"no model.safetensors, no model.safetensors.index.json and no model-00001-of-0000N.safetensors "
+                  r"shards; its other \*.safetensors files \['input.safetensors'\]", load_moe_block, path, 0)
 
 
 @pytest.mark.parametrize("fused", [True, False])

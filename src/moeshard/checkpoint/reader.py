@@ -1,10 +1,14 @@
 """Reading slices of tensors from a directory of safetensors files, never whole files.
 
-A model directory holds ``model.safetensors``, or shards listed in ``model.safetensors.index.json``
-(``weight_map``: tensor name -> file), or any set of ``*.safetensors`` files (their headers are
-read to learn the names; a name stored in two files is refused, naming both). Pickle-based
-weights (``*.bin``, ``*.pt``, ``*.pth``) are refused: unpickling a file can run arbitrary code, so
-moeshard never does it.
+The files read are the ones transformers reads: the shards that ``model.safetensors.index.json``
+names (``weight_map``: tensor name -> file), else ``model.safetensors``, else the shards named by
+the usual pattern ``model-00001-of-0000N.safetensors`` (all N of them). Any other ``*.safetensors``
+in the directory (inputs and outputs of ``moeshard run`` kept beside the model, say) is ignored,
+and said so once through the ``moeshard.checkpoint`` logger at INFO level; a tensor stored twice
+among the files read is refused, naming both. A directory with none of these, but other
+``*.safetensors`` files, is refused with their names (transformers would not load it either).
+Pickle-based weights (``*.bin``, ``*.pt``, ``*.pth``) are refused: unpickling a file can run
+arbitrary code, so moeshard never does it.
 
 How reading stays small: ``safe_open(...).get_slice(name)[index]`` returns a *view* into the
 file's memory map, and only the pages that view touches become resident. ``read`` copies the
@@ -21,9 +25,12 @@ whole file when it opens it, so a truncated file is refused before any read), a 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,6 +40,10 @@ from moeshard.quant import from_wire, to_wire
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# transformers' shard names without an index: model-00001-of-00003.safetensors ...
+SHARD_PATTERN = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
+
+log = logging.getLogger("moeshard.checkpoint")
 
 # safetensors dtype strings -> torch dtypes (the ones a model's weights or scales can have);
 # F8_E8M0 (UE8M0 scales) through ``torch_dtype``: torch has it from 2.7 on.
@@ -89,10 +100,7 @@ class SafetensorsCheckpoint:
         if index.is_file():
             self._read_index(index)
         else:
-            files = sorted(self.model_dir.glob("*.safetensors"))
-            if not files:
-                self._refuse_empty()
-            for path in files:
+            for path in self._weight_files():
                 with self._open(path) as f:
                     for name in f.keys():
                         if name in self._where:
@@ -100,11 +108,44 @@ class SafetensorsCheckpoint:
                             # than let the file that sorts last win.
                             raise ValueError(f"tensor {name!r} is stored twice, in {self._where[name].name!r} and "
                                              f"{path.name!r} under {str(self.model_dir)!r}, and there is no "
-                                             f"{INDEX_FILE} to say which one is meant; remove the stray file")
+                                             f"{INDEX_FILE} to say which one is meant")
                         self._where[name] = path
+        read = set(self._where.values())
+        self.ignored = sorted(p.name for p in self.model_dir.glob("*.safetensors") if p not in read)
+        if self.ignored:
+            log.info("%s: not model weights, ignored (as transformers ignores them): %s", self.model_dir,
+                     ", ".join(self.ignored))
 
     # -- discovery ------------------------------------------------------------------------
-    def _refuse_empty(self) -> None:
+    def _weight_files(self) -> list[Path]:
+        """Without an index: ``model.safetensors``, else every ``model-i-of-N`` shard (all N)."""
+        single = self.model_dir / SINGLE_FILE
+        if single.is_file():
+            return [single]
+        present = sorted(p for p in self.model_dir.glob("*.safetensors") if p.is_file())
+        shards = [(p, SHARD_PATTERN.match(p.name)) for p in present]
+        matched = [(p, int(m.group(1)), int(m.group(2))) for p, m in shards if m is not None]
+        if not matched:
+            if present:
+                raise ValueError(f"model directory {str(self.model_dir)!r} has no {SINGLE_FILE}, no {INDEX_FILE} and "
+                                 f"no model-00001-of-0000N.safetensors shards; its other *.safetensors files "
+                                 f"{[p.name for p in present][:5]} are not read as model weights (transformers "
+                                 f"reads only those names either)")
+            self._refuse_empty()
+        totals = sorted({n for _, _, n in matched})
+        if len(totals) > 1:
+            raise ValueError(f"model directory {str(self.model_dir)!r}: shards of different sets "
+                             f"{[p.name for p, _, _ in matched][:6]} (of {totals}); which set is the model?")
+        total = totals[0]
+        have = {i for _, i, _ in matched}
+        missing = [i for i in range(1, total + 1) if i not in have]
+        if missing or any(i < 1 or i > total for i in have):
+            raise ValueError(f"model directory {str(self.model_dir)!r}: shard set of {total} files is incomplete or "
+                             f"misnumbered: missing shard numbers {missing[:10]}, found "
+                             f"{sorted(p.name for p, _, _ in matched)[:6]}")
+        return [p for p, _, _ in sorted(matched, key=lambda t: t[1])]
+
+    def _refuse_empty(self) -> NoReturn:
         pickled = sorted(p.name for p in self.model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickled:
             raise ValueError(f"model directory {str(self.model_dir)!r} has no *.safetensors weights, only pickle-based "
