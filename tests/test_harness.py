@@ -124,25 +124,29 @@ def test_full_uses_larger_shapes_and_world_size_8(capsys):
 
 
 def test_cli_prints_a_compact_summary_and_the_full_table_on_request(tmp_path, capsys):
-    """Default: one row per layout x backend (not one per case), structural combinations said to
-    be not applicable, not skipped; --verbose: every case; --json: every case either way."""
+    """Default: one row per layout x backend that ran (not one per case); the combinations that
+    are not applicable by construction get one counting line, not rows, and are not called
+    skipped; --verbose: every case, with the reasons; --json: every case either way."""
     path = tmp_path / "out.json"
     args = ["check", "--world-sizes", "2", "--layouts", "dp2-tp1-ep,dp1-tp2-noep", "--quants", "none",
             "--dtypes", "float32", "--no-eplb", "--json", str(path)]
     assert main(args) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("│")]
-    assert len(rows) == 8, out  # 2 layouts x 4 backends
-    assert sum("not applicable" in r for r in rows) == 4 and "skipped" not in out
-    assert "needs expert parallelism (EP on)" in out and "err/bound" in out
+    assert len(rows) == 4, out  # the combinations that ran, of 2 layouts x 4 backends
+    assert not any("not applicable" in r for r in rows) and "skipped" not in out
+    assert ("not applicable by construction: 4 layout x backend combinations (4 cases); --list or --verbose shows "
+            "each with its reason") in out and "err/bound" in out
     assert "4 passed, 0 failed, 0 errors; 4 of 8 cases not applicable by construction" in out
     doc = json.loads(path.read_text())
     assert {c["status"] for c in doc["cases"]} == {"pass", "not_applicable"} and len(doc["cases"]) == 8
     assert all(0 < c["err_to_bound"] <= 1 for c in doc["cases"] if c["status"] == "pass")
     assert doc["summary"]["not_applicable"] == 4 and doc["summary"]["valid"] == 4
     assert main(args + ["--verbose"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
     assert len(rows) == 8 and sum(" passed " not in r and "pass" in r for r in rows) == 4
+    assert sum("not applicable" in r for r in rows) == 4
 
 
 @pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])

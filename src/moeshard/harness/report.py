@@ -1,11 +1,12 @@
 """The report of a check run: a compact summary (default), the full table (``--verbose``), the
 problems in full, and the JSON document (every case, always).
 
-The summary has one row per layout x backend, in matrix order: how many of its cases passed,
-the worst error relative to its bound over all of them (``err/bound``: 1 is the edge of the
-tolerance), and its slowest case; a combination that cannot run by construction (a backend that
-needs expert parallelism on a layout without it, ...) is a row that says "not applicable" and
-why, so a reader sees at once that nothing that could have run was left out.
+The summary has one row per layout x backend that ran, in matrix order: how many of its cases
+passed, the worst error relative to its bound over all of them (``err/bound``: 1 is the edge of
+the tolerance), and its slowest case. Combinations that cannot run by construction (a backend
+that needs expert parallelism on a layout without it, ...) get no row: one line below the table
+counts them, and the cases refused within the rows that ran, and says where each is listed with
+its reason (``--list``, ``--verbose``, ``--json``), so nothing is left out silently.
 
 JSON schema (stable; later versions only add keys):
   {"cases": [{"id", "layout": {"dp", "tp", "ep", "sp"}, "backend", "quant", "defer_input_quant",
@@ -90,37 +91,40 @@ def _counts(group: list[CaseOutcome]) -> str:
 
 
 def print_summary_table(console: Console, outcomes: list[CaseOutcome]) -> None:
-    """One row per layout x backend: its cases' statuses, worst error / bound, slowest case (or
-    why it is not applicable). Partly applicable rows list their refusals below the table."""
+    """One row per layout x backend with cases that ran (or were skipped here): their statuses,
+    worst error / bound, slowest case. Then one line that counts what is not applicable by
+    construction: whole combinations, and cases within the rows shown."""
     groups: dict[tuple[str, str], list[CaseOutcome]] = {}
     for o in outcomes:
         groups.setdefault((o.case.parallel.name, o.case.backend), []).append(o)
     table = Table(title="moeshard check", header_style="bold")
-    for col in ("layout", "backend", "cases", "err/bound", "slowest case (s) / why not applicable"):
+    for col in ("layout", "backend", "cases", "err/bound", "slowest case (s)"):
         table.add_column(col, no_wrap=True)
-    partial: list[CaseOutcome] = []
+    partial = 0
+    absent: list[list[CaseOutcome]] = []
     for group in groups.values():
         ran = [o for o in group if o.status in ("pass", "fail", "error")]
-        refused = [o for o in group if o.status == "not_applicable"]
+        if not ran and all(o.status == "not_applicable" for o in group):
+            absent.append(group)
+            continue
+        partial += sum(o.status == "not_applicable" for o in group)
         worst = max((o.err_to_bound for o in ran if o.err_to_bound is not None), default=None)
-        if ran:
-            slow = max(ran, key=lambda o: o.seconds)
-            note = f"{slow.seconds:5.2f}  " + slow.case.id.split("/", 2)[2]
-            partial += refused
-        else:
-            # the row names the backend already
-            reasons = sorted({o.reason.removeprefix(o.case.backend + " ") for o in group})
-            note = "; ".join(reasons) if len(reasons) <= 2 else f"{len(reasons)} reasons (--list)"
+        slow = max(ran, key=lambda o: o.seconds) if ran else None
+        note = "" if slow is None else f"{slow.seconds:5.2f}  " + slow.case.id.split("/", 2)[2]
         colour = "bold red" if worst is not None and worst > 1 else ""
         table.add_row(_layout(group[0]), escape(group[0].case.backend), _counts(group),
                       "" if worst is None else f"[{colour}]{worst:.2f}[/]" if colour else f"{worst:.2f}",
-                      escape(note) if ran else f"[dim]{escape(note)}[/]")
+                      escape(note))
     console.print(table, highlight=False)
-    if partial:
-        partial_reasons = collections.Counter(o.reason for o in partial)
-        console.print(f"[dim]not applicable within the rows above: {len(partial)} cases (ids in --list and --json):[/]")
-        for reason, n in partial_reasons.most_common():
-            console.print(f"  {n:4d} x {escape(reason)}", highlight=False)
+    if absent or partial:
+        cases = sum(len(g) for g in absent)
+        parts = []
+        if absent:
+            parts.append(f"{len(absent)} layout x backend combinations ({cases} cases)")
+        if partial:
+            parts.append(f"{partial} cases within the rows above")
+        console.print(f"[dim]not applicable by construction: {' and '.join(parts)}; "
+                      f"--list or --verbose shows each with its reason[/]", highlight=False)
 
 
 def print_table(console: Console, outcomes: list[CaseOutcome]) -> None:
