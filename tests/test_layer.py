@@ -5,15 +5,16 @@ transformers state dicts, quantization error bounds, refusals."""
 import pytest
 import torch
 
-from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig
+from moeshard.config import MoEConfig, QuantConfig
 from moeshard.layer import MoELayer
 from moeshard.presets import PRESETS
 from moeshard.quant import get_scheme
+from moeshard.quant.schemes import BUILTIN_SCHEMES
 from moeshard.reference import reference_forward
 from moeshard.tolerances import compare
 from moeshard.weights import MoEWeights
 
-QUANTS = [QuantConfig(s) for s in QUANT_SCHEMES] + [QuantConfig(s, True) for s in QUANT_SCHEMES[1:]]
+QUANTS = [QuantConfig(s) for s in BUILTIN_SCHEMES] + [QuantConfig(s, True) for s in BUILTIN_SCHEMES[1:]]
 
 
 def _inputs(cfg, T, seed):
@@ -42,7 +43,7 @@ def test_unquantized_fp32_is_tight():
     assert (out.double() - reference_forward(x, w, cfg).out).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("scheme", QUANT_SCHEMES[1:])
+@pytest.mark.parametrize("scheme", BUILTIN_SCHEMES[1:])
 def test_quantization_error_is_bounded_and_not_zero(scheme):
     """The quantized layer against the unquantized one: relative RMS within the scheme's bound,
     and visibly non-zero (the weights really are quantized)."""
@@ -57,7 +58,7 @@ def test_quantization_error_is_bounded_and_not_zero(scheme):
 def test_defer_input_quant_equals_early_quantization():
     cfg = PRESETS["qwen3-30b-a3b"].config("small")
     w, x = _inputs(cfg, 20, 5)
-    for scheme in QUANT_SCHEMES[1:]:
+    for scheme in BUILTIN_SCHEMES[1:]:
         early = MoELayer(cfg, quant=QuantConfig(scheme), weights=w)(x)
         late = MoELayer(cfg, quant=QuantConfig(scheme, True), weights=w)(x)
         assert torch.equal(early, late), scheme

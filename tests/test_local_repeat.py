@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeshard.config import QUANT_SCHEMES, MoEConfig, QuantConfig
+from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.base import Dispatched, weighted_sum
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts import GroupedExperts
@@ -22,6 +22,7 @@ from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.layer import MoELayer
 from moeshard.presets import PRESETS
 from moeshard.quant import QuantizedActivations, get_scheme, quantize_activations, quantize_weight
+from moeshard.quant.schemes import BUILTIN_SCHEMES
 from moeshard.router import Routing
 from moeshard.weights import MoEWeights
 
@@ -188,7 +189,7 @@ class _ExpandingLocal(LocalBackend):
         return Dispatched(ExpertInput(_expand(inp.x, inp.repeat), inp.expert_ids, inp.input_amax), d.state)
 
 
-@pytest.mark.parametrize("quant", [QuantConfig(s) for s in QUANT_SCHEMES] + [QuantConfig(s, True) for s in QUANTIZED],
+@pytest.mark.parametrize("quant", [QuantConfig(s) for s in BUILTIN_SCHEMES] + [QuantConfig(s, True) for s in QUANTIZED],
                          ids=lambda q: q.scheme + ("+defer" if q.defer_input_quant else ""))
 def test_layer_output_unchanged(quant):
     cfg = PRESETS["deepseek-v3"].config("small", torch.bfloat16)

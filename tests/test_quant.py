@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from moeshard.config import QUANT_SCHEMES
 from moeshard.quant import (
     AMAX_FLOOR,
     E2M1_VALUES,
@@ -33,6 +32,7 @@ from moeshard.quant import (
     unpack_fp4,
     unswizzle_scales,
 )
+from moeshard.quant.schemes import BUILTIN_SCHEMES
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="CUDA is not available"))]
@@ -113,7 +113,7 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------- known values
 
 def test_schemes_are_config_schemes_without_none():
-    assert SCHEMES == tuple(s for s in QUANT_SCHEMES if s != "none")
+    assert SCHEMES == tuple(s for s in BUILTIN_SCHEMES if s != "none")
 
 
 def test_e2m1_encode_known_values_ties_to_even():

@@ -11,13 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.quant.schemes import BUILTIN_SCHEMES, QuantScheme, get_scheme
+from moeshard.quant.schemes import QuantScheme, get_scheme
 from moeshard.validate import boolean, finite_float, size
 
 ACTIVATIONS = ("silu", "gelu")
 SCORINGS = ("softmax", "sigmoid")
-# The built-in schemes; ``moeshard.quant.schemes.scheme_names()`` lists every registered one.
-QUANT_SCHEMES = BUILTIN_SCHEMES
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # routed_scaling_factor: published models use 1 to 16 (DeepSeek-V3 2.5, DeepSeek-V2 16); far beyond
 # that the routed outputs overflow the model dtype, so a larger value is refused as absurd.

@@ -34,9 +34,10 @@ from moeshard.bench.workload import (
     make_model,
     routed_input,
 )
-from moeshard.config import QUANT_SCHEMES, QuantConfig
+from moeshard.config import QuantConfig
 from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
 from moeshard.layer import MoELayer
+from moeshard.quant.schemes import BUILTIN_SCHEMES
 from moeshard.validate import positive_int
 
 BENCH_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
@@ -47,7 +48,7 @@ class BenchOptions:
     """What to run. Token counts: prefill 4096..16384, decode 1..128 by default."""
 
     models: tuple[str, ...] = BENCH_MODELS
-    quants: tuple[str, ...] = QUANT_SCHEMES
+    quants: tuple[str, ...] = BUILTIN_SCHEMES
     prefill_tokens: tuple[int, ...] = (4096, 16384)
     decode_tokens: tuple[int, ...] = (1, 16, 64, 128)
     prefill_reps: int = 10

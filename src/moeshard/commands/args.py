@@ -19,15 +19,16 @@ def add_layout_arguments(parser: argparse.ArgumentParser, dtype_help: str, timeo
     """The "layout and numerics" options of ``run`` and ``generate``: --dp, --tp, --ep, --backend,
     --quant, --defer-input-quant, --dtype, --device, --timeout (the two commands word the
     defaults of --dtype and --timeout their own way)."""
-    from moeshard.config import MODEL_DTYPES, QUANT_SCHEMES
+    from moeshard.config import MODEL_DTYPES
     from moeshard.dispatch.registry import BACKENDS
+    from moeshard.quant.schemes import BUILTIN_SCHEMES
 
     lay = parser.add_argument_group("layout and numerics")
     lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     lay.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP rank (default 1)")
     lay.add_argument("--ep", action="store_true", help="expert parallelism over all dp*tp ranks")
     lay.add_argument("--backend", choices=sorted(BACKENDS), help="dispatch backend (default: local, all2all with --ep)")
-    lay.add_argument("--quant", choices=QUANT_SCHEMES, help="expert quantization (default: the checkpoint's own)")
+    lay.add_argument("--quant", choices=BUILTIN_SCHEMES, help="expert quantization (default: the checkpoint's own)")
     lay.add_argument("--defer-input-quant", action="store_true", help="dispatch unquantized activations")
     lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"], help=dtype_help)
     lay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")

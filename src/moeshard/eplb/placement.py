@@ -168,9 +168,6 @@ class Placement:
     def layout(self) -> Layout:
         return Layout(self.num_experts, self.num_ranks, self.slots_per_rank - self.num_experts // self.num_ranks)
 
-    def rank_of(self, slot: int) -> int:
-        return slot // self.slots_per_rank
-
     def rank_slots(self, rank: int) -> tuple[int, ...]:
         """The logical experts of rank ``rank``'s S slots, in local slot order."""
         S = self.slots_per_rank

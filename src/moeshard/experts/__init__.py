@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.experts.base import ExpertInput, ExpertKernel, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
 
 
@@ -22,7 +22,7 @@ def kernel_choice(dtype: torch.dtype, device: torch.device | str, scheme: str) -
     return ("triton", "") if ok else ("grouped", reason)
 
 
-def select_kernel(activation: str, dtype: torch.dtype, device: torch.device, scheme: str) -> GroupedExperts:
+def select_kernel(activation: str, dtype: torch.dtype, device: torch.device, scheme: str) -> ExpertKernel:
     """The fastest expert implementation that supports (device, dtype, scheme).
 
     Every implementation has the same ``__call__(ExpertInput, ExpertWeights) -> [M, H]`` and
@@ -37,4 +37,4 @@ def select_kernel(activation: str, dtype: torch.dtype, device: torch.device, sch
     return GroupedExperts(activation, dtype)
 
 
-__all__ = ["ExpertInput", "ExpertWeights", "GroupedExperts", "kernel_choice", "select_kernel"]
+__all__ = ["ExpertInput", "ExpertKernel", "ExpertWeights", "GroupedExperts", "kernel_choice", "select_kernel"]

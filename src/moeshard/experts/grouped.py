@@ -8,9 +8,11 @@ Padding rows (expert id -1) sort after every expert, past the last group offset:
 computes them and their output rows are zero. Both layouts are accepted (``EXPERT_BLOCKS``
 carries per-row expert ids too). Nothing here synchronises with the host on the
 ``torch._grouped_mm`` path: group offsets stay on the device. ``GroupedExperts.gemm`` is the
-single seam that faster kernels override (``moeshard.kernels``); its default dequantizes
-quantized operands and multiplies in fp32, which is exactly what a block-scaled GEMM with fp32
-accumulation computes. Any registered scheme runs here (through its codec).
+seam for a faster GEMM inside this pipeline (gather, grouped GEMMs, activation, unsort); its
+default dequantizes quantized operands and multiplies in fp32, which is exactly what a
+block-scaled GEMM with fp32 accumulation computes. A kernel that fuses the whole pipeline (the
+Triton ``TritonExperts``) replaces ``__call__`` instead and keeps this class's portable path for
+what it does not run. Any registered scheme runs here (through its codec).
 """
 
 from __future__ import annotations

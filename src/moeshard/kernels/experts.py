@@ -51,7 +51,7 @@ class TritonExperts(GroupedExperts):
         self.config = config
         self.fp8_gate_up = fp8_gate_up
 
-    layouts = (FLAT, EXPERT_BLOCKS)  # padding rows (id -1) are never placed in a tile
+    layouts: tuple[str, ...] = (FLAT, EXPERT_BLOCKS)  # padding rows (id -1) are never placed in a tile
 
     def accumulation(self, scheme: str) -> float:
         """fp8 schemes run (at least) the down GEMM on the fp8 tensor cores."""
