@@ -81,7 +81,7 @@ def _rank_phases(cases: list, reps: int, cold: bool) -> tuple[int, dict, list]:
     """Inside each rank: the rank's phases of every case, ``reps`` timed runs after a warm-up."""
     torch.set_num_threads(1)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    groups, data, tick = GroupsCache(side_channel=False), CaseData(), _Timer(RANK_PHASES)
+    groups, data, tick = GroupsCache("cpu"), CaseData(), _Timer(RANK_PHASES)
     outputs = []
     for rep in range(reps + 1):
         if rep == 1:

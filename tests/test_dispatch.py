@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.all2all import All2AllBackend
 from moeshard.dispatch.registry import BACKENDS
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
@@ -123,13 +122,14 @@ def test_ranks_that_disagree_are_refused_together_not_hung():
         assert f"(rank {rank}): ranks disagree on hidden_size: rank 0=16, rank 1=32" in err.message
 
 
-def test_all2all_refuses_cuda_without_side_channel():
-    groups = ParallelGroups(config=ParallelConfig(2, 1, True), rank=1, world_size=2, tp_group=None, dp_group=None,
-                            ep_group=object(), tp_ranks=[1], dp_ranks=[0, 1], ep_ranks=[0, 1], side_group=None,
-                            device=torch.device("cuda", 1))
-    with pytest.raises(ValueError, match=r"all2all \(rank 1\): on CUDA the count exchange needs a gloo side "
-                                         r"channel, but ParallelGroups.side_group is None"):
-        All2AllBackend(CFG, QuantConfig(), groups)
+def test_all2all_refused_on_cuda_without_side_channel():
+    """all2all's CUDA count exchange needs the gloo side group: its registry entry says so, and the
+    layer refuses the combination with this reason at construction (before any collective)."""
+    from moeshard.dispatch.registry import support
+    ok, reason = support("all2all", QuantConfig(), ParallelConfig(2, 1, True), device="cuda", has_side_group=False)
+    assert not ok and reason.startswith("all2all on cuda needs a gloo side channel for its counts, but "
+                                        "ParallelGroups.side_group is None")
+    assert support("all2all", QuantConfig(), ParallelConfig(2, 1, True), device="cpu", has_side_group=False)[0]
 
 
 def test_registry_refusal_reason_is_the_layers():

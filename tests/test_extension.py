@@ -129,3 +129,28 @@ def test_unregistering_restores_the_default_matrix(extended):
     extension_example.unregister()
     assert "int8_token" not in scheme_names() and "local_blocks" not in BACKENDS
     assert not any("int8_token" in c.id or "local_blocks" in c.id for c in generate(MatrixOptions(world_sizes=(1,))))
+
+
+def test_the_registry_decides_which_groups_a_backend_needs():
+    """Which layouts need the gloo side group is the backends' entries' business alone: one helper
+    reads them (``side_group_needed`` / ``build_groups``), and no other module of the package
+    decides a side channel itself."""
+    import re
+    from pathlib import Path
+
+    from moeshard.dispatch.registry import BACKENDS, ep_backends, side_group_needed
+    from moeshard.parallel.config import ParallelConfig
+
+    ep, no_ep = ParallelConfig(2, 1, True), ParallelConfig(2, 1, False)
+    for name, spec in BACKENDS.items():
+        for device in ("cpu", "cuda"):
+            want = device in spec.side_group_on and spec.layouts == "ep"
+            assert side_group_needed(ep, device, [name]) == want, (name, device)
+            assert not side_group_needed(no_ep, device, [name])
+    assert side_group_needed(ep, "cuda") == any("cuda" in BACKENDS[b].side_group_on for b in ep_backends())
+    with pytest.raises(ValueError, match=r"unknown backend\(s\) \['nope'\]"):
+        side_group_needed(ep, "cpu", ["nope"])
+    src = Path(__file__).resolve().parents[1] / "src" / "moeshard"
+    deciders = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                      if re.search(r"side_channel\s*=", p.read_text()) and p.name not in ("registry.py", "groups.py"))
+    assert deciders == [], f"modules deciding a side channel themselves: {deciders}"

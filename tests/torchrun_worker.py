@@ -19,7 +19,7 @@ def main() -> int:
     layouts = tuple(ParallelConfig.parse(t) for t in sys.argv[1].split(";"))
     opts = MatrixOptions(world_sizes=(torch.distributed.get_world_size(),), layouts=layouts,
                          quants=("none", "fp8_block", "nvfp4+defer"), dtypes=("bfloat16",))
-    cache = GroupsCache(side_channel=device.type == "cuda")
+    cache = GroupsCache(device.type)
     results = []
     for case in generate(opts):
         if case.skipped or case.parallel not in layouts:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
+from moeshard.dispatch.registry import build_groups
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.tolerances import compare as tolerance_compare
@@ -284,8 +285,9 @@ def generate_plans(plans: list[GeneratePlan]) -> list[GenerateRankResult | dict]
         p = plan.parallel
         key = (p.dp, p.tp, p.enable_ep)
         if key not in groups_of:
-            side = p.enable_ep and plan.spec.device == "cuda"  # all2all's count channel on CUDA
-            groups_of[key] = ParallelGroups.build(p, side_channel=side)
+            # one set of groups per layout, with what every backend run on it needs
+            backends = [q.backend for q in plans if (q.parallel.dp, q.parallel.tp, q.parallel.enable_ep) == key]
+            groups_of[key] = build_groups(p, plan.spec.device, backends)
         try:
             results.append(generate_rank(plan, groups_of[key]))
         except Exception as exc:  # noqa: BLE001 - recorded for the caller, which reports it

@@ -33,7 +33,7 @@ from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
 from moeshard.checkpoint.loader import load_moe_block, resolve_quant
 from moeshard.checkpoint.reader import INDEX_FILE, open_safetensors
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name, parse_dtype
-from moeshard.dispatch.registry import default_backend, support
+from moeshard.dispatch.registry import build_groups, default_backend, support
 from moeshard.errors import RankFailed
 from moeshard.experts.base import ExpertWeights
 from moeshard.parallel.collectives import all_gatherv
@@ -357,8 +357,9 @@ def run_plans(plans: list[RunPlan], traces: list | None = None) -> list[RunRankR
         if trace is not None:
             trace.case = i
         if key not in groups_of:
-            side = p.enable_ep and plan.spec.device == "cuda"  # all2all's count channel on CUDA
-            groups_of[key] = ParallelGroups.build(p, side_channel=side, trace=trace)
+            # one set of groups per layout, with what every backend run on it needs
+            backends = [q.backend for q in plans if (q.parallel.dp, q.parallel.tp, q.parallel.enable_ep) == key]
+            groups_of[key] = build_groups(p, plan.spec.device, backends, trace=trace)
         try:
             results.append(run_rank(plan, groups_of[key]))
         except Exception as exc:  # noqa: BLE001 - recorded for the caller, which reports it

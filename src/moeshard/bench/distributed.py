@@ -31,7 +31,7 @@ from moeshard.bench.workload import ModelOnDevice, check_choices, hidden_states,
 from moeshard.config import QuantConfig
 from moeshard.dispatch.packing import SlotLayout
 from moeshard.dispatch.payload import prepare
-from moeshard.dispatch.registry import BACKENDS
+from moeshard.dispatch.registry import BACKENDS, build_groups, ep_backends
 from moeshard.layer import MoELayer
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
@@ -50,16 +50,14 @@ class LayoutRun:
 
 
 def default_runs(world: int) -> tuple[LayoutRun, ...]:
-    """DP (no communication), EP with every EP backend, TP, and SP with the routed backends."""
+    """DP (no communication), EP with every registered EP backend, TP, and SP with every EP
+    backend (the registry's order)."""
     dp, ep = ParallelConfig(world, 1, False), ParallelConfig(world, 1, True)
     tp, sp = ParallelConfig(1, world, False), ParallelConfig(1, world, True)
     return (LayoutRun("DP", dp, "local"),
-            LayoutRun(f"EP{world} low_latency", ep, "low_latency"),
-            LayoutRun(f"EP{world} all2all", ep, "all2all"),
-            LayoutRun(f"EP{world} allgather_reducescatter", ep, "allgather_reducescatter"),
+            *(LayoutRun(f"EP{world} {b}", ep, b) for b in ep_backends()),
             LayoutRun(f"TP{world}", tp, "local"),
-            LayoutRun(f"SP{world} low_latency", sp, "low_latency"),
-            LayoutRun(f"SP{world} all2all", sp, "all2all"))
+            *(LayoutRun(f"SP{world} {b}", sp, b) for b in ep_backends()))
 
 
 @dataclass(frozen=True)
@@ -202,7 +200,8 @@ def rank_records(opts: DistOptions, progress: Callable[[str], None] = lambda s: 
     groups: dict[ParallelConfig, ParallelGroups] = {}
     for run in runs:  # created in the same order on every rank
         if run.parallel not in groups:
-            groups[run.parallel] = ParallelGroups.build(run.parallel, side_channel=True)
+            backends = [r.backend for r in runs if r.parallel == run.parallel]
+            groups[run.parallel] = build_groups(run.parallel, opts.device, backends)
     records: list[dict] = []
     for name in opts.models:
         progress(f"{name}: {opts.size} weights on every rank")

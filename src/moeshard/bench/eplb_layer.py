@@ -26,13 +26,12 @@ import torch.distributed as dist
 
 from moeshard.bench.timing import L2Flush, time_cuda, time_host
 from moeshard.config import QuantConfig
-from moeshard.dispatch.registry import BACKENDS
+from moeshard.dispatch.registry import BACKENDS, build_groups, ep_backends
 from moeshard.eplb.placement import Layout, Placement
 from moeshard.eplb.policies import balancedness, get_policy
 from moeshard.eplb.skew import SKEWS, skew_bias, skew_gate, skew_tokens
 from moeshard.layer import MoELayer
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.groups import ParallelGroups
 from moeshard.presets import PRESETS, SIZES
 from moeshard.validate import nonneg_int, positive_int
 from moeshard.weights import MoEWeights
@@ -118,7 +117,7 @@ def rank_records(opts: LayerOptions, progress=lambda s: None) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     flush = L2Flush(device) if cuda else None
     parallel = ParallelConfig(world, 1, True)
-    groups = ParallelGroups.build(parallel, side_channel=True)
+    groups = build_groups(parallel, opts.device, ep_backends())
     progress(f"{opts.preset} ({opts.size}) weights on every rank, router skewed ({opts.skew})")
     cfg, weights, u = _weights(opts, device)
     gen = torch.Generator().manual_seed(opts.seed * 1000 + rank)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from moeshard.commands.args import add_layout_arguments, ints
 from moeshard.commands.run import _as_value_error  # refusals on the ranks -> one ValueError (no traces here)
+from moeshard.dispatch.registry import build_groups
 from moeshard.generatejob import (
     GenerateComparison,
     GeneratePlan,
@@ -46,7 +47,6 @@ from moeshard.generatejob import (
     reference_generate,
 )
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.spawn import RankFailure, destroy, init_from_env, launched_by_torchrun, spawn
 
 
@@ -154,8 +154,7 @@ def _execute_torchrun(plan: GeneratePlan) -> list[GenerateRankResult] | None:
     init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo")
     try:
         plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
-        side = plan.parallel.enable_ep and plan.spec.device == "cuda"
-        result = generate_rank(plan, ParallelGroups.build(plan.parallel, side_channel=side))
+        result = generate_rank(plan, build_groups(plan.parallel, plan.spec.device, [plan.backend]))
         reports: list[GenerateRankResult | None] = [None] * dist.get_world_size()
         light = replace(result, logits=None) if result.tp_rank != 0 else result
         dist.all_gather_object(reports, light)  # our own small dataclasses, between our own ranks

@@ -36,10 +36,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from moeshard.commands.args import add_layout_arguments, ints, seed, timeout
+from moeshard.dispatch.registry import build_groups
 from moeshard.errors import MoeshardError, OutputError, RankFailed
 from moeshard.outputs import atomic_write, check_output_path
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.spawn import (
     RankFailure,
     available_memory,
@@ -166,8 +166,7 @@ def _execute_torchrun(plan: RunPlan, timeout_s: float) -> list[RunRankResult] | 
     trace = CollectiveTrace(TRACE_CAPACITY)
     try:
         plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
-        side = plan.parallel.enable_ep and plan.spec.device == "cuda"
-        result = run_rank(plan, ParallelGroups.build(plan.parallel, side_channel=side, trace=trace))
+        result = run_rank(plan, build_groups(plan.parallel, plan.spec.device, [plan.backend], trace=trace))
         reports: list[RunRankResult | None] = [None] * dist.get_world_size()
         light = replace(result, output=None)
         dist.all_gather_object(reports, light)  # our own small dataclasses, between our own ranks

@@ -46,11 +46,8 @@ class All2AllBackend:
     def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups) -> None:
         if groups is None or groups.ep_group is None:
             raise ValueError("all2all: needs expert parallelism (ParallelConfig.enable_ep=True)")
-        if groups.device.type == "cuda" and groups.side_group is None:
-            raise ValueError(
-                f"all2all (rank {groups.rank}): on CUDA the count exchange needs a gloo side channel, "
-                "but ParallelGroups.side_group is None; build the groups with "
-                "ParallelGroups.build(config, side_channel=True)")
+        # On CUDA the count exchange needs the gloo side group: the layer refuses its absence with
+        # the registry's reason (``support``) before building this backend.
         self.groups, self.quant = groups, quant
         self.ep_size = groups.config.ep_size
         self.experts_per_rank = cfg.num_experts // self.ep_size

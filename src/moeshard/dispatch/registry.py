@@ -9,7 +9,8 @@ any collective, the verification matrix lists it as not applicable with the same
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import datetime
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from moeshard.quant.schemes import scheme_names
 if TYPE_CHECKING:
     from moeshard.dispatch.base import DispatchBackend
     from moeshard.parallel.groups import ParallelGroups
+    from moeshard.parallel.trace import CollectiveTrace
 
 # (cfg, quant, groups, max_tokens): max_tokens is the most rows a rank routes in one forward, or
 # None when the layer was given no bound (only backends with needs_max_tokens require one).
@@ -150,6 +152,33 @@ def support(backend: str, quant: QuantConfig, parallel: ParallelConfig, *, devic
         return False, (f"{backend} hands the experts {spec.output!r} rows, but the expert kernel accepts "
                        f"{list(kernel_layouts)}")
     return True, ""
+
+
+def side_group_needed(parallel: ParallelConfig, device: str, backends: Iterable[str] | None = None) -> bool:
+    """Whether any of ``backends`` (default: every registered one) needs ``ParallelGroups.side_group``
+    on ``device`` (a device type) under ``parallel``. Only EP backends move rows between ranks, so
+    without EP no backend needs one (``ParallelGroups.build`` makes none)."""
+    names = list(BACKENDS) if backends is None else list(backends)
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise ValueError(f"side_group_needed: unknown backend(s) {unknown}; known: {sorted(BACKENDS)}")
+    return parallel.enable_ep and any(device in BACKENDS[n].side_group_on for n in names)
+
+
+def build_groups(parallel: ParallelConfig, device: str, backends: Iterable[str] | None = None, *,
+                 trace: CollectiveTrace | None = None, timeout: datetime.timedelta | None = None) -> ParallelGroups:
+    """The process groups of ``parallel`` for running ``backends`` (default: any registered one) on
+    ``device`` ("cpu" or "cuda"): with the gloo side group exactly where a backend's entry says it
+    needs one. Call on every rank together, as ``ParallelGroups.build``."""
+    from moeshard.parallel.groups import ParallelGroups
+
+    return ParallelGroups.build(parallel, side_channel=side_group_needed(parallel, device, backends),
+                                timeout=timeout, trace=trace)
+
+
+def ep_backends() -> tuple[str, ...]:
+    """The registered backends that run with expert parallelism, in registration order."""
+    return tuple(n for n, spec in BACKENDS.items() if spec.layouts == "ep")
 
 
 def default_backend(parallel: ParallelConfig) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.config import QuantConfig
+from moeshard.dispatch.registry import build_groups
 from moeshard.harness import eplb
 from moeshard.harness.cases import Case
 from moeshard.harness.eplb import EPLBResult
@@ -86,15 +87,16 @@ class GroupsCache:
     """Process groups per layout, built once per spawn (creating groups is collective and slow);
     ``trace``: the rank's ``CollectiveTrace``, which every layout's groups record into."""
 
-    def __init__(self, side_channel: bool, trace: CollectiveTrace | None = None) -> None:
-        self.side_channel, self.trace = side_channel, trace
+    def __init__(self, device: str, trace: CollectiveTrace | None = None) -> None:
+        self.device, self.trace = device, trace
         self._groups: dict[ParallelConfig, ParallelGroups] = {}
 
     def get(self, parallel: ParallelConfig) -> ParallelGroups | None:
         if not torch.distributed.is_initialized():
             return None
         if parallel not in self._groups:
-            self._groups[parallel] = ParallelGroups.build(parallel, side_channel=self.side_channel, trace=self.trace)
+            # any registered backend may run on this layout in the matrix: the groups serve them all
+            self._groups[parallel] = build_groups(parallel, self.device, trace=self.trace)
         return self._groups[parallel]
 
 

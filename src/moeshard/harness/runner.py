@@ -82,7 +82,7 @@ def _case_loop(cases: list[Case], device: str, channel: RankChannel, layer_facto
     torch.set_num_threads(1)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     trace = CollectiveTrace(TRACE_CAPACITY, traces[rank])
-    cache = GroupsCache(side_channel=device == "cuda", trace=trace)
+    cache = GroupsCache(device, trace=trace)
     data = CaseData()
     for i, case in enumerate(cases):
         trace.case = i
