@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.base import Dispatched, weighted_sum
-from moeshard.dispatch.payload import prepare
+from moeshard.dispatch.base import Dispatched, RowBackend, weighted_sum
 from moeshard.dispatch.registry import BACKENDS, BackendSpec, register_backend, unregister_backend
 from moeshard.experts.base import EXPERT_BLOCKS
 from moeshard.experts.grouped import group_sizes
@@ -81,19 +79,16 @@ class BlocksState:
     num_tokens: int
 
 
-class LocalBlocksBackend:
+class LocalBlocksBackend(RowBackend):
     """No EP: expert e's rows are rows [e*T, (e+1)*T) of the experts' input (an expert is routed
     at most once per token, so T rows always suffice), padding rows have expert id -1."""
 
     name = "local_blocks"
 
-    def __init__(self, cfg: MoEConfig, quant: QuantConfig) -> None:
-        self.cfg, self.quant = cfg, quant
-
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         T, K = routing.topk_ids.shape
         E = self.cfg.num_experts
-        p = prepare(x, self.quant)
+        p = self.payload(x)
         flat = routing.topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = group_sizes(flat, E)
@@ -119,7 +114,7 @@ class LocalBlocksBackend:
 
 SCHEME = QuantScheme("int8_token", Int8Token(), None, 0.05, "int8; scale per output channel / per row")
 BACKEND = BackendSpec("local_blocks", "no_ep", EXPERT_BLOCKS, True, (), "test only: one padded block per expert",
-                      lambda cfg, quant, groups, max_tokens: LocalBlocksBackend(cfg, quant))
+                      LocalBlocksBackend)
 
 
 def ensure_registered() -> None:

@@ -99,8 +99,6 @@ def gloo_interface() -> str | None:
 
 
 class _SkipsCombineWhenEmpty(All2AllBackend):
-    recorder = None
-
     def combine(self, y, dispatched):
         if dispatched.state.row_of_pair.shape[0] == 0:  # nothing of mine to get back: skip the exchange (the bug)
             return torch.zeros(0, y.shape[1], dtype=torch.float32, device=y.device)
@@ -114,14 +112,14 @@ class SkipsCombineWhenEmpty(MoELayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if isinstance(self.backend, All2AllBackend):
-            _with_backend(self, _SkipsCombineWhenEmpty(self.cfg, self.quant, self.groups))
+            _with_backend(self, _SkipsCombineWhenEmpty(self.backend.ctx))
 
 
 # -- planted faults that `moeshard check --explain` must explain (tests/test_explain.py) --------
 
 def _with_backend(layer: MoELayer, backend) -> None:
-    """Replaces the layer's backend by a faulty one, keeping its stage recorder."""
-    backend.recorder = layer.recorder
+    """Replaces the layer's backend by a faulty one (built from the same context: the layer's
+    stage recorder included)."""
     layer.backend = backend
 
 
@@ -143,7 +141,7 @@ class DropsRowUnderSP(MoELayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.parallel.is_sequence_parallel and isinstance(self.backend, AllGatherReduceScatterBackend):
-            _with_backend(self, _DropsLastRowOnRank1(self.cfg, self.quant, self.groups))
+            _with_backend(self, _DropsLastRowOnRank1(self.backend.ctx))
 
 
 class MisScaledTPSlice(MoELayer):
@@ -180,7 +178,7 @@ class ScalesReversedInDispatch(MoELayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if isinstance(self.backend, All2AllBackend):
-            _with_backend(self, _ScalesReversedOnRank0(self.cfg, self.quant, self.groups))
+            _with_backend(self, _ScalesReversedOnRank0(self.backend.ctx))
 
 
 class SharedTwiceUnderSP(MoELayer):
@@ -222,7 +220,7 @@ class MiscountsOnRank1(MoELayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if isinstance(self.backend, AllGatherReduceScatterBackend):
-            _with_backend(self, _MiscountsOnRank1(self.cfg, self.quant, self.groups))
+            _with_backend(self, _MiscountsOnRank1(self.backend.ctx))
 
 
 def run_plans_raising_in_combine_on_rank1(plans, traces):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.config import MoEConfig, QuantConfig
+from moeshard.dispatch.base import BackendContext
 from moeshard.dispatch.registry import BACKENDS
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
@@ -49,7 +50,7 @@ def _worker(world: int) -> list[dict]:
     groups = ParallelGroups.build(ParallelConfig(dp=world, tp=1, enable_ep=True))
     results = []
     for backend in EP_BACKENDS:
-        be = BACKENDS[backend].factory(CFG, QuantConfig(), groups, MAX_TOKENS)
+        be = BACKENDS[backend].factory(BackendContext(CFG, QuantConfig(), groups, MAX_TOKENS))
         per_rank = E // world
         for seed, tokens in enumerate(TOKEN_SETS[world]):
             x, routing = _routing(rank, tokens[rank], seed)
@@ -71,7 +72,8 @@ def _worker(world: int) -> list[dict]:
             wire_ok = {}
             domain = torch.cat([xs for xs, _ in everyone])
             for scheme in WIRE_QUANTS:
-                dq = BACKENDS[backend].factory(CFG, QuantConfig(scheme), groups, MAX_TOKENS).dispatch(x, routing).input
+                dq = BACKENDS[backend].factory(BackendContext(CFG, QuantConfig(scheme), groups, MAX_TOKENS)).dispatch(
+                    x, routing).input
                 q = dq.x
                 ok = isinstance(q, QuantizedActivations) and q.shape == (len(ids), H)
                 amax = domain.abs().amax().float() if domain.numel() else torch.zeros(())

@@ -26,7 +26,7 @@ import torch
 from quant_asserts import assert_same_quantization
 
 from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.base import weighted_sum
+from moeshard.dispatch.base import BackendContext, weighted_sum
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
 from moeshard.experts.base import ExpertInput, ExpertWeights
@@ -167,7 +167,7 @@ def test_kernels_imported_compiled_are_an_error_not_a_skip(interpreted_kernels):
 
 def test_local_backend_round_trip():
     T, K, H = 6, 3, 8
-    backend = LocalBackend(MoEConfig(4, K, H, 16), QuantConfig())
+    backend = LocalBackend(BackendContext(MoEConfig(4, K, H, 16), QuantConfig()))
     x = torch.randn(T, H)
     routing = Routing(torch.randint(0, 4, (T, K)), torch.rand(T, K))
     d = backend.dispatch(x, routing)

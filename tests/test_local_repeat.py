@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.base import Dispatched, weighted_sum
+from moeshard.dispatch.base import BackendContext, Dispatched, weighted_sum
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts import GroupedExperts
 from moeshard.experts.base import ExpertInput, ExpertWeights
@@ -95,7 +95,7 @@ NO_QUANT = QuantConfig()
 
 
 def _local(quant: QuantConfig = NO_QUANT) -> LocalBackend:
-    return LocalBackend(MoEConfig(E, K, 32, 16), quant)
+    return LocalBackend(BackendContext(MoEConfig(E, K, 32, 16), quant))
 
 
 def test_local_dispatch_keeps_tokens_unexpanded():
@@ -199,7 +199,7 @@ def test_layer_output_unchanged(quant):
     x = torch.randn(11, cfg.hidden_size, generator=g).to(cfg.dtype)
     layer = MoELayer(cfg, quant=quant, weights=w)
     out = layer(x)
-    layer.backend = _ExpandingLocal(cfg, quant)
+    layer.backend = _ExpandingLocal(layer.backend.ctx)
     assert torch.equal(out, layer(x))
 
 

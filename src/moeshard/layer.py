@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name
-from moeshard.dispatch.base import DispatchBackend
+from moeshard.dispatch.base import BackendContext, DispatchBackend
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.eplb.loads import LoadCounter
 from moeshard.eplb.moves import MoveStats, move_slots, plan_moves
@@ -285,12 +285,11 @@ class MoELayer(nn.Module):
         if max_tokens_per_rank is not None:  # under SP a rank routes its 1/tp chunk
             routed_max = -(-max_tokens_per_rank // parallel.tp) if parallel.is_sequence_parallel else max_tokens_per_rank
         # With a placement the backend routes slots: P * S of them, S per EP rank.
-        self.backend: DispatchBackend = BACKENDS[backend].factory(self.placement.backend_config(cfg), quant, groups,
-                                                                  routed_max)
+        self.backend: DispatchBackend = BACKENDS[backend].factory(
+            BackendContext(self.placement.backend_config(cfg), quant, groups, routed_max, recorder))
         self.overlap_shared = self.device.type == "cuda"
         self._side_stream: torch.cuda.Stream | None = None
         self.recorder = recorder
-        self.backend.recorder = recorder
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
 
     @property

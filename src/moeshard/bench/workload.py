@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.config import MoEConfig, QuantConfig
+from moeshard.dispatch.base import BackendContext
 from moeshard.dispatch.local import LocalBackend
 from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.presets import PRESETS, get_preset
@@ -110,7 +111,7 @@ def routed_input(model: ModelOnDevice, x: torch.Tensor, quant: QuantConfig) -> t
     in the layer, the input's x holds T rows with ``repeat = K`` (M = T * K routed rows)."""
     cfg = model.cfg
     routing = route(router_logits(x, model.shell.gate), cfg, model.shell.correction_bias)
-    return LocalBackend(cfg, quant).dispatch(x, routing).input, routing
+    return LocalBackend(BackendContext(cfg, quant)).dispatch(x, routing).input, routing
 
 
 def expert_flops(rows: int, cfg: MoEConfig) -> int:

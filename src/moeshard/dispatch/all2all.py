@@ -18,14 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.base import Dispatched, combine_rows
+from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, combine_rows
 from moeshard.dispatch.packing import SlotLayout, pack, unpack
-from moeshard.dispatch.payload import prepare
 from moeshard.parallel.collectives import all_to_allv, exchange_counts
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
-from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -39,18 +36,17 @@ class All2AllState:
     recv: list[int]
 
 
-class All2AllBackend:
+class All2AllBackend(RowBackend):
     name = "all2all"
-    recorder: StageRecorder | None = None  # set by the layer when it records its stages
+    groups: ParallelGroups  # EP on: ep_groups() refused a layout without
 
-    def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups) -> None:
-        if groups is None or groups.ep_group is None:
-            raise ValueError("all2all: needs expert parallelism (ParallelConfig.enable_ep=True)")
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
         # On CUDA the count exchange needs the gloo side group: the layer refuses its absence with
         # the registry's reason (``support``) before building this backend.
-        self.groups, self.quant = groups, quant
+        groups = self.groups = self.ep_groups()
         self.ep_size = groups.config.ep_size
-        self.experts_per_rank = cfg.num_experts // self.ep_size
+        self.experts_per_rank = ctx.cfg.num_experts // self.ep_size
 
     def _counts(self, dest: torch.Tensor) -> tuple[list[int], list[int]]:
         send = torch.bincount(dest, minlength=self.ep_size)
@@ -65,7 +61,7 @@ class All2AllBackend:
         return all_to_allv(t.contiguous(), send, recv, self.groups.ep_group, "ep", trace=self.groups.trace)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
-        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace, self.recorder)
+        p = self.payload(x)
         T, K = routing.topk_ids.shape
         ids = routing.topk_ids.reshape(-1)
         dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")

@@ -13,13 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.base import Dispatched, weighted_sum
-from moeshard.dispatch.payload import prepare
+from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, weighted_sum
 from moeshard.parallel.collectives import all_gatherv, exchange_sizes, reduce_scatterv
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
-from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -33,23 +30,22 @@ class GatherState:
     num_gathered: int
 
 
-class AllGatherReduceScatterBackend:
+class AllGatherReduceScatterBackend(RowBackend):
     name = "allgather_reducescatter"
-    recorder: StageRecorder | None = None  # set by the layer when it records its stages
+    groups: ParallelGroups  # EP on: ep_groups() refused a layout without
 
-    def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups) -> None:
-        if groups is None or groups.ep_group is None:
-            raise ValueError("allgather_reducescatter: needs expert parallelism (ParallelConfig.enable_ep=True)")
-        self.groups, self.quant = groups, quant
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        groups = self.groups = self.ep_groups()
         ep = groups.config.ep_size
-        self.experts_per_rank = cfg.num_experts // ep
+        self.experts_per_rank = ctx.cfg.num_experts // ep
         self.first_expert = groups.index_in("ep") * self.experts_per_rank
 
     def _gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return all_gatherv(t.contiguous(), sizes, self.groups.ep_group, "ep", trace=self.groups.trace)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
-        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace, self.recorder)
+        p = self.payload(x)
         sizes = exchange_sizes(x.shape[0], self.groups.ep_group, x.device, group_name="ep", trace=self.groups.trace)
         x_all = self._gather(p.rows, sizes)
         scale_all = None if p.row_scale is None else self._gather(p.row_scale, sizes)

@@ -19,13 +19,19 @@ of times, in the same order (they are collective), with the same H and dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from moeshard.config import MoEConfig, QuantConfig
+from moeshard.dispatch.payload import Payload, prepare
 from moeshard.experts.base import ExpertInput
 from moeshard.kernels import triton_importable
 from moeshard.router import Routing
+
+if TYPE_CHECKING:
+    from moeshard.parallel.groups import ParallelGroups
+    from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -40,13 +46,29 @@ class Dispatched:
     state: Any
 
 
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend is built from (its registry entry's factory takes this one object).
+
+    cfg: the layer's ``MoEConfig`` as the backend routes it (under a load-balancing placement,
+    ``num_experts`` counts physical slots); quant: the layer's ``QuantConfig``; groups: the
+    ``ParallelGroups`` (None for a layer outside any world); max_tokens: the most rows this rank
+    routes in one forward (``MoELayer(max_tokens_per_rank=...)``, divided over the TP ranks under
+    SP), or None when the layer was given no bound; recorder: the layer's ``StageRecorder``, or
+    None unless ``moeshard check --explain`` records the stages.
+    """
+
+    cfg: MoEConfig
+    quant: QuantConfig
+    groups: ParallelGroups | None = None
+    max_tokens: int | None = None
+    recorder: StageRecorder | None = None
+
+
 class DispatchBackend(Protocol):
-    """Built by its registry entry's factory from ``(cfg, quant, groups)``. ``recorder``: the
-    layer sets it to its ``StageRecorder`` (or None); a backend passes it to ``payload.prepare``
-    so that ``moeshard check --explain`` sees the payload it sends."""
+    """Built by its registry entry's factory from a ``BackendContext``; ``name`` as registered."""
 
     name: str
-    recorder: Any
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         """x: [T, H] this rank's tokens (model dtype); routing: ids/weights [T, K] (global
@@ -56,6 +78,31 @@ class DispatchBackend(Protocol):
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y: [M, H] expert outputs for ``dispatched.input``'s rows -> fp32 [T, H] weighted sums."""
         ...
+
+
+class RowBackend:
+    """What the built-in backends share: the context's fields as attributes, and ``payload``,
+    which quantizes this rank's tokens for the wire exactly as every backend must
+    (``payload.prepare``: per-tensor amaxes all-reduced over the EP group, the collective traced,
+    the payload recorded for ``--explain``)."""
+
+    name: str
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+        self.cfg, self.quant, self.groups, self.recorder = ctx.cfg, ctx.quant, ctx.groups, ctx.recorder
+
+    def payload(self, x: torch.Tensor) -> Payload:
+        """x: [T, H] this rank's tokens (model dtype) -> the ``Payload`` to send."""
+        groups = self.groups
+        return prepare(x, self.quant, groups.ep_group if groups is not None else None,
+                       groups.trace if groups is not None else None, self.recorder)
+
+    def ep_groups(self) -> ParallelGroups:
+        """The groups, refusing a layout without expert parallelism (the EP backends need one)."""
+        if self.groups is None or self.groups.ep_group is None:
+            raise ValueError(f"{self.name}: needs expert parallelism (ParallelConfig.enable_ep=True)")
+        return self.groups
 
 
 def combine_rows(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

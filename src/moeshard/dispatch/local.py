@@ -17,12 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.base import Dispatched
-from moeshard.dispatch.payload import prepare
+from moeshard.dispatch.base import Dispatched, RowBackend
 from moeshard.kernels import triton_importable
 from moeshard.router import Routing
-from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -36,12 +33,8 @@ class LocalState:
         return self.topk_weights.shape[0]
 
 
-class LocalBackend:
+class LocalBackend(RowBackend):
     name = "local"
-    recorder: StageRecorder | None = None  # set by the layer when it records its stages
-
-    def __init__(self, cfg: MoEConfig, quant: QuantConfig) -> None:
-        self.cfg, self.quant = cfg, quant
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         """x: [T, H]; routing ids/weights [T, K] -> T * K routed rows, token-major.
@@ -51,7 +44,7 @@ class LocalBackend:
         (identical on the TP ranks of a DP rank), so no collective runs.
         """
         K = routing.topk_ids.shape[1]
-        p = prepare(x, self.quant, recorder=self.recorder)
+        p = self.payload(x)
         inp = p.expert_input(p.rows, p.row_scale, routing.topk_ids.reshape(-1), repeat=K)
         return Dispatched(inp, LocalState(routing.topk_weights.float().contiguous()))
 

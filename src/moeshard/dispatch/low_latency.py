@@ -25,14 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeshard.config import MoEConfig, QuantConfig
-from moeshard.dispatch.base import Dispatched, combine_rows
+from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, combine_rows
 from moeshard.dispatch.packing import SlotLayout, pack, unpack
-from moeshard.dispatch.payload import prepare
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.trace import traced
 from moeshard.router import Routing
-from moeshard.stages import StageRecorder
 
 
 @dataclass(frozen=True)
@@ -43,20 +40,21 @@ class LowLatencyState:
     weights: torch.Tensor
 
 
-class LowLatencyBackend:
-    """cfg, quant: the layer's; groups: with EP on; max_tokens: the most rows this rank routes in
-    one forward (the layer's ``max_tokens_per_rank``, divided over the TP ranks under SP)."""
+class LowLatencyBackend(RowBackend):
+    """Built from a ``BackendContext`` with EP on and ``max_tokens`` set: the most rows this rank
+    routes in one forward (the layer's ``max_tokens_per_rank``, divided over the TP ranks under SP)."""
 
     name = "low_latency"
-    recorder: StageRecorder | None = None  # set by the layer when it records its stages
+    groups: ParallelGroups  # EP on: ep_groups() refused a layout without
 
-    def __init__(self, cfg: MoEConfig, quant: QuantConfig, groups: ParallelGroups, max_tokens: int) -> None:
-        if groups is None or groups.ep_group is None:
-            raise ValueError("low_latency: needs expert parallelism (ParallelConfig.enable_ep=True)")
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        groups = self.groups = self.ep_groups()
+        cfg, max_tokens = ctx.cfg, ctx.max_tokens
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"low_latency (rank {groups.rank}): max_tokens must be an int >= 1 (the layer's "
                              f"max_tokens_per_rank), got {max_tokens!r}")
-        self.groups, self.quant, self.max_tokens = groups, quant, max_tokens
+        self.max_tokens = max_tokens
         self.peers = groups.config.ep_size
         self.experts_per_rank = cfg.num_experts // self.peers
         self.top_k, self.hidden = cfg.top_k, cfg.hidden_size
@@ -86,7 +84,7 @@ class LowLatencyBackend:
         if T > self.max_tokens:
             raise ValueError(f"low_latency (rank {self.groups.rank}): {T} tokens to route, but the buffers hold "
                              f"max_tokens={self.max_tokens} per rank")
-        p = prepare(x, self.quant, self.groups.ep_group, self.groups.trace, self.recorder)
+        p = self.payload(x)
         layout = SlotLayout.of(p)
         send = self._buffer("send", layout.row, torch.uint8, x.device)
         recv = self._buffer("recv", layout.row, torch.uint8, x.device)

@@ -14,19 +14,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moeshard.config import MoEConfig, QuantConfig
+from moeshard.config import QuantConfig
 from moeshard.experts.base import FLAT, LAYOUTS
 from moeshard.parallel.config import ParallelConfig
 from moeshard.quant.schemes import scheme_names
 
 if TYPE_CHECKING:
-    from moeshard.dispatch.base import DispatchBackend
+    from moeshard.dispatch.base import BackendContext, DispatchBackend
     from moeshard.parallel.groups import ParallelGroups
     from moeshard.parallel.trace import CollectiveTrace
 
-# (cfg, quant, groups, max_tokens): max_tokens is the most rows a rank routes in one forward, or
-# None when the layer was given no bound (only backends with needs_max_tokens require one).
-Factory = Callable[[MoEConfig, QuantConfig, "ParallelGroups | None", "int | None"], "DispatchBackend"]
+# BackendContext -> the backend (``moeshard.dispatch.base``: cfg, quant, groups, max_tokens, recorder).
+Factory = Callable[["BackendContext"], "DispatchBackend"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class BackendSpec:
     (``moeshard.experts.base.LAYOUTS``). quantize_before_dispatch: whether quantized payloads may
     cross it (else it needs ``defer_input_quant``). side_group_on: device types on which it needs
     ``ParallelGroups.side_group`` (a gloo group for host-side metadata). summary: one line.
-    factory: ``(cfg, quant, groups, max_tokens) -> DispatchBackend``. quants: the schemes it
+    factory: ``BackendContext -> DispatchBackend``. quants: the schemes it
     moves, or None for every registered scheme (a backend that moves rows as opaque bytes supports
     any). needs_max_tokens: it sizes fixed buffers from ``MoELayer(max_tokens_per_rank=...)``.
     graph_safe: dispatch and combine never synchronise with the host, so a forward through it can
@@ -60,24 +59,24 @@ class BackendSpec:
         return scheme_names() if self.quants is None else self.quants
 
 
-def _local(cfg, quant, groups, max_tokens):
+def _local(ctx):
     from moeshard.dispatch.local import LocalBackend
-    return LocalBackend(cfg, quant)
+    return LocalBackend(ctx)
 
 
-def _agrs(cfg, quant, groups, max_tokens):
+def _agrs(ctx):
     from moeshard.dispatch.allgather_reducescatter import AllGatherReduceScatterBackend
-    return AllGatherReduceScatterBackend(cfg, quant, groups)
+    return AllGatherReduceScatterBackend(ctx)
 
 
-def _a2a(cfg, quant, groups, max_tokens):
+def _a2a(ctx):
     from moeshard.dispatch.all2all import All2AllBackend
-    return All2AllBackend(cfg, quant, groups)
+    return All2AllBackend(ctx)
 
 
-def _low_latency(cfg, quant, groups, max_tokens):
+def _low_latency(ctx):
     from moeshard.dispatch.low_latency import LowLatencyBackend
-    return LowLatencyBackend(cfg, quant, groups, max_tokens)
+    return LowLatencyBackend(ctx)
 
 
 BACKENDS: dict[str, BackendSpec] = {}
