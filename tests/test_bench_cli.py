@@ -56,7 +56,8 @@ def test_committed_ratios_follow_from_its_timings(committed):
         assert new["ratios"].keys() == old["ratios"].keys()
         for key in old["ratios"]:
             assert new["ratios"][key] == pytest.approx(old["ratios"][key], rel=1e-12), (old["model"], old["tokens"], key)
-    assert targets.evaluate(committed["records"]) == committed["targets"]
+    # targets added after that run come last; the ones it evaluated are unchanged
+    assert targets.evaluate(committed["records"])[:len(committed["targets"])] == committed["targets"]
 
 
 def test_report_renders(committed, tmp_path):
