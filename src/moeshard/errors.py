@@ -56,6 +56,12 @@ class RankFailed(MoeshardError):
     exit_code = ExitCode.RANK_FAILED
 
 
+class TimedOut(MoeshardError):
+    """Work that runs in this process (a world of one rank) did not finish within ``--timeout``."""
+
+    exit_code = ExitCode.RANK_TIMEOUT
+
+
 class OutputError(MoeshardError):
     """An output file could not be written; the file is left as it was (writes are atomic)."""
 

@@ -117,7 +117,7 @@ def run(args) -> int:
     console = wide_console()
     opts = options(args)
     case_timeout = timeout(args.timeout)
-    if args.json and not args.list:
+    if args.json is not None and not args.list:
         check_output_path(args.json, "--json")
     cases = matrix.generate(opts)
     if args.only:
@@ -177,7 +177,7 @@ def run(args) -> int:
     if interrupted is not None:
         not_run = sum(o.reason.startswith("not run: interrupted") for o in outcomes)
         console.print(f"[bold red]interrupted[/]: {not_run} valid cases not run", highlight=False)
-    if args.json:
+    if args.json is not None:
         report.write_json(args.json, outcomes, wall, args.device)
         console.print(f"wrote {escape(args.json)}", highlight=False)
     if interrupted is not None:

@@ -45,6 +45,7 @@ from moeshard.parallel.spawn import (
     available_memory,
     check_local_world,
     destroy,
+    in_process_deadline,
     init_from_env,
     spawn,
     torchrun_environment,
@@ -145,7 +146,8 @@ def _as_value_error(failure: RankFailure, traces: list | None = None, plan: RunP
 def _execute_local(plan: RunPlan, timeout_s: float) -> list[RunRankResult]:
     world = plan.parallel.world_size
     if world == 1:
-        return [run_rank(plan, None)]
+        with in_process_deadline(timeout_s, "rank 0 (in this process)"):
+            return [run_rank(plan, None)]
     # Each rank records the collectives it enters (a few microseconds each); read only on failure.
     traces = [CollectiveTrace.shared(TRACE_CAPACITY) for _ in range(world)]
     try:
@@ -198,7 +200,10 @@ def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
                                                               plan.spec.seed, plan.cfg.dtype)
 
     def write(tmp: str) -> None:
-        save_file(tensors, tmp, metadata={"moeshard_run": json.dumps(describe(plan))})
+        try:
+            save_file(tensors, tmp, metadata={"moeshard_run": json.dumps(describe(plan))})
+        except SafetensorError as exc:  # safetensors' own I/O errors (a full disk) are not OSErrors
+            raise OutputError(f"cannot write {path!r}: {exc}") from None
         try:
             with safe_open(tmp, "pt") as f:
                 complete = set(f.keys()) == set(tensors)
