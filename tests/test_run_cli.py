@@ -103,7 +103,7 @@ def test_run_random_preset_two_ranks_matches_reference(tmp_path, capsys):
     (["--random", "mixtral-8x7b", "--output", "/nonexistent-dir/out.safetensors"], "does not exist"),
     (["--random", "mixtral-8x7b", "--dp", "3", "--ep"], "num_experts=8 is not divisible by the EP size 3"),
     (["--random", "mixtral-8x7b", "--backend", "all2all"], "all2all needs expert parallelism"),
-    (["--model", "/nonexistent-model", "--layer", "0"], "model directory '/nonexistent-model' does not exist"),
+    (["--model", "/nonexistent-model", "--layer", "0"], "--model '/nonexistent-model' does not exist"),
 ])
 def test_run_refusals_exit_2_before_spawning(argv, message, capsys):
     assert moeshard_run(argv) == 2

@@ -110,7 +110,7 @@ def check_input_file(path: str | Path, flag: str) -> Path:
     try:
         info = file.stat()
     except FileNotFoundError:
-        raise ValueError(f"{flag} {str(path)!r}: does not exist") from None
+        raise ValueError(f"{flag} {str(path)!r} does not exist") from None
     except OSError as exc:
         raise ValueError(f"{flag} {str(path)!r}: cannot be read: {_why(exc)}") from None
     if stat.S_ISDIR(info.st_mode):
@@ -131,7 +131,7 @@ def check_input_dir(path: str | Path, flag: str) -> Path:
     try:
         info = directory.stat()
     except FileNotFoundError:
-        raise ValueError(f"{flag} {str(path)!r}: does not exist") from None
+        raise ValueError(f"{flag} {str(path)!r} does not exist") from None
     except OSError as exc:
         raise ValueError(f"{flag} {str(path)!r}: cannot be read: {_why(exc)}") from None
     if not stat.S_ISDIR(info.st_mode):

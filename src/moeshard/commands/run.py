@@ -37,7 +37,7 @@ from rich.table import Table
 
 from moeshard.commands.args import add_layout_arguments, ints, seed, timeout
 from moeshard.errors import MoeshardError, OutputError, RankFailed
-from moeshard.outputs import atomic_write, check_output_path
+from moeshard.outputs import atomic_write, check_input_dir, check_input_file, check_output_path
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.spawn import (
@@ -84,6 +84,10 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         raise ValueError("--full only applies to --random")
     if args.random is not None and args.model is not None:
         raise ValueError(f"give either --model or --random, not both (got --model {args.model!r}, --random {args.random!r})")
+    if args.model is not None:
+        check_input_dir(args.model, "--model")
+    if args.input is not None:
+        check_input_file(args.input, "--input")
     split = None if args.tokens_per_rank is None else ints(args.tokens_per_rank, "--tokens-per-rank")
     spec = RunSpec(parallel=ParallelConfig(args.dp, args.tp, args.ep), model_dir=args.model, layer=args.layer,
                    preset=args.random, preset_size="full" if args.full else "small", seed=seed(args.seed),
