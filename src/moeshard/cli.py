@@ -70,10 +70,11 @@ class _WatchedStdout:
         return getattr(self.inner, name)
 
 
-def _silence(stream) -> None:
+def _silence(stream: object) -> None:
     """Points the process's standard output at the null device, so the interpreter's own flush
     at exit does not fail a second time on what is still buffered."""
-    if stream is sys.__stdout__:
+    if stream is sys.__stdout__ and sys.__stdout__ is not None:
+        stream = sys.__stdout__
         with contextlib.suppress(OSError, ValueError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, stream.fileno())
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
-    stdout = sys.stdout = _WatchedStdout(sys.stdout)  # type: ignore[assignment]
+    stdout = _WatchedStdout(sys.stdout)
+    sys.stdout = stdout
     try:
         code = int(args.func(args))
         sys.stdout.flush()  # here, not at exit: a full disk under > FILE is this command's failure
