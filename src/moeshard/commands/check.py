@@ -66,6 +66,11 @@ def add_parser(sub) -> None:
 
 
 def options(args) -> matrix.MatrixOptions:
+    if args.eplb and args.no_eplb:
+        raise ValueError("--eplb and --no-eplb contradict each other; give one of the two")
+    if args.world_sizes is not None and not ints(args.world_sizes, "--world-sizes"):
+        raise ValueError(f"--world-sizes {args.world_sizes!r}: no world size given (leave the option out for the "
+                         f"default 1,2,4)")
     world_sizes = ints(args.world_sizes, "--world-sizes") if args.world_sizes else ((1, 2, 4, 8) if args.full else (1, 2, 4))
     chosen = None
     if args.layouts:

@@ -36,7 +36,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moeshard.commands.args import add_layout_arguments, ints, seed, timeout
-from moeshard.errors import MoeshardError, OutputError, RankFailed
+from moeshard.errors import MoeshardError, NonFiniteOutput, OutputError, RankFailed
 from moeshard.outputs import atomic_write, check_input_dir, check_input_file, check_output_path
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
@@ -55,6 +55,9 @@ from moeshard.presets import PRESETS
 from moeshard.runjob import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank
 
 
+DEFAULT_TOKENS = 16  # tokens generated without --input, --tokens or --tokens-per-rank
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("run", help="apply a checkpoint's MoE block to hidden states under a layout",
                               description="Apply one MoE block of a Hugging Face checkpoint (or random weights) to "
@@ -68,9 +71,12 @@ def add_parser(subparsers) -> None:
     src.add_argument("--seed", type=int, default=0, help="seed of random weights and generated input (default 0)")
     io = p.add_argument_group("tokens")
     io.add_argument("--input", metavar="IN", help="safetensors file with hidden_states [T, H] (default: generated)")
-    io.add_argument("--tokens", type=int, default=16, metavar="T", help="tokens to generate without --input (16)")
+    io.add_argument("--tokens", type=int, default=None, metavar="T",
+                    help="tokens to generate without --input (default: the sum of --tokens-per-rank, else 16)")
     io.add_argument("--tokens-per-rank", metavar="N0,N1,...", help="tokens per DP rank (default: even split)")
     io.add_argument("--output", metavar="OUT", help="safetensors file to write hidden_states [T, H] to")
+    io.add_argument("--allow-nonfinite", action="store_true",
+                    help="write and accept an output holding NaN/Inf (default: refused, exit code 7)")
     add_layout_arguments(p, dtype_help="model dtype (default: the input's, else the checkpoint's)",
                          timeout_help="seconds the whole run may take (default 600; finite); under torchrun, the bound "
                                       "on the rendezvous and on every collective")
@@ -89,9 +95,13 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     if args.input is not None:
         check_input_file(args.input, "--input")
     split = None if args.tokens_per_rank is None else ints(args.tokens_per_rank, "--tokens-per-rank")
+    if args.input is not None and args.tokens is not None:
+        raise ValueError(f"--tokens {args.tokens} conflicts with --input {args.input!r}, which gives the tokens "
+                         f"(all of its rows); give one of the two")
+    num_tokens = args.tokens if args.tokens is not None else (sum(split) if split else DEFAULT_TOKENS)
     spec = RunSpec(parallel=ParallelConfig(args.dp, args.tp, args.ep), model_dir=args.model, layer=args.layer,
                    preset=args.random, preset_size="full" if args.full else "small", seed=seed(args.seed),
-                   input_path=args.input, num_tokens=args.tokens, tokens_per_rank=split,
+                   input_path=args.input, num_tokens=num_tokens, tokens_per_rank=split,
                    quant=args.quant, defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
                    device=args.device)
     if args.output is not None:
@@ -256,9 +266,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         check_memory(plan, available_memory())
         results = _execute_local(plan, timeout_s)
+    output = results[0].output
+    assert output is not None  # rank 0's result holds the output of all T tokens
+    bad = output.numel() - int(torch.isfinite(output).sum())
+    if bad and not args.allow_nonfinite:
+        raise NonFiniteOutput(f"the output holds {bad} NaN/Inf value(s) of {output.numel()} (first at row "
+                              f"{int((~torch.isfinite(output)).any(dim=1).nonzero()[0])}); nothing written"
+                              + (f" to {args.output!r}" if args.output is not None else "")
+                              + " (--allow-nonfinite writes it anyway)")
     if args.output is not None:
-        output = results[0].output
-        assert output is not None  # rank 0's result holds the output of all T tokens
         _write(args.output, plan, output)
     _summary(plan, results, args.output, time.perf_counter() - start)
     sys.stdout.flush()
