@@ -96,7 +96,7 @@ def test_run_random_preset_two_ranks_matches_reference(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--random", "mixtral-8x7b", "--tokens", "5", "--dp", "2", "--tokens-per-rank", "2,2"],
-     "--tokens-per-rank: [2, 2] sums to 4, but the input has T=5 tokens"),
+     "--tokens-per-rank: [2, 2] sums to 4, but --tokens asks for T=5 tokens"),
     (["--random", "mixtral-8x7b", "--model", "somewhere"], "give either --model or --random, not both"),
     (["--model", "somewhere"], "--model needs --layer"),
     (["--tokens", "4"], "give exactly one of a model directory (--model) and a preset (--random)"),

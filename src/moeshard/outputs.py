@@ -64,6 +64,8 @@ def check_output_path(path: str | Path, flag: str, reads: Iterable[str | Path] =
     when it cannot be written or is one of the files in ``reads``."""
     if not isinstance(path, (str, Path)) or not str(path):
         raise ValueError(f"{flag}: expected a file path, got {path!r}")
+    if str(path).endswith(os.sep):  # Path() drops the slash that says "a directory"
+        raise ValueError(f"{flag} {str(path)!r}: names a directory; give a file path")
     try:
         return _check_output_path(Path(path), flag, reads)
     except OSError as exc:  # a name too long, a directory that cannot be searched, a loop of links
@@ -72,7 +74,7 @@ def check_output_path(path: str | Path, flag: str, reads: Iterable[str | Path] =
 
 def _check_output_path(target: Path, flag: str, reads: Iterable[str | Path]) -> Path:
     shown = repr(str(target))
-    if str(target).endswith(os.sep) or target.name in ("", ".", ".."):
+    if target.name in ("", ".", ".."):
         raise ValueError(f"{flag} {shown}: names a directory; give a file path")
     parent = target.resolve().parent
     name_bytes, name_max = len(os.fsencode(target.name)), _name_max(parent if parent.is_dir() else Path(os.sep))

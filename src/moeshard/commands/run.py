@@ -54,7 +54,6 @@ from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headl
 from moeshard.presets import PRESETS
 from moeshard.runjob import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank
 
-
 DEFAULT_TOKENS = 16  # tokens generated without --input, --tokens or --tokens-per-rank
 
 
@@ -90,10 +89,6 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         raise ValueError("--full only applies to --random")
     if args.random is not None and args.model is not None:
         raise ValueError(f"give either --model or --random, not both (got --model {args.model!r}, --random {args.random!r})")
-    if args.model is not None:
-        check_input_dir(args.model, "--model")
-    if args.input is not None:
-        check_input_file(args.input, "--input")
     split = None if args.tokens_per_rank is None else ints(args.tokens_per_rank, "--tokens-per-rank")
     if args.input is not None and args.tokens is not None:
         raise ValueError(f"--tokens {args.tokens} conflicts with --input {args.input!r}, which gives the tokens "
@@ -104,6 +99,11 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
                    input_path=args.input, num_tokens=num_tokens, tokens_per_rank=split,
                    quant=args.quant, defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
                    device=args.device)
+    # After the options' own checks (RunSpec), before anything reads the files.
+    if args.model is not None:
+        check_input_dir(args.model, "--model")
+    if args.input is not None:
+        check_input_file(args.input, "--input")
     if args.output is not None:
         check_output_path(args.output, "--output", reads=files_read(spec))
     return spec
