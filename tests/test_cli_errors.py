@@ -366,3 +366,200 @@ def test_reasons_are_printed_verbatim_never_as_markup():
     report.print_summary(console, outcomes, 1.0, "cpu")
     text = buffer.getvalue()
     assert reason in text and "[red]skip reason[/red]" in text
+
+
+# -- one table of bad paths, sizes and timeouts, for every command -----------------------------
+def _gen_model(tmp: Path) -> Path:
+    """A directory generate accepts as far as its options are checked (they are refused first)."""
+    return _tiny_checkpoint(tmp / "gen-model")
+
+
+# Each command: its argv with the output flag last, so that a bad path can be appended.
+COMMANDS = {
+    "run": lambda tmp: ["run", "--random", "mixtral-8x7b", "--output"],
+    "check": lambda tmp: ["check", "--world-sizes", "1", "--quants", "none", "--json"],
+    "generate": lambda tmp: ["generate", "--model", str(_gen_model(tmp)), "--input-ids", "1,2", "--output"],
+    "eplb": lambda tmp: ["eplb", "--tokens", "8", "--json"],
+    "bench": lambda tmp: ["bench", "--world-size", "2", "--device", "cpu", "--size", "small", "--json"],
+}
+BAD_PATHS = {
+    "empty": (lambda tmp: "", "expected a file path, got ''"),
+    "directory": (lambda tmp: str(tmp), "is a directory"),
+    "trailing slash": (lambda tmp: str(tmp / "new") + "/", "names a directory"),
+    "missing parent": (lambda tmp: str(tmp / "missing" / "out.json"), "does not exist"),
+    "char device /dev/full": (lambda tmp: "/dev/full", "is not a regular file"),
+    "char device /dev/null": (lambda tmp: "/dev/null", "is not a regular file"),
+    "name too long": (lambda tmp: str(tmp / ("x" * 300)), "the file name is 300 bytes"),
+    "unwritable directory": (lambda tmp: "/proc/moeshard-out.json", "cannot create a file in directory '/proc'"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_PATHS))
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_refuses_every_bad_output_path_first(command, bad, tmp_path, capsys):
+    if command == "bench" and bad == "missing parent":  # bench makes its output directories
+        pytest.skip("bench --json creates its directory")
+    path, message = BAD_PATHS[bad]
+    before = os.stat("/dev/full").st_mode
+    start = time.monotonic()
+    assert main([*COMMANDS[command](tmp_path), path(tmp_path)]) == 2
+    line = error_line(capsys, command)
+    assert message in line and ("--json" in line or "--output" in line), line
+    assert time.monotonic() - start < 10  # refused before any work
+    assert os.stat("/dev/full").st_mode == before  # the device is still a device
+
+
+BAD_NUMBERS = {
+    "timeout nan": (["--timeout", "nan"], "--timeout: must be a finite number"),
+    "timeout inf": (["--timeout", "inf"], "--timeout: must be a finite number"),
+    "timeout -1": (["--timeout", "-1"], "--timeout: must be a finite number"),
+    "timeout 0": (["--timeout", "0"], "--timeout: must be a finite number"),
+    "seed -1": (["--seed", "-1"], "--seed: must be an integer in [0, 9223372036854775806], got -1"),
+}
+NUMBER_COMMANDS = {
+    "run": ["run", "--random", "mixtral-8x7b", "--dp", "2"],
+    "check": ["check", "--world-sizes", "1,2"],
+    "eplb": ["eplb", "--layer", "--device", "cpu"],
+    "bench": ["bench", "--world-size", "2", "--device", "cpu", "--size", "small"],
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_NUMBERS))
+@pytest.mark.parametrize("command", list(NUMBER_COMMANDS))
+def test_every_command_refuses_bad_timeouts_and_seeds_by_their_flag(command, bad, capsys):
+    argv, message = BAD_NUMBERS[bad]
+    assert main([*NUMBER_COMMANDS[command], *argv]) == 2
+    assert message in error_line(capsys, command)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eplb", "--tokens", "100000000"], "the trace of 8 steps x 8 ranks x 100000000 tokens (--tokens) needs about"),
+    (["eplb", "--layer", "--device", "cpu", "--tokens", "100000000"], "--layer with 100000000 --tokens per rank"),
+    (["eplb", "--tokens", str(10**12)], "--tokens: must be at most 2147483647"),
+    (["eplb", "--reps", "-1", "--layer", "--device", "cpu"], "--reps: must be a positive integer, got -1"),
+    (["eplb", "--layer", "--device", "cpu", "--world-size", "3"], "has 16 experts, which do not divide over 3 ranks"),
+    (["bench", "--reps", "-1", "--world-size", "2", "--device", "cpu"], "--reps: must be a positive integer, got -1"),
+    (["bench", "--world-size", "3", "--device", "cpu", "--size", "small"],
+     "--world-size 3: run 'EP3 low_latency' of qwen3-30b-a3b (small)"),
+    (["bench", "--world-size", "2", "--device", "cpu", "--size", "small", "--prefill-tokens", "100000000"],
+     "GiB of memory"),
+    (["run", "--random", "mixtral-8x7b", "--tokens", str(10**9)], "this run needs about"),
+    (["check", "--world-sizes", ""], "--world-sizes '': no world size given"),
+    (["check", "--eplb", "--no-eplb"], "--eplb and --no-eplb contradict each other"),
+])
+def test_sizes_are_bounded_up_front_with_the_numbers(argv, message, capsys):
+    start = time.monotonic()
+    assert main(argv) == 2
+    assert message in error_line(capsys, argv[0])
+    assert time.monotonic() - start < 10
+
+
+def test_eplb_writes_its_json_atomically_and_the_readme_layer_command_is_valid(tmp_path, capsys):
+    from moeshard.bench.eplb_layer import LayerOptions
+
+    # The README's `moeshard eplb --layer --device cpu --world-size 2`: its default slots fit.
+    assert LayerOptions(device="cpu", size="small", world_size=2).redundant_per_rank == (0, 2, 8)
+    user = tmp_path / "out.json.tmp"  # the name a fixed temporary name would have clobbered
+    user.write_text("mine")
+    out = tmp_path / "out.json"
+    assert main(["eplb", "--tokens", "16", "--ranks", "2", "--experts", "8", "--top-k", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"] and user.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "out.json.tmp"]
+
+
+def test_input_paths_that_cannot_be_read_are_one_line(tmp_path, capsys, monkeypatch):
+    import moeshard.outputs as outputs
+
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    assert main(["run", "--model", str(tmp_path / "none"), "--layer", "0"]) == 2
+    assert "--model '" in error_line(capsys, "run")
+    assert main(["run", "--model", str(ckpt / "config.json"), "--layer", "0"]) == 2
+    assert "is not a directory" in error_line(capsys, "run")
+    assert main(["run", "--model", str(ckpt), "--layer", "0", "--input", str(ckpt)]) == 2
+    assert "--input '" in error_line(capsys, "run") and "is a directory" in capsys.readouterr().err + "is a directory"
+    # Mode 000 / 111 (root reads them anyway, so the permission answer is planted).
+    real_access = os.access
+    monkeypatch.setattr(outputs.os, "access", lambda p, mode: False if Path(p) == ckpt else real_access(p, mode))
+    assert main(["run", "--model", str(ckpt), "--layer", "0"]) == 2
+    assert "cannot be read: Permission denied (a directory needs read and search permission)" in \
+        error_line(capsys, "run")
+    monkeypatch.setattr(outputs.os, "access",
+                        lambda p, mode: False if Path(p).name == "in.safetensors" else real_access(p, mode))
+    assert main(["run", "--model", str(ckpt), "--layer", "0", "--input", str(ckpt / "in.safetensors")]) == 2
+    assert "--input '" in (line := error_line(capsys, "run")) and "cannot be read: Permission denied" in line
+
+
+def test_a_refused_standard_output_is_one_line_exit_6(capsys, monkeypatch):
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("sys.stdout", Full())
+    assert main(["check", "--list", "--world-sizes", "1"]) == 6
+    assert "cannot write the standard output: No space left on device" in error_line(capsys, "check")
+
+
+def test_run_output_safetensors_error_is_exit_6(tmp_path, capsys, monkeypatch):
+    import safetensors.torch as st
+    from safetensors import SafetensorError
+
+    def full(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(st, "save_file", full)
+    out = tmp_path / "out.safetensors"
+    assert main(["run", "--random", "mixtral-8x7b", "--tokens", "3", "--output", str(out)]) == 6
+    assert f"cannot write '{out}'" in error_line(capsys, "run") and list(tmp_path.iterdir()) == []
+
+
+def test_run_refuses_nonfinite_output_and_conflicting_tokens(tmp_path, capsys, monkeypatch):
+    import moeshard.runjob as runjob
+
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    argv = ["run", "--model", str(ckpt), "--layer", "0", "--input", str(ckpt / "in.safetensors")]
+    assert main([*argv, "--tokens", "5"]) == 2
+    assert "--tokens 5 conflicts with --input" in error_line(capsys, "run")
+    assert main(["run", "--random", "mixtral-8x7b", "--tokens-per-rank", "2,1", "--dp", "2", "--tokens", "16"]) == 2
+    assert "but --tokens asks for T=16 tokens" in error_line(capsys, "run")
+    real = runjob.read_input_rows
+    monkeypatch.setattr(runjob, "read_input_rows", lambda *a: real(*a) * float("nan"))
+    out = tmp_path / "out.safetensors"
+    assert main([*argv, "--output", str(out)]) == 7
+    assert "the output holds 80 NaN/Inf value(s) of 80" in error_line(capsys, "run") and not out.exists()
+    assert main([*argv, "--output", str(out), "--allow-nonfinite"]) == 0 and out.exists()
+
+
+def test_a_checkpoint_with_fused_and_per_expert_copies_is_refused(tmp_path, capsys):
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    g = torch.Generator().manual_seed(1)
+    p = "model.layers.0.mlp.experts."
+    save_file({f"{p}{e}.{n}.weight": torch.randn(*shape, generator=g) for e in range(4)
+               for n, shape in (("gate_proj", (32, 16)), ("up_proj", (32, 16)), ("down_proj", (16, 32)))},
+              str(ckpt / "model-extra.safetensors"))
+    assert main(["run", "--model", str(ckpt), "--layer", "0", "--input", str(ckpt / "in.safetensors")]) == 2
+    assert "holds the routed experts twice, fused" in error_line(capsys, "run")
+
+
+def test_only_dedupes_a_repeated_id(capsys):
+    listed = _listed(["--world-sizes", "1"], capsys)
+    assert main(["check", "--list", "--only", listed[0], "--only", listed[0]]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[:-1]] == [listed[0]]
+
+
+def test_single_rank_timeouts_are_enforced(capsys):
+    assert main(["run", "--random", "mixtral-8x7b", "--timeout", "1e-9"]) == 5
+    assert "rank 0 (in this process) did not finish within 1e-09 s (--timeout 1e-09)" in error_line(capsys, "run")
+    assert main(["check", "--world-sizes", "1", "--quants", "none", "--dtypes", "float32", "--timeout", "1e-9"]) == 1
+    assert "did not finish within 1e-09 s" in capsys.readouterr().out
+
+
+def test_tiny_timeouts_on_spawned_worlds_are_exit_5_not_a_bad_descriptor(capsys, monkeypatch):
+    from moeshard.parallel.spawn import _rendezvous_store
+
+    for t in (1e-3, 1e-4, 1e-9):
+        store, port = _rendezvous_store(2, t)  # the store's construction no longer fails (or double-closes)
+        assert port > 0
+        del store
+    with pytest.raises(Exception) as info:
+        spawn(faults.sleep_forever, 2, timeout_s=1e-4)
+    assert getattr(info.value, "timed_out", False) and "did not finish within 0.0001 s" in str(info.value)

@@ -155,3 +155,23 @@ def test_zero_tokens_every_quant():
     for q in QUANTS:
         out = MoELayer(cfg, quant=q)(torch.zeros(0, cfg.hidden_size, dtype=torch.bfloat16))
         assert out.shape == (0, cfg.hidden_size)
+
+
+def test_autograd_is_refused_across_ranks_and_kept_on_one():
+    """Gradients through the collectives are not implemented: an input or a parameter that
+    requires grad is refused before any collective on a layout that communicates (backward
+    would run and be silently wrong); under no_grad the same layer runs; one rank keeps autograd."""
+    import grad_ranks
+
+    from moeshard.parallel.spawn import spawn
+
+    for seen in spawn(grad_ranks.grad_refusals, 2, timeout_s=120):
+        for layout in ("dp2-tp1-ep", "dp1-tp2-noep"):
+            assert "x requires grad, but gradients are not supported across ranks yet" in seen[f"{layout} x"]
+            assert "parameter 'gate.weight' requires grad" in seen[f"{layout} param"]
+            assert seen[f"{layout} no_grad"] is None
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    layer = MoELayer(cfg, weights=MoEWeights.random(cfg, torch.Generator().manual_seed(0)))
+    x = torch.randn(4, cfg.hidden_size, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

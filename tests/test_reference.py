@@ -173,3 +173,35 @@ def test_reference_makes_its_tensors_on_the_inputs_device(scheme):
     with torch.device("meta"):
         strayless = expert_reference(xin, ids, ew, "silu", BF16)
     assert torch.equal(plain.out, strayless.out) and torch.equal(plain.slack, strayless.slack)
+
+
+def _reference_inputs():
+    from moeshard.presets import PRESETS
+    from moeshard.weights import MoEWeights
+
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    return cfg, MoEWeights.random(cfg, torch.Generator().manual_seed(0)), torch.randn(3, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x, kw: (x[0], kw), "x must be [T, hidden_size="),
+    (lambda x, kw: (x.long(), kw), "x must hold floats"),
+    (lambda x, kw: (x.numpy(), kw), "x must be a torch.Tensor"),
+    (lambda x, kw: (x, {**kw, "quant": "fp8_block"}), "quant must be a QuantConfig or None, got 'fp8_block'"),
+    (lambda x, kw: (x, {**kw, "intermediate_shards": 0}), "intermediate_shards: must be a positive integer, got 0"),
+    (lambda x, kw: (x, {**kw, "intermediate_shards": 7}), "intermediate_shards=7 does not divide"),
+    (lambda x, kw: (x, {**kw, "accumulation": -1.0}), "accumulation: must be a finite number in [0, 0.0625], got -1.0"),
+    (lambda x, kw: (x, {**kw, "accumulation": float("nan")}), "accumulation: must be a finite number"),
+    (lambda x, kw: (x, {**kw, "input_amax": torch.tensor(-1.0)}), "input_amax must be finite and >= 0 (an amax), "
+                                                                   "got -1.0"),
+    (lambda x, kw: (x, {**kw, "input_amax": torch.tensor(float("inf"))}), "input_amax must be finite"),
+    (lambda x, kw: (x, {**kw, "with_slack": 1}), "with_slack: must be a bool"),
+])
+def test_reference_forward_refuses_bad_arguments_naming_them(change, message):
+    from moeshard.reference import reference_forward
+
+    cfg, w, x = _reference_inputs()
+    x, kwargs = change(x, {})
+    with pytest.raises(ValueError) as info:
+        reference_forward(x, w, cfg, **kwargs)
+    assert message in str(info.value)

@@ -96,14 +96,14 @@ def test_run_random_preset_two_ranks_matches_reference(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--random", "mixtral-8x7b", "--tokens", "5", "--dp", "2", "--tokens-per-rank", "2,2"],
-     "--tokens-per-rank: [2, 2] sums to 4, but the input has T=5 tokens"),
+     "--tokens-per-rank: [2, 2] sums to 4, but --tokens asks for T=5 tokens"),
     (["--random", "mixtral-8x7b", "--model", "somewhere"], "give either --model or --random, not both"),
     (["--model", "somewhere"], "--model needs --layer"),
     (["--tokens", "4"], "give exactly one of a model directory (--model) and a preset (--random)"),
     (["--random", "mixtral-8x7b", "--output", "/nonexistent-dir/out.safetensors"], "does not exist"),
     (["--random", "mixtral-8x7b", "--dp", "3", "--ep"], "num_experts=8 is not divisible by the EP size 3"),
     (["--random", "mixtral-8x7b", "--backend", "all2all"], "all2all needs expert parallelism"),
-    (["--model", "/nonexistent-model", "--layer", "0"], "model directory '/nonexistent-model' does not exist"),
+    (["--model", "/nonexistent-model", "--layer", "0"], "--model '/nonexistent-model' does not exist"),
 ])
 def test_run_refusals_exit_2_before_spawning(argv, message, capsys):
     assert moeshard_run(argv) == 2

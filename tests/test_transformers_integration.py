@@ -307,16 +307,20 @@ def world(models):
 
     def get(ws: int):
         if ws not in cache:
-            keys = [(layout, family) for layout, families in WORLD_CASES[ws] for family in families]
-            plans = [_plan(models, family, layout) for layout, family in keys]
+            cases = [(layout, family) for layout, families in WORLD_CASES[ws] for family in families]
+            keys = [(layout.name, family) for layout, family in cases]
+            plans = [_plan(models, family, layout) for layout, family in cases]
+            if ws == 2:  # the fixed-capacity backend, sized from the plan (a CLI user cannot size it)
+                keys.append(("dp2-tp1-ep low_latency", "mixtral"))
+                plans.append(_plan(models, "mixtral", ParallelConfig(2, 1, True), backend="low_latency"))
             in_memory = [(models["mixtral"], ParallelConfig(2, 1, True), PROMPTS[:2])] if ws == 2 else []
             try:
                 per_rank = spawn(_world_rank, ws, args=(plans, in_memory), timeout_s=SPAWN_TIMEOUT_S)
             except RankFailure as failure:
                 cache[ws] = failure
             else:
-                cache[ws] = ({(layout.name, family): (plan, [per_rank[r][0][i] for r in range(ws)])
-                              for i, ((layout, family), plan) in enumerate(zip(keys, plans, strict=True))},
+                cache[ws] = ({key: (plan, [per_rank[r][0][i] for r in range(ws)])
+                              for i, (key, plan) in enumerate(zip(keys, plans, strict=True))},
                              [per_rank[r][1] for r in range(ws)])
         if isinstance(cache[ws], RankFailure):
             pytest.fail(f"the {ws}-rank run failed:\n{cache[ws]}")
@@ -346,6 +350,13 @@ def test_layout_generates_what_transformers_generates(world, reference, ws, layo
     for r in results:
         assert r.prompts == plan.dp_prompts[r.dp_rank]
         assert r.generated == results[r.dp_rank * p.tp].generated
+
+
+def test_low_latency_runs_sized_by_the_plan(world, reference):
+    """low_latency needs max_tokens_per_rank; generate derives it from the prompts and new tokens."""
+    plan, results = world(2)[0][("dp2-tp1-ep low_latency", "mixtral")]
+    assert plan.backend == "low_latency" and plan.max_tokens_per_rank >= max(len(p) for p in PROMPTS) + NEW_TOKENS
+    _check_parity(plan, results, reference)
 
 
 def test_in_memory_model_under_ep(world, models, reference):
@@ -400,6 +411,9 @@ def test_command_generates_compares_and_writes_json(models, tmp_path, capsys):
     (["--input-ids", "3;4;5", "--dp", "3", "--ep"], "not divisible by the EP size 3"),
     (["--input-ids", "3,x"], "--input-ids: '3,x' is not a comma-separated list of integers"),
     (["--input-ids", "3", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
+    (["--input-ids", "3,4", "--max-new-tokens", "1000000"], "--max-new-tokens 1000000: the longest prompt has 2 tokens"),
+    (["--input-ids", "3", "--timeout", "nan"], "--timeout: must be a finite number"),
+    (["--input-ids", "3", "--dp", "2", "--timeout", "-1"], "--timeout: must be a finite number"),
     ([], "give exactly one of --input-ids and --input-file"),
     (["--input-ids", "3", "--tp", "2", "--quant", "fp8_block"], "aligned to 128, but intermediate_size=16 / tp=2 = 8"),
 ])
@@ -414,10 +428,10 @@ def test_command_refuses_to_overwrite_what_it_reads(models, tmp_path, capsys):
     prompts = tmp_path / "p.json"
     prompts.write_text("[[3, 4], [5]]")
     code = moeshard_generate(["--model", models["mixtral"], "--input-file", str(prompts), "--output", str(prompts)])
-    assert code == 2 and "would overwrite a file this run reads" in capsys.readouterr().err
+    assert code == 2 and "a file this run reads" in capsys.readouterr().err
     code = moeshard_generate(["--model", models["mixtral"], "--input-ids", "3", "--output",
                               str(Path(models["mixtral"]) / "model.safetensors")])
-    assert code == 2 and "would overwrite a file this run reads" in capsys.readouterr().err
+    assert code == 2 and "a file this run reads" in capsys.readouterr().err
     prompts.write_text('{"ids": [3]}')
     code = moeshard_generate(["--model", models["mixtral"], "--input-file", str(prompts)])
     assert code == 2 and "must be a list of token ids" in capsys.readouterr().err

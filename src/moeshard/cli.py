@@ -13,7 +13,9 @@ Ctrl-C: it raises in the main thread, so every rank is stopped on the way out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -42,6 +44,43 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
+class _WatchedStdout:
+    """The standard output, unchanged, except that it remembers a write or flush that failed
+    (``> /dev/full``, a closed pipe), so that ``main`` can tell that failure from any other
+    OSError: the first is an expected one (exit code 6), the second a bug."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.failed = inner, False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.inner.write(text)
+        except OSError:
+            self.failed = True
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.inner.flush()
+        except OSError:
+            self.failed = True
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def _silence(stream: object) -> None:
+    """Points the process's standard output at the null device, so the interpreter's own flush
+    at exit does not fail a second time on what is still buffered."""
+    if stream is sys.__stdout__ and sys.__stdout__ is not None:
+        stream = sys.__stdout__
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from moeshard.parallel.spawn import RankFailure  # after parsing: --help stays fast
@@ -52,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
+    stdout = _WatchedStdout(sys.stdout)
+    sys.stdout = stdout
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit: a full disk under > FILE is this command's failure
+        return code
     except ValueError as exc:
         # Refusals of bad input are ValueErrors with a complete message; no traceback needed.
         return error(str(exc), ExitCode.REFUSED)
@@ -67,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"moeshard {args.command}: interrupted", file=sys.stderr)
         return int(ExitCode.INTERRUPTED)
+    except OSError as exc:
+        if not stdout.failed:
+            raise  # not an expected failure: keep the traceback
+        sys.stdout = stdout.inner
+        _silence(stdout.inner)
+        return error(f"cannot write the standard output: {exc.strerror or exc}", ExitCode.OUTPUT)
     finally:
+        sys.stdout = stdout.inner
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -15,6 +15,7 @@ code  meaning
 4     a rank failed: it raised an unexpected error, died or was killed
 5     a rank did not finish within ``--timeout``
 6     an output file could not be written (I/O error, disk full); nothing partial is left
+7     ``run``: the output holds NaN or Inf (not written unless ``--allow-nonfinite``)
 130   interrupted (SIGINT, Ctrl-C); every rank stopped
 143   terminated (SIGTERM); every rank stopped
 ====  ==================================================================================
@@ -33,6 +34,7 @@ class ExitCode(enum.IntEnum):
     RANK_FAILED = 4
     RANK_TIMEOUT = 5
     OUTPUT = 6
+    NONFINITE = 7
     INTERRUPTED = 130
     TERMINATED = 143
 
@@ -54,6 +56,18 @@ class RankFailed(MoeshardError):
     """A rank raised an unexpected error (not a refusal), died or was killed."""
 
     exit_code = ExitCode.RANK_FAILED
+
+
+class TimedOut(MoeshardError):
+    """Work that runs in this process (a world of one rank) did not finish within ``--timeout``."""
+
+    exit_code = ExitCode.RANK_TIMEOUT
+
+
+class NonFiniteOutput(MoeshardError):
+    """A computed output holds NaN or Inf values: a result that is no result."""
+
+    exit_code = ExitCode.NONFINITE
 
 
 class OutputError(MoeshardError):

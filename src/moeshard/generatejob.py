@@ -98,6 +98,14 @@ class GeneratePlan:
     def dtype(self) -> torch.dtype:
         return self.cfg.dtype
 
+    @property
+    def max_tokens_per_rank(self) -> int:
+        """The most rows one MoE forward of any rank may see: a DP rank's prompts, left-padded to
+        its longest, times that length plus every new token (an upper bound of the prefill and
+        of any later step, cache or not). Backends with fixed per-rank buffers are sized by it."""
+        return max(len(mine) * (max(len(self.spec.prompts[i]) for i in mine) + self.spec.max_new_tokens)
+                   for mine in self.dp_prompts)
+
 
 @dataclass(frozen=True)
 class GenerateRankResult:
@@ -149,6 +157,12 @@ def plan_generate(spec: GenerateSpec) -> GeneratePlan:
     if len(spec.prompts) < p.dp:
         raise ValueError(f"--dp {p.dp}: every DP rank runs its own prompts, but only {len(spec.prompts)} prompt(s) "
                          f"were given; give at least {p.dp} (prompts are separated by ';')")
+    positions = raw.get("max_position_embeddings")
+    longest = max(len(prompt) for prompt in spec.prompts)
+    if is_int(positions) and longest + spec.max_new_tokens > positions:
+        raise ValueError(f"--max-new-tokens {spec.max_new_tokens}: the longest prompt has {longest} tokens, and "
+                         f"{longest} + {spec.max_new_tokens} is more than the model's max_position_embeddings="
+                         f"{positions}; give at most {max(positions - longest, 0)}")
     quant = resolve_quant(info, spec.quant)
     if spec.defer_input_quant:
         quant = QuantConfig(quant.scheme, defer_input_quant=True)
@@ -246,7 +260,7 @@ def generate_rank(plan: GeneratePlan, groups: ParallelGroups | None) -> Generate
     transformers.AutoModelForCausalLM  # noqa: B018 - imported before the load is timed
     t0 = time.perf_counter()
     model = load_sharded_model(spec.model_dir, groups, quant=plan.quant, backend=plan.backend, dtype=plan.dtype,
-                               device=device)
+                               device=device, max_tokens_per_rank=plan.max_tokens_per_rank)
     _sync(device)
     load_s = time.perf_counter() - t0
     block = next(m for m in model.modules() if isinstance(m, MoEBlock))

@@ -356,6 +356,20 @@ class MoELayer(nn.Module):
         if self.max_tokens_per_rank is not None and x.shape[0] > self.max_tokens_per_rank:
             raise ValueError(f"MoELayer.forward (rank {rank}): x has {x.shape[0]} tokens, more than "
                              f"max_tokens_per_rank={self.max_tokens_per_rank}")
+        if torch.is_grad_enabled() and self._has_collective:
+            # The collectives of the forward have no backward yet: autograd would run through
+            # them as if each rank's slice were the whole, and give silently wrong gradients.
+            what = "x requires grad" if x.requires_grad else next(
+                (f"parameter {n!r} requires grad" for n, q in self.named_parameters() if q.requires_grad), None)
+            if what is not None:
+                raise ValueError(f"MoELayer.forward (rank {rank}): {what}, but gradients are not supported across "
+                                 f"ranks yet (layout {self.parallel.name} communicates in its forward); run it under "
+                                 f"torch.no_grad() / torch.inference_mode(), or detach x")
+
+    @property
+    def _has_collective(self) -> bool:
+        """Whether the forward communicates: expert parallelism, or tensor parallelism's reduction."""
+        return self.groups is not None and self.parallel.world_size > 1 and (self.parallel.enable_ep or self.parallel.tp > 1)
 
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global logical

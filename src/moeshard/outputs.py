@@ -1,35 +1,62 @@
-"""Output files: checked before any computing, written atomically, never a file the run reads.
+"""Files in and out: checked before any computing, written atomically, never a file the run reads.
 
 ``check_output_path`` runs when the options are read, so a bad path fails in a second, not after
-the whole computation: it refuses a directory, a missing or unwritable directory (probed by
-creating and removing a file there, which also catches read-only file systems and root's
-permission bypass), anything but a regular file, and any file the run reads (the input, a file
-of the checkpoint: same path or same inode).
+the whole computation: it refuses an empty path, a name longer than the file system takes, a
+directory, a missing or unwritable directory (probed by creating and removing a file there,
+which also catches read-only file systems and root's permission bypass), anything but a regular
+file (a device such as ``/dev/full`` is never replaced by a file), and any file the run reads
+(the input, a file of the checkpoint: same path or same inode). ``check_input_file`` and
+``check_input_dir`` refuse an input that is missing, of the wrong kind or unreadable, each
+with its own words. Every OS error on the way is a ValueError naming the flag, the path and the
+error: the command line prints it as one line (exit code 2).
 
-``atomic_write`` writes to a temporary file in the target's directory, flushes it to disk and
-renames it over the target (``os.replace``), so readers see the old file or the new one, never
-half of one; on any failure (disk full, Ctrl-C) the temporary file is removed and the target is
-left as it was. A failure to write is an ``OutputError`` (exit code 6).
+``atomic_write`` writes to a temporary file with a unique name (``tempfile.mkstemp``) in the
+target's directory, flushes it to disk and renames it over the target (``os.replace``), so
+readers see the old file or the new one, never half of one; on any failure (disk full, Ctrl-C)
+the temporary file is removed and the target is left as it was. A failure to write is an
+``OutputError`` (exit code 6).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from moeshard.errors import OutputError
 
+# The part of the target's name that a temporary file's name repeats: enough to tell whose it is,
+# short enough that a name the file system takes still fits with the prefix and suffix around it.
+_TMP_NAME_CHARS = 64
+
 
 def _same_file(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
     try:
+        if a.resolve() == b.resolve():
+            return True
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def _name_max(directory: Path) -> int:
+    """The longest file name (bytes) ``directory``'s file system takes (255 where it does not say)."""
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _tmp_prefix(target: Path) -> str:
+    return f".{target.name[:_TMP_NAME_CHARS]}."
 
 
 def check_output_path(path: str | Path, flag: str, reads: Iterable[str | Path] = ()) -> Path:
@@ -37,28 +64,84 @@ def check_output_path(path: str | Path, flag: str, reads: Iterable[str | Path] =
     when it cannot be written or is one of the files in ``reads``."""
     if not isinstance(path, (str, Path)) or not str(path):
         raise ValueError(f"{flag}: expected a file path, got {path!r}")
-    target = Path(path)
+    if str(path).endswith(os.sep):  # Path() drops the slash that says "a directory"
+        raise ValueError(f"{flag} {str(path)!r}: names a directory; give a file path")
+    try:
+        return _check_output_path(Path(path), flag, reads)
+    except OSError as exc:  # a name too long, a directory that cannot be searched, a loop of links
+        raise ValueError(f"{flag} {str(path)!r}: {_why(exc)}") from None
+
+
+def _check_output_path(target: Path, flag: str, reads: Iterable[str | Path]) -> Path:
+    shown = repr(str(target))
+    if target.name in ("", ".", ".."):
+        raise ValueError(f"{flag} {shown}: names a directory; give a file path")
+    parent = target.resolve().parent
+    name_bytes, name_max = len(os.fsencode(target.name)), _name_max(parent if parent.is_dir() else Path(os.sep))
+    if name_bytes > name_max:
+        raise ValueError(f"{flag} {shown}: the file name is {name_bytes} bytes, longer than the {name_max} its file "
+                         f"system takes")
     if target.is_dir():
-        raise ValueError(f"{flag} {str(path)!r}: is a directory; give a file path")
+        raise ValueError(f"{flag} {shown}: is a directory; give a file path")
     if target.exists() and not target.is_file():
-        raise ValueError(f"{flag} {str(path)!r}: exists and is not a regular file")
+        raise ValueError(f"{flag} {shown}: exists and is not a regular file (a device, pipe or socket is never "
+                         f"replaced); give a file path")
     for read in reads:
         if _same_file(target, Path(read)):
-            raise ValueError(f"{flag} {str(path)!r}: is {str(read)!r}, a file this run reads; moeshard never "
+            raise ValueError(f"{flag} {shown}: is {str(read)!r}, a file this run reads; moeshard never "
                              f"overwrites its own input -- choose another path")
-    parent = target.resolve().parent
     if not parent.is_dir():
-        raise ValueError(f"{flag} {str(path)!r}: directory {str(parent)!r} does not exist")
+        raise ValueError(f"{flag} {shown}: directory {str(parent)!r} does not exist")
     try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{target.name}.", suffix=".probe")
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=_tmp_prefix(target), suffix=".probe")
     except OSError as exc:
-        raise ValueError(f"{flag} {str(path)!r}: cannot create a file in directory {str(parent)!r}: "
-                         f"{exc.strerror or exc}") from None
+        raise ValueError(f"{flag} {shown}: cannot create a file in directory {str(parent)!r}: {_why(exc)}") from None
     os.close(fd)
     os.unlink(probe)
     if target.exists() and not os.access(target, os.W_OK):
-        raise ValueError(f"{flag} {str(path)!r}: the file is read-only")
+        raise ValueError(f"{flag} {shown}: the file is read-only")
     return target
+
+
+def check_input_file(path: str | Path, flag: str) -> Path:
+    """``path`` if it is a regular file this process can read, else ValueError naming ``flag``,
+    the path and why (missing, a directory or device, unreadable: each in its own words)."""
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise ValueError(f"{flag}: expected a file path, got {path!r}")
+    file = Path(path)
+    try:
+        info = file.stat()
+    except FileNotFoundError:
+        raise ValueError(f"{flag} {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r}: cannot be read: {_why(exc)}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{flag} {str(path)!r}: is a directory; give a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{flag} {str(path)!r}: is not a regular file")
+    if not os.access(file, os.R_OK):
+        raise ValueError(f"{flag} {str(path)!r}: cannot be read: {os.strerror(errno.EACCES)}")
+    return file
+
+
+def check_input_dir(path: str | Path, flag: str) -> Path:
+    """``path`` if it is a directory whose files this process can list and read, else ValueError
+    naming ``flag``, the path and why."""
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise ValueError(f"{flag}: expected a directory, got {path!r}")
+    directory = Path(path)
+    try:
+        info = directory.stat()
+    except FileNotFoundError:
+        raise ValueError(f"{flag} {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r}: cannot be read: {_why(exc)}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{flag} {str(path)!r}: is not a directory")
+    if not os.access(directory, os.R_OK | os.X_OK):
+        raise ValueError(f"{flag} {str(path)!r}: cannot be read: {os.strerror(errno.EACCES)} (a directory needs "
+                         f"read and search permission)")
+    return directory
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
@@ -66,16 +149,19 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
 
     The new file gets the old one's permission bits, or the usual ones (0666 less the umask).
     A symbolic link is followed, as ``open(path, "w")`` would: the file it points to is replaced
-    and the link kept. Raises ``OutputError`` naming the path if anything fails; nothing partial
-    is left behind.
+    and the link kept. Anything but a regular file at ``path`` (a device, a directory) is never
+    replaced. Raises ``OutputError`` naming the path if anything fails; nothing partial is left
+    behind.
     """
-    target = Path(path).resolve()
     try:
+        target = Path(path).resolve()
+        if target.exists() and not target.is_file():
+            raise OutputError(f"cannot write {str(path)!r}: it exists and is not a regular file")
         mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_tmp_prefix(target), suffix=".tmp")
         os.close(fd)
     except OSError as exc:
-        raise OutputError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from exc
+        raise OutputError(f"cannot write {str(path)!r}: {_why(exc)}") from exc
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
@@ -85,7 +171,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise OutputError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from exc
+        raise OutputError(f"cannot write {str(path)!r}: {_why(exc)}") from exc
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

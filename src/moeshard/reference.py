@@ -32,6 +32,7 @@ verification matrix) quantize them once.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ from moeshard.experts.base import ExpertWeights, activate
 from moeshard.numerics import ACCUMULATION, Reference
 from moeshard.quant import QuantizedActivations, QuantizedWeight, fake_quantize_activations, get_scheme, quantize_weight
 from moeshard.router import route, router_logits
+from moeshard.validate import boolean, finite_float, size
 from moeshard.weights import MoEWeights
 
 __all__ = ["DequantizedExperts", "Reference", "expert_reference", "expert_rows", "expert_rows_batched",
@@ -229,6 +231,45 @@ def expert_reference(x: torch.Tensor | QuantizedActivations, expert_ids: torch.T
     return Reference(out, slack)
 
 
+# The largest accumulation error a caller may claim, relative to sum |a| |b|: far above any
+# kernel's (``numerics.ACCUMULATION``), low enough that the slack it buys cannot pass everything.
+MAX_ACCUMULATION = 2.0**-4
+
+
+def _check_arguments(x, weights, cfg, quant, intermediate_shards, input_amax, accumulation, experts,
+                     with_slack) -> None:
+    """ValueError naming the argument and its value for anything ``reference_forward`` cannot
+    take as documented: a wrong kind of object, shape or dtype, a count or bound out of range."""
+    where = "reference_forward"
+    if not isinstance(cfg, MoEConfig):
+        raise ValueError(f"{where}: cfg must be a MoEConfig, got {type(cfg).__qualname__}")
+    if not isinstance(weights, MoEWeights):
+        raise ValueError(f"{where}: weights must be MoEWeights, got {type(weights).__qualname__}")
+    if quant is not None and not isinstance(quant, QuantConfig):
+        raise ValueError(f"{where}: quant must be a QuantConfig or None, got {quant!r} (write QuantConfig({quant!r}))")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{where}: x must be a torch.Tensor [T, hidden_size={cfg.hidden_size}], got "
+                         f"{type(x).__module__}.{type(x).__qualname__} (convert it with torch.as_tensor first)")
+    if x.dim() != 2 or x.shape[1] != cfg.hidden_size:
+        raise ValueError(f"{where}: x must be [T, hidden_size={cfg.hidden_size}], got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{where}: x must hold floats (the model dtype {cfg.dtype}), got {x.dtype}")
+    size(where, "intermediate_shards", intermediate_shards)
+    if cfg.intermediate_size % intermediate_shards:
+        raise ValueError(f"{where}: intermediate_shards={intermediate_shards} does not divide "
+                         f"intermediate_size={cfg.intermediate_size}")
+    finite_float(where, "accumulation", accumulation, 0.0, MAX_ACCUMULATION)
+    if input_amax is not None:
+        if not isinstance(input_amax, torch.Tensor) or input_amax.numel() != 1:
+            raise ValueError(f"{where}: input_amax must be a one-element tensor (fp32 []) or None, got {input_amax!r}")
+        amax = float(input_amax)
+        if not math.isfinite(amax) or amax < 0:
+            raise ValueError(f"{where}: input_amax must be finite and >= 0 (an amax), got {amax!r}")
+    if experts is not None and not isinstance(experts, DequantizedExperts):
+        raise ValueError(f"{where}: experts must be DequantizedExperts or None, got {type(experts).__qualname__}")
+    boolean(where, "with_slack", with_slack)
+
+
 def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quant: QuantConfig | None = None,
                       intermediate_shards: int = 1, input_amax: torch.Tensor | None = None,
                       accumulation: float = ACCUMULATION["fp32"], experts: DequantizedExperts | None = None,
@@ -242,6 +283,7 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
     one for several calls (default: made here); with_slack=False: the output alone (the slack
     is returned as zeros), e.g. for the quantization error against the unquantized layer.
     """
+    _check_arguments(x, weights, cfg, quant, intermediate_shards, input_amax, accumulation, experts, with_slack)
     quant = quant or QuantConfig()
     scheme, dtype = quant.scheme, cfg.dtype
     if experts is not None and experts.scheme != scheme:

@@ -134,16 +134,18 @@ class RunRankResult:
     output: torch.Tensor | None
 
 
-def split_tokens(total: int, dp: int, given: tuple[int, ...] | None = None) -> tuple[int, ...]:
+def split_tokens(total: int, dp: int, given: tuple[int, ...] | None = None,
+                 source: str = "the input has") -> tuple[int, ...]:
     """Rows per DP rank: ``given`` (checked: dp entries >= 0 summing to total) or an even split
-    with the first ``total % dp`` ranks getting one more."""
+    with the first ``total % dp`` ranks getting one more. ``source`` says where ``total`` came
+    from, for the refusal ("the input has", "--tokens asks for")."""
     if given is None:
         return tuple(total // dp + (1 if d < total % dp else 0) for d in range(dp))
     given = tuple(given)
     if len(given) != dp or any(not is_int(n) or n < 0 for n in given):
         raise ValueError(f"--tokens-per-rank: expected {dp} integers >= 0 (one per DP rank), got {list(given)}")
     if sum(given) != total:
-        raise ValueError(f"--tokens-per-rank: {list(given)} sums to {sum(given)}, but the input has T={total} tokens")
+        raise ValueError(f"--tokens-per-rank: {list(given)} sums to {sum(given)}, but {source} T={total} tokens")
     return given
 
 
@@ -252,7 +254,8 @@ def plan_run(spec: RunSpec) -> RunPlan:
     # and the last stand for all, so no loop runs over a world size the caller has not bounded yet.
     for rank in {0, p.world_size - 1}:
         shard_spec(p, rank, cfg.num_experts).validate(cfg, quant)
-    tokens = split_tokens(total, p.dp, spec.tokens_per_rank)
+    tokens = split_tokens(total, p.dp, spec.tokens_per_rank,
+                          "the input has" if spec.input_path is not None else "--tokens asks for")
     return RunPlan(spec=spec, cfg=cfg, quant=quant, backend=backend, tokens_per_rank=tokens, total_tokens=total,
                    source=source, generated_input=spec.input_path is None)
 

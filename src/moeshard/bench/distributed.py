@@ -36,6 +36,7 @@ from moeshard.layer import MoELayer
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk
+from moeshard.presets import PRESETS, SIZES
 from moeshard.validate import positive_int
 from moeshard.weights import MoEWeights
 
@@ -88,6 +89,30 @@ class DistOptions:
                 raise ValueError(f"bench: --runs {name!r} is not one of {known}")
         for tokens in self.decode_tokens + self.prefill_tokens:
             positive_int("DistOptions", "tokens", tokens)
+        if self.size not in SIZES:
+            raise ValueError(f"--size: {self.size!r} is not one of {list(SIZES)}")
+        # Every run's layout against every model's shape, here: inside the ranks a layout that
+        # does not fit would surface only after the runs before it.
+        for name in self.models:
+            cfg = PRESETS[name].config(self.size)
+            for run in self.selected_runs():
+                try:
+                    run.parallel.validate(self.world_size, cfg)
+                except ValueError as exc:
+                    raise ValueError(f"--world-size {self.world_size}: run {run.name!r} of {name} ({self.size}): "
+                                     f"{exc}") from None
+
+    def memory_bytes(self) -> int:
+        """Bytes all local ranks hold at their peak, from the shapes (an estimate, on CUDA one
+        GPU's): the largest model's weights twice (made, and the layer's copy) in fp32, and the
+        largest token count's rows with their routed copies and the experts' intermediate rows."""
+        tokens = max(self.decode_tokens + self.prefill_tokens)
+        need = 0
+        for name in self.models:
+            cfg = PRESETS[name].config(self.size)
+            E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+            need = max(need, 2 * 3 * E * H * I * 4 + tokens * 4 * (H * (2 + 3 * K) + 3 * K * I))
+        return need if self.device == "cuda" else need * self.world_size
 
     def selected_runs(self) -> tuple[LayoutRun, ...]:
         return tuple(r for r in default_runs(self.world_size) if self.runs is None or r.name in self.runs)

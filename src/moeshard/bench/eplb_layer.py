@@ -36,6 +36,8 @@ from moeshard.presets import PRESETS, SIZES
 from moeshard.validate import nonneg_int, positive_int
 from moeshard.weights import MoEWeights
 
+DEFAULT_REDUNDANT = (0, 2, 8, 32)
+
 
 @dataclass(frozen=True)
 class LayerOptions:
@@ -47,7 +49,9 @@ class LayerOptions:
     size: str = "full"
     tokens: int = 4096
     skew: str = "zipf"
-    redundant_per_rank: tuple[int, ...] = (0, 2, 8, 32)
+    # None: DEFAULT_REDUNDANT, less the counts that do not fit the preset's experts on
+    # ``world_size`` ranks (small presets hold fewer experts than 32 redundant slots would need).
+    redundant_per_rank: tuple[int, ...] | None = None
     policy: str = "hierarchical"
     backend: str = "all2all"
     quant: str = "none"
@@ -74,9 +78,29 @@ class LayerOptions:
         QuantConfig(self.quant)
         get_policy(self.policy)
         E = PRESETS[self.preset].config(self.size).num_experts
+        if E % self.world_size:
+            raise ValueError(f"--world-size {self.world_size}: {self.preset} ({self.size}) has {E} experts, which "
+                             f"do not divide over {self.world_size} ranks")
+        if self.redundant_per_rank is None:
+            fits = tuple(r for r in DEFAULT_REDUNDANT if r <= E - E // self.world_size)
+            object.__setattr__(self, "redundant_per_rank", fits)  # frozen: resolved once, here
+        assert self.redundant_per_rank is not None  # resolved just above
         for r in self.redundant_per_rank:
             nonneg_int("LayerOptions", "redundant_per_rank", r)
             Layout(E, self.world_size, r)
+
+
+def memory_bytes(opts: LayerOptions) -> int:
+    """Bytes all ranks on this machine hold at their peak, from the shapes (an estimate: weights
+    in fp32 made on every rank, the layer's shard with its redundant slots, the tokens with their
+    routed copies and the experts' intermediate rows). On CUDA the figure is one GPU's."""
+    cfg = PRESETS[opts.preset].config(opts.size)
+    E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    slots = E // opts.world_size + max(opts.redundant_per_rank or (0,))
+    weights = 3 * H * I * 4 * (E + 2 * slots)  # made, then the start and the rebalanced layer
+    tokens = opts.tokens * 4 * (H * (2 + 3 * K) + 3 * K * I)
+    per_rank = weights + tokens
+    return per_rank if opts.device == "cuda" else per_rank * opts.world_size
 
 
 def _weights(opts: LayerOptions, device: torch.device) -> tuple:
@@ -144,6 +168,7 @@ def rank_records(opts: LayerOptions, progress=lambda s: None) -> list[dict]:
     records.append({"run": "no replicas", "redundant_per_rank": 0, "rank": rank, "layer_ms": ms,
                     "rank_copies": copies, "balancedness": balancedness(copies)})
     del layer
+    assert opts.redundant_per_rank is not None  # LayerOptions resolves the default
     for r in opts.redundant_per_rank:
         layout = Layout(cfg.num_experts, world, r)
         start = Placement.identity(cfg.num_experts, world) if r == 0 else Placement.initial(layout)

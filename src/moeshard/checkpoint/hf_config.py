@@ -12,6 +12,7 @@ moeshard's ``fp8_block``.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from moeshard.checkpoint.families import FAMILIES, SCAN_LIMIT, DenseLayers, ModelFamily, model_family
 from moeshard.config import MODEL_DTYPES, MoEConfig
+from moeshard.outputs import check_input_dir, check_input_file
 from moeshard.validate import is_int
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -128,12 +130,11 @@ def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEMo
 
 def read_hf_config(model_dir: str | Path) -> HFMoEModel:
     """Reads ``<model_dir>/config.json``; ValueError if the directory or file is missing or malformed."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ValueError(f"model directory {str(model_dir)!r} does not exist or is not a directory")
+    model_dir = check_input_dir(model_dir, "model directory")
     path = model_dir / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
+    check_input_file(path, "model directory's config.json")
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -94,12 +94,19 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
                          f"{str(ckpt.model_dir)!r}")
     fused = ckpt.has(prefix + "experts.gate_up_proj")
     spelling = family.expert_spellings[0]
+    firsts = [f"{prefix}experts.0.{s[0]}.weight" for s in family.expert_spellings]
+    both = [name for name in firsts if ckpt.has(name)]
+    if fused and both:
+        # Two copies of the same experts and nothing to say which is meant (transformers refuses
+        # to load such a checkpoint): never pick one silently.
+        raise ValueError(f"layer {layer}: the checkpoint holds the routed experts twice, fused "
+                         f"({prefix}experts.gate_up_proj) and per expert ({both[0]}, ...); keep one of the two "
+                         f"under {str(ckpt.model_dir)!r}")
     if fused:
         if not ckpt.has(prefix + "experts.down_proj"):
             raise ValueError(f"layer {layer}: {prefix}experts.gate_up_proj is present but {prefix}experts.down_proj "
                              f"is missing; looked in {files}")
     else:
-        firsts = [f"{prefix}experts.0.{s[0]}.weight" for s in family.expert_spellings]
         found = [s for s, name in zip(family.expert_spellings, firsts, strict=True) if ckpt.has(name)]
         if not found:
             tried = [prefix + "experts.gate_up_proj"] + firsts

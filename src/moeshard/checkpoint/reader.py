@@ -35,6 +35,7 @@ from typing import NoReturn
 import torch
 from safetensors import SafetensorError, safe_open
 
+from moeshard.outputs import check_input_dir, check_input_file
 from moeshard.quant import from_wire, to_wire
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,9 +92,14 @@ class SafetensorsCheckpoint:
     """
 
     def __init__(self, model_dir: str | Path) -> None:
-        self.model_dir = Path(model_dir)
-        if not self.model_dir.is_dir():
-            raise ValueError(f"model directory {str(self.model_dir)!r} does not exist or is not a directory")
+        self.model_dir = check_input_dir(model_dir, "model directory")
+        try:
+            self._discover()
+        except OSError as exc:  # a file of the directory that cannot be listed or read
+            raise ValueError(f"model directory {str(self.model_dir)!r}: {exc.strerror or exc}"
+                             + (f" ({exc.filename})" if exc.filename else "")) from None
+
+    def _discover(self) -> None:
         self._where: dict[str, Path] = {}
         self._info: dict[str, TensorInfo] = {}
         index = self.model_dir / INDEX_FILE
@@ -311,9 +317,7 @@ def check_finite(t: torch.Tensor, name: str, file: Path | str) -> None:
 
 def open_safetensors(path: Path | str, what: str = "safetensors file"):
     """``safe_open`` with refusals that name the file: missing, malformed/truncated, unreadable."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{what} {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
+    path = check_input_file(path, what)
     try:
         return safe_open(str(path), framework="pt")
     except SafetensorError as exc:

@@ -73,7 +73,7 @@ def case_ids(values: Iterable[str] | None, flag: str = "--only") -> tuple[str, .
                 first = False
     if not ids:
         raise ValueError(f"{flag}: no case id given")
-    return tuple(ids)
+    return tuple(dict.fromkeys(ids))  # an id given twice runs (and counts) once
 
 
 def timeout(value: float, flag: str = "--timeout") -> float:

@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+from moeshard import validate
 from moeshard.bench.device import require_cuda
-from moeshard.commands.args import ints, names, seed
+from moeshard.commands.args import ints, names, seed, timeout
 from moeshard.outputs import check_output_path
 
 
@@ -54,13 +55,21 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            try:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ValueError(f"{flag} {path!r}: cannot create its directory: {exc.strerror or exc}") from None
+        if path is not None:
+            if path:  # "" is refused by check_output_path, with the flag
+                try:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise ValueError(f"{flag} {path!r}: cannot create its directory: {exc.strerror or exc}") from None
             check_output_path(path, flag)
+    if args.json is not None and args.json == args.plot:
+        raise ValueError(f"--json and --plot are the same file {args.json!r}; give two paths")
     seed(args.seed)
+    # Named as the user gave them: the library sees --reps doubled (or, at decode, quadrupled).
+    validate.size("", "--reps", args.reps)
+    timeout(args.timeout)
+    if args.world_size is not None:
+        validate.size("", "--world-size", args.world_size)
     from moeshard.parallel.spawn import launched_by_torchrun
 
     distributed = args.world_size is not None or launched_by_torchrun()
@@ -128,6 +137,26 @@ def _dist_options(args, world: int):
     return opts
 
 
+def _check_memory(opts) -> None:
+    """Refuses, before any rank starts, a plan whose estimate exceeds the memory there is (host
+    memory for CPU ranks, one GPU's for CUDA ranks)."""
+    import torch
+
+    from moeshard.parallel.spawn import available_memory, check_local_world
+
+    if opts.device == "cpu":
+        check_local_world(opts.world_size, "cpu", what="--world-size")
+        available = available_memory()
+    else:
+        available = torch.cuda.get_device_properties(0).total_memory
+    need = opts.memory_bytes()
+    if available is not None and need > available:
+        raise ValueError(f"the largest --prefill-tokens/--decode-tokens count ({max(opts.prefill_tokens + opts.decode_tokens)}) "
+                         f"of {', '.join(opts.models)} ({opts.size}) on {opts.world_size} {opts.device} rank(s) needs "
+                         f"about {need / 2**30:.1f} GiB of memory but {available / 2**30:.1f} GiB is available; choose "
+                         f"fewer tokens or a smaller --size")
+
+
 def _dist_rank(opts, quiet: bool) -> list[dict]:
     """Entry of one rank (spawned, or under torchrun)."""
     import torch.distributed as dist
@@ -156,7 +185,7 @@ def _run_distributed(args) -> int:
 
     started = time.time()
     if launched_by_torchrun():
-        init_from_env(backend="nccl" if args.device == "cuda" else "gloo")
+        init_from_env(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=timeout(args.timeout))
         try:
             opts = _dist_options(args, dist.get_world_size())
             mine = _dist_rank(opts, args.quiet)
@@ -171,8 +200,9 @@ def _run_distributed(args) -> int:
         if opts.device == "cuda" and torch.cuda.device_count() < opts.world_size:
             raise ValueError(f"--world-size {opts.world_size} needs {opts.world_size} GPUs, "
                              f"{torch.cuda.device_count()} are visible")
+        _check_memory(opts)
         per_rank = spawn(_dist_rank, opts.world_size, args=(opts, args.quiet), device=opts.device,
-                         timeout_s=args.timeout)
+                         timeout_s=timeout(args.timeout))
     records = merge(per_rank)
     derive(records)
     machine = describe(torch.device("cuda", 0)) if opts.device == "cuda" else {

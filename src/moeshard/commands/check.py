@@ -66,6 +66,11 @@ def add_parser(sub) -> None:
 
 
 def options(args) -> matrix.MatrixOptions:
+    if args.eplb and args.no_eplb:
+        raise ValueError("--eplb and --no-eplb contradict each other; give one of the two")
+    if args.world_sizes is not None and not ints(args.world_sizes, "--world-sizes"):
+        raise ValueError(f"--world-sizes {args.world_sizes!r}: no world size given (leave the option out for the "
+                         f"default 1,2,4)")
     world_sizes = ints(args.world_sizes, "--world-sizes") if args.world_sizes else ((1, 2, 4, 8) if args.full else (1, 2, 4))
     chosen = None
     if args.layouts:
@@ -117,7 +122,7 @@ def run(args) -> int:
     console = wide_console()
     opts = options(args)
     case_timeout = timeout(args.timeout)
-    if args.json and not args.list:
+    if args.json is not None and not args.list:
         check_output_path(args.json, "--json")
     cases = matrix.generate(opts)
     if args.only:
@@ -177,7 +182,7 @@ def run(args) -> int:
     if interrupted is not None:
         not_run = sum(o.reason.startswith("not run: interrupted") for o in outcomes)
         console.print(f"[bold red]interrupted[/]: {not_run} valid cases not run", highlight=False)
-    if args.json:
+    if args.json is not None:
         report.write_json(args.json, outcomes, wall, args.device)
         console.print(f"wrote {escape(args.json)}", highlight=False)
     if interrupted is not None:

@@ -12,7 +12,9 @@ import json
 import sys
 import time
 
+from moeshard import validate
 from moeshard.commands.args import ints, names
+from moeshard.outputs import atomic_write_text, check_output_path
 
 
 def add_parser(sub) -> None:
@@ -47,13 +49,29 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _write_json(result: dict, path: str) -> None:
-    from pathlib import Path
+def _check_memory(need: int, what: str) -> None:
+    """Refuses, before anything is allocated, a run whose estimate exceeds the available memory."""
+    from moeshard.parallel.spawn import available_memory
 
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(target)  # atomic: a reader never sees half a file
+    available = available_memory()
+    if available is not None and need > available:
+        raise ValueError(f"{what} needs about {need / 2**30:.1f} GiB of memory but {available / 2**30:.1f} GiB is "
+                         f"available; choose fewer --tokens (or --steps, --ranks)")
+
+
+def _check_counts(args) -> None:
+    """The numeric options, named as the user gave them, before any library object sees them."""
+    for flag, value in (("--tokens", args.tokens), ("--ranks", args.ranks), ("--reps", args.reps),
+                        ("--world-size", args.world_size)):
+        validate.size("", flag, value)
+    if args.experts is not None:
+        validate.size("", "--experts", args.experts)
+    if args.top_k is not None:
+        validate.size("", "--top-k", args.top_k)
+    validate.int_in_range("", "--steps", args.steps, 2, validate.MAX_DIM)
+    validate.finite_float("", "--zipf", args.zipf, 0.0, 10.0)
+    validate.seed("", "--seed", args.seed)
+    validate.timeout("", "--timeout", args.timeout)
 
 
 def _trace(args) -> dict:
@@ -72,7 +90,10 @@ def _trace(args) -> dict:
         fields["top_k"] = args.top_k
     if args.redundant_per_rank:
         fields["redundant_per_rank"] = ints(args.redundant_per_rank, "--redundant-per-rank")
-    result = run_trace(TraceOptions(**fields))
+    opts = TraceOptions(**fields)
+    _check_memory(opts.memory_bytes, f"the trace of {opts.steps} steps x {opts.ranks} ranks x "
+                                     f"{opts.tokens_per_rank} tokens (--tokens)")
+    result = run_trace(opts)
     print(format_report(result))
     return result
 
@@ -97,10 +118,11 @@ def _layer(args) -> dict:
     from moeshard.bench.eplb_layer import (
         LayerOptions,
         format_report,
+        memory_bytes,
         merge,
         options_dict,
     )
-    from moeshard.parallel.spawn import spawn
+    from moeshard.parallel.spawn import check_local_world, spawn
 
     fields: dict = {"world_size": args.world_size, "device": args.device, "tokens": args.tokens, "skew": args.skew,
                     "policy": args.policy, "backend": args.backend, "quant": args.quant, "reps": args.reps,
@@ -113,6 +135,10 @@ def _layer(args) -> dict:
     if opts.device == "cuda" and torch.cuda.device_count() < opts.world_size:
         raise ValueError(f"--world-size {opts.world_size} needs {opts.world_size} GPUs, {torch.cuda.device_count()} "
                          f"are visible (use --device cpu for CPU ranks)")
+    if opts.device == "cpu":
+        check_local_world(opts.world_size, "cpu", what="--world-size")
+    _check_memory(memory_bytes(opts), f"--layer with {opts.tokens} --tokens per rank on {opts.world_size} ranks "
+                                      f"({opts.preset}, {opts.size})")
     started = time.time()
     per_rank = spawn(_layer_rank, opts.world_size, args=(opts, False), device=opts.device, timeout_s=args.timeout)
     result = {"command": "moeshard " + " ".join(sys.argv[1:]), "options": options_dict(opts),
@@ -125,8 +151,11 @@ def _layer(args) -> dict:
 
 
 def run(args) -> int:
+    _check_counts(args)
+    if args.json is not None:  # checked before any work; the command reads no file of its own
+        check_output_path(args.json, "--json")
     result = _layer(args) if args.layer else _trace(args)
-    if args.json:
-        _write_json(result, args.json)
+    if args.json is not None:
+        atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

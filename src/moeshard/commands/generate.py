@@ -18,10 +18,9 @@ cpu, NCCL on cuda, one GPU each), or, under torchrun, this process is one rank o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from moeshard.commands.args import add_layout_arguments, ints
+from moeshard.commands.args import add_layout_arguments, ints, timeout
 from moeshard.commands.run import _as_value_error  # refusals on the ranks -> one ValueError (no traces here)
 from moeshard.dispatch.registry import build_groups
 from moeshard.generatejob import (
@@ -46,8 +45,16 @@ from moeshard.generatejob import (
     plan_generate,
     reference_generate,
 )
+from moeshard.outputs import atomic_write_text, check_input_dir, check_input_file, check_output_path
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import RankFailure, destroy, init_from_env, launched_by_torchrun, spawn
+from moeshard.parallel.spawn import (
+    RankFailure,
+    destroy,
+    in_process_deadline,
+    init_from_env,
+    launched_by_torchrun,
+    spawn,
+)
 
 
 def add_parser(subparsers) -> None:
@@ -82,9 +89,7 @@ def parse_prompts(text: str, flag: str = "--input-ids") -> tuple[tuple[int, ...]
 def read_prompts(path: str) -> tuple[tuple[int, ...], ...]:
     """A prompt file: JSON (a list of ints, or a list of lists of ints) or text, one prompt per
     line with ids separated by commas or spaces (blank lines skipped)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--input-file {path!r} does not exist")
+    file = check_input_file(path, "--input-file")
     try:
         text = file.read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -114,14 +119,9 @@ def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
     if (args.input_ids is None) == (args.input_file is None):
         raise ValueError("give exactly one of --input-ids and --input-file")
     prompts = parse_prompts(args.input_ids) if args.input_ids is not None else read_prompts(args.input_file)
+    check_input_dir(args.model, "--model")
     if args.output is not None:
-        out = Path(args.output).resolve()
-        if not out.parent.is_dir():
-            raise ValueError(f"--output {args.output!r}: directory {str(out.parent)!r} does not exist")
-        reads_it = args.input_file is not None and out == Path(args.input_file).resolve()
-        if reads_it or Path(args.model).resolve() in out.parents:
-            raise ValueError(f"--output {args.output!r} would overwrite a file this run reads (the prompt file or "
-                             f"the model directory)")
+        check_output_path(args.output, "--output", reads=files_read(args.model, args.input_file))
     return GenerateSpec(model_dir=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
                         parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant,
                         defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
@@ -136,7 +136,8 @@ def execute_local(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResu
         raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
                          f"{torch.cuda.device_count()} are visible")
     if world == 1:
-        return [generate_rank(plan, None)]
+        with in_process_deadline(timeout_s, "rank 0 (in this process)"):
+            return [generate_rank(plan, None)]
     try:
         per_rank = spawn(generate_plans, world, args=([plan],), device=plan.spec.device, timeout_s=timeout_s)
     except RankFailure as failure:
@@ -149,9 +150,9 @@ def execute_local(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResu
     return results
 
 
-def _execute_torchrun(plan: GeneratePlan) -> list[GenerateRankResult] | None:
+def _execute_torchrun(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResult] | None:
     """One rank of torchrun's world; returns every rank's result on rank 0, None elsewhere."""
-    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo")
+    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo", timeout_s=timeout_s)
     try:
         plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
         result = generate_rank(plan, build_groups(plan.parallel, plan.spec.device, [plan.backend]))
@@ -165,18 +166,14 @@ def _execute_torchrun(plan: GeneratePlan) -> list[GenerateRankResult] | None:
 
 
 # -- output -----------------------------------------------------------------------------------
-def _write_json(path: str, payload: dict) -> None:
-    """Atomically: a temporary file in the same directory, then renamed over ``path``."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.resolve().parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def files_read(model_dir: str, input_file: str | None) -> list[Path]:
+    """Every file the run reads: the prompt file and the model directory's files (an output path
+    must be none of them)."""
+    files = [Path(input_file)] if input_file is not None else []
+    directory = Path(model_dir)
+    with contextlib.suppress(OSError):  # an unreadable directory was refused already
+        files += sorted(f for f in directory.iterdir() if f.is_file())
+    return files
 
 
 def report(plan: GeneratePlan, results: list[GenerateRankResult], comparison: GenerateComparison | None,
@@ -235,20 +232,21 @@ def _print(data: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    timeout_s = timeout(args.timeout)
     plan = plan_generate(spec_from_args(args))
     if launched_by_torchrun():
-        results = _execute_torchrun(plan)
+        results = _execute_torchrun(plan, timeout_s)
         if results is None:
             return 0
     else:
-        results = execute_local(plan, args.timeout)
+        results = execute_local(plan, timeout_s)
     comparison = None
     if plan.spec.compare:
         fp32 = reference_generate(plan, dtype=torch.float32) if plan.dtype != torch.float32 else None
         comparison = compare_generations(plan, results, reference_generate(plan), fp32)
     data = report(plan, results, comparison, time.perf_counter() - start)
     if args.output is not None:
-        _write_json(args.output, data)
+        atomic_write_text(args.output, json.dumps(data, indent=1) + "\n")
     _print(data)
     sys.stdout.flush()
     return exit_code(plan, results, comparison)

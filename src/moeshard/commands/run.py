@@ -37,14 +37,15 @@ from rich.table import Table
 
 from moeshard.commands.args import add_layout_arguments, ints, seed, timeout
 from moeshard.dispatch.registry import build_groups
-from moeshard.errors import MoeshardError, OutputError, RankFailed
-from moeshard.outputs import atomic_write, check_output_path
+from moeshard.errors import MoeshardError, NonFiniteOutput, OutputError, RankFailed
+from moeshard.outputs import atomic_write, check_input_dir, check_input_file, check_output_path
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.spawn import (
     RankFailure,
     available_memory,
     check_local_world,
     destroy,
+    in_process_deadline,
     init_from_env,
     spawn,
     torchrun_environment,
@@ -52,6 +53,8 @@ from moeshard.parallel.spawn import (
 from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, explain_divergence, last_collectives
 from moeshard.presets import PRESETS
 from moeshard.runjob import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank
+
+DEFAULT_TOKENS = 16  # tokens generated without --input, --tokens or --tokens-per-rank
 
 
 def add_parser(subparsers) -> None:
@@ -67,9 +70,12 @@ def add_parser(subparsers) -> None:
     src.add_argument("--seed", type=int, default=0, help="seed of random weights and generated input (default 0)")
     io = p.add_argument_group("tokens")
     io.add_argument("--input", metavar="IN", help="safetensors file with hidden_states [T, H] (default: generated)")
-    io.add_argument("--tokens", type=int, default=16, metavar="T", help="tokens to generate without --input (16)")
+    io.add_argument("--tokens", type=int, default=None, metavar="T",
+                    help="tokens to generate without --input (default: the sum of --tokens-per-rank, else 16)")
     io.add_argument("--tokens-per-rank", metavar="N0,N1,...", help="tokens per DP rank (default: even split)")
     io.add_argument("--output", metavar="OUT", help="safetensors file to write hidden_states [T, H] to")
+    io.add_argument("--allow-nonfinite", action="store_true",
+                    help="write and accept an output holding NaN/Inf (default: refused, exit code 7)")
     add_layout_arguments(p, dtype_help="model dtype (default: the input's, else the checkpoint's)",
                          timeout_help="seconds the whole run may take (default 600; finite); under torchrun, the bound "
                                       "on the rendezvous and on every collective")
@@ -84,11 +90,20 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     if args.random is not None and args.model is not None:
         raise ValueError(f"give either --model or --random, not both (got --model {args.model!r}, --random {args.random!r})")
     split = None if args.tokens_per_rank is None else ints(args.tokens_per_rank, "--tokens-per-rank")
+    if args.input is not None and args.tokens is not None:
+        raise ValueError(f"--tokens {args.tokens} conflicts with --input {args.input!r}, which gives the tokens "
+                         f"(all of its rows); give one of the two")
+    num_tokens = args.tokens if args.tokens is not None else (sum(split) if split else DEFAULT_TOKENS)
     spec = RunSpec(parallel=ParallelConfig(args.dp, args.tp, args.ep), model_dir=args.model, layer=args.layer,
                    preset=args.random, preset_size="full" if args.full else "small", seed=seed(args.seed),
-                   input_path=args.input, num_tokens=args.tokens, tokens_per_rank=split,
+                   input_path=args.input, num_tokens=num_tokens, tokens_per_rank=split,
                    quant=args.quant, defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
                    device=args.device)
+    # After the options' own checks (RunSpec), before anything reads the files.
+    if args.model is not None:
+        check_input_dir(args.model, "--model")
+    if args.input is not None:
+        check_input_file(args.input, "--input")
     if args.output is not None:
         check_output_path(args.output, "--output", reads=files_read(spec))
     return spec
@@ -145,7 +160,8 @@ def _as_value_error(failure: RankFailure, traces: list | None = None, plan: RunP
 def _execute_local(plan: RunPlan, timeout_s: float) -> list[RunRankResult]:
     world = plan.parallel.world_size
     if world == 1:
-        return [run_rank(plan, None)]
+        with in_process_deadline(timeout_s, "rank 0 (in this process)"):
+            return [run_rank(plan, None)]
     # Each rank records the collectives it enters (a few microseconds each); read only on failure.
     traces = [CollectiveTrace.shared(TRACE_CAPACITY) for _ in range(world)]
     try:
@@ -197,7 +213,10 @@ def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
                                                               plan.spec.seed, plan.cfg.dtype)
 
     def write(tmp: str) -> None:
-        save_file(tensors, tmp, metadata={"moeshard_run": json.dumps(describe(plan))})
+        try:
+            save_file(tensors, tmp, metadata={"moeshard_run": json.dumps(describe(plan))})
+        except SafetensorError as exc:  # safetensors' own I/O errors (a full disk) are not OSErrors
+            raise OutputError(f"cannot write {path!r}: {exc}") from None
         try:
             with safe_open(tmp, "pt") as f:
                 complete = set(f.keys()) == set(tensors)
@@ -246,9 +265,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         check_memory(plan, available_memory())
         results = _execute_local(plan, timeout_s)
+    output = results[0].output
+    assert output is not None  # rank 0's result holds the output of all T tokens
+    bad = output.numel() - int(torch.isfinite(output).sum())
+    if bad and not args.allow_nonfinite:
+        raise NonFiniteOutput(f"the output holds {bad} NaN/Inf value(s) of {output.numel()} (first at row "
+                              f"{int((~torch.isfinite(output)).any(dim=1).nonzero()[0])}); nothing written"
+                              + (f" to {args.output!r}" if args.output is not None else "")
+                              + " (--allow-nonfinite writes it anyway)")
     if args.output is not None:
-        output = results[0].output
-        assert output is not None  # rank 0's result holds the output of all T tokens
         _write(args.output, plan, output)
     _summary(plan, results, args.output, time.perf_counter() - start)
     sys.stdout.flush()

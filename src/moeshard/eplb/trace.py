@@ -63,6 +63,14 @@ class TraceOptions:
             get_policy(p)
 
     @property
+    def memory_bytes(self) -> int:
+        """Bytes the trace holds at its peak (an estimate from the shapes): the sampler's
+        probabilities per routed token (fp32 [n, E]) and the expert ids (int64 [n, K]) with
+        their replica choices, for ``n`` tokens over every step and rank."""
+        n = self.steps * self.ranks * self.tokens_per_rank
+        return n * (4 * self.num_experts + 3 * 8 * self.top_k)
+
+    @property
     def dispatch_row_bytes(self) -> int:
         """Bytes of one routed copy in the all2all backend's slot: bf16 row, int32 id, aligned."""
         data = -(-2 * self.hidden_size // 16) * 16

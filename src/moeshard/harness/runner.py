@@ -31,12 +31,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeshard.errors import TimedOut
 from moeshard.harness.cases import Case
 from moeshard.harness.execute import CaseReference, GroupsCache, RankOutput, RankResult, case_reference, check_rank, run_layer
 from moeshard.harness.explain import StageReport, explain_case
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
-from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError, start_fork_server
+from moeshard.parallel.spawn import (
+    CLEAN_EXIT_WAIT_S,
+    LocalWorld,
+    RankChannel,
+    RankError,
+    in_process_deadline,
+    start_fork_server,
+)
 from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, explain_divergence
 
 PEER_REPORT_S = 2.0  # after a rank fails a case: how long its peers may take to report theirs
@@ -217,9 +225,13 @@ class Runner:
                 refs.start(case, accumulation)
 
             try:
-                output = run_layer(case, 0, dev, None, self.layer_factory, data, on_built=on_built,
-                                   record=bool(self.explain))
+                # Bounded like a spawned case: the watchdog of a world is its deadline, here a timer.
+                with in_process_deadline(self.case_timeout_s, "rank 0 (in this process)"):
+                    output = run_layer(case, 0, dev, None, self.layer_factory, data, on_built=on_built,
+                                       record=bool(self.explain))
                 outcome = _checked(case, refs, [output], time.monotonic() - start, self.explain, self._explain_data)
+            except TimedOut as exc:
+                outcome = CaseOutcome(case, "error", str(exc), seconds=time.monotonic() - start)
             except Exception as exc:  # noqa: BLE001 - a case that raises is an error, the run goes on
                 outcome = CaseOutcome(case, "error", f"rank 0 raised {type(exc).__name__}: {exc}",
                                       seconds=time.monotonic() - start)

@@ -403,7 +403,8 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
 
 def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = None, *,
                        quant: QuantConfig | str | None = None, backend: str | None = None,
-                       dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> nn.Module:
+                       dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+                       max_tokens_per_rank: int | None = None) -> nn.Module:
     """A transformers causal LM from ``model_dir`` (config.json + safetensors) with every MoE block
     an ``MoEBlock`` under the layout of ``groups`` (None: one device), in eval mode.
 
@@ -412,7 +413,9 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
     non-expert weights plus its share of the experts. quant: expert quantization (default: the
     checkpoint's own, fp8_block for an FP8 block checkpoint); backend: dispatch backend;
     dtype: model dtype (default: the checkpoint's, else fp32); device: default
-    ``groups.device`` or CPU. Collective when groups is given (see the module's preconditions).
+    ``groups.device`` or CPU; max_tokens_per_rank: the most rows one block's forward gets on a
+    rank (the ``MoELayer`` argument, which backends with fixed buffers, low_latency, need).
+    Collective when groups is given (see the module's preconditions).
     """
     model_dir = Path(model_dir)
     parallel, rank = _layout(groups)
@@ -445,7 +448,7 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         block = blocks.pop(index)
         layers[index].mlp = MoEBlock(routers.pop(index), block.cfg, layer=index, quant=block.quant, groups=groups,
                                      backend=backend, weights=block.weights, local_experts=block.local_experts,
-                                     device=device)
+                                     device=device, max_tokens_per_rank=max_tokens_per_rank)
     return model.eval()
 
 

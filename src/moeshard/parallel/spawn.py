@@ -56,12 +56,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
+from moeshard.errors import TimedOut
 from moeshard.parallel.worker import DEFAULT_TIMEOUT_S, LOOPBACK, RankChannel, RankError, loads, rank_main
 from moeshard.validate import positive_int, timeout
 
 __all__ = ["CLEAN_EXIT_WAIT_S", "DEFAULT_TIMEOUT_S", "LocalWorld", "RankChannel", "RankError", "RankEvent",
-           "RankFailure", "available_memory", "check_local_world", "destroy", "init_from_env", "launched_by_torchrun",
-           "spawn", "start_fork_server", "torchrun_environment", "usable_cores"]
+           "RankFailure", "available_memory", "check_local_world", "destroy", "in_process_deadline", "init_from_env",
+           "launched_by_torchrun", "spawn", "start_fork_server", "torchrun_environment", "usable_cores"]
 
 CLEAN_EXIT_WAIT_S = 10.0  # after a clean run: how long the ranks may take to tear down their groups
 EXIT_REPORT_WAIT_S = 1.0  # a rank that exited may still have its report in the pipe this long
@@ -216,6 +217,35 @@ class RankEvent:
     value: Any
 
 
+@contextlib.contextmanager
+def in_process_deadline(timeout_s: float, what: str, flag: str = "--timeout") -> Iterator[None]:
+    """Bounds the block, work of a one-rank world run in this process, by ``timeout_s`` seconds:
+    when they pass, ``TimedOut`` (exit code 5) is raised in the main thread, naming ``what`` and
+    ``flag``. A world of local ranks is bounded by its ``LocalWorld.deadline``; this is the same
+    promise for the path that starts no rank. Off the main thread (where no signal handler runs)
+    or without ``setitimer`` the block runs unbounded."""
+    timeout("", flag, timeout_s)
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum: int, frame: object) -> None:
+        raise TimedOut(f"{what} did not finish within {timeout_s:g} s ({flag} {timeout_s:g})")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# The rendezvous store's own timeout is at least this: below a millisecond it rounds to zero and
+# the store's construction fails. The run stays bounded by the caller's deadline.
+MIN_STORE_TIMEOUT_S = 1.0
+
+
 def _rendezvous_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
     """A TCPStore master listening on 127.0.0.1 on a port the OS picks (bound to port 0)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -226,14 +256,12 @@ def _rendezvous_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
     except BaseException:
         sock.close()
         raise
-    fd = sock.detach()  # the store owns (and closes) the listening socket from here on
-    try:
-        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-                              master_listen_fd=fd)
-    except BaseException:
-        os.close(fd)
-        raise
+    # The store owns the listening socket from here on, and closes it itself when its
+    # construction fails: closing it here too could close a descriptor reused in between.
+    fd = sock.detach()
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True,
+                          timeout=datetime.timedelta(seconds=max(timeout_s, MIN_STORE_TIMEOUT_S)),
+                          wait_for_workers=False, master_listen_fd=fd)
     return store, port
 
 
