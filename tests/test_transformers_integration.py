@@ -150,7 +150,7 @@ def test_router_logits_and_loss_kept(models, family, threads):
             blocks = [layer.mlp for layer in model.model.layers]
             assert [isinstance(b, MoEBlock) for b in blocks] == [family != "deepseek_v3", True]
             seen: list[torch.Tensor] = []
-            hooks = [b.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().clone()))
+            hooks = [b.register_forward_pre_hook(lambda _m, args, seen=seen: seen.append(args[0].detach().clone()))
                      for b in blocks if isinstance(b, MoEBlock)]
             try:
                 got = model(ids, labels=ids, output_router_logits=True)
