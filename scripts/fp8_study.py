@@ -7,8 +7,8 @@ variants of the two GEMMs (tile shapes, warps, stages, and for the per-tensor / 
 how the fp8 tensor cores accumulate: ``split``, ``promote``, ``imprecise``), each checked
 against the default variant's output (max relative difference) so that a fast wrong variant
 cannot win. Last, ``quantize_h`` alone for every quantized scheme (fp8_token and nvfp4 too), at
-the column split it picks (``column_span``) and at one program per row block (whole rows), the
-two results checked equal bit for bit.
+every column span from 128 columns to whole rows (one program per row block), the one
+``column_span`` picks marked, each result checked equal bit for bit to the whole-row one.
 
     PYTHONPATH=src python3 scripts/fp8_study.py --json scripts/fp8_study_h200.json
 """
@@ -132,36 +132,39 @@ def _bits(q, live: torch.Tensor) -> list[torch.Tensor]:
 
 def quant_h_stage(name: str, tokens: int, model, flush, out: list, log) -> None:
     """quantize_h alone on h [P, I] of this case's tile plan (random bf16 values; the cost does
-    not depend on them), every quantized scheme: at ``column_span``'s split and with one span
-    per row (one program per row block)."""
+    not depend on them), every quantized scheme, at ``column_span``'s split and at every other
+    power-of-two span from 128 columns to whole rows (one program per row block), each result
+    checked bit-equal to the whole-row one."""
     device = model.gate_up.device
     cfg = model.cfg
     E, I = cfg.num_experts, cfg.intermediate_size
     inp, _ = routed_input(model, hidden_states(model, tokens, tokens), QuantConfig())
     M = inp.num_rows
     reps = 10 if tokens >= 1024 else 40
+    whole = CHUNK * triton.next_power_of_2(triton.cdiv(I, CHUNK))
+    spans = [CHUNK << i for i in range((whole // CHUNK).bit_length())]
     for scheme in QUANT_H_SCHEMES:
         sel = select_config(M, E, cfg.hidden_size, I, scheme, multiprocessors(device.index))
         plan = align_rows(inp.expert_ids, E, sel.block_m)
         h = torch.randn(plan.padded_rows, I, device=device).to(cfg.dtype)
         amax = torch.full((E,), float(h.abs().amax()), device=device) if get_scheme(scheme).per_tensor_activation \
             else None
-        span = column_span(plan.padded_rows // ROWS, I)
-        whole = CHUNK * triton.next_power_of_2(triton.cdiv(I, CHUNK))
         live = plan.tile_expert.repeat_interleave(plan.block_m) >= 0
-        same = all(torch.equal(a, b) for a, b in zip(_bits(quantize_h(h, scheme, plan, amax), live),
-                                                      _bits(quantize_h(h, scheme, plan, amax, span=whole), live),
-                                                      strict=True))
-        # _ms captures each closure before the loop moves on; the defaults bind this pass's values.
+        want = _bits(quantize_h(h, scheme, plan, amax, span=whole), live)
+        chosen = column_span(plan.padded_rows // ROWS, I)
         rec = {"model": name, "tokens": tokens, "scheme": scheme, "stage": "quantize_h", "rows": M,
-               "padded_rows": plan.padded_rows, "span": span, "programs": plan.padded_rows // ROWS * triton.cdiv(I, span),
-               "quant_h_ms": _ms(lambda h=h, scheme=scheme, plan=plan, amax=amax: quantize_h(h, scheme, plan, amax),
-                                 flush, reps),
-               "whole_row_ms": _ms(lambda h=h, scheme=scheme, plan=plan, amax=amax, whole=whole: quantize_h(
-                   h, scheme, plan, amax, span=whole), flush, reps),
-               "bit_equal": same}
-        log(f"{name} T={tokens} {scheme} quantize_h: P {plan.padded_rows} span {span} ({rec['programs']} programs) "
-            f"{rec['quant_h_ms']} ms, whole rows {rec['whole_row_ms']} ms, bit-equal {same}")
+               "padded_rows": plan.padded_rows, "span": chosen, "spans": {}}
+        for span in spans:
+            got = _bits(quantize_h(h, scheme, plan, amax, span=span), live)
+            # _ms captures the closure before the loop moves on; the defaults bind this pass's values.
+            ms = _ms(lambda h=h, scheme=scheme, plan=plan, amax=amax, span=span: quantize_h(
+                h, scheme, plan, amax, span=span), flush, reps)
+            rec["spans"][span] = {"programs": plan.padded_rows // ROWS * triton.cdiv(I, span), "ms": ms,
+                                  "bit_equal": all(torch.equal(a, b) for a, b in zip(got, want, strict=True))}
+        rec["quant_h_ms"] = rec["spans"][chosen]["ms"]
+        log(f"{name} T={tokens} {scheme} quantize_h: P {plan.padded_rows}, chosen span {chosen}; "
+            + ", ".join(f"{k}: {v['ms']} ms ({v['programs']} programs{'' if v['bit_equal'] else ', NOT BIT-EQUAL'})"
+                        for k, v in rec["spans"].items()))
         out.append(rec)
 
 
