@@ -6,7 +6,9 @@ graph with an L2 flush before every repetition, with the weight bytes each GEMM 
 variants of the two GEMMs (tile shapes, warps, stages, and for the per-tensor / per-row schemes
 how the fp8 tensor cores accumulate: ``split``, ``promote``, ``imprecise``), each checked
 against the default variant's output (max relative difference) so that a fast wrong variant
-cannot win.
+cannot win. Last, ``quantize_h`` alone for every quantized scheme (fp8_token and nvfp4 too), at
+every column span from 128 columns to whole rows (one program per row block), the one
+``column_span`` picks marked, each result checked equal bit for bit to the whole-row one.
 
     PYTHONPATH=src python3 scripts/fp8_study.py --json results/h200/fp8_study.json
 """
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 from moeshard.bench.timing import L2Flush, graphed, time_cuda
 from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, routed_input
@@ -28,7 +31,7 @@ from moeshard.kernels.configs import GemmConfig as C
 from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
-from moeshard.kernels.quant import quantize_h
+from moeshard.kernels.quant import CHUNK, ROWS, column_span, quantize_h
 from moeshard.quant import get_scheme
 
 CASES = (("mixtral-8x7b", (1, 16, 128, 4096)), ("deepseek-v3", (16, 128, 4096)))
@@ -40,6 +43,7 @@ PREFILL = [C(128, 64, 128, 8, 8, 4, tma=True), C(64, 128, 128, 8, 4, 3), C(64, 1
 # Variants are swept where the gaps to the fused-MoE kernel users run are largest; every case gets the stage attribution.
 SWEEP = {("mixtral-8x7b", 16), ("mixtral-8x7b", 128), ("deepseek-v3", 128), ("mixtral-8x7b", 4096)}
 ACCS = ("split", "promote", "imprecise")
+QUANT_H_SCHEMES = ("fp8_tensor", "fp8_token", "fp8_block", "nvfp4")
 
 
 def _ms(fn, flush, reps: int) -> float | str:
@@ -119,6 +123,51 @@ def study(name: str, tokens: int, scheme: str, model, flush, out: list, log) -> 
     out.append(rec)
 
 
+def _bits(q, live: torch.Tensor) -> list[torch.Tensor]:
+    """The quantization's tensors at the rows ``live`` marks (rows of tiles past the end are
+    left unwritten), fp8 as bytes."""
+    return [(t.view(torch.uint8) if t.element_size() == 1 else t)[live]
+            for t in (q.data, q.row_scale, q.tensor_scale) if t is not None]
+
+
+def quant_h_stage(name: str, tokens: int, model, flush, out: list, log) -> None:
+    """quantize_h alone on h [P, I] of this case's tile plan (random bf16 values; the cost does
+    not depend on them), every quantized scheme, at ``column_span``'s split and at every other
+    power-of-two span from 128 columns to whole rows (one program per row block), each result
+    checked bit-equal to the whole-row one."""
+    device = model.gate_up.device
+    cfg = model.cfg
+    E, I = cfg.num_experts, cfg.intermediate_size
+    inp, _ = routed_input(model, hidden_states(model, tokens, tokens), QuantConfig())
+    M = inp.num_rows
+    reps = 10 if tokens >= 1024 else 40
+    whole = CHUNK * triton.next_power_of_2(triton.cdiv(I, CHUNK))
+    spans = [CHUNK << i for i in range((whole // CHUNK).bit_length())]
+    for scheme in QUANT_H_SCHEMES:
+        sel = select_config(M, E, cfg.hidden_size, I, scheme, multiprocessors(device.index))
+        plan = align_rows(inp.expert_ids, E, sel.block_m)
+        h = torch.randn(plan.padded_rows, I, device=device).to(cfg.dtype)
+        amax = torch.full((E,), float(h.abs().amax()), device=device) if get_scheme(scheme).per_tensor_activation \
+            else None
+        live = plan.tile_expert.repeat_interleave(plan.block_m) >= 0
+        want = _bits(quantize_h(h, scheme, plan, amax, span=whole), live)
+        chosen = column_span(plan.padded_rows // ROWS, I)
+        rec = {"model": name, "tokens": tokens, "scheme": scheme, "stage": "quantize_h", "rows": M,
+               "padded_rows": plan.padded_rows, "span": chosen, "spans": {}}
+        for span in spans:
+            got = _bits(quantize_h(h, scheme, plan, amax, span=span), live)
+            # _ms captures the closure before the loop moves on; the defaults bind this pass's values.
+            ms = _ms(lambda h=h, scheme=scheme, plan=plan, amax=amax, span=span: quantize_h(
+                h, scheme, plan, amax, span=span), flush, reps)
+            rec["spans"][span] = {"programs": plan.padded_rows // ROWS * triton.cdiv(I, span), "ms": ms,
+                                  "bit_equal": all(torch.equal(a, b) for a, b in zip(got, want, strict=True))}
+        rec["quant_h_ms"] = rec["spans"][chosen]["ms"]
+        log(f"{name} T={tokens} {scheme} quantize_h: P {plan.padded_rows}, chosen span {chosen}; "
+            + ", ".join(f"{k}: {v['ms']} ms ({v['programs']} programs{'' if v['bit_equal'] else ', NOT BIT-EQUAL'})"
+                        for k, v in rec["spans"].items()))
+        out.append(rec)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -140,6 +189,10 @@ def main() -> None:
                 study(name, tokens, scheme, model, flush, out, log)
                 if args.json:
                     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        for tokens in token_counts:
+            quant_h_stage(name, tokens, model, flush, out, log)
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         del model
         torch.cuda.empty_cache()
 

@@ -75,24 +75,69 @@ def test_align_rows(interpreted_kernels, M, E, bm):
     assert tiles[used:] == [-1] * (len(tiles) - used)
 
 
-@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
-def test_quantize_h_bit_exact(interpreted_kernels, exact_interpreter, scheme):
+QUANTIZED = ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"]
+# (routed rows, BLOCK_M, I, columns per program; None: quantize_h's choice, CHUNK-wide spans at
+# these row counts). Every plan ends in tiles of expert -1.
+QUANT_H_CASES = {
+    "I160": (40, 16, 160, None),  # one full and one partial 128-column group
+    "I1408-span512": (40, 32, 1408, 512),  # three spans, the last one 384 columns wide
+    "I1408-span256": (24, 16, 1408, 256),  # six spans, the last one 128 columns wide
+    "I1792": (24, 16, 1792, None),  # fourteen 128-column spans
+    "I1792-one-span": (24, 16, 1792, 2048),  # one span wider than the row: fp8_token in one kernel
+}
+
+
+@pytest.mark.parametrize("case", QUANT_H_CASES)
+@pytest.mark.parametrize("scheme", QUANTIZED)
+def test_quantize_h_bit_exact(interpreted_kernels, exact_interpreter, scheme, case):
     align_rows, quantize_h = interpreted_kernels.align.align_rows, interpreted_kernels.quant.quantize_h
-    E, K = 3, 160  # K: one full and one partial 128-column group
-    ids = torch.randint(0, E, (40,), generator=torch.Generator().manual_seed(1))
+    M, bm, K, span = QUANT_H_CASES[case]
+    E = 3
+    ids = torch.randint(0, E, (M,), generator=torch.Generator().manual_seed(1))
     amax = torch.empty(E)
-    plan = align_rows(ids, E, 16, amax=amax)
+    plan = align_rows(ids, E, bm, amax=amax)
+    assert int(plan.tile_expert[-1]) == -1  # the plan's bound leaves tiles past the end: skipped
     gen = torch.Generator().manual_seed(2)
     h = (torch.randn(plan.padded_rows, K, generator=gen) * torch.exp(torch.randn(plan.padded_rows, 1, generator=gen))
          ).to(torch.bfloat16)
-    tile_of = plan.tile_expert.repeat_interleave(16)
+    tile_of = plan.tile_expert.repeat_interleave(bm)
     for e in range(E):
         amax[e] = h[tile_of == e].float().abs().amax()
-    q = quantize_h(h, scheme, plan, amax)
+    q = quantize_h(h, scheme, plan, amax, span=span)
     live = tile_of >= 0
     row_amax = amax[tile_of.clamp(min=0)].unsqueeze(1)[live]
     ref = quantize_activations(h[live], scheme, amax=row_amax if get_scheme(scheme).per_tensor_activation else None)
     assert_same_quantization(q, ref, live)
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+def test_quantize_h_no_rows(interpreted_kernels, scheme):
+    RowAlignment, quantize_h = interpreted_kernels.align.RowAlignment, interpreted_kernels.quant.quantize_h
+    none = torch.empty(0, dtype=torch.int32)
+    plan = RowAlignment(none, none, torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 16, 0)
+    q = quantize_h(torch.empty(0, 1408, dtype=torch.bfloat16), scheme, plan, torch.zeros(3))
+    like = quantize_activations(torch.ones(1, 1408, dtype=torch.bfloat16), scheme,
+                                amax=torch.ones(1, 1) if get_scheme(scheme).per_tensor_activation else None)
+    for got, ref in ((q.data, like.data), (q.row_scale, like.row_scale), (q.tensor_scale, like.tensor_scale)):
+        assert (got is None) == (ref is None)
+        if got is not None:
+            assert got.shape == (0, *ref.shape[1:]) and got.dtype == ref.dtype
+
+
+def test_quantize_h_column_span():
+    from moeshard.kernels.quant import CHUNK, TARGET_PROGRAMS, column_span
+
+    # Mixtral (I = 14336), row blocks of 16 at 1, 16, 128 and 4096 tokens: one 16 x 128 tile per
+    # program at one token, whole rows at prefill; DeepSeek-V3 (I = 2048) at 16 tokens.
+    assert [column_span(b, 14336) for b in (2, 10, 48, 576)] == [128, 512, 2048, 16384]
+    assert column_span(128, 2048) == 512
+    for blocks in (1, 3, 17, 100, 263, 264, 1000):
+        for K in (160, 1408, 1792, 2048, 7168, 14336):
+            span = column_span(blocks, K)
+            assert span % CHUNK == 0 and (span // CHUNK) & (span // CHUNK - 1) == 0
+            programs = blocks * -(-K // span)
+            assert programs >= TARGET_PROGRAMS or span == CHUNK  # enough programs where possible
+            assert span >= K or blocks * -(-K // (2 * span)) < TARGET_PROGRAMS  # and no narrower than needed
 
 
 @pytest.mark.parametrize("dtype,scheme", [(torch.bfloat16, s) for s in SCHEMES] + [(torch.float16, "none"),

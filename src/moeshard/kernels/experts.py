@@ -7,7 +7,8 @@
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
 
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
-rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized; no host
+rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized
+(seven for fp8_token when quantize_h splits a row over several programs: a row-max pass first); no host
 sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
 routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up product is
 rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is

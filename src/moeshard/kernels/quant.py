@@ -1,18 +1,25 @@
 """Quantization of the intermediate h [P, I] between the two GEMMs, bit for bit as
 ``moeshard.quant.quantize_activations`` does it (``tests/test_kernels.py`` checks equality).
 
-h sits at the padded positions of the tile plan (``align``); programs of ROWS positions take
-their expert from ``tile_expert`` and skip tiles past the end. Modes are the schemes'
+h sits at the padded positions of the tile plan (``align``). The grid is (P / ROWS row blocks) x
+(column spans): a program quantizes ROWS positions x ``span`` columns, CHUNK columns per step,
+takes its expert from ``tile_expert`` and skips tiles past the end. Modes are the schemes'
 ``kernel_mode`` (``moeshard.quant.schemes.KERNEL_MODES``):
 
 =========  =========================================================================
 scheme     scales
 =========  =========================================================================
 fp8_tensor per expert: ``amax[e] / 448`` (amax max-reduced by the gate_up GEMM)
-fp8_token  per row: ``amax(|h[p, :]|) / 448`` (two passes over the row)
+fp8_token  per row: ``amax(|h[p, :]|) / 448`` (a row max over all spans first)
 fp8_block  per row and 128 columns: ``amax(|h[p, g*128:(g+1)*128]|) / 448``
 nvfp4      global ``2688 / amax[e]`` per expert; e4m3 block scale per 16 values
 =========  =========================================================================
+
+Every scale but fp8_token's depends on its own 128 (or 16) columns or on the expert alone, so
+the spans of a row are independent. fp8_token's row max spans the whole row: with more than one
+span, a first kernel writes each span's max into a [P, spans] buffer and the quantizing kernel
+reduces that row of partial maxima (max is exact in any order, so the scale is bit for bit the
+whole row's). With one span, one kernel makes both passes over its row.
 
 Divisions use ``div_rn`` (correctly rounded), as torch's CUDA kernels do; Triton's default fp32
 division is approximate and would move values across rounding boundaries.
@@ -28,8 +35,24 @@ from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.grouped_gemm import kernel_mode
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, NVFP4_BLOCK, QuantizedActivations
 
-ROWS = 16
-CHUNK = 128
+ROWS = 16  # positions per program; BLOCK_M is a multiple, so a program's rows share one tile
+CHUNK = 128  # columns per step: one fp8_block scale group, eight nvfp4 blocks
+# fp8_token partial row maxima read per step: all of them up to 16384 columns at CHUNK-wide spans.
+PART_BLOCK = 128
+# Programs the column split aims for: two per multiprocessor of an H100 / H200 (132 SMs), so
+# that a decode step's few row blocks still fill the GPU.
+TARGET_PROGRAMS = 264
+
+
+def column_span(row_blocks: int, K: int) -> int:
+    """Columns per program for ``row_blocks`` blocks of ROWS rows of width K: the widest
+    power-of-two multiple of CHUNK that still gives at least TARGET_PROGRAMS programs (a whole
+    row per program when the row blocks alone are enough, as at prefill), and CHUNK when even
+    that gives fewer. A function of the shapes only (graph-safe)."""
+    span = CHUNK * triton.next_power_of_2(triton.cdiv(K, CHUNK))
+    while span > CHUNK and row_blocks * triton.cdiv(K, span) < TARGET_PROGRAMS:
+        span //= 2
+    return span
 
 
 @triton.jit
@@ -49,40 +72,84 @@ def _e2m1_code(y):
 
 
 @triton.jit
-def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, tile_expert_ptr,
-                       K, stride_hm, stride_qm, stride_sm,
-                       MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       CHUNK: tl.constexpr, AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr):
+def _abs_max(h_rows, lo, hi, K, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """fp32 [ROWS]: max |h| over columns [lo, hi) of the rows at h_rows (pointers [ROWS, 1])."""
+    cols = tl.arange(0, CHUNK)
+    row_max = tl.zeros([ROWS], dtype=tl.float32)
+    for k0 in range(lo, hi, CHUNK):
+        ok = (k0 + cols) < K
+        x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+        row_max = tl.maximum(row_max, tl.max(tl.abs(x), axis=1))
+    return row_max
+
+
+@triton.jit
+def _row_max_kernel(h_ptr, part_ptr, tile_expert_ptr, K, span, num_spans, stride_hm,
+                    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """part[p, j] (fp32 [P, num_spans]) = max |h[p, j*span:(j+1)*span]|, for the rows of live
+    tiles (the others are left unwritten)."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M)
+    if expert < 0:
+        return
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    lo = pid_k * span
+    row_max = _abs_max(h_ptr + rows[:, None] * stride_hm, lo, tl.minimum(lo + span, K), K, ROWS, CHUNK)
+    tl.store(part_ptr + rows * num_spans + pid_k, row_max)
+
+
+@triton.jit
+def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expert_ptr,
+                       K, span, num_spans, stride_hm, stride_qm, stride_sm,
+                       MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                       PARTIAL_MAX: tl.constexpr, PART_BLOCK: tl.constexpr,
+                       AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS) x columns [j*span, (j+1)*span) (span a
+    multiple of CHUNK, so no 128- or 16-column scale group straddles two programs); program
+    (i, 0) writes the rows' per-row scales. PARTIAL_MAX (fp8_token): the row max comes from
+    part [P, num_spans], PART_BLOCK partial maxima per step, else from this program's own pass
+    over its columns, which are then the whole row."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M)
     if expert < 0:
         return
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, CHUNK)
     h_rows = h_ptr + rows[:, None] * stride_hm
+    lo = pid_k * span
+    hi = tl.minimum(lo + span, K)
     if MODE == 1 or MODE == 4:
         amax = tl.maximum(tl.load(amax_ptr + expert), AMAX_FLOOR)
     if MODE == 1:
         scale = tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX)
-        tl.store(s_ptr + rows * stride_sm, tl.zeros([ROWS], dtype=tl.float32) + scale)
-        for k0 in range(0, K, CHUNK):
+        if pid_k == 0:
+            tl.store(s_ptr + rows * stride_sm, tl.zeros([ROWS], dtype=tl.float32) + scale)
+        for k0 in range(lo, hi, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
             tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale, FP8_MAX), mask=ok[None, :])
     elif MODE == 2:
-        row_max = tl.zeros([ROWS], dtype=tl.float32)
-        for k0 in range(0, K, CHUNK):
-            ok = (k0 + cols) < K
-            x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-            row_max = tl.maximum(row_max, tl.max(tl.abs(x), axis=1))
+        if PARTIAL_MAX:
+            row_max = tl.zeros([ROWS], dtype=tl.float32)
+            for j0 in range(0, num_spans, PART_BLOCK):
+                j = j0 + tl.arange(0, PART_BLOCK)
+                part = tl.load(part_ptr + rows[:, None] * num_spans + j[None, :], mask=(j < num_spans)[None, :],
+                               other=0.0)
+                row_max = tl.maximum(row_max, tl.max(part, axis=1))
+        else:
+            row_max = _abs_max(h_rows, lo, hi, K, ROWS, CHUNK)
         scale = tl.math.div_rn(tl.maximum(row_max, AMAX_FLOOR), tl.zeros_like(row_max) + FP8_MAX)
-        tl.store(s_ptr + rows * stride_sm, scale)
-        for k0 in range(0, K, CHUNK):
+        if pid_k == 0:
+            tl.store(s_ptr + rows * stride_sm, scale)
+        for k0 in range(lo, hi, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok[None, :])
+            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX),
+                     mask=ok[None, :])
     elif MODE == 3:
-        for k0 in range(0, K, CHUNK):
+        for k0 in range(lo, hi, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
             block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
@@ -91,10 +158,11 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, tile_expert_ptr,
             tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok[None, :])
     else:
         g = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX * 6.0, amax)
-        tl.store(g_ptr + rows, tl.zeros([ROWS], dtype=tl.float32) + g)
+        if pid_k == 0:
+            tl.store(g_ptr + rows, tl.zeros([ROWS], dtype=tl.float32) + g)
         bcols = tl.arange(0, CHUNK // 16)
         pcols = tl.arange(0, CHUNK // 2)
-        for k0 in range(0, K, CHUNK):
+        for k0 in range(lo, hi, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
             blocks = tl.reshape(x, (ROWS, CHUNK // 16, 16))
@@ -105,20 +173,24 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, tile_expert_ptr,
             y = tl.math.div_rn(blocks * g, tl.where(zero, 1.0, s32)[:, :, None])
             y = tl.where(zero[:, :, None], 0.0, y)
             code = tl.reshape(_e2m1_code(y), (ROWS, CHUNK // 2, 2))
-            lo, hi = tl.split(code)
-            packed = lo | (hi << 4)
+            lo_code, hi_code = tl.split(code)
+            packed = lo_code | (hi_code << 4)
             s_ok = (k0 // 16 + bcols) < K // 16
             tl.store(s_ptr + rows[:, None] * stride_sm + k0 // 16 + bcols[None, :], s, mask=s_ok[None, :])
             p_ok = (k0 // 2 + pcols) < K // 2
             tl.store(q_ptr + rows[:, None] * stride_qm + k0 // 2 + pcols[None, :], packed, mask=p_ok[None, :])
 
 
-def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Tensor | None) -> QuantizedActivations:
+def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Tensor | None,
+               span: int | None = None) -> QuantizedActivations:
     """h: [P, I] model dtype at the plan's padded positions -> ``QuantizedActivations`` [P, I].
 
     amax: fp32 [E] per-expert amax of h (fp8_tensor, nvfp4), else None. The per-tensor scales
     come back per row (``tensor_scale`` [P, 1]), each row carrying its expert's scale. Rows of
     tiles past the end of the plan are left unwritten (no kernel reads them).
+    span: columns per program, a multiple of CHUNK (128); None picks it from P and I
+    (``column_span``). Results do not depend on it. One launch, two for fp8_token when a row
+    spans several programs.
     """
     P, K = h.shape
     mode = kernel_mode(scheme)
@@ -126,6 +198,8 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
         raise ValueError(f"quantize_h: padded rows {P} and block_m {plan.block_m} must be multiples of {ROWS}")
     if mode in (1, 4) and amax is None:
         raise ValueError(f"quantize_h: {scheme} needs the per-expert amax")
+    if span is not None and (span <= 0 or span % CHUNK):
+        raise ValueError(f"quantize_h: span must be a positive multiple of {CHUNK}, got {span}")
     dev = h.device
     if mode == 4:
         if K % NVFP4_BLOCK:
@@ -137,13 +211,22 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
         q = torch.empty(P, K, dtype=FP8_DTYPE, device=dev)
         s = torch.empty(P, triton.cdiv(K, CHUNK) if mode == 3 else 1, dtype=torch.float32, device=dev)
         g = s
-    _quantize_h_kernel[(P // ROWS,)](
-        h, q, s, g, amax if amax is not None else s, plan.tile_expert,
-        K, h.stride(0), q.stride(0), s.stride(0),
-        MODE=mode, ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, num_warps=4)
+    if P:  # no launch for an empty grid
+        span = span or column_span(P // ROWS, K)
+        num_spans = triton.cdiv(K, span)
+        grid = (P // ROWS, num_spans)
+        partial = mode == 2 and num_spans > 1
+        part = torch.empty(P, num_spans, dtype=torch.float32, device=dev) if partial else s
+        if partial:
+            _row_max_kernel[grid](h, part, plan.tile_expert, K, span, num_spans, h.stride(0),
+                                  ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, num_warps=4)
+        _quantize_h_kernel[grid](
+            h, q, s, g, amax if amax is not None else s, part, plan.tile_expert,
+            K, span, num_spans, h.stride(0), q.stride(0), s.stride(0),
+            MODE=mode, ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, PARTIAL_MAX=partial,
+            PART_BLOCK=PART_BLOCK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, num_warps=4)
     if mode == 1:
         return QuantizedActivations(scheme, q, None, s)
     if mode == 4:
         return QuantizedActivations(scheme, q, s, g)
     return QuantizedActivations(scheme, q, s, None)
-
