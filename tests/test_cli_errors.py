@@ -440,7 +440,7 @@ def test_every_command_refuses_bad_timeouts_and_seeds_by_their_flag(command, bad
     (["eplb", "--layer", "--device", "cpu", "--world-size", "3"], "has 16 experts, which do not divide over 3 ranks"),
     (["bench", "--reps", "-1", "--world-size", "2", "--device", "cpu"], "--reps: must be a positive integer, got -1"),
     (["bench", "--world-size", "3", "--device", "cpu", "--size", "small"],
-     "--world-size 3: run 'EP3 low_latency' of qwen3-30b-a3b (small)"),
+     "--world-size 3: run 'EP3 allgather_reducescatter' of qwen3-30b-a3b (small)"),
     (["bench", "--world-size", "2", "--device", "cpu", "--size", "small", "--prefill-tokens", "100000000"],
      "GiB of memory"),
     (["run", "--random", "mixtral-8x7b", "--tokens", str(10**9)], "this run needs about"),
@@ -533,9 +533,13 @@ def test_a_checkpoint_with_fused_and_per_expert_copies_is_refused(tmp_path, caps
     ckpt = _tiny_checkpoint(tmp_path / "ckpt")
     g = torch.Generator().manual_seed(1)
     p = "model.layers.0.mlp.experts."
-    save_file({f"{p}{e}.{n}.weight": torch.randn(*shape, generator=g) for e in range(4)
-               for n, shape in (("gate_proj", (32, 16)), ("up_proj", (32, 16)), ("down_proj", (16, 32)))},
-              str(ckpt / "model-extra.safetensors"))
+    from safetensors import safe_open
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    # both copies in the file that is read (a file beside model.safetensors would be ignored)
+    tensors.update({f"{p}{e}.{n}.weight": torch.randn(*shape, generator=g) for e in range(4)
+                    for n, shape in (("gate_proj", (32, 16)), ("up_proj", (32, 16)), ("down_proj", (16, 32)))})
+    save_file(tensors, str(ckpt / "model.safetensors"))
     assert main(["run", "--model", str(ckpt), "--layer", "0", "--input", str(ckpt / "in.safetensors")]) == 2
     assert "holds the routed experts twice, fused" in error_line(capsys, "run")
 
