@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.activations import ActivationKind, get_activation
 from moeshard.quant.schemes import BUILTIN_SCHEMES, QuantScheme, get_scheme
 from moeshard.validate import boolean, finite_float, size
 
-ACTIVATIONS = ("silu", "gelu")
 SCORINGS = ("softmax", "sigmoid")
 # The built-in schemes; ``moeshard.quant.schemes.scheme_names()`` lists every registered one.
 QUANT_SCHEMES = BUILTIN_SCHEMES
@@ -92,7 +92,7 @@ class MoEConfig:
             size(owner, name, getattr(self, name), minimum=0)
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate"):
             boolean(owner, name, getattr(self, name))
-        _choice(owner, "activation", self.activation, ACTIVATIONS)
+        get_activation(self.activation, f"{owner}.activation")
         _choice(owner, "scoring", self.scoring, SCORINGS)
         object.__setattr__(self, "routed_scaling_factor",
                            finite_float(owner, "routed_scaling_factor", self.routed_scaling_factor, 0.0,
@@ -122,6 +122,11 @@ class MoEConfig:
                              f"{self.num_shared_experts}, got {self.shared_intermediate_size}")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError(f"{owner}.shared_expert_gate: True needs num_shared_experts > 0")
+
+    @property
+    def activation_kind(self) -> ActivationKind:
+        """The descriptor of ``activation`` (``moeshard.activations``)."""
+        return get_activation(self.activation, "MoEConfig.activation")
 
     @property
     def has_shared_experts(self) -> bool:
