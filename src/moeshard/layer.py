@@ -24,7 +24,6 @@ import zlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moeshard.activations import get_activation

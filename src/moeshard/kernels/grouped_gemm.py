@@ -49,6 +49,7 @@ from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 
+
 def _act_mode(activation: str | None) -> int:
     """The epilogue's ``ACT`` mode of a registered activation kind (0 when none is fused)."""
     if activation is None:
