@@ -2,8 +2,10 @@
 
 A family says everything that differs between Hugging Face ``model_type``s: the defaults of the
 routing fields, how ``config.json`` maps onto ``MoEConfig``, which layers are dense, where a
-layer's block lives and how its experts' tensors are spelled. ``hf_config`` and ``names`` read
-it; a new family (say ``qwen3_next``) is one more entry here.
+layer's block lives, how its router, experts and shared experts are named, the fused layout, its
+routing and activation kinds and its checkpoint formats. ``hf_config``, ``names``, ``experts``,
+``loader`` and the transformers integration read it; a new family (say ``qwen3_next``) is one
+more entry here (or ``register_family`` from outside the package).
 
 ===========  =====================  =========================================================
 model_type   routing                 which layers have an MoE block

@@ -111,7 +111,7 @@ class MoEBlock(MoELayer):
         self.add_module(router_name, router.to(self.device))
 
     @property
-    def router(self) -> nn.Module:
+    def hf_router(self) -> nn.Module:
         """The transformers router module (the family's ``router`` attribute of this block)."""
         module = getattr(self, self.router_name)
         assert isinstance(module, nn.Module)  # registered in __init__
@@ -120,9 +120,9 @@ class MoEBlock(MoELayer):
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights (moeshard's router on the
         transformers router's weight and correction bias)."""
-        weight = self.router.weight
+        weight = self.hf_router.weight
         assert isinstance(weight, torch.Tensor)  # checked in __init__
-        return route(router_logits(x, weight), self.cfg, getattr(self.router, self.bias_name, None))
+        return route(router_logits(x, weight), self.cfg, getattr(self.hf_router, self.bias_name, None))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [..., H] (transformers passes [batch, seq, H]) in the model dtype ->
@@ -130,7 +130,7 @@ class MoEBlock(MoELayer):
         observers (``output_router_logits``); its routing is not used."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        self.router(x)
+        self.hf_router(x)
         return super().forward(x).reshape(shape)
 
     def extra_repr(self) -> str:
