@@ -752,7 +752,7 @@ def test_error_huge_expert_count_is_refused_from_the_headers(tmp_path, fused):
         ckpt = SafetensorsCheckpoint(path)
         start = time.monotonic()
         _expect_error(r"num_experts=1000000000 needs 3000000000 per-expert tensors .* holds 13 tensors in all",
-                      ExpertReader, ckpt, resolve_block_names(ckpt, model, 0), model.moe_config(), False)
+                      ExpertReader, ckpt, resolve_block_names(ckpt, model, 0), model.moe_config(), model.format)
         assert time.monotonic() - start < 5
     start = time.monotonic()
     _expect_error(r"tensor 'model.layers.0.mlp.gate.weight' .* has shape \[4, 16\], expected \[1000000000, 16\]",

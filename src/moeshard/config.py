@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.activations import ActivationKind, get_activation
 from moeshard.quant.schemes import QuantScheme, get_scheme
+from moeshard.routing import RoutingKind, get_routing, routing_names
 from moeshard.validate import boolean, finite_float, size
 
-ACTIVATIONS = ("silu", "gelu")
-SCORINGS = ("softmax", "sigmoid")
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # routed_scaling_factor: published models use 1 to 16 (DeepSeek-V3 2.5, DeepSeek-V2 16); far beyond
 # that the routed outputs overflow the model dtype, so a larger value is refused as absurd.
@@ -42,16 +42,15 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     return MODEL_DTYPES[name]
 
 
-def _choice(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{owner}.{name}: {value!r} is not one of {list(allowed)}")
-
-
 @dataclass(frozen=True)
 class MoEConfig:
     """Shape and routing of one MoE block.
 
-    Routing (see ``moeshard.router``):
+    Routing (see ``moeshard.router``): ``scoring`` names a routing kind of ``moeshard.routing``,
+    which says which of the other routing fields it allows.
+      * ``scoring="topk_softmax"``: top-k of the logits, softmax over the selected (gpt-oss).
+      * ``scoring="group_limited_greedy"``: softmax, the ``topk_group`` groups with the best
+        expert kept (DeepSeek-V2).
       * ``scoring="softmax"``: Mixtral (``renormalize=True``) and Qwen2/Qwen3-MoE
         (``renormalize`` = ``norm_topk_prob``).
       * ``scoring="sigmoid"``: DeepSeek-V3; ``use_correction_bias`` adds
@@ -90,8 +89,8 @@ class MoEConfig:
             size(owner, name, getattr(self, name), minimum=0)
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate"):
             boolean(owner, name, getattr(self, name))
-        _choice(owner, "activation", self.activation, ACTIVATIONS)
-        _choice(owner, "scoring", self.scoring, SCORINGS)
+        get_activation(self.activation, f"{owner}.activation")
+        kind = get_routing(self.scoring, f"{owner}.scoring")
         object.__setattr__(self, "routed_scaling_factor",
                            finite_float(owner, "routed_scaling_factor", self.routed_scaling_factor, 0.0,
                                         MAX_ROUTED_SCALING, low_open=True))
@@ -110,16 +109,37 @@ class MoEConfig:
             if self.top_k > self.topk_group * per_group:
                 raise ValueError(f"{owner}.top_k: {self.top_k} exceeds the experts of the kept groups "
                                  f"(topk_group={self.topk_group} x {per_group} experts per group)")
-            if self.scoring == "sigmoid" and per_group < 2:
+            if kind.groups is None:
+                raise ValueError(f"{owner}.n_group: scoring={self.scoring!r} has no group top-k, got "
+                                 f"n_group={self.n_group}")
+            if self.scoring == "sigmoid" and kind.groups == "top2_sum" and per_group < 2:
                 raise ValueError(f"{owner}.n_group: sigmoid grouped top-k scores a group by its best two "
                                  f"experts, but n_group={self.n_group} leaves {per_group} expert per group")
-        if self.use_correction_bias and self.scoring != "sigmoid":
-            raise ValueError(f"{owner}.use_correction_bias: only defined for scoring='sigmoid', got scoring={self.scoring!r}")
+        if self.use_correction_bias and not kind.correction_bias:
+            with_bias = [n for n in routing_names() if get_routing(n).correction_bias]
+            raise ValueError(f"{owner}.use_correction_bias: only defined for scoring="
+                             f"{' or '.join(repr(n) for n in with_bias)}, got scoring={self.scoring!r}")
+        if self.routed_scaling_factor != 1.0 and not kind.scaling:
+            raise ValueError(f"{owner}.routed_scaling_factor: scoring={self.scoring!r} has no routed scaling, got "
+                             f"{self.routed_scaling_factor}")
+        if kind.weights_on_input:
+            raise ValueError(f"{owner}.scoring: {self.scoring!r} applies the router weight to the expert's input, "
+                             f"which the layer does not do")
         if self.num_shared_experts and self.shared_intermediate_size <= 0:
             raise ValueError(f"{owner}.shared_intermediate_size: must be > 0 with num_shared_experts="
                              f"{self.num_shared_experts}, got {self.shared_intermediate_size}")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError(f"{owner}.shared_expert_gate: True needs num_shared_experts > 0")
+
+    @property
+    def routing_kind(self) -> RoutingKind:
+        """The descriptor of ``scoring`` (``moeshard.routing``)."""
+        return get_routing(self.scoring, "MoEConfig.scoring")
+
+    @property
+    def activation_kind(self) -> ActivationKind:
+        """The descriptor of ``activation`` (``moeshard.activations``)."""
+        return get_activation(self.activation, "MoEConfig.activation")
 
     @property
     def has_shared_experts(self) -> bool:

@@ -24,9 +24,9 @@ import zlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from moeshard.activations import get_activation
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name
 from moeshard.dispatch.base import BackendContext, DispatchBackend
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
@@ -126,8 +126,7 @@ class SharedExperts(nn.Module):
         self.down_proj = _frozen_linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = F.silu if self.activation == "silu" else F.gelu
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(get_activation(self.activation)(self.gate_proj(x), self.up_proj(x)))
 
 
 def _code(name: str) -> int:

@@ -36,7 +36,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, activate
@@ -323,8 +322,7 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
         # rounded to the model dtype first, as the layer holds them
         sw = {name: getattr(weights, name).to(dtype=dtype).to(x.device, torch.float64)
               for name in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, name) is not None}
-        act = F.silu if cfg.activation == "silu" else F.gelu
-        shared = (act(x64 @ sw["shared_gate"].T) * (x64 @ sw["shared_up"].T)) @ sw["shared_down"].T
+        shared = cfg.activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
         if "shared_expert_gate" in sw:
             shared = torch.sigmoid(x64 @ sw["shared_expert_gate"].T) * shared
         out += shared

@@ -1,6 +1,11 @@
-"""Router: gate logits -> top-k expert ids and fp32 weights.
+"""Router: gate logits -> top-k expert ids and fp32 weights, for every routing kind of
+``moeshard.routing`` (the kind's fields choose each step below).
 
 Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
+
+* topk_softmax (gpt-oss, Granite): the top K logits, weights softmax over those K.
+* group_limited_greedy (DeepSeek-V2): softmax; each group scored by its best expert, only the
+  best ``topk_group`` groups stay eligible.
 
 * softmax scoring (Mixtral, Qwen2/Qwen3-MoE): p = softmax(logits); take the top K of p;
   with ``renormalize`` divide the K weights by their sum (Mixtral always, Qwen ``norm_topk_prob``).
@@ -40,43 +45,63 @@ def _topk_low_index_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def _group_mask(choice_scores: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
-    """bool [T, E]: True for experts in the ``topk_group`` best groups of each token."""
+def _group_mask(choice_scores: torch.Tensor, cfg: MoEConfig, group_score: str) -> torch.Tensor:
+    """bool [T, E]: True for experts in the ``topk_group`` best groups of each token; a group is
+    scored by the sum of its best two scores (``"top2_sum"``) or by its best one (``"max"``)."""
     T, E = choice_scores.shape
     grouped = choice_scores.view(T, cfg.n_group, E // cfg.n_group)
-    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]; values only, order irrelevant
+    if group_score == "top2_sum":
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]; values only, order irrelevant
+    else:
+        group_scores = grouped.amax(dim=-1)  # [T, G]
     keep = _topk_low_index_first(group_scores, cfg.topk_group)  # [T, topk_group]
     mask = torch.zeros(T, cfg.n_group, dtype=torch.bool, device=choice_scores.device)
     mask.scatter_(1, keep, True)
     return mask.repeat_interleave(E // cfg.n_group, dim=1)
 
 
-def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None) -> Routing:
-    """Routes T tokens.
+def _score(values: torch.Tensor, scores: str) -> torch.Tensor:
+    return values.softmax(dim=-1) if scores == "softmax" else values.sigmoid()
+
+
+def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None,
+          router_bias: torch.Tensor | None = None) -> Routing:
+    """Routes T tokens with the routing kind ``cfg.scoring`` (``moeshard.routing``).
 
     logits: [T, E] router logits (any float dtype; computed on in fp32).
     correction_bias: [E] DeepSeek-V3 ``e_score_correction_bias``; required iff ``cfg.use_correction_bias``.
+    router_bias: [E] the router linear's bias, added to the logits; required iff the kind has
+      ``router_bias``.
     """
+    kind = cfg.routing_kind
     if logits.dim() != 2 or logits.shape[1] != cfg.num_experts:
         raise ValueError(f"route: logits must be [T, num_experts={cfg.num_experts}], got {tuple(logits.shape)}")
     if cfg.use_correction_bias and correction_bias is None:
         raise ValueError("route: cfg.use_correction_bias is True but no correction_bias was given")
+    if kind.router_bias != (router_bias is not None):
+        raise ValueError(f"route: routing kind {kind.name!r} has router_bias={kind.router_bias}, but a router bias was "
+                         f"{'not ' if router_bias is None else ''}given")
     logits = logits.float()
-    if cfg.scoring == "softmax":
-        scores = logits.softmax(dim=-1)
+    if router_bias is not None:
+        logits = logits + router_bias.float().view(1, -1)
+    if kind.order == "topk_then_score":
+        # Select on the logits (the scores are monotone in them), score the K selected only.
+        ids = _topk_low_index_first(logits, cfg.top_k)
+        weights = _score(logits.gather(1, ids), kind.scores)
     else:
-        scores = logits.sigmoid()
-    choice = scores
-    if cfg.use_correction_bias:
-        assert correction_bias is not None  # refused above when missing
-        choice = scores + correction_bias.float().view(1, -1)
-    if cfg.n_group > 1:
-        # Experts outside the kept groups can never win: -inf is below any score.
-        choice = choice.masked_fill(~_group_mask(choice, cfg), float("-inf"))
-    ids = _topk_low_index_first(choice, cfg.top_k)
-    weights = scores.gather(1, ids)
+        scores = _score(logits, kind.scores)
+        choice = scores
+        if cfg.use_correction_bias:
+            assert correction_bias is not None  # refused above when missing
+            choice = scores + correction_bias.float().view(1, -1)
+        if cfg.n_group > 1:
+            assert kind.groups is not None  # MoEConfig refuses n_group > 1 for a kind without groups
+            # Experts outside the kept groups can never win: -inf is below any score.
+            choice = choice.masked_fill(~_group_mask(choice, cfg, kind.groups), float("-inf"))
+        ids = _topk_low_index_first(choice, cfg.top_k)
+        weights = scores.gather(1, ids)
     if cfg.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(kind.weight_floor)
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
     return Routing(topk_ids=ids, topk_weights=weights)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.checkpoint.families import READ_FUSED_LAYOUTS, CheckpointFormat
 from moeshard.checkpoint.names import BlockNames, scale_name
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
 from moeshard.config import MoEConfig, QuantConfig
@@ -121,8 +122,15 @@ class _Stack:
 class ExpertReader:
     """Reads the routed experts of one block (names, cfg) from ``ckpt`` for one rank's plan."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fp8_checkpoint: bool) -> None:
-        self.ckpt, self.names, self.cfg, self.fp8 = ckpt, names, cfg, fp8_checkpoint
+    def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fmt: CheckpointFormat) -> None:
+        if fmt.stored_scheme not in (None, "fp8_block"):
+            raise ValueError(f"checkpoint format {fmt.name!r} ({fmt.summary}): its experts are not read yet "
+                             f"(readable: full precision and fp8_block)")
+        if names.fused and names.fused_layout not in READ_FUSED_LAYOUTS:
+            raise ValueError(f"{names.fused_gate_up}: fused layout {names.fused_layout!r} is not read yet "
+                             f"(readable: {list(READ_FUSED_LAYOUTS)})")
+        self.ckpt, self.names, self.cfg, self.format = ckpt, names, cfg, fmt
+        self.fp8 = fmt.stored_scheme == "fp8_block"
         self._check_shapes()
 
     # -- validation, from headers only ----------------------------------------------------
@@ -170,7 +178,7 @@ class ExpertReader:
         else:
             name = lambda s: s  # noqa: E731
             rows = slice
-        if n.fused:
+        if n.fused:  # gate_up_rows: gate rows [0, I), up rows [I, 2I) (the only fused layout read)
             if (lo, hi) == (0, I):
                 # The whole expert: one read of all 2I rows (also the only way to read fp8 tiles that
                 # straddle the gate/up boundary when I is not a multiple of 128).

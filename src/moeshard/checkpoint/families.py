@@ -2,8 +2,10 @@
 
 A family says everything that differs between Hugging Face ``model_type``s: the defaults of the
 routing fields, how ``config.json`` maps onto ``MoEConfig``, which layers are dense, where a
-layer's block lives and how its experts' tensors are spelled. ``hf_config`` and ``names`` read
-it; a new family (say ``qwen3_next``) is one more entry here.
+layer's block lives, how its router, experts and shared experts are named, the fused layout, its
+routing and activation kinds and its checkpoint formats. ``hf_config``, ``names``, ``experts``,
+``loader`` and the transformers integration read it; a new family (say ``qwen3_next``) is one
+more entry here (or ``register_family`` from outside the package).
 
 ===========  =====================  =========================================================
 model_type   routing                 which layers have an MoE block
@@ -31,14 +33,17 @@ approximation, below 1e-3 absolute per activation).
 from __future__ import annotations
 
 import builtins
+import fnmatch
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from moeshard.activations import get_activation
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
+from moeshard.routing import get_routing
 from moeshard.validate import MAX_DIM, is_int
 
 # Per-expert (gate, up, down) module names: as transformers' per-expert MLPs, and as Mixtral publishes.
@@ -109,13 +114,88 @@ class ConfigFields:
         return tuple(value)
 
     def activation(self) -> str:
+        """The activation kind ``hidden_act`` maps to under the family's ``hidden_acts``."""
         name = self.get("hidden_act")
-        if name in ("silu", "swish"):
-            return "silu"
-        if isinstance(name, str) and name.startswith("gelu"):
-            return "gelu"
-        raise ValueError(f"{self.source}: hidden_act={name!r} is not supported; expected 'silu', 'swish' or a "
-                         f"'gelu' variant")
+        if isinstance(name, str):
+            for pattern, kind in self.family.hidden_acts.items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    return kind
+        raise ValueError(f"{self.source}: hidden_act={name!r} is not supported; expected one of "
+                         f"{list(self.family.hidden_acts)}")
+
+
+# -- checkpoint formats ------------------------------------------------------------------------
+FP8_CHECKPOINT_BLOCK = (128, 128)
+
+
+def _is_full_precision(q: Any, source: str) -> bool:
+    return q is None
+
+
+def _is_fp8_block(q: Any, source: str) -> bool:
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return False
+    block = q.get("weight_block_size")
+    if not isinstance(block, list) or tuple(block) != FP8_CHECKPOINT_BLOCK or not all(is_int(b) for b in block):
+        raise ValueError(f"{source}: fp8 quantization_config has weight_block_size={block!r}; moeshard's fp8_block "
+                         f"needs {list(FP8_CHECKPOINT_BLOCK)} (per-tensor FP8 checkpoints are not supported)")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"{source}: fp8 quantization_config has activation_scheme={scheme!r}; only 'dynamic' "
+                         f"is supported (moeshard quantizes activations per token and 128 columns)")
+    return True
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """How a checkpoint stores its weights.
+
+    name: ``bf16`` (full precision: fp32 / bf16 / fp16 tensors) or a quantized format.
+    stored_scheme: None for full precision (the experts load as any requested scheme), else the
+      moeshard scheme the stored experts are read as, without requantizing (``fp8_block``).
+    detect: ``(quantization_config or None, source) -> bool``: whether config.json describes
+      this format; raises ValueError (naming the field and value) for a near miss.
+    summary: one line for messages, with its article ("an FP8 block checkpoint (...)").
+    """
+
+    name: str
+    stored_scheme: str | None
+    detect: Callable[[Any, str], bool]
+    summary: str
+
+
+CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
+    CheckpointFormat("bf16", None, _is_full_precision,
+                     "a full-precision checkpoint (fp32 / bf16 / fp16 tensors, no quantization_config)"),
+    CheckpointFormat("fp8_block", "fp8_block", _is_fp8_block,
+                     "an FP8 block checkpoint (DeepSeek-V3 style: float8_e4m3fn weight + weight_scale_inv per "
+                     "128 x 128 block; quantization_config quant_method 'fp8', weight_block_size [128, 128], "
+                     "dynamic activations)"),
+)}
+
+
+def checkpoint_format(raw: dict[str, Any], family: ModelFamily, source: str) -> CheckpointFormat:
+    """The format ``raw``'s ``quantization_config`` describes, among those ``family`` ships."""
+    q = raw.get("quantization_config")
+    for name in family.formats:
+        if CHECKPOINT_FORMATS[name].detect(q, source):
+            return CHECKPOINT_FORMATS[name]
+    method = q.get("quant_method") if isinstance(q, dict) else q
+    raise ValueError(f"{source}: quantization_config with quant_method={method!r} is not supported for model_type "
+                     f"{family.model_type!r}; its formats: "
+                     + "; ".join(f"{n}: {CHECKPOINT_FORMATS[n].summary}" for n in family.formats))
+
+
+# -- the family descriptor ---------------------------------------------------------------------
+# Fused routed experts, as one [E, 2I, H] gate_up tensor and one [E, H, I] down tensor:
+#   gate_up_rows  rows [0, I) gate, [I, 2I) up (transformers 5)
+#   interleaved   rows 2i gate, 2i + 1 up
+#   transposed    [E, H, 2I] gate columns first, down [E, I, H]
+# Only gate_up_rows is read today; the others are refused with the layout's name.
+FUSED_LAYOUTS = ("gate_up_rows", "interleaved", "transposed")
+READ_FUSED_LAYOUTS = ("gate_up_rows",)
+# hidden_act patterns (fnmatch) -> activation kind, tried in order.
+HIDDEN_ACTS = {"silu": "silu", "swish": "silu", "gelu*": "gelu"}
 
 
 @dataclass(frozen=True)
@@ -128,19 +208,70 @@ class ModelFamily:
     moe: config.json -> the block's ``MoEConfig`` (dtype left at its default).
     dense_layers: (config.json, num_layers) -> ``DenseLayers``, {layer: why it has no MoE block},
       decided per layer by a rule (reading the fields once), never by a loop over all layers.
-    block_prefixes: where layer L's block lives, after ``model.layers.{L}.``, in the order tried.
+    routing: the routing kind (``moeshard.routing``) its blocks use; ``moe`` builds the
+      ``MoEConfig`` with it (read as ``f.family.routing``).
+    layers: the decoder layers' module path, in the checkpoint and in the transformers model
+      (``model.layers``: tensors ``model.layers.{L}.*``, module ``model.model.layers``).
+    block_prefixes: where layer L's block lives, after ``{layers}.{L}.``, in the order tried, in
+      the checkpoint; without the dot, the decoder layer's attribute in the transformers model.
+    router: the router's module name in the block (its weight [E, H] is ``{router}.weight``).
+    correction_bias: the router's selection-bias parameter [E] (``{router}.{correction_bias}``).
+    experts: the routed experts' module name; fused_names: its (gate_up, down) fused parameters;
+      fused_layout: how the fused gate_up holds gate and up (``FUSED_LAYOUTS``).
     expert_spellings: per-expert (gate, up, down) module names, in the order tried.
+    shared_prefixes: the shared-expert MLP's module names (with the dot), in the order tried;
+      shared_expert_gate: the shared expert's sigmoid gate module [1, H].
+    hidden_acts: ``hidden_act`` patterns (fnmatch) -> activation kind (``moeshard.activations``).
+    formats: the checkpoint formats (``CHECKPOINT_FORMATS``) it ships, full precision first.
     """
 
     model_type: str
     defaults: Mapping[str, Any]
     moe: Callable[[ConfigFields], MoEConfig]
     dense_layers: Callable[[ConfigFields, int], DenseLayers]
+    routing: str = "softmax"
+    layers: str = "model.layers"
     block_prefixes: tuple[str, ...] = ("mlp.",)
+    router: str = "gate"
+    correction_bias: str = "e_score_correction_bias"
+    experts: str = "experts"
+    fused_names: tuple[str, str] = ("gate_up_proj", "down_proj")
+    fused_layout: str = "gate_up_rows"
     expert_spellings: tuple[tuple[str, str, str], ...] = (GATE_UP_DOWN, W1_W3_W2)
+    shared_prefixes: tuple[str, ...] = ("shared_experts.", "shared_expert.")
+    shared_expert_gate: str = "shared_expert_gate"
+    hidden_acts: Mapping[str, str] = field(default_factory=lambda: dict(HIDDEN_ACTS))
+    formats: tuple[str, ...] = ("bf16", "fp8_block")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+        object.__setattr__(self, "hidden_acts", MappingProxyType(dict(self.hidden_acts)))
+        where = f"ModelFamily({self.model_type!r})"
+        get_routing(self.routing, f"{where}.routing")
+        for pattern, kind in self.hidden_acts.items():
+            get_activation(kind, f"{where}.hidden_acts[{pattern!r}]")
+        if self.fused_layout not in FUSED_LAYOUTS:
+            raise ValueError(f"{where}.fused_layout: {self.fused_layout!r} is not one of {list(FUSED_LAYOUTS)}")
+        unknown = [f for f in self.formats if f not in CHECKPOINT_FORMATS]
+        if unknown or not self.formats:
+            raise ValueError(f"{where}.formats: {list(self.formats)} must be a non-empty list of "
+                             f"{list(CHECKPOINT_FORMATS)}")
+        for name in ("block_prefixes", "shared_prefixes"):
+            bad = [p for p in getattr(self, name) if not (isinstance(p, str) and p.endswith(".") and len(p) > 1)]
+            if bad or not getattr(self, name):
+                raise ValueError(f"{where}.{name}: every entry must be a module name ending in '.', got "
+                                 f"{list(getattr(self, name))}")
+        if len(self.fused_names) != 2 or not all(isinstance(n, str) and n for n in self.fused_names):
+            raise ValueError(f"{where}.fused_names: expected (gate_up, down) names, got {self.fused_names!r}")
+
+    @property
+    def block_attributes(self) -> tuple[str, ...]:
+        """The decoder layer's attributes that may hold the block in a transformers model."""
+        return tuple(p[:-1] for p in self.block_prefixes)
+
+    def layer_prefix(self, layer: int) -> str:
+        """``model.layers.{layer}.``: where the decoder layer's tensors are named."""
+        return f"{self.layers}.{layer}."
 
     def fields(self, raw: dict[str, Any], source: str) -> ConfigFields:
         return ConfigFields(raw, self, source)
@@ -220,14 +351,14 @@ def _mixtral_moe(f: ConfigFields) -> MoEConfig:
     act, H = f.activation(), f.int("hidden_size")
     return MoEConfig(num_experts=f.int("num_local_experts"), top_k=f.int("num_experts_per_tok"), hidden_size=H,
                      intermediate_size=f.int("intermediate_size"),
-                     activation=act, renormalize=True)
+                     activation=act, scoring=f.family.routing, renormalize=True)
 
 
 def _qwen_moe(f: ConfigFields, gated_shared_expert: bool) -> MoEConfig:
     act, H = f.activation(), f.int("hidden_size")
     shared = f.int("shared_expert_intermediate_size", minimum=0) if gated_shared_expert else 0
     return MoEConfig(num_experts=f.int("num_experts"), top_k=f.int("num_experts_per_tok"), hidden_size=H,
-                     intermediate_size=f.int("moe_intermediate_size"), activation=act,
+                     intermediate_size=f.int("moe_intermediate_size"), activation=act, scoring=f.family.routing,
                      renormalize=f.bool("norm_topk_prob"), num_shared_experts=1 if shared else 0,
                      shared_intermediate_size=shared, shared_expert_gate=bool(shared))
 
@@ -250,7 +381,7 @@ def _deepseek_v3_moe(f: ConfigFields) -> MoEConfig:
     I = f.int("moe_intermediate_size")
     shared = f.int("n_shared_experts", minimum=0)
     return MoEConfig(num_experts=f.int("n_routed_experts"), top_k=f.int("num_experts_per_tok"), hidden_size=H,
-                     intermediate_size=I, activation=act, scoring="sigmoid", renormalize=f.bool("norm_topk_prob"),
+                     intermediate_size=I, activation=act, scoring=f.family.routing, renormalize=f.bool("norm_topk_prob"),
                      n_group=f.int("n_group"), topk_group=f.int("topk_group"),
                      routed_scaling_factor=f.float("routed_scaling_factor", 0.0, MAX_ROUTED_SCALING),
                      use_correction_bias=True,
@@ -268,8 +399,23 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     ModelFamily("deepseek_v3", {"hidden_act": "silu", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                                 "norm_topk_prob": True, "first_k_dense_replace": 3, "moe_layer_freq": 1,
                                 "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
-                _deepseek_v3_moe, _deepseek_dense_layers),
+                _deepseek_v3_moe, _deepseek_dense_layers, routing="sigmoid"),
 )}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Adds ``family`` (a new ``model_type``); ValueError if that model type is known already."""
+    if not isinstance(family, ModelFamily):
+        raise ValueError(f"register_family: expected a ModelFamily, got {type(family).__name__}")
+    if family.model_type in FAMILIES:
+        raise ValueError(f"register_family({family.model_type!r}): a family of that model_type is registered already")
+    FAMILIES[family.model_type] = family
+    return family
+
+
+def unregister_family(model_type: str) -> None:
+    """Removes a family (tests that register one of their own clean up with this)."""
+    FAMILIES.pop(model_type, None)
 
 
 def model_family(model_type: Any, source: str) -> ModelFamily:

@@ -4,7 +4,8 @@ The model types understood, and how each maps its own field names onto ``MoEConf
 families of ``moeshard.checkpoint.families`` (mixtral, qwen2_moe, qwen3_moe, deepseek_v3): one
 ``ModelFamily`` entry each, read here and by ``names``.
 
-A ``quantization_config`` is accepted only for DeepSeek-V3-style FP8 block checkpoints
+A ``quantization_config`` is matched against the checkpoint formats the family ships
+(``families.CHECKPOINT_FORMATS``): today DeepSeek-V3-style FP8 block checkpoints
 (``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic activations), which load as
 moeshard's ``fp8_block``.
 """
@@ -19,13 +20,23 @@ from typing import Any
 
 import torch
 
-from moeshard.checkpoint.families import FAMILIES, SCAN_LIMIT, DenseLayers, ModelFamily, model_family
+from moeshard.checkpoint.families import (
+    CHECKPOINT_FORMATS,
+    FAMILIES,
+    FP8_CHECKPOINT_BLOCK,
+    SCAN_LIMIT,
+    CheckpointFormat,
+    DenseLayers,
+    ModelFamily,
+    checkpoint_format,
+    model_family,
+)
 from moeshard.config import MODEL_DTYPES, MoEConfig
 from moeshard.outputs import check_input_dir, check_input_file
 from moeshard.validate import is_int
 
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-FP8_CHECKPOINT_BLOCK = (128, 128)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # the built-in families; FAMILIES also holds registered ones
+__all__ = ["FP8_CHECKPOINT_BLOCK", "SUPPORTED_MODEL_TYPES", "HFMoEModel", "parse_hf_config", "read_hf_config"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,8 @@ class HFMoEModel:
         ``families.DenseLayers``, decided per layer (lookups cost nothing whatever num_layers is).
       checkpoint_dtype: the ``dtype`` / ``torch_dtype`` the config declares, if it is a model
         dtype (fp32/bf16/fp16), else None.
-      fp8_block: True for an FP8 checkpoint with 128 x 128 block scales (``weight_scale_inv``).
+      checkpoint_format: the name of its ``families.CHECKPOINT_FORMATS`` entry (``bf16``, or
+        ``fp8_block`` for FP8 weights with 128 x 128 block scales ``weight_scale_inv``).
       source: the config file, for messages.
     """
 
@@ -50,13 +62,18 @@ class HFMoEModel:
     moe: MoEConfig
     dense_layers: DenseLayers
     checkpoint_dtype: torch.dtype | None
-    fp8_block: bool
+    checkpoint_format: str
     source: str
 
     @property
     def family(self) -> ModelFamily:
         """The registry entry of ``model_type`` (block prefixes, expert spellings, ...)."""
         return FAMILIES[self.model_type]
+
+    @property
+    def format(self) -> CheckpointFormat:
+        """The descriptor of ``checkpoint_format``."""
+        return CHECKPOINT_FORMATS[self.checkpoint_format]
 
     def moe_config(self, dtype: torch.dtype | None = None) -> MoEConfig:
         """The block's ``MoEConfig`` in ``dtype`` (default: the checkpoint's dtype, else fp32)."""
@@ -91,25 +108,6 @@ def _checkpoint_dtype(raw: dict[str, Any], source: str) -> torch.dtype | None:
     return None
 
 
-def _fp8_block(raw: dict[str, Any], source: str) -> bool:
-    q = raw.get("quantization_config")
-    if q is None:
-        return False
-    method = q.get("quant_method") if isinstance(q, dict) else None
-    if method != "fp8":
-        raise ValueError(f"{source}: quantization_config with quant_method={method!r} is not supported; only "
-                         f"DeepSeek-V3-style block FP8 (quant_method 'fp8', weight_block_size [128, 128]) is")
-    block = q.get("weight_block_size")
-    if not isinstance(block, list) or tuple(block) != FP8_CHECKPOINT_BLOCK or not all(is_int(b) for b in block):
-        raise ValueError(f"{source}: fp8 quantization_config has weight_block_size={block!r}; moeshard's fp8_block "
-                         f"needs {list(FP8_CHECKPOINT_BLOCK)} (per-tensor FP8 checkpoints are not supported)")
-    scheme = q.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise ValueError(f"{source}: fp8 quantization_config has activation_scheme={scheme!r}; only 'dynamic' "
-                         f"is supported (moeshard quantizes activations per token and 128 columns)")
-    return True
-
-
 def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEModel:
     """``HFMoEModel`` from the parsed ``config.json`` dict; ValueError names the field and value."""
     if not isinstance(raw, dict):
@@ -125,7 +123,7 @@ def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEMo
         raise ValueError(f"{source}: the MoE block it describes is invalid: {exc}") from None
     return HFMoEModel(model_type=family.model_type, num_layers=num_layers, moe=moe,
                       dense_layers=family.dense_layers(f, num_layers), checkpoint_dtype=_checkpoint_dtype(raw, source),
-                      fp8_block=_fp8_block(raw, source), source=source)
+                      checkpoint_format=checkpoint_format(raw, family, source).name, source=source)
 
 
 def read_hf_config(model_dir: str | Path) -> HFMoEModel:

@@ -63,12 +63,12 @@ def resolve_quant(model: HFMoEModel, quant: QuantConfig | str | None) -> QuantCo
     as stored, never dequantized and requantized into another scheme."""
     if isinstance(quant, str):
         quant = QuantConfig(quant)
+    stored = model.format.stored_scheme
     if quant is None:
-        return QuantConfig("fp8_block" if model.fp8_block else "none")
-    if model.fp8_block and quant.scheme != "fp8_block":
-        raise ValueError(f"quant {quant.scheme!r} was asked for, but {model.source} describes an FP8 block checkpoint "
-                         f"(quantization_config quant_method 'fp8', 128x128 blocks), which loads only as quant "
-                         f"'fp8_block'")
+        return QuantConfig(stored or "none")
+    if stored is not None and quant.scheme != stored:
+        raise ValueError(f"quant {quant.scheme!r} was asked for, but {model.source} describes "
+                         f"{model.format.summary}, which loads only as quant {stored!r}")
     return quant
 
 
@@ -138,8 +138,8 @@ def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfi
     # The router's header shape [E, H] first: it ties the config's expert count to what the files
     # hold before anything loops over experts (a config may claim 10^9 of them).
     ckpt.expect(names.router, (cfg.num_experts, cfg.hidden_size))
-    experts = ExpertReader(ckpt, names, cfg, model.fp8_block)  # checks every expert tensor's shape
-    weights = _SmallTensors(ckpt, names, cfg, model.fp8_block).weights()
+    experts = ExpertReader(ckpt, names, cfg, model.format)  # checks every expert tensor's shape
+    weights = _SmallTensors(ckpt, names, cfg, model.format.stored_scheme == "fp8_block").weights()
     weights.validate(cfg, routed=False)
     local = experts.read(quant, spec)
     return LoadedBlock(model=model, layer=layer, cfg=cfg, quant=quant, parallel=parallel, rank=rank, spec=spec,

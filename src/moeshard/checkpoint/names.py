@@ -1,8 +1,11 @@
 """Where the tensors of one layer's MoE block are stored, under either naming.
 
-Block prefix ``P`` is ``model.layers.{L}.`` followed by one of the family's ``block_prefixes``
-(``mlp.``; Mixtral on the hub: ``block_sparse_moe.``), and per-expert modules use one of its
-``expert_spellings`` (``moeshard.checkpoint.families``).
+Every name below comes from the family's descriptor (``moeshard.checkpoint.families``): block
+prefix ``P`` is its ``layers`` path and ``{L}.`` (``model.layers.{L}.``) followed by one of its
+``block_prefixes`` (``mlp.``; Mixtral on the hub: ``block_sparse_moe.``); the router is its
+``router`` module (``gate``), the experts its ``experts`` module with ``fused_names`` or one of
+its ``expert_spellings``, the shared MLP one of its ``shared_prefixes``. The table shows the
+built-in families' names.
 
 ====================================  ==========================================  ==============
 tensor                                per expert, as published on the hub         fused (transformers 5)
@@ -23,11 +26,11 @@ FP8 checkpoints add a block scale next to each quantized weight: ``<module>.weig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from moeshard.checkpoint.families import ModelFamily
 from moeshard.checkpoint.hf_config import HFMoEModel
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
-from moeshard.weights import SHARED_ALIASES
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -41,42 +44,55 @@ def scale_name(weight_name: str) -> str:
 
 @dataclass(frozen=True)
 class BlockNames:
-    """Tensor names of one block. prefix: e.g. ``"model.layers.3.mlp."``; fused: the routed experts
-    are stored as ``experts.gate_up_proj``/``experts.down_proj``; spelling: per-expert module
-    names (gate, up, down); shared_prefix: ``"shared_experts."`` or ``"shared_expert."`` (None
-    without shared experts)."""
+    """Tensor names of one block, from its family's descriptor (``families.ModelFamily``).
+
+    prefix: e.g. ``"model.layers.3.mlp."``; fused: the routed experts are stored as the family's
+    ``fused_names`` (``experts.gate_up_proj``/``experts.down_proj``); spelling: per-expert
+    module names (gate, up, down); shared_prefix: e.g. ``"shared_experts."`` or
+    ``"shared_expert."`` (None without shared experts); family: where the router, expert and
+    shared-gate names come from."""
 
     prefix: str
     fused: bool
     spelling: tuple[str, str, str]
     shared_prefix: str | None
+    family: ModelFamily = field(repr=False)
+
+    @property
+    def router_module(self) -> str:
+        """The router's module name in the block (``gate``)."""
+        return self.family.router
 
     @property
     def router(self) -> str:
-        return self.prefix + "gate.weight"
+        return f"{self.prefix}{self.family.router}.weight"
 
     @property
     def correction_bias(self) -> str:
-        return self.prefix + "gate.e_score_correction_bias"
+        return f"{self.prefix}{self.family.router}.{self.family.correction_bias}"
+
+    @property
+    def fused_layout(self) -> str:
+        return self.family.fused_layout
 
     @property
     def fused_gate_up(self) -> str:
-        return self.prefix + "experts.gate_up_proj"
+        return f"{self.prefix}{self.family.experts}.{self.family.fused_names[0]}"
 
     @property
     def fused_down(self) -> str:
-        return self.prefix + "experts.down_proj"
+        return f"{self.prefix}{self.family.experts}.{self.family.fused_names[1]}"
 
     def expert(self, e: int, projection: str) -> str:
         """Per-expert weight name; projection is "gate", "up" or "down"."""
-        return f"{self.prefix}experts.{e}.{self.spelling[PROJECTIONS.index(projection)]}.weight"
+        return f"{self.prefix}{self.family.experts}.{e}.{self.spelling[PROJECTIONS.index(projection)]}.weight"
 
     def shared(self, projection: str) -> str:
         return f"{self.prefix}{self.shared_prefix}{projection}_proj.weight"
 
     @property
     def shared_expert_gate(self) -> str:
-        return self.prefix + "shared_expert_gate.weight"
+        return f"{self.prefix}{self.family.shared_expert_gate}.weight"
 
 
 def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: int) -> BlockNames:
@@ -86,38 +102,41 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
     """
     files = [p.name for p in ckpt.files]
     family = model.family
-    candidates = [f"model.layers.{layer}.{p}" for p in family.block_prefixes]
-    prefix = next((p for p in candidates if ckpt.has(p + "gate.weight")), None)
+    candidates = [family.layer_prefix(layer) + p for p in family.block_prefixes]
+    router = f"{family.router}.weight"
+    prefix = next((p for p in candidates if ckpt.has(p + router)), None)
     if prefix is None:
-        wanted = " or ".join(repr(p + "gate.weight") for p in candidates)
+        wanted = " or ".join(repr(p + router) for p in candidates)
         raise ValueError(f"layer {layer}: router tensor {wanted} is missing; looked in {files} under "
                          f"{str(ckpt.model_dir)!r}")
-    fused = ckpt.has(prefix + "experts.gate_up_proj")
+    probe = BlockNames(prefix=prefix, fused=True, spelling=family.expert_spellings[0], shared_prefix=None,
+                       family=family)
+    fused = ckpt.has(probe.fused_gate_up)
     spelling = family.expert_spellings[0]
-    firsts = [f"{prefix}experts.0.{s[0]}.weight" for s in family.expert_spellings]
+    firsts = [f"{prefix}{family.experts}.0.{s[0]}.weight" for s in family.expert_spellings]
     both = [name for name in firsts if ckpt.has(name)]
     if fused and both:
         # Two copies of the same experts and nothing to say which is meant (transformers refuses
         # to load such a checkpoint): never pick one silently.
         raise ValueError(f"layer {layer}: the checkpoint holds the routed experts twice, fused "
-                         f"({prefix}experts.gate_up_proj) and per expert ({both[0]}, ...); keep one of the two "
+                         f"({probe.fused_gate_up}) and per expert ({both[0]}, ...); keep one of the two "
                          f"under {str(ckpt.model_dir)!r}")
     if fused:
-        if not ckpt.has(prefix + "experts.down_proj"):
-            raise ValueError(f"layer {layer}: {prefix}experts.gate_up_proj is present but {prefix}experts.down_proj "
+        if not ckpt.has(probe.fused_down):
+            raise ValueError(f"layer {layer}: {probe.fused_gate_up} is present but {probe.fused_down} "
                              f"is missing; looked in {files}")
     else:
         found = [s for s, name in zip(family.expert_spellings, firsts, strict=True) if ckpt.has(name)]
         if not found:
-            tried = [prefix + "experts.gate_up_proj"] + firsts
+            tried = [probe.fused_gate_up] + firsts
             raise ValueError(f"layer {layer}: no routed-expert tensors found; looked for {tried} in {files} under "
                              f"{str(ckpt.model_dir)!r}")
         spelling = found[0]
     shared_prefix = None
     if model.moe.has_shared_experts:
-        present = [a for a in SHARED_ALIASES if ckpt.has(f"{prefix}{a}gate_proj.weight")]
+        present = [a for a in family.shared_prefixes if ckpt.has(f"{prefix}{a}gate_proj.weight")]
         if not present:
-            tried = [f"{prefix}{a}gate_proj.weight" for a in SHARED_ALIASES]
+            tried = [f"{prefix}{a}gate_proj.weight" for a in family.shared_prefixes]
             raise ValueError(f"layer {layer}: the config has shared experts but none of {tried} is in {files}")
         shared_prefix = present[0]
-    return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix)
+    return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix, family=family)

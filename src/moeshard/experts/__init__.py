@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from moeshard.activations import get_activation
 from moeshard.experts.base import ExpertInput, ExpertKernel, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
 
@@ -28,10 +29,11 @@ def select_kernel(activation: str, dtype: torch.dtype, device: torch.device, sch
     Every implementation has the same ``__call__(ExpertInput, ExpertWeights) -> [M, H]`` and
     matches the reference within the one tolerance table. On CUDA with Triton, bf16/fp16 models
     run the fused Triton kernels for every scheme (fp8 schemes need compute capability 8.9+);
-    everything else (CPU, fp32 models, no Triton) runs the portable ``GroupedExperts``.
+    everything else (CPU, fp32 models, no Triton, an activation kind without a Triton epilogue)
+    runs the portable ``GroupedExperts``.
     """
     name, _ = kernel_choice(dtype, device, scheme)
-    if name == "triton":
+    if name == "triton" and get_activation(activation, "select_kernel: activation").kernel_mode is not None:
         from moeshard.kernels.experts import TritonExperts
         return TritonExperts(activation, dtype)
     return GroupedExperts(activation, dtype)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
+from moeshard.activations import get_activation
 from moeshard.quant import QuantizedActivations, QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
@@ -30,22 +30,18 @@ Weight = torch.Tensor | QuantizedWeight
 FLAT = "flat"
 EXPERT_BLOCKS = "expert_blocks"
 LAYOUTS = (FLAT, EXPERT_BLOCKS)
-ACTIVATIONS = ("silu", "gelu")
 
 
 def activate(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """gate_up: [M, 2 I] -> act(gate) * up computed in fp32, rounded to ``out_dtype``: [M, I].
+    """gate_up: [M, 2 I] (gate rows' products in columns [0, I), up's in [I, 2I)) -> h =
+    act(gate, up) of the registered kind ``activation`` (``moeshard.activations``), computed in
+    fp32, rounded to ``out_dtype``: [M, I].
 
     The one definition of the activation: the portable experts, the reference and (in
     registers) the Triton GEMM epilogue compute exactly this."""
+    kind = get_activation(activation)
     gate, up = gate_up.float().chunk(2, dim=-1)
-    if activation == "silu":
-        h = F.silu(gate) * up
-    elif activation == "gelu":
-        h = F.gelu(gate) * up
-    else:
-        raise ValueError(f"activation: {activation!r} is not one of {list(ACTIVATIONS)}")
-    return h.to(out_dtype)
+    return kind(gate, up).to(out_dtype)
 
 
 @dataclass(frozen=True)

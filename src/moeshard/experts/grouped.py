@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights, Weight, activate
 from moeshard.numerics import ACCUMULATION
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme, quantize_activations
@@ -74,12 +75,13 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 class GroupedExperts:
     """Computes routed experts on grouped rows; stateless, holds no weights.
 
-    activation: "silu" | "gelu"; out_dtype: the model dtype of the result.
+    activation: a registered kind (``moeshard.activations``); out_dtype: the model dtype of the result.
     """
 
     layouts: tuple[str, ...] = (FLAT, EXPERT_BLOCKS)
 
     def __init__(self, activation: str, out_dtype: torch.dtype) -> None:
+        get_activation(activation, f"{type(self).__name__}: activation")  # refused here, not at the first call
         self.activation = activation
         self.out_dtype = out_dtype
 

@@ -10,8 +10,9 @@
         (``moeshard.checkpoint.load_moe_block``), so a model too large for one device in full
         loads on several
 
-Both replace ``model.model.layers[L].mlp`` of every MoE layer ``L`` (the layers the model
-family's config says have an MoE block; DeepSeek-V3's first dense layers and Qwen's
+Both replace ``model.model.layers[L].mlp`` (the family's ``layers`` path and block attribute,
+``families.ModelFamily``) of every MoE layer ``L`` (the layers the model family's config says
+have an MoE block; DeepSeek-V3's first dense layers and Qwen's
 ``mlp_only_layers`` are left alone) with an ``MoEBlock``: a ``MoELayer`` that takes and returns
 the block's ``[batch, seq, H]`` and keeps transformers' own router module as ``gate``. That
 router runs on every forward, on all of this rank's tokens, exactly as in transformers, so
@@ -61,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeshard.checkpoint.families import READ_FUSED_LAYOUTS, ModelFamily
 from moeshard.checkpoint.hf_config import HFMoEModel, parse_hf_config, read_hf_config
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.checkpoint.names import BlockNames, scale_name
@@ -86,14 +88,15 @@ __all__ = ["MoEBlock", "find_moe_blocks", "load_sharded_model", "moe_model_info"
 class MoEBlock(MoELayer):
     """A transformers MoE block run by moeshard: ``forward(hidden_states [..., H]) -> [..., H]``.
 
-    router: the block's transformers router module (``gate``: ``weight`` [E, H], DeepSeek-V3's
-    ``e_score_correction_bias`` [E]); it replaces ``MoELayer``'s own ``gate``, so the state dict
-    keeps transformers' names (``gate.weight``, ``experts.gate_up_proj`` — this rank's shard —,
-    ``shared_experts.*``) and the router's forward hooks (transformers' router-logit recorder)
-    keep firing. layer: the decoder layer index (for messages). Other arguments as ``MoELayer``.
+    router: the block's transformers router module (the family's ``router``, ``gate``: ``weight``
+    [E, H], DeepSeek-V3's ``e_score_correction_bias`` [E]); registered as ``router_name``, it
+    replaces ``MoELayer``'s own ``gate``, so the router keeps transformers' names and its forward
+    hooks (transformers' router-logit recorder) keep firing. correction_bias: the router's bias
+    parameter name. layer: the decoder layer index (for messages). Other arguments as ``MoELayer``.
     """
 
-    def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, router_name: str = "gate",
+                 correction_bias: str = "e_score_correction_bias", **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         weight = getattr(router, "weight", None)
         if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
@@ -101,13 +104,25 @@ class MoEBlock(MoELayer):
                              f"hidden_size={cfg.hidden_size}], got "
                              f"{None if not isinstance(weight, torch.Tensor) else tuple(weight.shape)}")
         self.layer_index = layer
-        # transformers' router stands in for MoELayer's Gate (the same weight and bias names).
-        self.gate = router.to(self.device)  # type: ignore[assignment]
+        self.router_name, self.bias_name = router_name, correction_bias
+        # transformers' router stands in for MoELayer's Gate, under the family's router name.
+        if router_name != "gate":
+            del self.gate
+        self.add_module(router_name, router.to(self.device))
+
+    @property
+    def hf_router(self) -> nn.Module:
+        """The transformers router module (the family's ``router`` attribute of this block)."""
+        module = getattr(self, self.router_name)
+        assert isinstance(module, nn.Module)  # registered in __init__
+        return module
 
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights (moeshard's router on the
         transformers router's weight and correction bias)."""
-        return route(router_logits(x, self.gate.weight), self.cfg, getattr(self.gate, "e_score_correction_bias", None))
+        weight = self.hf_router.weight
+        assert isinstance(weight, torch.Tensor)  # checked in __init__
+        return route(router_logits(x, weight), self.cfg, getattr(self.hf_router, self.bias_name, None))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [..., H] (transformers passes [batch, seq, H]) in the model dtype ->
@@ -115,7 +130,7 @@ class MoEBlock(MoELayer):
         observers (``output_router_logits``); its routing is not used."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        self.gate(x)
+        self.hf_router(x)
         return super().forward(x).reshape(shape)
 
     def extra_repr(self) -> str:
@@ -135,22 +150,39 @@ def moe_model_info(model: nn.Module) -> HFMoEModel:
     return parse_hf_config(config.to_dict(), f"{type(model).__name__}.config")
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, "model", model)  # *ForCausalLM keeps the decoder as .model
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers or "
-                         f"model.layers)")
-    return layers
+def _decoder_layers(model: nn.Module, family: ModelFamily) -> nn.ModuleList:
+    """The decoder layers at the family's ``layers`` path (``model.layers``) of a causal LM, or at
+    that path less its first part in the bare decoder (``layers``)."""
+    path = family.layers
+    tried = [path, path.partition(".")[2]]
+    for where in [t for t in tried if t]:
+        try:
+            layers = model.get_submodule(where)
+        except AttributeError:
+            continue
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(model).__name__}: no decoder layers found (expected a ModuleList at "
+                     f"{' or '.join(repr(t) for t in tried if t)})")
+
+
+def _block_attribute(layer: nn.Module, family: ModelFamily) -> str:
+    """The first of the family's block attributes the decoder layer has (``mlp``)."""
+    for attr in family.block_attributes:
+        if getattr(layer, attr, None) is not None:
+            return attr
+    return family.block_attributes[-1]
 
 
 def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
-    """layer index -> the transformers MoE block (``layers[L].mlp``) of every MoE layer, in order.
+    """layer index -> the transformers MoE block (``layers[L].mlp``: the family's ``layers`` and
+    block attribute) of every MoE layer, in order.
 
-    Refuses a model whose MoE layers do not hold a block with a ``gate`` router and ``experts``,
+    Refuses a model whose MoE layers do not hold a block with the family's router and experts,
     and a model whose blocks are already ``MoEBlock``s."""
     info = moe_model_info(model)
-    layers = _decoder_layers(model)
+    family = info.family
+    layers = _decoder_layers(model, family)
     if len(layers) != info.num_layers:
         raise ValueError(f"{type(model).__name__}: {len(layers)} decoder layers, but its config says "
                          f"num_hidden_layers={info.num_layers}")
@@ -158,14 +190,16 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     for index, layer in enumerate(layers):
         if index in info.dense_layers:
             continue
-        block = getattr(layer, "mlp", None)
+        attr = _block_attribute(layer, family)
+        block = getattr(layer, attr, None)
         if isinstance(block, MoEBlock):
             raise ValueError(f"{type(model).__name__}: layer {index}'s MoE block is already a moeshard MoEBlock "
                              f"(layout {block.parallel.name}); shard a model once")
-        if (block is None or not isinstance(getattr(block, "gate", None), nn.Module)
-                or getattr(block, "experts", None) is None):
-            raise ValueError(f"{type(model).__name__}: layer {index} should hold an MoE block with a router (gate) "
-                             f"and experts at .mlp, found {type(block).__name__}")
+        if (block is None or not isinstance(getattr(block, family.router, None), nn.Module)
+                or getattr(block, family.experts, None) is None):
+            raise ValueError(f"{type(model).__name__}: layer {index} should hold an MoE block with a router "
+                             f"({family.router}) and experts ({family.experts}) at "
+                             f"{' or '.join('.' + a for a in family.block_attributes)}, found {type(block).__name__}")
         blocks[index] = block
     return blocks
 
@@ -234,22 +268,42 @@ def agree(groups: ParallelGroups | None, error: BaseException | None, what: str)
 
 
 # -- a model already in memory ----------------------------------------------------------------
-def _gate_up(block: nn.Module, index: int, name: str) -> torch.Tensor:
-    """The fused ``experts.gate_up_proj`` of layer ``index``'s block (transformers 5)."""
-    w = getattr(block.experts, "gate_up_proj", None)
+def _gate_up(block: nn.Module, index: int, name: str, family: ModelFamily) -> torch.Tensor:
+    """The fused ``experts.gate_up_proj`` of layer ``index``'s block (transformers 5; the family's
+    ``experts`` and ``fused_names``)."""
+    w = getattr(getattr(block, family.experts), family.fused_names[0], None)
     if not isinstance(w, torch.Tensor):
         raise ValueError(f"{name}: the experts of layer {index} are not a fused gate_up_proj tensor; "
                          f"expected transformers-5 fused experts in one of {sorted(MODEL_DTYPES)}")
     return w
 
 
-def _model_dtype(blocks: dict[int, nn.Module], name: str) -> torch.dtype:
+def _model_dtype(blocks: dict[int, nn.Module], name: str, family: ModelFamily) -> torch.dtype:
     index = next(iter(blocks))
-    w = _gate_up(blocks[index], index, name)
+    w = _gate_up(blocks[index], index, name, family)
     if w.dtype not in MODEL_DTYPES.values():
         raise ValueError(f"{name}: the experts of layer {index} are {w.dtype}; "
                          f"expected transformers-5 fused experts in one of {sorted(MODEL_DTYPES)}")
     return w.dtype
+
+
+def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str, torch.Tensor]:
+    """A block's state dict under the family's names -> under ``MoEWeights``' canonical names
+    (``gate.weight``, ``experts.gate_up_proj``, ``shared_experts.*``, ``shared_expert_gate.weight``)."""
+    renames = {f"{family.router}.weight": "gate.weight",
+               f"{family.router}.{family.correction_bias}": "gate.e_score_correction_bias",
+               f"{family.experts}.{family.fused_names[0]}": "experts.gate_up_proj",
+               f"{family.experts}.{family.fused_names[1]}": "experts.down_proj",
+               f"{family.shared_expert_gate}.weight": "shared_expert_gate.weight"}
+    out = {}
+    for key, t in state.items():
+        shared = next((p for p in family.shared_prefixes if key.startswith(p)), None)
+        out["shared_experts." + key[len(shared):] if shared else renames.get(key, key)] = t
+    return out
+
+
+def _router_names(family: ModelFamily) -> dict[str, str]:
+    return {"router_name": family.router, "correction_bias": family.correction_bias}
 
 
 def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, quant: QuantConfig | str | None = None,
@@ -278,27 +332,33 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
         blocks = find_moe_blocks(model)
         if not blocks:
             raise ValueError(f"{name}: no MoE block to shard (every layer is dense)")
-        cfg = info.moe_config(_model_dtype(blocks, name))
+        family = info.family
+        if family.fused_layout not in READ_FUSED_LAYOUTS:
+            raise ValueError(f"{name}: fused layout {family.fused_layout!r} of model_type {family.model_type!r} is "
+                             f"not read yet (readable: {list(READ_FUSED_LAYOUTS)})")
+        cfg = info.moe_config(_model_dtype(blocks, name, family))
         first = next(iter(blocks))
-        device = groups.device if groups is not None else _gate_up(blocks[first], first, name).device
+        device = groups.device if groups is not None else _gate_up(blocks[first], first, name, family).device
         backend = check_layout(cfg, quant, parallel, backend, device.type, rank)
         for index, block in blocks.items():
-            where = _gate_up(block, index, name).device
+            where = _gate_up(block, index, name, family).device
             if where.type != device.type or (device.index is not None and where.index != device.index):
                 raise ValueError(f"{name}: layer {index}'s experts are on {where}, but this rank computes on {device} "
                                  f"(move the model to the process group's device first)")
-            router = block.gate
-            assert isinstance(router, nn.Module)  # find_moe_blocks checked every block's gate
-            work.append((index, router, MoEWeights.from_state_dict(block.state_dict(), cfg)))
+            router = getattr(block, family.router)
+            assert isinstance(router, nn.Module)  # find_moe_blocks checked every block's router
+            work.append((index, router, MoEWeights.from_state_dict(_canonical(block.state_dict(), family), cfg)))
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to prepare the model")
     assert cfg is not None and device is not None  # agree raised unless this rank prepared every block
-    layers = _decoder_layers(model)
+    family = moe_model_info(model).family
+    layers = _decoder_layers(model, family)
     while work:
         index, router, weights = work.pop(0)  # out of work: the full experts go with the old block
-        layers[index].mlp = MoEBlock(router, cfg, layer=index, quant=quant, groups=groups, backend=backend,
-                                     weights=weights, device=device)
+        setattr(layers[index], _block_attribute(layers[index], family),
+                MoEBlock(router, cfg, layer=index, quant=quant, groups=groups, backend=backend, weights=weights,
+                         device=device, **_router_names(family)))
     return model
 
 
@@ -358,9 +418,9 @@ def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, nam
                  device: torch.device, fp8: bool) -> nn.Module:
     """The block's transformers router with its weight (and bias) read from the checkpoint, in
     the dtypes transformers gave them (DeepSeek-V3 keeps its router in fp32)."""
-    router = model.get_submodule(prefix + "gate")
+    router = model.get_submodule(prefix + names.router_module)
     for local, t in list(router.named_parameters()) + list(router.named_buffers()):
-        stored = names.prefix + "gate." + local  # the checkpoint's block prefix (Mixtral: block_sparse_moe.)
+        stored = f"{names.prefix}{names.router_module}.{local}"  # the checkpoint's block prefix (Mixtral: block_sparse_moe.)
         _set(router, local, _read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8).to(device))
     return router
 
@@ -434,21 +494,28 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         backend = check_layout(cfg, quant_cfg, parallel, backend, device.type, rank)
         model = _build_on_meta(model_dir, dtype)
         ckpt = SafetensorsCheckpoint(model_dir)
-        prefixes = {index: f"model.layers.{index}.mlp." for index in find_moe_blocks(model)}
+        family = info.family
+        layers = _decoder_layers(model, family)
+        # Module names in the transformers model: the family's layers path and block attribute.
+        prefixes = {index: f"{family.layer_prefix(index)}{_block_attribute(layers[index], family)}."
+                    for index in find_moe_blocks(model)}
+        fp8 = info.format.stored_scheme == "fp8_block"
         for index, prefix in prefixes.items():
             blocks[index] = load_moe_block(model_dir, index, parallel=parallel, rank=rank, quant=quant_cfg, dtype=dtype)
-            routers[index] = _load_router(model, ckpt, prefix, blocks[index].names, device, info.fp8_block)
-        _load_dense(model, ckpt, tuple(prefixes.values()), device, info.fp8_block)
+            routers[index] = _load_router(model, ckpt, prefix, blocks[index].names, device, fp8)
+        _load_dense(model, ckpt, tuple(prefixes.values()), device, fp8)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to load")
     assert model is not None  # agree raised unless this rank built the model
-    layers = _decoder_layers(model)
+    family = moe_model_info(model).family
+    layers = _decoder_layers(model, family)
     for index in sorted(blocks):
         block = blocks.pop(index)
-        layers[index].mlp = MoEBlock(routers.pop(index), block.cfg, layer=index, quant=block.quant, groups=groups,
-                                     backend=backend, weights=block.weights, local_experts=block.local_experts,
-                                     device=device, max_tokens_per_rank=max_tokens_per_rank)
+        setattr(layers[index], _block_attribute(layers[index], family),
+                MoEBlock(routers.pop(index), block.cfg, layer=index, quant=block.quant, groups=groups,
+                         backend=backend, weights=block.weights, local_experts=block.local_experts, device=device,
+                         max_tokens_per_rank=max_tokens_per_rank, **_router_names(family)))
     return model.eval()
 
 

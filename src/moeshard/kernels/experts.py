@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels.align import align_rows
@@ -32,7 +33,7 @@ from moeshard.quant import QuantizedActivations, get_scheme, quantize_activation
 class TritonExperts(GroupedExperts):
     """Routed experts on the fused Triton kernels; bf16/fp16 models, every quant scheme.
 
-    activation: "silu" | "gelu"; out_dtype: bfloat16 or float16.
+    activation: a registered kind with a ``kernel_mode`` (``moeshard.activations``); out_dtype: bfloat16 or float16.
     config: fixed tile shapes (the benchmark's tuner passes candidates); None picks them from
     the shapes (``moeshard.kernels.configs.select_config``).
     fp8_gate_up: "mma" multiplies fp8 on the fp8 tensor cores (~14-bit accumulation within each
@@ -46,8 +47,9 @@ class TritonExperts(GroupedExperts):
             raise ValueError(f"TritonExperts: fp8_gate_up {fp8_gate_up!r} is not one of ['mma', 'exact']")
         if out_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"TritonExperts: out_dtype must be bfloat16 or float16, got {out_dtype}")
-        if activation not in ("silu", "gelu"):
-            raise ValueError(f"TritonExperts: activation {activation!r} is not one of ['silu', 'gelu']")
+        refusal = get_activation(activation, "TritonExperts: activation").kernel_refusal()
+        if refusal is not None:
+            raise ValueError(f"TritonExperts: {refusal}")
         super().__init__(activation, out_dtype)
         self.config = config
         self.fp8_gate_up = fp8_gate_up

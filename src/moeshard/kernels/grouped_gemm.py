@@ -44,11 +44,23 @@ import torch
 import triton
 import triton.language as tl
 
+from moeshard.activations import get_activation
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 
-ACTIVATION = {"silu": 0, "gelu": 1}
+
+def _act_mode(activation: str | None) -> int:
+    """The epilogue's ``ACT`` mode of a registered activation kind (0 when none is fused)."""
+    if activation is None:
+        return 0
+    kind = get_activation(activation, "moe_gemm: activation")
+    refusal = kind.kernel_refusal()
+    if refusal is not None or kind.kernel_mode is None:
+        raise ValueError(f"moe_gemm: {refusal}")
+    return kind.kernel_mode
+
+
 FP8_ACC_MODES = {"split": 0, "promote": 1, "imprecise": 2}
 
 
@@ -393,7 +405,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
         out.stride(0), out.stride(1),
-        QUANT=w_mode, FUSE_ACT=fused, ACT=ACTIVATION[activation] if activation is not None else 0,  # fused
+        QUANT=w_mode, FUSE_ACT=fused, ACT=_act_mode(activation),  # fused
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,

@@ -1,0 +1,136 @@
+"""Activation kinds: how an expert turns its gate and up products into h, one descriptor each.
+
+An expert computes ``h = act(gate, up)`` on its gate rows ``[M, I]`` and up rows ``[M, I]``
+(``gate_up[:, :I]`` and ``gate_up[:, I:]`` in moeshard's layout, whatever layout the checkpoint
+stored them in). Every stage reads the kind from this registry: ``MoEConfig.activation``
+validates against it, ``experts.base.activate`` (the portable experts and the reference), the
+shared experts, the harness's explanation and the Triton kernels (``kernel_mode``) look it up.
+
+==============  ==========  ==========================================================  =========
+name            kernel      h                                                           params
+==============  ==========  ==========================================================  =========
+silu            0           silu(gate) * up (SwiGLU: Mixtral, Qwen, DeepSeek)
+gelu            1           gelu(gate) * up (exact erf GELU-GLU)
+swiglu_clamped  none        g = min(gate, limit); u = clamp(up, -limit, limit);        alpha 1.702
+                            (u + 1) * g * sigmoid(alpha * g)  (gpt-oss)                 limit 7.0
+==============  ==========  ==========================================================  =========
+
+A kind without a ``kernel_mode`` runs on the portable experts; the Triton kernels refuse it
+with the reason (``kernel_refusal``). A new kind is one ``register_activation`` entry (its
+function and parameters as data); a Triton epilogue for it is a change to
+``kernels/grouped_gemm.py`` plus its ``kernel_mode`` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+
+# Modes of the Triton gate_up epilogue (``ACT`` of ``kernels.grouped_gemm._moe_gemm``).
+KERNEL_MODES = (0, 1)
+
+
+@dataclass(frozen=True)
+class ActivationKind:
+    """One activation kind.
+
+    name: the ``MoEConfig.activation`` value.
+    act: ``act(gate, up, **params) -> h``: gate and up are tensors of one shape ``[..., I]`` and
+      one float dtype, h has that shape and dtype. The experts call it on fp32 values (then
+      round h to the model dtype); the shared experts on model-dtype values, the reference on
+      fp64. It must be elementwise, so that TP slices of I compute the same h as the whole.
+    kernel_mode: the Triton epilogue's mode for it (``KERNEL_MODES``), or None: portable only.
+    summary: one line for listings.
+    params: the constants ``act`` takes as keyword arguments (e.g. ``alpha``, ``limit``).
+    """
+
+    name: str
+    act: Callable[..., torch.Tensor]
+    kernel_mode: int | None
+    summary: str
+    params: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """h = act(gate, up) with this kind's parameters; shapes and dtype as ``act``."""
+        return self.act(gate, up, **self.params)
+
+    def kernel_refusal(self) -> str | None:
+        """None when the Triton kernels compute this kind, else why they do not."""
+        if self.kernel_mode is None:
+            return (f"activation {self.name!r} ({self.summary}) has no Triton epilogue (kernel_mode None); "
+                    f"it runs on the portable experts")
+        return None
+
+
+_REGISTRY: dict[str, ActivationKind] = {}
+
+
+def register_activation(kind: ActivationKind) -> ActivationKind:
+    """Adds ``kind`` after checking it is complete; returns it. ValueError names what is wrong."""
+    where = f"register_activation({kind.name!r})"
+    if not isinstance(kind.name, str) or not kind.name.isidentifier():
+        raise ValueError(f"{where}: name must be an identifier, got {kind.name!r}")
+    if kind.name in _REGISTRY:
+        raise ValueError(f"{where}: an activation of that name is registered already")
+    if not callable(kind.act):
+        raise ValueError(f"{where}: act must be callable, got {kind.act!r}")
+    if kind.kernel_mode is not None:
+        taken = {k.kernel_mode: k.name for k in _REGISTRY.values() if k.kernel_mode is not None}
+        if kind.kernel_mode not in KERNEL_MODES or kind.kernel_mode in taken:
+            raise ValueError(f"{where}: kernel_mode {kind.kernel_mode!r} is not a free mode of {KERNEL_MODES} "
+                             f"(taken: {taken})")
+    for key, value in kind.params.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{where}: parameter {key!r} must be a number, got {value!r}")
+    _REGISTRY[kind.name] = kind
+    return kind
+
+
+def unregister_activation(name: str) -> None:
+    """Removes a kind (tests that register one of their own clean up with this)."""
+    _REGISTRY.pop(name, None)
+
+
+def activation_names() -> tuple[str, ...]:
+    """Every registered kind, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get_activation(name: str, where: str = "activation") -> ActivationKind:
+    """The descriptor of ``name``; ValueError naming ``where``, the value and the known kinds."""
+    kind = _REGISTRY.get(name) if isinstance(name, str) else None
+    if kind is None:
+        raise ValueError(f"{where}: {name!r} is not one of {list(_REGISTRY)}")
+    return kind
+
+
+def _silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _gelu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate) * up
+
+
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    # gpt-oss clamps both products so that the large-activation tail stays in range.
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+for _kind in (
+    ActivationKind("silu", _silu_glu, 0, "SwiGLU: silu(gate) * up"),
+    ActivationKind("gelu", _gelu_glu, 1, "GELU-GLU: gelu(gate) * up (exact erf)"),
+    ActivationKind("swiglu_clamped", _clamped_swiglu, None,
+                   "gpt-oss SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)",
+                   {"alpha": 1.702, "limit": 7.0}),
+):
+    register_activation(_kind)

@@ -1,0 +1,121 @@
+"""Routing kinds: how router logits become top-k experts and their weights, one descriptor each.
+
+``MoEConfig.scoring`` names a registered kind; ``MoEConfig`` validates its other routing fields
+against the kind (which of groups, correction bias, scaling it allows), and ``router.route``
+(the layer, the reference and the harness all route through it) dispatches on the kind's fields.
+
+=====================  ==========================================================================
+kind                   selection and weights (E experts, K top_k, G = n_group groups)
+=====================  ==========================================================================
+softmax                p = softmax(logits); top K of p; optional renormalization (Mixtral,
+                       Qwen2/Qwen3-MoE ``norm_topk_prob``)
+sigmoid                s = sigmoid(logits); top K of s + correction bias (selection only), the
+                       weights are s; groups scored by their best two; optional
+                       renormalization; routed scaling (DeepSeek-V3 ``noaux_tc``)
+topk_softmax           top K of the logits; weights = softmax over the K selected logits
+                       (gpt-oss, Granite)
+group_limited_greedy   p = softmax(logits); groups scored by their best expert, the best
+                       ``topk_group`` kept; top K of p among them (DeepSeek-V2)
+=====================  ==========================================================================
+
+Fields that only make room for later kinds: ``router_bias`` (the router is a linear with a bias:
+``route`` then needs the bias and adds it to the logits) and ``weights_on_input`` (the weight
+scales the expert's input instead of its output, Llama-4: ``MoEConfig`` refuses such a kind
+until the layer applies it). ``weight_floor`` is the floor of the renormalization's
+denominator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCORES = ("softmax", "sigmoid")
+# score_then_topk: select on the scores of all E experts; topk_then_score: select on the logits,
+# then score the K selected among themselves.
+ORDERS = ("score_then_topk", "topk_then_score")
+# How a group of experts is scored for group top-k: the sum of its best two, or its best one.
+GROUP_SCORES = ("top2_sum", "max")
+
+
+@dataclass(frozen=True)
+class RoutingKind:
+    """One routing kind.
+
+    name: the ``MoEConfig.scoring`` value.
+    scores: "softmax" | "sigmoid", applied to the fp32 logits [T, E] (or, with
+      ``order="topk_then_score"``, to the K selected logits [T, K]).
+    order: ``ORDERS``.
+    groups: None (``n_group`` must be 1) or how a group is scored (``GROUP_SCORES``).
+    correction_bias: ``use_correction_bias`` is allowed (a bias [E] added for selection only).
+    router_bias: the logits come from a router with a bias [E]; ``route`` requires it.
+    scaling: ``routed_scaling_factor`` other than 1 is allowed.
+    weight_floor: renormalization divides by ``max(sum of the K weights, weight_floor)``.
+    weights_on_input: the weight multiplies the expert's input rather than its output.
+    summary: one line for listings.
+    """
+
+    name: str
+    scores: str
+    order: str
+    groups: str | None
+    correction_bias: bool
+    router_bias: bool
+    scaling: bool
+    weight_floor: float
+    weights_on_input: bool
+    summary: str
+
+
+_REGISTRY: dict[str, RoutingKind] = {}
+
+
+def register_routing(kind: RoutingKind) -> RoutingKind:
+    """Adds ``kind`` after checking its fields; returns it. ValueError names the field and value."""
+    where = f"register_routing({kind.name!r})"
+    if not isinstance(kind.name, str) or not kind.name.isidentifier():
+        raise ValueError(f"{where}: name must be an identifier, got {kind.name!r}")
+    if kind.name in _REGISTRY:
+        raise ValueError(f"{where}: a routing kind of that name is registered already")
+    for field, value, allowed in (("scores", kind.scores, SCORES), ("order", kind.order, ORDERS),
+                                  ("groups", kind.groups, (None, *GROUP_SCORES))):
+        if value not in allowed:
+            raise ValueError(f"{where}: {field} {value!r} is not one of {list(allowed)}")
+    if kind.order == "topk_then_score" and (kind.groups is not None or kind.correction_bias):
+        raise ValueError(f"{where}: order 'topk_then_score' selects on the logits alone; groups={kind.groups!r} and "
+                         f"correction_bias={kind.correction_bias} need scores over all experts")
+    if not (isinstance(kind.weight_floor, float) and 0 < kind.weight_floor < 1):
+        raise ValueError(f"{where}: weight_floor must be a float in (0, 1), got {kind.weight_floor!r}")
+    _REGISTRY[kind.name] = kind
+    return kind
+
+
+def unregister_routing(name: str) -> None:
+    """Removes a kind (tests that register one of their own clean up with this)."""
+    _REGISTRY.pop(name, None)
+
+
+def routing_names() -> tuple[str, ...]:
+    """Every registered kind, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get_routing(name: str, where: str = "scoring") -> RoutingKind:
+    """The descriptor of ``name``; ValueError naming ``where``, the value and the known kinds."""
+    kind = _REGISTRY.get(name) if isinstance(name, str) else None
+    if kind is None:
+        raise ValueError(f"{where}: {name!r} is not one of {list(_REGISTRY)}")
+    return kind
+
+
+_FLOOR = 1e-20  # a sum of K positive fp32 weights is far above it; it only keeps 0 / 0 away
+for _kind in (
+    RoutingKind("softmax", "softmax", "score_then_topk", "top2_sum", False, False, True, _FLOOR, False,
+                "softmax over all experts, top-k, optional renormalization"),
+    RoutingKind("sigmoid", "sigmoid", "score_then_topk", "top2_sum", True, False, True, _FLOOR, False,
+                "sigmoid, selection bias, group top-k by best two, routed scaling"),
+    RoutingKind("topk_softmax", "softmax", "topk_then_score", None, False, False, True, _FLOOR, False,
+                "top-k of the logits, softmax over the selected"),
+    RoutingKind("group_limited_greedy", "softmax", "score_then_topk", "max", False, False, True, _FLOOR, False,
+                "softmax, groups scored by their best expert, top-k in the kept groups"),
+):
+    register_routing(_kind)

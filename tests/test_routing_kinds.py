@@ -1,0 +1,102 @@
+"""Routing kinds are a registry read by MoEConfig and the router: hand-computed routes of the
+kinds beyond today's softmax / sigmoid ones, refusals naming the values, and a kind added as data."""
+
+import math
+
+import pytest
+import torch
+
+from moeshard.config import MoEConfig
+from moeshard.layer import MoELayer
+from moeshard.reference import reference_forward
+from moeshard.router import route
+from moeshard.routing import RoutingKind, get_routing, register_routing, routing_names, unregister_routing
+from moeshard.tolerances import compare
+from moeshard.weights import MoEWeights
+
+
+def cfg(**kw) -> MoEConfig:
+    return MoEConfig(**{"num_experts": 4, "top_k": 2, "hidden_size": 8, "intermediate_size": 8, **kw})
+
+
+def test_builtin_kinds():
+    assert routing_names()[:4] == ("softmax", "sigmoid", "topk_softmax", "group_limited_greedy")
+
+
+def test_topk_softmax_scores_only_the_selected_logits():
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0], [1.0, 3.0, 2.0, 3.0]])
+    r = route(logits, cfg(scoring="topk_softmax", renormalize=False))
+    # row 0: top logits 2 (expert 1), 1 (expert 3); weights softmax([2, 1]) = [e / (e + 1), 1 / (e + 1)]
+    # row 1: experts 1 and 3 tie at 3.0 (lower index first); softmax([3, 3]) = [1/2, 1/2]
+    assert r.topk_ids.tolist() == [[1, 3], [1, 3]]
+    e = math.e
+    assert r.topk_weights.tolist()[0] == pytest.approx([e / (e + 1), 1 / (e + 1)], rel=1e-6)
+    assert r.topk_weights.tolist()[1] == [0.5, 0.5]
+    # softmax over all four experts without renormalization gives other weights for the same ids
+    full = route(logits, cfg(scoring="softmax", renormalize=False))
+    assert full.topk_ids.tolist() == r.topk_ids.tolist()
+    assert full.topk_weights[0].tolist() == pytest.approx([e**2 / (1 + e**2 + e**-1 + e), e / (1 + e**2 + e**-1 + e)])
+    assert r.topk_weights.dtype == torch.float32
+
+
+def test_group_limited_greedy_scores_a_group_by_its_best_expert():
+    # 8 experts in 4 groups of 2, keep 2 groups. Best expert per group: g0 0.1, g1 3.0, g2 2.0, g3 2.5
+    # -> keep g1, g3 -> experts 2 (3.0) and 7 (2.5). Scored by the sum of the best two (the softmax
+    # kind's grouping), g2 (2 x e^2 = 14.8) beats g3 (e^-1 + e^2.5 = 12.6): experts 2 and 4.
+    logits = torch.tensor([[0.0, 0.1, 3.0, -3.0, 2.0, 2.0, -1.0, 2.5]])
+    shape = dict(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8, n_group=4, topk_group=2,
+                 renormalize=False)
+    greedy = route(logits, MoEConfig(scoring="group_limited_greedy", **shape))
+    summed = route(logits, MoEConfig(scoring="softmax", **shape))
+    p = logits[0].softmax(dim=-1).tolist()
+    assert greedy.topk_ids.tolist() == [[2, 7]] and summed.topk_ids.tolist() == [[2, 4]]
+    assert greedy.topk_weights[0].tolist() == pytest.approx([p[2], p[7]], rel=1e-6)
+
+
+def test_config_refuses_what_a_kind_cannot_do():
+    with pytest.raises(ValueError, match=r"MoEConfig.scoring: 'tanh' is not one of \['softmax', 'sigmoid', 'topk_softmax'"):
+        cfg(scoring="tanh")
+    with pytest.raises(ValueError, match=r"n_group: scoring='topk_softmax' has no group top-k, got n_group=2"):
+        cfg(scoring="topk_softmax", n_group=2)
+    with pytest.raises(ValueError, match=r"use_correction_bias: only defined for scoring='sigmoid', got "
+                                         r"scoring='topk_softmax'"):
+        cfg(scoring="topk_softmax", use_correction_bias=True)
+
+
+def test_a_kind_added_as_data():
+    """A router with a bias (gpt-oss's router linear): registered here, route requires the bias."""
+    base = get_routing("topk_softmax")
+    kind = register_routing(RoutingKind("toy_biased", base.scores, base.order, None, False, True, True,
+                                        base.weight_floor, False, "topk_softmax on logits + router bias"))
+    try:
+        c = cfg(scoring=kind.name, renormalize=False)
+        logits = torch.tensor([[0.0, 2.0, -1.0, 1.0]])
+        with pytest.raises(ValueError, match="has router_bias=True, but a router bias was not given"):
+            route(logits, c)
+        r = route(logits, c, router_bias=torch.tensor([0.0, 0.0, 5.0, 0.0]))
+        assert r.topk_ids.tolist() == [[2, 1]]  # biased logits [0, 2, 4, 1]
+        assert r.topk_weights[0].tolist() == pytest.approx([math.e**2 / (math.e**2 + 1), 1 / (math.e**2 + 1)])
+        with pytest.raises(ValueError, match="a routing kind of that name is registered already"):
+            register_routing(kind)
+        with pytest.raises(ValueError, match="order 'topk_then_score' selects on the logits alone"):
+            register_routing(RoutingKind("bad", "softmax", "topk_then_score", "max", False, False, True, 1e-20,
+                                         False, "groups need all scores"))
+        with pytest.raises(ValueError, match="applies the router weight to the expert's input"):
+            register_routing(RoutingKind("toy_input", "sigmoid", "topk_then_score", None, False, False, True,
+                                         1e-20, True, "Llama-4 style"))
+            cfg(scoring="toy_input")
+    finally:
+        unregister_routing("toy_biased")
+        unregister_routing("toy_input")
+
+
+@pytest.mark.parametrize("scoring", ["topk_softmax", "group_limited_greedy"])
+def test_new_kinds_through_layer_and_reference(scoring):
+    c = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, scoring=scoring,
+                  n_group=4 if scoring == "group_limited_greedy" else 1, topk_group=2 if scoring != "topk_softmax" else 1,
+                  renormalize=False)
+    torch.manual_seed(0)
+    w = MoEWeights.random(c)
+    x = torch.randn(10, 16)
+    layer = MoELayer.from_state_dict(w.state_dict(), c)
+    assert compare(layer(x), reference_forward(x, w, c), c.dtype, "none")[3]
