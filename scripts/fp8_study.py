@@ -151,7 +151,7 @@ def quant_h_stage(name: str, tokens: int, model, flush, out: list, log) -> None:
             else None
         live = plan.tile_expert.repeat_interleave(plan.block_m) >= 0
         want = _bits(quantize_h(h, scheme, plan, amax, span=whole), live)
-        chosen = column_span(plan.padded_rows // ROWS, I)
+        chosen = column_span(plan.padded_rows, I)
         rec = {"model": name, "tokens": tokens, "scheme": scheme, "stage": "quantize_h", "rows": M,
                "padded_rows": plan.padded_rows, "span": chosen, "spans": {}}
         for span in spans:
