@@ -20,14 +20,12 @@ Inference only: no gradient flows through dispatch and combine.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeshard.activations import get_activation
-from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name
+from moeshard.config import MoEConfig, QuantConfig, dtype_name
 from moeshard.dispatch.base import BackendContext, DispatchBackend
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.eplb.loads import LoadCounter
@@ -35,130 +33,19 @@ from moeshard.eplb.moves import MoveStats, move_slots, plan_moves
 from moeshard.eplb.placement import Placement, choose_replicas
 from moeshard.experts import select_kernel
 from moeshard.experts.base import ExpertKernel, ExpertWeights
+from moeshard.layer_agreement import check_same_on_all_ranks, code, placement_code
+from moeshard.layer_params import Gate, RoutedExperts, SharedExperts
 from moeshard.parallel.collectives import all_reduce
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
 from moeshard.parallel.trace import traced
-from moeshard.quant import QuantizedActivations, QuantizedWeight, scheme_names, to_wire
+from moeshard.quant import QuantizedActivations, to_wire
 from moeshard.router import Routing, route, router_logits
 from moeshard.sharding import shard_experts, shard_spec
 from moeshard.stages import StageRecorder
 from moeshard.validate import is_int
 from moeshard.weights import SHARED_ALIASES, MoEWeights
-
-
-class Gate(nn.Module):
-    """weight: [E, H] router; e_score_correction_bias: fp32 [E] (DeepSeek-V3) when configured."""
-
-    def __init__(self, weights: MoEWeights) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weights.gate.clone(), requires_grad=False)
-        if weights.correction_bias is not None:
-            self.register_buffer("e_score_correction_bias", weights.correction_bias.float().clone())
-        else:
-            self.e_score_correction_bias = None
-
-
-class RoutedExperts(nn.Module):
-    """This rank's routed experts under the canonical names ``gate_up_proj`` [E_l, 2 I_l, H] and
-    ``down_proj`` [E_l, H, I_l]; quantized weights add ``<name>_scale`` (and ``_global_scale``).
-
-    ``weights`` is the kernels' view of the buffers, built once (it validates every layout) and
-    rebuilt only when the module's tensors are replaced (``.to``, ``.cuda``, ...): not per forward.
-    ``load_state_dict`` copies into the existing tensors, so the view stays valid."""
-
-    def __init__(self, weights: ExpertWeights) -> None:
-        super().__init__()
-        self.scheme = weights.scheme
-        self._shapes = {}
-        for name, w in (("gate_up_proj", weights.gate_up), ("down_proj", weights.down)):
-            if isinstance(w, QuantizedWeight):
-                self.register_buffer(name, w.data)
-                self.register_buffer(name + "_scale", w.scale)
-                self.register_buffer(name + "_global_scale", w.global_scale)
-                self._shapes[name] = w.shape
-            else:
-                setattr(self, name, nn.Parameter(w, requires_grad=False))
-        self.weights = self._view()
-
-    def _weight(self, name: str):
-        if self.scheme == "none":
-            return getattr(self, name)
-        return QuantizedWeight(self.scheme, getattr(self, name), getattr(self, name + "_scale"),
-                               getattr(self, name + "_global_scale"), self._shapes[name])
-
-    def slot_tensors(self) -> list[torch.Tensor]:
-        """Every per-slot tensor, each [E_l, ...]: weights, then scales and global scales, of
-        gate_up then down (what a rebalance moves slot by slot)."""
-        names = [n + suffix for n in ("gate_up_proj", "down_proj") for suffix in ("", "_scale", "_global_scale")]
-        return [t for t in (getattr(self, n, None) for n in names) if t is not None]
-
-    def _view(self) -> ExpertWeights:
-        return ExpertWeights(self._weight("gate_up_proj"), self._weight("down_proj"), self.scheme)
-
-    def _apply(self, fn, *args, **kwargs):
-        out = super()._apply(fn, *args, **kwargs)
-        self.weights = self._view()
-        return out
-
-
-def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
-    """An ``nn.Linear`` without bias holding ``weight`` [out, in] (a copy), built without
-    initialising a random weight first."""
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
-    return layer
-
-
-class SharedExperts(nn.Module):
-    """The fused shared-expert MLP: down(act(gate(x)) * up(x)); width S; never sharded."""
-
-    def __init__(self, weights: MoEWeights, activation: str) -> None:
-        super().__init__()
-        self.activation = activation
-        gate, up, down = weights.shared_gate, weights.shared_up, weights.shared_down
-        if gate is None or up is None or down is None:
-            missing = [name for name, w in (("shared_gate", gate), ("shared_up", up), ("shared_down", down)) if w is None]
-            raise ValueError(f"SharedExperts: MoEWeights.{', '.join(missing)} missing; the shared MLP needs all three")
-        self.gate_proj = _frozen_linear(gate)
-        self.up_proj = _frozen_linear(up)
-        self.down_proj = _frozen_linear(down)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(get_activation(self.activation)(self.gate_proj(x), self.up_proj(x)))
-
-
-def _code(name: str) -> int:
-    """A stable integer for a name, for the configuration exchange (decoded by ``_name``)."""
-    return zlib.crc32(name.encode())
-
-
-def _name(code: int) -> str | int:
-    """The scheme, backend or dtype name of an exchanged code (the code itself if none)."""
-    return {_code(n): n for n in (*scheme_names(), *BACKENDS, *MODEL_DTYPES)}.get(code, code)
-
-
-def _placement_code(placement: Placement | None) -> int:
-    """The configuration exchange's value for a placement (0: none)."""
-    return 0 if placement is None or placement.is_identity else placement.fingerprint()
-
-
-def _check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> None:
-    """One small all-gather at construction: every rank must agree on the layer's configuration.
-
-    Every rank sees the same gathered table, so every rank raises together (nobody is left
-    waiting in a later collective)."""
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=groups.device)
-    table = [torch.empty_like(mine) for _ in range(groups.world_size)]
-    with traced(groups.trace, "all_gather", "world", mine):
-        dist.all_gather(table, mine)
-    rows = torch.stack(table).cpu()
-    for i, name in enumerate(fields):
-        column = rows[:, i].tolist()
-        if len(set(column)) > 1:
-            raise ValueError(f"MoELayer (rank {groups.rank}): ranks disagree on {name}: "
-                             + ", ".join(f"rank {r}={_name(v)}" for r, v in enumerate(column)))
 
 
 def _record_dispatched(rec: StageRecorder, inp, slot_expert: torch.Tensor) -> None:
@@ -230,14 +117,14 @@ class MoELayer(nn.Module):
         if groups is not None:
             # First, before any rank-local refusal: the checks below are pure functions of what
             # this exchange proves identical, so every rank then raises (or not) together.
-            _check_same_on_all_ranks(groups, {
+            check_same_on_all_ranks(groups, {
                 "num_experts": cfg.num_experts, "top_k": cfg.top_k, "hidden_size": cfg.hidden_size,
                 "intermediate_size": cfg.intermediate_size, "shared_width": cfg.shared_width,
-                "dtype": _code(dtype_name(cfg.dtype)), "quant": _code(quant.scheme),
-                "defer_input_quant": int(quant.defer_input_quant), "backend": _code(backend),
+                "dtype": code(dtype_name(cfg.dtype)), "quant": code(quant.scheme),
+                "defer_input_quant": int(quant.defer_input_quant), "backend": code(backend),
                 "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep),
                 "max_tokens_per_rank": (max_tokens_per_rank or 0) if max_ok else -1,
-                "placement": _placement_code(placement) if placement_ok else -1,
+                "placement": placement_code(placement) if placement_ok else -1,
                 "load_window": load_window if is_int(load_window) else -1})
         if not max_ok:
             raise ValueError(f"MoELayer (rank {rank}): max_tokens_per_rank must be None or an int >= 1, "
@@ -504,7 +391,7 @@ class MoELayer(nn.Module):
         rank moved."""
         rank = self.groups.rank if self.groups is not None else 0
         if self.groups is not None:
-            _check_same_on_all_ranks(self.groups, {"placement": _placement_code(placement)
+            check_same_on_all_ranks(self.groups, {"placement": placement_code(placement)
                                                    if isinstance(placement, Placement) else -1})
         if not isinstance(placement, Placement):
             raise ValueError(f"MoELayer.rebalance (rank {rank}): placement must be a moeshard.eplb.Placement, "

@@ -1,0 +1,94 @@
+"""The layer's parameter modules, under transformers' names: the router ``Gate``, this rank's
+``RoutedExperts`` (model-dtype parameters or quantized buffers) and the fused ``SharedExperts``.
+They hold weights only; ``moeshard.layer.MoELayer`` computes with them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeshard.activations import get_activation
+from moeshard.experts.base import ExpertWeights
+from moeshard.quant import QuantizedWeight
+from moeshard.weights import MoEWeights
+
+
+class Gate(nn.Module):
+    """weight: [E, H] router; e_score_correction_bias: fp32 [E] (DeepSeek-V3) when configured."""
+
+    def __init__(self, weights: MoEWeights) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weights.gate.clone(), requires_grad=False)
+        if weights.correction_bias is not None:
+            self.register_buffer("e_score_correction_bias", weights.correction_bias.float().clone())
+        else:
+            self.e_score_correction_bias = None
+
+
+class RoutedExperts(nn.Module):
+    """This rank's routed experts under the canonical names ``gate_up_proj`` [E_l, 2 I_l, H] and
+    ``down_proj`` [E_l, H, I_l]; quantized weights add ``<name>_scale`` (and ``_global_scale``).
+
+    ``weights`` is the kernels' view of the buffers, built once (it validates every layout) and
+    rebuilt only when the module's tensors are replaced (``.to``, ``.cuda``, ...): not per forward.
+    ``load_state_dict`` copies into the existing tensors, so the view stays valid."""
+
+    def __init__(self, weights: ExpertWeights) -> None:
+        super().__init__()
+        self.scheme = weights.scheme
+        self._shapes = {}
+        for name, w in (("gate_up_proj", weights.gate_up), ("down_proj", weights.down)):
+            if isinstance(w, QuantizedWeight):
+                self.register_buffer(name, w.data)
+                self.register_buffer(name + "_scale", w.scale)
+                self.register_buffer(name + "_global_scale", w.global_scale)
+                self._shapes[name] = w.shape
+            else:
+                setattr(self, name, nn.Parameter(w, requires_grad=False))
+        self.weights = self._view()
+
+    def _weight(self, name: str):
+        if self.scheme == "none":
+            return getattr(self, name)
+        return QuantizedWeight(self.scheme, getattr(self, name), getattr(self, name + "_scale"),
+                               getattr(self, name + "_global_scale"), self._shapes[name])
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot tensor, each [E_l, ...]: weights, then scales and global scales, of
+        gate_up then down (what a rebalance moves slot by slot)."""
+        names = [n + suffix for n in ("gate_up_proj", "down_proj") for suffix in ("", "_scale", "_global_scale")]
+        return [t for t in (getattr(self, n, None) for n in names) if t is not None]
+
+    def _view(self) -> ExpertWeights:
+        return ExpertWeights(self._weight("gate_up_proj"), self._weight("down_proj"), self.scheme)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.weights = self._view()
+        return out
+
+
+def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
+    """An ``nn.Linear`` without bias holding ``weight`` [out, in] (a copy), built without
+    initialising a random weight first."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    return layer
+
+
+class SharedExperts(nn.Module):
+    """The fused shared-expert MLP: down(act(gate(x)) * up(x)); width S; never sharded."""
+
+    def __init__(self, weights: MoEWeights, activation: str) -> None:
+        super().__init__()
+        self.activation = activation
+        gate, up, down = weights.shared_gate, weights.shared_up, weights.shared_down
+        if gate is None or up is None or down is None:
+            missing = [name for name, w in (("shared_gate", gate), ("shared_up", up), ("shared_down", down)) if w is None]
+            raise ValueError(f"SharedExperts: MoEWeights.{', '.join(missing)} missing; the shared MLP needs all three")
+        self.gate_proj = _frozen_linear(gate)
+        self.up_proj = _frozen_linear(up)
+        self.down_proj = _frozen_linear(down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(get_activation(self.activation)(self.gate_proj(x), self.up_proj(x)))
