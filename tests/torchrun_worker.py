@@ -9,7 +9,7 @@ import torch
 from moeshard.harness.cases import MatrixOptions, generate
 from moeshard.harness.execute import GroupsCache, run_case
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import destroy, init_from_env
+from moeshard.parallel.torchrun import destroy, init_from_env
 
 
 def main() -> int:

@@ -394,7 +394,7 @@ def files_read(spec: RunSpec) -> list[Path]:
 
 def estimate_memory(plan: RunPlan) -> dict[str, int]:
     """Bytes the run will hold at its peak, by part, for all local ranks and the parent together
-    (an estimate from the shapes; the live ranks' interpreters are ``spawn.RANK_MEMORY_BYTES``
+    (an estimate from the shapes; the live ranks' interpreters are ``capacity.RANK_MEMORY_BYTES``
     each on top). Each rank holds its weights (random weights: every rank makes all of them,
     in fp32 first), its DP rank's tokens and their routed copies; rank 0 and the parent hold the
     output of all T tokens (and the parent a generated input)."""

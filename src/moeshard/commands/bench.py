@@ -70,9 +70,9 @@ def run(args) -> int:
     timeout(args.timeout)
     if args.world_size is not None:
         validate.size("", "--world-size", args.world_size)
-    from moeshard.parallel.spawn import launched_by_torchrun
+    from moeshard.parallel.torchrun import torchrun_environment
 
-    distributed = args.world_size is not None or launched_by_torchrun()
+    distributed = args.world_size is not None or torchrun_environment()
     if distributed and args.device == "cpu":
         return _run_distributed(args)
     device = require_cuda()  # before any import that needs a GPU: a clear refusal, exit code 2
@@ -142,7 +142,7 @@ def _check_memory(opts) -> None:
     memory for CPU ranks, one GPU's for CUDA ranks)."""
     import torch
 
-    from moeshard.parallel.spawn import available_memory, check_local_world
+    from moeshard.parallel.capacity import available_memory, check_local_world
 
     if opts.device == "cpu":
         check_local_world(opts.world_size, "cpu", what="--world-size")
@@ -181,10 +181,11 @@ def _run_distributed(args) -> int:
     from moeshard.bench import dist_report, report
     from moeshard.bench.device import describe
     from moeshard.bench.distributed import derive, merge
-    from moeshard.parallel.spawn import destroy, init_from_env, launched_by_torchrun, spawn
+    from moeshard.parallel.spawn import spawn
+    from moeshard.parallel.torchrun import destroy, init_from_env, torchrun_environment
 
     started = time.time()
-    if launched_by_torchrun():
+    if torchrun_environment():
         init_from_env(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=timeout(args.timeout))
         try:
             opts = _dist_options(args, dist.get_world_size())

@@ -24,7 +24,7 @@ from moeshard.harness import cases as matrix
 from moeshard.harness import report
 from moeshard.harness.runner import CaseOutcome, Runner
 from moeshard.outputs import check_output_path
-from moeshard.parallel.spawn import available_memory, check_local_world
+from moeshard.parallel.capacity import available_memory, check_local_world
 from moeshard.presets import SIZES
 
 

@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
 
 def _check_memory(need: int, what: str) -> None:
     """Refuses, before anything is allocated, a run whose estimate exceeds the available memory."""
-    from moeshard.parallel.spawn import available_memory
+    from moeshard.parallel.capacity import available_memory
 
     available = available_memory()
     if available is not None and need > available:
@@ -122,7 +122,8 @@ def _layer(args) -> dict:
         merge,
         options_dict,
     )
-    from moeshard.parallel.spawn import check_local_world, spawn
+    from moeshard.parallel.capacity import check_local_world
+    from moeshard.parallel.spawn import spawn
 
     fields: dict = {"world_size": args.world_size, "device": args.device, "tokens": args.tokens, "skew": args.skew,
                     "policy": args.policy, "backend": args.backend, "quant": args.quant, "reps": args.reps,

@@ -47,14 +47,9 @@ from moeshard.generatejob import (
 )
 from moeshard.outputs import atomic_write_text, check_input_dir, check_input_file, check_output_path
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import (
-    RankFailure,
-    destroy,
-    in_process_deadline,
-    init_from_env,
-    launched_by_torchrun,
-    spawn,
-)
+from moeshard.parallel.signals import in_process_deadline
+from moeshard.parallel.spawn import RankFailure, spawn
+from moeshard.parallel.torchrun import destroy, init_from_env, torchrun_environment
 
 
 def add_parser(subparsers) -> None:
@@ -234,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     timeout_s = timeout(args.timeout)
     plan = plan_generate(spec_from_args(args))
-    if launched_by_torchrun():
+    if torchrun_environment():
         results = _execute_torchrun(plan, timeout_s)
         if results is None:
             return 0

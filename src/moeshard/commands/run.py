@@ -39,17 +39,11 @@ from moeshard.commands.args import add_layout_arguments, ints, seed, timeout
 from moeshard.dispatch.registry import build_groups
 from moeshard.errors import MoeshardError, NonFiniteOutput, OutputError, RankFailed
 from moeshard.outputs import atomic_write, check_input_dir, check_input_file, check_output_path
+from moeshard.parallel.capacity import available_memory, check_local_world
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import (
-    RankFailure,
-    available_memory,
-    check_local_world,
-    destroy,
-    in_process_deadline,
-    init_from_env,
-    spawn,
-    torchrun_environment,
-)
+from moeshard.parallel.signals import in_process_deadline
+from moeshard.parallel.spawn import RankFailure, spawn
+from moeshard.parallel.torchrun import destroy, init_from_env, torchrun_environment
 from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, explain_divergence, last_collectives
 from moeshard.presets import PRESETS
 from moeshard.runjob import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank

@@ -1,4 +1,5 @@
-"""Starting ranks: ``LocalWorld`` and ``spawn`` for N local processes, ``init_from_env`` under torchrun.
+"""Starting ranks: ``LocalWorld`` and ``spawn`` for N local processes (torchrun: ``parallel.torchrun``;
+machine capacity: ``parallel.capacity``; signals around the ranks: ``parallel.signals``).
 
 ``LocalWorld`` starts ``world_size`` fresh interpreters ("spawn" start method, so nothing of the
 parent's state, CUDA included, leaks into them; or, with ``preload``, forks them from a fresh
@@ -37,7 +38,6 @@ with its traceback, the ranks that never reported, and the results of those that
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import multiprocessing
 import multiprocessing.forkserver
@@ -45,114 +45,26 @@ import os
 import queue as queue_module
 import signal
 import socket
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from moeshard.errors import TimedOut
+from moeshard.parallel.capacity import check_local_world
+from moeshard.parallel.signals import sigint_blocked, signals_deferred
 from moeshard.parallel.worker import DEFAULT_TIMEOUT_S, LOOPBACK, RankChannel, RankError, loads, rank_main
 from moeshard.validate import positive_int, timeout
 
 __all__ = ["CLEAN_EXIT_WAIT_S", "DEFAULT_TIMEOUT_S", "LocalWorld", "RankChannel", "RankError", "RankEvent",
-           "RankFailure", "available_memory", "check_local_world", "destroy", "in_process_deadline", "init_from_env",
-           "launched_by_torchrun", "spawn", "start_fork_server", "torchrun_environment", "usable_cores"]
+           "RankFailure", "spawn", "start_fork_server"]
 
 CLEAN_EXIT_WAIT_S = 10.0  # after a clean run: how long the ranks may take to tear down their groups
 EXIT_REPORT_WAIT_S = 1.0  # a rank that exited may still have its report in the pipe this long
 _POLL_S = 0.1
-# Local CPU ranks: each is an interpreter with torch loaded (a few hundred MB) that mostly waits
-# on its peers, so a few share a core well (the default check runs 4 ranks on 2 cores).
-RANKS_PER_CORE = 8
-RANK_MEMORY_BYTES = 256 * 2**20
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS says, else the count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to new allocations (``MemAvailable``), None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def check_local_world(world_size: int, device: str = "cpu", what: str = "LocalWorld") -> None:
-    """Refuses (ValueError) a world of local ranks this machine cannot hold: more ranks than
-    GPUs on CUDA; more than ``RANKS_PER_CORE`` per usable core, or more than the available
-    memory at ``RANK_MEMORY_BYTES`` per rank, on CPU. Cheap; call it before any other work."""
-    positive_int(what, "world_size", world_size)
-    if device == "cuda":
-        if world_size > torch.cuda.device_count():
-            raise ValueError(f"{what}: world_size={world_size} needs {world_size} GPUs (one per rank) but "
-                             f"{torch.cuda.device_count()} are visible")
-        return
-    cores = usable_cores()
-    if world_size > RANKS_PER_CORE * cores:
-        raise ValueError(f"{what}: world_size={world_size} local CPU ranks is more than this machine can run: "
-                         f"{cores} usable cores, at most {RANKS_PER_CORE} ranks per core")
-    memory = available_memory()
-    if memory is not None and world_size * RANK_MEMORY_BYTES > memory:
-        raise ValueError(f"{what}: world_size={world_size} local ranks need about "
-                         f"{world_size * RANK_MEMORY_BYTES / 2**30:.1f} GiB ({RANK_MEMORY_BYTES // 2**20} MiB each) "
-                         f"but {memory / 2**30:.1f} GiB of memory is available")
-
-
-@contextlib.contextmanager
-def _signals_deferred(signums: tuple[int, ...]) -> Iterator[None]:
-    """In the main thread (where Python runs signal handlers): the signals in ``signums`` that
-    arrive inside the block are recorded, then raised again once it is left, so they reach
-    their usual handlers (KeyboardInterrupt, moeshard's SIGTERM handler) after it. Elsewhere a
-    no-op: the main thread's handlers cannot interrupt another thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    previous = {s: signal.getsignal(s) for s in signums}
-    previous = {s: h for s, h in previous.items() if h is not None}  # None: a handler not set from Python
-    for s in previous:
-        signal.signal(s, lambda signum, frame: pending.append(signum))
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for s in dict.fromkeys(pending):
-            signal.raise_signal(s)
-
-
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in this thread inside the block, so processes started here inherit it blocked."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
 def _ended(code: int | None) -> str:
     """How a process ended, in words: ``exited with code 3`` / ``was killed by SIGKILL``."""
     if code is not None and code < 0:
@@ -215,30 +127,6 @@ class RankEvent:
     kind: str
     rank: int
     value: Any
-
-
-@contextlib.contextmanager
-def in_process_deadline(timeout_s: float, what: str, flag: str = "--timeout") -> Iterator[None]:
-    """Bounds the block, work of a one-rank world run in this process, by ``timeout_s`` seconds:
-    when they pass, ``TimedOut`` (exit code 5) is raised in the main thread, naming ``what`` and
-    ``flag``. A world of local ranks is bounded by its ``LocalWorld.deadline``; this is the same
-    promise for the path that starts no rank. Off the main thread (where no signal handler runs)
-    or without ``setitimer`` the block runs unbounded."""
-    timeout("", flag, timeout_s)
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expired(signum: int, frame: object) -> None:
-        raise TimedOut(f"{what} did not finish within {timeout_s:g} s ({flag} {timeout_s:g})")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # The rendezvous store's own timeout is at least this: below a millisecond it rounds to zero and
@@ -386,7 +274,7 @@ class LocalWorld:
         # pipe; a Ctrl-C or SIGTERM raising in between would leave the rank reading an empty pipe
         # (an EOFError traceback). So the parent defers both signals until every rank is started,
         # and the ranks inherit SIGINT blocked until rank_main ignores it for good.
-        with _signals_deferred((signal.SIGINT, signal.SIGTERM)), _sigint_blocked():
+        with signals_deferred((signal.SIGINT, signal.SIGTERM)), sigint_blocked():
             for process in self._processes:
                 process.start()
         self.deadline = time.monotonic() + self.timeout_s
@@ -515,69 +403,3 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), dev
     if failure is not None:
         raise failure
     return [world.results[rank] for rank in range(world_size)]
-
-
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def torchrun_environment() -> bool:
-    """Whether this process is one rank of a torchrun world, by torchrun's contract: it sets all
-    of ``TORCHRUN_VARIABLES``. None set: False (moeshard starts its own local ranks). Some but
-    not all (say a stale ``RANK``/``WORLD_SIZE`` left in a shell, without ``LOCAL_RANK``): a
-    ValueError naming what is set and what is missing, rather than a silent switch of mode."""
-    present = [name for name in TORCHRUN_VARIABLES if os.environ.get(name) is not None]
-    if not present:
-        return False
-    missing = [name for name in TORCHRUN_VARIABLES if name not in present]
-    if missing:
-        raise ValueError(f"the environment sets {', '.join(present)} but not {', '.join(missing)}: torchrun sets all "
-                         f"of {', '.join(TORCHRUN_VARIABLES)}. Start moeshard with torchrun, or unset "
-                         f"{', '.join(present)} to run local ranks")
-    return True
-
-
-def launched_by_torchrun() -> bool:
-    """Whether this process is one rank of a torchrun world (``torchrun_environment``, which
-    refuses a partial torchrun environment)."""
-    return torchrun_environment()
-
-
-def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
-    """Joins the process group torchrun describes (``env://``) and returns this rank's device.
-
-    Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (``MASTER_ADDR``/``MASTER_PORT`` are read
-    by torch's env:// rendezvous, used unchanged). ``timeout_s`` (finite) bounds the rendezvous
-    and every collective of the process group.  ``backend=None`` picks nccl when CUDA is
-    available, else gloo; with nccl the current CUDA device is set to ``LOCAL_RANK``.  This is the
-    only place moeshard reads environment variables (with ``torchrun_environment``).
-    """
-    if dist.is_initialized():
-        raise RuntimeError("init_from_env: the default process group is already initialised")
-    timeout("init_from_env", "timeout_s", timeout_s)
-    values = {}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        raw = os.environ.get(name)
-        try:
-            values[name] = int(raw)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise ValueError(f"init_from_env: environment variable {name} must be set to an integer "
-                             f"(as torchrun does), got {raw!r}") from None
-    rank, world_size, local_rank = values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cpu")
-    device_id = None
-    if "nccl" in backend:
-        if not 0 <= local_rank < torch.cuda.device_count():
-            raise ValueError(f"init_from_env (rank {rank}): LOCAL_RANK={local_rank} but "
-                             f"{torch.cuda.device_count()} GPUs are visible")
-        torch.cuda.set_device(local_rank)
-        device = device_id = torch.device("cuda", local_rank)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
-    return device
-
-
-def destroy() -> None:
-    """Destroys the default process group, if there is one."""
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -1,0 +1,73 @@
+"""Running under torchrun: whether this process is one rank of a torchrun world
+(``torchrun_environment``), joining its process group through ``env://`` (``init_from_env``), and
+leaving it (``destroy``). Under torchrun the user's own rendezvous is used unchanged."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from moeshard.parallel.worker import DEFAULT_TIMEOUT_S
+from moeshard.validate import timeout
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_environment() -> bool:
+    """Whether this process is one rank of a torchrun world, by torchrun's contract: it sets all
+    of ``TORCHRUN_VARIABLES``. None set: False (moeshard starts its own local ranks). Some but
+    not all (say a stale ``RANK``/``WORLD_SIZE`` left in a shell, without ``LOCAL_RANK``): a
+    ValueError naming what is set and what is missing, rather than a silent switch of mode."""
+    present = [name for name in TORCHRUN_VARIABLES if os.environ.get(name) is not None]
+    if not present:
+        return False
+    missing = [name for name in TORCHRUN_VARIABLES if name not in present]
+    if missing:
+        raise ValueError(f"the environment sets {', '.join(present)} but not {', '.join(missing)}: torchrun sets all "
+                         f"of {', '.join(TORCHRUN_VARIABLES)}. Start moeshard with torchrun, or unset "
+                         f"{', '.join(present)} to run local ranks")
+    return True
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+    """Joins the process group torchrun describes (``env://``) and returns this rank's device.
+
+    Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (``MASTER_ADDR``/``MASTER_PORT`` are read
+    by torch's env:// rendezvous, used unchanged). ``timeout_s`` (finite) bounds the rendezvous
+    and every collective of the process group.  ``backend=None`` picks nccl when CUDA is
+    available, else gloo; with nccl the current CUDA device is set to ``LOCAL_RANK``.  This is the
+    only place moeshard reads environment variables (with ``torchrun_environment``).
+    """
+    if dist.is_initialized():
+        raise RuntimeError("init_from_env: the default process group is already initialised")
+    timeout("init_from_env", "timeout_s", timeout_s)
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        raw = os.environ.get(name)
+        try:
+            values[name] = int(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(f"init_from_env: environment variable {name} must be set to an integer "
+                             f"(as torchrun does), got {raw!r}") from None
+    rank, world_size, local_rank = values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
+    device_id = None
+    if "nccl" in backend:
+        if not 0 <= local_rank < torch.cuda.device_count():
+            raise ValueError(f"init_from_env (rank {rank}): LOCAL_RANK={local_rank} but "
+                             f"{torch.cuda.device_count()} GPUs are visible")
+        torch.cuda.set_device(local_rank)
+        device = device_id = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+    return device
+
+
+def destroy() -> None:
+    """Destroys the default process group, if there is one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
