@@ -227,7 +227,7 @@ def run_plans_raising_in_combine_on_rank1(plans, traces):
     """``moeshard run``'s rank entry (``runjob.run_plans``) with a fault planted in the rank: on
     rank 1, all2all's combine raises before its all-to-all, so rank 0 waits in it until the
     process group's timeout."""
-    from moeshard.runjob import run_plans
+    from moeshard.jobs.run import run_plans
 
     original = All2AllBackend.combine
 

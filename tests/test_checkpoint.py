@@ -11,7 +11,7 @@ transformers block's own output (``model.model.layers[L].mlp``, fp32, eager expe
   and compared with ``reference_forward`` on the dequantized weights.
 
 All multi-rank cases of one world size run in one ``spawn`` (module-scoped fixture), each case a
-``RunPlan`` executed by ``moeshard.runjob.run_plans`` -- the code path of
+``RunPlan`` executed by ``moeshard.jobs.run.run_plans`` -- the code path of
 ``moeshard run``. Every output row of every token is compared; DP ranks get different (and
 uneven, sometimes empty) token counts.
 """
@@ -33,11 +33,11 @@ from safetensors.torch import save_file
 
 from moeshard.checkpoint import load_moe_block, read_hf_config
 from moeshard.config import QuantConfig
+from moeshard.jobs.run import RunPlan, RunSpec, plan_run, run_plans, run_rank, split_tokens
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.spawn import RankFailure, spawn
 from moeshard.quant import QuantizedWeight
 from moeshard.reference import Reference, reference_forward
-from moeshard.runjob import RunPlan, RunSpec, plan_run, run_plans, run_rank, split_tokens
 from moeshard.sharding import shard_experts
 from moeshard.tolerances import compare
 from moeshard.weights import MoEWeights

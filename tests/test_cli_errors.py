@@ -28,9 +28,9 @@ from moeshard.errors import ExitCode
 from moeshard.harness import report
 from moeshard.harness.cases import MatrixOptions, generate, select_ids
 from moeshard.harness.runner import CaseOutcome
+from moeshard.jobs.run import ROW_BLOCK, random_hidden_states
 from moeshard.outputs import OutputError, atomic_write, atomic_write_text
 from moeshard.parallel.spawn import LocalWorld, spawn
-from moeshard.runjob import ROW_BLOCK, random_hidden_states
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -329,7 +329,7 @@ def test_infinite_timeouts_are_refused_by_the_api():
 
 # -- ranks that fail, die or time out in moeshard run -------------------------------------------
 def test_run_rank_unexpected_error_is_one_line_exit_4(capsys, monkeypatch):
-    import moeshard.runjob as runjob
+    import moeshard.jobs.run as runjob
 
     def no_memory(plan, rank):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory")
@@ -513,7 +513,7 @@ def test_run_output_safetensors_error_is_exit_6(tmp_path, capsys, monkeypatch):
 
 
 def test_run_refuses_nonfinite_output_and_conflicting_tokens(tmp_path, capsys, monkeypatch):
-    import moeshard.runjob as runjob
+    import moeshard.jobs.run as runjob
 
     ckpt = _tiny_checkpoint(tmp_path / "ckpt")
     argv = ["run", "--model", str(ckpt), "--layer", "0", "--input", str(ckpt / "in.safetensors")]

@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from moeshard.commands import run as run_command
 from moeshard.config import QuantConfig
 from moeshard.experts import select_kernel
+from moeshard.jobs.run import random_weights
 from moeshard.presets import get_preset
 from moeshard.reference import Reference, reference_forward
-from moeshard.runjob import random_weights
 from moeshard.tolerances import compare
 
 
@@ -189,8 +189,8 @@ def test_a_run_whose_ranks_part_says_where_from_the_collective_trace(monkeypatch
     import faults
 
     from moeshard.errors import RankFailed
+    from moeshard.jobs.run import RunSpec, plan_run
     from moeshard.parallel.config import ParallelConfig
-    from moeshard.runjob import RunSpec, plan_run
 
     plan = plan_run(RunSpec(parallel=ParallelConfig(2, 1, True), preset="mixtral-8x7b", num_tokens=6,
                             backend="all2all", dtype="float32"))

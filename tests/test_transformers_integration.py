@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeshard.generatejob import (
+from moeshard.jobs.generate import (
     GenerateSpec,
     by_prompt,
     compare_generations,

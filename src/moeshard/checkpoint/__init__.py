@@ -11,7 +11,7 @@ Modules, one concern each:
 * ``loader``: ``load_moe_block`` -> ``LoadedBlock`` and ``build_layer`` -> ``MoELayer``.
 
 ``moeshard run``'s job (plan, load, split tokens, forward, gather) uses these and lives in
-``moeshard.runjob``.
+``moeshard.jobs.run``.
 
 Example (one rank)::
 

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from moeshard.commands.args import add_layout_arguments, ints, timeout
-from moeshard.commands.run import _as_value_error  # refusals on the ranks -> one ValueError (no traces here)
 from moeshard.dispatch.registry import build_groups
-from moeshard.generatejob import (
+from moeshard.jobs.failures import as_value_error  # refusals on the ranks -> one ValueError
+from moeshard.jobs.generate import (
     GenerateComparison,
     GeneratePlan,
     GenerateRankResult,
@@ -136,7 +136,7 @@ def execute_local(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResu
     try:
         per_rank = spawn(generate_plans, world, args=([plan],), device=plan.spec.device, timeout_s=timeout_s)
     except RankFailure as failure:
-        raise _as_value_error(failure) from None
+        raise as_value_error(failure) from None
     results = [r[0] for r in per_rank]
     errors = [r for r in results if isinstance(r, dict)]
     if errors:

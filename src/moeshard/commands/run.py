@@ -38,15 +38,16 @@ from rich.table import Table
 from moeshard.commands.args import add_layout_arguments, ints, seed, timeout
 from moeshard.dispatch.registry import build_groups
 from moeshard.errors import MoeshardError, NonFiniteOutput, OutputError, RankFailed
+from moeshard.jobs.failures import as_value_error, rank_errors
+from moeshard.jobs.run import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank
 from moeshard.outputs import atomic_write, check_input_dir, check_input_file, check_output_path
 from moeshard.parallel.capacity import available_memory, check_local_world
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.signals import in_process_deadline
 from moeshard.parallel.spawn import RankFailure, spawn
 from moeshard.parallel.torchrun import destroy, init_from_env, torchrun_environment
-from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, explain_divergence, last_collectives
+from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, last_collectives
 from moeshard.presets import PRESETS
-from moeshard.runjob import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank
 
 DEFAULT_TOKENS = 16  # tokens generated without --input, --tokens or --tokens-per-rank
 
@@ -103,54 +104,6 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     return spec
 
 
-def _where_ranks_part(traces: list, plan: RunPlan, outcome: dict[int, str]) -> str:
-    """'; collectives: ...': where the ranks' collective sequences part (from the traces the
-    ranks left in shared memory), or '' when they all entered and left the same ones."""
-    entries = {rank: CollectiveTrace(TRACE_CAPACITY, buffer).entries() for rank, buffer in enumerate(traces)}
-    ep = list(range(len(traces))) if plan.parallel.enable_ep else None
-    lines = explain_divergence(entries, 0, len(traces), outcome, ep)
-    return "" if lines[0].startswith("every rank with a trace entered") else "; collectives: " + lines[0]
-
-
-def _rank_errors(results: list, traces: list, plan: RunPlan) -> None:
-    """``run_plans`` records a rank's exception as a dict: a refusal stays a ValueError (exit 2),
-    anything else is that rank's failure (exit 4), with where the ranks' collectives part."""
-    errors = [(rank, r) for rank, r in enumerate(results) if isinstance(r, dict)]
-    if not errors:
-        return
-    rank, first = errors[0]
-    if first["error"] == "ValueError":
-        raise ValueError(first["message"])
-    outcome = {r: (f"it raised {e['error']} ({error_headline(e['message'])})" if isinstance(e, dict)
-                   else "it finished") for r, e in enumerate(results)}
-    raise RankFailed(f"rank {rank} raised {first['error']}: {first['message']}"
-                     + _where_ranks_part(traces, plan, outcome))
-
-
-def _as_value_error(failure: RankFailure, traces: list | None = None, plan: RunPlan | None = None) -> Exception:
-    """Refusals raised on the ranks come back as one ValueError (the CLI prints it, exit 2);
-    anything else stays a RankFailure (exit 4, or 5 for a timeout), its summary extended by
-    where the ranks' collectives part (given their ``traces`` and the ``plan`` they ran)."""
-    if failure.errors and not failure.missing and all(e.type_name == "ValueError" for e in failure.errors.values()):
-        first = failure.errors[min(failure.errors)]
-        return ValueError(first.message)
-    if traces is None or plan is None:
-        return failure
-    outcome = {}
-    for rank in range(failure.world_size):
-        if rank in failure.errors:
-            err = failure.errors[rank]
-            outcome[rank] = f"it raised {err.type_name} ({error_headline(err.message)})"
-        elif rank in failure.died:
-            outcome[rank] = f"it died (exit code {failure.died[rank]})"
-        elif rank in failure.results:
-            outcome[rank] = "it finished"
-        else:
-            outcome[rank] = "it sent nothing more (still inside, or stopped)"
-    failure.summary += _where_ranks_part(traces, plan, outcome)
-    return failure
-
-
 def _execute_local(plan: RunPlan, timeout_s: float) -> list[RunRankResult]:
     world = plan.parallel.world_size
     if world == 1:
@@ -161,9 +114,9 @@ def _execute_local(plan: RunPlan, timeout_s: float) -> list[RunRankResult]:
     try:
         per_rank = spawn(run_plans, world, args=([plan], traces), device=plan.spec.device, timeout_s=timeout_s)
     except RankFailure as failure:
-        raise _as_value_error(failure, traces, plan) from None
+        raise as_value_error(failure, traces, plan.parallel) from None
     results = [r[0] for r in per_rank]
-    _rank_errors(results, traces, plan)
+    rank_errors(results, traces, plan.parallel)
     return results
 
 
@@ -199,7 +152,7 @@ def _write(path: str, plan: RunPlan, output: torch.Tensor) -> None:
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
-    from moeshard.runjob import random_hidden_states
+    from moeshard.jobs.run import random_hidden_states
 
     tensors = {"hidden_states": output.contiguous()}
     if plan.generated_input:

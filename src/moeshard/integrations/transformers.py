@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moeshard.checkpoint.families import READ_FUSED_LAYOUTS, ModelFamily
@@ -70,6 +69,7 @@ from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, parse_dtype
 from moeshard.dispatch.registry import default_backend, support
 from moeshard.layer import MoELayer
+from moeshard.parallel.agree import first_failure
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.quant import FP8_BLOCK
@@ -231,27 +231,6 @@ def _layout(groups: ParallelGroups | None) -> tuple[ParallelConfig, int]:
     if not isinstance(groups, ParallelGroups):
         raise ValueError(f"groups: expected moeshard ParallelGroups or None, got {type(groups).__name__}")
     return groups.config, groups.rank
-
-
-def first_failure(groups: ParallelGroups | None, error: BaseException | None,
-                  rank: int) -> tuple[str, str, list[int]] | None:
-    """Every rank's ``error`` (None: it did not fail), exchanged in one all_gather_object of our
-    own (kind, text) strings -> None when no rank failed, else (kind, text) of the first rank
-    that failed, and every rank that failed. The shared step of ``agree`` and of ``moeshard.runjob._agree``."""
-    mine = None if error is None else (type(error).__name__, f"rank {rank}: {error}")
-    reasons: list[tuple[str, str] | None]
-    if groups is None:
-        reasons = [mine]
-    else:
-        reasons = [None] * groups.world_size
-        dist.all_gather_object(reasons, mine)
-    failed = [r for r, reason in enumerate(reasons) if reason is not None]
-    if not failed:
-        return None
-    first = reasons[failed[0]]
-    assert first is not None  # failed lists the ranks with a reason
-    kind, text = first
-    return kind, text, failed
 
 
 def agree(groups: ParallelGroups | None, error: BaseException | None, what: str) -> None:

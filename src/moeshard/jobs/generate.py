@@ -37,7 +37,7 @@ import torch.distributed as dist
 from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
-from moeshard.dispatch.registry import build_groups
+from moeshard.jobs.world import each_plan
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.tolerances import compare as tolerance_compare
@@ -293,20 +293,7 @@ def generate_plans(plans: list[GeneratePlan]) -> list[GenerateRankResult | dict]
     core per rank oversubscribes them, and its spinning threads made generation ~8x slower."""
     if plans and plans[0].spec.device == "cpu" and dist.is_initialized():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    groups_of: dict[tuple, ParallelGroups] = {}
-    results: list[GenerateRankResult | dict] = []
-    for plan in plans:
-        p = plan.parallel
-        key = (p.dp, p.tp, p.enable_ep)
-        if key not in groups_of:
-            # one set of groups per layout, with what every backend run on it needs
-            backends = [q.backend for q in plans if (q.parallel.dp, q.parallel.tp, q.parallel.enable_ep) == key]
-            groups_of[key] = build_groups(p, plan.spec.device, backends)
-        try:
-            results.append(generate_rank(plan, groups_of[key]))
-        except Exception as exc:  # noqa: BLE001 - recorded for the caller, which reports it
-            results.append({"error": type(exc).__name__, "message": str(exc)})
-    return results
+    return each_plan(plans, generate_rank)
 
 
 Generation = tuple[list[tuple[int, ...]], torch.Tensor]  # (new ids per prompt, fp32 logits [steps, B, V])

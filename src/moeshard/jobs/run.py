@@ -33,9 +33,11 @@ from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
 from moeshard.checkpoint.loader import load_moe_block, resolve_quant
 from moeshard.checkpoint.reader import INDEX_FILE, open_safetensors
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name, parse_dtype
-from moeshard.dispatch.registry import build_groups, default_backend, support
+from moeshard.dispatch.registry import default_backend, support
 from moeshard.errors import RankFailed
 from moeshard.experts.base import ExpertWeights
+from moeshard.jobs.world import each_plan
+from moeshard.parallel.agree import first_failure
 from moeshard.parallel.collectives import all_gatherv
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
@@ -268,7 +270,6 @@ def _agree(groups: ParallelGroups | None, error: BaseException | None, rank: int
     ValueError (a refusal of bad input) stays a ValueError everywhere, anything else becomes a
     RankFailed (exit code 4 on the command line)."""
     # Imported here, as MoELayer is in run_rank: the parent that plans the run never needs it.
-    from moeshard.integrations.transformers import first_failure
 
     failure = first_failure(groups, error, rank)
     if failure is not None:
@@ -352,22 +353,7 @@ def run_plans(plans: list[RunPlan], traces: list | None = None) -> list[RunRankR
     ``traces[r]``, plan i as case i, so that the parent can say where the ranks part on failure.
     """
     trace = None if traces is None else CollectiveTrace(TRACE_CAPACITY, traces[dist.get_rank()])
-    groups_of: dict[tuple, ParallelGroups] = {}
-    results: list[RunRankResult | dict] = []
-    for i, plan in enumerate(plans):
-        p = plan.parallel
-        key = (p.dp, p.tp, p.enable_ep)
-        if trace is not None:
-            trace.case = i
-        if key not in groups_of:
-            # one set of groups per layout, with what every backend run on it needs
-            backends = [q.backend for q in plans if (q.parallel.dp, q.parallel.tp, q.parallel.enable_ep) == key]
-            groups_of[key] = build_groups(p, plan.spec.device, backends, trace=trace)
-        try:
-            results.append(run_rank(plan, groups_of[key]))
-        except Exception as exc:  # noqa: BLE001 - recorded for the caller, which reports it
-            results.append({"error": type(exc).__name__, "message": str(exc)})
-    return results
+    return each_plan(plans, run_rank, trace)
 
 
 def describe(plan: RunPlan) -> dict[str, str]:
