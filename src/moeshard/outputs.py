@@ -103,18 +103,24 @@ def _check_output_path(target: Path, flag: str, reads: Iterable[str | Path]) -> 
     return target
 
 
-def check_input_file(path: str | Path, flag: str) -> Path:
-    """``path`` if it is a regular file this process can read, else ValueError naming ``flag``,
-    the path and why (missing, a directory or device, unreadable: each in its own words)."""
+def _stat_input(path: object, flag: str, expected: str) -> tuple[Path, os.stat_result]:
+    """(path, its stat) of an input the user named with ``flag``; ValueError when it is no path,
+    does not exist or cannot be looked at."""
     if not isinstance(path, (str, Path)) or not str(path):
-        raise ValueError(f"{flag}: expected a file path, got {path!r}")
-    file = Path(path)
+        raise ValueError(f"{flag}: expected {expected}, got {path!r}")
+    target = Path(path)
     try:
-        info = file.stat()
+        return target, target.stat()
     except FileNotFoundError:
         raise ValueError(f"{flag} {str(path)!r} does not exist") from None
     except OSError as exc:
         raise ValueError(f"{flag} {str(path)!r}: cannot be read: {_why(exc)}") from None
+
+
+def check_input_file(path: str | Path, flag: str) -> Path:
+    """``path`` if it is a regular file this process can read, else ValueError naming ``flag``,
+    the path and why (missing, a directory or device, unreadable: each in its own words)."""
+    file, info = _stat_input(path, flag, "a file path")
     if stat.S_ISDIR(info.st_mode):
         raise ValueError(f"{flag} {str(path)!r}: is a directory; give a file")
     if not stat.S_ISREG(info.st_mode):
@@ -127,15 +133,7 @@ def check_input_file(path: str | Path, flag: str) -> Path:
 def check_input_dir(path: str | Path, flag: str) -> Path:
     """``path`` if it is a directory whose files this process can list and read, else ValueError
     naming ``flag``, the path and why."""
-    if not isinstance(path, (str, Path)) or not str(path):
-        raise ValueError(f"{flag}: expected a directory, got {path!r}")
-    directory = Path(path)
-    try:
-        info = directory.stat()
-    except FileNotFoundError:
-        raise ValueError(f"{flag} {str(path)!r} does not exist") from None
-    except OSError as exc:
-        raise ValueError(f"{flag} {str(path)!r}: cannot be read: {_why(exc)}") from None
+    directory, info = _stat_input(path, flag, "a directory")
     if not stat.S_ISDIR(info.st_mode):
         raise ValueError(f"{flag} {str(path)!r}: is not a directory")
     if not os.access(directory, os.R_OK | os.X_OK):
