@@ -20,8 +20,11 @@ import torch
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = torch.cuda.is_available()
-# moeshard.kernels' modules that define Triton kernels (``configs`` has none).
-TRITON_KERNEL_MODULES = ("align", "combine", "grouped_gemm", "quant", "experts")
+# The modules that define Triton kernels, by the name the fixture gives them (``configs`` has none;
+# the combine pass belongs to the dispatch backends).
+TRITON_KERNEL_MODULES = {"align": "moeshard.kernels.align", "combine": "moeshard.dispatch.combine_kernel",
+                         "grouped_gemm": "moeshard.kernels.grouped_gemm", "quant": "moeshard.kernels.quant",
+                         "experts": "moeshard.kernels.experts"}
 
 _SAVED_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if HAVE_TRITON and not CUDA:
@@ -60,8 +63,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def interpreted_kernels():
-    """``moeshard.kernels``' Triton modules, interpreted: a namespace with ``align``, ``combine``,
-    ``grouped_gemm``, ``quant``, ``experts`` and ``configs`` (the modules themselves).
+    """The Triton modules, interpreted: a namespace with ``align``, ``combine`` (the dispatch
+    backends' combine pass), ``grouped_gemm``, ``quant``, ``experts`` and ``configs`` (the modules
+    themselves).
 
     Skipped, with the reason, where triton is not installed or CUDA is available (there
     tests/gpu/test_gpu_kernels.py checks the compiled kernels). Otherwise the tests that use it run
@@ -78,8 +82,8 @@ def interpreted_kernels():
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    names = (*TRITON_KERNEL_MODULES, "configs")
-    modules = {name: importlib.import_module(f"moeshard.kernels.{name}") for name in names}
+    paths = {**TRITON_KERNEL_MODULES, "configs": "moeshard.kernels.configs"}
+    modules = {name: importlib.import_module(path) for name, path in paths.items()}
     compiled = sorted(f"{mod.__name__}.{attr}" for mod in modules.values() for attr, value in vars(mod).items()
                       if isinstance(value, JITFunction))
     if compiled:

@@ -558,10 +558,10 @@ def test_single_rank_timeouts_are_enforced(capsys):
 
 
 def test_tiny_timeouts_on_spawned_worlds_are_exit_5_not_a_bad_descriptor(capsys, monkeypatch):
-    from moeshard.parallel.spawn import _rendezvous_store
+    from moeshard.parallel.processes import rendezvous_store
 
     for t in (1e-3, 1e-4, 1e-9):
-        store, port = _rendezvous_store(2, t)  # the store's construction no longer fails (or double-closes)
+        store, port = rendezvous_store(2, t)  # the store's construction no longer fails (or double-closes)
         assert port > 0
         del store
     with pytest.raises(Exception) as info:

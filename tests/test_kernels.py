@@ -28,8 +28,9 @@ from quant_asserts import assert_same_quantization
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.base import BackendContext, weighted_sum
 from moeshard.dispatch.local import LocalBackend
-from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
+from moeshard.experts import GroupedExperts
 from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.kernel_choice import kernel_choice, select_kernel
 from moeshard.kernels.configs import select_config
 from moeshard.quant import get_scheme, quantize_activations, quantize_weight
 from moeshard.reference import expert_reference

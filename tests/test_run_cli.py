@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from moeshard.commands import run as run_command
 from moeshard.config import QuantConfig
-from moeshard.experts import select_kernel
 from moeshard.jobs.run import random_weights
+from moeshard.kernel_choice import select_kernel
 from moeshard.presets import get_preset
 from moeshard.reference import Reference, reference_forward
 from moeshard.tolerances import compare

@@ -9,7 +9,8 @@ from pathlib import Path
 import faults
 import torch.multiprocessing as torch_mp
 
-from moeshard.parallel.spawn import _rendezvous_store, spawn
+from moeshard.parallel.processes import rendezvous_store
+from moeshard.parallel.spawn import spawn
 from moeshard.parallel.worker import EXIT_REPORT_STUCK
 
 
@@ -47,7 +48,7 @@ def _listening(port: int) -> set[str]:
 
 
 def test_rendezvous_listens_on_loopback_only_and_two_runs_get_their_own_ports():
-    (store_a, port_a), (store_b, port_b) = _rendezvous_store(2, 10.0), _rendezvous_store(2, 10.0)
+    (store_a, port_a), (store_b, port_b) = rendezvous_store(2, 10.0), rendezvous_store(2, 10.0)
     assert port_a != port_b
     for port in (port_a, port_b):
         assert _listening(port) == {"0100007F"}, _listening(port)  # 127.0.0.1, nothing else

@@ -31,8 +31,8 @@ from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.eplb.loads import LoadCounter
 from moeshard.eplb.moves import MoveStats, move_slots, plan_moves
 from moeshard.eplb.placement import Placement, choose_replicas
-from moeshard.experts import select_kernel
 from moeshard.experts.base import ExpertKernel, ExpertWeights
+from moeshard.kernel_choice import select_kernel
 from moeshard.layer_agreement import check_same_on_all_ranks, code, placement_code
 from moeshard.layer_params import Gate, RoutedExperts, SharedExperts
 from moeshard.parallel.collectives import all_reduce

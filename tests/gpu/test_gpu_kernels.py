@@ -23,10 +23,10 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 if CUDA:
     from moeshard.bench.tune import SWEEPS
     from moeshard.config import QuantConfig
-    from moeshard.experts import select_kernel
+    from moeshard.dispatch.combine_kernel import combine_topk
     from moeshard.experts.base import ExpertInput, ExpertWeights
+    from moeshard.kernel_choice import select_kernel
     from moeshard.kernels.align import align_rows
-    from moeshard.kernels.combine import combine_topk
     from moeshard.kernels.configs import ExpertsConfig, GemmConfig, select_config
     from moeshard.kernels.experts import TritonExperts
     from moeshard.kernels.quant import quantize_h

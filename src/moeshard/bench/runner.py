@@ -35,7 +35,8 @@ from moeshard.bench.workload import (
     routed_input,
 )
 from moeshard.config import QuantConfig
-from moeshard.experts import GroupedExperts, kernel_choice, select_kernel
+from moeshard.experts import GroupedExperts
+from moeshard.kernel_choice import kernel_choice, select_kernel
 from moeshard.layer import MoELayer
 from moeshard.quant.schemes import BUILTIN_SCHEMES
 from moeshard.validate import positive_int

@@ -26,8 +26,8 @@ import torch
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.payload import Payload, prepare
 from moeshard.experts.base import ExpertInput
-from moeshard.kernels import triton_importable
 from moeshard.router import Routing
+from moeshard.triton_env import triton_importable
 
 if TYPE_CHECKING:
     from moeshard.parallel.groups import ParallelGroups
@@ -107,13 +107,13 @@ class RowBackend:
 
 def combine_rows(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """fp32 [T, H]: ``out[t] = sum_k weights[t, k] * y[rows[t, k]]``, summed over k in order
-    (deterministic), in one pass on CUDA (``moeshard.kernels.combine``).
+    (deterministic), in one pass on CUDA (``moeshard.dispatch.combine_kernel``).
 
     y: [R, H] expert outputs (rows not named in ``rows`` are never read, so they may hold
     anything); rows: int64 [T, K]; weights: fp32 [T, K].
     """
     if y.is_cuda and triton_importable()[0]:
-        from moeshard.kernels.combine import combine_topk
+        from moeshard.dispatch.combine_kernel import combine_topk
         return combine_topk(y, weights.float().contiguous(), rows.contiguous())
     T, K = rows.shape
     return (y[rows.reshape(-1)].view(T, K, y.shape[1]).float() * weights.float().unsqueeze(-1)).sum(dim=1)

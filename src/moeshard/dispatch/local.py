@@ -7,7 +7,7 @@ which saves writing and re-reading a [T * K, Hp] copy. No communication, and not
 value back to the host, so the single-device forward stays CUDA-graph capturable.
 
 Because rows are token-major, combine needs no scatter: ``out[t] = sum_k w[t, k] * y[t*K + k]``
-is a strided reduction, done in one pass by a Triton kernel on CUDA (``moeshard.kernels.combine``)
+is a strided reduction, done in one pass by a Triton kernel on CUDA (``moeshard.dispatch.combine_kernel``)
 and by a view-and-sum elsewhere. Both sum over k in order, in fp32.
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.dispatch.base import Dispatched, RowBackend
-from moeshard.kernels import triton_importable
 from moeshard.router import Routing
+from moeshard.triton_env import triton_importable
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,6 @@ class LocalBackend(RowBackend):
         w = dispatched.state.topk_weights
         T, K = w.shape
         if y.is_cuda and triton_importable()[0]:
-            from moeshard.kernels.combine import combine_topk
+            from moeshard.dispatch.combine_kernel import combine_topk
             return combine_topk(y.contiguous(), w)
         return (y.reshape(T, K, y.shape[1]).float() * w.unsqueeze(-1)).sum(dim=1)

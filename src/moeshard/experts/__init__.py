@@ -1,42 +1,10 @@
-"""Routed-expert computation: the interface (``base``), the portable grouped path (``grouped``)
-and the choice of kernel for a device, dtype and quantization (``select_kernel``)."""
+"""Routed-expert computation: the interface (``base``) and the portable grouped path
+(``grouped``). The Triton kernels live in ``moeshard.kernels``; which of the two runs is
+``moeshard.kernel_choice``'s decision (above both)."""
 
 from __future__ import annotations
 
-import torch
-
-from moeshard.activations import get_activation
 from moeshard.experts.base import ExpertInput, ExpertKernel, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
 
-
-def kernel_choice(dtype: torch.dtype, device: torch.device | str, scheme: str) -> tuple[str, str]:
-    """(name, reason) of the implementation ``select_kernel`` picks, for reports and tests.
-
-    name: "triton" (``moeshard.kernels.experts.TritonExperts``) or "grouped"
-    (``GroupedExperts``: ``torch._grouped_mm`` where it runs, else a per-expert loop; quantized
-    schemes dequantize and multiply in fp32); reason: why the Triton kernels were not taken.
-    """
-    from moeshard.kernels import triton_support
-
-    ok, reason = triton_support(torch.device(device), dtype, scheme)
-    return ("triton", "") if ok else ("grouped", reason)
-
-
-def select_kernel(activation: str, dtype: torch.dtype, device: torch.device, scheme: str) -> ExpertKernel:
-    """The fastest expert implementation that supports (device, dtype, scheme).
-
-    Every implementation has the same ``__call__(ExpertInput, ExpertWeights) -> [M, H]`` and
-    matches the reference within the one tolerance table. On CUDA with Triton, bf16/fp16 models
-    run the fused Triton kernels for every scheme (fp8 schemes need compute capability 8.9+);
-    everything else (CPU, fp32 models, no Triton, an activation kind without a Triton epilogue)
-    runs the portable ``GroupedExperts``.
-    """
-    name, _ = kernel_choice(dtype, device, scheme)
-    if name == "triton" and get_activation(activation, "select_kernel: activation").kernel_mode is not None:
-        from moeshard.kernels.experts import TritonExperts
-        return TritonExperts(activation, dtype)
-    return GroupedExperts(activation, dtype)
-
-
-__all__ = ["ExpertInput", "ExpertKernel", "ExpertWeights", "GroupedExperts", "kernel_choice", "select_kernel"]
+__all__ = ["ExpertInput", "ExpertKernel", "ExpertWeights", "GroupedExperts"]

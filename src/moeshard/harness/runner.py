@@ -37,8 +37,9 @@ from moeshard.harness.execute import CaseReference, GroupsCache, RankOutput, Ran
 from moeshard.harness.explain import StageReport, explain_case
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
+from moeshard.parallel.processes import start_fork_server
 from moeshard.parallel.signals import in_process_deadline
-from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError, start_fork_server
+from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError
 from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, explain_divergence
 
 PEER_REPORT_S = 2.0  # after a rank fails a case: how long its peers may take to report theirs

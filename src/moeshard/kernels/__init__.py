@@ -6,8 +6,7 @@
         --down GEMM, rows scattered back to their original order--> y [M, H]
 
 One concern per module: ``align`` (tile plan of routed rows), ``grouped_gemm`` (the grouped
-GEMM for every scheme), ``quant`` (activation quantization of h), ``combine`` (weighted sum
-over top-k for the local backend), ``configs`` (tile shapes per regime), ``experts``
+GEMM for every scheme), ``quant`` (activation quantization of h), ``configs`` (tile shapes per regime), ``experts``
 (``TritonExperts``, the drop-in for ``GroupedExperts``).
 
 Importing this package never imports Triton; ``triton_support`` says whether the kernels can
@@ -16,22 +15,9 @@ run on a device and why not.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
-
-@functools.cache
-def triton_importable() -> tuple[bool, str]:
-    """(ok, reason): whether ``import triton`` works in this environment."""
-    if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed"
-    try:
-        import triton.language  # noqa: F401  (imports triton itself too)
-    except Exception as exc:  # an incompatible build raises all sorts of errors at import
-        return False, f"import triton failed: {type(exc).__name__}: {exc}"
-    return True, ""
+from moeshard.triton_env import triton_importable
 
 
 def triton_support(device: torch.device, dtype: torch.dtype, scheme: str) -> tuple[bool, str]:

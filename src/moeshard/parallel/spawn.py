@@ -38,29 +38,23 @@ with its traceback, the ranks that never reported, and the results of those that
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import queue as queue_module
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-import torch.multiprocessing as torch_mp
-
 from moeshard.parallel.capacity import check_local_world
+from moeshard.parallel.processes import rendezvous_store, start_context, stop_processes
 from moeshard.parallel.signals import sigint_blocked, signals_deferred
-from moeshard.parallel.worker import DEFAULT_TIMEOUT_S, LOOPBACK, RankChannel, RankError, loads, rank_main
+from moeshard.parallel.worker import DEFAULT_TIMEOUT_S, RankChannel, RankError, loads, rank_main
 from moeshard.validate import positive_int, timeout
 
 __all__ = ["CLEAN_EXIT_WAIT_S", "DEFAULT_TIMEOUT_S", "LocalWorld", "RankChannel", "RankError", "RankEvent",
-           "RankFailure", "spawn", "start_fork_server"]
+           "RankFailure", "spawn"]
 
 CLEAN_EXIT_WAIT_S = 10.0  # after a clean run: how long the ranks may take to tear down their groups
 EXIT_REPORT_WAIT_S = 1.0  # a rank that exited may still have its report in the pipe this long
@@ -129,71 +123,6 @@ class RankEvent:
     value: Any
 
 
-# The rendezvous store's own timeout is at least this: below a millisecond it rounds to zero and
-# the store's construction fails. The run stays bounded by the caller's deadline.
-MIN_STORE_TIMEOUT_S = 1.0
-
-
-def _rendezvous_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
-    """A TCPStore master listening on 127.0.0.1 on a port the OS picks (bound to port 0)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((LOOPBACK, 0))
-        sock.listen(max(world_size, 16))
-        port = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
-    # The store owns the listening socket from here on, and closes it itself when its
-    # construction fails: closing it here too could close a descriptor reused in between.
-    fd = sock.detach()
-    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True,
-                          timeout=datetime.timedelta(seconds=max(timeout_s, MIN_STORE_TIMEOUT_S)),
-                          wait_for_workers=False, master_listen_fd=fd)
-    return store, port
-
-
-def _stop_processes(processes: list[Any], exit_wait_s: float) -> None:
-    """Waits up to ``exit_wait_s`` for the children to exit, then terminates and kills the rest.
-
-    Returns only once every child has exited.
-    """
-    processes = [p for p in processes if p.pid is not None]  # some may never have started
-    deadline = time.monotonic() + exit_wait_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + 5.0
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join(5.0)  # SIGKILL cannot be refused; the bound is only for a stuck kernel
-
-
-def _context(preload: tuple[str, ...]) -> Any:
-    """The "spawn" context, or with ``preload`` the "forkserver" one: a fresh interpreter (started
-    once per process, like a spawned rank) imports ``preload`` and forks every rank from there,
-    so each rank skips importing torch (~1.7 s of CPU). Nothing of the calling process's state
-    reaches the ranks either way. Where there is no forkserver (Windows), "spawn"."""
-    if not preload or "forkserver" not in multiprocessing.get_all_start_methods():
-        return torch_mp.get_context("spawn")
-    ctx = torch_mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", *preload])  # used when the server starts: the first world
-    return ctx
-
-
-def start_fork_server(preload: tuple[str, ...]) -> None:
-    """Starts the fork server of ``LocalWorld(..., preload=preload)`` now, so that it imports
-    while the caller does other work (it starts with the first world otherwise). Returns at once;
-    a no-op where there is no fork server or it runs already."""
-    if _context(preload).get_start_method() == "forkserver":
-        multiprocessing.forkserver.ensure_running()
-
-
 class LocalWorld:
     """``world_size`` local ranks in one default process group, watched from the parent::
 
@@ -237,7 +166,7 @@ class LocalWorld:
         self.world_size, self.device, self.backend, self.name = world_size, device, backend, name
         self.timeout_s = timeout("LocalWorld", "timeout_s", timeout_s)
         self.pg_timeout_s = timeout("LocalWorld", "pg_timeout_s", timeout_s / 2 if pg_timeout_s is None else pg_timeout_s)
-        self._ctx = _context(preload)
+        self._ctx = start_context(preload)
         self._queue = self._ctx.Queue()
         self.channel = RankChannel(self._queue)
         self._store: Any = None
@@ -261,7 +190,7 @@ class LocalWorld:
         """Starts the ranks, each running ``fn(*args)``, and sets ``deadline``."""
         if self._processes is not None:
             raise RuntimeError("LocalWorld.start: this world was started already")
-        self._store, port = _rendezvous_store(self.world_size, self.timeout_s)
+        self._store, port = rendezvous_store(self.world_size, self.timeout_s)
         # A spawned rank dies with this process. A rank forked by the fork server dies with the
         # server (its parent), which exits as soon as this process is gone.
         parent = os.getpid() if self._ctx.get_start_method() == "spawn" else None
@@ -353,7 +282,7 @@ class LocalWorld:
             if rank not in self._ended:
                 self.died[rank] = processes[rank].exitcode
         try:
-            _stop_processes(processes, exit_wait_s=wait_s)
+            stop_processes(processes, exit_wait_s=wait_s)
         finally:
             self._queue.close()
             self._store = None
