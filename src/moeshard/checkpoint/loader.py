@@ -18,16 +18,15 @@ from pathlib import Path
 
 import torch
 
-from moeshard.checkpoint.experts import FLOAT_DTYPES, ExpertReader, scale_dtypes
+from moeshard.checkpoint.dense import read_dense
+from moeshard.checkpoint.experts import ExpertReader
 from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
-from moeshard.checkpoint.names import BlockNames, resolve_block_names, scale_name
-from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
+from moeshard.checkpoint.names import BlockNames, resolve_block_names
+from moeshard.checkpoint.reader import SafetensorsCheckpoint
 from moeshard.config import MoEConfig, QuantConfig, parse_dtype
 from moeshard.eplb.placement import Placement
 from moeshard.experts.base import ExpertWeights
 from moeshard.parallel.config import ParallelConfig
-from moeshard.quant import FP8_BLOCK
-from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
 from moeshard.sharding import ShardSpec, shard_spec
 from moeshard.weights import MoEWeights
 
@@ -79,22 +78,8 @@ class _SmallTensors:
         self.ckpt, self.names, self.cfg, self.fp8 = ckpt, names, cfg, fp8
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A weight in ``dtype`` (default the model dtype). In an FP8 checkpoint an fp8 weight is
-        dequantized with its ``weight_scale_inv``: shared experts run in the model dtype."""
-        allowed = FLOAT_DTYPES + ((torch.float8_e4m3fn,) if self.fp8 else ())
-        info = self.ckpt.expect(name, shape, allowed)
-        dtype = dtype or self.cfg.dtype
-        t = self.ckpt.read(name)
-        check_finite(t, name, info.file)
-        if t.dtype != torch.float8_e4m3fn:
-            return t.to(dtype)
-        sname = scale_name(name)
-        blocks = tuple(-(-n // FP8_BLOCK) for n in shape)
-        sinfo = self.ckpt.expect(sname, blocks, scale_dtypes())
-        scale = self.ckpt.read(sname).float()
-        check_finite(scale, sname, sinfo.file)
-        rows, cols = shape  # an fp8 weight is 2-d, tiled in 128 x 128 scale blocks
-        return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols))).to(dtype)
+        """A weight in ``dtype`` (default the model dtype); see ``read_dense``."""
+        return read_dense(self.ckpt, name, shape, dtype or self.cfg.dtype, self.fp8)
 
     def weights(self) -> MoEWeights:
         cfg, n = self.cfg, self.names

@@ -61,19 +61,18 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 from torch import nn
 
+from moeshard.checkpoint.dense import read_dense
 from moeshard.checkpoint.families import READ_FUSED_LAYOUTS, ModelFamily
 from moeshard.checkpoint.hf_config import HFMoEModel, parse_hf_config, read_hf_config
 from moeshard.checkpoint.loader import resolve_quant
-from moeshard.checkpoint.names import BlockNames, scale_name
-from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
+from moeshard.checkpoint.names import BlockNames
+from moeshard.checkpoint.reader import SafetensorsCheckpoint
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, parse_dtype
 from moeshard.dispatch.registry import default_backend, support
 from moeshard.layer import MoELayer
 from moeshard.parallel.agree import first_failure
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
-from moeshard.quant import FP8_BLOCK
-from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
 from moeshard.router import Routing, route, router_logits
 from moeshard.sharding import shard_spec
 from moeshard.weights import MoEWeights
@@ -342,29 +341,6 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
 
 
 # -- from a checkpoint directory --------------------------------------------------------------
-def _read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                fp8: bool) -> torch.Tensor:
-    """One non-expert tensor in ``dtype``; an fp8 weight of an FP8 block checkpoint is
-    dequantized with its ``weight_scale_inv`` (128 x 128 blocks)."""
-    info = ckpt.expect(name, shape)
-    t = ckpt.read(name)
-    check_finite(t, name, info.file)
-    if t.dtype == torch.float8_e4m3fn and fp8:
-        sname = scale_name(name)
-        blocks = tuple(-(-n // FP8_BLOCK) for n in shape)
-        ckpt.expect(sname, blocks)
-        scale = ckpt.read(sname).float()
-        check_finite(scale, sname, info.file)
-        if len(shape) != 2:
-            raise ValueError(f"tensor {name!r} in {str(info.file)!r}: an fp8 weight with block scales must be 2-D, "
-                             f"got shape {list(shape)}")
-        rows, cols = shape
-        t = fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols)))
-    elif not t.is_floating_point() or t.element_size() == 1:
-        raise ValueError(f"tensor {name!r} in {str(info.file)!r} has dtype {t.dtype}; expected a float tensor")
-    return t.to(dtype)
-
-
 def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
     """Puts ``value`` in place of the parameter or buffer ``name`` (a meta tensor)."""
     owner, _, leaf = name.rpartition(".")
@@ -400,7 +376,7 @@ def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, nam
     router = model.get_submodule(prefix + names.router_module)
     for local, t in list(router.named_parameters()) + list(router.named_buffers()):
         stored = f"{names.prefix}{names.router_module}.{local}"  # the checkpoint's block prefix (Mixtral: block_sparse_moe.)
-        _set(router, local, _read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8).to(device))
+        _set(router, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8).to(device))
     return router
 
 
@@ -418,7 +394,7 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
             continue
         if not ckpt.has(name) and name in tied:
             continue
-        _set(model, name, _read_dense(ckpt, name, tuple(t.shape), t.dtype, fp8).to(device))
+        _set(model, name, read_dense(ckpt, name, tuple(t.shape), t.dtype, fp8).to(device))
     model.tie_weights()
     for name, buffer in list(model.named_buffers()):
         if name in persistent or not _is_meta(buffer):

@@ -1,0 +1,35 @@
+"""Reading one non-expert tensor whole (router, correction bias, shared experts, and the rest of a
+whole model's weights), checked, in a given dtype; in an FP8 block checkpoint an fp8 weight is
+dequantized with its ``weight_scale_inv`` (128 x 128 blocks), since these run in the model dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from moeshard.checkpoint.experts import FLOAT_DTYPES, scale_dtypes
+from moeshard.checkpoint.names import scale_name
+from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
+from moeshard.quant import FP8_BLOCK
+from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
+
+
+def read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               fp8: bool) -> torch.Tensor:
+    """Tensor ``name`` of ``shape`` in ``dtype``. A float tensor of the checkpoint, or with ``fp8``
+    (an FP8 block checkpoint) an e4m3 2-D weight and its block scales; ValueError naming the
+    tensor, the file and what is wrong (shape, dtype, NaN/Inf) otherwise."""
+    allowed = FLOAT_DTYPES + ((torch.float8_e4m3fn,) if fp8 else ())
+    info = ckpt.expect(name, shape, allowed)
+    t = ckpt.read(name)
+    check_finite(t, name, info.file)
+    if t.dtype != torch.float8_e4m3fn:
+        return t.to(dtype)
+    if len(shape) != 2:
+        raise ValueError(f"tensor {name!r} in {str(info.file)!r}: an fp8 weight with block scales must be 2-D, "
+                         f"got shape {list(shape)}")
+    sname = scale_name(name)
+    sinfo = ckpt.expect(sname, tuple(-(-n // FP8_BLOCK) for n in shape), scale_dtypes())
+    scale = ckpt.read(sname).float()
+    check_finite(scale, sname, sinfo.file)
+    rows, cols = shape
+    return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols))).to(dtype)
