@@ -340,6 +340,7 @@ def test_run_rank_unexpected_error_is_one_line_exit_4(capsys, monkeypatch):
     assert "rank 0: [enforce fail at alloc_cpu.cpp:127] err == 0." in line and "RuntimeError" in line
 
 
+@pytest.mark.slow  # 8 s on 2 cores; spawned-world timeouts are exit 5 in test_tiny_timeouts_... too
 def test_run_rank_timeout_is_one_line_exit_5(capsys, monkeypatch):
     from moeshard.commands import run as run_command
 

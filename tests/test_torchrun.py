@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow  # 12 s on 2 cores; the run and failing-rank torchrun tests stay in `make test`
 def test_torchrun_two_ranks_sequence_parallel_and_tp(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
