@@ -10,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from moeshard.errors import TimedOut
 from moeshard.parallel.worker import DEFAULT_TIMEOUT_S
 from moeshard.validate import timeout
 
@@ -62,8 +63,16 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
                              f"{torch.cuda.device_count()} GPUs are visible")
         torch.cuda.set_device(local_rank)
         device = device_id = torch.device("cuda", local_rank)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+    try:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+    except (dist.DistNetworkError, dist.DistStoreError) as exc:
+        # The rendezvous torchrun describes did not answer (an unreachable MASTER_ADDR:MASTER_PORT,
+        # or peers that never joined): one line naming where and for how long, not a traceback.
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TimedOut(f"rank {rank}: the torchrun rendezvous at MASTER_ADDR:MASTER_PORT={where} did not complete "
+                       f"within {timeout_s:g} s (--timeout): {first}") from None
     return device
 
 
