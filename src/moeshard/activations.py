@@ -30,6 +30,8 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
+from moeshard.registry import Registry
+
 # Modes of the Triton gate_up epilogue (``ACT`` of ``kernels.grouped_gemm._moe_gemm``).
 KERNEL_MODES = (0, 1)
 
@@ -69,7 +71,7 @@ class ActivationKind:
         return None
 
 
-_REGISTRY: dict[str, ActivationKind] = {}
+_REGISTRY: Registry[ActivationKind] = Registry()
 
 
 def register_activation(kind: ActivationKind) -> ActivationKind:
@@ -89,26 +91,23 @@ def register_activation(kind: ActivationKind) -> ActivationKind:
     for key, value in kind.params.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"{where}: parameter {key!r} must be a number, got {value!r}")
-    _REGISTRY[kind.name] = kind
+    _REGISTRY.add(kind.name, kind)
     return kind
 
 
 def unregister_activation(name: str) -> None:
     """Removes a kind (tests that register one of their own clean up with this)."""
-    _REGISTRY.pop(name, None)
+    _REGISTRY.remove(name)
 
 
 def activation_names() -> tuple[str, ...]:
     """Every registered kind, in registration order."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_activation(name: str, where: str = "activation") -> ActivationKind:
     """The descriptor of ``name``; ValueError naming ``where``, the value and the known kinds."""
-    kind = _REGISTRY.get(name) if isinstance(name, str) else None
-    if kind is None:
-        raise ValueError(f"{where}: {name!r} is not one of {list(_REGISTRY)}")
-    return kind
+    return _REGISTRY.get(name, where)
 
 
 def _silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeshard.registry import Registry
+
 SCORES = ("softmax", "sigmoid")
 # score_then_topk: select on the scores of all E experts; topk_then_score: select on the logits,
 # then score the K selected among themselves.
@@ -66,7 +68,7 @@ class RoutingKind:
     summary: str
 
 
-_REGISTRY: dict[str, RoutingKind] = {}
+_REGISTRY: Registry[RoutingKind] = Registry()
 
 
 def register_routing(kind: RoutingKind) -> RoutingKind:
@@ -85,26 +87,23 @@ def register_routing(kind: RoutingKind) -> RoutingKind:
                          f"correction_bias={kind.correction_bias} need scores over all experts")
     if not (isinstance(kind.weight_floor, float) and 0 < kind.weight_floor < 1):
         raise ValueError(f"{where}: weight_floor must be a float in (0, 1), got {kind.weight_floor!r}")
-    _REGISTRY[kind.name] = kind
+    _REGISTRY.add(kind.name, kind)
     return kind
 
 
 def unregister_routing(name: str) -> None:
     """Removes a kind (tests that register one of their own clean up with this)."""
-    _REGISTRY.pop(name, None)
+    _REGISTRY.remove(name)
 
 
 def routing_names() -> tuple[str, ...]:
     """Every registered kind, in registration order."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_routing(name: str, where: str = "scoring") -> RoutingKind:
     """The descriptor of ``name``; ValueError naming ``where``, the value and the known kinds."""
-    kind = _REGISTRY.get(name) if isinstance(name, str) else None
-    if kind is None:
-        raise ValueError(f"{where}: {name!r} is not one of {list(_REGISTRY)}")
-    return kind
+    return _REGISTRY.get(name, where)
 
 
 _FLOOR = 1e-20  # a sum of K positive fp32 weights is far above it; it only keeps 0 / 0 away

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moeshard.registry import Registry
+
 from .codecs import Codec, Fp8Block, Fp8Tensor, Fp8Token, Nvfp4
 
 KERNEL_MODES = {0: "none", 1: "fp8 per tensor", 2: "fp8 per row / channel", 3: "fp8 block", 4: "nvfp4"}
@@ -78,7 +80,7 @@ class QuantScheme:
         return self.codec is not None and self.codec.whole_expert_scale
 
 
-_REGISTRY: dict[str, QuantScheme] = {}
+_REGISTRY: Registry[QuantScheme] = Registry()
 
 
 def _check_complete(scheme: QuantScheme) -> None:
@@ -110,31 +112,28 @@ def _check_complete(scheme: QuantScheme) -> None:
 def register_scheme(scheme: QuantScheme) -> QuantScheme:
     """Adds ``scheme`` to the registry after checking it is complete; returns it."""
     _check_complete(scheme)
-    _REGISTRY[scheme.name] = scheme
+    _REGISTRY.add(scheme.name, scheme)
     return scheme
 
 
 def unregister_scheme(name: str) -> None:
     """Removes a scheme (tests that register one of their own clean up with this)."""
-    _REGISTRY.pop(name, None)
+    _REGISTRY.remove(name)
 
 
 def scheme_names() -> tuple[str, ...]:
     """Every registered scheme, ``"none"`` first."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_scheme(name: str, where: str = "quant") -> QuantScheme:
     """The descriptor of ``name``; ``ValueError`` naming ``where``, the value and the known schemes."""
-    scheme = _REGISTRY.get(name) if isinstance(name, str) else None
-    if scheme is None:
-        raise ValueError(f"{where}: {name!r} is not one of {list(_REGISTRY)}")
-    return scheme
+    return _REGISTRY.get(name, where)
 
 
 def quantized_scheme(name: str, where: str) -> QuantScheme:
     """The descriptor of a quantized scheme; ``ValueError`` for ``"none"`` or unknown names."""
-    scheme = _REGISTRY.get(name) if isinstance(name, str) else None
+    scheme = _REGISTRY.lookup(name)
     if scheme is None or scheme.codec is None:
         known = [s for s, d in _REGISTRY.items() if d.codec is not None]
         raise ValueError(f"{where}: scheme {name!r} is not a quantized scheme; expected one of {known}")
