@@ -23,6 +23,8 @@ ACCUMULATION: dict[str, float] = {
     # Hopper's fp8 tensor cores keep ~14 bits while they accumulate (promoted to fp32 every
     # BLOCK_K terms).
     "fp8_mma": 2.0**-12,
+    # The same tensor cores accumulating across all of K without promotion to fp32.
+    "fp8_mma_unpromoted": 2.0**-8,
 }
 
 

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from moeshard.activations import get_activation
 from moeshard.kernels.align import RowAlignment
-from moeshard.kernels.configs import GemmConfig
+from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 
 
@@ -61,7 +61,7 @@ def _act_mode(activation: str | None) -> int:
     return kind.kernel_mode
 
 
-FP8_ACC_MODES = {"split": 0, "promote": 1, "imprecise": 2}
+FP8_ACC_MODES = {name: i for i, name in enumerate(FP8_ACCUMULATIONS)}  # the kernel's FP8_ACC
 
 
 @triton.jit
@@ -339,7 +339,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | QuantizedWeight, plan: RowAlignment,
              out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
-             fp8_acc: str = "split") -> torch.Tensor:
+             fp8_acc: str | None = None) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -360,8 +360,10 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
        cores: "split" (a fresh fp32 tile per BLOCK_K step, added in fp32), "promote" (one
        accumulator, promoted to fp32 every BLOCK_K terms by the MMA lowering: the same contract),
        "imprecise" (the tensor cores' reduced-precision accumulation across all of K, as Triton
-       does by default on Hopper). fp8_block always scales per 128-column step.
+       does by default on Hopper). fp8_block always scales per 128-column step. None: the
+       config's own (``GemmConfig.fp8_acc``).
     """
+    fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if fp8_acc not in FP8_ACC_MODES:
         raise ValueError(f"moe_gemm: fp8_acc {fp8_acc!r} is not one of {list(FP8_ACC_MODES)}")
     a_rows = a.shape[0]
