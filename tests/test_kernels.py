@@ -31,7 +31,7 @@ from moeshard.dispatch.local import LocalBackend
 from moeshard.experts import GroupedExperts
 from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.kernel_choice import kernel_choice, select_kernel
-from moeshard.kernels.configs import select_config
+from moeshard.kernels.configs import ExpertsConfig, GemmConfig, select_config
 from moeshard.quant import get_scheme, quantize_activations, quantize_weight
 from moeshard.reference import expert_reference
 from moeshard.router import Routing
@@ -240,3 +240,12 @@ def test_selection_on_cpu():
     # One token of Mixtral: two experts; narrow column tiles keep every SM busy.
     one = select_config(2, 8, 4096, 14336, "none", sms=132)
     assert 2 * (4096 // one.down.block_n) >= 132
+
+
+def test_experts_config_refuses_two_tile_heights():
+    """Both GEMMs run on one tile plan: a down tile of another height would read past it (it was
+    an illegal memory access on the GPU, not an error)."""
+    with pytest.raises(ValueError, match="gate_up.block_m=128 and down.block_m=16 differ"):
+        ExpertsConfig(GemmConfig(128, 128, 64), GemmConfig(16, 64, 128))
+    with pytest.raises(ValueError, match="GemmConfig.fp8_acc: 'fast'"):
+        GemmConfig(128, 128, 64, fp8_acc="fast")

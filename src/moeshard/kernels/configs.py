@@ -77,6 +77,12 @@ class ExpertsConfig:
     gate_up: GemmConfig
     down: GemmConfig
 
+    def __post_init__(self) -> None:
+        # One tile plan serves both GEMMs: a down tile of other height would read past it.
+        if self.gate_up.block_m != self.down.block_m:
+            raise ValueError(f"ExpertsConfig: gate_up.block_m={self.gate_up.block_m} and down.block_m="
+                             f"{self.down.block_m} differ; both GEMMs run on one tile plan")
+
     @property
     def block_m(self) -> int:
         return self.gate_up.block_m
