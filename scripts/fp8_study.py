@@ -39,9 +39,11 @@ SCHEMES = ("none", "fp8_tensor", "fp8_block")
 DECODE = [C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4), C(64, 64, 128, 1, 4, 4), C(16, 64, 128, 1, 8, 4),
           C(16, 32, 256, 1, 4, 4)]
 PREFILL = [C(128, 64, 128, 8, 8, 4, tma=True), C(64, 128, 128, 8, 4, 3), C(64, 128, 128, 8, 8, 3, tma=True),
-           C(128, 128, 64, 8, 8, 4, tma=True)]
+           C(128, 128, 64, 8, 8, 4, tma=True), C(128, 128, 64, 8, 8, 3, tma=True), C(128, 128, 128, 8, 8, 3, tma=True),
+           C(128, 128, 64, 4, 8, 4, tma=True)]
 # Variants are swept where the gaps to the fused-MoE kernel users run are largest; every case gets the stage attribution.
-SWEEP = {("mixtral-8x7b", 16), ("mixtral-8x7b", 128), ("deepseek-v3", 128), ("mixtral-8x7b", 4096)}
+SWEEP = {("mixtral-8x7b", 16), ("mixtral-8x7b", 128), ("deepseek-v3", 128), ("mixtral-8x7b", 4096),
+         ("deepseek-v3", 4096)}
 ACCS = ("split", "promote", "imprecise")
 QUANT_H_SCHEMES = ("fp8_tensor", "fp8_token", "fp8_block", "nvfp4")
 
@@ -172,6 +174,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--models", default=None)
+    ap.add_argument("--tokens", default=None, help="comma list: only these token counts")
+    ap.add_argument("--schemes", default=None, help="comma list: only these schemes")
     args = ap.parse_args()
     device = torch.device("cuda", 0)
     flush = L2Flush(device)
@@ -184,8 +188,12 @@ def main() -> None:
         if args.models and name not in args.models.split(","):
             continue
         model = make_model(name, device)
+        if args.tokens:
+            token_counts = tuple(t for t in token_counts if str(t) in args.tokens.split(","))
         for tokens in token_counts:
             for scheme in SCHEMES:
+                if args.schemes and scheme not in args.schemes.split(","):
+                    continue
                 study(name, tokens, scheme, model, flush, out, log)
                 if args.json:
                     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
