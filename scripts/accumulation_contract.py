@@ -2,16 +2,19 @@
 
     PYTHONPATH=src python3 scripts/accumulation_contract.py [--json PATH]
 
-For every fp8 scheme, six expert shapes and two seeds, ``TritonExperts`` runs with the gate_up GEMM
-on the fp8 tensor cores ("mma") and widened to fp16 ("exact"); each result is compared with
-``expert_reference`` under two accumulation contracts: ``ACCUMULATION["fp32"]`` (2^-18 of
-sum |a||b|) and ``ACCUMULATION["fp8_mma"]`` (2^-12). Printed per case: the worst
-|out - ref| / (atol + rtol |ref| + slack), so <= 1 passes. The kernels declare "fp8_mma" for every
-fp8 scheme (the down GEMM is on the fp8 tensor cores in both modes).
+For every fp8 scheme, eight expert shapes (K up to 7168) and two seeds, ``TritonExperts`` runs with
+the gate_up GEMM on the fp8 tensor cores ("mma", the tiles ``select_config`` picks) and widened to
+fp16 ("exact"); for the per-row schemes also the prefill tile with each accumulation forced
+("prefill-split", "prefill-imprecise": no promotion to fp32 across K). Each result is compared
+with ``expert_reference`` under the contracts of ``ACCUMULATION`` (fp32: 2^-18 of sum |a||b|,
+fp8_mma: 2^-12) and coarser ones. Printed per case: the worst |out - ref| / (atol + rtol |ref| +
+slack), so <= 1 passes. The kernels declare "fp8_mma" for every fp8 scheme (the down GEMM is on
+the fp8 tensor cores in every mode).
 
-Recorded on one H200 (2026-11-30, docs/performance.md): "mma" under fp8_mma at most 0.56 and under
-fp32 up to 3.9 (the tensor cores' accumulation error is real and must be declared); "exact" at
-most 0.65 under fp32.
+Recorded on one H200 (2026-12-01, results/h200/accumulation_contract-2026-12-01.json): under
+fp8_mma "mma" at most 0.46, "prefill-split" and "prefill-imprecise" 0.52; under fp32 "mma" and
+"prefill-imprecise" 5.8 (the tensor cores' accumulation error is real and must be declared);
+"exact" at most 0.68 under fp32.
 """
 
 from __future__ import annotations

@@ -39,8 +39,6 @@ NVFP4 = 4
 # How the fp8 tensor cores accumulate (modes 1 and 2): a fresh fp32 tile per BLOCK_K step added
 # in fp32; one accumulator promoted to fp32 every BLOCK_K terms; or reduced precision across K.
 FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
-# The modes whose prefill gate_up ``select_config`` runs unpromoted ("imprecise").
-UNPROMOTED_MODES = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -49,8 +47,8 @@ class GemmConfig:
     num_warps / num_stages as Triton takes them; tma: weight tiles (and contiguous A tiles)
     through Hopper's tensor memory accelerator instead of per-thread loads; fp8_acc: how the
     per-tensor / per-row fp8 modes accumulate on the fp8 tensor cores (``FP8_ACCUMULATIONS``:
-    what ``moe_gemm`` documents), ignored by the other modes. A kernel that may run a config
-    with ``fp8_acc="imprecise"`` declares ``ACCUMULATION["fp8_mma_unpromoted"]``."""
+    what ``moe_gemm`` documents), ignored by the other modes. Every one of them stays within
+    ``ACCUMULATION["fp8_mma"]`` (``scripts/accumulation_contract.py``)."""
 
     block_m: int
     block_n: int

@@ -23,7 +23,7 @@ from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels.align import align_rows
-from moeshard.kernels.configs import FP8, UNPROMOTED_MODES, ExpertsConfig, multiprocessors, select_config
+from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
 from moeshard.numerics import ACCUMULATION
@@ -57,20 +57,8 @@ class TritonExperts(GroupedExperts):
     layouts: tuple[str, ...] = (FLAT, EXPERT_BLOCKS)  # padding rows (id -1) are never placed in a tile
 
     def accumulation(self, scheme: str) -> float:
-        """fp8 schemes run (at least) the down GEMM on the fp8 tensor cores; the per-tensor and
-        per-row ones may run gate_up without promotion to fp32 (``select_config`` picks that
-        at prefill, or a fixed config says so), which the reference must price."""
-        mode = get_scheme(scheme).kernel_mode
-        if mode not in FP8:
-            return ACCUMULATION["fp32"]
-        if mode in UNPROMOTED_MODES and self._may_run_unpromoted():
-            return ACCUMULATION["fp8_mma_unpromoted"]
-        return ACCUMULATION["fp8_mma"]
-
-    def _may_run_unpromoted(self) -> bool:
-        if self.config is not None:
-            return "imprecise" in (self.config.gate_up.fp8_acc, self.config.down.fp8_acc)
-        return self.fp8_gate_up == "mma"
+        """fp8 schemes run (at least) the down GEMM on the fp8 tensor cores."""
+        return ACCUMULATION["fp8_mma"] if get_scheme(scheme).kernel_mode in FP8 else ACCUMULATION["fp32"]
 
     def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
         """Returns [M, H] in ``out_dtype``: each routed row (x[m // inp.repeat]) through its
