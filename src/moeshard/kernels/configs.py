@@ -70,18 +70,16 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """Tile shapes of the two GEMMs. The tile plan is built for gate_up's block_m, which
-    ``block_m`` names; down's block_m divides it."""
+    """Tile shapes of the two GEMMs; they share block_m (the row tiles are the same)."""
 
     gate_up: GemmConfig
     down: GemmConfig
 
     def __post_init__(self) -> None:
-        # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
-        # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
-        if self.gate_up.block_m % self.down.block_m:
-            raise ValueError(f"ExpertsConfig: down.block_m={self.down.block_m} must divide gate_up.block_m="
-                             f"{self.gate_up.block_m}; both GEMMs run on one tile plan")
+        # One tile plan serves both GEMMs: a down tile of other height would read past it.
+        if self.gate_up.block_m != self.down.block_m:
+            raise ValueError(f"ExpertsConfig: gate_up.block_m={self.gate_up.block_m} and down.block_m="
+                             f"{self.down.block_m} differ; both GEMMs run on one tile plan")
 
     @property
     def block_m(self) -> int:
@@ -100,9 +98,6 @@ def multiprocessors(device_index: int | None) -> int:
         return 132
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
-
-# Below this many rows per expert the fp8 per-row schemes' prefill down GEMM runs 64-row tiles.
-SHORT_DOWN_ROWS = 512
 
 # Shared memory for the software pipeline, of the 227 KB a block may use on Hopper (the rest
 # is left to the epilogue's layout conversion). Triton keeps num_stages tiles for wgmma
@@ -167,10 +162,5 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
             gate_up = GemmConfig(128, 64, 64, 8, 8, 4)
         else:
             gate_up = GemmConfig(128, 128, 64, 8, 8, 4, tma=True, fp8_acc="imprecise")
-        if r < SHORT_DOWN_ROWS:
-            # Experts of a few hundred rows: 128-row tiles compute much padding in down, whose
-            # 64-row tiles run over the same plan (align.split_tiles). DeepSeek-V3 at 4096 tokens
-            # (128 rows per expert): down 1.54 ms at 64 x 128 x 128 against 2.30 ms at 128 rows.
-            return ExpertsConfig(gate_up, GemmConfig(64, 128, 128, 8, 4, 3))
         return ExpertsConfig(gate_up, GemmConfig(128, 128, 128, 8, 8, 4, tma=True))
     return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=tma), GemmConfig(128, 256, 64, 8, 8, 3, tma=tma))
