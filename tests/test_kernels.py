@@ -33,6 +33,7 @@ from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.kernel_choice import kernel_choice, select_kernel
 from moeshard.kernels.configs import ExpertsConfig, GemmConfig, select_config
 from moeshard.quant import get_scheme, quantize_activations, quantize_weight
+from moeshard.quant.fp8 import abs_amax
 from moeshard.reference import expert_reference
 from moeshard.router import Routing
 from moeshard.tolerances import compare
@@ -249,3 +250,32 @@ def test_experts_config_refuses_two_tile_heights():
         ExpertsConfig(GemmConfig(128, 128, 64), GemmConfig(16, 64, 128))
     with pytest.raises(ValueError, match="GemmConfig.fp8_acc: 'fast'"):
         GemmConfig(128, 128, 64, fp8_acc="fast")
+
+
+def _bits(q) -> list[torch.Tensor]:
+    return [t.view(torch.uint8) if t.element_size() == 1 else t
+            for t in (q.data, q.row_scale, q.tensor_scale) if t is not None]
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
+@pytest.mark.parametrize("shape", [(1, 128), (17, 200), (33, 384), (0, 64), (5, 0)], ids=str)
+def test_fused_input_quantization_equals_the_torch_path(interpreted_kernels, exact_interpreter, scheme, shape):
+    """The layer's input quantized in one pass (``quantize_rows``) is bit for bit what
+    ``quantize_activations`` makes: partial row blocks and scale groups, an all-zero row (the
+    amax floor), magnitudes over ten decades (e4m3 subnormals and flushes to zero among them),
+    and a given domain amax larger than x's own."""
+    qr = interpreted_kernels.quant_rows
+    g = torch.Generator().manual_seed(3)
+    T, K = shape
+    x = (torch.randn(shape, generator=g) * torch.logspace(-6, 4, K or 1)[:K]).to(torch.bfloat16)
+    if T > 2:
+        x[2] = 0
+    assert torch.equal(qr.input_amax(x), abs_amax(x, (0, 1)))
+    amaxes = [None, abs_amax(x, (0, 1)) * 3] if scheme == "fp8_tensor" else [None]
+    for amax in amaxes:
+        got, want = qr.quantize_rows(x, scheme, amax=amax), quantize_activations(x, scheme, amax=amax)
+        assert [t.shape for t in _bits(got)] == [t.shape for t in _bits(want)]
+        assert all(torch.equal(a, b) for a, b in zip(_bits(got), _bits(want), strict=True))
+    with pytest.raises(ValueError, match="is not one of the modes"):
+        qr.quantize_rows(x, "nvfp4")
+

@@ -5,7 +5,7 @@ Run on a CUDA machine: ``PYTHONPATH=src python3 -m pytest tests/gpu -q``; skippe
 * ``TritonExperts`` against an fp64 expert loop with the reference's numerics (gate_up rounded
   to the model dtype, act(gate) * up rounded, h quantized with per-expert per-tensor scales),
   every scheme, decode / mid / prefill shapes, within the one tolerance table;
-* ``quantize_h`` bit for bit against ``quantize_activations``;
+* ``quantize_h`` and the fused input quantization bit for bit against ``quantize_activations``;
 * ``MoELayer`` (one GPU, local backend) against ``reference_forward``;
 * no host synchronisation in the forward (``torch.cuda.set_sync_debug_mode("error")``);
 * CUDA-graph capture of the forward, replayed on new inputs, against eager.
@@ -130,6 +130,30 @@ def test_quantize_h_bit_exact(scheme):
     row_amax = amax[tile_of.clamp(min=0).long()].unsqueeze(1)[live]
     ref = quantize_activations(h[live], scheme, amax=row_amax if get_scheme(scheme).per_tensor_activation else None)
     assert_same_quantization(q, ref, live)
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
+@pytest.mark.parametrize("shape", [(1, 4096), (37, 2880), (4096, 7168)], ids=str)
+def test_fused_input_quantization_bit_exact(scheme, shape):
+    """The layer's input quantized in one fused pass equals ``quantize_activations`` bit for bit
+    on the GPU: magnitudes over twelve decades (e4m3 subnormals among them), the own amax and a
+    given domain amax; and the layer on CUDA takes this path."""
+    from moeshard.kernels import fused_input_quant
+    from moeshard.kernels.quant_rows import input_amax, quantize_rows
+    from moeshard.quant.fp8 import abs_amax
+
+    T, K = shape
+    x = (torch.randn(T, K, device="cuda") * torch.logspace(-8, 4, K, device="cuda")[torch.randperm(K, device="cuda")]
+         ).to(torch.bfloat16)
+    assert torch.equal(input_amax(x), abs_amax(x, (0, 1)))
+    for amax in ([None, abs_amax(x, (0, 1)) * 2] if scheme == "fp8_tensor" else [None]):
+        got, want = quantize_rows(x, scheme, amax=amax), quantize_activations(x, scheme, amax=amax)
+        for a, b in ((got.data, want.data), (got.row_scale, want.row_scale), (got.tensor_scale, want.tensor_scale)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                                          b.view(torch.uint8) if b.element_size() == 1 else b)
+    assert fused_input_quant(x.device, scheme) and not fused_input_quant(x.device, "nvfp4")
 
 
 def test_align_plan():

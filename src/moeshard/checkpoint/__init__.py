@@ -20,6 +20,10 @@ Example (one rank)::
     y = layer(x)           # x: [T, H] bfloat16
 """
 
+# ``models``: the families beyond the built-in ones register themselves from their own modules;
+# importing any ``moeshard.checkpoint`` module runs this first, so every family is known
+# wherever ``families.FAMILIES`` is read.
+from moeshard.checkpoint import models  # noqa: F401
 from moeshard.checkpoint.hf_config import SUPPORTED_MODEL_TYPES, HFMoEModel, parse_hf_config, read_hf_config
 from moeshard.checkpoint.loader import LoadedBlock, build_layer, load_moe_block, resolve_quant
 from moeshard.checkpoint.names import BlockNames, resolve_block_names

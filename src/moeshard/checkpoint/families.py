@@ -424,7 +424,3 @@ def model_family(model_type: Any, source: str) -> ModelFamily:
     if family is None:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; supported: {list(FAMILIES)}")
     return family
-
-
-# The other families register themselves from their own modules (after everything above exists).
-from moeshard.checkpoint import models as _models  # noqa: E402,F401

@@ -23,6 +23,7 @@ import torch
 
 from moeshard.config import QuantConfig
 from moeshard.experts.base import ExpertInput
+from moeshard.kernels import fused_input_quant
 from moeshard.parallel.collectives import all_reduce
 from moeshard.parallel.trace import CollectiveTrace
 from moeshard.quant import QuantizedActivations, from_wire, quantize_activations, to_wire
@@ -65,10 +66,15 @@ class Payload:
         return ExpertInput(x, expert_ids, self.input_amax, repeat=repeat, block_counts=block_counts)
 
 
-def domain_amax(x: torch.Tensor, group: Any, trace: CollectiveTrace | None = None) -> torch.Tensor:
+def domain_amax(x: torch.Tensor, group: Any, trace: CollectiveTrace | None = None, fused: bool = False) -> torch.Tensor:
     """fp32 []: amax of |x| over every rank of ``group`` (0 for no rows anywhere); ``group``
-    None: this rank's x alone. One all-reduce of one scalar, no host synchronisation."""
-    amax = abs_amax(x, (0, 1))
+    None: this rank's x alone. One all-reduce of one scalar, no host synchronisation. fused:
+    this rank's amax by the one-pass kernel (``kernels.quant_rows.input_amax``; the same value)."""
+    if fused:
+        from moeshard.kernels.quant_rows import input_amax
+        amax = input_amax(x)
+    else:
+        amax = abs_amax(x, (0, 1))
     if group is not None:
         all_reduce(amax, group, "ep", "max", trace=trace)
     return amax
@@ -84,11 +90,17 @@ def prepare(x: torch.Tensor, quant: QuantConfig, group: Any = None, trace: Colle
     ``StageRecorder`` (the backend's ``recorder``), which gets the payload, or None.
     """
     scheme = quant.spec
-    amax = domain_amax(x, group, trace) if scheme.per_tensor_activation else None
+    # On CUDA the fp8 schemes quantize in one fused pass (bit for bit the torch path's result).
+    fused = scheme.quantized and fused_input_quant(x.device, scheme.name) and x.stride(-1) == 1
+    amax = domain_amax(x, group, trace, fused) if scheme.per_tensor_activation else None
     if not scheme.quantized or quant.defer_input_quant:
         payload = Payload(x, None, None, x.dtype, None, None, amax)
     else:
-        q = quantize_activations(x, scheme.name, amax=amax)
+        if fused:
+            from moeshard.kernels.quant_rows import quantize_rows
+            q = quantize_rows(x, scheme.name, amax=amax)
+        else:
+            q = quantize_activations(x, scheme.name, amax=amax)
         row_scale = None if q.row_scale is None else to_wire(q.row_scale)
         payload = Payload(to_wire(q.data), row_scale, scheme.name, q.data.dtype,
                           None if q.row_scale is None else q.row_scale.dtype, q.tensor_scale, amax)

@@ -7,7 +7,8 @@
 
 One concern per module: ``align`` (tile plan of routed rows), ``grouped_gemm`` (the grouped
 GEMM for every scheme), ``quant`` (activation quantization of h), ``configs`` (tile shapes per regime), ``experts``
-(``TritonExperts``, the drop-in for ``GroupedExperts``).
+(``TritonExperts``, the drop-in for ``GroupedExperts``), ``quant_rows`` (the layer's input
+quantized in one fused pass).
 
 Importing this package never imports Triton; ``triton_support`` says whether the kernels can
 run on a device and why not.
@@ -48,3 +49,21 @@ def triton_support(device: torch.device, dtype: torch.dtype, scheme: str) -> tup
     if spec.codec is not None and spec.codec.data_dtype == FP8_DTYPE and (major, minor) < (8, 9):
         return False, f"{scheme} needs fp8 tensor cores (compute capability 8.9+), device has {major}.{minor}"
     return True, ""
+
+
+def fused_input_quant(device: torch.device, scheme: str) -> bool:
+    """Whether ``quant_rows.quantize_rows`` quantizes the layer's input in ``scheme`` on
+    ``device``: CUDA with Triton and fp8 tensor cores, and a scheme of its kernel modes (fp8 per
+    tensor, per row, per 128 block). Otherwise the torch path (``quantize_activations``) runs;
+    both give the same bits."""
+    from moeshard.quant import FP8_DTYPE, get_scheme
+
+    spec = get_scheme(scheme, "fused_input_quant: quant")
+    if spec.kernel_mode not in (1, 2, 3) or spec.codec is None or spec.codec.data_dtype != FP8_DTYPE:
+        return False
+    device = torch.device(device)
+    if device.type != "cuda" or not triton_importable()[0]:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+

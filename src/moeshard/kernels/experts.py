@@ -26,6 +26,8 @@ from moeshard.kernels.align import align_rows
 from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
+from moeshard.kernels.quant_rows import MODES as ROW_MODES
+from moeshard.kernels.quant_rows import quantize_rows
 from moeshard.numerics import ACCUMULATION
 from moeshard.quant import QuantizedActivations, get_scheme, quantize_activations
 
@@ -84,7 +86,11 @@ class TritonExperts(GroupedExperts):
             # x may hold one row per inp.repeat routed rows: quantizing it unexpanded gives each
             # routed row the same values as the expanded rows would get (row and block scales are
             # per row; without input_amax the per-tensor amax over x equals the one over its copies).
-            x = quantize_activations(x, scheme, amax=inp.input_amax if spec.per_tensor_activation else None)
+            amax_in = inp.input_amax if spec.per_tensor_activation else None
+            if spec.kernel_mode in ROW_MODES and x.stride(-1) == 1:  # one fused pass, the same bits
+                x = quantize_rows(x, scheme, amax=amax_in)
+            else:
+                x = quantize_activations(x, scheme, amax=amax_in)
         cfg = self.config or select_config(M, E, H, I, scheme,
                                            multiprocessors(device.index if device.type == "cuda" else None),
                                            self.fp8_gate_up)

@@ -3,6 +3,6 @@ per group of model types that share one config reader), each registering its ``M
 entries with ``register_family`` at import, and any routing or activation kind they need with
 ``register_routing`` / ``register_activation``, so that every stage reads them as data.
 
-``moeshard.checkpoint.families`` imports this package once, after its own entries, so every
+The ``moeshard.checkpoint`` package imports this package once, after ``families``, so every
 family is known wherever ``FAMILIES`` is read. A new module is one import line below.
 """
