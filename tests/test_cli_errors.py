@@ -318,6 +318,23 @@ def test_timeout_is_honoured_under_torchrun(capsys, monkeypatch):
     assert seen == {"timeout_s": 7.5}
 
 
+def test_an_unreachable_torchrun_rendezvous_is_exactly_one_line(capfd, monkeypatch):
+    """In this process (the fast sibling of test_torchrun.py's subprocess case): nothing on the
+    standard error but the one line, torch's C++ socket log lines included (they go to file
+    descriptor 2 directly, so capfd sees them)."""
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    assert main(["run", "--random", "mixtral-8x7b", "--dp", "2", "--ep", "--timeout", "0.5"]) == 5
+    assert time.monotonic() - start < 30
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moeshard run: error: rank 1: the torchrun rendezvous at "
+                                                   "MASTER_ADDR:MASTER_PORT=127.0.0.1:1 did not complete within "
+                                                   "0.5 s (--timeout)"), err
+
+
 def test_infinite_timeouts_are_refused_by_the_api():
     with pytest.raises(ValueError, match="LocalWorld.timeout_s: must be a finite number"):
         LocalWorld(2, timeout_s=float("inf"))
