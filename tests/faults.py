@@ -81,6 +81,19 @@ class KilledOnRank1Once(MoELayer):
         return super().forward(x)
 
 
+def rank_main_stopped_on_rank1(rank, *args):
+    """``worker.rank_main`` whose rank 1 stops itself with SIGSTOP before it joins the process
+    group: what ``kill -STOP`` of a rank that is still starting looks like, without the race of
+    stopping a forked rank from outside before it joins."""
+    import os
+    import signal
+
+    from moeshard.parallel.worker import rank_main
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return rank_main(rank, *args)
+
+
 def sleep_forever() -> None:
     """A rank function that never returns (for the parent's timeout)."""
     time.sleep(3600)

@@ -318,6 +318,23 @@ def test_timeout_is_honoured_under_torchrun(capsys, monkeypatch):
     assert seen == {"timeout_s": 7.5}
 
 
+def test_an_unreachable_torchrun_rendezvous_is_exactly_one_line(capfd, monkeypatch):
+    """In this process (the fast sibling of test_torchrun.py's subprocess case): nothing on the
+    standard error but the one line, torch's C++ socket log lines included (they go to file
+    descriptor 2 directly, so capfd sees them)."""
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    assert main(["run", "--random", "mixtral-8x7b", "--dp", "2", "--ep", "--timeout", "0.5"]) == 5
+    assert time.monotonic() - start < 30
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moeshard run: error: rank 1: the torchrun rendezvous at "
+                                                   "MASTER_ADDR:MASTER_PORT=127.0.0.1:1 did not complete within "
+                                                   "0.5 s (--timeout)"), err
+
+
 def test_infinite_timeouts_are_refused_by_the_api():
     with pytest.raises(ValueError, match="LocalWorld.timeout_s: must be a finite number"):
         LocalWorld(2, timeout_s=float("inf"))
@@ -466,6 +483,38 @@ def test_eplb_writes_its_json_atomically_and_the_readme_layer_command_is_valid(t
     assert main(["eplb", "--tokens", "16", "--ranks", "2", "--experts", "8", "--top-k", "2", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["rows"] and user.read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "out.json.tmp"]
+
+
+def _strict(path: Path):
+    """The JSON of ``path``, failing on a NaN / Infinity token (not JSON)."""
+    return json.loads(path.read_text(), parse_constant=lambda token: pytest.fail(f"{token} in {path}"))
+
+
+def test_nonfinite_figures_are_exit_7_or_null_with_their_reason(tmp_path, capsys, monkeypatch):
+    """eplb (and bench, through the same refuse_nonfinite) refuse a NaN figure, a broken result:
+    exit 7, nothing written; --allow-nonfinite writes strict JSON, the figure null and named under
+    "nonfinite". check's JSON writes a case's infinite error (part of its verdict) as null too."""
+    import moeshard.eplb.trace as trace
+
+    monkeypatch.setattr(trace, "balancedness", lambda loads: float("nan"))  # a broken computation
+    out = tmp_path / "eplb.json"
+    argv = ["eplb", "--tokens", "16", "--ranks", "2", "--experts", "8", "--top-k", "2", "--redundant-per-rank", "0,1",
+            "--policies", "greedy", "--json", str(out)]
+    assert main(argv) == 7
+    assert ("the eplb figures hold 2 NaN/Inf value(s) (rows[0].model_balancedness = NaN, rows[1].model_balancedness "
+            "= NaN): a broken result, nothing written") in error_line(capsys, "eplb")
+    assert not out.exists()
+    assert main([*argv, "--allow-nonfinite"]) == 0
+    doc = _strict(out)
+    assert doc["rows"][0]["model_balancedness"] is None and doc["rows"][0]["balancedness"] is not None
+    assert doc["nonfinite"] == [{"field": f"rows[{i}].model_balancedness", "value": "NaN"} for i in (0, 1)]
+
+    case = generate(MatrixOptions(world_sizes=(1,), quants=("none",), dtypes=("float32",)))[0]
+    report.write_json(str(tmp_path / "check.json"), [CaseOutcome(case, "fail", "rank 0 returned shape (3,)",
+                                                                 max_abs_err=float("inf"))], 1.0, "cpu")
+    doc = _strict(tmp_path / "check.json")
+    assert doc["cases"][0]["max_abs_err"] is None
+    assert doc["nonfinite"] == [{"field": "cases[0].max_abs_err", "value": "Infinity"}]
 
 
 def test_input_paths_that_cannot_be_read_are_one_line(tmp_path, capsys, monkeypatch):

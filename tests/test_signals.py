@@ -168,3 +168,74 @@ def test_run_rank_killed_is_one_line_exit_4(tmp_path):
     assert len(errors) == 1 and "was killed by SIGKILL without reporting a result" in errors[0], out[-3000:]
     assert "Traceback" not in out
     assert list(tmp_path.iterdir()) == []
+
+
+# -- a rank stopped (SIGSTOP) before it joins the process group --------------------------------
+# moeshard CMD ... whose rank 1 stops itself before joining (tests/faults.py): forked ranks of
+# `check` join within milliseconds of their start, too soon to be stopped from outside reliably.
+STOPPED_BEFORE_JOINING = """
+import sys
+import faults
+import moeshard.parallel.spawn as spawn
+spawn.rank_main = faults.rank_main_stopped_on_rank1
+from moeshard.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _tiny_generate_model(directory) -> str:
+    import transformers as tf
+
+    cfg = tf.MixtralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("command", ["run", pytest.param("generate", marks=pytest.mark.slow)])  # generate: run's path
+def test_a_rank_stopped_before_it_joins_is_one_line_exit_5_naming_it(tmp_path, command):
+    """kill -STOP of a spawned rank as soon as it exists (it is still importing torch, seconds
+    before it joins): exit 5 within --timeout, one line naming rank 1 as the rank that did not
+    join (not rank 0's DistStoreError, which only waited for it), no torch C++ log line, no
+    output, and the stopped rank killed (no survivor)."""
+    out_file = tmp_path / "out.file"
+    if command == "run":
+        argv = [*RUN, "--tokens", "16"]
+    else:
+        argv = ["generate", "--model", _tiny_generate_model(tmp_path / "model"), "--input-ids", "3,4;5",
+                "--max-new-tokens", "2", "--dp", "2", "--ep"]
+    proc = procs.start([*argv, "--timeout", "4", "--output", str(out_file)])
+    assert procs.wait_for(lambda: len(procs.ranks_of(proc.pid)) >= 2 or proc.poll() is not None, 120, poll_s=0.005)
+    start = time.monotonic()
+    os.kill(procs.ranks_of(proc.pid)[-1], signal.SIGSTOP)  # the last started: rank 1
+    code, out = procs.finish(proc, timeout_s=60)
+    procs.assert_no_survivors(proc.pid)
+    assert time.monotonic() - start < 4 + 6  # --timeout, and the stopping of the ranks
+    assert code == 5, out[-3000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"moeshard {command}: error: rank 1 did not join the process "
+                                                   f"group within "), out[-3000:]
+    assert "its process is stopped by a signal (SIGSTOP or SIGTSTP)" in lines[0], lines[0]
+    assert not out_file.exists()
+
+
+def test_check_rank_stopped_before_it_joins_is_the_case_error_naming_it(tmp_path):
+    """The same in `check`: the case it was to run first is an error naming rank 1, the others are not run
+    (its world never started), exit 1, bounded time, no C++ log line, no survivor."""
+    report = tmp_path / "check.json"
+    start = time.monotonic()
+    proc = procs.start(["check", "--layouts", "dp2-tp1-ep", *CHECK_LAYOUTS[2:], "--timeout", "2",
+                        "--json", str(report)], code=STOPPED_BEFORE_JOINING)
+    code, out = procs.finish(proc, timeout_s=120)
+    procs.assert_no_survivors(proc.pid)
+    assert code == 1, out[-3000:]
+    assert time.monotonic() - start < 60
+    errors = [c for c in json.loads(report.read_text())["cases"] if c["status"] == "error"]
+    (first,) = [c for c in errors if not c["reason"].startswith("not run:")]
+    others = [c for c in errors if c is not first]
+    assert first["reason"].startswith("rank 1 did not join the process group within 1 s (the process-group timeout): "
+                                      "its process is stopped by a signal"), first["reason"]
+    assert "rank 0 gave up waiting for it: DistStoreError" in first["reason"]
+    assert others and all(c["reason"].startswith("not run: the world of 2 ranks failed to start (rank 1 did not join")
+                          for c in others), others
+    assert "socket.cpp" not in out and "[c10d]" not in out and "Traceback" not in out, out[-3000:]

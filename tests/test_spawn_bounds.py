@@ -1,17 +1,23 @@
 """Bounds of the local ranks' plumbing: a last report nobody reads does not keep a rank alive,
-and the rendezvous listens on loopback only, on a port of its own."""
+the rendezvous listens on loopback only, on a port of its own, torch's C++ log of a reported
+rendezvous failure is held back, and a rendezvous that never completes is blamed on the ranks
+that never came."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import faults
+import pytest
 import torch.multiprocessing as torch_mp
 
+from moeshard.parallel.held_stderr import stderr_held
 from moeshard.parallel.processes import rendezvous_store
+from moeshard.parallel.rank_failure import RankFailure, SilentRanks, rendezvous_culprits
 from moeshard.parallel.spawn import spawn
-from moeshard.parallel.worker import EXIT_REPORT_STUCK
+from moeshard.parallel.worker import EXIT_REPORT_STUCK, RankError
 
 
 def test_a_report_nobody_reads_does_not_keep_the_rank_alive():
@@ -57,3 +63,47 @@ def test_rendezvous_listens_on_loopback_only_and_two_runs_get_their_own_ports():
 
 def test_gloo_stays_on_loopback():
     assert spawn(faults.gloo_interface, 2, timeout_s=120) == ["lo", "lo"]
+
+
+def test_stderr_held_is_written_out_unless_the_block_raises_what_the_caller_reports(capfd):
+    with stderr_held(dropped_on=(KeyError,)):
+        os.write(2, b"kept: a C++ line of a block that ends well\n")
+    with pytest.raises(KeyError), stderr_held(dropped_on=(KeyError,)):
+        os.write(2, b"dropped: the log of a wait that the caller reports in one line\n")
+        raise KeyError("reported")
+    with pytest.raises(ValueError), stderr_held(dropped_on=(KeyError,)):
+        os.write(2, b"kept: the log of an unexpected failure\n")
+        raise ValueError("not reported by the caller")
+    err = capfd.readouterr().err
+    assert err.count("kept:") == 2 and "dropped:" not in err, err
+
+
+def _error(rank: int, rendezvous: bool) -> RankError:
+    return RankError(rank, "DistStoreError" if rendezvous else "RuntimeError", "wait timeout after 2000ms", "", rendezvous)
+
+
+@pytest.mark.parametrize("errors, died, silent, timed_out, culprits", [
+    # rank 0 gave up at the rendezvous, rank 1 is stopped and never joined: rank 1's timeout
+    ({0: _error(0, True)}, {}, SilentRanks((1,), (1,), {1: "stopped by a signal"}), False, [1]),
+    # ... rank 1 never reached the store (not known to be stopped): still rank 1
+    ({0: _error(0, True)}, {}, SilentRanks((1,), (1,), {}), False, [1]),
+    # the deadline came first: rank 0 waited at the rendezvous, rank 1 never reached it
+    ({}, {}, SilentRanks((0, 1), (1,), {}), True, [1]),
+    # ... nobody had reached the store, nobody is stopped: no one to blame
+    ({}, {}, SilentRanks((0, 1), (0, 1), {}), True, []),
+    # a rank that died, or a rank that raised something else, is the failure instead
+    ({0: _error(0, True)}, {1: -9}, SilentRanks((), (), {}), False, []),
+    ({0: _error(0, False)}, {}, SilentRanks((1,), (1,), {1: "stopped by a signal"}), False, []),
+])
+def test_a_rendezvous_that_never_completes_is_blamed_on_the_ranks_that_never_came(errors, died, silent, timed_out,
+                                                                                   culprits):
+    assert rendezvous_culprits(silent, errors, died, timed_out) == culprits
+    missing = [r for r in range(2) if r not in errors]
+    failure = RankFailure(2, errors, missing, died, timed_out, 8.0, {0: None, 1: None}, {}, silent, 4.0)
+    assert failure.timed_out == (timed_out or bool(culprits))
+    if culprits:
+        within = "4 s (the process-group timeout)" if errors else "8 s"
+        assert failure.summary.startswith(f"rank 1 did not join the process group within {within}"), failure.summary
+        assert ("rank 0 gave up waiting for it: DistStoreError" in failure.summary) == bool(errors)
+    else:
+        assert "did not join" not in failure.summary, failure.summary

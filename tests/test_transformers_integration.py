@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -435,6 +436,45 @@ def test_command_refuses_to_overwrite_what_it_reads(models, tmp_path, capsys):
     prompts.write_text('{"ids": [3]}')
     code = moeshard_generate(["--model", models["mixtral"], "--input-file", str(prompts)])
     assert code == 2 and "must be a list of token ids" in capsys.readouterr().err
+
+
+def _planted_lm_head(models, directory: Path, value) -> str:
+    """A copy of the tiny Mixtral whose lm_head weight is ``value(weight)``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(models["mixtral"], directory)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"] = value(tensors["lm_head.weight"]).contiguous()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return str(directory)
+
+
+def test_nonfinite_logits_are_exit_7_and_nothing_is_written(models, tmp_path, capsys):
+    """A NaN weight is refused when read (exit 2); finite weights can still make NaN logits (an
+    lm_head of +-3e38 overflows to +Inf and -Inf, which sum to NaN), from which greedy's ids mean
+    nothing: exit 7, nothing written, unless --allow-nonfinite, whose JSON is strict (a NaN figure
+    is null, named under "nonfinite") and lists the steps."""
+    from moeshard.cli import main
+
+    nan = _planted_lm_head(models, tmp_path / "nan", lambda w: w.index_put((torch.tensor([0]), torch.tensor([1])),
+                                                                            torch.tensor(float("nan"))))
+    assert main(["generate", "--model", nan, "--input-ids", "3,4;5"]) == 2
+    assert "'lm_head.weight'" in capsys.readouterr().err
+    huge = _planted_lm_head(models, tmp_path / "huge",
+                            lambda w: torch.where(torch.arange(w.shape[1]) % 2 == 0, 3e38, -3e38).to(w.dtype).expand_as(w))
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--model", huge, "--input-ids", "3,4;5", "--max-new-tokens", "2", "--output", str(out)]
+    assert main(argv) == 7
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("moeshard generate: error: the logits hold NaN/Inf at 4 (prompt, step) "
+                                               "pair(s), the first prompt 0 at step 0"), err
+    assert not out.exists()
+    assert main([*argv, "--compare", "--allow-nonfinite"]) == 1  # the comparison fails, and says so
+    assert "the ids chosen from them mean nothing" in capsys.readouterr().out
+    data = json.loads(out.read_text(), parse_constant=lambda token: pytest.fail(f"{token} in the JSON"))
+    assert data["nonfinite_logits"] == [{"prompt": p, "step": s} for p in (0, 1) for s in (0, 1)]
+    assert {"field": "comparison.max_abs_logit_diff", "value": "NaN"} in data["nonfinite"]
+    assert data["comparison"]["max_abs_logit_diff"] is None
 
 
 def test_unsupported_model_type_refused(tmp_path):

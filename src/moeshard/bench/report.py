@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 
+from moeshard.finite import json_text
 from moeshard.outputs import atomic_write, atomic_write_text
 
 SHORT = {"mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "qwen3", "deepseek-v3": "dsv3"}
@@ -112,7 +112,7 @@ def print_tables(result: dict, console: Console | None = None) -> None:
 
 def write_json(result: dict, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(result, indent=1) + "\n")
+    atomic_write_text(path, json_text(result))  # strict JSON: the command refused or nulled any NaN
 
 
 def plot(result: dict, path: str | Path) -> str | None:

@@ -1,6 +1,6 @@
 """Option values the subcommands share, parsed one way: comma-separated ints, names, layouts,
 case ids, timeouts, seeds; and the layout options of the commands that run a model
-(``add_layout_arguments``).
+(``add_layout_arguments``), and ``--allow-nonfinite`` (``add_allow_nonfinite``).
 
 Each parser raises ValueError naming the flag and the text it could not read (the CLI prints
 it as one line, exit code 2).
@@ -33,6 +33,13 @@ def add_layout_arguments(parser: argparse.ArgumentParser, dtype_help: str, timeo
     lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"], help=dtype_help)
     lay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
     lay.add_argument("--timeout", type=float, default=600.0, help=timeout_help)
+
+
+def add_allow_nonfinite(parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str) -> None:
+    """``--allow-nonfinite``: accept (and write) ``what`` (a result holding NaN/Inf); by default
+    such a result is refused with exit code 7 and nothing is written."""
+    parser.add_argument("--allow-nonfinite", action="store_true",
+                        help=f"accept and write {what} (default: refused, exit code 7, nothing written)")
 
 
 def ints(text: str, flag: str, maximum: int = validate.MAX_DIM) -> tuple[int, ...]:

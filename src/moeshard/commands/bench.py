@@ -16,7 +16,8 @@ from pathlib import Path
 
 from moeshard import validate
 from moeshard.bench.device import require_cuda
-from moeshard.commands.args import ints, names, seed, timeout
+from moeshard.commands.args import add_allow_nonfinite, ints, names, seed, timeout
+from moeshard.finite import refuse_nonfinite
 from moeshard.outputs import check_output_path
 
 
@@ -50,6 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the ratios (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_allow_nonfinite(p, "figures holding NaN/Inf (in --json as null, named under \"nonfinite\")")
     p.set_defaults(func=run)
 
 
@@ -107,9 +109,10 @@ def run(args) -> int:
         from moeshard.bench.device import describe
         result["device"] = describe(device)
     result["seconds"] = round(time.time() - started, 1)
+    written = refuse_nonfinite(result, "the bench figures", args.allow_nonfinite)  # a NaN time or ratio: broken
     report.print_tables(result)
     if args.json:
-        report.write_json(result, args.json)
+        report.write_json(written, args.json)
     if args.plot and result.get("records"):
         why = report.plot(result, args.plot)
         if why:
@@ -210,9 +213,10 @@ def _run_distributed(args) -> int:
         "name": f"CPU ranks (gloo), torch {torch.__version__}", "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     result = {"command": "moeshard " + " ".join(sys.argv[1:]), "world_size": opts.world_size, "device": machine,
               "options": asdict(opts), "records": records, "seconds": round(time.time() - started, 1)}
+    written = refuse_nonfinite(result, "the bench figures", args.allow_nonfinite)  # a NaN time or ratio: broken
     dist_report.print_tables(result)
     if args.json:
-        report.write_json(result, args.json)
+        report.write_json(written, args.json)
     if args.plot:
         why = dist_report.plot(result, args.plot)
         if why:

@@ -8,12 +8,12 @@ CPU ranks with ``--device cpu``), in one run (``moeshard.bench.eplb_layer``).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 from moeshard import validate
-from moeshard.commands.args import ints, names
+from moeshard.commands.args import add_allow_nonfinite, ints, names
+from moeshard.finite import json_text, refuse_nonfinite
 from moeshard.outputs import atomic_write_text, check_output_path
 
 
@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="--layer: seconds the whole run may take")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+    add_allow_nonfinite(p, "figures holding NaN/Inf (in --json as null, named under \"nonfinite\")")
     p.set_defaults(func=run)
 
 
@@ -74,7 +75,8 @@ def _check_counts(args) -> None:
     validate.timeout("", "--timeout", args.timeout)
 
 
-def _trace(args) -> dict:
+def _trace(args) -> tuple[dict, str]:
+    """The trace's figures and their report."""
     from moeshard.eplb.trace import TraceOptions, format_report, run_trace
     from moeshard.presets import get_preset
 
@@ -94,8 +96,7 @@ def _trace(args) -> dict:
     _check_memory(opts.memory_bytes, f"the trace of {opts.steps} steps x {opts.ranks} ranks x "
                                      f"{opts.tokens_per_rank} tokens (--tokens)")
     result = run_trace(opts)
-    print(format_report(result))
-    return result
+    return result, format_report(result)
 
 
 def _layer_rank(opts, quiet: bool) -> list[dict]:
@@ -112,7 +113,8 @@ def _layer_rank(opts, quiet: bool) -> list[dict]:
     return rank_records(opts, progress)
 
 
-def _layer(args) -> dict:
+def _layer(args) -> tuple[dict, str]:
+    """The layer's figures and their report."""
     import torch
 
     from moeshard.bench.eplb_layer import (
@@ -147,16 +149,19 @@ def _layer(args) -> dict:
     if opts.device == "cuda":
         from moeshard.bench.device import describe
         result["device"] = describe(torch.device("cuda", 0))
-    print(format_report(result))
-    return result
+    return result, format_report(result)
 
 
 def run(args) -> int:
     _check_counts(args)
     if args.json is not None:  # checked before any work; the command reads no file of its own
         check_output_path(args.json, "--json")
-    result = _layer(args) if args.layer else _trace(args)
+    result, report = _layer(args) if args.layer else _trace(args)
+    # A NaN balancedness, byte count or time is a broken result: refused, exit code 7, unless
+    # --allow-nonfinite (then it is printed as nan and written as null, named under "nonfinite").
+    written = refuse_nonfinite(result, "the eplb figures", args.allow_nonfinite)
+    print(report)
     if args.json is not None:
-        atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
+        atomic_write_text(args.json, json_text(written, indent=2))
         print(f"wrote {args.json}")
     return 0

@@ -29,8 +29,10 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from moeshard.commands.args import add_layout_arguments, ints, timeout
+from moeshard.commands.args import add_allow_nonfinite, add_layout_arguments, ints, timeout
 from moeshard.dispatch.registry import build_groups
+from moeshard.errors import NonFiniteOutput
+from moeshard.finite import json_text, with_nulls
 from moeshard.jobs.failures import as_value_error  # refusals on the ranks -> one ValueError
 from moeshard.jobs.generate import (
     GenerateComparison,
@@ -42,6 +44,7 @@ from moeshard.jobs.generate import (
     describe,
     generate_plans,
     generate_rank,
+    nonfinite_logits,
     plan_generate,
     reference_generate,
 )
@@ -67,6 +70,8 @@ def add_parser(subparsers) -> None:
     src.add_argument("--output", metavar="OUT", help="write the generated ids (and the comparison) as JSON")
     src.add_argument("--compare", action="store_true",
                      help="also generate with transformers alone and report ids and per-step logit differences")
+    add_allow_nonfinite(src, "ids greedy chose from logits holding NaN/Inf (in --output a NaN figure is null, named "
+                             "under \"nonfinite\")")
     add_layout_arguments(p, dtype_help="model dtype (default: the checkpoint's)",
                          timeout_help="seconds the ranks may take (default 600)")
     p.set_defaults(func=run)
@@ -184,6 +189,7 @@ def report(plan: GeneratePlan, results: list[GenerateRankResult], comparison: Ge
                    "intermediate": list(r.intermediate), "expert_bytes": r.expert_bytes, "load_s": round(r.load_s, 4),
                    "generate_s": round(r.generate_s, 4), "tp_disagreements": r.tp_disagreements} for r in results],
         "comparison": comparison.to_json() if comparison is not None else None,
+        "nonfinite_logits": [{"prompt": i, "step": step} for i, step in nonfinite_logits(results)],
         "wall_s": round(wall_s, 3),
     }
 
@@ -219,6 +225,9 @@ def _print(data: dict) -> None:
             noise = ", ".join("-" if v is None else f"{v:.3g}" for v in c["transformers_dtype_vs_fp32_step_max_abs"])
             print(f"for scale, transformers' own {run['dtype']} logits against its float32 logits per step: [{noise}]",
                   file=out)
+    if data["nonfinite_logits"]:
+        print(f"warning: the logits held NaN/Inf at {len(data['nonfinite_logits'])} (prompt, step) pair(s) "
+              f"(--allow-nonfinite): the ids chosen from them mean nothing", file=out)
     disagreements = sum(r["tp_disagreements"] for r in data["ranks"])
     if disagreements:
         print(f"warning: TP ranks' logits differed at {disagreements} step(s); TP rank 0's were used", file=out)
@@ -235,13 +244,19 @@ def run(args: argparse.Namespace) -> int:
             return 0
     else:
         results = execute_local(plan, timeout_s)
+    bad = nonfinite_logits(results)
+    if bad and not args.allow_nonfinite:
+        raise NonFiniteOutput(f"the logits hold NaN/Inf at {len(bad)} (prompt, step) pair(s), the first prompt "
+                              f"{bad[0][0]} at step {bad[0][1]}: the ids greedy chose from them mean nothing; nothing written"
+                              + (f" to {args.output!r}" if args.output is not None else "")
+                              + " (--allow-nonfinite writes them anyway)")
     comparison = None
     if plan.spec.compare:
         fp32 = reference_generate(plan, dtype=torch.float32) if plan.dtype != torch.float32 else None
         comparison = compare_generations(plan, results, reference_generate(plan), fp32)
     data = report(plan, results, comparison, time.perf_counter() - start)
     if args.output is not None:
-        atomic_write_text(args.output, json.dumps(data, indent=1) + "\n")
+        atomic_write_text(args.output, json_text(with_nulls(data)))  # a NaN figure: null, named under "nonfinite"
     _print(data)
     sys.stdout.flush()
     return exit_code(plan, results, comparison)

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moeshard.commands.args import add_layout_arguments, ints, seed, timeout
+from moeshard.commands.args import add_allow_nonfinite, add_layout_arguments, ints, seed, timeout
 from moeshard.dispatch.registry import build_groups
 from moeshard.errors import MoeshardError, NonFiniteOutput, OutputError, RankFailed
 from moeshard.jobs.failures import as_value_error, rank_errors
@@ -69,8 +69,7 @@ def add_parser(subparsers) -> None:
                     help="tokens to generate without --input (default: the sum of --tokens-per-rank, else 16)")
     io.add_argument("--tokens-per-rank", metavar="N0,N1,...", help="tokens per DP rank (default: even split)")
     io.add_argument("--output", metavar="OUT", help="safetensors file to write hidden_states [T, H] to")
-    io.add_argument("--allow-nonfinite", action="store_true",
-                    help="write and accept an output holding NaN/Inf (default: refused, exit code 7)")
+    add_allow_nonfinite(io, "an output holding NaN/Inf")
     add_layout_arguments(p, dtype_help="model dtype (default: the input's, else the checkpoint's)",
                          timeout_help="seconds the whole run may take (default 600; finite); under torchrun, the bound "
                                       "on the rendezvous and on every collective")

@@ -27,13 +27,13 @@ JSON schema (stable; later versions only add keys):
 from __future__ import annotations
 
 import collections
-import json
 
 import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moeshard.finite import json_text, with_nulls
 from moeshard.harness.runner import CaseOutcome
 from moeshard.outputs import atomic_write_text
 
@@ -73,7 +73,9 @@ def summary(outcomes: list[CaseOutcome], wall: float, device: str) -> dict:
 
 def write_json(path: str, outcomes: list[CaseOutcome], wall: float, device: str) -> None:
     doc = {"cases": [case_json(o) for o in outcomes], "summary": summary(outcomes, wall, device)}
-    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+    # A case's NaN or infinite error is part of its verdict (it failed, its reason says why): in
+    # the JSON it is null, named under "nonfinite", never a NaN token that is not JSON.
+    atomic_write_text(path, json_text(with_nulls(doc)))
 
 
 def _fmt(v: float | None, digits: int = 2) -> str:

@@ -38,6 +38,7 @@ from moeshard.harness.explain import StageReport, explain_case
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
 from moeshard.parallel.processes import start_fork_server
+from moeshard.parallel.rank_failure import SilentRanks, did_not_join, raised_verb, rendezvous_culprits
 from moeshard.parallel.signals import in_process_deadline
 from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError
 from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, explain_divergence
@@ -304,10 +305,11 @@ class Runner:
                         failed_ranks.add(event.rank)
                         world.deadline = min(world.deadline, now + PEER_REPORT_S)
                 elif event.kind == "raised" and event.rank not in failed_ranks:
-                    # raised outside any case (start-up, process groups): charge the current case
+                    # raised outside any case (start-up, process groups): charge the current case;
+                    # one that gave up waiting at the rendezvous leaves a world that cannot form
                     errors.setdefault(w, {})[event.rank] = event.value
                     failed_ranks.add(event.rank)
-                    world.deadline = min(world.deadline, now + PEER_REPORT_S)
+                    world.deadline = now if event.value.rendezvous else min(world.deadline, now + PEER_REPORT_S)
                 elif event.kind == "died":
                     died.add(event.rank)
                 while w < len(cases) and len(done.get(w, {})) == world_size:
@@ -327,7 +329,8 @@ class Runner:
                 case_done = done.get(i, {})
                 dead = {r: code for r, code in world.exitcodes.items()
                         if code is not None and r not in failed_ranks and r not in case_done}
-                reason = self._describe_failure(world_size, case_done, errors.get(i, {}), dead, started.get(i), now)
+                reason = self._describe_failure(world_size, case_done, errors.get(i, {}), dead, started.get(i), now,
+                                                world.silent_ranks(), world.pg_timeout_s)
                 diff = _collective_diff(cases[i], i, traces, case_done, errors.get(i, {}), dead, failed_ranks, errors)
                 outcome = CaseOutcome(cases[i], "error", reason, seconds=now - started[i] if i in started else 0.0,
                                       explanation=diff)
@@ -339,19 +342,27 @@ class Runner:
         return outcomes
 
     def _describe_failure(self, world_size: int, done: dict[int, RankOutput], errors: dict[int, RankError],
-                          dead: dict[int, int], started_at: float | None, now: float) -> str:
-        parts = []
+                          dead: dict[int, int], started_at: float | None, now: float, silent: SilentRanks,
+                          pg_timeout_s: float) -> str:
+        """The case's error in one line. Ranks that never joined the process group, while the
+        others only gave up waiting for them at the rendezvous, come first: they are the cause
+        (``rendezvous_culprits``)."""
+        culprits = rendezvous_culprits(silent, errors, dead, timed_out=False)
+        parts = [did_not_join(rank, silent, f"{pg_timeout_s:g} s (the process-group timeout)") for rank in culprits]
+        verb = raised_verb(culprits)
         for rank, err in sorted(errors.items()):
-            parts.append(f"rank {rank} raised {err.type_name}: {err.message.splitlines()[0] if err.message else ''}")
+            parts.append(f"rank {rank} {verb} {err.type_name}: {err.message.splitlines()[0] if err.message else ''}")
         for rank, code in sorted(dead.items()):
             parts.append(f"rank {rank} died (exit code {code})")
-        silent = [r for r in range(world_size) if r not in done and r not in errors and r not in dead]
-        if silent:
+        others = [r for r in range(world_size) if r not in done and r not in errors and r not in dead
+                  and r not in culprits]
+        if others:
             if started_at is None:
-                parts.append(f"ranks {silent} did not start the case within {self.startup_timeout_s:g} s")
+                parts.append(f"ranks {others} did not start the case within {self.startup_timeout_s:g} s")
             else:
-                parts.append(f"ranks {silent} hung: no result {now - started_at:.1f} s after the case started "
+                parts.append(f"ranks {others} hung: no result {now - started_at:.1f} s after the case started "
                              f"(case timeout {self.case_timeout_s:g} s)")
+        parts += [f"rank {rank}'s process is {why}" for rank, why in sorted(silent.halted.items()) if rank in others]
         if done:
             parts.append(f"ranks {sorted(done)} finished")
         return "; ".join(parts)

@@ -113,7 +113,8 @@ class GenerateRankResult:
     ids of each, ``max_new_tokens`` long; logits: fp32 [steps, len(prompts), vocab] when
     ``spec.compare`` (else None); experts: [start, stop) of the experts it holds, intermediate:
     its [lo, hi) of I; expert_bytes: bytes of routed-expert tensors it holds; tp_disagreements:
-    steps at which its logits differed from its TP rank 0's."""
+    steps at which its logits differed from its TP rank 0's; nonfinite: (step, prompt index)
+    of every step whose logits (those greedy chose from) held NaN/Inf (``_finite_scores``)."""
 
     rank: int
     dp_rank: int
@@ -127,6 +128,7 @@ class GenerateRankResult:
     load_s: float
     generate_s: float
     tp_disagreements: int
+    nonfinite: tuple[tuple[int, int], ...] = ()
 
 
 def split_prompts(count: int, dp: int) -> tuple[tuple[int, ...], ...]:
@@ -206,6 +208,26 @@ def _same_on_tp_ranks(groups: ParallelGroups):
     return SameOnTPRanks()
 
 
+def _finite_scores(prompts: tuple[int, ...]):
+    """A transformers LogitsProcessor that records, at each step, the prompts (by index) whose
+    scores hold NaN or +Inf, or no finite value at all: greedy's choice among those means
+    nothing. -Inf alone is not counted: it is how a processor rules a token out."""
+    from transformers import LogitsProcessor
+
+    class FiniteScores(LogitsProcessor):
+        def __init__(self) -> None:
+            self.step = 0
+            self.bad: list[tuple[int, int]] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            broken = torch.isnan(scores).any(-1) | torch.isposinf(scores).any(-1) | ~torch.isfinite(scores).any(-1)
+            self.bad += [(self.step, prompts[row]) for row in broken.nonzero().flatten().tolist()]
+            self.step += 1
+            return scores
+
+    return FiniteScores()
+
+
 def greedy(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad_token_id: int, keep_logits: bool,
            processors: list | None = None) -> tuple[list[tuple[int, ...]], torch.Tensor | None]:
     """Greedy generation of exactly ``max_new_tokens`` tokens for each prompt, as one left-padded
@@ -264,11 +286,13 @@ def generate_rank(plan: GeneratePlan, groups: ParallelGroups | None) -> Generate
     _sync(device)
     load_s = time.perf_counter() - t0
     block = next(m for m in model.modules() if isinstance(m, MoEBlock))
-    processors = []
+    same = None
     if p.tp > 1:
         assert groups is not None  # tp > 1: a world of several ranks, which runs with its groups
-        processors.append(_same_on_tp_ranks(groups))
+        same = _same_on_tp_ranks(groups)
     mine = plan.dp_prompts[dp_rank]
+    finite = _finite_scores(mine)  # last: it sees the scores greedy chooses from (TP rank 0's, with tp > 1)
+    processors = [same, finite] if same is not None else [finite]
     if groups is not None:
         dist.barrier()
     t1 = time.perf_counter()
@@ -282,7 +306,8 @@ def generate_rank(plan: GeneratePlan, groups: ParallelGroups | None) -> Generate
                               logits=logits, experts=(s.expert_start, s.expert_stop),
                               intermediate=(s.tp_rank * width, (s.tp_rank + 1) * width),
                               expert_bytes=expert_bytes(model), load_s=load_s, generate_s=generate_s,
-                              tp_disagreements=processors[0].disagreements if processors else 0)
+                              tp_disagreements=same.disagreements if same is not None else 0,
+                              nonfinite=tuple(finite.bad))
 
 
 def generate_plans(plans: list[GeneratePlan]) -> list[GenerateRankResult | dict]:
@@ -318,6 +343,11 @@ def reference_generate(plan: GeneratePlan, device: str | torch.device | None = N
         assert logits is not None  # keep_logits=True
         out.append((ids, logits))
     return out
+
+
+def nonfinite_logits(results: list[GenerateRankResult]) -> list[tuple[int, int]]:
+    """(prompt index, step) of every step whose logits held NaN/Inf, in order (TP rank 0's)."""
+    return sorted({(i, step) for r in results if r.tp_rank == 0 for step, i in r.nonfinite})
 
 
 def by_prompt(plan: GeneratePlan, results: list[GenerateRankResult]) -> list[tuple[int, ...]]:

@@ -1,20 +1,24 @@
-"""The processes of a local world: the loopback rendezvous store the parent owns, the start
-method the ranks are made with (spawned, or forked from a fork server that imported torch once),
-and stopping them within a bound."""
+"""The processes of a local world: the loopback rendezvous store the parent owns (and which
+ranks have joined through it), the start method the ranks are made with (spawned, or forked
+from a fork server that imported torch once), what state a rank's process is in, and stopping
+them within a bound."""
 
 from __future__ import annotations
 
 import datetime
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from moeshard.parallel.worker import LOOPBACK
+from moeshard.parallel.worker import ARRIVED_KEY, JOINED_KEY, LOOPBACK
 
 # The rendezvous store's own timeout is at least this: below a millisecond it rounds to zero and
 # the store's construction fails. The run stays bounded by the caller's deadline.
@@ -40,9 +44,34 @@ def rendezvous_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
     return store, port
 
 
+def rendezvous_progress(store: Any, world_size: int) -> tuple[set[int], set[int]]:
+    """(the ranks that reached the rendezvous store, those that joined the process group), as
+    they marked it in ``store``, the parent's (``moeshard.parallel.worker.rank_main`` sets the keys)."""
+    def marked(prefix: str) -> set[int]:
+        return {rank for rank in range(world_size) if store.check([f"{prefix}{rank}"])}
+    return marked(ARRIVED_KEY), marked(JOINED_KEY)
+
+
+# /proc/<pid>/stat's state letters that mean the process cannot run until someone lets it
+_HALTED = {"T": "stopped by a signal (SIGSTOP or SIGTSTP)", "t": "stopped by a debugger (tracing stop)"}
+
+
+def halted_state(pid: int) -> str:
+    """Why process ``pid`` cannot run, in words (``"stopped by a signal (SIGSTOP or SIGTSTP)"``),
+    or ``""`` when it can, is gone, or the system has no ``/proc`` to tell."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = raw[raw.rfind(")") + 2:].split()  # the command name, in parentheses, may hold spaces
+    return _HALTED.get(fields[0], "") if fields else ""
+
+
 def stop_processes(processes: list[Any], exit_wait_s: float) -> None:
     """Waits up to ``exit_wait_s`` for the children to exit, then terminates and kills the rest.
 
+    A stopped child (SIGSTOP) keeps a SIGTERM pending until it is continued, so each terminated
+    child is also sent SIGCONT: it then ends at once instead of after the wait for SIGTERM.
     Returns only once every child has exited.
     """
     processes = [p for p in processes if p.pid is not None]  # some may never have started
@@ -52,6 +81,11 @@ def stop_processes(processes: list[Any], exit_wait_s: float) -> None:
     for process in processes:
         if process.is_alive():
             process.terminate()
+            if hasattr(signal, "SIGCONT"):
+                try:
+                    os.kill(process.pid, signal.SIGCONT)
+                except ProcessLookupError:  # it ended in between
+                    pass
     deadline = time.monotonic() + 5.0
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))

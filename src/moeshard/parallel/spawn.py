@@ -32,7 +32,8 @@ Neither ever hangs:
     GPU on CUDA, and ``RANK_MEMORY_BYTES`` of available memory per rank).
 
 ``spawn`` waits at most ``timeout_s`` in all; when a rank fails it waits ``grace_s`` more for the
-others to report, then stops them.  A failed run raises ``RankFailure``: each rank's exception
+others to report, then stops them (at once when a rank gave up waiting at the rendezvous: the
+world cannot form any more).  A failed run raises ``RankFailure``: each rank's exception
 with its traceback, the ranks that never reported, and the results of those that did.
 """
 
@@ -48,7 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeshard.parallel.capacity import check_local_world
-from moeshard.parallel.processes import rendezvous_store, start_context, stop_processes
+from moeshard.parallel.processes import halted_state, rendezvous_progress, rendezvous_store, start_context, stop_processes
+from moeshard.parallel.rank_failure import RankFailure, SilentRanks
 from moeshard.parallel.signals import sigint_blocked, signals_deferred
 from moeshard.parallel.worker import DEFAULT_TIMEOUT_S, RankChannel, RankError, loads, rank_main
 from moeshard.validate import positive_int, timeout
@@ -59,54 +61,6 @@ __all__ = ["CLEAN_EXIT_WAIT_S", "DEFAULT_TIMEOUT_S", "LocalWorld", "RankChannel"
 CLEAN_EXIT_WAIT_S = 10.0  # after a clean run: how long the ranks may take to tear down their groups
 EXIT_REPORT_WAIT_S = 1.0  # a rank that exited may still have its report in the pipe this long
 _POLL_S = 0.1
-def _ended(code: int | None) -> str:
-    """How a process ended, in words: ``exited with code 3`` / ``was killed by SIGKILL``."""
-    if code is not None and code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-class RankFailure(RuntimeError):
-    """Some ranks of a ``spawn`` (or a ``LocalWorld``) raised, died, or did not finish in time.
-
-    Attributes:
-      ``errors``: rank -> ``RankError`` for each rank that raised.
-      ``missing``: ranks that reported nothing (died, timed out, or stopped after another failed).
-      ``died``: rank -> exit code, for the missing ranks that exited on their own.
-      ``timed_out``: the deadline passed with no rank failed or dead.
-      ``exitcodes``: rank -> final exit code of every rank (negative: ended by that signal).
-      ``results``: rank -> return value, for the ranks that finished.
-      ``summary``: the failure in one line (each rank's error type and first message line, how
-        dead ranks ended, which did not finish), without the tracebacks ``str()`` adds.
-    """
-
-    def __init__(self, world_size: int, errors: dict[int, RankError], missing: list[int], died: dict[int, int],
-                 timed_out: bool, timeout_s: float, exitcodes: dict[int, int | None], results: dict[int, Any]):
-        self.world_size = world_size
-        self.errors = errors
-        self.missing = missing
-        self.died = died
-        self.timed_out = timed_out
-        self.exitcodes = exitcodes
-        self.results = results
-        lines = [f"spawn(world_size={world_size}) failed:"]
-        for rank, err in sorted(errors.items()):
-            lines.append(f"rank {rank} raised {err.type_name}: {err.message}")
-        for rank, code in sorted(died.items()):
-            lines.append(f"rank {rank} {_ended(code)} without reporting a result")
-        others = [r for r in missing if r not in died]
-        if others:
-            why = f"did not finish within {timeout_s:g} s" if timed_out else "were stopped after the failure above"
-            lines.append(f"ranks {others} {why}")
-        first = [f"rank {rank} raised {err.type_name}: {(err.message.strip().splitlines() or [''])[0]}"
-                 for rank, err in sorted(errors.items())]
-        self.summary = "; ".join(first + lines[1 + len(errors):])
-        for rank, err in sorted(errors.items()):
-            lines.append(f"--- traceback of rank {rank} ---\n{err.traceback.rstrip()}")
-        super().__init__("\n".join(lines))
 
 
 @dataclass(frozen=True)
@@ -179,6 +133,7 @@ class LocalWorld:
         self.timed_out = False
         self._ended: set[int] = set()
         self._exit_seen: dict[int, float] = {}  # rank -> when it was first seen exited without a report
+        self._silent: SilentRanks | None = None  # what stop() saw of the ranks still running without a report
 
     def __enter__(self) -> LocalWorld:
         return self
@@ -271,6 +226,23 @@ class LocalWorld:
             return RankEvent("finished", rank, value)
         return RankEvent("message", rank, value)
 
+    def silent_ranks(self) -> SilentRanks:
+        """What is known of the ranks still running without a report: which have not joined the
+        process group, which never reached the rendezvous store (each rank marks both in it), and
+        why a process cannot run (``processes.halted_state``: stopped by a signal or a debugger).
+        After ``stop``: as they were when it began."""
+        if self._silent is not None:
+            return self._silent
+        processes = self._processes or []
+        silent = [rank for rank, process in enumerate(processes) if rank not in self._ended and process.exitcode is None]
+        if not silent:
+            return SilentRanks()
+        arrived, joined = (rendezvous_progress(self._store, self.world_size) if self._store is not None
+                           else (set(range(self.world_size)), set(range(self.world_size))))
+        return SilentRanks(not_joined=tuple(r for r in silent if r not in joined),
+                           absent=tuple(r for r in silent if r not in arrived),
+                           halted={r: why for r in silent if (why := halted_state(processes[r].pid))})
+
     def stop(self, wait_s: float = 0.0) -> None:
         """Gives the ranks up to ``wait_s`` to exit on their own, then terminates and kills the
         rest; returns once every child has exited.  Only the first call does anything."""
@@ -281,6 +253,7 @@ class LocalWorld:
         for rank in self._exit_seen:
             if rank not in self._ended:
                 self.died[rank] = processes[rank].exitcode
+        self._silent = self.silent_ranks()
         try:
             stop_processes(processes, exit_wait_s=wait_s)
         finally:
@@ -294,7 +267,7 @@ class LocalWorld:
         if not self.errors and not missing:
             return None
         return RankFailure(self.world_size, dict(self.errors), missing, dict(self.died), self.timed_out,
-                           self.timeout_s, self.exitcodes, dict(self.results))
+                           self.timeout_s, self.exitcodes, dict(self.results), self.silent_ranks(), self.pg_timeout_s)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), device: str = "cpu",
@@ -323,7 +296,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), dev
     with world:
         world.start(fn, args)
         for event in world.events():
-            if event.kind in ("raised", "died"):
+            if event.kind == "raised" and event.value.rendezvous:
+                world.deadline = time.monotonic()  # a rank gave up at the rendezvous: this world cannot form
+            elif event.kind in ("raised", "died"):
                 world.deadline = min(world.deadline, time.monotonic() + grace_s)
         # After a clean run the ranks are only tearing down their process group: let them exit
         # on their own for a while.  After a failure, stop them at once.

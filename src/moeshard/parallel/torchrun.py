@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 
 from moeshard.errors import TimedOut
+from moeshard.parallel.held_stderr import stderr_held
 from moeshard.parallel.worker import DEFAULT_TIMEOUT_S
 from moeshard.validate import timeout
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+RENDEZVOUS_ERRORS = (dist.DistNetworkError, dist.DistStoreError)  # a rendezvous that did not answer in time
 
 
 def torchrun_environment() -> bool:
@@ -64,9 +66,12 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         torch.cuda.set_device(local_rank)
         device = device_id = torch.device("cuda", local_rank)
     try:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
-    except (dist.DistNetworkError, dist.DistStoreError) as exc:
+        # torch's C++ log of a rendezvous that gives up (socket timeouts, a C++ backtrace) says
+        # what the one line below says: it is held back, and dropped in that case.
+        with stderr_held(dropped_on=RENDEZVOUS_ERRORS):
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+    except RENDEZVOUS_ERRORS as exc:
         # The rendezvous torchrun describes did not answer (an unreachable MASTER_ADDR:MASTER_PORT,
         # or peers that never joined): one line naming where and for how long, not a traceback.
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"

@@ -6,6 +6,13 @@ Everything a rank tells the parent crosses one multiprocessing queue as ``(kind,
     ("ok", rank, bytes)         the function's return value: the rank's last word
     ("error", rank, RankError)  what the function (or joining the group) raised instead
 
+A rank marks in the parent's rendezvous store when it reached it (``ARRIVED_KEY + str(rank)``)
+and when it joined the process group (``JOINED_KEY + str(rank)``): when the ranks that came
+give up waiting at the rendezvous, the parent names the rank that never joined
+(``LocalWorld.silent_ranks``). torch's C++ log lines printed while joining are held back
+(``moeshard.parallel.held_stderr``) and dropped when the rendezvous gives up, which the parent
+reports in one line.
+
 Values travel as bytes made by ``dumps`` in the rank, so a value that cannot be pickled fails
 there, as that rank's error, instead of vanishing in the queue's feeder thread.
 
@@ -47,26 +54,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeshard.parallel.held_stderr import stderr_held
+
 LOOPBACK = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 300.0
 PARENT_POLL_S = 0.5
 EXIT_PARENT_GONE = 86  # a rank's exit code when its parent died before it finished
 EXIT_REPORT_STUCK = 87  # ... when nobody read its last report within the process-group timeout
+ARRIVED_KEY = "moeshard/arrived/"  # + rank: set in the rendezvous store once that rank reached it
+JOINED_KEY = "moeshard/joined/"  # + rank: ... once that rank joined the process group
 _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
 class RankError:
-    """An exception raised on one rank: its type name, message and formatted traceback."""
+    """An exception raised on one rank: its type name, message and formatted traceback.
+    ``rendezvous``: raised by joining the process group as a torch ``DistError`` (the store or
+    the group's set-up gave up waiting for its peers), not by the rank's own work."""
 
     rank: int
     type_name: str
     message: str
     traceback: str
+    rendezvous: bool = False
 
     @classmethod
-    def of(cls, rank: int, exc: BaseException) -> RankError:
-        return cls(rank, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)))
+    def of(cls, rank: int, exc: BaseException, rendezvous: bool = False) -> RankError:
+        return cls(rank, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), rendezvous)
 
 
 def _rebuild_tensor(raw: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -203,6 +217,7 @@ def rank_main(rank: int, world_size: int, port: int, device: str, fn: Callable[.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(os.getppid() if parent_pid is None else parent_pid)
     _release_fork_server()
+    joined = False
     try:
         # Gloo's own connections would otherwise listen on the address the host name resolves
         # to; these ranks all live on this machine, so keep them on loopback like the store.
@@ -216,12 +231,17 @@ def rank_main(rank: int, world_size: int, port: int, device: str, fn: Callable[.
             torch.cuda.set_device(rank)
             if "nccl" in backend:
                 device_id = torch.device("cuda", rank)  # binds the NCCL communicator to this GPU up front
-        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device_id)
+        # A wait that runs out here is reported by the parent in one line: torch's C++ log of it is dropped.
+        with stderr_held(dropped_on=(dist.DistError,)):
+            store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
+            store.set(f"{ARRIVED_KEY}{rank}", "1")
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=device_id)
+        store.set(f"{JOINED_KEY}{rank}", "1")
+        joined = True
         message: tuple = ("ok", rank, dumps(fn(*args)))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        message = ("error", rank, RankError.of(rank, exc))
+        message = ("error", rank, RankError.of(rank, exc, rendezvous=not joined and isinstance(exc, dist.DistError)))
     _report(queue, message, pg_timeout_s)
     if message[0] == "ok" and dist.is_initialized():
         dist.destroy_process_group()
