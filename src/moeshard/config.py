@@ -51,6 +51,9 @@ class MoEConfig:
       * ``scoring="topk_softmax"``: top-k of the logits, softmax over the selected (gpt-oss).
       * ``scoring="group_limited_greedy"``: softmax, the ``topk_group`` groups with the best
         expert kept (DeepSeek-V2).
+      * ``scoring="topk_softmax_bias"``: as topk_softmax, the router has a bias [E] (gpt-oss).
+      * ``scoring="topk_sigmoid_input"``: sigmoid of the top-k logits, applied to the expert's
+        input (Llama-4).
       * ``scoring="softmax"``: Mixtral (``renormalize=True``) and Qwen2/Qwen3-MoE
         (``renormalize`` = ``norm_topk_prob``).
       * ``scoring="sigmoid"``: DeepSeek-V3; ``use_correction_bias`` adds
@@ -59,6 +62,8 @@ class MoEConfig:
     Shared experts: ``num_shared_experts`` experts of ``shared_intermediate_size`` fused into one
     MLP of width ``num_shared_experts * shared_intermediate_size`` (DeepSeek-V3, Qwen2-MoE), optionally
     multiplied by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
+    Expert biases: ``expert_bias`` gives every routed expert a gate_up bias [2I] and a down bias
+    [H] (gpt-oss), added to its projections' outputs (``moeshard.weights``).
 
     Every field is type-checked: sizes and counts are ints (not bools) in ``[1, MAX_DIM]``
     (``num_shared_experts`` and ``shared_intermediate_size`` may be 0), flags are real bools,
@@ -80,6 +85,7 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
     dtype: torch.dtype = torch.float32
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         owner = "MoEConfig"
@@ -87,7 +93,7 @@ class MoEConfig:
             size(owner, name, getattr(self, name))
         for name in ("num_shared_experts", "shared_intermediate_size"):
             size(owner, name, getattr(self, name), minimum=0)
-        for name in ("renormalize", "use_correction_bias", "shared_expert_gate"):
+        for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "expert_bias"):
             boolean(owner, name, getattr(self, name))
         get_activation(self.activation, f"{owner}.activation")
         kind = get_routing(self.scoring, f"{owner}.scoring")
@@ -122,9 +128,6 @@ class MoEConfig:
         if self.routed_scaling_factor != 1.0 and not kind.scaling:
             raise ValueError(f"{owner}.routed_scaling_factor: scoring={self.scoring!r} has no routed scaling, got "
                              f"{self.routed_scaling_factor}")
-        if kind.weights_on_input:
-            raise ValueError(f"{owner}.scoring: {self.scoring!r} applies the router weight to the expert's input, "
-                             f"which the layer does not do")
         if self.num_shared_experts and self.shared_intermediate_size <= 0:
             raise ValueError(f"{owner}.shared_intermediate_size: must be > 0 with num_shared_experts="
                              f"{self.num_shared_experts}, got {self.shared_intermediate_size}")

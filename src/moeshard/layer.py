@@ -2,7 +2,9 @@
 
     x [T, H]  this DP rank's tokens (replicated over its TP ranks)
      -> SP only: keep this TP rank's contiguous chunk (real rows only)
-     -> router: fp32 logits [T, E] -> topk ids / fp32 weights [T, K]
+     -> router: fp32 logits [T, E] (+ router bias) -> topk ids / fp32 weights [T, K]
+     -> weights on the input (Llama-4's kind): each (token, k) becomes a row x * w of its own,
+        routed to its one expert with weight 1, and the K rows' outputs are summed
      -> quantize activations (unless none or deferred): data + per-row scales
      -> dispatch (backend) -> experts (grouped kernel) -> combine (backend): fp32 [T, H]
      -> TP without EP: all-reduce the partial sums over TP
@@ -41,7 +43,7 @@ from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
 from moeshard.parallel.trace import traced
 from moeshard.quant import QuantizedActivations, to_wire
-from moeshard.router import Routing, route, router_logits
+from moeshard.router import Routing, route, router_logits, weighted_rows
 from moeshard.sharding import shard_experts, shard_spec
 from moeshard.stages import StageRecorder
 from moeshard.validate import is_int
@@ -120,6 +122,7 @@ class MoELayer(nn.Module):
             check_same_on_all_ranks(groups, {
                 "num_experts": cfg.num_experts, "top_k": cfg.top_k, "hidden_size": cfg.hidden_size,
                 "intermediate_size": cfg.intermediate_size, "shared_width": cfg.shared_width,
+                "expert_bias": int(cfg.expert_bias),
                 "dtype": code(dtype_name(cfg.dtype)), "quant": code(quant.scheme),
                 "defer_input_quant": int(quant.defer_input_quant), "backend": code(backend),
                 "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep),
@@ -135,7 +138,8 @@ class MoELayer(nn.Module):
         self.placement = self._check_placement(placement, cfg, parallel, rank)
         self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
         self.device = torch.device(device) if device is not None else (groups.device if groups else torch.device("cpu"))
-        self.kernel: ExpertKernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme)
+        self.kernel: ExpertKernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme,
+                                                  cfg.expert_bias)
         ok, reason = support(backend, quant, parallel, device=self.device.type,
                              has_side_group=groups is not None and groups.side_group is not None,
                              kernel_layouts=self.kernel.layouts, has_max_tokens=max_tokens_per_rank is not None)
@@ -148,7 +152,8 @@ class MoELayer(nn.Module):
         self.shard.validate(cfg, quant)
         if local_experts is None:
             assert weights.gate_up is not None and weights.down is not None  # validate(routed=True) refused None
-            local_experts = shard_experts(weights.gate_up, weights.down, cfg, quant, self.shard)
+            local_experts = shard_experts(weights.gate_up, weights.down, cfg, quant, self.shard, weights.gate_up_bias,
+                                          weights.down_bias)
         self._check_local_experts(local_experts, rank)
         self.gate = Gate(weights)
         self.experts = RoutedExperts(local_experts)
@@ -170,9 +175,14 @@ class MoELayer(nn.Module):
         routed_max = None
         if max_tokens_per_rank is not None:  # under SP a rank routes its 1/tp chunk
             routed_max = -(-max_tokens_per_rank // parallel.tp) if parallel.is_sequence_parallel else max_tokens_per_rank
-        # With a placement the backend routes slots: P * S of them, S per EP rank.
+        # With a placement the backend routes slots: P * S of them, S per EP rank. With weights on
+        # the input it routes each (token, k) pair as a row of its own, to one expert.
+        backend_cfg = self.placement.backend_config(cfg)
+        if cfg.routing_kind.weights_on_input:
+            backend_cfg = dataclasses.replace(backend_cfg, top_k=1)
+            routed_max = None if routed_max is None else routed_max * cfg.top_k
         self.backend: DispatchBackend = BACKENDS[backend].factory(
-            BackendContext(self.placement.backend_config(cfg), quant, groups, routed_max, recorder))
+            BackendContext(backend_cfg, quant, groups, routed_max, recorder))
         self.overlap_shared = self.device.type == "cuda"
         self._side_stream: torch.cuda.Stream | None = None
         self.recorder = recorder
@@ -216,9 +226,13 @@ class MoELayer(nn.Module):
     def _check_local_experts(self, experts: ExpertWeights, rank: int) -> None:
         s, cfg = self.shard, self.cfg
         E_l, I_l = s.expert_stop - s.expert_start, cfg.intermediate_size // s.tp_size
-        want = {"gate_up": (E_l, 2 * I_l, cfg.hidden_size), "down": (E_l, cfg.hidden_size, I_l)}
+        want = {"gate_up": (E_l, 2 * I_l, cfg.hidden_size), "down": (E_l, cfg.hidden_size, I_l),
+                "gate_up_bias": (E_l, 2 * I_l) if cfg.expert_bias else None,
+                # Added once to the TP-reduced sum: TP rank 0 holds it.
+                "down_bias": (E_l, cfg.hidden_size) if cfg.expert_bias and s.tp_rank == 0 else None}
         for name, shape in want.items():
-            got = tuple(getattr(experts, name).shape)
+            value = getattr(experts, name)
+            got = None if value is None else tuple(value.shape)
             if got != shape:
                 raise ValueError(f"MoELayer (rank {rank}): local_experts.{name} has shape {got}, "
                                  f"this rank's shard needs {shape}")
@@ -260,7 +274,7 @@ class MoELayer(nn.Module):
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global logical
         expert ids; ``physical_ids`` maps them to the slots the backend routes)."""
-        return route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias)
+        return route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias, self.gate.bias)
 
     def physical_ids(self, topk_ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """topk_ids: int64 [T, K] logical ids of T consecutive tokens of this rank's DP batch, the
@@ -295,6 +309,9 @@ class MoELayer(nn.Module):
             rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_row)
         self.loads.record(routing.topk_ids)
         routing = Routing(self.physical_ids(routing.topk_ids, first_row), routing.topk_weights)
+        T = x.shape[0]
+        if self.cfg.routing_kind.weights_on_input:
+            x, routing = weighted_rows(x, routing, self.cfg.dtype)
         d = self.backend.dispatch(x, routing)
         inp = d.input
         if rec is not None:
@@ -307,6 +324,8 @@ class MoELayer(nn.Module):
         out = self.backend.combine(y, d)
         if rec is not None:
             rec.record("combine", out=out)
+        if self.cfg.routing_kind.weights_on_input:
+            out = out.view(T, self.cfg.top_k, -1).sum(dim=1)  # the K weighted rows of each token
         if self.parallel.tp > 1 and not self.parallel.enable_ep:
             assert self.groups is not None  # tp > 1 needs groups (without them the layout is one device)
             all_reduce(out, self.groups.tp_group, "tp", trace=self.groups.trace)

@@ -14,7 +14,8 @@ from moeshard.weights import MoEWeights
 
 
 class Gate(nn.Module):
-    """weight: [E, H] router; e_score_correction_bias: fp32 [E] (DeepSeek-V3) when configured."""
+    """weight: [E, H] router; e_score_correction_bias: fp32 [E] (DeepSeek-V3) when configured;
+    bias: [E] the router linear's bias (a routing kind with ``router_bias``: gpt-oss), else None."""
 
     def __init__(self, weights: MoEWeights) -> None:
         super().__init__()
@@ -23,15 +24,21 @@ class Gate(nn.Module):
             self.register_buffer("e_score_correction_bias", weights.correction_bias.float().clone())
         else:
             self.e_score_correction_bias = None
+        self.bias = None if weights.gate_bias is None else nn.Parameter(weights.gate_bias.clone(), requires_grad=False)
 
 
 class RoutedExperts(nn.Module):
     """This rank's routed experts under the canonical names ``gate_up_proj`` [E_l, 2 I_l, H] and
-    ``down_proj`` [E_l, H, I_l]; quantized weights add ``<name>_scale`` (and ``_global_scale``).
+    ``down_proj`` [E_l, H, I_l]; quantized weights add ``<name>_scale`` (and ``_global_scale``);
+    expert biases are ``gate_up_proj_bias`` [E_l, 2 I_l] and ``down_proj_bias`` [E_l, H] (the
+    latter on TP rank 0 only), model-dtype parameters.
 
     ``weights`` is the kernels' view of the buffers, built once (it validates every layout) and
     rebuilt only when the module's tensors are replaced (``.to``, ``.cuda``, ...): not per forward.
     ``load_state_dict`` copies into the existing tensors, so the view stays valid."""
+
+    gate_up_proj_bias: nn.Parameter | None
+    down_proj_bias: nn.Parameter | None
 
     def __init__(self, weights: ExpertWeights) -> None:
         super().__init__()
@@ -45,6 +52,8 @@ class RoutedExperts(nn.Module):
                 self._shapes[name] = w.shape
             else:
                 setattr(self, name, nn.Parameter(w, requires_grad=False))
+        for name, b in (("gate_up_proj_bias", weights.gate_up_bias), ("down_proj_bias", weights.down_bias)):
+            setattr(self, name, None if b is None else nn.Parameter(b, requires_grad=False))
         self.weights = self._view()
 
     def _weight(self, name: str):
@@ -54,13 +63,14 @@ class RoutedExperts(nn.Module):
                                getattr(self, name + "_global_scale"), self._shapes[name])
 
     def slot_tensors(self) -> list[torch.Tensor]:
-        """Every per-slot tensor, each [E_l, ...]: weights, then scales and global scales, of
-        gate_up then down (what a rebalance moves slot by slot)."""
-        names = [n + suffix for n in ("gate_up_proj", "down_proj") for suffix in ("", "_scale", "_global_scale")]
+        """Every per-slot tensor, each [E_l, ...]: weights, then scales, global scales and biases, of
+        gate_up then down (what a rebalance moves slot by slot: a bias travels with its expert)."""
+        names = [n + suffix for n in ("gate_up_proj", "down_proj") for suffix in ("", "_scale", "_global_scale", "_bias")]
         return [t for t in (getattr(self, n, None) for n in names) if t is not None]
 
     def _view(self) -> ExpertWeights:
-        return ExpertWeights(self._weight("gate_up_proj"), self._weight("down_proj"), self.scheme)
+        return ExpertWeights(self._weight("gate_up_proj"), self._weight("down_proj"), self.scheme,
+                             self.gate_up_proj_bias, self.down_proj_bias)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)

@@ -9,6 +9,12 @@ apart from quantization error and tolerances stay tight:
   is, split into ``intermediate_shards`` column slices (the TP slices of I), and each slice is
   quantized with per-tensor scales taken per expert over that expert's rows.
 
+Routing kinds and biases as the layer has them: the router's bias (``MoEWeights.gate_bias``) is
+added to the logits; with weights on the input (``weights_on_input``) each (token, k) pair is a
+row x * w of its own (``router.weighted_rows``), through its expert unweighted, and a token's K
+rows are summed; expert biases (``expert_bias``) are added to the rounded gate_up product in
+fp32 and rounded again (as the layer adds them), and to the down product exactly.
+
 Ambiguous roundings. A correct kernel computes the gate_up sums in another order and precision
 than fp64, so a sum that lies within that accumulation error of a rounding boundary (of the
 model dtype, then of the fp8 / nvfp4 grid of h) may legitimately round either way, and one such
@@ -41,7 +47,7 @@ from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, activate
 from moeshard.numerics import ACCUMULATION, Reference
 from moeshard.quant import QuantizedActivations, QuantizedWeight, fake_quantize_activations, get_scheme, quantize_weight
-from moeshard.router import route, router_logits
+from moeshard.router import route, router_logits, weighted_rows
 from moeshard.validate import boolean, finite_float, size
 from moeshard.weights import MoEWeights
 
@@ -59,12 +65,16 @@ class DequantizedExperts:
     as the layer's sharding does before it slices), then dequantized, in fp64.
 
     gate_up: fp64 [E, 2I, H]; down: fp64 [E, H, I]; scheme: the quantization they went through.
+    gate_up_bias: fp64 [E, 2I] and down_bias: fp64 [E, H], the experts' biases rounded to the
+    model dtype (never quantized), or None without ``expert_bias``.
     Build with ``of``; one instance serves every case that shares the weights and the scheme.
     """
 
     gate_up: torch.Tensor
     down: torch.Tensor
     scheme: str
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
     @functools.cached_property
     def gate_up_abs(self) -> torch.Tensor:
@@ -88,7 +98,10 @@ class DequantizedExperts:
             raise ValueError(f"DequantizedExperts.of: weights.gate_up and weights.down must be the full routed experts, "
                              f"got gate_up={'None' if weights.gate_up is None else 'a tensor'}, "
                              f"down={'None' if weights.down is None else 'a tensor'}")
-        return DequantizedExperts(prepared(weights.gate_up), prepared(weights.down), scheme)
+        def bias(b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if b is None else (b if only is None else b[only]).to(device=device, dtype=dtype).double()
+        return DequantizedExperts(prepared(weights.gate_up), prepared(weights.down), scheme,
+                                  bias(weights.gate_up_bias), bias(weights.down_bias))
 
 
 def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None,
@@ -99,10 +112,16 @@ def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None,
                                      scales_from=scales_from).double()
 
 
-def _activated(gate_up: torch.Tensor, activation: str, dtype: torch.dtype) -> torch.Tensor:
+def _activated(gate_up: torch.Tensor, activation: str, dtype: torch.dtype,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp64 gate_up sums [R, 2I] -> h = act(gate) * up [R, I] in ``dtype``, each factor rounded
-    to ``dtype`` first, as the layer's GEMM epilogue rounds them."""
-    return activate(gate_up.to(dtype), activation, dtype)
+    to ``dtype`` first, as the layer's GEMM epilogue rounds them; bias: fp64 [R, 2I] (each row
+    its expert's gate_up bias, model-dtype values) added in fp32 to the rounded product and
+    rounded again, as the portable experts add it."""
+    g = gate_up.to(dtype)
+    if bias is not None:
+        g = (g.float() + bias.float()).to(dtype)
+    return activate(g, activation, dtype)
 
 
 def _group_amax(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -138,14 +157,17 @@ def _quantized_candidates(values: list[torch.Tensor], scales: list[torch.Tensor]
 
 def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: list[torch.Tensor], activation: str,
                         dtype: torch.dtype, scheme: str, shards: int = 1, accumulation: float = ACCUMULATION["fp32"],
-                        with_slack: bool = True, abs_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                        with_slack: bool = True, abs_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+                        biases: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
                         ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """``expert_rows`` for several experts at once: (y, slack) of ``xs[g]`` through expert
     (``w13s[g]``, ``w2s[g]``) for each g. The GEMMs run per expert; the activation and the
     quantizations of h (the value and the slack's four candidates, every expert and TP slice)
     run in one pass over all rows. Every element is computed exactly as ``expert_rows`` would
     compute it for one expert. ``with_slack=False`` skips the slack (returns None for it);
-    ``abs_weights``: ``(|w13s|, |w2s|)`` when the caller keeps them."""
+    ``abs_weights``: ``(|w13s|, |w2s|)`` when the caller keeps them; ``biases``: the experts'
+    ``(gate_up biases fp64 [2I], down biases fp64 [H] or None)``, or None without biases (a TP
+    slice's gate_up bias with its slice, a down bias where the slice adds it)."""
     counts = [x.shape[0] for x in xs]
     M = sum(counts)
     if M == 0:
@@ -154,10 +176,16 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
     dev = xs[0].device  # the group index lives beside the rows (scatter_reduce needs one device)
     group = torch.repeat_interleave(torch.arange(len(xs), device=dev), torch.tensor(counts, device=dev))
     exact = torch.cat([x @ w13.T for x, w13 in zip(xs, w13s, strict=True)])
-    h = _activated(exact, activation, dtype)
+    b13 = None if biases is None else torch.cat([b.expand(n, -1) for b, n in zip(biases[0], counts, strict=True)])
+    b2s = [None] * len(xs) if biases is None else biases[1]
+
+    def down(hq_g: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor:
+        return hq_g @ w2.T if b2 is None else hq_g @ w2.T + b2
+
+    h = _activated(exact, activation, dtype, b13)
     if not with_slack:
         hq = _quantized_candidates([h], [h], group, len(xs), scheme, shards)[0] if scheme != "none" else h.double()
-        return [(y @ w2.T, None) for y, w2 in zip(hq.split(counts), w2s, strict=True)]
+        return [(down(y, w2, b2), None) for y, w2, b2 in zip(hq.split(counts), w2s, b2s, strict=True)]
     w13s_abs = [w.abs() for w in w13s] if abs_weights is None else abs_weights[0]
     w2s_abs = [w.abs() for w in w2s] if abs_weights is None else abs_weights[1]
     delta = accumulation * torch.cat([x.abs() @ w13_abs.T for x, w13_abs in zip(xs, w13s_abs, strict=True)])
@@ -169,7 +197,8 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
         shift[:, I:] *= up_sign
         shifts.append(exact + shift)
     # fp32 holds every model-dtype value exactly, and every quantizer computes in fp32.
-    stacked = torch.stack([h, *_activated(torch.cat(shifts), activation, dtype).split(M)]).float()
+    stacked = torch.stack([h, *_activated(torch.cat(shifts), activation, dtype,
+                                          None if b13 is None else b13.repeat(4, 1)).split(M)]).float()
     lo, hi = stacked.amin(dim=0), stacked.amax(dim=0)
     if scheme == "none":
         # Unquantized h has no scales whose groups could flip: its candidates are lo and hi alone.
@@ -184,8 +213,8 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
                                                 group, len(xs), scheme, shards)
         doubt = torch.stack(candidates).sub_(hq).abs_().amax(dim=0)
     out = []
-    for hq_g, doubt_g, w2, w2_abs in zip(hq.split(counts), doubt.split(counts), w2s, w2s_abs, strict=True):
-        out.append((hq_g @ w2.T, doubt_g @ w2_abs.T + accumulation * (hq_g.abs() @ w2_abs.T)))
+    for hq_g, doubt_g, w2, w2_abs, b2 in zip(hq.split(counts), doubt.split(counts), w2s, w2s_abs, b2s, strict=True):
+        out.append((down(hq_g, w2, b2), doubt_g @ w2_abs.T + accumulation * (hq_g.abs() @ w2_abs.T)))
     return out
 
 
@@ -222,8 +251,13 @@ def expert_reference(x: torch.Tensor | QuantizedActivations, expert_ids: torch.T
     slack = torch.zeros_like(out)
     experts = [e for e in range(w13.shape[0]) if bool((expert_ids == e).any())]
     rows = [(expert_ids == e).nonzero().flatten() for e in experts]
+    b13, b2 = weights.gate_up_bias, weights.down_bias
+    biases = None
+    if b13 is not None or b2 is not None:
+        biases = ([torch.zeros(w13.shape[1], dtype=torch.float64) if b13 is None else b13[e].double() for e in experts],
+                  [None if b2 is None else b2[e].double() for e in experts])
     results = expert_rows_batched([xa[r] for r in rows], [w13[e] for e in experts], [w2[e] for e in experts],
-                                  activation, dtype, scheme, accumulation=accumulation)
+                                  activation, dtype, scheme, accumulation=accumulation, biases=biases)
     for r, (y, s) in zip(rows, results, strict=True):
         assert s is not None  # with_slack defaults to True, so the slack is computed
         out[r], slack[r] = y, s
@@ -289,11 +323,15 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
         raise ValueError(f"reference_forward: experts were dequantized from {experts.scheme!r}, quant is {scheme!r}")
     T, H = x.shape
     bias = None if weights.correction_bias is None else weights.correction_bias.to(x.device)
-    routing = route(router_logits(x, weights.gate.to(x.device)), cfg, bias)
+    router_bias = None if weights.gate_bias is None else weights.gate_bias.to(x.device)
+    routing = route(router_logits(x, weights.gate.to(x.device)), cfg, bias, router_bias)
+    tokens = x  # the rows the experts see: the tokens, or with weights on the input one row per (token, k)
+    if cfg.routing_kind.weights_on_input:
+        tokens, routing = weighted_rows(x, routing, dtype)
     if _per_tensor(scheme) and input_amax is None:
-        input_amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-    xq = _fake_quant(x, scheme, input_amax)
-    out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
+        input_amax = tokens.abs().amax().float() if tokens.numel() else torch.zeros((), device=x.device)
+    xq = _fake_quant(tokens, scheme, input_amax)
+    out = torch.zeros(tokens.shape[0], H, dtype=torch.float64, device=x.device)
     slack = torch.zeros_like(out)
     chosen: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (expert, its tokens, their k), experts with rows
     for e in range(cfg.num_experts):
@@ -308,15 +346,20 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
     on = (lambda w: [w[i] for i in at]) if experts.gate_up.device == x.device else \
         (lambda w: [w[i].to(x.device) for i in at])
     abs_weights = (on(experts.gate_up_abs), on(experts.down_abs)) if with_slack else None
+    biases = None
+    if experts.gate_up_bias is not None and experts.down_bias is not None:
+        biases = (on(experts.gate_up_bias), on(experts.down_bias))
     results = expert_rows_batched([xq[tok] for _, tok, _ in chosen], on(experts.gate_up), on(experts.down),
                                   cfg.activation, dtype, scheme, intermediate_shards, accumulation, with_slack,
-                                  abs_weights)
+                                  abs_weights, biases)
     for (_, tok, k), (y, s) in zip(chosen, results, strict=True):  # in expert order, as a loop over experts adds them
         w = routing.topk_weights[tok, k].double().unsqueeze(1)
         out[tok] += y * w  # tok has no repeats for one expert
         if with_slack:
             assert s is not None  # computed when with_slack
             slack[tok] += s * w.abs()
+    if cfg.routing_kind.weights_on_input:  # a token's K rows, summed
+        out, slack = out.view(T, cfg.top_k, H).sum(dim=1), slack.view(T, cfg.top_k, H).sum(dim=1)
     if cfg.has_shared_experts:
         x64 = x.double()
         # rounded to the model dtype first, as the layer holds them

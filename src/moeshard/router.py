@@ -6,6 +6,9 @@ Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
 * topk_softmax (gpt-oss, Granite): the top K logits, weights softmax over those K.
 * group_limited_greedy (DeepSeek-V2): softmax; each group scored by its best expert, only the
   best ``topk_group`` groups stay eligible.
+* topk_softmax_bias (gpt-oss): topk_softmax on the logits plus the router's bias.
+* topk_sigmoid_input (Llama-4): the top K logits, weights sigmoid of those K; the weights scale
+  the experts' input (``weighted_rows``), not their output.
 
 * softmax scoring (Mixtral, Qwen2/Qwen3-MoE): p = softmax(logits); take the top K of p;
   with ``renormalize`` divide the K weights by their sum (Mixtral always, Qwen ``norm_topk_prob``).
@@ -113,3 +116,16 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     Computed in fp32 on every path so that the layer and the reference pick the same experts.
     """
     return torch.nn.functional.linear(x.float(), gate_weight.float())
+
+
+def weighted_rows(x: torch.Tensor, routing: Routing, dtype: torch.dtype) -> tuple[torch.Tensor, Routing]:
+    """Weights on the input (a routing kind with ``weights_on_input``): x [T, H] and routing
+    [T, K] -> rows [T * K, H] in ``dtype``, row t*K + k = x[t] * w[t, k] (the weight rounded to
+    the model dtype first, then the product, as Llama-4 computes it), each routed to its one
+    expert ids[t, k] with weight 1; the experts' outputs of a token's K rows are then summed.
+    The layer and the reference both build the experts' input with this function."""
+    T, K = routing.topk_ids.shape
+    w = routing.topk_weights.to(dtype).float()
+    rows = (x.float().unsqueeze(1) * w.unsqueeze(-1)).to(dtype).reshape(T * K, x.shape[1])
+    ones = torch.ones(T * K, 1, dtype=torch.float32, device=x.device)
+    return rows, Routing(routing.topk_ids.reshape(T * K, 1), ones)

@@ -16,13 +16,15 @@ topk_softmax           top K of the logits; weights = softmax over the K selecte
                        (gpt-oss, Granite)
 group_limited_greedy   p = softmax(logits); groups scored by their best expert, the best
                        ``topk_group`` kept; top K of p among them (DeepSeek-V2)
+topk_softmax_bias      logits = x W^T + b (the router has a bias); then as topk_softmax (gpt-oss)
+topk_sigmoid_input     top K of the logits; weights = sigmoid of the K selected logits, applied to
+                       the expert's *input*: expert(w * x), not w * expert(x) (Llama-4)
 =====================  ==========================================================================
 
-Fields that only make room for later kinds: ``router_bias`` (the router is a linear with a bias:
-``route`` then needs the bias and adds it to the logits) and ``weights_on_input`` (the weight
-scales the expert's input instead of its output, Llama-4: ``MoEConfig`` refuses such a kind
-until the layer applies it). ``weight_floor`` is the floor of the renormalization's
-denominator.
+``router_bias``: the router is a linear with a bias, ``route`` needs the bias and adds it to the
+logits. ``weights_on_input``: the weight scales the expert's input (rounded to the model dtype,
+as the family does) and the expert's output is summed unweighted; the layer, the reference and
+the harness apply it. ``weight_floor`` is the floor of the renormalization's denominator.
 """
 
 from __future__ import annotations
@@ -116,5 +118,16 @@ for _kind in (
                 "top-k of the logits, softmax over the selected"),
     RoutingKind("group_limited_greedy", "softmax", "score_then_topk", "max", False, False, True, _FLOOR, False,
                 "softmax, groups scored by their best expert, top-k in the kept groups"),
+):
+    register_routing(_kind)
+
+
+# Kinds whose router or weights differ in more than the scoring: a router bias (gpt-oss), the
+# weight applied to the expert's input (Llama-4).
+for _kind in (
+    RoutingKind("topk_softmax_bias", "softmax", "topk_then_score", None, False, True, True, _FLOOR, False,
+                "router with a bias, top-k of the logits, softmax over the selected"),
+    RoutingKind("topk_sigmoid_input", "sigmoid", "topk_then_score", None, False, False, False, _FLOOR, True,
+                "top-k of the logits, sigmoid of the selected, applied to the expert's input"),
 ):
     register_routing(_kind)

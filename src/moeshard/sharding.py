@@ -6,6 +6,10 @@ TP rank r keeps gate rows [r I/tp, (r+1) I/tp), the same up rows (offset by I), 
 columns of down. Weights are quantized per expert before slicing, so every TP shard carries the
 scales of the full expert (a per-expert fp8 scale or nvfp4 global scale is shared by the shards)
 and ``shard.dequantize()`` equals a slice of ``full.dequantize()``.
+
+Expert biases (``MoEConfig.expert_bias``) go with their expert: under EP (and a placement's
+replicas) a slot holds its expert's biases; under TP the gate_up bias is sliced as gate_up's
+rows, and the down bias, added to a sum that TP all-reduces, is held by TP rank 0 alone.
 """
 
 from __future__ import annotations
@@ -122,15 +126,35 @@ def _pick(w: torch.Tensor, ids: list[int]) -> torch.Tensor:
     return w.index_select(0, torch.tensor(ids, dtype=torch.int64, device=w.device))
 
 
+def _check_biases(gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, cfg: MoEConfig,
+                  experts: int) -> None:
+    """ValueError unless the biases are given exactly when ``cfg.expert_bias``, with the shapes
+    [experts, 2I] and [experts, H]."""
+    want = {"gate_up_bias": (experts, 2 * cfg.intermediate_size), "down_bias": (experts, cfg.hidden_size)}
+    for name, t in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if (t is not None) != cfg.expert_bias:
+            raise ValueError(f"shard_experts: {name} was {'not ' if t is None else ''}given, but "
+                             f"MoEConfig.expert_bias={cfg.expert_bias}")
+        if t is not None and tuple(t.shape) != want[name]:
+            raise ValueError(f"shard_experts: {name} must be {want[name]}, got {tuple(t.shape)}")
+
+
+def _bias_part(bias: torch.Tensor | None, chunk: list[int], dtype: torch.dtype) -> torch.Tensor | None:
+    return None if bias is None else _pick(bias, chunk).to(dtype, copy=True).contiguous()
+
+
 def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
-                  spec: ShardSpec) -> ExpertWeights:
+                  spec: ShardSpec, gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> ExpertWeights:
     """gate_up: [E, 2I, H], down: [E, H, I] full-precision full weights (any float dtype; experts
     outside the spec may be absent only if the caller passes the selected experts themselves,
-    i.e. E == expert_stop - expert_start). With a placement (``spec.experts``) slot i gets
-    logical expert ``spec.experts[i]``. Returns this rank's ``ExpertWeights``. Experts are
+    i.e. E == expert_stop - expert_start); gate_up_bias [E, 2I] and down_bias [E, H]: the
+    experts' biases, given iff ``cfg.expert_bias``. With a placement (``spec.experts``) slot i
+    gets logical expert ``spec.experts[i]``. Returns this rank's ``ExpertWeights``. Experts are
     converted, quantized and sliced ``EXPERT_CHUNK`` at a time, so the temporaries stay small
     next to the weights themselves (full-size models on one GPU)."""
     spec.validate(cfg, quant)
+    _check_biases(gate_up_bias, down_bias, cfg, gate_up.shape[0])
     # Each slot gets a copy of its logical expert, quantized alone (every scale is per expert or
     # finer), so a replica is bit for bit its expert.
     ids = list(spec.logical_experts) if gate_up.shape[0] == cfg.num_experts else list(range(gate_up.shape[0]))
@@ -142,16 +166,26 @@ def shard_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, qua
         dn_plain = _pick(down, chunk).to(cfg.dtype, copy=True).contiguous()
         gu: Weight = quantize_weight(gu_plain, quant.scheme) if quant.quantized else gu_plain
         dn: Weight = quantize_weight(dn_plain, quant.scheme) if quant.quantized else dn_plain
-        parts.append(_tp_slice(ExpertWeights(gu, dn, quant.scheme), cfg, spec))
+        parts.append(_tp_slice(ExpertWeights(gu, dn, quant.scheme, _bias_part(gate_up_bias, chunk, cfg.dtype),
+                                             _bias_part(down_bias, chunk, cfg.dtype)), cfg, spec))
     return ExpertWeights(_cat_experts([p.gate_up for p in parts]), _cat_experts([p.down for p in parts]),
-                         quant.scheme)
+                         quant.scheme, _cat_biases([p.gate_up_bias for p in parts]),
+                         _cat_biases([p.down_bias for p in parts]))
 
 
-def prepare_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig) -> ExpertWeights:
+def _cat_biases(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    # Every part has a bias or none does (one config, one TP rank).
+    if parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(cast(list[torch.Tensor], parts), dim=0)
+
+
+def prepare_experts(gate_up: torch.Tensor, down: torch.Tensor, cfg: MoEConfig, quant: QuantConfig,
+                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> ExpertWeights:
     """Every expert in ``cfg.dtype``, quantized with ``quant`` (per expert): what ``shard_experts``
     computes before it slices, for all E experts at once; ``shard_of`` then gives any rank's
     shard of it without quantizing again (bit-identical to ``shard_experts``)."""
-    return shard_experts(gate_up, down, cfg, quant, ShardSpec(0, cfg.num_experts))
+    return shard_experts(gate_up, down, cfg, quant, ShardSpec(0, cfg.num_experts), gate_up_bias, down_bias)
 
 
 def shard_of(experts: ExpertWeights, cfg: MoEConfig, quant: QuantConfig, spec: ShardSpec) -> ExpertWeights:
@@ -169,11 +203,14 @@ def shard_of(experts: ExpertWeights, cfg: MoEConfig, quant: QuantConfig, spec: S
     else:
         raise TypeError(f"shard_of: gate_up and down must both be tensors or both QuantizedWeight, got "
                         f"{type(gate_up).__name__} and {type(down).__name__}")
-    return _tp_slice(ExpertWeights(gu, dn, experts.scheme), cfg, spec)
+    pick = lambda b: None if b is None else b[ids]  # noqa: E731  (advanced indexing copies)
+    return _tp_slice(ExpertWeights(gu, dn, experts.scheme, pick(experts.gate_up_bias), pick(experts.down_bias)),
+                     cfg, spec)
 
 
 def _tp_slice(experts: ExpertWeights, cfg: MoEConfig, spec: ShardSpec) -> ExpertWeights:
     gu, dn = experts.gate_up, experts.down
+    gu_bias, dn_bias = experts.gate_up_bias, experts.down_bias
     if spec.tp_size > 1:
         I = cfg.intermediate_size
         w = I // spec.tp_size
@@ -183,4 +220,8 @@ def _tp_slice(experts: ExpertWeights, cfg: MoEConfig, spec: ShardSpec) -> Expert
         if experts.scheme == "none":
             assert isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor)  # scheme "none" holds tensors
             gu, dn = gu.contiguous(), dn.contiguous()
-    return ExpertWeights(gu, dn, experts.scheme)
+        if gu_bias is not None:
+            gu_bias = torch.cat([gu_bias[:, lo:hi], gu_bias[:, I + lo:I + hi]], dim=1)
+        # The TP ranks' outputs are partial sums that are all-reduced: the down bias is added once.
+        dn_bias = dn_bias if spec.tp_rank == 0 else None
+    return ExpertWeights(gu, dn, experts.scheme, gu_bias, dn_bias)

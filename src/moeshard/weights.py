@@ -8,8 +8,11 @@ name                                shape            meaning
 ==================================  ===============  ==========================================
 gate.weight                         [E, H]           router
 gate.e_score_correction_bias        [E]              DeepSeek-V3 selection bias (optional)
+gate.bias                           [E]              router bias (a kind with ``router_bias``: gpt-oss)
 experts.gate_up_proj                [E, 2I, H]       rows [0, I) gate, rows [I, 2I) up
 experts.down_proj                   [E, H, I]
+experts.gate_up_proj_bias           [E, 2I]          expert biases (``expert_bias``: gpt-oss), added
+experts.down_proj_bias              [E, H]           to gate_up's and down's outputs; [0, I) gate
 shared_experts.gate_proj.weight     [S, H]           S = num_shared_experts * shared size
 shared_experts.up_proj.weight       [S, H]
 shared_experts.down_proj.weight     [H, S]
@@ -28,6 +31,8 @@ import torch
 from moeshard.config import MoEConfig
 
 SHARED_ALIASES = ("shared_experts.", "shared_expert.")
+# The routed experts' tensors: sharded per rank, so a layer given its shard elsewhere has none here.
+ROUTED = ("gate_up", "down", "gate_up_bias", "down_bias")
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,9 @@ class MoEWeights:
     shared_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
     shared_expert_gate: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
     def expected_shapes(self, cfg: MoEConfig) -> dict[str, tuple[int, ...] | None]:
         E, H, I, S = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.shared_width
@@ -55,16 +63,19 @@ class MoEWeights:
             "shared_up": (S, H) if shared else None,
             "shared_down": (H, S) if shared else None,
             "shared_expert_gate": (1, H) if cfg.shared_expert_gate else None,
+            "gate_bias": (E,) if cfg.routing_kind.router_bias else None,
+            "gate_up_bias": (E, 2 * I) if cfg.expert_bias else None,
+            "down_bias": (E, H) if cfg.expert_bias else None,
         }
 
     def validate(self, cfg: MoEConfig, routed: bool = True) -> None:
         """Raises ValueError naming the tensor, the expected and the actual shape.
 
-        routed=False: the routed experts (``gate_up``, ``down``) are supplied elsewhere, already
-        sharded, and may be None here."""
+        routed=False: the routed experts (``gate_up``, ``down`` and their biases) are supplied
+        elsewhere, already sharded, and may be None here."""
         for name, shape in self.expected_shapes(cfg).items():
             value = getattr(self, name)
-            if not routed and name in ("gate_up", "down") and value is None:
+            if not routed and name in ROUTED and value is None:
                 continue
             if shape is None:
                 if value is not None:
@@ -78,13 +89,13 @@ class MoEWeights:
                 raise ValueError(f"MoEWeights.{name}: expected a floating tensor, got {value.dtype}")
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> MoEWeights:
-        """Moves every tensor; the router (``gate``, ``correction_bias``) keeps its stored
-        precision, since it decides routing (DeepSeek-V3 checkpoints keep it in fp32)."""
+        """Moves every tensor; the router (``gate``, ``correction_bias``, ``gate_bias``) keeps its
+        stored precision, since it decides routing (DeepSeek-V3 checkpoints keep it in fp32)."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                keep = f.name in ("gate", "correction_bias")
+                keep = f.name in ("gate", "correction_bias", "gate_bias")
                 value = value.to(device=device, dtype=None if keep else dtype)
             moved[f.name] = value
         return MoEWeights(**moved)
@@ -104,6 +115,8 @@ class MoEWeights:
             return t.to(dtype)
 
         shared = cfg.has_shared_experts
+        # Biases of the scale of the products they are added to, so that a dropped one shows.
+        bias = (lambda *shape: (torch.randn(*shape, generator=generator) * 0.5).to(dtype)) if cfg.expert_bias else None
         return MoEWeights(
             gate=(rnd(E, H, fan_in=H).float() * 2).to(dtype),
             gate_up=rnd(E, 2 * I, H, fan_in=H),
@@ -113,6 +126,9 @@ class MoEWeights:
             shared_up=rnd(S, H, fan_in=H) if shared else None,
             shared_down=rnd(H, S, fan_in=S) if shared else None,
             shared_expert_gate=rnd(1, H, fan_in=H) if cfg.shared_expert_gate else None,
+            gate_bias=(torch.randn(E, generator=generator) * 0.5).to(dtype) if cfg.routing_kind.router_bias else None,
+            gate_up_bias=bias(E, 2 * I) if bias else None,
+            down_bias=bias(E, H) if bias else None,
         )
 
     @staticmethod
@@ -146,6 +162,9 @@ class MoEWeights:
             shared_up=shared("up_proj.weight"),
             shared_down=shared("down_proj.weight"),
             shared_expert_gate=get("shared_expert_gate.weight", True) if cfg.shared_expert_gate else None,
+            gate_bias=get("gate.bias", True) if cfg.routing_kind.router_bias else None,
+            gate_up_bias=get("experts.gate_up_proj_bias", True) if cfg.expert_bias else None,
+            down_bias=get("experts.down_proj_bias", True) if cfg.expert_bias else None,
         )
         weights.validate(cfg)
         return weights
@@ -157,5 +176,7 @@ class MoEWeights:
             "correction_bias": "gate.e_score_correction_bias",
             "shared_gate": "shared_experts.gate_proj.weight", "shared_up": "shared_experts.up_proj.weight",
             "shared_down": "shared_experts.down_proj.weight", "shared_expert_gate": "shared_expert_gate.weight",
+            "gate_bias": "gate.bias", "gate_up_bias": "experts.gate_up_proj_bias",
+            "down_bias": "experts.down_proj_bias",
         }
         return {key: getattr(self, f) for f, key in names.items() if getattr(self, f) is not None}

@@ -17,6 +17,14 @@ What is read, per local expert (a ``ShardSpec`` says which experts and which sli
   match the single-device model. So the expert's full gate/up rows and down columns are read,
   quantized, then sliced with ``QuantizedWeight.slice_out``/``slice_in``/``cat_out``, and the
   full-precision expert is dropped before the next one is read.
+* a fused layout other than ``gate_up_rows`` (``checkpoint.fused``: interleaved gate/up, or
+  transposed ``[E, H, 2I]`` / ``[E, I, H]``): the same slices of the stored tensor, converted into
+  moeshard's layout one expert at a time.
+* an MXFP4 checkpoint (gpt-oss: ``<name>_blocks`` / ``<name>_scales``, ``checkpoint.mxfp4``): the
+  blocks and scales of the kept slice (down: the 32-column blocks that cover it), dequantized to
+  the model dtype; then as a full-precision checkpoint (any scheme, the slice or whole expert).
+* expert biases (``MoEConfig.expert_bias``): the gate_up bias of the kept slice (gate, then up),
+  and the down bias on TP rank 0 only (``sharding``: added once to the TP-reduced sum).
 * an FP8 block checkpoint (``weight`` float8_e4m3fn + ``weight_scale_inv`` fp32, w ~= q * scale,
   exactly ``QuantizedWeight("fp8_block")``'s convention): the fp8 bytes of the kept slice and the
   scale tiles that cover it, gate tiles then up tiles -- the layout ``QuantizedWeight.cat_out``
@@ -31,14 +39,18 @@ peaks near this rank's share plus one expert, whatever the file size.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from moeshard.checkpoint.families import READ_FUSED_LAYOUTS, CheckpointFormat
-from moeshard.checkpoint.names import BlockNames, scale_name
-from moeshard.checkpoint.reader import SafetensorsCheckpoint
+from moeshard.checkpoint.families import CheckpointFormat
+from moeshard.checkpoint.fused import fused_layout
+from moeshard.checkpoint.mxfp4 import BLOCK as MX_BLOCK
+from moeshard.checkpoint.mxfp4 import dequantize_mxfp4
+from moeshard.checkpoint.names import BlockNames, mxfp4_names, scale_name
+from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, Weight
 from moeshard.quant import FP8_BLOCK, QuantizedWeight, from_wire, quantize_weight, to_wire
@@ -123,14 +135,20 @@ class ExpertReader:
     """Reads the routed experts of one block (names, cfg) from ``ckpt`` for one rank's plan."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fmt: CheckpointFormat) -> None:
-        if fmt.stored_scheme not in (None, "fp8_block"):
+        if fmt.stored_scheme not in (None, "fp8_block") or (fmt.dequantized and fmt.name != "mxfp4"):
             raise ValueError(f"checkpoint format {fmt.name!r} ({fmt.summary}): its experts are not read yet "
-                             f"(readable: full precision and fp8_block)")
-        if names.fused and names.fused_layout not in READ_FUSED_LAYOUTS:
-            raise ValueError(f"{names.fused_gate_up}: fused layout {names.fused_layout!r} is not read yet "
-                             f"(readable: {list(READ_FUSED_LAYOUTS)})")
+                             f"(readable: full precision, fp8_block and mxfp4)")
         self.ckpt, self.names, self.cfg, self.format = ckpt, names, cfg, fmt
         self.fp8 = fmt.stored_scheme == "fp8_block"
+        self.mxfp4 = fmt.name == "mxfp4"
+        self.layout = fused_layout(names.fused_layout)
+        if self.fp8 and names.fused and self.layout.name != "gate_up_rows":
+            raise ValueError(f"{names.fused_gate_up}: an fp8 checkpoint is read with fused layout 'gate_up_rows' "
+                             f"only, its family's is {self.layout.name!r}")
+        if (self.mxfp4 or cfg.expert_bias) and not names.fused:
+            what = "an MXFP4 checkpoint" if self.mxfp4 else "experts with biases"
+            raise ValueError(f"{names.prefix}{names.family.experts}: {what} must be stored as fused tensors "
+                             f"({names.fused_gate_up}, ...); per-expert tensors are not read for it")
         self._check_shapes()
 
     # -- validation, from headers only ----------------------------------------------------
@@ -141,8 +159,12 @@ class ExpertReader:
         want: dict[str, tuple[int, ...]]
         scales: dict[str, tuple[int, ...]]
         shape: tuple[int, ...]  # a 2-d per-expert shape below, then any shape of want / scales
-        if n.fused:
-            want = {n.fused_gate_up: (E, 2 * I, H), n.fused_down: (E, H, I)}
+        if self.mxfp4:
+            self._check_mxfp4_shapes()
+            want, scales = {}, {}
+        elif n.fused:
+            gate_up_shape, down_shape = self.layout.shapes(E, H, I)
+            want = {n.fused_gate_up: gate_up_shape, n.fused_down: down_shape}
             scales = {scale_name(n.fused_gate_up): (E, _blocks(2 * I), _blocks(H)),
                       scale_name(n.fused_down): (E, _blocks(H), _blocks(I))}
         else:
@@ -158,6 +180,9 @@ class ExpertReader:
                     scales[scale_name(n.expert(e, proj))] = (_blocks(shape[0]), _blocks(shape[1]))
         for name, shape in want.items():
             self.ckpt.expect(name, shape, weight_dtypes)
+        if self.cfg.expert_bias:
+            self.ckpt.expect(n.fused_gate_up_bias, (E, 2 * I), FLOAT_DTYPES)
+            self.ckpt.expect(n.fused_down_bias, (E, H), FLOAT_DTYPES)
         if self.fp8:
             for name, shape in scales.items():
                 self.ckpt.expect(name, shape, scale_dtypes())
@@ -165,6 +190,16 @@ class ExpertReader:
                 raise ValueError(f"fp8 checkpoint: intermediate size I={I} is not a multiple of {FP8_BLOCK}, so the "
                                  f"per-expert gate and up tiles cannot be fused into one fp8_block weight "
                                  f"without requantizing")
+
+    def _check_mxfp4_shapes(self) -> None:
+        E, H, I, n = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.intermediate_size, self.names
+        for what, k in (("hidden_size", H), ("intermediate_size", I)):
+            if k % MX_BLOCK:
+                raise ValueError(f"MXFP4 checkpoint: {what}={k} is not a multiple of its {MX_BLOCK}-value blocks")
+        for name, (rows, cols) in ((n.fused_gate_up, (2 * I, H)), (n.fused_down, (H, I))):
+            blocks, scales = mxfp4_names(name)
+            self.ckpt.expect(blocks, (E, rows, cols // MX_BLOCK, MX_BLOCK // 2), (torch.uint8,))
+            self.ckpt.expect(scales, (E, rows, cols // MX_BLOCK), (torch.uint8,))
 
     # -- one expert -----------------------------------------------------------------------
     def _requests(self, e: int, lo: int, hi: int, scales: bool) -> list[tuple[str, tuple]]:
@@ -192,9 +227,59 @@ class ExpertReader:
     def _into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor, scales: bool) -> None:
         """Reads expert e's gate/up rows and down columns [lo, hi) (or their scale tiles) straight
         into ``gate_up`` [2 rows, K] (gate half first, then up) and ``down`` [H, cols]."""
+        if self.mxfp4:
+            self._mxfp4_into(e, lo, hi, gate_up, down)
+            return
+        if self.names.fused and self.layout.name != "gate_up_rows":
+            self._converted_into(e, lo, hi, gate_up, down)
+            return
         *gu_requests, down_request = self._requests(e, lo, hi, scales)
         parts = [gate_up] if len(gu_requests) == 1 else list(gate_up.chunk(2, dim=0))
         self.ckpt.read_into(gu_requests + [down_request], parts + [down])
+
+    def _place(self, dst: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        dst.copy_(value)
+        check_finite(dst, name, self.ckpt.info(name).file)
+
+    def _converted_into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Another fused layout (``checkpoint.fused``): the stored slices, converted."""
+        n, layout, I = self.names, self.layout, self.cfg.intermediate_size
+        reads = [(n.fused_gate_up, index) for index in layout.gate_up_reads(e, lo, hi, I)]
+        *gu, dn = self.ckpt.read_many(reads + [(n.fused_down, layout.down_read(e, lo, hi))])
+        self._place(gate_up, layout.gate_up_rows(gu), n.fused_gate_up)
+        self._place(down, layout.down_rows(dn), n.fused_down)
+
+    def _mxfp4_into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """MXFP4 blocks and scales of the slice, dequantized: gate_up rows (the family's gate/up
+        order, blocks along H) and the 32-column blocks of down that cover [lo, hi)."""
+        n, rows, I, dtype = self.names, self.layout.rows, self.cfg.intermediate_size, gate_up.dtype
+        gu_blocks, gu_scales = mxfp4_names(n.fused_gate_up)
+        parts = []
+        for index in rows.gate_up_reads(e, lo, hi, I):
+            blocks, scales = self.ckpt.read_many([(gu_blocks, index), (gu_scales, index)])
+            parts.append(dequantize_mxfp4(blocks, scales, dtype))
+        self._place(gate_up, rows.gate_up_rows(parts), gu_blocks)
+        first, last = lo // MX_BLOCK, -(-hi // MX_BLOCK)
+        dn_blocks, dn_scales = mxfp4_names(n.fused_down)
+        index = (e, slice(None), slice(first, last))
+        blocks, scales = self.ckpt.read_many([(dn_blocks, index), (dn_scales, index)])
+        self._place(down, dequantize_mxfp4(blocks, scales, dtype)[:, lo - first * MX_BLOCK:hi - first * MX_BLOCK],
+                    dn_blocks)
+
+    def _read_biases(self, plan: ExpertPlan, spec: ShardSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate_up bias [E_l, 2w] of the kept slice, gate then up; down bias [E_l, H] on TP rank 0,
+        else None), in the model dtype; (None, None) without ``expert_bias``."""
+        if not self.cfg.expert_bias:
+            return None, None
+        (lo, hi), n, I, dtype = plan.keep, self.names, self.cfg.intermediate_size, self.cfg.dtype
+        gate_up = torch.empty(len(plan.experts), 2 * (hi - lo), dtype=dtype)
+        down = torch.empty(len(plan.experts), self.cfg.hidden_size, dtype=dtype) if spec.tp_rank == 0 else None
+        for i, e in enumerate(plan.experts):
+            parts = self.ckpt.read_many([(n.fused_gate_up_bias, index) for index in self.layout.bias_reads(e, lo, hi, I)])
+            self._place(gate_up[i], self.layout.bias_rows(parts), n.fused_gate_up_bias)
+            if down is not None:
+                self._place(down[i], self.ckpt.read(n.fused_down_bias, (e,)), n.fused_down_bias)
+        return gate_up, down
 
     def _check_scales(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         if not (bool((gate_up > 0).all()) and bool((down > 0).all())):
@@ -206,10 +291,13 @@ class ExpertReader:
         spec.validate(self.cfg, quant)
         plan = ExpertPlan.of(self.cfg, quant, spec, self.fp8)
         if self.fp8:
-            return self._read_fp8(plan)
-        if not quant.quantized:
-            return self._read_plain(plan)
-        return self._read_quantized(plan, quant)
+            experts = self._read_fp8(plan)
+        elif not quant.quantized:
+            experts = self._read_plain(plan)
+        else:
+            experts = self._read_quantized(plan, quant)
+        gate_up_bias, down_bias = self._read_biases(plan, spec)
+        return dataclasses.replace(experts, gate_up_bias=gate_up_bias, down_bias=down_bias)
 
     def _read_plain(self, plan: ExpertPlan) -> ExpertWeights:
         """Model-dtype slices, copied from the file straight into the rank's tensors."""

@@ -42,6 +42,7 @@ from types import MappingProxyType
 from typing import Any
 
 from moeshard.activations import get_activation
+from moeshard.checkpoint.fused import LAYOUTS
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 from moeshard.routing import get_routing
 from moeshard.validate import MAX_DIM, is_int
@@ -146,6 +147,10 @@ def _is_fp8_block(q: Any, source: str) -> bool:
     return True
 
 
+def _is_mxfp4(q: Any, source: str) -> bool:
+    return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
+
+
 @dataclass(frozen=True)
 class CheckpointFormat:
     """How a checkpoint stores its weights.
@@ -156,12 +161,16 @@ class CheckpointFormat:
     detect: ``(quantization_config or None, source) -> bool``: whether config.json describes
       this format; raises ValueError (naming the field and value) for a near miss.
     summary: one line for messages, with its article ("an FP8 block checkpoint (...)").
+    dequantized: the routed experts are stored in a quantized form that the reader dequantizes
+      to the model dtype as it reads them (``mxfp4``); they then load as any requested scheme,
+      as a full-precision checkpoint's do (``stored_scheme`` None).
     """
 
     name: str
     stored_scheme: str | None
     detect: Callable[[Any, str], bool]
     summary: str
+    dequantized: bool = False
 
 
 CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
@@ -171,6 +180,10 @@ CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
                      "an FP8 block checkpoint (DeepSeek-V3 style: float8_e4m3fn weight + weight_scale_inv per "
                      "128 x 128 block; quantization_config quant_method 'fp8', weight_block_size [128, 128], "
                      "dynamic activations)"),
+    CheckpointFormat("mxfp4", None, _is_mxfp4,
+                     "an MXFP4 checkpoint (gpt-oss style: routed experts as <name>_blocks, two e2m1 values a byte, "
+                     "and <name>_scales, one e8m0 exponent per 32 values; quantization_config quant_method "
+                     "'mxfp4'); its experts are dequantized to the model dtype as they are read", dequantized=True),
 )}
 
 
@@ -187,13 +200,14 @@ def checkpoint_format(raw: dict[str, Any], family: ModelFamily, source: str) -> 
 
 
 # -- the family descriptor ---------------------------------------------------------------------
-# Fused routed experts, as one [E, 2I, H] gate_up tensor and one [E, H, I] down tensor:
-#   gate_up_rows  rows [0, I) gate, [I, 2I) up (transformers 5)
-#   interleaved   rows 2i gate, 2i + 1 up
-#   transposed    [E, H, 2I] gate columns first, down [E, I, H]
-# Only gate_up_rows is read today; the others are refused with the layout's name.
-FUSED_LAYOUTS = ("gate_up_rows", "interleaved", "transposed")
-READ_FUSED_LAYOUTS = ("gate_up_rows",)
+# Fused routed experts, as one gate_up tensor and one down tensor (``checkpoint.fused``):
+#   gate_up_rows            [E, 2I, H] rows [0, I) gate, [I, 2I) up (transformers 5)
+#   interleaved             [E, 2I, H] rows 2i gate, 2i + 1 up
+#   transposed              [E, H, 2I] gate columns first, down [E, I, H] (Llama-4)
+#   transposed_interleaved  [E, H, 2I] columns 2i gate, 2i + 1 up, down [E, I, H] (gpt-oss)
+# Every one is read (by the checkpoint reader and the transformers integration).
+FUSED_LAYOUTS = tuple(LAYOUTS)
+READ_FUSED_LAYOUTS = FUSED_LAYOUTS
 # hidden_act patterns (fnmatch) -> activation kind, tried in order.
 HIDDEN_ACTS = {"silu": "silu", "swish": "silu", "gelu*": "gelu"}
 
@@ -216,13 +230,20 @@ class ModelFamily:
       the checkpoint; without the dot, the decoder layer's attribute in the transformers model.
     router: the router's module name in the block (its weight [E, H] is ``{router}.weight``).
     correction_bias: the router's selection-bias parameter [E] (``{router}.{correction_bias}``).
+    router_bias: the router linear's bias parameter [E] (``{router}.{router_bias}``), read when the
+      routing kind has ``router_bias`` (gpt-oss).
     experts: the routed experts' module name; fused_names: its (gate_up, down) fused parameters;
-      fused_layout: how the fused gate_up holds gate and up (``FUSED_LAYOUTS``).
+      fused_layout: how the fused gate_up holds gate and up (``FUSED_LAYOUTS``, ``checkpoint.fused``);
+      expert_biases: its (gate_up [E, 2I], down [E, H]) bias parameters, read when the config has
+      ``expert_bias`` (gpt-oss); the gate_up bias follows ``fused_layout``'s gate/up order.
     expert_spellings: per-expert (gate, up, down) module names, in the order tried.
     shared_prefixes: the shared-expert MLP's module names (with the dot), in the order tried;
       shared_expert_gate: the shared expert's sigmoid gate module [1, H].
     hidden_acts: ``hidden_act`` patterns (fnmatch) -> activation kind (``moeshard.activations``).
     formats: the checkpoint formats (``CHECKPOINT_FORMATS``) it ships, full precision first.
+    returns_router_output: None (the block returns its output), or i: the transformers block
+      returns ``(output, router(x)[i])`` (gpt-oss: its router's scores; Llama-4: its logits), and
+      so does moeshard's block in its place.
     """
 
     model_type: str
@@ -242,6 +263,9 @@ class ModelFamily:
     shared_expert_gate: str = "shared_expert_gate"
     hidden_acts: Mapping[str, str] = field(default_factory=lambda: dict(HIDDEN_ACTS))
     formats: tuple[str, ...] = ("bf16", "fp8_block")
+    router_bias: str = "bias"
+    expert_biases: tuple[str, str] = ("gate_up_proj_bias", "down_proj_bias")
+    returns_router_output: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))

@@ -38,9 +38,10 @@ class LoadedBlock:
     model: what config.json says; layer: the layer index; cfg: the block's ``MoEConfig`` (in the
     dtype the layer will run in); quant: the expert quantization; parallel/rank/spec: the layout,
     this rank, and which experts / slice of I it holds; names: where the tensors were found;
-    weights: router ``gate`` [E, H], ``correction_bias`` fp32 [E] and shared experts, in
-    ``cfg.dtype``, with ``gate_up``/``down`` None; local_experts: this rank's routed experts,
-    ``gate_up`` [E_l, 2 I_l, H], ``down`` [E_l, H, I_l], quantized for ``quant``.
+    weights: router ``gate`` [E, H], ``correction_bias`` fp32 [E], router ``gate_bias`` [E] and
+    shared experts, in ``cfg.dtype``, with the routed experts' tensors None; local_experts: this
+    rank's routed experts, ``gate_up`` [E_l, 2 I_l, H], ``down`` [E_l, H, I_l], quantized for
+    ``quant``, with their biases when the config has ``expert_bias``.
     """
 
     model: HFMoEModel
@@ -95,6 +96,7 @@ class _SmallTensors:
             shared_up=self.dense(n.shared("up"), (S, H)) if shared else None,
             shared_down=self.dense(n.shared("down"), (H, S)) if shared else None,
             shared_expert_gate=self.dense(n.shared_expert_gate, (1, H)) if cfg.shared_expert_gate else None,
+            gate_bias=self.dense(n.router_bias, (E,)) if cfg.routing_kind.router_bias else None,
         )
 
 

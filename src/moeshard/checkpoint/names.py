@@ -21,7 +21,10 @@ shared expert gate [1, H]             P shared_expert_gate.weight (Qwen2-MoE)
 ====================================  ==========================================  ==============
 
 FP8 checkpoints add a block scale next to each quantized weight: ``<module>.weight_scale_inv`` for a
-``<module>.weight``, ``<name>_scale_inv`` for a fused parameter.
+``<module>.weight``, ``<name>_scale_inv`` for a fused parameter. MXFP4 checkpoints (gpt-oss) store a
+fused parameter ``<name>`` as ``<name>_blocks`` and ``<name>_scales`` instead (``mxfp4_names``).
+A router bias (gpt-oss) is ``P router.bias``; expert biases ``P experts.gate_up_proj_bias`` [E, 2I]
+and ``P experts.down_proj_bias`` [E, H] (the family's ``router_bias`` and ``expert_biases``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from moeshard.checkpoint.hf_config import HFMoEModel
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
 
 PROJECTIONS = ("gate", "up", "down")
+
+
+def mxfp4_names(fused_name: str) -> tuple[str, str]:
+    """The (blocks, scales) tensors an MXFP4 checkpoint stores for the fused parameter ``fused_name``."""
+    return fused_name + "_blocks", fused_name + "_scales"
 
 
 def scale_name(weight_name: str) -> str:
@@ -72,8 +80,20 @@ class BlockNames:
         return f"{self.prefix}{self.family.router}.{self.family.correction_bias}"
 
     @property
+    def router_bias(self) -> str:
+        return f"{self.prefix}{self.family.router}.{self.family.router_bias}"
+
+    @property
     def fused_layout(self) -> str:
         return self.family.fused_layout
+
+    @property
+    def fused_gate_up_bias(self) -> str:
+        return f"{self.prefix}{self.family.experts}.{self.family.expert_biases[0]}"
+
+    @property
+    def fused_down_bias(self) -> str:
+        return f"{self.prefix}{self.family.experts}.{self.family.expert_biases[1]}"
 
     @property
     def fused_gate_up(self) -> str:
@@ -111,7 +131,9 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
                          f"{str(ckpt.model_dir)!r}")
     probe = BlockNames(prefix=prefix, fused=True, spelling=family.expert_spellings[0], shared_prefix=None,
                        family=family)
-    fused = ckpt.has(probe.fused_gate_up)
+    # An MXFP4 checkpoint stores the fused parameters as <name>_blocks and <name>_scales.
+    stored = lambda name: ckpt.has(name) or ckpt.has(mxfp4_names(name)[0])  # noqa: E731
+    fused = stored(probe.fused_gate_up)
     spelling = family.expert_spellings[0]
     firsts = [f"{prefix}{family.experts}.0.{s[0]}.weight" for s in family.expert_spellings]
     both = [name for name in firsts if ckpt.has(name)]
@@ -122,7 +144,7 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
                          f"({probe.fused_gate_up}) and per expert ({both[0]}, ...); keep one of the two "
                          f"under {str(ckpt.model_dir)!r}")
     if fused:
-        if not ckpt.has(probe.fused_down):
+        if not stored(probe.fused_down):
             raise ValueError(f"layer {layer}: {probe.fused_gate_up} is present but {probe.fused_down} "
                              f"is missing; looked in {files}")
     else:

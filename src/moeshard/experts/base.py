@@ -51,11 +51,18 @@ class ExpertWeights:
     gate_up: [E_l, 2 * I_l, H]; rows [0, I_l) are this rank's gate slice, [I_l, 2 I_l) its up slice.
     down:    [E_l, H, I_l].
     Both are model-dtype tensors (scheme "none") or ``QuantizedWeight`` of ``scheme``.
+    gate_up_bias: None, or the model-dtype bias [E_l, 2 I_l] of gate_up's outputs (gate slice,
+      then up slice, as gate_up's rows), added to the rounded product before the activation.
+    down_bias: None, or the model-dtype bias [E_l, H] of down's output. Under tensor parallelism
+      only TP rank 0 holds it (the ranks' partial sums are all-reduced: it is added once).
+    Biases are never quantized, whatever the scheme.
     """
 
     gate_up: Weight
     down: Weight
     scheme: str = "none"
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -69,8 +76,15 @@ class ExpertWeights:
     def hidden_size(self) -> int:
         return self.down.shape[1]
 
+    @property
+    def has_bias(self) -> bool:
+        """Whether any bias is held (a kernel without bias support must refuse these weights)."""
+        return self.gate_up_bias is not None or self.down_bias is not None
+
     def to(self, device) -> ExpertWeights:
-        return ExpertWeights(self.gate_up.to(device), self.down.to(device), self.scheme)
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return ExpertWeights(self.gate_up.to(device), self.down.to(device), self.scheme, move(self.gate_up_bias),
+                             move(self.down_bias))
 
 
 @dataclass(frozen=True)

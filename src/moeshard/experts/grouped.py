@@ -1,8 +1,12 @@
 """The vectorised expert computation: rows grouped by expert, one grouped GEMM per projection.
 
     rows [M / repeat, H] --gather routed rows sorted by expert--> [M, H] --gate_up GEMM--> [M, 2 I_l]
-        --act(gate) * up--> h [M, I_l] (model dtype; quantized per scheme)
-        --down GEMM--> [M, H] --unsort--> [M, H]
+        (+ gate_up bias) --act(gate) * up--> h [M, I_l] (model dtype; quantized per scheme)
+        --down GEMM--> [M, H] (+ down bias) --unsort--> [M, H]
+
+Expert biases (``ExpertWeights.gate_up_bias`` / ``down_bias``) are added in fp32 to the GEMM's
+model-dtype output, each row its expert's, and the sum rounded to the model dtype again (the
+product rounds first, as a model that adds its bias after the matmul computes it).
 
 Padding rows (expert id -1) sort after every expert, past the last group offset: no GEMM
 computes them and their output rows are zero. Both layouts are accepted (``EXPERT_BLOCKS``
@@ -119,6 +123,13 @@ class GroupedExperts:
             start = end
         return out
 
+    def _biased(self, out: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """out [M, N] (model dtype, rows sorted by expert) + bias[rows] ([E_l, N]), in fp32, rounded
+        to ``out_dtype``; ``out`` itself without a bias."""
+        if bias is None:
+            return out
+        return (out.float() + bias.float()[rows]).to(self.out_dtype)
+
     # -- the pipeline ---------------------------------------------------------------------
     def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
         """Returns [M, H] in ``out_dtype``: each routed row (x[m // inp.repeat]) through its expert, unweighted."""
@@ -136,12 +147,15 @@ class GroupedExperts:
         if scheme.quantized and not isinstance(x, QuantizedActivations):
             # defer_input_quant: quantize here, with the layer-wide amax for per-tensor scales.
             x = quantize_activations(x, scheme.name, amax=inp.input_amax if scheme.per_tensor_activation else None)
-        h = activate(self.gemm(x, weights.gate_up, offsets), self.activation, self.out_dtype)
+        # Padding rows take expert 0's biases: they are masked after the down GEMM anyway.
+        bias_rows = sorted_ids.clamp(max=E_l - 1) if weights.has_bias else sorted_ids
+        h = activate(self._biased(self.gemm(x, weights.gate_up, offsets), weights.gate_up_bias, bias_rows),
+                     self.activation, self.out_dtype)
         h_in: torch.Tensor | QuantizedActivations = h
         if scheme.quantized:
             amax = expert_amax(h, sorted_ids, E_l, inp.amax_reduce) if scheme.per_tensor_activation else None
             h_in = quantize_activations(h, scheme.name, amax=amax)
-        y_sorted = self.gemm(h_in, weights.down, offsets)
+        y_sorted = self._biased(self.gemm(h_in, weights.down, offsets), weights.down_bias, bias_rows)
         # Rows past the last offset (padding) were never computed.
         y_sorted = y_sorted.masked_fill((sorted_ids == E_l).unsqueeze(1), 0)
         y = torch.empty_like(y_sorted)

@@ -113,7 +113,8 @@ class CaseData:
         gate_up, down = weights.gate_up, weights.down
         assert gate_up is not None and down is not None  # case_weights makes every expert
         prepared = self._prepared.get((case.weights_key, case.quant.scheme),
-                                      lambda: prepare_experts(gate_up, down, cfg, case.quant))
+                                      lambda: prepare_experts(gate_up, down, cfg, case.quant, weights.gate_up_bias,
+                                                              weights.down_bias))
         return shard_of(prepared, cfg, case.quant, spec)
 
 

@@ -63,6 +63,7 @@ from torch import nn
 
 from moeshard.checkpoint.dense import read_dense
 from moeshard.checkpoint.families import READ_FUSED_LAYOUTS, ModelFamily
+from moeshard.checkpoint.fused import fused_layout
 from moeshard.checkpoint.hf_config import HFMoEModel, parse_hf_config, read_hf_config
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.checkpoint.names import BlockNames
@@ -88,14 +89,18 @@ class MoEBlock(MoELayer):
     """A transformers MoE block run by moeshard: ``forward(hidden_states [..., H]) -> [..., H]``.
 
     router: the block's transformers router module (the family's ``router``, ``gate``: ``weight``
-    [E, H], DeepSeek-V3's ``e_score_correction_bias`` [E]); registered as ``router_name``, it
-    replaces ``MoELayer``'s own ``gate``, so the router keeps transformers' names and its forward
-    hooks (transformers' router-logit recorder) keep firing. correction_bias: the router's bias
-    parameter name. layer: the decoder layer index (for messages). Other arguments as ``MoELayer``.
+    [E, H], DeepSeek-V3's ``e_score_correction_bias`` [E], gpt-oss's ``bias`` [E]); registered as
+    ``router_name``, it replaces ``MoELayer``'s own ``gate``, so the router keeps transformers'
+    names and its forward hooks (transformers' router-logit recorder) keep firing.
+    correction_bias: the router's selection-bias parameter name; router_bias: the router linear's
+    bias parameter name (read when the routing kind has ``router_bias``); returns_router_output:
+    None, or i: ``forward`` returns ``(output, router(x)[i])`` as the family's block does.
+    layer: the decoder layer index (for messages). Other arguments as ``MoELayer``.
     """
 
     def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, router_name: str = "gate",
-                 correction_bias: str = "e_score_correction_bias", **kwargs: Any) -> None:
+                 correction_bias: str = "e_score_correction_bias", router_bias: str = "bias",
+                 returns_router_output: int | None = None, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         weight = getattr(router, "weight", None)
         if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
@@ -103,7 +108,8 @@ class MoEBlock(MoELayer):
                              f"hidden_size={cfg.hidden_size}], got "
                              f"{None if not isinstance(weight, torch.Tensor) else tuple(weight.shape)}")
         self.layer_index = layer
-        self.router_name, self.bias_name = router_name, correction_bias
+        self.router_name, self.bias_name, self.router_bias_name = router_name, correction_bias, router_bias
+        self.returns_router_output = returns_router_output
         # transformers' router stands in for MoELayer's Gate, under the family's router name.
         if router_name != "gate":
             del self.gate
@@ -118,19 +124,25 @@ class MoEBlock(MoELayer):
 
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights (moeshard's router on the
-        transformers router's weight and correction bias)."""
+        transformers router's weight, correction bias and, for a kind with ``router_bias``, bias)."""
         weight = self.hf_router.weight
         assert isinstance(weight, torch.Tensor)  # checked in __init__
-        return route(router_logits(x, weight), self.cfg, getattr(self.hf_router, self.bias_name, None))
+        bias = getattr(self.hf_router, self.router_bias_name, None) if self.cfg.routing_kind.router_bias else None
+        return route(router_logits(x, weight), self.cfg, getattr(self.hf_router, self.bias_name, None), bias)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # The block keeps transformers' contract (a tuple for some families), not MoELayer's [T, H].
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Any]:  # type: ignore[override]
         """hidden_states: [..., H] (transformers passes [batch, seq, H]) in the model dtype ->
-        the same shape. The transformers router runs first on all rows, for its outputs'
+        the same shape (with ``returns_router_output`` i: ``(that, router output i)``, as the
+        family's block returns). The transformers router runs first on all rows, for its outputs'
         observers (``output_router_logits``); its routing is not used."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        self.hf_router(x)
-        return super().forward(x).reshape(shape)
+        router_out = self.hf_router(x)
+        out = super().forward(x).reshape(shape)
+        if self.returns_router_output is not None:
+            return out, router_out[self.returns_router_output]
+        return out
 
     def extra_repr(self) -> str:
         s = self.shard
@@ -266,22 +278,33 @@ def _model_dtype(blocks: dict[int, nn.Module], name: str, family: ModelFamily) -
 
 
 def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str, torch.Tensor]:
-    """A block's state dict under the family's names -> under ``MoEWeights``' canonical names
-    (``gate.weight``, ``experts.gate_up_proj``, ``shared_experts.*``, ``shared_expert_gate.weight``)."""
+    """A block's state dict under the family's names and fused layout -> under ``MoEWeights``'
+    canonical names and layout (``gate.weight``, ``gate.bias``, ``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I], their biases, ``shared_experts.*``, ``shared_expert_gate.weight``)."""
     renames = {f"{family.router}.weight": "gate.weight",
                f"{family.router}.{family.correction_bias}": "gate.e_score_correction_bias",
+               f"{family.router}.{family.router_bias}": "gate.bias",
                f"{family.experts}.{family.fused_names[0]}": "experts.gate_up_proj",
                f"{family.experts}.{family.fused_names[1]}": "experts.down_proj",
+               f"{family.experts}.{family.expert_biases[0]}": "experts.gate_up_proj_bias",
+               f"{family.experts}.{family.expert_biases[1]}": "experts.down_proj_bias",
                f"{family.shared_expert_gate}.weight": "shared_expert_gate.weight"}
     out = {}
     for key, t in state.items():
         shared = next((p for p in family.shared_prefixes if key.startswith(p)), None)
         out["shared_experts." + key[len(shared):] if shared else renames.get(key, key)] = t
+    layout = fused_layout(family.fused_layout)
+    if "experts.gate_up_proj" in out and "experts.down_proj" in out:
+        out["experts.gate_up_proj"], out["experts.down_proj"] = layout.canonical(out["experts.gate_up_proj"],
+                                                                                 out["experts.down_proj"])
+    if "experts.gate_up_proj_bias" in out:
+        out["experts.gate_up_proj_bias"] = layout.canonical_bias(out["experts.gate_up_proj_bias"])
     return out
 
 
-def _router_names(family: ModelFamily) -> dict[str, str]:
-    return {"router_name": family.router, "correction_bias": family.correction_bias}
+def _router_names(family: ModelFamily) -> dict[str, Any]:
+    return {"router_name": family.router, "correction_bias": family.correction_bias, "router_bias": family.router_bias,
+            "returns_router_output": family.returns_router_output}
 
 
 def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, quant: QuantConfig | str | None = None,

@@ -65,6 +65,10 @@ class TritonExperts(GroupedExperts):
     def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
         """Returns [M, H] in ``out_dtype``: each routed row (x[m // inp.repeat]) through its
         expert, unweighted, in input order."""
+        if weights.has_bias:
+            # Never drop them: the caller must run these weights on the portable experts.
+            raise ValueError("TritonExperts: the experts have biases (gate_up_bias / down_bias), which the Triton "
+                             "GEMM epilogues do not add; run them on GroupedExperts (select_kernel does)")
         spec = get_scheme(weights.scheme, "ExpertWeights.scheme")
         scheme = spec.name
         ids = inp.expert_ids

@@ -6,3 +6,8 @@ entries with ``register_family`` at import, and any routing or activation kind t
 The ``moeshard.checkpoint`` package imports this package once, after ``families``, so every
 family is known wherever ``FAMILIES`` is read. A new module is one import line below.
 """
+
+from moeshard.checkpoint.models import (
+    gpt_oss,  # noqa: F401
+    llama4,  # noqa: F401
+)

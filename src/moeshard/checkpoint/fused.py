@@ -1,0 +1,113 @@
+"""How a checkpoint's fused expert tensors hold gate, up and down, one ``FusedLayout`` each.
+
+moeshard's own layout (``ExpertWeights``, ``MoEWeights``) is ``gate_up_rows``: gate_up
+[E, 2I, H], rows [0, I) gate and [I, 2I) up, down [E, H, I]; gate_up biases [E, 2I] likewise.
+A checkpoint (or a transformers model in memory) may store them otherwise:
+
+======================  =================================  ===============  ========================
+name                    gate_up                            down             who
+======================  =================================  ===============  ========================
+gate_up_rows            [E, 2I, H], gate rows then up      [E, H, I]        transformers 5 (Mixtral,
+                                                                            Qwen, DeepSeek)
+interleaved             [E, 2I, H], row 2i gate, 2i+1 up   [E, H, I]        gpt-oss mxfp4 blocks
+transposed              [E, H, 2I], gate columns first     [E, I, H]        Llama-4
+transposed_interleaved  [E, H, 2I], column 2i gate, 2i+1   [E, I, H]        gpt-oss
+======================  =================================  ===============  ========================
+
+A gate_up bias [E, 2I] follows the layout's gate/up order (interleaved or gate first); a down
+bias is [E, H] in every layout. ``FusedLayout`` gives the stored shapes, the reads of one
+expert's slice [lo, hi) of I, and their conversion into moeshard's layout, so the checkpoint
+reader and the transformers integration read any layout the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """transposed: gate_up is stored [E, H, 2I] and down [E, I, H] (``x @ W``), else [E, 2I, H]
+    and [E, H, I] (``x @ W.T``); interleaved: gate and up alternate along the 2I axis (2i gate,
+    2i + 1 up), else gate [0, I) then up [I, 2I)."""
+
+    name: str
+    transposed: bool
+    interleaved: bool
+
+    @property
+    def rows(self) -> FusedLayout:
+        """The same gate/up order with gate_up [E, 2I, ...] and down [E, H, I] (block-quantized
+        formats store the reduction axis last whatever the model's layout)."""
+        return LAYOUTS[{False: "gate_up_rows", True: "interleaved"}[self.interleaved]]
+
+    def shapes(self, E: int, H: int, I: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """The stored (gate_up, down) shapes."""
+        return ((E, H, 2 * I), (E, I, H)) if self.transposed else ((E, 2 * I, H), (E, H, I))
+
+    def gate_up_reads(self, e: int, lo: int, hi: int, I: int) -> list[tuple]:
+        """Indices into the stored gate_up for expert e's gate and up of [lo, hi) of I: one read
+        (interleaved, or the whole expert) or two (gate part, up part)."""
+        if self.interleaved:
+            spans = [slice(2 * lo, 2 * hi)]
+        elif (lo, hi) == (0, I):
+            spans = [slice(0, 2 * I)]
+        else:
+            spans = [slice(lo, hi), slice(I + lo, I + hi)]
+        return [(e, slice(None), s) if self.transposed else (e, s) for s in spans]
+
+    def down_read(self, e: int, lo: int, hi: int) -> tuple:
+        """Index into the stored down for expert e's [lo, hi) of I."""
+        return (e, slice(lo, hi)) if self.transposed else (e, slice(None), slice(lo, hi))
+
+    def gate_up_rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The reads of ``gate_up_reads`` (each [2w or w, H], or transposed [H, ...]) -> [2w, H]
+        in moeshard's order: gate rows, then up rows."""
+        t = torch.cat([p.transpose(0, 1) if self.transposed else p for p in parts], dim=0)
+        return torch.cat([t[0::2], t[1::2]]) if self.interleaved else t
+
+    def down_rows(self, part: torch.Tensor) -> torch.Tensor:
+        """The read of ``down_read`` -> [H, w]."""
+        return part.transpose(0, 1) if self.transposed else part
+
+    def canonical(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole stored tensors -> (gate_up [E, 2I, H], down [E, H, I]) in moeshard's layout
+        (views where the layout allows, else copies)."""
+        if self.transposed:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        if self.interleaved:
+            gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+        return gate_up, down
+
+    def canonical_bias(self, gate_up_bias: torch.Tensor) -> torch.Tensor:
+        """A stored gate_up bias [..., 2I] -> gate first, then up."""
+        if self.interleaved:
+            return torch.cat([gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]], dim=-1)
+        return gate_up_bias
+
+    def bias_reads(self, e: int, lo: int, hi: int, I: int) -> list[tuple]:
+        """Indices into the stored gate_up bias [E, 2I] for expert e's [lo, hi) of I."""
+        if self.interleaved:
+            return [(e, slice(2 * lo, 2 * hi))]
+        return [(e, slice(lo, hi)), (e, slice(I + lo, I + hi))]
+
+    def bias_rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The reads of ``bias_reads`` -> [2w]: gate, then up."""
+        return self.canonical_bias(torch.cat(parts))
+
+
+LAYOUTS: dict[str, FusedLayout] = {layout.name: layout for layout in (
+    FusedLayout("gate_up_rows", transposed=False, interleaved=False),
+    FusedLayout("interleaved", transposed=False, interleaved=True),
+    FusedLayout("transposed", transposed=True, interleaved=False),
+    FusedLayout("transposed_interleaved", transposed=True, interleaved=True),
+)}
+
+
+def fused_layout(name: str) -> FusedLayout:
+    """The descriptor of ``name``; ValueError naming the known layouts."""
+    if name not in LAYOUTS:
+        raise ValueError(f"fused layout {name!r} is not one of {list(LAYOUTS)}")
+    return LAYOUTS[name]

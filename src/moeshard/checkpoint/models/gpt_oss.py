@@ -1,0 +1,53 @@
+"""gpt-oss (``model_type`` ``gpt_oss``): a router with a bias, softmax over the top-k logits,
+experts with biases and the clamped SwiGLU, gate and up interleaved, MXFP4 checkpoints.
+
+What transformers' ``GptOssMLP`` computes, and where moeshard has it:
+
+=======================================  ===========================================================
+transformers                             moeshard
+=======================================  ===========================================================
+``router``: logits = x W^T + b; top-k    routing kind ``topk_softmax_bias`` (``moeshard.routing``)
+of the logits; softmax over those k
+``experts.gate_up_proj`` [E, H, 2I],     fused layout ``transposed_interleaved``
+gate columns 0::2, up 1::2               (``checkpoint.fused``), read into gate rows then up rows
+``gate_up_proj_bias`` [E, 2I],           ``MoEConfig.expert_bias`` (``ExpertWeights.gate_up_bias``,
+``down_proj_bias`` [E, H]                ``down_bias``)
+``_apply_gate``: clamp, (up + 1) *       activation ``swiglu_clamped`` (``moeshard.activations``),
+gate * sigmoid(alpha * gate)             alpha 1.702, limit 7.0
+MXFP4 ``*_blocks`` / ``*_scales``        checkpoint format ``mxfp4``, dequantized at load
+=======================================  ===========================================================
+
+``hidden_act`` (``silu`` in every config) is not what the experts compute, so it is not read;
+``swiglu_alpha`` and ``swiglu_limit`` must be the activation kind's parameters (every published
+gpt-oss has 1.702 and 7.0), else the config is refused naming the field. Every layer has an MoE
+block; the block returns ``(output, router scores)``.
+"""
+
+from __future__ import annotations
+
+from moeshard.activations import get_activation
+from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
+from moeshard.config import MoEConfig
+
+ACTIVATION = "swiglu_clamped"
+
+
+def _moe(f: ConfigFields) -> MoEConfig:
+    params = get_activation(ACTIVATION).params
+    for key, param in (("swiglu_alpha", "alpha"), ("swiglu_limit", "limit")):
+        value = f.float(key, 0.0, 1e6)
+        if value != params[param]:
+            raise ValueError(f"{f.source}: {key}={value!r}; moeshard's {ACTIVATION!r} activation computes "
+                             f"{param}={params[param]} (the value of every published gpt-oss)")
+    return MoEConfig(num_experts=f.int("num_local_experts"), top_k=f.int("num_experts_per_tok"),
+                     hidden_size=f.int("hidden_size"), intermediate_size=f.int("intermediate_size"),
+                     activation=ACTIVATION, scoring=f.family.routing, renormalize=False, expert_bias=True)
+
+
+def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
+    return DenseLayers(num_layers, lambda layer: None)
+
+
+register_family(ModelFamily(
+    "gpt_oss", {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}, _moe, _dense_layers, routing="topk_softmax_bias",
+    router="router", fused_layout="transposed_interleaved", formats=("bf16", "mxfp4"), returns_router_output=1))
