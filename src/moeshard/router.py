@@ -6,6 +6,8 @@ Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
 * topk_softmax (gpt-oss, Granite): the top K logits, weights softmax over those K.
 * group_limited_greedy (DeepSeek-V2): softmax; each group scored by its best expert, only the
   best ``topk_group`` groups stay eligible.
+* topk_sigmoid (Cohere2-MoE): the top K logits, weights their sigmoid; with ``renormalize``
+  divided by their sum.
 
 * softmax scoring (Mixtral, Qwen2/Qwen3-MoE): p = softmax(logits); take the top K of p;
   with ``renormalize`` divide the K weights by their sum (Mixtral always, Qwen ``norm_topk_prob``).

@@ -16,6 +16,8 @@ topk_softmax           top K of the logits; weights = softmax over the K selecte
                        (gpt-oss, Granite)
 group_limited_greedy   p = softmax(logits); groups scored by their best expert, the best
                        ``topk_group`` kept; top K of p among them (DeepSeek-V2)
+topk_sigmoid           top K of the logits; weights = sigmoid of the K selected logits, optional
+                       renormalization (Cohere2-MoE ``expert_selection_fn="sigmoid"``)
 =====================  ==========================================================================
 
 Fields that only make room for later kinds: ``router_bias`` (the router is a linear with a bias:
@@ -118,3 +120,7 @@ for _kind in (
                 "softmax, groups scored by their best expert, top-k in the kept groups"),
 ):
     register_routing(_kind)
+
+# Cohere2-MoE with expert_selection_fn="sigmoid" (its "softmax" is topk_softmax).
+register_routing(RoutingKind("topk_sigmoid", "sigmoid", "topk_then_score", None, False, False, True, _FLOOR, False,
+                             "top-k of the logits, sigmoid of the selected, optional renormalization"))
