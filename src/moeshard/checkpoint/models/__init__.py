@@ -6,3 +6,8 @@ entries with ``register_family`` at import, and any routing or activation kind t
 ``moeshard.checkpoint.families`` imports this package once, after its own entries, so every
 family is known wherever ``FAMILIES`` is read. A new module is one import line below.
 """
+
+import moeshard.checkpoint.models.afmoe  # noqa: F401
+import moeshard.checkpoint.models.cohere2_moe  # noqa: F401
+import moeshard.checkpoint.models.deepseek_v3_style  # noqa: F401  glm4_moe, glm4_moe_lite, dots1, exaone_moe
+import moeshard.checkpoint.models.minimax_m2  # noqa: F401
