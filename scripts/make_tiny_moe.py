@@ -3,15 +3,52 @@
     PYTHONPATH=src python3 scripts/make_tiny_moe.py DIR [--family qwen3_moe] [--hidden 256]
         [--moe-intermediate 256] [--experts 8] [--layers 2] [--vocab 256] [--dtype bfloat16] [--seed 0]
 
-Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense). The defaults keep
-every size a multiple of 128, so ``--quant fp8_block`` also runs under ``--tp 2`` without EP
-(the intermediate slice of a TP rank must hold whole 128-wide blocks).
+Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense), and the
+sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
+glm4_moe_lite, dots1, exaone_moe, minimax_m2, afmoe, cohere2_moe), whose router weights and
+selection biases are drawn at random (transformers starts some at zero, where every expert ties).
+The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
+``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+# model_type -> its config class's arguments beyond the common sizes, given (moe_intermediate, experts).
+SIGMOID_FAMILIES = {
+    "glm4_moe": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, n_group=2, topk_group=1),
+    "glm4_moe_lite": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, num_key_value_heads=4,
+                                       q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
+                                       v_head_dim=32),
+    "dots1": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1),
+    "exaone_moe": lambda i, e: dict(num_experts=e, num_experts_per_tok=2, num_shared_experts=1),
+    "minimax_m2": lambda i, e: dict(intermediate_size=i, head_dim=64, num_local_experts=e, num_experts_per_tok=2),
+    "afmoe": lambda i, e: dict(head_dim=64, num_experts=e, num_experts_per_tok=2, num_shared_experts=1,
+                               route_scale=2.0),
+    "cohere2_moe": lambda i, e: dict(intermediate_size=i, head_dim=64, num_experts=e, num_experts_per_tok=2,
+                                     num_shared_experts=1, expert_selection_fn="sigmoid", first_k_dense_replace=1),
+}
+# The routers' (weight, selection bias) inside a block, where they are not gate.weight and
+# gate.e_score_correction_bias.
+ROUTER_PARAMS = {"minimax_m2": ("gate.weight", "e_score_correction_bias"), "afmoe": ("router.gate.weight", "expert_bias")}
+
+
+def randomize_routers(model, family: str, std: float) -> None:
+    """Router weights ~ N(0, std^2) and selection biases in [0, 0.3) in every MoE block."""
+    import torch
+
+    weight_name, bias_name = ROUTER_PARAMS.get(family, ("gate.weight", "gate.e_score_correction_bias"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if not hasattr(layer.mlp, "experts"):
+                continue
+            layer.mlp.get_parameter(weight_name).normal_(0.0, std)
+            owner, _, leaf = bias_name.rpartition(".")
+            bias = getattr(layer.mlp.get_submodule(owner) if owner else layer.mlp, leaf, None)
+            if bias is not None:
+                bias.uniform_(0.0, 0.3)
 
 
 def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
@@ -36,7 +73,11 @@ def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers:
                                    first_k_dense_replace=1, n_routed_experts=experts, num_experts_per_tok=2,
                                    n_group=2, topk_group=1, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=64,
                                    qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
-    raise SystemExit(f"unknown family {family!r}; choose mixtral, qwen2_moe, qwen3_moe or deepseek_v3")
+    if family in SIGMOID_FAMILIES:
+        return tf.AutoConfig.for_model(family, **{**common, **sizes, **SIGMOID_FAMILIES[family](moe_intermediate,
+                                                                                                 experts)})
+    raise SystemExit(f"unknown family {family!r}; choose mixtral, qwen2_moe, qwen3_moe, deepseek_v3 or one of "
+                     f"{', '.join(SIGMOID_FAMILIES)}")
 
 
 def main() -> int:
@@ -58,6 +99,8 @@ def main() -> int:
     torch.manual_seed(args.seed)
     cfg = build(args.family, args.hidden, args.moe_intermediate, args.experts, args.layers, args.vocab)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
+    if args.family in SIGMOID_FAMILIES:
+        randomize_routers(model, args.family, 2 / args.hidden**0.5)
     model.save_pretrained(args.dir)
     n = sum(p.numel() for p in model.parameters())
     print(f"saved {args.family} ({n / 1e6:.2f} M parameters, {args.dtype}) to {args.dir}")

@@ -61,13 +61,16 @@ class MoEConfig:
         choice to the best groups; ``routed_scaling_factor`` multiplies the final weights.
     Shared experts: ``num_shared_experts`` experts of ``shared_intermediate_size`` fused into one
     MLP of width ``num_shared_experts * shared_intermediate_size`` (DeepSeek-V3, Qwen2-MoE), optionally
-    multiplied by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
+    multiplied by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE), then by ``shared_scale``
+    (Cohere2-MoE's "average" combination, (routed + shared) / 2: ``shared_scale=0.5`` with
+    ``routed_scaling_factor=0.5``).
     Expert biases: ``expert_bias`` gives every routed expert a gate_up bias [2I] and a down bias
     [H] (gpt-oss), added to its projections' outputs (``moeshard.weights``).
 
     Every field is type-checked: sizes and counts are ints (not bools) in ``[1, MAX_DIM]``
     (``num_shared_experts`` and ``shared_intermediate_size`` may be 0), flags are real bools,
-    ``routed_scaling_factor`` a finite number in ``(0, MAX_ROUTED_SCALING]`` (stored as a float).
+    ``routed_scaling_factor`` and ``shared_scale`` finite numbers in ``(0, MAX_ROUTED_SCALING]``
+    (stored as floats).
     """
 
     num_experts: int
@@ -84,6 +87,7 @@ class MoEConfig:
     num_shared_experts: int = 0
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    shared_scale: float = 1.0
     dtype: torch.dtype = torch.float32
     expert_bias: bool = False
 
@@ -100,6 +104,9 @@ class MoEConfig:
         object.__setattr__(self, "routed_scaling_factor",
                            finite_float(owner, "routed_scaling_factor", self.routed_scaling_factor, 0.0,
                                         MAX_ROUTED_SCALING, low_open=True))
+        object.__setattr__(self, "shared_scale",
+                           finite_float(owner, "shared_scale", self.shared_scale, 0.0, MAX_ROUTED_SCALING,
+                                        low_open=True))
         try:
             object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         except ValueError as exc:
@@ -133,6 +140,8 @@ class MoEConfig:
                              f"{self.num_shared_experts}, got {self.shared_intermediate_size}")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError(f"{owner}.shared_expert_gate: True needs num_shared_experts > 0")
+        if self.shared_scale != 1.0 and not self.num_shared_experts:
+            raise ValueError(f"{owner}.shared_scale: {self.shared_scale} needs num_shared_experts > 0")
 
     @property
     def routing_kind(self) -> RoutingKind:

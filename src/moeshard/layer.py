@@ -8,7 +8,7 @@
      -> quantize activations (unless none or deferred): data + per-row scales
      -> dispatch (backend) -> experts (grouped kernel) -> combine (backend): fp32 [T, H]
      -> TP without EP: all-reduce the partial sums over TP
-     -> + shared experts (model dtype, on the same rows, once)
+     -> + shared experts (model dtype, on the same rows, once; times ``cfg.shared_scale``)
      -> SP only: all-gather over TP, drop the padding -> [T, H]
 
 The backend (``moeshard.dispatch``) owns the middle three steps' wire format: it quantizes
@@ -339,6 +339,8 @@ class MoELayer(nn.Module):
         shared = self.shared_experts(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        if self.cfg.shared_scale != 1.0:
+            shared = shared * self.cfg.shared_scale
         return shared.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

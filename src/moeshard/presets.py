@@ -61,6 +61,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                      n_group=4, topk_group=2, routed_scaling_factor=2.5, use_correction_bias=True,
                      num_shared_experts=1, shared_intermediate_size=64),
            "sigmoid, correction bias, grouped top-k, routed scaling, shared expert"),
+    # The full size is the transformers Cohere2MoeConfig default shape.
+    Preset("cohere2-moe",
+           MoEConfig(num_experts=8, top_k=2, hidden_size=8192, intermediate_size=22528, scoring="topk_sigmoid",
+                     renormalize=True, routed_scaling_factor=0.5, num_shared_experts=1,
+                     shared_intermediate_size=22528, shared_scale=0.5),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="topk_sigmoid",
+                     renormalize=True, routed_scaling_factor=0.5, num_shared_experts=1, shared_intermediate_size=64,
+                     shared_scale=0.5),
+           "top-k of the logits, sigmoid of the selected, renormalized; shared expert averaged with the routed"),
 )}
 
 

@@ -368,5 +368,5 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
         shared = cfg.activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
         if "shared_expert_gate" in sw:
             shared = torch.sigmoid(x64 @ sw["shared_expert_gate"].T) * shared
-        out += shared
+        out += shared * cfg.shared_scale
     return Reference(out, slack)

@@ -9,6 +9,8 @@ Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
 * topk_softmax_bias (gpt-oss): topk_softmax on the logits plus the router's bias.
 * topk_sigmoid_input (Llama-4): the top K logits, weights sigmoid of those K; the weights scale
   the experts' input (``weighted_rows``), not their output.
+* topk_sigmoid (Cohere2-MoE): the top K logits, weights their sigmoid; with ``renormalize``
+  divided by their sum.
 
 * softmax scoring (Mixtral, Qwen2/Qwen3-MoE): p = softmax(logits); take the top K of p;
   with ``renormalize`` divide the K weights by their sum (Mixtral always, Qwen ``norm_topk_prob``).

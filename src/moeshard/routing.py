@@ -19,6 +19,9 @@ group_limited_greedy   p = softmax(logits); groups scored by their best expert, 
 topk_softmax_bias      logits = x W^T + b (the router has a bias); then as topk_softmax (gpt-oss)
 topk_sigmoid_input     top K of the logits; weights = sigmoid of the K selected logits, applied to
                        the expert's *input*: expert(w * x), not w * expert(x) (Llama-4)
+
+topk_sigmoid           top K of the logits; weights = sigmoid of the K selected logits, optional
+                       renormalization (Cohere2-MoE ``expert_selection_fn="sigmoid"``)
 =====================  ==========================================================================
 
 ``router_bias``: the router is a linear with a bias, ``route`` needs the bias and adds it to the
@@ -131,3 +134,7 @@ for _kind in (
                 "top-k of the logits, sigmoid of the selected, applied to the expert's input"),
 ):
     register_routing(_kind)
+
+# Cohere2-MoE with expert_selection_fn="sigmoid" (its "softmax" is topk_softmax).
+register_routing(RoutingKind("topk_sigmoid", "sigmoid", "topk_then_score", None, False, False, True, _FLOOR, False,
+                             "top-k of the logits, sigmoid of the selected, optional renormalization"))

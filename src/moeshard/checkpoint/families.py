@@ -228,10 +228,17 @@ class ModelFamily:
       (``model.layers``: tensors ``model.layers.{L}.*``, module ``model.model.layers``).
     block_prefixes: where layer L's block lives, after ``{layers}.{L}.``, in the order tried, in
       the checkpoint; without the dot, the decoder layer's attribute in the transformers model.
-    router: the router's module name in the block (its weight [E, H] is ``{router}.weight``).
+    router: the router's module name in the block (its weight [E, H] is ``{router}.{router_weight}``).
+    router_weight: the weight's name inside the router module (``weight``; AFMoE's router wraps
+      a linear: ``gate.weight``).
     correction_bias: the router's selection-bias parameter [E] (``{router}.{correction_bias}``).
     router_bias: the router linear's bias parameter [E] (``{router}.{router_bias}``), read when the
       routing kind has ``router_bias`` (gpt-oss).
+    block_bias: None, or the name of a selection bias [E] the block holds itself instead of its
+      router (MiniMax-M2 ``e_score_correction_bias``, AFMoE ``expert_bias``); transformers then
+      calls the router as ``router(hidden_states, bias)``.
+    bias_aliases: further checkpoint names of the selection bias, after the block prefix, tried
+      after ``bias_module`` (EXAONE-MoE checkpoints keep it on the block: ``e_score_correction_bias``).
     experts: the routed experts' module name; fused_names: its (gate_up, down) fused parameters;
       fused_layout: how the fused gate_up holds gate and up (``FUSED_LAYOUTS``, ``checkpoint.fused``);
       expert_biases: its (gate_up [E, 2I], down [E, H]) bias parameters, read when the config has
@@ -254,7 +261,10 @@ class ModelFamily:
     layers: str = "model.layers"
     block_prefixes: tuple[str, ...] = ("mlp.",)
     router: str = "gate"
+    router_weight: str = "weight"
     correction_bias: str = "e_score_correction_bias"
+    block_bias: str | None = None
+    bias_aliases: tuple[str, ...] = ()
     experts: str = "experts"
     fused_names: tuple[str, str] = ("gate_up_proj", "down_proj")
     fused_layout: str = "gate_up_rows"
@@ -287,6 +297,25 @@ class ModelFamily:
                                  f"{list(getattr(self, name))}")
         if len(self.fused_names) != 2 or not all(isinstance(n, str) and n for n in self.fused_names):
             raise ValueError(f"{where}.fused_names: expected (gate_up, down) names, got {self.fused_names!r}")
+        if not (isinstance(self.router_weight, str) and self.router_weight):
+            raise ValueError(f"{where}.router_weight: expected a parameter name, got {self.router_weight!r}")
+        if self.block_bias is not None and not (isinstance(self.block_bias, str) and self.block_bias.isidentifier()):
+            raise ValueError(f"{where}.block_bias: expected None or a parameter name of the block, got "
+                             f"{self.block_bias!r}")
+        if not all(isinstance(a, str) and a and not a.endswith(".") for a in self.bias_aliases):
+            raise ValueError(f"{where}.bias_aliases: expected tensor names after the block prefix, got "
+                             f"{list(self.bias_aliases)}")
+
+    @property
+    def bias_module(self) -> str:
+        """The selection bias's name in the transformers block: the block's own ``block_bias``,
+        else the router's ``{router}.{correction_bias}``."""
+        return self.block_bias or f"{self.router}.{self.correction_bias}"
+
+    @property
+    def bias_names(self) -> tuple[str, ...]:
+        """The selection bias's checkpoint names after the block prefix, in the order tried."""
+        return (self.bias_module, *self.bias_aliases)
 
     @property
     def block_attributes(self) -> tuple[str, ...]:

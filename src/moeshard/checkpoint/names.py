@@ -3,7 +3,8 @@
 Every name below comes from the family's descriptor (``moeshard.checkpoint.families``): block
 prefix ``P`` is its ``layers`` path and ``{L}.`` (``model.layers.{L}.``) followed by one of its
 ``block_prefixes`` (``mlp.``; Mixtral on the hub: ``block_sparse_moe.``); the router is its
-``router`` module (``gate``), the experts its ``experts`` module with ``fused_names`` or one of
+``router`` module (``gate``, weight ``router_weight``), the selection bias the first of its
+``bias_names`` present (``gate.e_score_correction_bias``), the experts its ``experts`` module with ``fused_names`` or one of
 its ``expert_spellings``, the shared MLP one of its ``shared_prefixes``. The table shows the
 built-in families' names.
 
@@ -58,13 +59,15 @@ class BlockNames:
     ``fused_names`` (``experts.gate_up_proj``/``experts.down_proj``); spelling: per-expert
     module names (gate, up, down); shared_prefix: e.g. ``"shared_experts."`` or
     ``"shared_expert."`` (None without shared experts); family: where the router, expert and
-    shared-gate names come from."""
+    shared-gate names come from; bias: the selection bias's name after the prefix, the first of the
+    family's ``bias_names`` the checkpoint holds (None: the first of them)."""
 
     prefix: str
     fused: bool
     spelling: tuple[str, str, str]
     shared_prefix: str | None
     family: ModelFamily = field(repr=False)
+    bias: str | None = None
 
     @property
     def router_module(self) -> str:
@@ -73,11 +76,11 @@ class BlockNames:
 
     @property
     def router(self) -> str:
-        return f"{self.prefix}{self.family.router}.weight"
+        return f"{self.prefix}{self.family.router}.{self.family.router_weight}"
 
     @property
     def correction_bias(self) -> str:
-        return f"{self.prefix}{self.family.router}.{self.family.correction_bias}"
+        return f"{self.prefix}{self.bias or self.family.bias_names[0]}"
 
     @property
     def router_bias(self) -> str:
@@ -123,7 +126,7 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
     files = [p.name for p in ckpt.files]
     family = model.family
     candidates = [family.layer_prefix(layer) + p for p in family.block_prefixes]
-    router = f"{family.router}.weight"
+    router = f"{family.router}.{family.router_weight}"
     prefix = next((p for p in candidates if ckpt.has(p + router)), None)
     if prefix is None:
         wanted = " or ".join(repr(p + router) for p in candidates)
@@ -161,4 +164,6 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
             tried = [f"{prefix}{a}gate_proj.weight" for a in family.shared_prefixes]
             raise ValueError(f"layer {layer}: the config has shared experts but none of {tried} is in {files}")
         shared_prefix = present[0]
-    return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix, family=family)
+    bias = next((b for b in family.bias_names if ckpt.has(prefix + b)), None) if model.moe.use_correction_bias else None
+    return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix, family=family,
+                      bias=bias)

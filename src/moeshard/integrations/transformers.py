@@ -91,25 +91,38 @@ class MoEBlock(MoELayer):
     router: the block's transformers router module (the family's ``router``, ``gate``: ``weight``
     [E, H], DeepSeek-V3's ``e_score_correction_bias`` [E], gpt-oss's ``bias`` [E]); registered as
     ``router_name``, it replaces ``MoELayer``'s own ``gate``, so the router keeps transformers'
-    names and its forward hooks (transformers' router-logit recorder) keep firing.
-    correction_bias: the router's selection-bias parameter name; router_bias: the router linear's
-    bias parameter name (read when the routing kind has ``router_bias``); returns_router_output:
-    None, or i: ``forward`` returns ``(output, router(x)[i])`` as the family's block does.
-    layer: the decoder layer index (for messages). Other arguments as ``MoELayer``.
+    names and its forward hooks (transformers' router-logit recorder) keep firing. router_weight:
+    the router's weight parameter inside it (AFMoE: ``gate.weight``). correction_bias: the
+    router's selection-bias parameter name; router_bias: the router linear's bias parameter name
+    (read when the routing kind has ``router_bias``). block_bias: None, or the name under which
+    the block itself holds the selection bias (MiniMax-M2, AFMoE): the block then keeps
+    ``weights``' bias as that fp32 buffer [E] and calls the router as transformers does,
+    ``router(hidden_states, bias)``. returns_router_output: None, or i: ``forward`` returns
+    ``(output, router(x)[i])`` as the family's block does. layer: the decoder layer index (for
+    messages). Other arguments as ``MoELayer``.
     """
 
     def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, router_name: str = "gate",
-                 correction_bias: str = "e_score_correction_bias", router_bias: str = "bias",
+                 router_weight: str = "weight", correction_bias: str = "e_score_correction_bias",
+                 router_bias: str = "bias", block_bias: str | None = None,
                  returns_router_output: int | None = None, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
-        weight = getattr(router, "weight", None)
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
-            raise ValueError(f"MoEBlock (layer {layer}): the router's weight must be [num_experts={cfg.num_experts}, "
-                             f"hidden_size={cfg.hidden_size}], got "
-                             f"{None if not isinstance(weight, torch.Tensor) else tuple(weight.shape)}")
+        weight = _router_weight(router, router_weight)
+        if weight is None or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
+            raise ValueError(f"MoEBlock (layer {layer}): the router's {router_weight} must be [num_experts="
+                             f"{cfg.num_experts}, hidden_size={cfg.hidden_size}], got "
+                             f"{None if weight is None else tuple(weight.shape)}")
         self.layer_index = layer
-        self.router_name, self.bias_name, self.router_bias_name = router_name, correction_bias, router_bias
+        self.router_name, self.router_weight, self.bias_name, self.block_bias = (router_name, router_weight,
+                                                                                 correction_bias, block_bias)
+        self.router_bias_name = router_bias
         self.returns_router_output = returns_router_output
+        if block_bias is not None:
+            bias = self.gate.e_score_correction_bias
+            if bias is None:
+                raise ValueError(f"MoEBlock (layer {layer}): block_bias={block_bias!r} needs a config with "
+                                 f"use_correction_bias and the bias in weights")
+            self.register_buffer(block_bias, bias)
         # transformers' router stands in for MoELayer's Gate, under the family's router name.
         if router_name != "gate":
             del self.gate
@@ -124,11 +137,17 @@ class MoEBlock(MoELayer):
 
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights (moeshard's router on the
-        transformers router's weight, correction bias and, for a kind with ``router_bias``, bias)."""
-        weight = self.hf_router.weight
-        assert isinstance(weight, torch.Tensor)  # checked in __init__
+        transformers router's weight, selection bias and, for a kind with ``router_bias``, bias)."""
+        weight = _router_weight(self.hf_router, self.router_weight)
+        assert weight is not None  # checked in __init__
         bias = getattr(self.hf_router, self.router_bias_name, None) if self.cfg.routing_kind.router_bias else None
-        return route(router_logits(x, weight), self.cfg, getattr(self.hf_router, self.bias_name, None), bias)
+        return route(router_logits(x, weight), self.cfg, self._selection_bias(), bias)
+
+    def _selection_bias(self) -> torch.Tensor | None:
+        """fp32 [E]: the block's own bias (``block_bias``), else the router's, else None."""
+        if self.block_bias is not None:
+            return getattr(self, self.block_bias)
+        return getattr(self.hf_router, self.bias_name, None)
 
     # The block keeps transformers' contract (a tuple for some families), not MoELayer's [T, H].
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Any]:  # type: ignore[override]
@@ -138,7 +157,10 @@ class MoEBlock(MoELayer):
         observers (``output_router_logits``); its routing is not used."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        router_out = self.hf_router(x)
+        if self.block_bias is not None:  # as the transformers block calls it, on its own input
+            router_out = self.hf_router(hidden_states, getattr(self, self.block_bias))
+        else:
+            router_out = self.hf_router(x)
         out = super().forward(x).reshape(shape)
         if self.returns_router_output is not None:
             return out, router_out[self.returns_router_output]
@@ -148,6 +170,14 @@ class MoEBlock(MoELayer):
         s = self.shard
         return (f"layer={self.layer_index}, layout={self.parallel.name}, backend={self.backend_name}, "
                 f"quant={self.quant.name}, experts=[{s.expert_start}, {s.expert_stop}) of {self.cfg.num_experts}")
+
+
+def _router_weight(router: nn.Module, name: str) -> torch.Tensor | None:
+    """The router's weight parameter ``name`` (``weight``, ``gate.weight``), None if it has none."""
+    try:
+        return router.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 # -- finding the blocks -----------------------------------------------------------------------
@@ -281,8 +311,8 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str,
     """A block's state dict under the family's names and fused layout -> under ``MoEWeights``'
     canonical names and layout (``gate.weight``, ``gate.bias``, ``experts.gate_up_proj`` [E, 2I, H],
     ``experts.down_proj`` [E, H, I], their biases, ``shared_experts.*``, ``shared_expert_gate.weight``)."""
-    renames = {f"{family.router}.weight": "gate.weight",
-               f"{family.router}.{family.correction_bias}": "gate.e_score_correction_bias",
+    renames = {f"{family.router}.{family.router_weight}": "gate.weight",
+               family.bias_module: "gate.e_score_correction_bias",
                f"{family.router}.{family.router_bias}": "gate.bias",
                f"{family.experts}.{family.fused_names[0]}": "experts.gate_up_proj",
                f"{family.experts}.{family.fused_names[1]}": "experts.down_proj",
@@ -303,8 +333,9 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str,
 
 
 def _router_names(family: ModelFamily) -> dict[str, Any]:
-    return {"router_name": family.router, "correction_bias": family.correction_bias, "router_bias": family.router_bias,
-            "returns_router_output": family.returns_router_output}
+    return {"router_name": family.router, "router_weight": family.router_weight,
+            "correction_bias": family.correction_bias, "router_bias": family.router_bias,
+            "block_bias": family.block_bias, "returns_router_output": family.returns_router_output}
 
 
 def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, quant: QuantConfig | str | None = None,
@@ -399,6 +430,8 @@ def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, nam
     router = model.get_submodule(prefix + names.router_module)
     for local, t in list(router.named_parameters()) + list(router.named_buffers()):
         stored = f"{names.prefix}{names.router_module}.{local}"  # the checkpoint's block prefix (Mixtral: block_sparse_moe.)
+        if f"{names.router_module}.{local}" == names.family.bias_module:
+            stored = names.correction_bias  # the name this checkpoint keeps the bias under (EXAONE-MoE: the block's)
         _set(router, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8).to(device))
     return router
 

@@ -1,0 +1,78 @@
+"""Families whose blocks are DeepSeek-V3's: GLM-4-MoE, GLM-4-MoE-Lite, dots1, EXAONE-MoE.
+
+Their transformers router is DeepSeek-V3's ``noaux_tc`` (routing kind ``sigmoid``):
+s = sigmoid(fp32 logits), selection on s + ``e_score_correction_bias`` within the ``topk_group``
+best of ``n_group`` groups (a group scored by its best two), weights the unbiased s of the
+chosen experts, renormalized when ``norm_topk_prob``, times ``routed_scaling_factor``. A block
+adds ``n_shared`` shared experts of ``moe_intermediate_size`` fused into one MLP. transformers
+reads neither ``scoring_func`` nor ``topk_method`` for these model types, so neither is read here.
+
+=============  ===================================  ==============  =====  =============================
+model_type     experts / shared experts fields      norm_topk_prob  scale  dense layers
+=============  ===================================  ==============  =====  =============================
+glm4_moe       n_routed_experts / n_shared_experts  True            1.0    L < first_k_dense_replace (1)
+glm4_moe_lite  n_routed_experts / n_shared_experts  True            1.8    mlp_layer_types, else layer 0
+dots1          n_routed_experts / n_shared_experts  False           1.0    L < first_k_dense_replace (0)
+exaone_moe     num_experts / num_shared_experts     True            2.5    mlp_layer_types, else
+                                                                           L < first_k_dense_replace (1)
+=============  ===================================  ==============  =====  =============================
+
+(``n_group`` and ``topk_group`` default to 1 everywhere; these are the defaults of the
+transformers-5 config classes, used when config.json omits a field; dots1 has none for
+``n_shared_experts``). EXAONE-MoE checkpoints keep the bias on the block,
+``mlp.e_score_correction_bias``, which transformers renames to ``mlp.gate.e_score_correction_bias``:
+both names are read.
+"""
+
+from __future__ import annotations
+
+from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
+from moeshard.checkpoint.models.layer_types import listed_or_first_dense
+from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
+
+_EXPERTS = {"glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts", "dots1": "n_routed_experts",
+            "exaone_moe": "num_experts"}
+_SHARED = {"glm4_moe": "n_shared_experts", "glm4_moe_lite": "n_shared_experts", "dots1": "n_shared_experts",
+           "exaone_moe": "num_shared_experts"}
+
+
+def _moe(f: ConfigFields) -> MoEConfig:
+    model_type = f.family.model_type
+    act, H = f.activation(), f.int("hidden_size")
+    I = f.int("moe_intermediate_size")
+    shared = f.int(_SHARED[model_type], minimum=0)
+    return MoEConfig(num_experts=f.int(_EXPERTS[model_type]), top_k=f.int("num_experts_per_tok"), hidden_size=H,
+                     intermediate_size=I, activation=act, scoring=f.family.routing,
+                     renormalize=f.bool("norm_topk_prob"), n_group=f.int("n_group"), topk_group=f.int("topk_group"),
+                     routed_scaling_factor=f.float("routed_scaling_factor", 0.0, MAX_ROUTED_SCALING),
+                     use_correction_bias=True, num_shared_experts=shared, shared_intermediate_size=I if shared else 0)
+
+
+def _first_k_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
+    first = f.int("first_k_dense_replace", minimum=0)
+    return DenseLayers(num_layers, lambda layer: f"layer < first_k_dense_replace={first}" if layer < first else None)
+
+
+def _glm4_moe_lite_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
+    return listed_or_first_dense(f, num_layers, 1)
+
+
+def _exaone_moe_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
+    return listed_or_first_dense(f, num_layers, "first_k_dense_replace")
+
+
+_ROUTER = {"hidden_act": "silu", "n_group": 1, "topk_group": 1}
+
+for _family in (
+    ModelFamily("glm4_moe", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+                             "first_k_dense_replace": 1}, _moe, _first_k_dense, routing="sigmoid"),
+    ModelFamily("glm4_moe_lite", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
+                                  "norm_topk_prob": True, "mlp_layer_types": None},
+                _moe, _glm4_moe_lite_dense, routing="sigmoid"),
+    ModelFamily("dots1", {**_ROUTER, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+                          "first_k_dense_replace": 0}, _moe, _first_k_dense, routing="sigmoid"),
+    ModelFamily("exaone_moe", {**_ROUTER, "num_shared_experts": 1, "routed_scaling_factor": 2.5,
+                               "norm_topk_prob": True, "first_k_dense_replace": 1, "mlp_layer_types": None},
+                _moe, _exaone_moe_dense, routing="sigmoid", bias_aliases=("e_score_correction_bias",)),
+):
+    register_family(_family)

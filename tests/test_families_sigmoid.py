@@ -1,0 +1,408 @@
+"""Sigmoid-scored and logit-then-score families, whole models against transformers.
+
+Tiny random models of GLM-4-MoE (grouped top-k), GLM-4-MoE-Lite, dots1 (grouped, no
+renormalization), EXAONE-MoE (two shared experts, the bias under the block in the checkpoint),
+MiniMax-M2 (the bias on the block, every layer MoE), AFMoE (the bias on the block, a router
+wrapping a linear, route_scale) and Cohere2-MoE (top-k of the logits, then sigmoid or softmax
+over the selected; shared experts averaged with the routed ones) are built from transformers' own
+config classes and saved with ``save_pretrained``. Their router weights and selection biases are
+drawn at random (transformers initialises the biases, and AFMoE's router, to zero, where every
+expert ties), and the one-rank test checks that the bias changes some token's experts, so a
+block that ignored the bias, or took the weights from the biased scores, would fail.
+
+At one rank the logits (and the router logits transformers records) equal transformers' within
+fp32 1e-5, loaded from the checkpoint and sharded in memory. Greedy ids equal transformers'
+``generate`` under EP2 (dp2-tp1-ep), SP (dp1-tp2-ep), TP2 (dp1-tp2-noep) and dp2-tp2-ep: one
+spawn per world size runs every family's cases. A family whose config class this transformers
+lacks is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeshard.jobs.generate import (
+    GenerateSpec,
+    compare_generations,
+    generate_plans,
+    plan_generate,
+    reference_generate,
+)
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.spawn import RankFailure, spawn
+
+tf = pytest.importorskip("transformers")
+
+SPAWN_TIMEOUT_S = 300.0
+NEW_TOKENS = 4
+PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11,))
+SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+MLA = dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+           v_head_dim=8)
+
+# model_type -> the config class's arguments beyond SMALL.
+CONFIGS: dict[str, dict] = {
+    "glm4_moe": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, routed_scaling_factor=1.5),
+    "glm4_moe_lite": dict(MLA, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+                          num_experts_per_tok=2),
+    "dots1": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                  n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1),
+    "exaone_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                       num_shared_experts=2),
+    "minimax_m2": dict(intermediate_size=16, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
+    "afmoe": dict(intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                  num_shared_experts=1, route_scale=2.0),
+    # The config class's default combination, "average"; its "softmax" selection runs at one rank below.
+    "cohere2_moe": dict(intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                        expert_selection_fn="sigmoid", first_k_dense_replace=1, prefix_dense_intermediate_size=48),
+}
+# Where each family's router weight and selection bias live in a block.
+ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
+                 "minimax_m2": ("gate.weight", "e_score_correction_bias")}
+FAMILIES = tuple(CONFIGS)
+
+
+def _config(model_type: str):
+    """transformers' config of the tiny model, or None where this transformers lacks the type."""
+    try:
+        return tf.AutoConfig.for_model(model_type, **{**SMALL, **CONFIGS[model_type]})
+    except (KeyError, ValueError):
+        return None
+
+
+def _randomize_routers(model, model_type: str, generator: torch.Generator) -> None:
+    """Router weights at std 2/sqrt(H) and selection biases in [0, 0.3): scores spread out, no ties."""
+    weight_name, bias_name = ROUTER_PARAMS.get(model_type, ("gate.weight", "gate.e_score_correction_bias"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            block = layer.mlp
+            if not hasattr(block, "experts"):
+                continue
+            weight = block.get_parameter(weight_name)
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 2 / weight.shape[1] ** 0.5)
+            owner, _, leaf = bias_name.rpartition(".")
+            bias = getattr(block.get_submodule(owner) if owner else block, leaf, None)
+            if bias is not None:
+                bias.copy_(torch.rand(bias.shape, generator=generator) * 0.3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """model_type -> directory of its tiny random model (families this transformers has)."""
+    root = tmp_path_factory.mktemp("tiny-sigmoid")
+    out = {}
+    for seed, model_type in enumerate(FAMILIES):
+        cfg = _config(model_type)
+        if cfg is None:
+            continue
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+        _randomize_routers(model, model_type, torch.Generator().manual_seed(100 + seed))
+        model.save_pretrained(root / model_type)
+        out[model_type] = str(root / model_type)
+    return out
+
+
+def _model(models, model_type: str) -> str:
+    if model_type not in models:
+        pytest.skip(f"transformers {tf.__version__} has no config class for model_type {model_type!r}")
+    return models[model_type]
+
+
+def _plan(model_dir: str, layout: ParallelConfig | None = None):
+    return plan_generate(GenerateSpec(model_dir, PROMPTS, NEW_TOKENS, layout or ParallelConfig(), compare=True))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers alone for a plan's batches, computed once per (model, batches)."""
+    cache = {}
+
+    def get(plan):
+        key = (plan.spec.model_dir, plan.dp_prompts)
+        if key not in cache:
+            cache[key] = reference_generate(plan)
+        return cache[key]
+
+    return get
+
+
+def _check_parity(plan, results, reference) -> None:
+    for r in results:
+        assert not isinstance(r, dict), f"rank raised: {r}"
+        assert r.tp_disagreements == 0
+    c = compare_generations(plan, results, reference(plan))
+    assert c.atol == 1e-5 and c.within_tolerance, f"{plan.parallel.name} {plan.model_type}: logits off by {c.step_max_abs}"
+    assert all(c.same_ids), f"{plan.parallel.name} {plan.model_type}: ids differ at steps {c.first_difference}"
+
+
+# -- one rank ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_one_rank_logits_and_router_logits_equal_transformers(models, model_type):
+    """(1,1), fp32: the model's logits, loss and every recorded router logit match transformers'
+    within 1e-5, loaded from the checkpoint and sharded in memory (transformers' router keeps
+    running inside the block, so its recorder still sees every MoE layer)."""
+    from moeshard.integrations.transformers import MoEBlock, load_sharded_model, shard_moe_blocks
+    from moeshard.router import route, router_logits
+
+    model_dir = _model(models, model_type)
+    ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
+    plain = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    want = plain(ids, labels=ids, output_router_logits=True)
+    moe_layers = [i for i, layer in enumerate(plain.model.layers) if hasattr(layer.mlp, "experts")]
+    assert moe_layers
+    for model in (load_sharded_model(model_dir),
+                  shard_moe_blocks(tf.AutoModelForCausalLM.from_pretrained(model_dir).eval())):
+        assert [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoEBlock)] == moe_layers
+        block = model.model.layers[moe_layers[0]].mlp
+        rows: list[torch.Tensor] = []
+        hook = block.register_forward_pre_hook(
+            lambda _m, args, rows=rows: rows.append(args[0].reshape(-1, args[0].shape[-1])))
+        with torch.no_grad():
+            got = model(ids, labels=ids, output_router_logits=True)
+        hook.remove()
+        if block.cfg.use_correction_bias:  # the bias decides some token's experts
+            weight = block.hf_router.get_parameter(block.router_weight)
+            unbiased = route(router_logits(rows[0], weight), block.cfg, torch.zeros(block.cfg.num_experts))
+            assert not torch.equal(block.route(rows[0]).topk_ids, unbiased.topk_ids)
+        assert torch.allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5), (got.logits - want.logits).abs().max()
+        assert torch.allclose(got.loss, want.loss, atol=1e-6)
+        if getattr(want, "aux_loss", None) is not None:
+            assert torch.allclose(got.aux_loss, want.aux_loss, atol=1e-6)
+        if getattr(want, "router_logits", None) is not None:
+            assert len(got.router_logits) == len(want.router_logits) == len(moe_layers)
+            assert torch.equal(got.router_logits[0], want.router_logits[0])  # the same rows reach the first block
+            for a, b in zip(got.router_logits, want.router_logits, strict=True):
+                assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+# -- several ranks: one spawn per world size --------------------------------------------------
+WORLD_LAYOUTS = {2: (ParallelConfig(2, 1, True), ParallelConfig(1, 2, True), ParallelConfig(1, 2, False)),
+                 4: (ParallelConfig(2, 2, True),)}
+
+
+@pytest.fixture(scope="module")
+def world(models):
+    """world size -> {(layout name, model_type): (plan, per-rank results)}: every family this
+    transformers has, under every layout of that world size, in one spawn."""
+    cache = {}
+
+    def get(ws: int):
+        if ws not in cache:
+            keys = [(layout, model_type) for layout in WORLD_LAYOUTS[ws] for model_type in FAMILIES
+                    if model_type in models]
+            plans = [_plan(models[model_type], layout) for layout, model_type in keys]
+            try:
+                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S)
+            except RankFailure as failure:
+                cache[ws] = failure
+            else:
+                cache[ws] = {(layout.name, model_type): (plan, [per_rank[r][i] for r in range(ws)])
+                             for i, ((layout, model_type), plan) in enumerate(zip(keys, plans, strict=True))}
+        if isinstance(cache[ws], RankFailure):
+            pytest.fail(f"the {ws}-rank run failed:\n{cache[ws]}")
+        return cache[ws]
+
+    return get
+
+
+def _layout_params():
+    # The 4-rank world costs about a minute on 2 cores (four processes importing transformers):
+    # `make test-slow`. Its layout's code path runs in `make test` for deepseek_v3's sigmoid
+    # routing (test_transformers_integration), and these families' own code (names, bias,
+    # routing) runs here under EP, SP and TP in the 2-rank world.
+    return [pytest.param(ws, layout.name, id=layout.name, marks=[pytest.mark.slow] if ws == 4 else [])
+            for ws, layouts in WORLD_LAYOUTS.items() for layout in layouts]
+
+
+@pytest.mark.parametrize("ws, layout", _layout_params())
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_layout_generates_what_transformers_generates(models, world, reference, ws, layout, model_type):
+    _model(models, model_type)
+    plan, results = world(ws)[(layout, model_type)]
+    _check_parity(plan, results, reference)
+    p = plan.parallel
+    if p.enable_ep:  # each rank holds only its own experts
+        per = plan.cfg.num_experts // ws
+        assert [r.experts for r in results] == [(r * per, (r + 1) * per) for r in range(ws)]
+    else:
+        width = plan.cfg.intermediate_size // p.tp
+        assert [r.intermediate for r in results] == [(t * width, (t + 1) * width) for t in range(p.tp)]
+
+
+def test_cohere2_softmax_selection_and_summed_shared_expert():
+    """Cohere2-MoE's other settings, in memory at one rank: softmax over the selected logits
+    (``topk_softmax``, norm_topk_prob unread) and shared experts summed, not averaged."""
+    from moeshard.integrations.transformers import MoEBlock, shard_moe_blocks
+
+    cfg = _config("cohere2_moe")
+    if cfg is None:
+        pytest.skip(f"transformers {tf.__version__} has no config class for model_type 'cohere2_moe'")
+    cfg.expert_selection_fn, cfg.shared_expert_combination_strategy, cfg.norm_topk_prob = "softmax", "sum", False
+    torch.manual_seed(7)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    _randomize_routers(model, "cohere2_moe", torch.Generator().manual_seed(8))
+    ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = model(ids).logits
+        shard_moe_blocks(model)
+        got = model(ids).logits
+    block = model.model.layers[1].mlp
+    assert isinstance(block, MoEBlock)
+    assert (block.cfg.scoring, block.cfg.renormalize, block.cfg.routed_scaling_factor, block.cfg.shared_scale) == \
+        ("topk_softmax", False, 1.0, 1.0)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+# -- the routing kind topk_sigmoid and shared_scale -------------------------------------------
+def _cfg(**kw):
+    from moeshard.config import MoEConfig
+
+    return MoEConfig(**{"num_experts": 4, "top_k": 2, "hidden_size": 8, "intermediate_size": 8, **kw})
+
+
+def test_topk_sigmoid_scores_the_selected_logits_with_a_sigmoid():
+    import math
+
+    from moeshard.router import route
+
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0], [1.0, 3.0, 2.0, 3.0]])
+    s = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+    plain = route(logits, _cfg(scoring="topk_sigmoid", renormalize=False))
+    # row 0: logits 2 (expert 1), 1 (expert 3); row 1: experts 1 and 3 tie at 3 (lower index first)
+    assert plain.topk_ids.tolist() == [[1, 3], [1, 3]]
+    assert plain.topk_weights.tolist()[0] == pytest.approx([s(2), s(1)], rel=1e-6)
+    assert plain.topk_weights.tolist()[1] == pytest.approx([s(3), s(3)], rel=1e-6)
+    normed = route(logits, _cfg(scoring="topk_sigmoid", renormalize=True, routed_scaling_factor=0.5))
+    assert normed.topk_ids.tolist() == plain.topk_ids.tolist()
+    assert normed.topk_weights.tolist()[0] == pytest.approx([0.5 * s(2) / (s(2) + s(1)), 0.5 * s(1) / (s(2) + s(1))])
+    assert normed.topk_weights.tolist()[1] == [0.25, 0.25]
+    with pytest.raises(ValueError, match=r"n_group: scoring='topk_sigmoid' has no group top-k, got n_group=2"):
+        _cfg(scoring="topk_sigmoid", n_group=2)
+    with pytest.raises(ValueError, match=r"use_correction_bias: only defined for scoring='sigmoid'"):
+        _cfg(scoring="topk_sigmoid", use_correction_bias=True)
+
+
+def test_shared_scale_refusals():
+    with pytest.raises(ValueError, match=r"MoEConfig.shared_scale: 0.5 needs num_shared_experts > 0"):
+        _cfg(shared_scale=0.5)
+    with pytest.raises(ValueError, match=r"MoEConfig.shared_scale: must be a finite number in \(0, 1000\], got 0"):
+        _cfg(num_shared_experts=1, shared_intermediate_size=8, shared_scale=0)
+    assert type(_cfg(num_shared_experts=1, shared_intermediate_size=8, shared_scale=1).shared_scale) is float
+
+
+def test_topk_sigmoid_and_shared_scale_through_layer_and_reference():
+    """The layer and the reference agree on the preset's routing and averaged shared expert, and
+    the shared expert's share is exactly half of what it is with shared_scale=1."""
+    from dataclasses import replace
+
+    from moeshard.layer import MoELayer
+    from moeshard.presets import PRESETS
+    from moeshard.reference import reference_forward
+    from moeshard.tolerances import compare
+    from moeshard.weights import MoEWeights
+
+    c = PRESETS["cohere2-moe"].config("small")
+    assert (c.scoring, c.shared_scale, c.routed_scaling_factor) == ("topk_sigmoid", 0.5, 0.5)
+    w = MoEWeights.random(c, torch.Generator().manual_seed(3))
+    x = torch.randn(12, c.hidden_size, generator=torch.Generator().manual_seed(4))
+    layer = MoELayer(c, weights=w)
+    with torch.no_grad():
+        y = layer(x)
+        summed = MoELayer(replace(c, shared_scale=1.0), weights=w)(x)
+    ref = reference_forward(x, w, c)
+    assert compare(y, ref, c.dtype, "none")[3]
+    shared = reference_forward(x, w, replace(c, shared_scale=1.0)).out - ref.out
+    assert torch.allclose((summed - y).double(), shared, atol=1e-5)
+    assert shared.abs().max() > 0.01
+
+
+# -- config.json and checkpoint names ---------------------------------------------------------
+def _parse(model_type: str, **fields):
+    from moeshard.checkpoint.hf_config import parse_hf_config
+
+    base = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 32, "moe_intermediate_size": 16,
+            "intermediate_size": 16, "num_experts_per_tok": 2, "n_routed_experts": 4, "num_experts": 4,
+            "num_local_experts": 4, "n_shared_experts": 1}
+    return parse_hf_config({**base, **fields}, f"{model_type}/config.json")
+
+
+def test_dense_layers_follow_the_config_class():
+    assert list(_parse("glm4_moe").dense_layers) == [0]  # first_k_dense_replace defaults to 1
+    assert list(_parse("dots1").dense_layers) == []  # ... to 0
+    assert list(_parse("glm4_moe_lite", first_k_dense_replace=3).dense_layers) == [0]  # transformers ignores it
+    assert list(_parse("glm4_moe_lite", mlp_layer_types=["sparse", "dense", "sparse", "dense"]).dense_layers) == [1, 3]
+    assert list(_parse("exaone_moe", first_k_dense_replace=2).dense_layers) == [0, 1]
+    assert list(_parse("exaone_moe", first_k_dense_replace=2, mlp_layer_types=["sparse"] * 3 + ["dense"])
+                .dense_layers) == [3]  # the list wins, as in transformers
+    assert list(_parse("afmoe", num_dense_layers=3).dense_layers) == [0, 1, 2]
+    assert list(_parse("minimax_m2").dense_layers) == []
+    info = _parse("exaone_moe")
+    with pytest.raises(ValueError, match=r"layer 0 of this exaone_moe model has no MoE block: it is a dense layer "
+                                         r"\(layer < first_k_dense_replace=1 \(no mlp_layer_types\)\)"):
+        info.check_layer(0)
+    with pytest.raises(ValueError, match=r"mlp_layer_types must be a list of \['dense', 'sparse'\], got \['moe'"):
+        _parse("glm4_moe_lite", mlp_layer_types=["moe"] * 4)
+    with pytest.raises(ValueError, match="mlp_layer_types has 2 entries, but num_hidden_layers=4"):
+        _parse("exaone_moe", mlp_layer_types=["dense", "sparse"])
+
+
+def test_routing_fields_follow_the_config_class():
+    glm = _parse("glm4_moe").moe
+    assert (glm.scoring, glm.renormalize, glm.routed_scaling_factor, glm.n_group, glm.use_correction_bias,
+            glm.shared_width) == ("sigmoid", True, 1.0, 1, True, 16)
+    assert _parse("glm4_moe_lite").moe.routed_scaling_factor == 1.8
+    dots = _parse("dots1", n_group=2, topk_group=1).moe
+    assert (dots.renormalize, dots.n_group, dots.topk_group) == (False, 2, 1)
+    exaone = _parse("exaone_moe").moe
+    assert (exaone.routed_scaling_factor, exaone.num_shared_experts) == (2.5, 1)
+    m2 = _parse("minimax_m2").moe
+    assert (m2.intermediate_size, m2.renormalize, m2.has_shared_experts) == (16, True, False)
+    af = _parse("afmoe", route_scale=2.5).moe
+    assert (af.routed_scaling_factor, af.renormalize, af.num_shared_experts) == (2.5, True, 2)
+    with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
+        _parse("dots1", n_shared_experts=None)
+    with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):
+        _parse("afmoe", route_scale=0)
+
+
+def test_exaone_bias_read_under_either_name(models, tmp_path):
+    """transformers saves EXAONE-MoE's bias on the block (``mlp.e_score_correction_bias``, as the
+    hub has it); a checkpoint written from the module's state dict has it on the router. Both load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moeshard.checkpoint import load_moe_block
+
+    source = _model(models, "exaone_moe")
+    saved = load_moe_block(source, 1)
+    assert saved.names.correction_bias == "model.layers.1.mlp.e_score_correction_bias"
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.mlp.gate.e_score_correction_bias"] = tensors.pop("model.layers.1.mlp.e_score_correction_bias")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    moved = load_moe_block(tmp_path, 1)
+    assert moved.names.correction_bias == "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(moved.weights.correction_bias, saved.weights.correction_bias)
+    assert saved.weights.correction_bias.abs().sum() > 0
+
+
+def test_family_descriptor_refuses_bad_router_names():
+    from dataclasses import replace
+
+    from moeshard.checkpoint.families import FAMILIES
+
+    base = FAMILIES["afmoe"]
+    assert (base.bias_module, base.bias_names) == ("expert_bias", ("expert_bias",))
+    assert FAMILIES["exaone_moe"].bias_names == ("gate.e_score_correction_bias", "e_score_correction_bias")
+    with pytest.raises(ValueError, match=r"ModelFamily\('afmoe'\).block_bias: expected None or a parameter name "
+                                         r"of the block, got 'router.bias'"):
+        replace(base, block_bias="router.bias")
+    with pytest.raises(ValueError, match=r"router_weight: expected a parameter name, got ''"):
+        replace(base, router_weight="")
+    with pytest.raises(ValueError, match=r"bias_aliases: expected tensor names after the block prefix, got \['x.'\]"):
+        replace(base, bias_aliases=("x.",))
