@@ -3,12 +3,14 @@
     PYTHONPATH=src python3 scripts/make_tiny_moe.py DIR [--family qwen3_moe] [--hidden 256]
         [--moe-intermediate 256] [--experts 8] [--layers 2] [--vocab 256] [--dtype bfloat16] [--seed 0]
 
-Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense), and the
+Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense), the
 sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
 glm4_moe_lite, dots1, exaone_moe, minimax_m2, afmoe, cohere2_moe), whose router weights and
-selection biases are drawn at random (transformers starts some at zero, where every expert ties).
-The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
-``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
+selection biases are drawn at random (transformers starts some at zero, where every expert ties),
+gpt_oss (random expert biases: transformers initialises them to zero) and llama4_text (top-1, a
+shared expert, MoE on every second layer). The defaults keep every size a multiple of 128, so
+``--quant fp8_block`` also runs under ``--tp 2`` without EP (the intermediate slice of a TP rank
+must hold whole 128-wide blocks).
 """
 
 from __future__ import annotations
@@ -76,8 +78,33 @@ def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers:
     if family in SIGMOID_FAMILIES:
         return tf.AutoConfig.for_model(family, **{**common, **sizes, **SIGMOID_FAMILIES[family](moe_intermediate,
                                                                                                  experts)})
-    raise SystemExit(f"unknown family {family!r}; choose mixtral, qwen2_moe, qwen3_moe, deepseek_v3 or one of "
-                     f"{', '.join(SIGMOID_FAMILIES)}")
+    if family in EXTRA:
+        return EXTRA[family](hidden, moe_intermediate, experts, layers, vocab)
+    raise SystemExit(f"unknown family {family!r}; choose mixtral, qwen2_moe, qwen3_moe, deepseek_v3, "
+                     f"{', '.join([*SIGMOID_FAMILIES, *EXTRA])}")
+
+
+def _gpt_oss(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    return tf.AutoConfig.for_model("gpt_oss", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                                   intermediate_size=moe_intermediate, num_local_experts=experts,
+                                   num_experts_per_tok=2, initializer_range=0.2, max_position_embeddings=512)
+
+
+def _llama4_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    return tf.AutoConfig.for_model("llama4_text", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                                   intermediate_size=moe_intermediate, intermediate_size_mlp=2 * moe_intermediate,
+                                   num_local_experts=experts, num_experts_per_tok=1,
+                                   interleave_moe_layer_step=2 if layers > 1 else 1, initializer_range=0.2)
+
+
+# Families built from transformers' config class by model type (AutoConfig.for_model).
+EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text}
 
 
 def main() -> int:
@@ -101,6 +128,10 @@ def main() -> int:
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
     if args.family in SIGMOID_FAMILIES:
         randomize_routers(model, args.family, 2 / args.hidden**0.5)
+    with torch.no_grad():  # expert biases (gpt_oss) start at zero in transformers: random, so that they count
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(args.dir)
     n = sum(p.numel() for p in model.parameters())
     print(f"saved {args.family} ({n / 1e6:.2f} M parameters, {args.dtype}) to {args.dir}")

@@ -325,7 +325,7 @@ class MoELayer(nn.Module):
         if rec is not None:
             rec.record("combine", out=out)
         if self.cfg.routing_kind.weights_on_input:
-            out = out.view(T, self.cfg.top_k, -1).sum(dim=1)  # the K weighted rows of each token
+            out = out.view(T, self.cfg.top_k, out.shape[1]).sum(dim=1)  # the K weighted rows of each token
         if self.parallel.tp > 1 and not self.parallel.enable_ep:
             assert self.groups is not None  # tp > 1 needs groups (without them the layout is one device)
             all_reduce(out, self.groups.tp_group, "tp", trace=self.groups.trace)

@@ -70,6 +70,18 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                      renormalize=True, routed_scaling_factor=0.5, num_shared_experts=1, shared_intermediate_size=64,
                      shared_scale=0.5),
            "top-k of the logits, sigmoid of the selected, renormalized; shared expert averaged with the routed"),
+    Preset("gpt-oss-120b",
+           MoEConfig(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880, scoring="topk_softmax_bias",
+                     activation="swiglu_clamped", renormalize=False, expert_bias=True),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="topk_softmax_bias",
+                     activation="swiglu_clamped", renormalize=False, expert_bias=True),
+           "router bias, softmax over the top-k logits, expert biases, clamped SwiGLU"),
+    Preset("llama4-scout",
+           MoEConfig(num_experts=16, top_k=1, hidden_size=5120, intermediate_size=8192, scoring="topk_sigmoid_input",
+                     renormalize=False, num_shared_experts=1, shared_intermediate_size=8192),
+           MoEConfig(num_experts=8, top_k=1, hidden_size=128, intermediate_size=512, scoring="topk_sigmoid_input",
+                     renormalize=False, num_shared_experts=1, shared_intermediate_size=64),
+           "sigmoid of the top-1 logit applied to the expert's input, shared expert"),
 )}
 
 

@@ -10,11 +10,16 @@ each rank's values are compared, stage by stage in pipeline order (``STAGES``):
                an expert the token chose, each (token, top-k slot) exactly once; which token a
                row carries is found from its bytes, so no backend has to say
     experts    each received row through its expert (a TP rank: its slice of the intermediate
-               dimension), within the table's bound plus the reference's slack for that row
+               dimension, with its slice of the expert biases and, TP rank 0, the down bias),
+               within the table's bound plus the reference's slack for that row
     combine    the weighted sums over top-k (a TP slice's part), same bound with the slack
     tp_reduce  the sums after the TP all-reduce (TP without EP)
     shared     the shared experts' contribution, within the table's bound
     output     the returned rows, as the check compares them
+
+A routing kind with the weight on the expert's input (``weights_on_input``) is explained for
+top-1, where each token is one routed row x * w: payload, dispatch and experts are then those
+rows', combined with weight 1 (every such preset is top-1).
 
 The report names the first stage with a value out of bound: its rank, token (index within the
 DP rank and over all tokens of the case), expert and top-k slot, expected against got, and how
@@ -33,7 +38,7 @@ from moeshard.harness.inputs import CaseData, case_tokens_of
 from moeshard.parallel.sequence import SequenceChunk
 from moeshard.quant import quantize_activations, to_wire
 from moeshard.reference import _fake_quant, expert_rows_batched
-from moeshard.router import route, router_logits
+from moeshard.router import route, router_logits, weighted_rows
 from moeshard.sharding import shard_spec
 from moeshard.stages import STAGES
 from moeshard.tolerances import tolerance
@@ -95,18 +100,25 @@ class _Domain:
         self.local = [t for d in dps for t in range(case.tokens[d])]
         self.offset = {d: sum(case.tokens[e] for e in dps[:i]) for i, d in enumerate(dps)}
         bias = None if weights.correction_bias is None else weights.correction_bias
-        r = route(router_logits(self.x, weights.gate), cfg, bias)
+        r = route(router_logits(self.x, weights.gate), cfg, bias, weights.gate_bias)
         self.ids, self.weights = r.topk_ids, r.topk_weights
-        amax: torch.Tensor | None = self.x.abs().amax().float() if self.x.numel() else torch.zeros(())
+        combine_weights = r.topk_weights
+        # The rows the experts see: the tokens, or with weights on the input x * w (top-1: one row
+        # per token, so every stage's rows are still the tokens' rows), combined with weight 1.
+        routed = self.x
+        if cfg.routing_kind.weights_on_input:
+            routed, r = weighted_rows(self.x, r, cfg.dtype)
+            combine_weights = r.topk_weights.view(-1, cfg.top_k)
+        amax: torch.Tensor | None = routed.abs().amax().float() if routed.numel() else torch.zeros(())
         amax = amax if scheme.per_tensor_activation else None
         self.scales = None
         if scheme.quantized and not case.quant.defer_input_quant:
-            q = quantize_activations(self.x, scheme.name, amax=amax)
+            q = quantize_activations(routed, scheme.name, amax=amax)
             self.rows = to_wire(q.data)
             self.scales = None if q.row_scale is None else to_wire(q.row_scale)
         else:
-            self.rows = self.x
-        xq = _fake_quant(self.x, scheme.name, amax)
+            self.rows = routed
+        xq = _fake_quant(routed, scheme.name, amax)
         experts = data.dequantized(case, scheme.name)
         slices = 1 if p.enable_ep else p.tp
         I, N, K = cfg.intermediate_size, self.x.shape[0], cfg.top_k
@@ -120,14 +132,20 @@ class _Domain:
             gate_up = [torch.cat([experts.gate_up[e][s * w:(s + 1) * w], experts.gate_up[e][I + s * w:I + (s + 1) * w]])
                        for e, _, _ in chosen]
             down = [experts.down[e][:, s * w:(s + 1) * w] for e, _, _ in chosen]
+            biases = None
+            if experts.gate_up_bias is not None and experts.down_bias is not None:
+                b13, b2 = experts.gate_up_bias, experts.down_bias
+                # a TP slice's gate_up bias; the down bias on slice 0 only (TP rank 0 adds it)
+                biases = ([torch.cat([b13[e][s * w:(s + 1) * w], b13[e][I + s * w:I + (s + 1) * w]])
+                           for e, _, _ in chosen], [b2[e] if s == 0 else None for e, _, _ in chosen])
             results = expert_rows_batched([xq[n] for _, n, _ in chosen], gate_up, down, cfg.activation, cfg.dtype,
-                                          scheme.name, 1, accumulation)
+                                          scheme.name, 1, accumulation, biases=biases)
             for (_, n, k), (ye, se) in zip(chosen, results, strict=True):
                 assert se is not None  # expert_rows_batched computes the slack (with_slack=True)
                 y[n, k], slack[n, k] = ye, se
             self.y.append(y)
             self.slack.append(slack)
-        wk = self.weights.double().unsqueeze(-1)
+        wk = combine_weights.double().unsqueeze(-1)
         self.combine = [(y * wk).sum(dim=1) for y in self.y]
         self.combine_slack = [(s * wk.abs()).sum(dim=1) for s in self.slack]
         self.shared = None
