@@ -406,3 +406,45 @@ def test_family_descriptor_refuses_bad_router_names():
         replace(base, router_weight="")
     with pytest.raises(ValueError, match=r"bias_aliases: expected tensor names after the block prefix, got \['x.'\]"):
         replace(base, bias_aliases=("x.",))
+
+
+def test_minimax_m2_fp8_block_checkpoint(tmp_path):
+    """MiniMax-M2 ships FP8 block checkpoints (w1/w3/w2 per expert, weight_scale_inv per 128 x 128
+    tile, router and bias unquantized): the experts load as fp8_block as stored, the bias from the
+    block, and generation runs."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moeshard.integrations.transformers import MoEBlock, load_sharded_model
+    from moeshard.jobs.generate import greedy
+
+    cfg = tf.AutoConfig.for_model("minimax_m2", **{**SMALL, "hidden_size": 128, "intermediate_size": 128, "head_dim": 32,
+                                                   "num_local_experts": 4, "num_experts_per_tok": 2})
+    torch.manual_seed(11)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    _randomize_routers(model, "minimax_m2", torch.Generator().manual_seed(12))
+    model.save_pretrained(tmp_path)
+    stored = {}
+    for name, w in load_file(tmp_path / "model.safetensors").items():
+        if w.dim() == 2 and name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):
+            n, k = -(-w.shape[0] // 128) * 128, -(-w.shape[1] // 128) * 128  # whole tiles, the last one padded
+            padded = torch.zeros(n, k)
+            padded[:w.shape[0], :w.shape[1]] = w.abs()
+            scale = padded.reshape(n // 128, 128, k // 128, 128).amax(dim=(1, 3)) / 448.0
+            full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:w.shape[0], :w.shape[1]]
+            stored[name], stored[name[:-len("weight")] + "weight_scale_inv"] = (w / full).to(torch.float8_e4m3fn), scale
+        else:
+            stored[name] = w
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_sharded_model(tmp_path)
+    block = loaded.model.layers[1].mlp
+    assert isinstance(block, MoEBlock) and block.quant.scheme == "fp8_block"
+    assert block.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert torch.equal(block.e_score_correction_bias, stored["model.layers.1.block_sparse_moe.e_score_correction_bias"])
+    ids, logits = greedy(loaded, [PROMPTS[0]], NEW_TOKENS, 0, True)
+    assert len(ids[0]) == NEW_TOKENS and torch.isfinite(logits).all()
