@@ -22,9 +22,30 @@ def _inputs(cfg, T, seed):
     return MoEWeights.random(cfg, g), torch.randn(T, cfg.hidden_size, generator=g).to(cfg.dtype)
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.scheme + ("+defer" if q.defer_input_quant else ""))
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _quant_id(q: QuantConfig) -> str:
+    return q.scheme + ("+defer" if q.defer_input_quant else "")
+
+
+def _rotated():
+    """Every (dtype, quant) pair once, the presets rotating through them (each preset, with its
+    routing, activation and bias kinds, meets several schemes and dtypes), as ``moeshard check``
+    rotates them; the whole product runs in ``make test-slow``."""
+    names = sorted(PRESETS)
+    pairs = [(d, q) for d in DTYPES for q in QUANTS]
+    return [pytest.param(names[i % len(names)], d, q, id=f"{names[i % len(names)]}-{d}-{_quant_id(q)}")
+            for i, (d, q) in enumerate(pairs)]
+
+
+def _every():
+    return [pytest.param(p, d, q, id=f"{p}-{d}-{_quant_id(q)}", marks=pytest.mark.slow)
+            for p in sorted(PRESETS) for d in DTYPES for q in QUANTS]
+
+
+@pytest.mark.parametrize("preset, dtype, quant", _rotated() + [p for p in _every()
+                                                                if p.id not in {r.id for r in _rotated()}])
 def test_layer_matches_reference(preset, dtype, quant):
     cfg = PRESETS[preset].config("small", getattr(torch, dtype))
     for T, seed in ((0, 1), (1, 2), (7, 3), (64, 4)):
