@@ -5,9 +5,10 @@ families of ``moeshard.checkpoint.families`` (mixtral, qwen2_moe, qwen3_moe, dee
 ``ModelFamily`` entry each, read here and by ``names``.
 
 A ``quantization_config`` is matched against the checkpoint formats the family ships
-(``families.CHECKPOINT_FORMATS``): today DeepSeek-V3-style FP8 block checkpoints
+(``families.CHECKPOINT_FORMATS``): DeepSeek-V3-style FP8 block checkpoints
 (``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic activations), which load as
-moeshard's ``fp8_block``.
+moeshard's ``fp8_block``, and gpt-oss MXFP4 checkpoints (``quant_method: mxfp4``), whose experts
+are dequantized to the model dtype as they are read.
 """
 
 from __future__ import annotations
