@@ -11,7 +11,9 @@ and saved with ``save_pretrained``:
 
 At (1,1) the logits equal transformers' (fp32, 1e-5), through ``load_sharded_model`` and
 ``shard_moe_blocks``; under EP2, SP, TP2 and (2,2,ep) on CPU ranks the greedy ids equal
-transformers' ``generate``: one spawn per world size runs every case of both families.
+transformers' ``generate``: one spawn per world size runs every case of both families (the
+MXFP4 model under TP2, where a rank reads half of each 32-column block of down; its EP2 slices
+are read and compared without ranks).
 """
 
 from __future__ import annotations
@@ -246,7 +248,7 @@ def test_mxfp4_refused_where_it_cannot_be_read(models, tmp_path):
 WORLD_CASES = {
     2: [(ParallelConfig(2, 1, True), FAMILIES), (ParallelConfig(1, 2, True), FAMILIES),
         (ParallelConfig(1, 2, False), FAMILIES + ("gpt_oss_mxfp4",))],
-    4: [(ParallelConfig(2, 2, True), FAMILIES + ("gpt_oss_mxfp4",))],
+    4: [(ParallelConfig(2, 2, True), FAMILIES)],
 }
 
 
