@@ -26,13 +26,19 @@ def stderr_held(dropped_on: tuple[type[BaseException], ...]) -> Iterator[None]:
     """What the block writes to file descriptor 2 (Python's ``sys.stderr`` and C++ alike) is
     held, then written to descriptor 2 when the block ends, unless the block raises one of
     ``dropped_on`` (the exceptions that the caller turns into its own one-line report). Where
-    descriptor 2 cannot be duplicated (closed), the block runs with nothing held."""
+    descriptor 2 cannot be duplicated (closed) or no temporary file can be made, the block runs
+    with nothing held."""
+    try:
+        held = tempfile.TemporaryFile()
+    except OSError:  # no writable temporary directory: nothing is held
+        yield
+        return
     try:
         saved = os.dup(STDERR_FD)
     except OSError:
+        held.close()
         yield
         return
-    held = tempfile.TemporaryFile()
     drop = False
     try:
         with contextlib.suppress(OSError, ValueError):
