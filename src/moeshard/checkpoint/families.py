@@ -214,8 +214,11 @@ class ModelFamily:
       (``model.layers``: tensors ``model.layers.{L}.*``, module ``model.model.layers``).
     block_prefixes: where layer L's block lives, after ``{layers}.{L}.``, in the order tried, in
       the checkpoint; without the dot, the decoder layer's attribute in the transformers model.
-    router: the router's module name in the block (its weight [E, H] is ``{router}.weight``).
-    correction_bias: the router's selection-bias parameter [E] (``{router}.{correction_bias}``).
+    router: the router's module name in the block (its weight [E, H] is ``{router}.{router_weight}``).
+    router_weight: the weight's name inside the router module (``weight``; Hunyuan's router
+      holds an fp32 linear: ``wg.weight``).
+    correction_bias: the router's selection-bias parameter [E] (``{router}.{correction_bias}``;
+      dotted like ``router_weight``: ERNIE 4.5's ``moe_statics.e_score_correction_bias``).
     experts: the routed experts' module name; fused_names: its (gate_up, down) fused parameters;
       fused_layout: how the fused gate_up holds gate and up (``FUSED_LAYOUTS``).
     expert_spellings: per-expert (gate, up, down) module names, in the order tried.
@@ -223,6 +226,10 @@ class ModelFamily:
       shared_expert_gate: the shared expert's sigmoid gate module [1, H].
     hidden_acts: ``hidden_act`` patterns (fnmatch) -> activation kind (``moeshard.activations``).
     formats: the checkpoint formats (``CHECKPOINT_FORMATS``) it ships, full precision first.
+    stored_names: block-relative tensor names as the transformers model holds them -> as the
+      checkpoint stores them, where the two differ (Granite's ``router.weight`` is stored
+      ``router.layer.weight``, its ``experts.gate_up_proj`` ``input_linear.weight``); the
+      checkpoint reader and the router loader look tensors up under the stored name.
     """
 
     model_type: str
@@ -233,6 +240,7 @@ class ModelFamily:
     layers: str = "model.layers"
     block_prefixes: tuple[str, ...] = ("mlp.",)
     router: str = "gate"
+    router_weight: str = "weight"
     correction_bias: str = "e_score_correction_bias"
     experts: str = "experts"
     fused_names: tuple[str, str] = ("gate_up_proj", "down_proj")
@@ -242,10 +250,12 @@ class ModelFamily:
     shared_expert_gate: str = "shared_expert_gate"
     hidden_acts: Mapping[str, str] = field(default_factory=lambda: dict(HIDDEN_ACTS))
     formats: tuple[str, ...] = ("bf16", "fp8_block")
+    stored_names: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         object.__setattr__(self, "hidden_acts", MappingProxyType(dict(self.hidden_acts)))
+        object.__setattr__(self, "stored_names", MappingProxyType(dict(self.stored_names)))
         where = f"ModelFamily({self.model_type!r})"
         get_routing(self.routing, f"{where}.routing")
         for pattern, kind in self.hidden_acts.items():
@@ -263,11 +273,32 @@ class ModelFamily:
                                  f"{list(getattr(self, name))}")
         if len(self.fused_names) != 2 or not all(isinstance(n, str) and n for n in self.fused_names):
             raise ValueError(f"{where}.fused_names: expected (gate_up, down) names, got {self.fused_names!r}")
+        for name in ("router_weight", "correction_bias"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) and value and all(part.isidentifier() for part in value.split("."))):
+                raise ValueError(f"{where}.{name}: expected a dotted parameter name, got {value!r}")
+        odd = {k: v for k, v in self.stored_names.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)}
+        if odd:
+            raise ValueError(f"{where}.stored_names: every entry must map a tensor name to a tensor name, got {odd}")
 
     @property
     def block_attributes(self) -> tuple[str, ...]:
         """The decoder layer's attributes that may hold the block in a transformers model."""
         return tuple(p[:-1] for p in self.block_prefixes)
+
+    def stored(self, name: str) -> str:
+        """The checkpoint's name of the block-relative tensor ``name`` (see ``stored_names``)."""
+        return self.stored_names.get(name, name)
+
+    @property
+    def router_tensor(self) -> str:
+        """The router weight's block-relative name in the transformers model (``gate.weight``)."""
+        return f"{self.router}.{self.router_weight}"
+
+    @property
+    def bias_tensor(self) -> str:
+        """The correction bias's block-relative name in the transformers model."""
+        return f"{self.router}.{self.correction_bias}"
 
     def layer_prefix(self, layer: int) -> str:
         """``model.layers.{layer}.``: where the decoder layer's tensors are named."""

@@ -20,6 +20,10 @@ shared MLP [S, H], [S, H], [H, S]     P shared_experts.{gate,up,down}_proj.weigh
 shared expert gate [1, H]             P shared_expert_gate.weight (Qwen2-MoE)
 ====================================  ==========================================  ==============
 
+A family's ``stored_names`` map a tensor the transformers model names one way onto the name the
+checkpoint stores it under (Granite: ``router.weight`` is ``router.layer.weight``, the fused
+``experts.gate_up_proj`` is ``input_linear.weight``); every name above goes through it.
+
 FP8 checkpoints add a block scale next to each quantized weight: ``<module>.weight_scale_inv`` for a
 ``<module>.weight``, ``<name>_scale_inv`` for a fused parameter.
 """
@@ -63,13 +67,18 @@ class BlockNames:
         """The router's module name in the block (``gate``)."""
         return self.family.router
 
+    def stored(self, name: str) -> str:
+        """The checkpoint's full name of the block-relative tensor ``name`` (the family's
+        ``stored_names`` applied)."""
+        return self.prefix + self.family.stored(name)
+
     @property
     def router(self) -> str:
-        return f"{self.prefix}{self.family.router}.weight"
+        return self.stored(self.family.router_tensor)
 
     @property
     def correction_bias(self) -> str:
-        return f"{self.prefix}{self.family.router}.{self.family.correction_bias}"
+        return self.stored(self.family.bias_tensor)
 
     @property
     def fused_layout(self) -> str:
@@ -77,11 +86,11 @@ class BlockNames:
 
     @property
     def fused_gate_up(self) -> str:
-        return f"{self.prefix}{self.family.experts}.{self.family.fused_names[0]}"
+        return self.stored(f"{self.family.experts}.{self.family.fused_names[0]}")
 
     @property
     def fused_down(self) -> str:
-        return f"{self.prefix}{self.family.experts}.{self.family.fused_names[1]}"
+        return self.stored(f"{self.family.experts}.{self.family.fused_names[1]}")
 
     def expert(self, e: int, projection: str) -> str:
         """Per-expert weight name; projection is "gate", "up" or "down"."""
@@ -103,7 +112,7 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
     files = [p.name for p in ckpt.files]
     family = model.family
     candidates = [family.layer_prefix(layer) + p for p in family.block_prefixes]
-    router = f"{family.router}.weight"
+    router = family.stored(family.router_tensor)
     prefix = next((p for p in candidates if ckpt.has(p + router)), None)
     if prefix is None:
         wanted = " or ".join(repr(p + router) for p in candidates)

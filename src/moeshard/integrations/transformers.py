@@ -90,20 +90,23 @@ class MoEBlock(MoELayer):
     router: the block's transformers router module (the family's ``router``, ``gate``: ``weight``
     [E, H], DeepSeek-V3's ``e_score_correction_bias`` [E]); registered as ``router_name``, it
     replaces ``MoELayer``'s own ``gate``, so the router keeps transformers' names and its forward
-    hooks (transformers' router-logit recorder) keep firing. correction_bias: the router's bias
-    parameter name. layer: the decoder layer index (for messages). Other arguments as ``MoELayer``.
+    hooks (transformers' router-logit recorder) keep firing. router_weight, correction_bias: the
+    router's weight and bias parameter names inside it (dotted: Hunyuan's ``wg.weight``; a bias
+    held [1, E], as ERNIE 4.5 holds it, is read as [E]). layer: the decoder layer index (for
+    messages). Other arguments as ``MoELayer``.
     """
 
     def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, router_name: str = "gate",
-                 correction_bias: str = "e_score_correction_bias", **kwargs: Any) -> None:
+                 router_weight: str = "weight", correction_bias: str = "e_score_correction_bias",
+                 **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
-        weight = getattr(router, "weight", None)
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
-            raise ValueError(f"MoEBlock (layer {layer}): the router's weight must be [num_experts={cfg.num_experts}, "
-                             f"hidden_size={cfg.hidden_size}], got "
-                             f"{None if not isinstance(weight, torch.Tensor) else tuple(weight.shape)}")
+        weight = _tensor_at(router, router_weight)
+        if weight is None or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
+            raise ValueError(f"MoEBlock (layer {layer}): the router's {router_weight} must be [num_experts="
+                             f"{cfg.num_experts}, hidden_size={cfg.hidden_size}], got "
+                             f"{None if weight is None else tuple(weight.shape)}")
         self.layer_index = layer
-        self.router_name, self.bias_name = router_name, correction_bias
+        self.router_name, self.weight_name, self.bias_name = router_name, router_weight, correction_bias
         # transformers' router stands in for MoELayer's Gate, under the family's router name.
         if router_name != "gate":
             del self.gate
@@ -119,9 +122,10 @@ class MoEBlock(MoELayer):
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights (moeshard's router on the
         transformers router's weight and correction bias)."""
-        weight = self.hf_router.weight
-        assert isinstance(weight, torch.Tensor)  # checked in __init__
-        return route(router_logits(x, weight), self.cfg, getattr(self.hf_router, self.bias_name, None))
+        weight = _tensor_at(self.hf_router, self.weight_name)
+        assert weight is not None  # checked in __init__
+        bias = _tensor_at(self.hf_router, self.bias_name) if self.cfg.use_correction_bias else None
+        return route(router_logits(x, weight), self.cfg, None if bias is None else bias.reshape(-1))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [..., H] (transformers passes [batch, seq, H]) in the model dtype ->
@@ -136,6 +140,17 @@ class MoEBlock(MoELayer):
         s = self.shard
         return (f"layer={self.layer_index}, layout={self.parallel.name}, backend={self.backend_name}, "
                 f"quant={self.quant.name}, experts=[{s.expert_start}, {s.expert_stop}) of {self.cfg.num_experts}")
+
+
+def _tensor_at(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter or buffer at dotted ``name`` under ``module`` (``wg.weight``), None if absent."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        holder = module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return None
+    value = getattr(holder, leaf, None)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 # -- finding the blocks -----------------------------------------------------------------------
@@ -268,8 +283,8 @@ def _model_dtype(blocks: dict[int, nn.Module], name: str, family: ModelFamily) -
 def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str, torch.Tensor]:
     """A block's state dict under the family's names -> under ``MoEWeights``' canonical names
     (``gate.weight``, ``experts.gate_up_proj``, ``shared_experts.*``, ``shared_expert_gate.weight``)."""
-    renames = {f"{family.router}.weight": "gate.weight",
-               f"{family.router}.{family.correction_bias}": "gate.e_score_correction_bias",
+    renames = {family.router_tensor: "gate.weight",
+               family.bias_tensor: "gate.e_score_correction_bias",
                f"{family.experts}.{family.fused_names[0]}": "experts.gate_up_proj",
                f"{family.experts}.{family.fused_names[1]}": "experts.down_proj",
                f"{family.shared_expert_gate}.weight": "shared_expert_gate.weight"}
@@ -277,11 +292,14 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str,
     for key, t in state.items():
         shared = next((p for p in family.shared_prefixes if key.startswith(p)), None)
         out["shared_experts." + key[len(shared):] if shared else renames.get(key, key)] = t
+    if "gate.e_score_correction_bias" in out:  # ERNIE 4.5 holds it [1, E]
+        out["gate.e_score_correction_bias"] = out["gate.e_score_correction_bias"].reshape(-1)
     return out
 
 
 def _router_names(family: ModelFamily) -> dict[str, str]:
-    return {"router_name": family.router, "correction_bias": family.correction_bias}
+    return {"router_name": family.router, "router_weight": family.router_weight,
+            "correction_bias": family.correction_bias}
 
 
 def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, quant: QuantConfig | str | None = None,
@@ -289,7 +307,7 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
     """Replaces every MoE block of a loaded transformers model with an ``MoEBlock`` under the
     layout of ``groups`` (None: one device) and returns the model (changed in place).
 
-    model: a transformers Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 model with its full
+    model: a transformers model of a family moeshard knows (``checkpoint.families``) with its full
     weights, the same on every rank, on this rank's device (``groups.device``); quant: expert
     quantization (default none); backend: dispatch backend (default: the layout's).
     Collective when groups is given: every rank of the world calls it with the same model.
@@ -375,7 +393,9 @@ def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, nam
     the dtypes transformers gave them (DeepSeek-V3 keeps its router in fp32)."""
     router = model.get_submodule(prefix + names.router_module)
     for local, t in list(router.named_parameters()) + list(router.named_buffers()):
-        stored = f"{names.prefix}{names.router_module}.{local}"  # the checkpoint's block prefix (Mixtral: block_sparse_moe.)
+        # The checkpoint's block prefix (Mixtral: block_sparse_moe.) and the family's stored name
+        # (Granite: router.layer.weight for the model's router.weight).
+        stored = names.stored(f"{names.router_module}.{local}")
         _set(router, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8).to(device))
     return router
 
