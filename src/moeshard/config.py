@@ -51,6 +51,10 @@ class MoEConfig:
       * ``scoring="topk_softmax"``: top-k of the logits, softmax over the selected (gpt-oss).
       * ``scoring="group_limited_greedy"``: softmax, the ``topk_group`` groups with the best
         expert kept (DeepSeek-V2).
+      * ``scoring="softmax_bias"``: softmax, selection on the scores plus ``e_score_correction_bias``
+        (``use_correction_bias``), renormalized (ERNIE 4.5).
+      * ``scoring="sparsemixer"``: rounds of top-1 on the logits, each weighted among the logits
+        near it (Phi-3.5-MoE).
       * ``scoring="softmax"``: Mixtral (``renormalize=True``) and Qwen2/Qwen3-MoE
         (``renormalize`` = ``norm_topk_prob``).
       * ``scoring="sigmoid"``: DeepSeek-V3; ``use_correction_bias`` adds
