@@ -6,3 +6,15 @@ entries with ``register_family`` at import, and any routing or activation kind t
 ``moeshard.checkpoint.families`` imports this package once, after its own entries, so every
 family is known wherever ``FAMILIES`` is read. A new module is one import line below.
 """
+
+from moeshard.checkpoint.models import deepseek_v2 as deepseek_v2
+from moeshard.checkpoint.models import ernie as ernie
+from moeshard.checkpoint.models import granite as granite
+from moeshard.checkpoint.models import hunyuan as hunyuan
+from moeshard.checkpoint.models import jamba as jamba
+from moeshard.checkpoint.models import mellum as mellum
+from moeshard.checkpoint.models import minimax as minimax
+from moeshard.checkpoint.models import olmoe as olmoe
+from moeshard.checkpoint.models import phimoe as phimoe
+from moeshard.checkpoint.models import qwen3_5_moe as qwen3_5_moe
+from moeshard.checkpoint.models import qwen3_next as qwen3_next
