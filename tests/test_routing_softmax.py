@@ -1,6 +1,6 @@
-"""The routing kinds of ERNIE 4.5 (``softmax_bias``) and Phi-3.5-MoE (``sparsemixer``): routes
-computed by hand, the same routes as transformers' own routers, their refusals, and the layer
-against the reference on each kind."""
+"""The routing kinds of ERNIE 4.5 (``softmax_bias``), Phi-3.5-MoE (``sparsemixer``) and
+Cohere2-MoE's sigmoid selection (``topk_sigmoid``): routes computed by hand, the same routes as
+transformers' own routers, their refusals, and the layer against the reference on each kind."""
 
 import math
 
@@ -18,7 +18,8 @@ from moeshard.weights import MoEWeights
 
 
 def cfg(scoring: str, **kw) -> MoEConfig:
-    defaults = {"softmax_bias": dict(use_correction_bias=True), "sparsemixer": dict(renormalize=False)}[scoring]
+    defaults = {"softmax_bias": dict(use_correction_bias=True), "sparsemixer": dict(renormalize=False),
+                "topk_sigmoid": {}}[scoring]
     return MoEConfig(**{"num_experts": 4, "top_k": 2, "hidden_size": 8, "intermediate_size": 8, "scoring": scoring,
                         **defaults, **kw})
 
@@ -93,6 +94,26 @@ def test_softmax_bias_equals_transformers_ernie_router():
     assert (unbiased != ids).any()  # the bias changed some choices
 
 
+def test_topk_sigmoid_by_hand_and_as_cohere2_moe_routes():
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0]])
+    s2, s1 = 1 / (1 + math.exp(-2)), 1 / (1 + math.exp(-1))
+    r = route(logits, cfg("topk_sigmoid", renormalize=False))
+    assert r.topk_ids.tolist() == [[1, 3]] and r.topk_weights[0].tolist() == pytest.approx([s2, s1], rel=1e-6)
+    r = route(logits, cfg("topk_sigmoid"))
+    assert r.topk_weights[0].tolist() == pytest.approx([s2 / (s1 + s2), s1 / (s1 + s2)], rel=1e-6)
+    cohere = pytest.importorskip("transformers.models.cohere2_moe.modeling_cohere2_moe")
+    tf = pytest.importorskip("transformers")
+    config = tf.Cohere2MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3, expert_selection_fn="sigmoid")
+    router = cohere.Cohere2MoeTopKRouter(config)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, 16, generator=g))
+    logits, weights, ids = router(torch.randn(64, 16, generator=g))
+    c = MoEConfig(num_experts=8, top_k=3, hidden_size=16, intermediate_size=8, scoring="topk_sigmoid")
+    got = route(logits, c)
+    assert torch.equal(got.topk_ids, ids) and torch.allclose(got.topk_weights, weights, rtol=1e-6, atol=0)
+
+
 def test_kinds_refuse_what_they_cannot_do():
     with pytest.raises(ValueError, match="routed_scaling_factor: scoring='softmax_bias' has no routed scaling"):
         cfg("softmax_bias", routed_scaling_factor=2.0)
@@ -112,7 +133,7 @@ def test_kinds_refuse_what_they_cannot_do():
                                      mask_eps=0.01))
 
 
-@pytest.mark.parametrize("preset", ["ernie-4.5-21b-a3b", "phi-3.5-moe"])
+@pytest.mark.parametrize("preset", ["ernie-4.5-21b-a3b", "phi-3.5-moe", "cohere2-moe"])
 def test_layer_equals_reference(preset):
     c = PRESETS[preset].config("small")
     torch.manual_seed(0)

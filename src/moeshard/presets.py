@@ -73,6 +73,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="sparsemixer",
                      renormalize=False),
            "sparsemixer: two rounds of top-1, each weighted by a softmax among the logits near it"),
+    Preset("cohere2-moe",
+           MoEConfig(num_experts=8, top_k=2, hidden_size=8192, intermediate_size=22528, scoring="topk_sigmoid",
+                     renormalize=True),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="topk_sigmoid",
+                     renormalize=True),
+           "top-k of the logits, sigmoid of each, renormalized"),
 )}
 
 

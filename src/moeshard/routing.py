@@ -19,6 +19,8 @@ group_limited_greedy   p = softmax(logits); groups scored by their best expert, 
 softmax_bias           p = softmax(logits); top K of p + correction bias (selection only), the
                        weights are p, renormalized with the floor 1e-12 (ERNIE 4.5
                        ``moe_statics.e_score_correction_bias``, ``moe_norm_min``)
+topk_sigmoid           top K of the logits; weights = sigmoid of each, optionally renormalized
+                       (Cohere2-MoE ``expert_selection_fn="sigmoid"``)
 sparsemixer            K rounds on the logits s: the best remaining expert i (logit m) is picked
                        and weighted by its softmax share among the remaining experts j with
                        (m - s_j) / max(|s_j|, m) <= 2 * mask_eps, mask_eps 0.01 (Phi-3.5-MoE in
@@ -140,5 +142,7 @@ for _kind in (
                 "softmax, top-k on the scores plus a selection bias, renormalized"),
     RoutingKind("sparsemixer", "softmax", "masked_rounds", None, False, False, False, _FLOOR, False,
                 "top-1 of the remaining logits per round, softmax among the logits near it", mask_eps=0.01),
+    RoutingKind("topk_sigmoid", "sigmoid", "topk_then_score", None, False, False, False, _FLOOR, False,
+                "top-k of the logits, sigmoid of each, optional renormalization"),
 ):
     register_routing(_kind)
