@@ -54,6 +54,9 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
         "granitemoehybrid": dict(granite, shared_intermediate_size=I, layer_types=_alternating("mamba", "attention", L),
                                  mamba_n_heads=8, mamba_d_head=2 * common["hidden_size"] // 8, mamba_n_groups=1),
         "phimoe": dict(intermediate_size=I, num_local_experts=experts),
+        "cohere2_moe": dict(intermediate_size=I, num_experts=experts, head_dim=head, num_shared_experts=1,
+                            shared_expert_combination_strategy="sum", mlp_layer_types=["dense"] + ["sparse"] * (L - 1),
+                            prefix_dense_intermediate_size=2 * I),
     }[family]
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the small vocabulary
     return tf.AutoConfig.for_model(family, **{**common, "num_experts_per_tok": 2, **ids, **extra})
@@ -61,7 +64,7 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
 
 SOFTMAX_FAMILIES = ("olmoe", "flex_olmo", "mellum", "minimax", "jamba", "qwen3_next", "qwen3_5_moe_text",
                     "deepseek_v2", "hunyuan_v1_moe", "ernie4_5_moe", "granitemoe", "granitemoeshared",
-                    "granitemoehybrid", "phimoe")
+                    "granitemoehybrid", "phimoe", "cohere2_moe")
 
 
 def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):

@@ -441,6 +441,7 @@ def register_family(family: ModelFamily) -> ModelFamily:
     if family.model_type in FAMILIES:
         raise ValueError(f"register_family({family.model_type!r}): a family of that model_type is registered already")
     FAMILIES[family.model_type] = family
+    REFUSED.pop(family.model_type, None)
     return family
 
 
@@ -449,11 +450,26 @@ def unregister_family(model_type: str) -> None:
     FAMILIES.pop(model_type, None)
 
 
+# model_type -> which part of its MoE block moeshard cannot express: such a model type is refused
+# with that reason rather than as unknown. A registered family of that model type wins.
+REFUSED: dict[str, str] = {}
+
+
+def refuse_family(model_type: str, reason: str) -> None:
+    """Records that ``model_type`` is refused, and why (one clause naming the part of its block);
+    nothing when a family of that model type is registered."""
+    if model_type not in FAMILIES:
+        REFUSED[model_type] = reason
+
+
 def model_family(model_type: Any, source: str) -> ModelFamily:
-    """The family of ``model_type``; ValueError naming it and the supported ones otherwise."""
+    """The family of ``model_type``; ValueError naming it and the supported ones otherwise (with the
+    reason for a model type in ``REFUSED``)."""
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported; supported: {list(FAMILIES)}")
+        why = REFUSED.get(model_type) if isinstance(model_type, str) else None
+        because = f": {why}" if why else ""
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported{because}; supported: {list(FAMILIES)}")
     return family
 
 

@@ -7,6 +7,7 @@ entries with ``register_family`` at import, and any routing or activation kind t
 family is known wherever ``FAMILIES`` is read. A new module is one import line below.
 """
 
+from moeshard.checkpoint.models import cohere2_moe as cohere2_moe
 from moeshard.checkpoint.models import deepseek_v2 as deepseek_v2
 from moeshard.checkpoint.models import ernie as ernie
 from moeshard.checkpoint.models import granite as granite
@@ -18,3 +19,4 @@ from moeshard.checkpoint.models import olmoe as olmoe
 from moeshard.checkpoint.models import phimoe as phimoe
 from moeshard.checkpoint.models import qwen3_5_moe as qwen3_5_moe
 from moeshard.checkpoint.models import qwen3_next as qwen3_next
+from moeshard.checkpoint.models import refusals as refusals

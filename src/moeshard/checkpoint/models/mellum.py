@@ -20,7 +20,8 @@ def _moe(f: ConfigFields) -> MoEConfig:
                      activation=f.activation(), scoring=f.family.routing, renormalize=f.bool("norm_topk_prob"))
 
 
-def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
+def dense_by_layer_types(f: ConfigFields, num_layers: int) -> DenseLayers:
+    """``mlp_layer_types[L]``: ``"dense"`` or ``"sparse"`` (absent: every layer sparse)."""
     kinds = f.raw.get("mlp_layer_types")
     if kinds is None:
         return DenseLayers(num_layers, lambda layer: None)
@@ -30,5 +31,5 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
     return DenseLayers(num_layers, lambda layer: "mlp_layer_types says 'dense'" if kinds[layer] == "dense" else None)
 
 
-register_family(ModelFamily("mellum", {"hidden_act": "silu", "norm_topk_prob": True}, _moe, _dense_layers,
+register_family(ModelFamily("mellum", {"hidden_act": "silu", "norm_topk_prob": True}, _moe, dense_by_layer_types,
                             formats=("bf16",)))
