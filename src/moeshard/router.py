@@ -4,6 +4,7 @@
 Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
 
 * topk_softmax (gpt-oss, Granite): the top K logits, weights softmax over those K.
+* topk_sigmoid (Cohere2-MoE): the top K logits, weights sigmoid of each.
 * group_limited_greedy (DeepSeek-V2): softmax; each group scored by its best expert, only the
   best ``topk_group`` groups stay eligible.
 * softmax_bias (ERNIE 4.5): softmax; selection on p + correction bias, weights the unbiased p.
