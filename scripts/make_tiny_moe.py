@@ -3,12 +3,13 @@
     PYTHONPATH=src python3 scripts/make_tiny_moe.py DIR [--family qwen3_moe] [--hidden 256]
         [--moe-intermediate 256] [--experts 8] [--layers 2] [--vocab 256] [--dtype bfloat16] [--seed 0]
 
-Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense), the
+Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense); the
 sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
 glm4_moe_lite, dots1, exaone_moe, minimax_m2, afmoe, cohere2_moe), whose router weights and
-selection biases are drawn at random (transformers starts some at zero, where every expert ties),
-gpt_oss (random expert biases: transformers initialises them to zero) and llama4_text (top-1, a
-shared expert, MoE on every second layer). The defaults keep every size a multiple of 128, so
+selection biases are drawn at random (transformers starts some at zero, where every expert ties);
+the softmax-routed ones (``SOFTMAX_FAMILIES``), also from ``AutoConfig.for_model``; gpt_oss
+(random expert biases: transformers initialises them to zero) and llama4_text (top-1, a shared
+expert, MoE on every second layer). The defaults keep every size a multiple of 128, so
 ``--quant fp8_block`` also runs under ``--tp 2`` without EP (the intermediate slice of a TP rank
 must hold whole 128-wide blocks).
 """
@@ -53,6 +54,55 @@ def randomize_routers(model, family: str, std: float) -> None:
                 bias.uniform_(0.0, 0.3)
 
 
+def _alternating(first: str, second: str, layers: int) -> list[str]:
+    """Per-layer types ``first, second, first, ...`` ending with ``second`` (the attention layer)."""
+    return [second if (layers - 1 - i) % 2 == 0 else first for i in range(layers)]
+
+
+def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: int):
+    """transformers' config of one of ``SOFTMAX_FAMILIES``: its MoE arguments at these sizes."""
+    import transformers as tf
+
+    I, L, head = moe_intermediate, common["num_hidden_layers"], common["hidden_size"] // common["num_attention_heads"]
+    linear = dict(layer_types=_alternating("linear_attention", "full_attention", L), linear_num_value_heads=4,
+                  linear_num_key_heads=2, linear_key_head_dim=head, linear_value_head_dim=head, head_dim=head)
+    granite = dict(intermediate_size=I, num_local_experts=experts)
+    extra = {
+        "olmoe": dict(intermediate_size=I, num_experts=experts),
+        "flex_olmo": dict(intermediate_size=I, num_experts=experts),
+        "mellum": dict(intermediate_size=2 * I, moe_intermediate_size=I, num_experts=experts, head_dim=head,
+                       mlp_layer_types=["dense"] + ["sparse"] * (L - 1)),
+        "minimax": dict(intermediate_size=I, num_local_experts=experts, head_dim=head,
+                        layer_types=_alternating("linear_attention", "full_attention", L)),
+        "jamba": dict(intermediate_size=I, num_experts=experts, attn_layer_period=2, attn_layer_offset=1,
+                      expert_layer_period=2, expert_layer_offset=1),
+        "qwen3_next": dict(intermediate_size=2 * I, moe_intermediate_size=I, shared_expert_intermediate_size=I,
+                           num_experts=experts, **linear),
+        "qwen3_5_moe_text": dict(intermediate_size=2 * I, moe_intermediate_size=I, shared_expert_intermediate_size=I,
+                                 num_experts=experts, **linear),
+        "deepseek_v2": dict(intermediate_size=2 * I, moe_intermediate_size=I, n_routed_experts=experts,
+                            first_k_dense_replace=1, n_shared_experts=1, topk_method="group_limited_greedy", n_group=2,
+                            topk_group=1, num_key_value_heads=common["num_attention_heads"], q_lora_rank=None,
+                            kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32),
+        "hunyuan_v1_moe": dict(intermediate_size=I, num_experts=experts, moe_topk=2, head_dim=head,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "ernie4_5_moe": dict(intermediate_size=2 * I, moe_intermediate_size=I, moe_num_experts=experts, moe_k=2,
+                             moe_num_shared_experts=1),
+        "granitemoe": granite,
+        "granitemoeshared": dict(granite, shared_intermediate_size=I),
+        "granitemoehybrid": dict(granite, shared_intermediate_size=I, layer_types=_alternating("mamba", "attention", L),
+                                 mamba_n_heads=8, mamba_d_head=2 * common["hidden_size"] // 8, mamba_n_groups=1),
+        "phimoe": dict(intermediate_size=I, num_local_experts=experts),
+    }[family]
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the small vocabulary
+    return tf.AutoConfig.for_model(family, **{**common, "num_experts_per_tok": 2, **ids, **extra})
+
+
+SOFTMAX_FAMILIES = ("olmoe", "flex_olmo", "mellum", "minimax", "jamba", "qwen3_next", "qwen3_5_moe_text",
+                    "deepseek_v2", "hunyuan_v1_moe", "ernie4_5_moe", "granitemoe", "granitemoeshared",
+                    "granitemoehybrid", "phimoe")
+
+
 def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
     import transformers as tf
 
@@ -78,10 +128,12 @@ def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers:
     if family in SIGMOID_FAMILIES:
         return tf.AutoConfig.for_model(family, **{**common, **sizes, **SIGMOID_FAMILIES[family](moe_intermediate,
                                                                                                  experts)})
+    if family in SOFTMAX_FAMILIES:
+        return _softmax_family(family, common, moe_intermediate, experts)
     if family in EXTRA:
         return EXTRA[family](hidden, moe_intermediate, experts, layers, vocab)
     raise SystemExit(f"unknown family {family!r}; choose mixtral, qwen2_moe, qwen3_moe, deepseek_v3, "
-                     f"{', '.join([*SIGMOID_FAMILIES, *EXTRA])}")
+                     f"{', '.join([*SIGMOID_FAMILIES, *SOFTMAX_FAMILIES, *EXTRA])}")
 
 
 def _gpt_oss(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):

@@ -54,6 +54,10 @@ class MoEConfig:
       * ``scoring="topk_softmax_bias"``: as topk_softmax, the router has a bias [E] (gpt-oss).
       * ``scoring="topk_sigmoid_input"``: sigmoid of the top-k logits, applied to the expert's
         input (Llama-4).
+      * ``scoring="softmax_bias"``: softmax, selection on the scores plus ``e_score_correction_bias``
+        (``use_correction_bias``), renormalized (ERNIE 4.5).
+      * ``scoring="sparsemixer"``: rounds of top-1 on the logits, each weighted among the logits
+        near it (Phi-3.5-MoE).
       * ``scoring="softmax"``: Mixtral (``renormalize=True``) and Qwen2/Qwen3-MoE
         (``renormalize`` = ``norm_topk_prob``).
       * ``scoring="sigmoid"``: DeepSeek-V3; ``use_correction_bias`` adds

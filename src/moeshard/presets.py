@@ -82,6 +82,18 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            MoEConfig(num_experts=8, top_k=1, hidden_size=128, intermediate_size=512, scoring="topk_sigmoid_input",
                      renormalize=False, num_shared_experts=1, shared_intermediate_size=64),
            "sigmoid of the top-1 logit applied to the expert's input, shared expert"),
+    Preset("ernie-4.5-21b-a3b",
+           MoEConfig(num_experts=64, top_k=6, hidden_size=2560, intermediate_size=1536, scoring="softmax_bias",
+                     use_correction_bias=True, num_shared_experts=2, shared_intermediate_size=1536),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="softmax_bias",
+                     use_correction_bias=True, num_shared_experts=2, shared_intermediate_size=64),
+           "softmax, selection bias, renormalized with a floor, ungated shared experts"),
+    Preset("phi-3.5-moe",
+           MoEConfig(num_experts=16, top_k=2, hidden_size=4096, intermediate_size=6400, scoring="sparsemixer",
+                     renormalize=False),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="sparsemixer",
+                     renormalize=False),
+           "sparsemixer: two rounds of top-1, each weighted by a softmax among the logits near it"),
 )}
 
 

@@ -4,6 +4,7 @@
 Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
 
 * topk_softmax (gpt-oss, Granite): the top K logits, weights softmax over those K.
+* topk_sigmoid (Cohere2-MoE): the top K logits, weights sigmoid of each.
 * group_limited_greedy (DeepSeek-V2): softmax; each group scored by its best expert, only the
   best ``topk_group`` groups stay eligible.
 * topk_softmax_bias (gpt-oss): topk_softmax on the logits plus the router's bias.
@@ -11,6 +12,8 @@ Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
   the experts' input (``weighted_rows``), not their output.
 * topk_sigmoid (Cohere2-MoE): the top K logits, weights their sigmoid; with ``renormalize``
   divided by their sum.
+* softmax_bias (ERNIE 4.5): softmax; selection on p + correction bias, weights the unbiased p.
+* sparsemixer (Phi-3.5-MoE): K rounds on the logits (``_masked_rounds``).
 
 * softmax scoring (Mixtral, Qwen2/Qwen3-MoE): p = softmax(logits); take the top K of p;
   with ``renormalize`` divide the K weights by their sum (Mixtral always, Qwen ``norm_topk_prob``).
@@ -69,6 +72,24 @@ def _score(values: torch.Tensor, scores: str) -> torch.Tensor:
     return values.softmax(dim=-1) if scores == "softmax" else values.sigmoid()
 
 
+def _masked_rounds(logits: torch.Tensor, k: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits fp32 [T, E] -> (ids int64 [T, k], weights fp32 [T, k]) of k rounds: round r picks
+    the best logit m among the experts not picked yet (ties to the lower index); the experts j
+    with ``(m - s_j) / max(|s_j|, m) > 2 * eps`` are masked (the distance is relative to the
+    larger of |s_j| and m, taken over the original logits s), and the pick's weight is its
+    softmax probability among the remaining unmasked experts."""
+    remaining = logits
+    ids, weights = [], []
+    for _ in range(k):
+        pick = _topk_low_index_first(remaining, 1)  # [T, 1]
+        best = remaining.gather(1, pick)
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * eps
+        weights.append(remaining.masked_fill(far, float("-inf")).softmax(dim=-1).gather(1, pick))
+        ids.append(pick)
+        remaining = remaining.scatter(1, pick, float("-inf"))
+    return torch.cat(ids, dim=1), torch.cat(weights, dim=1)
+
+
 def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None,
           router_bias: torch.Tensor | None = None) -> Routing:
     """Routes T tokens with the routing kind ``cfg.scoring`` (``moeshard.routing``).
@@ -93,6 +114,8 @@ def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | 
         # Select on the logits (the scores are monotone in them), score the K selected only.
         ids = _topk_low_index_first(logits, cfg.top_k)
         weights = _score(logits.gather(1, ids), kind.scores)
+    elif kind.order == "masked_rounds":
+        ids, weights = _masked_rounds(logits, cfg.top_k, kind.mask_eps)
     else:
         scores = _score(logits, kind.scores)
         choice = scores

@@ -19,9 +19,15 @@ group_limited_greedy   p = softmax(logits); groups scored by their best expert, 
 topk_softmax_bias      logits = x W^T + b (the router has a bias); then as topk_softmax (gpt-oss)
 topk_sigmoid_input     top K of the logits; weights = sigmoid of the K selected logits, applied to
                        the expert's *input*: expert(w * x), not w * expert(x) (Llama-4)
-
 topk_sigmoid           top K of the logits; weights = sigmoid of the K selected logits, optional
                        renormalization (Cohere2-MoE ``expert_selection_fn="sigmoid"``)
+softmax_bias           p = softmax(logits); top K of p + correction bias (selection only), the
+                       weights are p, renormalized with the floor 1e-12 (ERNIE 4.5
+                       ``moe_statics.e_score_correction_bias``, ``moe_norm_min``)
+sparsemixer            K rounds on the logits s: the best remaining expert i (logit m) is picked
+                       and weighted by its softmax share among the remaining experts j with
+                       (m - s_j) / max(|s_j|, m) <= 2 * mask_eps, mask_eps 0.01 (Phi-3.5-MoE in
+                       eval: sparsemixer without its training-time sampling)
 =====================  ==========================================================================
 
 ``router_bias``: the router is a linear with a bias, ``route`` needs the bias and adds it to the
@@ -38,8 +44,9 @@ from moeshard.registry import Registry
 
 SCORES = ("softmax", "sigmoid")
 # score_then_topk: select on the scores of all E experts; topk_then_score: select on the logits,
-# then score the K selected among themselves.
-ORDERS = ("score_then_topk", "topk_then_score")
+# then score the K selected among themselves; masked_rounds: K rounds, each selecting the best
+# remaining logit and scoring it among the remaining logits near it (``mask_eps``).
+ORDERS = ("score_then_topk", "topk_then_score", "masked_rounds")
 # How a group of experts is scored for group top-k: the sum of its best two, or its best one.
 GROUP_SCORES = ("top2_sum", "max")
 
@@ -59,6 +66,9 @@ class RoutingKind:
     weight_floor: renormalization divides by ``max(sum of the K weights, weight_floor)``.
     weights_on_input: the weight multiplies the expert's input rather than its output.
     summary: one line for listings.
+    mask_eps: with ``order="masked_rounds"``, a round scores the picked expert among the
+      remaining ones whose logit s_j is near the pick's m: ``(m - s_j) / max(|s_j|, m) <= 2 *
+      mask_eps``; 0 for the other orders.
     """
 
     name: str
@@ -71,6 +81,7 @@ class RoutingKind:
     weight_floor: float
     weights_on_input: bool
     summary: str
+    mask_eps: float = 0.0
 
 
 _REGISTRY: Registry[RoutingKind] = Registry()
@@ -90,6 +101,13 @@ def register_routing(kind: RoutingKind) -> RoutingKind:
     if kind.order == "topk_then_score" and (kind.groups is not None or kind.correction_bias):
         raise ValueError(f"{where}: order 'topk_then_score' selects on the logits alone; groups={kind.groups!r} and "
                          f"correction_bias={kind.correction_bias} need scores over all experts")
+    if kind.order == "masked_rounds" and (kind.groups is not None or kind.correction_bias):
+        raise ValueError(f"{where}: order 'masked_rounds' selects on the logits alone; groups={kind.groups!r} and "
+                         f"correction_bias={kind.correction_bias} do not apply")
+    rounds = kind.order == "masked_rounds"
+    if not (isinstance(kind.mask_eps, float) and (0 < kind.mask_eps < 1 if rounds else kind.mask_eps == 0)):
+        raise ValueError(f"{where}: mask_eps must be a float in (0, 1) with order 'masked_rounds' and 0.0 otherwise, "
+                         f"got {kind.mask_eps!r} with order {kind.order!r}")
     if not (isinstance(kind.weight_floor, float) and 0 < kind.weight_floor < 1):
         raise ValueError(f"{where}: weight_floor must be a float in (0, 1), got {kind.weight_floor!r}")
     _REGISTRY.add(kind.name, kind)
@@ -121,6 +139,11 @@ for _kind in (
                 "top-k of the logits, softmax over the selected"),
     RoutingKind("group_limited_greedy", "softmax", "score_then_topk", "max", False, False, True, _FLOOR, False,
                 "softmax, groups scored by their best expert, top-k in the kept groups"),
+    # ERNIE 4.5 divides by max(sum, moe_norm_min); its configs' moe_norm_min is 1e-12.
+    RoutingKind("softmax_bias", "softmax", "score_then_topk", None, True, False, False, 1e-12, False,
+                "softmax, top-k on the scores plus a selection bias, renormalized"),
+    RoutingKind("sparsemixer", "softmax", "masked_rounds", None, False, False, False, _FLOOR, False,
+                "top-1 of the remaining logits per round, softmax among the logits near it", mask_eps=0.01),
 ):
     register_routing(_kind)
 

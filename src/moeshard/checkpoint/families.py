@@ -230,8 +230,9 @@ class ModelFamily:
       the checkpoint; without the dot, the decoder layer's attribute in the transformers model.
     router: the router's module name in the block (its weight [E, H] is ``{router}.{router_weight}``).
     router_weight: the weight's name inside the router module (``weight``; AFMoE's router wraps
-      a linear: ``gate.weight``).
-    correction_bias: the router's selection-bias parameter [E] (``{router}.{correction_bias}``).
+      a linear: ``gate.weight``; Hunyuan's router holds an fp32 linear: ``wg.weight``).
+    correction_bias: the router's selection-bias parameter [E] (``{router}.{correction_bias}``;
+      dotted like ``router_weight``: ERNIE 4.5's ``moe_statics.e_score_correction_bias``).
     router_bias: the router linear's bias parameter [E] (``{router}.{router_bias}``), read when the
       routing kind has ``router_bias`` (gpt-oss).
     block_bias: None, or the name of a selection bias [E] the block holds itself instead of its
@@ -251,6 +252,10 @@ class ModelFamily:
     returns_router_output: None (the block returns its output), or i: the transformers block
       returns ``(output, router(x)[i])`` (gpt-oss: its router's scores; Llama-4: its logits), and
       so does moeshard's block in its place.
+    stored_names: block-relative tensor names as the transformers model holds them -> as the
+      checkpoint stores them, where the two differ (Granite's ``router.weight`` is stored
+      ``router.layer.weight``, its ``experts.gate_up_proj`` ``input_linear.weight``); the
+      checkpoint reader and the router loader look tensors up under the stored name.
     """
 
     model_type: str
@@ -276,10 +281,12 @@ class ModelFamily:
     router_bias: str = "bias"
     expert_biases: tuple[str, str] = ("gate_up_proj_bias", "down_proj_bias")
     returns_router_output: int | None = None
+    stored_names: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         object.__setattr__(self, "hidden_acts", MappingProxyType(dict(self.hidden_acts)))
+        object.__setattr__(self, "stored_names", MappingProxyType(dict(self.stored_names)))
         where = f"ModelFamily({self.model_type!r})"
         get_routing(self.routing, f"{where}.routing")
         for pattern, kind in self.hidden_acts.items():
@@ -297,8 +304,13 @@ class ModelFamily:
                                  f"{list(getattr(self, name))}")
         if len(self.fused_names) != 2 or not all(isinstance(n, str) and n for n in self.fused_names):
             raise ValueError(f"{where}.fused_names: expected (gate_up, down) names, got {self.fused_names!r}")
-        if not (isinstance(self.router_weight, str) and self.router_weight):
-            raise ValueError(f"{where}.router_weight: expected a parameter name, got {self.router_weight!r}")
+        for name in ("router_weight", "correction_bias"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) and value and all(part.isidentifier() for part in value.split("."))):
+                raise ValueError(f"{where}.{name}: expected a dotted parameter name, got {value!r}")
+        odd = {k: v for k, v in self.stored_names.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)}
+        if odd:
+            raise ValueError(f"{where}.stored_names: every entry must map a tensor name to a tensor name, got {odd}")
         if self.block_bias is not None and not (isinstance(self.block_bias, str) and self.block_bias.isidentifier()):
             raise ValueError(f"{where}.block_bias: expected None or a parameter name of the block, got "
                              f"{self.block_bias!r}")
@@ -321,6 +333,20 @@ class ModelFamily:
     def block_attributes(self) -> tuple[str, ...]:
         """The decoder layer's attributes that may hold the block in a transformers model."""
         return tuple(p[:-1] for p in self.block_prefixes)
+
+    def stored(self, name: str) -> str:
+        """The checkpoint's name of the block-relative tensor ``name`` (see ``stored_names``)."""
+        return self.stored_names.get(name, name)
+
+    @property
+    def router_tensor(self) -> str:
+        """The router weight's block-relative name in the transformers model (``gate.weight``)."""
+        return f"{self.router}.{self.router_weight}"
+
+    @property
+    def bias_tensor(self) -> str:
+        """The correction bias's block-relative name in the transformers model."""
+        return f"{self.router}.{self.correction_bias}"
 
     def layer_prefix(self, layer: int) -> str:
         """``model.layers.{layer}.``: where the decoder layer's tensors are named."""
@@ -463,6 +489,7 @@ def register_family(family: ModelFamily) -> ModelFamily:
     if family.model_type in FAMILIES:
         raise ValueError(f"register_family({family.model_type!r}): a family of that model_type is registered already")
     FAMILIES[family.model_type] = family
+    REFUSED.pop(family.model_type, None)
     return family
 
 
@@ -471,9 +498,24 @@ def unregister_family(model_type: str) -> None:
     FAMILIES.pop(model_type, None)
 
 
+# model_type -> which part of its MoE block moeshard cannot express: such a model type is refused
+# with that reason rather than as unknown. A registered family of that model type wins.
+REFUSED: dict[str, str] = {}
+
+
+def refuse_family(model_type: str, reason: str) -> None:
+    """Records that ``model_type`` is refused, and why (one clause naming the part of its block);
+    nothing when a family of that model type is registered."""
+    if model_type not in FAMILIES:
+        REFUSED[model_type] = reason
+
+
 def model_family(model_type: Any, source: str) -> ModelFamily:
-    """The family of ``model_type``; ValueError naming it and the supported ones otherwise."""
+    """The family of ``model_type``; ValueError naming it and the supported ones otherwise (with the
+    reason for a model type in ``REFUSED``)."""
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported; supported: {list(FAMILIES)}")
+        why = REFUSED.get(model_type) if isinstance(model_type, str) else None
+        because = f": {why}" if why else ""
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported{because}; supported: {list(FAMILIES)}")
     return family

@@ -1,8 +1,8 @@
 """What a Hugging Face ``config.json`` says about a model's MoE blocks.
 
 The model types understood, and how each maps its own field names onto ``MoEConfig``, are the
-families of ``moeshard.checkpoint.families`` (mixtral, qwen2_moe, qwen3_moe, deepseek_v3): one
-``ModelFamily`` entry each, read here and by ``names``.
+families of ``moeshard.checkpoint.families`` (mixtral, qwen2_moe, qwen3_moe, deepseek_v3, and those
+``moeshard.checkpoint.models`` registers): one ``ModelFamily`` entry each, read here and by ``names``.
 
 A ``quantization_config`` is matched against the checkpoint formats the family ships
 (``families.CHECKPOINT_FORMATS``): DeepSeek-V3-style FP8 block checkpoints

@@ -82,6 +82,13 @@ class _SmallTensors:
         """A weight in ``dtype`` (default the model dtype); see ``read_dense``."""
         return read_dense(self.ckpt, name, shape, dtype or self.cfg.dtype, self.fp8)
 
+    def correction_bias(self) -> torch.Tensor:
+        """fp32 [E]: the bias decides routing, so it stays fp32 as the layer keeps it. Stored [E],
+        or [1, E] as ERNIE 4.5 stores it."""
+        name, E = self.names.correction_bias, self.cfg.num_experts
+        rows = self.ckpt.has(name) and self.ckpt.info(name).shape == (1, E)
+        return self.dense(name, (1, E) if rows else (E,), torch.float32).reshape(E)
+
     def weights(self) -> MoEWeights:
         cfg, n = self.cfg, self.names
         E, H, S = cfg.num_experts, cfg.hidden_size, cfg.shared_width
@@ -90,8 +97,7 @@ class _SmallTensors:
             gate=self.dense(n.router, (E, H)),
             gate_up=None,
             down=None,
-            # The bias decides routing; it stays fp32 like the layer keeps it.
-            correction_bias=self.dense(n.correction_bias, (E,), torch.float32) if cfg.use_correction_bias else None,
+            correction_bias=self.correction_bias() if cfg.use_correction_bias else None,
             shared_gate=self.dense(n.shared("gate"), (S, H)) if shared else None,
             shared_up=self.dense(n.shared("up"), (S, H)) if shared else None,
             shared_down=self.dense(n.shared("down"), (H, S)) if shared else None,

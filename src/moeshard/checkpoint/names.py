@@ -21,6 +21,10 @@ shared MLP [S, H], [S, H], [H, S]     P shared_experts.{gate,up,down}_proj.weigh
 shared expert gate [1, H]             P shared_expert_gate.weight (Qwen2-MoE)
 ====================================  ==========================================  ==============
 
+A family's ``stored_names`` map a tensor the transformers model names one way onto the name the
+checkpoint stores it under (Granite: ``router.weight`` is ``router.layer.weight``, the fused
+``experts.gate_up_proj`` is ``input_linear.weight``); every name above goes through it.
+
 FP8 checkpoints add a block scale next to each quantized weight: ``<module>.weight_scale_inv`` for a
 ``<module>.weight``, ``<name>_scale_inv`` for a fused parameter. MXFP4 checkpoints (gpt-oss) store a
 fused parameter ``<name>`` as ``<name>_blocks`` and ``<name>_scales`` instead (``mxfp4_names``).
@@ -74,17 +78,22 @@ class BlockNames:
         """The router's module name in the block (``gate``)."""
         return self.family.router
 
+    def stored(self, name: str) -> str:
+        """The checkpoint's full name of the block-relative tensor ``name`` (the family's
+        ``stored_names`` applied)."""
+        return self.prefix + self.family.stored(name)
+
     @property
     def router(self) -> str:
-        return f"{self.prefix}{self.family.router}.{self.family.router_weight}"
+        return self.stored(self.family.router_tensor)
 
     @property
     def correction_bias(self) -> str:
-        return f"{self.prefix}{self.bias or self.family.bias_names[0]}"
+        return self.prefix + (self.bias or self.family.stored(self.family.bias_names[0]))
 
     @property
     def router_bias(self) -> str:
-        return f"{self.prefix}{self.family.router}.{self.family.router_bias}"
+        return self.stored(f"{self.family.router}.{self.family.router_bias}")
 
     @property
     def fused_layout(self) -> str:
@@ -100,11 +109,11 @@ class BlockNames:
 
     @property
     def fused_gate_up(self) -> str:
-        return f"{self.prefix}{self.family.experts}.{self.family.fused_names[0]}"
+        return self.stored(f"{self.family.experts}.{self.family.fused_names[0]}")
 
     @property
     def fused_down(self) -> str:
-        return f"{self.prefix}{self.family.experts}.{self.family.fused_names[1]}"
+        return self.stored(f"{self.family.experts}.{self.family.fused_names[1]}")
 
     def expert(self, e: int, projection: str) -> str:
         """Per-expert weight name; projection is "gate", "up" or "down"."""
@@ -126,7 +135,7 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
     files = [p.name for p in ckpt.files]
     family = model.family
     candidates = [family.layer_prefix(layer) + p for p in family.block_prefixes]
-    router = f"{family.router}.{family.router_weight}"
+    router = family.stored(family.router_tensor)
     prefix = next((p for p in candidates if ckpt.has(p + router)), None)
     if prefix is None:
         wanted = " or ".join(repr(p + router) for p in candidates)
@@ -164,6 +173,7 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
             tried = [f"{prefix}{a}gate_proj.weight" for a in family.shared_prefixes]
             raise ValueError(f"layer {layer}: the config has shared experts but none of {tried} is in {files}")
         shared_prefix = present[0]
-    bias = next((b for b in family.bias_names if ckpt.has(prefix + b)), None) if model.moe.use_correction_bias else None
+    bias = next((family.stored(b) for b in family.bias_names if ckpt.has(prefix + family.stored(b))), None) \
+        if model.moe.use_correction_bias else None
     return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix, family=family,
                       bias=bias)

@@ -91,14 +91,15 @@ class MoEBlock(MoELayer):
     router: the block's transformers router module (the family's ``router``, ``gate``: ``weight``
     [E, H], DeepSeek-V3's ``e_score_correction_bias`` [E], gpt-oss's ``bias`` [E]); registered as
     ``router_name``, it replaces ``MoELayer``'s own ``gate``, so the router keeps transformers'
-    names and its forward hooks (transformers' router-logit recorder) keep firing. router_weight:
-    the router's weight parameter inside it (AFMoE: ``gate.weight``). correction_bias: the
-    router's selection-bias parameter name; router_bias: the router linear's bias parameter name
-    (read when the routing kind has ``router_bias``). block_bias: None, or the name under which
-    the block itself holds the selection bias (MiniMax-M2, AFMoE): the block then keeps
-    ``weights``' bias as that fp32 buffer [E] and calls the router as transformers does,
-    ``router(hidden_states, bias)``. returns_router_output: None, or i: ``forward`` returns
-    ``(output, router(x)[i])`` as the family's block does. layer: the decoder layer index (for
+    names and its forward hooks (transformers' router-logit recorder) keep firing. router_weight,
+    correction_bias: the router's weight and selection-bias parameter names inside it (dotted:
+    AFMoE's ``gate.weight``, Hunyuan's ``wg.weight``; a bias held [1, E], as ERNIE 4.5 holds it, is
+    read as [E]); router_bias: the router linear's bias parameter name (read when the routing kind
+    has ``router_bias``). block_bias: None, or the name under which the block itself holds the
+    selection bias (MiniMax-M2, AFMoE): the block then keeps ``weights``' bias as that fp32 buffer
+    [E] and calls the router as transformers does, ``router(hidden_states, bias)``.
+    returns_router_output: None, or i: ``forward`` returns ``(output, router(x)[i])`` as the
+    family's block does. layer: the decoder layer index (for
     messages). Other arguments as ``MoELayer``.
     """
 
@@ -107,7 +108,7 @@ class MoEBlock(MoELayer):
                  router_bias: str = "bias", block_bias: str | None = None,
                  returns_router_output: int | None = None, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
-        weight = _router_weight(router, router_weight)
+        weight = _tensor_at(router, router_weight)
         if weight is None or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
             raise ValueError(f"MoEBlock (layer {layer}): the router's {router_weight} must be [num_experts="
                              f"{cfg.num_experts}, hidden_size={cfg.hidden_size}], got "
@@ -138,16 +139,20 @@ class MoEBlock(MoELayer):
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights (moeshard's router on the
         transformers router's weight, selection bias and, for a kind with ``router_bias``, bias)."""
-        weight = _router_weight(self.hf_router, self.router_weight)
+        weight = _tensor_at(self.hf_router, self.router_weight)
         assert weight is not None  # checked in __init__
         bias = getattr(self.hf_router, self.router_bias_name, None) if self.cfg.routing_kind.router_bias else None
         return route(router_logits(x, weight), self.cfg, self._selection_bias(), bias)
 
     def _selection_bias(self) -> torch.Tensor | None:
-        """fp32 [E]: the block's own bias (``block_bias``), else the router's, else None."""
+        """fp32 [E]: the block's own bias (``block_bias``), else the router's; None without a
+        selection bias."""
+        if not self.cfg.use_correction_bias:
+            return None
         if self.block_bias is not None:
             return getattr(self, self.block_bias)
-        return getattr(self.hf_router, self.bias_name, None)
+        bias = _tensor_at(self.hf_router, self.bias_name)  # dotted (ERNIE 4.5), held [1, E] there
+        return None if bias is None else bias.reshape(-1)
 
     # The block keeps transformers' contract (a tuple for some families), not MoELayer's [T, H].
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Any]:  # type: ignore[override]
@@ -172,12 +177,15 @@ class MoEBlock(MoELayer):
                 f"quant={self.quant.name}, experts=[{s.expert_start}, {s.expert_stop}) of {self.cfg.num_experts}")
 
 
-def _router_weight(router: nn.Module, name: str) -> torch.Tensor | None:
-    """The router's weight parameter ``name`` (``weight``, ``gate.weight``), None if it has none."""
+def _tensor_at(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter or buffer at dotted ``name`` under ``module`` (``wg.weight``), None if absent."""
+    owner, _, leaf = name.rpartition(".")
     try:
-        return router.get_parameter(name)
+        holder = module.get_submodule(owner) if owner else module
     except AttributeError:
         return None
+    value = getattr(holder, leaf, None)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 # -- finding the blocks -----------------------------------------------------------------------
@@ -311,7 +319,7 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str,
     """A block's state dict under the family's names and fused layout -> under ``MoEWeights``'
     canonical names and layout (``gate.weight``, ``gate.bias``, ``experts.gate_up_proj`` [E, 2I, H],
     ``experts.down_proj`` [E, H, I], their biases, ``shared_experts.*``, ``shared_expert_gate.weight``)."""
-    renames = {f"{family.router}.{family.router_weight}": "gate.weight",
+    renames = {family.router_tensor: "gate.weight",
                family.bias_module: "gate.e_score_correction_bias",
                f"{family.router}.{family.router_bias}": "gate.bias",
                f"{family.experts}.{family.fused_names[0]}": "experts.gate_up_proj",
@@ -323,6 +331,8 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str,
     for key, t in state.items():
         shared = next((p for p in family.shared_prefixes if key.startswith(p)), None)
         out["shared_experts." + key[len(shared):] if shared else renames.get(key, key)] = t
+    if "gate.e_score_correction_bias" in out:  # ERNIE 4.5 holds it [1, E]
+        out["gate.e_score_correction_bias"] = out["gate.e_score_correction_bias"].reshape(-1)
     layout = fused_layout(family.fused_layout)
     if "experts.gate_up_proj" in out and "experts.down_proj" in out:
         out["experts.gate_up_proj"], out["experts.down_proj"] = layout.canonical(out["experts.gate_up_proj"],
@@ -343,7 +353,7 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
     """Replaces every MoE block of a loaded transformers model with an ``MoEBlock`` under the
     layout of ``groups`` (None: one device) and returns the model (changed in place).
 
-    model: a transformers Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 model with its full
+    model: a transformers model of a family moeshard knows (``checkpoint.families``) with its full
     weights, the same on every rank, on this rank's device (``groups.device``); quant: expert
     quantization (default none); backend: dispatch backend (default: the layout's).
     Collective when groups is given: every rank of the world calls it with the same model.

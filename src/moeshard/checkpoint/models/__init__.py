@@ -10,8 +10,20 @@ family is known wherever ``FAMILIES`` is read. A new module is one import line b
 from moeshard.checkpoint.models import (
     afmoe,  # noqa: F401
     cohere2_moe,  # noqa: F401
+    deepseek_v2,  # noqa: F401
     deepseek_v3_style,  # noqa: F401  glm4_moe, glm4_moe_lite, dots1, exaone_moe
+    ernie,  # noqa: F401
     gpt_oss,  # noqa: F401
+    granite,  # noqa: F401
+    hunyuan,  # noqa: F401
+    jamba,  # noqa: F401
     llama4,  # noqa: F401
+    mellum,  # noqa: F401
+    minimax,  # noqa: F401
     minimax_m2,  # noqa: F401
+    olmoe,  # noqa: F401
+    phimoe,  # noqa: F401
+    qwen3_5_moe,  # noqa: F401
+    qwen3_next,  # noqa: F401
+    refusals,  # noqa: F401
 )

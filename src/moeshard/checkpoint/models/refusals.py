@@ -1,0 +1,26 @@
+"""Softmax-routed model types transformers ships whose MoE block moeshard cannot express, each
+refused with the part it lacks (``families.refuse_family``) instead of as an unknown model type.
+"""
+
+from __future__ import annotations
+
+from moeshard.checkpoint.families import refuse_family
+
+REFUSALS = {
+    "longcat_flash": "its router also picks zero-computation (identity) experts (zero_expert_num), which pass the "
+                     "row through scaled by its weight; moeshard's experts are gated MLPs only",
+    "jetmoe": "its MoE block adds a learned bias [hidden_size] to every row's output (JetMoeMoE.bias), which "
+              "moeshard's block does not have",
+    "zaya": "its router is an MLP over a projection of the hidden states that carries state from the previous "
+            "layer and routes to an extra skip class (ZayaRouter), not a linear router",
+    "doge": "its experts are product-key embeddings chosen by two sub-key top-ks (DogeCDMoE), not gated MLP experts",
+    "gemma4_text": "its router and experts are attributes of the decoder layer (no MoE block module to replace), the "
+                   "router reading the residual stream through its own norm and scale and scaling each weight per "
+                   "expert (Gemma4TextRouter)",
+    "lara_mini": "its checkpoint stores the linear-attention projections fused (in_proj), which transformers splits "
+                 "as it loads them; moeshard reads the weights outside the MoE blocks under the model's own names",
+    "dbrx": "its experts are stored as three [moe_num_experts * ffn_hidden_size, d_model] matrices (w1, v1, and w2 "
+            "the down projection transposed) in a nested ffn_config, a layout moeshard does not read",
+}
+for _model_type, _reason in REFUSALS.items():
+    refuse_family(_model_type, _reason)

@@ -1,0 +1,346 @@
+"""The softmax-routed families beyond the built-in four, each a whole tiny random transformers
+model built from transformers' own config class and saved with ``save_pretrained``.
+
+Per family: at (1,1) the logits of every greedy step equal transformers' (fp32, 1e-5) and so do
+the ids; under EP2 (dp2-tp1-ep), SP (dp1-tp2-ep), TP2 (dp1-tp2-noep) and dp2-tp2-ep on CPU ranks
+the greedy ids equal transformers' alone. One spawn per world size (2 and 4) runs every family's
+cases of that size; the layout cases of a family whose block takes the path of another family's
+(``SAME_PATH_AS``) run in a spawn of their own in make test-slow. A family whose config class the
+installed transformers lacks is skipped.
+
+The random models are nudged where an untouched random init would hide the family's routing:
+ERNIE 4.5's selection bias is random (transformers initialises it to zeros), and Phi-3.5-MoE's
+router rows are close to each other, so that sparsemixer's window often holds more than the
+picked expert and its masked softmax matters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeshard.checkpoint.hf_config import parse_hf_config
+from moeshard.jobs.generate import (
+    GenerateSpec,
+    compare_generations,
+    generate_plans,
+    generate_rank,
+    plan_generate,
+    reference_generate,
+)
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.spawn import RankFailure, spawn
+
+tf = pytest.importorskip("transformers")
+
+SPAWN_TIMEOUT_S = 300.0
+NEW_TOKENS = 6
+PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11,))
+FP32_ATOL = 1e-5
+SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+# Gated-delta-net (linear attention) layers of the Qwen3-Next kind, sized for SMALL.
+LINEAR_ATTENTION = dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8)
+# model_type -> the config class's arguments beyond SMALL (4 or 8 experts: EP over 2 and 4 ranks).
+CONFIGS = {
+    "olmoe": dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+    "flex_olmo": dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2),
+    "mellum": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8,
+                   mlp_layer_types=["dense", "sparse"]),
+    "minimax": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8, block_size=4,
+                    layer_types=["linear_attention", "full_attention"]),
+    "jamba": dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=4, attn_layer_period=2,
+                  attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_dt_rank=4),
+    "qwen3_next": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                       num_experts=4, num_experts_per_tok=2, **LINEAR_ATTENTION),
+    "qwen3_5_moe_text": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                             num_experts=4, num_experts_per_tok=2, **LINEAR_ATTENTION),
+    "deepseek_v2": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                        first_k_dense_replace=1, n_shared_experts=1, topk_method="group_limited_greedy", n_group=4,
+                        topk_group=2, routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4),
+    "hunyuan_v1_moe": dict(intermediate_size=16, num_experts=4, moe_topk=2, head_dim=8,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "ernie4_5_moe": dict(intermediate_size=48, moe_intermediate_size=16, moe_num_experts=4, moe_k=2,
+                         moe_num_shared_experts=1),
+    "granitemoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+    "granitemoeshared": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=24),
+    "granitemoehybrid": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=24, layer_types=["mamba", "attention"], mamba_n_heads=4,
+                             mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1),
+    "phimoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+    "cohere2_moe": dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8, num_shared_experts=1,
+                        shared_expert_combination_strategy="sum", expert_selection_fn="sigmoid",
+                        mlp_layer_types=["dense", "sparse"], prefix_dense_intermediate_size=24),
+}
+FAMILIES = tuple(CONFIGS)
+
+
+def _config(model_type: str):
+    """transformers' config of the tiny model, or None where the installed transformers lacks the class."""
+    try:
+        return tf.AutoConfig.for_model(model_type, **{**SMALL, **CONFIGS[model_type]})
+    except ValueError as exc:
+        if "Unrecognized model identifier" in str(exc) or model_type in str(exc):
+            return None
+        raise
+
+
+def _random_selection_bias(model) -> None:
+    """ERNIE 4.5: a selection bias of the size of the probabilities' spread (init gives zeros)."""
+    g = torch.Generator().manual_seed(7)
+    for name, bias in model.named_parameters():
+        if name.endswith("moe_statics.e_score_correction_bias"):
+            with torch.no_grad():
+                bias.copy_(torch.rand(bias.shape, generator=g) / 4)
+
+
+def _close_router_rows(model) -> None:
+    """Phi-3.5-MoE: router rows = one shared row + small noise, so logits lie close together."""
+    g = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        w = layer.mlp.router.weight
+        with torch.no_grad():
+            w.copy_(torch.randn(1, w.shape[1], generator=g) + 0.01 * torch.randn(w.shape, generator=g))
+
+
+PREPARE = {"ernie4_5_moe": _random_selection_bias, "phimoe": _close_router_rows}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str | None]:
+    """model_type -> directory of its tiny random model (None: not in this transformers)."""
+    root = tmp_path_factory.mktemp("softmax-families")
+    out: dict[str, str | None] = {}
+    for seed, name in enumerate(FAMILIES):
+        cfg = _config(name)
+        if cfg is None:
+            out[name] = None
+            continue
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+        if name in PREPARE:
+            PREPARE[name](model)
+        model.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+def _dir(models, family: str) -> str:
+    if models[family] is None:
+        pytest.skip(f"transformers {tf.__version__} has no config class for model_type {family!r}")
+    return models[family]
+
+
+def _plan(model_dir: str, layout: ParallelConfig | None = None):
+    return plan_generate(GenerateSpec(model_dir, PROMPTS, NEW_TOKENS, layout or ParallelConfig(), compare=True))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers alone for a plan's batches, computed once per (model, batches)."""
+    cache: dict[tuple, list] = {}
+
+    def get(plan):
+        key = (plan.spec.model_dir, plan.dp_prompts)
+        if key not in cache:
+            cache[key] = reference_generate(plan)
+        return cache[key]
+
+    return get
+
+
+# -- one rank: logits -------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_rank_logits_equal_transformers(models, reference, family):
+    plan = _plan(_dir(models, family))
+    assert plan.model_type == family
+    result = generate_rank(plan, None)
+    c = compare_generations(plan, [result], reference(plan))
+    assert all(c.same_ids), f"{family}: ids differ at steps {c.first_difference}"
+    assert max(c.step_max_abs) <= FP32_ATOL, f"{family}: logits off by {c.step_max_abs}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_in_memory_model_equals_transformers(models, family):
+    """shard_moe_blocks on the model transformers loaded (the model's own names, not the
+    checkpoint's): the forward's logits equal the plain model's, and every MoE layer is an MoEBlock."""
+    from moeshard.integrations.transformers import MoEBlock, find_moe_blocks, moe_model_info, shard_moe_blocks
+
+    model_dir = _dir(models, family)
+    ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
+    want = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()(ids).logits
+    model = shard_moe_blocks(tf.AutoModelForCausalLM.from_pretrained(model_dir).eval())
+    with torch.no_grad():
+        got = model(ids).logits
+    assert torch.allclose(got, want, atol=FP32_ATOL, rtol=0), (got - want).abs().max()
+    info = moe_model_info(model)
+    moe = [i for i in range(info.num_layers) if i not in info.dense_layers]
+    assert moe and sorted(m.layer_index for m in model.modules() if isinstance(m, MoEBlock)) == moe
+    with pytest.raises(ValueError, match="already a moeshard MoEBlock"):
+        find_moe_blocks(model)
+
+
+def test_the_nudges_reach_the_routing(models):
+    """The ERNIE selection bias changes which experts are picked, and Phi-3.5-MoE's sparsemixer
+    gives weights below 1 (its window holds more than the pick) for some tokens: the parity
+    above covers those parts of the routing, not only their degenerate cases."""
+    from moeshard.integrations.transformers import load_sharded_model
+    from moeshard.router import route, router_logits
+
+    x = torch.randn(64, SMALL["hidden_size"], generator=torch.Generator().manual_seed(3))
+    checked = 0
+    for family in ("ernie4_5_moe", "phimoe"):
+        if models[family] is None:
+            continue
+        block = load_sharded_model(models[family]).model.layers[1].mlp
+        r = block.route(x)
+        if family == "ernie4_5_moe":
+            unbiased = route(router_logits(x, block.gate.weight), block.cfg,
+                             torch.zeros(block.cfg.num_experts)).topk_ids
+            assert (r.topk_ids != unbiased).any()
+        else:
+            assert (r.topk_weights < 0.99).any() and (r.topk_weights > 0.99).any()
+        checked += 1
+    if not checked:
+        pytest.skip(f"transformers {tf.__version__} has neither ernie4_5_moe nor phimoe")
+
+
+# -- several ranks: one spawn per world size --------------------------------------------------
+LAYOUTS = {2: (ParallelConfig(2, 1, True), ParallelConfig(1, 2, True), ParallelConfig(1, 2, False)),
+           4: (ParallelConfig(2, 2, True),)}
+# Families whose MoE block takes, under a layout, the path of a family make test runs there (the
+# same reader output, names, routing kind and shared-expert kind): their layout cases run in
+# make test-slow. family -> that sibling (test_transformers_integration runs the built-in four).
+SAME_PATH_AS = {
+    "olmoe": "qwen3_moe",  # softmax, norm_topk_prob, mlp.gate, per-expert gate/up/down
+    "flex_olmo": "qwen3_moe",
+    "mellum": "qwen3_moe",  # its dense first layer is transformers' (layer 0 is never an MoEBlock)
+    "minimax": "mixtral",  # Mixtral's descriptor under another model_type
+    "qwen3_next": "qwen2_moe",  # Qwen2-MoE's descriptor, gated shared expert
+    "qwen3_5_moe_text": "qwen2_moe",
+    "granitemoeshared": "granitemoe",  # the shared MLP beside the block is transformers'
+    "granitemoehybrid": "granitemoe",
+}
+
+
+@pytest.fixture(scope="module")
+def world(models):
+    """(world size, slow) -> {(layout name, family): (plan, per-rank results)} for the families
+    present whose layout cases are (slow) or are not (fast) in ``SAME_PATH_AS``."""
+    cache: dict[tuple[int, bool], object] = {}
+
+    def get(ws: int, slow: bool):
+        if (ws, slow) not in cache:
+            cases = [(layout, f) for layout in LAYOUTS[ws] for f in FAMILIES
+                     if models[f] is not None and (f in SAME_PATH_AS) == slow]
+            keys = [(layout.name, f) for layout, f in cases]
+            plans = [_plan(models[f], layout) for layout, f in cases]
+            try:
+                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S)
+            except RankFailure as failure:
+                cache[ws, slow] = failure
+            else:
+                cache[ws, slow] = {key: (plan, [per_rank[r][i] for r in range(ws)])
+                                   for i, (key, plan) in enumerate(zip(keys, plans, strict=True))}
+        if isinstance(cache[ws, slow], RankFailure):
+            pytest.fail(f"the {ws}-rank run failed:\n{cache[ws, slow]}")
+        return cache[ws, slow]
+
+    return get
+
+
+def _layout_params():
+    return [pytest.param(ws, layout.name, f, id=f"{layout.name}-{f}",
+                         marks=[pytest.mark.slow] if f in SAME_PATH_AS else [])
+            for ws, layouts in LAYOUTS.items() for layout in layouts for f in FAMILIES]
+
+
+@pytest.mark.parametrize("ws, layout, family", _layout_params())
+def test_layout_generates_what_transformers_generates(models, world, reference, ws, layout, family):
+    _dir(models, family)
+    plan, results = world(ws, family in SAME_PATH_AS)[(layout, family)]
+    for r in results:
+        assert not isinstance(r, dict), f"rank raised: {r}"
+        assert r.tp_disagreements == 0
+    c = compare_generations(plan, results, reference(plan))
+    assert all(c.same_ids), f"{layout} {family}: ids differ at steps {c.first_difference}"
+    assert c.within_tolerance, f"{layout} {family}: logits off by {c.step_max_abs}"
+    p = plan.parallel
+    if p.enable_ep:  # each rank holds only its experts
+        per = plan.cfg.num_experts // p.world_size
+        assert [r.experts for r in results] == [(r * per, (r + 1) * per) for r in range(ws)]
+    else:  # each TP rank its slice of I
+        width = plan.cfg.intermediate_size // p.tp
+        assert [r.intermediate for r in results] == [(t * width, (t + 1) * width) for t in range(p.tp)] * p.dp
+
+
+# -- what config.json readers refuse ---------------------------------------------------------
+def _raw(models, family: str, **changes) -> dict:
+    """The family's saved config.json with ``changes``."""
+    return {**json.loads((Path(_dir(models, family)) / "config.json").read_text()), **changes}
+
+
+@pytest.mark.parametrize("family, changes, message", [
+    ("ernie4_5_moe", {"use_bias": True}, "use_bias=true gives the shared experts' projections biases"),
+    ("ernie4_5_moe", {"moe_norm_min": 1e-6}, "moe_norm_min=1e-06; routing kind 'softmax_bias' renormalizes with "
+                                             "the floor 1e-12"),
+    ("phimoe", {"num_experts_per_tok": 3}, "num_experts_per_tok=3; phimoe's sparsemixer routes every token to "
+                                           "exactly 2 experts"),
+    ("phimoe", {"router_jitter_noise": 0.05}, "router_jitter_noise=0.05; routing kind 'sparsemixer' masks with 0.01"),
+    ("hunyuan_v1_moe", {"num_experts": [4, 8]}, "num_experts=[4, 8] differs between layers"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'; deepseek_v2 blocks route with one of"),
+    ("granitemoehybrid", {"num_local_experts": 0}, "num_local_experts=0: the model has no MoE block"),
+    ("mellum", {"mlp_layer_types": ["sparse"]}, "mlp_layer_types must list ['sparse', 'dense'] once per layer"),
+    ("cohere2_moe", {"shared_expert_combination_strategy": "average"},
+     "shared_expert_combination_strategy='average' with num_shared_experts=1: moeshard adds"),
+    ("cohere2_moe", {"expert_selection_fn": "tanh"}, "expert_selection_fn='tanh' is not one of ['softmax', 'sigmoid']"),
+])
+def test_config_refusals_name_the_field(models, family, changes, message):
+    with pytest.raises(ValueError, match="config.json: .*") as info:
+        parse_hf_config(_raw(models, family, **changes), "config.json")
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("model_type, part", [("longcat_flash", "zero-computation (identity) experts"),
+                                              ("jetmoe", "adds a learned bias"), ("dbrx", "a layout moeshard does not read")])
+def test_inexpressible_families_are_refused_naming_the_part(model_type, part):
+    with pytest.raises(ValueError, match=f"config.json: model_type '{model_type}' is not supported: .*{re.escape(part)}"):
+        parse_hf_config({"model_type": model_type}, "config.json")
+
+
+def test_config_readers(models):
+    """What each reader makes of its config: routing kinds, shared experts, dense layers."""
+    want = {  # model_type -> (scoring, renormalize, shared width, gated, dense layers, E, n_group)
+        "olmoe": ("softmax", True, 0, False, [], 4, 1),
+        "flex_olmo": ("softmax", False, 0, False, [], 4, 1),
+        "mellum": ("softmax", True, 0, False, [0], 4, 1),
+        "minimax": ("softmax", True, 0, False, [], 4, 1),
+        "jamba": ("softmax", False, 0, False, [0, 2], 4, 1),
+        "qwen3_next": ("softmax", True, 24, True, [], 4, 1),
+        "qwen3_5_moe_text": ("softmax", True, 24, True, [], 4, 1),
+        "deepseek_v2": ("group_limited_greedy", False, 16, False, [0], 8, 4),
+        "hunyuan_v1_moe": ("softmax", True, 16, False, [], 4, 1),
+        "ernie4_5_moe": ("softmax_bias", True, 16, False, [0], 4, 1),
+        "granitemoe": ("topk_softmax", False, 0, False, [], 4, 1),
+        "granitemoeshared": ("topk_softmax", False, 0, False, [], 4, 1),
+        "granitemoehybrid": ("topk_softmax", False, 0, False, [], 4, 1),
+        "phimoe": ("sparsemixer", False, 0, False, [], 4, 1),
+        "cohere2_moe": ("topk_sigmoid", True, 16, False, [0], 4, 1),
+    }
+    assert set(want) == set(FAMILIES)
+    for family, (scoring, renorm, shared, gated, dense, experts, groups) in want.items():
+        if models[family] is None:
+            continue
+        info = parse_hf_config(_raw(models, family), family)
+        m = info.moe
+        assert (m.scoring, m.renormalize, m.shared_width, m.shared_expert_gate, list(info.dense_layers),
+                m.num_experts, m.n_group) == (scoring, renorm, shared, gated, dense, experts, groups), family
+    greedy = parse_hf_config(_raw(models, "deepseek_v2", topk_method="greedy"), "deepseek_v2").moe
+    assert (greedy.scoring, greedy.n_group, greedy.routed_scaling_factor) == ("softmax", 1, 2.0)
