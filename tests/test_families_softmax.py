@@ -75,9 +75,6 @@ CONFIGS = {
                              shared_intermediate_size=24, layer_types=["mamba", "attention"], mamba_n_heads=4,
                              mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1),
     "phimoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
-    "cohere2_moe": dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8, num_shared_experts=1,
-                        shared_expert_combination_strategy="sum", expert_selection_fn="sigmoid",
-                        mlp_layer_types=["dense", "sparse"], prefix_dense_intermediate_size=24),
 }
 FAMILIES = tuple(CONFIGS)
 
@@ -298,9 +295,6 @@ def _raw(models, family: str, **changes) -> dict:
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'; deepseek_v2 blocks route with one of"),
     ("granitemoehybrid", {"num_local_experts": 0}, "num_local_experts=0: the model has no MoE block"),
     ("mellum", {"mlp_layer_types": ["sparse"]}, "mlp_layer_types must list ['sparse', 'dense'] once per layer"),
-    ("cohere2_moe", {"shared_expert_combination_strategy": "average"},
-     "shared_expert_combination_strategy='average' with num_shared_experts=1: moeshard adds"),
-    ("cohere2_moe", {"expert_selection_fn": "tanh"}, "expert_selection_fn='tanh' is not one of ['softmax', 'sigmoid']"),
 ])
 def test_config_refusals_name_the_field(models, family, changes, message):
     with pytest.raises(ValueError, match="config.json: .*") as info:
@@ -332,7 +326,6 @@ def test_config_readers(models):
         "granitemoeshared": ("topk_softmax", False, 0, False, [], 4, 1),
         "granitemoehybrid": ("topk_softmax", False, 0, False, [], 4, 1),
         "phimoe": ("sparsemixer", False, 0, False, [], 4, 1),
-        "cohere2_moe": ("topk_sigmoid", True, 16, False, [0], 4, 1),
     }
     assert set(want) == set(FAMILIES)
     for family, (scoring, renorm, shared, gated, dense, experts, groups) in want.items():

@@ -279,3 +279,17 @@ def test_fused_input_quantization_equals_the_torch_path(interpreted_kernels, exa
     with pytest.raises(ValueError, match="is not one of the modes"):
         qr.quantize_rows(x, "nvfp4")
 
+
+def test_strided_expert_ids_are_read_as_their_values(interpreted_kernels, exact_interpreter):
+    """A top-1 router's ids reach the experts as a strided view (column 0 of sorted indices
+    [T, E]); the tile plan reads them as their values, not as the memory they sit in (the GPU
+    check found a top-1 layer off by 3.6)."""
+    TritonExperts = interpreted_kernels.experts.TritonExperts
+    M, E, H, I = 40, 4, 64, 96
+    x, ids, w = _problem(M, E, H, I, torch.bfloat16, "none", seed=5)
+    strided = torch.stack([ids, (ids + 1) % E, (ids + 2) % E], dim=1)[:, 0]
+    assert not strided.is_contiguous() and torch.equal(strided, ids)
+    y = TritonExperts("silu", torch.bfloat16)(ExpertInput(x, strided), w)
+    err, atol, rtol, ok = compare(y, expert_reference(x, ids, w, "silu", torch.bfloat16), torch.bfloat16, "none")
+    assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
+

@@ -439,7 +439,9 @@ def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, nam
     the dtypes transformers gave them (DeepSeek-V3 keeps its router in fp32)."""
     router = model.get_submodule(prefix + names.router_module)
     for local, t in list(router.named_parameters()) + list(router.named_buffers()):
-        stored = f"{names.prefix}{names.router_module}.{local}"  # the checkpoint's block prefix (Mixtral: block_sparse_moe.)
+        # The checkpoint's block prefix (Mixtral: block_sparse_moe.) and the family's stored name
+        # (Granite: router.layer.weight for the model's router.weight).
+        stored = names.stored(f"{names.router_module}.{local}")
         if f"{names.router_module}.{local}" == names.family.bias_module:
             stored = names.correction_bias  # the name this checkpoint keeps the bias under (EXAONE-MoE: the block's)
         _set(router, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8).to(device))

@@ -154,6 +154,9 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     GEMM then max-reduces each expert's |h| into it), saving a separate memset launch.
     Three launches (histogram, plan, scatter), all sized from M and E on the host.
     """
+    # The kernels index ids as a dense vector: a strided view (a top-1 router's ids are column 0
+    # of [T, E] sorted indices) would be read at the wrong rows.
+    expert_ids = expert_ids.contiguous()
     M, E = expert_ids.shape[0], num_experts
     device = expert_ids.device
     tiles = max_tiles(M, E, block_m)
