@@ -11,12 +11,17 @@ and seeds the same output element on every rank: its numerical and analytical Ja
 A wrong backward anywhere in F (``shard_rows`` / ``gather_rows`` included: a summing gather
 would make F's Jacobian 2x) fails on every rank. The per-rank work between them depends on the
 rank, so a backward that mixed ranks up would fail too.
+
+``training_steps``: a small whole model (a replicated linear, the MoE layer, a replicated
+linear) under each layout of a world of 2: after ``reduce_gradients`` every parameter's
+gradient (each rank's shard of the experts) and ``grad_norm`` equal one device's on all tokens.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from moeshard.autograd import routed
 from moeshard.autograd.collectives import gather_rows, shard_rows, tp_copy, tp_reduce
@@ -24,9 +29,14 @@ from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.base import BackendContext
 from moeshard.dispatch.registry import BACKENDS, build_groups
 from moeshard.experts.base import ExpertInput
+from moeshard.layer import MoELayer
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.sequence import SequenceChunk
+from moeshard.presets import PRESETS
 from moeshard.router import Routing
+from moeshard.training import clip_grad_norm_, grad_norm, reduce_gradients
+from moeshard.training.reference import shard_of_grad
+from moeshard.weights import MoEWeights
 
 E, K, H = 4, 2, 3  # experts, top-k, hidden size of the gradient checks
 
@@ -107,3 +117,70 @@ def gradchecks() -> dict[str, bool | str]:
                 return gather_rows(out, sizes, rank, ep.ep_group, "ep")
             results[f"{name} {sizes}"] = _check(ep_routed, (x, w))
     return results
+
+
+# -- whole-model training steps --------------------------------------------------------------
+
+class _Model(nn.Module):
+    """embed (replicated linear) -> MoE layer -> head (replicated linear)."""
+
+    def __init__(self, layer: MoELayer, embed: torch.Tensor, head: torch.Tensor) -> None:
+        super().__init__()
+        self.embed = nn.Linear(embed.shape[1], embed.shape[0], bias=False)
+        self.embed.weight = nn.Parameter(embed.clone())
+        self.moe = layer
+        self.head = nn.Linear(head.shape[1], head.shape[0], bias=False)
+        self.head.weight = nn.Parameter(head.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(self.embed(x)))
+
+
+def training_steps() -> dict[str, float]:
+    """name -> the largest relative error against one device (every name must be tiny)."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    cfg = PRESETS["qwen2-57b-a14b"].config("small")  # router, experts, shared experts and their gate
+    gen = torch.Generator().manual_seed(3)
+    weights = MoEWeights.random(cfg, gen)
+    Hs = cfg.hidden_size
+    embed, head = torch.randn(Hs, Hs, generator=gen) / Hs**0.5, torch.randn(Hs, Hs, generator=gen) / Hs**0.5
+    out: dict[str, float] = {}
+    for layout, backend, tokens in (("dp2-tp1-ep", "all2all", (5, 0)), ("dp1-tp2-ep", "allgather_reducescatter", (3,)),
+                                    ("dp1-tp2-noep", "local", (4,)), ("dp2-tp1-noep", "local", (2, 3)),
+                                    ("dp2-tp1-ep", "low_latency", (4, 4))):
+        for op in ("sum", "mean"):
+            if op == "mean" and len(set(tokens)) > 1:
+                continue  # the mean convention needs equal token counts per DP rank
+            p = ParallelConfig.parse(layout)
+            xs = [torch.randn(t, Hs, generator=torch.Generator().manual_seed(20 + d)) for d, t in enumerate(tokens)]
+            gs = [torch.randn(t, Hs, generator=torch.Generator().manual_seed(40 + d)) for d, t in enumerate(tokens)]
+            scale = 1.0 / (sum(tokens) if op == "sum" else tokens[0])  # sum: L_d = sum / N; mean: L_d = local mean
+
+            one = _Model(MoELayer(cfg, weights=weights), embed, head).requires_grad_(True)
+            (sum((one(x) * g).sum() for x, g in zip(xs, gs, strict=True)) / sum(tokens)).backward()
+            want = {n: q.grad for n, q in one.named_parameters()}
+            want_norm = float(torch.sqrt(sum(g.pow(2).sum() for g in want.values())))
+
+            groups = build_groups(p, "cpu")
+            layer = MoELayer(cfg, groups=groups, backend=backend, weights=weights, max_tokens_per_rank=max(tokens))
+            model = _Model(layer, embed, head).requires_grad_(True)
+            d = p.dp_rank(rank)
+            ((model(xs[d]) * gs[d]).sum() * scale).backward()
+            reduce_gradients(model, groups, op=op)
+            norm = float(grad_norm(model, groups))
+            tag = f"{layout}/{backend}/{op}"
+            for n, q in model.named_parameters():
+                ref = shard_of_grad(n.removeprefix("moe."), want[n], layer.shard, cfg) if n.startswith("moe.") else want[n]
+                assert q.grad is not None
+                out[f"{tag} {n}"] = float((q.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+            out[f"{tag} norm"] = abs(norm - want_norm) / want_norm
+            clipped = float(clip_grad_norm_(model, groups, want_norm / 2))
+            out[f"{tag} clip returns the norm"] = abs(clipped - norm) / norm
+            out[f"{tag} clipped norm"] = abs(float(grad_norm(model, groups)) - want_norm / 2) / (want_norm / 2)
+    return out
+
+
+def all_checks() -> tuple[dict[str, bool | str], dict[str, float]]:
+    """Both, in one world."""
+    return gradchecks(), training_steps()
