@@ -181,6 +181,53 @@ def training_steps() -> dict[str, float]:
     return out
 
 
-def all_checks() -> tuple[dict[str, bool | str], dict[str, float]]:
-    """Both, in one world."""
-    return gradchecks(), training_steps()
+# (layout, backend, tokens per DP rank, padding rows masked) of the router-loss checks
+ROUTER_LOSS_CASES = (("dp2-tp1-ep", "all2all", (3, 5), False), ("dp1-tp2-ep", "all2all", (5,), True),
+                     ("dp1-tp2-ep", "allgather_reducescatter", (1,), False), ("dp1-tp2-noep", "local", (4,), True),
+                     ("dp2-tp1-noep", "local", (2, 0), False))
+
+
+def router_loss_inputs(tokens: tuple[int, ...], masked: bool):
+    """(cfg, the two layers' weights, tokens, upstream gradients and row masks per DP rank):
+    the same in the ranks and in the parent."""
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    weights = [MoEWeights.random(cfg, torch.Generator().manual_seed(s)) for s in (5, 6)]
+    xs = [torch.randn(t, cfg.hidden_size, generator=torch.Generator().manual_seed(60 + d)) for d, t in enumerate(tokens)]
+    gs = [torch.randn(t, cfg.hidden_size, generator=torch.Generator().manual_seed(70 + d)) for d, t in enumerate(tokens)]
+    masks = [(torch.arange(t) % 3 != 1).float() if masked else None for t in tokens]
+    return cfg, weights, xs, gs, masks
+
+
+def router_losses() -> list[dict]:
+    """For each of ``ROUTER_LOSS_CASES``, on this rank: two stacked MoE layers, the loss
+    <g, out> / N + 0.1 * load_balancing_loss + 0.01 * router_z_loss (unmasked cases) backward,
+    reduce_gradients: the losses' values, every parameter's gradient (this rank's shard) and x's."""
+    from moeshard.training.router_losses import keep_router_logits, load_balancing_loss, router_z_loss
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    out = []
+    for layout, backend, tokens, masked in ROUTER_LOSS_CASES:
+        cfg, weights, xs, gs, masks = router_loss_inputs(tokens, masked)
+        p = ParallelConfig.parse(layout)
+        groups = build_groups(p, "cpu")
+        model = nn.Sequential(*(MoELayer(cfg, groups=groups, backend=backend, weights=w) for w in weights))
+        model.requires_grad_(True)
+        keep_router_logits(model)
+        d = p.dp_rank(rank)
+        x = xs[d].clone().requires_grad_()
+        y = model(x)
+        aux = load_balancing_loss(model, groups, row_mask=masks[d])
+        z = router_z_loss(model, groups) if not masked else None
+        ((y * gs[d]).sum() / sum(tokens) + 0.1 * aux.share + (0.01 * z.share if z is not None else 0)).backward()
+        reduce_gradients(model, groups)
+        assert x.grad is not None
+        out.append({"aux": float(aux.value), "z": None if z is None else float(z.value), "x": x.grad, "dp_rank": d,
+                    "grads": {n: q.grad for n, q in model.named_parameters()},
+                    "shards": [layer.shard for layer in model]})
+    return out
+
+
+def all_checks() -> tuple[dict[str, bool | str], dict[str, float], list[dict]]:
+    """All three, in one world."""
+    return gradchecks(), training_steps(), router_losses()

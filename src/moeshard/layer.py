@@ -188,6 +188,11 @@ class MoELayer(nn.Module):
         self.overlap_shared = self.device.type == "cuda"
         self._side_stream: torch.cuda.Stream | None = None
         self.recorder = recorder
+        # Training losses on the router (moeshard.training.router_losses) set this: every forward
+        # then keeps the fp32 logits of the rows it routed, and the first row's index in its DP
+        # rank's batch (the SP chunk's start).
+        self.keep_router_logits = False
+        self.router_logits: tuple[torch.Tensor, int] | None = None
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
 
     @property
@@ -307,6 +312,11 @@ class MoELayer(nn.Module):
             if grad:
                 rec.record_grad("topk_weights", routing.topk_weights)
         self.loads.record(routing.topk_ids)
+        if self.keep_router_logits:
+            if routing.logits is None:
+                raise ValueError(f"MoELayer: keep_router_logits is set but {type(self).__name__}.route returned no "
+                                 f"logits (build its Routing with moeshard.router.route)")
+            self.router_logits = (routing.logits, first_row)
         routing = Routing(self.physical_ids(routing.topk_ids, first_row), routing.topk_weights)
         tp_sliced = self.parallel.tp > 1 and not self.parallel.enable_ep
         if grad and tp_sliced:

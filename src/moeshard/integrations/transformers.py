@@ -53,7 +53,8 @@ Training: gradients flow through every block under every layout (``moeshard.auto
 the model's parameters require grad; ``moeshard.training.reduce_gradients`` then completes each
 over its group (the blocks' own parameters by their layout, everything else over DP). The
 auxiliary loss transformers computes from the router logits is over each rank's own tokens, not
-the global batch, and under SP it would reach the router once per TP rank (docs/training.md).
+the global batch, and under SP it would reach the router once per TP rank: train with
+``moeshard.training.router_losses`` instead (docs/training.md).
 """
 
 from __future__ import annotations

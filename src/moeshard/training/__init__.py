@@ -7,8 +7,9 @@
     optimizer.step()
 
 ``gradients`` documents the loss convention and the reductions; ``moeshard.autograd.roles``
-which parameter is reduced over which group; ``reference`` the fp64 single-device gradients
-that ``moeshard check --backward`` compares with.
+which parameter is reduced over which group; ``router_losses`` the load-balancing loss and the
+router z-loss over the global batch; ``reference`` the fp64 single-device gradients that
+``moeshard check --backward`` compares with.
 """
 
 from moeshard.training.gradients import clip_grad_norm_, grad_norm, gradient_roles, reduce_gradients
