@@ -38,7 +38,7 @@ from moeshard.training import clip_grad_norm_, grad_norm, reduce_gradients
 from moeshard.training.reference import shard_of_grad
 from moeshard.weights import MoEWeights
 
-E, K, H = 4, 2, 3  # experts, top-k, hidden size of the gradient checks
+E, K, H = 4, 2, 2  # experts, top-k, hidden size of the gradient checks
 
 
 def _toy_experts(inp: ExpertInput, scale: float = 1.0) -> torch.Tensor:
@@ -75,7 +75,7 @@ def gradchecks() -> dict[str, bool | str]:
     tp = build_groups(ParallelConfig(1, 2, False), "cpu")
     results: dict[str, bool | str] = {}
 
-    for sizes in ([2, 3], [0, 4], [1, 0]):
+    for sizes in ([2, 3], [0, 4]):
         x = torch.randn(sum(sizes), H, dtype=torch.float64, generator=gen, requires_grad=True)
 
         def rows(x, sizes=sizes):

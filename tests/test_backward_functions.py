@@ -40,7 +40,7 @@ def world():
 
 def test_gradcheck_of_every_custom_function(world):
     for rank, (checks, _, _) in enumerate(world):
-        assert len(checks) == 3 + 2 + 3 * 2
+        assert len(checks) == 2 + 2 + 3 * 2
         failed = {name: why for name, why in checks.items() if why is not True}
         assert not failed, f"rank {rank}: {failed}"
 
