@@ -55,9 +55,12 @@ class StageRecorder:
 
     def record_grad(self, stage: str, tensor: torch.Tensor) -> None:
         """Keeps (a CPU copy of) the gradient of ``tensor`` under ``stage`` when the backward
-        computes it (a tensor hook; the gradient itself is left as it is)."""
+        computes it (a tensor hook; the gradient itself is left as it is). Nothing for a tensor
+        that no gradient reaches (it does not require grad)."""
         if stage not in GRAD_STAGES:
             raise ValueError(f"StageRecorder.record_grad: stage {stage!r} is not one of {list(GRAD_STAGES)}")
+        if not tensor.requires_grad:
+            return
 
         def keep(grad: torch.Tensor) -> None:
             self.grads[stage] = grad.detach().to("cpu", copy=True)
