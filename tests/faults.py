@@ -11,11 +11,13 @@ import torch
 import torch.distributed as dist
 
 import moeshard.dispatch.all2all as all2all_module
+import moeshard.layer as layer_module
 from moeshard.dispatch.all2all import All2AllBackend
 from moeshard.dispatch.allgather_reducescatter import AllGatherReduceScatterBackend
 from moeshard.dispatch.base import Dispatched
 from moeshard.experts.base import ExpertInput
 from moeshard.layer import MoELayer
+from moeshard.parallel.collectives import all_gatherv
 from moeshard.quant import QuantizedActivations
 from moeshard.router import Routing, route, router_logits
 
@@ -254,3 +256,70 @@ def run_plans_raising_in_combine_on_rank1(plans, traces):
         return run_plans(plans, traces)
     finally:
         All2AllBackend.combine = original
+
+
+# -- planted wrong backwards that `moeshard check --backward --explain` must name ------------------
+# (tests/test_backward_matrix.py)
+
+class _SummedGatherRows(torch.autograd.Function):
+    """``gather_rows`` whose backward sums the ranks' upstream gradients before keeping this
+    rank's rows: the textbook adjoint of an all-gather (a reduce-scatter), wrong under the
+    replicated loss, where every TP rank's upstream gradient already is the whole one."""
+
+    @staticmethod
+    def forward(ctx, y, sizes, index, group, group_name, trace):
+        ctx.start, ctx.rows, ctx.group = sum(sizes[:index]), sizes[index], group
+        return all_gatherv(y.contiguous(), sizes, group, group_name, trace=trace)
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed[ctx.start:ctx.start + ctx.rows], None, None, None, None, None
+
+
+def _summed_gather_rows(y, sizes, index, group, group_name, *, trace=None):
+    return _SummedGatherRows.apply(y, sizes, index, group, group_name, trace)
+
+
+class SummedSPGatherBackward(MoELayer):
+    """Under SP, the output all-gather's backward sums the TP ranks' gradients: every gradient
+    behind it comes out tp times too large (the bug other libraries shipped at tp = 2)."""
+
+    def forward(self, x):
+        original = layer_module.gather_rows
+        layer_module.gather_rows = _summed_gather_rows
+        try:
+            return super().forward(x)
+        finally:
+            layer_module.gather_rows = original
+
+
+class MissingDPReduction(MoELayer):
+    """Says that no parameter needs the DP group's sum (its gradient roles): reduce_gradients then
+    leaves each DP rank with its own tokens' share of the router and shared experts (and, EP
+    off, of the experts)."""
+
+    def gradient_roles(self):
+        return {name: replace(role, reduce="") if role.reduce == "dp" else role
+                for name, role in super().gradient_roles().items()}
+
+
+class DoubledExpertGradient(MoELayer):
+    """With EP on, the routed experts' weight gradients come out doubled (the 'gradients doubled
+    at EP=2' bug): a hook on each expert parameter, set at the first forward that trains."""
+
+    def forward(self, x):
+        if self.parallel.enable_ep and not getattr(self, "_doubled", False) and torch.is_grad_enabled():
+            for p in self.experts.parameters():
+                if p.requires_grad:
+                    p.register_hook(lambda g: 2 * g)
+                    self._doubled = True
+        return super().forward(x)
+
+
+class ThreeWrongBackwards(SummedSPGatherBackward, MissingDPReduction, DoubledExpertGradient):
+    """All three at once, each acting where its layout has the collective it breaks: the summed
+    SP gather under SP, the missing DP reduction wherever a gradient is summed over 'dp' (EP off,
+    or the router under EP with dp > 1), the doubled expert gradient under EP. One world then
+    runs one case per fault; each case's report names the first wrong stage of its backward."""

@@ -178,21 +178,57 @@ def test_zero_tokens_every_quant():
         assert out.shape == (0, cfg.hidden_size)
 
 
-def test_autograd_is_refused_across_ranks_and_kept_on_one():
-    """Gradients through the collectives are not implemented: an input or a parameter that
-    requires grad is refused before any collective on a layout that communicates (backward
-    would run and be silently wrong); under no_grad the same layer runs; one rank keeps autograd."""
-    import grad_ranks
+def test_what_has_no_backward_is_refused_by_name_and_runs_without_grad():
+    """Gradients flow wherever a backward is proved (``moeshard.autograd.support``); a
+    quantized scheme and a backend without a backward are refused, naming them, when x or a
+    parameter requires grad; under no_grad the same layer runs."""
+    import extension_example
 
-    from moeshard.parallel.spawn import spawn
-
-    for seen in spawn(grad_ranks.grad_refusals, 2, timeout_s=120):
-        for layout in ("dp2-tp1-ep", "dp1-tp2-noep"):
-            assert "x requires grad, but gradients are not supported across ranks yet" in seen[f"{layout} x"]
-            assert "parameter 'gate.weight' requires grad" in seen[f"{layout} param"]
-            assert seen[f"{layout} no_grad"] is None
     cfg = PRESETS["mixtral-8x7b"].config("small")
+    weights = MoEWeights.random(cfg, torch.Generator().manual_seed(0))
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    for scheme in ("fp8_tensor", "fp8_token", "fp8_block", "nvfp4"):
+        layer = MoELayer(cfg, quant=QuantConfig(scheme), weights=weights)
+        with pytest.raises(ValueError, match=f"x requires grad, but quant '{scheme}' has no backward"):
+            layer(x.clone().requires_grad_())
+        layer.gate.weight.requires_grad_(True)
+        with pytest.raises(ValueError, match=f"parameter 'gate.weight' requires grad, but quant '{scheme}'"):
+            layer(x)
+        with torch.no_grad():
+            assert layer(x.clone().requires_grad_()).shape == x.shape
+    extension_example.ensure_registered()
+    try:
+        layer = extension_example.layer(cfg, backend="local_blocks", weights=weights)
+        with pytest.raises(ValueError, match="backend 'local_blocks' has no backward"):
+            layer(x.clone().requires_grad_())
+    finally:
+        extension_example.unregister()
+    layer = MoELayer(cfg, weights=weights).requires_grad_(True)
+    xg = x.clone().requires_grad_()
+    layer(xg).sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all() and layer.experts.down_proj.grad is not None
+
+
+def test_training_runs_the_portable_experts_in_place_of_the_triton_kernels():
+    """The Triton expert kernels are forward only: a forward that carries gradients runs
+    GroupedExperts instead; inference keeps the layer's kernel."""
+    from moeshard.experts.grouped import GroupedExperts
+    from moeshard.kernels.experts import TritonExperts
+
+    class CountingTriton(TritonExperts):
+        calls = 0
+
+        def __call__(self, inp, weights):  # counts, then computes as the portable path does
+            type(self).calls += 1
+            return GroupedExperts.__call__(self, inp, weights)
+
+    cfg = PRESETS["qwen3-30b-a3b"].config("small", torch.bfloat16)
     layer = MoELayer(cfg, weights=MoEWeights.random(cfg, torch.Generator().manual_seed(0)))
-    x = torch.randn(4, cfg.hidden_size, requires_grad=True)
-    layer(x).sum().backward()
-    assert x.grad is not None and torch.isfinite(x.grad).all()
+    layer.kernel = CountingTriton(cfg.activation, cfg.dtype)
+    x = torch.randn(2, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    out = layer(x)
+    out.float().sum().backward()
+    assert CountingTriton.calls == 0 and x.grad is not None
+    with torch.no_grad():
+        assert torch.equal(layer(x), out)
+    assert CountingTriton.calls == 1

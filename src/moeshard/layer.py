@@ -16,7 +16,14 @@ The backend (``moeshard.dispatch``) owns the middle three steps' wire format: it
 on, this DP rank's tokens otherwise; see ``moeshard.dispatch.payload``), moves rows and scales,
 and hands the experts their input; the layer only routes, runs the kernel and reduces. So the
 single-device reference on the same tokens reproduces every quantization exactly.
-Inference only: no gradient flows through dispatch and combine.
+
+Training: when x or a parameter requires grad (and grad mode is on), every collective above runs
+as an autograd Function whose backward is the reverse communication (``moeshard.autograd``),
+under the replicated loss: the TP ranks of a DP rank compute the same loss from the same output.
+The experts then run on the portable ``GroupedExperts`` (the Triton kernels are forward only).
+Which combinations have a backward: ``moeshard.autograd.support``; which gradients a training
+loop must then reduce over which group: ``moeshard.training``. Nothing requires grad: the
+forward is the inference path, unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeshard.autograd import routed as differentiable
+from moeshard.autograd.collectives import gather_rows, shard_rows, tp_copy, tp_reduce
+from moeshard.autograd.roles import GradRole, layer_role
+from moeshard.autograd.support import backward_refusal
 from moeshard.config import MoEConfig, QuantConfig, dtype_name
 from moeshard.dispatch.base import BackendContext, DispatchBackend
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
@@ -34,13 +45,14 @@ from moeshard.eplb.loads import LoadCounter
 from moeshard.eplb.moves import MoveStats, move_slots, plan_moves
 from moeshard.eplb.placement import Placement, choose_replicas
 from moeshard.experts.base import ExpertKernel, ExpertWeights
+from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernel_choice import select_kernel
 from moeshard.layer_agreement import check_same_on_all_ranks, code, placement_code
 from moeshard.layer_params import Gate, RoutedExperts, SharedExperts
 from moeshard.parallel.collectives import all_reduce
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
-from moeshard.parallel.sequence import sequence_parallel_chunk, sequence_parallel_gather
+from moeshard.parallel.sequence import SequenceChunk, sequence_parallel_chunk, sequence_parallel_gather
 from moeshard.parallel.trace import traced
 from moeshard.quant import QuantizedActivations, to_wire
 from moeshard.router import Routing, route, router_logits, weighted_rows
@@ -186,6 +198,11 @@ class MoELayer(nn.Module):
         self.overlap_shared = self.device.type == "cuda"
         self._side_stream: torch.cuda.Stream | None = None
         self.recorder = recorder
+        # Training losses on the router (moeshard.training.router_losses) set this: every forward
+        # then keeps the fp32 logits of the rows it routed, and the first row's index in its DP
+        # rank's batch (the SP chunk's start).
+        self.keep_router_logits = False
+        self.router_logits: tuple[torch.Tensor, int] | None = None
         self._register_load_state_dict_pre_hook(self._accept_shared_alias)
 
     @property
@@ -240,7 +257,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer (rank {rank}): local_experts are {experts.scheme!r}, quant is {self.quant.scheme!r}")
 
     # -- forward --------------------------------------------------------------------------
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor) -> bool:
+        """Refuses a bad x with the field and values; returns whether the forward carries gradients."""
         rank = self.groups.rank if self.groups else 0
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"MoELayer.forward (rank {rank}): x must be a torch.Tensor [T, hidden_size="
@@ -256,20 +274,17 @@ class MoELayer(nn.Module):
         if self.max_tokens_per_rank is not None and x.shape[0] > self.max_tokens_per_rank:
             raise ValueError(f"MoELayer.forward (rank {rank}): x has {x.shape[0]} tokens, more than "
                              f"max_tokens_per_rank={self.max_tokens_per_rank}")
-        if torch.is_grad_enabled() and self._has_collective:
-            # The collectives of the forward have no backward yet: autograd would run through
-            # them as if each rank's slice were the whole, and give silently wrong gradients.
-            what = "x requires grad" if x.requires_grad else next(
-                (f"parameter {n!r} requires grad" for n, q in self.named_parameters() if q.requires_grad), None)
-            if what is not None:
-                raise ValueError(f"MoELayer.forward (rank {rank}): {what}, but gradients are not supported across "
-                                 f"ranks yet (layout {self.parallel.name} communicates in its forward); run it under "
-                                 f"torch.no_grad() / torch.inference_mode(), or detach x")
-
-    @property
-    def _has_collective(self) -> bool:
-        """Whether the forward communicates: expert parallelism, or tensor parallelism's reduction."""
-        return self.groups is not None and self.parallel.world_size > 1 and (self.parallel.enable_ep or self.parallel.tp > 1)
+        if not torch.is_grad_enabled():
+            return False
+        what = "x requires grad" if x.requires_grad else next(
+            (f"parameter {n!r} requires grad" for n, q in self.named_parameters() if q.requires_grad), None)
+        if what is None:
+            return False
+        reason = backward_refusal(self.backend_name, self.quant, self.placement.has_replicas)
+        if reason:
+            raise ValueError(f"MoELayer.forward (rank {rank}): {what}, but {reason} (or run the layer under "
+                             f"torch.no_grad() / torch.inference_mode())")
+        return True
 
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global logical
@@ -300,35 +315,59 @@ class MoELayer(nn.Module):
         return (self.parallel.enable_ep and self.placement.has_replicas
                 and self.quant.spec.per_tensor_activation)
 
-    def _routed(self, x: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, first_row: int = 0, grad: bool = False) -> torch.Tensor:
         """x: [T, H] rows this rank routes (the first at row ``first_row`` of its DP rank's batch)
-        -> fp32 [T, H] routed-expert output (TP-reduced)."""
+        -> fp32 [T, H] routed-expert output (TP-reduced). grad: carry gradients (the
+        differentiable collectives and the portable experts)."""
         rec = self.recorder
         routing = self.route(x)
         if rec is not None:
             rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_row)
+            if grad:
+                rec.record_grad("topk_weights", routing.topk_weights)
         self.loads.record(routing.topk_ids)
+        if self.keep_router_logits:
+            if routing.logits is None:
+                raise ValueError(f"MoELayer: keep_router_logits is set but {type(self).__name__}.route returned no "
+                                 f"logits (build its Routing with moeshard.router.route)")
+            self.router_logits = (routing.logits, first_row)
         routing = Routing(self.physical_ids(routing.topk_ids, first_row), routing.topk_weights)
         T = x.shape[0]
         if self.cfg.routing_kind.weights_on_input:
             x, routing = weighted_rows(x, routing, self.cfg.dtype)
-        d = self.backend.dispatch(x, routing)
+        tp_sliced = self.parallel.tp > 1 and not self.parallel.enable_ep
+        if grad and tp_sliced:
+            assert self.groups is not None  # tp > 1 needs groups (without them the layout is one device)
+            # This rank's experts compute one slice of I from x and the weights whole: their
+            # gradients of both are partial sums over TP.
+            x, weights = tp_copy(x, routing.topk_weights, group=self.groups.tp_group, trace=self.groups.trace)
+            routing = Routing(routing.topk_ids, weights)
+        d = differentiable.dispatch(self.backend, x, routing) if grad else self.backend.dispatch(x, routing)
         inp = d.input
         if rec is not None:
             _record_dispatched(rec, inp, self.slot_expert)
         if self._shares_amax:
             inp = dataclasses.replace(inp, amax_reduce=self._replica_amax)
-        y = self.kernel(inp, self.experts.weights)
+        kernel = self.kernel
+        if grad and type(kernel) is not GroupedExperts:  # the Triton kernels are forward only
+            kernel = GroupedExperts(self.cfg.activation, self.cfg.dtype)
+        y = kernel(inp, self.experts.weights)
         if rec is not None:
             rec.record("experts", y=y)
-        out = self.backend.combine(y, d)
+        if grad:
+            out = differentiable.combine(self.backend, y, routing.topk_weights, d)
+        else:
+            out = self.backend.combine(y, d)
         if rec is not None:
             rec.record("combine", out=out)
         if self.cfg.routing_kind.weights_on_input:
             out = out.view(T, self.cfg.top_k, out.shape[1]).sum(dim=1)  # the K weighted rows of each token
-        if self.parallel.tp > 1 and not self.parallel.enable_ep:
+        if tp_sliced:
             assert self.groups is not None  # tp > 1 needs groups (without them the layout is one device)
-            all_reduce(out, self.groups.tp_group, "tp", trace=self.groups.trace)
+            if grad:
+                out = tp_reduce(out, self.groups.tp_group, trace=self.groups.trace)
+            else:
+                all_reduce(out, self.groups.tp_group, "tp", trace=self.groups.trace)
             if rec is not None:
                 rec.record("tp_reduce", out=out)
         return out
@@ -347,12 +386,17 @@ class MoELayer(nn.Module):
         """x: [T, H] in ``cfg.dtype`` on this rank's device (T may be 0 and may differ per DP
         rank; identical on the TP ranks of one DP rank; at most ``max_tokens_per_rank``) -> [T, H]
         in ``cfg.dtype``."""
-        self._check_input(x)
+        grad = self._check_input(x)
         p = self.parallel
         first_row = 0
         if p.is_sequence_parallel:
             assert self.groups is not None  # sequence parallelism needs tp > 1, hence groups
-            x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
+            if grad:
+                chunk = SequenceChunk.of(x.shape[0], p.tp_rank(self.groups.rank), p.tp)
+                x = shard_rows(x, chunk.rows_per_rank, chunk.tp_rank, self.groups.tp_group, "tp",
+                               trace=self.groups.trace)
+            else:
+                x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
             first_row = chunk.start
         shared = None
         if self.shared_experts is not None and self.overlap_shared and x.is_cuda:
@@ -365,12 +409,12 @@ class MoELayer(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = self._shared(x)
-            out = self._routed(x, first_row)
+            out = self._routed(x, first_row, grad)
             main.wait_stream(side)
             if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
                 shared.record_stream(main)
         else:
-            out = self._routed(x, first_row)
+            out = self._routed(x, first_row, grad)
             if self.shared_experts is not None:
                 shared = self._shared(x)
         if shared is not None:
@@ -380,10 +424,23 @@ class MoELayer(nn.Module):
         out = out.to(self.cfg.dtype)
         if p.is_sequence_parallel:
             assert self.groups is not None  # sequence parallelism needs tp > 1, hence groups
-            out = sequence_parallel_gather(out, chunk, self.groups.tp_group, trace=self.groups.trace)
+            if grad:
+                if self.recorder is not None:
+                    self.recorder.record_grad("sp_gather", out)
+                out = gather_rows(out, chunk.rows_per_rank, chunk.tp_rank, self.groups.tp_group, "tp",
+                                  trace=self.groups.trace)
+            else:
+                out = sequence_parallel_gather(out, chunk, self.groups.tp_group, trace=self.groups.trace)
         if self.recorder is not None:
             self.recorder.record("output", out=out)
         return out
+
+    def gradient_roles(self) -> dict[str, GradRole]:
+        """For each parameter (by name, as ``named_parameters``): over which group its gradient
+        is summed after the backward and whether this rank counts it in the gradient norm
+        (``moeshard.autograd.roles``; ``moeshard.training.reduce_gradients`` applies them)."""
+        rank = self.groups.rank if self.groups is not None else 0
+        return {name: layer_role(name, self.parallel, rank) for name, _ in self.named_parameters()}
 
     # -- expert-parallel load balancing -----------------------------------------------------
     def expert_loads(self, all_reduce: bool = True) -> torch.Tensor:

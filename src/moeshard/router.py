@@ -39,10 +39,13 @@ from moeshard.config import MoEConfig
 
 @dataclass(frozen=True)
 class Routing:
-    """topk_ids: int64 [T, K] expert ids; topk_weights: fp32 [T, K] combine weights."""
+    """topk_ids: int64 [T, K] expert ids; topk_weights: fp32 [T, K] combine weights; logits:
+    fp32 [T, E] the logits they were computed from (router bias included), which the training
+    losses read (``moeshard.training.router_losses``), or None."""
 
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
+    logits: torch.Tensor | None = None
 
 
 def _topk_low_index_first(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -132,7 +135,7 @@ def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | 
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(kind.weight_floor)
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
-    return Routing(topk_ids=ids, topk_weights=weights)
+    return Routing(topk_ids=ids, topk_weights=weights, logits=logits)
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:

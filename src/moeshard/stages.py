@@ -18,6 +18,14 @@ top-k, M dispatched rows, H hidden):
     tp_reduce  out fp32 [R, H] after the TP all-reduce (TP without EP only)
     shared     out fp32 [R, H]: the shared experts' contribution (models that have them)
     output     out [T, H] (model dtype): what forward returns (after the SP gather)
+
+With gradients (``record_grad``, the layer calls it only when its forward carries them), the
+backward's values at two points, kept in ``grads`` as the backward passes them:
+
+    sp_gather     fp32 or model dtype [R, H]: the gradient of this rank's rows of the output,
+                  after the SP all-gather's backward (SP only)
+    topk_weights  fp32 [R, K]: the gradient of the top-k weights this rank routed (after the TP
+                  copy's all-reduce under TP)
 """
 
 from __future__ import annotations
@@ -27,17 +35,34 @@ from typing import Any
 import torch
 
 STAGES = ("routing", "payload", "dispatch", "experts", "combine", "tp_reduce", "shared", "output")
+GRAD_STAGES = ("sp_gather", "topk_weights")
 
 
 class StageRecorder:
     """Copies of one rank's stage values for one forward: ``stages[name] = {field: value}``
-    (tensors on the CPU). A stage recorded again (a second forward) replaces the first."""
+    (tensors on the CPU), and of its backward: ``grads[name]``. A stage recorded again (a second
+    forward) replaces the first."""
 
     def __init__(self) -> None:
         self.stages: dict[str, dict[str, Any]] = {}
+        self.grads: dict[str, torch.Tensor] = {}
 
     def record(self, stage: str, **values: Any) -> None:
         if stage not in STAGES:
             raise ValueError(f"StageRecorder.record: stage {stage!r} is not one of {list(STAGES)}")
         self.stages[stage] = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                               for k, v in values.items()}
+
+    def record_grad(self, stage: str, tensor: torch.Tensor) -> None:
+        """Keeps (a CPU copy of) the gradient of ``tensor`` under ``stage`` when the backward
+        computes it (a tensor hook; the gradient itself is left as it is). Nothing for a tensor
+        that no gradient reaches (it does not require grad)."""
+        if stage not in GRAD_STAGES:
+            raise ValueError(f"StageRecorder.record_grad: stage {stage!r} is not one of {list(GRAD_STAGES)}")
+        if not tensor.requires_grad:
+            return
+
+        def keep(grad: torch.Tensor) -> None:
+            self.grads[stage] = grad.detach().to("cpu", copy=True)
+
+        tensor.register_hook(keep)

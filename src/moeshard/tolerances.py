@@ -30,6 +30,28 @@ LAYER: dict[str, tuple[float, float]] = {
 }
 
 
+# Gradients (``moeshard check --backward``): the largest error of a row of a gradient relative to
+# that row's largest reference value (at least 10% of the tensor's: ``harness.grads``), against
+# the fp64 reference, which rounds the forward's values as the layer does (``training.reference``)
+# but not the backward's. Largest seen over the gradient matrix at world sizes 1, 2, 4 and seeds
+# 0-3: fp32 1.0e-5 (the router's gradient, through fp32 routing), bf16 2.1e-2 (a shared expert's
+# row from one token), 1.2e-2 elsewhere; fp16 (seeds 0-1) 1.6e-3; the norm's relative error
+# 1.6e-7, 6.8e-4 and 6.0e-5.
+GRAD: dict[str, float] = {
+    "float32": 5e-5,
+    "float16": 5e-3,
+    "bfloat16": 4e-2,
+}
+
+
+def grad_tolerance(dtype: torch.dtype | str) -> float:
+    """The gradient bound of a model dtype (``GRAD``)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in GRAD:
+        raise ValueError(f"grad_tolerance: no entry for dtype={name!r}; the table has {sorted(GRAD)}")
+    return GRAD[name]
+
+
 def tolerance(dtype: torch.dtype | str, scheme: str) -> tuple[float, float]:
     """(atol, rtol) of a model dtype; ``scheme`` must be a registered scheme."""
     get_scheme(scheme, "tolerance: quant")

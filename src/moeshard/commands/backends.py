@@ -20,7 +20,8 @@ def registry_json() -> list[dict]:
     return [{"name": s.name, "quants": list(s.supported_quants()),
              "layouts": {"ep": "EP on (dp x tp ranks share experts; SP when tp > 1)", "no_ep": "EP off"}[s.layouts],
              "output": s.output, "quantize_before_dispatch": s.quantize_before_dispatch,
-             "needs_side_group_on": list(s.side_group_on), "summary": s.summary} for s in BACKENDS.values()]
+             "needs_side_group_on": list(s.side_group_on), "backward": s.backward, "summary": s.summary}
+            for s in BACKENDS.values()]
 
 
 def run(args) -> int:
@@ -29,11 +30,12 @@ def run(args) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     table = Table(title="moeshard dispatch backends", header_style="bold")
-    for col in ("backend", "layouts", "quants", "experts get", "quantize before dispatch", "side group", "how"):
+    for col in ("backend", "layouts", "quants", "experts get", "quantize before dispatch", "side group", "backward",
+                "how"):
         table.add_column(col)
     for r in rows:
         table.add_row(r["name"], r["layouts"], ", ".join(r["quants"]), r["output"],
                       "yes" if r["quantize_before_dispatch"] else "no",
-                      ", ".join(r["needs_side_group_on"]) or "-", r["summary"])
+                      ", ".join(r["needs_side_group_on"]) or "-", "yes" if r["backward"] else "no", r["summary"])
     wide_console().print(table)
     return 0

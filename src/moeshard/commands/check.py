@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
                                                        "2) x skew (one, zipf) with expert-parallel load balancing "
                                                        "(default: a few such cases)")
     p.add_argument("--no-eplb", action="store_true", help="leave out the load-balancing cases")
+    p.add_argument("--backward", action="store_true", help="add the gradient cases: every layout x backend x dtype's "
+                                                           "input, parameter and norm gradients against the fp64 "
+                                                           "single-device reference (ids ending /grad)")
     p.add_argument("--size", default=None, choices=list(SIZES), help="preset size (default small; --full: medium on "
                                                                     "cpu, full on cuda)")
     p.add_argument("--only", default=None, action="append", metavar="ID",
@@ -85,7 +88,8 @@ def options(args) -> matrix.MatrixOptions:
         size=args.size or (("full" if args.device == "cuda" else "medium") if args.full else "small"),
         tokens_per_rank=ints(args.tokens_per_rank, "--tokens-per-rank") if args.tokens_per_rank else None,
         all_presets=args.full, seed=seed(args.seed),
-        eplb="off" if args.no_eplb else ("full" if args.eplb or args.full else "default"))
+        eplb="off" if args.no_eplb else ("full" if args.eplb or args.full else "default"),
+        backward=args.backward)
 
 
 def wide_console() -> Console:

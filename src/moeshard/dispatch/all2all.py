@@ -10,6 +10,11 @@ Least traffic. Split sizes must be known on the host, so counts are read back on
 dispatch. On CUDA the counts travel over a gloo side channel (``ParallelGroups.side_group``),
 which keeps the NCCL stream free of a tiny synchronising exchange; the backend refuses at
 construction when that group is missing rather than failing inside the exchange.
+
+Backward: combine's gradient goes out by the dispatch's all-to-all (each pair's weighted
+gradient row to the rank that computed it) and dispatch's comes back by the combine's (each
+received row's gradient to its token's rank, summed over the token's K pairs there, in fp32).
+The split sizes are the forward's, so the backward reads no counts.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, combine_rows
+from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, acc_dtype, combine_rows, pair_rows_backward
 from moeshard.dispatch.packing import SlotLayout, pack, unpack
 from moeshard.parallel.collectives import all_to_allv, exchange_counts
 from moeshard.parallel.groups import ParallelGroups
@@ -80,3 +85,27 @@ class All2AllBackend(RowBackend):
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         s = dispatched.state
         return combine_rows(self._exchange(y, s.recv, s.send), s.row_of_pair, s.weights)
+
+    # -- backward (moeshard.autograd.routed) ----------------------------------------------------
+    def combine_for_backward(self, y: torch.Tensor, dispatched: Dispatched) -> tuple[torch.Tensor, torch.Tensor]:
+        """(combine's output, the rows it weighed [T*K, H] in (token, k) order)."""
+        s = dispatched.state
+        back = self._exchange(y, s.recv, s.send)
+        return combine_rows(back, s.row_of_pair, s.weights), back[s.row_of_pair.reshape(-1)]
+
+    def combine_backward(self, grad_out: torch.Tensor, y: torch.Tensor, dispatched: Dispatched,
+                         picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad_out fp32 [T, H] -> (grad of y [sum(recv), H], grad of the top-k weights fp32 [T, K])."""
+        s = dispatched.state
+        grad_picked, grad_weights = pair_rows_backward(grad_out, picked, s.weights)
+        grad_back = torch.empty_like(grad_picked)
+        grad_back[s.row_of_pair.reshape(-1)] = grad_picked  # row_of_pair is a permutation of the T*K rows
+        return self._exchange(grad_back, s.send, s.recv), grad_weights
+
+    def dispatch_backward(self, grad_rows: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """grad_rows [sum(recv), H] -> grad of x [T, H]: each row back to its token, summed over k."""
+        s = dispatched.state
+        T, K = s.row_of_pair.shape
+        back = self._exchange(grad_rows, s.recv, s.send)  # [T*K, H] in send order
+        summed = back[s.row_of_pair.reshape(-1)].reshape(T, K, grad_rows.shape[1]).to(acc_dtype(grad_rows)).sum(dim=1)
+        return summed.to(grad_rows.dtype)

@@ -5,6 +5,12 @@
     combine:  weighted sum into a [T_group, H] fp32 partial, reduce-scatter back (uneven).
 
 Simple and robust; traffic grows with the EP size since every token visits every rank.
+
+Backward: each collective answered by its adjoint. combine: all-gather the output's gradient
+(every rank needs it for the rows it computed), the weighted rows' gradients, and the top-k
+weights' gradients reduce-scattered back to their tokens' ranks (each pair was computed on one
+rank, the others add zeros). dispatch: the rows' gradients summed per gathered token, in fp32,
+reduce-scattered back.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, weighted_sum
+from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, acc_dtype, weighted_sum
 from moeshard.parallel.collectives import all_gatherv, exchange_sizes, reduce_scatterv
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing
@@ -22,12 +28,14 @@ from moeshard.router import Routing
 @dataclass(frozen=True)
 class GatherState:
     """token_of_row: int64 [M] index into the gathered tokens; weights: fp32 [M];
-    sizes: tokens per EP rank (group order); num_gathered: sum(sizes)."""
+    sizes: tokens per EP rank (group order); num_gathered: sum(sizes); k_of_row: int64 [M] the
+    top-k slot of each row (the backward puts its weight's gradient there)."""
 
     token_of_row: torch.Tensor
     weights: torch.Tensor
     sizes: list[int]
     num_gathered: int
+    k_of_row: torch.Tensor
 
 
 class AllGatherReduceScatterBackend(RowBackend):
@@ -57,9 +65,35 @@ class AllGatherReduceScatterBackend(RowBackend):
         inp = p.expert_input(x_all.index_select(0, token_of_row),
                              None if scale_all is None else scale_all.index_select(0, token_of_row),
                              local[token_of_row, k_of_row])
-        return Dispatched(inp, GatherState(token_of_row, w_all[token_of_row, k_of_row], sizes, x_all.shape[0]))
+        return Dispatched(inp, GatherState(token_of_row, w_all[token_of_row, k_of_row], sizes, x_all.shape[0],
+                                                   k_of_row))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         s = dispatched.state
         partial = weighted_sum(y, s.weights, s.token_of_row, s.num_gathered)
         return reduce_scatterv(partial, s.sizes, self.groups.ep_group, "ep", trace=self.groups.trace)
+
+    # -- backward (moeshard.autograd.routed) ----------------------------------------------------
+    def combine_for_backward(self, y: torch.Tensor, dispatched: Dispatched) -> tuple[torch.Tensor, None]:
+        return self.combine(y, dispatched), None
+
+    def combine_backward(self, grad_out: torch.Tensor, y: torch.Tensor, dispatched: Dispatched,
+                         saved: None) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad_out fp32 [T, H] -> (grad of y [M, H], grad of the top-k weights fp32 [T, K])."""
+        s = dispatched.state
+        K = self.cfg.top_k
+        acc = acc_dtype(grad_out, y, s.weights)
+        g_rows = self._gather(grad_out.to(acc), s.sizes)[s.token_of_row]  # [M, H]
+        grad_y = (g_rows * s.weights.to(acc).unsqueeze(1)).to(y.dtype)
+        grad_w_all = torch.zeros(s.num_gathered, K, dtype=s.weights.dtype, device=y.device)
+        grad_w_all[s.token_of_row, s.k_of_row] = (g_rows * y.to(acc)).sum(dim=1).to(s.weights.dtype)
+        return grad_y, reduce_scatterv(grad_w_all, s.sizes, self.groups.ep_group, "ep", trace=self.groups.trace)
+
+    def dispatch_backward(self, grad_rows: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """grad_rows [M, H] -> grad of x [T, H]: summed per gathered token, reduce-scattered back."""
+        s = dispatched.state
+        acc = acc_dtype(grad_rows)
+        per_token = torch.zeros(s.num_gathered, grad_rows.shape[1], dtype=acc, device=grad_rows.device)
+        per_token.index_add_(0, s.token_of_row, grad_rows.to(acc))
+        grad_x = reduce_scatterv(per_token, s.sizes, self.groups.ep_group, "ep", trace=self.groups.trace)
+        return grad_x.to(grad_rows.dtype)

@@ -14,6 +14,12 @@ returns. Buffers sized from the configuration may be kept by a backend across ca
 
 Cross-rank precondition: every rank of the EP group calls dispatch and combine the same number
 of times, in the same order (they are collective), with the same H and dtype.
+
+Training (``BackendSpec.backward``): a backend with a backward also has the three methods of
+``DifferentiableBackend``, which ``moeshard.autograd.routed`` wraps in autograd Functions. The
+forward is unchanged (the same dispatch, the same combine numerics); each backward is the
+reverse communication of its forward: an all-to-all answers an all-to-all with the sizes
+swapped, an all-gather a reduce-scatter, a reduce-scatter an all-gather.
 """
 
 from __future__ import annotations
@@ -80,6 +86,31 @@ class DispatchBackend(Protocol):
         ...
 
 
+class DifferentiableBackend(DispatchBackend, Protocol):
+    """A backend whose dispatch and combine have a backward (its registry entry says
+    ``backward=True``). Collective like the forward: every rank of the EP group calls each
+    backward the same number of times, in the same order, zero rows included.
+
+    ``combine_for_backward(y, dispatched) -> (out, saved)``: what ``combine`` returns (the same
+    computation, the same numerics) and what ``combine_backward`` needs besides y, never a view
+    of a buffer the backend reuses.
+    ``combine_backward(grad_out, y, dispatched, saved) -> (grad_y, grad_weights)``: grad_out fp32
+    [T, H] -> the gradient of the experts' output y [M, H] (y's dtype) and of this rank's top-k
+    weights, fp32 [T, K].
+    ``dispatch_backward(grad_rows, dispatched) -> grad_x``: the gradient of the experts' input
+    rows (``dispatched.input.x``, [M / repeat, H], the model dtype; rows no expert computes,
+    padding, carry zeros or anything: they are never read) -> the gradient of this rank's tokens
+    x [T, H], in that dtype.
+    """
+
+    def combine_for_backward(self, y: torch.Tensor, dispatched: Dispatched) -> tuple[torch.Tensor, Any]: ...
+
+    def combine_backward(self, grad_out: torch.Tensor, y: torch.Tensor, dispatched: Dispatched,
+                         saved: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def dispatch_backward(self, grad_rows: torch.Tensor, dispatched: Dispatched) -> torch.Tensor: ...
+
+
 class RowBackend:
     """What the built-in backends share: the context's fields as attributes, and ``payload``,
     which quantizes this rank's tokens for the wire exactly as every backend must
@@ -105,9 +136,16 @@ class RowBackend:
         return self.groups
 
 
+def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Where combine sums and where its backward accumulates: fp32, or fp64 when a tensor is
+    fp64 (the finite-difference checks run the backends in fp64; model dtypes never are)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def combine_rows(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """fp32 [T, H]: ``out[t] = sum_k weights[t, k] * y[rows[t, k]]``, summed over k in order
-    (deterministic), in one pass on CUDA (``moeshard.dispatch.combine_kernel``).
+    """fp32 [T, H] (fp64 for fp64 inputs, ``acc_dtype``): ``out[t] = sum_k weights[t, k] *
+    y[rows[t, k]]``, summed over k in order (deterministic), in one pass on CUDA
+    (``moeshard.dispatch.combine_kernel``).
 
     y: [R, H] expert outputs (rows not named in ``rows`` are never read, so they may hold
     anything); rows: int64 [T, K]; weights: fp32 [T, K].
@@ -116,14 +154,33 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> 
         from moeshard.dispatch.combine_kernel import combine_topk
         return combine_topk(y, weights.float().contiguous(), rows.contiguous())
     T, K = rows.shape
-    return (y[rows.reshape(-1)].view(T, K, y.shape[1]).float() * weights.float().unsqueeze(-1)).sum(dim=1)
+    acc = acc_dtype(y, weights)
+    return (y[rows.reshape(-1)].view(T, K, y.shape[1]).to(acc) * weights.to(acc).unsqueeze(-1)).sum(dim=1)
+
+
+def pair_rows_backward(grad_out: torch.Tensor, picked: torch.Tensor,
+                       weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of ``out[t] = sum_k weights[t, k] * picked[t * K + k]`` (``combine_rows`` on
+    the rows it reads): grad_out fp32 [T, H]; picked [T * K, H] the rows combine weighed, in
+    (token, k) order; weights fp32 [T, K] -> (grad_picked [T * K, H] in picked's dtype,
+    ``weights[t, k] * grad_out[t]``; grad_weights fp32 [T, K], ``<grad_out[t], picked[t*K + k]>``
+    summed in fp32)."""
+    T, K = weights.shape
+    H = grad_out.shape[1]
+    acc = acc_dtype(grad_out, picked, weights)
+    g = grad_out.to(acc).unsqueeze(1)  # [T, 1, H]
+    grad_picked = (weights.to(acc).unsqueeze(-1) * g).to(picked.dtype).reshape(T * K, H)
+    grad_weights = (picked.reshape(T, K, H).to(acc) * g).sum(dim=-1).to(weights.dtype)
+    return grad_picked, grad_weights
 
 
 def weighted_sum(y_rows: torch.Tensor, weights: torch.Tensor, token_of_row: torch.Tensor,
                  num_tokens: int) -> torch.Tensor:
-    """fp32 [num_tokens, H]: sum over rows r of weights[r] * y_rows[r] into token_of_row[r].
+    """fp32 [num_tokens, H] (fp64 for fp64 inputs): sum over rows r of weights[r] * y_rows[r]
+    into token_of_row[r].
 
     y_rows: [M, H]; weights: fp32 [M]; token_of_row: int64 [M].
     """
-    out = torch.zeros(num_tokens, y_rows.shape[1], dtype=torch.float32, device=y_rows.device)
-    return out.index_add_(0, token_of_row, y_rows.float() * weights.unsqueeze(1))
+    acc = acc_dtype(y_rows, weights)
+    out = torch.zeros(num_tokens, y_rows.shape[1], dtype=acc, device=y_rows.device)
+    return out.index_add_(0, token_of_row, y_rows.to(acc) * weights.to(acc).unsqueeze(1))

@@ -9,6 +9,9 @@ value back to the host, so the single-device forward stays CUDA-graph capturable
 Because rows are token-major, combine needs no scatter: ``out[t] = sum_k w[t, k] * y[t*K + k]``
 is a strided reduction, done in one pass by a Triton kernel on CUDA (``moeshard.dispatch.combine_kernel``)
 and by a view-and-sum elsewhere. Both sum over k in order, in fp32.
+
+Backward: dispatch handed over x itself, so its backward is the identity; combine's is the
+weighted rows' gradient (``pair_rows_backward``), in the same token-major order.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.dispatch.base import Dispatched, RowBackend
+from moeshard.dispatch.base import Dispatched, RowBackend, acc_dtype, pair_rows_backward
 from moeshard.router import Routing
 from moeshard.triton_env import triton_importable
 
@@ -46,7 +49,8 @@ class LocalBackend(RowBackend):
         K = routing.topk_ids.shape[1]
         p = self.payload(x)
         inp = p.expert_input(p.rows, p.row_scale, routing.topk_ids.reshape(-1), repeat=K)
-        return Dispatched(inp, LocalState(routing.topk_weights.float().contiguous()))
+        w = routing.topk_weights
+        return Dispatched(inp, LocalState(w.to(acc_dtype(w)).contiguous()))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y: [T*K, H] expert outputs in dispatch order -> fp32 [T, H]."""
@@ -55,4 +59,18 @@ class LocalBackend(RowBackend):
         if y.is_cuda and triton_importable()[0]:
             from moeshard.dispatch.combine_kernel import combine_topk
             return combine_topk(y.contiguous(), w)
-        return (y.reshape(T, K, y.shape[1]).float() * w.unsqueeze(-1)).sum(dim=1)
+        acc = acc_dtype(y, w)
+        return (y.reshape(T, K, y.shape[1]).to(acc) * w.to(acc).unsqueeze(-1)).sum(dim=1)
+
+    # -- backward (moeshard.autograd.routed) ----------------------------------------------------
+    def combine_for_backward(self, y: torch.Tensor, dispatched: Dispatched) -> tuple[torch.Tensor, None]:
+        return self.combine(y, dispatched), None
+
+    def combine_backward(self, grad_out: torch.Tensor, y: torch.Tensor, dispatched: Dispatched,
+                         saved: None) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad_out fp32 [T, H] -> (grad of y [T*K, H], grad of the top-k weights fp32 [T, K])."""
+        return pair_rows_backward(grad_out, y, dispatched.state.topk_weights)
+
+    def dispatch_backward(self, grad_rows: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """The experts' rows were x itself [T, H] (read K times through ``repeat``): its gradient."""
+        return grad_rows

@@ -16,6 +16,11 @@ per peer, the worst case of routing). Runs on gloo as on NCCL (bytes travel as u
 The experts receive ``FLAT`` rows, P * C of them, the unused ones with expert id -1 (padding).
 Buffers are kept by the backend and allocated on the first call (their shapes follow from the
 configuration, so they never change).
+
+Backward: the same equal-split all-to-alls the other way round, slot for slot (combine's
+gradient to the experts' slots, unused slots zero; dispatch's gradient back to the pairs' slots,
+summed over each token's K pairs in fp32), into new tensors: what the backward keeps is copied
+out of the kept buffers, which the next forward overwrites.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, combine_rows
+from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, acc_dtype, combine_rows, pair_rows_backward
 from moeshard.dispatch.packing import SlotLayout, pack, unpack
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.trace import traced
@@ -100,8 +105,39 @@ class LowLatencyBackend(RowBackend):
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y: [P*C, H] (padding rows unspecified) -> fp32 [T, H]."""
         s = dispatched.state
-        back = self._buffer("back", y.shape[1], y.dtype, y.device)
+        return combine_rows(self._exchange("back", y), s.slot, s.weights)
+
+    def _exchange(self, buffer: str | None, rows: torch.Tensor) -> torch.Tensor:
+        """rows [P*C, W]: block j to peer j, by one equal-split all-to-all into the kept buffer
+        ``buffer`` (None: a new tensor, as the backward uses) -> [P*C, W], block j from peer j."""
+        out = (torch.empty_like(rows, memory_format=torch.contiguous_format) if buffer is None
+               else self._buffer(buffer, rows.shape[1], rows.dtype, rows.device))
         sizes = [self.capacity] * self.peers
-        with traced(self.groups.trace, "all_to_all", "ep", y, sizes, sizes):
-            dist.all_to_all_single(back, y.contiguous(), group=self.groups.ep_group)
-        return combine_rows(back, s.slot, s.weights)
+        with traced(self.groups.trace, "all_to_all", "ep", rows, sizes, sizes):
+            dist.all_to_all_single(out, rows.contiguous(), group=self.groups.ep_group)
+        return out
+
+    # -- backward (moeshard.autograd.routed) ----------------------------------------------------
+    def combine_for_backward(self, y: torch.Tensor, dispatched: Dispatched) -> tuple[torch.Tensor, torch.Tensor]:
+        """(combine's output, the rows it weighed [T*K, H] in (token, k) order, copied out of the buffer)."""
+        s = dispatched.state
+        back = self._exchange("back", y)
+        return combine_rows(back, s.slot, s.weights), back[s.slot.reshape(-1)]
+
+    def combine_backward(self, grad_out: torch.Tensor, y: torch.Tensor, dispatched: Dispatched,
+                         picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad_out fp32 [T, H] -> (grad of y [P*C, H], zero in unused slots; grad of the top-k
+        weights fp32 [T, K])."""
+        s = dispatched.state
+        grad_picked, grad_weights = pair_rows_backward(grad_out, picked, s.weights)
+        grad_send = grad_picked.new_zeros(self.peers * self.capacity, grad_picked.shape[1])
+        grad_send[s.slot.reshape(-1)] = grad_picked
+        return self._exchange(None, grad_send), grad_weights
+
+    def dispatch_backward(self, grad_rows: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """grad_rows [P*C, H] -> grad of x [T, H]: each pair's slot back to its token, summed over k."""
+        s = dispatched.state
+        T, K = s.slot.shape
+        back = self._exchange(None, grad_rows)
+        summed = back[s.slot.reshape(-1)].reshape(T, K, grad_rows.shape[1]).to(acc_dtype(grad_rows)).sum(dim=1)
+        return summed.to(grad_rows.dtype)

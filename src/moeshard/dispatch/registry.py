@@ -41,7 +41,8 @@ class BackendSpec:
     moves, or None for every registered scheme (a backend that moves rows as opaque bytes supports
     any). needs_max_tokens: it sizes fixed buffers from ``MoELayer(max_tokens_per_rank=...)``.
     graph_safe: dispatch and combine never synchronise with the host, so a forward through it can
-    be captured in a CUDA graph.
+    be captured in a CUDA graph. backward: it implements ``dispatch.base.DifferentiableBackend``
+    (the reverse communication of dispatch and combine), so gradients flow through it.
     """
 
     name: str
@@ -54,6 +55,7 @@ class BackendSpec:
     quants: tuple[str, ...] | None = None
     needs_max_tokens: bool = False
     graph_safe: bool = False
+    backward: bool = False
 
     def supported_quants(self) -> tuple[str, ...]:
         return scheme_names() if self.quants is None else self.quants
@@ -105,15 +107,16 @@ def unregister_backend(name: str) -> None:
 for _spec in (
     BackendSpec("local", "no_ep", FLAT, True, (),
                 "no expert parallelism: each rank computes all (TP-sliced) experts for its tokens", _local,
-                graph_safe=True),
+                graph_safe=True, backward=True),
     BackendSpec("allgather_reducescatter", "ep", FLAT, True, (),
-                "all-gather tokens+routing over EP, local experts, reduce-scatter back (uneven)", _agrs),
+                "all-gather tokens+routing over EP, local experts, reduce-scatter back (uneven)", _agrs,
+                backward=True),
     BackendSpec("all2all", "ep", FLAT, True, ("cuda",),
-                "exchange counts, uneven all-to-all of routed copies only, reverse", _a2a),
+                "exchange counts, uneven all-to-all of routed copies only, reverse", _a2a, backward=True),
     BackendSpec("low_latency", "ep", FLAT, True, (),
                 "fixed-capacity buffers, one packed equal-split all-to-all each way; no host sync "
                 "(CUDA-graph capturable); needs max_tokens_per_rank", _low_latency,
-                needs_max_tokens=True, graph_safe=True),
+                needs_max_tokens=True, graph_safe=True, backward=True),
 ):
     register_backend(_spec)
 

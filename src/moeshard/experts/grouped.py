@@ -114,6 +114,10 @@ class GroupedExperts:
         if a.dtype != w.dtype:
             raise TypeError(f"gemm: activations {a.dtype} and weights {w.dtype} differ")
         if _grouped_mm_works(a.device.type, a.dtype) and a.shape[1] % 8 == 0 and w.shape[1] % 8 == 0:
+            if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad) and a.shape[0]:
+                # Training: _grouped_mm's backward leaves the gradient of rows past the last
+                # offset (padding) unwritten; the masked_fill's backward zeroes it.
+                a = a.masked_fill((torch.arange(a.shape[0], device=a.device) >= offsets[-1]).unsqueeze(1), 0)
             return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
         out = a.new_zeros(a.shape[0], w.shape[1])
         start = 0

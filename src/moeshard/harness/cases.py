@@ -10,6 +10,7 @@ import itertools
 import zlib
 from dataclasses import dataclass, field, replace
 
+from moeshard.autograd.support import backward_refusal
 from moeshard.config import MoEConfig, QuantConfig, parse_dtype
 from moeshard.dispatch.registry import BACKENDS, support
 from moeshard.eplb.placement import Layout
@@ -83,7 +84,7 @@ class Case:
     """One verification case. ``tokens``: tokens per DP rank; ``seed``: of its tokens (from the id
     alone); ``weight_seed``: of its weights, the same for every case of one model shape and dtype
     (``weight_seed_of``), so that cases share weights and their quantized forms; ``reason``: why
-    it is skipped."""
+    it is skipped; ``grad``: a gradient case (``moeshard.harness.grads``; its id ends ``/grad``)."""
 
     parallel: ParallelConfig
     backend: str
@@ -97,6 +98,7 @@ class Case:
     id: str = field(default="", compare=False)
     weight_seed: int = 0
     eplb: EPLBCase | None = None
+    grad: bool = False
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -104,8 +106,9 @@ class Case:
             size = "" if self.size == "small" else f"@{self.size}"
             toks = ",".join(map(str, self.tokens))
             eplb = "" if self.eplb is None else f"/{self.eplb.name}"
+            grad = "/grad" if self.grad else ""
             object.__setattr__(self, "id", f"{self.parallel.name}/{self.backend}/{q}/{self.dtype}/"
-                                           f"{self.preset}{size}/t{toks}{eplb}")
+                                           f"{self.preset}{size}/t{toks}{eplb}{grad}")
 
     @property
     def skew(self) -> str:
@@ -167,7 +170,7 @@ def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoE
 
 @dataclass(frozen=True)
 class MatrixOptions:
-    """Filters and axes of the matrix (None = the defaults)."""
+    """Filters and axes of the matrix (None = the defaults); backward: add the gradient cases."""
 
     world_sizes: tuple[int, ...] = (1, 2, 4)
     layouts: tuple[ParallelConfig, ...] | None = None
@@ -180,6 +183,7 @@ class MatrixOptions:
     all_presets: bool = False
     seed: int = 0
     eplb: str = "default"
+    backward: bool = False
 
     def __post_init__(self) -> None:
         if self.eplb not in EPLB_MODES:
@@ -258,22 +262,65 @@ def generate(opts: MatrixOptions) -> list[Case]:
                         cases.append(replace(case, seed=_case_seed(case.id, opts.seed)))
     if opts.eplb != "off":
         cases += eplb_cases(opts, layouts, presets)
+    if opts.backward:
+        cases += grad_cases(opts, layouts, presets)
+    return cases
+
+
+def grad_refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoEConfig) -> str:
+    """Why a gradient case cannot run ("" when it can): the forward's refusal, else the
+    backward's (``moeshard.autograd.support``: every quantized scheme is refused)."""
+    return refusal(parallel, backend, quant, cfg) or backward_refusal(backend, quant)
+
+
+def grad_cases(opts: MatrixOptions, layouts: list[ParallelConfig], presets: list[str]) -> list[Case]:
+    """The gradient cases among ``layouts``: every layout x backend x quant x dtype (the
+    quantized schemes listed as not applicable, with the backward's reason), each with a model
+    preset and token counts rotated over the layout x backend x dtype combinations that run."""
+    cases: list[Case] = []
+    n = 0
+    for p in layouts:
+        if opts.tokens_per_rank is not None and len(opts.tokens_per_rank) != p.dp:
+            continue
+        patterns = [opts.tokens_per_rank] if opts.tokens_per_rank is not None else TOKEN_PATTERNS[p.dp]
+        for backend in BACKENDS:
+            if opts.backends is not None and backend not in opts.backends:
+                continue
+            runs = support(backend, QuantConfig(), p)[0]
+            for dtype in opts.dtypes:
+                # n counts the combinations that run, so that presets and token counts rotate over them
+                preset = presets[(n + n // len(presets)) % len(presets)]
+                tokens = tuple(patterns[n % len(patterns)])
+                n += runs
+                for q in quant_configs():
+                    if opts.quants is not None and q.name not in opts.quants:
+                        continue
+                    cfg = PRESETS[preset].config(opts.size, parse_dtype(dtype))
+                    case = Case(p, backend, q, dtype, preset, opts.size, tokens, 0, grad_refusal(p, backend, q, cfg),
+                                weight_seed=weight_seed_of(preset, opts.size, dtype, opts.seed), grad=True)
+                    cases.append(replace(case, seed=_case_seed(case.id, opts.seed)))
     return cases
 
 
 def case_from_id(case_id: str, seed: int = 0) -> Case:
     """The case an id names, built from the id alone: an id spells every axis of its case
-    (``layout/backend/quant/dtype/preset[@size]/t<tokens per DP rank>[/eplb-r<R>-<skew>-<policy>]``)
+    (``layout/backend/quant/dtype/preset[@size]/t<tokens per DP rank>[/eplb-r<R>-<skew>-<policy>][/grad]``)
     and its seed depends on the id alone, so a case listed under any filters (``--list
     --world-sizes 2``, ``--full``) runs the same under ``--only``. ValueError naming the part of
     the id that is wrong."""
     parts = case_id.split("/") if isinstance(case_id, str) else []
+    grad = len(parts) >= 7 and parts[-1] == "grad"
+    if grad:
+        parts.pop()
     eplb = None
     if len(parts) == 7 and parts[6].startswith("eplb-"):
         eplb = _eplb_from_name(case_id, parts.pop())
     if len(parts) != 6 or not parts[5].startswith("t"):
         raise ValueError(f"{case_id!r} is not a case id: expected layout/backend/quant/dtype/preset[@size]/t<tokens>"
-                         f"[/eplb-r<R>-<skew>-<policy>], e.g. dp2-tp2-ep/all2all/fp8_block/bfloat16/deepseek-v3/t1,0")
+                         f"[/eplb-r<R>-<skew>-<policy> | /grad], e.g. dp2-tp2-ep/all2all/fp8_block/bfloat16/deepseek-v3/t1,0")
+    if grad and eplb is not None:
+        raise ValueError(f"{case_id!r}: gradient cases run without load balancing (a placement with replicas has "
+                         f"no backward); drop /{eplb.name} or /grad")
     layout, backend, quant, dtype, preset, toks = parts
     parallel = ParallelConfig.parse(layout)
     if parallel.name != layout:
@@ -299,8 +346,9 @@ def case_from_id(case_id: str, seed: int = 0) -> Case:
                          f"one per DP rank")
     q = quants[quant]
     cfg = PRESETS[preset].config(size, parse_dtype(dtype))
-    case = Case(parallel, backend, q, dtype, preset, size, tokens, 0, refusal(parallel, backend, q, cfg, eplb),
-                weight_seed=weight_seed_of(preset, size, dtype, seed), eplb=eplb)
+    reason = grad_refusal(parallel, backend, q, cfg) if grad else refusal(parallel, backend, q, cfg, eplb)
+    case = Case(parallel, backend, q, dtype, preset, size, tokens, 0, reason,
+                weight_seed=weight_seed_of(preset, size, dtype, seed), eplb=eplb, grad=grad)
     if case.id != case_id:
         raise ValueError(f"{case_id!r} is not a case id as moeshard check writes it (did you mean {case.id!r}?)")
     return replace(case, seed=_case_seed(case.id, seed))

@@ -22,6 +22,7 @@ from moeshard.dispatch.registry import build_groups
 from moeshard.harness import eplb
 from moeshard.harness.cases import Case
 from moeshard.harness.eplb import EPLBResult
+from moeshard.harness.grads import RankGrads, check_grads, grad_reference, run_backward
 from moeshard.harness.inputs import CaseData, case_tokens_of
 from moeshard.layer import MoELayer
 from moeshard.numerics import Reference
@@ -33,6 +34,7 @@ from moeshard.reference import reference_forward
 from moeshard.sharding import shard_spec
 from moeshard.stages import StageRecorder
 from moeshard.tolerances import compare_rows
+from moeshard.training.reference import GradReference
 
 
 @dataclass(frozen=True)
@@ -63,24 +65,28 @@ class RankOutput:
     error (``MoELayer.accumulation``), which the reference's slack must use; stages: what each
     stage produced (``StageRecorder.stages``) when the case ran with ``record``, else None;
     after: for a load-balancing case, the output after the mid-run rebalance and what the
-    rank's own EPLB checks found (``harness.eplb.EPLBResult``), else None."""
+    rank's own EPLB checks found (``harness.eplb.EPLBResult``), else None; grads: for a
+    gradient case, what its backward gave (``harness.grads.RankGrads``), else None."""
 
     rank: int
     out: torch.Tensor
     accumulation: float
     stages: dict | None = None
     after: EPLBResult | None = None
+    grads: RankGrads | None = None
 
 
 @dataclass(frozen=True)
 class CaseReference:
     """The reference of one case. rows[d]: ``Reference`` of DP rank d's tokens ([T_d, H] fp64);
     accumulation: the one it was computed for; quant_error: relative RMS error of the quantized
-    against the unquantized reference over all tokens (None unquantized or without tokens)."""
+    against the unquantized reference over all tokens (None unquantized or without tokens);
+    grads: a gradient case's fp64 reference gradients (``training.reference``), else None."""
 
     rows: list[Reference]
     accumulation: float
     quant_error: float | None
+    grads: GradReference | None = None
 
 
 class GroupsCache:
@@ -131,6 +137,9 @@ def run_layer(case: Case, rank: int, device: torch.device, groups: ParallelGroup
     balance = eplb.EPLBCheck(case, layer, groups) if case.eplb is not None else None
     on_built(layer.accumulation)
     x = xs[dp_rank].to(device)
+    if case.grad:
+        out, grads = run_backward(case, layer, x, groups, record)
+        return RankOutput(rank, out, layer.accumulation, None if recorder is None else recorder.stages, grads=grads)
     out = layer(x).cpu()
     after = balance.rebalance_and_rerun(x) if balance is not None else None
     return RankOutput(rank, out, layer.accumulation, None if recorder is None else recorder.stages, after)
@@ -155,7 +164,7 @@ def case_reference(case: Case, accumulation: float, data: CaseData | None = None
         quant_error = relative_rms(torch.cat([r.out for r in refs]), torch.cat(plain))
     rows = refs if not p.enable_ep else [refs[0].rows(sum(case.tokens[:d]), sum(case.tokens[:d + 1]))
                                          for d in range(p.dp)]
-    return CaseReference(rows, accumulation, quant_error)
+    return CaseReference(rows, accumulation, quant_error, grad_reference(case, data) if case.grad else None)
 
 
 def check_rank(case: Case, ref: CaseReference, output: RankOutput) -> RankResult:
@@ -195,7 +204,16 @@ def check_rank(case: Case, ref: CaseReference, output: RankOutput) -> RankResult
             detail = "; ".join(([detail] if detail else []) + [f"rank {rank}: {q}" for q in problems])
         err = max(err, c2.max_abs_err)
         c = c if c.err_to_bound >= c2.err_to_bound else c2
-    return RankResult(rank, T, T, err, c.atol, c.rtol, ok, worst, quant_error, detail, c.err_to_bound)
+    err_to_bound = c.err_to_bound
+    if case.grad:  # the gradients, after the forward rows
+        if output.grads is None or ref.grads is None:
+            return RankResult(rank, T, T, err, c.atol, c.rtol, False, worst, quant_error,
+                              f"rank {rank}: a gradient case without gradients", float("inf"))
+        grads_ok, grads_detail, grads_err = check_grads(case, ref.grads, output.grads, rank)
+        ok = ok and grads_ok
+        detail = "; ".join(d for d in (detail, grads_detail) if d)
+        err_to_bound = max(err_to_bound, grads_err)
+    return RankResult(rank, T, T, err, c.atol, c.rtol, ok, worst, quant_error, detail, err_to_bound)
 
 
 def run_case(case: Case, rank: int, device: torch.device, groups: ParallelGroups | None,

@@ -1,7 +1,8 @@
 """The report of a check run: a compact summary (default), the full table (``--verbose``), the
 problems in full, and the JSON document (every case, always).
 
-The summary has one row per layout x backend that ran, in matrix order: how many of its cases
+The summary has one row per layout x backend that ran (and one per layout x backend of the
+gradient cases, "<backend> backward", with ``--backward``), in matrix order: how many of its cases
 passed, the worst error relative to its bound over all of them (``err/bound``: 1 is the edge of
 the tolerance), and its slowest case. Combinations that cannot run by construction (a backend
 that needs expert parallelism on a layout without it, ...) get no row: one line below the table
@@ -10,7 +11,7 @@ its reason (``--list``, ``--verbose``, ``--json``), so nothing is left out silen
 
 JSON schema (stable; later versions only add keys):
   {"cases": [{"id", "layout": {"dp", "tp", "ep", "sp"}, "backend", "quant", "defer_input_quant",
-              "dtype", "preset", "num_experts", "top_k", "hidden", "intermediate", "shared_experts",
+              "dtype", "preset", "num_experts", "top_k", "hidden", "intermediate", "shared_experts", "backward",
               "tokens": [per DP rank], "max_abs_err", "atol", "rtol", "err_to_bound", "quant_error",
               "quant_error_bound", "seconds", "status": "pass|fail|error|not_applicable|skip", "reason",
               "explanation": [lines], "stages": {"first", "wrong_rows", "headline", "lines"} | null}],
@@ -18,7 +19,9 @@ JSON schema (stable; later versions only add keys):
                "device", "world_sizes", "torch"}}
   status not_applicable: the matrix refuses the combination by construction (``reason`` says
   why); skip: could run, but not here (e.g. fewer GPUs than ranks). valid: the cases that ran.
-  err_to_bound: max over every element of |out - ref| / (atol + rtol |ref| + slack).
+  err_to_bound: max over every element of |out - ref| / (atol + rtol |ref| + slack); for a
+  gradient case ("backward": true, ``moeshard.harness.grads``) also over every row of every
+  gradient, |got - ref| / (the row's scale x the gradient bound).
   explanation: why a case failed, in words: for an error (a rank raised or hung), where the ranks'
   collective sequences part (``moeshard.parallel.trace``); with --explain, the first stage out of
   bound (``moeshard.harness.explain``), whose details are in "stages".
@@ -54,7 +57,7 @@ def case_json(o: CaseOutcome) -> dict:
         "backend": c.backend, "quant": c.quant.scheme, "defer_input_quant": c.quant.defer_input_quant,
         "dtype": c.dtype, "preset": c.preset, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
         "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
-        "shared_experts": cfg.has_shared_experts, "tokens": list(c.tokens),
+        "shared_experts": cfg.has_shared_experts, "backward": c.grad, "tokens": list(c.tokens),
         "max_abs_err": o.max_abs_err, "atol": o.atol, "rtol": o.rtol, "err_to_bound": o.err_to_bound,
         "quant_error": o.quant_error, "quant_error_bound": c.quant.spec.quant_error if c.quant.quantized else None,
         "seconds": round(o.seconds, 4), "status": o.status, "reason": o.reason,
@@ -96,9 +99,9 @@ def print_summary_table(console: Console, outcomes: list[CaseOutcome]) -> None:
     """One row per layout x backend with cases that ran (or were skipped here): their statuses,
     worst error / bound, slowest case. Then one line that counts what is not applicable by
     construction: whole combinations, and cases within the rows shown."""
-    groups: dict[tuple[str, str], list[CaseOutcome]] = {}
-    for o in outcomes:
-        groups.setdefault((o.case.parallel.name, o.case.backend), []).append(o)
+    groups: dict[tuple[str, str, bool], list[CaseOutcome]] = {}
+    for o in outcomes:  # the gradient cases of a layout x backend get a row of their own
+        groups.setdefault((o.case.parallel.name, o.case.backend, o.case.grad), []).append(o)
     table = Table(title="moeshard check", header_style="bold")
     for col in ("layout", "backend", "cases", "err/bound", "slowest case (s)"):
         table.add_column(col, no_wrap=True)
@@ -114,7 +117,8 @@ def print_summary_table(console: Console, outcomes: list[CaseOutcome]) -> None:
         slow = max(ran, key=lambda o: o.seconds) if ran else None
         note = "" if slow is None else f"{slow.seconds:5.2f}  " + slow.case.id.split("/", 2)[2]
         colour = "bold red" if worst is not None and worst > 1 else ""
-        table.add_row(_layout(group[0]), escape(group[0].case.backend), _counts(group),
+        backend = group[0].case.backend + (" backward" if group[0].case.grad else "")
+        table.add_row(_layout(group[0]), escape(backend), _counts(group),
                       "" if worst is None else f"[{colour}]{worst:.2f}[/]" if colour else f"{worst:.2f}",
                       escape(note))
     console.print(table, highlight=False)

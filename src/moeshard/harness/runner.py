@@ -35,6 +35,7 @@ from moeshard.errors import TimedOut
 from moeshard.harness.cases import Case
 from moeshard.harness.execute import CaseReference, GroupsCache, RankOutput, RankResult, case_reference, check_rank, run_layer
 from moeshard.harness.explain import StageReport, explain_case
+from moeshard.harness.grad_explain import explain_grads
 from moeshard.harness.inputs import CaseData, execution_order
 from moeshard.layer import MoELayer
 from moeshard.parallel.processes import start_fork_server
@@ -145,7 +146,8 @@ def _checked(case: Case, refs: References, outputs: list[RankOutput], seconds: f
     outcome = summarize(case, [check_rank(case, reference, o) for o in sorted(outputs, key=lambda o: o.rank)], seconds)
     if explain == "all" or (explain == "failing" and outcome.status == "fail"):
         try:
-            report = explain_case(case, outputs, outputs[0].accumulation, data)
+            explainer = explain_grads if case.grad else explain_case
+            report = explainer(case, outputs, outputs[0].accumulation, data)
         except Exception as exc:  # noqa: BLE001 - an explanation that fails must not hide the verdict
             outcome.explanation = [f"--explain failed: {type(exc).__name__}: {exc}"]
         else:

@@ -49,8 +49,12 @@ does not support, a model on another device than the process group's, a model wh
 already moeshard's, and (``shard_moe_blocks``) a model transformers loaded pre-quantized. When
 one rank fails to load, every rank raises (with that rank's reason) before the first collective.
 
-Inference only: no gradient flows through dispatch and combine (the loss is computed, it does
-not train the experts).
+Training: gradients flow through every block under every layout (``moeshard.autograd``) when
+the model's parameters require grad; ``moeshard.training.reduce_gradients`` then completes each
+over its group (the blocks' own parameters by their layout, everything else over DP). The
+auxiliary loss transformers computes from the router logits is over each rank's own tokens, not
+the global batch, and under SP it would reach the router once per TP rank: train with
+``moeshard.training.router_losses`` instead (docs/training.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+"""The gradient reference: one device, fp64, autograd through a plain loop over experts.
+
+    L = sum over rows t counted of <upstream[t], layer(x)[t]>
+
+for the whole layer on one device: router -> top-k -> each routed row through its expert (fp64
+GEMMs, the activation in fp64) -> weighted sum -> + shared experts (and their gate). The
+weights are those the layer holds (rounded to the model dtype, the router in its stored
+precision), widened to fp64 leaves; x likewise. The router computes in fp32 on the layer's
+every path, so here too: the reference picks exactly the experts the layer picks (from the same
+fp32 logits) and differentiates the same fp32 routing function; everything after it is fp64.
+
+Rounding: the layer rounds some forward values to the model dtype (the experts' gate_up
+products, h and their outputs, each TP slice's output on its own; the shared experts compute in
+the model dtype). The reference
+rounds the same values the same way and passes the gradient straight through each rounding in
+fp64 (``_rounded``), so it differentiates the function the layer computes, at the points the
+layer evaluates it: an activation's derivative near its zero crossing (SiLU's at -1.28) would
+otherwise differ by far more than the model dtype's precision.
+
+The gradients returned are those a layout must produce after ``reduce_gradients`` (op "sum"):
+of every token's row of x, of every parameter whole (a rank compares its shard), and of the
+top-k weights; ``shard_of_grad`` cuts a rank's shard out of a whole parameter's gradient.
+``rows`` restricts the loss to some token rows: what one rank's own backward contributes
+before any reduction (``moeshard check --explain``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeshard.config import MoEConfig
+from moeshard.router import route
+from moeshard.sharding import ShardSpec
+from moeshard.weights import MoEWeights
+
+# Buffers, not parameters: no gradient reaches them (a correction bias is updated by its own rule).
+NOT_TRAINED = ("gate.e_score_correction_bias",)
+
+
+@dataclass(frozen=True)
+class GradReference:
+    """x: fp64 [N, H] dL/dx; params: fp64 dL/d(parameter) of the whole layer under the layer's
+    parameter names (``MoEWeights.state_dict`` keys: ``gate.weight``, ``experts.gate_up_proj``
+    [E, 2I, H], ...); topk_weights: fp64 [N, K] dL/d(top-k weight); topk_ids: int64 [N, K] the
+    experts chosen; norm: the 2-norm over every parameter's gradient."""
+
+    x: torch.Tensor
+    params: dict[str, torch.Tensor]
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(sum(float(g.pow(2).sum()) for g in self.params.values()))
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t (fp64) with the value rounded to ``dtype`` and the gradient passed straight through."""
+    return t + (t.to(dtype).double() - t).detach()
+
+
+def _rounded_activation(act, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """act(gate, up) as the model dtype computes it: h's value is the kind run in ``dtype`` on
+    the (rounded) inputs, the gradient is the fp64 kind's at those inputs."""
+    exact = act(gate, up)
+    with torch.no_grad():
+        value = act(gate.to(dtype), up.to(dtype)).double()
+    return exact + (value - exact).detach()
+
+
+def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights, cfg: MoEConfig,
+                    rows: torch.Tensor | None = None, intermediate_shards: int = 1) -> GradReference:
+    """x: [N, H] the tokens (the model dtype); upstream: [N, H] dL/d(output) of each row; weights:
+    the full weights (any device, CPU results); rows: bool [N], the rows whose loss counts (None:
+    all); intermediate_shards: the TP slices of I whose down products the layer rounds each on
+    its own (tp under TP without EP, else 1)."""
+    if x.dim() != 2 or x.shape[1] != cfg.hidden_size or upstream.shape != x.shape:
+        raise ValueError(f"reference_grads: x and upstream must both be [N, hidden_size={cfg.hidden_size}], got "
+                         f"{tuple(x.shape)} and {tuple(upstream.shape)}")
+    held = weights.to(device="cpu", dtype=cfg.dtype)  # what the layer holds (the router keeps its precision)
+    leaves = {name: t.double().requires_grad_() for name, t in held.state_dict().items() if name not in NOT_TRAINED}
+    x64 = x.cpu().double().requires_grad_()
+    bias = None if held.correction_bias is None else held.correction_bias.float()
+    routing = route(F.linear(x64.float(), leaves["gate.weight"].float()), cfg, bias)
+    w = routing.topk_weights.double()
+    act = cfg.activation_kind
+    I = cfg.intermediate_size
+    out = torch.zeros_like(x64)
+    dtype = cfg.dtype
+    for e in range(cfg.num_experts):
+        tok, k = (routing.topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel():
+            # as GroupedExperts rounds: the GEMM outputs, and h (computed in fp32: exact here)
+            gate_up = _rounded(x64[tok] @ leaves["experts.gate_up_proj"][e].T, dtype)
+            h = _rounded(act(gate_up[:, :I], gate_up[:, I:]), dtype)
+            down = leaves["experts.down_proj"][e]
+            slices = zip(h.chunk(intermediate_shards, dim=1), down.chunk(intermediate_shards, dim=1), strict=True)
+            y = torch.stack([_rounded(h_s @ d_s.T, dtype) for h_s, d_s in slices]).sum(dim=0)
+            out = out.index_add(0, tok, y * w[tok, k].unsqueeze(1))
+    if cfg.has_shared_experts:
+        # as SharedExperts rounds: model-dtype linears and activation (each of its ops rounds)
+        gate = _rounded(x64 @ leaves["shared_experts.gate_proj.weight"].T, dtype)
+        up = _rounded(x64 @ leaves["shared_experts.up_proj.weight"].T, dtype)
+        shared = _rounded(_rounded_activation(act, gate, up, dtype) @ leaves["shared_experts.down_proj.weight"].T,
+                          dtype)
+        if "shared_expert_gate.weight" in leaves:
+            score = _rounded(torch.sigmoid(_rounded(x64 @ leaves["shared_expert_gate.weight"].T, dtype)), dtype)
+            shared = _rounded(score * shared, dtype)
+        out = out + shared
+    g = upstream.cpu().double()
+    if rows is not None:
+        g = g * rows.cpu().double().unsqueeze(1)
+    names = list(leaves)
+    loss = (out * g).sum()
+    wrt = [x64, routing.topk_weights, *leaves.values()]
+    # No token reaches an expert and no shared experts (an empty batch): every gradient is zero.
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt)
+    params = {n: torch.zeros_like(leaves[n]) if gr is None else gr for n, gr in zip(names, grads[2:], strict=True)}
+    gx = torch.zeros_like(x64) if grads[0] is None else grads[0]
+    gw = torch.zeros_like(w) if grads[1] is None else grads[1].double()
+    return GradReference(gx, params, gw, routing.topk_ids)
+
+
+def shard_of_grad(name: str, full: torch.Tensor, spec: ShardSpec, cfg: MoEConfig) -> torch.Tensor:
+    """The part of a whole parameter's gradient ``full`` that a rank with ``spec`` holds: its
+    experts of ``experts.*`` (TP: its slice of I, gate and up halves of ``gate_up*``, the last
+    dim of a 3-d ``down*``), anything else whole."""
+    if not name.startswith("experts."):
+        return full
+    part = full[list(spec.logical_experts)]
+    if spec.tp_size > 1:
+        I = cfg.intermediate_size
+        w = I // spec.tp_size
+        lo, hi = spec.tp_rank * w, (spec.tp_rank + 1) * w
+        if name.startswith("experts.gate_up"):
+            part = torch.cat([part[:, lo:hi], part[:, I + lo:I + hi]], dim=1)
+        elif name.startswith("experts.down") and part.dim() == 3:
+            part = part[..., lo:hi]
+    return part
