@@ -94,6 +94,20 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="sparsemixer",
                      renormalize=False),
            "sparsemixer: two rounds of top-1, each weighted by a softmax among the logits near it"),
+    Preset("deepseek-v2",
+           MoEConfig(num_experts=160, top_k=6, hidden_size=5120, intermediate_size=1536,
+                     scoring="group_limited_greedy", renormalize=False, n_group=8, topk_group=3,
+                     routed_scaling_factor=16.0, num_shared_experts=2, shared_intermediate_size=1536),
+           MoEConfig(num_experts=16, top_k=4, hidden_size=128, intermediate_size=512,
+                     scoring="group_limited_greedy", renormalize=False, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.0, num_shared_experts=2, shared_intermediate_size=64),
+           "softmax, groups scored by their best expert, top-k in the kept groups, routed scaling, shared experts"),
+    Preset("granite-3.0-3b-a800m",
+           MoEConfig(num_experts=40, top_k=8, hidden_size=1536, intermediate_size=512, scoring="topk_softmax",
+                     renormalize=False),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="topk_softmax",
+                     renormalize=False),
+           "top-k of the logits, softmax over the selected"),
 )}
 
 
