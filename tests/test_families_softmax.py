@@ -101,7 +101,7 @@ def _config(model_type: str):
     try:
         return tf.AutoConfig.for_model(model_type, **{**SMALL, **CONFIGS[model_type]})
     except ValueError as exc:
-        if "Unrecognized model identifier" in str(exc) or model_type in str(exc):
+        if str(exc).startswith("Unrecognized model identifier"):
             return None
         raise
 
