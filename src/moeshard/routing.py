@@ -98,12 +98,9 @@ def register_routing(kind: RoutingKind) -> RoutingKind:
                                   ("groups", kind.groups, (None, *GROUP_SCORES))):
         if value not in allowed:
             raise ValueError(f"{where}: {field} {value!r} is not one of {list(allowed)}")
-    if kind.order == "topk_then_score" and (kind.groups is not None or kind.correction_bias):
-        raise ValueError(f"{where}: order 'topk_then_score' selects on the logits alone; groups={kind.groups!r} and "
+    if kind.order != "score_then_topk" and (kind.groups is not None or kind.correction_bias):
+        raise ValueError(f"{where}: order {kind.order!r} selects on the logits alone; groups={kind.groups!r} and "
                          f"correction_bias={kind.correction_bias} need scores over all experts")
-    if kind.order == "masked_rounds" and (kind.groups is not None or kind.correction_bias):
-        raise ValueError(f"{where}: order 'masked_rounds' selects on the logits alone; groups={kind.groups!r} and "
-                         f"correction_bias={kind.correction_bias} do not apply")
     rounds = kind.order == "masked_rounds"
     if not (isinstance(kind.mask_eps, float) and (0 < kind.mask_eps < 1 if rounds else kind.mask_eps == 0)):
         raise ValueError(f"{where}: mask_eps must be a float in (0, 1) with order 'masked_rounds' and 0.0 otherwise, "
