@@ -277,7 +277,11 @@ def world(models):
 
 
 def _world_params():
-    return [pytest.param(ws, layout.name, family, id=f"{layout.name}-{family}")
+    # The 4-rank spawn (dp2-tp2-ep) runs in make test-slow: make test proves that layout for the
+    # built-in families (tests/test_transformers_integration.py), and these families' own parts
+    # (router bias, expert biases, input weights) under EP and TP in the 2-rank spawn.
+    return [pytest.param(ws, layout.name, family, id=f"{layout.name}-{family}",
+                         marks=[pytest.mark.slow] if ws == 4 else [])
             for ws, cases in WORLD_CASES.items() for layout, families in cases for family in families]
 
 

@@ -402,7 +402,7 @@ def test_family_descriptor_refuses_bad_router_names():
     with pytest.raises(ValueError, match=r"ModelFamily\('afmoe'\).block_bias: expected None or a parameter name "
                                          r"of the block, got 'router.bias'"):
         replace(base, block_bias="router.bias")
-    with pytest.raises(ValueError, match=r"router_weight: expected a parameter name, got ''"):
+    with pytest.raises(ValueError, match=r"router_weight: expected a dotted parameter name, got ''"):
         replace(base, router_weight="")
     with pytest.raises(ValueError, match=r"bias_aliases: expected tensor names after the block prefix, got \['x.'\]"):
         replace(base, bias_aliases=("x.",))

@@ -256,8 +256,11 @@ def world(models):
 
 
 def _layout_params():
+    # dp2-tp2-ep (4 ranks) runs in make test-slow: make test proves that layout for the built-in
+    # families (tests/test_transformers_integration.py), and each family's own routing under EP
+    # and TP in the 2-rank spawn.
     return [pytest.param(ws, layout.name, f, id=f"{layout.name}-{f}",
-                         marks=[pytest.mark.slow] if f in SAME_PATH_AS else [])
+                         marks=[pytest.mark.slow] if f in SAME_PATH_AS or ws == 4 else [])
             for ws, layouts in LAYOUTS.items() for layout in layouts for f in FAMILIES]
 
 

@@ -102,7 +102,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                      scoring="group_limited_greedy", renormalize=False, n_group=4, topk_group=2,
                      routed_scaling_factor=2.0, num_shared_experts=2, shared_intermediate_size=64),
            "softmax, groups scored by their best expert, top-k in the kept groups, routed scaling, shared experts"),
-    Preset("granite-3.0-3b-a800m",
+    Preset("granite-3b-moe",
            MoEConfig(num_experts=40, top_k=8, hidden_size=1536, intermediate_size=512, scoring="topk_softmax",
                      renormalize=False),
            MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="topk_softmax",
