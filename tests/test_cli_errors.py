@@ -82,6 +82,21 @@ def test_only_is_repeatable_and_takes_spaces(capsys):
     assert "must give 2 token counts" in error_line(capsys, "check")
 
 
+def test_list_never_wraps_a_long_id(capsys, monkeypatch):
+    """A long preset name makes id + reason longer than the console: --list still prints each
+    case on one line, and every id it prints is taken back by --only (a wrapped line once split
+    an id at its token counts)."""
+    from dataclasses import replace
+
+    from moeshard.presets import PRESETS
+    name = "a-preset-name-long-enough-to-push-the-line-past-the-console-width-3.0-a800m"
+    monkeypatch.setitem(PRESETS, name, replace(PRESETS["mixtral-8x7b"], name=name))
+    ids = _listed(["--presets", name, "--full"], capsys)
+    assert ids and all(name in i for i in ids)
+    for i in ids[:40]:
+        assert _listed(["--only", i], capsys) == [i]
+
+
 def test_readme_only_example_is_in_the_default_matrix(capsys):
     text = (ROOT / "README.md").read_text()
     example = re.search(r"moeshard check --only '([^']+)'", text).group(1)

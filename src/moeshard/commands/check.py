@@ -136,8 +136,9 @@ def run(args) -> int:
     valid = [c for c in cases if not c.skipped]
     if args.list:
         for c in cases:
+            # One line per case, never wrapped: the id must come back whole to --only.
             console.print(escape(c.id) + (f"  [dim]not applicable: {escape(c.reason)}[/]" if c.skipped else ""),
-                          highlight=False)
+                          highlight=False, soft_wrap=True)
         console.print(f"{len(valid)} of {len(cases)} cases valid ({len(cases) - len(valid)} not applicable by construction)")
         return 0
     if not cases:
