@@ -26,8 +26,11 @@ from pathlib import Path
 
 import torch
 
+# The study scripts share their timing and comparison helpers (scripts/ is on sys.path when run).
+from fp8_study import _ms, _rel
+
 from moeshard.bench.targets import FUSED_MOE_MS
-from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.timing import L2Flush
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.experts.base import activate
@@ -39,24 +42,6 @@ CASES = (("mixtral-8x7b", (1, 16, 128, 4096, 16384)), ("qwen3-30b-a3b", (16, 128
          ("deepseek-v3", (16, 128, 4096, 16384)))
 SCHEMES = ("fp8_tensor", "fp8_token")
 REFERENCE_MAX_ROWS = 40_000  # the fp32 reference dequantizes every weight; skip it above this
-
-
-def _ms(fn, flush, reps: int) -> float | str:
-    g = None
-    try:
-        g = graphed(fn)
-        return time_cuda(g, warmup=2, reps=reps, flush=flush).median_ms
-    except Exception as exc:  # a variant that does not run is a finding, not the end of the study
-        torch.cuda.synchronize()
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    finally:
-        if g is not None:
-            g.release()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _row_scales(q, rows: int) -> torch.Tensor:
