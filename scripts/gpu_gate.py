@@ -6,11 +6,13 @@ Steps, each with its own time limit (the whole gate fits one 10-minute device ca
 
 1. ``pytest tests/gpu`` (the kernel tests against the reference, the multi-GPU tests where
    there are GPUs enough), in parallel workers, with a JUnit report;
-2. ``moeshard check --device cuda`` at every world size the machine allows (1, 2, 4, 8 up to
-   the GPU count);
+2. ``moeshard check --device cuda --backward`` at every world size the machine allows (1, 2, 4,
+   8 up to the GPU count): the forward matrix and the gradient cases;
 3. a short ``moeshard bench`` (experts and layer, bf16 and fp8, one prefill and two decode
    token counts for two models);
-4. ``moeshard generate --device cuda --compare`` of a tiny random Qwen3-MoE model (made by
+4. a short ``moeshard bench --backward`` (Qwen3 at 4096 tokens: the experts' and the layer's
+   backward, and that its weight gradients equal ``torch._grouped_mm`` autograd's);
+5. ``moeshard generate --device cuda --compare`` of a tiny random Qwen3-MoE model (made by
    ``scripts/make_tiny_moe.py``) in float32: the same ids as transformers alone on the GPU and
    logits within the table (the command's exit code judges float32 runs).
 
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit", default=None, help="the commit of the tree being gated, when the copy's .git is "
                    "not that tree's (a device machine gets the working tree, not always its history)")
     p.add_argument("--budget-s", type=float, default=540.0, help="time limit of the whole gate (default 540 s)")
-    p.add_argument("--skip", default="", help="comma list of steps to leave out (gpu-tests, check, bench, generate)")
+    p.add_argument("--skip", default="", help="comma list of steps to leave out "
+                   "(gpu-tests, check, bench, bench-backward, generate)")
     args = p.parse_args(argv)
 
     import torch
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         steps[-1].update(_pytest_counts(out / "gpu-tests.xml"))
     if "check" not in skip:
         steps.append(run_step("check", [py, "-m", "moeshard", "check", "--device", "cuda", "--world-sizes", world_sizes,
-                                        "--json", str(out / "check.json")], out, budget.limit(150), env))
+                                        "--backward", "--json", str(out / "check.json")], out, budget.limit(150), env))
         summary = (_json(out / "check.json") or {}).get("summary")
         if summary:
             steps[-1]["summary"] = summary
@@ -158,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                                         "--quants", "none,fp8_tensor,fp8_block", "--prefill-tokens", "4096",
                                         "--decode-tokens", "1,128", "--reps", "5", "--no-baselines",
                                         "--json", str(out / "bench.json")], out, budget.limit(120), env))
+    if "bench-backward" not in skip:
+        steps.append(run_step("bench-backward", [py, "-m", "moeshard", "bench", "--backward", "--models", "qwen3-30b-a3b",
+                                                 "--prefill-tokens", "4096", "--reps", "3",
+                                                 "--json", str(out / "bench-backward.json")], out, budget.limit(90), env))
     if "generate" not in skip:
         made = run_step("make-tiny-model", [py, "scripts/make_tiny_moe.py", str(tiny / "m"), "--family", "qwen3_moe"],
                         out, budget.limit(60), env)

@@ -94,3 +94,25 @@ def test_distributed_bench_plan_runs_on_cpu_ranks(tmp_path, capsys):
             assert r["combine_bytes"] == rows * 4 * 128 * 2
     printed = capsys.readouterr().out
     assert "layer per rank" in printed and "EP2 low_latency" in printed and "raw a2a" in printed
+
+
+def test_backward_bench_plan_runs_on_cpu(tmp_path, capsys):
+    """``bench --backward`` on the host: every figure of every case is there, the two
+    implementations computed the same weight gradients, and the targets are evaluated."""
+    out = tmp_path / "bwd.json"
+    assert cli.main(["bench", "--backward", "--device", "cpu", "--size", "small", "--models", "qwen3-30b-a3b,deepseek-v3",
+                 "--prefill-tokens", "16", "--reps", "1", "--quiet", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["model"], r["tokens"]) for r in result["records"]] == [("qwen3-30b-a3b", 16), ("deepseek-v3", 16)]
+    for r in result["records"]:
+        for prefix in ("experts", "grouped_mm", "layer"):
+            assert r[f"{prefix}_fwd_ms"] > 0 and r[f"{prefix}_bwd_ms"] > 0, r
+        assert r["weight_grad_rel_diff"] < 2e-2, r  # bf16 rounding, nothing more
+    assert {t["name"] for t in result["targets"]} == {"experts_bwd_vs_grouped_mm", "layer_bwd_over_fwd",
+                                                      "experts_bwd_over_fwd"}
+    assert "target layer_bwd_over_fwd <= 2.2" in capsys.readouterr().out
+
+
+def test_backward_bench_refuses_world_size(capsys):
+    assert cli.main(["bench", "--backward", "--world-size", "2", "--device", "cpu"]) == 2
+    assert "--backward times one device" in capsys.readouterr().err

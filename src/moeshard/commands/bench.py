@@ -38,13 +38,17 @@ def add_parser(sub) -> None:
     p.add_argument("--no-graphs", action="store_true", help="with --world-size: eager timing only")
     p.add_argument("--timeout", type=float, default=3600.0, help="with --world-size: seconds the whole run may take")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="with --world-size: cpu runs the same plan on gloo ranks (checks the plumbing; its times say "
+                   help="with --world-size or --backward: cpu runs the same plan on gloo ranks or the host "
+                        "(checks the plumbing; its times say "
                         "nothing about GPUs)")
     p.add_argument("--size", choices=("full", "medium", "small"), default="full",
-                   help="with --world-size: preset size (default full)")
+                   help="with --world-size or --backward: preset size (default full)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions at prefill (decode: 4x)")
     p.add_argument("--no-layer", action="store_true", help="time the experts only, not the whole layer")
     p.add_argument("--no-baselines", action="store_true", help="skip torch._grouped_mm, portable and loop baselines")
+    p.add_argument("--backward", action="store_true",
+                   help="time the training cost instead: the experts' and the layer's forward and backward (bf16, "
+                        "prefill; --prefill-tokens, default 4096) against torch._grouped_mm autograd on the same rows")
     p.add_argument("--tune", action="store_true", help="also sweep the grouped GEMM's tile shapes on representative shapes")
     p.add_argument("--tune-only", action="store_true", help="only the tile sweep")
     p.add_argument("--seed", type=int, default=0)
@@ -75,6 +79,10 @@ def run(args) -> int:
     from moeshard.parallel.torchrun import torchrun_environment
 
     distributed = args.world_size is not None or torchrun_environment()
+    if args.backward:
+        if distributed:
+            raise ValueError("--backward times one device; it does not take --world-size or torchrun")
+        return _run_backward(args)
     if distributed and args.device == "cpu":
         return _run_distributed(args)
     device = require_cuda()  # before any import that needs a GPU: a clear refusal, exit code 2
@@ -118,6 +126,43 @@ def run(args) -> int:
         if why:
             print(f"moeshard bench: no plot: {why}", file=sys.stderr)
     return 0
+
+
+def _run_backward(args) -> int:
+    import torch
+
+    from moeshard.bench import backward, report
+    from moeshard.bench.device import describe
+
+    # CPU runs the same plan (checks the plumbing; its times say nothing about GPUs).
+    device = torch.device("cpu") if args.device == "cpu" else require_cuda()
+    fields: dict = {"tokens": ints(args.prefill_tokens or "4096", "--prefill-tokens"), "reps": args.reps,
+                    "size": args.size, "layer": not args.no_layer, "seed": args.seed}
+    if args.models:
+        fields["models"] = names(args.models)
+    opts = backward.BackwardOptions(**fields)
+    opts.validate()
+    started = time.time()
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"[{time.time() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
+
+    machine = describe(device) if device.type == "cuda" else {
+        "name": f"CPU, torch {torch.__version__}", "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {"command": "moeshard " + " ".join(sys.argv[1:]), "device": machine, **backward.run(opts, device, progress)}
+    result["seconds"] = round(time.time() - started, 1)
+    written = refuse_nonfinite(result, "the bench figures", args.allow_nonfinite)
+    backward.print_tables(result)
+    if args.json:
+        report.write_json(written, args.json)
+    wrong = [r for r in result["records"]
+             if r.get("weight_grad_rel_diff") is not None and r["weight_grad_rel_diff"] > backward.WEIGHT_GRAD_BOUND]
+    for r in wrong:
+        print(f"moeshard bench --backward: {r['model']} at {r['tokens']} tokens: the experts' weight gradients differ "
+              f"from torch._grouped_mm autograd's by {r['weight_grad_rel_diff']:.3g} of the largest "
+              f"(bound {backward.WEIGHT_GRAD_BOUND})", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 def _dist_options(args, world: int):
