@@ -215,3 +215,40 @@ def test_triton_experts_declare_their_accumulation(kernels):
         assert experts.accumulation("none") == experts.accumulation("nvfp4") == ACCUMULATION["fp32"]
     with pytest.raises(ValueError, match=r"fp8_gate_up 'fast' is not one of \['mma', 'exact'\]"):
         TritonExperts("silu", torch.bfloat16, fp8_gate_up="fast")
+
+
+def test_repeated_rows_backward_sums_each_tokens_rows_once():
+    """A training forward gathers a token's K routed rows through ``RepeatedRows``: its backward
+    is the per-token sum of the K row gradients, checked by finite differences in fp64, and in
+    bf16 rounded once (fp32 sum) rather than K times by atomic adds."""
+    from moeshard.experts.grouped import RepeatedRows
+
+    gen = torch.Generator().manual_seed(5)
+    order = torch.randperm(T * K, generator=gen)
+    x = torch.randn(T, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: RepeatedRows.apply(x, order, K), (x,))
+    xb = x.detach().to(torch.bfloat16).requires_grad_(True)
+    g = torch.randn(T * K, 4, generator=gen).to(torch.bfloat16)
+    (grad,) = torch.autograd.grad(RepeatedRows.apply(xb, order, K), xb, g)
+    exact = torch.zeros(T, 4, dtype=torch.float64).index_add_(0, order // K, g.double())
+    assert torch.equal(grad, exact.float().to(torch.bfloat16))
+
+
+def test_unpadded_training_forward_matches_padded():
+    """The local backend's input says it has no padding rows (``padded=False``): the training
+    forward then skips the padding masks, with the same output and gradients as with them."""
+    gen = torch.Generator().manual_seed(6)
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=gen, dtype=torch.float32) / H**0.5,
+                      torch.randn(E, H, I, generator=gen, dtype=torch.float32) / I**0.5)
+    ids = torch.randint(0, E, (T * K,), generator=gen)
+    x = torch.randn(T, H, generator=gen, requires_grad=True)
+    g = torch.randn(T * K, H, generator=gen)
+    kernel = GroupedExperts("silu", torch.float32)
+    results = []
+    for padded in (True, False):
+        inp = ExpertInput(x, ids, repeat=K, padded=padded)
+        gu = w.gate_up.clone().requires_grad_(True)
+        y = kernel(inp, ExpertWeights(gu, w.down))
+        results.append((y, *torch.autograd.grad(y, (x, gu), g)))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -48,7 +48,7 @@ class LocalBackend(RowBackend):
         """
         K = routing.topk_ids.shape[1]
         p = self.payload(x)
-        inp = p.expert_input(p.rows, p.row_scale, routing.topk_ids.reshape(-1), repeat=K)
+        inp = p.expert_input(p.rows, p.row_scale, routing.topk_ids.reshape(-1), repeat=K, padded=False)
         w = routing.topk_weights
         return Dispatched(inp, LocalState(w.to(acc_dtype(w)).contiguous()))
 

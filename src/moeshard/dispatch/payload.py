@@ -56,14 +56,14 @@ class Payload:
     input_amax: torch.Tensor | None
 
     def expert_input(self, rows: torch.Tensor, row_scale: torch.Tensor | None, expert_ids: torch.Tensor,
-                     repeat: int = 1, block_counts: torch.Tensor | None = None) -> ExpertInput:
+                     repeat: int = 1, block_counts: torch.Tensor | None = None, padded: bool = True) -> ExpertInput:
         """The experts' input from received rows (wire views of ``self.rows``' kind, any count):
         rows [M / repeat, Hp], row_scale [M / repeat, S] or None, expert_ids int64 [M]."""
         x: torch.Tensor | QuantizedActivations = rows
         if self.scheme is not None:
             scale = None if row_scale is None or self.scale_dtype is None else from_wire(row_scale, self.scale_dtype)
             x = QuantizedActivations(self.scheme, from_wire(rows, self.data_dtype), scale, self.tensor_scale)
-        return ExpertInput(x, expert_ids, self.input_amax, repeat=repeat, block_counts=block_counts)
+        return ExpertInput(x, expert_ids, self.input_amax, repeat=repeat, block_counts=block_counts, padded=padded)
 
 
 def domain_amax(x: torch.Tensor, group: Any, trace: CollectiveTrace | None = None, fused: bool = False) -> torch.Tensor:

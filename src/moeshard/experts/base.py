@@ -109,6 +109,8 @@ class ExpertInput:
        replicas of one logical expert share its rows across ranks (expert-parallel load
        balancing): it all-reduces the amax over the replicas, so that h is quantized with the
        logical expert's scale, as on one device. Schemes without per-tensor scales ignore it.
+    padded: False only where the sender guarantees that no id is -1 (the ``local`` backend: its
+       ids are the routing's top-k); a training forward then skips masking padding rows.
     """
 
     x: torch.Tensor | QuantizedActivations
@@ -117,6 +119,7 @@ class ExpertInput:
     repeat: int = 1
     block_counts: torch.Tensor | None = None
     amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    padded: bool = True
 
     def __post_init__(self) -> None:
         # Shapes only: nothing here reads a device value, so construction stays graph-capturable.

@@ -76,6 +76,31 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+class RepeatedRows(torch.autograd.Function):
+    """rows = x[order // repeat]: the M routed rows sorted by expert, from x [M / repeat, H]
+    holding each token once (the ``local`` backend's ``repeat = K``).
+
+    The backward sums each token's K row gradients in fp32 and rounds once: the rows' gradients
+    are put back in token-major order (``order`` is a permutation, so no two land on one row)
+    and summed over K. The plain ``x[src]`` backward accumulates the K gradients into x's rows
+    with atomic adds in the model dtype instead: slower, order-dependent, and rounded K times.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, repeat: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.repeat = repeat
+        return x[order // repeat]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        token_major = torch.empty_like(grad)
+        token_major[order] = grad
+        T, H = grad.shape[0] // ctx.repeat, grad.shape[1]
+        return token_major.view(T, ctx.repeat, H).sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None
+
+
 class GroupedExperts:
     """Computes routed experts on grouped rows; stateless, holds no weights.
 
@@ -95,26 +120,28 @@ class GroupedExperts:
         return ACCUMULATION["fp32"]
 
     # -- the seam -------------------------------------------------------------------------
-    def gemm(self, a: torch.Tensor | QuantizedActivations, w: Weight, offsets: torch.Tensor) -> torch.Tensor:
+    def gemm(self, a: torch.Tensor | QuantizedActivations, w: Weight, offsets: torch.Tensor,
+             padded: bool = True) -> torch.Tensor:
         """Grouped ``a @ w[e].T`` for each expert's contiguous rows.
 
         a: [M, K] sorted by expert (model dtype or quantized); w: [E_l, N, K];
-        offsets: int32 [E_l], cumulative row ends. Returns [M, N] in ``out_dtype``.
+        offsets: int32 [E_l], cumulative row ends. Returns [M, N] in ``out_dtype``. padded: rows
+        past ``offsets[-1]`` may exist (False: ``offsets[-1]`` is M).
         """
         if isinstance(w, QuantizedWeight):
             if not isinstance(a, QuantizedActivations):
                 raise TypeError("gemm: unquantized activations with quantized weights")
             a32 = a.dequantize(torch.float32)
-            return self._float_gemm(a32, w.dequantize(torch.float32), offsets).to(self.out_dtype)
+            return self._float_gemm(a32, w.dequantize(torch.float32), offsets, padded).to(self.out_dtype)
         if isinstance(a, QuantizedActivations):
             raise TypeError("gemm: quantized activations with unquantized weights")
-        return self._float_gemm(a, w, offsets).to(self.out_dtype)
+        return self._float_gemm(a, w, offsets, padded).to(self.out_dtype)
 
-    def _float_gemm(self, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def _float_gemm(self, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, padded: bool = True) -> torch.Tensor:
         if a.dtype != w.dtype:
             raise TypeError(f"gemm: activations {a.dtype} and weights {w.dtype} differ")
         if _grouped_mm_works(a.device.type, a.dtype) and a.shape[1] % 8 == 0 and w.shape[1] % 8 == 0:
-            if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad) and a.shape[0]:
+            if padded and torch.is_grad_enabled() and (a.requires_grad or w.requires_grad) and a.shape[0]:
                 # Training: _grouped_mm's backward leaves the gradient of rows past the last
                 # offset (padding) unwritten; the masked_fill's backward zeroes it.
                 a = a.masked_fill((torch.arange(a.shape[0], device=a.device) >= offsets[-1]).unsqueeze(1), 0)
@@ -147,21 +174,27 @@ class GroupedExperts:
         # routed rows); the gather below is the only place that materialises them. index_rows
         # gathers per-row scales (row_scale, and a per-row tensor_scale [M / repeat, 1]) with them.
         src = order // inp.repeat if inp.repeat > 1 else order
-        x = inp.x.index_rows(src) if isinstance(inp.x, QuantizedActivations) else inp.x[src]
+        x: torch.Tensor | QuantizedActivations
+        if isinstance(inp.x, QuantizedActivations):
+            x = inp.x.index_rows(src)
+        elif inp.repeat > 1 and torch.is_grad_enabled() and inp.x.requires_grad:
+            x = RepeatedRows.apply(inp.x, order, inp.repeat)
+        else:
+            x = inp.x[src]
         if scheme.quantized and not isinstance(x, QuantizedActivations):
             # defer_input_quant: quantize here, with the layer-wide amax for per-tensor scales.
             x = quantize_activations(x, scheme.name, amax=inp.input_amax if scheme.per_tensor_activation else None)
         # Padding rows take expert 0's biases: they are masked after the down GEMM anyway.
         bias_rows = sorted_ids.clamp(max=E_l - 1) if weights.has_bias else sorted_ids
-        h = activate(self._biased(self.gemm(x, weights.gate_up, offsets), weights.gate_up_bias, bias_rows),
+        h = activate(self._biased(self.gemm(x, weights.gate_up, offsets, inp.padded), weights.gate_up_bias, bias_rows),
                      self.activation, self.out_dtype)
         h_in: torch.Tensor | QuantizedActivations = h
         if scheme.quantized:
             amax = expert_amax(h, sorted_ids, E_l, inp.amax_reduce) if scheme.per_tensor_activation else None
             h_in = quantize_activations(h, scheme.name, amax=amax)
-        y_sorted = self._biased(self.gemm(h_in, weights.down, offsets), weights.down_bias, bias_rows)
-        # Rows past the last offset (padding) were never computed.
-        y_sorted = y_sorted.masked_fill((sorted_ids == E_l).unsqueeze(1), 0)
+        y_sorted = self._biased(self.gemm(h_in, weights.down, offsets, inp.padded), weights.down_bias, bias_rows)
+        if inp.padded:  # rows past the last offset (padding) were never computed
+            y_sorted = y_sorted.masked_fill((sorted_ids == E_l).unsqueeze(1), 0)
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
         return y
