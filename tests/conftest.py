@@ -24,7 +24,8 @@ CUDA = torch.cuda.is_available()
 # the combine pass belongs to the dispatch backends).
 TRITON_KERNEL_MODULES = {"align": "moeshard.kernels.align", "combine": "moeshard.dispatch.combine_kernel",
                          "grouped_gemm": "moeshard.kernels.grouped_gemm", "quant": "moeshard.kernels.quant",
-                         "experts": "moeshard.kernels.experts", "quant_rows": "moeshard.kernels.quant_rows"}
+                         "experts": "moeshard.kernels.experts", "quant_rows": "moeshard.kernels.quant_rows",
+                         "glu": "moeshard.kernels.glu"}
 
 _SAVED_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if HAVE_TRITON and not CUDA:
@@ -64,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def interpreted_kernels():
     """The Triton modules, interpreted: a namespace with ``align``, ``combine`` (the dispatch
-    backends' combine pass), ``grouped_gemm``, ``quant``, ``quant_rows``, ``experts`` and ``configs`` (the modules
+    backends' combine pass), ``grouped_gemm``, ``quant``, ``quant_rows``, ``glu``, ``experts`` and ``configs`` (the modules
     themselves).
 
     Skipped, with the reason, where triton is not installed or CUDA is available (there

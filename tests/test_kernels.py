@@ -293,3 +293,37 @@ def test_strided_expert_ids_are_read_as_their_values(interpreted_kernels, exact_
     err, atol, rtol, ok = compare(y, expert_reference(x, ids, w, "silu", torch.bfloat16), torch.bfloat16, "none")
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_kernels, exact_interpreter,
+                                                                 activation, dtype):
+    """The one-pass gated activation of the experts' training forward (``kernels/glu.py``) and
+    its backward against ``experts.base.activate`` and autograd through it: the same fp32
+    arithmetic rounded once, so equal up to fp32 rounding of the transcendental functions (at
+    most one unit in the last place of the rounded result). 37 rows and I = 300 leave partial
+    row and column blocks."""
+    from moeshard.experts.base import activate
+
+    glu = interpreted_kernels.glu
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(37, 600, generator=gen) * 3).to(dtype)
+    grad_h = torch.randn(37, 300, generator=gen).to(dtype)
+    ref_in = gate_up.clone().requires_grad_(True)
+    ref_h = activate(ref_in, activation, dtype)
+    (ref_grad,) = torch.autograd.grad(ref_h, ref_in, grad_h)
+    # Near a zero of act' (gelu at gate ~ -0.75) the derivative cancels: an absolute bound, of
+    # the tensor's scale, covers the transcendental functions' last bits there.
+    rtol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(glu.glu_forward(gate_up, activation, dtype), ref_h.detach(), rtol=rtol,
+                               atol=rtol * float(ref_h.detach().abs().max()))
+    grad = glu.glu_backward(gate_up, grad_h, activation)
+    assert grad.dtype == dtype and grad.shape == gate_up.shape
+    torch.testing.assert_close(grad, ref_grad, rtol=rtol, atol=rtol * float(ref_grad.abs().max()))
+    h = glu.GatedActivation.apply(gate_up.clone().requires_grad_(True), activation, dtype)
+    assert h.requires_grad
+    with pytest.raises(ValueError, match="swiglu_clamped"):
+        glu.glu_forward(gate_up, "swiglu_clamped", dtype)
+    with pytest.raises(ValueError, match=r"grad_h must be \[37, 300\]"):
+        glu.glu_backward(gate_up, grad_h[:, :299], activation)

@@ -221,15 +221,16 @@ def test_repeated_rows_backward_sums_each_tokens_rows_once():
     """A training forward gathers a token's K routed rows through ``RepeatedRows``: its backward
     is the per-token sum of the K row gradients, checked by finite differences in fp64, and in
     bf16 rounded once (fp32 sum) rather than K times by atomic adds."""
-    from moeshard.experts.grouped import RepeatedRows
+    from moeshard.experts.grouped import RepeatedRows, inverse_permutation
 
     gen = torch.Generator().manual_seed(5)
     order = torch.randperm(T * K, generator=gen)
     x = torch.randn(T, 4, dtype=torch.float64, generator=gen, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: RepeatedRows.apply(x, order, K), (x,))
+    inverse = inverse_permutation(order)
+    assert torch.autograd.gradcheck(lambda x: RepeatedRows.apply(x, order, inverse, K), (x,))
     xb = x.detach().to(torch.bfloat16).requires_grad_(True)
     g = torch.randn(T * K, 4, generator=gen).to(torch.bfloat16)
-    (grad,) = torch.autograd.grad(RepeatedRows.apply(xb, order, K), xb, g)
+    (grad,) = torch.autograd.grad(RepeatedRows.apply(xb, order, inverse, K), xb, g)
     exact = torch.zeros(T, 4, dtype=torch.float64).index_add_(0, order // K, g.double())
     assert torch.equal(grad, exact.float().to(torch.bfloat16))
 

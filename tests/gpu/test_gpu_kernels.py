@@ -277,3 +277,31 @@ def test_select_kernel():
     assert select_config(512, 256, 7168, 2048, "none").block_m == 16
     assert select_config(128, 8, 4096, 14336, "none").block_m == 32
     assert select_config(131072, 256, 7168, 2048, "none").block_m == 128
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_forward_of_grouped_experts_matches_the_torch_path(activation, dtype):
+    """A CUDA forward that carries gradients runs the one-pass gated activation and its
+    backward (``kernels/glu.py``) and gathers a token's K rows through ``RepeatedRows``: its
+    output and its gradients of x and both weights equal the same pipeline on the CPU (plain
+    torch ops), within the rounding of the model dtype."""
+    from moeshard.experts import GroupedExperts
+
+    gen = torch.Generator().manual_seed(3)
+    T, K, E, H, I = 300, 4, 8, 256, 384
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=gen) / I**0.5).to(dtype)
+    ids = torch.randint(0, E, (T * K,), generator=gen)
+    g = torch.randn(T * K, H, generator=gen).to(dtype)
+    results = []
+    for device in ("cuda", "cpu"):
+        leaves = [t.to(device).requires_grad_(True) for t in (x, w13, w2)]
+        y = GroupedExperts(activation, dtype)(ExpertInput(leaves[0], ids.to(device), repeat=K, padded=False),
+                                              ExpertWeights(leaves[1], leaves[2]))
+        results.append([t.float().cpu() for t in (y, *torch.autograd.grad(y, leaves, g.to(device)))])
+    for name, a, b in zip(("y", "dx", "dw13", "dw2"), *results, strict=True):
+        scale = float(b.abs().max())
+        bound = (2e-2 if dtype == torch.bfloat16 else 1e-4) * scale
+        assert float((a - b).abs().max()) <= bound, (name, float((a - b).abs().max()), bound)

@@ -30,6 +30,7 @@ from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights, Weight, activate
 from moeshard.numerics import ACCUMULATION
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme, quantize_activations
+from moeshard.triton_env import triton_importable
 
 
 def expert_amax(h: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
@@ -81,24 +82,28 @@ class RepeatedRows(torch.autograd.Function):
     holding each token once (the ``local`` backend's ``repeat = K``).
 
     The backward sums each token's K row gradients in fp32 and rounds once: the rows' gradients
-    are put back in token-major order (``order`` is a permutation, so no two land on one row)
-    and summed over K. The plain ``x[src]`` backward accumulates the K gradients into x's rows
-    with atomic adds in the model dtype instead: slower, order-dependent, and rounded K times.
+    are gathered back in token-major order through ``inverse`` (the inverse permutation of
+    ``order``) and summed over K. The plain ``x[src]`` backward accumulates the K gradients into
+    x's rows with atomic adds in the model dtype instead: slower, order-dependent, rounded K times.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, repeat: int) -> torch.Tensor:
-        ctx.save_for_backward(order)
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, repeat: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
         ctx.repeat = repeat
         return x[order // repeat]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (order,) = ctx.saved_tensors
-        token_major = torch.empty_like(grad)
-        token_major[order] = grad
+        (inverse,) = ctx.saved_tensors
         T, H = grad.shape[0] // ctx.repeat, grad.shape[1]
-        return token_major.view(T, ctx.repeat, H).sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None
+        token_major = grad[inverse].view(T, ctx.repeat, H)
+        return token_major.sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None, None
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """int64 [M]: inv with inv[order[i]] = i (one scatter of M indices; no sort, no host sync)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
 
 
 class GroupedExperts:
@@ -161,6 +166,16 @@ class GroupedExperts:
             return out
         return (out.float() + bias.float()[rows]).to(self.out_dtype)
 
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """h [M, I] in ``out_dtype`` from gate_up [M, 2I]: ``activate``; a CUDA forward that
+        carries gradients, of a kind with a kernel mode, runs the one-pass Triton activation and
+        its one-pass backward (``kernels/glu.py``; the same values up to the last bit of fp32)."""
+        if (gate_up.is_cuda and gate_up.requires_grad and torch.is_grad_enabled()
+                and get_activation(self.activation).kernel_mode is not None and triton_importable()[0]):
+            from moeshard.kernels.glu import GatedActivation
+            return GatedActivation.apply(gate_up, self.activation, self.out_dtype)
+        return activate(gate_up, self.activation, self.out_dtype)
+
     # -- the pipeline ---------------------------------------------------------------------
     def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
         """Returns [M, H] in ``out_dtype``: each routed row (x[m // inp.repeat]) through its expert, unweighted."""
@@ -168,6 +183,9 @@ class GroupedExperts:
         # Padding rows (-1) become group E_l: they sort last, past the offsets of the real groups.
         ids = torch.where(inp.expert_ids < 0, E_l, inp.expert_ids)
         order = torch.argsort(ids, stable=True)
+        # Rows go back to input order by a gather through the inverse permutation: a vectorised
+        # copy, where an indexed store (y[order] = ...) runs at a fraction of the bandwidth.
+        inverse = inverse_permutation(order)
         offsets = torch.cumsum(group_sizes(ids, E_l + 1), 0)[:E_l].to(torch.int32)
         sorted_ids = ids[order]
         # Routed row m lives at row m // repeat of x (the local backend does not copy a token's K
@@ -178,7 +196,7 @@ class GroupedExperts:
         if isinstance(inp.x, QuantizedActivations):
             x = inp.x.index_rows(src)
         elif inp.repeat > 1 and torch.is_grad_enabled() and inp.x.requires_grad:
-            x = RepeatedRows.apply(inp.x, order, inp.repeat)
+            x = RepeatedRows.apply(inp.x, order, inverse, inp.repeat)
         else:
             x = inp.x[src]
         if scheme.quantized and not isinstance(x, QuantizedActivations):
@@ -186,8 +204,8 @@ class GroupedExperts:
             x = quantize_activations(x, scheme.name, amax=inp.input_amax if scheme.per_tensor_activation else None)
         # Padding rows take expert 0's biases: they are masked after the down GEMM anyway.
         bias_rows = sorted_ids.clamp(max=E_l - 1) if weights.has_bias else sorted_ids
-        h = activate(self._biased(self.gemm(x, weights.gate_up, offsets, inp.padded), weights.gate_up_bias, bias_rows),
-                     self.activation, self.out_dtype)
+        h = self._activate(self._biased(self.gemm(x, weights.gate_up, offsets, inp.padded), weights.gate_up_bias,
+                                        bias_rows))
         h_in: torch.Tensor | QuantizedActivations = h
         if scheme.quantized:
             amax = expert_amax(h, sorted_ids, E_l, inp.amax_reduce) if scheme.per_tensor_activation else None
@@ -195,6 +213,4 @@ class GroupedExperts:
         y_sorted = self._biased(self.gemm(h_in, weights.down, offsets, inp.padded), weights.down_bias, bias_rows)
         if inp.padded:  # rows past the last offset (padding) were never computed
             y_sorted = y_sorted.masked_fill((sorted_ids == E_l).unsqueeze(1), 0)
-        y = torch.empty_like(y_sorted)
-        y[order] = y_sorted
-        return y
+        return y_sorted[inverse]
