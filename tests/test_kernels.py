@@ -325,5 +325,7 @@ def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_ke
     assert h.requires_grad
     with pytest.raises(ValueError, match="swiglu_clamped"):
         glu.glu_forward(gate_up, "swiglu_clamped", dtype)
+    from moeshard.activations import KERNEL_MODES
+    assert glu.MODES == KERNEL_MODES  # a new epilogue mode needs its training forward and derivative here
     with pytest.raises(ValueError, match=r"grad_h must be \[37, 300\]"):
         glu.glu_backward(gate_up, grad_h[:, :299], activation)

@@ -24,6 +24,7 @@ import triton.language as tl
 from moeshard.activations import get_activation
 from moeshard.kernels.grouped_gemm import _gelu_mul, _silu_mul
 
+MODES = (0, 1)  # the kernel modes computed here: 0 silu, 1 exact-erf gelu (activations.KERNEL_MODES)
 ROWS = 8  # rows per program
 COLS = 256  # columns of h per program
 
@@ -68,8 +69,13 @@ def _glu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, M, I, stride_gu, stride_dh, stride_
 
 
 def kernel_mode_of(activation: str) -> int | None:
-    """The kind's mode here (its ``kernel_mode``), or None: the torch path computes it."""
-    return get_activation(activation, "glu: activation").kernel_mode
+    """The kind's mode here (its ``kernel_mode``, one of ``MODES``), or None: the torch path
+    computes it. A kernel mode this file does not compute is an error, never another mode's math."""
+    mode = get_activation(activation, "glu: activation").kernel_mode
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"glu: activation {activation!r} has kernel_mode {mode}, which kernels/glu.py does not "
+                         f"compute (modes {MODES}); add its forward and derivative there")
+    return mode
 
 
 def _check(gate_up: torch.Tensor, where: str) -> tuple[int, int]:
