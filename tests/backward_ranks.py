@@ -15,6 +15,9 @@ rank, so a backward that mixed ranks up would fail too.
 ``training_steps``: a small whole model (a replicated linear, the MoE layer, a replicated
 linear) under each layout of a world of 2: after ``reduce_gradients`` every parameter's
 gradient (each rank's shard of the experts) and ``grad_norm`` equal one device's on all tokens.
+
+``bias_updates``: a few steps of DeepSeek-V3's auxiliary-loss-free correction-bias update
+(``update_correction_bias``) under EP, SP, TP and DP, the loads and biases of every step.
 """
 
 from __future__ import annotations
@@ -140,15 +143,19 @@ def training_steps() -> dict[str, float]:
     """name -> the largest relative error against one device (every name must be tiny)."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    cfg = PRESETS["qwen2-57b-a14b"].config("small")  # router, experts, shared experts and their gate
-    gen = torch.Generator().manual_seed(3)
-    weights = MoEWeights.random(cfg, gen)
-    Hs = cfg.hidden_size
-    embed, head = torch.randn(Hs, Hs, generator=gen) / Hs**0.5, torch.randn(Hs, Hs, generator=gen) / Hs**0.5
     out: dict[str, float] = {}
-    for layout, backend, tokens in (("dp2-tp1-ep", "all2all", (5, 0)), ("dp1-tp2-ep", "allgather_reducescatter", (3,)),
-                                    ("dp1-tp2-noep", "local", (4,)), ("dp2-tp1-noep", "local", (2, 3)),
-                                    ("dp2-tp1-ep", "low_latency", (4, 4))):
+    # qwen2-57b-a14b: router, experts, shared experts and their gate; gpt-oss-120b: the router's
+    # bias and the experts' biases (under TP the down bias on TP rank 0 alone, added once).
+    for preset, layout, backend, tokens in (
+            ("qwen2-57b-a14b", "dp2-tp1-ep", "all2all", (5, 0)),
+            ("qwen2-57b-a14b", "dp1-tp2-ep", "allgather_reducescatter", (3,)),
+            ("qwen2-57b-a14b", "dp1-tp2-noep", "local", (4,)), ("qwen2-57b-a14b", "dp2-tp1-noep", "local", (2, 3)),
+            ("qwen2-57b-a14b", "dp2-tp1-ep", "low_latency", (4, 4)), ("gpt-oss-120b", "dp1-tp2-noep", "local", (4,))):
+        cfg = PRESETS[preset].config("small")
+        gen = torch.Generator().manual_seed(3)
+        weights = MoEWeights.random(cfg, gen)
+        Hs = cfg.hidden_size
+        embed, head = torch.randn(Hs, Hs, generator=gen) / Hs**0.5, torch.randn(Hs, Hs, generator=gen) / Hs**0.5
         for op in ("sum", "mean"):
             if op == "mean" and len(set(tokens)) > 1:
                 continue  # the mean convention needs equal token counts per DP rank
@@ -169,7 +176,7 @@ def training_steps() -> dict[str, float]:
             ((model(xs[d]) * gs[d]).sum() * scale).backward()
             reduce_gradients(model, groups, op=op)
             norm = float(grad_norm(model, groups))
-            tag = f"{layout}/{backend}/{op}"
+            tag = f"{preset}/{layout}/{backend}/{op}"
             for n, q in model.named_parameters():
                 ref = shard_of_grad(n.removeprefix("moe."), want[n], layer.shard, cfg) if n.startswith("moe.") else want[n]
                 assert q.grad is not None
@@ -228,6 +235,67 @@ def router_losses() -> list[dict]:
     return out
 
 
-def all_checks() -> tuple[dict[str, bool | str], dict[str, float], list[dict]]:
-    """All three, in one world."""
-    return gradchecks(), training_steps(), router_losses()
+# (layout, backend, tokens per DP rank of each micro-batch) of the correction-bias updates: EP,
+# SP (one token: fewer than tp), TP and DP (an empty rank)
+BIAS_UPDATE_CASES = (("dp2-tp1-ep", "all2all", ((3, 5), (4, 2))), ("dp1-tp2-ep", "allgather_reducescatter", ((7,), (1,))),
+                     ("dp1-tp2-noep", "local", ((6,), (5,))), ("dp2-tp1-noep", "local", ((4, 0), (2, 6))))
+BIAS_STEPS = 3
+BIAS_SPEED = 0.02  # large enough that the second step routes differently from the first
+
+
+class TwoCorrected(nn.Module):
+    """Two MoE layers with correction biases on the same tokens, summed: DeepSeek-V3's sigmoid
+    with groups and ERNIE 4.5's softmax_bias. Each routes the input itself, so that one device's
+    routing is the layout's exactly."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.sigmoid, self.softmax = make("deepseek-v3", 11), make("ernie-4.5-21b-a3b", 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sigmoid(x) + self.softmax(x)
+
+
+def bias_update_inputs(tokens: tuple[tuple[int, ...], ...], step: int) -> list[list[torch.Tensor]]:
+    """Per micro-batch, per DP rank: its tokens [T, H] of step ``step`` (the same in the ranks
+    and in the parent)."""
+    H = PRESETS["deepseek-v3"].config("small").hidden_size
+    return [[torch.randn(t, H, generator=torch.Generator().manual_seed(1000 * step + 10 * m + d))
+             for d, t in enumerate(micro)] for m, micro in enumerate(tokens)]
+
+
+def bias_model(groups=None, backend: str | None = None) -> TwoCorrected:
+    def make(preset: str, seed: int) -> MoELayer:
+        cfg = PRESETS[preset].config("small")
+        weights = MoEWeights.random(cfg, torch.Generator().manual_seed(seed))
+        return MoELayer(cfg, groups=groups, backend=backend, weights=weights, load_window=2)
+    return TwoCorrected(make)
+
+
+def bias_updates() -> list[list[dict]]:
+    """For each of ``BIAS_UPDATE_CASES``, on this rank: ``BIAS_STEPS`` steps of two micro-batches'
+    forwards then ``update_correction_bias``; after each, both layers' loads and biases."""
+    from moeshard.training import update_correction_bias
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    out = []
+    for layout, backend, tokens in BIAS_UPDATE_CASES:
+        p = ParallelConfig.parse(layout)
+        groups = build_groups(p, "cpu")
+        model = bias_model(groups, backend)
+        steps = []
+        for step in range(BIAS_STEPS):
+            with torch.no_grad():
+                for micro in bias_update_inputs(tokens, step):
+                    model(micro[p.dp_rank(rank)])
+            loads = update_correction_bias(model, groups, BIAS_SPEED)
+            steps.append({"loads": [t.clone() for t in loads],
+                          "biases": [layer.gate.e_score_correction_bias.clone() for layer in (model.sigmoid, model.softmax)]})
+        out.append(steps)
+    return out
+
+
+def all_checks() -> tuple[dict[str, bool | str], dict[str, float], list[dict], list[list[dict]]]:
+    """All four, in one world."""
+    return gradchecks(), training_steps(), router_losses(), bias_updates()

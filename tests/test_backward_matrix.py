@@ -19,22 +19,27 @@ def _grad_cases(world_sizes, **filters):
 
 
 # Cases of world size 2 in make test: every backend under SP (which runs its EP dispatch and
-# combine), TP, EP, every preset (routing kinds, shared experts and their gate), both dtypes, an
-# empty rank, one token under SP (fewer than tp). The world-size-1 case is the CLI test's; DP,
-# the other EP cases and world size 4 run in make test-slow (the same code paths in other groups;
-# DP's reduction is also in tests/test_backward_functions.py and the planted faults below).
+# combine), TP, EP, both dtypes, one token under SP (fewer than tp: an empty rank), and the parts
+# the families bring: gpt-oss's router and expert biases under TP (the down bias added once, on TP
+# rank 0) and under SP (they travel with their expert), Llama-4's weights on the input under EP,
+# Cohere2-MoE's shared_scale and sigmoid of the selected logits, DeepSeek-V3's correction bias
+# (no gradient) and groups; Qwen2-MoE's shared-expert gate is the CLI case's. The world-size-1
+# case is the CLI test's; DP, the other EP cases, the other routing kinds (their gradients against
+# transformers' routers: tests/test_routing_grads.py) and world size 4 run in make test-slow (the
+# same code paths in other groups; DP's reduction is also in tests/test_backward_functions.py and
+# the planted faults below).
 CASES_2 = (
-    "dp1-tp2-noep/local/none/float32/qwen2-57b-a14b/t5/grad",
-    "dp2-tp1-ep/all2all/none/bfloat16/qwen2-57b-a14b/t5,2/grad",
-    "dp1-tp2-ep/allgather_reducescatter/none/bfloat16/qwen3-30b-a3b/t1/grad",
+    "dp1-tp2-noep/local/none/float32/gpt-oss-120b/t5/grad",
+    "dp2-tp1-ep/all2all/none/bfloat16/llama4-scout/t5,2/grad",
+    "dp1-tp2-ep/allgather_reducescatter/none/bfloat16/cohere2-moe/t1/grad",
     "dp1-tp2-ep/all2all/none/float32/deepseek-v3/t7/grad",
-    "dp1-tp2-ep/low_latency/none/bfloat16/mixtral-8x7b/t0/grad",
+    "dp1-tp2-ep/low_latency/none/bfloat16/gpt-oss-120b/t3/grad",
 )
 SLOW_CASES = (
-    "dp1-tp1-noep/local/none/float32/deepseek-v3/t5/grad",
-    "dp2-tp1-noep/local/none/bfloat16/mixtral-8x7b/t0,3/grad",
-    "dp2-tp1-ep/allgather_reducescatter/none/float32/deepseek-v3/t3,0/grad",
-    "dp2-tp1-ep/low_latency/none/float32/qwen3-30b-a3b/t1,4/grad",
+    "dp1-tp1-noep/local/none/float32/phi-3.5-moe/t5/grad",
+    "dp2-tp1-noep/local/none/bfloat16/ernie-4.5-21b-a3b/t0,3/grad",
+    "dp2-tp1-ep/allgather_reducescatter/none/float32/deepseek-v2/t3,0/grad",
+    "dp2-tp1-ep/low_latency/none/float32/granite-3b-moe/t1,4/grad",
 )
 CLI_CASE = "dp1-tp1-noep/local/none/bfloat16/qwen2-57b-a14b/t5/grad"  # one rank: runs in this process
 

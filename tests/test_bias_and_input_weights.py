@@ -128,6 +128,47 @@ def test_expert_biases_under_tp_are_added_once():
     assert (total + w.down_bias[ids] - whole).abs().max() > 0.1  # a bias added by both ranks would show
 
 
+class _UnwrittenPadding(GroupedExperts):
+    """The portable experts whose GEMM leaves the rows past the last offset (padding) as NaN: what
+    ``torch._grouped_mm`` may leave there (it does not write them), made certain."""
+
+    def gemm(self, a, w, offsets):
+        out = super().gemm(a, w, offsets)
+        unwritten = (torch.arange(out.shape[0]) >= offsets[-1]).unsqueeze(1)
+        return torch.where(unwritten, float("nan"), out)
+
+
+def test_expert_bias_gradients_leave_padding_rows_out():
+    """Padding rows (expert id -1: what fixed-capacity buffers such as low_latency's deliver) are
+    never computed by the grouped GEMM, whose rows there hold any value, NaN too: they take no bias,
+    and their gradient reaches no bias. Every gradient equals that of the rows without padding.
+    (SiLU: its derivative at NaN is NaN, which a product with the padding rows' zero gradient keeps.)"""
+    c = cfg(expert_bias=True)
+    w = MoEWeights.random(c, torch.Generator().manual_seed(4))
+    experts = shard_experts(w.gate_up, w.down, c, QuantConfig(), ShardSpec(0, 4), w.gate_up_bias, w.down_bias)
+    params = {"gate_up": experts.gate_up, "down": experts.down, "gate_up_bias": experts.gate_up_bias,
+              "down_bias": experts.down_bias}
+    g = torch.Generator().manual_seed(5)
+    rows, ids, upstream = torch.randn(10, 8, generator=g), torch.randint(0, 4, (10,), generator=g), torch.randn(10, 8)
+
+    def grads(rows, ids, upstream):
+        for p in params.values():
+            p.grad = None
+            p.requires_grad_(True)
+        x = rows.clone().requires_grad_()
+        (_UnwrittenPadding(c.activation, c.dtype)(ExpertInput(x, ids), experts) * upstream).sum().backward()
+        return x.grad, {name: p.grad.clone() for name, p in params.items()}
+
+    want_x, want = grads(rows, ids, upstream)
+    got_x, got = grads(torch.cat([rows, torch.full((6, 8), float("nan"))]), torch.cat([ids, torch.full((6,), -1)]),
+                       torch.cat([upstream, torch.randn(6, 8)]))
+    for name in params:
+        assert torch.isfinite(got[name]).all() and torch.allclose(got[name], want[name], atol=1e-5), name
+    assert torch.allclose(got_x[:10], want_x, atol=1e-5) and torch.equal(got_x[10:], torch.zeros(6, 8))
+    for p in params.values():
+        p.requires_grad_(False)
+
+
 def test_expert_biases_travel_with_their_expert_under_ep_and_replicas():
     c = cfg(expert_bias=True)
     w = MoEWeights.random(c, torch.Generator().manual_seed(3))

@@ -460,10 +460,17 @@ class MoELayer(nn.Module):
         every rank must call it. Reads nothing back to the host."""
         loads = self.loads.read()
         if all_reduce and self.groups is not None:
-            group = self.groups.ep_group if self.parallel.enable_ep else self.groups.dp_group
-            with traced(self.groups.trace, "all_reduce_sum", "ep" if self.parallel.enable_ep else "dp", loads):
-                dist.all_reduce(loads, group=group)
+            name = self.load_group_name
+            with traced(self.groups.trace, "all_reduce_sum", name, loads):
+                dist.all_reduce(loads, group=self.groups.group(name))
         return loads
+
+    @property
+    def load_group_name(self) -> str:
+        """The group over whose ranks this rank's loads sum to the whole world's: "ep" with EP on
+        (each rank routed rows of its own: its DP rank's tokens, or under SP its chunk of them),
+        "dp" with EP off (the TP ranks of a DP rank route the same tokens)."""
+        return "ep" if self.parallel.enable_ep else "dp"
 
     def reset_expert_loads(self) -> None:
         """Empties the load window (this rank only; call it on every rank to restart together)."""

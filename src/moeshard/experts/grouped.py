@@ -9,7 +9,8 @@ model-dtype output, each row its expert's, and the sum rounded to the model dtyp
 product rounds first, as a model that adds its bias after the matmul computes it).
 
 Padding rows (expert id -1) sort after every expert, past the last group offset: no GEMM
-computes them and their output rows are zero. Both layouts are accepted (``EXPERT_BLOCKS``
+computes them, they take no bias and their output rows are zero (in training their gradient
+reaches neither x nor a weight nor a bias). Both layouts are accepted (``EXPERT_BLOCKS``
 carries per-row expert ids too). Nothing here synchronises with the host on the
 ``torch._grouped_mm`` path: group offsets stay on the device. ``GroupedExperts.gemm`` is the
 seam for a faster GEMM inside this pipeline (gather, grouped GEMMs, activation, unsort); its
@@ -159,12 +160,15 @@ class GroupedExperts:
             start = end
         return out
 
-    def _biased(self, out: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    def _biased(self, out: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor,
+                padding: torch.Tensor) -> torch.Tensor:
         """out [M, N] (model dtype, rows sorted by expert) + bias[rows] ([E_l, N]), in fp32, rounded
-        to ``out_dtype``; ``out`` itself without a bias."""
+        to ``out_dtype``; ``out`` itself without a bias. padding: bool [M], the padding rows, which
+        take no bias: the grouped GEMM never writes their rows (any value, NaN too), so their
+        gradient may be NaN, and a ``where`` (not a product with 0) keeps it from the bias."""
         if bias is None:
             return out
-        return (out.float() + bias.float()[rows]).to(self.out_dtype)
+        return (out.float() + torch.where(padding.unsqueeze(1), 0.0, bias.float()[rows])).to(self.out_dtype)
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """h [M, I] in ``out_dtype`` from gate_up [M, 2I]: ``activate``; a CUDA forward that
@@ -202,15 +206,17 @@ class GroupedExperts:
         if scheme.quantized and not isinstance(x, QuantizedActivations):
             # defer_input_quant: quantize here, with the layer-wide amax for per-tensor scales.
             x = quantize_activations(x, scheme.name, amax=inp.input_amax if scheme.per_tensor_activation else None)
-        # Padding rows take expert 0's biases: they are masked after the down GEMM anyway.
+        # Padding rows index the last expert's biases, then take none (``_biased``).
+        padding = sorted_ids == E_l
         bias_rows = sorted_ids.clamp(max=E_l - 1) if weights.has_bias else sorted_ids
         h = self._activate(self._biased(self.gemm(x, weights.gate_up, offsets, inp.padded), weights.gate_up_bias,
-                                        bias_rows))
+                                        bias_rows, padding))
         h_in: torch.Tensor | QuantizedActivations = h
         if scheme.quantized:
             amax = expert_amax(h, sorted_ids, E_l, inp.amax_reduce) if scheme.per_tensor_activation else None
             h_in = quantize_activations(h, scheme.name, amax=amax)
-        y_sorted = self._biased(self.gemm(h_in, weights.down, offsets, inp.padded), weights.down_bias, bias_rows)
+        y_sorted = self._biased(self.gemm(h_in, weights.down, offsets, inp.padded), weights.down_bias, bias_rows,
+                                padding)
         if inp.padded:  # rows past the last offset (padding) were never computed
-            y_sorted = y_sorted.masked_fill((sorted_ids == E_l).unsqueeze(1), 0)
+            y_sorted = y_sorted.masked_fill(padding.unsqueeze(1), 0)
         return y_sorted[inverse]

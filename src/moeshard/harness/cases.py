@@ -273,25 +273,43 @@ def grad_refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg
     return refusal(parallel, backend, quant, cfg) or backward_refusal(backend, quant)
 
 
+def tp_sliced_parts(cfg: MoEConfig) -> int:
+    """How many of the parts whose gradient TP without EP computes differently from one device
+    ``cfg`` has: expert biases (the gate_up bias sliced with I, the down bias added once, on TP
+    rank 0) and weights on the input (the weighted rows' gradient summed over the TP slices)."""
+    return int(cfg.expert_bias) + int(cfg.routing_kind.weights_on_input)
+
+
 def grad_cases(opts: MatrixOptions, layouts: list[ParallelConfig], presets: list[str]) -> list[Case]:
     """The gradient cases among ``layouts``: every layout x backend x quant x dtype (the
     quantized schemes listed as not applicable, with the backward's reason), each with a model
-    preset and token counts rotated over the layout x backend x dtype combinations that run."""
+    preset and token counts rotated over the layout x backend x dtype combinations that run.
+
+    TP without EP (the experts sliced over I) rotates over its own order of the presets, those
+    with the most ``tp_sliced_parts`` first, so that its few cases prove those parts (gpt-oss's
+    expert biases, Llama-4's weights on the input); every other layout rotates over the presets
+    in their order."""
     cases: list[Case] = []
-    n = 0
+    # Each class of layouts counts the combinations that run, so that its presets and token
+    # counts rotate over them: "sliced" (TP without EP) in its own preset order, "other" in the presets'.
+    counters = {"sliced": 0, "other": 0}
+    orders = {"sliced": sorted(presets, key=lambda name: -tp_sliced_parts(PRESETS[name].config(opts.size))),
+              "other": presets}
     for p in layouts:
         if opts.tokens_per_rank is not None and len(opts.tokens_per_rank) != p.dp:
             continue
         patterns = [opts.tokens_per_rank] if opts.tokens_per_rank is not None else TOKEN_PATTERNS[p.dp]
+        kind = "sliced" if p.tp > 1 and not p.enable_ep else "other"
+        order = orders[kind]
         for backend in BACKENDS:
             if opts.backends is not None and backend not in opts.backends:
                 continue
             runs = support(backend, QuantConfig(), p)[0]
             for dtype in opts.dtypes:
-                # n counts the combinations that run, so that presets and token counts rotate over them
-                preset = presets[(n + n // len(presets)) % len(presets)]
+                n = counters[kind]
+                preset = order[(n + n // len(order)) % len(order)]
                 tokens = tuple(patterns[n % len(patterns)])
-                n += runs
+                counters[kind] += runs
                 for q in quant_configs():
                     if opts.quants is not None and q.name not in opts.quants:
                         continue

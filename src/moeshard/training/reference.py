@@ -2,17 +2,20 @@
 
     L = sum over rows t counted of <upstream[t], layer(x)[t]>
 
-for the whole layer on one device: router -> top-k -> each routed row through its expert (fp64
-GEMMs, the activation in fp64) -> weighted sum -> + shared experts (and their gate). The
-weights are those the layer holds (rounded to the model dtype, the router in its stored
-precision), widened to fp64 leaves; x likewise. The router computes in fp32 on the layer's
-every path, so here too: the reference picks exactly the experts the layer picks (from the same
-fp32 logits) and differentiates the same fp32 routing function; everything after it is fp64.
+for the whole layer on one device: router (+ its bias) -> top-k -> each routed row through its
+expert (fp64 GEMMs, the activation in fp64, + the expert biases) -> weighted sum (or, with the
+weights on the input, each expert's input weighted and its output summed) -> + shared experts
+(their gate, ``shared_scale``). The weights are those the layer holds (rounded to the model
+dtype, the router in its stored precision), widened to fp64 leaves; x likewise: every parameter
+the layer trains has a leaf here, the correction bias (a buffer) none. The router computes in
+fp32 on the layer's every path, so here too: the reference picks exactly the experts the layer
+picks (from the same fp32 logits) and differentiates the same fp32 routing function; everything
+after it is fp64.
 
 Rounding: the layer rounds some forward values to the model dtype (the experts' gate_up
-products, h and their outputs, each TP slice's output on its own; the shared experts compute in
-the model dtype). The reference
-rounds the same values the same way and passes the gradient straight through each rounding in
+products and their sums with the biases, h and their outputs, each TP slice's output on its own,
+the weighted inputs; the shared experts compute in the model dtype). The reference rounds the
+same values the same way and passes the gradient straight through each rounding in
 fp64 (``_rounded``), so it differentiates the function the layer computes, at the points the
 layer evaluates it: an activation's derivative near its zero crossing (SiLU's at -1.28) would
 otherwise differ by far more than the model dtype's precision.
@@ -72,12 +75,55 @@ def _rounded_activation(act, gate: torch.Tensor, up: torch.Tensor, dtype: torch.
     return exact + (value - exact).detach()
 
 
+def _expert(rows: torch.Tensor, e: int, leaves: dict[str, torch.Tensor], cfg: MoEConfig,
+            intermediate_shards: int) -> torch.Tensor:
+    """fp64 [R, H]: rows [R, H] (fp64, model-dtype values) through routed expert e, unweighted, as
+    ``GroupedExperts`` rounds: the GEMM outputs, the gate_up bias added to the rounded product
+    and rounded again, h (computed in fp32: exact here), each TP slice's down product on its own
+    and the down bias added once, to TP rank 0's (the slice whose rank holds it)."""
+    dtype, I, act = cfg.dtype, cfg.intermediate_size, cfg.activation_kind
+    gate_up = _rounded(rows @ leaves["experts.gate_up_proj"][e].T, dtype)
+    if "experts.gate_up_proj_bias" in leaves:
+        gate_up = _rounded(gate_up + leaves["experts.gate_up_proj_bias"][e], dtype)
+    h = _rounded(act(gate_up[:, :I], gate_up[:, I:]), dtype)
+    down = leaves["experts.down_proj"][e]
+    parts = []
+    for s, (h_s, d_s) in enumerate(zip(h.chunk(intermediate_shards, dim=1), down.chunk(intermediate_shards, dim=1),
+                                       strict=True)):
+        part = _rounded(h_s @ d_s.T, dtype)
+        if s == 0 and "experts.down_proj_bias" in leaves:
+            part = _rounded(part + leaves["experts.down_proj_bias"][e], dtype)
+        parts.append(part)
+    return torch.stack(parts).sum(dim=0)
+
+
+def _shared(x64: torch.Tensor, leaves: dict[str, torch.Tensor], cfg: MoEConfig) -> torch.Tensor:
+    """fp64 [N, H]: the shared experts as ``SharedExperts`` and the layer round them (model-dtype
+    linears and activation, each op rounds), times their gate and ``shared_scale``."""
+    dtype, act = cfg.dtype, cfg.activation_kind
+    gate = _rounded(x64 @ leaves["shared_experts.gate_proj.weight"].T, dtype)
+    up = _rounded(x64 @ leaves["shared_experts.up_proj.weight"].T, dtype)
+    shared = _rounded(_rounded_activation(act, gate, up, dtype) @ leaves["shared_experts.down_proj.weight"].T, dtype)
+    if "shared_expert_gate.weight" in leaves:
+        score = _rounded(torch.sigmoid(_rounded(x64 @ leaves["shared_expert_gate.weight"].T, dtype)), dtype)
+        shared = _rounded(score * shared, dtype)
+    if cfg.shared_scale != 1.0:
+        shared = _rounded(shared * cfg.shared_scale, dtype)
+    return shared
+
+
 def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights, cfg: MoEConfig,
                     rows: torch.Tensor | None = None, intermediate_shards: int = 1) -> GradReference:
     """x: [N, H] the tokens (the model dtype); upstream: [N, H] dL/d(output) of each row; weights:
     the full weights (any device, CPU results); rows: bool [N], the rows whose loss counts (None:
     all); intermediate_shards: the TP slices of I whose down products the layer rounds each on
-    its own (tp under TP without EP, else 1)."""
+    its own (tp under TP without EP, else 1).
+
+    Every part a family brings is computed as the layer computes it, so that its gradient is
+    compared too: the router bias (added to the fp32 logits), the weights on the input (each
+    (token, k) pair a row ``x * w`` of its own, both rounded as ``router.weighted_rows`` rounds
+    them, through its expert unweighted, a token's K rows summed), the expert biases and
+    ``shared_scale``."""
     if x.dim() != 2 or x.shape[1] != cfg.hidden_size or upstream.shape != x.shape:
         raise ValueError(f"reference_grads: x and upstream must both be [N, hidden_size={cfg.hidden_size}], got "
                          f"{tuple(x.shape)} and {tuple(upstream.shape)}")
@@ -85,32 +131,26 @@ def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights
     leaves = {name: t.double().requires_grad_() for name, t in held.state_dict().items() if name not in NOT_TRAINED}
     x64 = x.cpu().double().requires_grad_()
     bias = None if held.correction_bias is None else held.correction_bias.float()
-    routing = route(F.linear(x64.float(), leaves["gate.weight"].float()), cfg, bias)
-    w = routing.topk_weights.double()
-    act = cfg.activation_kind
-    I = cfg.intermediate_size
-    out = torch.zeros_like(x64)
+    router_bias = leaves["gate.bias"].float() if "gate.bias" in leaves else None
+    routing = route(F.linear(x64.float(), leaves["gate.weight"].float()), cfg, bias, router_bias)
     dtype = cfg.dtype
+    N, K = routing.topk_ids.shape
+    if cfg.routing_kind.weights_on_input:
+        w_in = _rounded(routing.topk_weights.double(), dtype)  # the weight rounded first, then the product
+        inputs = _rounded(x64.unsqueeze(1) * w_in.unsqueeze(-1), dtype).reshape(N * K, cfg.hidden_size)
+        ids, w = routing.topk_ids.reshape(N * K, 1), torch.ones(N * K, 1, dtype=torch.float64)
+    else:
+        inputs, ids, w = x64, routing.topk_ids, routing.topk_weights.double()
+    out = torch.zeros(inputs.shape[0], cfg.hidden_size, dtype=torch.float64)
     for e in range(cfg.num_experts):
-        tok, k = (routing.topk_ids == e).nonzero(as_tuple=True)
+        tok, k = (ids == e).nonzero(as_tuple=True)
         if tok.numel():
-            # as GroupedExperts rounds: the GEMM outputs, and h (computed in fp32: exact here)
-            gate_up = _rounded(x64[tok] @ leaves["experts.gate_up_proj"][e].T, dtype)
-            h = _rounded(act(gate_up[:, :I], gate_up[:, I:]), dtype)
-            down = leaves["experts.down_proj"][e]
-            slices = zip(h.chunk(intermediate_shards, dim=1), down.chunk(intermediate_shards, dim=1), strict=True)
-            y = torch.stack([_rounded(h_s @ d_s.T, dtype) for h_s, d_s in slices]).sum(dim=0)
+            y = _expert(inputs[tok], e, leaves, cfg, intermediate_shards)
             out = out.index_add(0, tok, y * w[tok, k].unsqueeze(1))
+    if cfg.routing_kind.weights_on_input:
+        out = out.view(N, K, cfg.hidden_size).sum(dim=1)
     if cfg.has_shared_experts:
-        # as SharedExperts rounds: model-dtype linears and activation (each of its ops rounds)
-        gate = _rounded(x64 @ leaves["shared_experts.gate_proj.weight"].T, dtype)
-        up = _rounded(x64 @ leaves["shared_experts.up_proj.weight"].T, dtype)
-        shared = _rounded(_rounded_activation(act, gate, up, dtype) @ leaves["shared_experts.down_proj.weight"].T,
-                          dtype)
-        if "shared_expert_gate.weight" in leaves:
-            score = _rounded(torch.sigmoid(_rounded(x64 @ leaves["shared_expert_gate.weight"].T, dtype)), dtype)
-            shared = _rounded(score * shared, dtype)
-        out = out + shared
+        out = out + _shared(x64, leaves, cfg)
     g = upstream.cpu().double()
     if rows is not None:
         g = g * rows.cpu().double().unsqueeze(1)
@@ -121,7 +161,7 @@ def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights
     grads = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt)
     params = {n: torch.zeros_like(leaves[n]) if gr is None else gr for n, gr in zip(names, grads[2:], strict=True)}
     gx = torch.zeros_like(x64) if grads[0] is None else grads[0]
-    gw = torch.zeros_like(w) if grads[1] is None else grads[1].double()
+    gw = torch.zeros_like(routing.topk_weights, dtype=torch.float64) if grads[1] is None else grads[1].double()
     return GradReference(gx, params, gw, routing.topk_ids)
 
 
