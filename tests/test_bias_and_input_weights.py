@@ -132,8 +132,8 @@ class _UnwrittenPadding(GroupedExperts):
     """The portable experts whose GEMM leaves the rows past the last offset (padding) as NaN: what
     ``torch._grouped_mm`` may leave there (it does not write them), made certain."""
 
-    def gemm(self, a, w, offsets):
-        out = super().gemm(a, w, offsets)
+    def gemm(self, a, w, offsets, padded=True):
+        out = super().gemm(a, w, offsets, padded)
         unwritten = (torch.arange(out.shape[0]) >= offsets[-1]).unsqueeze(1)
         return torch.where(unwritten, float("nan"), out)
 
