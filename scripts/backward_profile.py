@@ -10,24 +10,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from moeshard.bench.backward import _experts_fns, _grouped_mm_fns
+from moeshard.bench.timing import kernel_times
 from moeshard.bench.workload import hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
-
-
-def kernel_times(fn, reps: int = 5) -> list[tuple[str, float]]:
-    """(kernel name, GPU microseconds per call), most expensive first."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])
 
 
 def main() -> None:

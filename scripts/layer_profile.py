@@ -16,26 +16,13 @@ import argparse
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from moeshard.bench.timing import kernel_times
 from moeshard.bench.workload import experts_for, hidden_states, make_model
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows
 from moeshard.layer import MoELayer
 from moeshard.router import router_logits
-
-
-def kernel_times(fn, reps: int = 5) -> list[tuple[str, float]]:
-    """(kernel name, microseconds per call of ``fn``), largest first."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])
 
 
 def wall_ms(fn, reps: int = 20) -> float:

@@ -98,3 +98,19 @@ class graphed:
         """Frees the graph's memory pool (large at prefill sizes)."""
         self.output = None
         self.graph.reset()
+
+
+def kernel_times(fn: Callable[[], object], reps: int = 5) -> list[tuple[str, float]]:
+    """(kernel name, GPU microseconds per call of ``fn``), largest first, from the CUDA profiler
+    over ``reps`` calls after three warm-up calls (the profile scripts' attribution)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])

@@ -101,10 +101,7 @@ def run(args) -> int:
     opts = runner.BenchOptions(**fields)
     opts.validate()
     started = time.time()
-
-    def progress(line: str) -> None:
-        if not args.quiet:
-            print(f"[{time.time() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
+    progress = _progress(started, args.quiet)
 
     result: dict = {"command": "moeshard " + " ".join(sys.argv[1:])}
     if args.tune or args.tune_only:
@@ -128,6 +125,14 @@ def run(args) -> int:
     return 0
 
 
+def _progress(started: float, quiet: bool):
+    """The progress printer: one stderr line per step, with seconds since ``started``."""
+    def progress(line: str) -> None:
+        if not quiet:
+            print(f"[{time.time() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
+    return progress
+
+
 def _run_backward(args) -> int:
     import torch
 
@@ -143,10 +148,7 @@ def _run_backward(args) -> int:
     opts = backward.BackwardOptions(**fields)
     opts.validate()
     started = time.time()
-
-    def progress(line: str) -> None:
-        if not args.quiet:
-            print(f"[{time.time() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
+    progress = _progress(started, args.quiet)
 
     machine = describe(device) if device.type == "cuda" else {
         "name": f"CPU, torch {torch.__version__}", "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
