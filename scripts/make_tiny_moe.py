@@ -1,7 +1,8 @@
-"""Save a small random transformers MoE model (config.json + model.safetensors) for ``moeshard generate``.
+"""Save a small random transformers MoE model (config.json + model.safetensors) for ``moeshard generate``, ``train``.
 
     PYTHONPATH=src python3 scripts/make_tiny_moe.py DIR [--family qwen3_moe] [--hidden 256]
         [--moe-intermediate 256] [--experts 8] [--layers 2] [--vocab 256] [--dtype bfloat16] [--seed 0]
+        [--router-aux-loss-coef 0.01]
 
 Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense); the
 sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
@@ -11,7 +12,9 @@ the softmax-routed ones (``SOFTMAX_FAMILIES``), also from ``AutoConfig.for_model
 (random expert biases: transformers initialises them to zero) and llama4_text (top-1, a shared
 expert, MoE on every second layer). The defaults keep every size a multiple of 128, so
 ``--quant fp8_block`` also runs under ``--tp 2`` without EP (the intermediate slice of a TP rank
-must hold whole 128-wide blocks).
+must hold whole 128-wide blocks). ``--router-aux-loss-coef`` turns transformers' load-balancing
+loss on (``output_router_logits``), which ``moeshard train`` adds over the global batch;
+``make(...)`` does the same from Python (the tests call it).
 """
 
 from __future__ import annotations
@@ -159,6 +162,33 @@ def _llama4_text(hidden: int, moe_intermediate: int, experts: int, layers: int, 
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text}
 
 
+def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,
+         layers: int = 2, vocab: int = 256, dtype: str = "bfloat16", seed: int = 0,
+         router_aux_loss_coef: float | None = None) -> int:
+    """Saves the model to ``directory``; returns its parameter count. router_aux_loss_coef: also
+    turn transformers' load-balancing loss on (``output_router_logits``) with this coefficient,
+    for families whose config has one (what ``moeshard train`` then adds to the loss)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = build(family, hidden, moe_intermediate, experts, layers, vocab)
+    if router_aux_loss_coef is not None:
+        if not hasattr(cfg, "router_aux_loss_coef"):
+            raise SystemExit(f"--router-aux-loss-coef: the {family} config has no router_aux_loss_coef (transformers "
+                             f"computes no load-balancing loss for it)")
+        cfg.output_router_logits, cfg.router_aux_loss_coef = True, router_aux_loss_coef
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
+    if family in SIGMOID_FAMILIES:
+        randomize_routers(model, family, 2 / hidden**0.5)
+    with torch.no_grad():  # expert biases (gpt_oss) start at zero in transformers: random, so that they count
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir")
@@ -170,22 +200,11 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--router-aux-loss-coef", type=float, default=None,
+                        help="turn the load-balancing loss on (output_router_logits) with this coefficient")
     args = parser.parse_args()
-
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(args.seed)
-    cfg = build(args.family, args.hidden, args.moe_intermediate, args.experts, args.layers, args.vocab)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
-    if args.family in SIGMOID_FAMILIES:
-        randomize_routers(model, args.family, 2 / args.hidden**0.5)
-    with torch.no_grad():  # expert biases (gpt_oss) start at zero in transformers: random, so that they count
-        for name, p in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(args.dir)
-    n = sum(p.numel() for p in model.parameters())
+    n = make(args.dir, args.family, args.hidden, args.moe_intermediate, args.experts, args.layers, args.vocab,
+             args.dtype, args.seed, args.router_aux_loss_coef)
     print(f"saved {args.family} ({n / 1e6:.2f} M parameters, {args.dtype}) to {args.dir}")
     return 0
 

@@ -403,7 +403,7 @@ def test_reasons_are_printed_verbatim_never_as_markup():
 
 # -- one table of bad paths, sizes and timeouts, for every command -----------------------------
 def _gen_model(tmp: Path) -> Path:
-    """A directory generate accepts as far as its options are checked (they are refused first)."""
+    """A directory generate and train accept as far as their options are checked (they are refused first)."""
     return _tiny_checkpoint(tmp / "gen-model")
 
 
@@ -412,6 +412,7 @@ COMMANDS = {
     "run": lambda tmp: ["run", "--random", "mixtral-8x7b", "--output"],
     "check": lambda tmp: ["check", "--world-sizes", "1", "--quants", "none", "--json"],
     "generate": lambda tmp: ["generate", "--model", str(_gen_model(tmp)), "--input-ids", "1,2", "--output"],
+    "train": lambda tmp: ["train", "--model", str(_gen_model(tmp)), "--input-ids", "1,2", "--output"],
     "eplb": lambda tmp: ["eplb", "--tokens", "8", "--json"],
     "bench": lambda tmp: ["bench", "--world-size", "2", "--device", "cpu", "--size", "small", "--json"],
 }

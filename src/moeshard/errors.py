@@ -15,8 +15,8 @@ code  meaning
 4     a rank failed: it raised an unexpected error, died or was killed
 5     a rank did not finish within ``--timeout``
 6     an output file could not be written (I/O error, disk full); nothing partial is left
-7     a result holds NaN or Inf: ``run``'s output, ``generate``'s logits, ``eplb``'s and
-      ``bench``'s figures (nothing written unless ``--allow-nonfinite``)
+7     a result holds NaN or Inf: ``run``'s output, ``generate``'s logits, ``train``'s losses,
+      ``eplb``'s and ``bench``'s figures (nothing written unless ``--allow-nonfinite``)
 130   interrupted (SIGINT, Ctrl-C); every rank stopped
 143   terminated (SIGTERM); every rank stopped
 ====  ==================================================================================

@@ -74,6 +74,7 @@ from moeshard.checkpoint.names import BlockNames
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, parse_dtype
 from moeshard.dispatch.registry import default_backend, support
+from moeshard.errors import MoeshardError
 from moeshard.layer import MoELayer
 from moeshard.parallel.agree import first_failure
 from moeshard.parallel.config import ParallelConfig
@@ -290,9 +291,13 @@ def agree(groups: ParallelGroups | None, error: BaseException | None, what: str)
     """Every rank learns whether any rank failed ``what`` (one all_gather_object of the reasons),
     so a rank that cannot go on makes every rank raise with that rank's reason instead of leaving
     the others waiting in the next collective. A ValueError stays a ValueError everywhere,
-    anything else becomes a RuntimeError. The reasons are our own (kind, text) strings."""
+    anything else becomes a RuntimeError, except on the rank that raised an expected failure of
+    its own (``MoeshardError``: a one-rank run's ``--timeout`` deadline, exit code 5), which
+    raises it unchanged. The reasons are our own (kind, text) strings."""
     rank = groups.rank if groups is not None else 0
     failure = first_failure(groups, error, rank)
+    if isinstance(error, MoeshardError):
+        raise error
     if failure is not None:
         kind, text, failed = failure
         also = f" (ranks that failed {what}: {failed})" if len(failed) > 1 else ""

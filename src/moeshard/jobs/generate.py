@@ -141,24 +141,35 @@ def split_prompts(count: int, dp: int) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def check_prompts(model_dir: str, prompts: tuple[tuple[int, ...], ...], dp: int) -> tuple[dict, int, int]:
+    """(config.json as read, vocab_size, the padding id) of ``model_dir``, after refusing a token
+    id outside the vocabulary and fewer prompts than DP ranks (each DP rank runs its own). The
+    padding id is the config's ``pad_token_id`` when it is a token of the vocabulary, else 0 (it
+    only fills masked positions)."""
+    info = read_hf_config(model_dir)
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = raw.get("vocab_size")
+    if not is_int(vocab) or vocab < 1:
+        raise ValueError(f"{info.source}: vocab_size must be a positive integer, got {vocab!r}")
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise ValueError(f"--input-ids: prompt {i} holds token ids {bad[:8]} outside the vocabulary "
+                             f"[0, {vocab}) of {model_dir}")
+    if len(prompts) < dp:
+        raise ValueError(f"--dp {dp}: every DP rank runs its own prompts, but only {len(prompts)} prompt(s) "
+                         f"were given; give at least {dp} (prompts are separated by ';')")
+    pad = raw.get("pad_token_id")
+    return raw, vocab, pad if is_int(pad) and 0 <= pad < vocab else 0
+
+
 def plan_generate(spec: GenerateSpec) -> GeneratePlan:
     """Checks everything that can be checked before processes start; returns the plan."""
     from moeshard.integrations.transformers import check_layout
 
     p = spec.parallel
     info = read_hf_config(spec.model_dir)
-    raw = json.loads((Path(spec.model_dir) / "config.json").read_text())
-    vocab = raw.get("vocab_size")
-    if not is_int(vocab) or vocab < 1:
-        raise ValueError(f"{info.source}: vocab_size must be a positive integer, got {vocab!r}")
-    for i, prompt in enumerate(spec.prompts):
-        bad = [t for t in prompt if t >= vocab]
-        if bad:
-            raise ValueError(f"--input-ids: prompt {i} holds token ids {bad[:8]} outside the vocabulary "
-                             f"[0, {vocab}) of {spec.model_dir}")
-    if len(spec.prompts) < p.dp:
-        raise ValueError(f"--dp {p.dp}: every DP rank runs its own prompts, but only {len(spec.prompts)} prompt(s) "
-                         f"were given; give at least {p.dp} (prompts are separated by ';')")
+    raw, vocab, pad = check_prompts(spec.model_dir, spec.prompts, p.dp)
     positions = raw.get("max_position_embeddings")
     longest = max(len(prompt) for prompt in spec.prompts)
     if is_int(positions) and longest + spec.max_new_tokens > positions:
@@ -171,14 +182,12 @@ def plan_generate(spec: GenerateSpec) -> GeneratePlan:
     dtype = parse_dtype(spec.dtype) if spec.dtype is not None else (info.checkpoint_dtype or torch.float32)
     cfg = info.moe_config(dtype)
     backend = check_layout(cfg, quant, p, spec.backend, spec.device)
-    pad = raw.get("pad_token_id")
-    pad = pad if is_int(pad) and 0 <= pad < vocab else 0
     return GeneratePlan(spec=spec, model_type=info.model_type, cfg=cfg, quant=quant, backend=backend,
                         vocab_size=vocab, pad_token_id=pad, dp_prompts=split_prompts(len(spec.prompts), p.dp))
 
 
 # -- generation (on a rank, or transformers alone) ---------------------------------------------
-def _batch(prompts: list[tuple[int, ...]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_batch(prompts: list[tuple[int, ...]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded input_ids [B, L] and attention_mask [B, L] (1 on real tokens)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -237,7 +246,7 @@ def greedy(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad_token
     from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
-    ids, mask = _batch(prompts, pad_token_id, device)
+    ids, mask = padded_batch(prompts, pad_token_id, device)
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id = None  # exactly max_new_tokens steps on every rank
     config.pad_token_id = pad_token_id

@@ -1,0 +1,243 @@
+"""``moeshard train``: a few optimizer steps of a whole transformers MoE model under a (dp, tp, ep)
+layout, its MoE blocks run by moeshard, each rank holding only its slices of the experts.
+
+    moeshard train --model DIR --input-ids "3,17,42;5,6,7" --steps 4 --lr 0.05 --optimizer sgd|adamw \\
+                   [--dp D --tp T --ep] [--backend B] [--dtype bf16] [--device cpu|cuda] [--compare] \\
+                   [--output OUT.json]
+
+Every step trains on the whole batch (the prompts, split over the DP ranks as ``moeshard
+generate`` splits them): transformers' loss of the model and its config (the mean next-token
+cross entropy over every predicted token of the global batch, plus the load-balancing loss where
+the config turns it on), one backward, ``reduce_gradients``, one optimizer step on every rank.
+``--compare`` also trains the same model with transformers alone on one device (fp32, the same
+optimizer and steps) and reports the losses' relative differences, the gradient norm's, and the
+largest parameter difference after the last step. Ranks: ``dp * tp`` local processes (gloo on
+cpu, NCCL on cuda, one GPU each), or, under torchrun, this process is one rank of torchrun's world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from moeshard.commands.args import add_allow_nonfinite, add_layout_arguments, timeout
+from moeshard.commands.generate import files_read, parse_prompts, read_prompts
+from moeshard.dispatch.registry import build_groups
+from moeshard.errors import NonFiniteOutput
+from moeshard.finite import json_text, nonfinite_fields, with_nulls
+from moeshard.jobs.failures import as_value_error  # refusals on the ranks -> one ValueError
+from moeshard.jobs.train import (
+    OPTIMIZERS,
+    TrainComparison,
+    TrainPlan,
+    TrainRankResult,
+    TrainSpec,
+    compare_training,
+    describe,
+    global_losses,
+    plan_train,
+    reference_train,
+    tp_loss_spread,
+    train_plans,
+    train_rank,
+)
+from moeshard.outputs import atomic_write_text, check_input_dir, check_output_path
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.signals import in_process_deadline
+from moeshard.parallel.spawn import RankFailure, spawn
+from moeshard.parallel.torchrun import destroy, init_from_env, torchrun_environment
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="a few optimizer steps of a whole transformers MoE model under a layout",
+                              description="Optimizer steps of a Hugging Face MoE model (Mixtral, Qwen2-MoE, "
+                                          "Qwen3-MoE, DeepSeek-V3, ...) with its MoE blocks run by moeshard under a "
+                                          "(dp, tp, ep) layout; --compare trains it with transformers alone too.")
+    src = p.add_argument_group("what trains")
+    src.add_argument("--model", metavar="DIR", required=True,
+                     help="Hugging Face model directory (config.json + *.safetensors)")
+    src.add_argument("--input-ids", metavar="IDS",
+                     help="the training batch: token ids, comma-separated; prompts separated by ';'")
+    src.add_argument("--input-file", metavar="PATH",
+                     help="the batch from a file: JSON (a list of ids, or a list of lists) or one prompt per line")
+    src.add_argument("--steps", type=int, default=4, metavar="N", help="optimizer steps, each on the whole batch (4)")
+    src.add_argument("--lr", type=float, default=5e-5, help="learning rate, constant (default 5e-5, the Trainer's)")
+    src.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                     help="sgd: torch.optim.SGD(lr), no momentum; adamw (default): torch.optim.AdamW(lr, "
+                          "betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), transformers' TrainingArguments "
+                          "defaults (adam_beta1, adam_beta2, adam_epsilon, weight_decay). No learning-rate "
+                          "schedule and no gradient clipping (the Trainer's defaults decay the rate linearly and "
+                          "clip at max_grad_norm=1.0)")
+    src.add_argument("--output", metavar="OUT", help="write the losses, the gradient norm (and the comparison) as JSON")
+    src.add_argument("--compare", action="store_true",
+                     help="also train with transformers alone on one device (fp32) and report the differences")
+    add_allow_nonfinite(src, "losses or a gradient norm holding NaN/Inf (in --output a NaN figure is null, named "
+                             "under \"nonfinite\")")
+    add_layout_arguments(p, dtype_help="model dtype (default: the checkpoint's)",
+                         timeout_help="seconds the ranks may take (default 600)")
+    p.set_defaults(func=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> TrainSpec:
+    """The ``TrainSpec`` of parsed arguments (ValueError for combinations that make no sense)."""
+    if (args.input_ids is None) == (args.input_file is None):
+        raise ValueError("give exactly one of --input-ids and --input-file")
+    if args.defer_input_quant:
+        raise ValueError("--defer-input-quant: train runs quant none (quantized experts have no backward), which "
+                         "quantizes no activation to defer")
+    prompts = parse_prompts(args.input_ids) if args.input_ids is not None else read_prompts(args.input_file)
+    check_input_dir(args.model, "--model")
+    if args.output is not None:
+        check_output_path(args.output, "--output", reads=files_read(args.model, args.input_file))
+    return TrainSpec(model_dir=args.model, prompts=prompts, steps=args.steps, lr=args.lr, optimizer=args.optimizer,
+                     parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant, dtype=args.dtype,
+                     backend=args.backend, device=args.device, compare=args.compare)
+
+
+# -- ranks ------------------------------------------------------------------------------------
+def execute_local(plan: TrainPlan, timeout_s: float) -> list[TrainRankResult]:
+    """Every rank's result: in this process for one rank, else ``dp * tp`` spawned ranks."""
+    world = plan.parallel.world_size
+    if plan.spec.device == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
+                         f"{torch.cuda.device_count()} are visible")
+    if world == 1:
+        with in_process_deadline(timeout_s, "rank 0 (in this process)"):
+            return [train_rank(plan, None)]
+    try:
+        per_rank = spawn(train_plans, world, args=([plan],), device=plan.spec.device, timeout_s=timeout_s)
+    except RankFailure as failure:
+        raise as_value_error(failure) from None
+    results = [r[0] for r in per_rank]
+    errors = [r for r in results if isinstance(r, dict)]
+    if errors:
+        kind = ValueError if errors[0]["error"] == "ValueError" else RuntimeError
+        raise kind(errors[0]["message"])
+    return results
+
+
+def _execute_torchrun(plan: TrainPlan, timeout_s: float) -> list[TrainRankResult] | None:
+    """One rank of torchrun's world; returns every rank's result on rank 0, None elsewhere."""
+    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo", timeout_s=timeout_s)
+    try:
+        plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
+        result = train_rank(plan, build_groups(plan.parallel, plan.spec.device, [plan.backend]))
+        reports: list[TrainRankResult | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, result)  # our own small dataclasses, between our own ranks
+        # all_gather_object filled every entry with a rank's report
+        return cast("list[TrainRankResult]", reports) if dist.get_rank() == 0 else None
+    finally:
+        destroy()
+
+
+# -- output -----------------------------------------------------------------------------------
+def report(plan: TrainPlan, results: list[TrainRankResult], comparison: TrainComparison | None,
+           wall_s: float) -> dict:
+    """The run as JSON-able data: the plan, the losses, the last gradient norm, per-rank figures,
+    the comparison."""
+    return {
+        **describe(plan),
+        "losses": global_losses(plan, results),
+        "aux_losses": list(results[0].aux_losses) if results[0].aux_losses is not None else None,
+        "grad_norm": results[0].grad_norm,
+        "tp_loss_spread": tp_loss_spread(results),
+        "prompts": [{"input_ids": list(p), "dp_rank": d} for d, mine in enumerate(plan.dp_prompts)
+                    for p in (plan.spec.prompts[i] for i in mine)],
+        "ranks": [{"rank": r.rank, "dp_rank": r.dp_rank, "tp_rank": r.tp_rank, "experts": list(r.experts),
+                   "intermediate": list(r.intermediate), "expert_bytes": r.expert_bytes, "load_s": round(r.load_s, 4),
+                   "train_s": round(r.train_s, 4), "grad_norm": r.grad_norm} for r in results],
+        "comparison": comparison.to_json() if comparison is not None else None,
+        "wall_s": round(wall_s, 3),
+    }
+
+
+def _figures(values) -> str:
+    return "[" + ", ".join(f"{v:.6g}" for v in values) + "]"
+
+
+def _print(data: dict, nonfinite: int) -> None:
+    """The summary of ``report``'s data (NaN figures print as nan); nonfinite: how many of them."""
+    out = sys.stdout
+    opt = data["optimizer"]
+    print(f"moeshard train: {data['model_type']} {data['model']}", file=out)
+    print(f"layout {data['layout']} ({data['world_size']} rank(s), {data['device']}), backend {data['backend']}, "
+          f"dtype {data['dtype']}, {opt['name']} lr {opt['lr']:g}, {data['steps']} step(s) on "
+          f"{len(data['prompts'])} prompt(s), {data['tokens']} predicted tokens"
+          + (f", load-balancing loss x {data['aux_loss_coef']:g}" if data["aux_loss_coef"] is not None else ""),
+          file=out)
+    for r in data["ranks"]:
+        print(f"  rank {r['rank']} (dp {r['dp_rank']}, tp {r['tp_rank']}): experts {r['experts'][0]}-"
+              f"{r['experts'][1] - 1}, I {r['intermediate'][0]}:{r['intermediate'][1]}, "
+              f"{r['expert_bytes'] / 2**20:.2f} MiB of experts, load {r['load_s']:.2f} s, train {r['train_s']:.2f} s",
+              file=out)
+    print(f"loss before each step: {_figures(data['losses'])}", file=out)
+    if data["aux_losses"] is not None:
+        print(f"  of which load-balancing loss (before the coefficient): {_figures(data['aux_losses'])}", file=out)
+    print(f"gradient norm at the last step: {data['grad_norm']:.6g}", file=out)
+    c = data["comparison"]
+    if c is not None:
+        print(f"transformers alone (one device, float32): loss {_figures(c['transformers_losses'])}", file=out)
+        verdict = (f"{data['dtype']} against float32: reported, not judged" if c["within_tolerance"] is None
+                   else f"tolerance {c['tolerance_rel']:g}: " + ("within" if c["within_tolerance"] else "EXCEEDED"))
+        print(f"relative loss difference per step: [{', '.join(f'{v:.2g}' for v in c['loss_rel_diff'])}] "
+              f"(max {c['max_loss_rel_diff']:.2g}; {verdict})", file=out)
+        print(f"transformers' gradient norm {c['transformers_grad_norm']:.6g} (relative difference "
+              f"{c['grad_norm_rel_diff']:.2g})", file=out)
+        print(f"largest |parameter - transformers'| after the last step: {c['max_abs_param_diff']:.3g} "
+              f"({c['param_diff_at']}; {c['params_compared']} parameter copies compared)", file=out)
+    if data["tp_loss_spread"]:
+        print(f"warning: the TP ranks of a DP rank computed losses differing by up to {data['tp_loss_spread']:.3g}",
+              file=out)
+    if nonfinite:
+        print(f"warning: {nonfinite} figure(s) are NaN/Inf (--allow-nonfinite): the steps after the "
+              f"first of them mean nothing", file=out)
+    print(f"wall time {data['wall_s']:.2f} s", file=out)
+
+
+def _nonfinite(plan: TrainPlan, results: list[TrainRankResult]) -> list[tuple[str, str]]:
+    """Where the losses, the load-balancing losses or the gradient norm hold NaN/Inf."""
+    figures = {"losses": global_losses(plan, results), "grad_norm": results[0].grad_norm,
+               "aux_losses": list(results[0].aux_losses or [])}
+    return nonfinite_fields(figures)
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    timeout_s = timeout(args.timeout)
+    plan = plan_train(spec_from_args(args))
+    if torchrun_environment():
+        results = _execute_torchrun(plan, timeout_s)
+        if results is None:
+            return 0
+    else:
+        results = execute_local(plan, timeout_s)
+    bad = _nonfinite(plan, results)
+    if bad and not args.allow_nonfinite:
+        shown = ", ".join(f"{name} = {value}" for name, value in bad[:3])
+        raise NonFiniteOutput(f"training diverged: {len(bad)} figure(s) are NaN/Inf ({shown}); nothing written"
+                              + (f" to {args.output!r}" if args.output is not None else "")
+                              + " (a smaller --lr; --allow-nonfinite writes them anyway)")
+    comparison = compare_training(plan, results, reference_train(plan)) if plan.spec.compare else None
+    light = [replace(r, params=None) for r in results]  # the parameters are compared, not reported
+    data = report(plan, light, comparison, time.perf_counter() - start)
+    written = with_nulls(data)  # a NaN figure: null, named under "nonfinite"
+    if args.output is not None:
+        atomic_write_text(args.output, json_text(written))
+    _print(data, len(written.get("nonfinite", [])))
+    sys.stdout.flush()
+    return exit_code(plan, comparison)
+
+
+def exit_code(plan: TrainPlan, comparison: TrainComparison | None) -> int:
+    """1 when a float32 run's loss differs from transformers' by more than the tolerance
+    (``tolerances.TRAIN_LOSS_RTOL``, relative) at some step; else 0. Other dtypes are compared
+    with an fp32 reference: reported, not judged."""
+    if comparison is not None and plan.dtype == torch.float32:
+        return 0 if comparison.within_tolerance else 1
+    return 0

@@ -1,0 +1,507 @@
+"""What ``moeshard train`` does: plan once (no processes yet), then a few optimizer steps of a whole
+transformers model on every rank, then (on request) the same steps by transformers alone.
+
+    plan_train(TrainSpec)          parent, before any process starts: reads config.json, checks the
+                                   prompts, the layout against the model, that the combination has
+                                   a backward (quant ``none``, a backend with one), the optimizer;
+                                   refuses with a ValueError
+    train_rank(plan, groups)       every rank: ``load_sharded_model``, then ``spec.steps`` steps on
+                                   its DP rank's prompts -> TrainRankResult
+    train_plans(plans)             ``spawn`` entry: several plans on one set of ranks
+    reference_train(plan)          transformers alone (``from_pretrained``, fp32, every expert, one
+                                   device), the whole batch, the same optimizer and steps
+    compare_training(...)          losses, gradient norm and every trained parameter, moeshard
+                                   against transformers
+
+One step, on every rank (docs/training.md's replicated loss): DP rank d's loss is
+``L_d = (sum of its tokens' next-token cross entropies) / N + coef * aux_d``, N the number of
+predicted tokens of the global batch (every position but each prompt's first: the labels of
+padding and of a prompt's first token are -100, as transformers' labels ignore them) and
+``aux_d`` DP rank d's share of the load-balancing loss over the global batch
+(``moeshard.training.router_losses``), added where transformers' own loss adds it (the config's
+``output_router_logits``, its ``router_aux_loss_coef``); transformers' own per-rank auxiliary loss
+stays off. The sum of the L_d is transformers' loss of the whole batch on one device. Then one
+backward, ``reduce_gradients``, ``grad_norm`` and one optimizer step on every rank: each rank
+steps its own parameters (its expert shards; its copies of everything else, identical on every
+rank after the reduction). The loss reported before step s is the sum over DP ranks of L_d
+(from each DP rank's TP rank 0) in the forward of step s, before its update.
+
+Prompts and batches are ``moeshard generate``'s: prompt i goes to DP rank d by a contiguous
+split, a DP rank's prompts are one left-padded batch with an attention mask, and the positions
+count from each prompt's first token (as generate numbers them), so a prompt's loss does not
+depend on the padding in front of it. The model runs in eval mode: dropout and router jitter
+are random, and these steps are meant to be compared.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeshard.autograd.support import backward_refusal
+from moeshard.checkpoint.hf_config import read_hf_config
+from moeshard.checkpoint.loader import resolve_quant
+from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
+from moeshard.jobs.generate import check_prompts, padded_batch, split_prompts
+from moeshard.jobs.world import each_plan
+from moeshard.parallel.config import ParallelConfig
+from moeshard.parallel.groups import ParallelGroups
+from moeshard.sharding import ShardSpec
+from moeshard.tolerances import TRAIN_LOSS_RTOL
+from moeshard.validate import is_int
+
+IGNORE = -100  # transformers' ignore_index: a label that is no token to predict
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """An optimizer of ``moeshard train``: ``torch.optim.<cls>(params, lr, **settings)``."""
+
+    name: str
+    cls: str
+    settings: dict
+
+    def build(self, params, lr: float) -> torch.optim.Optimizer:
+        optimizer: torch.optim.Optimizer = getattr(torch.optim, self.cls)(params, lr=lr, **self.settings)
+        return optimizer
+
+
+# sgd: plain SGD, no momentum. adamw: the betas, epsilon and weight decay that transformers'
+# TrainingArguments default to (adam_beta1, adam_beta2, adam_epsilon, weight_decay); the Trainer's
+# linear learning-rate decay and its gradient clipping (max_grad_norm=1.0) are not applied.
+OPTIMIZERS = {
+    "sgd": Optimizer("sgd", "SGD", {"momentum": 0.0}),
+    "adamw": Optimizer("adamw", "AdamW", {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}),
+}
+MAX_STEPS = 100_000
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What the user asked for. prompts: token ids, one tuple per prompt (the training batch);
+    steps: optimizer steps, each on the whole batch; lr: the learning rate; optimizer: a key of
+    ``OPTIMIZERS``; quant/dtype/backend None: the checkpoint's quantization (refused unless
+    none) and dtype, the layout's default backend; compare: send every rank's trained parameters
+    back, to compare with transformers alone."""
+
+    model_dir: str
+    prompts: tuple[tuple[int, ...], ...]
+    steps: int = 4
+    lr: float = 5e-5
+    optimizer: str = "adamw"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quant: str | None = None
+    dtype: str | None = None
+    backend: str | None = None
+    device: str = "cpu"
+    compare: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"train: device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not is_int(self.steps) or not 1 <= self.steps <= MAX_STEPS:
+            raise ValueError(f"--steps: must be an integer in [1, {MAX_STEPS}], got {self.steps!r}")
+        if (not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not math.isfinite(self.lr)
+                or not self.lr > 0):
+            raise ValueError(f"--lr: must be a finite number > 0, got {self.lr!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer: {self.optimizer!r} is not one of {sorted(OPTIMIZERS)}")
+        if not self.prompts or any(not p for p in self.prompts):
+            raise ValueError("--input-ids: no prompt given, or an empty one")
+        for i, prompt in enumerate(self.prompts):
+            if any(not is_int(t) or t < 0 for t in prompt):
+                raise ValueError(f"--input-ids: prompt {i} holds {list(prompt)[:8]}; token ids are integers >= 0")
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """A checked, resolved run; every rank executes the same plan. dp_prompts[d]: indices of the
+    prompts DP rank d trains on; tokens: N, the predicted tokens of the global batch; aux_coef:
+    the load-balancing loss's coefficient, None where transformers' loss has none."""
+
+    spec: TrainSpec
+    model_type: str
+    cfg: MoEConfig
+    quant: QuantConfig
+    backend: str
+    pad_token_id: int
+    dp_prompts: tuple[tuple[int, ...], ...]
+    tokens: int
+    aux_coef: float | None
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.spec.parallel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cfg.dtype
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return OPTIMIZERS[self.spec.optimizer]
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        """The rows of a DP rank's batch (its prompts, left-padded to its longest): what one MoE
+        forward of a rank may see, for backends with fixed per-rank buffers."""
+        return max(len(mine) * max(len(self.spec.prompts[i]) for i in mine) for mine in self.dp_prompts)
+
+
+def aux_loss_coef(model_dir: str) -> float | None:
+    """The coefficient of the load-balancing loss transformers adds to this model's loss, or None
+    where it adds none: the config turns it on (``output_router_logits``) and has a
+    ``router_aux_loss_coef``, and the model's transformers module computes it (defines
+    ``load_balancing_loss_func``; DeepSeek-V3 and Llama-4 do not, whatever their config says)."""
+    import importlib
+
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if getattr(config, "output_router_logits", False) is not True or coef is None:
+        return None
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    if not hasattr(importlib.import_module(cls.__module__), "load_balancing_loss_func"):
+        return None
+    return float(coef)
+
+
+def plan_train(spec: TrainSpec) -> TrainPlan:
+    """Checks everything that can be checked before processes start; returns the plan."""
+    from moeshard.integrations.transformers import check_layout
+
+    p = spec.parallel
+    info = read_hf_config(spec.model_dir)
+    raw, _, pad = check_prompts(spec.model_dir, spec.prompts, p.dp)
+    positions = raw.get("max_position_embeddings")
+    longest = max(len(prompt) for prompt in spec.prompts)
+    if is_int(positions) and longest > positions:
+        raise ValueError(f"--input-ids: the longest prompt has {longest} tokens, more than the model's "
+                         f"max_position_embeddings={positions}")
+    tokens = sum(len(prompt) - 1 for prompt in spec.prompts)
+    if tokens == 0:
+        raise ValueError(f"--input-ids: every prompt is one token long, so there is no next token to predict; give "
+                         f"prompts of two tokens or more (got {len(spec.prompts)} prompt(s))")
+    quant = resolve_quant(info, spec.quant)
+    dtype = parse_dtype(spec.dtype) if spec.dtype is not None else (info.checkpoint_dtype or torch.float32)
+    cfg = info.moe_config(dtype)
+    backend = check_layout(cfg, quant, p, spec.backend, spec.device)
+    refusal = backward_refusal(backend, quant)
+    if refusal:
+        where = (f"--backend {backend}" if not quant.quantized else f"--quant {quant.scheme}" if spec.quant is not None
+                 else f"the checkpoint's quantization {quant.scheme}")
+        raise ValueError(f"train: {where}: {refusal}")
+    return TrainPlan(spec=spec, model_type=info.model_type, cfg=cfg, quant=quant, backend=backend, pad_token_id=pad,
+                     dp_prompts=split_prompts(len(spec.prompts), p.dp), tokens=tokens,
+                     aux_coef=aux_loss_coef(spec.model_dir))
+
+
+# -- the batch --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Batch:
+    """ids, mask: [B, L] left-padded (``generate``'s batch); labels: [B, L] the ids, IGNORE at
+    padding and at each prompt's first token (no token before it predicts it); positions: [B, L]
+    each token's position counted from its prompt's first token (0 on padding)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def of(cls, prompts: list[tuple[int, ...]], pad: int, device) -> Batch:
+        ids, mask = padded_batch(prompts, pad, device)
+        count = mask.cumsum(-1)
+        labels = ids.masked_fill((mask == 0) | (count == 1), IGNORE)
+        return cls(ids, mask, labels, (count - 1).clamp(min=0))
+
+    def loss(self, model: nn.Module, tokens: int) -> torch.Tensor:
+        """fp32 []: transformers' next-token loss of this batch as a share of ``tokens`` (the sum
+        of its tokens' cross entropies / tokens: ``num_items_in_batch``), its auxiliary loss off."""
+        out = model(self.ids, attention_mask=self.mask, position_ids=self.positions, labels=self.labels,
+                    num_items_in_batch=tokens, output_router_logits=False, use_cache=False)
+        return out.loss
+
+
+# -- on a rank --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainRankResult:
+    """One rank's report. prompts: the prompt indices it trained on (its DP rank's); losses[s]:
+    its L_d in the forward of step s (the same on the TP ranks of one DP rank); aux_losses[s]:
+    the load-balancing loss over the global batch at step s (None without one); grad_norm: the
+    norm of the last step's reduced gradients (every parameter counted once, the same on every
+    rank); experts: [start, stop) of its experts, intermediate: its [lo, hi) of I; params: with
+    ``spec.compare``, its trained parameters after the last step (CPU fp32, by name; experts its
+    shard), else None; shards: each MoE block's module name -> its ``ShardSpec``."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    prompts: tuple[int, ...]
+    losses: tuple[float, ...]
+    aux_losses: tuple[float, ...] | None
+    grad_norm: float
+    experts: tuple[int, int]
+    intermediate: tuple[int, int]
+    expert_bytes: int
+    load_s: float
+    train_s: float
+    params: dict[str, torch.Tensor] | None
+    shards: dict[str, ShardSpec]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResult:
+    """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
+    from moeshard.integrations.transformers import MoEBlock, expert_bytes, load_sharded_model
+    from moeshard.training import grad_norm, reduce_gradients
+    from moeshard.training.router_losses import keep_router_logits, load_balancing_loss
+
+    p, spec = plan.parallel, plan.spec
+    rank = groups.rank if groups is not None else 0
+    device = groups.device if groups is not None else torch.device(spec.device)
+    dp_rank, tp_rank = p.dp_rank(rank), p.tp_rank(rank)
+    import transformers
+
+    transformers.AutoModelForCausalLM  # noqa: B018 - imported before the load is timed
+    t0 = time.perf_counter()
+    model = load_sharded_model(spec.model_dir, groups, quant=plan.quant, backend=plan.backend, dtype=plan.dtype,
+                               device=device, max_tokens_per_rank=plan.max_tokens_per_rank).requires_grad_(True)
+    _sync(device)
+    load_s = time.perf_counter() - t0
+    if plan.aux_coef is not None:
+        keep_router_logits(model)
+    mine = plan.dp_prompts[dp_rank]
+    batch = Batch.of([spec.prompts[i] for i in mine], plan.pad_token_id, device)
+    optimizer = plan.optimizer.build([q for q in model.parameters() if q.requires_grad], spec.lr)
+    losses: list[float] = []
+    aux_losses: list[float] = []
+    norm = torch.zeros(())
+    if groups is not None:
+        dist.barrier()
+    t1 = time.perf_counter()
+    for _ in range(spec.steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = batch.loss(model, plan.tokens)
+        if plan.aux_coef is not None:
+            aux = load_balancing_loss(model, groups, row_mask=batch.mask.reshape(-1))
+            loss = loss + plan.aux_coef * aux.share
+            aux_losses.append(float(aux.value))
+        loss.backward()
+        reduce_gradients(model, groups)
+        norm = grad_norm(model, groups)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    _sync(device)
+    train_s = time.perf_counter() - t1
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoEBlock)}
+    s = next(iter(blocks.values())).shard
+    width = plan.cfg.intermediate_size // s.tp_size
+    params = None
+    if spec.compare:
+        params = {name: q.detach().float().cpu() for name, q in model.named_parameters() if q.requires_grad}
+    return TrainRankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, prompts=mine, losses=tuple(losses),
+                           aux_losses=tuple(aux_losses) if plan.aux_coef is not None else None,
+                           grad_norm=float(norm), experts=(s.expert_start, s.expert_stop),
+                           intermediate=(s.tp_rank * width, (s.tp_rank + 1) * width), expert_bytes=expert_bytes(model),
+                           load_s=load_s, train_s=train_s, params=params,
+                           shards={name: m.shard for name, m in blocks.items()})
+
+
+def train_plans(plans: list[TrainPlan]) -> list[TrainRankResult | dict]:
+    """``spawn`` entry: every plan in order on this rank (all plans need this world size); a plan
+    that raises is recorded as ``{"error": type name, "message": ...}``. On CPU the machine's
+    cores are shared out between the local ranks, as ``generate_plans`` does."""
+    if plans and plans[0].spec.device == "cpu" and dist.is_initialized():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    return each_plan(plans, train_rank)
+
+
+def global_losses(plan: TrainPlan, results: list[TrainRankResult]) -> list[float]:
+    """The loss before each step: the sum over DP ranks of L_d (each DP rank's TP rank 0)."""
+    firsts = [r for r in results if r.tp_rank == 0]
+    if sorted(r.dp_rank for r in firsts) != list(range(plan.parallel.dp)):
+        raise RuntimeError(f"expected one report from each DP rank's TP rank 0, got DP ranks "
+                           f"{sorted(r.dp_rank for r in firsts)}")
+    return [math.fsum(r.losses[s] for r in firsts) for s in range(plan.spec.steps)]
+
+
+def tp_loss_spread(results: list[TrainRankResult]) -> float:
+    """The largest |L_d| difference between a TP rank and its TP rank 0 at any step (0 when the TP
+    ranks of every DP rank computed the same loss, as the replicated loss needs)."""
+    first = {r.dp_rank: r.losses for r in results if r.tp_rank == 0}
+    return max((abs(a - b) for r in results for a, b in zip(r.losses, first[r.dp_rank], strict=True)), default=0.0)
+
+
+# -- transformers alone -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainReference:
+    """transformers alone on one device: losses[s] its loss before step s (with its own
+    auxiliary loss where the config turns it on), aux_losses[s] that auxiliary loss (None
+    without), grad_norm the norm of the last step's gradients, params every parameter after the
+    last step (CPU fp32, transformers' names and layouts)."""
+
+    losses: tuple[float, ...]
+    aux_losses: tuple[float, ...] | None
+    grad_norm: float
+    params: dict[str, torch.Tensor]
+
+
+def reference_train(plan: TrainPlan, device: str | torch.device | None = None) -> TrainReference:
+    """The same steps with transformers alone (``from_pretrained`` in fp32, every expert, no
+    moeshard) on one device: the whole batch (every prompt, left-padded to the longest), the
+    same labels and positions, transformers' own loss (``labels``, and its load-balancing loss
+    where the config turns it on), the same optimizer."""
+    import transformers
+
+    device = torch.device(device if device is not None else ("cuda" if plan.spec.device == "cuda" else "cpu"))
+    model: nn.Module = transformers.AutoModelForCausalLM.from_pretrained(plan.spec.model_dir, dtype=torch.float32)
+    model = model.to(device).eval().requires_grad_(True)
+    spec = plan.spec
+    batch = Batch.of(list(spec.prompts), plan.pad_token_id, device)
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer = plan.optimizer.build(params, spec.lr)
+    losses: list[float] = []
+    aux_losses: list[float] = []
+    norm = torch.zeros(())
+    for _ in range(spec.steps):
+        optimizer.zero_grad(set_to_none=True)
+        out = model(batch.ids, attention_mask=batch.mask, position_ids=batch.positions, labels=batch.labels,
+                    use_cache=False)
+        if getattr(out, "aux_loss", None) is not None:
+            aux_losses.append(float(out.aux_loss.detach()))
+        out.loss.backward()
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad.float()) for q in params
+                                                     if q.grad is not None]))
+        optimizer.step()
+        losses.append(float(out.loss.detach()))
+    return TrainReference(losses=tuple(losses), aux_losses=tuple(aux_losses) if aux_losses else None,
+                          grad_norm=float(norm),
+                          params={name: q.detach().float().cpu() for name, q in model.named_parameters()})
+
+
+@dataclass(frozen=True)
+class TrainComparison:
+    """moeshard against transformers alone. loss_rel_diff[s]: |loss - transformers' loss| /
+    |transformers' loss| before step s; within_tolerance: every one at most ``rtol`` (None for a
+    run not in fp32, whose rounding is not judged: the reference is fp32); grad_norm_rel_diff:
+    the same for the last step's gradient norm; max_abs_param_diff: the largest |parameter -
+    transformers' parameter| after the last step over every parameter of every rank, at
+    ``param_diff_at`` ("name on rank r"); params_compared: the (rank, parameter) pairs compared."""
+
+    losses: tuple[float, ...]
+    aux_losses: tuple[float, ...] | None
+    loss_rel_diff: tuple[float, ...]
+    rtol: float
+    within_tolerance: bool | None
+    grad_norm: float
+    grad_norm_rel_diff: float
+    max_abs_param_diff: float
+    param_diff_at: str
+    params_compared: int
+
+    @property
+    def max_loss_rel_diff(self) -> float:
+        return max(self.loss_rel_diff)
+
+    def to_json(self) -> dict:
+        return {"transformers_losses": list(self.losses),
+                "transformers_aux_losses": None if self.aux_losses is None else list(self.aux_losses),
+                "loss_rel_diff": list(self.loss_rel_diff), "max_loss_rel_diff": self.max_loss_rel_diff,
+                "tolerance_rel": self.rtol, "within_tolerance": self.within_tolerance,
+                "transformers_grad_norm": self.grad_norm, "grad_norm_rel_diff": self.grad_norm_rel_diff,
+                "max_abs_param_diff": self.max_abs_param_diff, "param_diff_at": self.param_diff_at,
+                "params_compared": self.params_compared}
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(b) if b != 0 else math.inf
+
+
+class _ReferenceParams:
+    """transformers' trained parameters as each rank holds them: outside the MoE blocks by name;
+    in a block, under moeshard's names (``MoEWeights``' canonical ones and layout, the router's
+    own) and, for the routed experts, the slice of a rank's ``ShardSpec`` (its experts; under TP
+    its slice of I)."""
+
+    def __init__(self, plan: TrainPlan, params: dict[str, torch.Tensor]) -> None:
+        self.plan, self.params = plan, params
+        self.family = read_hf_config(plan.spec.model_dir).family
+        self.blocks: dict[str, dict[str, torch.Tensor]] = {}
+
+    def _block(self, prefix: str) -> dict[str, torch.Tensor]:
+        from moeshard.integrations.transformers import _canonical
+
+        if prefix not in self.blocks:
+            raw = {k[len(prefix) + 1:]: v for k, v in self.params.items() if k.startswith(prefix + ".")}
+            self.blocks[prefix] = {**raw, **_canonical(raw, self.family)}
+        return self.blocks[prefix]
+
+    def of(self, name: str, shards: dict[str, ShardSpec]) -> torch.Tensor:
+        from moeshard.training.reference import shard_of_grad
+
+        prefix = next((b for b in shards if name.startswith(b + ".")), None)
+        if prefix is None:
+            return self.params[name]
+        local = name[len(prefix) + 1:]
+        return shard_of_grad(local, self._block(prefix)[local], shards[prefix], self.plan.cfg)
+
+
+def compare_training(plan: TrainPlan, results: list[TrainRankResult], reference: TrainReference) -> TrainComparison:
+    """Compares the losses before every step (the sum of the DP ranks' shares), the last step's
+    gradient norm, and every parameter of every rank after the last step with ``reference``.
+
+    The parameters: each rank's own copy of every trained parameter is compared with the same
+    part of transformers' trained tensor, so each element of a routed expert is compared on the
+    rank that owns it (its expert under EP, its slice of I under TP, on every DP rank that holds
+    it) and each replicated parameter on every rank (their copies must be the same). transformers'
+    expert tensors are first put in moeshard's canonical layout (``MoEWeights``: gate_up [E, 2I, H],
+    down [E, H, I]), then sliced as the rank's ``ShardSpec`` says (``training.reference.shard_of_grad``)."""
+    if any(r.params is None for r in results):
+        raise ValueError("compare_training: the ranks sent no parameters (TrainSpec.compare was False)")
+    losses = global_losses(plan, results)
+    rel = tuple(_rel(a, b) for a, b in zip(losses, reference.losses, strict=True))
+    want = _ReferenceParams(plan, reference.params)
+    worst, at, count = 0.0, "", 0
+    for r in results:
+        assert r.params is not None  # checked above
+        for name, got in r.params.items():
+            ref = want.of(name, r.shards)
+            if tuple(ref.shape) != tuple(got.shape):
+                raise RuntimeError(f"rank {r.rank}: parameter {name} is {tuple(got.shape)}, transformers' part of it "
+                                   f"{tuple(ref.shape)}")
+            diff = float((got - ref).abs().max()) if got.numel() else 0.0
+            count += 1
+            if not diff <= worst:  # NaN counts as the worst
+                worst, at = diff, f"{name} on rank {r.rank}"
+    fp32 = plan.dtype == torch.float32
+    within = all(v <= TRAIN_LOSS_RTOL for v in rel) if fp32 else None
+    return TrainComparison(losses=reference.losses, aux_losses=reference.aux_losses, loss_rel_diff=rel,
+                           rtol=TRAIN_LOSS_RTOL, within_tolerance=within, grad_norm=reference.grad_norm,
+                           grad_norm_rel_diff=_rel(results[0].grad_norm, reference.grad_norm),
+                           max_abs_param_diff=worst, param_diff_at=at, params_compared=count)
+
+
+def describe(plan: TrainPlan) -> dict:
+    """The plan as JSON-able fields (for the summary and ``--output``)."""
+    spec, opt = plan.spec, plan.optimizer
+    return {"model": spec.model_dir, "model_type": plan.model_type, "layout": plan.parallel.name,
+            "world_size": plan.parallel.world_size, "device": spec.device, "backend": plan.backend,
+            "quant": plan.quant.name, "dtype": dtype_name(plan.dtype), "steps": spec.steps,
+            "optimizer": {"name": opt.name, "torch": f"torch.optim.{opt.cls}", "lr": spec.lr,
+                          **{k: list(v) if isinstance(v, tuple) else v for k, v in opt.settings.items()}},
+            "tokens": plan.tokens, "aux_loss_coef": plan.aux_coef,
+            "prompts_per_dp_rank": [list(d) for d in plan.dp_prompts]}
