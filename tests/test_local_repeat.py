@@ -253,3 +253,15 @@ def test_unpadded_training_forward_matches_padded():
         results.append((y, *torch.autograd.grad(y, (x, gu), g)))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_permuted_rows_backward_is_the_inverse_gather():
+    """The unsort of the experts' rows (``PermutedRows``): finite differences in fp64."""
+    from moeshard.experts.grouped import PermutedRows, inverse_permutation
+
+    gen = torch.Generator().manual_seed(8)
+    order = torch.randperm(12, generator=gen)
+    inverse = inverse_permutation(order)
+    t = torch.randn(12, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.equal(PermutedRows.apply(t, inverse, order), t[inverse])
+    assert torch.autograd.gradcheck(lambda t: PermutedRows.apply(t, inverse, order), (t,))

@@ -102,6 +102,22 @@ class RepeatedRows(torch.autograd.Function):
         return token_major.sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None, None
 
 
+class PermutedRows(torch.autograd.Function):
+    """rows = t[index] for a permutation ``index`` of t's rows, whose backward is the gather
+    grad[inverse] (``inverse`` the inverse permutation): no accumulating indexed store, which is
+    what the backward of a plain ``t[index]`` runs (it cannot know that no row repeats)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return t[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """int64 [M]: inv with inv[order[i]] = i (one scatter of M indices; no sort, no host sync)."""
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
@@ -219,4 +235,6 @@ class GroupedExperts:
                                 padding)
         if inp.padded:  # rows past the last offset (padding) were never computed
             y_sorted = y_sorted.masked_fill(padding.unsqueeze(1), 0)
+        if torch.is_grad_enabled() and y_sorted.requires_grad:
+            return PermutedRows.apply(y_sorted, inverse, order)
         return y_sorted[inverse]
