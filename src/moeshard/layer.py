@@ -55,7 +55,7 @@ from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import SequenceChunk, sequence_parallel_chunk, sequence_parallel_gather
 from moeshard.parallel.trace import traced
 from moeshard.quant import QuantizedActivations, to_wire
-from moeshard.router import Routing, route, router_logits, weighted_rows
+from moeshard.router import Routing, route_tokens, weighted_rows
 from moeshard.sharding import shard_experts, shard_spec
 from moeshard.stages import StageRecorder
 from moeshard.validate import is_int
@@ -289,7 +289,7 @@ class MoELayer(nn.Module):
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global logical
         expert ids; ``physical_ids`` maps them to the slots the backend routes)."""
-        return route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias, self.gate.bias)
+        return route_tokens(x, self.gate.weight, self.cfg, self.gate.e_score_correction_bias, self.gate.bias)
 
     def physical_ids(self, topk_ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """topk_ids: int64 [T, K] logical ids of T consecutive tokens of this rank's DP batch, the

@@ -78,7 +78,7 @@ from moeshard.layer import MoELayer
 from moeshard.parallel.agree import first_failure
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
-from moeshard.router import Routing, route, router_logits
+from moeshard.router import Routing, route_tokens
 from moeshard.sharding import shard_spec
 from moeshard.weights import MoEWeights
 
@@ -146,7 +146,7 @@ class MoEBlock(MoELayer):
         weight = _tensor_at(self.hf_router, self.router_weight)
         assert weight is not None  # checked in __init__
         bias = getattr(self.hf_router, self.router_bias_name, None) if self.cfg.routing_kind.router_bias else None
-        return route(router_logits(x, weight), self.cfg, self._selection_bias(), bias)
+        return route_tokens(x, weight, self.cfg, self._selection_bias(), bias)
 
     def _selection_bias(self) -> torch.Tensor | None:
         """fp32 [E]: the block's own bias (``block_bias``), else the router's; None without a

@@ -5,9 +5,10 @@
 for the whole layer on one device: router -> top-k -> each routed row through its expert (fp64
 GEMMs, the activation in fp64) -> weighted sum -> + shared experts (and their gate). The
 weights are those the layer holds (rounded to the model dtype, the router in its stored
-precision), widened to fp64 leaves; x likewise. The router computes in fp32 on the layer's
-every path, so here too: the reference picks exactly the experts the layer picks (from the same
-fp32 logits) and differentiates the same fp32 routing function; everything after it is fp64.
+precision), widened to fp64 leaves; x likewise. The router's logits have the value the layer's
+have (``MoEConfig.router_dtype``: an fp32 product, or the model-dtype product, whose rounding
+the gradient passes straight through), so the reference picks exactly the experts the layer
+picks and differentiates the same fp32 routing function of them; everything after it is fp64.
 
 Rounding: the layer rounds some forward values to the model dtype (the experts' gate_up
 products, h and their outputs, each TP slice's output on its own; the shared experts compute in
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from moeshard.config import MoEConfig
-from moeshard.router import route
+from moeshard.router import route, router_logits
 from moeshard.sharding import ShardSpec
 from moeshard.weights import MoEWeights
 
@@ -72,6 +73,20 @@ def _rounded_activation(act, gate: torch.Tensor, up: torch.Tensor, dtype: torch.
     return exact + (value - exact).detach()
 
 
+def _logits(x: torch.Tensor, x64: torch.Tensor, gate: torch.Tensor, gate64: torch.Tensor,
+            cfg: MoEConfig) -> torch.Tensor:
+    """fp32 router logits [N, E] whose value is the layer's and whose gradient reaches the fp64
+    leaves x64 [N, H] and gate64 [E, H]: with ``router_dtype="fp32"`` the fp32 product itself; with
+    ``"model"`` the model-dtype product the layer computes (``router_logits`` on x and the held
+    gate), with the gradient passed straight through its rounding as ``_rounded`` does."""
+    if cfg.router_dtype == "fp32":
+        return F.linear(x64.float(), gate64.float())
+    exact = F.linear(x64, gate64)
+    with torch.no_grad():
+        value = router_logits(x.cpu(), gate, cfg.router_dtype).double()
+    return (exact + (value - exact).detach()).float()
+
+
 def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights, cfg: MoEConfig,
                     rows: torch.Tensor | None = None, intermediate_shards: int = 1) -> GradReference:
     """x: [N, H] the tokens (the model dtype); upstream: [N, H] dL/d(output) of each row; weights:
@@ -85,7 +100,7 @@ def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights
     leaves = {name: t.double().requires_grad_() for name, t in held.state_dict().items() if name not in NOT_TRAINED}
     x64 = x.cpu().double().requires_grad_()
     bias = None if held.correction_bias is None else held.correction_bias.float()
-    routing = route(F.linear(x64.float(), leaves["gate.weight"].float()), cfg, bias)
+    routing = route(_logits(x, x64, held.gate, leaves["gate.weight"], cfg), cfg, bias)
     w = routing.topk_weights.double()
     act = cfg.activation_kind
     I = cfg.intermediate_size
