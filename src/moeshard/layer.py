@@ -2,7 +2,8 @@
 
     x [T, H]  this DP rank's tokens (replicated over its TP ranks)
      -> SP only: keep this TP rank's contiguous chunk (real rows only)
-     -> router: fp32 logits [T, E] (+ router bias) -> topk ids / fp32 weights [T, K]
+     -> router: logits [T, E] (+ router bias) in ``cfg.router_dtype`` (fp32, or the model dtype
+        rounded) -> topk ids / fp32 weights [T, K], selected and weighted in fp32
      -> weights on the input (Llama-4's kind): each (token, k) becomes a row x * w of its own,
         routed to its one expert with weight 1, and the K rows' outputs are summed
      -> quantize activations (unless none or deferred): data + per-row scales

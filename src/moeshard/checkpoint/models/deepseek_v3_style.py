@@ -62,17 +62,20 @@ def _exaone_moe_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
 
 
 _ROUTER = {"hidden_act": "silu", "n_group": 1, "topk_group": 1}
+# transformers keeps these routers' weights in fp32 (_keep_in_fp32_modules_strict) and computes
+# their logits in fp32: router_dtype "fp32".
 
 for _family in (
     ModelFamily("glm4_moe", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
-                             "first_k_dense_replace": 1}, _moe, _first_k_dense, routing="sigmoid"),
+                             "first_k_dense_replace": 1}, _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32"),
     ModelFamily("glm4_moe_lite", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
                                   "norm_topk_prob": True, "mlp_layer_types": None},
-                _moe, _glm4_moe_lite_dense, routing="sigmoid"),
+                _moe, _glm4_moe_lite_dense, routing="sigmoid", router_dtype="fp32"),
     ModelFamily("dots1", {**_ROUTER, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
-                          "first_k_dense_replace": 0}, _moe, _first_k_dense, routing="sigmoid"),
+                          "first_k_dense_replace": 0}, _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32"),
     ModelFamily("exaone_moe", {**_ROUTER, "num_shared_experts": 1, "routed_scaling_factor": 2.5,
                                "norm_topk_prob": True, "first_k_dense_replace": 1, "mlp_layer_types": None},
-                _moe, _exaone_moe_dense, routing="sigmoid", bias_aliases=("e_score_correction_bias",)),
+                _moe, _exaone_moe_dense, routing="sigmoid", bias_aliases=("e_score_correction_bias",),
+                router_dtype="fp32"),
 ):
     register_family(_family)
