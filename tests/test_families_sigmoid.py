@@ -2,6 +2,7 @@
 
 Tiny random models of GLM-4-MoE (grouped top-k), GLM-4-MoE-Lite, dots1 (grouped, no
 renormalization), EXAONE-MoE (two shared experts, the bias under the block in the checkpoint),
+DeepSeek-V3.2 (DeepSeek-V3's block beside its indexer attention),
 MiniMax-M2 (the bias on the block, every layer MoE), AFMoE (the bias on the block, a router
 wrapping a linear, route_scale) and Cohere2-MoE (top-k of the logits, then sigmoid or softmax
 over the selected; shared experts averaged with the routed ones) are built from transformers' own
@@ -58,6 +59,10 @@ CONFIGS: dict[str, dict] = {
                   n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1),
     "exaone_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                        num_shared_experts=2),
+    # DeepSeek-V3.2: DeepSeek-V3's block (grouped top-k, a dense first layer) beside the indexer's attention.
+    "deepseek_v32": dict(MLA, q_lora_rank=16, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+                         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                         first_k_dense_replace=1, index_topk=4, index_head_dim=8, index_n_heads=2),
     "minimax_m2": dict(intermediate_size=16, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
     "afmoe": dict(intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2,
                   num_shared_experts=1, route_scale=2.0),
@@ -390,6 +395,9 @@ def test_dense_layers_follow_the_config_class():
                 .dense_layers) == [3]  # the list wins, as in transformers
     assert list(_parse("afmoe", num_dense_layers=3).dense_layers) == [0, 1, 2]
     assert list(_parse("minimax_m2").dense_layers) == []
+    assert list(_parse("deepseek_v32", n_routed_experts=16).dense_layers) == [0, 1, 2]  # first_k_dense_replace: 3
+    v32 = _parse("deepseek_v32", n_routed_experts=16).moe  # 8 groups by default
+    assert (v32.n_group, v32.topk_group, v32.routed_scaling_factor, v32.renormalize) == (8, 4, 2.5, True)
     info = _parse("exaone_moe")
     with pytest.raises(ValueError, match=r"layer 0 of this exaone_moe model has no MoE block: it is a dense layer "
                                          r"\(layer < first_k_dense_replace=1 \(no mlp_layer_types\)\)"):
@@ -414,7 +422,7 @@ def test_routing_fields_follow_the_config_class():
     af = _parse("afmoe", route_scale=2.5).moe
     assert (af.routed_scaling_factor, af.renormalize, af.num_shared_experts) == (2.5, True, 2)
     # the router's precision comes from the family, as its transformers router computes
-    assert [_parse(t).moe.router_dtype for t in FAMILIES] == ["fp32"] * 4 + ["model"] * 3
+    assert [_parse(t, n_routed_experts=16).moe.router_dtype for t in FAMILIES] == ["fp32"] * 5 + ["model"] * 3
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):
