@@ -51,7 +51,7 @@ def profile_model(name: str, tokens: int, quant: str, device: torch.device) -> N
     print(f"  align_rows alone (M={ids.numel()}, E={cfg.num_experts}): {plan_us:.1f} us")
     gate = model.shell.gate
     exact = x.double() @ gate.double().T
-    for label, fn in (("fp32 (the layer)", lambda: router_logits(x, gate)),
+    for label, fn in (("fp32 (the layer's router_dtype fp32)", lambda: router_logits(x, gate, "fp32")),
                       ("bf16 tensor cores, fp32 out", lambda: torch.mm(x, gate.T, out_dtype=torch.float32))):
         err = float((fn().double() - exact).abs().max())
         print(f"  router {label}: {wall_ms(fn):.3f} ms, max |logit - exact| {err:.2e}")

@@ -6,7 +6,7 @@
 
 Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense); the
 sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
-glm4_moe_lite, dots1, exaone_moe, minimax_m2, afmoe, cohere2_moe), whose router weights and
+glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe), whose router weights and
 selection biases are drawn at random (transformers starts some at zero, where every expert ties);
 the softmax-routed ones (``SOFTMAX_FAMILIES``), also from ``AutoConfig.for_model``; gpt_oss
 (random expert biases: transformers initialises them to zero) and llama4_text (top-1, a shared
@@ -30,6 +30,10 @@ SIGMOID_FAMILIES = {
                                        v_head_dim=32),
     "dots1": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1),
     "exaone_moe": lambda i, e: dict(num_experts=e, num_experts_per_tok=2, num_shared_experts=1),
+    "deepseek_v32": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                      n_shared_experts=1, first_k_dense_replace=1, num_key_value_heads=4,
+                                      q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
+                                      v_head_dim=32, head_dim=32, index_topk=16, index_head_dim=32, index_n_heads=2),
     "minimax_m2": lambda i, e: dict(intermediate_size=i, head_dim=64, num_local_experts=e, num_experts_per_tok=2),
     "afmoe": lambda i, e: dict(head_dim=64, num_experts=e, num_experts_per_tok=2, num_shared_experts=1,
                                route_scale=2.0),

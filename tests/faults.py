@@ -211,7 +211,7 @@ class TiesBrokenHighOnRank1(MoELayer):
     def route(self, x):
         if not (dist.is_initialized() and dist.get_rank() == 1):
             return super().route(x)
-        logits = router_logits(x, self.gate.weight)
+        logits = router_logits(x, self.gate.weight, self.cfg.router_dtype)
         nudge = 5e-2 * torch.arange(self.cfg.num_experts, dtype=logits.dtype) / self.cfg.num_experts
         ids = route(logits + nudge, self.cfg, self.gate.e_score_correction_bias).topk_ids
         scores = logits.softmax(dim=-1) if self.cfg.scoring == "softmax" else logits.sigmoid()

@@ -37,6 +37,8 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(shared_expert_gate=True), r"shared_expert_gate: True needs num_shared_experts > 0"),
     (dict(dtype="int8"), r"dtype: 'int8' is not one of"),
     (dict(n_group=4, topk_group=1, top_k=3), r"top_k: 3 exceeds the experts of the kept groups"),
+    (dict(router_dtype="bf16"), r"MoEConfig.router_dtype: 'bf16' is not one of \['fp32', 'model'\]"),
+    (dict(router_dtype=None), r"MoEConfig.router_dtype: None is not one of \['fp32', 'model'\]"),
 ])
 def test_moe_config_refusals(change, match):
     with pytest.raises(ValueError, match=match):

@@ -18,7 +18,7 @@ from moeshard.parallel.spawn import spawn
 from moeshard.presets import PRESETS
 from moeshard.quant import QuantizedWeight, to_wire
 from moeshard.reference import reference_forward
-from moeshard.router import route, router_logits
+from moeshard.router import route_tokens
 from moeshard.sharding import shard_experts, shard_spec
 from moeshard.tolerances import compare
 from moeshard.weights import MoEWeights
@@ -111,7 +111,7 @@ def _expected_loads(steps) -> list[int]:
     counts = torch.zeros(16, dtype=torch.int64)
     for step in steps:
         for d in range(2):
-            ids = route(router_logits(_tokens(step, d), w.gate), CFG).topk_ids
+            ids = route_tokens(_tokens(step, d), w.gate, CFG).topk_ids
             counts += torch.bincount(ids.flatten(), minlength=16)
     return counts.tolist()
 
@@ -121,7 +121,7 @@ def test_loads_count_the_window_over_the_ep_group(results):
     for rank, r in enumerate(results):
         assert r["loads"] == want, rank
         w = _weights()
-        own = sum(torch.bincount(route(router_logits(_tokens(s, rank), w.gate), CFG).topk_ids.flatten(), minlength=16)
+        own = sum(torch.bincount(route_tokens(_tokens(s, rank), w.gate, CFG).topk_ids.flatten(), minlength=16)
                   for s in (1, 2))
         assert r["own_loads"] == own.tolist()
         assert r["reset"] == [0] * 16

@@ -13,7 +13,9 @@ At (1,1) the logits equal transformers' (fp32, 1e-5), through ``load_sharded_mod
 ``shard_moe_blocks``; under EP2, SP, TP2 and (2,2,ep) on CPU ranks the greedy ids equal
 transformers' ``generate``: one spawn per world size runs every case of both families (the
 MXFP4 model under TP2, where a rank reads half of each 32-column block of down; its EP2 slices
-are read and compared without ranks).
+are read and compared without ranks). In bfloat16 both route transformers' own router inputs
+from logits equal to its router's bit for bit (their routers compute in the model dtype, gpt-oss
+with the bias inside the product) to the same experts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from router_parity import bf16_router_parity
 
 from moeshard.jobs.generate import (
     GenerateSpec,
@@ -174,6 +177,14 @@ def test_one_rank_logits_equal_transformers(models, family):
         assert [isinstance(b, MoEBlock) for b in blocks] == ([True, True] if family == "gpt_oss" else [False, True])
         got = model(ids).logits
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_router_is_transformers_router(models, family):
+    """bf16, on transformers' own router inputs: moeshard's logits are its router's bit for bit
+    (fp32 logits would not be) and its experts the same (``router_parity``)."""
+    parity = bf16_router_parity(tf, models[family])
+    assert parity.logits_differ == parity.ids_differ == parity.biases_differ == 0 and parity.fp32_logits_differ > 0, parity
 
 
 @pytest.mark.parametrize("family", FAMILIES + ("gpt_oss_mxfp4",))

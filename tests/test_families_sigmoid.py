@@ -2,6 +2,7 @@
 
 Tiny random models of GLM-4-MoE (grouped top-k), GLM-4-MoE-Lite, dots1 (grouped, no
 renormalization), EXAONE-MoE (two shared experts, the bias under the block in the checkpoint),
+DeepSeek-V3.2 (DeepSeek-V3's block beside its indexer attention),
 MiniMax-M2 (the bias on the block, every layer MoE), AFMoE (the bias on the block, a router
 wrapping a linear, route_scale) and Cohere2-MoE (top-k of the logits, then sigmoid or softmax
 over the selected; shared experts averaged with the routed ones) are built from transformers' own
@@ -13,19 +14,25 @@ block that ignored the bias, or took the weights from the biased scores, would f
 At one rank the logits (and the router logits transformers records) equal transformers' within
 fp32 1e-5, loaded from the checkpoint and sharded in memory. Greedy ids equal transformers'
 ``generate`` under EP2 (dp2-tp1-ep), SP (dp1-tp2-ep), TP2 (dp1-tp2-noep) and dp2-tp2-ep: one
-spawn per world size runs every family's cases. A family whose config class this transformers
-lacks is skipped with that reason.
+spawn per world size runs every family's cases. In bfloat16 every block routes transformers'
+own router inputs to its experts from logits equal to its router's bit for bit (each family's
+``router_dtype``: fp32 for the DeepSeek-V3-style routers, the model dtype for MiniMax-M2, AFMoE,
+Cohere2-MoE), and the greedy ids of ``BF16_FAMILIES`` equal transformers' at (1,1) and under
+EP2 (in the 2-rank spawn; with fp32 logits MiniMax-M2's did not). A family whose config class
+this transformers lacks is skipped with that reason.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from router_parity import bf16_router_parity
 
 from moeshard.jobs.generate import (
     GenerateSpec,
     compare_generations,
     generate_plans,
+    generate_rank,
     plan_generate,
     reference_generate,
 )
@@ -52,6 +59,10 @@ CONFIGS: dict[str, dict] = {
                   n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1),
     "exaone_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                        num_shared_experts=2),
+    # DeepSeek-V3.2: DeepSeek-V3's block (grouped top-k, a dense first layer) beside the indexer's attention.
+    "deepseek_v32": dict(MLA, q_lora_rank=16, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+                         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                         first_k_dense_replace=1, index_topk=4, index_head_dim=8, index_n_heads=2),
     "minimax_m2": dict(intermediate_size=16, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
     "afmoe": dict(intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2,
                   num_shared_experts=1, route_scale=2.0),
@@ -63,6 +74,11 @@ CONFIGS: dict[str, dict] = {
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias")}
 FAMILIES = tuple(CONFIGS)
+# Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2: routers
+# in the model dtype. (glm4_moe_lite routes in fp32 in both; its bf16 ids differ where transformers'
+# two best next-token logits are one bf16 step apart: docs/transformers.md, known differences.)
+BF16_FAMILIES = ("minimax_m2", "afmoe")
+BF16_EP2 = ParallelConfig(2, 1, True)
 
 
 def _config(model_type: str):
@@ -112,8 +128,9 @@ def _model(models, model_type: str) -> str:
     return models[model_type]
 
 
-def _plan(model_dir: str, layout: ParallelConfig | None = None):
-    return plan_generate(GenerateSpec(model_dir, PROMPTS, NEW_TOKENS, layout or ParallelConfig(), compare=True))
+def _plan(model_dir: str, layout: ParallelConfig | None = None, dtype: str | None = None):
+    return plan_generate(GenerateSpec(model_dir, PROMPTS, NEW_TOKENS, layout or ParallelConfig(), compare=True,
+                                      dtype=dtype))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +139,7 @@ def reference():
     cache = {}
 
     def get(plan):
-        key = (plan.spec.model_dir, plan.dp_prompts)
+        key = (plan.spec.model_dir, plan.dtype, plan.dp_prompts)
         if key not in cache:
             cache[key] = reference_generate(plan)
         return cache[key]
@@ -137,6 +154,15 @@ def _check_parity(plan, results, reference) -> None:
     c = compare_generations(plan, results, reference(plan))
     assert c.atol == 1e-5 and c.within_tolerance, f"{plan.parallel.name} {plan.model_type}: logits off by {c.step_max_abs}"
     assert all(c.same_ids), f"{plan.parallel.name} {plan.model_type}: ids differ at steps {c.first_difference}"
+
+
+def _check_bf16_ids(plan, results, reference) -> None:
+    """bf16: the same greedy ids as transformers' bf16 generate (the logits differ by rounding;
+    docs/transformers.md)."""
+    for r in results:
+        assert not isinstance(r, dict), f"rank raised: {r}"
+    c = compare_generations(plan, results, reference(plan))
+    assert all(c.same_ids), f"bf16 {plan.parallel.name} {plan.model_type}: ids differ at steps {c.first_difference}"
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -166,7 +192,8 @@ def test_one_rank_logits_and_router_logits_equal_transformers(models, model_type
         hook.remove()
         if block.cfg.use_correction_bias:  # the bias decides some token's experts
             weight = block.hf_router.get_parameter(block.router_weight)
-            unbiased = route(router_logits(rows[0], weight), block.cfg, torch.zeros(block.cfg.num_experts))
+            unbiased = route(router_logits(rows[0], weight, block.cfg.router_dtype), block.cfg,
+                             torch.zeros(block.cfg.num_experts))
             assert not torch.equal(block.route(rows[0]).topk_ids, unbiased.topk_ids)
         assert torch.allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5), (got.logits - want.logits).abs().max()
         assert torch.allclose(got.loss, want.loss, atol=1e-6)
@@ -179,6 +206,24 @@ def test_one_rank_logits_and_router_logits_equal_transformers(models, model_type
                 assert torch.allclose(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_bf16_router_is_transformers_router(models, model_type):
+    """bf16, on transformers' own router inputs: moeshard's logits are its router's bit for bit
+    and its experts the same (ties aside, ``router_parity``); for a family whose router computes
+    in the model dtype, fp32 logits would differ, so the test sees the precision."""
+    from moeshard.checkpoint.families import FAMILIES as DESCRIPTORS
+
+    parity = bf16_router_parity(tf, _model(models, model_type))
+    assert parity.logits_differ == parity.ids_differ == parity.biases_differ == 0, parity
+    assert (parity.fp32_logits_differ > 0) == (DESCRIPTORS[model_type].router_dtype == "model"), parity
+
+
+@pytest.mark.parametrize("model_type", BF16_FAMILIES)
+def test_bf16_one_rank_generates_what_transformers_generates(models, reference, model_type):
+    plan = _plan(_model(models, model_type), dtype="bfloat16")
+    _check_bf16_ids(plan, [generate_rank(plan, None)], reference)
+
+
 # -- several ranks: one spawn per world size --------------------------------------------------
 WORLD_LAYOUTS = {2: (ParallelConfig(2, 1, True), ParallelConfig(1, 2, True), ParallelConfig(1, 2, False)),
                  4: (ParallelConfig(2, 2, True),)}
@@ -186,22 +231,25 @@ WORLD_LAYOUTS = {2: (ParallelConfig(2, 1, True), ParallelConfig(1, 2, True), Par
 
 @pytest.fixture(scope="module")
 def world(models):
-    """world size -> {(layout name, model_type): (plan, per-rank results)}: every family this
-    transformers has, under every layout of that world size, in one spawn."""
+    """world size -> {(layout name, dtype, model_type): (plan, per-rank results)}: every family
+    this transformers has, under every layout of that world size, in float32 (and in the 2-rank
+    world ``BF16_FAMILIES`` under EP2 in bfloat16), in one spawn."""
     cache = {}
 
     def get(ws: int):
         if ws not in cache:
-            keys = [(layout, model_type) for layout in WORLD_LAYOUTS[ws] for model_type in FAMILIES
+            keys = [(layout, "float32", model_type) for layout in WORLD_LAYOUTS[ws] for model_type in FAMILIES
                     if model_type in models]
-            plans = [_plan(models[model_type], layout) for layout, model_type in keys]
+            if ws == BF16_EP2.world_size:
+                keys += [(BF16_EP2, "bfloat16", model_type) for model_type in BF16_FAMILIES if model_type in models]
+            plans = [_plan(models[model_type], layout, dtype) for layout, dtype, model_type in keys]
             try:
                 per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S)
             except RankFailure as failure:
                 cache[ws] = failure
             else:
-                cache[ws] = {(layout.name, model_type): (plan, [per_rank[r][i] for r in range(ws)])
-                             for i, ((layout, model_type), plan) in enumerate(zip(keys, plans, strict=True))}
+                cache[ws] = {(layout.name, dtype, model_type): (plan, [per_rank[r][i] for r in range(ws)])
+                             for i, ((layout, dtype, model_type), plan) in enumerate(zip(keys, plans, strict=True))}
         if isinstance(cache[ws], RankFailure):
             pytest.fail(f"the {ws}-rank run failed:\n{cache[ws]}")
         return cache[ws]
@@ -222,7 +270,7 @@ def _layout_params():
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_layout_generates_what_transformers_generates(models, world, reference, ws, layout, model_type):
     _model(models, model_type)
-    plan, results = world(ws)[(layout, model_type)]
+    plan, results = world(ws)[(layout, "float32", model_type)]
     _check_parity(plan, results, reference)
     p = plan.parallel
     if p.enable_ep:  # each rank holds only its own experts
@@ -231,6 +279,13 @@ def test_layout_generates_what_transformers_generates(models, world, reference, 
     else:
         width = plan.cfg.intermediate_size // p.tp
         assert [r.intermediate for r in results] == [(t * width, (t + 1) * width) for t in range(p.tp)]
+
+
+@pytest.mark.parametrize("model_type", BF16_FAMILIES)
+def test_bf16_ep2_generates_what_transformers_generates(models, world, reference, model_type):
+    _model(models, model_type)
+    plan, results = world(BF16_EP2.world_size)[(BF16_EP2.name, "bfloat16", model_type)]
+    _check_bf16_ids(plan, results, reference)
 
 
 def test_cohere2_softmax_selection_and_summed_shared_expert():
@@ -340,6 +395,9 @@ def test_dense_layers_follow_the_config_class():
                 .dense_layers) == [3]  # the list wins, as in transformers
     assert list(_parse("afmoe", num_dense_layers=3).dense_layers) == [0, 1, 2]
     assert list(_parse("minimax_m2").dense_layers) == []
+    assert list(_parse("deepseek_v32", n_routed_experts=16).dense_layers) == [0, 1, 2]  # first_k_dense_replace: 3
+    v32 = _parse("deepseek_v32", n_routed_experts=16).moe  # 8 groups by default
+    assert (v32.n_group, v32.topk_group, v32.routed_scaling_factor, v32.renormalize) == (8, 4, 2.5, True)
     info = _parse("exaone_moe")
     with pytest.raises(ValueError, match=r"layer 0 of this exaone_moe model has no MoE block: it is a dense layer "
                                          r"\(layer < first_k_dense_replace=1 \(no mlp_layer_types\)\)"):
@@ -363,6 +421,8 @@ def test_routing_fields_follow_the_config_class():
     assert (m2.intermediate_size, m2.renormalize, m2.has_shared_experts) == (16, True, False)
     af = _parse("afmoe", route_scale=2.5).moe
     assert (af.routed_scaling_factor, af.renormalize, af.num_shared_experts) == (2.5, True, 2)
+    # the router's precision comes from the family, as its transformers router computes
+    assert [_parse(t, n_routed_experts=16).moe.router_dtype for t in FAMILIES] == ["fp32"] * 5 + ["model"] * 3
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):
@@ -406,6 +466,9 @@ def test_family_descriptor_refuses_bad_router_names():
         replace(base, router_weight="")
     with pytest.raises(ValueError, match=r"bias_aliases: expected tensor names after the block prefix, got \['x.'\]"):
         replace(base, bias_aliases=("x.",))
+    with pytest.raises(ValueError, match=r"ModelFamily\('afmoe'\).router_dtype: 'bfloat16' is not one of "
+                                         r"\['fp32', 'model'\]"):
+        replace(base, router_dtype="bfloat16")
 
 
 def test_minimax_m2_fp8_block_checkpoint(tmp_path):

@@ -8,6 +8,11 @@ cases of that size; the layout cases of a family whose block takes the path of a
 (``SAME_PATH_AS``) run in a spawn of their own in make test-slow. A family whose config class the
 installed transformers lacks is skipped.
 
+In bfloat16 every block routes transformers' own router inputs to its experts from logits equal to
+its router's bit for bit (each family's ``router_dtype``: fp32 for DeepSeek-V2, Hunyuan and ERNIE
+4.5, the model dtype for the others), and the greedy ids of ``BF16_FAMILIES`` equal transformers'
+at (1,1) and under EP2 (in the 2-rank spawn; with fp32 logits Phi-3.5-MoE's did not).
+
 The random models are nudged where an untouched random init would hide the family's routing:
 ERNIE 4.5's selection bias is random (transformers initialises it to zeros), and Phi-3.5-MoE's
 router rows are close to each other, so that sparsemixer's window often holds more than the
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from router_parity import bf16_router_parity
 
 from moeshard.checkpoint.hf_config import parse_hf_config
 from moeshard.jobs.generate import (
@@ -77,6 +83,11 @@ CONFIGS = {
     "phimoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
 }
 FAMILIES = tuple(CONFIGS)
+# Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2 (routers in
+# the model dtype; the others' bf16 ids differ where two next-token logits tie or are one bf16 step
+# apart, or an exact tie of router logits is broken another way: docs/transformers.md).
+BF16_FAMILIES = ("granitemoe", "qwen3_5_moe_text", "phimoe")
+BF16_EP2 = ParallelConfig(2, 1, True)
 # Families whose MoE block takes the path of a family make test runs under layouts and in memory
 # (the same reader output, names, routing kind and shared-expert kind; a layout's own path is
 # the same for every family): their layout and in-memory cases run in make test-slow.
@@ -149,8 +160,17 @@ def _dir(models, family: str) -> str:
     return models[family]
 
 
-def _plan(model_dir: str, layout: ParallelConfig | None = None):
-    return plan_generate(GenerateSpec(model_dir, PROMPTS, NEW_TOKENS, layout or ParallelConfig(), compare=True))
+def _plan(model_dir: str, layout: ParallelConfig | None = None, dtype: str | None = None):
+    return plan_generate(GenerateSpec(model_dir, PROMPTS, NEW_TOKENS, layout or ParallelConfig(), compare=True,
+                                      dtype=dtype))
+
+
+def _check_bf16_ids(plan, results, reference) -> None:
+    """bf16: the same greedy ids as transformers' bf16 generate (the logits differ by rounding)."""
+    for r in results:
+        assert not isinstance(r, dict), f"rank raised: {r}"
+    c = compare_generations(plan, results, reference(plan))
+    assert all(c.same_ids), f"bf16 {plan.parallel.name} {plan.model_type}: ids differ at steps {c.first_difference}"
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +179,7 @@ def reference():
     cache: dict[tuple, list] = {}
 
     def get(plan):
-        key = (plan.spec.model_dir, plan.dp_prompts)
+        key = (plan.spec.model_dir, plan.dtype, plan.dp_prompts)
         if key not in cache:
             cache[key] = reference_generate(plan)
         return cache[key]
@@ -214,7 +234,7 @@ def test_the_nudges_reach_the_routing(models):
         block = load_sharded_model(models[family]).model.layers[1].mlp
         r = block.route(x)
         if family == "ernie4_5_moe":
-            unbiased = route(router_logits(x, block.gate.weight), block.cfg,
+            unbiased = route(router_logits(x, block.gate.weight, block.cfg.router_dtype), block.cfg,
                              torch.zeros(block.cfg.num_experts)).topk_ids
             assert (r.topk_ids != unbiased).any()
         else:
@@ -224,6 +244,24 @@ def test_the_nudges_reach_the_routing(models):
         pytest.skip(f"transformers {tf.__version__} has neither ernie4_5_moe nor phimoe")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_router_is_transformers_router(models, family):
+    """bf16, on transformers' own router inputs: moeshard's logits are its router's bit for bit
+    and its experts the same (ties aside, ``router_parity``); for a family whose router computes
+    in the model dtype, fp32 logits would differ, so the test sees the precision."""
+    from moeshard.checkpoint.families import FAMILIES as DESCRIPTORS
+
+    parity = bf16_router_parity(tf, _dir(models, family))
+    assert parity.logits_differ == parity.ids_differ == parity.biases_differ == 0, parity
+    assert (parity.fp32_logits_differ > 0) == (DESCRIPTORS[family].router_dtype == "model"), parity
+
+
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+def test_bf16_one_rank_generates_what_transformers_generates(models, reference, family):
+    plan = _plan(_dir(models, family), dtype="bfloat16")
+    _check_bf16_ids(plan, [generate_rank(plan, None)], reference)
+
+
 # -- several ranks: one spawn per world size --------------------------------------------------
 LAYOUTS = {2: (ParallelConfig(2, 1, True), ParallelConfig(1, 2, True), ParallelConfig(1, 2, False)),
            4: (ParallelConfig(2, 2, True),)}
@@ -231,16 +269,19 @@ LAYOUTS = {2: (ParallelConfig(2, 1, True), ParallelConfig(1, 2, True), ParallelC
 
 @pytest.fixture(scope="module")
 def world(models):
-    """(world size, slow) -> {(layout name, family): (plan, per-rank results)} for the families
-    present whose layout cases are (slow) or are not (fast) in ``SAME_PATH_AS``."""
+    """(world size, slow) -> {(layout name, dtype, family): (plan, per-rank results)} for the
+    families present whose layout cases are (slow) or are not (fast) in ``SAME_PATH_AS``, in
+    float32; the fast 2-rank world also runs ``BF16_FAMILIES`` under EP2 in bfloat16."""
     cache: dict[tuple[int, bool], object] = {}
 
     def get(ws: int, slow: bool):
         if (ws, slow) not in cache:
-            cases = [(layout, f) for layout in LAYOUTS[ws] for f in FAMILIES
+            cases = [(layout, "float32", f) for layout in LAYOUTS[ws] for f in FAMILIES
                      if models[f] is not None and (f in SAME_PATH_AS) == slow]
-            keys = [(layout.name, f) for layout, f in cases]
-            plans = [_plan(models[f], layout) for layout, f in cases]
+            if ws == BF16_EP2.world_size and not slow:
+                cases += [(BF16_EP2, "bfloat16", f) for f in BF16_FAMILIES if models[f] is not None]
+            keys = [(layout.name, dtype, f) for layout, dtype, f in cases]
+            plans = [_plan(models[f], layout, dtype) for layout, dtype, f in cases]
             try:
                 per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S)
             except RankFailure as failure:
@@ -267,7 +308,7 @@ def _layout_params():
 @pytest.mark.parametrize("ws, layout, family", _layout_params())
 def test_layout_generates_what_transformers_generates(models, world, reference, ws, layout, family):
     _dir(models, family)
-    plan, results = world(ws, family in SAME_PATH_AS)[(layout, family)]
+    plan, results = world(ws, family in SAME_PATH_AS)[(layout, "float32", family)]
     for r in results:
         assert not isinstance(r, dict), f"rank raised: {r}"
         assert r.tp_disagreements == 0
@@ -281,6 +322,13 @@ def test_layout_generates_what_transformers_generates(models, world, reference, 
     else:  # each TP rank its slice of I
         width = plan.cfg.intermediate_size // p.tp
         assert [r.intermediate for r in results] == [(t * width, (t + 1) * width) for t in range(p.tp)] * p.dp
+
+
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+def test_bf16_ep2_generates_what_transformers_generates(models, world, reference, family):
+    _dir(models, family)
+    plan, results = world(BF16_EP2.world_size, False)[(BF16_EP2.name, "bfloat16", family)]
+    _check_bf16_ids(plan, results, reference)
 
 
 # -- what config.json readers refuse ---------------------------------------------------------
@@ -308,7 +356,9 @@ def test_config_refusals_name_the_field(models, family, changes, message):
 
 
 @pytest.mark.parametrize("model_type, part", [("longcat_flash", "zero-computation (identity) experts"),
-                                              ("jetmoe", "adds a learned bias"), ("dbrx", "a layout moeshard does not read")])
+                                              ("jetmoe", "adds a learned bias"), ("dbrx", "a layout moeshard does not read"),
+                                              ("kimi_linear", "short convolutions split"),
+                                              ("lfm2_moe", "sigmoid scores computed in the model dtype")])
 def test_inexpressible_families_are_refused_naming_the_part(model_type, part):
     with pytest.raises(ValueError, match=f"config.json: model_type '{model_type}' is not supported: .*{re.escape(part)}"):
         parse_hf_config({"model_type": model_type}, "config.json")

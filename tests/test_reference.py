@@ -105,7 +105,7 @@ def test_batched_reference_is_the_loop_over_experts_bit_for_bit(scheme):
     pass; each element must be what a loop over experts and slices computes, bit for bit."""
     from moeshard.config import MoEConfig, QuantConfig
     from moeshard.reference import DequantizedExperts, reference_forward
-    from moeshard.router import route, router_logits
+    from moeshard.router import route_tokens
     from moeshard.weights import MoEWeights
 
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=512, dtype=BF16)
@@ -117,7 +117,7 @@ def test_batched_reference_is_the_loop_over_experts_bit_for_bit(scheme):
     got = reference_forward(x, w, cfg, QuantConfig(scheme), intermediate_shards=shards, experts=experts)
     assert torch.equal(got.out, reference_forward(x, w, cfg, QuantConfig(scheme), intermediate_shards=shards).out)
 
-    routing = route(router_logits(x, w.gate), cfg)
+    routing = route_tokens(x, w.gate, cfg)
     per_tensor = get_scheme(scheme).per_tensor_activation
     xq = x.double() if scheme == "none" else fake_quantize_activations(
         x, scheme, amax=x.abs().amax().float() if per_tensor else None).double()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeshard.config import MoEConfig
-from moeshard.router import route
+from moeshard.router import route, route_tokens, router_logits
 
 
 def cfg(**kw):
@@ -92,3 +92,38 @@ def test_errors_name_the_problem():
         route(torch.zeros(3, 5), cfg())
     with pytest.raises(ValueError, match="correction_bias"):
         route(torch.zeros(3, 4), cfg(scoring="sigmoid", use_correction_bias=True))
+
+
+def test_router_precision_fp32_or_the_model_dtype():
+    """router_dtype "fp32": the fp32 product; "model": the product in the model dtype, rounded to
+    it (bias inside), widened: what F.linear in bf16 computes. In an fp32 model both agree."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g).bfloat16()
+    w = (torch.randn(8, 32, generator=g) / 4).bfloat16()
+    b = torch.randn(8, generator=g).bfloat16()
+    wide = router_logits(x, w, "fp32")
+    assert wide.dtype == torch.float32 and torch.equal(wide, x.float() @ w.float().T)
+    rounded = router_logits(x, w, "model", b)
+    assert rounded.dtype == torch.float32 and torch.equal(rounded, torch.nn.functional.linear(x, w, b).float())
+    assert torch.equal(rounded, rounded.bfloat16().float()) and not torch.equal(rounded, wide + b.float())
+    assert torch.equal(router_logits(x.float(), w.float(), "model"), router_logits(x.float(), w.float(), "fp32"))
+    with pytest.raises(ValueError, match=r"router_logits: router_dtype 'bf16' is not one of \['fp32', 'model'\]"):
+        router_logits(x, w, "bf16")
+
+
+def test_route_tokens_routes_the_logits_of_the_configs_precision():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 32, generator=g).bfloat16()
+    w = torch.randn(8, 32, generator=g).bfloat16()
+    for router_dtype in ("fp32", "model"):
+        c = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=8, router_dtype=router_dtype)
+        got = route_tokens(x, w, c)
+        want = route(router_logits(x, w, router_dtype), c)
+        assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)
+    # bf16 logits tie often (ties go to the lower index): the two precisions choose differently
+    model = route_tokens(x, w, MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=8,
+                                         router_dtype="model"))
+    fp32 = route_tokens(x, w, MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=8))
+    assert (model.topk_ids != fp32.topk_ids).any()
+    with pytest.raises(ValueError, match=r"route_tokens: the router weight must be \[num_experts=4, H\], got \(8, 32\)"):
+        route_tokens(x, w, cfg())

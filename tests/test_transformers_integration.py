@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from router_parity import bf16_router_parity
 
 from moeshard.jobs.generate import (
     GenerateSpec,
@@ -191,6 +192,16 @@ def test_bf16_logits_within_tolerance(models, reference, family):
     result = generate_rank(plan, None)
     c = _check_parity(plan, [result], reference, same_ids=False)
     assert c.atol == 2e-2 and c.max_abs > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_router_is_transformers_router(models, family):
+    """bf16, on transformers' own router inputs: moeshard's logits are its router's bit for bit
+    and its experts the same (``router_parity``): Mixtral's and Qwen's routers compute in bf16
+    (fp32 logits would differ), DeepSeek-V3's in fp32."""
+    parity = bf16_router_parity(tf, models[family])
+    assert parity.logits_differ == parity.ids_differ == parity.biases_differ == 0, parity
+    assert (parity.fp32_logits_differ > 0) == (family != "deepseek_v3"), parity
 
 
 def test_fp8_block_reports_its_quantization_error(models, reference):

@@ -20,6 +20,14 @@ MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # routed_scaling_factor: published models use 1 to 16 (DeepSeek-V3 2.5, DeepSeek-V2 16); far beyond
 # that the routed outputs overflow the model dtype, so a larger value is refused as absurd.
 MAX_ROUTED_SCALING = 1000.0
+# The router's precision (``MoEConfig.router_dtype``): the dtype its logits x W^T are computed in.
+#   fp32   x and W widened to fp32, the product in fp32 (the DeepSeek-V3-style routers, which
+#          transformers keeps in fp32); the default
+#   model  the product in the model dtype (x's), rounded to it, as most transformers routers
+#          compute F.linear(hidden_states, weight) (Mixtral, Qwen)
+# Selection and weights are then computed in fp32 from those logits. In a float32 model the two
+# are the same computation.
+ROUTER_DTYPES = ("fp32", "model")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -68,6 +76,9 @@ class MoEConfig:
     multiplied by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE), then by ``shared_scale``
     (Cohere2-MoE's "average" combination, (routed + shared) / 2: ``shared_scale=0.5`` with
     ``routed_scaling_factor=0.5``).
+    Router precision: ``router_dtype`` (``ROUTER_DTYPES``) says where the logits are computed:
+    ``"fp32"`` (the default) or ``"model"`` (in the model dtype, rounded to it, as the family's
+    router does); selection and weights are computed in fp32 from those logits either way.
     Expert biases: ``expert_bias`` gives every routed expert a gate_up bias [2I] and a down bias
     [H] (gpt-oss), added to its projections' outputs (``moeshard.weights``).
 
@@ -94,6 +105,7 @@ class MoEConfig:
     shared_scale: float = 1.0
     dtype: torch.dtype = torch.float32
     expert_bias: bool = False
+    router_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         owner = "MoEConfig"
@@ -104,6 +116,8 @@ class MoEConfig:
         for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "expert_bias"):
             boolean(owner, name, getattr(self, name))
         get_activation(self.activation, f"{owner}.activation")
+        if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"{owner}.router_dtype: {self.router_dtype!r} is not one of {list(ROUTER_DTYPES)}")
         kind = get_routing(self.scoring, f"{owner}.scoring")
         object.__setattr__(self, "routed_scaling_factor",
                            finite_float(owner, "routed_scaling_factor", self.routed_scaling_factor, 0.0,

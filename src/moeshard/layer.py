@@ -2,7 +2,8 @@
 
     x [T, H]  this DP rank's tokens (replicated over its TP ranks)
      -> SP only: keep this TP rank's contiguous chunk (real rows only)
-     -> router: fp32 logits [T, E] (+ router bias) -> topk ids / fp32 weights [T, K]
+     -> router: logits [T, E] (+ router bias) in ``cfg.router_dtype`` (fp32, or the model dtype
+        rounded) -> topk ids / fp32 weights [T, K], selected and weighted in fp32
      -> weights on the input (Llama-4's kind): each (token, k) becomes a row x * w of its own,
         routed to its one expert with weight 1, and the K rows' outputs are summed
      -> quantize activations (unless none or deferred): data + per-row scales
@@ -55,7 +56,7 @@ from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.sequence import SequenceChunk, sequence_parallel_chunk, sequence_parallel_gather
 from moeshard.parallel.trace import traced
 from moeshard.quant import QuantizedActivations, to_wire
-from moeshard.router import Routing, route, router_logits, weighted_rows
+from moeshard.router import Routing, route_tokens, weighted_rows
 from moeshard.sharding import shard_experts, shard_spec
 from moeshard.stages import StageRecorder
 from moeshard.validate import is_int
@@ -289,7 +290,7 @@ class MoELayer(nn.Module):
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global logical
         expert ids; ``physical_ids`` maps them to the slots the backend routes)."""
-        return route(router_logits(x, self.gate.weight), self.cfg, self.gate.e_score_correction_bias, self.gate.bias)
+        return route_tokens(x, self.gate.weight, self.cfg, self.gate.e_score_correction_bias, self.gate.bias)
 
     def physical_ids(self, topk_ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """topk_ids: int64 [T, K] logical ids of T consecutive tokens of this rank's DP batch, the

@@ -47,7 +47,7 @@ from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, activate
 from moeshard.numerics import ACCUMULATION, Reference
 from moeshard.quant import QuantizedActivations, QuantizedWeight, fake_quantize_activations, get_scheme, quantize_weight
-from moeshard.router import route, router_logits, weighted_rows
+from moeshard.router import route_tokens, weighted_rows
 from moeshard.validate import boolean, finite_float, size
 from moeshard.weights import MoEWeights
 
@@ -324,7 +324,7 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
     T, H = x.shape
     bias = None if weights.correction_bias is None else weights.correction_bias.to(x.device)
     router_bias = None if weights.gate_bias is None else weights.gate_bias.to(x.device)
-    routing = route(router_logits(x, weights.gate.to(x.device)), cfg, bias, router_bias)
+    routing = route_tokens(x, weights.gate.to(x.device), cfg, bias, router_bias)
     tokens = x  # the rows the experts see: the tokens, or with weights on the input one row per (token, k)
     if cfg.routing_kind.weights_on_input:
         tokens, routing = weighted_rows(x, routing, dtype)

@@ -23,9 +23,16 @@ Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
   best ``topk_group`` groups stay eligible. Optional renormalization, then every weight is
   multiplied by ``routed_scaling_factor``.
 
+Precision: ``router_logits`` computes the logits x W^T (the router's bias included) in the
+family's precision, ``MoEConfig.router_dtype``: in fp32 (``"fp32"``), or in the model dtype and
+rounded to it (``"model"``, as most transformers routers do); everything after the logits is
+computed in fp32 on device. ``route_tokens`` (tokens -> routing) is what the layer, the
+reference, the harness and the transformers integration call, so they all pick the same experts
+from the same logits; ``route`` starts from logits. Nothing synchronises with the host.
+
 Ties: ``torch.topk`` order for equal values is not specified, so ties are broken explicitly in
 favour of the lower expert (and group) index, which makes routing reproducible across devices and
-batch sizes. Everything is computed in fp32 on device; nothing synchronises with the host.
+batch sizes. Logits rounded to bf16 tie far more often than fp32 ones; the rule is the same.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from moeshard.config import MoEConfig
+from moeshard.config import ROUTER_DTYPES, MoEConfig
 
 
 @dataclass(frozen=True)
@@ -95,24 +103,46 @@ def _masked_rounds(logits: torch.Tensor, k: int, eps: float) -> tuple[torch.Tens
 
 def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None,
           router_bias: torch.Tensor | None = None) -> Routing:
-    """Routes T tokens with the routing kind ``cfg.scoring`` (``moeshard.routing``).
+    """Routes T tokens from their logits with the routing kind ``cfg.scoring`` (``moeshard.routing``).
 
     logits: [T, E] router logits (any float dtype; computed on in fp32).
     correction_bias: [E] DeepSeek-V3 ``e_score_correction_bias``; required iff ``cfg.use_correction_bias``.
-    router_bias: [E] the router linear's bias, added to the logits; required iff the kind has
-      ``router_bias``.
+    router_bias: [E] the router linear's bias, added to the logits in fp32; required iff the kind
+      has ``router_bias``.
     """
-    kind = cfg.routing_kind
     if logits.dim() != 2 or logits.shape[1] != cfg.num_experts:
         raise ValueError(f"route: logits must be [T, num_experts={cfg.num_experts}], got {tuple(logits.shape)}")
+    _check_biases(cfg, correction_bias, router_bias)
+    logits = logits.float()
+    if router_bias is not None:
+        logits = logits + router_bias.float().view(1, -1)
+    return _select(logits, cfg, correction_bias)
+
+
+def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, cfg: MoEConfig,
+                 correction_bias: torch.Tensor | None = None, router_bias: torch.Tensor | None = None) -> Routing:
+    """Routes the tokens x [T, H] (the model dtype): ``router_logits`` in ``cfg.router_dtype``
+    (gate_weight [E, H], router_bias [E] inside the product, as the family's router adds it),
+    then ``route``'s selection in fp32. correction_bias, router_bias: as ``route``."""
+    if gate_weight.dim() != 2 or gate_weight.shape[0] != cfg.num_experts:
+        raise ValueError(f"route_tokens: the router weight must be [num_experts={cfg.num_experts}, H], got "
+                         f"{tuple(gate_weight.shape)}")
+    _check_biases(cfg, correction_bias, router_bias)
+    return _select(router_logits(x, gate_weight, cfg.router_dtype, router_bias), cfg, correction_bias)
+
+
+def _check_biases(cfg: MoEConfig, correction_bias: torch.Tensor | None, router_bias: torch.Tensor | None) -> None:
+    kind = cfg.routing_kind
     if cfg.use_correction_bias and correction_bias is None:
         raise ValueError("route: cfg.use_correction_bias is True but no correction_bias was given")
     if kind.router_bias != (router_bias is not None):
         raise ValueError(f"route: routing kind {kind.name!r} has router_bias={kind.router_bias}, but a router bias was "
                          f"{'not ' if router_bias is None else ''}given")
-    logits = logits.float()
-    if router_bias is not None:
-        logits = logits + router_bias.float().view(1, -1)
+
+
+def _select(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None) -> Routing:
+    """fp32 logits [T, E] (the router bias included) -> the routing of ``cfg``'s kind."""
+    kind = cfg.routing_kind
     if kind.order == "topk_then_score":
         # Select on the logits (the scores are monotone in them), score the K selected only.
         ids = _topk_low_index_first(logits, cfg.top_k)
@@ -123,7 +153,7 @@ def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | 
         scores = _score(logits, kind.scores)
         choice = scores
         if cfg.use_correction_bias:
-            assert correction_bias is not None  # refused above when missing
+            assert correction_bias is not None  # refused by _check_biases when missing
             choice = scores + correction_bias.float().view(1, -1)
         if cfg.n_group > 1:
             assert kind.groups is not None  # MoEConfig refuses n_group > 1 for a kind without groups
@@ -138,12 +168,24 @@ def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | 
     return Routing(topk_ids=ids, topk_weights=weights, logits=logits)
 
 
-def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """x: [T, H] model dtype; gate_weight: [E, H] -> fp32 logits [T, E].
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, router_dtype: str,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, H] the model dtype; gate_weight: [E, H] (any float dtype); bias: [E] or None ->
+    fp32 logits [T, E] = x W^T + b in ``router_dtype`` (``config.ROUTER_DTYPES``):
 
-    Computed in fp32 on every path so that the layer and the reference pick the same experts.
+    * ``"fp32"``: x, W and b widened to fp32, one fp32 product;
+    * ``"model"``: W and b cast to x's dtype, the product in that dtype (fp32 accumulation,
+      rounded once to the model dtype, as ``F.linear`` in bf16 does on CPU and CUDA), then
+      widened: the values transformers' router computes.
+
+    Every path that routes tokens (the layer, the reference, the harness, the integration) calls
+    this with the config's ``router_dtype``, so they pick the same experts.
     """
-    return torch.nn.functional.linear(x.float(), gate_weight.float())
+    if router_dtype == "fp32":
+        return F.linear(x.float(), gate_weight.float(), None if bias is None else bias.float())
+    if router_dtype == "model":
+        return F.linear(x, gate_weight.to(x.dtype), None if bias is None else bias.to(x.dtype)).float()
+    raise ValueError(f"router_logits: router_dtype {router_dtype!r} is not one of {list(ROUTER_DTYPES)}")
 
 
 def weighted_rows(x: torch.Tensor, routing: Routing, dtype: torch.dtype) -> tuple[torch.Tensor, Routing]:

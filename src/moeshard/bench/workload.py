@@ -20,7 +20,7 @@ from moeshard.dispatch.local import LocalBackend
 from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.presets import PRESETS, get_preset
 from moeshard.quant import QuantizedWeight, quantize_weight, scheme_names
-from moeshard.router import Routing, route, router_logits
+from moeshard.router import Routing, route_tokens
 from moeshard.weights import MoEWeights
 
 # Elements quantized or drawn per step: bounds the fp32 temporaries to about 1 GiB each.
@@ -110,7 +110,7 @@ def routed_input(model: ModelOnDevice, x: torch.Tensor, quant: QuantConfig) -> t
     dispatch by the backend itself, as in ``MoELayer``), with the routing that produced them. As
     in the layer, the input's x holds T rows with ``repeat = K`` (M = T * K routed rows)."""
     cfg = model.cfg
-    routing = route(router_logits(x, model.shell.gate), cfg, model.shell.correction_bias)
+    routing = route_tokens(x, model.shell.gate, cfg, model.shell.correction_bias)
     return LocalBackend(BackendContext(cfg, quant)).dispatch(x, routing).input, routing
 
 

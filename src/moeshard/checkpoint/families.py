@@ -43,7 +43,7 @@ from typing import Any
 
 from moeshard.activations import get_activation
 from moeshard.checkpoint.fused import LAYOUTS
-from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
+from moeshard.config import MAX_ROUTED_SCALING, ROUTER_DTYPES, MoEConfig
 from moeshard.routing import get_routing
 from moeshard.validate import MAX_DIM, is_int
 
@@ -219,7 +219,8 @@ class ModelFamily:
     defaults: transformers-5 defaults of the routing fields it reads, used when config.json omits
       one. Shape fields (sizes, expert counts, top-k) have none: a guess there would load the
       wrong tensors, so a missing one is an error.
-    moe: config.json -> the block's ``MoEConfig`` (dtype left at its default).
+    moe: config.json -> the block's ``MoEConfig`` (dtype and router_dtype left at their defaults:
+      the loader sets the first from the checkpoint or the caller, the second from ``router_dtype``).
     dense_layers: (config.json, num_layers) -> ``DenseLayers``, {layer: why it has no MoE block},
       decided per layer by a rule (reading the fields once), never by a loop over all layers.
     routing: the routing kind (``moeshard.routing``) its blocks use; ``moe`` builds the
@@ -229,6 +230,11 @@ class ModelFamily:
     block_prefixes: where layer L's block lives, after ``{layers}.{L}.``, in the order tried, in
       the checkpoint; without the dot, the decoder layer's attribute in the transformers model.
     router: the router's module name in the block (its weight [E, H] is ``{router}.{router_weight}``).
+    router_dtype: the precision of the family's router logits (``config.ROUTER_DTYPES``), as its
+      transformers router computes them: ``"model"`` for ``F.linear(hidden_states, weight)`` in
+      the model dtype (Mixtral, Qwen, most families), ``"fp32"`` for a router transformers keeps
+      and runs in fp32 (DeepSeek-V3 style: ``F.linear(h.float(), w.float())``); the loader puts
+      it into the block's ``MoEConfig.router_dtype``.
     router_weight: the weight's name inside the router module (``weight``; AFMoE's router wraps
       a linear: ``gate.weight``; Hunyuan's router holds an fp32 linear: ``wg.weight``).
     correction_bias: the router's selection-bias parameter [E] (``{router}.{correction_bias}``;
@@ -266,6 +272,7 @@ class ModelFamily:
     layers: str = "model.layers"
     block_prefixes: tuple[str, ...] = ("mlp.",)
     router: str = "gate"
+    router_dtype: str = "fp32"
     router_weight: str = "weight"
     correction_bias: str = "e_score_correction_bias"
     block_bias: str | None = None
@@ -289,6 +296,8 @@ class ModelFamily:
         object.__setattr__(self, "stored_names", MappingProxyType(dict(self.stored_names)))
         where = f"ModelFamily({self.model_type!r})"
         get_routing(self.routing, f"{where}.routing")
+        if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"{where}.router_dtype: {self.router_dtype!r} is not one of {list(ROUTER_DTYPES)}")
         for pattern, kind in self.hidden_acts.items():
             get_activation(kind, f"{where}.hidden_acts[{pattern!r}]")
         if self.fused_layout not in FUSED_LAYOUTS:
@@ -472,13 +481,13 @@ _QWEN_DEFAULTS = {"hidden_act": "silu", "norm_topk_prob": False, "decoder_sparse
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     # Mixtral on the hub keeps its block under block_sparse_moe; transformers 5 writes mlp.
     ModelFamily("mixtral", {"hidden_act": "silu"}, _mixtral_moe, _no_dense_layers,
-                block_prefixes=("block_sparse_moe.", "mlp.")),
-    ModelFamily("qwen2_moe", _QWEN_DEFAULTS, _qwen2_moe, _qwen_dense_layers),
-    ModelFamily("qwen3_moe", _QWEN_DEFAULTS, _qwen3_moe, _qwen_dense_layers),
+                block_prefixes=("block_sparse_moe.", "mlp."), router_dtype="model"),
+    ModelFamily("qwen2_moe", _QWEN_DEFAULTS, _qwen2_moe, _qwen_dense_layers, router_dtype="model"),
+    ModelFamily("qwen3_moe", _QWEN_DEFAULTS, _qwen3_moe, _qwen_dense_layers, router_dtype="model"),
     ModelFamily("deepseek_v3", {"hidden_act": "silu", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                                 "norm_topk_prob": True, "first_k_dense_replace": 3, "moe_layer_freq": 1,
                                 "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
-                _deepseek_v3_moe, _deepseek_dense_layers, routing="sigmoid"),
+                _deepseek_v3_moe, _deepseek_dense_layers, routing="sigmoid", router_dtype="fp32"),
 )}
 
 

@@ -117,7 +117,7 @@ def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEMo
     f = family.fields(raw, source)
     num_layers = f.int("num_hidden_layers")
     try:
-        moe = family.moe(f)
+        moe = replace(family.moe(f), router_dtype=family.router_dtype)
     except ValueError as exc:
         if str(exc).startswith(source):
             raise

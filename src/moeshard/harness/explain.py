@@ -38,7 +38,7 @@ from moeshard.harness.inputs import CaseData, case_tokens_of
 from moeshard.parallel.sequence import SequenceChunk
 from moeshard.quant import quantize_activations, to_wire
 from moeshard.reference import _fake_quant, expert_rows_batched
-from moeshard.router import route, router_logits, weighted_rows
+from moeshard.router import route_tokens, weighted_rows
 from moeshard.sharding import shard_spec
 from moeshard.stages import STAGES
 from moeshard.tolerances import tolerance
@@ -100,7 +100,7 @@ class _Domain:
         self.local = [t for d in dps for t in range(case.tokens[d])]
         self.offset = {d: sum(case.tokens[e] for e in dps[:i]) for i, d in enumerate(dps)}
         bias = None if weights.correction_bias is None else weights.correction_bias
-        r = route(router_logits(self.x, weights.gate), cfg, bias, weights.gate_bias)
+        r = route_tokens(self.x, weights.gate, cfg, bias, weights.gate_bias)
         self.ids, self.weights = r.topk_ids, r.topk_weights
         combine_weights = r.topk_weights
         # The rows the experts see: the tokens, or with weights on the input x * w (top-1: one row

@@ -18,7 +18,8 @@ the block's ``[batch, seq, H]`` and keeps transformers' own router module as ``g
 router runs on every forward, on all of this rank's tokens, exactly as in transformers, so
 ``output_router_logits`` (transformers 5 records the router's first output with a forward
 hook) and the auxiliary loss built from it are unchanged; the experts the tokens go to are
-chosen by moeshard's router on the same weight (fp32 logits, ties to the lower index).
+chosen by moeshard's router on the same weight (logits in the family's ``router_dtype``, as
+transformers' router computes them; ties to the lower index).
 
 Layouts of a whole model (global rank ``r = dp_rank * tp + tp_rank``)::
 
@@ -59,6 +60,7 @@ the global batch, and under SP it would reach the router once per TP rank: train
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -79,7 +81,7 @@ from moeshard.layer import MoELayer
 from moeshard.parallel.agree import first_failure
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
-from moeshard.router import Routing, route, router_logits
+from moeshard.router import Routing, route_tokens
 from moeshard.sharding import shard_spec
 from moeshard.weights import MoEWeights
 
@@ -147,7 +149,7 @@ class MoEBlock(MoELayer):
         weight = _tensor_at(self.hf_router, self.router_weight)
         assert weight is not None  # checked in __init__
         bias = getattr(self.hf_router, self.router_bias_name, None) if self.cfg.routing_kind.router_bias else None
-        return route(router_logits(x, weight), self.cfg, self._selection_bias(), bias)
+        return route_tokens(x, weight, self.cfg, self._selection_bias(), bias)
 
     def _selection_bias(self) -> torch.Tensor | None:
         """fp32 [E]: the block's own bias (``block_bias``), else the router's; None without a
@@ -544,11 +546,24 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
     layers = _decoder_layers(model, family)
     for index in sorted(blocks):
         block = blocks.pop(index)
-        setattr(layers[index], _block_attribute(layers[index], family),
+        attribute = _block_attribute(layers[index], family)
+        weights = _bias_as_transformers_holds_it(block.weights, getattr(layers[index], attribute), family)
+        setattr(layers[index], attribute,
                 MoEBlock(routers.pop(index), block.cfg, layer=index, quant=block.quant, groups=groups,
-                         backend=backend, weights=block.weights, local_experts=block.local_experts, device=device,
+                         backend=backend, weights=weights, local_experts=block.local_experts, device=device,
                          max_tokens_per_rank=max_tokens_per_rank, **_router_names(family)))
     return model.eval()
+
+
+def _bias_as_transformers_holds_it(weights: MoEWeights, meta_block: nn.Module, family: ModelFamily) -> MoEWeights:
+    """``weights`` with a block's own selection bias (``block_bias``) rounded to the dtype
+    transformers' block declares for it, as transformers rounds it on loading (MiniMax-M2 holds
+    it in the model dtype, AFMoE in fp32): selection then adds the values transformers adds. A
+    router's bias is read in its router's dtype already (``_load_router``)."""
+    held = getattr(meta_block, family.block_bias, None) if family.block_bias is not None else None
+    if not isinstance(held, torch.Tensor) or weights.correction_bias is None:
+        return weights
+    return replace(weights, correction_bias=weights.correction_bias.to(held.dtype))
 
 
 def expert_bytes(model: nn.Module) -> int:

@@ -7,10 +7,11 @@ expert (fp64 GEMMs, the activation in fp64, + the expert biases) -> weighted sum
 weights on the input, each expert's input weighted and its output summed) -> + shared experts
 (their gate, ``shared_scale``). The weights are those the layer holds (rounded to the model
 dtype, the router in its stored precision), widened to fp64 leaves; x likewise: every parameter
-the layer trains has a leaf here, the correction bias (a buffer) none. The router computes in
-fp32 on the layer's every path, so here too: the reference picks exactly the experts the layer
-picks (from the same fp32 logits) and differentiates the same fp32 routing function; everything
-after it is fp64.
+the layer trains has a leaf here, the correction bias (a buffer) none. The router's logits have
+the value the layer's have (``MoEConfig.router_dtype``: an fp32 product, or the model-dtype
+product, whose rounding the gradient passes straight through), so the reference picks exactly
+the experts the layer picks and differentiates the same fp32 routing function of them;
+everything after it is fp64.
 
 Rounding: the layer rounds some forward values to the model dtype (the experts' gate_up
 products and their sums with the biases, h and their outputs, each TP slice's output on its own,
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from moeshard.config import MoEConfig
-from moeshard.router import route
+from moeshard.router import route, router_logits
 from moeshard.sharding import ShardSpec
 from moeshard.weights import MoEWeights
 
@@ -112,6 +113,20 @@ def _shared(x64: torch.Tensor, leaves: dict[str, torch.Tensor], cfg: MoEConfig) 
     return shared
 
 
+def _logits(x: torch.Tensor, x64: torch.Tensor, gate: torch.Tensor, gate64: torch.Tensor,
+            cfg: MoEConfig) -> torch.Tensor:
+    """fp32 router logits [N, E] whose value is the layer's and whose gradient reaches the fp64
+    leaves x64 [N, H] and gate64 [E, H]: with ``router_dtype="fp32"`` the fp32 product itself; with
+    ``"model"`` the model-dtype product the layer computes (``router_logits`` on x and the held
+    gate), with the gradient passed straight through its rounding as ``_rounded`` does."""
+    if cfg.router_dtype == "fp32":
+        return F.linear(x64.float(), gate64.float())
+    exact = F.linear(x64, gate64)
+    with torch.no_grad():
+        value = router_logits(x.cpu(), gate, cfg.router_dtype).double()
+    return (exact + (value - exact).detach()).float()
+
+
 def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights, cfg: MoEConfig,
                     rows: torch.Tensor | None = None, intermediate_shards: int = 1) -> GradReference:
     """x: [N, H] the tokens (the model dtype); upstream: [N, H] dL/d(output) of each row; weights:
@@ -132,7 +147,7 @@ def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights
     x64 = x.cpu().double().requires_grad_()
     bias = None if held.correction_bias is None else held.correction_bias.float()
     router_bias = leaves["gate.bias"].float() if "gate.bias" in leaves else None
-    routing = route(F.linear(x64.float(), leaves["gate.weight"].float()), cfg, bias, router_bias)
+    routing = route(_logits(x, x64, held.gate, leaves["gate.weight"], cfg), cfg, bias, router_bias)
     dtype = cfg.dtype
     N, K = routing.topk_ids.shape
     if cfg.routing_kind.weights_on_input:

@@ -1,13 +1,13 @@
 """AFMoE: sigmoid-scored experts chosen with an expert bias, renormalized and scaled, plus shared
 experts; the first ``num_dense_layers`` layers dense.
 
-transformers' block (``AfmoeSparseMoeBlock``): s = sigmoid(fp32 logits), the top
-``num_experts_per_tok`` of s + ``expert_bias`` chosen, their unbiased s divided by their sum, times
-``route_scale`` (routing kind ``sigmoid`` with one group, ``renormalize``,
-``routed_scaling_factor = route_scale``), plus ``num_shared_experts`` shared experts of
-``moe_intermediate_size`` fused into one MLP. Its router module ``router`` wraps a linear, so the
-router weight is ``router.gate.weight``; the bias ``expert_bias`` is the block's own parameter,
-passed to the router (``block_bias``).
+transformers' block (``AfmoeSparseMoeBlock``): s = sigmoid(logits), the logits computed in the
+model dtype (``router_dtype="model"``) and widened to fp32; the top ``num_experts_per_tok`` of
+s + ``expert_bias`` chosen, their unbiased s divided by their sum, times ``route_scale`` (routing
+kind ``sigmoid`` with one group, ``renormalize``, ``routed_scaling_factor = route_scale``), plus
+``num_shared_experts`` shared experts of ``moe_intermediate_size`` fused into one MLP. Its router
+module ``router`` wraps a linear, so the router weight is ``router.gate.weight``; the bias
+``expert_bias`` is the block's own parameter, passed to the router (``block_bias``).
 """
 
 from __future__ import annotations
@@ -34,4 +34,4 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
 register_family(ModelFamily("afmoe", {"hidden_act": "silu", "num_dense_layers": 1, "num_shared_experts": 2,
                                       "route_scale": 1.0},
                             _moe, _dense_layers, routing="sigmoid", router="router", router_weight="gate.weight",
-                            block_bias="expert_bias"))
+                            block_bias="expert_bias", router_dtype="model"))

@@ -53,4 +53,4 @@ register_family(ModelFamily("cohere2_moe", {"hidden_act": "silu", "expert_select
                                             "norm_topk_prob": True, "num_shared_experts": 0,
                                             "shared_expert_combination_strategy": "average",
                                             "first_k_dense_replace": 0, "mlp_layer_types": None},
-                            _moe, _dense_layers, routing="topk_softmax"))
+                            _moe, _dense_layers, routing="topk_softmax", router_dtype="model"))

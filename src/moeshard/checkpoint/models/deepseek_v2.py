@@ -37,4 +37,4 @@ def first_k_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
 
 register_family(ModelFamily("deepseek_v2", {"hidden_act": "silu", "topk_method": "greedy", "routed_scaling_factor": 1.0,
                                             "first_k_dense_replace": 0, "n_shared_experts": 2},
-                            _moe, first_k_dense, formats=("bf16",)))
+                            _moe, first_k_dense, formats=("bf16",), router_dtype="fp32"))

@@ -1,4 +1,5 @@
-"""Families whose blocks are DeepSeek-V3's: GLM-4-MoE, GLM-4-MoE-Lite, dots1, EXAONE-MoE.
+"""Families whose blocks are DeepSeek-V3's: GLM-4-MoE, GLM-4-MoE-Lite, dots1, EXAONE-MoE and
+DeepSeek-V3.2 (whose attention, with its indexer, stays transformers').
 
 Their transformers router is DeepSeek-V3's ``noaux_tc`` (routing kind ``sigmoid``):
 s = sigmoid(fp32 logits), selection on s + ``e_score_correction_bias`` within the ``topk_group``
@@ -15,11 +16,13 @@ glm4_moe_lite  n_routed_experts / n_shared_experts  True            1.8    mlp_l
 dots1          n_routed_experts / n_shared_experts  False           1.0    L < first_k_dense_replace (0)
 exaone_moe     num_experts / num_shared_experts     True            2.5    mlp_layer_types, else
                                                                            L < first_k_dense_replace (1)
+deepseek_v32   n_routed_experts / n_shared_experts  True            2.5    mlp_layer_types, else
+                                                                           L < first_k_dense_replace (3)
 =============  ===================================  ==============  =====  =============================
 
-(``n_group`` and ``topk_group`` default to 1 everywhere; these are the defaults of the
-transformers-5 config classes, used when config.json omits a field; dots1 has none for
-``n_shared_experts``). EXAONE-MoE checkpoints keep the bias on the block,
+(``n_group`` and ``topk_group`` default to 1 everywhere but DeepSeek-V3.2, 8 and 4; these are the
+defaults of the transformers-5 config classes, used when config.json omits a field; dots1 has none
+for ``n_shared_experts``). EXAONE-MoE checkpoints keep the bias on the block,
 ``mlp.e_score_correction_bias``, which transformers renames to ``mlp.gate.e_score_correction_bias``:
 both names are read.
 """
@@ -30,10 +33,11 @@ from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily,
 from moeshard.checkpoint.models.layer_types import listed_or_first_dense
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 
+# model_type -> config.json's names of its routed and shared expert counts.
 _EXPERTS = {"glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts", "dots1": "n_routed_experts",
-            "exaone_moe": "num_experts"}
+            "exaone_moe": "num_experts", "deepseek_v32": "n_routed_experts"}
 _SHARED = {"glm4_moe": "n_shared_experts", "glm4_moe_lite": "n_shared_experts", "dots1": "n_shared_experts",
-           "exaone_moe": "num_shared_experts"}
+           "exaone_moe": "num_shared_experts", "deepseek_v32": "n_shared_experts"}
 
 
 def _moe(f: ConfigFields) -> MoEConfig:
@@ -57,22 +61,29 @@ def _glm4_moe_lite_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
     return listed_or_first_dense(f, num_layers, 1)
 
 
-def _exaone_moe_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
+def _listed_or_first_k_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
     return listed_or_first_dense(f, num_layers, "first_k_dense_replace")
 
 
 _ROUTER = {"hidden_act": "silu", "n_group": 1, "topk_group": 1}
+# transformers keeps these routers' weights in fp32 (_keep_in_fp32_modules_strict) and computes
+# their logits in fp32: router_dtype "fp32".
 
 for _family in (
     ModelFamily("glm4_moe", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
-                             "first_k_dense_replace": 1}, _moe, _first_k_dense, routing="sigmoid"),
+                             "first_k_dense_replace": 1}, _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32"),
     ModelFamily("glm4_moe_lite", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
                                   "norm_topk_prob": True, "mlp_layer_types": None},
-                _moe, _glm4_moe_lite_dense, routing="sigmoid"),
+                _moe, _glm4_moe_lite_dense, routing="sigmoid", router_dtype="fp32"),
     ModelFamily("dots1", {**_ROUTER, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
-                          "first_k_dense_replace": 0}, _moe, _first_k_dense, routing="sigmoid"),
+                          "first_k_dense_replace": 0}, _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32"),
     ModelFamily("exaone_moe", {**_ROUTER, "num_shared_experts": 1, "routed_scaling_factor": 2.5,
                                "norm_topk_prob": True, "first_k_dense_replace": 1, "mlp_layer_types": None},
-                _moe, _exaone_moe_dense, routing="sigmoid", bias_aliases=("e_score_correction_bias",)),
+                _moe, _listed_or_first_k_dense, routing="sigmoid", bias_aliases=("e_score_correction_bias",),
+                router_dtype="fp32"),
+    ModelFamily("deepseek_v32", {**_ROUTER, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+                                 "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 3,
+                                 "mlp_layer_types": None},
+                _moe, _listed_or_first_k_dense, routing="sigmoid", router_dtype="fp32"),
 ):
     register_family(_family)

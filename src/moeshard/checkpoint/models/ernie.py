@@ -51,4 +51,4 @@ register_family(ModelFamily("ernie4_5_moe", {"hidden_act": "silu", "use_bias": F
                                              "moe_layer_interval": 1, "moe_layer_start_index": 1,
                                              "moe_layer_end_index": -1, "moe_num_shared_experts": 2},
                             _moe, _dense_layers, routing=ROUTING, correction_bias=_BIAS,
-                            stored_names={f"gate.{_BIAS}": _BIAS}, formats=("bf16",)))
+                            stored_names={f"gate.{_BIAS}": _BIAS}, formats=("bf16",), router_dtype="fp32"))

@@ -50,4 +50,5 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
 
 register_family(ModelFamily(
     "gpt_oss", {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}, _moe, _dense_layers, routing="topk_softmax_bias",
-    router="router", fused_layout="transposed_interleaved", formats=("bf16", "mxfp4"), returns_router_output=1))
+    router="router", fused_layout="transposed_interleaved", formats=("bf16", "mxfp4"), returns_router_output=1,
+    router_dtype="model"))

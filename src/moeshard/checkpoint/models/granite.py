@@ -39,4 +39,4 @@ def _moe_or_none(f: ConfigFields) -> MoEConfig:
 for _model_type, _reader in (("granitemoe", _moe), ("granitemoeshared", _moe), ("granitemoehybrid", _moe_or_none)):
     register_family(ModelFamily(_model_type, {"hidden_act": "silu"}, _reader, _dense_layers, routing="topk_softmax",
                                 block_prefixes=("block_sparse_moe.",), router="router", stored_names=_STORED,
-                                formats=("bf16",)))
+                                formats=("bf16",), router_dtype="model"))

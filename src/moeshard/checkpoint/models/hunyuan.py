@@ -34,5 +34,6 @@ def _moe(f: ConfigFields) -> MoEConfig:
                      scoring=f.family.routing, renormalize=True, num_shared_experts=1, shared_intermediate_size=I)
 
 
+# transformers holds wg in fp32 (even in a bf16 model) and widens hidden_states to it: an fp32 router.
 register_family(ModelFamily("hunyuan_v1_moe", {"hidden_act": "silu"}, _moe, every_layer, router_weight="wg.weight",
-                            shared_prefixes=("shared_mlp.",), formats=("bf16",)))
+                            shared_prefixes=("shared_mlp.",), formats=("bf16",), router_dtype="fp32"))

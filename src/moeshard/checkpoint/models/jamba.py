@@ -34,4 +34,4 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
 
 register_family(ModelFamily("jamba", {"hidden_act": "silu", "expert_layer_period": 2, "expert_layer_offset": 1},
                             _moe, _dense_layers, block_prefixes=("feed_forward.",), router="router",
-                            formats=("bf16",)))
+                            formats=("bf16",), router_dtype="model"))

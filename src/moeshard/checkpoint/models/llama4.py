@@ -48,4 +48,5 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
 register_family(ModelFamily(
     "llama4_text", {"hidden_act": "silu", "num_experts_per_tok": 1, "interleave_moe_layer_step": 1}, _moe,
     _dense_layers, routing="topk_sigmoid_input", block_prefixes=("feed_forward.",), router="router",
-    fused_layout="transposed", shared_prefixes=("shared_expert.",), formats=("bf16",), returns_router_output=1))
+    fused_layout="transposed", shared_prefixes=("shared_expert.",), formats=("bf16",), returns_router_output=1,
+    router_dtype="model"))

@@ -32,4 +32,4 @@ def dense_by_layer_types(f: ConfigFields, num_layers: int) -> DenseLayers:
 
 
 register_family(ModelFamily("mellum", {"hidden_act": "silu", "norm_topk_prob": True}, _moe, dense_by_layer_types,
-                            formats=("bf16",)))
+                            formats=("bf16",), router_dtype="model"))

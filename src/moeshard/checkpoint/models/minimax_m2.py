@@ -27,4 +27,5 @@ def _no_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
 
 
 register_family(ModelFamily("minimax_m2", {"hidden_act": "silu"}, _moe, _no_dense_layers, routing="sigmoid",
-                            block_prefixes=("block_sparse_moe.", "mlp."), block_bias="e_score_correction_bias"))
+                            block_prefixes=("block_sparse_moe.", "mlp."), block_bias="e_score_correction_bias",
+                            router_dtype="model"))

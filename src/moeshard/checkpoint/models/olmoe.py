@@ -23,4 +23,4 @@ def every_layer(f: ConfigFields, num_layers: int) -> DenseLayers:
 
 _DEFAULTS = {"hidden_act": "silu", "norm_topk_prob": False}
 for _model_type in ("olmoe", "flex_olmo"):
-    register_family(ModelFamily(_model_type, _DEFAULTS, olmoe_moe, every_layer, formats=("bf16",)))
+    register_family(ModelFamily(_model_type, _DEFAULTS, olmoe_moe, every_layer, formats=("bf16",), router_dtype="model"))

@@ -35,4 +35,4 @@ def _moe(f: ConfigFields) -> MoEConfig:
 register_family(ModelFamily("phimoe", {"hidden_act": "silu", "router_jitter_noise": 0.01}, _moe, every_layer,
                             routing=ROUTING, block_prefixes=("block_sparse_moe.", "mlp."), router="router",
                             stored_names={"router.weight": "gate.weight"},
-                            expert_spellings=(W1_W3_W2,), formats=("bf16",)))
+                            expert_spellings=(W1_W3_W2,), formats=("bf16",), router_dtype="model"))

@@ -21,4 +21,5 @@ def _moe(f: ConfigFields) -> MoEConfig:
                      shared_intermediate_size=shared, shared_expert_gate=True)
 
 
-register_family(ModelFamily("qwen3_5_moe_text", {"hidden_act": "silu"}, _moe, every_layer, formats=("bf16",)))
+register_family(ModelFamily("qwen3_5_moe_text", {"hidden_act": "silu"}, _moe, every_layer, formats=("bf16",),
+                            router_dtype="model"))

@@ -1,0 +1,106 @@
+"""Router parity in the model dtype, for the family tests: in transformers' own bf16 forward, every
+MoE block's router input, routed by moeshard's block (``MoEBlock.route``: the family's
+``router_dtype``), gives the logits transformers' router computed, bit for bit, and the experts it
+chose, except where the values it selects on tie exactly (``torch.topk`` breaks a tie its own
+way, moeshard towards the lower expert index): bf16 logits tie far more often than fp32 ones. The
+same inputs routed with fp32 logits show whether the precision is visible at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+IDS = torch.tensor([[3, 17, 42, 5, 9, 1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14]])
+
+
+@dataclass(frozen=True)
+class RouterParity:
+    """Over every MoE block of one forward: rows routed; rows whose experts differ from
+    transformers' where the values selected on do not tie; rows whose experts differ on a tie;
+    rows whose moeshard logits differ from transformers' (by any bit); the same with fp32 logits
+    (``router_dtype="fp32"``); blocks whose selection bias differs from the one transformers adds."""
+
+    rows: int
+    ids_differ: int
+    ties: int
+    logits_differ: int
+    fp32_logits_differ: int
+    biases_differ: int
+
+
+def _transformers_choice(output) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers router's output -> (logits [T, E], chosen experts int64 [T, K], sorted): the
+    routers return (logits, weights, ids), Llama-4's returns (scores, zero off the chosen, logits)."""
+    ints = [t for t in output if not t.is_floating_point()]
+    if ints:
+        return output[0], ints[0].sort(dim=-1).values
+    scores, logits = output
+    k = int((scores[0] > 0).sum())
+    return logits, scores.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def bf16_router_parity(tf, model_dir: str) -> RouterParity:
+    """Runs ``IDS`` through transformers' model (``from_pretrained`` in bfloat16) and routes each
+    MoE block's router input with the block ``load_sharded_model`` builds for that layer."""
+    from moeshard.integrations.transformers import MoEBlock, find_moe_blocks, load_sharded_model, moe_model_info
+
+    plain = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    family = moe_model_info(plain).family
+    seen: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    hooks = []
+    biases: dict[int, torch.Tensor] = {}  # layer -> the selection bias transformers adds, fp32 [E]
+    for layer, block in find_moe_blocks(plain).items():
+        router = block.get_submodule(family.router)
+        owner, _, leaf = family.correction_bias.rpartition(".")
+        bias = getattr(block, family.block_bias) if family.block_bias else \
+            getattr(router.get_submodule(owner) if owner else router, leaf, None)
+        if isinstance(bias, torch.Tensor):
+            biases[layer] = bias.detach().reshape(-1).float()
+
+        def record(_m, args, out, layer=layer):
+            logits, ids = _transformers_choice(out if isinstance(out, tuple) else (out,))
+            seen.append((layer, args[0].reshape(-1, args[0].shape[-1]), logits.float(), ids))
+        hooks.append(router.register_forward_hook(record))
+    with torch.no_grad():
+        plain(IDS)
+    for hook in hooks:
+        hook.remove()
+    ours = {m.layer_index: m for m in load_sharded_model(model_dir, dtype="bfloat16").modules()
+            if isinstance(m, MoEBlock)}
+    rows = ids_differ = ties = logits_differ = fp32_differ = 0
+    biases_differ = sum(not torch.equal(ours[layer]._selection_bias().float(), bias)
+                        for layer, bias in biases.items() if ours[layer].cfg.use_correction_bias)
+    with torch.no_grad():
+        for layer, x, logits, ids in seen:
+            block = ours[layer]
+            got = block.route(x)
+            assert got.logits is not None
+            rows += x.shape[0]
+            choice = _selected_on(got.logits, block)
+            for row in (got.topk_ids.sort(dim=-1).values != ids).any(dim=-1).nonzero().flatten().tolist():
+                mine, theirs = set(got.topk_ids[row].tolist()), set(ids[row].tolist())
+                tie = sorted(choice[row, sorted(mine - theirs)].tolist()) == sorted(choice[row, sorted(theirs - mine)].tolist())
+                ties, ids_differ = ties + tie, ids_differ + (not tie)
+            logits_differ += int((got.logits != logits).any(dim=-1).sum())
+            cfg = block.cfg
+            block.cfg = replace(cfg, router_dtype="fp32")
+            try:
+                wide = block.route(x).logits
+            finally:
+                block.cfg = cfg
+            assert wide is not None
+            fp32_differ += int((wide != logits).any(dim=-1).sum())
+    assert rows, f"{model_dir}: no MoE block ran"
+    return RouterParity(rows, ids_differ, ties, logits_differ, fp32_differ, biases_differ)
+
+
+def _selected_on(logits: torch.Tensor, block) -> torch.Tensor:
+    """fp32 [T, E]: the values a routing kind selects on, up to a monotone map: the scores plus
+    the selection bias for a kind with one, else the logits."""
+    cfg = block.cfg
+    if not cfg.use_correction_bias:
+        return logits
+    scores = logits.softmax(dim=-1) if cfg.routing_kind.scores == "softmax" else logits.sigmoid()
+    return scores + block._selection_bias().float().view(1, -1)
