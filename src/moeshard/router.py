@@ -116,7 +116,7 @@ def route(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | 
     logits = logits.float()
     if router_bias is not None:
         logits = logits + router_bias.float().view(1, -1)
-    return _select(logits, cfg, correction_bias)
+    return select_experts(logits, cfg, correction_bias)
 
 
 def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, cfg: MoEConfig,
@@ -128,7 +128,7 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, cfg: MoEConfig,
         raise ValueError(f"route_tokens: the router weight must be [num_experts={cfg.num_experts}, H], got "
                          f"{tuple(gate_weight.shape)}")
     _check_biases(cfg, correction_bias, router_bias)
-    return _select(router_logits(x, gate_weight, cfg.router_dtype, router_bias), cfg, correction_bias)
+    return select_experts(router_logits(x, gate_weight, cfg.router_dtype, router_bias), cfg, correction_bias)
 
 
 def _check_biases(cfg: MoEConfig, correction_bias: torch.Tensor | None, router_bias: torch.Tensor | None) -> None:
@@ -140,8 +140,10 @@ def _check_biases(cfg: MoEConfig, correction_bias: torch.Tensor | None, router_b
                          f"{'not ' if router_bias is None else ''}given")
 
 
-def _select(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None) -> Routing:
-    """fp32 logits [T, E] (the router bias included) -> the routing of ``cfg``'s kind."""
+def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None) -> Routing:
+    """fp32 logits [T, E] (the router bias included, as ``router_logits`` adds it) -> the routing
+    of ``cfg``'s kind: the second half of ``route_tokens``, for a caller that computes the logits
+    itself (the gradient reference)."""
     kind = cfg.routing_kind
     if kind.order == "topk_then_score":
         # Select on the logits (the scores are monotone in them), score the K selected only.

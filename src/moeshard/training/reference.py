@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from moeshard.config import MoEConfig
-from moeshard.router import route, router_logits
+from moeshard.router import router_logits, select_experts
 from moeshard.sharding import ShardSpec
 from moeshard.weights import MoEWeights
 
@@ -113,17 +113,18 @@ def _shared(x64: torch.Tensor, leaves: dict[str, torch.Tensor], cfg: MoEConfig) 
     return shared
 
 
-def _logits(x: torch.Tensor, x64: torch.Tensor, gate: torch.Tensor, gate64: torch.Tensor,
-            cfg: MoEConfig) -> torch.Tensor:
+def _logits(x: torch.Tensor, x64: torch.Tensor, gate: torch.Tensor, gate64: torch.Tensor, cfg: MoEConfig,
+            bias: torch.Tensor | None, bias64: torch.Tensor | None) -> torch.Tensor:
     """fp32 router logits [N, E] whose value is the layer's and whose gradient reaches the fp64
-    leaves x64 [N, H] and gate64 [E, H]: with ``router_dtype="fp32"`` the fp32 product itself; with
-    ``"model"`` the model-dtype product the layer computes (``router_logits`` on x and the held
-    gate), with the gradient passed straight through its rounding as ``_rounded`` does."""
+    leaves x64 [N, H], gate64 [E, H] and the router bias bias64 [E] (or None): with
+    ``router_dtype="fp32"`` the fp32 product itself; with ``"model"`` the model-dtype product the
+    layer computes (``router_logits`` on x and the held gate and bias), with the gradient passed
+    straight through its rounding as ``_rounded`` does."""
     if cfg.router_dtype == "fp32":
-        return F.linear(x64.float(), gate64.float())
-    exact = F.linear(x64, gate64)
+        return F.linear(x64.float(), gate64.float(), None if bias64 is None else bias64.float())
+    exact = F.linear(x64, gate64, bias64)
     with torch.no_grad():
-        value = router_logits(x.cpu(), gate, cfg.router_dtype).double()
+        value = router_logits(x.cpu(), gate, cfg.router_dtype, bias).double()
     return (exact + (value - exact).detach()).float()
 
 
@@ -146,8 +147,9 @@ def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights
     leaves = {name: t.double().requires_grad_() for name, t in held.state_dict().items() if name not in NOT_TRAINED}
     x64 = x.cpu().double().requires_grad_()
     bias = None if held.correction_bias is None else held.correction_bias.float()
-    router_bias = leaves["gate.bias"].float() if "gate.bias" in leaves else None
-    routing = route(_logits(x, x64, held.gate, leaves["gate.weight"], cfg), cfg, bias, router_bias)
+    # The router bias is inside the product, as the layer's router_logits adds it.
+    routing = select_experts(_logits(x, x64, held.gate, leaves["gate.weight"], cfg, held.gate_bias,
+                                     leaves.get("gate.bias")), cfg, bias)
     dtype = cfg.dtype
     N, K = routing.topk_ids.shape
     if cfg.routing_kind.weights_on_input:
