@@ -9,10 +9,11 @@ apart from quantization error and tolerances stay tight:
   is, split into ``intermediate_shards`` column slices (the TP slices of I), and each slice is
   quantized with per-tensor scales taken per expert over that expert's rows.
 
-Routing kinds and biases as the layer has them: the router's bias (``MoEWeights.gate_bias``) is
-added to the logits; with weights on the input (``weights_on_input``) each (token, k) pair is a
-row x * w of its own (``router.weighted_rows``), through its expert unweighted, and a token's K
-rows are summed; expert biases (``expert_bias``) are added to the rounded gate_up product in
+Routing kinds and biases as the layer has them: the logits come from ``router.route_tokens`` in
+``cfg.router_dtype``, as the layer's do; the router's bias (``MoEWeights.gate_bias``) is part of
+them; with weights on the input (``weights_on_input``) each (token, k) pair is a row x * w of
+its own (``router.weighted_rows``), through its expert unweighted, and a token's K rows are
+summed; expert biases (``expert_bias``) are added to the rounded gate_up product in
 fp32 and rounded again (as the layer adds them), and to the down product exactly.
 
 Ambiguous roundings. A correct kernel computes the gate_up sums in another order and precision
