@@ -329,3 +329,25 @@ def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_ke
     assert glu.MODES == KERNEL_MODES  # a new epilogue mode needs its training forward and derivative here
     with pytest.raises(ValueError, match=r"grad_h must be \[37, 300\]"):
         glu.glu_backward(gate_up, grad_h[:, :299], activation)
+
+
+@pytest.mark.parametrize("K", [1, 3, 8])
+def test_combine_topk_backward_matches_pair_rows_backward(interpreted_kernels, exact_interpreter, K):
+    """The one-pass combine backward against the torch path (``pair_rows_backward`` on CPU):
+    the rows' gradient bit for bit (one product rounded once), the weights' gradient within fp32
+    summation order; H = 700 leaves a partial column block, K = 3 a padded k range."""
+    from moeshard.dispatch.base import pair_rows_backward
+
+    gen = torch.Generator().manual_seed(K)
+    T, H = 5, 700
+    grad_out = torch.randn(T, H, generator=gen)
+    picked = torch.randn(T * K, H, generator=gen).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=gen)
+    got_rows, got_w = interpreted_kernels.combine.combine_topk_backward(grad_out, picked, w)
+    want_rows, want_w = pair_rows_backward(grad_out, picked, w)
+    assert got_rows.dtype == torch.bfloat16 and torch.equal(got_rows, want_rows)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-5)
+    empty = interpreted_kernels.combine.combine_topk_backward(grad_out[:0], picked[:0], w[:0])
+    assert empty[0].shape == (0, H) and empty[1].shape == (0, K)
+    with pytest.raises(ValueError, match="fp32"):
+        interpreted_kernels.combine.combine_topk_backward(grad_out.double(), picked, w)

@@ -305,3 +305,21 @@ def test_training_forward_of_grouped_experts_matches_the_torch_path(activation, 
         scale = float(b.abs().max())
         bound = (2e-2 if dtype == torch.bfloat16 else 1e-4) * scale
         assert float((a - b).abs().max()) <= bound, (name, float((a - b).abs().max()), bound)
+
+
+@pytest.mark.parametrize("K", [2, 8])
+def test_combine_backward_matches_the_torch_path(K):
+    """The compiled one-pass combine backward (what the local, all2all and low_latency backends'
+    backward run on CUDA) against ``pair_rows_backward``'s torch path on the CPU."""
+    from moeshard.dispatch.base import pair_rows_backward
+    from moeshard.dispatch.combine_kernel import combine_topk_backward
+
+    gen = torch.Generator().manual_seed(K)
+    T, H = 333, 2048
+    grad_out = torch.randn(T, H, generator=gen)
+    picked = torch.randn(T * K, H, generator=gen).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=gen)
+    got_rows, got_w = combine_topk_backward(grad_out.cuda(), picked.cuda(), w.cuda())
+    want_rows, want_w = pair_rows_backward(grad_out, picked, w)
+    assert torch.equal(got_rows.cpu(), want_rows)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-5, atol=1e-4)

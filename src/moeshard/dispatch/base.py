@@ -167,6 +167,10 @@ def pair_rows_backward(grad_out: torch.Tensor, picked: torch.Tensor,
     summed in fp32)."""
     T, K = weights.shape
     H = grad_out.shape[1]
+    if (grad_out.is_cuda and grad_out.dtype == torch.float32 and weights.dtype == torch.float32
+            and picked.dtype != torch.float64 and triton_importable()[0]):
+        from moeshard.dispatch.combine_kernel import combine_topk_backward
+        return combine_topk_backward(grad_out.contiguous(), picked.contiguous(), weights.contiguous())
     acc = acc_dtype(grad_out, picked, weights)
     g = grad_out.to(acc).unsqueeze(1)  # [T, 1, H]
     grad_picked = (weights.to(acc).unsqueeze(-1) * g).to(picked.dtype).reshape(T * K, H)

@@ -5,6 +5,11 @@ rows of y, a strided reduction) or an index map ``rows [T, K]`` for backends who
 come back in another order (each pair's row in the received buffer). One pass reads the rows
 once and writes out once (the generic ``index_add_`` path materialises ``y.float() * w`` first
 and accumulates with atomics). The sum runs over k in order, so the result is deterministic.
+
+``combine_topk_backward`` is the backward of the token-major combine in one pass as well: per
+token it reads dL/d(out) and its K rows once and writes both gradients (the torch path,
+``dispatch.base.pair_rows_backward``, takes an fp32 copy of the rows, two products, a cast and a
+reduction: about 3 ms of DeepSeek-V3's layer backward at 4096 tokens on one H200).
 """
 
 from __future__ import annotations
@@ -51,3 +56,52 @@ def combine_topk(y: torch.Tensor, topk_weights: torch.Tensor, rows: torch.Tensor
                                                   y.stride(0), topk_weights.stride(0), out.stride(0), TOP_K=K,
                                                   BLOCK_H=BLOCK_H, GATHER=rows is not None, num_warps=4)
     return out
+
+
+BACKWARD_BLOCK_H = 512
+
+
+@triton.jit
+def _combine_backward_kernel(g_ptr, p_ptr, w_ptr, gp_ptr, gw_ptr, H, stride_g, stride_p, stride_w, stride_gp,
+                             TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, K_PAD)
+    k_ok = ks < TOP_K
+    w = tl.load(w_ptr + t * stride_w + ks, mask=k_ok, other=0.0)
+    rows = t * TOP_K + ks
+    acc = tl.zeros([K_PAD], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        g = tl.load(g_ptr + t * stride_g + cols, mask=ok, other=0.0)
+        both = k_ok[:, None] & ok[None, :]
+        picked = tl.load(p_ptr + rows[:, None] * stride_p + cols[None, :], mask=both, other=0.0).to(tl.float32)
+        acc += tl.sum(picked * g[None, :], axis=1)
+        tl.store(gp_ptr + rows[:, None] * stride_gp + cols[None, :],
+                 (w[:, None] * g[None, :]).to(gp_ptr.dtype.element_ty), mask=both)
+    tl.store(gw_ptr + t * TOP_K + ks, acc, mask=k_ok)
+
+
+def combine_topk_backward(grad_out: torch.Tensor, picked: torch.Tensor,
+                          topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of ``combine_topk`` on token-major rows: grad_out fp32 [T, H]; picked
+    [T * K, H] (any float dtype) the rows the combine weighed; topk_weights fp32 [T, K] ->
+    (grad_picked [T * K, H] in picked's dtype, ``w[t, k] * grad_out[t]`` rounded once;
+    grad_weights fp32 [T, K], ``<grad_out[t], picked[t * K + k]>`` summed in fp32), as
+    ``dispatch.base.pair_rows_backward`` computes them."""
+    T, K = topk_weights.shape
+    H = grad_out.shape[1]
+    if (grad_out.dtype != torch.float32 or topk_weights.dtype != torch.float32 or tuple(grad_out.shape) != (T, H)
+            or tuple(picked.shape) != (T * K, H)):
+        raise ValueError(f"combine_topk_backward: expected grad_out fp32 [T, H], picked [T * K, H] and topk_weights fp32 "
+                         f"[T, K]; got {grad_out.dtype} {list(grad_out.shape)}, {list(picked.shape)}, "
+                         f"{topk_weights.dtype} {list(topk_weights.shape)}")
+    if grad_out.stride(1) != 1 or picked.stride(1) != 1 or topk_weights.stride(1) != 1:
+        raise ValueError("combine_topk_backward: grad_out, picked and topk_weights need contiguous rows")
+    grad_picked = torch.empty(T * K, H, dtype=picked.dtype, device=picked.device)
+    grad_weights = torch.empty(T, K, dtype=torch.float32, device=picked.device)
+    if T and K:
+        _combine_backward_kernel[(T,)](grad_out, picked, topk_weights, grad_picked, grad_weights, H, grad_out.stride(0),
+                                       picked.stride(0), topk_weights.stride(0), grad_picked.stride(0), TOP_K=K,
+                                       K_PAD=triton.next_power_of_2(K), BLOCK_H=BACKWARD_BLOCK_H, num_warps=4)
+    return grad_picked, grad_weights
