@@ -100,10 +100,10 @@ def test_backward_bench_plan_runs_on_cpu(tmp_path, capsys):
     """``bench --backward`` on the host: every figure of every case is there, the two
     implementations computed the same weight gradients, and the targets are evaluated."""
     out = tmp_path / "bwd.json"
-    assert cli.main(["bench", "--backward", "--device", "cpu", "--size", "small", "--models", "qwen3-30b-a3b,deepseek-v3",
+    assert cli.main(["bench", "--backward", "--device", "cpu", "--size", "small", "--models", "deepseek-v3",
                  "--prefill-tokens", "16", "--reps", "1", "--quiet", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [(r["model"], r["tokens"]) for r in result["records"]] == [("qwen3-30b-a3b", 16), ("deepseek-v3", 16)]
+    assert [(r["model"], r["tokens"]) for r in result["records"]] == [("deepseek-v3", 16)]  # shared experts too
     for r in result["records"]:
         for prefix in ("experts", "grouped_mm", "layer"):
             assert r[f"{prefix}_fwd_ms"] > 0 and r[f"{prefix}_bwd_ms"] > 0, r

@@ -313,7 +313,8 @@ def matrix(ckpts):
                 per_rank = [[run_rank(plan, None) for plan in plans]]
             else:
                 try:
-                    per_rank = spawn(run_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S)
+                    per_rank = spawn(run_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
+                                     preload=("moeshard.jobs.generate",))
                 except RankFailure as failure:
                     per_rank = failure
             if isinstance(per_rank, RankFailure):

@@ -49,7 +49,8 @@ def records():
         if key not in cache:
             try:
                 cache[key] = spawn(multirank.run_cases, ws, args=(ws,), device="cuda" if backend == "nccl" else "cpu",
-                                   timeout_s=SPAWN_TIMEOUT_S, pg_timeout_s=COLLECTIVE_TIMEOUT_S)
+                                   timeout_s=SPAWN_TIMEOUT_S, pg_timeout_s=COLLECTIVE_TIMEOUT_S,
+                                   preload=() if backend == "nccl" else ("moeshard.parallel.collectives",))
             except RankFailure as failure:
                 cache[key] = failure
         if isinstance(cache[key], RankFailure):

@@ -92,7 +92,8 @@ def _worker(world: int) -> list[dict]:
 
 @pytest.fixture(scope="module", params=[2, 4])
 def world_results(request):
-    return request.param, spawn(_worker, request.param, args=(request.param,), timeout_s=120)
+    return request.param, spawn(_worker, request.param, args=(request.param,), timeout_s=120,
+                                  preload=("moeshard.layer",))
 
 
 def test_backends_move_exactly_the_routed_rows(world_results):

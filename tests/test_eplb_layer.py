@@ -103,7 +103,7 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn(_worker, 2, timeout_s=240)
+    return spawn(_worker, 2, timeout_s=240, preload=("moeshard.layer",))
 
 
 def _expected_loads(steps) -> list[int]:

@@ -274,7 +274,8 @@ def world(models):
             keys = [(layout.name, family) for layout, families in WORLD_CASES[ws] for family in families]
             plans = [_plan(models, family, ParallelConfig.parse(layout)) for layout, family in keys]
             try:
-                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S)
+                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
+                                 preload=("moeshard.jobs.generate",))
             except RankFailure as failure:
                 cache[ws] = failure
             else:

@@ -244,7 +244,8 @@ def world(models):
                 keys += [(BF16_EP2, "bfloat16", model_type) for model_type in BF16_FAMILIES if model_type in models]
             plans = [_plan(models[model_type], layout, dtype) for layout, dtype, model_type in keys]
             try:
-                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S)
+                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
+                                 preload=("moeshard.jobs.generate",))
             except RankFailure as failure:
                 cache[ws] = failure
             else:

@@ -283,7 +283,8 @@ def world(models):
             keys = [(layout.name, dtype, f) for layout, dtype, f in cases]
             plans = [_plan(models[f], layout, dtype) for layout, dtype, f in cases]
             try:
-                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S)
+                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
+                                 preload=("moeshard.jobs.generate",))
             except RankFailure as failure:
                 cache[ws, slow] = failure
             else:

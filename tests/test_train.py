@@ -9,10 +9,11 @@ expert, one device) trained on the whole batch with the same optimizer: its loss
 step, its gradient norm at the last step, and every parameter after it (each rank's copy, an
 expert shard against the same slice of transformers' tensor).
 
-One world per world size runs every case of that size. ``make test``: (1,1), and DP2, TP2, EP2
-and SP (dp1-tp2-ep) for every family, the optimizer alternating so that each layout and each
-family trains with both; one dp2-tp2-ep case. ``make test-slow``: the rest of the matrix (every
-layout x family x optimizer), and a real two-process torchrun.
+One world per world size runs every case of that size. ``make test``: (1,1) for every family
+(the optimizer alternating), DP2, TP2, EP2 and SP (dp1-tp2-ep) each with another family (so
+every family and both optimizers meet a two-rank layout, and the EP cases take the three EP
+backends), and one dp2-tp2-ep case. ``make test-slow``: the rest of the matrix (every layout x
+family x optimizer), and a real two-process torchrun.
 """
 
 from __future__ import annotations
@@ -60,19 +61,28 @@ LAYOUTS = {"dp1-tp1-noep": ParallelConfig(), "dp2-tp1-noep": ParallelConfig(2, 1
 
 
 EP_BACKENDS = ("all2all", "allgather_reducescatter", "low_latency")
+FAST_BACKEND = {"dp2-tp1-ep": "low_latency", "dp1-tp2-ep": "all2all", "dp2-tp2-ep": "allgather_reducescatter"}
 
 
 def _matrix() -> list[tuple[str, str, str, str | None, bool]]:
-    """(layout, family, optimizer, backend, in make test) of every case: under each layout of one
-    or two ranks every family trains with one optimizer in make test, alternating, and with the
-    other in make test-slow; under dp2-tp2-ep one case in make test, the rest slow. The EP
-    layouts' backends rotate through the cases (None: the layout's default, local)."""
+    """(layout, family, optimizer, backend, in make test) of every case. make test: on one rank
+    every family, with one optimizer (alternating); under each two-rank layout one family, a
+    different one per layout (so every family and both optimizers meet a two-rank layout), and
+    one dp2-tp2-ep case; make test-slow: the rest. The EP layouts' backends rotate through the
+    cases (None: the layout's default, local)."""
     out = []
     for i, layout in enumerate(LAYOUTS):
         for j, family in enumerate(FAMILIES):
             for k, optimizer in enumerate(("sgd", "adamw")):
-                fast = (i + j + k) % 2 == 0 if layout != "dp2-tp2-ep" else (family, optimizer) == ("qwen2_moe", "sgd")
+                if layout == "dp2-tp2-ep":
+                    fast = (family, optimizer) == ("qwen2_moe", "sgd")
+                elif LAYOUTS[layout].world_size == 1:
+                    fast = (j + k) % 2 == 0
+                else:
+                    fast = j == (i - 1) % len(FAMILIES) and k == i % 2
                 backend = EP_BACKENDS[(j + k) % 3] if LAYOUTS[layout].enable_ep else None
+                if fast and layout in FAST_BACKEND:  # make test's EP cases take every backend once
+                    backend = FAST_BACKEND[layout]
                 out.append((layout, family, optimizer, backend, fast))
     return out
 

@@ -327,7 +327,8 @@ def world(models):
                 plans.append(_plan(models, "mixtral", ParallelConfig(2, 1, True), backend="low_latency"))
             in_memory = [(models["mixtral"], ParallelConfig(2, 1, True), PROMPTS[:2])] if ws == 2 else []
             try:
-                per_rank = spawn(_world_rank, ws, args=(plans, in_memory), timeout_s=SPAWN_TIMEOUT_S)
+                per_rank = spawn(_world_rank, ws, args=(plans, in_memory), timeout_s=SPAWN_TIMEOUT_S,
+                                 preload=("moeshard.jobs.generate",))
             except RankFailure as failure:
                 cache[ws] = failure
             else:

@@ -272,7 +272,7 @@ class LocalWorld:
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), device: str = "cpu",
           timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None, pg_timeout_s: float | None = None,
-          grace_s: float = 3.0) -> list[Any]:
+          grace_s: float = 3.0, preload: tuple[str, ...] = ()) -> list[Any]:
     """Runs ``fn(*args)`` on ``world_size`` new local ranks joined in one default process group.
 
     Args:
@@ -286,13 +286,16 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), dev
       pg_timeout_s: the process group's timeout (default ``timeout_s / 2``, so a stuck
         collective fails inside the rank, with its traceback, before the parent's deadline).
       grace_s: after a rank fails, how long to wait for the others to report before stopping them.
+      preload: as ``LocalWorld``'s: the ranks fork from a server that imported torch (and these
+        modules) once, instead of each starting a fresh interpreter.
     Returns the results in rank order.  Raises ``RankFailure`` if any rank raised, died or did
     not finish in time; all children have exited by the time ``spawn`` returns or raises.
     """
     timeout("spawn", "timeout_s", timeout_s)
     if not grace_s >= 0:
         raise ValueError(f"spawn.grace_s: must be >= 0, got {grace_s!r}")
-    world = LocalWorld(world_size, device=device, timeout_s=timeout_s, backend=backend, pg_timeout_s=pg_timeout_s)
+    world = LocalWorld(world_size, device=device, timeout_s=timeout_s, backend=backend, pg_timeout_s=pg_timeout_s,
+                       preload=preload)
     with world:
         world.start(fn, args)
         for event in world.events():
