@@ -33,7 +33,6 @@ from moeshard.commands.args import add_allow_nonfinite, add_layout_arguments, in
 from moeshard.dispatch.registry import build_groups
 from moeshard.errors import NonFiniteOutput
 from moeshard.finite import json_text, with_nulls
-from moeshard.jobs.failures import as_value_error  # refusals on the ranks -> one ValueError
 from moeshard.jobs.generate import (
     GenerateComparison,
     GeneratePlan,
@@ -48,10 +47,9 @@ from moeshard.jobs.generate import (
     plan_generate,
     reference_generate,
 )
+from moeshard.jobs.world import execute_local as run_locally
 from moeshard.outputs import atomic_write_text, check_input_dir, check_input_file, check_output_path
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.signals import in_process_deadline
-from moeshard.parallel.spawn import RankFailure, spawn
 from moeshard.parallel.torchrun import destroy, init_from_env, torchrun_environment
 
 
@@ -131,23 +129,7 @@ def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
 # -- ranks ------------------------------------------------------------------------------------
 def execute_local(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResult]:
     """Every rank's result: in this process for one rank, else ``dp * tp`` spawned ranks."""
-    world = plan.parallel.world_size
-    if plan.spec.device == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
-                         f"{torch.cuda.device_count()} are visible")
-    if world == 1:
-        with in_process_deadline(timeout_s, "rank 0 (in this process)"):
-            return [generate_rank(plan, None)]
-    try:
-        per_rank = spawn(generate_plans, world, args=([plan],), device=plan.spec.device, timeout_s=timeout_s)
-    except RankFailure as failure:
-        raise as_value_error(failure) from None
-    results = [r[0] for r in per_rank]
-    errors = [r for r in results if isinstance(r, dict)]
-    if errors:
-        kind = ValueError if errors[0]["error"] == "ValueError" else RuntimeError
-        raise kind(errors[0]["message"])
-    return results
+    return run_locally(plan, generate_rank, generate_plans, timeout_s)
 
 
 def _execute_torchrun(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResult] | None:

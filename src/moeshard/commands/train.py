@@ -31,7 +31,6 @@ from moeshard.commands.generate import files_read, parse_prompts, read_prompts
 from moeshard.dispatch.registry import build_groups
 from moeshard.errors import NonFiniteOutput
 from moeshard.finite import json_text, nonfinite_fields, with_nulls
-from moeshard.jobs.failures import as_value_error  # refusals on the ranks -> one ValueError
 from moeshard.jobs.train import (
     OPTIMIZERS,
     TrainComparison,
@@ -47,10 +46,9 @@ from moeshard.jobs.train import (
     train_plans,
     train_rank,
 )
+from moeshard.jobs.world import execute_local as run_locally
 from moeshard.outputs import atomic_write_text, check_input_dir, check_output_path
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.signals import in_process_deadline
-from moeshard.parallel.spawn import RankFailure, spawn
 from moeshard.parallel.torchrun import destroy, init_from_env, torchrun_environment
 
 
@@ -103,23 +101,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainSpec:
 # -- ranks ------------------------------------------------------------------------------------
 def execute_local(plan: TrainPlan, timeout_s: float) -> list[TrainRankResult]:
     """Every rank's result: in this process for one rank, else ``dp * tp`` spawned ranks."""
-    world = plan.parallel.world_size
-    if plan.spec.device == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
-                         f"{torch.cuda.device_count()} are visible")
-    if world == 1:
-        with in_process_deadline(timeout_s, "rank 0 (in this process)"):
-            return [train_rank(plan, None)]
-    try:
-        per_rank = spawn(train_plans, world, args=([plan],), device=plan.spec.device, timeout_s=timeout_s)
-    except RankFailure as failure:
-        raise as_value_error(failure) from None
-    results = [r[0] for r in per_rank]
-    errors = [r for r in results if isinstance(r, dict)]
-    if errors:
-        kind = ValueError if errors[0]["error"] == "ValueError" else RuntimeError
-        raise kind(errors[0]["message"])
-    return results
+    return run_locally(plan, train_rank, train_plans, timeout_s)
 
 
 def _execute_torchrun(plan: TrainPlan, timeout_s: float) -> list[TrainRankResult] | None:

@@ -53,3 +53,34 @@ def each_plan(plans: Sequence[Plan], run_one: Callable[[Any, ParallelGroups], R]
         except Exception as exc:  # noqa: BLE001 - recorded for the caller, which reports it
             results.append({"error": type(exc).__name__, "message": str(exc)})
     return results
+
+
+def execute_local(plan: Any, run_one: Callable[[Any, ParallelGroups | None], R],
+                  run_plans: Callable[[list[Any]], list], timeout_s: float) -> list[R]:
+    """Every rank's result of one plan (``plan.parallel``, ``plan.spec.device``): ``run_one(plan,
+    None)`` in this process for one rank (under ``timeout_s``), else ``run_plans([plan])`` on
+    ``dp * tp`` spawned ranks. A refusal raised on a rank comes back as one ValueError, another
+    rank's exception as RuntimeError, a failed or late rank as ``as_value_error``'s error."""
+    import torch
+
+    from moeshard.jobs.failures import as_value_error
+    from moeshard.parallel.signals import in_process_deadline
+    from moeshard.parallel.spawn import RankFailure, spawn
+
+    world = plan.parallel.world_size
+    if plan.spec.device == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"--device cuda: layout {plan.parallel.name} needs {world} GPU(s), one per rank, but "
+                         f"{torch.cuda.device_count()} are visible")
+    if world == 1:
+        with in_process_deadline(timeout_s, "rank 0 (in this process)"):
+            return [run_one(plan, None)]
+    try:
+        per_rank = spawn(run_plans, world, args=([plan],), device=plan.spec.device, timeout_s=timeout_s)
+    except RankFailure as failure:
+        raise as_value_error(failure) from None
+    results = [r[0] for r in per_rank]
+    errors = [r for r in results if isinstance(r, dict)]
+    if errors:
+        kind = ValueError if errors[0]["error"] == "ValueError" else RuntimeError
+        raise kind(errors[0]["message"])
+    return results
