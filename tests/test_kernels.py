@@ -154,6 +154,33 @@ def test_triton_experts_match_reference(interpreted_kernels, exact_interpreter, 
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token"])
+def test_down_tiles_shorter_than_the_plan_match_reference(interpreted_kernels, exact_interpreter, scheme):
+    """down in 16-row tiles over gate_up's 32-row plan (``split_tiles``): experts of 1-40 rows,
+    so some 32-row tiles hold 16 rows or fewer and their second half is skipped."""
+    TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
+    M, E, H, I = 45, 4, 64, 96
+    x, ids, w = _problem(M, E, H, I, torch.bfloat16, scheme, seed=11)
+    ids[:40] = 2  # one expert of 40+ rows (two 32-row tiles, the second partly empty), others small
+    cfg = ExpertsConfig(GemmConfig(32, 64, 32, group_m=2), GemmConfig(16, 32, 32, group_m=1))
+    y = TritonExperts("silu", torch.bfloat16, cfg)(ExpertInput(x, ids), w)
+    err, atol, rtol, ok = compare(y, expert_reference(x, ids, w, "silu", torch.bfloat16), torch.bfloat16, scheme)
+    assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
+
+
+def test_split_tiles_marks_the_empty_halves(interpreted_kernels):
+    align = interpreted_kernels.align
+    ids = torch.tensor([0] * 5 + [1] * 20 + [3] * 3)
+    plan = align.align_rows(ids, 4, 16)
+    half = align.split_tiles(plan, 8)
+    live = [int(e) for e in half.tile_expert]
+    # expert 0: 5 rows (one live 8-row tile of 2), expert 1: 20 rows (3 of 4), expert 3: 3 rows (1 of 2)
+    assert live[:8] == [0, -1, 1, 1, 1, -1, 3, -1] and all(e == -1 for e in live[8:])
+    assert align.split_tiles(plan, 16) is plan
+    with pytest.raises(ValueError, match="block_m=12 must divide the plan's block_m=16"):
+        align.split_tiles(plan, 12)
+
+
 @pytest.mark.parametrize("fp8_acc", ["promote", "imprecise"])
 def test_fp8_accumulation_modes_compute_the_same_products(interpreted_kernels, exact_interpreter, fp8_acc):
     """The interpreter accumulates exactly, so every accumulation mode must give the split mode's
@@ -243,11 +270,32 @@ def test_selection_on_cpu():
     assert 2 * (4096 // one.down.block_n) >= 132
 
 
-def test_experts_config_refuses_two_tile_heights():
-    """Both GEMMs run on one tile plan: a down tile of another height would read past it (it was
-    an illegal memory access on the GPU, not an error)."""
-    with pytest.raises(ValueError, match="gate_up.block_m=128 and down.block_m=16 differ"):
-        ExpertsConfig(GemmConfig(128, 128, 64), GemmConfig(16, 64, 128))
+def test_fp8_down_tiles_follow_the_measured_choices():
+    """The tiles the fp8 study measured fastest (docs/performance.md): at Mixtral's 128-token
+    decode the fp8 down GEMM streams 64 x 128 tiles (the fused gate_up and bf16 keep 64 columns);
+    at prefill the per-row schemes' down accumulates unpromoted, in 64-row tiles over the 128-row
+    plan below 512 rows per expert, and the exact gate_up keeps split accumulation in both."""
+    for scheme in ("fp8_tensor", "fp8_block"):
+        cfg = select_config(256, 8, 4096, 14336, scheme)
+        assert (cfg.block_m, cfg.gate_up.block_n, cfg.down.block_n) == (64, 64, 128)
+    bf16 = select_config(256, 8, 4096, 14336, "none")
+    assert (bf16.block_m, bf16.down.block_n) == (64, 64)
+    mixtral = select_config(8192, 8, 4096, 14336, "fp8_tensor")
+    assert (mixtral.down.block_m, mixtral.down.num_stages, mixtral.down.fp8_acc) == (128, 3, "imprecise")
+    deepseek = select_config(32768, 256, 7168, 2048, "fp8_token")
+    assert (deepseek.block_m, deepseek.down.block_m, deepseek.down.fp8_acc) == (128, 64, "imprecise")
+    exact = select_config(32768, 256, 7168, 2048, "fp8_tensor", fp8_gate_up="exact")
+    assert exact.gate_up.fp8_acc == exact.down.fp8_acc == "split"
+    assert select_config(32768, 256, 7168, 2048, "fp8_block").down.fp8_acc == "split"
+
+
+def test_experts_config_refuses_down_tiles_that_do_not_divide_the_plan():
+    """Both GEMMs run on one tile plan: a taller down tile would read past it (it was an illegal
+    memory access on the GPU, not an error)."""
+    with pytest.raises(ValueError, match="down.block_m=256 must divide gate_up.block_m=128"):
+        ExpertsConfig(GemmConfig(128, 128, 64), GemmConfig(256, 64, 128))
+    with pytest.raises(ValueError, match="down.block_m=48 must divide"):
+        ExpertsConfig(GemmConfig(128, 128, 64), GemmConfig(48, 64, 128))
     with pytest.raises(ValueError, match="GemmConfig.fp8_acc: 'fast'"):
         GemmConfig(128, 128, 64, fp8_acc="fast")
 

@@ -183,3 +183,23 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
                                                               sorted_rows, tile_expert, BLOCK=SCATTER_BLOCK,
                                                               BLOCK_M=block_m, TILE_BLOCK=128, num_warps=4)
     return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
+
+
+def split_tiles(plan: RowAlignment, block_m: int) -> RowAlignment:
+    """The same plan seen as tiles of ``block_m`` rows (a divisor of ``plan.block_m``): positions,
+    starts and counts are unchanged (a multiple of plan.block_m is one of block_m), each tile
+    becomes ``plan.block_m // block_m`` tiles of its expert, and those holding no row of it are
+    marked -1, so no program computes them. Lets the down GEMM run shorter tiles than gate_up
+    over one plan (less padding computed when experts hold few rows). A few torch ops on the
+    device, sized from the plan's shapes (graph-safe)."""
+    if block_m == plan.block_m:
+        return plan
+    if not isinstance(block_m, int) or block_m < 1 or plan.block_m % block_m:
+        raise ValueError(f"split_tiles: block_m={block_m!r} must divide the plan's block_m={plan.block_m}")
+    parent = plan.tile_expert.repeat_interleave(plan.block_m // block_m)
+    first_row = torch.arange(parent.shape[0], device=parent.device, dtype=torch.int32) * block_m
+    expert = parent.clamp(min=0).long()
+    live = (parent >= 0) & (first_row - plan.start[expert] < plan.count[expert])
+    return RowAlignment(plan.sorted_rows, torch.where(live, parent, -1), plan.start, plan.count, block_m,
+                        plan.num_rows)
+

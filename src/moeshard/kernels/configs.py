@@ -70,16 +70,18 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """Tile shapes of the two GEMMs; they share block_m (the row tiles are the same)."""
+    """Tile shapes of the two GEMMs. The tile plan is built for gate_up's block_m, which
+    ``block_m`` names; down's block_m divides it."""
 
     gate_up: GemmConfig
     down: GemmConfig
 
     def __post_init__(self) -> None:
-        # One tile plan serves both GEMMs: a down tile of other height would read past it.
-        if self.gate_up.block_m != self.down.block_m:
-            raise ValueError(f"ExpertsConfig: gate_up.block_m={self.gate_up.block_m} and down.block_m="
-                             f"{self.down.block_m} differ; both GEMMs run on one tile plan")
+        # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
+        # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
+        if self.gate_up.block_m % self.down.block_m:
+            raise ValueError(f"ExpertsConfig: down.block_m={self.down.block_m} must divide gate_up.block_m="
+                             f"{self.gate_up.block_m}; both GEMMs run on one tile plan")
 
     @property
     def block_m(self) -> int:
@@ -99,6 +101,9 @@ def multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Below this many rows per expert the fp8 per-row schemes' prefill down GEMM runs 64-row tiles.
+SHORT_DOWN_ROWS = 512
+
 # Shared memory for the software pipeline, of the 227 KB a block may use on Hopper (the rest
 # is left to the epilogue's layout conversion). Triton keeps num_stages tiles for wgmma
 # (BLOCK_M >= 64) and num_stages - 1 for mma.sync.
@@ -108,7 +113,10 @@ PIPELINE_BYTES = 200 * 1024
 def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: int | None) -> GemmConfig:
     """A weight-streaming tile: the widest BLOCK_N giving at least one program per SM, with as
     many pipeline stages as shared memory holds (deeper for narrow tiles)."""
-    widths = (64, 32) if block_m == 64 else (128, 64, 32)  # 64 x 128 fused tiles spill
+    # 64 x 128 fused tiles spill. The fp8 down GEMM (not fused) reads its weights faster in
+    # 64 x 128 tiles: Mixtral at 128 tokens on one H200 (scripts/fp8_study.py, 2026-12-01), down
+    # 0.130 ms (fp8_tensor) and 0.134 ms (fp8_block) against 0.146 and 0.178 ms at 64 x 64.
+    widths = (64, 32) if block_m == 64 and (fused or mode not in FP8) else (128, 64, 32)
     block_n = 16
     for candidate in widths:
         if tiles * -(-n // candidate) >= sms:
@@ -158,9 +166,18 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # promotion. Mixtral at 4096 tokens on one H200 (scripts/fp8_study.py, 2026-12-01): 1.74 ms
         # at 128 x 128 x 64 against 2.74 ms for the 128 x 64 x 128 split-accumulation tile; its
         # error is declared (ACCUMULATION["fp8_mma_unpromoted"], scripts/accumulation_contract.py).
-        if fp8_gate_up != "mma":
-            gate_up = GemmConfig(128, 64, 64, 8, 8, 4)
+        if fp8_gate_up != "mma":  # the exact gate_up: both GEMMs keep split fp32 accumulation
+            gate_up, down_acc = GemmConfig(128, 64, 64, 8, 8, 4), "split"
         else:
-            gate_up = GemmConfig(128, 128, 64, 8, 8, 4, tma=True, fp8_acc="imprecise")
-        return ExpertsConfig(gate_up, GemmConfig(128, 128, 128, 8, 8, 4, tma=True))
+            gate_up, down_acc = GemmConfig(128, 128, 64, 8, 8, 4, tma=True, fp8_acc="imprecise"), "imprecise"
+        # The down GEMM accumulates unpromoted too (its error is within the declared fp8_mma
+        # contract at K = 14336: scripts/accumulation_contract.py, "prefill-imprecise-both").
+        # Experts of a few hundred rows: 128-row tiles compute much padding, so down runs 64-row
+        # tiles over the same plan (align.split_tiles). One H200, 4096 tokens, down alone
+        # (scripts/fp8_study.py, 2026-12-01): DeepSeek-V3 (128 rows per expert) 1.61 ms at
+        # 64 x 128 x 128 against 2.11 ms for the 128-row split tile, Qwen3 (256) 0.172 against
+        # 0.244 ms; Mixtral (1024) 0.984 ms at 128 x 128 x 128 with 3 stages against 1.132 ms.
+        if r < SHORT_DOWN_ROWS:
+            return ExpertsConfig(gate_up, GemmConfig(64, 128, 128, 8, 4, 3, fp8_acc=down_acc))
+        return ExpertsConfig(gate_up, GemmConfig(128, 128, 128, 8, 8, 3, tma=True, fp8_acc=down_acc))
     return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=tma), GemmConfig(128, 256, 64, 8, 8, 3, tma=tma))

@@ -22,7 +22,7 @@ import torch
 from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
-from moeshard.kernels.align import align_rows
+from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
@@ -108,4 +108,5 @@ class TritonExperts(GroupedExperts):
             amax = inp.amax_reduce(amax)
         h_in = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
-        return moe_gemm(h_in, weights.down, plan, y, cfg.down, activation=None, gather=False)
+        return moe_gemm(h_in, weights.down, split_tiles(plan, cfg.down.block_m), y, cfg.down, activation=None,
+                        gather=False)
