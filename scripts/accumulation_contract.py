@@ -37,7 +37,8 @@ from moeshard.tolerances import tolerance
 # K, and sizes that are multiples of no tile.
 SHAPES = {"decode": (24, 64, 512, 256), "batch64": (256, 8, 512, 512), "mid": (1600, 16, 512, 384),
           "prefill": (6144, 8, 1024, 1536), "big": (8192, 8, 4096, 1024), "odd": (999, 12, 256, 336),
-          "mixtral": (8192, 8, 4096, 2048), "deepseek": (8192, 16, 7168, 512)}
+          "mixtral": (8192, 8, 4096, 2048), "deepseek": (8192, 16, 7168, 512),
+          "mixtral-full": (8192, 8, 4096, 14336), "deepseek-full": (8192, 16, 7168, 2048)}
 # Accumulation contracts each output is judged under: the declared ones and coarser candidates.
 CONTRACTS = {**ACCUMULATION, "2^-10": 2.0**-10, "2^-9": 2.0**-9, "2^-7": 2.0**-7}
 DTYPE = torch.bfloat16
@@ -65,6 +66,10 @@ def case(scheme: str, shape: str, seed: int) -> dict:
         tile, down = GemmConfig(128, 128, 64, 8, 8, 4, tma=True), GemmConfig(128, 128, 128, 8, 8, 4, tma=True)
         for acc in ("split", "imprecise"):
             modes[f"prefill-{acc}"] = TritonExperts("silu", DTYPE, ExpertsConfig(replace(tile, fp8_acc=acc), down))
+        # Both GEMMs unpromoted, the down GEMM at its 3-stage tile (K = I, 14336 at Mixtral).
+        both = ExpertsConfig(replace(tile, fp8_acc="imprecise"), GemmConfig(128, 128, 128, 8, 8, 3, tma=True,
+                                                                            fp8_acc="imprecise"))
+        modes["prefill-imprecise-both"] = TritonExperts("silu", DTYPE, both)
     for mode, kernel in modes.items():
         out = kernel(ExpertInput(x, ids), weights)
         row[f"{mode} declares"] = next(n for n, a in ACCUMULATION.items() if a == kernel.accumulation(scheme))
@@ -76,12 +81,14 @@ def case(scheme: str, shape: str, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of: " + ", ".join(SHAPES))
+    parser.add_argument("--schemes", default="fp8_tensor,fp8_token,fp8_block")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("accumulation_contract: needs a CUDA GPU with fp8 tensor cores")
     rows = []
-    for scheme in ("fp8_tensor", "fp8_token", "fp8_block"):
-        for shape in SHAPES:
+    for scheme in args.schemes.split(","):
+        for shape in args.shapes.split(","):
             for seed in (0, 1):
                 rows.append(case(scheme, shape, seed))
                 print(rows[-1], flush=True)

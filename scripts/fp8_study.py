@@ -34,16 +34,17 @@ from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import CHUNK, ROWS, column_span, quantize_h
 from moeshard.quant import get_scheme
 
-CASES = (("mixtral-8x7b", (1, 16, 128, 4096)), ("deepseek-v3", (16, 128, 4096)))
+CASES = (("mixtral-8x7b", (1, 16, 128, 4096)), ("deepseek-v3", (16, 128, 4096)), ("qwen3-30b-a3b", (4096,)))
 SCHEMES = ("none", "fp8_tensor", "fp8_block")
 DECODE = [C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4), C(64, 64, 128, 1, 4, 4), C(16, 64, 128, 1, 8, 4),
-          C(16, 32, 256, 1, 4, 4)]
+          C(16, 32, 256, 1, 4, 4), C(64, 128, 128, 1, 4, 3), C(64, 128, 128, 1, 4, 4), C(64, 128, 128, 1, 8, 4),
+          C(32, 128, 128, 1, 4, 4)]
 PREFILL = [C(128, 64, 128, 8, 8, 4, tma=True), C(64, 128, 128, 8, 4, 3), C(64, 128, 128, 8, 8, 3, tma=True),
            C(128, 128, 64, 8, 8, 4, tma=True), C(128, 128, 64, 8, 8, 3, tma=True), C(128, 128, 128, 8, 8, 3, tma=True),
            C(128, 128, 64, 4, 8, 4, tma=True)]
 # Variants are swept where the gaps to the fused-MoE kernel users run are largest; every case gets the stage attribution.
 SWEEP = {("mixtral-8x7b", 16), ("mixtral-8x7b", 128), ("deepseek-v3", 128), ("mixtral-8x7b", 4096),
-         ("deepseek-v3", 4096)}
+         ("deepseek-v3", 4096), ("qwen3-30b-a3b", 4096)}
 ACCS = ("split", "promote", "imprecise")
 QUANT_H_SCHEMES = ("fp8_tensor", "fp8_token", "fp8_block", "nvfp4")
 
