@@ -215,6 +215,36 @@ def test_fp8_block_reports_its_quantization_error(models, reference):
     assert result.expert_bytes < _full_expert_bytes(plan) / 3  # fp8 bytes + scales, from fp32
 
 
+def test_float32_beyond_the_table_is_judged_against_float32_rounding(models, reference):
+    """Why: a whole model's float32 logits move with the order of rounding alone (on one H200,
+    tiny gpt-oss: transformers' own float32 logits 1.3e-4 from its float64 ones, moeshard's 1.7e-5
+    from transformers', beyond the 1e-5 table). A run beyond the table is judged against twice
+    transformers' own float32 distance from float64 at that step; farther is still a failure.
+    The real float64 reference runs, then planted offsets on transformers' logits test the rule."""
+    plan = _plan(models, "qwen3_moe")
+    result = generate_rank(plan, None)
+    ref = reference(plan)
+    exact = reference_generate(plan, dtype=torch.float64)
+    c = compare_generations(plan, [result], ref, exact)
+    assert c.within_tolerance and c.noise_dtype == "float64" and c.within_noise
+    assert all(n is not None and 0 < n < 1e-4 for n in c.dtype_noise), c.dtype_noise
+    # Plant an offset of 1e-3 on one logit of transformers' float32 run at step 2 (beyond the table).
+    planted = [(ids, logits.clone()) for ids, logits in ref]
+    planted[0][1][2, 0, 5] += 1e-3
+    c = compare_generations(plan, [result], planted)
+    assert c.within_tolerance is False and c.within_noise is None
+    # transformers' float32 rounding at that step taken as 6e-4 (the "float64" run 6e-4 away): within.
+    noisy = [(ids, logits.clone()) for ids, logits in planted]
+    noisy[0][1][2] += 6e-4
+    c = compare_generations(plan, [result], planted, noisy)
+    assert c.within_tolerance is False and c.within_noise, (c.step_max_abs, c.dtype_noise)
+    # ... as 4e-4: the 1e-3 difference is more than twice that, a failure.
+    quiet = [(ids, logits.clone()) for ids, logits in planted]
+    quiet[0][1][2] += 4e-4
+    c = compare_generations(plan, [result], planted, quiet)
+    assert c.within_tolerance is False and c.within_noise is False
+
+
 def test_eos_does_not_stop_generation(models):
     """Every prompt gets exactly max_new_tokens (under EP every rank must run as many forward
     passes as the others), even when the model's EOS comes up; the model's own generation config

@@ -333,17 +333,26 @@ def generate_plans(plans: list[GeneratePlan]) -> list[GenerateRankResult | dict]
 Generation = tuple[list[tuple[int, ...]], torch.Tensor]  # (new ids per prompt, fp32 logits [steps, B, V])
 
 
+def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' causal LM from ``model_dir`` in ``dtype`` (``from_pretrained``), on the CPU.
+    Typed as the nn.Module it is: transformers wraps PreTrainedModel.to with functools.wraps,
+    whose stub mypy does not bind as a method."""
+    import transformers
+
+    if dtype != torch.float64:
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    try:  # torch._grouped_mm takes no float64: loop over the experts
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
+    except ValueError:  # a model without an experts implementation to choose
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+
 def reference_generate(plan: GeneratePlan, device: str | torch.device | None = None,
                        dtype: torch.dtype | None = None) -> list[Generation]:
     """transformers alone (``from_pretrained``, every expert, no moeshard), in ``dtype`` (default
     the plan's): per DP rank, its prompts as the same batch -> [(new ids per prompt, logits)]."""
-    import transformers
-
     device = torch.device(device if device is not None else ("cuda" if plan.spec.device == "cuda" else "cpu"))
-    # Typed as the nn.Module it is: transformers wraps PreTrainedModel.to with functools.wraps,
-    # whose stub mypy does not bind as a method.
-    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(plan.spec.model_dir,
-                                                                               dtype=dtype or plan.dtype)
+    model = load_transformers_model(plan.spec.model_dir, dtype or plan.dtype)
     model = model.to(device).eval()
     spec = plan.spec
     out: list[Generation] = []
@@ -383,9 +392,13 @@ class GenerateComparison:
     every compared logit within ``moeshard.tolerances`` for the model dtype (atol, rtol); None
     for a quantized run, whose difference is the quantization error against the unquantized
     model (reported, not judged by the tolerance table, which bounds parallel error).
-    dtype_noise[s] (bf16 / fp16 runs, when an fp32 reference was given): the same measure for
-    transformers' own model-dtype logits against its fp32 logits, for scale: how far rounding
-    in that dtype alone moves the logits of this model."""
+    dtype_noise[s] (when a more precise reference was given: float32 for bf16 / fp16 runs,
+    float64 for float32 runs): the same measure for transformers' own model-dtype logits against
+    those, i.e. how far rounding in the model dtype alone moves this model's logits.
+    within_noise (float32 runs measured against float64): every step within the table, or its
+    difference at most twice transformers' own float32 rounding at that step (two float32
+    computations of the same logits, each as far from the exact ones as transformers' is, can
+    differ by that much); None when not measured."""
 
     same_ids: tuple[bool, ...]
     first_difference: tuple[int | None, ...]
@@ -395,6 +408,8 @@ class GenerateComparison:
     within_tolerance: bool | None
     quant: str = "none"
     dtype_noise: tuple[float | None, ...] | None = None
+    noise_dtype: str | None = None
+    within_noise: bool | None = None
 
     @property
     def max_abs(self) -> float:
@@ -405,7 +420,8 @@ class GenerateComparison:
         return {"same_ids": list(self.same_ids), "first_difference": list(self.first_difference),
                 "step_max_abs_logit_diff": list(self.step_max_abs), "max_abs_logit_diff": self.max_abs,
                 "tolerance": {"atol": self.atol, "rtol": self.rtol}, "within_tolerance": self.within_tolerance,
-                "quant": self.quant, "transformers_dtype_vs_fp32_step_max_abs": noise}
+                "quant": self.quant, "transformers_dtype_vs_fp32_step_max_abs": noise,
+                "noise_reference_dtype": self.noise_dtype, "within_rounding_noise": self.within_noise}
 
 
 def _prompt_diffs(ids, logits, ref_ids, ref_logits, dtype: torch.dtype):
@@ -429,11 +445,13 @@ def _fold(step_max: list[float | None], errs) -> None:
 def compare_generations(plan: GeneratePlan, results: list[GenerateRankResult], reference: list[Generation],
                         fp32_reference: list[Generation] | None = None) -> GenerateComparison:
     """Compares every DP rank's TP rank 0 with ``reference`` (``reference_generate(plan)``) of the
-    same batch; with ``fp32_reference`` (``reference_generate(plan, dtype=torch.float32)``) also
-    measures transformers' own dtype rounding (``dtype_noise``)."""
+    same batch; with ``fp32_reference`` (``reference_generate(plan, dtype=D)``, D float32 for a
+    bf16 / fp16 plan, float64 for a float32 one) also measures transformers' own rounding in the
+    model dtype (``dtype_noise``) and, for a float32 plan, judges against it (``within_noise``)."""
     steps, count = plan.spec.max_new_tokens, len(plan.spec.prompts)
     same, first = [False] * count, [None] * count
     step_max: list[float | None] = [None] * steps
+    step_ok = [True] * steps
     noise: list[float | None] | None = [None] * steps if fp32_reference is not None else None
     ok = True
     for r in results:
@@ -447,15 +465,24 @@ def compare_generations(plan: GeneratePlan, results: list[GenerateRankResult], r
                                            plan.dtype)
             same[i] = first[i] is None
             ok = ok and all(good for _, good in errs)
+            for step, (_, good) in enumerate(errs):
+                step_ok[step] = step_ok[step] and good
             _fold(step_max, errs)
             if noise is not None and fp32_reference is not None:  # noise is kept exactly when fp32_reference is given
                 f32_ids, f32_logits = fp32_reference[r.dp_rank]
                 _fold(noise, _prompt_diffs(ref_ids[row], ref_logits[:, row], f32_ids[row], f32_logits[:, row],
                                            plan.dtype)[1])
     atol, rtol = tolerance(plan.dtype, "none")
+    noise_dtype = within_noise = None
+    if noise is not None:
+        noise_dtype = "float64" if plan.dtype == torch.float32 else "float32"
+        if noise_dtype == "float64" and not plan.quant.quantized:
+            within_noise = all(good or (err is not None and n is not None and err <= 2 * n)
+                               for good, err, n in zip(step_ok, step_max, noise, strict=True))
     return GenerateComparison(same_ids=tuple(same), first_difference=tuple(first), step_max_abs=tuple(step_max),
                               atol=atol, rtol=rtol, within_tolerance=None if plan.quant.quantized else ok,
-                              quant=plan.quant.name, dtype_noise=None if noise is None else tuple(noise))
+                              quant=plan.quant.name, dtype_noise=None if noise is None else tuple(noise),
+                              noise_dtype=noise_dtype, within_noise=within_noise)
 
 
 def describe(plan: GeneratePlan) -> dict:
