@@ -14,7 +14,9 @@ Steps, each with its own time limit (the whole gate fits one 10-minute device ca
    backward, and that its weight gradients equal ``torch._grouped_mm`` autograd's);
 5. ``moeshard generate --device cuda --compare`` of a tiny random Qwen3-MoE model (made by
    ``scripts/make_tiny_moe.py``) in float32: the same ids as transformers alone on the GPU and
-   logits within the table (the command's exit code judges float32 runs).
+   logits within the table (the command's exit code judges float32 runs);
+6. ``moeshard train --device cuda --compare`` of the same model in float32, three SGD steps: the
+   losses of transformers alone on the GPU within 1e-4 relative (the exit code judges it).
 
 It writes ``DIR/summary.json`` (machine, software, commit, date, each step's command, exit code,
 wall time and counts; ``passed`` is true only if every step passed) and one log per step, then
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                    "not that tree's (a device machine gets the working tree, not always its history)")
     p.add_argument("--budget-s", type=float, default=540.0, help="time limit of the whole gate (default 540 s)")
     p.add_argument("--skip", default="", help="comma list of steps to leave out "
-                   "(gpu-tests, check, bench, bench-backward, generate)")
+                   "(gpu-tests, check, bench, bench-backward, generate, train)")
     args = p.parse_args(argv)
 
     import torch
@@ -178,6 +180,16 @@ def main(argv: list[str] | None = None) -> int:
             if result is not None:
                 c = result.get("comparison") or {}
                 steps[-1]["result"] = {k: c.get(k) for k in ("same_ids", "max_abs_logit_diff", "within_tolerance")}
+        if made["passed"] and "train" not in skip:
+            steps.append(run_step("train", [py, "-m", "moeshard", "train", "--model", str(tiny / "m"),
+                                            "--input-ids", "3,17,42;5,6,7,8", "--steps", "3", "--lr", "0.05",
+                                            "--optimizer", "sgd", "--device", "cuda", "--dtype", "float32",
+                                            "--compare", "--output", str(out / "train.json")], out, budget.limit(90), env))
+            result = _json(out / "train.json")
+            if result is not None:
+                c = result.get("comparison") or {}
+                steps[-1]["result"] = {k: c.get(k) for k in ("max_loss_rel_diff", "within_tolerance",
+                                                             "grad_norm_rel_diff")}
 
     summary = {
         "machine": machine, "gpus": gpus, "gpu_name": torch.cuda.get_device_name(0),
