@@ -24,7 +24,7 @@ from moeshard.bench.workload import experts_for, hidden_states, make_model
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows
 from moeshard.layer import MoELayer
-from moeshard.router import router_logits
+from moeshard.router import chunked_logits, router_logits
 
 
 def op_times(fn, reps: int = 5, top: int = 15) -> list[tuple[str, str, float]]:
@@ -43,16 +43,6 @@ def op_times(fn, reps: int = 5, top: int = 15) -> list[tuple[str, str, float]]:
             for e in prof.key_averages(group_by_input_shape=True)
             if e.device_time_total > 0 and e.key.startswith("aten::") and e.key not in ("aten::to", "aten::_to_copy")]
     return sorted(rows, key=lambda r: -r[2])[:top]
-
-
-def chunked_router(x: torch.Tensor, gate: torch.Tensor, chunk: int) -> torch.Tensor:
-    """fp32 [T, E] logits: bf16 tensor-core GEMMs over K chunks of ``chunk``, each with fp32
-    output, summed in fp32."""
-    T, K = x.shape
-    c = K // chunk
-    parts = torch.bmm(x.view(T, c, chunk).transpose(0, 1), gate.view(-1, c, chunk).permute(1, 2, 0),
-                      out_dtype=torch.float32)
-    return parts.sum(dim=0)
 
 
 def wall_ms(fn, reps: int = 20) -> float:
@@ -86,8 +76,9 @@ def profile_model(name: str, tokens: int, quant: str, device: torch.device, ops:
     gate = model.shell.gate
     exact = x.double() @ gate.double().T
     variants = [("fp32 (the layer's router_dtype fp32)", lambda: router_logits(x, gate, "fp32")),
+                ("fp32 GEMM on the CUDA cores", lambda: torch.nn.functional.linear(x.float(), gate.float())),
                 ("bf16 tensor cores, fp32 out", lambda: torch.mm(x, gate.T, out_dtype=torch.float32))]
-    variants += [(f"bf16 tensor cores, K in chunks of {c} summed in fp32", lambda c=c: chunked_router(x, gate, c))
+    variants += [(f"bf16 tensor cores, K in chunks of {c} summed in fp32", lambda c=c: chunked_logits(x, gate, c))
                  for c in (128, 512) if x.shape[1] % c == 0]
     for label, fn in variants:
         try:

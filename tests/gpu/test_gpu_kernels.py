@@ -323,3 +323,24 @@ def test_combine_backward_matches_the_torch_path(K):
     want_rows, want_w = pair_rows_backward(grad_out, picked, w)
     assert torch.equal(got_rows.cpu(), want_rows)
     torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_router_on_tensor_cores_is_at_least_as_close_to_exact(dtype):
+    """router_dtype fp32 on CUDA with 16-bit x and W runs ``chunked_logits`` (exact products,
+    fp32 sums of K chunks): no farther from the exact logits than the fp32 GEMM it replaces
+    (DeepSeek-V3's router shape); with gradients wanted it keeps the fp32 GEMM."""
+    from moeshard.router import _tensor_core_chunk, router_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 7168, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(256, 7168, device="cuda", generator=gen) / 7168**0.5).to(dtype)
+    bias = torch.randn(256, device="cuda", generator=gen)
+    exact = x.double() @ w.double().T + bias.double()
+    fp32 = torch.nn.functional.linear(x.float(), w.float(), bias)
+    assert _tensor_core_chunk(x, w) == 512
+    ours = router_logits(x, w, "fp32", bias)
+    err, err_fp32 = float((ours.double() - exact).abs().max()), float((fp32.double() - exact).abs().max())
+    assert ours.dtype == torch.float32 and err <= err_fp32, (err, err_fp32)
+    assert _tensor_core_chunk(x.requires_grad_(True), w) is None
+    assert _tensor_core_chunk(x.detach(), w.float()) is None and _tensor_core_chunk(x.detach()[:, :100], w[:, :100]) is None
