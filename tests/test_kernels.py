@@ -306,7 +306,7 @@ def _bits(q) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
-@pytest.mark.parametrize("shape", [(1, 128), (17, 200), (33, 384), (0, 64), (5, 0)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 128), (1, 2304), (3, 1000), (17, 200), (33, 384), (0, 64), (5, 0)], ids=str)
 def test_fused_input_quantization_equals_the_torch_path(interpreted_kernels, exact_interpreter, scheme, shape):
     """The layer's input quantized in one pass (``quantize_rows``) is bit for bit what
     ``quantize_activations`` makes: partial row blocks and scale groups, an all-zero row (the

@@ -9,10 +9,16 @@ here each row block is read once (twice for fp8_token, the second read from L2) 
 scheme     passes
 =========  =====================================================================================
 fp8_tensor ``input_amax``: one read of x, max-reduced into one fp32 (the caller all-reduces it
-           over the quantization domain); then ``quantize_rows``: one read, one fp8 write
-fp8_token  one program per ROWS rows: the row max over K, then the quantized row
+           over the quantization domain); then ``quantize_rows``: one program per ROWS rows x
+           CHUNK columns, one read, one fp8 write
+fp8_token  one program per ``rows_per_program(T)`` rows: the row max over K, then the quantized
+           row, in steps of as many columns as keep the tile at ROWS x CHUNK elements
 fp8_block  one program per ROWS rows x CHUNK columns: the group max, then the group
 =========  =====================================================================================
+
+Why fp8_token's programs get fewer rows and wider steps when T is small: a program walks all of
+K in dependent steps, so at one token a 16 x 128 tile left one SM doing 56 steps of DeepSeek-V3's
+7168 columns, twice (about 0.1 ms of a 0.39 ms layer on one H200, ``moeshard bench``, 2026-12-01).
 
 nvfp4 and schemes without a kernel mode keep the torch path (``quantize_activations``). Scales
 are correctly rounded (``div_rn``), as torch computes them; max is exact in any order.
@@ -51,32 +57,33 @@ def _amax_kernel(x_ptr, out_ptr, T, K, stride_xm, ROWS: tl.constexpr, COLS: tl.c
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, tensor_scale_ptr, T, K, stride_xm, stride_qm, stride_sm,
                           MODE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                           AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS); modes 1 and 2 take the whole row
-    (j = 0 only), mode 3 columns [j*CHUNK, (j+1)*CHUNK), one scale group."""
+    """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS); modes 1 and 3 columns
+    [j*CHUNK, (j+1)*CHUNK) (mode 3: one scale group), mode 2 the whole row (j = 0 only) in
+    steps of CHUNK columns."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < T
     cols = tl.arange(0, CHUNK)
     x_rows = x_ptr + rows[:, None] * stride_xm
     q_rows = q_ptr + rows[:, None] * stride_qm
-    if MODE == 3:
+    if MODE != 2:
         k0 = tl.program_id(1) * CHUNK
         ok = row_ok[:, None] & ((k0 + cols) < K)[None, :]
         x = tl.load(x_rows + k0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-        scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX)
-        tl.store(s_ptr + rows * stride_sm + k0 // CHUNK, scale, mask=row_ok)
-        tl.store(q_rows + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok)
-    else:
         if MODE == 1:
             scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(tensor_scale_ptr)
         else:
-            row_max = tl.zeros([ROWS], dtype=tl.float32)
-            for k0 in range(0, K, CHUNK):
-                ok = row_ok[:, None] & ((k0 + cols) < K)[None, :]
-                x = tl.load(x_rows + k0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-                row_max = tl.maximum(row_max, tl.max(tl.abs(x), axis=1))
-            scale = tl.math.div_rn(tl.maximum(row_max, AMAX_FLOOR), tl.zeros_like(row_max) + FP8_MAX)
-            tl.store(s_ptr + rows * stride_sm, scale, mask=row_ok)
+            block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
+            scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX)
+            tl.store(s_ptr + rows * stride_sm + k0 // CHUNK, scale, mask=row_ok)
+        tl.store(q_rows + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok)
+    else:
+        row_max = tl.zeros([ROWS], dtype=tl.float32)
+        for k0 in range(0, K, CHUNK):
+            ok = row_ok[:, None] & ((k0 + cols) < K)[None, :]
+            x = tl.load(x_rows + k0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            row_max = tl.maximum(row_max, tl.max(tl.abs(x), axis=1))
+        scale = tl.math.div_rn(tl.maximum(row_max, AMAX_FLOOR), tl.zeros_like(row_max) + FP8_MAX)
+        tl.store(s_ptr + rows * stride_sm, scale, mask=row_ok)
         for k0 in range(0, K, CHUNK):
             ok = row_ok[:, None] & ((k0 + cols) < K)[None, :]
             x = tl.load(x_rows + k0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -99,6 +106,12 @@ def input_amax(x: torch.Tensor) -> torch.Tensor:
         _amax_kernel[(triton.cdiv(T, ROWS), triton.cdiv(K, _AMAX_COLS))](
             x, out, T, K, x.stride(0), ROWS=ROWS, COLS=_AMAX_COLS, num_warps=4)
     return out.reshape(())
+
+
+def rows_per_program(T: int) -> int:
+    """fp8_token's rows per program for T rows: ROWS, or the power of two at or above T when
+    fewer (its steps then take ROWS * CHUNK / rows columns: the same tile, fewer steps)."""
+    return min(ROWS, triton.next_power_of_2(max(T, 1)))
 
 
 def quantize_rows(x: torch.Tensor, scheme: str, amax: torch.Tensor | None = None) -> QuantizedActivations:
@@ -128,9 +141,10 @@ def quantize_rows(x: torch.Tensor, scheme: str, amax: torch.Tensor | None = None
     else:
         s = torch.empty(T, triton.cdiv(K, CHUNK) if mode == 3 else 1, dtype=torch.float32, device=dev)
     if T and (K or mode == 2):  # an empty fp8_token row still has a scale (the amax floor's)
-        grid = (triton.cdiv(T, ROWS), triton.cdiv(K, CHUNK) if mode == 3 else 1)
+        rows, chunk = (rows_per_program(T), ROWS * CHUNK // rows_per_program(T)) if mode == 2 else (ROWS, CHUNK)
+        grid = (triton.cdiv(T, rows), 1 if mode == 2 else triton.cdiv(K, chunk))
         _quantize_rows_kernel[grid](x, q, s, s, T, K, x.stride(0), q.stride(0), s.stride(0) if mode != 1 else 0,
-                                    MODE=mode, ROWS=ROWS, CHUNK=CHUNK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX,
+                                    MODE=mode, ROWS=rows, CHUNK=chunk, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX,
                                     num_warps=4)
     if mode == 1:
         return QuantizedActivations(scheme, q, None, tensor_scale)
