@@ -37,9 +37,17 @@ def _check_plan(align, ids: torch.Tensor, E: int, bm: int) -> None:
     assert tiles[used:] == [-1] * (len(tiles) - used)
 
 
-@pytest.mark.parametrize("hist_programs", [1, 3, 128])
-@pytest.mark.parametrize("M,E,bm", [(1, 1, 16), (1024, 7, 16), (1025, 7, 16), (5000, 33, 16), (3073, 300, 32),
-                                    (7000, 256, 128), (2048, 1, 64)])
+def _multi_program_cases():
+    """Every shape with 1, 3 and 128 histogram programs; the two largest shapes (3 s each in the
+    interpreter on 2 cores) with 1 and 128 programs in `make test-slow`, with 3 in `make test`."""
+    for M, E, bm in [(1, 1, 16), (1024, 7, 16), (1025, 7, 16), (5000, 33, 16), (3073, 300, 32), (7000, 256, 128),
+                     (2048, 1, 64)]:
+        for programs in (1, 3, 128):
+            slow = M in (3073, 7000) and programs != 3
+            yield pytest.param(programs, M, E, bm, marks=(pytest.mark.slow,) if slow else ())
+
+
+@pytest.mark.parametrize("hist_programs, M, E, bm", list(_multi_program_cases()))
 def test_align_rows_multi_program(align, monkeypatch, hist_programs, M, E, bm):
     monkeypatch.setattr(align, "HIST_PROGRAMS", hist_programs)
     g = torch.Generator().manual_seed(M + E)

@@ -60,7 +60,8 @@ def _listed(argv: list[str], capsys) -> list[str]:
     return [line.split()[0] for line in lines[:-1]]
 
 
-@pytest.mark.parametrize("filters", [[], ["--world-sizes", "2"], ["--full"], ["--layouts", "dp4-tp1-ep"],
+@pytest.mark.parametrize("filters", [[], ["--world-sizes", "2"], pytest.param(["--full"], marks=pytest.mark.slow),
+                                     ["--layouts", "dp4-tp1-ep"],
                                      ["--world-sizes", "4", "--tokens-per-rank", "0,3,1,2", "--seed", "5"]])
 def test_only_takes_every_id_that_list_prints(filters, capsys):
     """Under any filters, the listed ids -- joined by commas, the way --only reads them -- select

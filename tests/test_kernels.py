@@ -226,6 +226,7 @@ def test_combine_topk(interpreted_kernels):
     assert (combine_topk(padded, w, rows).double() - ref).abs().max() < 1e-5
 
 
+@pytest.mark.slow  # a second pytest in a subprocess, 8 s on 2 cores: `make test-slow`
 def test_kernels_imported_compiled_are_an_error_not_a_skip(interpreted_kernels):
     """tests/conftest.py's guard: with the kernel modules imported in compiled mode before pytest
     starts (TRITON_INTERPRET unset), an interpreter test errors; it does not skip or pass."""

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import moeshard
 
 ROOT = Path(moeshard.__file__).parent
@@ -77,6 +79,7 @@ def test_low_modules_stay_low():
         assert not high, f"{low} depends on {sorted(high)}"
 
 
+@pytest.mark.slow  # 12 s on 2 cores: `make test-slow`; the static layering checks above stay in `make test`
 def test_every_module_imports_in_dependency_order():
     order = list(graphlib.TopologicalSorter(_graph()).static_order())
     script = ("import importlib, sys\n"
