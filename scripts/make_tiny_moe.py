@@ -1,7 +1,7 @@
 """Save a small random transformers MoE model (config.json + model.safetensors) for ``moeshard generate``, ``train``.
 
     PYTHONPATH=src python3 scripts/make_tiny_moe.py DIR [--family qwen3_moe] [--hidden 256]
-        [--moe-intermediate 256] [--experts 8] [--layers 2] [--vocab 256] [--dtype bfloat16] [--seed 0]
+        [--moe-intermediate 256] [--experts 8] [--layers 2] [--vocab 256] [--dtype float32] [--seed 0]
         [--router-aux-loss-coef 0.01]
 
 Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense); the
@@ -14,7 +14,10 @@ expert, MoE on every second layer). The defaults keep every size a multiple of 1
 ``--quant fp8_block`` also runs under ``--tp 2`` without EP (the intermediate slice of a TP rank
 must hold whole 128-wide blocks). ``--router-aux-loss-coef`` turns transformers' load-balancing
 loss on (``output_router_logits``), which ``moeshard train`` adds over the global batch;
-``make(...)`` does the same from Python (the tests call it).
+``make(...)`` does the same from Python (the tests call it). Weights are float32 unless
+``--dtype`` says otherwise: ``--compare`` judges float32 runs (in bf16, moeshard's fp32 sum of the
+experts and transformers' per-expert rounding can pick different ids at a near-tie of a random
+model; docs/transformers.md, "Known differences").
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text}
 
 
 def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,
-         layers: int = 2, vocab: int = 256, dtype: str = "bfloat16", seed: int = 0,
+         layers: int = 2, vocab: int = 256, dtype: str = "float32", seed: int = 0,
          router_aux_loss_coef: float | None = None) -> int:
     """Saves the model to ``directory``; returns its parameter count. router_aux_loss_coef: also
     turn transformers' load-balancing loss on (``output_router_logits``) with this coefficient,
@@ -202,7 +205,9 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="float32 by default: the dtype whose comparison `moeshard generate/train --compare` "
+                             "judges (a bf16 tiny random model has near-ties that rounding order decides)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--router-aux-loss-coef", type=float, default=None,
                         help="turn the load-balancing loss on (output_router_logits) with this coefficient")

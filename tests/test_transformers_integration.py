@@ -219,7 +219,8 @@ def test_float32_beyond_the_table_is_judged_against_float32_rounding(models, ref
     """Why: a whole model's float32 logits move with the order of rounding alone (on one H200,
     tiny gpt-oss: transformers' own float32 logits 1.3e-4 from its float64 ones, moeshard's 1.7e-5
     from transformers', beyond the 1e-5 table). A run beyond the table is judged against twice
-    transformers' own float32 distance from float64 at that step; farther is still a failure.
+    transformers' own float32 distance from float64 (the largest over the steps); farther is still a
+    failure.
     The real float64 reference runs, then planted offsets on transformers' logits test the rule."""
     plan = _plan(models, "qwen3_moe")
     result = generate_rank(plan, None)
@@ -233,7 +234,7 @@ def test_float32_beyond_the_table_is_judged_against_float32_rounding(models, ref
     planted[0][1][2, 0, 5] += 1e-3
     c = compare_generations(plan, [result], planted)
     assert c.within_tolerance is False and c.within_noise is None
-    # transformers' float32 rounding at that step taken as 6e-4 (the "float64" run 6e-4 away): within.
+    # transformers' float32 rounding taken as 6e-4 (the "float64" run 6e-4 away at step 2): within.
     noisy = [(ids, logits.clone()) for ids, logits in planted]
     noisy[0][1][2] += 6e-4
     c = compare_generations(plan, [result], planted, noisy)

@@ -208,7 +208,8 @@ def _print(data: dict) -> None:
             print(f"for scale, transformers' own {run['dtype']} logits against its {c['noise_reference_dtype']} "
                   f"logits per step: [{noise}]", file=out)
         if c["within_rounding_noise"] is not None:
-            print("every step beyond the table is within twice transformers' own float32 rounding: "
+            print("every step beyond the table is within twice transformers' own float32 rounding (its largest "
+                  "distance from float64 over these steps): "
                   + ("within (the difference is rounding order, not what is computed)" if c["within_rounding_noise"]
                      else "EXCEEDED"), file=out)
     if data["nonfinite_logits"]:

@@ -396,9 +396,11 @@ class GenerateComparison:
     float64 for float32 runs): the same measure for transformers' own model-dtype logits against
     those, i.e. how far rounding in the model dtype alone moves this model's logits.
     within_noise (float32 runs measured against float64): every step within the table, or its
-    difference at most twice transformers' own float32 rounding at that step (two float32
-    computations of the same logits, each as far from the exact ones as transformers' is, can
-    differ by that much); None when not measured."""
+    difference at most twice transformers' own float32 rounding, the largest over the compared
+    steps (two float32 computations of the same logits, each as far from the exact ones as
+    transformers' is, can differ by that much; the largest, because a rounding difference stays in
+    the context of every later step and one step's distance is one sample of it); None when not
+    measured."""
 
     same_ids: tuple[bool, ...]
     first_difference: tuple[int | None, ...]
@@ -477,8 +479,9 @@ def compare_generations(plan: GeneratePlan, results: list[GenerateRankResult], r
     if noise is not None:
         noise_dtype = "float64" if plan.dtype == torch.float32 else "float32"
         if noise_dtype == "float64" and not plan.quant.quantized:
-            within_noise = all(good or (err is not None and n is not None and err <= 2 * n)
-                               for good, err, n in zip(step_ok, step_max, noise, strict=True))
+            scale = max((n for n in noise if n is not None), default=0.0)
+            within_noise = all(good or (err is not None and err <= 2 * scale)
+                               for good, err in zip(step_ok, step_max, strict=True))
     return GenerateComparison(same_ids=tuple(same), first_difference=tuple(first), step_max_abs=tuple(step_max),
                               atol=atol, rtol=rtol, within_tolerance=None if plan.quant.quantized else ok,
                               quant=plan.quant.name, dtype_noise=None if noise is None else tuple(noise),
