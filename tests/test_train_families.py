@@ -7,8 +7,9 @@ alone: transformers' own float32 and float64 runs differ by up to 7.3e-3 at jamb
 
 The routing kinds, activations, expert biases and shared experts of these families have their
 gradients proved layer by layer (``moeshard check --backward``, ``tests/test_routing_grads.py``);
-this proves the whole model trains as transformers trains it. All slow (``make test-slow``):
-``make test`` runs the four original families' training matrix.
+this proves the whole model trains as transformers trains it. ``make test`` runs two families
+with parts of their own at (1,1): gpt_oss (expert and router biases, clamped SwiGLU) and
+llama4_text (weights on the input); ``make test-slow`` every family at (1,1) and under EP2.
 """
 
 from __future__ import annotations
@@ -40,18 +41,25 @@ PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
 STEPS, LR = 3, 0.01
 LAYOUTS = {"dp1-tp1-noep": ParallelConfig(), "dp2-tp1-ep": ParallelConfig(2, 1, True)}
 SPAWN_TIMEOUT_S = 600.0
-pytestmark = pytest.mark.slow
+FAST = ("gpt_oss", "llama4_text")
+
+
+class _Models(dict):
+    """model_type -> directory of its tiny random float32 model, made when first asked for."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str) -> str:
+        make_tiny_moe.make(str(self.root / family), family, dtype="float32", seed=FAMILIES.index(family))
+        self[family] = str(self.root / family)
+        return self[family]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    """model_type -> directory of its tiny random float32 model (the families this transformers builds)."""
-    root = tmp_path_factory.mktemp("tiny-train-families")
-    out = {}
-    for seed, family in enumerate(FAMILIES):
-        make_tiny_moe.make(str(root / family), family, dtype="float32", seed=seed)
-        out[family] = str(root / family)
-    return out
+    return _Models(tmp_path_factory.mktemp("tiny-train-families"))
 
 
 def _plan(models, layout: str, family: str, steps: int = STEPS):
@@ -111,13 +119,14 @@ def _check(plan, results, tag: str) -> None:
     assert c.params_compared == plan.parallel.world_size * held, (tag, c.params_compared, len(ref.params))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in FAST else (pytest.mark.slow,)) for f in FAMILIES])
 def test_family_trains_as_transformers_on_one_rank(models, family):
     for steps in (STEPS, 1):
         plan = _plan(models, "dp1-tp1-noep", family, steps)
         _check(plan, [train_rank(plan, None)], f"dp1-tp1-noep {family} {steps} step(s)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_as_transformers_under_ep2(ep2, family):
     for steps in (STEPS, 1):
