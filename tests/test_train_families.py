@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeshard.jobs.train import TrainSpec, compare_training, plan_train, reference_train, train_plans, train_rank
+from moeshard.jobs.train import TrainSpec, compare_training, plan_train, reference_train, train_rank
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld
 from moeshard.tolerances import TRAIN_LOSS_RTOL
 
 tf = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
+from test_train import _run_world  # noqa: E402 - the training matrix's world runner (one spawn, forked ranks)
 
 ORIGINAL = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 FAMILIES = sorted((set(make_tiny_moe.SIGMOID_FAMILIES) | set(make_tiny_moe.SOFTMAX_FAMILIES)
@@ -40,7 +40,6 @@ PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
 # 3e-5, and moeshard's losses are within 6e-6 of transformers'.
 STEPS, LR = 3, 0.01
 LAYOUTS = {"dp1-tp1-noep": ParallelConfig(), "dp2-tp1-ep": ParallelConfig(2, 1, True)}
-SPAWN_TIMEOUT_S = 600.0
 FAST = ("gpt_oss", "llama4_text")
 
 
@@ -72,16 +71,8 @@ def ep2(models):
     steps, and one step) on one 2-rank world."""
     cases = [(f, steps) for f in FAMILIES for steps in (STEPS, 1)]
     plans = [_plan(models, "dp2-tp1-ep", f, steps) for f, steps in cases]
-    world = LocalWorld(2, timeout_s=SPAWN_TIMEOUT_S)
-    with world:
-        world.start(train_plans, (plans,))
-        for _ in world.events():
-            pass
-        world.stop(CLEAN_EXIT_WAIT_S if world.all_finished else 0.0)
-    failure = world.failure()
-    if failure is not None:
-        raise failure
-    return {case: (p, [world.results[r][i] for r in range(2)]) for i, (case, p) in enumerate(zip(cases, plans, strict=True))}
+    runs = _run_world(2, plans)
+    return {case: (p, results) for case, p, results in zip(cases, plans, runs, strict=True)}
 
 
 # The largest |parameter difference| after three SGD steps: lr x the gradients' rounding. Largest
