@@ -6,8 +6,9 @@ section of docs/performance.md.
 
 Prints, per model: the GPU time per forward of every kernel of ``MoELayer`` (one GPU, local
 backend; torch.profiler over 5 forwards after 3 warm-up ones), then ``align_rows`` alone, then
-the router GEMM in fp32 (what the layer runs) against bf16 tensor cores with fp32 output (in one
-GEMM, and with K cut into chunks whose fp32 partial logits are summed on the CUDA cores), each
+the router: what the layer runs for router_dtype fp32, the fp32 GEMM on the CUDA cores, and bf16
+tensor cores with fp32 output (in one GEMM, and with K cut into chunks whose fp32 partial logits
+are summed, ``router.chunked_logits``), each
 with its largest distance from the exact (fp64) logits. ``--ops`` also prints the torch operators
 that launched the most GPU time, with their input shapes and dtypes, to attribute copies and casts.
 """
@@ -75,7 +76,7 @@ def profile_model(name: str, tokens: int, quant: str, device: torch.device, ops:
     print(f"  align_rows alone (M={ids.numel()}, E={cfg.num_experts}): {plan_us:.1f} us")
     gate = model.shell.gate
     exact = x.double() @ gate.double().T
-    variants = [("fp32 (the layer's router_dtype fp32)", lambda: router_logits(x, gate, "fp32")),
+    variants = [("the layer's router_dtype fp32 (chunked_logits on CUDA)", lambda: router_logits(x, gate, "fp32")),
                 ("fp32 GEMM on the CUDA cores", lambda: torch.nn.functional.linear(x.float(), gate.float())),
                 ("bf16 tensor cores, fp32 out", lambda: torch.mm(x, gate.T, out_dtype=torch.float32))]
     variants += [(f"bf16 tensor cores, K in chunks of {c} summed in fp32", lambda c=c: chunked_logits(x, gate, c))

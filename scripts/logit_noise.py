@@ -48,16 +48,13 @@ def main() -> None:
     parser.add_argument("--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    import transformers
-
     from moeshard.integrations.transformers import load_sharded_model
+    from moeshard.jobs.generate import load_transformers_model
 
-    def hf(dtype: torch.dtype, device: str, **kwargs) -> torch.nn.Module:
-        m = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, **kwargs)
-        return m.to(device).eval()
+    def hf(dtype: torch.dtype, device: str) -> torch.nn.Module:
+        return load_transformers_model(args.model_dir, dtype).to(device).eval()
 
-    # torch._grouped_mm takes no float64: the exact run loops over the experts.
-    exact_model = hf(torch.float64, "cpu", experts_implementation="eager")
+    exact_model = hf(torch.float64, "cpu")  # the experts looped: torch._grouped_mm takes no float64
     ids, mask = batch(exact_model.config.vocab_size)
     exact = logits(exact_model, ids, mask)
     del exact_model

@@ -203,8 +203,8 @@ def _print(data: dict) -> None:
             line += (f"tolerance {run['dtype']} atol {c['tolerance']['atol']:g} rtol {c['tolerance']['rtol']:g}: "
                      f"{'within' if c['within_tolerance'] else 'EXCEEDED'}")
         print(line, file=out)
-        if c["transformers_dtype_vs_fp32_step_max_abs"] is not None:
-            noise = ", ".join("-" if v is None else f"{v:.3g}" for v in c["transformers_dtype_vs_fp32_step_max_abs"])
+        if c["transformers_rounding_step_max_abs"] is not None:
+            noise = ", ".join("-" if v is None else f"{v:.3g}" for v in c["transformers_rounding_step_max_abs"])
             print(f"for scale, transformers' own {run['dtype']} logits against its {c['noise_reference_dtype']} "
                   f"logits per step: [{noise}]", file=out)
         if c["within_rounding_noise"] is not None:

@@ -422,7 +422,7 @@ class GenerateComparison:
         return {"same_ids": list(self.same_ids), "first_difference": list(self.first_difference),
                 "step_max_abs_logit_diff": list(self.step_max_abs), "max_abs_logit_diff": self.max_abs,
                 "tolerance": {"atol": self.atol, "rtol": self.rtol}, "within_tolerance": self.within_tolerance,
-                "quant": self.quant, "transformers_dtype_vs_fp32_step_max_abs": noise,
+                "quant": self.quant, "transformers_rounding_step_max_abs": noise,
                 "noise_reference_dtype": self.noise_dtype, "within_rounding_noise": self.within_noise}
 
 

@@ -202,4 +202,3 @@ def split_tiles(plan: RowAlignment, block_m: int) -> RowAlignment:
     live = (parent >= 0) & (first_row - plan.start[expert] < plan.count[expert])
     return RowAlignment(plan.sorted_rows, torch.where(live, parent, -1), plan.start, plan.count, block_m,
                         plan.num_rows)
-

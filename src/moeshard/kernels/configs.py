@@ -165,7 +165,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # Per-tensor / per-row scales: gate_up accumulates across K on the tensor cores without
         # promotion. Mixtral at 4096 tokens on one H200 (scripts/fp8_study.py, 2026-12-01): 1.74 ms
         # at 128 x 128 x 64 against 2.74 ms for the 128 x 64 x 128 split-accumulation tile; its
-        # error is declared (ACCUMULATION["fp8_mma_unpromoted"], scripts/accumulation_contract.py).
+        # error is within the declared ACCUMULATION["fp8_mma"] (scripts/accumulation_contract.py).
         if fp8_gate_up != "mma":  # the exact gate_up: both GEMMs keep split fp32 accumulation
             gate_up, down_acc = GemmConfig(128, 64, 64, 8, 8, 4), "split"
         else:

@@ -141,7 +141,8 @@ def quantize_rows(x: torch.Tensor, scheme: str, amax: torch.Tensor | None = None
     else:
         s = torch.empty(T, triton.cdiv(K, CHUNK) if mode == 3 else 1, dtype=torch.float32, device=dev)
     if T and (K or mode == 2):  # an empty fp8_token row still has a scale (the amax floor's)
-        rows, chunk = (rows_per_program(T), ROWS * CHUNK // rows_per_program(T)) if mode == 2 else (ROWS, CHUNK)
+        rows = rows_per_program(T) if mode == 2 else ROWS
+        chunk = ROWS * CHUNK // rows  # fp8_token's steps widen as its programs take fewer rows
         grid = (triton.cdiv(T, rows), 1 if mode == 2 else triton.cdiv(K, chunk))
         _quantize_rows_kernel[grid](x, q, s, s, T, K, x.stride(0), q.stride(0), s.stride(0) if mode != 1 else 0,
                                     MODE=mode, ROWS=rows, CHUNK=chunk, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX,
