@@ -2,7 +2,8 @@
 
 tests/test_kernels.py checks small plans (one histogram program); here the histogram is split
 over programs of one or several 1024-id chunks, with a partial last chunk, one expert, more than
-256 experts, skewed loads and the ``amax`` zeroing. The kernels come from the
+256 experts, skewed loads and the ``amax`` zeroing; and the one-program plan of a few ids (a
+decode step's), against its definition and the three-kernel plan of the same ids. The kernels come from the
 ``interpreted_kernels`` fixture (tests/conftest.py): run or fail on CPU with triton, skipped with
 the reason without triton or with CUDA.
 """
@@ -19,11 +20,13 @@ def align(interpreted_kernels):
     return interpreted_kernels.align
 
 
-def _check_plan(align, ids: torch.Tensor, E: int, bm: int) -> None:
+def _check_plan(align, ids: torch.Tensor, E: int, bm: int, in_order: bool = False):
+    """Checks the plan of ``ids`` (padding rows -1 allowed) against its definition and returns it;
+    in_order: rows must also keep their input order within each expert."""
     amax = torch.full((E,), 7.0)
     plan = align.align_rows(ids, E, bm, amax=amax)
     assert torch.equal(amax, torch.zeros(E))
-    counts = torch.bincount(ids.long(), minlength=E)
+    counts = torch.bincount(ids.long()[ids >= 0], minlength=E)
     padded = (counts + bm - 1) // bm * bm
     assert torch.equal(plan.count.long(), counts)
     assert torch.equal(plan.start.long(), torch.cumsum(padded, 0) - padded)
@@ -31,10 +34,12 @@ def _check_plan(align, ids: torch.Tensor, E: int, bm: int) -> None:
     tiles = plan.tile_expert.tolist()
     for e in range(E):
         s, c = int(plan.start[e]), int(counts[e])
-        assert torch.equal(plan.sorted_rows[s:s + c].long().sort().values, (ids.long() == e).nonzero().flatten())
+        rows = plan.sorted_rows[s:s + c].long()
+        assert torch.equal(rows if in_order else rows.sort().values, (ids.long() == e).nonzero().flatten())
         assert tiles[s // bm:(s + c + bm - 1) // bm] == [e] * ((c + bm - 1) // bm)
     used = int(padded.sum()) // bm
     assert tiles[used:] == [-1] * (len(tiles) - used)
+    return plan
 
 
 def _multi_program_cases():
@@ -57,3 +62,37 @@ def test_align_rows_multi_program(align, monkeypatch, hist_programs, M, E, bm):
     skewed[: M // 2] = E - 1  # one expert with many tiles, likely a few experts with none
     skewed[M // 2: M // 2 + M // 8] = 0
     _check_plan(align, skewed.to(torch.int32), E, bm)
+
+
+# (M, E, BLOCK_M): one id, top-2 of 8 experts, 128 ids over 256 experts (DeepSeek-V3 at 16 tokens),
+# 64-row tiles, one expert, and a row count that is not a power of two.
+ONE_PROGRAM_CASES = [(1, 8, 16), (2, 8, 16), (8, 128, 16), (128, 256, 16), (128, 8, 64), (5, 1, 16), (37, 5, 32)]
+
+
+@pytest.mark.parametrize("M, E, bm", ONE_PROGRAM_CASES)
+def test_align_rows_one_program(align, monkeypatch, M, E, bm):
+    """At most ONE_PROGRAM_ROWS ids take the one-program plan: it must meet the plan's definition
+    with padding rows (-1) among the ids, keep each expert's rows in input order, and give the
+    three-kernel plan's counts, starts and tiles."""
+    assert M <= align.ONE_PROGRAM_ROWS
+    g = torch.Generator().manual_seed(M * 7 + E)
+    ids = torch.randint(0, E, (M,), generator=g)
+    if M > 4:
+        ids[[1, M - 1]] = -1
+    one = _check_plan(align, ids, E, bm, in_order=True)
+    monkeypatch.setattr(align, "ONE_PROGRAM_ROWS", 0)
+    three = _check_plan(align, ids, E, bm)
+    for name in ("count", "start", "tile_expert"):
+        assert torch.equal(getattr(one, name), getattr(three, name)), name
+
+
+@pytest.mark.parametrize("M, E", [(1, 8), (3000, 128), (2049, 300)])
+def test_count_ids(align, M, E):
+    """The expert load counter's histogram on CUDA (checked here through the interpreter): every
+    id counted once, -1 nowhere, over one and several histogram programs."""
+    ids = torch.randint(0, E, (M,), generator=torch.Generator().manual_seed(M))
+    ids[::7] = -1
+    want = torch.bincount(ids[ids >= 0], minlength=E)
+    got = align.count_ids(ids, E)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(align.count_ids(ids[:0], E), torch.zeros(E, dtype=torch.int64))

@@ -19,6 +19,12 @@ before the plan; the one-program plan kernel only sums G rows of E counts.
 
 Within an expert, rows are placed in the order their atomic increments land, which varies from
 run to run; every row is computed independently of its neighbours, so results do not.
+
+At most ``ONE_PROGRAM_ROWS`` rows (decode: a few tokens times top-k) the plan is one launch of
+one program instead of three: it holds every id, counts them, ranks each row among the earlier
+rows of its expert (so rows keep their input order within an expert) and finds every tile's
+expert from the experts' tile ends, all in registers. A decode step waits for the plan before its
+first GEMM, and each launch costs it a few microseconds.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ import triton.language as tl
 SCATTER_BLOCK = 1024  # rows (and tiles) per scatter program
 HIST_CHUNK = 1024  # ids per tl.histogram call
 HIST_PROGRAMS = 128  # at most this many histogram programs (about one per SM on an H100 / H200)
+# Up to this many rows the plan is one program (``_small_plan_kernel``): its [rows, rows] rank
+# comparison and [tiles, experts] tile search stay a few thousand elements per warp.
+ONE_PROGRAM_ROWS = 128
 
 
 def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -145,6 +154,43 @@ def _scatter_kernel(ids_ptr, M, E, num_tiles, start_ptr, count_ptr, cursor_ptr, 
         tl.store(tile_expert_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= used) & (offs < num_tiles))
 
 
+@triton.jit(do_not_specialize=["M", "num_tiles"])
+def _small_plan_kernel(ids_ptr, M, E, num_tiles, count_ptr, start_ptr, sorted_rows_ptr, tile_expert_ptr, amax_ptr,
+                       BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+                       ZERO_AMAX: tl.constexpr):
+    """The whole plan in one program for M <= ROWS ids (ROWS, TILES: powers of two >= M and
+    num_tiles): count, start, sorted_rows (rows in input order within each expert),
+    tile_expert (-1 from the last used tile to num_tiles), and amax = 0 when ZERO_AMAX."""
+    bins = tl.arange(0, NUM_BINS)
+    in_range = bins < E
+    offs = tl.arange(0, ROWS)
+    ids = tl.load(ids_ptr + offs, mask=offs < M, other=-1).to(tl.int32)
+    real = ids >= 0  # in range and not a padding row
+    # Masked lanes and padding rows count as expert 0 and are taken off bin 0 (as the histogram
+    # kernel does), so bins need not exceed E.
+    counts = tl.histogram(tl.where(real, ids, 0), NUM_BINS)
+    counts = tl.where(bins == 0, counts - tl.sum((~real).to(tl.int32)), counts)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    tl.store(count_ptr + bins, counts, mask=in_range)
+    tl.store(start_ptr + bins, starts, mask=in_range)
+    if ZERO_AMAX:
+        tl.store(amax_ptr + bins, tl.zeros([NUM_BINS], dtype=tl.float32), mask=in_range)
+    # Row i's position: its expert's start plus how many earlier rows share its expert.
+    earlier = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
+    slot = tl.sum(earlier.to(tl.int32), axis=1)
+    start = tl.sum(tl.where(ids[:, None] == bins[None, :], starts[None, :], 0), axis=1)
+    tl.store(sorted_rows_ptr + start + slot, offs, mask=real)
+    # Tile t belongs to the first expert whose tiles end after it (empty experts end where the
+    # previous one does, so they are passed over); tiles from the last used one on are -1.
+    t = tl.arange(0, TILES)
+    end_tile = tl.where(in_range, ends // BLOCK_M, 2147483647)
+    expert = tl.sum((end_tile[None, :] <= t[:, None]).to(tl.int32), axis=1)
+    used = tl.sum(tl.where(in_range, padded, 0)) // BLOCK_M
+    tl.store(tile_expert_ptr + t, tl.where(t < used, expert, -1), mask=t < num_tiles)
+
+
 def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
                amax: torch.Tensor | None = None) -> RowAlignment:
     """The tile plan of ``expert_ids`` (int64 or int32 [M], values in [0, num_experts) or -1 for a
@@ -152,7 +198,8 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
 
     amax: optional fp32 [num_experts] buffer that the plan kernel zeroes on the way (the gate_up
     GEMM then max-reduces each expert's |h| into it), saving a separate memset launch.
-    Three launches (histogram, plan, scatter), all sized from M and E on the host.
+    Three launches (histogram, plan, scatter), all sized from M and E on the host; one for at
+    most ``ONE_PROGRAM_ROWS`` ids.
     """
     # The kernels index ids as a dense vector: a strided view (a top-1 router's ids are column 0
     # of [T, E] sorted indices) would be read at the wrong rows.
@@ -160,18 +207,24 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     M, E = expert_ids.shape[0], num_experts
     device = expert_ids.device
     tiles = max_tiles(M, E, block_m)
+    count = torch.empty(E, dtype=torch.int32, device=device)
+    start = torch.empty(E, dtype=torch.int32, device=device)
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=device)
+    sorted_rows = torch.empty(tiles * block_m, dtype=torch.int32, device=device)
+    num_bins = max(32, triton.next_power_of_2(E))
+    if M <= ONE_PROGRAM_ROWS:
+        _small_plan_kernel[(1,)](expert_ids, M, E, tiles, count, start, sorted_rows, tile_expert,
+                                 amax if amax is not None else count, BLOCK_M=block_m, NUM_BINS=num_bins,
+                                 ROWS=max(16, triton.next_power_of_2(M)), TILES=max(16, triton.next_power_of_2(tiles)),
+                                 ZERO_AMAX=amax is not None, num_warps=4)
+        return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
     # G programs of per_program ids each (a multiple of HIST_CHUNK): at most HIST_PROGRAMS, so
     # that the one-program plan kernel has at most HIST_PROGRAMS rows of partial counts to sum.
     chunks = triton.cdiv(M, HIST_CHUNK)
     per_program = triton.cdiv(chunks, min(chunks, HIST_PROGRAMS)) * HIST_CHUNK
     parts = triton.cdiv(M, per_program)
     partial = torch.empty(parts, E, dtype=torch.int32, device=device)
-    count = torch.empty(E, dtype=torch.int32, device=device)
-    start = torch.empty(E, dtype=torch.int32, device=device)
     cursor = torch.empty(E, dtype=torch.int32, device=device)
-    tile_expert = torch.empty(tiles, dtype=torch.int32, device=device)
-    sorted_rows = torch.empty(tiles * block_m, dtype=torch.int32, device=device)
-    num_bins = max(32, triton.next_power_of_2(E))
     _histogram_kernel[(parts,)](expert_ids, M, E, per_program, partial,
                                 NUM_BINS=num_bins, CHUNK=HIST_CHUNK, num_warps=4)
     # Sum the partial counts a [PART_BLOCK, NUM_BINS] tile (~8K elements) at a time.
@@ -183,6 +236,24 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
                                                               sorted_rows, tile_expert, BLOCK=SCATTER_BLOCK,
                                                               BLOCK_M=block_m, TILE_BLOCK=128, num_warps=4)
     return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
+
+
+def count_ids(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """int64 [num_bins]: how many of ``ids`` (int32 or int64 [M] on CUDA, values in
+    [0, num_bins) or -1, counted nowhere) equal each value. The histogram kernel's partial counts
+    summed on the device: a scatter-add of ones into a few hundred bins serialises on the
+    atomics (37 us for Qwen3's 131072 routed ids over 128 experts on one H200)."""
+    ids = ids.contiguous()
+    M = ids.shape[0]
+    if M == 0:
+        return torch.zeros(num_bins, dtype=torch.int64, device=ids.device)
+    chunks = triton.cdiv(M, HIST_CHUNK)
+    per_program = triton.cdiv(chunks, min(chunks, HIST_PROGRAMS)) * HIST_CHUNK
+    parts = triton.cdiv(M, per_program)
+    partial = torch.empty(parts, num_bins, dtype=torch.int32, device=ids.device)
+    _histogram_kernel[(parts,)](ids, M, num_bins, per_program, partial,
+                                NUM_BINS=max(32, triton.next_power_of_2(num_bins)), CHUNK=HIST_CHUNK, num_warps=4)
+    return partial.sum(dim=0, dtype=torch.int64)
 
 
 def split_tiles(plan: RowAlignment, block_m: int) -> RowAlignment:
