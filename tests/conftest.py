@@ -25,7 +25,7 @@ CUDA = torch.cuda.is_available()
 TRITON_KERNEL_MODULES = {"align": "moeshard.kernels.align", "combine": "moeshard.dispatch.combine_kernel",
                          "grouped_gemm": "moeshard.kernels.grouped_gemm", "quant": "moeshard.kernels.quant",
                          "experts": "moeshard.kernels.experts", "quant_rows": "moeshard.kernels.quant_rows",
-                         "glu": "moeshard.kernels.glu"}
+                         "glu": "moeshard.kernels.glu", "topk": "moeshard.kernels.topk"}
 
 _SAVED_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if HAVE_TRITON and not CUDA:
