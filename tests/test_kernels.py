@@ -225,7 +225,7 @@ def test_fp8_block_gate_up_quantizes_h_in_its_epilogue(interpreted_kernels, exac
     y = TritonExperts("silu", dtype, ExpertsConfig(gemm, GemmConfig(16, 64, 32, group_m=2)))(ExpertInput(x, ids), w)
     err, atol, rtol, ok = compare(y, expert_reference(x, ids, w, "silu", dtype), dtype, "fp8_block")
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
-    with pytest.raises(ValueError, match="config.block_n=64 is not a multiple of 128"):
+    with pytest.raises(ValueError, match=r"config.block_n=64 is not 128 \(one scale group per tile\)"):
         k.grouped_gemm.moe_gemm(x, w.gate_up, plan, fused, GemmConfig(16, 64, 32), activation="silu", gather=True,
                                 model_dtype=dtype)
     with pytest.raises(ValueError, match="model_dtype must be bfloat16 or float16, got None"):
@@ -256,6 +256,31 @@ def test_combine_topk(interpreted_kernels):
     padded[rows.reshape(-1)] = y
     ref = (y.view(4, 3, 40).double() * w.double()[..., None]).sum(1)
     assert (combine_topk(padded, w, rows).double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_combine_topk_adds_and_rounds_as_the_layer_did(interpreted_kernels, exact_interpreter, dtype):
+    """The combine that finishes the layer's sum: the top-k sum plus the shared experts' rows in
+    fp32, rounded once to the model dtype, bit for bit what the combine then torch's mixed add
+    (or cast) gave; the local backend's combine_final off CUDA gives the same bits."""
+    combine_topk = interpreted_kernels.combine.combine_topk
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(12, 1100, generator=g).to(dtype)  # H over one 1024-column block
+    w = torch.rand(4, 3, generator=g)
+    shared = torch.randn(4, 1100, generator=g).to(dtype)
+    fp32 = combine_topk(y, w)
+    want = torch.add(fp32, shared, out=torch.empty_like(shared))
+    assert torch.equal(combine_topk(y, w, addend=shared, out_dtype=dtype), want)
+    assert torch.equal(combine_topk(y, w, out_dtype=dtype), fp32.to(dtype))
+    with pytest.raises(ValueError, match=r"addend must be \[4, 1100\]"):
+        combine_topk(y, w, addend=shared[:3], out_dtype=dtype)
+    from moeshard.dispatch.base import Dispatched
+    from moeshard.dispatch.local import LocalState
+    backend = LocalBackend(BackendContext(MoEConfig(num_experts=4, top_k=3, hidden_size=1100, intermediate_size=8,
+                                                    dtype=dtype), QuantConfig()))
+    d = Dispatched(None, LocalState(w))
+    assert torch.equal(backend.combine_final(y, d, shared, dtype), want)
+    assert torch.equal(backend.combine_final(y, d, None, dtype), fp32.to(dtype))
 
 
 @pytest.mark.slow  # a second pytest in a subprocess, 8 s on 2 cores: `make test-slow`

@@ -30,6 +30,7 @@ forward is the inference path, unchanged.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -316,10 +317,14 @@ class MoELayer(nn.Module):
         return (self.parallel.enable_ep and self.placement.has_replicas
                 and self.quant.spec.per_tensor_activation)
 
-    def _routed(self, x: torch.Tensor, first_row: int = 0, grad: bool = False) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, first_row: int = 0, grad: bool = False,
+                join_shared: Callable[[], torch.Tensor | None] = lambda: None) -> tuple[torch.Tensor, bool]:
         """x: [T, H] rows this rank routes (the first at row ``first_row`` of its DP rank's batch)
-        -> fp32 [T, H] routed-expert output (TP-reduced). grad: carry gradients (the
-        differentiable collectives and the portable experts)."""
+        -> (out, final): the fp32 [T, H] routed-expert output (TP-reduced), final False; or, where
+        the backend's combine can finish the layer's sum (``_final_combine``), the model-dtype
+        [T, H] sum of the routed output and ``join_shared()`` (the shared experts, or None),
+        final True. grad: carry gradients (the differentiable collectives and the portable
+        experts)."""
         rec = self.recorder
         routing = self.route(x)
         if rec is not None:
@@ -357,6 +362,9 @@ class MoELayer(nn.Module):
             rec.record("experts", y=y)
         if grad:
             out = differentiable.combine(self.backend, y, routing.topk_weights, d)
+        elif (combine_final := self._final_combine(tp_sliced)) is not None:
+            # Nothing runs between the combine and the shared sum: one pass sums both and rounds.
+            return combine_final(y, d, join_shared(), self.cfg.dtype), True
         else:
             out = self.backend.combine(y, d)
         if rec is not None:
@@ -371,7 +379,41 @@ class MoELayer(nn.Module):
                 all_reduce(out, self.groups.tp_group, "tp", trace=self.groups.trace)
             if rec is not None:
                 rec.record("tp_reduce", out=out)
-        return out
+        return out, False
+
+    def _final_combine(self, tp_sliced: bool) -> Callable[..., torch.Tensor] | None:
+        """The backend's ``combine_final`` (``dispatch.base.DispatchBackend``: the combine that also
+        adds the shared experts and rounds to the model dtype) where nothing sits between the two
+        (no TP reduction of the routed output, no sum of per-copy rows, no stage recorder reading
+        the fp32 sum), else None. Forward only (the caller has grad=False)."""
+        if tp_sliced or self.cfg.routing_kind.weights_on_input or self.recorder is not None:
+            return None
+        return getattr(self.backend, "combine_final", None)
+
+    def _start_shared(self, x: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+        """Starts the shared experts on x [T, H] (the rows this rank routes) and returns their
+        join: called once, it gives ``_shared(x)`` ([T, H], model dtype; None without shared
+        experts), readable on the current stream. On CUDA (``overlap_shared``) they run on a side
+        stream, independent of dispatch, while the routed path runs; elsewhere when joined."""
+        if self.shared_experts is None:
+            return lambda: None
+        if not (self.overlap_shared and x.is_cuda):
+            return lambda: self._shared(x)
+        main = torch.cuda.current_stream(x.device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=x.device)
+        side = self._side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = self._shared(x)
+
+        def join() -> torch.Tensor:
+            main.wait_stream(side)
+            if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
+                shared.record_stream(main)  # keeps the allocator from reusing it too early
+            return shared
+
+        return join
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] rows this rank routes -> [T, H] in the model dtype: the shared experts'
@@ -401,37 +443,22 @@ class MoELayer(nn.Module):
             else:
                 x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
             first_row = chunk.start
-        shared = None
-        if self.shared_experts is not None and self.overlap_shared and x.is_cuda:
-            # Independent of dispatch: overlap it (the side stream waits for x, the main stream
-            # for the result; record_stream keeps the allocator from reusing it too early).
-            main = torch.cuda.current_stream(x.device)
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device=x.device)
-            side = self._side_stream
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                shared = self._shared(x)
-            out = self._routed(x, first_row, grad)
-            main.wait_stream(side)
-            if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
-                shared.record_stream(main)
-        else:
-            out = self._routed(x, first_row, grad)
-            if self.shared_experts is not None:
-                shared = self._shared(x)
-        if shared is not None:
-            if self.recorder is not None:
-                self.recorder.record("shared", out=shared.float())
-            # (out + shared in fp32) rounded to the model dtype. Without autograd, one pass that
-            # rounds as it stores (the sum in fp32 and a separate cast cost two more passes over
-            # [T, H] fp32: 0.5 ms at DeepSeek-V3's 16384 tokens).
-            if grad:
-                out = (out + shared).to(self.cfg.dtype)
+        join_shared = self._start_shared(x)
+        out, final = self._routed(x, first_row, grad, join_shared)
+        if not final:
+            shared = join_shared()
+            if shared is not None:
+                if self.recorder is not None:
+                    self.recorder.record("shared", out=shared.float())
+                # (out + shared in fp32) rounded to the model dtype. Without autograd, one pass that
+                # rounds as it stores (the sum in fp32 and a separate cast cost two more passes over
+                # [T, H] fp32: 0.5 ms at DeepSeek-V3's 16384 tokens).
+                if grad:
+                    out = (out + shared).to(self.cfg.dtype)
+                else:
+                    out = torch.add(out, shared, out=torch.empty_like(shared, dtype=self.cfg.dtype))
             else:
-                out = torch.add(out, shared, out=torch.empty_like(shared, dtype=self.cfg.dtype))
-        else:
-            out = out.to(self.cfg.dtype)
+                out = out.to(self.cfg.dtype)
         if p.is_sequence_parallel:
             assert self.groups is not None  # sequence parallelism needs tp > 1, hence groups
             if grad:

@@ -223,6 +223,25 @@ def test_combine_topk():
     w = torch.rand(3000, 8, device="cuda")
     ref = (y.view(3000, 8, 1000).double() * w.double()[..., None]).sum(1)
     assert (combine_topk(y, w).double() - ref).abs().max() < 1e-4
+    # Finishing the layer's sum on CUDA: the shared rows added in fp32 and one rounding, bit for
+    # bit the fp32 combine then torch's mixed add (or cast).
+    shared = torch.randn(3000, 1000, device="cuda").to(torch.bfloat16)
+    fp32 = combine_topk(y, w)
+    assert torch.equal(combine_topk(y, w, addend=shared, out_dtype=torch.bfloat16),
+                       torch.add(fp32, shared, out=torch.empty_like(shared)))
+    assert torch.equal(combine_topk(y, w, out_dtype=torch.bfloat16), fp32.to(torch.bfloat16))
+
+
+def test_layer_final_combine_is_the_separate_sum():
+    """The layer's forward on CUDA finishes in the combine (shared experts added, rounded once):
+    the same bits as with the stage recorder on, which keeps the fp32 combine and the separate sum."""
+    from moeshard.stages import StageRecorder
+
+    for preset in ("deepseek-v3", "qwen3-30b-a3b"):
+        cfg, weights, layer = _layer(preset, "none")
+        recorded = MoELayer(cfg, QuantConfig("none"), weights=weights, device="cuda", recorder=StageRecorder())
+        x = torch.randn(200, cfg.hidden_size, device="cuda").to(cfg.dtype)
+        assert torch.equal(layer(x), recorded(x)), preset
 
 
 def _layer(preset: str, scheme: str, dtype=torch.bfloat16, seed=0):

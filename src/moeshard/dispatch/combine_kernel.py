@@ -4,7 +4,9 @@
 rows of y, a strided reduction) or an index map ``rows [T, K]`` for backends whose expert outputs
 come back in another order (each pair's row in the received buffer). One pass reads the rows
 once and writes out once (the generic ``index_add_`` path materialises ``y.float() * w`` first
-and accumulates with atomics). The sum runs over k in order, so the result is deterministic.
+and accumulates with atomics). The sum runs over k in order, so the result is deterministic. It
+may also add a [T, H] addend (the shared experts) and round to the model dtype as it stores, so
+that neither the fp32 sum nor a separate cast pass reaches memory.
 
 ``combine_topk_backward`` is the backward of the token-major combine in one pass as well: per
 token it reads dL/d(out) and its K rows once and writes both gradients (the torch path,
@@ -22,8 +24,8 @@ BLOCK_H = 1024
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, rows_ptr, out_ptr, H, stride_y, stride_w, stride_o,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, GATHER: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, rows_ptr, add_ptr, out_ptr, H, stride_y, stride_w, stride_a, stride_o,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, GATHER: tl.constexpr, ADD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -36,25 +38,34 @@ def _combine_kernel(y_ptr, w_ptr, rows_ptr, out_ptr, H, stride_y, stride_w, stri
             row = t * TOP_K + k
         y = tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0)
         acc += weight * y.to(tl.float32)
-    tl.store(out_ptr + t * stride_o + cols, acc, mask=ok)
+    if ADD:  # after the K terms, as the layer adds the shared experts to the finished sum
+        acc += tl.load(add_ptr + t * stride_a + cols, mask=ok, other=0.0).to(tl.float32)
+    # The store rounds to out's dtype (to nearest even, as torch's casts).
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def combine_topk(y: torch.Tensor, topk_weights: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def combine_topk(y: torch.Tensor, topk_weights: torch.Tensor, rows: torch.Tensor | None = None, *,
+                 addend: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """y: [R, H] any float dtype; topk_weights: fp32 [T, K]; rows: int64 [T, K] row of y of each
-    (token, k) pair, or None for token-major rows (R = T * K, pair (t, k) at row t * K + k)
-    -> fp32 [T, H]."""
+    (token, k) pair, or None for token-major rows (R = T * K, pair (t, k) at row t * K + k);
+    addend: [T, H] (any float dtype) added in fp32 after the K terms, or None -> [T, H] in
+    out_dtype, the fp32 sum rounded once."""
     T, K = topk_weights.shape
     H = y.shape[1]
-    out = torch.empty(T, H, dtype=torch.float32, device=y.device)
+    out = torch.empty(T, H, dtype=out_dtype, device=y.device)
     if T == 0:
         return out
     if y.stride(1) != 1 or topk_weights.stride(1) != 1:
         raise ValueError("combine_topk: y and topk_weights need contiguous rows")
     if rows is not None and (tuple(rows.shape) != (T, K) or not rows.is_contiguous()):
         raise ValueError(f"combine_topk: rows must be a contiguous [{T}, {K}] index, got {list(rows.shape)}")
-    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, topk_weights, rows if rows is not None else topk_weights, out, H,
-                                                  y.stride(0), topk_weights.stride(0), out.stride(0), TOP_K=K,
-                                                  BLOCK_H=BLOCK_H, GATHER=rows is not None, num_warps=4)
+    if addend is not None and (tuple(addend.shape) != (T, H) or addend.stride(1) != 1):
+        raise ValueError(f"combine_topk: addend must be [{T}, {H}] with contiguous rows, got {list(addend.shape)}")
+    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, topk_weights, rows if rows is not None else topk_weights,
+                                                  addend if addend is not None else out, out, H, y.stride(0),
+                                                  topk_weights.stride(0), addend.stride(0) if addend is not None else 0,
+                                                  out.stride(0), TOP_K=K, BLOCK_H=BLOCK_H, GATHER=rows is not None,
+                                                  ADD=addend is not None, num_warps=4)
     return out
 
 

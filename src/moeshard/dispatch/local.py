@@ -62,6 +62,21 @@ class LocalBackend(RowBackend):
         acc = acc_dtype(y, w)
         return (y.reshape(T, K, y.shape[1]).to(acc) * w.to(acc).unsqueeze(-1)).sum(dim=1)
 
+    def combine_final(self, y: torch.Tensor, dispatched: Dispatched, addend: torch.Tensor | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """``combine`` plus addend ([T, H] or None) in fp32, rounded once to dtype -> [T, H]
+        in dtype (``DispatchBackend.combine``). On CUDA one pass: the fp32 sum never reaches
+        memory (at Qwen3-30B-A3B's 16384 tokens its separate cast took 47 us, and DeepSeek-V3's
+        shared sum over [16384, 7168] 0.44 ms, on one H200)."""
+        w = dispatched.state.topk_weights
+        if y.is_cuda and triton_importable()[0]:
+            from moeshard.dispatch.combine_kernel import combine_topk
+            return combine_topk(y.contiguous(), w, addend=addend, out_dtype=dtype)
+        out = self.combine(y, dispatched)
+        if addend is None:
+            return out.to(dtype)
+        return torch.add(out, addend, out=torch.empty_like(addend, dtype=dtype))
+
     # -- backward (moeshard.autograd.routed) ----------------------------------------------------
     def combine_for_backward(self, y: torch.Tensor, dispatched: Dispatched) -> tuple[torch.Tensor, None]:
         return self.combine(y, dispatched), None

@@ -4,13 +4,13 @@
     x [M / repeat, H] (model dtype or quantized) --gate_up GEMM, act fused, routed row m gathered
         from x[m // repeat]--> h [P, I]
     h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
-        (fp8_block tiles of whole 128-column groups: quantized in the gate_up epilogue instead)
+        (fp8_block gate_up tiles of one 128-column group: quantized in the gate_up epilogue instead)
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
 
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
 rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six
 when quantized (seven for fp8_token when quantize_h splits a row over several programs: a row-max
-pass first; one fewer for fp8_block when the gate_up tiles hold whole 128-column groups of h, which
+pass first; one fewer for fp8_block when each gate_up tile is one 128-column group of h, which
 its epilogue then quantizes; two fewer when the plan is one program, at most 128 rows); no host
 sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
 routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up
@@ -106,8 +106,8 @@ class TritonExperts(GroupedExperts):
         amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
         plan = align_rows(ids, E, cfg.block_m, amax=amax)
         h: torch.Tensor | QuantizedActivations
-        if spec.kernel_mode == FP8_BLOCK and cfg.gate_up.block_n % FP8_BLOCK_COLS == 0:
-            # Each tile holds whole 128-column groups of h: the epilogue quantizes them.
+        if spec.kernel_mode == FP8_BLOCK and cfg.gate_up.block_n == FP8_BLOCK_COLS:
+            # Each tile is one 128-column group of h: the epilogue quantizes it.
             h = QuantizedActivations(scheme, torch.empty(plan.padded_rows, I, dtype=FP8_DTYPE, device=device),
                                      torch.empty(plan.padded_rows, -(-I // FP8_BLOCK_COLS), dtype=torch.float32,
                                                  device=device), None)

@@ -13,9 +13,9 @@ each):
   h = act(gate) * up at the padded positions, each factor rounded to the model dtype first as
   the reference does. With ``TRACK_AMAX`` it also max-reduces |h| of the tile's real rows into
   the expert's amax (per-tensor activation scales of the down projection). With ``QUANT_OUT``
-  (fp8_block, BLOCK_N a multiple of 128) it writes h already quantized: each row's 128-column
-  groups of the tile get their scale amax / 448 and their e4m3 codes, bit for bit as
-  ``quantize_h`` would make them from the stored h, so no separate pass reads h again.
+  (fp8_block, BLOCK_N = 128) it writes h already quantized: each row of the tile, one 128-column
+  group, gets its scale amax / 448 and its e4m3 codes, bit for bit as ``quantize_h`` would make
+  them from the stored h, so no separate pass reads h again.
 * down (``SCATTER_OUT``): A is h at the padded positions; results go straight to the original
   routed row order, row ``sorted_rows[p]`` of the [M, N] output (no separate unpermute pass).
 
@@ -283,17 +283,14 @@ def moe_gemm_kernel(
     else:
         result = acc.to(out_ty)
     if QUANT_OUT:
-        # quantize_h's fp8_block arithmetic on the rounded h: columns past N count as zeros in
-        # their group's amax (they are never stored), and the tile's columns start on a group.
-        GROUPS: tl.constexpr = BLOCK_N // 128
-        x = tl.reshape(tl.where(n_ok[None, :], result.to(tl.float32), 0.0), (BLOCK_M, GROUPS, 128))
-        block_max = tl.maximum(tl.max(tl.abs(x), axis=2), AMAX_FLOOR_C)
+        # quantize_h's fp8_block arithmetic on the rounded h: the tile is one 128-column group
+        # (BLOCK_N == 128, starting on a group); columns past N count as zeros in its amax (they
+        # are never stored).
+        x = tl.where(n_ok[None, :], result.to(tl.float32), 0.0)
+        block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR_C)
         scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX_C)
-        q = tl.clamp(tl.math.div_rn(x, scale[:, :, None]), -FP8_MAX_C, FP8_MAX_C)
-        result = tl.reshape(q, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv)
-        groups = pid_n * GROUPS + tl.arange(0, GROUPS)
-        tl.store(out_scale_ptr + offs_p.to(tl.int64)[:, None] * stride_osm + groups[None, :], scale,
-                 mask=(groups * 128 < N)[None, :])
+        result = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
+        tl.store(out_scale_ptr + offs_p.to(tl.int64) * stride_osm + pid_n, scale)
     if TRACK_AMAX:
         seen = tl.where(row_ok[:, None] & n_ok[None, :], tl.abs(result.to(tl.float32)), 0.0)
         tl.atomic_max(amax_ptr + expert, tl.max(tl.max(seen, axis=1), axis=0), sem="relaxed")
@@ -366,8 +363,8 @@ def _check_quantized_out(out: QuantizedActivations, w_mode: int, fused: bool, co
     if out.scheme != "fp8_block" or w_mode != 3 or not fused:
         problems.append(f"only the fp8_block gate_up quantizes h (out {out.scheme!r}, weight mode {w_mode}, "
                         f"activation {'fused' if fused else 'none'})")
-    if config.block_n % FP8_BLOCK:
-        problems.append(f"config.block_n={config.block_n} is not a multiple of {FP8_BLOCK}")
+    if config.block_n != FP8_BLOCK:
+        problems.append(f"config.block_n={config.block_n} is not {FP8_BLOCK} (one scale group per tile)")
     if model_dtype not in (torch.bfloat16, torch.float16):
         problems.append(f"model_dtype must be bfloat16 or float16, got {model_dtype}")
     if out.data.dtype != FP8_DTYPE or tuple(out.data.shape) != (plan.padded_rows, n):
@@ -394,7 +391,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     w: [E, N_w, K] model dtype or ``QuantizedWeight``.
     out: ``activation`` given (gate_up): [P, N_w / 2] in the model dtype, written at padded
        positions; else (down): [M, N_w], written at the original rows (``plan.sorted_rows``).
-       fp8_block gate_up with ``config.block_n`` a multiple of 128 may instead take
+       fp8_block gate_up with ``config.block_n`` = 128 may instead take
        ``QuantizedActivations("fp8_block", data fp8 [P, N_w / 2], row_scale fp32
        [P, ceil(N_w / 256)])``: h is quantized in the epilogue, bit for bit as ``quantize_h``,
        after rounding to ``model_dtype`` (bfloat16 or float16; required then).
