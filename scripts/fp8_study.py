@@ -2,9 +2,7 @@
 
 For each model, token count and scheme: every stage of ``TritonExperts`` timed alone (tile plan,
 gate_up GEMM, quantization of h, down GEMM) next to the whole call, each captured in a CUDA
-graph with an L2 flush before every repetition, with the weight bytes each GEMM reads; for
-fp8_block with 128-column gate_up tiles also that GEMM quantizing h in its epilogue (what
-``TritonExperts`` runs there), against the stored h plus ``quantize_h``. Then
+graph with an L2 flush before every repetition, with the weight bytes each GEMM reads. Then
 variants of the two GEMMs (tile shapes, warps, stages, and for the per-tensor / per-row schemes
 how the fp8 tensor cores accumulate: ``split``, ``promote``, ``imprecise``), each checked
 against the default variant's output (max relative difference) so that a fast wrong variant
@@ -34,7 +32,7 @@ from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import CHUNK, ROWS, column_span, quantize_h
-from moeshard.quant import QuantizedActivations, get_scheme
+from moeshard.quant import get_scheme
 
 CASES = (("mixtral-8x7b", (1, 16, 128, 4096)), ("deepseek-v3", (1, 16, 128, 4096)), ("qwen3-30b-a3b", (1, 4096)))
 SCHEMES = ("none", "fp8_tensor", "fp8_block")
@@ -103,14 +101,6 @@ def study(name: str, tokens: int, scheme: str, model, flush, out: list, log, swe
            "down_ms": _ms(lambda: moe_gemm(hq, experts.down, plan, y, sel.down, activation=None, gather=False),
                           flush, reps),
            "variants": []}
-    if spec.kernel_mode == 3 and sel.gate_up.block_n == 128:
-        # TritonExperts quantizes h in the gate_up epilogue here: that GEMM alone, against
-        # gate_up_ms + quant_h_ms (the stored h, then quantize_h).
-        hq_f = QuantizedActivations(scheme, torch.empty_like(hq.data), torch.empty_like(hq.row_scale), None)
-        rec["gate_up_quantized_ms"] = _ms(lambda: moe_gemm(
-            inp.x, experts.gate_up, plan, hq_f, sel.gate_up, activation=cfg.activation, gather=True,
-            a_row_div=inp.repeat, model_dtype=cfg.dtype), flush, reps)
-        log(f"{name} T={tokens} {scheme}: gate_up quantizing h in its epilogue {rec['gate_up_quantized_ms']}")
     log(f"{name} T={tokens} {scheme}: experts {rec['experts_ms']} align {rec['align_ms']} gate_up {rec['gate_up_ms']} "
         f"quant_h {rec['quant_h_ms']} down {rec['down_ms']} (GB {w_bytes / 1e9:.2f})")
     y_ref = y.clone()

@@ -101,7 +101,7 @@ def sweep(device: torch.device, progress: Callable[[str], None], reps: int = 10,
                 if gemm.startswith("gate_up"):
                     h = torch.empty(plan.padded_rows, I, dtype=cfg.dtype, device=device)
                     # partial binds this candidate's arguments now (the loop rebinds them before the next call).
-                    fn: Callable[[], object] = functools.partial(
+                    fn: Callable[[], torch.Tensor] = functools.partial(
                         moe_gemm, inp.x, experts.gate_up, plan, h, c, activation=cfg.activation, gather=True, amax=amax,
                         fp8_exact=gemm == "gate_up", a_row_div=inp.repeat)
                     flops = 4 * M * H * I
