@@ -374,7 +374,10 @@ def world(models):
 
 
 def _world_params():
-    return [pytest.param(ws, layout.name, family, id=f"{layout.name}-{family}")
+    # The 4-rank world (16 s on 2 cores) runs in `make test-slow`: generate under TP runs at 2 ranks
+    # (dp1-tp2) here, and the 4-rank dp2-tp2-ep model against transformers in test_train.py.
+    return [pytest.param(ws, layout.name, family, id=f"{layout.name}-{family}",
+                         marks=(pytest.mark.slow,) if ws == 4 else ())
             for ws, cases in WORLD_CASES.items() for layout, families in cases for family in families]
 
 
