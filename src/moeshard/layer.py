@@ -9,7 +9,9 @@
      -> quantize activations (unless none or deferred): data + per-row scales
      -> dispatch (backend) -> experts (grouped kernel) -> combine (backend): fp32 [T, H]
      -> TP without EP: all-reduce the partial sums over TP
-     -> + shared experts (model dtype, on the same rows, once; times ``cfg.shared_scale``)
+     -> + shared experts (model dtype, on the same rows, once; times ``cfg.shared_scale``), the
+        sum in fp32 rounded once to the model dtype (forward without TP reduction: inside the
+        backend's combine, ``combine_final``)
      -> SP only: all-gather over TP, drop the padding -> [T, H]
 
 The backend (``moeshard.dispatch``) owns the middle three steps' wire format: it quantizes
