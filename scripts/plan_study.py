@@ -3,9 +3,10 @@
 ``align_rows`` builds the plan of at most ``ONE_PROGRAM_ROWS`` routed rows in one program. This
 times both plans on the same ids (CUDA graphs, an L2 flush before every repetition) at the row
 counts decode steps give (top-k times 1 to 16 tokens) and the experts' expert counts, then the
-fp8_tensor experts of full-size models at those token counts with either plan, so that the
-choice of ``ONE_PROGRAM_ROWS`` rests on a measurement of one run (times of separate runs on
-separately lent GPUs differ by a few percent).
+fp8_tensor experts of full-size models at those token counts with either plan, each timed in
+alternating rounds (medians reported, every round kept), so that the choice of
+``ONE_PROGRAM_ROWS`` rests on a measurement of one run (times of separate runs on separately
+lent GPUs differ by a few percent).
 
     PYTHONPATH=src python3 scripts/plan_study.py [--json FILE]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -37,16 +39,22 @@ def _ms(fn, flush: L2Flush, reps: int = 50) -> float:
         g.release()
 
 
+ROUNDS = 3  # each plan timed this many times, alternating, so that drift favours neither
+
+
 def _both(fn, flush: L2Flush) -> dict:
-    """fn timed with the one-program plan (as shipped) and with the three-kernel plan."""
+    """fn timed with the one-program plan (as shipped) and with the three-kernel plan, ROUNDS
+    times each in alternation (one, three, three, one, ...): the median of each, and every round."""
     saved = align.ONE_PROGRAM_ROWS
+    rounds: dict[str, list[float]] = {"one_program": [], "three_kernels": []}
     try:
-        one = _ms(fn, flush)
-        align.ONE_PROGRAM_ROWS = 0
-        three = _ms(fn, flush)
+        for r in range(ROUNDS):
+            for plan in (("one_program", "three_kernels") if r % 2 == 0 else ("three_kernels", "one_program")):
+                align.ONE_PROGRAM_ROWS = saved if plan == "one_program" else 0
+                rounds[plan].append(_ms(fn, flush))
     finally:
         align.ONE_PROGRAM_ROWS = saved
-    return {"one_program_ms": one, "three_kernels_ms": three}
+    return {**{f"{k}_ms": statistics.median(v) for k, v in rounds.items()}, "rounds_ms": rounds}
 
 
 def main() -> None:
