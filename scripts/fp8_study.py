@@ -44,7 +44,8 @@ DECODE = [C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4), C(64, 64, 128, 1, 4,
           C(16, 32, 128, 1, 4, 3), C(16, 32, 128, 1, 4, 8), C(16, 16, 128, 1, 4, 6)]
 PREFILL = [C(128, 64, 128, 8, 8, 4, tma=True), C(64, 128, 128, 8, 4, 3), C(64, 128, 128, 8, 8, 3, tma=True),
            C(128, 128, 64, 8, 8, 4, tma=True), C(128, 128, 64, 8, 8, 3, tma=True), C(128, 128, 128, 8, 8, 3, tma=True),
-           C(128, 128, 64, 4, 8, 4, tma=True)]
+           C(128, 128, 64, 4, 8, 4, tma=True), C(128, 128, 128, 8, 8, 2, tma=True), C(128, 128, 128, 8, 8, 4, tma=True),
+           C(128, 128, 128, 4, 8, 3, tma=True), C(128, 128, 128, 16, 8, 3, tma=True)]
 # Variants are swept where the gaps to the fused-MoE kernel users run are largest; every case gets the stage attribution.
 SWEEP = {("mixtral-8x7b", 1), ("mixtral-8x7b", 16), ("mixtral-8x7b", 128), ("deepseek-v3", 1), ("deepseek-v3", 128),
          ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 4096), ("deepseek-v3", 4096), ("qwen3-30b-a3b", 4096)}

@@ -56,7 +56,9 @@ def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str) ->
     aligned = [*POINTERS, "N", "K", "N_w", "up_offset", "stride_am", "stride_we", "stride_wn", "stride_om"]
     consts = {**unit, "QUANT": quant, "FUSE_ACT": fused, "ACT": 0, "GATHER_A": fused, "SCATTER_OUT": not fused,
               "TRACK_AMAX": False, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
-              "FP8_ACC": FP8_ACC_MODES[fp8_acc], "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
+              "FP8_ACC": FP8_ACC_MODES[fp8_acc],
+              # as moe_gemm sets it: every problem here has N a multiple of 128
+              "WS_SCALAR": quant == 3 and bn <= 128 and 128 % bn == 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})
     names = list(moe_gemm_kernel.arg_names)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}

@@ -154,6 +154,35 @@ def test_triton_experts_match_reference(interpreted_kernels, exact_interpreter, 
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
+@pytest.mark.parametrize("block_n,block_k", [(64, 64), (128, 128)])
+def test_fp8_block_tiles_inside_one_scale_block_match_reference(interpreted_kernels, exact_interpreter, block_n,
+                                                                 block_k):
+    """fp8_block tiles of at most 128 columns aligned to their width read one weight scale per K
+    step (a scalar, not a [BLOCK_N] vector) when N is a multiple of 128. The weights' 128 x 128
+    blocks differ in magnitude by up to 2^9, so a scale taken from the wrong block (the
+    neighbouring column block, gate's block for up, or a BLOCK_K = 64 step's wrong K block)
+    is far outside the tolerance."""
+    TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
+    M, E, H, I = 37, 3, 256, 256
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(M, H, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, E, (M,), generator=gen)
+    # block (j, k) of 128 x 128 scaled by 2^((3j + 5k) % 10): neighbouring blocks differ.
+    def blocky(rows, cols):
+        j = torch.arange(rows) // 128
+        k = torch.arange(cols) // 128
+        return torch.exp2(((3 * j[:, None] + 5 * k[None, :]) % 10).float() - 5)
+    gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5 * blocky(2 * I, H)).to(torch.bfloat16)
+    dn = (torch.randn(E, H, I, generator=gen) / I**0.5 * blocky(H, I)).to(torch.bfloat16)
+    w = ExpertWeights(quantize_weight(gu, "fp8_block"), quantize_weight(dn, "fp8_block"), "fp8_block")
+    xq = quantize_activations(x, "fp8_block")
+    gemm = GemmConfig(16, block_n, block_k, group_m=2)
+    y = TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm))(ExpertInput(xq, ids), w)
+    err, atol, rtol, ok = compare(y, expert_reference(xq, ids, w, "silu", torch.bfloat16), torch.bfloat16,
+                                  "fp8_block")
+    assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
+
+
 @pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token"])
 def test_down_tiles_shorter_than_the_plan_match_reference(interpreted_kernels, exact_interpreter, scheme):
     """down in 16-row tiles over gate_up's 32-row plan (``split_tiles``): experts of 1-40 rows,

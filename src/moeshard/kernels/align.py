@@ -39,8 +39,11 @@ SCATTER_BLOCK = 1024  # rows (and tiles) per scatter program
 HIST_CHUNK = 1024  # ids per tl.histogram call
 HIST_PROGRAMS = 128  # at most this many histogram programs (about one per SM on an H100 / H200)
 # Up to this many rows the plan is one program (``_small_plan_kernel``): its [rows, rows] rank
-# comparison and [tiles, experts] tile search stay a few thousand elements per warp.
-ONE_PROGRAM_ROWS = 128
+# comparison and [tiles, experts] tile search stay a few thousand elements per warp. Both plans
+# side by side on one H200 (scripts/plan_study.py, alternating rounds): the one program is faster
+# up to 64 rows over 8, 128 or 256 experts (at 64 rows 5.9-9.4 us against 10.0-10.4 us), slower at
+# 128 rows over 128 and 256 experts (12.7 and 14.9 us against 10.8 and 11.8 us).
+ONE_PROGRAM_ROWS = 64
 
 
 def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:

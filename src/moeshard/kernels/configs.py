@@ -156,11 +156,13 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     if mode == NVFP4:
         return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
     if mode == FP8_BLOCK and fp8_gate_up == "mma":
-        # Block scales per 128 x 128: 64-row tiles, 128 x 128 per step, 4 warps and 3 stages for
-        # both GEMMs (they share block_m). Mixtral at 4096 tokens on one H200
-        # (scripts/fp8_study.py, 2026-12-01): gate_up 3.72 + down 1.38 ms against 4.47 + 1.79 ms
-        # at the 128 x 64 x 128 tile below; 128 x 128 x 64 spills (19.9 ms).
-        return ExpertsConfig(GemmConfig(64, 128, 128, 8, 4, 3), GemmConfig(64, 128, 128, 8, 4, 3))
+        # Block scales per 128 x 128, one weight scale per tile and K step (moe_gemm's ws_scalar):
+        # gate_up in 128 x 128 x 128 tiles with 8 warps, down in 64 x 128 x 128 tiles with 4 warps
+        # over the same plan. One H200, 4096 tokens (scripts/fp8_study.py, 2026-12-02): gate_up
+        # Mixtral 2.42, DeepSeek-V3 3.47, Qwen3 0.367 ms against 3.47, 4.39, 0.461 ms at
+        # 64 x 128 x 128 with 4 warps; down at 64 x 128 x 128 1.21, 1.90, 0.212 ms against 1.22,
+        # 2.42, 0.260 ms at 128 x 128 x 128.
+        return ExpertsConfig(GemmConfig(128, 128, 128, 8, 8, 3, tma=True), GemmConfig(64, 128, 128, 8, 4, 3))
     if fp8:
         # Per-tensor / per-row scales: gate_up accumulates across K on the tensor cores without
         # promotion. Mixtral at 4096 tokens on one H200 (scripts/fp8_study.py, 2026-12-01): 1.74 ms

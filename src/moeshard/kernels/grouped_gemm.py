@@ -126,7 +126,7 @@ def moe_gemm_kernel(
         QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
-        FP8_ACC: tl.constexpr,
+        FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -236,6 +236,15 @@ def moe_gemm_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
             if FUSE_ACT:
                 acc_up = tl.dot(a, tl.trans(b_up), acc_up)
+        elif WS_SCALAR:
+            kb = k0 // 128
+            a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
+            ws_base = w_scale_ptr + expert * stride_wse + kb * stride_wsk
+            w_s = tl.load(ws_base + ((pid_n * BLOCK_N) // 128) * stride_wsn)
+            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * w_s
+            if FUSE_ACT:
+                wu_s = tl.load(ws_base + ((pid_n * BLOCK_N + up_offset) // 128) * stride_wsn)
+                acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * wu_s
         else:
             kb = k0 // 128
             a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
@@ -398,6 +407,12 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         if not gather and _tma_ok(a_data):
             a_arg = TensorDescriptor.from_tensor(a_data, [bm, bk // pack])
             tma_a = True
+    # fp8_block: a tile of at most 128 columns that starts on a multiple of its width lies in one
+    # 128-column weight block (gate and up alike when N is a multiple of 128), so its weight scale
+    # is one scalar per K step. A [BLOCK_N] scale vector in the MMA layout costs registers: the
+    # 8-warp 128 x 64 x 128 fused gate_up tile needs 180 with the scalar and spills at 255 with
+    # the vector (scripts/kernel_resources.py). The products are the same in either form.
+    ws_scalar = w_mode == 3 and bn <= 128 and 128 % bn == 0 and (not fused or n % 128 == 0)
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
     moe_gemm_kernel[grid](
         a_arg, a_scale, a_global, w_arg, w_scale, w_global,
@@ -410,6 +425,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         QUANT=w_mode, FUSE_ACT=fused, ACT=_act_mode(activation),  # fused
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
+        WS_SCALAR=ws_scalar,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
