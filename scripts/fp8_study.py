@@ -26,7 +26,7 @@ import triton
 from moeshard.bench.timing import L2Flush, graphed, time_cuda
 from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
-from moeshard.kernels.align import align_rows
+from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import GemmConfig as C
 from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
@@ -88,7 +88,8 @@ def study(name: str, tokens: int, scheme: str, model, flush, out: list, log, swe
              a_row_div=inp.repeat)
     hq = quantize_h(h, scheme, plan, amax) if spec.quantized else h
     y = torch.empty(M, H, dtype=cfg.dtype, device=device)
-    moe_gemm(hq, experts.down, plan, y, sel.down, activation=None, gather=False)
+    down_plan = split_tiles(plan, sel.down.block_m)  # as TritonExperts runs down (shorter tiles, same plan)
+    moe_gemm(hq, experts.down, down_plan, y, sel.down, activation=None, gather=False)
     active = int((torch.bincount(inp.expert_ids, minlength=E) > 0).sum())
     w_bytes = bytes_per_expert(experts) * active
     kernel = TritonExperts(cfg.activation, cfg.dtype)
@@ -99,7 +100,7 @@ def study(name: str, tokens: int, scheme: str, model, flush, out: list, log, swe
            "gate_up_ms": _ms(lambda: moe_gemm(inp.x, experts.gate_up, plan, h, sel.gate_up, activation=cfg.activation,
                                               gather=True, amax=amax, a_row_div=inp.repeat), flush, reps),
            "quant_h_ms": _ms(lambda: quantize_h(h, scheme, plan, amax), flush, reps) if spec.quantized else 0.0,
-           "down_ms": _ms(lambda: moe_gemm(hq, experts.down, plan, y, sel.down, activation=None, gather=False),
+           "down_ms": _ms(lambda: moe_gemm(hq, experts.down, down_plan, y, sel.down, activation=None, gather=False),
                           flush, reps),
            "variants": []}
     log(f"{name} T={tokens} {scheme}: experts {rec['experts_ms']} align {rec['align_ms']} gate_up {rec['gate_up_ms']} "

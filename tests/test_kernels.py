@@ -227,6 +227,10 @@ def test_fp8_accumulation_modes_compute_the_same_products(interpreted_kernels, e
     assert torch.equal(outs["split"], outs[fp8_acc])
     with pytest.raises(ValueError, match="fp8_acc 'fast' is not one of"):
         moe_gemm(xq, w.gate_up, plan, outs["split"], gemm, activation="silu", gather=True, fp8_acc="fast")
+    # A tile height other than the plan's is refused before any launch (it read wrong positions).
+    with pytest.raises(ValueError, match=r"config.block_m=32 but the plan's block_m=16; .*split_tiles"):
+        moe_gemm(xq, w.gate_up, plan, outs["split"], GemmConfig(32, 32, 32, group_m=1), activation="silu",
+                 gather=True)
 
 
 def test_triton_experts_gelu_and_deferred_quant(interpreted_kernels, exact_interpreter):

@@ -373,6 +373,10 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
        config's own (``GemmConfig.fp8_acc``).
     """
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
+    if config.block_m != plan.block_m:
+        # Tiles of another height would index the plan's tiles at the wrong positions.
+        raise ValueError(f"moe_gemm: config.block_m={config.block_m} but the plan's block_m={plan.block_m}; "
+                         f"shorter tiles run over align.split_tiles(plan, {config.block_m})")
     if fp8_acc not in FP8_ACC_MODES:
         raise ValueError(f"moe_gemm: fp8_acc {fp8_acc!r} is not one of {list(FP8_ACC_MODES)}")
     a_rows = a.shape[0]
