@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, moe_gemm_kernel
+from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, moe_gemm_kernel, one_w_scale_per_tile
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 POINTERS = ("a_ptr", "a_scale_ptr", "a_global_ptr", "w_ptr", "w_scale_ptr", "w_global_ptr", "out_ptr", "amax_ptr",
@@ -57,8 +57,9 @@ def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str) ->
     consts = {**unit, "QUANT": quant, "FUSE_ACT": fused, "ACT": 0, "GATHER_A": fused, "SCATTER_OUT": not fused,
               "TRACK_AMAX": False, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
-              # as moe_gemm sets it: every problem here has N a multiple of 128
-              "WS_SCALAR": quant == 3 and bn <= 128 and 128 % bn == 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
+              # as moe_gemm sets it; N stands for any multiple of 128 (every model here)
+              "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused),
+              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})
     names = list(moe_gemm_kernel.arg_names)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}

@@ -64,7 +64,7 @@ def test_align_rows_multi_program(align, monkeypatch, hist_programs, M, E, bm):
     _check_plan(align, skewed.to(torch.int32), E, bm)
 
 
-# (M, E, BLOCK_M): one id, top-2 of 8 experts, 128 ids over 256 experts (DeepSeek-V3 at 16 tokens),
+# (M, E, BLOCK_M): one id, top-2 of 8 experts, 64 ids over 256 experts (DeepSeek-V3 at 8 tokens),
 # 64-row tiles, one expert, and a row count that is not a power of two.
 ONE_PROGRAM_CASES = [(1, 8, 16), (2, 8, 16), (8, 128, 16), (64, 256, 16), (64, 8, 64), (5, 1, 16), (37, 5, 32)]
 

@@ -112,6 +112,17 @@ def _load_tile(ptr, ptrs, row, col, rows_ok, cols_ok, TMA: tl.constexpr, MASK_RO
         return tl.load(ptrs, mask=cols_ok[None, :], other=ZERO)
 
 
+@triton.jit
+def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
+    """fp8_block weight scales of one K step for a tile's weight rows ``cols`` [BLOCK_N]: one
+    scalar, that of ``first_col``'s 128-row block, when the whole tile lies in it (``moe_gemm``'s
+    ws_scalar), else a [1, BLOCK_N] row of each column's block scale."""
+    if SCALAR:
+        return tl.load(ws_base + (first_col // 128) * stride_wsn)
+    else:
+        return tl.load(ws_base + (cols // 128) * stride_wsn)[None, :]
+
+
 # num_tiles varies with the routed rows; specializing on it would compile a variant per value class.
 @triton.jit(do_not_specialize=["num_tiles"])
 def moe_gemm_kernel(
@@ -236,24 +247,16 @@ def moe_gemm_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
             if FUSE_ACT:
                 acc_up = tl.dot(a, tl.trans(b_up), acc_up)
-        elif WS_SCALAR:
-            kb = k0 // 128
-            a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
-            ws_base = w_scale_ptr + expert * stride_wse + kb * stride_wsk
-            w_s = tl.load(ws_base + ((pid_n * BLOCK_N) // 128) * stride_wsn)
-            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * w_s
-            if FUSE_ACT:
-                wu_s = tl.load(ws_base + ((pid_n * BLOCK_N + up_offset) // 128) * stride_wsn)
-                acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * wu_s
         else:
             kb = k0 // 128
             a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
             ws_base = w_scale_ptr + expert * stride_wse + kb * stride_wsk
-            w_s = tl.load(ws_base + (offs_wn // 128) * stride_wsn)
-            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * w_s[None, :]
+            col0 = pid_n * BLOCK_N
+            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * _block_w_scale(ws_base, offs_wn, col0, stride_wsn,
+                                                                           WS_SCALAR)
             if FUSE_ACT:
-                wu_s = tl.load(ws_base + ((offs_wn + up_offset) // 128) * stride_wsn)
-                acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * wu_s[None, :]
+                acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * _block_w_scale(
+                    ws_base, offs_wn + up_offset, col0 + up_offset, stride_wsn, WS_SCALAR)
 
     if QUANT == 1 or QUANT == 2:
         a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
@@ -292,6 +295,16 @@ def moe_gemm_kernel(
         # the next stage may read whole tiles without masking.
         out_ptrs = out_ptr + offs_p.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, result, mask=n_ok[None, :])
+
+
+def one_w_scale_per_tile(mode: int, block_n: int, n: int, fused: bool) -> bool:
+    """Whether every fp8_block (mode 3) tile of ``block_n`` of the N output columns lies in one
+    128-column weight block: at most 128 columns starting on a multiple of its width, and for the
+    fused gate_up N a multiple of 128 (so up's columns, N later, are aligned too). Its weight scale
+    is then one scalar per K step. A [BLOCK_N] scale vector in the MMA layout costs registers:
+    the 8-warp 128 x 64 x 128 fused gate_up tile needs 180 with the scalar and spills at 255 with
+    the vector (scripts/kernel_resources.py). The products are the same in either form."""
+    return mode == 3 and block_n <= 128 and 128 % block_n == 0 and (not fused or n % 128 == 0)
 
 
 def _scale_strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
@@ -411,12 +424,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         if not gather and _tma_ok(a_data):
             a_arg = TensorDescriptor.from_tensor(a_data, [bm, bk // pack])
             tma_a = True
-    # fp8_block: a tile of at most 128 columns that starts on a multiple of its width lies in one
-    # 128-column weight block (gate and up alike when N is a multiple of 128), so its weight scale
-    # is one scalar per K step. A [BLOCK_N] scale vector in the MMA layout costs registers: the
-    # 8-warp 128 x 64 x 128 fused gate_up tile needs 180 with the scalar and spills at 255 with
-    # the vector (scripts/kernel_resources.py). The products are the same in either form.
-    ws_scalar = w_mode == 3 and bn <= 128 and 128 % bn == 0 and (not fused or n % 128 == 0)
+    ws_scalar = one_w_scale_per_tile(w_mode, bn, n, fused)
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
     moe_gemm_kernel[grid](
         a_arg, a_scale, a_global, w_arg, w_scale, w_global,
