@@ -1,7 +1,8 @@
 """Where the fp8 expert kernels' time goes, and which variants move it (one H200).
 
 For each model, token count and scheme: every stage of ``TritonExperts`` timed alone (tile plan,
-gate_up GEMM, quantization of h, down GEMM) next to the whole call, each captured in a CUDA
+gate_up GEMM, quantization of h, down GEMM; for fp8_block also gate_up quantizing h in its
+epilogue, as the experts run it) next to the whole call, each captured in a CUDA
 graph with an L2 flush before every repetition, with the weight bytes each GEMM reads. Then
 variants of the two GEMMs (tile shapes, warps, stages, and for the per-tensor / per-row schemes
 how the fp8 tensor cores accumulate: ``split``, ``promote``, ``imprecise``), each checked
@@ -32,10 +33,11 @@ from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import CHUNK, ROWS, column_span, quantize_h
-from moeshard.quant import get_scheme
+from moeshard.quant import FP8_DTYPE, QuantizedActivations, get_scheme
 
-CASES = (("mixtral-8x7b", (1, 16, 128, 4096)), ("deepseek-v3", (1, 16, 128, 4096)), ("qwen3-30b-a3b", (1, 4096)))
-SCHEMES = ("none", "fp8_tensor", "fp8_block")
+CASES = (("mixtral-8x7b", (1, 16, 128, 4096, 16384)), ("deepseek-v3", (1, 16, 128, 4096, 16384)),
+         ("qwen3-30b-a3b", (1, 4096, 16384)))
+SCHEMES = ("none", "fp8_tensor", "fp8_token", "fp8_block")
 DECODE = [C(16, 32, 128, 1, 4, 6), C(16, 64, 128, 1, 4, 4), C(64, 64, 128, 1, 4, 4), C(16, 64, 128, 1, 8, 4),
           C(16, 32, 256, 1, 4, 4), C(64, 128, 128, 1, 4, 3), C(64, 128, 128, 1, 4, 4), C(64, 128, 128, 1, 8, 4),
           C(32, 128, 128, 1, 4, 4),
@@ -46,6 +48,19 @@ PREFILL = [C(128, 64, 128, 8, 8, 4, tma=True), C(64, 128, 128, 8, 4, 3), C(64, 1
            C(128, 128, 64, 8, 8, 4, tma=True), C(128, 128, 64, 8, 8, 3, tma=True), C(128, 128, 128, 8, 8, 3, tma=True),
            C(128, 128, 64, 4, 8, 4, tma=True), C(128, 128, 128, 8, 8, 2, tma=True), C(128, 128, 128, 8, 8, 4, tma=True),
            C(128, 128, 128, 4, 8, 3, tma=True), C(128, 128, 128, 16, 8, 3, tma=True)]
+# Down alone at prefill, on gate_up's tile plan (split into shorter tiles where block_m is
+# smaller, as TritonExperts runs it); fp8_acc is the scheme's prefill mode (imprecise for the
+# per-tensor / per-row schemes, per-block scaling for fp8_block). None spill on sm_90a
+# (scripts/kernel_resources.py).
+DOWN_PREFILL = [C(128, 128, 128, 8, 8, 3, tma=True), C(128, 256, 128, 8, 8, 3, tma=True),
+                C(128, 256, 64, 8, 8, 4, tma=True), C(64, 128, 128, 8, 4, 3), C(64, 128, 128, 8, 4, 4),
+                C(64, 128, 128, 8, 8, 3), C(64, 256, 128, 8, 8, 3), C(64, 256, 128, 8, 4, 3),
+                C(64, 128, 128, 8, 4, 4, tma=True), C(64, 256, 128, 8, 8, 3, tma=True)]
+# gate_up alone at prefill (its own tile plan where block_m differs), at the scheme's prefill fp8_acc.
+GATE_UP_PREFILL = [C(128, 128, 64, 8, 8, 4, tma=True), C(128, 128, 128, 8, 8, 3, tma=True),
+                   C(128, 128, 128, 8, 8, 4, tma=True), C(128, 128, 128, 4, 8, 3, tma=True),
+                   C(128, 128, 128, 16, 8, 3, tma=True), C(64, 128, 128, 8, 4, 4), C(64, 128, 128, 8, 4, 4, tma=True),
+                   C(64, 128, 128, 8, 8, 3, tma=True)]
 # Variants are swept where the gaps to the fused-MoE kernel users run are largest; every case gets the stage attribution.
 SWEEP = {("mixtral-8x7b", 1), ("mixtral-8x7b", 16), ("mixtral-8x7b", 128), ("deepseek-v3", 1), ("deepseek-v3", 128),
          ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 4096), ("deepseek-v3", 4096), ("qwen3-30b-a3b", 4096)}
@@ -71,7 +86,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def study(name: str, tokens: int, scheme: str, model, flush, out: list, log, sweep_variants: bool = True) -> None:
+def study(name: str, tokens: int, scheme: str, model, flush, out: list, log, sweep_variants: bool = True,
+          down_sweep: bool = False) -> None:
     device = model.gate_up.device
     cfg = model.cfg
     spec = get_scheme(scheme)
@@ -103,9 +119,46 @@ def study(name: str, tokens: int, scheme: str, model, flush, out: list, log, swe
            "down_ms": _ms(lambda: moe_gemm(hq, experts.down, down_plan, y, sel.down, activation=None, gather=False),
                           flush, reps),
            "variants": []}
+    if spec.kernel_mode == 3 and sel.gate_up.block_n == 128:  # as TritonExperts runs it: h quantized in the epilogue
+        hq_out = QuantizedActivations(scheme, torch.empty(plan.padded_rows, I, dtype=FP8_DTYPE, device=device),
+                                      torch.empty(plan.padded_rows, -(-I // 128), dtype=torch.float32, device=device),
+                                      None)
+        rec["gate_up_quant_out_ms"] = _ms(lambda: moe_gemm(
+            inp.x, experts.gate_up, plan, hq_out, sel.gate_up, activation=cfg.activation, gather=True,
+            a_row_div=inp.repeat, model_dtype=cfg.dtype), flush, reps)
+        live = plan.tile_expert.repeat_interleave(plan.block_m) >= 0
+        rec["gate_up_quant_out_bit_equal"] = bool(
+            torch.equal(hq_out.data[live].view(torch.uint8), hq.data[live].view(torch.uint8))
+            and torch.equal(hq_out.row_scale[live], hq.row_scale[live]))
+        log(f"   gate_up with h quantized in its epilogue: {rec['gate_up_quant_out_ms']} "
+            f"(bit-equal to gate_up + quantize_h: {rec['gate_up_quant_out_bit_equal']})")
     log(f"{name} T={tokens} {scheme}: experts {rec['experts_ms']} align {rec['align_ms']} gate_up {rec['gate_up_ms']} "
         f"quant_h {rec['quant_h_ms']} down {rec['down_ms']} (GB {w_bytes / 1e9:.2f})")
     y_ref = y.clone()
+    if down_sweep and tokens > 128 and spec.quantized:
+        acc = "split" if spec.kernel_mode not in (1, 2) else "imprecise"
+        rec["gate_up_variants"] = []
+        for c in GATE_UP_PREFILL:
+            plan_g = plan if c.block_m == sel.block_m else align_rows(inp.expert_ids, E, c.block_m, amax=amax)
+            hv = torch.empty(plan_g.padded_rows, I, dtype=cfg.dtype, device=device)
+            ms_g = _ms(lambda plan_g=plan_g, hv=hv, c=c: moe_gemm(
+                inp.x, experts.gate_up, plan_g, hv, c, activation=cfg.activation, gather=True, amax=amax,
+                a_row_div=inp.repeat, fp8_acc=acc), flush, reps)
+            rec["gate_up_variants"].append({"config": c.as_dict(), "fp8_acc": acc, "gate_up_ms": ms_g})
+            log(f"   gate_up {c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages} "
+                f"tma={c.tma} {acc}: {ms_g}")
+        rec["down_variants"] = []
+        for c in DOWN_PREFILL:
+            if sel.block_m % c.block_m or (c.block_n > 128 and spec.kernel_mode not in (1, 2, 3)):
+                continue
+            yv = torch.empty(M, H, dtype=cfg.dtype, device=device)
+            plan_d = split_tiles(plan, c.block_m)
+            ms_d = _ms(lambda plan_d=plan_d, yv=yv, c=c: moe_gemm(hq, experts.down, plan_d, yv, c, activation=None,
+                                                                   gather=False, fp8_acc=acc), flush, reps)
+            rel_y = _rel(yv, y_ref) if not isinstance(ms_d, str) else None
+            rec["down_variants"].append({"config": c.as_dict(), "fp8_acc": acc, "down_ms": ms_d, "y_rel_diff": rel_y})
+            log(f"   down {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} tma={c.tma} {acc}: "
+                f"{ms_d} rel {rel_y}")
     accs = (ACCS if tokens > 128 else ("split", "imprecise")) if spec.kernel_mode in (1, 2) else ("split",)
     sweep = sweep_variants and (name, tokens) in SWEEP and spec.quantized
     for c in (DECODE if tokens <= 128 else PREFILL) if sweep else ():
@@ -185,6 +238,9 @@ def main() -> None:
     ap.add_argument("--tokens", default=None, help="comma list: only these token counts")
     ap.add_argument("--schemes", default=None, help="comma list: only these schemes")
     ap.add_argument("--no-sweep", action="store_true", help="stage times only: no tile variants, no quantize_h spans")
+    ap.add_argument("--down-sweep", action="store_true",
+                    help="at prefill, time gate_up alone at every GATE_UP_PREFILL tile and down alone at every "
+                         "DOWN_PREFILL tile on gate_up's plan")
     args = ap.parse_args()
     device = torch.device("cuda", 0)
     flush = L2Flush(device)
@@ -203,7 +259,8 @@ def main() -> None:
             for scheme in SCHEMES:
                 if args.schemes and scheme not in args.schemes.split(","):
                     continue
-                study(name, tokens, scheme, model, flush, out, log, sweep_variants=not args.no_sweep)
+                study(name, tokens, scheme, model, flush, out, log, sweep_variants=not args.no_sweep,
+                      down_sweep=args.down_sweep)
                 if args.json:
                     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         for tokens in () if args.no_sweep else token_counts:

@@ -233,6 +233,38 @@ def test_fp8_accumulation_modes_compute_the_same_products(interpreted_kernels, e
                  gather=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("I", [160, 256])  # a partial last 128-column group, and two whole ones
+def test_fp8_block_gate_up_quantizes_h_in_its_epilogue(interpreted_kernels, exact_interpreter, dtype, I):
+    """fp8_block gate_up with 128-column tiles writes h quantized: the same bits as the stored h
+    through quantize_h, on every row of the live tiles (padding rows included); and TritonExperts
+    taking that path still matches the reference."""
+    k = interpreted_kernels
+    TritonExperts, GemmConfig, ExpertsConfig = _experts_api(k)
+    QuantizedActivations = k.grouped_gemm.QuantizedActivations
+    M, E, H = 37, 3, 64
+    x, ids, w = _problem(M, E, H, I, dtype, "fp8_block", seed=5)
+    plan = k.align.align_rows(ids, E, 16)
+    gemm = GemmConfig(16, 128, 32, group_m=2)
+    h = torch.zeros(plan.padded_rows, I, dtype=dtype)
+    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True)
+    want = k.quant.quantize_h(h, "fp8_block", plan, None)
+    fused = QuantizedActivations("fp8_block", torch.zeros(plan.padded_rows, I, dtype=torch.float8_e4m3fn),
+                                 torch.zeros(plan.padded_rows, -(-I // 128)), None)
+    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, fused, gemm, activation="silu", gather=True, model_dtype=dtype)
+    live = plan.tile_expert.repeat_interleave(plan.block_m) >= 0
+    assert torch.equal(fused.data[live].view(torch.uint8), want.data[live].view(torch.uint8))
+    assert torch.equal(fused.row_scale[live], want.row_scale[live])
+    y = TritonExperts("silu", dtype, ExpertsConfig(gemm, GemmConfig(16, 64, 32, group_m=2)))(ExpertInput(x, ids), w)
+    err, atol, rtol, ok = compare(y, expert_reference(x, ids, w, "silu", dtype), dtype, "fp8_block")
+    assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
+    with pytest.raises(ValueError, match=r"config.block_n=64 is not 128 \(one scale group per tile\)"):
+        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, fused, GemmConfig(16, 64, 32), activation="silu", gather=True,
+                                model_dtype=dtype)
+    with pytest.raises(ValueError, match="model_dtype must be bfloat16 or float16, got None"):
+        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, fused, gemm, activation="silu", gather=True)
+
+
 def test_triton_experts_gelu_and_deferred_quant(interpreted_kernels, exact_interpreter):
     TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
     x, ids, w = _problem(30, 3, 64, 64, torch.bfloat16, "fp8_tensor", seed=8)
@@ -332,20 +364,24 @@ def test_selection_on_cpu():
 def test_fp8_down_tiles_follow_the_measured_choices():
     """The tiles the fp8 study measured fastest (docs/performance.md): at Mixtral's 128-token
     decode the fp8 down GEMM streams 64 x 128 tiles (the fused gate_up and bf16 keep 64 columns);
-    at prefill the per-row schemes' down accumulates unpromoted, in 64-row tiles over the 128-row
-    plan below 512 rows per expert, and the exact gate_up keeps split accumulation in both."""
+    at prefill the per-row schemes' down accumulates unpromoted in 128 x 256 tiles, fp8_block's
+    down runs 64-row tiles over the 128-row plan, and the exact gate_up keeps split accumulation
+    in both (64-row down tiles below 512 rows per expert)."""
     for scheme in ("fp8_tensor", "fp8_block"):
         cfg = select_config(256, 8, 4096, 14336, scheme)
         assert (cfg.block_m, cfg.gate_up.block_n, cfg.down.block_n) == (64, 64, 128)
     bf16 = select_config(256, 8, 4096, 14336, "none")
     assert (bf16.block_m, bf16.down.block_n) == (64, 64)
     mixtral = select_config(8192, 8, 4096, 14336, "fp8_tensor")
-    assert (mixtral.down.block_m, mixtral.down.num_stages, mixtral.down.fp8_acc) == (128, 3, "imprecise")
+    assert (mixtral.down.block_m, mixtral.down.block_n, mixtral.down.fp8_acc) == (128, 256, "imprecise")
     deepseek = select_config(32768, 256, 7168, 2048, "fp8_token")
-    assert (deepseek.block_m, deepseek.down.block_m, deepseek.down.fp8_acc) == (128, 64, "imprecise")
+    assert (deepseek.block_m, deepseek.down.block_m, deepseek.down.block_n, deepseek.down.fp8_acc) == \
+        (128, 128, 256, "imprecise")
     exact = select_config(32768, 256, 7168, 2048, "fp8_tensor", fp8_gate_up="exact")
     assert exact.gate_up.fp8_acc == exact.down.fp8_acc == "split"
-    assert select_config(32768, 256, 7168, 2048, "fp8_block").down.fp8_acc == "split"
+    assert (exact.down.block_m, exact.down.block_n) == (64, 128)
+    block = select_config(32768, 256, 7168, 2048, "fp8_block")
+    assert (block.down.fp8_acc, block.down.block_m, block.gate_up.block_n) == ("split", 64, 128)
 
 
 def test_experts_config_refuses_down_tiles_that_do_not_divide_the_plan():

@@ -101,9 +101,6 @@ def multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Below this many rows per expert the fp8 per-row schemes' prefill down GEMM runs 64-row tiles.
-SHORT_DOWN_ROWS = 512
-
 # Shared memory for the software pipeline, of the 227 KB a block may use on Hopper (the rest
 # is left to the epilogue's layout conversion). Triton keeps num_stages tiles for wgmma
 # (BLOCK_M >= 64) and num_stages - 1 for mma.sync.
@@ -157,29 +154,32 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
     if mode == FP8_BLOCK and fp8_gate_up == "mma":
         # Block scales per 128 x 128, one weight scale per tile and K step (moe_gemm's ws_scalar):
-        # gate_up in 128 x 128 x 128 tiles with 8 warps, down in 64 x 128 x 128 tiles with 4 warps
-        # over the same plan. One H200, 4096 tokens (scripts/fp8_study.py, 2026-12-02): gate_up
-        # Mixtral 2.42, DeepSeek-V3 3.47, Qwen3 0.367 ms against 3.47, 4.39, 0.461 ms at
-        # 64 x 128 x 128 with 4 warps; down at 64 x 128 x 128 1.21, 1.90, 0.212 ms against 1.22,
-        # 2.42, 0.260 ms at 128 x 128 x 128.
-        return ExpertsConfig(GemmConfig(128, 128, 128, 8, 8, 3, tma=True), GemmConfig(64, 128, 128, 8, 4, 3))
+        # gate_up in 128 x 128 x 128 tiles with 8 warps (each tile one 128-column group of h, which
+        # its epilogue quantizes), down in 64 x 128 x 128 tiles with 4 warps over the same plan.
+        # One H200 (scripts/fp8_study.py, 2026-12-02), 4096 tokens: gate_up Mixtral 2.42,
+        # DeepSeek-V3 3.47, Qwen3 0.367 ms against 3.47, 4.39, 0.461 ms at 64 x 128 x 128 with 4
+        # warps; down with 4 stages and TMA 1.27, 1.68, 0.205 ms against 1.22, 1.86, 0.217 ms with
+        # 3 stages and pointer loads and 1.22, 2.36, 0.259 ms at 128 x 128 x 128 (16384 tokens: 4.94,
+        # 5.64, 0.697 ms against 4.87, 5.76, 0.735 and 4.95, 6.46, 0.804).
+        return ExpertsConfig(GemmConfig(128, 128, 128, 8, 8, 3, tma=True),
+                             GemmConfig(64, 128, 128, 8, 4, 4, tma=True))
     if fp8:
         # Per-tensor / per-row scales: gate_up accumulates across K on the tensor cores without
         # promotion. Mixtral at 4096 tokens on one H200 (scripts/fp8_study.py, 2026-12-01): 1.74 ms
         # at 128 x 128 x 64 against 2.74 ms for the 128 x 64 x 128 split-accumulation tile; its
         # error is within the declared ACCUMULATION["fp8_mma"] (scripts/accumulation_contract.py).
-        if fp8_gate_up != "mma":  # the exact gate_up: both GEMMs keep split fp32 accumulation
-            gate_up, down_acc = GemmConfig(128, 64, 64, 8, 8, 4), "split"
-        else:
-            gate_up, down_acc = GemmConfig(128, 128, 64, 8, 8, 4, tma=True, fp8_acc="imprecise"), "imprecise"
+        if fp8_gate_up != "mma":
+            # The exact gate_up: both GEMMs keep split fp32 accumulation (a second fp32 tile per
+            # step, so down's 128 x 256 tile would spill); 64-row down tiles below 512 rows per expert.
+            down = GemmConfig(64, 128, 128, 8, 4, 3) if r < 512 else GemmConfig(128, 128, 128, 8, 8, 3, tma=True)
+            return ExpertsConfig(GemmConfig(128, 64, 64, 8, 8, 4), down)
+        gate_up = GemmConfig(128, 128, 64, 8, 8, 4, tma=True, fp8_acc="imprecise")
         # The down GEMM accumulates unpromoted too (its error is within the declared fp8_mma
-        # contract at K = 14336: scripts/accumulation_contract.py, "prefill-imprecise-both").
-        # Experts of a few hundred rows: 128-row tiles compute much padding, so down runs 64-row
-        # tiles over the same plan (align.split_tiles). One H200, 4096 tokens, down alone
-        # (scripts/fp8_study.py, 2026-12-01): DeepSeek-V3 (128 rows per expert) 1.61 ms at
-        # 64 x 128 x 128 against 2.11 ms for the 128-row split tile, Qwen3 (256) 0.172 against
-        # 0.244 ms; Mixtral (1024) 0.984 ms at 128 x 128 x 128 with 3 stages against 1.132 ms.
-        if r < SHORT_DOWN_ROWS:
-            return ExpertsConfig(gate_up, GemmConfig(64, 128, 128, 8, 4, 3, fp8_acc=down_acc))
-        return ExpertsConfig(gate_up, GemmConfig(128, 128, 128, 8, 8, 3, tma=True, fp8_acc=down_acc))
+        # contract at K = 14336: scripts/accumulation_contract.py, "prefill-imprecise-both"), in
+        # 128 x 256 x 128 tiles: one accumulator of 128 x 256 holds no second fp32 tile, so it fits
+        # 8 warps without spilling. One H200, down alone (scripts/fp8_study.py, 2026-12-02), 4096
+        # tokens: Mixtral 0.729 ms against 0.980 at 128 x 128 x 128, DeepSeek-V3 (128 rows per
+        # expert) 1.45 against 1.54 at 64 x 128 x 128, Qwen3 0.174 against 0.174; 16384 tokens:
+        # 2.72 against 3.66, 3.89 against 5.52, 0.541 against 0.729.
+        return ExpertsConfig(gate_up, GemmConfig(128, 256, 128, 8, 8, 3, tma=True, fp8_acc="imprecise"))
     return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=tma), GemmConfig(128, 256, 64, 8, 8, 3, tma=tma))
