@@ -1,8 +1,7 @@
 """Where the fp8 expert kernels' time goes, and which variants move it (one H200).
 
 For each model, token count and scheme: every stage of ``TritonExperts`` timed alone (tile plan,
-gate_up GEMM, quantization of h, down GEMM; for fp8_block also gate_up quantizing h in its
-epilogue, as the experts run it) next to the whole call, each captured in a CUDA
+gate_up GEMM, quantization of h, down GEMM) next to the whole call, each captured in a CUDA
 graph with an L2 flush before every repetition, with the weight bytes each GEMM reads. Then
 variants of the two GEMMs (tile shapes, warps, stages, and for the per-tensor / per-row schemes
 how the fp8 tensor cores accumulate: ``split``, ``promote``, ``imprecise``), each checked
@@ -33,7 +32,7 @@ from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import CHUNK, ROWS, column_span, quantize_h
-from moeshard.quant import FP8_DTYPE, QuantizedActivations, get_scheme
+from moeshard.quant import get_scheme
 
 CASES = (("mixtral-8x7b", (1, 16, 128, 4096, 16384)), ("deepseek-v3", (1, 16, 128, 4096, 16384)),
          ("qwen3-30b-a3b", (1, 4096, 16384)))
@@ -119,19 +118,6 @@ def study(name: str, tokens: int, scheme: str, model, flush, out: list, log, swe
            "down_ms": _ms(lambda: moe_gemm(hq, experts.down, down_plan, y, sel.down, activation=None, gather=False),
                           flush, reps),
            "variants": []}
-    if spec.kernel_mode == 3 and sel.gate_up.block_n == 128:  # as TritonExperts runs it: h quantized in the epilogue
-        hq_out = QuantizedActivations(scheme, torch.empty(plan.padded_rows, I, dtype=FP8_DTYPE, device=device),
-                                      torch.empty(plan.padded_rows, -(-I // 128), dtype=torch.float32, device=device),
-                                      None)
-        rec["gate_up_quant_out_ms"] = _ms(lambda: moe_gemm(
-            inp.x, experts.gate_up, plan, hq_out, sel.gate_up, activation=cfg.activation, gather=True,
-            a_row_div=inp.repeat, model_dtype=cfg.dtype), flush, reps)
-        live = plan.tile_expert.repeat_interleave(plan.block_m) >= 0
-        rec["gate_up_quant_out_bit_equal"] = bool(
-            torch.equal(hq_out.data[live].view(torch.uint8), hq.data[live].view(torch.uint8))
-            and torch.equal(hq_out.row_scale[live], hq.row_scale[live]))
-        log(f"   gate_up with h quantized in its epilogue: {rec['gate_up_quant_out_ms']} "
-            f"(bit-equal to gate_up + quantize_h: {rec['gate_up_quant_out_bit_equal']})")
     log(f"{name} T={tokens} {scheme}: experts {rec['experts_ms']} align {rec['align_ms']} gate_up {rec['gate_up_ms']} "
         f"quant_h {rec['quant_h_ms']} down {rec['down_ms']} (GB {w_bytes / 1e9:.2f})")
     y_ref = y.clone()

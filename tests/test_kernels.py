@@ -233,38 +233,6 @@ def test_fp8_accumulation_modes_compute_the_same_products(interpreted_kernels, e
                  gather=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("I", [160, 256])  # a partial last 128-column group, and two whole ones
-def test_fp8_block_gate_up_quantizes_h_in_its_epilogue(interpreted_kernels, exact_interpreter, dtype, I):
-    """fp8_block gate_up with 128-column tiles writes h quantized: the same bits as the stored h
-    through quantize_h, on every row of the live tiles (padding rows included); and TritonExperts
-    taking that path still matches the reference."""
-    k = interpreted_kernels
-    TritonExperts, GemmConfig, ExpertsConfig = _experts_api(k)
-    QuantizedActivations = k.grouped_gemm.QuantizedActivations
-    M, E, H = 37, 3, 64
-    x, ids, w = _problem(M, E, H, I, dtype, "fp8_block", seed=5)
-    plan = k.align.align_rows(ids, E, 16)
-    gemm = GemmConfig(16, 128, 32, group_m=2)
-    h = torch.zeros(plan.padded_rows, I, dtype=dtype)
-    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True)
-    want = k.quant.quantize_h(h, "fp8_block", plan, None)
-    fused = QuantizedActivations("fp8_block", torch.zeros(plan.padded_rows, I, dtype=torch.float8_e4m3fn),
-                                 torch.zeros(plan.padded_rows, -(-I // 128)), None)
-    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, fused, gemm, activation="silu", gather=True, model_dtype=dtype)
-    live = plan.tile_expert.repeat_interleave(plan.block_m) >= 0
-    assert torch.equal(fused.data[live].view(torch.uint8), want.data[live].view(torch.uint8))
-    assert torch.equal(fused.row_scale[live], want.row_scale[live])
-    y = TritonExperts("silu", dtype, ExpertsConfig(gemm, GemmConfig(16, 64, 32, group_m=2)))(ExpertInput(x, ids), w)
-    err, atol, rtol, ok = compare(y, expert_reference(x, ids, w, "silu", dtype), dtype, "fp8_block")
-    assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
-    with pytest.raises(ValueError, match=r"config.block_n=64 is not 128 \(one scale group per tile\)"):
-        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, fused, GemmConfig(16, 64, 32), activation="silu", gather=True,
-                                model_dtype=dtype)
-    with pytest.raises(ValueError, match="model_dtype must be bfloat16 or float16, got None"):
-        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, fused, gemm, activation="silu", gather=True)
-
-
 def test_triton_experts_gelu_and_deferred_quant(interpreted_kernels, exact_interpreter):
     TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
     x, ids, w = _problem(30, 3, 64, 64, torch.bfloat16, "fp8_tensor", seed=8)

@@ -156,30 +156,6 @@ def test_fused_input_quantization_bit_exact(scheme, shape):
     assert fused_input_quant(x.device, scheme) and not fused_input_quant(x.device, "nvfp4")
 
 
-@pytest.mark.parametrize("M,E,H,I,gemm", [(2, 8, 1024, 1792, (16, 128, 128, 1, 4, 4)),
-                                          (3000, 8, 512, 1408, (64, 128, 128, 8, 4, 3)),
-                                          (6000, 8, 512, 1408, (128, 128, 128, 8, 8, 3, True))],
-                         ids=["decode", "prefill-64", "prefill-128"])
-def test_fp8_block_epilogue_quantization_bit_exact(M, E, H, I, gemm):
-    """fp8_block gate_up with 128-column tiles quantizes h in its epilogue: on the GPU the same
-    bits as the stored h through quantize_h, padding rows of live tiles included."""
-    from moeshard.kernels.grouped_gemm import moe_gemm
-    from moeshard.quant import QuantizedActivations
-
-    cfg = GemmConfig(*gemm)
-    w = _weights(E, H, I, torch.bfloat16, "fp8_block", seed=9)
-    x = quantize_activations(torch.randn(M, H, device="cuda").to(torch.bfloat16), "fp8_block")
-    plan = align_rows(_ids(M, E, seed=10), E, cfg.block_m)
-    h = torch.empty(plan.padded_rows, I, dtype=torch.bfloat16, device="cuda")
-    moe_gemm(x, w.gate_up, plan, h, cfg, activation="silu", gather=True)
-    want = quantize_h(h, "fp8_block", plan, None)
-    got = QuantizedActivations("fp8_block", torch.empty_like(want.data), torch.empty_like(want.row_scale), None)
-    moe_gemm(x, w.gate_up, plan, got, cfg, activation="silu", gather=True, model_dtype=torch.bfloat16)
-    live = plan.tile_expert.repeat_interleave(plan.block_m) >= 0
-    assert torch.equal(got.data[live].view(torch.uint8), want.data[live].view(torch.uint8))
-    assert torch.equal(got.row_scale[live], want.row_scale[live])
-
-
 def test_router_topk_kernel_matches_the_stable_sort():
     """The router's one-pass top-k on CUDA gives the stable sort's indices (ties, NaN, -inf), and
     routing on the GPU picks the experts the CPU's sort picks, group-limited routing included."""

@@ -154,15 +154,18 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
     if mode == FP8_BLOCK and fp8_gate_up == "mma":
         # Block scales per 128 x 128, one weight scale per tile and K step (moe_gemm's ws_scalar):
-        # gate_up in 128 x 128 x 128 tiles with 8 warps (each tile one 128-column group of h, which
-        # its epilogue quantizes), down in 64 x 128 x 128 tiles with 4 warps over the same plan.
-        # One H200 (scripts/fp8_study.py, 2026-12-02), 4096 tokens: gate_up Mixtral 2.42,
-        # DeepSeek-V3 3.47, Qwen3 0.367 ms against 3.47, 4.39, 0.461 ms at 64 x 128 x 128 with 4
-        # warps; down with 4 stages and TMA 1.27, 1.68, 0.205 ms against 1.22, 1.86, 0.217 ms with
-        # 3 stages and pointer loads and 1.22, 2.36, 0.259 ms at 128 x 128 x 128 (16384 tokens: 4.94,
-        # 5.64, 0.697 ms against 4.87, 5.76, 0.735 and 4.95, 6.46, 0.804).
+        # gate_up in 128 x 128 x 128 tiles with 8 warps, down in 64 x 128 x 128 tiles with 4 warps
+        # over the same plan. One H200 (scripts/fp8_study.py, 2026-12-02), 4096 tokens: gate_up
+        # Mixtral 2.42, DeepSeek-V3 3.47, Qwen3 0.367 ms against 3.47, 4.39, 0.461 ms at
+        # 64 x 128 x 128 with 4 warps; down 1.21-1.31, 1.71-1.87, 0.207-0.217 ms against 1.22,
+        # 2.36, 0.259 ms at 128 x 128 x 128. Down's pipeline: 4 stages through TMA where its K (the
+        # intermediate size) is short (DeepSeek-V3 2048: 1.68-1.71 against 1.86 ms at 3 stages of
+        # pointer loads; 16384 tokens 5.64-5.70 against 5.76-5.91; Qwen3 768: 0.205-0.207 against
+        # 0.217, 0.691-0.697 against 0.721-0.735), 3 of pointer loads at Mixtral's 14336 (1.22
+        # against 1.27-1.31 ms; 16384 tokens 4.87-4.88 against 4.94-5.08).
+        long_k = inter >= 8192
         return ExpertsConfig(GemmConfig(128, 128, 128, 8, 8, 3, tma=True),
-                             GemmConfig(64, 128, 128, 8, 4, 4, tma=True))
+                             GemmConfig(64, 128, 128, 8, 4, 3 if long_k else 4, tma=not long_k))
     if fp8:
         # Per-tensor / per-row scales: gate_up accumulates across K on the tensor cores without
         # promotion. Mixtral at 4096 tokens on one H200 (scripts/fp8_study.py, 2026-12-01): 1.74 ms

@@ -4,19 +4,16 @@
     x [M / repeat, H] (model dtype or quantized) --gate_up GEMM, act fused, routed row m gathered
         from x[m // repeat]--> h [P, I]
     h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
-        (fp8_block gate_up tiles of one 128-column group: quantized in the gate_up epilogue instead)
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
 
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
-rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six
-when quantized (seven for fp8_token when quantize_h splits a row over several programs: a row-max
-pass first; one fewer for fp8_block when each gate_up tile is one 128-column group of h, which
-its epilogue then quantizes; two fewer when the tile plan is one program, at most
-``align.ONE_PROGRAM_ROWS`` routed rows); no host
+rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized
+(seven for fp8_token when quantize_h splits a row over several programs: a row-max pass first; two fewer
+when the tile plan is one program, at most 128 routed rows); no host
 sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
-routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up
-product is rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then
-h is quantized exactly as ``quantize_activations`` would (per-tensor scales per expert).
+routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up product is
+rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is
+quantized exactly as ``quantize_activations`` would (per-tensor scales per expert).
 """
 
 from __future__ import annotations
@@ -27,14 +24,13 @@ from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels.align import align_rows, split_tiles
-from moeshard.kernels.configs import FP8, FP8_BLOCK, ExpertsConfig, multiprocessors, select_config
+from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
 from moeshard.kernels.quant_rows import MODES as ROW_MODES
 from moeshard.kernels.quant_rows import quantize_rows
 from moeshard.numerics import ACCUMULATION
-from moeshard.quant import FP8_BLOCK as FP8_BLOCK_COLS
-from moeshard.quant import FP8_DTYPE, QuantizedActivations, get_scheme, quantize_activations
+from moeshard.quant import QuantizedActivations, get_scheme, quantize_activations
 
 
 class TritonExperts(GroupedExperts):
@@ -106,19 +102,12 @@ class TritonExperts(GroupedExperts):
         per_tensor = spec.per_tensor_activation
         amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
         plan = align_rows(ids, E, cfg.block_m, amax=amax)
-        h: torch.Tensor | QuantizedActivations
-        if spec.kernel_mode == FP8_BLOCK and cfg.gate_up.block_n == FP8_BLOCK_COLS:
-            # Each tile is one 128-column group of h: the epilogue quantizes it.
-            h = QuantizedActivations(scheme, torch.empty(plan.padded_rows, I, dtype=FP8_DTYPE, device=device),
-                                     torch.empty(plan.padded_rows, -(-I // FP8_BLOCK_COLS), dtype=torch.float32,
-                                                 device=device), None)
-        else:
-            h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
+        h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
         moe_gemm(x, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=True, amax=amax,
-                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat, model_dtype=self.out_dtype)
+                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat)
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
-        h_in = quantize_h(h, scheme, plan, amax) if isinstance(h, torch.Tensor) and scheme != "none" else h
+        h_in = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
         return moe_gemm(h_in, weights.down, split_tiles(plan, cfg.down.block_m), y, cfg.down, activation=None,
                         gather=False)

@@ -12,10 +12,7 @@ each):
   accumulators, gate columns [n, n + BN) and up columns [N + n, N + n + BN) of W, and writes
   h = act(gate) * up at the padded positions, each factor rounded to the model dtype first as
   the reference does. With ``TRACK_AMAX`` it also max-reduces |h| of the tile's real rows into
-  the expert's amax (per-tensor activation scales of the down projection). With ``QUANT_OUT``
-  (fp8_block, BLOCK_N = 128) it writes h already quantized: each row of the tile, one 128-column
-  group, gets its scale amax / 448 and its e4m3 codes, bit for bit as ``quantize_h`` would make
-  them from the stored h, so no separate pass reads h again.
+  the expert's amax (per-tensor activation scales of the down projection).
 * down (``SCATTER_OUT``): A is h at the padded positions; results go straight to the original
   routed row order, row ``sorted_rows[p]`` of the [M, N] output (no separate unpermute pass).
 
@@ -50,7 +47,7 @@ import triton.language as tl
 from moeshard.activations import get_activation
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
-from moeshard.quant import AMAX_FLOOR, FP8_BLOCK, FP8_DTYPE, FP8_MAX, QuantizedActivations, QuantizedWeight, get_scheme
+from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 
 
 def _act_mode(activation: str | None) -> int:
@@ -65,9 +62,6 @@ def _act_mode(activation: str | None) -> int:
 
 
 FP8_ACC_MODES = {name: i for i, name in enumerate(FP8_ACCUMULATIONS)}  # the kernel's FP8_ACC
-# quantize_h's constants, as the epilogue's fp8_block quantization needs them.
-AMAX_FLOOR_C = tl.constexpr(AMAX_FLOOR)
-FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -134,16 +128,16 @@ def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
 def moe_gemm_kernel(
         a_ptr, a_scale_ptr, a_global_ptr,
         w_ptr, w_scale_ptr, w_global_ptr,
-        out_ptr, amax_ptr, out_scale_ptr,
+        out_ptr, amax_ptr,
         sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
         num_tiles, N, K, N_w, up_offset, a_row_div,
         stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
         stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
-        stride_om, stride_on, stride_osm,
+        stride_om, stride_on,
         QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
-        FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, QUANT_OUT: tl.constexpr, ROUND_F16: tl.constexpr,
+        FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -277,11 +271,7 @@ def moe_gemm_kernel(
         if FUSE_ACT:
             acc_up = acc_up / denom
 
-    # The model dtype: out's, unless h is stored quantized (then ROUND_F16 names it).
-    if QUANT_OUT:
-        out_ty = tl.float16 if ROUND_F16 else tl.bfloat16
-    else:
-        out_ty = out_ptr.dtype.element_ty
+    out_ty = out_ptr.dtype.element_ty
     if FUSE_ACT:
         # The reference rounds the gate_up product to the model dtype before the activation,
         # and the activation's fp32 result to the model dtype again.
@@ -294,15 +284,6 @@ def moe_gemm_kernel(
         result = h.to(out_ty)
     else:
         result = acc.to(out_ty)
-    if QUANT_OUT:
-        # quantize_h's fp8_block arithmetic on the rounded h: the tile is one 128-column group
-        # (BLOCK_N == 128, starting on a group); columns past N count as zeros in its amax (they
-        # are never stored).
-        x = tl.where(n_ok[None, :], result.to(tl.float32), 0.0)
-        block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR_C)
-        scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX_C)
-        result = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
-        tl.store(out_scale_ptr + offs_p.to(tl.int64) * stride_osm + pid_n, scale)
     if TRACK_AMAX:
         seen = tl.where(row_ok[:, None] & n_ok[None, :], tl.abs(result.to(tl.float32)), 0.0)
         tl.atomic_max(amax_ptr + expert, tl.max(tl.max(seen, axis=1), axis=0), sem="relaxed")
@@ -377,34 +358,10 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and all(t.stride(d) == t.stride(d + 1) * t.shape[d + 1] for d in range(t.dim() - 2)))
 
 
-def _check_quantized_out(out: QuantizedActivations, w_mode: int, fused: bool, config: GemmConfig,
-                         plan: RowAlignment, n: int, model_dtype: torch.dtype | None) -> None:
-    """What a quantized ``out`` of ``moe_gemm`` needs (see its docstring), with the values."""
-    groups = triton.cdiv(n, FP8_BLOCK)
-    problems = []
-    if out.scheme != "fp8_block" or w_mode != 3 or not fused:
-        problems.append(f"only the fp8_block gate_up quantizes h (out {out.scheme!r}, weight mode {w_mode}, "
-                        f"activation {'fused' if fused else 'none'})")
-    if config.block_n != FP8_BLOCK:
-        problems.append(f"config.block_n={config.block_n} is not {FP8_BLOCK} (one scale group per tile)")
-    if model_dtype not in (torch.bfloat16, torch.float16):
-        problems.append(f"model_dtype must be bfloat16 or float16, got {model_dtype}")
-    if out.data.dtype != FP8_DTYPE or tuple(out.data.shape) != (plan.padded_rows, n):
-        problems.append(f"out.data must be {FP8_DTYPE} [{plan.padded_rows}, {n}], got {out.data.dtype} "
-                        f"{list(out.data.shape)}")
-    rs = out.row_scale
-    if rs is None or rs.dtype != torch.float32 or tuple(rs.shape) != (plan.padded_rows, groups) or rs.stride(1) != 1:
-        problems.append(f"out.row_scale must be contiguous float32 [{plan.padded_rows}, {groups}], got "
-                        f"{None if rs is None else (rs.dtype, list(rs.shape))}")
-    if problems:
-        raise ValueError("moe_gemm: quantized out: " + "; ".join(problems))
-
-
 def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | QuantizedWeight, plan: RowAlignment,
-             out: torch.Tensor | QuantizedActivations, config: GemmConfig, *, activation: str | None, gather: bool,
+             out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
-             fp8_acc: str | None = None, model_dtype: torch.dtype | None = None
-             ) -> torch.Tensor | QuantizedActivations:
+             fp8_acc: str | None = None) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -413,10 +370,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     w: [E, N_w, K] model dtype or ``QuantizedWeight``.
     out: ``activation`` given (gate_up): [P, N_w / 2] in the model dtype, written at padded
        positions; else (down): [M, N_w], written at the original rows (``plan.sorted_rows``).
-       fp8_block gate_up with ``config.block_n`` = 128 may instead take
-       ``QuantizedActivations("fp8_block", data fp8 [P, N_w / 2], row_scale fp32
-       [P, ceil(N_w / 256)])``: h is quantized in the epilogue, bit for bit as ``quantize_h``,
-       after rounding to ``model_dtype`` (bfloat16 or float16; required then).
     amax: fp32 [E] zeroed buffer; gate_up max-reduces each expert's |h| into it.
     config.tma: weights (and, for the down GEMM, the contiguous h tiles) are read through TMA
        descriptors where the layout allows it; gathered rows always use pointer loads.
@@ -457,13 +410,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     n = n_w // 2 if fused else n_w
     if fused and n_w % 2:
         raise ValueError(f"moe_gemm: fused gate_up needs an even number of weight rows, got {n_w}")
-    quant_out = isinstance(out, QuantizedActivations)
-    if isinstance(out, QuantizedActivations):
-        _check_quantized_out(out, w_mode, fused, config, plan, n, model_dtype)
-        assert out.row_scale is not None  # _check_quantized_out refuses a missing one
-        out_data, out_scale = out.data, out.row_scale
-    else:
-        out_data = out_scale = out
     if w_mode == 4 and k % 16:
         raise ValueError(f"moe_gemm: nvfp4 needs K % 16 == 0, got K={k}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -482,16 +428,16 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
     moe_gemm_kernel[grid](
         a_arg, a_scale, a_global, w_arg, w_scale, w_global,
-        out_data, amax if amax is not None else out_data, out_scale,
+        out, amax if amax is not None else out,
         plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
         plan.max_tiles, n, k, n_w, n if fused else 0, a_row_div,
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
-        out_data.stride(0), out_data.stride(1), out_scale.stride(0),
+        out.stride(0), out.stride(1),
         QUANT=w_mode, FUSE_ACT=fused, ACT=_act_mode(activation),  # fused
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
-        WS_SCALAR=ws_scalar, QUANT_OUT=quant_out, ROUND_F16=model_dtype == torch.float16,
+        WS_SCALAR=ws_scalar,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
