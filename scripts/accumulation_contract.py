@@ -63,11 +63,11 @@ def case(scheme: str, shape: str, seed: int) -> dict:
     refs = {name: expert_reference(x, ids, weights, "silu", DTYPE, accumulation=acc) for name, acc in CONTRACTS.items()}
     modes = {"mma": TritonExperts("silu", DTYPE), "exact": TritonExperts("silu", DTYPE, fp8_gate_up="exact")}
     if scheme != "fp8_block":  # the prefill tile of the per-row schemes, each accumulation forced
-        tile, down = GemmConfig(128, 128, 64, 8, 8, 4, tma=True), GemmConfig(128, 128, 128, 8, 8, 4, tma=True)
+        tile, down = GemmConfig(128, 128, 128, 8, 8, 4, tma=True), GemmConfig(128, 128, 128, 8, 8, 4, tma=True)
         for acc in ("split", "imprecise"):
             modes[f"prefill-{acc}"] = TritonExperts("silu", DTYPE, ExpertsConfig(replace(tile, fp8_acc=acc), down))
-        # Both GEMMs unpromoted, the down GEMM at its 3-stage tile (K = I, 14336 at Mixtral).
-        both = ExpertsConfig(replace(tile, fp8_acc="imprecise"), GemmConfig(128, 128, 128, 8, 8, 3, tma=True,
+        # Both GEMMs unpromoted, the down GEMM at its 128 x 256 prefill tile (K = I, 14336 at Mixtral).
+        both = ExpertsConfig(replace(tile, fp8_acc="imprecise"), GemmConfig(128, 256, 128, 8, 8, 3, tma=True,
                                                                             fp8_acc="imprecise"))
         modes["prefill-imprecise-both"] = TritonExperts("silu", DTYPE, both)
     for mode, kernel in modes.items():

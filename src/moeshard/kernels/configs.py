@@ -171,12 +171,16 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # promotion. Mixtral at 4096 tokens on one H200 (scripts/fp8_study.py, 2026-12-01): 1.74 ms
         # at 128 x 128 x 64 against 2.74 ms for the 128 x 64 x 128 split-accumulation tile; its
         # error is within the declared ACCUMULATION["fp8_mma"] (scripts/accumulation_contract.py).
+        # 128 x 128 x 128 with 4 stages (two runs, 2026-12-02, gate_up alone): Mixtral 4096 tokens
+        # 1.62-1.63 ms against 1.77-1.83 at 128 x 128 x 64, 16384 tokens 6.93-7.03 against
+        # 7.35-7.40; DeepSeek-V3 2.74-2.79 against 3.01-3.02 and 8.37-8.46 against 7.94-8.31 (the
+        # one shape it loses); Qwen3 0.274-0.276 against 0.301-0.302 and 0.86-0.92 against 0.87-0.90.
         if fp8_gate_up != "mma":
             # The exact gate_up: both GEMMs keep split fp32 accumulation (a second fp32 tile per
             # step, so down's 128 x 256 tile would spill); 64-row down tiles below 512 rows per expert.
             down = GemmConfig(64, 128, 128, 8, 4, 3) if r < 512 else GemmConfig(128, 128, 128, 8, 8, 3, tma=True)
             return ExpertsConfig(GemmConfig(128, 64, 64, 8, 8, 4), down)
-        gate_up = GemmConfig(128, 128, 64, 8, 8, 4, tma=True, fp8_acc="imprecise")
+        gate_up = GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise")
         # The down GEMM accumulates unpromoted too (its error is within the declared fp8_mma
         # contract at K = 14336: scripts/accumulation_contract.py, "prefill-imprecise-both"), in
         # 128 x 256 x 128 tiles: one accumulator of 128 x 256 holds no second fp32 tile, so it fits
