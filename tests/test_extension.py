@@ -154,3 +154,30 @@ def test_the_registry_decides_which_groups_a_backend_needs():
     deciders = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
                       if re.search(r"side_channel\s*=", p.read_text()) and p.name not in ("registry.py", "groups.py"))
     assert deciders == [], f"modules deciding a side channel themselves: {deciders}"
+
+
+def test_combine_final_is_declared_by_the_registry_and_refused_when_missing(extended):
+    """The layer's one-pass combine with the shared experts is a capability in each backend's
+    registry entry (``BackendSpec.combine_final``), not discovered by looking for a method: every
+    built-in entry's flag matches what its backend has, and an entry that claims the method for
+    a backend without it is refused when the layer is built, with the backend's name."""
+    import dataclasses
+
+    from moeshard.dispatch.base import BackendContext
+    from moeshard.dispatch.registry import register_backend, unregister_backend
+
+    cfg = PRESETS["qwen2-57b-a14b"].config("small")
+    for name, spec in BACKENDS.items():
+        if spec.layouts == "no_ep":
+            backend = spec.factory(BackendContext(cfg, QuantConfig()))
+            assert callable(getattr(backend, "combine_final", None)) == spec.combine_final, name
+    assert BACKENDS["local"].combine_final and not BACKENDS["local_blocks"].combine_final
+    w = MoEWeights.random(cfg, torch.Generator().manual_seed(6))
+    claimed = dataclasses.replace(BACKENDS["local_blocks"], name="local_blocks_claims", combine_final=True)
+    register_backend(claimed)
+    try:
+        with pytest.raises(TypeError, match="local_blocks: its registry entry says combine_final=True but the "
+                                            "backend has no combine_final"):
+            MoELayer(cfg, weights=w, backend="local_blocks_claims")
+    finally:
+        unregister_backend(claimed.name)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from moeshard.autograd.collectives import gather_rows, shard_rows, tp_copy, tp_r
 from moeshard.autograd.roles import GradRole, layer_role
 from moeshard.autograd.support import backward_refusal
 from moeshard.config import MoEConfig, QuantConfig, dtype_name
-from moeshard.dispatch.base import BackendContext, DispatchBackend
+from moeshard.dispatch.base import BackendContext, DispatchBackend, FinalCombineBackend
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.eplb.loads import LoadCounter
 from moeshard.eplb.moves import MoveStats, move_slots, plan_moves
@@ -79,6 +80,18 @@ def _record_dispatched(rec: StageRecorder, inp, slot_expert: torch.Tensor) -> No
     logical = torch.where(ids >= 0, slot_expert[ids.clamp_min(0)], torch.full_like(ids, -1))
     rec.record("dispatch", rows=rows, row_scale=scale, tensor_scale=tensor_scale, expert_ids=logical,
                repeat=inp.repeat, first_expert=0)
+
+
+def _final_combiner(backend: DispatchBackend, declared: bool) -> Callable[..., torch.Tensor] | None:
+    """``backend.combine_final`` where its registry entry declares one (``BackendSpec.combine_final``),
+    else None; a declared method the backend lacks is refused when the layer is built."""
+    if not declared:
+        return None
+    method = getattr(backend, "combine_final", None)
+    if not callable(method):
+        raise TypeError(f"{backend.name}: its registry entry says combine_final=True but the backend has no "
+                        f"combine_final (moeshard.dispatch.base.FinalCombineBackend)")
+    return cast(FinalCombineBackend, backend).combine_final
 
 
 class MoELayer(nn.Module):
@@ -199,6 +212,7 @@ class MoELayer(nn.Module):
             routed_max = None if routed_max is None else routed_max * cfg.top_k
         self.backend: DispatchBackend = BACKENDS[backend].factory(
             BackendContext(backend_cfg, quant, groups, routed_max, recorder))
+        self._combine_final = _final_combiner(self.backend, BACKENDS[backend].combine_final)
         self.overlap_shared = self.device.type == "cuda"
         self._side_stream: torch.cuda.Stream | None = None
         self.recorder = recorder
@@ -385,12 +399,13 @@ class MoELayer(nn.Module):
 
     def _final_combine(self, tp_sliced: bool) -> Callable[..., torch.Tensor] | None:
         """The backend's ``combine_final`` (``dispatch.base.DispatchBackend``: the combine that also
-        adds the shared experts and rounds to the model dtype) where nothing sits between the two
-        (no TP reduction of the routed output, no sum of per-copy rows, no stage recorder reading
-        the fp32 sum), else None. Forward only (the caller has grad=False)."""
+        adds the shared experts and rounds to the model dtype), where its registry entry says it
+        has one (``BackendSpec.combine_final``) and nothing sits between the two (no TP reduction
+        of the routed output, no sum of per-copy rows, no stage recorder reading the fp32 sum),
+        else None. Forward only (the caller has grad=False)."""
         if tp_sliced or self.cfg.routing_kind.weights_on_input or self.recorder is not None:
             return None
-        return getattr(self.backend, "combine_final", None)
+        return self._combine_final
 
     def _start_shared(self, x: torch.Tensor) -> Callable[[], torch.Tensor | None]:
         """Starts the shared experts on x [T, H] (the rows this rank routes) and returns their

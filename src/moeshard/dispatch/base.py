@@ -82,13 +82,19 @@ class DispatchBackend(Protocol):
         ...
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        """y: [M, H] expert outputs for ``dispatched.input``'s rows -> fp32 [T, H] weighted sums.
+        """y: [M, H] expert outputs for ``dispatched.input``'s rows -> fp32 [T, H] weighted sums."""
+        ...
 
-        A backend may also have ``combine_final(y, dispatched, addend, dtype)``: the same sums
-        plus ``addend`` ([T, H], the shared experts' output in the model dtype, or None), added
-        in fp32 and rounded once to ``dtype`` -> [T, H] in ``dtype``: bit for bit
-        ``(combine(y, dispatched) + addend.float()).to(dtype)``. The layer calls it, forward
-        only, where nothing else runs between its combine and that sum."""
+
+class FinalCombineBackend(DispatchBackend, Protocol):
+    """A backend whose registry entry says ``combine_final=True`` (``BackendSpec``)."""
+
+    def combine_final(self, y: torch.Tensor, dispatched: Dispatched, addend: torch.Tensor | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """``combine``'s sums plus ``addend`` ([T, H], the shared experts' output in the model
+        dtype, or None), added in fp32 and rounded once to ``dtype`` -> [T, H] in ``dtype``: bit
+        for bit ``(combine(y, dispatched) + addend.float()).to(dtype)``. The layer calls it,
+        forward only, where nothing else runs between its combine and that sum."""
         ...
 
 

@@ -43,6 +43,9 @@ class BackendSpec:
     graph_safe: dispatch and combine never synchronise with the host, so a forward through it can
     be captured in a CUDA graph. backward: it implements ``dispatch.base.DifferentiableBackend``
     (the reverse communication of dispatch and combine), so gradients flow through it.
+    combine_final: it has ``combine_final`` (``dispatch.base.DispatchBackend``: the combine that
+    also adds the shared experts and rounds to the model dtype in one pass), which the layer's
+    forward then calls where nothing sits between the two.
     """
 
     name: str
@@ -56,6 +59,7 @@ class BackendSpec:
     needs_max_tokens: bool = False
     graph_safe: bool = False
     backward: bool = False
+    combine_final: bool = False
 
     def supported_quants(self) -> tuple[str, ...]:
         return scheme_names() if self.quants is None else self.quants
@@ -107,7 +111,7 @@ def unregister_backend(name: str) -> None:
 for _spec in (
     BackendSpec("local", "no_ep", FLAT, True, (),
                 "no expert parallelism: each rank computes all (TP-sliced) experts for its tokens", _local,
-                graph_safe=True, backward=True),
+                graph_safe=True, backward=True, combine_final=True),
     BackendSpec("allgather_reducescatter", "ep", FLAT, True, (),
                 "all-gather tokens+routing over EP, local experts, reduce-scatter back (uneven)", _agrs,
                 backward=True),
