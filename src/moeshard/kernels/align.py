@@ -221,15 +221,9 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
                                  ROWS=max(16, triton.next_power_of_2(M)), TILES=max(16, triton.next_power_of_2(tiles)),
                                  ZERO_AMAX=amax is not None, num_warps=4)
         return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
-    # G programs of per_program ids each (a multiple of HIST_CHUNK): at most HIST_PROGRAMS, so
-    # that the one-program plan kernel has at most HIST_PROGRAMS rows of partial counts to sum.
-    chunks = triton.cdiv(M, HIST_CHUNK)
-    per_program = triton.cdiv(chunks, min(chunks, HIST_PROGRAMS)) * HIST_CHUNK
-    parts = triton.cdiv(M, per_program)
-    partial = torch.empty(parts, E, dtype=torch.int32, device=device)
+    partial = _partial_counts(expert_ids, E)
+    parts = partial.shape[0]
     cursor = torch.empty(E, dtype=torch.int32, device=device)
-    _histogram_kernel[(parts,)](expert_ids, M, E, per_program, partial,
-                                NUM_BINS=num_bins, CHUNK=HIST_CHUNK, num_warps=4)
     # Sum the partial counts a [PART_BLOCK, NUM_BINS] tile (~8K elements) at a time.
     _plan_kernel[(1,)](partial, parts, E, count, start, cursor, amax if amax is not None else count,
                        BLOCK_M=block_m, NUM_BINS=num_bins, PART_BLOCK=max(1, 8192 // num_bins),
@@ -247,16 +241,24 @@ def count_ids(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
     summed on the device: a scatter-add of ones into a few hundred bins serialises on the
     atomics (37 us for Qwen3's 131072 routed ids over 128 experts on one H200)."""
     ids = ids.contiguous()
-    M = ids.shape[0]
-    if M == 0:
+    if ids.shape[0] == 0:
         return torch.zeros(num_bins, dtype=torch.int64, device=ids.device)
+    return _partial_counts(ids, num_bins).sum(dim=0, dtype=torch.int64)
+
+
+def _partial_counts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """int32 [G, num_bins]: the histogram kernel's counts of contiguous ``ids`` (int32 or int64
+    [M], M > 0, values in [0, num_bins) or -1), one row per program. G programs of per_program
+    ids each (a multiple of HIST_CHUNK), at most HIST_PROGRAMS, so that the one-program plan
+    kernel has at most HIST_PROGRAMS rows of partial counts to sum."""
+    M = ids.shape[0]
     chunks = triton.cdiv(M, HIST_CHUNK)
     per_program = triton.cdiv(chunks, min(chunks, HIST_PROGRAMS)) * HIST_CHUNK
     parts = triton.cdiv(M, per_program)
     partial = torch.empty(parts, num_bins, dtype=torch.int32, device=ids.device)
     _histogram_kernel[(parts,)](ids, M, num_bins, per_program, partial,
                                 NUM_BINS=max(32, triton.next_power_of_2(num_bins)), CHUNK=HIST_CHUNK, num_warps=4)
-    return partial.sum(dim=0, dtype=torch.int64)
+    return partial
 
 
 def split_tiles(plan: RowAlignment, block_m: int) -> RowAlignment:
