@@ -84,15 +84,3 @@ def test_align_rows_one_program(align, monkeypatch, M, E, bm):
     three = _check_plan(align, ids, E, bm)
     for name in ("count", "start", "tile_expert"):
         assert torch.equal(getattr(one, name), getattr(three, name)), name
-
-
-@pytest.mark.parametrize("M, E", [(1, 8), (3000, 128), (2049, 300)])
-def test_count_ids(align, M, E):
-    """The expert load counter's histogram on CUDA (checked here through the interpreter): every
-    id counted once, -1 nowhere, over one and several histogram programs."""
-    ids = torch.randint(0, E, (M,), generator=torch.Generator().manual_seed(M))
-    ids[::7] = -1
-    want = torch.bincount(ids[ids >= 0], minlength=E)
-    got = align.count_ids(ids, E)
-    assert got.dtype == torch.int64 and torch.equal(got, want)
-    assert torch.equal(align.count_ids(ids[:0], E), torch.zeros(E, dtype=torch.int64))

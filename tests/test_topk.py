@@ -31,3 +31,39 @@ def test_topk_refuses_what_it_cannot_run(interpreted_kernels):
         topk.topk_low_index_first(torch.zeros(2, 4, dtype=torch.float16), 1)
     assert topk.topk_low_index_first(torch.zeros(0, 4), 2).shape == (0, 2)
     assert not topk.supported(torch.zeros(2, 4), 2)  # CPU scores keep the sort
+
+
+@pytest.mark.parametrize("T,E,k,renormalize,scale", [(37, 128, 8, True, 1.0), (5, 256, 8, True, 2.5),
+                                                     (40, 8, 2, True, 1.0), (17, 60, 5, False, 1.0),
+                                                     (9, 64, 6, False, 16.0), (3, 8, 8, True, 1.0)])
+def test_topk_with_weights_is_the_routers_selection(interpreted_kernels, T, E, k, renormalize, scale):
+    """The weights pass: ids from the choice scores (DeepSeek-V3 selects on biased, group-masked
+    scores), weights read from the unbiased scores, renormalized and scaled as
+    ``router.select_experts`` does with torch ops: the same ids, weights within an ulp (the sum of
+    the K weights may be added in another order)."""
+    topk = interpreted_kernels.topk
+    g = torch.Generator().manual_seed(T * E + k)
+    scores = torch.rand(T, E, generator=g)
+    scores[0, : E // 2] = scores[0, 0]  # ties go to the lower column
+    choice = scores + (torch.randn(E, generator=g) * 0.1).view(1, -1)
+    choice[-1, ::2] = float("-inf")  # a masked group: -inf never wins unless nothing else is left
+    ids, weights = topk.topk_with_weights(choice, scores, k, renormalize, 1e-20, scale)
+    want_ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
+    want = scores.gather(1, want_ids)
+    if renormalize:
+        want = want / want.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    if scale != 1.0:
+        want = want * scale
+    assert torch.equal(ids, want_ids)
+    assert weights.dtype == torch.float32 and torch.allclose(weights, want, rtol=2 * 2.0**-23, atol=0)
+    # One scores tensor for both, as softmax routing passes it.
+    ids_same, w_same = topk.topk_with_weights(scores, scores, k, False, 1e-20, 1.0)
+    assert torch.equal(w_same, scores.gather(1, ids_same))
+
+
+def test_topk_with_weights_refuses_mismatched_scores(interpreted_kernels):
+    topk = interpreted_kernels.topk
+    with pytest.raises(ValueError, match=r"scores must be fp32 \[2, 8\] on cpu, got torch.float32 \[2, 4\]"):
+        topk.topk_with_weights(torch.zeros(2, 8), torch.zeros(2, 4), 2, True, 1e-20, 1.0)
+    ids, w = topk.topk_with_weights(torch.zeros(0, 8), torch.zeros(0, 8), 2, True, 1e-20, 1.0)
+    assert ids.shape == w.shape == (0, 2)

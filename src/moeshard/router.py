@@ -70,6 +70,21 @@ def _topk_low_index_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+def _fused_selection(choice: torch.Tensor, scores: torch.Tensor,
+                     cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """On CUDA without autograd: (ids, weights) of the top K of ``choice`` with their ``scores``,
+    renormalized and scaled as ``select_experts`` does, in one Triton pass (``kernels.topk``);
+    None where that pass does not apply (then the torch ops run)."""
+    if not choice.is_cuda or (torch.is_grad_enabled() and (scores.requires_grad or choice.requires_grad)):
+        return None
+    from moeshard.kernels import topk
+
+    if not topk.supported(choice, cfg.top_k):
+        return None
+    return topk.topk_with_weights(choice, scores, cfg.top_k, cfg.renormalize, cfg.routing_kind.weight_floor,
+                                  cfg.routed_scaling_factor)
+
+
 def _group_mask(choice_scores: torch.Tensor, cfg: MoEConfig, group_score: str) -> torch.Tensor:
     """bool [T, E]: True for experts in the ``topk_group`` best groups of each token; a group is
     scored by the sum of its best two scores (``"top2_sum"``) or by its best one (``"max"``)."""
@@ -170,6 +185,9 @@ def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.
             assert kind.groups is not None  # MoEConfig refuses n_group > 1 for a kind without groups
             # Experts outside the kept groups can never win: -inf is below any score.
             choice = choice.masked_fill(~_group_mask(choice, cfg, kind.groups), float("-inf"))
+        fused = _fused_selection(choice, scores, cfg)
+        if fused is not None:
+            return Routing(topk_ids=fused[0], topk_weights=fused[1], logits=logits)
         ids = _topk_low_index_first(choice, cfg.top_k)
         weights = scores.gather(1, ids)
     if cfg.renormalize:

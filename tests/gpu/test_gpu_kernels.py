@@ -158,7 +158,8 @@ def test_fused_input_quantization_bit_exact(scheme, shape):
 
 def test_router_topk_kernel_matches_the_stable_sort():
     """The router's one-pass top-k on CUDA gives the stable sort's indices (ties, NaN, -inf), and
-    routing on the GPU picks the experts the CPU's sort picks, group-limited routing included."""
+    routing on the GPU picks the experts the CPU's sort picks, group-limited routing included,
+    with the CPU's weights (renormalized and scaled in the same pass on the GPU)."""
     from moeshard.kernels.topk import topk_low_index_first
     from moeshard.router import route
 
@@ -175,6 +176,8 @@ def test_router_topk_kernel_matches_the_stable_sort():
         gpu = route(logits, cfg, bias)
         cpu = route(logits.cpu(), cfg, None if bias is None else bias.cpu())
         assert torch.equal(gpu.topk_ids.cpu(), cpu.topk_ids), preset
+        # The weights come from the same pass on the GPU (kernels.topk.topk_with_weights).
+        assert torch.allclose(gpu.topk_weights.cpu(), cpu.topk_weights, rtol=1e-5, atol=0), preset
 
 
 def test_align_plan():
@@ -194,6 +197,37 @@ def test_align_plan():
             assert tiles[s // bm:(s + c + bm - 1) // bm] == [e] * ((c + bm - 1) // bm)
         used = sum((int(c) + bm - 1) // bm for c in counts)
         assert tiles[used:] == [-1] * (len(tiles) - used)
+
+
+def test_load_counter_records_on_the_device_and_under_graph_replay():
+    """The compiled record pass (kernels/loads.py) against bincount, every row of the ring; the
+    layer's counter advances once per CUDA-graph replay."""
+    from moeshard.eplb.loads import LoadCounter
+
+    E, window = 256, 3
+    counter = LoadCounter(E, window, device="cuda")
+    want = torch.zeros(window, E, dtype=torch.int64, device="cuda")
+    for i, M in enumerate((1, 5000, 131072, 7)):
+        ids = _ids(M, E, seed=i).view(-1, 1)
+        counter.record(ids)
+        want[i % window] = torch.bincount(ids.view(-1), minlength=E)
+        assert torch.equal(counter.ring, want) and int(counter.step) == i + 1
+    cfg, _, layer = _layer("qwen3-30b-a3b", "none")
+    x = torch.randn(40, cfg.hidden_size, device="cuda").to(cfg.dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x)
+    before = int(layer.loads.step)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert int(layer.loads.step) == before + 3
+    assert int(layer.expert_loads(all_reduce=False).sum()) == min(before + 3, layer.loads.window) * 40 * cfg.top_k
 
 
 def test_combine_topk():

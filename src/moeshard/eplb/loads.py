@@ -1,7 +1,8 @@
 """Tokens per logical expert, counted on the device over a running window of forwards.
 
-    record(topk_ids [T, K])  -> counts [E] of this forward (fixed shape: a histogram kernel on CUDA,
-                                a scatter-add elsewhere) written into row ``step % window`` of a ring [window, E]; step += 1
+    record(topk_ids [T, K])  -> counts [E] of this forward (fixed shape: a histogram kernel and one
+                                program that writes the row on CUDA, ``kernels.loads``; a scatter-add
+                                elsewhere) written into row ``step % window`` of a ring [window, E]; step += 1
     read()                   -> int64 [E]: the sum of the ring (the last ``window`` forwards)
 
 Everything stays on the device (the step counter too), so ``record`` never synchronises with
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeshard.triton_env import triton_importable
 from moeshard.validate import positive_int
 
 
@@ -37,13 +39,13 @@ class LoadCounter(nn.Module):
     def record(self, topk_ids: torch.Tensor) -> None:
         """topk_ids: int64 [T, K] logical expert ids of this forward's routed copies (T may be 0)."""
         ids = topk_ids.reshape(-1)
-        if ids.is_cuda:
-            from moeshard.kernels.align import count_ids
+        if ids.is_cuda and triton_importable()[0]:
+            from moeshard.kernels.loads import record_counts
 
-            counts = count_ids(ids, self.num_experts)
-        else:
-            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
-            counts.scatter_add_(0, ids, torch.ones_like(ids))
+            record_counts(ids, self.ring, self.step)  # the histogram, then one program writes the row
+            return
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, ids, torch.ones_like(ids))
         self.ring.index_copy_(0, torch.remainder(self.step, self.window), counts.unsqueeze(0))
         self.step.add_(1)
 

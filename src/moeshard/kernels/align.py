@@ -221,7 +221,7 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
                                  ROWS=max(16, triton.next_power_of_2(M)), TILES=max(16, triton.next_power_of_2(tiles)),
                                  ZERO_AMAX=amax is not None, num_warps=4)
         return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
-    partial = _partial_counts(expert_ids, E)
+    partial = partial_counts(expert_ids, E)
     parts = partial.shape[0]
     cursor = torch.empty(E, dtype=torch.int32, device=device)
     # Sum the partial counts a [PART_BLOCK, NUM_BINS] tile (~8K elements) at a time.
@@ -235,18 +235,7 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
 
 
-def count_ids(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """int64 [num_bins]: how many of ``ids`` (int32 or int64 [M] on CUDA, values in
-    [0, num_bins) or -1, counted nowhere) equal each value. The histogram kernel's partial counts
-    summed on the device: a scatter-add of ones into a few hundred bins serialises on the
-    atomics (37 us for Qwen3's 131072 routed ids over 128 experts on one H200)."""
-    ids = ids.contiguous()
-    if ids.shape[0] == 0:
-        return torch.zeros(num_bins, dtype=torch.int64, device=ids.device)
-    return _partial_counts(ids, num_bins).sum(dim=0, dtype=torch.int64)
-
-
-def _partial_counts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+def partial_counts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
     """int32 [G, num_bins]: the histogram kernel's counts of contiguous ``ids`` (int32 or int64
     [M], M > 0, values in [0, num_bins) or -1), one row per program. G programs of per_program
     ids each (a multiple of HIST_CHUNK), at most HIST_PROGRAMS, so that the one-program plan

@@ -1,6 +1,8 @@
 """Top-k indices of each row with ties to the lower index, in one pass (the router's selection).
 
     scores [T, E] (fp32) --one program per ROWS rows, the row in registers, K rounds--> ids int64 [T, K]
+    (``topk_with_weights``: and in the same pass weights fp32 [T, K] = values [t, ids] of a second
+     [T, E] tensor, divided by max(their sum, floor) when renormalizing, times a scale)
 
 Round r takes the largest score among the columns not taken yet and, among equal scores, the
 lowest column: the order of a stable descending sort (``torch.sort(..., descending=True,
@@ -8,7 +10,10 @@ stable=True)``), which ``moeshard.router`` uses everywhere else. NaN ranks above
 as in torch's sort, and -inf below every number but still counts as a score, so every id is a
 real column. A stable sort of [T, E] costs more than the routing it serves (torch's radix sort of
 DeepSeek-V3's [16384, 256] scores: 0.43 ms on one H200; the layer's experts take 14 ms); this
-kernel reads each score once.
+kernel reads each score once. The weights pass replaces a gather, a sum, a clamp, a division and a
+multiplication over [T, K] (about 12 us of launches at Qwen3-30B-A3B's 4096 tokens); it sums the
+K weights in order k = 0, 1, ... and divides rounding to nearest, as the torch ops do up to the
+order of the sum (within an ulp of fp32).
 """
 
 from __future__ import annotations
@@ -22,13 +27,21 @@ ROWS = 16  # rows per program
 
 
 @triton.jit(do_not_specialize=["T"])
-def _topk_kernel(s_ptr, ids_ptr, T, E, stride_s, K: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr):
+def _topk_kernel(s_ptr, ids_ptr, w_src_ptr, w_ptr, T, E, stride_s, stride_w, floor, scale,
+                 K: tl.constexpr, KP: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+                 WEIGHTS: tl.constexpr, RENORM: tl.constexpr, SCALE: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, COLS)
     row_ok = rows < T
     col_ok = cols < E
     s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
                 mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if WEIGHTS:
+        src = tl.load(w_src_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :],
+                      mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        ks = tl.arange(0, KP)
+        w = tl.zeros([ROWS, KP], dtype=tl.float32)
+        total = tl.zeros([ROWS], dtype=tl.float32)
     nan = s != s
     open_ = tl.broadcast_to(col_ok[None, :], (ROWS, COLS))  # columns still to be taken
     for k in tl.static_range(K):
@@ -40,6 +53,18 @@ def _topk_kernel(s_ptr, ids_ptr, T, E, stride_s, K: tl.constexpr, COLS: tl.const
         pick = tl.min(tl.where(cand, cols[None, :], COLS), axis=1)
         tl.store(ids_ptr + rows.to(tl.int64) * K + k, pick.to(tl.int64), mask=row_ok)
         open_ = open_ & (cols[None, :] != pick[:, None])
+        if WEIGHTS:
+            # The one column equal to pick: a sum of one value and zeros is that value.
+            wk = tl.sum(tl.where(cols[None, :] == pick[:, None], src, 0.0), axis=1)
+            w = tl.where(ks[None, :] == k, wk[:, None], w)
+            total = total + wk
+    if WEIGHTS:
+        if RENORM:
+            denom = tl.maximum(total, floor)
+            w = tl.math.div_rn(w, tl.broadcast_to(denom[:, None], (ROWS, KP)))
+        if SCALE:
+            w = w * scale
+        tl.store(w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], w, mask=row_ok[:, None] & (ks[None, :] < K))
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:
@@ -60,6 +85,32 @@ def topk_low_index_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     T, E = scores.shape
     ids = torch.empty(T, k, dtype=torch.int64, device=scores.device)
     if T:
-        _topk_kernel[(triton.cdiv(T, ROWS),)](scores, ids, T, E, scores.stride(0), K=k,
-                                             COLS=max(16, triton.next_power_of_2(E)), ROWS=ROWS, num_warps=4)
+        _topk_kernel[(triton.cdiv(T, ROWS),)](scores, ids, scores, ids, T, E, scores.stride(0), 0, 1.0, 1.0, K=k,
+                                             KP=triton.next_power_of_2(k), COLS=max(16, triton.next_power_of_2(E)),
+                                             ROWS=ROWS, WEIGHTS=False, RENORM=False, SCALE=False, num_warps=4)
     return ids
+
+
+def topk_with_weights(choice: torch.Tensor, scores: torch.Tensor, k: int, renormalize: bool, floor: float,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """choice, scores: fp32 [T, E] on one CUDA device -> (ids int64 [T, k], weights fp32 [T, k]):
+    ids = ``topk_low_index_first(choice, k)``; weights = scores[t, ids], divided by
+    max(their sum, floor) when ``renormalize``, times ``scale`` unless it is 1 (the router's
+    ``select_experts`` on these tensors, without autograd). One launch, no host sync."""
+    if not (choice.dim() == 2 and choice.dtype == torch.float32 and 1 <= k <= choice.shape[1] <= MAX_COLUMNS):
+        raise ValueError(f"topk_with_weights: needs fp32 [T, E] choice scores with 1 <= k <= E <= {MAX_COLUMNS}; "
+                         f"got {choice.dtype} {list(choice.shape)}, k={k}")
+    if scores.shape != choice.shape or scores.dtype != torch.float32 or scores.device != choice.device:
+        raise ValueError(f"topk_with_weights: scores must be fp32 {list(choice.shape)} on {choice.device}, got "
+                         f"{scores.dtype} {list(scores.shape)} on {scores.device}")
+    choice = choice if choice.stride(1) == 1 else choice.contiguous()
+    scores = scores if scores.stride(1) == 1 else scores.contiguous()
+    T, E = choice.shape
+    ids = torch.empty(T, k, dtype=torch.int64, device=choice.device)
+    weights = torch.empty(T, k, dtype=torch.float32, device=choice.device)
+    if T:
+        _topk_kernel[(triton.cdiv(T, ROWS),)](choice, ids, scores, weights, T, E, choice.stride(0), scores.stride(0),
+                                             float(floor), float(scale), K=k, KP=triton.next_power_of_2(k),
+                                             COLS=max(16, triton.next_power_of_2(E)), ROWS=ROWS, WEIGHTS=True,
+                                             RENORM=renormalize, SCALE=scale != 1.0, num_warps=4)
+    return ids, weights
