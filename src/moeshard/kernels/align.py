@@ -104,6 +104,21 @@ def _histogram_kernel(ids_ptr, M, E, per_program, partial_ptr,
     tl.store(partial_ptr + pid * E + bins, counts, mask=bins < E)
 
 
+@triton.jit
+def sum_partial_counts(partial_ptr, num_parts, E, NUM_BINS: tl.constexpr, PART_BLOCK: tl.constexpr,
+                       WIDE: tl.constexpr):
+    """[NUM_BINS] column sums of the [num_parts, E] int32 partial counts (the histogram kernel's),
+    in int64 when WIDE else int32, zero past E; read a [PART_BLOCK, NUM_BINS] tile at a time."""
+    bins = tl.arange(0, NUM_BINS)
+    counts = tl.zeros([NUM_BINS], dtype=tl.int64 if WIDE else tl.int32)
+    for g0 in range(0, num_parts, PART_BLOCK):
+        g = g0 + tl.arange(0, PART_BLOCK)
+        part = tl.load(partial_ptr + g[:, None] * E + bins[None, :],
+                       mask=(g < num_parts)[:, None] & (bins < E)[None, :], other=0)
+        counts += tl.sum(part.to(tl.int64) if WIDE else part, axis=0)
+    return counts
+
+
 @triton.jit(do_not_specialize=["num_parts"])
 def _plan_kernel(partial_ptr, num_parts, E, count_ptr, start_ptr, cursor_ptr, amax_ptr,
                  BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, PART_BLOCK: tl.constexpr,
@@ -112,12 +127,7 @@ def _plan_kernel(partial_ptr, num_parts, E, count_ptr, start_ptr, cursor_ptr, am
     rounded up to BLOCK_M; cursor = 0; amax = 0 when ZERO_AMAX."""
     bins = tl.arange(0, NUM_BINS)
     in_range = bins < E
-    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for g0 in range(0, num_parts, PART_BLOCK):
-        g = g0 + tl.arange(0, PART_BLOCK)
-        part = tl.load(partial_ptr + g[:, None] * E + bins[None, :],
-                       mask=(g < num_parts)[:, None] & in_range[None, :], other=0)
-        counts += tl.sum(part, axis=0)
+    counts = sum_partial_counts(partial_ptr, num_parts, E, NUM_BINS, PART_BLOCK, False)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, 0) - padded
     tl.store(count_ptr + bins, counts, mask=in_range)

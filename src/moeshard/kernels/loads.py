@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeshard.kernels.align import partial_counts
+from moeshard.kernels.align import partial_counts, sum_partial_counts
 
 
 @triton.jit(do_not_specialize=["num_parts"])
@@ -24,16 +24,10 @@ def _ring_kernel(partial_ptr, num_parts, E, ring_ptr, step_ptr, window,
     """ring[step % window, :E] = the int64 sum of the [num_parts, E] partial counts (zeros for
     num_parts = 0); step += 1."""
     bins = tl.arange(0, NUM_BINS)
-    in_range = bins < E
-    counts = tl.zeros([NUM_BINS], dtype=tl.int64)
-    for g0 in range(0, num_parts, PART_BLOCK):
-        g = g0 + tl.arange(0, PART_BLOCK)
-        part = tl.load(partial_ptr + g[:, None] * E + bins[None, :],
-                       mask=(g < num_parts)[:, None] & in_range[None, :], other=0)
-        counts += tl.sum(part.to(tl.int64), axis=0)
+    counts = sum_partial_counts(partial_ptr, num_parts, E, NUM_BINS, PART_BLOCK, True)
     step = tl.load(step_ptr)
     row = step % window
-    tl.store(ring_ptr + row * E + bins, counts, mask=in_range)
+    tl.store(ring_ptr + row * E + bins, counts, mask=bins < E)
     tl.store(step_ptr, step + 1)
 
 
