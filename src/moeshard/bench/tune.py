@@ -34,7 +34,8 @@ SWEEPS: list[tuple[str, str, int, dict[str, list[C]]]] = [
                  C(128, 128, 64, 8, 8, 4, tma=True), C(128, 128, 64, 8, 4, 4)]}),
     ("fp8_block", "mixtral-8x7b", 16384, {
         "gate_up": [C(128, 64, 64, 8, 8, 4), C(128, 64, 64, 8, 8, 4, tma=True), C(128, 64, 128, 8, 8, 3)],
-        # 128 x 128 fused fp8 tiles spill (147-171 TFLOP/s in the 2026-11-30 sweep), as do 4 warps (152).
+        # The 2026-11-30 candidates: then 128 x 128 fused fp8 tiles spilled (147-171 TFLOP/s), as did 4 warps
+        # (152). The prefill tiles select_config uses now come from scripts/fp8_study.py's sweeps.
         "gate_up_mma": [C(128, 64, 128, 8, 8, 4), C(128, 64, 128, 8, 8, 4, tma=True)],
         "down": [C(128, 128, 128, 8, 8, 4), C(128, 128, 128, 8, 8, 4, tma=True), C(128, 64, 128, 8, 4, 4),
                  C(128, 64, 128, 8, 4, 4, tma=True)]}),

@@ -14,13 +14,15 @@ Regimes, by expected rows per active expert r = M / min(M, E):
   row tiles reuses one expert's weight tiles from L2; weights through TMA once experts have
   >= 1024 rows (measured faster there, slightly slower at 128 rows per expert).
 
-The prefill and decode entries are the fastest candidates of ``moeshard bench --tune`` on an
+The bf16, nvfp4 and decode entries are the fastest candidates of ``moeshard bench --tune`` on an
 H200 (2026-11-30, Triton 3.6): bf16 gate_up 128x128x64 w8 s4 TMA 590 TFLOP/s and down
-128x256x64 w8 s3 TMA 653 TFLOP/s on Mixtral prefill; fp8 down 128x128x128 w8 s4 TMA 686
-TFLOP/s; fp8 gate_up on the fp8 tensor cores 128x64x128 w8 s4 TMA 454 TFLOP/s (fp8_block; 128x128
-fused fp8 tiles spill: 147-171), widened to fp16 (``fp8_gate_up="exact"``) 128x64x64 w8 s4 223;
-nvfp4 gate_up 128x128x64 and down 128x128x128. The mid entries were chosen from the
-compiler's register report (no spills) and not tuned on the GPU.
+128x256x64 w8 s3 TMA 653 TFLOP/s on Mixtral prefill; the exact fp8 gate_up (widened to fp16,
+``fp8_gate_up="exact"``) 128x64x64 w8 s4 223 TFLOP/s; nvfp4 gate_up 128x128x64 and down
+128x128x128. The fp8 prefill entries come from the later stage sweeps of ``scripts/fp8_study.py``
+(each GEMM timed alone on the bench workloads; the measurements are quoted at each entry below),
+after the fp8_block weight scale became one scalar per tile and K step, which let 128 x 128
+fused fp8 tiles fit without spilling. The mid entries were chosen from the compiler's register
+report (no spills) and not tuned on the GPU.
 """
 
 from __future__ import annotations
