@@ -398,7 +398,7 @@ class MoELayer(nn.Module):
         return out, False
 
     def _final_combine(self, tp_sliced: bool) -> Callable[..., torch.Tensor] | None:
-        """The backend's ``combine_final`` (``dispatch.base.DispatchBackend``: the combine that also
+        """The backend's ``combine_final`` (``dispatch.base.FinalCombineBackend``: the combine that also
         adds the shared experts and rounds to the model dtype), where its registry entry says it
         has one (``BackendSpec.combine_final``) and nothing sits between the two (no TP reduction
         of the routed output, no sum of per-copy rows, no stage recorder reading the fp32 sum),

@@ -43,7 +43,7 @@ class BackendSpec:
     graph_safe: dispatch and combine never synchronise with the host, so a forward through it can
     be captured in a CUDA graph. backward: it implements ``dispatch.base.DifferentiableBackend``
     (the reverse communication of dispatch and combine), so gradients flow through it.
-    combine_final: it has ``combine_final`` (``dispatch.base.DispatchBackend``: the combine that
+    combine_final: it has ``combine_final`` (``dispatch.base.FinalCombineBackend``: the combine that
     also adds the shared experts and rounds to the model dtype in one pass), which the layer's
     forward then calls where nothing sits between the two.
     """
