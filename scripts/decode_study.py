@@ -1,0 +1,200 @@
+"""Where a decode step's expert time goes, and what the L2 flush before each repetition costs (one GPU).
+
+``moeshard bench`` flushes L2 before every timed repetition by overwriting a buffer several times
+the cache, so every line left in L2 is dirty: the timed call then writes those lines back to HBM
+while it streams its weights. The 2 GiB copy that the bench's bandwidth ceiling comes from pays
+that once over about a millisecond; a one-token MoE call pays it within about a hundred
+microseconds. This study times, for each model, token count and scheme:
+
+* the whole ``TritonExperts`` call and each of its stages alone (tile plan, gate_up, quantize_h,
+  down), captured in CUDA graphs, under three flushes: ``write`` (the bench's), ``read`` (a
+  reduction over the same buffer: L2 is left full of clean lines, as after a layer that only read
+  its weights) and ``none`` (the weights may stay in L2: a floor, not a figure);
+* a read of the same number of bytes as the call's weights (``torch.sum`` over a buffer of that
+  size) under each flush: what streaming those bytes costs with nothing else to do;
+* the GPU time of each kernel inside the graphed call under the ``write`` flush (the CUDA
+  profiler), so that the call's time splits into kernels and the gaps between them.
+
+    PYTHONPATH=src python3 scripts/decode_study.py --json results/h200/decode_study.json
+
+``--ncu MODEL:SCHEME:TOKENS`` instead runs that call eagerly a few times without flushes, for
+``ncu`` to profile its kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, routed_input
+from moeshard.config import QuantConfig
+from moeshard.kernels.align import align_rows, split_tiles
+from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.experts import TritonExperts
+from moeshard.kernels.grouped_gemm import moe_gemm
+from moeshard.kernels.quant import quantize_h
+from moeshard.quant import get_scheme
+
+CASES = (("deepseek-v3", (1, 16)), ("qwen3-30b-a3b", (1,)), ("mixtral-8x7b", (1,)))
+SCHEMES = ("none", "fp8_tensor", "fp8_block")
+
+
+class ReadFlush:
+    """Reads a buffer several times the L2 size before each repetition (a sum into a scalar):
+    the lines it leaves in L2 are clean, so evicting them costs the timed call nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.buffer = L2Flush(device).buffer
+        self.out = torch.empty((), dtype=self.buffer.dtype, device=device)
+
+    def __call__(self) -> None:
+        torch.sum(self.buffer, out=self.out)
+
+
+def _flushes(device: torch.device) -> dict:
+    return {"write": L2Flush(device), "read": ReadFlush(device), "none": None}
+
+
+def _ms(fn, flush, reps: int) -> float:
+    g = graphed(fn)
+    try:
+        return time_cuda(g, warmup=3, reps=reps, flush=flush).median_ms
+    finally:
+        g.release()
+
+
+def _kernel_us(fn, flush, reps: int) -> list[tuple[str, float]]:
+    """(kernel, GPU us per call) inside the graphed ``fn``, each call after ``flush``; the
+    flush's own kernels are told apart by profiling the flush alone first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def names(prof) -> dict[str, float]:
+        return {e.key: e.device_time_total / reps for e in prof.key_averages() if e.device_time_total > 0}
+
+    g = graphed(fn)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as p_flush:
+            for _ in range(reps):
+                flush()
+            torch.cuda.synchronize()
+        flush_names = set(names(p_flush))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                flush()
+                g()
+            torch.cuda.synchronize()
+        return sorted(((k, v) for k, v in names(prof).items() if k not in flush_names), key=lambda r: -r[1])
+    finally:
+        g.release()
+
+
+class Call:
+    """One routed call's inputs and stages, as ``TritonExperts`` runs them."""
+
+    def __init__(self, model, tokens: int, scheme: str) -> None:
+        device = model.gate_up.device
+        cfg = model.cfg
+        self.spec = get_scheme(scheme)
+        self.experts = experts_for(model, scheme)
+        x = hidden_states(model, tokens, tokens)
+        self.inp, _ = routed_input(model, x, QuantConfig(scheme))
+        M, E, H, I = self.inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.sel = select_config(M, E, H, I, scheme, multiprocessors(device.index))
+        self.amax = torch.empty(E, dtype=torch.float32, device=device) if self.spec.per_tensor_activation else None
+        self.plan = align_rows(self.inp.expert_ids, E, self.sel.block_m, amax=self.amax)
+        self.h = torch.empty(self.plan.padded_rows, I, dtype=cfg.dtype, device=device)
+        self.gate_up()
+        self.hq = quantize_h(self.h, scheme, self.plan, self.amax) if self.spec.quantized else self.h
+        self.y = torch.empty(M, H, dtype=cfg.dtype, device=device)
+        self.down_plan = split_tiles(self.plan, self.sel.down.block_m)
+        self.kernel = TritonExperts(cfg.activation, cfg.dtype)
+        self.cfg, self.scheme, self.E = cfg, scheme, E
+        active = int((torch.bincount(self.inp.expert_ids, minlength=E) > 0).sum())
+        self.weight_bytes = bytes_per_expert(self.experts) * active
+        self.rows, self.active = M, active
+
+    def experts_call(self):
+        return self.kernel(self.inp, self.experts)
+
+    def align(self):
+        return align_rows(self.inp.expert_ids, self.E, self.sel.block_m, amax=self.amax)
+
+    def gate_up(self):
+        return moe_gemm(self.inp.x, self.experts.gate_up, self.plan, self.h, self.sel.gate_up,
+                        activation=self.cfg.activation, gather=True, amax=self.amax, a_row_div=self.inp.repeat)
+
+    def quant_h(self):
+        return quantize_h(self.h, self.scheme, self.plan, self.amax)
+
+    def down(self):
+        return moe_gemm(self.hq, self.experts.down, self.down_plan, self.y, self.sel.down, activation=None,
+                        gather=False)
+
+
+def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, log) -> dict:
+    call = Call(model, tokens, scheme)
+    device = model.gate_up.device
+    stream = torch.empty(int(call.weight_bytes) // 4, dtype=torch.float32, device=device).uniform_()
+    stream_out = torch.empty((), dtype=torch.float32, device=device)
+    stages = {"experts": call.experts_call, "align": call.align, "gate_up": call.gate_up, "down": call.down,
+              "read_weight_bytes": lambda: torch.sum(stream, out=stream_out)}
+    if call.spec.quantized:
+        stages["quant_h"] = call.quant_h
+    rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": call.rows, "active": call.active,
+           "weight_bytes": call.weight_bytes,
+           "config": {"gate_up": call.sel.gate_up.as_dict(), "down": call.sel.down.as_dict()}, "ms": {}}
+    for flush_name, flush in flushes.items():
+        rec["ms"][flush_name] = {stage: _ms(fn, flush, reps) for stage, fn in stages.items()}
+        log(f"{name} T={tokens} {scheme} flush={flush_name}: " +
+            " ".join(f"{k} {1e3 * v:.1f}us" for k, v in rec["ms"][flush_name].items()))
+    rec["kernels_us_write_flush"] = _kernel_us(call.experts_call, flushes["write"], reps)
+    log("   kernels (write flush): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in rec["kernels_us_write_flush"]))
+    return rec
+
+
+def empty_call(device: torch.device, flushes: dict, reps: int, log) -> dict:
+    """A one-element add under each flush: the flush's cost to a call that reads almost nothing."""
+    t = torch.zeros(1, device=device)
+    rec = {"model": "empty", "ms": {k: {"add_one": _ms(lambda: t.add_(1), f, reps)} for k, f in flushes.items()}}
+    log("empty call: " + " ".join(f"{k} {1e3 * v['add_one']:.1f}us" for k, v in rec["ms"].items()))
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--ncu", default=None, help="MODEL:SCHEME:TOKENS: run that call eagerly for ncu, then stop")
+    args = ap.parse_args()
+    device = torch.device("cuda", 0)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.ncu:
+        name, scheme, tokens = args.ncu.split(":")
+        call = Call(make_model(name, device), int(tokens), scheme)
+        for _ in range(3):
+            call.experts_call()
+        torch.cuda.synchronize()
+        return
+    flushes = _flushes(device)
+    out = [empty_call(device, flushes, args.reps, log)]
+    for name, token_counts in CASES:
+        model = make_model(name, device)
+        for tokens in token_counts:
+            for scheme in SCHEMES:
+                out.append(study(name, tokens, scheme, model, flushes, args.reps, log))
+                if args.json:
+                    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
