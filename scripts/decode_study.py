@@ -53,7 +53,7 @@ class ReadFlush:
         self.out = torch.empty((), dtype=self.buffer.dtype, device=device)
 
     def __call__(self) -> None:
-        torch.sum(self.buffer, out=self.out)
+        torch.sum(self.buffer, dim=0, out=self.out)
 
 
 def _flushes(device: torch.device) -> dict:
@@ -108,12 +108,12 @@ class Call:
         self.amax = torch.empty(E, dtype=torch.float32, device=device) if self.spec.per_tensor_activation else None
         self.plan = align_rows(self.inp.expert_ids, E, self.sel.block_m, amax=self.amax)
         self.h = torch.empty(self.plan.padded_rows, I, dtype=cfg.dtype, device=device)
+        self.cfg, self.scheme, self.E = cfg, scheme, E
         self.gate_up()
         self.hq = quantize_h(self.h, scheme, self.plan, self.amax) if self.spec.quantized else self.h
         self.y = torch.empty(M, H, dtype=cfg.dtype, device=device)
         self.down_plan = split_tiles(self.plan, self.sel.down.block_m)
         self.kernel = TritonExperts(cfg.activation, cfg.dtype)
-        self.cfg, self.scheme, self.E = cfg, scheme, E
         active = int((torch.bincount(self.inp.expert_ids, minlength=E) > 0).sum())
         self.weight_bytes = bytes_per_expert(self.experts) * active
         self.rows, self.active = M, active
@@ -142,7 +142,7 @@ def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, 
     stream = torch.empty(int(call.weight_bytes) // 4, dtype=torch.float32, device=device).uniform_()
     stream_out = torch.empty((), dtype=torch.float32, device=device)
     stages = {"experts": call.experts_call, "align": call.align, "gate_up": call.gate_up, "down": call.down,
-              "read_weight_bytes": lambda: torch.sum(stream, out=stream_out)}
+              "read_weight_bytes": lambda: torch.sum(stream, dim=0, out=stream_out)}
     if call.spec.quantized:
         stages["quant_h"] = call.quant_h
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": call.rows, "active": call.active,
