@@ -145,7 +145,6 @@ def moe_gemm_kernel(
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, QUANT_A: tl.constexpr,
-        AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -488,7 +487,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         QUANT=w_mode, FUSE_ACT=fused, ACT=_act_mode(activation),  # fused
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None and not quantize_a, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
-        WS_SCALAR=ws_scalar, QUANT_A=quantize_a, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX,
+        WS_SCALAR=ws_scalar, QUANT_A=quantize_a,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
