@@ -6,8 +6,7 @@ while it streams its weights. The 2 GiB copy that the bench's bandwidth ceiling 
 that once over about a millisecond; a one-token MoE call pays it within about a hundred
 microseconds. This study times, for each model, token count and scheme:
 
-* the whole ``TritonExperts`` call (and, where its config quantizes h in the down GEMM, the
-  same call with a separate ``quantize_h`` launch) and each of its stages alone (tile plan, gate_up, quantize_h,
+* the whole ``TritonExperts`` call and each of its stages alone (tile plan, gate_up, quantize_h,
   down), captured in CUDA graphs, under three flushes: ``write`` (the bench's), ``read`` (a
   reduction over the same buffer: L2 is left full of clean lines, as after a layer that only read
   its weights) and ``none`` (the weights may stay in L2: a floor, not a figure);
@@ -27,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -143,10 +141,7 @@ def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, 
     device = model.gate_up.device
     stream = torch.empty(int(call.weight_bytes) // 4, dtype=torch.float32, device=device).uniform_()
     stream_out = torch.empty((), dtype=torch.float32, device=device)
-    separate = TritonExperts(call.cfg.activation, call.cfg.dtype, replace(call.sel, quantize_h_in_down=False))
-    stages = {"experts": call.experts_call,
-              "experts_separate_quantize_h": lambda: separate(call.inp, call.experts), "align": call.align,
-              "gate_up": call.gate_up, "down": call.down,
+    stages = {"experts": call.experts_call, "align": call.align, "gate_up": call.gate_up, "down": call.down,
               "read_weight_bytes": lambda: torch.sum(stream, dim=0, out=stream_out)}
     if call.spec.quantized:
         stages["quant_h"] = call.quant_h

@@ -197,49 +197,6 @@ def test_down_tiles_shorter_than_the_plan_match_reference(interpreted_kernels, e
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
-@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_block"])
-def test_down_gemm_quantizing_h_gives_quantize_h_bits(interpreted_kernels, exact_interpreter, scheme):
-    """``ExpertsConfig.quantize_h_in_down``: the down GEMM quantizes h as it loads it instead of
-    a ``quantize_h`` launch. Its scales are quantize_h's (the expert's amax, each row's max over
-    the step's 128 columns), so the output must be the same bits. I = 200 ends in a partial scale
-    group (masked columns), one expert has several tiles, and padding rows (id -1) are skipped."""
-    TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
-    M, E, H, I = 40, 4, 64, 200
-    x, ids, w = _problem(M, E, H, I, torch.bfloat16, scheme, seed=13)
-    ids[-3:] = -1
-    gate_up, down = GemmConfig(16, 64, 128, group_m=1), GemmConfig(16, 32, 128, group_m=1)
-    outs = [TritonExperts("silu", torch.bfloat16, ExpertsConfig(gate_up, down, quantize_h_in_down=fused))(
-        ExpertInput(x, ids), w) for fused in (False, True)]
-    live = M - 3  # padding rows are left unwritten
-    assert torch.equal(outs[0][:live], outs[1][:live])
-    err, atol, rtol, ok = compare(outs[1][:live], expert_reference(x, ids, w, "silu", torch.bfloat16).rows(0, live),
-                                  torch.bfloat16, scheme)
-    assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
-
-
-def test_down_gemm_quantizing_h_refuses_what_it_does_not_cover(interpreted_kernels):
-    moe_gemm, align_rows = interpreted_kernels.grouped_gemm.moe_gemm, interpreted_kernels.align.align_rows
-    GemmConfig, ExpertsConfig = interpreted_kernels.configs.GemmConfig, interpreted_kernels.configs.ExpertsConfig
-    _, ids, w = _problem(8, 2, 64, 128, torch.bfloat16, "fp8_tensor", seed=1)
-    _, _, w_token = _problem(8, 2, 64, 128, torch.bfloat16, "fp8_token", seed=1)
-    plan = align_rows(ids, 2, 16)
-    h = torch.zeros(plan.padded_rows, 128, dtype=torch.bfloat16)
-    y = torch.empty(8, 64, dtype=torch.bfloat16)
-    cfg = GemmConfig(16, 32, 128, group_m=1)
-    amax = torch.ones(2)
-    with pytest.raises(ValueError, match="quantize_a with fp8_tensor needs amax"):
-        moe_gemm(h, w.down, plan, y, cfg, activation=None, gather=False, quantize_a=True)
-    with pytest.raises(ValueError, match="covers fp8_tensor and fp8_block weights .*got mode 2"):
-        moe_gemm(h, w_token.down, plan, y, cfg, activation=None, gather=False, amax=amax, quantize_a=True)
-    with pytest.raises(ValueError, match="needs block_k 128 .*got 64"):
-        moe_gemm(h, w.down, plan, y, GemmConfig(16, 32, 64, group_m=1), activation=None, gather=False, amax=amax,
-                 quantize_a=True)
-    with pytest.raises(ValueError, match="model dtype .*got torch.float32"):
-        moe_gemm(h.float(), w.down, plan, y, cfg, activation=None, gather=False, amax=amax, quantize_a=True)
-    with pytest.raises(ValueError, match=r"quantize_h_in_down needs down.block_k=128 .*got 64"):
-        ExpertsConfig(cfg, GemmConfig(16, 32, 64), quantize_h_in_down=True)
-
-
 def test_split_tiles_marks_the_empty_halves(interpreted_kernels):
     align = interpreted_kernels.align
     ids = torch.tensor([0] * 5 + [1] * 20 + [3] * 3)
@@ -370,11 +327,6 @@ def test_selection_on_cpu():
     # One token of Mixtral: two experts; narrow column tiles keep every SM busy.
     one = select_config(2, 8, 4096, 14336, "none", sms=132)
     assert 2 * (4096 // one.down.block_n) >= 132
-    # 16-row decode tiles: the down GEMM quantizes h itself where the scheme's scales allow it.
-    for scheme, fused in (("fp8_tensor", True), ("fp8_block", True), ("fp8_token", False), ("none", False)):
-        assert select_config(8, 256, 7168, 2048, scheme).quantize_h_in_down is fused
-    assert not select_config(256, 8, 4096, 14336, "fp8_tensor").quantize_h_in_down  # 64-row tiles
-    assert not select_config(32768, 256, 7168, 2048, "fp8_block").quantize_h_in_down
 
 
 def test_fp8_down_tiles_follow_the_measured_choices():

@@ -38,12 +38,6 @@ from moeshard.quant import get_scheme
 FP8 = (1, 2, 3)
 FP8_BLOCK = 3
 NVFP4 = 4
-# Modes whose h the down GEMM can quantize as it loads it (``ExpertsConfig.quantize_h_in_down``):
-# their scales need nothing beyond the step's 128 columns or the expert (fp8_token's row max spans
-# all of h's row, nvfp4's e2m1 packing is not built there).
-H_IN_DOWN_MODES = (1, 3)
-# Tile heights at which the down GEMM quantizes h itself (decode).
-H_IN_DOWN_BLOCK_M = 16
 # How the fp8 tensor cores accumulate (modes 1 and 2): a fresh fp32 tile per BLOCK_K step added
 # in fp32; one accumulator promoted to fp32 every BLOCK_K terms; or reduced precision across K.
 FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
@@ -79,13 +73,10 @@ class GemmConfig:
 @dataclass(frozen=True)
 class ExpertsConfig:
     """Tile shapes of the two GEMMs. The tile plan is built for gate_up's block_m, which
-    ``block_m`` names; down's block_m divides it. quantize_h_in_down: the down GEMM quantizes h
-    as it loads it (``moe_gemm``'s ``quantize_a``) instead of a ``quantize_h`` launch before it;
-    only fp8_tensor and fp8_block take it (other schemes ignore it), and down's block_k must be 128."""
+    ``block_m`` names; down's block_m divides it."""
 
     gate_up: GemmConfig
     down: GemmConfig
-    quantize_h_in_down: bool = False
 
     def __post_init__(self) -> None:
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
@@ -93,9 +84,6 @@ class ExpertsConfig:
         if self.gate_up.block_m % self.down.block_m:
             raise ValueError(f"ExpertsConfig: down.block_m={self.down.block_m} must divide gate_up.block_m="
                              f"{self.gate_up.block_m}; both GEMMs run on one tile plan")
-        if self.quantize_h_in_down and self.down.block_k != 128:
-            raise ValueError(f"ExpertsConfig: quantize_h_in_down needs down.block_k=128 (one fp8_block scale "
-                             f"group per step), got {self.down.block_k}")
 
     @property
     def block_m(self) -> int:
@@ -156,8 +144,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         block_m = 16 if 1.5 * r <= 16 else (32 if 1.5 * r <= 32 else 64)
         tiles = min(num_rows, num_experts)
         return ExpertsConfig(_streaming(block_m, inter, tiles, sms, True, mode),
-                             _streaming(block_m, hidden, tiles, sms, False, mode),
-                             quantize_h_in_down=mode in H_IN_DOWN_MODES and block_m <= H_IN_DOWN_BLOCK_M)
+                             _streaming(block_m, hidden, tiles, sms, False, mode))
     if r <= 96:
         if mode == NVFP4:
             return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 3), GemmConfig(64, 128, 64, 8, 4, 3))

@@ -6,15 +6,10 @@
     h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
 
-At decode (``ExpertsConfig.quantize_h_in_down``: 16-row tiles, fp8_tensor and fp8_block) there is
-no quantize_h launch: the down GEMM reads h in the model dtype and quantizes each tile as it loads
-it, to the same bits.
-
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
 rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized
 (seven for fp8_token when quantize_h splits a row over several programs: a row-max pass first; two fewer
-when the tile plan is one program, at most ``align.ONE_PROGRAM_ROWS`` routed rows; one fewer when the
-down GEMM quantizes h); no host
+when the tile plan is one program, at most 128 routed rows); no host
 sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
 routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up product is
 rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is
@@ -29,7 +24,7 @@ from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels.align import align_rows, split_tiles
-from moeshard.kernels.configs import FP8, H_IN_DOWN_MODES, ExpertsConfig, multiprocessors, select_config
+from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
 from moeshard.kernels.quant_rows import MODES as ROW_MODES
@@ -112,11 +107,7 @@ class TritonExperts(GroupedExperts):
                  fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat)
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
-        y = torch.empty(M, H, dtype=self.out_dtype, device=device)
-        down_plan = split_tiles(plan, cfg.down.block_m)
-        if cfg.quantize_h_in_down and spec.kernel_mode in H_IN_DOWN_MODES:
-            # The same bits as quantize_h, one launch fewer (decode: h is a few rows).
-            return moe_gemm(h, weights.down, down_plan, y, cfg.down, activation=None, gather=False, amax=amax,
-                            quantize_a=True)
         h_in = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
-        return moe_gemm(h_in, weights.down, down_plan, y, cfg.down, activation=None, gather=False)
+        y = torch.empty(M, H, dtype=self.out_dtype, device=device)
+        return moe_gemm(h_in, weights.down, split_tiles(plan, cfg.down.block_m), y, cfg.down, activation=None,
+                        gather=False)

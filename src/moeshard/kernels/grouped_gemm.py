@@ -15,12 +15,6 @@ each):
   the expert's amax (per-tensor activation scales of the down projection).
 * down (``SCATTER_OUT``): A is h at the padded positions; results go straight to the original
   routed row order, row ``sorted_rows[p]`` of the [M, N] output (no separate unpermute pass).
-  With ``QUANT_A`` (fp8_tensor and fp8_block only) A is h in the model dtype and each A tile is
-  quantized as it is loaded, bit for bit as ``quantize_h`` would store it: fp8_tensor with the
-  expert's scale amax[e] / 448 (the gate_up GEMM's max-reduced amax), fp8_block with each row's
-  max over the step's 128 columns (BLOCK_K is 128: one scale group per step). One launch and one
-  pass over h fewer; every program of a row tile quantizes it again (``TritonExperts`` does this
-  only at decode, where h is a few rows and the GEMM waits on weight bytes).
 
 Schemes (``QUANT`` is the scheme's ``kernel_mode``, ``moeshard.quant.schemes.KERNEL_MODES``):
 
@@ -53,8 +47,7 @@ import triton.language as tl
 from moeshard.activations import get_activation
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
-from moeshard.kernels.fp8_cast import fp8_cast
-from moeshard.quant import AMAX_FLOOR, FP8_MAX, QuantizedActivations, QuantizedWeight, get_scheme
+from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 
 
 def _act_mode(activation: str | None) -> int:
@@ -144,7 +137,7 @@ def moe_gemm_kernel(
         QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
-        FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, QUANT_A: tl.constexpr,
+        FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -200,24 +193,12 @@ def moe_gemm_kernel(
         as_ptrs = a_scale_ptr + rows[:, None] * stride_asm + offs_kq[None, :] * stride_ask
         ws_ptrs = w_scale_ptr + expert * stride_wse + offs_wn[:, None] * stride_wsn + offs_kq[None, :] * stride_wsk
 
-    if QUANT_A and QUANT == 1:
-        # quantize_h's per-expert scale (AMAX_FLOOR keeps an all-zero expert's scale positive).
-        amax_e = tl.maximum(tl.load(amax_ptr + expert), AMAX_FLOOR)
-        a_q_scale = tl.math.div_rn(amax_e, tl.zeros_like(amax_e) + FP8_MAX)
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 // PACK
         k_ok = ks + offs_ks < K // PACK
         a = _load_tile(a_ptr, a_ptrs + ks * stride_ak, a_row, ks, row_ok, k_ok, TMA_A, GATHER_A, EVEN_K, ZERO)
-        if QUANT_A and QUANT == 1:
-            a = fp8_cast(a.to(tl.float32), a_q_scale, FP8_MAX)
-        elif QUANT_A:
-            a32 = a.to(tl.float32)  # masked columns read 0.0, as quantize_h's masked loads do
-            a_row_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a32), axis=1), AMAX_FLOOR),
-                                         tl.zeros([BLOCK_M], dtype=tl.float32) + FP8_MAX)
-            a = fp8_cast(a32, a_row_scale[:, None], FP8_MAX)
         b = _load_tile(w_ptr, w_ptrs + ks * stride_wk, w_row, ks, n_ok, k_ok, TMA_W, False, EVEN_K, ZERO)
         if FUSE_ACT:
             b_up = _load_tile(w_ptr, w_ptrs + (up_offset * stride_wn + ks * stride_wk), w_row + up_offset, ks,
@@ -268,10 +249,7 @@ def moe_gemm_kernel(
                 acc_up = tl.dot(a, tl.trans(b_up), acc_up)
         else:
             kb = k0 // 128
-            if QUANT_A:
-                a_s = a_row_scale
-            else:
-                a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
+            a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
             ws_base = w_scale_ptr + expert * stride_wse + kb * stride_wsk
             col0 = pid_n * BLOCK_N
             acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * _block_w_scale(ws_base, offs_wn, col0, stride_wsn,
@@ -280,9 +258,7 @@ def moe_gemm_kernel(
                 acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * _block_w_scale(
                     ws_base, offs_wn + up_offset, col0 + up_offset, stride_wsn, WS_SCALAR)
 
-    if QUANT_A and QUANT == 1:
-        acc = acc * a_q_scale * tl.load(w_scale_ptr + expert * stride_wse + offs_wn * stride_wsn)[None, :]
-    elif QUANT == 1 or QUANT == 2:
+    if QUANT == 1 or QUANT == 2:
         a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
         ws_base = w_scale_ptr + expert * stride_wse
         acc = acc * a_s[:, None] * tl.load(ws_base + offs_wn * stride_wsn)[None, :]
@@ -382,29 +358,10 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and all(t.stride(d) == t.stride(d + 1) * t.shape[d + 1] for d in range(t.dim() - 2)))
 
 
-def _check_quantize_a(a, w_mode: int, gather: bool, activation: str | None, amax: torch.Tensor | None,
-                      config: GemmConfig, fp8_exact: bool) -> None:
-    """Refuses a ``quantize_a`` call the kernel's operand-load quantization does not cover."""
-    if isinstance(a, QuantizedActivations) or a.dtype not in (torch.bfloat16, torch.float16):
-        kind = a.scheme if isinstance(a, QuantizedActivations) else a.dtype
-        raise ValueError(f"moe_gemm: quantize_a needs h in the model dtype (bfloat16 or float16), got {kind}")
-    if w_mode not in (1, 3):
-        raise ValueError(f"moe_gemm: quantize_a covers fp8_tensor and fp8_block weights (modes 1, 3), got mode {w_mode}")
-    if gather or activation is not None:
-        raise ValueError("moe_gemm: quantize_a is for the down GEMM (gather=False, activation=None)")
-    if fp8_exact:
-        raise ValueError("moe_gemm: quantize_a runs on the fp8 tensor cores; fp8_exact must be False")
-    if config.block_k != 128:
-        raise ValueError(f"moe_gemm: quantize_a needs block_k 128 (one fp8_block scale group per step), "
-                         f"got {config.block_k}")
-    if w_mode == 1 and amax is None:
-        raise ValueError("moe_gemm: quantize_a with fp8_tensor needs amax, the gate_up GEMM's per-expert amax of h")
-
-
 def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | QuantizedWeight, plan: RowAlignment,
              out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
-             fp8_acc: str | None = None, quantize_a: bool = False) -> torch.Tensor:
+             fp8_acc: str | None = None) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -413,8 +370,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     w: [E, N_w, K] model dtype or ``QuantizedWeight``.
     out: ``activation`` given (gate_up): [P, N_w / 2] in the model dtype, written at padded
        positions; else (down): [M, N_w], written at the original rows (``plan.sorted_rows``).
-    amax: fp32 [E] zeroed buffer; gate_up max-reduces each expert's |h| into it. With
-       ``quantize_a`` (fp8_tensor), the down GEMM reads each expert's amax of h from it instead.
+    amax: fp32 [E] zeroed buffer; gate_up max-reduces each expert's |h| into it.
     config.tma: weights (and, for the down GEMM, the contiguous h tiles) are read through TMA
        descriptors where the layout allows it; gathered rows always use pointer loads.
     fp8_exact: fp8 operands are widened to fp16 (exactly) for an fp32-accurate product; without
@@ -428,9 +384,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
        "imprecise" (the tensor cores' reduced-precision accumulation across all of K, as Triton
        does by default on Hopper). fp8_block always scales per 128-column step. None: the
        config's own (``GemmConfig.fp8_acc``).
-    quantize_a: down only (``gather=False``), w fp8_tensor or fp8_block, BLOCK_K 128: a is h in
-       the model dtype and each A tile is quantized as it is loaded, bit for bit as ``quantize_h``
-       would quantize it (fp8_tensor needs ``amax``, the gate_up GEMM's per-expert amax).
     """
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if config.block_m != plan.block_m:
@@ -450,9 +403,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
                          f"{'M' if gather else 'P'} = {want_rows} = rows * a_row_div")
     a_data, a_scale, a_global, s_am, s_ak, s_ag, a_mode = _a_operand(a)
     w_data, w_scale, w_global, (s_we, s_wn, s_wk), w_mode = _w_operand(w)
-    if quantize_a:
-        _check_quantize_a(a, w_mode, gather, activation, amax, config, fp8_exact)
-        a_mode = w_mode  # quantized in the kernel, as quantize_h would
     if a_mode != w_mode:
         raise ValueError(f"moe_gemm: activation scheme (mode {a_mode}) and weight scheme (mode {w_mode}) differ")
     fused = activation is not None
@@ -485,9 +435,9 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
         out.stride(0), out.stride(1),
         QUANT=w_mode, FUSE_ACT=fused, ACT=_act_mode(activation),  # fused
-        GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None and not quantize_a, EVEN_K=k % bk == 0,
+        GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
-        WS_SCALAR=ws_scalar, QUANT_A=quantize_a,
+        WS_SCALAR=ws_scalar,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from moeshard.kernels.align import RowAlignment
-from moeshard.kernels.fp8_cast import fp8_cast
 from moeshard.kernels.grouped_gemm import kernel_mode
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, NVFP4_BLOCK, QuantizedActivations
 
@@ -57,6 +56,11 @@ def column_span(rows: int, K: int) -> int:
     A function of the shapes only (graph-safe)."""
     span = SMALL_SPAN if rows * K <= SMALL_H_ELEMENTS else LARGE_SPAN
     return min(span, CHUNK * triton.cdiv(K, CHUNK))
+
+
+@triton.jit
+def _fp8(x, scale, FP8_MAX: tl.constexpr):
+    return tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -128,7 +132,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
         for k0 in range(lo, hi, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], fp8_cast(x, scale, FP8_MAX), mask=ok[None, :])
+            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale, FP8_MAX), mask=ok[None, :])
     elif MODE == 2:
         if PARTIAL_MAX:
             row_max = tl.zeros([ROWS], dtype=tl.float32)
@@ -145,7 +149,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
         for k0 in range(lo, hi, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], fp8_cast(x, scale[:, None], FP8_MAX),
+            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX),
                      mask=ok[None, :])
     elif MODE == 3:
         for k0 in range(lo, hi, CHUNK):
@@ -154,8 +158,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
             block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
             scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX)
             tl.store(s_ptr + rows * stride_sm + k0 // CHUNK, scale)
-            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], fp8_cast(x, scale[:, None], FP8_MAX),
-                     mask=ok[None, :])
+            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok[None, :])
     else:
         g = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX * 6.0, amax)
         if pid_k == 0:

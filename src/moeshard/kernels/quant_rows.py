@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moeshard.kernels.fp8_cast import fp8_cast
 from moeshard.kernels.grouped_gemm import kernel_mode
+from moeshard.kernels.quant import _fp8
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedActivations
 from moeshard.quant.fp8 import fp8_scale
 
@@ -75,7 +75,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, tensor_scale_ptr, T, K, stride_xm
             block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
             scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX)
             tl.store(s_ptr + rows * stride_sm + k0 // CHUNK, scale, mask=row_ok)
-        tl.store(q_rows + k0 + cols[None, :], fp8_cast(x, scale[:, None], FP8_MAX), mask=ok)
+        tl.store(q_rows + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok)
     else:
         row_max = tl.zeros([ROWS], dtype=tl.float32)
         for k0 in range(0, K, CHUNK):
@@ -87,7 +87,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, tensor_scale_ptr, T, K, stride_xm
         for k0 in range(0, K, CHUNK):
             ok = row_ok[:, None] & ((k0 + cols) < K)[None, :]
             x = tl.load(x_rows + k0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            tl.store(q_rows + k0 + cols[None, :], fp8_cast(x, scale[:, None], FP8_MAX), mask=ok)
+            tl.store(q_rows + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok)
 
 
 def _check(x: torch.Tensor, where: str) -> None:
