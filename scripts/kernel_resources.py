@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, moe_gemm_kernel, one_w_scale_per_tile
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-POINTERS = ("a_ptr", "a_scale_ptr", "a_global_ptr", "w_ptr", "w_scale_ptr", "w_global_ptr", "out_ptr", "amax_ptr",
+POINTERS = ("a_ptr", "a_half_ptr", "a_scale_ptr", "a_global_ptr", "w_ptr", "w_scale_ptr", "w_global_ptr", "out_ptr", "amax_ptr",
             "sorted_rows_ptr", "tile_expert_ptr", "start_ptr", "count_ptr")
 INTS = ("num_tiles", "N", "K", "N_w", "up_offset", "a_row_div", "stride_am", "stride_ak", "stride_asm", "stride_ask",
         "stride_ag", "stride_we", "stride_wn", "stride_wk", "stride_wse", "stride_wsn", "stride_wsk", "stride_om",
@@ -42,13 +42,13 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
          (128, 128, 128, 8, 3))
 
 
-def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str) -> dict:
+def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False) -> dict:
     bm, bn, bk, warps, stages = tile
-    sig = {name: f"*{elt}" if name in ("a_ptr", "w_ptr") else "*fp32" for name in POINTERS}
+    sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*bf16"
     sig["sorted_rows_ptr"] = sig["tile_expert_ptr"] = sig["start_ptr"] = sig["count_ptr"] = "*i32"
     if quant in (1, 3):
-        sig["a_ptr"] = sig["w_ptr"] = "*fp8e4nv"
+        sig["a_ptr"] = sig["a_half_ptr"] = sig["w_ptr"] = "*fp8e4nv"
     sig.update({name: "i32" for name in INTS})
     # As at run time: unit strides are specialised to the constant 1, and pointers and the sizes
     # and strides that are multiples of 16 carry that divisibility (vectorised, aligned loads).
@@ -58,7 +58,7 @@ def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str) ->
               "TRACK_AMAX": False, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
               # as moe_gemm sets it; N stands for any multiple of 128 (every model here)
-              "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused),
+              "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused), "HALF_TILES": half_tiles,
               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})
     names = list(moe_gemm_kernel.arg_names)

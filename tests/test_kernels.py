@@ -197,6 +197,48 @@ def test_down_tiles_shorter_than_the_plan_match_reference(interpreted_kernels, e
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_half_tiles_compute_the_whole_tiles_numbers(interpreted_kernels, exact_interpreter, scheme, tma):
+    """``GemmConfig.half_tiles``: an expert's last tile whose rows fit in its first half computes
+    a tile of half the height. Every output (h at every padded position, padding zeros included,
+    and y) must be the whole tiles' bit for bit; the plan holds tiles on both sides of the
+    half-way line, so a half tile that read or wrote the wrong rows (or skipped real ones) differs."""
+    k = interpreted_kernels
+    GemmConfig = k.configs.GemmConfig
+    M, E, H, I = 90, 5, 64, 96
+    x, ids, w = _problem(M, E, H, I, torch.bfloat16, scheme, seed=13)
+    # experts of 40 (32 + 8: the second tile is a half tile), 30 (one tile, more than half),
+    # 3 and 17 rows (one half tile each), and none
+    ids = torch.tensor([0] * 40 + [1] * 30 + [2] * 3 + [3] * 17)[torch.randperm(M, generator=torch.Generator().manual_seed(1))]
+    if scheme != "none":
+        x = quantize_activations(torch.randn(M, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16), scheme)
+    plan = k.align.align_rows(ids, E, 32)
+    rows_in_tile = [int(plan.count[e] - (t * 32 - plan.start[e])) for t, e in enumerate(plan.tile_expert.tolist())
+                    if e >= 0]
+    assert any(r <= 16 for r in rows_in_tile) and any(r > 16 for r in rows_in_tile), rows_in_tile
+    amax = torch.zeros(E) if get_scheme(scheme).per_tensor_activation else None
+    outs = {}
+    for half in (False, True):
+        gemm = GemmConfig(32, 64, 32, group_m=2, tma=tma, half_tiles=half)
+        h = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16)
+        a = None if amax is None else amax.clone()
+        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True, amax=a)
+        h_in = k.quant.quantize_h(h, scheme, plan, a) if scheme != "none" else h
+        y = torch.full((M, H), float("nan"), dtype=torch.bfloat16)
+        k.grouped_gemm.moe_gemm(h_in, w.down, plan, y, gemm, activation=None, gather=False)
+        outs[half] = (h, a, y)
+    (h0, a0, y0), (h1, a1, y1) = outs[False], outs[True]
+    assert torch.equal(h0.isnan(), h1.isnan()) and torch.equal(h0.nan_to_num(), h1.nan_to_num())
+    assert not y1.isnan().any() and torch.equal(y0, y1)
+    assert a0 is None or torch.equal(a0, a1)
+
+
+def test_half_tiles_need_tiles_of_at_least_32_rows():
+    with pytest.raises(ValueError, match="half_tiles needs block_m a multiple of 32, got block_m=16"):
+        GemmConfig(16, 64, 64, half_tiles=True)
+
+
 def test_split_tiles_marks_the_empty_halves(interpreted_kernels):
     align = interpreted_kernels.align
     ids = torch.tensor([0] * 5 + [1] * 20 + [3] * 3)
@@ -324,6 +366,13 @@ def test_selection_on_cpu():
     # fp8_block steps must stay inside one 128-column scale group.
     fp8 = select_config(16384 * 2, 8, 4096, 14336, "fp8_block")
     assert 128 % fp8.gate_up.block_k == 0 and 128 % fp8.down.block_k == 0
+    # Half tiles where an expert's last tile is a large share of its rows (DeepSeek-V3 and Qwen3
+    # at 4096 tokens), not at Mixtral's thousands of rows per expert, where they measured slower.
+    for scheme in ("none", "fp8_tensor", "fp8_block"):
+        assert select_config(4096 * 8, 256, 7168, 2048, scheme).gate_up.half_tiles
+        assert select_config(4096 * 8, 128, 2048, 768, scheme).gate_up.half_tiles
+        assert not select_config(4096 * 2, 8, 4096, 14336, scheme).gate_up.half_tiles
+        assert not select_config(16384 * 8, 256, 7168, 2048, scheme).gate_up.half_tiles
     # One token of Mixtral: two experts; narrow column tiles keep every SM busy.
     one = select_config(2, 8, 4096, 14336, "none", sms=132)
     assert 2 * (4096 // one.down.block_n) >= 132

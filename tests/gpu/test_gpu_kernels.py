@@ -97,6 +97,52 @@ def test_triton_experts_match_reference(dtype, scheme, shape, fp8_gate_up):
     _check(y, ref, dtype, scheme, f"{scheme} {shape} {fp8_gate_up}")
 
 
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block"])
+def test_half_tiles_give_the_whole_tiles_bits(scheme):
+    """The prefill tiles ``select_config`` picks, compiled, with and without half tiles: 64 experts
+    of 60-200 rows (last tiles on both sides of 64 rows), h at every padded position and y the
+    same bits (the 64-row wgmma sums each output in the order of the 128-row one)."""
+    import dataclasses
+
+    from moeshard.kernels.align import split_tiles
+    from moeshard.kernels.grouped_gemm import moe_gemm
+
+    E, H, I = 64, 512, 384
+    counts = torch.randint(60, 200, (E,), generator=torch.Generator().manual_seed(3))
+    ids = torch.repeat_interleave(torch.arange(E), counts)[torch.randperm(int(counts.sum()))].cuda()
+    M = ids.shape[0]
+    w = _weights(E, H, I, torch.bfloat16, scheme, seed=5)
+    x = torch.randn(M, H, device="cuda").to(torch.bfloat16)
+    xin = quantize_activations(x, scheme) if scheme != "none" else x
+    sel = select_config(M, E, H, I, scheme)
+    assert sel.gate_up.block_m == 128 and sel.gate_up.half_tiles, sel
+    spec = get_scheme(scheme)
+    outs = []
+    for half in (False, True):
+        gate_up = dataclasses.replace(sel.gate_up, half_tiles=half)
+        down = dataclasses.replace(sel.down, half_tiles=half and sel.down.block_m == 128)
+        amax = torch.empty(E, device="cuda") if spec.per_tensor_activation else None
+        plan = align_rows(ids, E, 128, amax=amax)
+        h = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe_gemm(xin, w.gate_up, plan, h, gate_up, activation="silu", gather=True, amax=amax)
+        h_in = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
+        y = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
+        moe_gemm(h_in, w.down, split_tiles(plan, down.block_m), y, down, activation=None, gather=False)
+        # Rows land in an expert's positions in the order of the plan's atomics, which varies
+        # between plans: h is compared by routed row, and its padding positions must be zeros.
+        tile_e = plan.tile_expert.long().repeat_interleave(128)
+        pos = torch.arange(plan.padded_rows, device="cuda")
+        used = tile_e >= 0
+        real = used & (pos - plan.start.long()[tile_e.clamp(min=0)] < plan.count.long()[tile_e.clamp(min=0)])
+        by_row = torch.empty(M, I, dtype=torch.bfloat16, device="cuda")
+        by_row[plan.sorted_rows.long()[real]] = h[real]
+        assert torch.equal(h[used & ~real], torch.zeros_like(h[used & ~real])), f"{scheme} half={half}: padding"
+        outs.append((by_row, y))
+    (h0, y0), (h1, y1) = outs
+    assert torch.equal(h0, h1), f"{scheme}: h differs, max {(h0.float() - h1.float()).abs().max():.3g}"
+    assert torch.equal(y0, y1), f"{scheme}: y differs, max {(y0.float() - y1.float()).abs().max():.3g}"
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_gelu_and_deferred_quantization(scheme):
     M, E, H, I = SHAPES["mid"]

@@ -50,7 +50,8 @@ class GemmConfig:
     through Hopper's tensor memory accelerator instead of per-thread loads; fp8_acc: how the
     per-tensor / per-row fp8 modes accumulate on the fp8 tensor cores (``FP8_ACCUMULATIONS``:
     what ``moe_gemm`` documents), ignored by the other modes. Every one of them stays within
-    ``ACCUMULATION["fp8_mma"]`` (``scripts/accumulation_contract.py``)."""
+    ``ACCUMULATION["fp8_mma"]`` (``scripts/accumulation_contract.py``); half_tiles: an expert's
+    last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``)."""
 
     block_m: int
     block_n: int
@@ -60,14 +61,19 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False
     fp8_acc: str = "split"
+    half_tiles: bool = False
 
     def __post_init__(self) -> None:
         if self.fp8_acc not in FP8_ACCUMULATIONS:
             raise ValueError(f"GemmConfig.fp8_acc: {self.fp8_acc!r} is not one of {list(FP8_ACCUMULATIONS)}")
+        if self.half_tiles and (self.block_m < 32 or self.block_m % 32):
+            # A half tile is a tile of its own: at least 16 rows, as every tl.dot operand.
+            raise ValueError(f"GemmConfig.half_tiles needs block_m a multiple of 32, got block_m={self.block_m}")
 
     def as_dict(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "group_m": self.group_m,
-                "num_warps": self.num_warps, "num_stages": self.num_stages, "tma": self.tma, "fp8_acc": self.fp8_acc}
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "tma": self.tma, "fp8_acc": self.fp8_acc,
+                "half_tiles": self.half_tiles}
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,8 @@ def multiprocessors(device_index: int | None) -> int:
 # is left to the epilogue's layout conversion). Triton keeps num_stages tiles for wgmma
 # (BLOCK_M >= 64) and num_stages - 1 for mma.sync.
 PIPELINE_BYTES = 200 * 1024
+# Prefill tiles compute half tiles below this many expected rows per expert (``select_config``).
+HALF_TILES_BELOW = 384
 
 
 def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: int | None) -> GemmConfig:
@@ -152,6 +160,15 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
             return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 128, 8, 4, 4))
         return ExpertsConfig(GemmConfig(64, 128, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4))
     tma = r >= 1024
+    # An expert's last 128-row tile holds count % 128 rows, about 64 / r of the rows computed.
+    # Half tiles (``GemmConfig.half_tiles``) compute 64 of them where the rest is padding. One
+    # H200, gate_up / down / whole experts, half against whole tiles in alternating rounds
+    # (scripts/half_tiles_study.py, 2026-12-03): at 128-256 rows per expert faster in every case
+    # (DeepSeek-V3 4096 tokens: experts fp8_tensor 4.58 -> 4.36 ms, fp8_block 6.02 -> 5.76, bf16
+    # 8.69 -> 8.48; Qwen3 4096: 0.495 -> 0.480, 0.650 -> 0.636, 0.735 -> 0.701), mixed at 512
+    # (DeepSeek-V3 16384: 0.4% slower to 6% faster) and up to 5% slower at 1024 and more (Mixtral:
+    # few half tiles, and the second code path costs the whole tiles' schedule).
+    half = r < HALF_TILES_BELOW
     if mode == NVFP4:
         return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
     if mode == FP8_BLOCK and fp8_gate_up == "mma":
@@ -166,7 +183,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # 0.217, 0.691-0.697 against 0.721-0.735), 3 of pointer loads at Mixtral's 14336 (1.22
         # against 1.27-1.31 ms; 16384 tokens 4.87-4.88 against 4.94-5.08).
         long_k = inter >= 8192
-        return ExpertsConfig(GemmConfig(128, 128, 128, 8, 8, 3, tma=True),
+        return ExpertsConfig(GemmConfig(128, 128, 128, 8, 8, 3, tma=True, half_tiles=half),
                              GemmConfig(64, 128, 128, 8, 4, 3 if long_k else 4, tma=not long_k))
     if fp8:
         # Per-tensor / per-row scales: gate_up accumulates across K on the tensor cores without
@@ -182,7 +199,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
             # step, so down's 128 x 256 tile would spill); 64-row down tiles below 512 rows per expert.
             down = GemmConfig(64, 128, 128, 8, 4, 3) if r < 512 else GemmConfig(128, 128, 128, 8, 8, 3, tma=True)
             return ExpertsConfig(GemmConfig(128, 64, 64, 8, 8, 4), down)
-        gate_up = GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise")
+        gate_up = GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise", half_tiles=half)
         # The down GEMM accumulates unpromoted too (its error is within the declared fp8_mma
         # contract at K = 14336: scripts/accumulation_contract.py, "prefill-imprecise-both"), in
         # 128 x 256 x 128 tiles: one accumulator of 128 x 256 holds no second fp32 tile, so it fits
@@ -190,5 +207,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # tokens: Mixtral 0.729 ms against 0.980 at 128 x 128 x 128, DeepSeek-V3 (128 rows per
         # expert) 1.45 against 1.54 at 64 x 128 x 128, Qwen3 0.174 against 0.174; 16384 tokens:
         # 2.72 against 3.66, 3.89 against 5.52, 0.541 against 0.729.
-        return ExpertsConfig(gate_up, GemmConfig(128, 256, 128, 8, 8, 3, tma=True, fp8_acc="imprecise"))
-    return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=tma), GemmConfig(128, 256, 64, 8, 8, 3, tma=tma))
+        return ExpertsConfig(gate_up, GemmConfig(128, 256, 128, 8, 8, 3, tma=True, fp8_acc="imprecise",
+                                                 half_tiles=half))
+    return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=tma, half_tiles=half),
+                         GemmConfig(128, 256, 64, 8, 8, 3, tma=tma, half_tiles=half))

@@ -123,39 +123,22 @@ def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
         return tl.load(ws_base + (cols // 128) * stride_wsn)[None, :]
 
 
-# num_tiles varies with the routed rows; specializing on it would compile a variant per value class.
-@triton.jit(do_not_specialize=["num_tiles"])
-def moe_gemm_kernel(
-        a_ptr, a_scale_ptr, a_global_ptr,
-        w_ptr, w_scale_ptr, w_global_ptr,
-        out_ptr, amax_ptr,
-        sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
-        num_tiles, N, K, N_w, up_offset, a_row_div,
-        stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
-        stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
-        stride_om, stride_on,
-        QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
-        GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
-        EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
-        FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
-    # blocks together, so each weight tile is read from HBM once per group, not once per tile.
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = min(num_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-
-    expert = tl.load(tile_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    expert = expert.to(tl.int64)
-    first = tl.load(start_ptr + expert)
-    count = tl.load(count_ptr + expert)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+@triton.jit
+def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr, sorted_rows_ptr,
+          p0, expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+          stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+          stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+          stride_om, stride_on,
+          QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
+          GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
+          EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
+          FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Computes and stores the BLOCK_M x BLOCK_N output tile whose rows are the padded positions
+    [p0, p0 + BLOCK_M) of ``expert`` (its rows: [first, first + count)) and whose columns start
+    at pid_n * BLOCK_N. ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
+    TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack] blocks when TMA_W."""
+    offs_p = p0 + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
         orig_rows32 = tl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0)
@@ -187,7 +170,7 @@ def moe_gemm_kernel(
     else:
         w_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_ks[None, :] * stride_wk
     w_row = expert.to(tl.int32) * N_w + pid_n * BLOCK_N
-    a_row = pid_m * BLOCK_M
+    a_row = p0
     if QUANT == 4:
         offs_kq = tl.arange(0, BLOCK_K // 16)
         as_ptrs = a_scale_ptr + rows[:, None] * stride_asm + offs_kq[None, :] * stride_ask
@@ -297,6 +280,67 @@ def moe_gemm_kernel(
         tl.store(out_ptrs, result, mask=n_ok[None, :])
 
 
+# num_tiles varies with the routed rows; specializing on it would compile a variant per value class.
+@triton.jit(do_not_specialize=["num_tiles"])
+def moe_gemm_kernel(
+        a_ptr, a_half_ptr, a_scale_ptr, a_global_ptr,
+        w_ptr, w_scale_ptr, w_global_ptr,
+        out_ptr, amax_ptr,
+        sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
+        num_tiles, N, K, N_w, up_offset, a_row_div,
+        stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+        stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+        stride_om, stride_on,
+        QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
+        GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
+        EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
+        FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
+    # blocks together, so each weight tile is read from HBM once per group, not once per tile.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    first = tl.load(start_ptr + expert)
+    count = tl.load(count_ptr + expert)
+    p0 = pid_m * BLOCK_M
+    # An expert's last tile holds count % BLOCK_M rows. With HALF_TILES a tile whose rows fit in
+    # its first half computes only that half (a BLOCK_M / 2 tile, the smallest the wgmma takes
+    # is 64 rows): with 128-row tiles and ~128 rows per expert (DeepSeek-V3 at 4096 tokens) a
+    # third of the MMA work was padding.
+    if HALF_TILES:
+        if count - (p0 - first) <= BLOCK_M // 2:
+            _tile(a_half_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
+                  sorted_rows_ptr, p0, expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+                  stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+                  stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
+                  QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
+                  FP8_ACC, WS_SCALAR, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+            if not SCATTER_OUT:
+                # The skipped half holds padding only: store its zeros, as a whole tile would.
+                offs_z = p0 + BLOCK_M // 2 + tl.arange(0, BLOCK_M // 2)
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                z_ptrs = out_ptr + offs_z.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+                tl.store(z_ptrs, tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                         mask=(offs_n < N)[None, :])
+            return
+    _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
+          sorted_rows_ptr, p0, expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+          stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+          stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
+          QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
+          FP8_ACC, WS_SCALAR, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 def one_w_scale_per_tile(mode: int, block_n: int, n: int, fused: bool) -> bool:
     """Whether every fp8_block (mode 3) tile of ``block_n`` of the N output columns lies in one
     128-column weight block: at most 128 columns starting on a multiple of its width, and for the
@@ -373,6 +417,9 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     amax: fp32 [E] zeroed buffer; gate_up max-reduces each expert's |h| into it.
     config.tma: weights (and, for the down GEMM, the contiguous h tiles) are read through TMA
        descriptors where the layout allows it; gathered rows always use pointer loads.
+    config.half_tiles: a tile whose expert has rows in its first half only (the expert's last
+       tile) computes a tile of half the height; the other half, padding, is stored as zeros
+       (gate_up) or not at all (down), as a whole tile would leave it.
     fp8_exact: fp8 operands are widened to fp16 (exactly) for an fp32-accurate product; without
        it they go to the fp8 tensor cores, whose accumulation keeps about 14 bits within each
        BLOCK_K step (the fp32 sum across steps is exact).
@@ -415,6 +462,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     pack = 2 if w_mode == 4 else 1
     a_arg, w_arg = a_data, w_data
+    a_half = a_data  # the half tiles' A: a descriptor of [BLOCK_M / 2, BLOCK_K] blocks under TMA
     tma_a = tma_w = False
     if config.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -423,11 +471,13 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
             tma_w = True
         if not gather and _tma_ok(a_data):
             a_arg = TensorDescriptor.from_tensor(a_data, [bm, bk // pack])
+            if config.half_tiles:
+                a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, bk // pack])
             tma_a = True
     ws_scalar = one_w_scale_per_tile(w_mode, bn, n, fused)
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
     moe_gemm_kernel[grid](
-        a_arg, a_scale, a_global, w_arg, w_scale, w_global,
+        a_arg, a_half if tma_a else a_arg, a_scale, a_global, w_arg, w_scale, w_global,
         out, amax if amax is not None else out,
         plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
         plan.max_tiles, n, k, n_w, n if fused else 0, a_row_div,
@@ -437,7 +487,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         QUANT=w_mode, FUSE_ACT=fused, ACT=_act_mode(activation),  # fused
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
-        WS_SCALAR=ws_scalar,
+        WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -1,0 +1,145 @@
+"""Half tiles against whole tiles at prefill: what an expert's padding costs the grouped GEMMs.
+
+With 128-row tiles each expert's last tile holds count % 128 rows; the rest is padding that the
+tensor cores compute anyway. ``GemmConfig.half_tiles`` lets a tile whose rows fit in its first
+half compute a 64-row tile instead. For each model, token count and scheme this times, on the
+bench's workload (``moeshard.bench.workload``, CUDA graphs, an L2 flush before every
+repetition), the gate_up GEMM alone, the down GEMM alone and the whole ``TritonExperts`` call
+with the tiles ``select_config`` picks, once with half tiles and once without (everything else
+equal), in alternating rounds so that drift between them is not read as a difference. It checks
+that both give the same bits (h at every padded position, and y), and counts the positions each
+computes against the routed rows.
+
+    PYTHONPATH=src python3 scripts/half_tiles_study.py --json results/h200/half_tiles_study.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
+from moeshard.config import QuantConfig
+from moeshard.kernels.align import align_rows, split_tiles
+from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_config
+from moeshard.kernels.experts import TritonExperts
+from moeshard.kernels.grouped_gemm import moe_gemm
+from moeshard.kernels.quant import quantize_h
+from moeshard.quant import get_scheme
+
+MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
+TOKENS = (4096, 16384)
+SCHEMES = ("none", "fp8_tensor", "fp8_block")
+
+
+def _ms(fn, flush, reps: int) -> float:
+    g = graphed(fn)
+    try:
+        return time_cuda(g, warmup=2, reps=reps, flush=flush).median_ms
+    finally:
+        g.release()
+
+
+def computed_rows(counts: torch.Tensor, block_m: int, half: bool) -> int:
+    """Positions the tensor cores compute for experts of ``counts`` rows in ``block_m``-row tiles."""
+    full, rest = counts // block_m, counts % block_m
+    last = torch.where(rest == 0, 0, torch.where((rest <= block_m // 2) & half, block_m // 2, block_m))
+    return int((full * block_m + last).sum())
+
+
+def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: int) -> dict:
+    cfg = model.cfg
+    device = model.gate_up.device
+    spec = get_scheme(scheme)
+    experts = experts_for(model, scheme)
+    inp, _ = routed_input(model, hidden_states(model, tokens, tokens), QuantConfig(scheme))
+    M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    sel = select_config(M, E, H, I, scheme, multiprocessors(device.index))
+    variants = {}
+    for half in (False, True):
+        variants["half" if half else "whole"] = ExpertsConfig(
+            dataclasses.replace(sel.gate_up, half_tiles=half and sel.gate_up.block_m >= 128),
+            dataclasses.replace(sel.down, half_tiles=half and sel.down.block_m >= 128))
+    counts = torch.bincount(inp.expert_ids, minlength=E).cpu()
+    rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M,
+           "config": {"gate_up": sel.gate_up.as_dict(), "down": sel.down.as_dict()},
+           "gate_up_computed_per_row": {k: computed_rows(counts, sel.gate_up.block_m, v.gate_up.half_tiles) / M
+                                        for k, v in variants.items()},
+           "down_computed_per_row": {k: computed_rows(counts, sel.down.block_m, v.down.half_tiles) / M
+                                     for k, v in variants.items()},
+           "rounds": {k: {"gate_up_ms": [], "down_ms": [], "experts_ms": []} for k in variants}}
+    calls, outs = {}, {}
+    # One plan for both variants: rows land in an expert's positions in the order of the plan's
+    # atomics, so two plans could hold the same h at different positions.
+    plan = align_rows(inp.expert_ids, E, sel.block_m)
+    for key, ec in variants.items():
+        amax = torch.zeros(E, dtype=torch.float32, device=device) if spec.per_tensor_activation else None
+        h = torch.full((plan.padded_rows, I), float("nan"), dtype=cfg.dtype, device=device)
+        moe_gemm(inp.x, experts.gate_up, plan, h, ec.gate_up, activation=cfg.activation, gather=True, amax=amax,
+                 a_row_div=inp.repeat)
+        hq = quantize_h(h, scheme, plan, amax) if spec.quantized else h
+        y = torch.empty(M, H, dtype=cfg.dtype, device=device)
+        down_plan = split_tiles(plan, ec.down.block_m)
+        moe_gemm(hq, experts.down, down_plan, y, ec.down, activation=None, gather=False)
+        outs[key] = (h.clone(), y.clone())
+        kernel = TritonExperts(cfg.activation, cfg.dtype, ec)
+        calls[key] = {
+            "gate_up_ms": lambda ec=ec, h=h, amax=amax: moe_gemm(
+                inp.x, experts.gate_up, plan, h, ec.gate_up, activation=cfg.activation, gather=True, amax=amax,
+                a_row_div=inp.repeat),
+            "down_ms": lambda ec=ec, hq=hq, down_plan=down_plan, y=y: moe_gemm(
+                hq, experts.down, down_plan, y, ec.down, activation=None, gather=False),
+            "experts_ms": lambda kernel=kernel: kernel(inp, experts)}
+    (h0, y0), (h1, y1) = outs["whole"], outs["half"]
+    rec["same_h"] = bool(torch.equal(h0.isnan(), h1.isnan()) and torch.equal(h0.nan_to_num(), h1.nan_to_num()))
+    rec["same_y"] = bool(torch.equal(y0, y1))
+    for _ in range(rounds):
+        for key in variants:
+            for stage, fn in calls[key].items():
+                rec["rounds"][key][stage].append(_ms(fn, flush, reps))
+    rec["median_ms"] = {k: {s: statistics.median(v) for s, v in st.items()} for k, st in rec["rounds"].items()}
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    flush = L2Flush(device)
+    records = []
+    for name in args.models.split(","):
+        model = make_model(name, device)
+        for tokens in map(int, args.tokens.split(",")):
+            for scheme in args.schemes.split(","):
+                rec = study(name, tokens, scheme, model, flush, args.rounds, args.reps)
+                records.append(rec)
+                m = rec["median_ms"]
+                print(f"{name:14s} T={tokens:<6d} {scheme:10s} computed/row gate_up "
+                      f"{rec['gate_up_computed_per_row']['whole']:.3f} -> {rec['gate_up_computed_per_row']['half']:.3f}"
+                      f" | gate_up {m['whole']['gate_up_ms']:.3f} -> {m['half']['gate_up_ms']:.3f}"
+                      f" down {m['whole']['down_ms']:.3f} -> {m['half']['down_ms']:.3f}"
+                      f" experts {m['whole']['experts_ms']:.3f} -> {m['half']['experts_ms']:.3f} ms"
+                      f" | same h {rec['same_h']} y {rec['same_y']}", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        out = {"command": "python3 scripts/half_tiles_study.py " + " ".join(
+            f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "json"),
+            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "records": records}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
