@@ -73,22 +73,35 @@ def supported(scores: torch.Tensor, k: int) -> bool:
             and 1 <= k <= scores.shape[1] <= MAX_COLUMNS)
 
 
+def _check_scores(what: str, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores as the kernel reads them (unit column stride), or a refusal naming ``what``."""
+    if not (scores.dim() == 2 and scores.dtype == torch.float32 and 1 <= k <= scores.shape[1] <= MAX_COLUMNS):
+        raise ValueError(f"{what}: needs fp32 [T, E] scores with 1 <= k <= E <= {MAX_COLUMNS}; got "
+                         f"{scores.dtype} {list(scores.shape)}, k={k}")
+    return scores if scores.stride(1) == 1 else scores.contiguous()
+
+
+def _launch(choice: torch.Tensor, k: int, scores: torch.Tensor | None, renormalize: bool = False,
+            floor: float = 1.0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``_topk_kernel`` launch over [T, E] ``choice``: (ids int64 [T, k], and with ``scores``
+    the gathered weights fp32 [T, k], else None)."""
+    T, E = choice.shape
+    ids = torch.empty(T, k, dtype=torch.int64, device=choice.device)
+    weights = None if scores is None else torch.empty(T, k, dtype=torch.float32, device=choice.device)
+    if T:
+        _topk_kernel[(triton.cdiv(T, ROWS),)](
+            choice, ids, choice if scores is None else scores, ids if weights is None else weights, T, E,
+            choice.stride(0), 0 if scores is None else scores.stride(0), float(floor), float(scale), K=k,
+            KP=triton.next_power_of_2(k), COLS=max(16, triton.next_power_of_2(E)), ROWS=ROWS,
+            WEIGHTS=scores is not None, RENORM=renormalize, SCALE=scale != 1.0, num_warps=4)
+    return ids, weights
+
+
 def topk_low_index_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores: fp32 [T, E] -> int64 [T, k]: the columns of the k largest scores of each row,
     largest first, equal scores lower column first (``torch.sort(scores, -1, descending=True,
     stable=True).indices[:, :k]``, NaN and infinities included). One launch, no host sync."""
-    if not (scores.dim() == 2 and scores.dtype == torch.float32 and 1 <= k <= scores.shape[1] <= MAX_COLUMNS):
-        raise ValueError(f"topk_low_index_first: needs fp32 [T, E] scores with 1 <= k <= E <= {MAX_COLUMNS}; got "
-                         f"{scores.dtype} {list(scores.shape)}, k={k}")
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
-    T, E = scores.shape
-    ids = torch.empty(T, k, dtype=torch.int64, device=scores.device)
-    if T:
-        _topk_kernel[(triton.cdiv(T, ROWS),)](scores, ids, scores, ids, T, E, scores.stride(0), 0, 1.0, 1.0, K=k,
-                                             KP=triton.next_power_of_2(k), COLS=max(16, triton.next_power_of_2(E)),
-                                             ROWS=ROWS, WEIGHTS=False, RENORM=False, SCALE=False, num_warps=4)
-    return ids
+    return _launch(_check_scores("topk_low_index_first", scores, k), k, None)[0]
 
 
 def topk_with_weights(choice: torch.Tensor, scores: torch.Tensor, k: int, renormalize: bool, floor: float,
@@ -97,20 +110,11 @@ def topk_with_weights(choice: torch.Tensor, scores: torch.Tensor, k: int, renorm
     ids = ``topk_low_index_first(choice, k)``; weights = scores[t, ids], divided by
     max(their sum, floor) when ``renormalize``, times ``scale`` unless it is 1 (the router's
     ``select_experts`` on these tensors, without autograd). One launch, no host sync."""
-    if not (choice.dim() == 2 and choice.dtype == torch.float32 and 1 <= k <= choice.shape[1] <= MAX_COLUMNS):
-        raise ValueError(f"topk_with_weights: needs fp32 [T, E] choice scores with 1 <= k <= E <= {MAX_COLUMNS}; "
-                         f"got {choice.dtype} {list(choice.shape)}, k={k}")
+    choice = _check_scores("topk_with_weights: choice", choice, k)
     if scores.shape != choice.shape or scores.dtype != torch.float32 or scores.device != choice.device:
         raise ValueError(f"topk_with_weights: scores must be fp32 {list(choice.shape)} on {choice.device}, got "
                          f"{scores.dtype} {list(scores.shape)} on {scores.device}")
-    choice = choice if choice.stride(1) == 1 else choice.contiguous()
-    scores = scores if scores.stride(1) == 1 else scores.contiguous()
-    T, E = choice.shape
-    ids = torch.empty(T, k, dtype=torch.int64, device=choice.device)
-    weights = torch.empty(T, k, dtype=torch.float32, device=choice.device)
-    if T:
-        _topk_kernel[(triton.cdiv(T, ROWS),)](choice, ids, scores, weights, T, E, choice.stride(0), scores.stride(0),
-                                             float(floor), float(scale), K=k, KP=triton.next_power_of_2(k),
-                                             COLS=max(16, triton.next_power_of_2(E)), ROWS=ROWS, WEIGHTS=True,
-                                             RENORM=renormalize, SCALE=scale != 1.0, num_warps=4)
+    ids, weights = _launch(choice, k, scores if scores.stride(1) == 1 else scores.contiguous(), renormalize, floor,
+                           scale)
+    assert weights is not None  # _launch gathers weights whenever it is given scores
     return ids, weights
