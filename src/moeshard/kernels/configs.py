@@ -163,11 +163,12 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     # An expert's last 128-row tile holds count % 128 rows, about 64 / r of the rows computed.
     # Half tiles (``GemmConfig.half_tiles``) compute 64 of them where the rest is padding. One
     # H200, gate_up / down / whole experts, half against whole tiles in alternating rounds
-    # (scripts/half_tiles_study.py, 2026-12-03): at 128-256 rows per expert faster in every case
-    # (DeepSeek-V3 4096 tokens: experts fp8_tensor 4.58 -> 4.36 ms, fp8_block 6.02 -> 5.76, bf16
-    # 8.69 -> 8.48; Qwen3 4096: 0.495 -> 0.480, 0.650 -> 0.636, 0.735 -> 0.701), mixed at 512
-    # (DeepSeek-V3 16384: 0.4% slower to 6% faster) and up to 5% slower at 1024 and more (Mixtral:
-    # few half tiles, and the second code path costs the whole tiles' schedule).
+    # (scripts/half_tiles_study.py, 2026-12-03): Qwen3 at 4096 tokens (256 rows per expert)
+    # faster in every round (experts fp8_tensor 0.495 -> 0.480 ms, fp8_block 0.650 -> 0.636, bf16
+    # 0.735 -> 0.701); DeepSeek-V3 at 4096 (128) faster in the medians (4.58 -> 4.36, 6.02 -> 5.76,
+    # 8.69 -> 8.48; its rounds spread more than that); mixed at 512 (DeepSeek-V3 16384: 0.4% slower
+    # to 6% faster); up to 5% slower at 1024 and more (Mixtral: few half tiles, and the second
+    # code path costs the whole tiles' schedule).
     half = r < HALF_TILES_BELOW
     if mode == NVFP4:
         return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
