@@ -8,7 +8,9 @@ repetition), the gate_up GEMM alone, the down GEMM alone and the whole ``TritonE
 with the tiles ``select_config`` picks, once with half tiles and once without (everything else
 equal), in alternating rounds so that drift between them is not read as a difference. It checks
 that both give the same bits (h at every padded position, and y), and counts the positions each
-computes against the routed rows.
+computes against the routed rows. ``--layer`` also times the whole ``MoELayer`` (one GPU, local
+backend, as ``moeshard bench`` builds it) with either experts' tiles, and with half tiles but
+without its shared experts (the layer's stage that the routed experts' time leaves out).
 
     PYTHONPATH=src python3 scripts/half_tiles_study.py --json results/h200/half_tiles_study.json
 """
@@ -31,6 +33,7 @@ from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_conf
 from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
+from moeshard.layer import MoELayer
 from moeshard.quant import get_scheme
 
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
@@ -53,12 +56,34 @@ def computed_rows(counts: torch.Tensor, block_m: int, half: bool) -> int:
     return int((full * block_m + last).sum())
 
 
-def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: int) -> dict:
+def layer_calls(model, scheme: str, experts, x: torch.Tensor, variants: dict) -> dict:
+    """Callables of the whole layer: one per experts' config (``TritonExperts`` with it as the
+    layer's kernel) and, with the half tiles, one without the shared experts."""
+    layer = MoELayer(model.cfg, QuantConfig(scheme), weights=model.shell, local_experts=experts,
+                     device=model.gate_up.device)
+    kernels = {key: TritonExperts(model.cfg.activation, model.cfg.dtype, ec) for key, ec in variants.items()}
+    shared = layer.shared_experts
+
+    def run(key: str, with_shared: bool = True):
+        def call():
+            layer.kernel = kernels[key]
+            layer.shared_experts = shared if with_shared else None
+            return layer(x)
+        return call
+
+    calls = {f"layer_{key}_ms": run(key) for key in variants}
+    if shared is not None:
+        calls["layer_half_no_shared_ms"] = run("half", with_shared=False)
+    return calls
+
+
+def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: int, layer: bool = False) -> dict:
     cfg = model.cfg
     device = model.gate_up.device
     spec = get_scheme(scheme)
     experts = experts_for(model, scheme)
-    inp, _ = routed_input(model, hidden_states(model, tokens, tokens), QuantConfig(scheme))
+    x = hidden_states(model, tokens, tokens)
+    inp, _ = routed_input(model, x, QuantConfig(scheme))
     M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     sel = select_config(M, E, H, I, scheme, multiprocessors(device.index))
     variants = {}
@@ -99,11 +124,16 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
     (h0, y0), (h1, y1) = outs["whole"], outs["half"]
     rec["same_h"] = bool(torch.equal(h0.isnan(), h1.isnan()) and torch.equal(h0.nan_to_num(), h1.nan_to_num()))
     rec["same_y"] = bool(torch.equal(y0, y1))
+    whole_layer = layer_calls(model, scheme, experts, x, variants) if layer else {}
+    rec["layer_rounds"] = {k: [] for k in whole_layer}
     for _ in range(rounds):
         for key in variants:
             for stage, fn in calls[key].items():
                 rec["rounds"][key][stage].append(_ms(fn, flush, reps))
+        for key, fn in whole_layer.items():
+            rec["layer_rounds"][key].append(_ms(fn, flush, reps))
     rec["median_ms"] = {k: {s: statistics.median(v) for s, v in st.items()} for k, st in rec["rounds"].items()}
+    rec["layer_median_ms"] = {k: statistics.median(v) for k, v in rec["layer_rounds"].items()}
     return rec
 
 
@@ -114,6 +144,7 @@ def main() -> None:
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--layer", action="store_true", help="also time the whole layer (see the module doc)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -123,7 +154,7 @@ def main() -> None:
         model = make_model(name, device)
         for tokens in map(int, args.tokens.split(",")):
             for scheme in args.schemes.split(","):
-                rec = study(name, tokens, scheme, model, flush, args.rounds, args.reps)
+                rec = study(name, tokens, scheme, model, flush, args.rounds, args.reps, args.layer)
                 records.append(rec)
                 m = rec["median_ms"]
                 print(f"{name:14s} T={tokens:<6d} {scheme:10s} computed/row gate_up "
@@ -131,12 +162,14 @@ def main() -> None:
                       f" | gate_up {m['whole']['gate_up_ms']:.3f} -> {m['half']['gate_up_ms']:.3f}"
                       f" down {m['whole']['down_ms']:.3f} -> {m['half']['down_ms']:.3f}"
                       f" experts {m['whole']['experts_ms']:.3f} -> {m['half']['experts_ms']:.3f} ms"
-                      f" | same h {rec['same_h']} y {rec['same_y']}", flush=True)
+                      f" | same h {rec['same_h']} y {rec['same_y']}"
+                      + "".join(f" | {k} {v:.3f}" for k, v in rec["layer_median_ms"].items()), flush=True)
         del model
         torch.cuda.empty_cache()
     if args.json:
         out = {"command": "python3 scripts/half_tiles_study.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "json"),
+            f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items()
+            if v not in (None, False) and k != "json"),
             "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "records": records}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
