@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeshard.kernels import pdl
+
 SCATTER_BLOCK = 1024  # rows (and tiles) per scatter program
 HIST_CHUNK = 1024  # ids per tl.histogram call
 HIST_PROGRAMS = 128  # at most this many histogram programs (about one per SM on an H100 / H200)
@@ -80,9 +82,10 @@ class RowAlignment:
 
 @triton.jit(do_not_specialize=["M", "per_program"])
 def _histogram_kernel(ids_ptr, M, E, per_program, partial_ptr,
-                      NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
+                      NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """partial_ptr[pid, e] (int32 [G, E]) = how many of ids[pid * per_program, ...) (a chunk of
     ``per_program`` ids, fewer in the last) equal e; padding ids (-1) count nowhere."""
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     bins = tl.arange(0, NUM_BINS)
     lo = pid * per_program
@@ -122,9 +125,10 @@ def sum_partial_counts(partial_ptr, num_parts, E, NUM_BINS: tl.constexpr, PART_B
 @triton.jit(do_not_specialize=["num_parts"])
 def _plan_kernel(partial_ptr, num_parts, E, count_ptr, start_ptr, cursor_ptr, amax_ptr,
                  BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, PART_BLOCK: tl.constexpr,
-                 ZERO_AMAX: tl.constexpr):
+                 ZERO_AMAX: tl.constexpr, PDL: tl.constexpr):
     """count = sum of the [num_parts, E] partial counts; start = exclusive prefix sum of the counts
     rounded up to BLOCK_M; cursor = 0; amax = 0 when ZERO_AMAX."""
+    pdl.enter(PDL)
     bins = tl.arange(0, NUM_BINS)
     in_range = bins < E
     counts = sum_partial_counts(partial_ptr, num_parts, E, NUM_BINS, PART_BLOCK, False)
@@ -140,11 +144,12 @@ def _plan_kernel(partial_ptr, num_parts, E, count_ptr, start_ptr, cursor_ptr, am
 # M and num_tiles change with every batch; one compiled variant serves all of them.
 @triton.jit(do_not_specialize=["M", "num_tiles"])
 def _scatter_kernel(ids_ptr, M, E, num_tiles, start_ptr, count_ptr, cursor_ptr, sorted_rows_ptr, tile_expert_ptr,
-                    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, TILE_BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, TILE_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program pid places rows [pid * BLOCK, +BLOCK) at their experts' next free positions, writes
     expert pid's tiles into tile_expert (pid < E), and -1 into the tiles of [pid * BLOCK, +BLOCK)
     past the last expert's (the grid has max(M / BLOCK, E) programs and num_tiles <= M, so every
     expert and every tile is covered)."""
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     expert = tl.load(ids_ptr + offs, mask=offs < M, other=-1)
@@ -170,10 +175,11 @@ def _scatter_kernel(ids_ptr, M, E, num_tiles, start_ptr, count_ptr, cursor_ptr, 
 @triton.jit(do_not_specialize=["M", "num_tiles"])
 def _small_plan_kernel(ids_ptr, M, E, num_tiles, count_ptr, start_ptr, sorted_rows_ptr, tile_expert_ptr, amax_ptr,
                        BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-                       ZERO_AMAX: tl.constexpr):
+                       ZERO_AMAX: tl.constexpr, PDL: tl.constexpr):
     """The whole plan in one program for M <= ROWS ids (ROWS, TILES: powers of two >= M and
     num_tiles): count, start, sorted_rows (rows in input order within each expert),
     tile_expert (-1 from the last used tile to num_tiles), and amax = 0 when ZERO_AMAX."""
+    pdl.enter(PDL)
     bins = tl.arange(0, NUM_BINS)
     in_range = bins < E
     offs = tl.arange(0, ROWS)
@@ -205,14 +211,15 @@ def _small_plan_kernel(ids_ptr, M, E, num_tiles, count_ptr, start_ptr, sorted_ro
 
 
 def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
-               amax: torch.Tensor | None = None) -> RowAlignment:
+               amax: torch.Tensor | None = None, pdl_launch: bool = False) -> RowAlignment:
     """The tile plan of ``expert_ids`` (int64 or int32 [M], values in [0, num_experts) or -1 for a
     padding row, which is placed nowhere; M > 0).
 
     amax: optional fp32 [num_experts] buffer that the plan kernel zeroes on the way (the gate_up
     GEMM then max-reduces each expert's |h| into it), saving a separate memset launch.
     Three launches (histogram, plan, scatter), all sized from M and E on the host; one for at
-    most ``ONE_PROGRAM_ROWS`` ids.
+    most ``ONE_PROGRAM_ROWS`` ids. pdl_launch: launched with programmatic dependent launch
+    (``moeshard.kernels.pdl``; the caller checks ``pdl.supported``).
     """
     # The kernels index ids as a dense vector: a strided view (a top-1 router's ids are column 0
     # of [T, E] sorted indices) would be read at the wrong rows.
@@ -229,34 +236,37 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
         _small_plan_kernel[(1,)](expert_ids, M, E, tiles, count, start, sorted_rows, tile_expert,
                                  amax if amax is not None else count, BLOCK_M=block_m, NUM_BINS=num_bins,
                                  ROWS=max(16, triton.next_power_of_2(M)), TILES=max(16, triton.next_power_of_2(tiles)),
-                                 ZERO_AMAX=amax is not None, num_warps=4)
+                                 ZERO_AMAX=amax is not None, PDL=pdl_launch, num_warps=4,
+                                 **pdl.launch_options(pdl_launch))
         return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
-    partial = partial_counts(expert_ids, E)
+    partial = partial_counts(expert_ids, E, pdl_launch)
     parts = partial.shape[0]
     cursor = torch.empty(E, dtype=torch.int32, device=device)
     # Sum the partial counts a [PART_BLOCK, NUM_BINS] tile (~8K elements) at a time.
     _plan_kernel[(1,)](partial, parts, E, count, start, cursor, amax if amax is not None else count,
                        BLOCK_M=block_m, NUM_BINS=num_bins, PART_BLOCK=max(1, 8192 // num_bins),
-                       ZERO_AMAX=amax is not None, num_warps=4)
+                       ZERO_AMAX=amax is not None, PDL=pdl_launch, num_warps=4, **pdl.launch_options(pdl_launch))
     # At least one program per row block and per expert (see _scatter_kernel); tiles <= M.
     _scatter_kernel[(max(triton.cdiv(M, SCATTER_BLOCK), E),)](expert_ids, M, E, tiles, start, count, cursor,
                                                               sorted_rows, tile_expert, BLOCK=SCATTER_BLOCK,
-                                                              BLOCK_M=block_m, TILE_BLOCK=128, num_warps=4)
+                                                              BLOCK_M=block_m, TILE_BLOCK=128, PDL=pdl_launch,
+                                                              num_warps=4, **pdl.launch_options(pdl_launch))
     return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
 
 
-def partial_counts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+def partial_counts(ids: torch.Tensor, num_bins: int, pdl_launch: bool = False) -> torch.Tensor:
     """int32 [G, num_bins]: the histogram kernel's counts of contiguous ``ids`` (int32 or int64
     [M], M > 0, values in [0, num_bins) or -1), one row per program. G programs of per_program
     ids each (a multiple of HIST_CHUNK), at most HIST_PROGRAMS, so that the one-program plan
-    kernel has at most HIST_PROGRAMS rows of partial counts to sum."""
+    kernel has at most HIST_PROGRAMS rows of partial counts to sum. pdl_launch: as ``align_rows``."""
     M = ids.shape[0]
     chunks = triton.cdiv(M, HIST_CHUNK)
     per_program = triton.cdiv(chunks, min(chunks, HIST_PROGRAMS)) * HIST_CHUNK
     parts = triton.cdiv(M, per_program)
     partial = torch.empty(parts, num_bins, dtype=torch.int32, device=ids.device)
     _histogram_kernel[(parts,)](ids, M, num_bins, per_program, partial,
-                                NUM_BINS=max(32, triton.next_power_of_2(num_bins)), CHUNK=HIST_CHUNK, num_warps=4)
+                                NUM_BINS=max(32, triton.next_power_of_2(num_bins)), CHUNK=HIST_CHUNK, PDL=pdl_launch,
+                                num_warps=4, **pdl.launch_options(pdl_launch))
     return partial
 
 

@@ -23,6 +23,7 @@ import torch
 from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
+from moeshard.kernels import pdl
 from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
@@ -72,7 +73,7 @@ class TritonExperts(GroupedExperts):
                              "GEMM epilogues do not add; run them on GroupedExperts (select_kernel does)")
         spec = get_scheme(weights.scheme, "ExpertWeights.scheme")
         scheme = spec.name
-        ids = inp.expert_ids
+        ids = inp.expert_ids.contiguous()  # the plan and the gate_up prefetch index it densely
         M, E = ids.shape[0], weights.num_experts
         H, I = weights.hidden_size, weights.intermediate_size
         x = inp.x
@@ -98,16 +99,26 @@ class TritonExperts(GroupedExperts):
                 x = quantize_activations(x, scheme, amax=amax_in)
         cfg = self.config or select_config(M, E, H, I, scheme,
                                            multiprocessors(device.index if device.type == "cuda" else None),
-                                           self.fp8_gate_up)
+                                           self.fp8_gate_up, pdl=pdl.supported(device))
+        if cfg.pdl and not pdl.supported(device):
+            raise ValueError(f"TritonExperts: config.pdl=True but {device} does not take programmatic dependent "
+                             "launch (CUDA compute capability 9.0+ and Triton's gdc instructions)")
         per_tensor = spec.per_tensor_activation
         amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
-        plan = align_rows(ids, E, cfg.block_m, amax=amax)
+        plan = align_rows(ids, E, cfg.block_m, amax=amax, pdl_launch=cfg.pdl)
+        # The down GEMM's plan is made before the gate_up GEMM: its torch ops (when its tiles are
+        # shorter) would otherwise sit between quantize_h and the down GEMM, which then could not
+        # overlap quantize_h's end.
+        down_plan = split_tiles(plan, cfg.down.block_m)
         h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
+        # Under PDL each GEMM's programs prefetch weight rows before they wait: gate_up those of
+        # the routed rows' experts (ids: written before the plan), down those of its tiles.
         moe_gemm(x, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=True, amax=amax,
-                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat)
+                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat, pdl_launch=cfg.pdl,
+                 prefetch_experts=ids)
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
-        h_in = quantize_h(h, scheme, plan, amax) if scheme != "none" else h
+        h_in = quantize_h(h, scheme, plan, amax, pdl_launch=cfg.pdl) if scheme != "none" else h
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
-        return moe_gemm(h_in, weights.down, split_tiles(plan, cfg.down.block_m), y, cfg.down, activation=None,
-                        gather=False)
+        return moe_gemm(h_in, weights.down, down_plan, y, cfg.down, activation=None, gather=False,
+                        pdl_launch=cfg.pdl, prefetch_experts=down_plan.tile_expert)

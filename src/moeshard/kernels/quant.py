@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.grouped_gemm import kernel_mode
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, NVFP4_BLOCK, QuantizedActivations
@@ -88,9 +89,10 @@ def _abs_max(h_rows, lo, hi, K, ROWS: tl.constexpr, CHUNK: tl.constexpr):
 
 @triton.jit
 def _row_max_kernel(h_ptr, part_ptr, tile_expert_ptr, K, span, num_spans, stride_hm,
-                    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """part[p, j] (fp32 [P, num_spans]) = max |h[p, j*span:(j+1)*span]|, for the rows of live
     tiles (the others are left unwritten)."""
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M)
@@ -107,7 +109,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
                        K, span, num_spans, stride_hm, stride_qm, stride_sm,
                        MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                        PARTIAL_MAX: tl.constexpr, PART_BLOCK: tl.constexpr,
-                       AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr):
+                       AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS) x columns [j*span, (j+1)*span) (span a
     multiple of CHUNK, so no 128- or 16-column scale group straddles two programs); program
     (i, 0) writes the rows' per-row scales. PARTIAL_MAX (fp8_token): the row max comes from
@@ -185,7 +187,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
 
 
 def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Tensor | None,
-               span: int | None = None) -> QuantizedActivations:
+               span: int | None = None, pdl_launch: bool = False) -> QuantizedActivations:
     """h: [P, I] model dtype at the plan's padded positions -> ``QuantizedActivations`` [P, I].
 
     amax: fp32 [E] per-expert amax of h (fp8_tensor, nvfp4), else None. The per-tensor scales
@@ -193,7 +195,8 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
     tiles past the end of the plan are left unwritten (no kernel reads them).
     span: columns per program, a multiple of CHUNK (128); None picks it from P and I
     (``column_span``). Results do not depend on it. One launch, two for fp8_token when a row
-    spans several programs.
+    spans several programs. pdl_launch: launched with programmatic dependent launch
+    (``moeshard.kernels.pdl``; the caller checks ``pdl.supported``).
     """
     P, K = h.shape
     mode = kernel_mode(scheme)
@@ -222,12 +225,14 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
         part = torch.empty(P, num_spans, dtype=torch.float32, device=dev) if partial else s
         if partial:
             _row_max_kernel[grid](h, part, plan.tile_expert, K, span, num_spans, h.stride(0),
-                                  ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, num_warps=4)
+                                  ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, PDL=pdl_launch, num_warps=4,
+                                  **pdl.launch_options(pdl_launch))
         _quantize_h_kernel[grid](
             h, q, s, g, amax if amax is not None else s, part, plan.tile_expert,
             K, span, num_spans, h.stride(0), q.stride(0), s.stride(0),
             MODE=mode, ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, PARTIAL_MAX=partial,
-            PART_BLOCK=PART_BLOCK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, num_warps=4)
+            PART_BLOCK=PART_BLOCK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, PDL=pdl_launch, num_warps=4,
+            **pdl.launch_options(pdl_launch))
     if mode == 1:
         return QuantizedActivations(scheme, q, None, s)
     if mode == 4:

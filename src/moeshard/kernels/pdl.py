@@ -1,0 +1,85 @@
+"""Programmatic dependent launch (PDL) for the experts' chain of kernels (Hopper and later).
+
+    tile plan --> gate_up GEMM --> quantize_h (and fp8_token's row max) --> down GEMM
+
+A kernel launched with PDL may start while the kernel before it in the stream still runs: its
+programs become resident as soon as every program of that kernel has signalled
+(``launch_dependents``), and they block at ``wait`` until it has finished and its writes are
+visible. At decode each of these kernels runs a few microseconds, so the launch gaps and the
+ramp of every kernel are a large share of the step; PDL overlaps them with the kernel before.
+
+The contract every kernel here keeps, which makes the chain safe with any neighbours:
+
+* every program calls ``wait`` before it touches memory that an earlier kernel may write, and
+  before it exits, so a kernel never completes before the one ahead of it (by induction, the
+  completion of any kernel implies that of every kernel before it in the stream);
+* it signals only after its ``wait`` (``enter``), so when a kernel starts, the kernel two
+  launches before it has completed;
+* before its ``wait`` a program reads nothing but the weights and buffers written two or more
+  launches earlier (the tile plan, read by the down GEMM; the routed ids, read by the gate_up
+  GEMM), and those through L2 (``.cg``: no L1 line of an earlier kernel can be read). There it
+  may ``prefetch_l2`` weight lines: a hint without a result, which cannot change what the
+  kernel computes, only when bytes move from HBM.
+
+A kernel launched without PDL, or one after a kernel that never signals (torch's, NCCL's),
+starts when that kernel completes, as any launch does; ``wait`` then returns at once.
+Triton's interpreter has neither instruction, so the kernels take these paths on CUDA only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched with PDL: a CUDA device of compute
+    capability 9.0 or later (the ``griddepcontrol`` instructions) and a Triton that has them."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (9, 0) and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def launch_options(pdl: bool) -> dict:
+    """Keyword arguments of a Triton launch: PDL's launch attribute when ``pdl``, else none
+    (the interpreter and older Tritons take no such option)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """Lets the next kernel in the stream (if launched with PDL) start its programs."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Blocks until the kernel before this one has completed and its writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """A kernel's first statement: wait for the kernel before, then let the next one start."""
+    wait(PDL)
+    launch_dependents(PDL)
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Asks L2 to fetch the 128-byte lines at ``ptrs`` (any shape of global pointers); returns
+    nothing and changes no memory."""
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
