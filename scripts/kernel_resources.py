@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, moe_gemm_kernel, one_w_scale_per_tile
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+SM90 = GPUTarget("cuda", 90, 32)
 POINTERS = ("a_ptr", "a_half_ptr", "a_scale_ptr", "a_global_ptr", "w_ptr", "w_scale_ptr", "w_global_ptr", "out_ptr", "amax_ptr",
             "sorted_rows_ptr", "tile_expert_ptr", "start_ptr", "count_ptr")
 INTS = ("num_tiles", "N", "K", "N_w", "up_offset", "a_row_div", "stride_am", "stride_ak", "stride_asm", "stride_ask",
@@ -42,7 +43,10 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
          (128, 128, 128, 8, 3))
 
 
-def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False) -> dict:
+def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
+                 pdl: bool = False):
+    """``moe_gemm_kernel`` compiled for sm_90a (a Triton ``CompiledKernel``) with the given
+    constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     bm, bn, bk, warps, stages = tile
     sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*bf16"
@@ -58,19 +62,27 @@ def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, ha
               "TRACK_AMAX": False, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
               # as moe_gemm sets it; N stands for any multiple of 128 (every model here)
-              "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused), "HALF_TILES": half_tiles,
+              "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused), "HALF_TILES": half_tiles, "PDL": pdl,
               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})
     names = list(moe_gemm_kernel.arg_names)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = ASTSource(fn=moe_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(src, target=SM90, options={"num_warps": warps, "num_stages": stages})
+
+
+def cuobjdump(kernel, flag: str) -> str:
+    """``cuobjdump <flag>`` of a compiled kernel's cubin (``--dump-sass``, ``--dump-resource-usage``)."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", str(cubin)],
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
+        return subprocess.run([str(BIN / "cuobjdump"), flag, str(cubin)], capture_output=True, text=True).stdout
+
+
+def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False) -> dict:
+    kernel = compile_gemm(quant, elt, fused, tile, fp8_acc, half_tiles)
+    usage = cuobjdump(kernel, "--dump-resource-usage")
+    sass = cuobjdump(kernel, "--dump-sass")
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     return {"registers": int(regs.group(1)) if regs else -1, "stack_bytes": int(stack.group(1)) if stack else -1,

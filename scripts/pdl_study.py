@@ -1,15 +1,15 @@
-"""Programmatic dependent launch for the experts' kernels: what it saves, with and without the
-weight prefetch, against the same tiles launched one after another.
+"""Programmatic dependent launch for the experts' kernels: what it saves against the same tiles
+launched one after another, and which kernels' overlap saves it.
 
 At decode the experts are four short kernels in a row (tile plan, gate_up, quantize_h, down), and
 each launch waits for the one before to finish. With PDL (``moeshard.kernels.pdl``) a kernel's
-programs become resident while the kernel ahead finishes, and a weight-streaming GEMM may ask L2
-for the first ``prefetch_bytes`` of each of its weight rows before it waits. For each model,
-token count and scheme this times the whole ``TritonExperts`` call on the bench's workload
-(``moeshard.bench.workload``, CUDA graphs, an L2 flush before every repetition) with the tiles
-``select_config`` picks: launched serially, under PDL without the prefetch, and under PDL with
-each prefetch size asked for, in alternating rounds so that drift is not read as a difference.
-Every variant's output must equal the serial one bit for bit.
+programs become resident while the kernel ahead finishes. For each model, token count and scheme
+this times the whole ``TritonExperts`` call on the bench's workload (``moeshard.bench.workload``,
+CUDA graphs, an L2 flush before every repetition) with the tiles ``select_config`` picks, launched
+serially and under PDL, in alternating rounds so that drift is not read as a difference. With
+``--stages`` (token counts up to 16) it also runs the same four stages with PDL on some of them
+only: the plan and gate_up, quantize_h and down, or down alone. Every variant's output must equal
+the serial one bit for bit.
 
     PYTHONPATH=src python3 scripts/pdl_study.py --json results/h200/pdl_study.json
 """
@@ -27,13 +27,19 @@ import torch
 from moeshard.bench.timing import L2Flush, graphed, time_cuda
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
+from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
+from moeshard.kernels.grouped_gemm import moe_gemm
+from moeshard.kernels.quant import quantize_h
+from moeshard.quant import get_scheme
 
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (1, 16, 128, 4096)
 SCHEMES = ("none", "fp8_tensor", "fp8_token", "fp8_block")
-PREFETCH = (256, 512, 1024, 2048)
+# PDL on (plan, gate_up, quantize_h, down) for the --stages variants.
+STAGES = {"pdl_plan_gate_up": (True, True, False, False), "pdl_quantize_h_down": (False, False, True, True),
+          "pdl_down": (False, False, False, True)}
 
 
 def _ms(fn, flush, reps: int) -> float:
@@ -44,35 +50,46 @@ def _ms(fn, flush, reps: int) -> float:
         g.release()
 
 
-def variants(sel: ExpertsConfig, prefetch: tuple[int, ...]) -> dict[str, ExpertsConfig]:
-    """serial, pdl, and pdl with each prefetch size where the tiles stream weights through pointers."""
-    plain = ExpertsConfig(dataclasses.replace(sel.gate_up, prefetch_bytes=0),
-                          dataclasses.replace(sel.down, prefetch_bytes=0))
-    out = {"serial": plain, "pdl": dataclasses.replace(plain, pdl=True)}
-    if not (sel.gate_up.tma or sel.down.tma) and sel.gate_up.block_m <= 64:
-        for b in prefetch:
-            out[f"pdl_pf{b}"] = ExpertsConfig(dataclasses.replace(sel.gate_up, prefetch_bytes=b),
-                                              dataclasses.replace(sel.down, prefetch_bytes=b), pdl=True)
-    return out
+def staged(inp, experts, ec: ExpertsConfig, activation: str, dtype, scheme: str, flags: tuple[bool, ...]):
+    """The experts' four stages as ``TritonExperts`` runs them, with PDL on the stages ``flags`` names."""
+    spec = get_scheme(scheme)
+    E, I, H = experts.num_experts, experts.intermediate_size, experts.hidden_size
+    device = inp.expert_ids.device
+
+    def call():
+        amax = torch.empty(E, dtype=torch.float32, device=device) if spec.per_tensor_activation else None
+        plan = align_rows(inp.expert_ids, E, ec.block_m, amax=amax, pdl_launch=flags[0])
+        down_plan = split_tiles(plan, ec.down.block_m)
+        h = torch.empty(plan.padded_rows, I, dtype=dtype, device=device)
+        moe_gemm(inp.x, experts.gate_up, plan, h, ec.gate_up, activation=activation, gather=True, amax=amax,
+                 a_row_div=inp.repeat, pdl_launch=flags[1])
+        h_in = quantize_h(h, scheme, plan, amax, pdl_launch=flags[2]) if spec.quantized else h
+        y = torch.empty(inp.num_rows, H, dtype=dtype, device=device)
+        return moe_gemm(h_in, experts.down, down_plan, y, ec.down, activation=None, gather=False, pdl_launch=flags[3])
+    return call
 
 
-def study(name: str, tokens: int, scheme: str, model, experts, flush, rounds: int, reps: int,
-          prefetch: tuple[int, ...]) -> dict:
+def study(name: str, tokens: int, scheme: str, model, experts, flush, rounds: int, reps: int, stages: bool) -> dict:
     cfg = model.cfg
     device = model.gate_up.device
     x = hidden_states(model, tokens, tokens)
     inp, _ = routed_input(model, x, QuantConfig(scheme))
     M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     sel = select_config(M, E, H, I, scheme, multiprocessors(device.index), pdl=True)
-    kernels = {k: TritonExperts(cfg.activation, cfg.dtype, ec) for k, ec in variants(sel, prefetch).items()}
-    want = kernels["serial"](inp, experts)
-    same = {k: bool(torch.equal(kern(inp, experts), want)) for k, kern in kernels.items()}
+    serial = TritonExperts(cfg.activation, cfg.dtype, dataclasses.replace(sel, pdl=False))
+    pdl = TritonExperts(cfg.activation, cfg.dtype, sel)
+    calls = {"serial": lambda: serial(inp, experts), "pdl": lambda: pdl(inp, experts)}
+    if stages and tokens <= 16:
+        calls.update({k: staged(inp, experts, sel, cfg.activation, cfg.dtype, scheme, flags)
+                      for k, flags in STAGES.items()})
+    want = calls["serial"]()
+    same = {k: bool(torch.equal(fn(), want)) for k, fn in calls.items()}
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M,
            "config": {"gate_up": sel.gate_up.as_dict(), "down": sel.down.as_dict(), "pdl": sel.pdl},
-           "same_bits": same, "rounds": {k: [] for k in kernels}}
+           "same_bits": same, "rounds": {k: [] for k in calls}}
     for _ in range(rounds):
-        for key, kern in kernels.items():
-            rec["rounds"][key].append(_ms(lambda kern=kern: kern(inp, experts), flush, reps))
+        for key, fn in calls.items():
+            rec["rounds"][key].append(_ms(fn, flush, reps))
     rec["median_ms"] = {k: statistics.median(v) for k, v in rec["rounds"].items()}
     return rec
 
@@ -82,21 +99,20 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--schemes", default=",".join(SCHEMES))
-    ap.add_argument("--prefetch", default=",".join(map(str, PREFETCH)), help="prefetch sizes (bytes per weight row)")
+    ap.add_argument("--stages", action="store_true", help="also PDL on some stages only (see the module doc)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
     flush = L2Flush(device)
-    prefetch = tuple(int(b) for b in args.prefetch.split(",") if b)
     records = []
     for name in args.models.split(","):
         model = make_model(name, device)
         for scheme in args.schemes.split(","):
             experts = experts_for(model, scheme)
             for tokens in map(int, args.tokens.split(",")):
-                rec = study(name, tokens, scheme, model, experts, flush, args.rounds, args.reps, prefetch)
+                rec = study(name, tokens, scheme, model, experts, flush, args.rounds, args.reps, args.stages)
                 records.append(rec)
                 m = rec["median_ms"]
                 base = m["serial"]
@@ -109,7 +125,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.json:
         out = {"command": "python3 scripts/pdl_study.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(args).items() if v not in (None, False) and k != "json"),
+            f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items()
+            if v not in (None, False) and k != "json"),
             "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "records": records}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 

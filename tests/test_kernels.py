@@ -412,38 +412,23 @@ def test_experts_config_refuses_down_tiles_that_do_not_divide_the_plan():
 
 def test_pdl_is_chosen_for_the_gpu_that_takes_it_and_refused_elsewhere(interpreted_kernels):
     """Programmatic dependent launch: ``select_config`` turns it on only when asked (the caller
-    passes ``pdl.supported``), the same tiles either way, with the weight prefetch at decode only;
-    a CPU never takes it, and configs that cannot run are refused with their values."""
+    passes ``pdl.supported``), with the same tiles either way; a CPU never takes it, and a
+    config that asks for it where it cannot run is refused, naming the field and the device."""
     k = interpreted_kernels
     TritonExperts, GemmConfig, ExpertsConfig = _experts_api(k)
     assert not k.pdl.supported(torch.device("cpu"))
     assert k.pdl.launch_options(False) == {}
+    assert k.pdl.launch_options(True) == {"launch_pdl": True}
     for scheme in SCHEMES:
         for rows in (8, 128, 32768):
             off = k.configs.select_config(rows, 256, 7168, 2048, scheme)
             on = k.configs.select_config(rows, 256, 7168, 2048, scheme, pdl=True)
-            assert not off.pdl and on.pdl
-            assert off.gate_up.prefetch_bytes == off.down.prefetch_bytes == 0
-            decode = rows <= 128  # at most 42 rows per expert here
-            for a, b in ((off.gate_up, on.gate_up), (off.down, on.down)):
-                assert a.as_dict() | {"prefetch_bytes": 0} == b.as_dict() | {"prefetch_bytes": 0}, (scheme, rows)
-                assert (b.prefetch_bytes > 0) == decode, (scheme, rows, b)
-    with pytest.raises(ValueError, match="prefetch_bytes must be 0 or 128 bytes times a power of two, got 384"):
-        GemmConfig(16, 64, 128, prefetch_bytes=384)
-    with pytest.raises(ValueError, match="prefetch_bytes=512 needs tma=False"):
-        GemmConfig(128, 128, 128, tma=True, prefetch_bytes=512)
+            assert not off.pdl and on.pdl, (scheme, rows)
+            assert (off.gate_up, off.down) == (on.gate_up, on.down), (scheme, rows)
     x, ids, w = _problem(6, 4, 64, 32, torch.bfloat16, "none", seed=0)
-    gemm = GemmConfig(16, 32, 32, group_m=1, prefetch_bytes=128)
+    gemm = GemmConfig(16, 32, 32, group_m=1)
     with pytest.raises(ValueError, match="config.pdl=True but cpu does not take programmatic dependent launch"):
         TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm, pdl=True))(ExpertInput(x, ids), w)
-    plan = k.align.align_rows(ids, 4, 16)
-    h = torch.empty(plan.padded_rows, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="prefetch_bytes=128 under PDL needs prefetch_experts"):
-        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True, pdl_launch=True)
-    # Without PDL the prefetch is never compiled in: the interpreter runs the same kernel.
-    y = TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm))(ExpertInput(x, ids), w)
-    assert torch.equal(y, TritonExperts("silu", torch.bfloat16, ExpertsConfig(
-        GemmConfig(16, 32, 32, group_m=1), GemmConfig(16, 32, 32, group_m=1)))(ExpertInput(x, ids), w))
 
 
 def _bits(q) -> list[torch.Tensor]:

@@ -52,11 +52,7 @@ class GemmConfig:
     per-tensor / per-row fp8 modes accumulate on the fp8 tensor cores (``FP8_ACCUMULATIONS``:
     what ``moe_gemm`` documents), ignored by the other modes. Every one of them stays within
     ``ACCUMULATION["fp8_mma"]`` (``scripts/accumulation_contract.py``); half_tiles: an expert's
-    last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``);
-    prefetch_bytes: under programmatic dependent launch (``ExpertsConfig.pdl``), the bytes of
-    each of its weight rows a program asks L2 for before it waits for the kernel ahead
-    (``moe_gemm``'s prefetch_experts; 0: none): 128-byte lines, a power of two of them, through
-    pointers (not with tma)."""
+    last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``)."""
 
     block_m: int
     block_n: int
@@ -67,16 +63,8 @@ class GemmConfig:
     tma: bool = False
     fp8_acc: str = "split"
     half_tiles: bool = False
-    prefetch_bytes: int = 0
 
     def __post_init__(self) -> None:
-        lines = self.prefetch_bytes // 128
-        if self.prefetch_bytes < 0 or self.prefetch_bytes % 128 or (lines & (lines - 1)):
-            raise ValueError(f"GemmConfig.prefetch_bytes must be 0 or 128 bytes times a power of two, "
-                             f"got {self.prefetch_bytes}")
-        if self.prefetch_bytes and self.tma:
-            # The prefetch addresses weight rows through pointers; a TMA descriptor has none.
-            raise ValueError(f"GemmConfig.prefetch_bytes={self.prefetch_bytes} needs tma=False")
         if self.fp8_acc not in FP8_ACCUMULATIONS:
             raise ValueError(f"GemmConfig.fp8_acc: {self.fp8_acc!r} is not one of {list(FP8_ACCUMULATIONS)}")
         if self.half_tiles and (self.block_m < 32 or self.block_m % 32):
@@ -86,7 +74,7 @@ class GemmConfig:
     def as_dict(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "group_m": self.group_m,
                 "num_warps": self.num_warps, "num_stages": self.num_stages, "tma": self.tma, "fp8_acc": self.fp8_acc,
-                "half_tiles": self.half_tiles, "prefetch_bytes": self.prefetch_bytes}
+                "half_tiles": self.half_tiles}
 
 
 @dataclass(frozen=True)
@@ -133,8 +121,6 @@ PIPELINE_BYTES = 200 * 1024
 HALF_TILES_BELOW = 384
 # Up to this many expected rows per expert the tiles stream weights (decode and small batches).
 DECODE_ROWS = 42
-# Bytes of each weight row that a weight-streaming program prefetches under PDL.
-DECODE_PREFETCH_BYTES = 512
 
 
 def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: int | None) -> GemmConfig:
@@ -165,14 +151,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     on a GPU with ``sms`` multiprocessors; fp8_gate_up as ``TritonExperts`` takes it; pdl:
     whether the GPU takes programmatic dependent launch (``moeshard.kernels.pdl.supported``)."""
     cfg = _tiles(num_rows, num_experts, hidden, inter, scheme, sms, fp8_gate_up)
-    if not pdl:
-        return cfg
-    if rows_per_expert(num_rows, num_experts) <= DECODE_ROWS:
-        # Weight-streaming tiles: each program asks L2 for the first lines of its weight rows
-        # while the kernel ahead of it finishes (the plan before gate_up, quantize_h before down).
-        cfg = ExpertsConfig(dataclasses.replace(cfg.gate_up, prefetch_bytes=DECODE_PREFETCH_BYTES),
-                            dataclasses.replace(cfg.down, prefetch_bytes=DECODE_PREFETCH_BYTES))
-    return dataclasses.replace(cfg, pdl=True)
+    return dataclasses.replace(cfg, pdl=True) if pdl else cfg
 
 
 def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str, sms: int,

@@ -73,7 +73,7 @@ class TritonExperts(GroupedExperts):
                              "GEMM epilogues do not add; run them on GroupedExperts (select_kernel does)")
         spec = get_scheme(weights.scheme, "ExpertWeights.scheme")
         scheme = spec.name
-        ids = inp.expert_ids.contiguous()  # the plan and the gate_up prefetch index it densely
+        ids = inp.expert_ids
         M, E = ids.shape[0], weights.num_experts
         H, I = weights.hidden_size, weights.intermediate_size
         x = inp.x
@@ -111,14 +111,11 @@ class TritonExperts(GroupedExperts):
         # overlap quantize_h's end.
         down_plan = split_tiles(plan, cfg.down.block_m)
         h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
-        # Under PDL each GEMM's programs prefetch weight rows before they wait: gate_up those of
-        # the routed rows' experts (ids: written before the plan), down those of its tiles.
         moe_gemm(x, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=True, amax=amax,
-                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat, pdl_launch=cfg.pdl,
-                 prefetch_experts=ids)
+                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat, pdl_launch=cfg.pdl)
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
         h_in = quantize_h(h, scheme, plan, amax, pdl_launch=cfg.pdl) if scheme != "none" else h
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
         return moe_gemm(h_in, weights.down, down_plan, y, cfg.down, activation=None, gather=False,
-                        pdl_launch=cfg.pdl, prefetch_experts=down_plan.tile_expert)
+                        pdl_launch=cfg.pdl)

@@ -281,33 +281,13 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         tl.store(out_ptrs, result, mask=n_ok[None, :])
 
 
-@triton.jit
-def _prefetch_weights(w_ptr, pf_expert_ptr, pf_len, pid_m, pid_n, N, K_stored, up_offset,
-                      stride_we, stride_wn, stride_wk,
-                      FUSE_ACT: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """Asks L2 for the first LINES 128-byte lines (LINE_ELEMS stored elements each) of the
-    weight rows of output columns [pid_n * BLOCK_N, +BLOCK_N) (and their up rows when FUSE_ACT)
-    of expert ``pf_expert[pid_m]``, when pid_m < pf_len and that expert is not -1. The expert is
-    read through L2 only (``moeshard.kernels.pdl``: this runs before the program's wait)."""
-    if pid_m < pf_len:
-        expert = tl.load(pf_expert_ptr + pid_m, cache_modifier=".cg")
-        if expert >= 0:
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            rows = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-            cols = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, K_stored - 1).to(tl.int64)
-            base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wk
-            pdl.prefetch_l2(base + rows[:, None] * stride_wn)
-            if FUSE_ACT:
-                pdl.prefetch_l2(base + (rows + up_offset)[:, None] * stride_wn)
-
-
 # num_tiles varies with the routed rows; specializing on it would compile a variant per value class.
-@triton.jit(do_not_specialize=["num_tiles", "pf_len"])
+@triton.jit(do_not_specialize=["num_tiles"])
 def moe_gemm_kernel(
         a_ptr, a_half_ptr, a_scale_ptr, a_global_ptr,
         w_ptr, w_scale_ptr, w_global_ptr,
         out_ptr, amax_ptr,
-        sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr, pf_expert_ptr, pf_len,
+        sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
         num_tiles, N, K, N_w, up_offset, a_row_div,
         stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
         stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
@@ -316,7 +296,7 @@ def moe_gemm_kernel(
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
-        PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+        PDL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -327,9 +307,6 @@ def moe_gemm_kernel(
     group_size = min(num_tiles - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
-    if PREFETCH_LINES > 0:  # the weights do not depend on the kernel ahead: ask for them first
-        _prefetch_weights(w_ptr, pf_expert_ptr, pf_len, pid_m, pid_n, N, K // 2 if QUANT == 4 else K, up_offset,
-                          stride_we, stride_wn, stride_wk, FUSE_ACT, BLOCK_N, PREFETCH_LINES, LINE_ELEMS)
     pdl.enter(PDL)
 
     expert = tl.load(tile_expert_ptr + pid_m)
@@ -431,8 +408,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | QuantizedWeight, plan: RowAlignment,
              out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
-             fp8_acc: str | None = None, pdl_launch: bool = False,
-             prefetch_experts: torch.Tensor | None = None) -> torch.Tensor:
+             fp8_acc: str | None = None, pdl_launch: bool = False) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -461,11 +437,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     pdl_launch: launch with programmatic dependent launch (``moeshard.kernels.pdl``; the caller
        checks ``pdl.supported``): every program waits for the kernel ahead before it reads
        anything that kernel may write.
-    prefetch_experts: with pdl_launch and ``config.prefetch_bytes``: int [L] on the device, the
-       expert whose weight rows program row pid_m (< L) prefetches before it waits, -1 for none.
-       Precondition: written two or more launches before this one (the gate_up GEMM takes the
-       routed ids, the down GEMM its plan's ``tile_expert``). Any experts give the same output;
-       those of the tiles save the most time.
     """
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if config.block_m != plan.block_m:
@@ -474,12 +445,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
                          f"shorter tiles run over align.split_tiles(plan, {config.block_m})")
     if fp8_acc not in FP8_ACC_MODES:
         raise ValueError(f"moe_gemm: fp8_acc {fp8_acc!r} is not one of {list(FP8_ACC_MODES)}")
-    prefetch = pdl_launch and config.prefetch_bytes > 0
-    if not prefetch:
-        prefetch_experts = None
-    elif prefetch_experts is None:
-        raise ValueError(f"moe_gemm: config.prefetch_bytes={config.prefetch_bytes} under PDL needs prefetch_experts "
-                         "(the expert of each program row, written two or more launches earlier)")
     a_rows = a.shape[0]
     if not isinstance(a_row_div, int) or isinstance(a_row_div, bool) or a_row_div < 1:
         raise ValueError(f"moe_gemm: a_row_div must be an int >= 1, got {a_row_div!r}")
@@ -521,8 +486,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         a_arg, a_half if tma_a else a_arg, a_scale, a_global, w_arg, w_scale, w_global,
         out, amax if amax is not None else out,
         plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
-        plan.count if prefetch_experts is None else prefetch_experts,
-        0 if prefetch_experts is None else prefetch_experts.shape[0],
         plan.max_tiles, n, k, n_w, n if fused else 0, a_row_div,
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
@@ -531,8 +494,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles,
-        PDL=pdl_launch, PREFETCH_LINES=config.prefetch_bytes // 128 if prefetch else 0,
-        LINE_ELEMS=128 // w_data.element_size(),
+        PDL=pdl_launch,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),
     )

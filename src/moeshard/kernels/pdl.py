@@ -8,18 +8,12 @@ programs become resident as soon as every program of that kernel has signalled
 visible. At decode each of these kernels runs a few microseconds, so the launch gaps and the
 ramp of every kernel are a large share of the step; PDL overlaps them with the kernel before.
 
-The contract every kernel here keeps, which makes the chain safe with any neighbours:
-
-* every program calls ``wait`` before it touches memory that an earlier kernel may write, and
-  before it exits, so a kernel never completes before the one ahead of it (by induction, the
-  completion of any kernel implies that of every kernel before it in the stream);
-* it signals only after its ``wait`` (``enter``), so when a kernel starts, the kernel two
-  launches before it has completed;
-* before its ``wait`` a program reads nothing but the weights and buffers written two or more
-  launches earlier (the tile plan, read by the down GEMM; the routed ids, read by the gate_up
-  GEMM), and those through L2 (``.cg``: no L1 line of an earlier kernel can be read). There it
-  may ``prefetch_l2`` weight lines: a hint without a result, which cannot change what the
-  kernel computes, only when bytes move from HBM.
+The contract every kernel here keeps, which makes the chain safe with any neighbours: every
+program calls ``enter`` first, so it waits for the kernel ahead before it touches memory that
+kernel (or any before it) may write, and before it exits. A kernel therefore never completes
+before the one ahead of it, and, by induction, the completion of any kernel implies that of
+every kernel before it in the stream, as without PDL. Only then does it let the next kernel
+start (``launch_dependents``), so waiting programs of at most one kernel ahead hold SM slots.
 
 A kernel launched without PDL, or one after a kernel that never signals (torch's, NCCL's),
 starts when that kernel completes, as any launch does; ``wait`` then returns at once.
@@ -75,11 +69,3 @@ def enter(PDL: tl.constexpr):
     """A kernel's first statement: wait for the kernel before, then let the next one start."""
     wait(PDL)
     launch_dependents(PDL)
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Asks L2 to fetch the 128-byte lines at ``ptrs`` (any shape of global pointers); returns
-    nothing and changes no memory."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)

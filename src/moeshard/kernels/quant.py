@@ -115,6 +115,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
     (i, 0) writes the rows' per-row scales. PARTIAL_MAX (fp8_token): the row max comes from
     part [P, num_spans], PART_BLOCK partial maxima per step, else from this program's own pass
     over its columns, which are then the whole row."""
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M)

@@ -1,0 +1,67 @@
+"""The kernels launched under programmatic dependent launch wait before they touch memory.
+
+A kernel launched with PDL that reads before its ``griddepcontrol.wait`` reads what the kernel ahead
+has not finished writing: on the GPU its results then differ from run to run, and no CPU test of
+the interpreted kernels can see it (the interpreter has no PDL). ``quantize_h`` once shipped without
+its wait, and the GPU test ``test_pdl_gives_the_same_bits`` found it only on a lent GPU. This test
+compiles every such kernel for Hopper on the CPU (``scripts/pdl_order.py``) and reads the order in
+its machine code, so that the same fault fails here, on any machine with Triton's CUDA tools.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "src" / "moeshard" / "kernels"
+
+
+def _cuda_tools() -> str | None:
+    """Why Triton cannot compile for sm_90 here, or None when it can."""
+    try:
+        import triton
+    except Exception as exc:  # noqa: BLE001 (any broken install is a reason to skip)
+        return f"triton does not import: {exc}"
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    missing = [t for t in ("ptxas", "cuobjdump") if not (bin_dir / t).exists()]
+    return f"Triton's CUDA tools are missing: {missing} in {bin_dir}" if missing else None
+
+
+def pdl_kernels() -> set[str]:
+    """Names of the @triton.jit kernels under src/moeshard/kernels that take a ``PDL`` constexpr
+    (the helpers of ``pdl.py`` itself aside)."""
+    names = set()
+    for path in KERNELS.glob("*.py"):
+        if path.name == "pdl.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list) \
+                    and any(a.arg == "PDL" for a in node.args.args):
+                names.add(node.name)
+    return names
+
+
+def test_every_pdl_kernel_waits_before_it_touches_memory(tmp_path):
+    reason = _cuda_tools()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "order.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
+    env["PYTHONPATH"] = str(ROOT / "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "pdl_order.py"), "--json", str(out)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.exists(), f"scripts/pdl_order.py wrote nothing (rc {run.returncode}):\n{run.stdout}\n{run.stderr[-3000:]}"
+    rows = json.loads(out.read_text())["kernels"]
+    broken = [r for r in rows if not r["ok"]]
+    assert not broken, f"kernels that touch memory, exit or signal before their wait: {broken}"
+    assert run.returncode == 0, run.stdout
+    # Every kernel that takes PDL is checked, so a new one cannot skip the check.
+    assert {r["function"] for r in rows} == pdl_kernels()
