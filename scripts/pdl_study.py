@@ -6,9 +6,10 @@ each launch waits for the one before to finish. With PDL (``moeshard.kernels.pdl
 programs become resident while the kernel ahead finishes. For each model, token count and scheme
 this times the whole ``TritonExperts`` call on the bench's workload (``moeshard.bench.workload``,
 CUDA graphs, an L2 flush before every repetition) with the tiles ``select_config`` picks, launched
-serially and under PDL, in alternating rounds so that drift is not read as a difference. With
-``--stages`` (token counts up to 16) it also runs the same four stages with PDL on some of them
-only: the plan and gate_up, quantize_h and down, or down alone. Every variant's output must equal
+serially, with the plan and gate_up under PDL, and with all four under PDL (``ExpertsConfig.pdl``
+"off", "gate_up", "all"), in alternating rounds so that drift is not read as a difference. With
+``--stages`` (token counts up to 16) it also runs the same four stages with PDL on quantize_h
+and down only, or on down alone. Every variant's output must equal
 the serial one bit for bit.
 
     PYTHONPATH=src python3 scripts/pdl_study.py --json results/h200/pdl_study.json
@@ -37,9 +38,9 @@ from moeshard.quant import get_scheme
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (1, 16, 128, 4096)
 SCHEMES = ("none", "fp8_tensor", "fp8_token", "fp8_block")
-# PDL on (plan, gate_up, quantize_h, down) for the --stages variants.
-STAGES = {"pdl_plan_gate_up": (True, True, False, False), "pdl_quantize_h_down": (False, False, True, True),
-          "pdl_down": (False, False, False, True)}
+# PDL on (plan, gate_up, quantize_h, down) for the --stages variants (the chains ExpertsConfig.pdl
+# names, "gate_up" and "all", run through TritonExperts).
+STAGES = {"pdl_quantize_h_down": (False, False, True, True), "pdl_down": (False, False, False, True)}
 
 
 def _ms(fn, flush, reps: int) -> float:
@@ -76,16 +77,16 @@ def study(name: str, tokens: int, scheme: str, model, experts, flush, rounds: in
     inp, _ = routed_input(model, x, QuantConfig(scheme))
     M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     sel = select_config(M, E, H, I, scheme, multiprocessors(device.index), pdl=True)
-    serial = TritonExperts(cfg.activation, cfg.dtype, dataclasses.replace(sel, pdl=False))
-    pdl = TritonExperts(cfg.activation, cfg.dtype, sel)
-    calls = {"serial": lambda: serial(inp, experts), "pdl": lambda: pdl(inp, experts)}
+    chains = {"serial": "off", "pdl_gate_up": "gate_up", "pdl": "all"}
+    kernels = {k: TritonExperts(cfg.activation, cfg.dtype, dataclasses.replace(sel, pdl=c)) for k, c in chains.items()}
+    calls = {k: (lambda kern=kern: kern(inp, experts)) for k, kern in kernels.items()}
     if stages and tokens <= 16:
         calls.update({k: staged(inp, experts, sel, cfg.activation, cfg.dtype, scheme, flags)
                       for k, flags in STAGES.items()})
     want = calls["serial"]()
     same = {k: bool(torch.equal(fn(), want)) for k, fn in calls.items()}
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M,
-           "config": {"gate_up": sel.gate_up.as_dict(), "down": sel.down.as_dict(), "pdl": sel.pdl},
+           "config": {"gate_up": sel.gate_up.as_dict(), "down": sel.down.as_dict(), "selected_pdl": sel.pdl},
            "same_bits": same, "rounds": {k: [] for k in calls}}
     for _ in range(rounds):
         for key, fn in calls.items():

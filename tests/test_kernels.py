@@ -127,7 +127,8 @@ def test_quantize_h_no_rows(interpreted_kernels, scheme):
 
 
 def test_quantize_h_column_span():
-    from moeshard.kernels.quant import CHUNK, SMALL_H_ELEMENTS, column_span
+    from moeshard.kernels.configs import SMALL_H_ELEMENTS, column_span
+    from moeshard.kernels.configs import SPAN_UNIT as CHUNK
 
     # Mixtral (I = 14336) padded rows at 1, 16, 128 and 4096 tokens; DeepSeek-V3 (I = 2048) at 16,
     # 128 and 4096: 128 columns up to 2^24 elements of h, 512 above (scripts/fp8_study.py's sweep).
@@ -412,23 +413,35 @@ def test_experts_config_refuses_down_tiles_that_do_not_divide_the_plan():
 
 def test_pdl_is_chosen_for_the_gpu_that_takes_it_and_refused_elsewhere(interpreted_kernels):
     """Programmatic dependent launch: ``select_config`` turns it on only when asked (the caller
-    passes ``pdl.supported``), with the same tiles either way; a CPU never takes it, and a
-    config that asks for it where it cannot run is refused, naming the field and the device."""
+    passes ``pdl.supported``), at decode only and with the same tiles: the plan and gate_up
+    always, quantize_h and down too where quantize_h's grid fits in one wave (the choices the
+    PDL study measured, docs/performance.md). A CPU never takes it, and a config that asks for it
+    where it cannot run is refused, naming the field and the device."""
     k = interpreted_kernels
     TritonExperts, GemmConfig, ExpertsConfig = _experts_api(k)
+    select = k.configs.select_config
     assert not k.pdl.supported(torch.device("cpu"))
     assert k.pdl.launch_options(False) == {}
     assert k.pdl.launch_options(True) == {"launch_pdl": True}
+    # (routed rows, experts, hidden, intermediate): one token and 16 tokens of DeepSeek-V3, one of
+    # Qwen3 and Mixtral, and prefill.
+    deepseek_1, deepseek_16, qwen3_1, mixtral_1 = (8, 256, 7168, 2048), (128, 256, 7168, 2048), (8, 128, 2048, 768), \
+        (2, 8, 4096, 14336)
     for scheme in SCHEMES:
-        for rows in (8, 128, 32768):
-            off = k.configs.select_config(rows, 256, 7168, 2048, scheme)
-            on = k.configs.select_config(rows, 256, 7168, 2048, scheme, pdl=True)
-            assert not off.pdl and on.pdl, (scheme, rows)
-            assert (off.gate_up, off.down) == (on.gate_up, on.down), (scheme, rows)
-    x, ids, w = _problem(6, 4, 64, 32, torch.bfloat16, "none", seed=0)
+        quantized = scheme != "none"
+        for shape, chain in ((deepseek_1, "all" if quantized else "gate_up"), (qwen3_1, "all" if quantized else "gate_up"),
+                             (deepseek_16, "gate_up"), (mixtral_1, "gate_up"), ((32768, 256, 7168, 2048), "off"),
+                             ((8192, 8, 4096, 14336), "off")):
+            off, on = select(*shape, scheme), select(*shape, scheme, pdl=True)
+            assert (off.pdl, on.pdl) == ("off", chain), (scheme, shape, on.pdl)
+            assert (off.gate_up, off.down) == (on.gate_up, on.down), (scheme, shape)
+    assert k.configs.quantize_h_programs(128, 2048) == 128 and k.configs.quantize_h_programs(32, 14336) == 224
     gemm = GemmConfig(16, 32, 32, group_m=1)
-    with pytest.raises(ValueError, match="config.pdl=True but cpu does not take programmatic dependent launch"):
-        TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm, pdl=True))(ExpertInput(x, ids), w)
+    with pytest.raises(ValueError, match="ExpertsConfig.pdl: 'on' is not one of \\['off', 'gate_up', 'all'\\]"):
+        ExpertsConfig(gemm, gemm, pdl="on")
+    x, ids, w = _problem(6, 4, 64, 32, torch.bfloat16, "none", seed=0)
+    with pytest.raises(ValueError, match="config.pdl='gate_up' but cpu does not take programmatic dependent launch"):
+        TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm, pdl="gate_up"))(ExpertInput(x, ids), w)
 
 
 def _bits(q) -> list[torch.Tensor]:

@@ -143,9 +143,10 @@ def test_half_tiles_give_the_whole_tiles_bits(scheme):
     assert torch.equal(y0, y1), f"{scheme}: y differs, max {(y0.float() - y1.float()).abs().max():.3g}"
 
 
+@pytest.mark.parametrize("chain", ["gate_up", "all"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("M", [8, 128, 3000], ids=lambda m: f"M{m}")
-def test_pdl_gives_the_same_bits(scheme, M):
+def test_pdl_gives_the_same_bits(scheme, M, chain):
     """The experts launched with programmatic dependent launch against the same tiles launched
     one after another: the same y, eagerly and under graph replay with new inputs (a kernel that
     read before its wait would see the kernel ahead half done: tests/test_pdl_order.py checks
@@ -161,16 +162,15 @@ def test_pdl_gives_the_same_bits(scheme, M):
     gen = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
     ids = _ids(M, E, seed=M + 5)
-    sel = select_config(M, E, H, I, scheme, pdl=True)
-    assert sel.pdl, sel
-    serial = TritonExperts("silu", torch.bfloat16, dataclasses.replace(sel, pdl=False))
-    kernel = TritonExperts("silu", torch.bfloat16, sel)
+    tiles = select_config(M, E, H, I, scheme)  # any chain on any tiles, prefill's TMA tiles included
+    serial = TritonExperts("silu", torch.bfloat16, tiles)
+    kernel = TritonExperts("silu", torch.bfloat16, dataclasses.replace(tiles, pdl=chain))
 
     def quantized(t):
         return quantize_activations(t, scheme) if scheme != "none" else t
 
     assert torch.equal(kernel(ExpertInput(quantized(x), ids), w), serial(ExpertInput(quantized(x), ids), w)), \
-        f"{scheme} M={M}: eager"
+        f"{scheme} M={M} {chain}: eager"
     static_x, static_ids = x.clone(), ids.clone()
     kernel(ExpertInput(quantized(static_x), static_ids), w)
     torch.cuda.synchronize()
@@ -183,7 +183,7 @@ def test_pdl_gives_the_same_bits(scheme, M):
         static_ids.copy_(torch.randint(0, E, (M,), device="cuda", generator=g))
         graph.replay()
         want = serial(ExpertInput(quantized(static_x), static_ids), w)
-        assert torch.equal(static_y, want), f"{scheme} M={M}: replay {seed}"
+        assert torch.equal(static_y, want), f"{scheme} M={M} {chain}: replay {seed}"
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -8,7 +8,7 @@
 One concern per module: ``align`` (tile plan of routed rows), ``grouped_gemm`` (the grouped
 GEMM for every scheme), ``quant`` (activation quantization of h), ``configs`` (tile shapes per regime), ``experts``
 (``TritonExperts``, the drop-in for ``GroupedExperts``), ``quant_rows`` (the layer's input
-quantized in one fused pass).
+quantized in one fused pass), ``pdl`` (programmatic dependent launch of the experts' kernels).
 
 Importing this package never imports Triton; ``triton_support`` says whether the kernels can
 run on a device and why not.

@@ -1,4 +1,5 @@
-"""Tile shapes of the grouped GEMM, chosen on the host from shapes alone (graph-safe).
+"""Tile shapes of the grouped GEMM (and quantize_h's column spans) and which of the experts'
+kernels launch under PDL, chosen on the host from shapes alone (graph-safe).
 
 Regimes, by expected rows per active expert r = M / min(M, E):
 
@@ -32,7 +33,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import triton
 
+from moeshard.kernels.align import max_tiles
 from moeshard.quant import get_scheme
 
 # Kernel modes (``moeshard.quant.schemes.KERNEL_MODES``) that pick tile shapes.
@@ -42,6 +45,8 @@ NVFP4 = 4
 # How the fp8 tensor cores accumulate (modes 1 and 2): a fresh fp32 tile per BLOCK_K step added
 # in fp32; one accumulator promoted to fp32 every BLOCK_K terms; or reduced precision across K.
 FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
+# Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).
+PDL_CHAINS = ("off", "gate_up", "all")
 
 
 @dataclass(frozen=True)
@@ -80,15 +85,18 @@ class GemmConfig:
 @dataclass(frozen=True)
 class ExpertsConfig:
     """Tile shapes of the two GEMMs. The tile plan is built for gate_up's block_m, which
-    ``block_m`` names; down's block_m divides it. pdl: the plan, both GEMMs and quantize_h are
-    launched with programmatic dependent launch (``moeshard.kernels.pdl``; compute capability
-    9.0 or later), each overlapping the end of the kernel before it."""
+    ``block_m`` names; down's block_m divides it. pdl (``PDL_CHAINS``): which kernels launch
+    under programmatic dependent launch (``moeshard.kernels.pdl``; compute capability 9.0 or
+    later), each overlapping the end of the kernel before it: none ("off"), the tile plan and
+    the gate_up GEMM ("gate_up"), or those, quantize_h and the down GEMM ("all")."""
 
     gate_up: GemmConfig
     down: GemmConfig
-    pdl: bool = False
+    pdl: str = "off"
 
     def __post_init__(self) -> None:
+        if self.pdl not in PDL_CHAINS:
+            raise ValueError(f"ExpertsConfig.pdl: {self.pdl!r} is not one of {list(PDL_CHAINS)}")
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
         # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
         if self.gate_up.block_m % self.down.block_m:
@@ -123,6 +131,35 @@ HALF_TILES_BELOW = 384
 DECODE_ROWS = 42
 
 
+# quantize_h's grid (kernels/quant.py): QUANT_ROWS positions x a span of columns per program, a
+# multiple of SPAN_UNIT (one fp8_block scale group, eight nvfp4 blocks). Programs the column split
+# aims for: two per multiprocessor of an H100 / H200 (132 SMs), so that a decode step's few row
+# blocks still fill the GPU. Measured on one H200 (``scripts/fp8_study.py``, quantize_h alone at
+# every span, 2026-12-01): narrow spans win everywhere. Up to 2^24 elements of h (decode and small
+# batches: Mixtral 128 tokens is 11M, DeepSeek-V3 128 tokens 10.5M) 128 columns is fastest (Mixtral
+# 1 token 6.8 us against 37 us at 4096 columns; 128 tokens 13.0 us against 24.7 us at 2048); above
+# it 512 columns is (Mixtral 4096 tokens 0.104 ms against 0.371 ms for whole rows, DeepSeek-V3
+# 0.092 against 0.099 ms).
+QUANT_ROWS = 16
+SPAN_UNIT = 128
+SMALL_H_ELEMENTS = 2**24
+SMALL_SPAN, LARGE_SPAN = SPAN_UNIT, 4 * SPAN_UNIT
+
+
+def column_span(rows: int, K: int) -> int:
+    """quantize_h's columns per program for h of ``rows`` rows and K columns: 128 for h of at
+    most ``SMALL_H_ELEMENTS`` elements, else 512 (never wider than the row rounded up to 128).
+    A function of the shapes only (graph-safe)."""
+    span = SMALL_SPAN if rows * K <= SMALL_H_ELEMENTS else LARGE_SPAN
+    return min(span, SPAN_UNIT * triton.cdiv(K, SPAN_UNIT))
+
+
+def quantize_h_programs(padded_rows: int, K: int) -> int:
+    """quantize_h's grid size for h of ``padded_rows`` x K (the row-max pass of fp8_token, when
+    there is one, has the same grid)."""
+    return padded_rows // QUANT_ROWS * triton.cdiv(K, column_span(padded_rows, K))
+
+
 def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: int | None) -> GemmConfig:
     """A weight-streaming tile: the widest BLOCK_N giving at least one program per SM, with as
     many pipeline stages as shared memory holds (deeper for narrow tiles)."""
@@ -151,7 +188,20 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     on a GPU with ``sms`` multiprocessors; fp8_gate_up as ``TritonExperts`` takes it; pdl:
     whether the GPU takes programmatic dependent launch (``moeshard.kernels.pdl.supported``)."""
     cfg = _tiles(num_rows, num_experts, hidden, inter, scheme, sms, fp8_gate_up)
-    return dataclasses.replace(cfg, pdl=True) if pdl else cfg
+    if not pdl or rows_per_expert(num_rows, num_experts) > DECODE_ROWS:
+        return cfg
+    # Decode only, and quantize_h with the down GEMM only while quantize_h's grid fits in one wave
+    # of the multiprocessors. One H200, the experts launched serially and with PDL on some of
+    # their kernels, alternating rounds (scripts/pdl_study.py --stages, 2026-12-03): the plan and
+    # gate_up under PDL took 0.964-0.999 of the serial time in every decode case measured (1 and 16
+    # tokens); all four kernels took 0.932-0.989 at one token where quantize_h has 48 and 128
+    # programs (Qwen3, DeepSeek-V3), but quantize_h and down under PDL took 1.34-1.35 at one Mixtral
+    # token (224 programs) and 1.02-1.03 at 16 (896); bf16 (no quantize_h) under PDL throughout took
+    # 1.04 at one Mixtral token. The whole chain at 4096 tokens took 0.99-1.05.
+    quantized = get_scheme(scheme).quantized
+    P = max_tiles(num_rows, num_experts, cfg.block_m) * cfg.block_m
+    chain = "all" if quantized and quantize_h_programs(P, inter) <= sms else "gate_up"
+    return dataclasses.replace(cfg, pdl=chain)
 
 
 def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str, sms: int,

@@ -13,7 +13,10 @@ when the tile plan is one program, at most 128 routed rows); no host
 sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
 routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up product is
 rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is
-quantized exactly as ``quantize_activations`` would (per-tensor scales per expert).
+quantized exactly as ``quantize_activations`` would (per-tensor scales per expert). On Hopper
+and later, decode steps launch the plan and gate_up (and, where ``select_config`` chose it,
+quantize_h and down) under programmatic dependent launch (``ExpertsConfig.pdl``,
+``moeshard.kernels.pdl``): the same kernels and bits, each starting while the one ahead ends.
 """
 
 from __future__ import annotations
@@ -100,22 +103,23 @@ class TritonExperts(GroupedExperts):
         cfg = self.config or select_config(M, E, H, I, scheme,
                                            multiprocessors(device.index if device.type == "cuda" else None),
                                            self.fp8_gate_up, pdl=pdl.supported(device))
-        if cfg.pdl and not pdl.supported(device):
-            raise ValueError(f"TritonExperts: config.pdl=True but {device} does not take programmatic dependent "
-                             "launch (CUDA compute capability 9.0+ and Triton's gdc instructions)")
+        if cfg.pdl != "off" and not pdl.supported(device):
+            raise ValueError(f"TritonExperts: config.pdl={cfg.pdl!r} but {device} does not take programmatic "
+                             "dependent launch (CUDA compute capability 9.0+ and Triton's gdc instructions)")
+        front, back = cfg.pdl != "off", cfg.pdl == "all"  # plan and gate_up; quantize_h and down
         per_tensor = spec.per_tensor_activation
         amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
-        plan = align_rows(ids, E, cfg.block_m, amax=amax, pdl_launch=cfg.pdl)
+        plan = align_rows(ids, E, cfg.block_m, amax=amax, pdl_launch=front)
         # The down GEMM's plan is made before the gate_up GEMM: its torch ops (when its tiles are
         # shorter) would otherwise sit between quantize_h and the down GEMM, which then could not
         # overlap quantize_h's end.
         down_plan = split_tiles(plan, cfg.down.block_m)
         h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
         moe_gemm(x, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=True, amax=amax,
-                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat, pdl_launch=cfg.pdl)
+                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat, pdl_launch=front)
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
-        h_in = quantize_h(h, scheme, plan, amax, pdl_launch=cfg.pdl) if scheme != "none" else h
+        h_in = quantize_h(h, scheme, plan, amax, pdl_launch=back) if scheme != "none" else h
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
         return moe_gemm(h_in, weights.down, down_plan, y, cfg.down, activation=None, gather=False,
-                        pdl_launch=cfg.pdl)
+                        pdl_launch=back)

@@ -33,30 +33,14 @@ import triton.language as tl
 
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
+from moeshard.kernels.configs import QUANT_ROWS, SPAN_UNIT, column_span
 from moeshard.kernels.grouped_gemm import kernel_mode
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, NVFP4_BLOCK, QuantizedActivations
 
-ROWS = 16  # positions per program; BLOCK_M is a multiple, so a program's rows share one tile
-CHUNK = 128  # columns per step: one fp8_block scale group, eight nvfp4 blocks
+ROWS = QUANT_ROWS  # positions per program; BLOCK_M is a multiple, so a program's rows share one tile
+CHUNK = SPAN_UNIT  # columns per step: one fp8_block scale group, eight nvfp4 blocks
 # fp8_token partial row maxima read per step: all of them up to 16384 columns at CHUNK-wide spans.
 PART_BLOCK = 128
-# Programs the column split aims for: two per multiprocessor of an H100 / H200 (132 SMs), so
-# that a decode step's few row blocks still fill the GPU.
-# Measured on one H200 (``scripts/fp8_study.py``, quantize_h alone at every span, 2026-12-01): narrow
-# spans win everywhere. Up to 2^24 elements of h (decode and small batches: Mixtral 128 tokens is
-# 11M, DeepSeek-V3 128 tokens 10.5M) 128 columns is fastest (Mixtral 1 token 6.8 us against 37 us
-# at 4096 columns; 128 tokens 13.0 us against 24.7 us at 2048); above it 512 columns is (Mixtral
-# 4096 tokens 0.104 ms against 0.371 ms for whole rows, DeepSeek-V3 0.092 against 0.099 ms).
-SMALL_H_ELEMENTS = 2**24
-SMALL_SPAN, LARGE_SPAN = CHUNK, 4 * CHUNK
-
-
-def column_span(rows: int, K: int) -> int:
-    """Columns per program for h of ``rows`` rows and K columns: 128 for h of at most
-    ``SMALL_H_ELEMENTS`` elements, else 512 (never wider than the row rounded up to 128).
-    A function of the shapes only (graph-safe)."""
-    span = SMALL_SPAN if rows * K <= SMALL_H_ELEMENTS else LARGE_SPAN
-    return min(span, CHUNK * triton.cdiv(K, CHUNK))
 
 
 @triton.jit
