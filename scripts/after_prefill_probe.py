@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.timing import L2Flush, graph_median_ms
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernel_choice import select_kernel
@@ -31,11 +31,7 @@ def main() -> None:
 
     def timed(tokens: int, reps: int) -> float:
         inp, _ = routed_input(model, hidden_states(model, tokens, tokens), QuantConfig(args.scheme))
-        g = graphed(lambda: kernel(inp, experts))
-        try:
-            return time_cuda(g, warmup=2, reps=reps, flush=flush).median_ms
-        finally:
-            g.release()
+        return graph_median_ms(lambda: kernel(inp, experts), reps=reps, flush=flush)
 
     print(f"{args.model} {args.scheme} one token first: {timed(1, 40) * 1e3:.1f} us", flush=True)
     for _ in range(2):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.timing import L2Flush, graph_median_ms, graphed
 from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
@@ -61,11 +61,7 @@ def _flushes(device: torch.device) -> dict:
 
 
 def _ms(fn, flush, reps: int) -> float:
-    g = graphed(fn)
-    try:
-        return time_cuda(g, warmup=3, reps=reps, flush=flush).median_ms
-    finally:
-        g.release()
+    return graph_median_ms(fn, reps=reps, flush=flush, warmup=3)
 
 
 def _kernel_us(fn, flush, reps: int) -> list[tuple[str, float]]:

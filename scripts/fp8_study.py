@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import triton
 
-from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.timing import L2Flush, graph_median_ms
 from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
@@ -68,16 +68,11 @@ QUANT_H_SCHEMES = ("fp8_tensor", "fp8_token", "fp8_block", "nvfp4")
 
 
 def _ms(fn, flush, reps: int) -> float | str:
-    g = None
     try:
-        g = graphed(fn)
-        return time_cuda(g, warmup=2, reps=reps, flush=flush).median_ms
+        return graph_median_ms(fn, reps=reps, flush=flush)
     except Exception as exc:  # a variant that does not compile or launch is a finding, not the end
         torch.cuda.synchronize()
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    finally:
-        if g is not None:
-            g.release()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
-from pathlib import Path
 
 import torch
 
-from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.report import write_study
+from moeshard.bench.timing import L2Flush, graph_median_ms
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
@@ -39,14 +38,6 @@ from moeshard.quant import get_scheme
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (4096, 16384)
 SCHEMES = ("none", "fp8_tensor", "fp8_block")
-
-
-def _ms(fn, flush, reps: int) -> float:
-    g = graphed(fn)
-    try:
-        return time_cuda(g, warmup=2, reps=reps, flush=flush).median_ms
-    finally:
-        g.release()
 
 
 def computed_rows(counts: torch.Tensor, block_m: int, half: bool) -> int:
@@ -129,9 +120,9 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
     for _ in range(rounds):
         for key in variants:
             for stage, fn in calls[key].items():
-                rec["rounds"][key][stage].append(_ms(fn, flush, reps))
+                rec["rounds"][key][stage].append(graph_median_ms(fn, reps=reps, flush=flush))
         for key, fn in whole_layer.items():
-            rec["layer_rounds"][key].append(_ms(fn, flush, reps))
+            rec["layer_rounds"][key].append(graph_median_ms(fn, reps=reps, flush=flush))
     rec["median_ms"] = {k: {s: statistics.median(v) for s, v in st.items()} for k, st in rec["rounds"].items()}
     rec["layer_median_ms"] = {k: statistics.median(v) for k, v in rec["layer_rounds"].items()}
     return rec
@@ -167,11 +158,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     if args.json:
-        out = {"command": "python3 scripts/half_tiles_study.py " + " ".join(
-            f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items()
-            if v not in (None, False) and k != "json"),
-            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "records": records}
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_study(args.json, "scripts/half_tiles_study.py", args, records)
 
 
 if __name__ == "__main__":

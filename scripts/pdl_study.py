@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
-from pathlib import Path
 
 import torch
 
-from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.report import write_study
+from moeshard.bench.timing import L2Flush, graph_median_ms
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
@@ -41,14 +40,6 @@ SCHEMES = ("none", "fp8_tensor", "fp8_token", "fp8_block")
 # PDL on (plan, gate_up, quantize_h, down) for the --stages variants (the chains ExpertsConfig.pdl
 # names, "gate_up" and "all", run through TritonExperts).
 STAGES = {"pdl_quantize_h_down": (False, False, True, True), "pdl_down": (False, False, False, True)}
-
-
-def _ms(fn, flush, reps: int) -> float:
-    g = graphed(fn)
-    try:
-        return time_cuda(g, warmup=2, reps=reps, flush=flush).median_ms
-    finally:
-        g.release()
 
 
 def staged(inp, experts, ec: ExpertsConfig, activation: str, dtype, scheme: str, flags: tuple[bool, ...]):
@@ -90,7 +81,7 @@ def study(name: str, tokens: int, scheme: str, model, experts, flush, rounds: in
            "same_bits": same, "rounds": {k: [] for k in calls}}
     for _ in range(rounds):
         for key, fn in calls.items():
-            rec["rounds"][key].append(_ms(fn, flush, reps))
+            rec["rounds"][key].append(graph_median_ms(fn, reps=reps, flush=flush))
     rec["median_ms"] = {k: statistics.median(v) for k, v in rec["rounds"].items()}
     return rec
 
@@ -125,11 +116,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     if args.json:
-        out = {"command": "python3 scripts/pdl_study.py " + " ".join(
-            f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items()
-            if v not in (None, False) and k != "json"),
-            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "records": records}
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_study(args.json, "scripts/pdl_study.py", args, records)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.timing import L2Flush, graph_median_ms
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels import align
@@ -32,11 +32,7 @@ MODELS = (("mixtral-8x7b", (1, 16)), ("qwen3-30b-a3b", (1, 16)), ("deepseek-v3",
 
 
 def _ms(fn, flush: L2Flush, reps: int = 50) -> float:
-    g = graphed(fn)
-    try:
-        return time_cuda(g, warmup=3, reps=reps, flush=flush).median_ms
-    finally:
-        g.release()
+    return graph_median_ms(fn, reps=reps, flush=flush, warmup=3)
 
 
 ROUNDS = 3  # each plan timed this many times, alternating, so that drift favours neither

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from rich.console import Console, JustifyMethod
@@ -108,6 +109,18 @@ def print_tables(result: dict, console: Console | None = None) -> None:
         console.print(targets_table(result["targets"]))
     if result.get("tune"):
         console.print(tune_table(result["tune"]))
+
+
+def write_study(path: str | Path, script: str, args: argparse.Namespace, records: list) -> None:
+    """Writes a study script's records as JSON with the command that reproduces them (``script``
+    with every option of ``args`` but ``--json``), the device and torch's version."""
+    import torch
+
+    options = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items()
+                       if v not in (None, False) and k != "json")
+    out = {"command": f"python3 {script} {options}", "device": torch.cuda.get_device_name(0),
+           "torch": torch.__version__, "records": records}
+    atomic_write_text(Path(path), json_text(out, indent=1))
 
 
 def write_json(result: dict, path: str | Path) -> None:

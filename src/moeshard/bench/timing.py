@@ -100,6 +100,16 @@ class graphed:
         self.graph.reset()
 
 
+def graph_median_ms(fn: Callable[[], object], *, reps: int, flush: L2Flush | None, warmup: int = 2) -> float:
+    """Median ms of ``fn`` captured in a CUDA graph (``graphed``), replayed ``warmup`` times and
+    then ``reps`` timed times, each after ``flush``; the graph's memory is released after."""
+    g = graphed(fn)
+    try:
+        return time_cuda(g, warmup=warmup, reps=reps, flush=flush).median_ms
+    finally:
+        g.release()
+
+
 def kernel_times(fn: Callable[[], object], reps: int = 5) -> list[tuple[str, float]]:
     """(kernel name, GPU microseconds per call of ``fn``), largest first, from the CUDA profiler
     over ``reps`` calls after three warm-up calls (the profile scripts' attribution)."""
