@@ -444,6 +444,20 @@ def test_pdl_is_chosen_for_the_gpu_that_takes_it_and_refused_elsewhere(interpret
         TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm, pdl="gate_up"))(ExpertInput(x, ids), w)
 
 
+def test_pdl_is_refused_on_rocm_whatever_capability_it_reports(interpreted_kernels, monkeypatch):
+    """ROCm builds name their devices "cuda" and report their own capability numbers (9.4 on an
+    MI300), which say nothing about NVIDIA's griddepcontrol instructions: ``pdl.supported`` must
+    refuse them, and take the same numbers on an NVIDIA build."""
+    pdl = interpreted_kernels.pdl
+    if not hasattr(pdl.tl.extra.cuda, "gdc_wait"):
+        pytest.skip("this Triton has no gdc instructions")
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 4))
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert pdl.supported(torch.device("cuda:0"))
+    monkeypatch.setattr(torch.version, "hip", "6.3.42131")
+    assert not pdl.supported(torch.device("cuda:0"))
+
+
 def _bits(q) -> list[torch.Tensor]:
     return [t.view(torch.uint8) if t.element_size() == 1 else t
             for t in (q.data, q.row_scale, q.tensor_scale) if t is not None]

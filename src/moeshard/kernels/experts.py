@@ -100,10 +100,11 @@ class TritonExperts(GroupedExperts):
                 x = quantize_rows(x, scheme, amax=amax_in)
             else:
                 x = quantize_activations(x, scheme, amax=amax_in)
+        takes_pdl = pdl.supported(device)
         cfg = self.config or select_config(M, E, H, I, scheme,
                                            multiprocessors(device.index if device.type == "cuda" else None),
-                                           self.fp8_gate_up, pdl=pdl.supported(device))
-        if cfg.pdl != "off" and not pdl.supported(device):
+                                           self.fp8_gate_up, pdl=takes_pdl)
+        if cfg.pdl != "off" and not takes_pdl:
             raise ValueError(f"TritonExperts: config.pdl={cfg.pdl!r} but {device} does not take programmatic "
                              "dependent launch (CUDA compute capability 9.0+ and Triton's gdc instructions)")
         front, back = cfg.pdl != "off", cfg.pdl == "all"  # plan and gate_up; quantize_h and down

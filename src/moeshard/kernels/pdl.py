@@ -4,8 +4,8 @@
 
 A kernel launched with PDL may start while the kernel before it in the stream still runs: its
 programs become resident as soon as every program of that kernel has signalled
-(``launch_dependents``), and they block at ``wait`` until it has finished and its writes are
-visible. At decode each of these kernels runs a few microseconds, so the launch gaps and the
+(``gdc_launch_dependents``), and they block at ``gdc_wait`` until it has finished and its
+writes are visible. At decode each of these kernels runs a few microseconds, so the launch gaps and the
 ramp of every kernel are a large share of the step; PDL overlaps them with the kernel before.
 
 The contract every kernel here keeps, which makes the chain safe with any neighbours: every
@@ -13,10 +13,10 @@ program calls ``enter`` first, so it waits for the kernel ahead before it touche
 kernel (or any before it) may write, and before it exits. A kernel therefore never completes
 before the one ahead of it, and, by induction, the completion of any kernel implies that of
 every kernel before it in the stream, as without PDL. Only then does it let the next kernel
-start (``launch_dependents``), so waiting programs of at most one kernel ahead hold SM slots.
+start, so waiting programs of at most one kernel ahead hold SM slots.
 
 A kernel launched without PDL, or one after a kernel that never signals (torch's, NCCL's),
-starts when that kernel completes, as any launch does; ``wait`` then returns at once.
+starts when that kernel completes, as any launch does; the wait then returns at once.
 Triton's interpreter has neither instruction, so the kernels take these paths on CUDA only.
 """
 
@@ -35,10 +35,12 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be launched with PDL: a CUDA device of compute
-    capability 9.0 or later (the ``griddepcontrol`` instructions) and a Triton that has them."""
+    """Whether kernels on ``device`` can be launched with PDL: an NVIDIA CUDA device of compute
+    capability 9.0 or later (the ``griddepcontrol`` instructions) and a Triton that has them.
+    ROCm builds also name their devices "cuda" and report their own capability numbers, which
+    say nothing about these instructions."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.version.hip is not None:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= (9, 0) and hasattr(tl.extra.cuda, "gdc_wait")
@@ -51,21 +53,10 @@ def launch_options(pdl: bool) -> dict:
 
 
 @triton.jit
-def launch_dependents(PDL: tl.constexpr):
-    """Lets the next kernel in the stream (if launched with PDL) start its programs."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def wait(PDL: tl.constexpr):
-    """Blocks until the kernel before this one has completed and its writes are visible."""
+def enter(PDL: tl.constexpr):
+    """A kernel's first statement. Under PDL: block until the kernel before this one has
+    completed and its writes are visible, then let the next kernel in the stream (if launched
+    with PDL) start its programs. Without PDL: nothing."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def enter(PDL: tl.constexpr):
-    """A kernel's first statement: wait for the kernel before, then let the next one start."""
-    wait(PDL)
-    launch_dependents(PDL)
+        tl.extra.cuda.gdc_launch_dependents()
