@@ -17,13 +17,12 @@ without its shared experts (the layer's stage that the routed experts' time leav
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 
 import torch
 
-from moeshard.bench.report import write_study
+from moeshard.bench.report import study_parser, write_study
 from moeshard.bench.timing import L2Flush, graph_median_ms
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
@@ -129,14 +128,8 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--schemes", default=",".join(SCHEMES))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=10)
+    ap = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10)
     ap.add_argument("--layer", action="store_true", help="also time the whole layer (see the module doc)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
     flush = L2Flush(device)
