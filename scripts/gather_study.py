@@ -1,0 +1,145 @@
+"""What gathering A's rows costs the prefill gate_up GEMM, against A laid out at padded positions.
+
+The gate_up GEMM reads each tile's A rows through the tile plan (routed row m is token
+m // repeat), with pointer loads: Hopper's TMA cannot gather rows. Were the activations laid out
+at the plan's padded positions first, each tile's A would be one contiguous block, which TMA
+loads. For each model, token count and scheme this times, on the bench's workload
+(``moeshard.bench.workload``, CUDA graphs, an L2 flush before every repetition), gate_up alone
+with the tiles ``select_config`` picks:
+
+* ``gather``: as ``TritonExperts`` runs it (the tile config's own TMA setting for the weights);
+* ``gather_tma_w``: the same with the weights through TMA;
+* ``rows_ptr`` / ``rows_tma``: A already at padded positions, loaded with pointers / through TMA
+  (weights likewise);
+* ``layout_ms``: the pass that would lay A out (a row gather of the quantized rows and their
+  row scales, ``torch.index_select``), the price of the contiguous variants.
+
+Alternating rounds keep drift from reading as a difference. Every variant's h must equal the
+gathered one at the routed rows, bit for bit.
+
+    PYTHONPATH=src python3 scripts/gather_study.py --json results/h200/gather_study.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+
+from moeshard.bench.report import study_parser, write_study
+from moeshard.bench.timing import L2Flush, graph_median_ms
+from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
+from moeshard.config import QuantConfig
+from moeshard.kernels.align import RowAlignment, align_rows
+from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.grouped_gemm import moe_gemm
+from moeshard.quant import QuantizedActivations, get_scheme
+
+MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
+TOKENS = (4096, 16384)
+SCHEMES = ("fp8_tensor", "fp8_block", "none")
+
+
+def routed_positions(plan: RowAlignment, repeat: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid [P] bool: the position holds a routed row, src [P] int64: the row of A it reads,
+    0 at padding positions)."""
+    pos = torch.arange(plan.padded_rows, device=plan.sorted_rows.device)
+    expert = plan.tile_expert.long()[pos // plan.block_m]
+    e = expert.clamp(min=0)
+    valid = (expert >= 0) & (pos - plan.start.long()[e] < plan.count.long()[e])
+    src = torch.where(valid, plan.sorted_rows.long() // repeat, 0)
+    return valid, src
+
+
+def laid_out(x, valid: torch.Tensor, src: torch.Tensor):
+    """A at the padded positions: x's rows by ``src``, zeros (and zero scales) at padding."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        flat = t.view(torch.uint8) if t.element_size() == 1 else t
+        out = flat.index_select(0, src)
+        out[~valid] = 0
+        return out.view(t.dtype)
+    if not isinstance(x, QuantizedActivations):
+        return rows(x)
+    row_scale = rows(x.row_scale) if x.row_scale is not None else None
+    return QuantizedActivations(x.scheme, rows(x.data), row_scale, x.tensor_scale)
+
+
+def layout_pass(x, src: torch.Tensor):
+    """The gather a layout pass would run (garbage rows at padding are not zeroed: timing only)."""
+    data = x.data if isinstance(x, QuantizedActivations) else x
+    flat = data.view(torch.uint8) if data.element_size() == 1 else data
+    out = torch.empty(src.shape[0], flat.shape[1], dtype=flat.dtype, device=flat.device)
+    scale = x.row_scale if isinstance(x, QuantizedActivations) else None
+    out_s = None if scale is None else torch.empty(src.shape[0], scale.shape[1], dtype=scale.dtype,
+                                                   device=scale.device)
+
+    def run():
+        torch.index_select(flat, 0, src, out=out)
+        if scale is not None:
+            torch.index_select(scale, 0, src, out=out_s)
+    return run
+
+
+def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: int) -> dict:
+    cfg = model.cfg
+    device = model.gate_up.device
+    spec = get_scheme(scheme)
+    experts = experts_for(model, scheme)
+    x = hidden_states(model, tokens, tokens)
+    inp, _ = routed_input(model, x, QuantConfig(scheme))
+    M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    sel = select_config(M, E, H, I, scheme, multiprocessors(device.index))
+    plan = align_rows(inp.expert_ids, E, sel.block_m)
+    valid, src = routed_positions(plan, inp.repeat)
+    a_rows = laid_out(inp.x, valid, src)
+    g = sel.gate_up
+    variants = {"gather": (inp.x, True, g), "gather_tma_w": (inp.x, True, dataclasses.replace(g, tma=True)),
+                "rows_ptr": (a_rows, False, dataclasses.replace(g, tma=False)),
+                "rows_tma": (a_rows, False, dataclasses.replace(g, tma=True))}
+    calls, hs = {}, {}
+    for key, (a, gather, gc) in variants.items():
+        amax = torch.zeros(E, dtype=torch.float32, device=device) if spec.per_tensor_activation else None
+        h = torch.zeros(plan.padded_rows, I, dtype=cfg.dtype, device=device)
+        div = inp.repeat if gather else 1
+
+        def call(a=a, gather=gather, gc=gc, h=h, amax=amax, div=div):
+            return moe_gemm(a, experts.gate_up, plan, h, gc, activation=cfg.activation, gather=gather, amax=amax,
+                            a_row_div=div)
+        call()
+        hs[key] = h[valid].clone()
+        calls[key] = call
+    calls["layout"] = layout_pass(inp.x, src)
+    same = {k: bool(torch.equal(v, hs["gather"])) for k, v in hs.items() if k != "gather"}
+    rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M, "padded_rows": plan.padded_rows,
+           "config": g.as_dict(), "same_h": same, "rounds": {f"{k}_ms": [] for k in calls}}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            rec["rounds"][f"{key}_ms"].append(graph_median_ms(fn, reps=reps, flush=flush))
+    rec["median_ms"] = {k: statistics.median(v) for k, v in rec["rounds"].items()}
+    return rec
+
+
+def main() -> None:
+    args = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10).parse_args()
+    device = torch.device("cuda")
+    flush = L2Flush(device)
+    records = []
+    for name in args.models.split(","):
+        model = make_model(name, device)
+        for tokens in map(int, args.tokens.split(",")):
+            for scheme in args.schemes.split(","):
+                rec = study(name, tokens, scheme, model, flush, args.rounds, args.reps)
+                records.append(rec)
+                m = rec["median_ms"]
+                print(f"{name:14s} T={tokens:<6d} {scheme:10s} "
+                      + " ".join(f"{k[:-3]} {v:.3f}" for k, v in m.items())
+                      + ("" if all(rec["same_h"].values()) else f" | DIFFERENT h {rec['same_h']}"), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        write_study(args.json, "scripts/gather_study.py", args, records)
+
+
+if __name__ == "__main__":
+    main()
