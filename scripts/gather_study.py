@@ -11,11 +11,13 @@ with the tiles ``select_config`` picks:
 * ``gather_tma_w``: the same with the weights through TMA;
 * ``rows_ptr`` / ``rows_tma``: A already at padded positions, loaded with pointers / through TMA
   (weights likewise);
-* ``layout_ms``: the pass that would lay A out (a row gather of the quantized rows and their
-  row scales, ``torch.index_select``), the price of the contiguous variants.
+* ``layout``: the pass that lays A out (``kernels.layout.lay_out_rows``: the quantized rows
+  and their row scales), the price of the contiguous variants;
+* ``experts_gather`` / ``experts_laid_out``: the whole ``TritonExperts`` call with the selected
+  tiles, A gathered or laid out first (``ExpertsConfig.lay_out_a``).
 
 Alternating rounds keep drift from reading as a difference. Every variant's h must equal the
-gathered one at the routed rows, bit for bit.
+gathered one at the routed rows, bit for bit, and both experts' calls must give the same y.
 
     PYTHONPATH=src python3 scripts/gather_study.py --json results/h200/gather_study.json
 """
@@ -33,52 +35,22 @@ from moeshard.bench.workload import experts_for, hidden_states, make_model, rout
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import RowAlignment, align_rows
 from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
-from moeshard.quant import QuantizedActivations, get_scheme
+from moeshard.kernels.layout import lay_out_rows
+from moeshard.quant import get_scheme
 
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (4096, 16384)
 SCHEMES = ("fp8_tensor", "fp8_block", "none")
 
 
-def routed_positions(plan: RowAlignment, repeat: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid [P] bool: the position holds a routed row, src [P] int64: the row of A it reads,
-    0 at padding positions)."""
+def routed_positions(plan: RowAlignment) -> torch.Tensor:
+    """[P] bool: whether each padded position holds a routed row."""
     pos = torch.arange(plan.padded_rows, device=plan.sorted_rows.device)
     expert = plan.tile_expert.long()[pos // plan.block_m]
     e = expert.clamp(min=0)
-    valid = (expert >= 0) & (pos - plan.start.long()[e] < plan.count.long()[e])
-    src = torch.where(valid, plan.sorted_rows.long() // repeat, 0)
-    return valid, src
-
-
-def laid_out(x, valid: torch.Tensor, src: torch.Tensor):
-    """A at the padded positions: x's rows by ``src``, zeros (and zero scales) at padding."""
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        flat = t.view(torch.uint8) if t.element_size() == 1 else t
-        out = flat.index_select(0, src)
-        out[~valid] = 0
-        return out.view(t.dtype)
-    if not isinstance(x, QuantizedActivations):
-        return rows(x)
-    row_scale = rows(x.row_scale) if x.row_scale is not None else None
-    return QuantizedActivations(x.scheme, rows(x.data), row_scale, x.tensor_scale)
-
-
-def layout_pass(x, src: torch.Tensor):
-    """The gather a layout pass would run (garbage rows at padding are not zeroed: timing only)."""
-    data = x.data if isinstance(x, QuantizedActivations) else x
-    flat = data.view(torch.uint8) if data.element_size() == 1 else data
-    out = torch.empty(src.shape[0], flat.shape[1], dtype=flat.dtype, device=flat.device)
-    scale = x.row_scale if isinstance(x, QuantizedActivations) else None
-    out_s = None if scale is None else torch.empty(src.shape[0], scale.shape[1], dtype=scale.dtype,
-                                                   device=scale.device)
-
-    def run():
-        torch.index_select(flat, 0, src, out=out)
-        if scale is not None:
-            torch.index_select(scale, 0, src, out=out_s)
-    return run
+    return (expert >= 0) & (pos - plan.start.long()[e] < plan.count.long()[e])
 
 
 def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: int) -> dict:
@@ -91,8 +63,8 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
     M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     sel = select_config(M, E, H, I, scheme, multiprocessors(device.index))
     plan = align_rows(inp.expert_ids, E, sel.block_m)
-    valid, src = routed_positions(plan, inp.repeat)
-    a_rows = laid_out(inp.x, valid, src)
+    valid = routed_positions(plan)
+    a_rows = lay_out_rows(inp.x, plan, inp.repeat)
     g = sel.gate_up
     variants = {"gather": (inp.x, True, g), "gather_tma_w": (inp.x, True, dataclasses.replace(g, tma=True)),
                 "rows_ptr": (a_rows, False, dataclasses.replace(g, tma=False)),
@@ -109,10 +81,17 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
         call()
         hs[key] = h[valid].clone()
         calls[key] = call
-    calls["layout"] = layout_pass(inp.x, src)
+    calls["layout"] = lambda: lay_out_rows(inp.x, plan, inp.repeat)
+    ys = {}
+    for lay_out in (False, True):
+        kernel = TritonExperts(cfg.activation, cfg.dtype, dataclasses.replace(sel, lay_out_a=lay_out))
+        key = "experts_laid_out" if lay_out else "experts_gather"
+        calls[key] = lambda kernel=kernel: kernel(inp, experts)
+        ys[key] = calls[key]().clone()
     same = {k: bool(torch.equal(v, hs["gather"])) for k, v in hs.items() if k != "gather"}
+    same["y"] = bool(torch.equal(ys["experts_gather"], ys["experts_laid_out"]))
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M, "padded_rows": plan.padded_rows,
-           "config": g.as_dict(), "same_h": same, "rounds": {f"{k}_ms": [] for k in calls}}
+           "config": g.as_dict(), "selected_lay_out_a": sel.lay_out_a, "same": same, "rounds": {f"{k}_ms": [] for k in calls}}
     for _ in range(rounds):
         for key, fn in calls.items():
             rec["rounds"][f"{key}_ms"].append(graph_median_ms(fn, reps=reps, flush=flush))
@@ -134,7 +113,7 @@ def main() -> None:
                 m = rec["median_ms"]
                 print(f"{name:14s} T={tokens:<6d} {scheme:10s} "
                       + " ".join(f"{k[:-3]} {v:.3f}" for k, v in m.items())
-                      + ("" if all(rec["same_h"].values()) else f" | DIFFERENT h {rec['same_h']}"), flush=True)
+                      + ("" if all(rec["same"].values()) else f" | DIFFERENT {rec['same']}"), flush=True)
         del model
         torch.cuda.empty_cache()
     if args.json:

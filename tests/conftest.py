@@ -26,7 +26,8 @@ TRITON_KERNEL_MODULES = {"align": "moeshard.kernels.align", "combine": "moeshard
                          "grouped_gemm": "moeshard.kernels.grouped_gemm", "quant": "moeshard.kernels.quant",
                          "experts": "moeshard.kernels.experts", "quant_rows": "moeshard.kernels.quant_rows",
                          "glu": "moeshard.kernels.glu", "topk": "moeshard.kernels.topk",
-                         "loads": "moeshard.kernels.loads", "pdl": "moeshard.kernels.pdl"}
+                         "loads": "moeshard.kernels.loads", "pdl": "moeshard.kernels.pdl",
+                         "layout": "moeshard.kernels.layout"}
 
 _SAVED_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if HAVE_TRITON and not CUDA:
@@ -67,7 +68,8 @@ def pytest_collection_modifyitems(config, items):
 def interpreted_kernels():
     """The Triton modules, interpreted: a namespace with ``align``, ``combine`` (the dispatch
     backends' combine pass), ``grouped_gemm``, ``quant``, ``quant_rows``, ``glu``, ``topk``,
-    ``loads`` (the load counter's record pass), ``pdl`` (programmatic dependent launch),
+    ``loads`` (the load counter's record pass), ``pdl`` (programmatic dependent launch), ``layout``
+    (the experts' input at padded positions),
     ``experts`` and ``configs`` (the modules themselves).
 
     Skipped, with the reason, where triton is not installed or CUDA is available (there

@@ -88,11 +88,15 @@ class ExpertsConfig:
     ``block_m`` names; down's block_m divides it. pdl (``PDL_CHAINS``): which kernels launch
     under programmatic dependent launch (``moeshard.kernels.pdl``; compute capability 9.0 or
     later), each overlapping the end of the kernel before it: none ("off"), the tile plan and
-    the gate_up GEMM ("gate_up"), or those, quantize_h and the down GEMM ("all")."""
+    the gate_up GEMM ("gate_up"), or those, quantize_h and the down GEMM ("all"). lay_out_a:
+    the experts' input is first laid out at the plan's padded positions (``kernels.layout``),
+    and gate_up reads each tile's rows as one block (through TMA where ``gate_up.tma``) instead
+    of gathering them row by row: the same bits, one more pass over the input."""
 
     gate_up: GemmConfig
     down: GemmConfig
     pdl: str = "off"
+    lay_out_a: bool = False
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHAINS:
@@ -129,6 +133,9 @@ PIPELINE_BYTES = 200 * 1024
 HALF_TILES_BELOW = 384
 # Up to this many expected rows per expert the tiles stream weights (decode and small batches).
 DECODE_ROWS = 42
+# From this many expected rows per expert the prefill tiles read weights through TMA, and the
+# bf16 and fp8_block gate_up GEMMs read their input laid out at padded positions (``_tiles``).
+TMA_ROWS = 1024
 
 
 # quantize_h's grid (kernels/quant.py): QUANT_ROWS positions x a span of columns per program, a
@@ -222,7 +229,15 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         if fp8:
             return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 128, 8, 4, 4))
         return ExpertsConfig(GemmConfig(64, 128, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4))
-    tma = r >= 1024
+    tma = r >= TMA_ROWS
+    # The input laid out at padded positions (``ExpertsConfig.lay_out_a``), read through TMA by
+    # gate_up, against rows gathered per tile. One H200, gate_up alone on the bench workloads
+    # (scripts/gather_study.py, 2026-12-03; the layout timed as torch.index_select): Mixtral
+    # (1024 and 4096 rows per expert) bf16 3.62 -> 3.24 + 0.04 ms at 4096 tokens, 13.76 -> 12.65 +
+    # 0.15 at 16384; fp8_block 2.57 -> 2.35 + 0.03 and 9.94 -> 9.50 + 0.10; fp8_tensor no faster
+    # (1.80 -> 1.81, 7.42 -> 7.48). Below 1024 rows per expert the layout costs more than it saves
+    # (DeepSeek-V3 at 4096 tokens fp8_block 3.48 -> 3.56 + 0.21 ms; Qwen3 0.351 -> 0.337 + 0.067).
+    lay_out = r >= TMA_ROWS and mode in (0, FP8_BLOCK)
     # An expert's last 128-row tile holds count % 128 rows, about 64 / r of the rows computed.
     # Half tiles (``GemmConfig.half_tiles``) compute 64 of them where the rest is padding. One
     # H200, gate_up / down / whole experts, half against whole tiles in alternating rounds
@@ -248,7 +263,7 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # against 1.27-1.31 ms; 16384 tokens 4.87-4.88 against 4.94-5.08).
         long_k = inter >= 8192
         return ExpertsConfig(GemmConfig(128, 128, 128, 8, 8, 3, tma=True, half_tiles=half),
-                             GemmConfig(64, 128, 128, 8, 4, 3 if long_k else 4, tma=not long_k))
+                             GemmConfig(64, 128, 128, 8, 4, 3 if long_k else 4, tma=not long_k), lay_out_a=lay_out)
     if fp8:
         # Per-tensor / per-row scales: gate_up accumulates across K on the tensor cores without
         # promotion. Mixtral at 4096 tokens on one H200 (scripts/fp8_study.py, 2026-12-01): 1.74 ms
@@ -274,4 +289,4 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         return ExpertsConfig(gate_up, GemmConfig(128, 256, 128, 8, 8, 3, tma=True, fp8_acc="imprecise",
                                                  half_tiles=half))
     return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=tma, half_tiles=half),
-                         GemmConfig(128, 256, 64, 8, 8, 3, tma=tma, half_tiles=half))
+                         GemmConfig(128, 256, 64, 8, 8, 3, tma=tma, half_tiles=half), lay_out_a=lay_out)

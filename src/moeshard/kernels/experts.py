@@ -2,7 +2,8 @@
 
     expert_ids [M] --align_rows--> tile plan (BLOCK_M rows per tile, one expert each)
     x [M / repeat, H] (model dtype or quantized) --gate_up GEMM, act fused, routed row m gathered
-        from x[m // repeat]--> h [P, I]
+        from x[m // repeat] (or, ``ExpertsConfig.lay_out_a``, read from x laid out at the padded
+        positions first, ``kernels.layout``)--> h [P, I]
     h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
 
@@ -30,6 +31,7 @@ from moeshard.kernels import pdl
 from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
+from moeshard.kernels.layout import lay_out_rows
 from moeshard.kernels.quant import quantize_h
 from moeshard.kernels.quant_rows import MODES as ROW_MODES
 from moeshard.kernels.quant_rows import quantize_rows
@@ -116,8 +118,12 @@ class TritonExperts(GroupedExperts):
         # overlap quantize_h's end.
         down_plan = split_tiles(plan, cfg.down.block_m)
         h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
-        moe_gemm(x, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=True, amax=amax,
-                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=inp.repeat, pdl_launch=front)
+        if cfg.lay_out_a:  # one block per tile instead of a gather of rows (the same bits)
+            a, gather, a_row_div = lay_out_rows(x, plan, inp.repeat), False, 1
+        else:
+            a, gather, a_row_div = x, True, inp.repeat
+        moe_gemm(a, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=gather, amax=amax,
+                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=a_row_div, pdl_launch=front)
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
         h_in = quantize_h(h, scheme, plan, amax, pdl_launch=back) if scheme != "none" else h
