@@ -12,8 +12,9 @@ Regimes, by expected rows per active expert r = M / min(M, E):
   SMs; measured best against 16 and 64), and the pipeline is as deep as shared memory allows.
 * mid (r <= 96, BLOCK_M 64): less padding per expert than 128-row tiles.
 * prefill (BLOCK_M 128): compute-bound tiles, 8 warps, grouped launch order so that a group of
-  row tiles reuses one expert's weight tiles from L2; weights through TMA once experts have
-  >= 1024 rows (measured faster there, slightly slower at 128 rows per expert).
+  row tiles reuses one expert's weight tiles from L2; weights through TMA (the down GEMM's of
+  bf16 once experts have >= 1024 rows), and for bf16 and fp8_block from 1024 rows per expert
+  the input laid out at the plan's positions so that gate_up loads it through TMA too.
 
 The bf16, nvfp4 and decode entries are the fastest candidates of ``moeshard bench --tune`` on an
 H200 (2026-11-30, Triton 3.6): bf16 gate_up 128x128x64 w8 s4 TMA 590 TFLOP/s and down
@@ -231,12 +232,14 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         return ExpertsConfig(GemmConfig(64, 128, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4))
     tma = r >= TMA_ROWS
     # The input laid out at padded positions (``ExpertsConfig.lay_out_a``), read through TMA by
-    # gate_up, against rows gathered per tile. One H200, gate_up alone on the bench workloads
-    # (scripts/gather_study.py, 2026-12-03; the layout timed as torch.index_select): Mixtral
-    # (1024 and 4096 rows per expert) bf16 3.62 -> 3.24 + 0.04 ms at 4096 tokens, 13.76 -> 12.65 +
-    # 0.15 at 16384; fp8_block 2.57 -> 2.35 + 0.03 and 9.94 -> 9.50 + 0.10; fp8_tensor no faster
-    # (1.80 -> 1.81, 7.42 -> 7.48). Below 1024 rows per expert the layout costs more than it saves
-    # (DeepSeek-V3 at 4096 tokens fp8_block 3.48 -> 3.56 + 0.21 ms; Qwen3 0.351 -> 0.337 + 0.067).
+    # gate_up, against rows gathered per tile. One H200, the bench workloads, alternating rounds
+    # (scripts/gather_study.py, 2026-12-03, two runs): the whole experts at Mixtral (1024 and 4096
+    # rows per expert) bf16 4.98 -> 4.89 ms at 4096 tokens and 19.54 -> 18.85 at 16384, fp8_block
+    # 3.96 -> 3.78 and 16.18 -> 15.29; fp8_tensor 2.68 -> 2.77 and 11.04 -> 10.83, fp8_token 2.72 ->
+    # 2.65 and 11.09 -> 11.28 (no gain either way). Qwen3 at 16384 tokens (1024 rows per expert)
+    # ties (bf16 2.395 -> 2.391, fp8_block 2.061 -> 2.040). Below it the layout (a pass over P x H)
+    # costs more than gate_up saves: DeepSeek-V3 at 4096 tokens (128 rows per expert) fp8_block
+    # 5.51 -> 5.70 ms, Qwen3 (256) 0.633 -> 0.657; DeepSeek-V3 at 16384 (512) fp8_tensor 12.6 -> 13.8.
     lay_out = r >= TMA_ROWS and mode in (0, FP8_BLOCK)
     # An expert's last 128-row tile holds count % 128 rows, about 64 / r of the rows computed.
     # Half tiles (``GemmConfig.half_tiles``) compute 64 of them where the rest is padding. One
@@ -288,5 +291,9 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # 2.72 against 3.66, 3.89 against 5.52, 0.541 against 0.729.
         return ExpertsConfig(gate_up, GemmConfig(128, 256, 128, 8, 8, 3, tma=True, fp8_acc="imprecise",
                                                  half_tiles=half))
-    return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=tma, half_tiles=half),
+    # bf16 gate_up reads its weights through TMA at every prefill shape: gate_up alone in both
+    # gather studies (ms, run one / run two) DeepSeek-V3 at 4096 tokens (128 rows per expert) 5.46
+    # / 5.34 -> 5.41 / 5.25, at 16384 (512) 16.49 / 16.34 -> 15.34 / 15.17; Qwen3 at 4096 (256)
+    # 0.433 / 0.430 -> 0.422 / 0.418. Down keeps TMA from 1024 rows per expert (not re-measured).
+    return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 4, tma=True, half_tiles=half),
                          GemmConfig(128, 256, 64, 8, 8, 3, tma=tma, half_tiles=half), lay_out_a=lay_out)
