@@ -14,7 +14,8 @@ Regimes, by expected rows per active expert r = M / min(M, E):
 * prefill (BLOCK_M 128): compute-bound tiles, 8 warps, grouped launch order so that a group of
   row tiles reuses one expert's weight tiles from L2; weights through TMA (the down GEMM's of
   bf16 once experts have >= 1024 rows), and for bf16 and fp8_block from 1024 rows per expert
-  the input laid out at the plan's positions so that gate_up loads it through TMA too.
+  and 4096 intermediate columns the input laid out at the plan's positions so that gate_up
+  loads it through TMA too.
 
 The bf16, nvfp4 and decode entries are the fastest candidates of ``moeshard bench --tune`` on an
 H200 (2026-11-30, Triton 3.6): bf16 gate_up 128x128x64 w8 s4 TMA 590 TFLOP/s and down
@@ -137,6 +138,9 @@ DECODE_ROWS = 42
 # From this many expected rows per expert the prefill tiles read weights through TMA, and the
 # bf16 and fp8_block gate_up GEMMs read their input laid out at padded positions (``_tiles``).
 TMA_ROWS = 1024
+# ... and intermediate sizes of at least this many columns (the experts' input is laid out at
+# padded positions only where gate_up's width repays the pass over it: Mixtral, not Qwen3).
+LAY_OUT_INTER = 4096
 
 
 # quantize_h's grid (kernels/quant.py): QUANT_ROWS positions x a span of columns per program, a
@@ -237,10 +241,14 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
     # rows per expert) bf16 4.98 -> 4.89 ms at 4096 tokens and 19.54 -> 18.85 at 16384, fp8_block
     # 3.96 -> 3.78 and 16.18 -> 15.29; fp8_tensor 2.68 -> 2.77 and 11.04 -> 10.83, fp8_token 2.72 ->
     # 2.65 and 11.09 -> 11.28 (no gain either way). Qwen3 at 16384 tokens (1024 rows per expert)
-    # ties (bf16 2.395 -> 2.391, fp8_block 2.061 -> 2.040). Below it the layout (a pass over P x H)
-    # costs more than gate_up saves: DeepSeek-V3 at 4096 tokens (128 rows per expert) fp8_block
-    # 5.51 -> 5.70 ms, Qwen3 (256) 0.633 -> 0.657; DeepSeek-V3 at 16384 (512) fp8_tensor 12.6 -> 13.8.
-    lay_out = r >= TMA_ROWS and mode in (0, FP8_BLOCK)
+    # ties in the study (bf16 2.395 -> 2.391, fp8_block 2.061 -> 2.040), and its bf16 experts took
+    # 2.25-2.27 ms in the two benches with the layout against 2.16 in the two before: the layout
+    # is a pass over P x H, and what gate_up saves grows with its 2I output columns, 1536 at Qwen3
+    # (gate_up alone 1.48 -> 1.39 ms against the layout's 0.22) and 28672 at Mixtral. Below 1024
+    # rows per expert the layout costs more than gate_up saves: DeepSeek-V3 at 4096 tokens (128
+    # rows per expert) fp8_block 5.51 -> 5.70 ms, Qwen3 (256) 0.633 -> 0.657; DeepSeek-V3 at 16384
+    # (512) fp8_tensor 12.6 -> 13.8.
+    lay_out = r >= TMA_ROWS and inter >= LAY_OUT_INTER and mode in (0, FP8_BLOCK)
     # An expert's last 128-row tile holds count % 128 rows, about 64 / r of the rows computed.
     # Half tiles (``GemmConfig.half_tiles``) compute 64 of them where the rest is padding. One
     # H200, gate_up / down / whole experts, half against whole tiles in alternating rounds
