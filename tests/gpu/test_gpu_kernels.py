@@ -181,6 +181,35 @@ def test_laid_out_input_gives_the_gathered_bits(scheme):
     assert torch.equal(ys[0], ys[1]), scheme
 
 
+@pytest.mark.parametrize("decode", ["activations", "all"])
+def test_decoded_nvfp4_operands_give_the_codes_bits(decode):
+    """nvfp4 experts with the activations (and the weights) decoded to fp16 values before the
+    GEMMs (``kernels.nvfp4_values``), compiled, at the prefill tiles: the decoded values are the
+    e2m1 values times their block scales, and y is the codes' bit for bit, with pointer loads
+    and through TMA."""
+    import dataclasses
+
+    from moeshard.kernels.nvfp4_values import nvfp4_values
+    from moeshard.quant.nvfp4 import e2m1_decode, unpack_fp4
+
+    E, H, I, M = 8, 512, 384, 3000
+    w = _weights(E, H, I, torch.bfloat16, "nvfp4", seed=12)
+    xq = quantize_activations(torch.randn(M, H, device="cuda").to(torch.bfloat16), "nvfp4")
+    decoded = nvfp4_values(xq).values.float()
+    assert torch.equal(decoded, e2m1_decode(unpack_fp4(xq.data)) * xq.row_scale.float().repeat_interleave(16, dim=1))
+    ids = _ids(M, E, seed=13)
+    sel = select_config(M, E, H, I, "nvfp4")
+    assert sel.gate_up.block_m == 128, sel
+    for tma in (False, True):
+        tiles = dataclasses.replace(sel, gate_up=dataclasses.replace(sel.gate_up, tma=tma),
+                                    down=dataclasses.replace(sel.down, tma=tma))
+        y_codes = TritonExperts("silu", torch.bfloat16, dataclasses.replace(tiles, decode_nvfp4="off"))(
+            ExpertInput(xq, ids), w)
+        y = TritonExperts("silu", torch.bfloat16, dataclasses.replace(tiles, decode_nvfp4=decode))(
+            ExpertInput(xq, ids), w)
+        assert torch.equal(y, y_codes), f"{decode} tma={tma}"
+
+
 @pytest.mark.parametrize("chain", ["gate_up", "all"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("M", [8, 128, 3000], ids=lambda m: f"M{m}")

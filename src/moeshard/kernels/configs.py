@@ -49,6 +49,8 @@ NVFP4 = 4
 FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
 # Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).
 PDL_CHAINS = ("off", "gate_up", "all")
+# Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
+NVFP4_DECODES = ("off", "activations", "all")
 
 
 @dataclass(frozen=True)
@@ -93,16 +95,23 @@ class ExpertsConfig:
     the gate_up GEMM ("gate_up"), or those, quantize_h and the down GEMM ("all"). lay_out_a:
     the experts' input is first laid out at the plan's padded positions (``kernels.layout``),
     and gate_up reads each tile's rows as one block (through TMA where ``gate_up.tma``) instead
-    of gathering them row by row: the same bits, one more pass over the input."""
+    of gathering them row by row: the same bits, one more pass over the input. decode_nvfp4
+    (``NVFP4_DECODES``, nvfp4 experts only): which operands are decoded to fp16 values once,
+    before the GEMMs, instead of in every program that reads them (``kernels.nvfp4_values``; the
+    same bits): none, the activations (x and h), or the activations and the weights (a transient
+    fp16 copy of one projection's weights at a time)."""
 
     gate_up: GemmConfig
     down: GemmConfig
     pdl: str = "off"
     lay_out_a: bool = False
+    decode_nvfp4: str = "off"
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHAINS:
             raise ValueError(f"ExpertsConfig.pdl: {self.pdl!r} is not one of {list(PDL_CHAINS)}")
+        if self.decode_nvfp4 not in NVFP4_DECODES:
+            raise ValueError(f"ExpertsConfig.decode_nvfp4: {self.decode_nvfp4!r} is not one of {list(NVFP4_DECODES)}")
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
         # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
         if self.gate_up.block_m % self.down.block_m:

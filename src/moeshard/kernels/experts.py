@@ -6,6 +6,8 @@
         positions first, ``kernels.layout``)--> h [P, I]
     h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
+    (nvfp4 at prefill, ``ExpertsConfig.decode_nvfp4``: x, h_q and where chosen the weights are
+    decoded to fp16 values once, ``kernels.nvfp4_values``, instead of in every GEMM program)
 
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
 rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized
@@ -32,11 +34,12 @@ from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.layout import lay_out_rows
+from moeshard.kernels.nvfp4_values import Nvfp4Values, nvfp4_values
 from moeshard.kernels.quant import quantize_h
 from moeshard.kernels.quant_rows import MODES as ROW_MODES
 from moeshard.kernels.quant_rows import quantize_rows
 from moeshard.numerics import ACCUMULATION
-from moeshard.quant import QuantizedActivations, get_scheme, quantize_activations
+from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme, quantize_activations
 
 
 class TritonExperts(GroupedExperts):
@@ -109,7 +112,11 @@ class TritonExperts(GroupedExperts):
         if cfg.pdl != "off" and not takes_pdl:
             raise ValueError(f"TritonExperts: config.pdl={cfg.pdl!r} but {device} does not take programmatic "
                              "dependent launch (CUDA compute capability 9.0+ and Triton's gdc instructions)")
+        if cfg.decode_nvfp4 != "off" and scheme != "nvfp4":
+            raise ValueError(f"TritonExperts: config.decode_nvfp4={cfg.decode_nvfp4!r} decodes nvfp4 operands, but the "
+                             f"experts are {scheme}")
         front, back = cfg.pdl != "off", cfg.pdl == "all"  # plan and gate_up; quantize_h and down
+        decode_a, decode_w = cfg.decode_nvfp4 != "off", cfg.decode_nvfp4 == "all"
         per_tensor = spec.per_tensor_activation
         amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
         plan = align_rows(ids, E, cfg.block_m, amax=amax, pdl_launch=front)
@@ -118,15 +125,28 @@ class TritonExperts(GroupedExperts):
         # overlap quantize_h's end.
         down_plan = split_tiles(plan, cfg.down.block_m)
         h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
+        x_in = _decoded(x) if decode_a else x
         if cfg.lay_out_a:  # one block per tile instead of a gather of rows (the same bits)
-            a, gather, a_row_div = lay_out_rows(x, plan, inp.repeat), False, 1
+            a, gather, a_row_div = lay_out_rows(x_in, plan, inp.repeat), False, 1
         else:
-            a, gather, a_row_div = x, True, inp.repeat
-        moe_gemm(a, weights.gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=gather, amax=amax,
+            a, gather, a_row_div = x_in, True, inp.repeat
+        # Decoded weights are a transient fp16 copy, one projection at a time.
+        w_gate_up = _decoded(weights.gate_up) if decode_w else weights.gate_up
+        moe_gemm(a, w_gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=gather, amax=amax,
                  fp8_exact=self.fp8_gate_up == "exact", a_row_div=a_row_div, pdl_launch=front)
+        del w_gate_up
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
-        h_in = quantize_h(h, scheme, plan, amax, pdl_launch=back) if scheme != "none" else h
+        h_q = quantize_h(h, scheme, plan, amax, pdl_launch=back) if scheme != "none" else h
+        h_in = _decoded(h_q) if decode_a else h_q
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
-        return moe_gemm(h_in, weights.down, down_plan, y, cfg.down, activation=None, gather=False,
-                        pdl_launch=back)
+        w_down = _decoded(weights.down) if decode_w else weights.down
+        return moe_gemm(h_in, w_down, down_plan, y, cfg.down, activation=None, gather=False, pdl_launch=back)
+
+
+def _decoded(t: torch.Tensor | QuantizedActivations | QuantizedWeight) -> Nvfp4Values:
+    """An nvfp4 operand decoded to fp16 values (``nvfp4_values``); ``TritonExperts`` asks only for
+    nvfp4 experts, whose activations and weights are quantized by then."""
+    if isinstance(t, torch.Tensor):
+        raise TypeError("TritonExperts: decode_nvfp4 needs nvfp4 operands, got an unquantized tensor")
+    return nvfp4_values(t)

@@ -48,6 +48,7 @@ from moeshard.activations import get_activation
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
+from moeshard.kernels.nvfp4_values import Nvfp4Values, e2m1_scaled_f16
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 
 
@@ -63,26 +64,6 @@ def _act_mode(activation: str | None) -> int:
 
 
 FP8_ACC_MODES = {name: i for i, name in enumerate(FP8_ACCUMULATIONS)}  # the kernel's FP8_ACC
-
-
-@triton.jit
-def _e2m1_scaled_f16(packed, scale, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """packed uint8 [ROWS, COLS // 2] e2m1 codes (value 2i in the low nibble), scale e4m3
-    [ROWS, COLS // 16] -> fp16 [ROWS, COLS] = e2m1 value * block scale.
-
-    e2m1 (s, e1 e0, m) placed in the fp16 bit pattern as (s, 000 e1 e0, m 000000000) is the value
-    times 2^-14 for every code, the subnormal 0.5 included; multiplying by 2^14 in fp16 is exact.
-    e2m1 value * e4m3 scale has at most 6 significant bits and lies in [2^-10, 2688], so the
-    fp16 product is exact too: no fp32 round trip is needed.
-    """
-    lo = packed & 0xF
-    hi = packed >> 4
-    code = tl.reshape(tl.join(lo, hi), (ROWS, COLS)).to(tl.uint16)
-    bits = ((code & 0x7) << 9) | ((code & 0x8) << 12)
-    value = bits.to(tl.float16, bitcast=True) * 16384.0
-    s = scale.to(tl.float16)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, COLS // 16, 16)), (ROWS, COLS))
-    return value * s
 
 
 @triton.jit
@@ -133,12 +114,13 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
           QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
           GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
           EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
-          FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr,
+          FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Computes and stores the BLOCK_M x BLOCK_N output tile whose rows are the padded positions
     [p0, p0 + BLOCK_M) of ``expert`` (its rows: [first, first + count)) and whose columns start
     at pid_n * BLOCK_N. ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
-    TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack] blocks when TMA_W."""
+    TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack] blocks when TMA_W (pack: 2 for nvfp4 codes,
+    1 for an operand given as decoded values, A_VALUES / W_VALUES)."""
     offs_p = p0 + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
@@ -156,20 +138,23 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     # results are never stored.
     offs_wn = tl.where(n_ok, offs_n, 0).to(tl.int64)
 
-    # nvfp4 stores two values per byte along K: the stored tile is BLOCK_K // 2 wide.
-    PACK: tl.constexpr = 2 if QUANT == 4 else 1
-    ZERO: tl.constexpr = 0 if QUANT == 4 else 0.0
-    BKS: tl.constexpr = BLOCK_K // PACK
-    offs_ks = tl.arange(0, BKS)
+    # nvfp4 stores two values per byte along K: a stored tile of codes is BLOCK_K // 2 wide. An
+    # operand decoded beforehand (``nvfp4_values``) is fp16 values, one per column.
+    A_PACK: tl.constexpr = 2 if QUANT == 4 and not A_VALUES else 1
+    W_PACK: tl.constexpr = 2 if QUANT == 4 and not W_VALUES else 1
+    A_ZERO: tl.constexpr = 0 if A_PACK == 2 else 0.0
+    W_ZERO: tl.constexpr = 0 if W_PACK == 2 else 0.0
+    offs_ka = tl.arange(0, BLOCK_K // A_PACK)
+    offs_kw = tl.arange(0, BLOCK_K // W_PACK)
     # With TMA the descriptor addresses the tile itself; 0 stands in for the unused pointers.
     if TMA_A:
         a_ptrs = 0
     else:
-        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_ks[None, :] * stride_ak
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_ka[None, :] * stride_ak
     if TMA_W:
         w_ptrs = 0
     else:
-        w_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_ks[None, :] * stride_wk
+        w_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_kw[None, :] * stride_wk
     w_row = expert.to(tl.int32) * N_w + pid_n * BLOCK_N
     a_row = p0
     if QUANT == 4:
@@ -180,24 +165,33 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 // PACK
-        k_ok = ks + offs_ks < K // PACK
-        a = _load_tile(a_ptr, a_ptrs + ks * stride_ak, a_row, ks, row_ok, k_ok, TMA_A, GATHER_A, EVEN_K, ZERO)
-        b = _load_tile(w_ptr, w_ptrs + ks * stride_wk, w_row, ks, n_ok, k_ok, TMA_W, False, EVEN_K, ZERO)
+        ka = k0 // A_PACK
+        kw = k0 // W_PACK
+        ka_ok = ka + offs_ka < K // A_PACK
+        kw_ok = kw + offs_kw < K // W_PACK
+        a = _load_tile(a_ptr, a_ptrs + ka * stride_ak, a_row, ka, row_ok, ka_ok, TMA_A, GATHER_A, EVEN_K, A_ZERO)
+        b = _load_tile(w_ptr, w_ptrs + kw * stride_wk, w_row, kw, n_ok, kw_ok, TMA_W, False, EVEN_K, W_ZERO)
         if FUSE_ACT:
-            b_up = _load_tile(w_ptr, w_ptrs + (up_offset * stride_wn + ks * stride_wk), w_row + up_offset, ks,
-                              n_ok, k_ok, TMA_W, False, EVEN_K, ZERO)
+            b_up = _load_tile(w_ptr, w_ptrs + (up_offset * stride_wn + kw * stride_wk), w_row + up_offset, kw,
+                              n_ok, kw_ok, TMA_W, False, EVEN_K, W_ZERO)
         if QUANT == 4:
+            # Codes are decoded here to the fp16 values a decoded operand already holds.
             kq = k0 // 16
             kq_ok = kq + offs_kq < K // 16
-            a_s = _load_tile(a_scale_ptr, as_ptrs + kq * stride_ask, 0, 0, row_ok, kq_ok, False, True, EVEN_K, 0.0)
-            w_s = _load_tile(w_scale_ptr, ws_ptrs + kq * stride_wsk, 0, 0, n_ok, kq_ok, False, False, EVEN_K, 0.0)
-            a = _e2m1_scaled_f16(a, a_s, BLOCK_M, BLOCK_K)
-            acc = tl.dot(a, tl.trans(_e2m1_scaled_f16(b, w_s, BLOCK_N, BLOCK_K)), acc)
+            if not A_VALUES:
+                a_s = _load_tile(a_scale_ptr, as_ptrs + kq * stride_ask, 0, 0, row_ok, kq_ok, False, True, EVEN_K,
+                                 0.0)
+                a = e2m1_scaled_f16(a, a_s, BLOCK_M, BLOCK_K)
+            if not W_VALUES:
+                w_s = _load_tile(w_scale_ptr, ws_ptrs + kq * stride_wsk, 0, 0, n_ok, kq_ok, False, False, EVEN_K, 0.0)
+                b = e2m1_scaled_f16(b, w_s, BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, tl.trans(b), acc)
             if FUSE_ACT:
-                wu_s = _load_tile(w_scale_ptr, ws_ptrs + (up_offset * stride_wsn + kq * stride_wsk), 0, 0, n_ok,
-                                  kq_ok, False, False, EVEN_K, 0.0)
-                acc_up = tl.dot(a, tl.trans(_e2m1_scaled_f16(b_up, wu_s, BLOCK_N, BLOCK_K)), acc_up)
+                if not W_VALUES:
+                    wu_s = _load_tile(w_scale_ptr, ws_ptrs + (up_offset * stride_wsn + kq * stride_wsk), 0, 0, n_ok,
+                                      kq_ok, False, False, EVEN_K, 0.0)
+                    b_up = e2m1_scaled_f16(b_up, wu_s, BLOCK_N, BLOCK_K)
+                acc_up = tl.dot(a, tl.trans(b_up), acc_up)
         elif QUANT == 0:
             acc = tl.dot(a, tl.trans(b), acc)
             if FUSE_ACT:
@@ -296,7 +290,7 @@ def moe_gemm_kernel(
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
-        PDL: tl.constexpr,
+        A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -327,7 +321,7 @@ def moe_gemm_kernel(
                   stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
                   QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
-                  FP8_ACC, WS_SCALAR, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+                  FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M // 2, BLOCK_N, BLOCK_K)
             if not SCATTER_OUT:
                 # The skipped half holds padding only: store its zeros, as a whole tile would.
                 offs_z = p0 + BLOCK_M // 2 + tl.arange(0, BLOCK_M // 2)
@@ -341,7 +335,7 @@ def moe_gemm_kernel(
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
           QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
-          FP8_ACC, WS_SCALAR, BLOCK_M, BLOCK_N, BLOCK_K)
+          FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def one_w_scale_per_tile(mode: int, block_n: int, n: int, fused: bool) -> bool:
@@ -373,30 +367,37 @@ def kernel_mode(scheme: str) -> int:
     return mode
 
 
-def _a_operand(a: torch.Tensor | QuantizedActivations):
-    """(data, scale, global, stride_asm, stride_ask, stride_ag, quant mode) of activations."""
+def _a_operand(a: torch.Tensor | QuantizedActivations | Nvfp4Values):
+    """(data, scale, global, stride_asm, stride_ask, stride_ag, quant mode, decoded values) of
+    activations."""
+    if isinstance(a, Nvfp4Values):  # decoded nvfp4: no block scales left, the global scale stays
+        ag = _scale_strides(a.global_scale, 2)[0]
+        return a.values, a.values, a.global_scale, 0, 0, ag, kernel_mode("nvfp4"), True
     if not isinstance(a, QuantizedActivations):
-        return a, a, a, 0, 0, 0, 0
+        return a, a, a, 0, 0, 0, 0, False
     mode = kernel_mode(a.scheme)
     if a.row_scale is None:  # one scale per tensor (or per row from an amax override)
         scale = a.tensor_scale
         sm, sk = _scale_strides(scale, 2)
-        return a.data, scale, scale, sm, sk, 0, mode
+        return a.data, scale, scale, sm, sk, 0, mode, False
     if a.tensor_scale is not None:  # row scales and a global scale (nvfp4)
         sm, sk = a.row_scale.stride()
         ag = _scale_strides(a.tensor_scale, 2)[0]  # [] -> 0, [M, 1] -> its row stride
-        return a.data, a.row_scale, a.tensor_scale, sm, sk, ag, mode
+        return a.data, a.row_scale, a.tensor_scale, sm, sk, ag, mode, False
     sm, sk = _scale_strides(a.row_scale, 2)
-    return a.data, a.row_scale, a.row_scale, sm, sk, 0, mode
+    return a.data, a.row_scale, a.row_scale, sm, sk, 0, mode, False
 
 
-def _w_operand(w: torch.Tensor | QuantizedWeight):
-    """(data, scale, global, (stride_wse, stride_wsn, stride_wsk), quant mode) of weights."""
+def _w_operand(w: torch.Tensor | QuantizedWeight | Nvfp4Values):
+    """(data, scale, global, (stride_wse, stride_wsn, stride_wsk), quant mode, decoded values) of
+    weights."""
+    if isinstance(w, Nvfp4Values):
+        return w.values, w.values, w.global_scale, (0, 0, 0), kernel_mode("nvfp4"), True
     if not isinstance(w, QuantizedWeight):
-        return w, w, w, (0, 0, 0), 0
+        return w, w, w, (0, 0, 0), 0, False
     if w.global_scale is not None:
-        return w.data, w.scale, w.global_scale, w.scale.stride(), kernel_mode(w.scheme)
-    return w.data, w.scale, w.scale, _scale_strides(w.scale, 3), kernel_mode(w.scheme)
+        return w.data, w.scale, w.global_scale, w.scale.stride(), kernel_mode(w.scheme), False
+    return w.data, w.scale, w.scale, _scale_strides(w.scale, 3), kernel_mode(w.scheme), False
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -405,7 +406,8 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and all(t.stride(d) == t.stride(d + 1) * t.shape[d + 1] for d in range(t.dim() - 2)))
 
 
-def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | QuantizedWeight, plan: RowAlignment,
+def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tensor | QuantizedWeight | Nvfp4Values,
+             plan: RowAlignment,
              out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
              fp8_acc: str | None = None, pdl_launch: bool = False) -> torch.Tensor:
@@ -413,8 +415,9 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
        m // a_row_div through ``plan.sorted_rows``) or [P, K] (``gather=False``: padded
-       positions); model dtype or quantized, same scheme as w.
-    w: [E, N_w, K] model dtype or ``QuantizedWeight``.
+       positions); model dtype or quantized, same scheme as w; nvfp4 also as ``Nvfp4Values``
+       (decoded once by ``nvfp4_values``; the same products as from its codes).
+    w: [E, N_w, K] model dtype or ``QuantizedWeight`` (nvfp4: or ``Nvfp4Values``).
     out: ``activation`` given (gate_up): [P, N_w / 2] in the model dtype, written at padded
        positions; else (down): [M, N_w], written at the original rows (``plan.sorted_rows``).
     amax: fp32 [E] zeroed buffer; gate_up max-reduces each expert's |h| into it.
@@ -454,8 +457,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     if a_rows * a_row_div != want_rows:
         raise ValueError(f"moe_gemm: a has {a_rows} rows, a_row_div={a_row_div}; the plan needs "
                          f"{'M' if gather else 'P'} = {want_rows} = rows * a_row_div")
-    a_data, a_scale, a_global, s_am, s_ak, s_ag, a_mode = _a_operand(a)
-    w_data, w_scale, w_global, (s_we, s_wn, s_wk), w_mode = _w_operand(w)
+    a_data, a_scale, a_global, s_am, s_ak, s_ag, a_mode, a_values = _a_operand(a)
+    w_data, w_scale, w_global, (s_we, s_wn, s_wk), w_mode, w_values = _w_operand(w)
     if a_mode != w_mode:
         raise ValueError(f"moe_gemm: activation scheme (mode {a_mode}) and weight scheme (mode {w_mode}) differ")
     fused = activation is not None
@@ -466,19 +469,21 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
     if w_mode == 4 and k % 16:
         raise ValueError(f"moe_gemm: nvfp4 needs K % 16 == 0, got K={k}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    pack = 2 if w_mode == 4 else 1
+    # Stored columns per value: nvfp4 codes pack two per byte, decoded values one.
+    a_pack = 2 if a_mode == 4 and not a_values else 1
+    w_pack = 2 if w_mode == 4 and not w_values else 1
     a_arg, w_arg = a_data, w_data
     a_half = a_data  # the half tiles' A: a descriptor of [BLOCK_M / 2, BLOCK_K] blocks under TMA
     tma_a = tma_w = False
     if config.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         if _tma_ok(w_data):
-            w_arg = TensorDescriptor.from_tensor(w_data.view(e * n_w, k // pack), [bn, bk // pack])
+            w_arg = TensorDescriptor.from_tensor(w_data.view(e * n_w, k // w_pack), [bn, bk // w_pack])
             tma_w = True
         if not gather and _tma_ok(a_data):
-            a_arg = TensorDescriptor.from_tensor(a_data, [bm, bk // pack])
+            a_arg = TensorDescriptor.from_tensor(a_data, [bm, bk // a_pack])
             if config.half_tiles:
-                a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, bk // pack])
+                a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, bk // a_pack])
             tma_a = True
     ws_scalar = one_w_scale_per_tile(w_mode, bn, n, fused)
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
@@ -493,7 +498,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations, w: torch.Tensor | Quantized
         QUANT=w_mode, FUSE_ACT=fused, ACT=_act_mode(activation),  # fused
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
-        WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles,
+        WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
         PDL=pdl_launch,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from moeshard.kernels.align import RowAlignment
+from moeshard.kernels.nvfp4_values import Nvfp4Values
 from moeshard.quant import QuantizedActivations
 
 ROWS = 16  # positions per program
@@ -62,13 +63,14 @@ def _lay_out_tensor(t: torch.Tensor, plan: RowAlignment, repeat: int) -> torch.T
     return out
 
 
-def lay_out_rows(x: torch.Tensor | QuantizedActivations, plan: RowAlignment,
-                 repeat: int = 1) -> torch.Tensor | QuantizedActivations:
+def lay_out_rows(x: torch.Tensor | QuantizedActivations | Nvfp4Values, plan: RowAlignment,
+                 repeat: int = 1) -> torch.Tensor | QuantizedActivations | Nvfp4Values:
     """x laid out at the plan's P padded positions, as the gate_up GEMM reads it without gather.
 
     x: [M / repeat, K] in the model dtype, or ``QuantizedActivations`` whose data and per-row
-       scales (``row_scale``; a ``tensor_scale`` of one value per row) have M / repeat rows; a
-       single ``tensor_scale`` is shared by every row and kept as it is.
+       scales (``row_scale``; a ``tensor_scale`` of one value per row) have M / repeat rows, or
+       decoded nvfp4 ``Nvfp4Values`` (values, and a global scale per row); a single
+       ``tensor_scale`` (global scale) is shared by every row and kept as it is.
     plan: the tile plan (``align.align_rows``) of the M routed rows; P = ``plan.padded_rows``, a
        multiple of ``ROWS``.
     repeat: ``ExpertInput.repeat``: routed row m is row m // repeat of x.
@@ -80,6 +82,9 @@ def lay_out_rows(x: torch.Tensor | QuantizedActivations, plan: RowAlignment,
                          f"{plan.num_rows} routed rows (rows * repeat must equal them)")
     if plan.padded_rows % ROWS:
         raise ValueError(f"lay_out_rows: the plan's {plan.padded_rows} padded rows are not a multiple of {ROWS}")
+    if isinstance(x, Nvfp4Values):
+        g = x.global_scale
+        return Nvfp4Values(_lay_out_tensor(x.values, plan, repeat), _lay_out_tensor(g, plan, repeat) if g.dim() == 2 else g)
     if not isinstance(x, QuantizedActivations):
         return _lay_out_tensor(x, plan, repeat)
     row_scale = None if x.row_scale is None else _lay_out_tensor(x.row_scale, plan, repeat)

@@ -1,0 +1,104 @@
+"""nvfp4 experts at prefill: decoding the operands once against decoding them in every GEMM program.
+
+The grouped GEMM's nvfp4 mode unpacks e2m1 codes and scales in registers, in every program that
+reads a tile, on the CUDA cores. ``ExpertsConfig.decode_nvfp4`` decodes the activations (x and
+h: "activations"), or the activations and the weights ("all"), to fp16 values once before the
+GEMMs (``kernels.nvfp4_values``). For each model and token count this times, on the bench's
+workload (``moeshard.bench.workload``, CUDA graphs, an L2 flush before every repetition), the
+whole nvfp4 ``TritonExperts`` call with the tiles ``select_config`` picks under each choice, and
+"all" with the weights read through TMA; the bf16 experts beside them; and each decoding pass
+alone. Alternating rounds keep drift from reading as a difference. Every variant's y must equal
+the codes' bit for bit, and the peak memory each call allocates above its inputs is recorded.
+
+    PYTHONPATH=src python3 scripts/nvfp4_study.py --json results/h200/nvfp4_study.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+
+from moeshard.bench.report import study_parser, write_study
+from moeshard.bench.timing import L2Flush, graph_median_ms
+from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
+from moeshard.config import QuantConfig
+from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.experts import TritonExperts
+from moeshard.kernels.nvfp4_values import nvfp4_values
+
+MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
+TOKENS = (4096, 16384)
+SCHEMES = ("nvfp4",)
+
+
+def peak_bytes(fn) -> int:
+    """Bytes ``fn`` allocates at its peak above what was allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def study(name: str, tokens: int, model, flush, rounds: int, reps: int) -> dict:
+    cfg = model.cfg
+    device = model.gate_up.device
+    experts = experts_for(model, "nvfp4")
+    bf16 = experts_for(model, "none")
+    x = hidden_states(model, tokens, tokens)
+    inp, _ = routed_input(model, x, QuantConfig("nvfp4"))
+    inp_bf16, _ = routed_input(model, x, QuantConfig("none"))
+    M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    sel = select_config(M, E, H, I, "nvfp4", multiprocessors(device.index))
+    tma = dataclasses.replace(sel, gate_up=dataclasses.replace(sel.gate_up, tma=True),
+                              down=dataclasses.replace(sel.down, tma=True), decode_nvfp4="all")
+    variants = {"codes": dataclasses.replace(sel, decode_nvfp4="off"),
+                "activations": dataclasses.replace(sel, decode_nvfp4="activations"),
+                "all": dataclasses.replace(sel, decode_nvfp4="all"), "all_tma": tma}
+    calls, ys, peaks = {}, {}, {}
+    for key, ec in variants.items():
+        kernel = TritonExperts(cfg.activation, cfg.dtype, ec)
+        calls[key] = lambda kernel=kernel: kernel(inp, experts)
+        ys[key] = calls[key]().clone()
+        peaks[key] = peak_bytes(calls[key])
+    bf16_kernel = TritonExperts(cfg.activation, cfg.dtype)
+    calls["bf16"] = lambda: bf16_kernel(inp_bf16, bf16)
+    calls["decode_x"] = lambda: nvfp4_values(inp.x)
+    calls["decode_gate_up"] = lambda: nvfp4_values(experts.gate_up)
+    calls["decode_down"] = lambda: nvfp4_values(experts.down)
+    rec = {"model": name, "tokens": tokens, "rows": M, "selected": dataclasses.asdict(sel),
+           "same_y": {k: bool(torch.equal(v, ys["codes"])) for k, v in ys.items() if k != "codes"},
+           "peak_bytes": peaks, "rounds": {f"{k}_ms": [] for k in calls}}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            rec["rounds"][f"{key}_ms"].append(graph_median_ms(fn, reps=reps, flush=flush))
+    rec["median_ms"] = {k: statistics.median(v) for k, v in rec["rounds"].items()}
+    return rec
+
+
+def main() -> None:
+    args = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10).parse_args()
+    device = torch.device("cuda")
+    flush = L2Flush(device)
+    records = []
+    for name in args.models.split(","):
+        model = make_model(name, device)
+        for tokens in map(int, args.tokens.split(",")):
+            rec = study(name, tokens, model, flush, args.rounds, args.reps)
+            records.append(rec)
+            m = rec["median_ms"]
+            print(f"{name:14s} T={tokens:<6d} " + " ".join(f"{k[:-3]} {v:.3f}" for k, v in m.items())
+                  + " | peak GB " + " ".join(f"{k} {v / 1e9:.2f}" for k, v in rec["peak_bytes"].items())
+                  + ("" if all(rec["same_y"].values()) else f" | DIFFERENT y {rec['same_y']}"), flush=True)
+            torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        write_study(args.json, "scripts/nvfp4_study.py", args, records)
+
+
+if __name__ == "__main__":
+    main()

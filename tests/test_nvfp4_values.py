@@ -1,0 +1,110 @@
+"""nvfp4 operands decoded once before the grouped GEMM (``kernels.nvfp4_values``,
+``ExpertsConfig.decode_nvfp4``): Triton's CPU interpreter runs the kernels; tests/gpu checks the
+compiled ones.
+
+Decoding gives the same fp16 numbers the GEMM decodes in registers, so every comparison here is
+bit for bit: the decoded values against the definition (e2m1 value times block scale), and the
+GEMMs and experts on decoded operands against the same tiles on codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.quant import quantize_activations, quantize_weight
+from moeshard.quant.nvfp4 import e2m1_decode, unpack_fp4
+
+
+def _defined(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e2m1 value * block scale in fp32 (exact), from the codes and scales."""
+    values = e2m1_decode(unpack_fp4(data))
+    return values * scale.float().repeat_interleave(16, dim=-1)
+
+
+@pytest.mark.parametrize("rows,cols", [(5, 272), (33, 512), (1, 16)], ids=str)
+def test_decoded_values_are_the_e2m1_values_times_their_block_scales(interpreted_kernels, exact_interpreter, rows,
+                                                                       cols):
+    """Activations and stacked weights, with rows and columns that are not multiples of the
+    kernel's block (16 rows, 256 columns)."""
+    nv = interpreted_kernels.nvfp4_values
+    gen = torch.Generator().manual_seed(rows)
+    x = quantize_activations(torch.randn(rows, cols, generator=gen).to(torch.bfloat16), "nvfp4")
+    got = nv.nvfp4_values(x)
+    assert got.values.dtype == torch.float16 and got.global_scale is x.tensor_scale
+    assert torch.equal(got.values.float(), _defined(x.data, x.row_scale))
+    w = quantize_weight(torch.randn(3, rows, cols, generator=gen).to(torch.bfloat16), "nvfp4")
+    got_w = nv.nvfp4_values(w)
+    assert got_w.values.shape == (3, rows, cols) and got_w.global_scale is w.global_scale
+    assert torch.equal(got_w.values.float(), _defined(w.data, w.scale))
+
+
+def test_only_nvfp4_operands_are_decoded(interpreted_kernels):
+    x = quantize_activations(torch.randn(4, 128).to(torch.bfloat16), "fp8_block")
+    with pytest.raises(ValueError, match="nvfp4_values: expected nvfp4 operands, got scheme 'fp8_block'"):
+        interpreted_kernels.nvfp4_values.nvfp4_values(x)
+
+
+def _experts(E: int, H: int, I: int, seed: int) -> ExpertWeights:
+    gen = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(torch.bfloat16)
+    dn = (torch.randn(E, H, I, generator=gen) / I**0.5).to(torch.bfloat16)
+    return ExpertWeights(quantize_weight(gu, "nvfp4"), quantize_weight(dn, "nvfp4"), "nvfp4")
+
+
+@pytest.mark.parametrize("decode", ["activations", "all"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_decoded_operands_give_the_codes_bits(interpreted_kernels, exact_interpreter, decode, tma):
+    """gate_up (gathered, tokens repeated for their routed rows, and laid out at padded positions)
+    and down on decoded activations, and on decoded weights too, against the same tiles reading
+    codes: h at every used position and y bit for bit, half tiles included."""
+    k = interpreted_kernels
+    GemmConfig, ExpertsConfig = k.configs.GemmConfig, k.configs.ExpertsConfig
+    nv = k.nvfp4_values.nvfp4_values
+    E, H, I, repeat = 4, 128, 96, 2
+    counts = [40, 30, 3, 17]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(4))]
+    w = _experts(E, H, I, seed=6)
+    x = quantize_activations(torch.randn(ids.numel() // repeat, H, generator=torch.Generator().manual_seed(5))
+                             .to(torch.bfloat16), "nvfp4")
+    gemm = GemmConfig(32, 64, 32, group_m=2, tma=tma, half_tiles=True)
+    plan = k.align.align_rows(ids, E, 32)
+    used = plan.tile_expert.repeat_interleave(32) >= 0
+    amax = torch.zeros(E)
+    h_codes = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16)
+    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h_codes, gemm, activation="silu", gather=True, amax=amax,
+                            a_row_div=repeat)
+    w_gu = nv(w.gate_up) if decode == "all" else w.gate_up
+    for laid_out in (False, True):
+        a = k.layout.lay_out_rows(nv(x), plan, repeat) if laid_out else nv(x)
+        h = torch.full_like(h_codes, float("nan"))
+        k.grouped_gemm.moe_gemm(a, w_gu, plan, h, gemm, activation="silu", gather=not laid_out,
+                                amax=torch.zeros(E), a_row_div=1 if laid_out else repeat)
+        assert not h[used].isnan().any() and torch.equal(h[used], h_codes[used]), laid_out
+    h_q = k.quant.quantize_h(h_codes, "nvfp4", plan, amax)
+    y_codes = k.grouped_gemm.moe_gemm(h_q, w.down, plan, torch.empty(ids.numel(), H, dtype=torch.bfloat16), gemm,
+                                      activation=None, gather=False)
+    w_dn = nv(w.down) if decode == "all" else w.down
+    y = k.grouped_gemm.moe_gemm(nv(h_q), w_dn, plan, torch.empty_like(y_codes), gemm, activation=None, gather=False)
+    assert torch.equal(y, y_codes)
+    ys = [k.experts.TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm, decode_nvfp4=d))(
+          ExpertInput(x, ids, repeat=repeat), w) for d in ("off", decode)]
+    assert torch.equal(ys[0], ys[1])
+
+
+def test_decoding_is_refused_for_other_schemes_and_unknown_choices(interpreted_kernels):
+    k = interpreted_kernels
+    GemmConfig, ExpertsConfig = k.configs.GemmConfig, k.configs.ExpertsConfig
+    gemm = GemmConfig(16, 32, 32, group_m=1)
+    with pytest.raises(ValueError, match=r"ExpertsConfig.decode_nvfp4: 'weights' is not one of \['off', 'activations', 'all'\]"):
+        ExpertsConfig(gemm, gemm, decode_nvfp4="weights")
+    gen = torch.Generator().manual_seed(0)
+    w = ExpertWeights(quantize_weight(torch.randn(2, 64, 64, generator=gen).to(torch.bfloat16), "fp8_tensor"),
+                      quantize_weight(torch.randn(2, 64, 32, generator=gen).to(torch.bfloat16), "fp8_tensor"),
+                      "fp8_tensor")
+    x = quantize_activations(torch.randn(4, 64, generator=gen).to(torch.bfloat16), "fp8_tensor")
+    with pytest.raises(ValueError, match="config.decode_nvfp4='all' decodes nvfp4 operands, but the experts are "
+                                         "fp8_tensor"):
+        k.experts.TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm, decode_nvfp4="all"))(
+            ExpertInput(x, torch.tensor([0, 1, 1, 0])), w)
