@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.kernels.configs import select_config
 from moeshard.quant import quantize_activations, quantize_weight
 from moeshard.quant.nvfp4 import e2m1_decode, unpack_fp4
 
@@ -108,3 +109,16 @@ def test_decoding_is_refused_for_other_schemes_and_unknown_choices(interpreted_k
                                          "fp8_tensor"):
         k.experts.TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm, decode_nvfp4="all"))(
             ExpertInput(x, torch.tensor([0, 1, 1, 0])), w)
+
+
+def test_prefill_decodes_the_activations_and_the_weights_that_fit():
+    """At prefill nvfp4 decodes its activations, and its weights where one projection's fp16
+    copy stays within 2 GiB: Mixtral (1.9 GB) and Qwen3 (0.8 GB), not DeepSeek-V3 (15 GB); decode
+    and mid-size batches keep the codes (docs/performance.md, scripts/nvfp4_study.py)."""
+    assert select_config(4096 * 2, 8, 4096, 14336, "nvfp4").decode_nvfp4 == "all"
+    assert select_config(16384 * 8, 128, 2048, 768, "nvfp4").decode_nvfp4 == "all"
+    assert select_config(4096 * 8, 256, 7168, 2048, "nvfp4").decode_nvfp4 == "activations"
+    for shape in ((2, 8, 4096, 14336), (128, 8, 4096, 14336), (8, 256, 7168, 2048)):
+        assert select_config(*shape, "nvfp4").decode_nvfp4 == "off", shape
+    for scheme in ("none", "fp8_tensor", "fp8_block"):
+        assert select_config(4096 * 2, 8, 4096, 14336, scheme).decode_nvfp4 == "off", scheme

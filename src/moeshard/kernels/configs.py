@@ -152,6 +152,16 @@ TMA_ROWS = 1024
 LAY_OUT_INTER = 4096
 
 
+# The most fp16 bytes of decoded nvfp4 weights (one projection at a time) the experts may hold
+# transiently at prefill (``ExpertsConfig.decode_nvfp4 = "all"``).
+NVFP4_DECODED_MAX_BYTES = 2 * 2**30
+
+
+def decoded_weight_bytes(num_experts: int, hidden: int, inter: int) -> int:
+    """fp16 bytes of the larger projection's decoded weights: gate_up, E x 2I x H."""
+    return 2 * num_experts * 2 * inter * hidden
+
+
 # quantize_h's grid (kernels/quant.py): QUANT_ROWS positions x a span of columns per program, a
 # multiple of SPAN_UNIT (one fp8_block scale group, eight nvfp4 blocks). Programs the column split
 # aims for: two per multiprocessor of an H100 / H200 (132 SMs), so that a decode step's few row
@@ -269,7 +279,12 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
     # code path costs the whole tiles' schedule).
     half = r < HALF_TILES_BELOW
     if mode == NVFP4:
-        return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3))
+        # Prefill decodes the activations (x and h) once instead of in every column block's
+        # program, and the weights too where their transient fp16 copy stays within
+        # NVFP4_DECODED_MAX_BYTES (Mixtral, Qwen3; not DeepSeek-V3's 15 GB): see kernels/nvfp4_values.
+        decode = "all" if decoded_weight_bytes(num_experts, hidden, inter) <= NVFP4_DECODED_MAX_BYTES else "activations"
+        return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3),
+                             decode_nvfp4=decode)
     if mode == FP8_BLOCK and fp8_gate_up == "mma":
         # Block scales per 128 x 128, one weight scale per tile and K step (moe_gemm's ws_scalar):
         # gate_up in 128 x 128 x 128 tiles with 8 warps, down in 64 x 128 x 128 tiles with 4 warps
