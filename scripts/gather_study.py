@@ -25,12 +25,11 @@ gathered one at the routed rows, bit for bit, and both experts' calls must give 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 
 import torch
 
 from moeshard.bench.report import study_parser, write_study
-from moeshard.bench.timing import L2Flush, graph_median_ms
+from moeshard.bench.timing import L2Flush, alternating_medians
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import RowAlignment, align_rows
@@ -91,11 +90,9 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
     same = {k: bool(torch.equal(v, hs["gather"])) for k, v in hs.items() if k != "gather"}
     same["y"] = bool(torch.equal(ys["experts_gather"], ys["experts_laid_out"]))
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M, "padded_rows": plan.padded_rows,
-           "config": g.as_dict(), "selected_lay_out_a": sel.lay_out_a, "same": same, "rounds": {f"{k}_ms": [] for k in calls}}
-    for _ in range(rounds):
-        for key, fn in calls.items():
-            rec["rounds"][f"{key}_ms"].append(graph_median_ms(fn, reps=reps, flush=flush))
-    rec["median_ms"] = {k: statistics.median(v) for k, v in rec["rounds"].items()}
+           "config": g.as_dict(), "selected_lay_out_a": sel.lay_out_a, "same": same}
+    rec["rounds"], rec["median_ms"] = alternating_medians({f"{k}_ms": fn for k, fn in calls.items()}, rounds=rounds,
+                                                          reps=reps, flush=flush)
     return rec
 
 

@@ -16,12 +16,11 @@ the codes' bit for bit, and the peak memory each call allocates above its inputs
 from __future__ import annotations
 
 import dataclasses
-import statistics
 
 import torch
 
 from moeshard.bench.report import study_parser, write_study
-from moeshard.bench.timing import L2Flush, graph_median_ms
+from moeshard.bench.timing import L2Flush, alternating_medians
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.configs import multiprocessors, select_config
@@ -71,11 +70,9 @@ def study(name: str, tokens: int, model, flush, rounds: int, reps: int) -> dict:
     calls["decode_down"] = lambda: nvfp4_values(experts.down)
     rec = {"model": name, "tokens": tokens, "rows": M, "selected": dataclasses.asdict(sel),
            "same_y": {k: bool(torch.equal(v, ys["codes"])) for k, v in ys.items() if k != "codes"},
-           "peak_bytes": peaks, "rounds": {f"{k}_ms": [] for k in calls}}
-    for _ in range(rounds):
-        for key, fn in calls.items():
-            rec["rounds"][f"{key}_ms"].append(graph_median_ms(fn, reps=reps, flush=flush))
-    rec["median_ms"] = {k: statistics.median(v) for k, v in rec["rounds"].items()}
+           "peak_bytes": peaks}
+    rec["rounds"], rec["median_ms"] = alternating_medians({f"{k}_ms": fn for k, fn in calls.items()}, rounds=rounds,
+                                                          reps=reps, flush=flush)
     return rec
 
 

@@ -18,12 +18,11 @@ the serial one bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 
 import torch
 
 from moeshard.bench.report import study_parser, write_study
-from moeshard.bench.timing import L2Flush, graph_median_ms
+from moeshard.bench.timing import L2Flush, alternating_medians
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
@@ -77,11 +76,8 @@ def study(name: str, tokens: int, scheme: str, model, experts, flush, rounds: in
     same = {k: bool(torch.equal(fn(), want)) for k, fn in calls.items()}
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M,
            "config": {"gate_up": sel.gate_up.as_dict(), "down": sel.down.as_dict(), "selected_pdl": sel.pdl},
-           "same_bits": same, "rounds": {k: [] for k in calls}}
-    for _ in range(rounds):
-        for key, fn in calls.items():
-            rec["rounds"][key].append(graph_median_ms(fn, reps=reps, flush=flush))
-    rec["median_ms"] = {k: statistics.median(v) for k, v in rec["rounds"].items()}
+           "same_bits": same}
+    rec["rounds"], rec["median_ms"] = alternating_medians(calls, rounds=rounds, reps=reps, flush=flush)
     return rec
 
 

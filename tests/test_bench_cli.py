@@ -116,3 +116,22 @@ def test_backward_bench_plan_runs_on_cpu(tmp_path, capsys):
 def test_backward_bench_refuses_world_size(capsys):
     assert cli.main(["bench", "--backward", "--world-size", "2", "--device", "cpu"]) == 2
     assert "--backward times one device" in capsys.readouterr().err
+
+
+def test_study_rounds_alternate_between_the_timed_callables(monkeypatch):
+    """The study scripts' ``alternating_medians``: every round times each callable once, in
+    order (so drift spreads over all of them), and each key's median is over its rounds."""
+    from moeshard.bench import timing
+
+    order: list[str] = []
+    times = iter([5.0, 1.0, 3.0, 2.0, 4.0, 9.0])
+
+    def fake(fn, *, reps, flush):
+        order.append(fn())
+        return next(times)
+
+    monkeypatch.setattr(timing, "graph_median_ms", fake)
+    rounds, medians = timing.alternating_medians({"a": lambda: "a", "b": lambda: "b"}, rounds=3, reps=1, flush=None)
+    assert order == ["a", "b", "a", "b", "a", "b"]
+    assert rounds == {"a": [5.0, 3.0, 4.0], "b": [1.0, 2.0, 9.0]}
+    assert medians == {"a": 4.0, "b": 2.0}

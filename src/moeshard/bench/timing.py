@@ -110,6 +110,19 @@ def graph_median_ms(fn: Callable[[], object], *, reps: int, flush: L2Flush | Non
         g.release()
 
 
+def alternating_medians(calls: dict[str, Callable[[], object]], *, rounds: int, reps: int,
+                        flush: L2Flush | None) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Times every callable of ``calls`` with ``graph_median_ms``, ``rounds`` times in turn (each
+    round times each callable once, in order), so drift over the run spreads over all of them
+    instead of reading as a difference between them. Returns (each key's times per round, each
+    key's median over the rounds), in ms."""
+    times: dict[str, list[float]] = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            times[key].append(graph_median_ms(fn, reps=reps, flush=flush))
+    return times, {key: statistics.median(v) for key, v in times.items()}
+
+
 def kernel_times(fn: Callable[[], object], reps: int = 5) -> list[tuple[str, float]]:
     """(kernel name, GPU microseconds per call of ``fn``), largest first, from the CUDA profiler
     over ``reps`` calls after three warm-up calls (the profile scripts' attribution)."""
