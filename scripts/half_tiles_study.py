@@ -18,12 +18,11 @@ without its shared experts (the layer's stage that the routed experts' time leav
 from __future__ import annotations
 
 import dataclasses
-import statistics
 
 import torch
 
 from moeshard.bench.report import study_parser, write_study
-from moeshard.bench.timing import L2Flush, graph_median_ms
+from moeshard.bench.timing import L2Flush, alternating_medians
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
@@ -87,8 +86,7 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
            "gate_up_computed_per_row": {k: computed_rows(counts, sel.gate_up.block_m, v.gate_up.half_tiles) / M
                                         for k, v in variants.items()},
            "down_computed_per_row": {k: computed_rows(counts, sel.down.block_m, v.down.half_tiles) / M
-                                     for k, v in variants.items()},
-           "rounds": {k: {"gate_up_ms": [], "down_ms": [], "experts_ms": []} for k in variants}}
+                                     for k, v in variants.items()}}
     calls, outs = {}, {}
     # One plan for both variants: rows land in an expert's positions in the order of the plan's
     # atomics, so two plans could hold the same h at different positions.
@@ -115,15 +113,13 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
     rec["same_h"] = bool(torch.equal(h0.isnan(), h1.isnan()) and torch.equal(h0.nan_to_num(), h1.nan_to_num()))
     rec["same_y"] = bool(torch.equal(y0, y1))
     whole_layer = layer_calls(model, scheme, experts, x, variants) if layer else {}
-    rec["layer_rounds"] = {k: [] for k in whole_layer}
-    for _ in range(rounds):
-        for key in variants:
-            for stage, fn in calls[key].items():
-                rec["rounds"][key][stage].append(graph_median_ms(fn, reps=reps, flush=flush))
-        for key, fn in whole_layer.items():
-            rec["layer_rounds"][key].append(graph_median_ms(fn, reps=reps, flush=flush))
-    rec["median_ms"] = {k: {s: statistics.median(v) for s, v in st.items()} for k, st in rec["rounds"].items()}
-    rec["layer_median_ms"] = {k: statistics.median(v) for k, v in rec["layer_rounds"].items()}
+    # Each round times every stage of every variant, then the layers; keys "variant/stage".
+    flat = {f"{key}/{stage}": fn for key in variants for stage, fn in calls[key].items()}
+    times, medians = alternating_medians({**flat, **{f"layer/{k}": fn for k, fn in whole_layer.items()}},
+                                         rounds=rounds, reps=reps, flush=flush)
+    for out, source in (("rounds", times), ("median_ms", medians)):
+        rec[out] = {key: {stage: source[f"{key}/{stage}"] for stage in calls[key]} for key in variants}
+        rec[f"layer_{out}"] = {k: source[f"layer/{k}"] for k in whole_layer}
     return rec
 
 
