@@ -30,9 +30,9 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SM90 = GPUTarget("cuda", 90, 32)
 POINTERS = ("a_ptr", "a_half_ptr", "a_scale_ptr", "a_global_ptr", "w_ptr", "w_scale_ptr", "w_global_ptr", "out_ptr", "amax_ptr",
             "sorted_rows_ptr", "tile_expert_ptr", "start_ptr", "count_ptr")
-INTS = ("num_tiles", "N", "K", "N_w", "up_offset", "a_row_div", "stride_am", "stride_ak", "stride_asm", "stride_ask",
-        "stride_ag", "stride_we", "stride_wn", "stride_wk", "stride_wse", "stride_wsn", "stride_wsk", "stride_om",
-        "stride_on")
+INTS = ("num_tiles", "expert_lo", "expert_hi", "N", "K", "N_w", "up_offset", "a_row_div", "stride_am", "stride_ak",
+        "stride_asm", "stride_ask", "stride_ag", "stride_we", "stride_wn", "stride_wk", "stride_wse", "stride_wsn",
+        "stride_wsk", "stride_om", "stride_on")
 # (name, quant mode, a/w element, fused gate_up)
 PROBLEMS = (("bf16 gate_up", 0, "bf16", True), ("bf16 down", 0, "bf16", False),
             ("fp8_tensor gate_up", 1, "fp8e4nv", True), ("fp8_tensor down", 1, "fp8e4nv", False),

@@ -2,13 +2,18 @@
 
 The grouped GEMM's nvfp4 mode unpacks e2m1 codes and scales in registers, in every program that
 reads a tile, on the CUDA cores. ``ExpertsConfig.decode_nvfp4`` decodes the activations (x and
-h: "activations"), or the activations and the weights ("all"), to fp16 values once before the
-GEMMs (``kernels.nvfp4_values``). For each model and token count this times, on the bench's
-workload (``moeshard.bench.workload``, CUDA graphs, an L2 flush before every repetition), the
-whole nvfp4 ``TritonExperts`` call with the tiles ``select_config`` picks under each choice, and
-"all" with the weights read through TMA; the bf16 experts beside them; and each decoding pass
-alone. Alternating rounds keep drift from reading as a difference. Every variant's y must equal
-the codes' bit for bit, and the peak memory each call allocates above its inputs is recorded.
+h: "activations"), or the activations and the weights ("all", a window of
+``decode_experts`` experts at a time), to fp16 values once before the GEMMs
+(``kernels.nvfp4_values``). For each model and token count this times, on the bench's workload
+(``moeshard.bench.workload``, CUDA graphs, an L2 flush before every repetition), the whole
+nvfp4 ``TritonExperts`` call under each choice: on nvfp4's own prefill tiles (codes, activations,
+all), and with everything decoded on bf16's tiles (``fp16_tiles``: the tiles, TMA and input
+layout ``select_config`` gives bf16), in the windows ``decode_window`` gives and, where that is
+more than one, whole (``fp16_tiles_whole``); the bf16 experts beside them; and each decoding
+pass alone. Alternating rounds keep drift from reading as a difference. Each variant's y is
+compared with the codes' (bit for bit, and the largest difference relative to the largest
+|y|), the peak memory each call allocates above its inputs is recorded, and so is which
+variant ``select_config`` picks.
 
     PYTHONPATH=src python3 scripts/nvfp4_study.py --json results/h200/nvfp4_study.json
 """
@@ -23,7 +28,7 @@ from moeshard.bench.report import study_parser, write_study
 from moeshard.bench.timing import L2Flush, alternating_medians
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
-from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.configs import NVFP4_DOWN, NVFP4_GATE_UP, ExpertsConfig, decode_window, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.nvfp4_values import nvfp4_values
 
@@ -51,12 +56,15 @@ def study(name: str, tokens: int, model, flush, rounds: int, reps: int) -> dict:
     inp, _ = routed_input(model, x, QuantConfig("nvfp4"))
     inp_bf16, _ = routed_input(model, x, QuantConfig("none"))
     M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    sel = select_config(M, E, H, I, "nvfp4", multiprocessors(device.index))
-    tma = dataclasses.replace(sel, gate_up=dataclasses.replace(sel.gate_up, tma=True),
-                              down=dataclasses.replace(sel.down, tma=True), decode_nvfp4="all")
-    variants = {"codes": dataclasses.replace(sel, decode_nvfp4="off"),
-                "activations": dataclasses.replace(sel, decode_nvfp4="activations"),
-                "all": dataclasses.replace(sel, decode_nvfp4="all"), "all_tma": tma}
+    sms = multiprocessors(device.index)
+    sel = select_config(M, E, H, I, "nvfp4", sms)
+    own = ExpertsConfig(NVFP4_GATE_UP, NVFP4_DOWN)
+    window = decode_window(E, H, I)
+    fp16 = dataclasses.replace(select_config(M, E, H, I, "none", sms), decode_nvfp4="all", decode_experts=window)
+    variants = {"codes": own, "activations": dataclasses.replace(own, decode_nvfp4="activations"),
+                "all": dataclasses.replace(own, decode_nvfp4="all", decode_experts=window), "fp16_tiles": fp16}
+    if window:
+        variants["fp16_tiles_whole"] = dataclasses.replace(fp16, decode_experts=0)
     calls, ys, peaks = {}, {}, {}
     for key, ec in variants.items():
         kernel = TritonExperts(cfg.activation, cfg.dtype, ec)
@@ -68,8 +76,13 @@ def study(name: str, tokens: int, model, flush, rounds: int, reps: int) -> dict:
     calls["decode_x"] = lambda: nvfp4_values(inp.x)
     calls["decode_gate_up"] = lambda: nvfp4_values(experts.gate_up)
     calls["decode_down"] = lambda: nvfp4_values(experts.down)
+    picked = [k for k, v in variants.items() if v == sel]
+    top = ys["codes"].float().abs().max()
     rec = {"model": name, "tokens": tokens, "rows": M, "selected": dataclasses.asdict(sel),
+           "selected_variant": picked[0] if picked else None,
            "same_y": {k: bool(torch.equal(v, ys["codes"])) for k, v in ys.items() if k != "codes"},
+           "max_rel_diff": {k: float((v.float() - ys["codes"].float()).abs().max() / top)
+                            for k, v in ys.items() if k != "codes"},
            "peak_bytes": peaks}
     rec["rounds"], rec["median_ms"] = alternating_medians({f"{k}_ms": fn for k, fn in calls.items()}, rounds=rounds,
                                                           reps=reps, flush=flush)
@@ -89,7 +102,9 @@ def main() -> None:
             m = rec["median_ms"]
             print(f"{name:14s} T={tokens:<6d} " + " ".join(f"{k[:-3]} {v:.3f}" for k, v in m.items())
                   + " | peak GB " + " ".join(f"{k} {v / 1e9:.2f}" for k, v in rec["peak_bytes"].items())
-                  + ("" if all(rec["same_y"].values()) else f" | DIFFERENT y {rec['same_y']}"), flush=True)
+                  + f" | selected {rec['selected_variant']}"
+                  + ("" if all(rec["same_y"].values()) else f" | DIFFERENT y, max rel {rec['max_rel_diff']}"),
+                  flush=True)
             torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()

@@ -92,6 +92,63 @@ def test_decoded_operands_give_the_codes_bits(interpreted_kernels, exact_interpr
     ys = [k.experts.TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm, decode_nvfp4=d))(
           ExpertInput(x, ids, repeat=repeat), w) for d in ("off", decode)]
     assert torch.equal(ys[0], ys[1])
+    if decode == "all":  # the weights decoded and multiplied a window of experts at a time
+        windowed = ExpertsConfig(gemm, gemm, decode_nvfp4="all", decode_experts=3)  # experts [0, 3), [3, 4)
+        y_w = k.experts.TritonExperts("silu", torch.bfloat16, windowed)(ExpertInput(x, ids, repeat=repeat), w)
+        assert torch.equal(y_w, ys[0])
+
+
+def test_an_expert_window_computes_its_experts_rows_only(interpreted_kernels, exact_interpreter):
+    """``moe_gemm(experts=(lo, hi))`` with the weights of experts [lo, hi) decoded alone: those
+    experts' h positions and y rows are the whole call's bits, every other row is left as it
+    was (NaN here), and windows covering every expert give the whole call's output."""
+    k = interpreted_kernels
+    gemm = k.configs.GemmConfig(16, 32, 32, group_m=1)
+    nv = k.nvfp4_values.nvfp4_values
+    E, H, I = 4, 64, 48
+    ids = torch.tensor([2, 0, 3, 3, 1, 2, 2, 0, 3, 1, 3])
+    w = _experts(E, H, I, seed=8)
+    x = nv(quantize_activations(torch.randn(ids.numel(), H, generator=torch.Generator().manual_seed(9))
+                                .to(torch.bfloat16), "nvfp4"))
+    plan = k.align.align_rows(ids, E, 16)
+    position_expert = plan.tile_expert.repeat_interleave(16)
+    whole_h = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16)
+    k.grouped_gemm.moe_gemm(x, nv(w.gate_up), plan, whole_h, gemm, activation="silu", gather=True)
+    h = torch.full_like(whole_h, float("nan"))
+    k.grouped_gemm.moe_gemm(x, nv(w.gate_up, (1, 3)), plan, h, gemm, activation="silu", gather=True, experts=(1, 3))
+    inside = (position_expert >= 1) & (position_expert < 3)
+    assert torch.equal(h[inside], whole_h[inside]) and h[~inside].isnan().all()
+    h_q = nv(k.quant.quantize_h(whole_h, "nvfp4", plan, whole_h.abs().float().amax().expand(E).contiguous()))
+    whole_y = k.grouped_gemm.moe_gemm(h_q, nv(w.down), plan, torch.empty(ids.numel(), H, dtype=torch.bfloat16), gemm,
+                                      activation=None, gather=False)
+    y = torch.full_like(whole_y, float("nan"))
+    for window in ((0, 1), (3, 4)):
+        k.grouped_gemm.moe_gemm(h_q, nv(w.down, window), plan, y, gemm, activation=None, gather=False, experts=window)
+    outside = (ids >= 1) & (ids < 3)
+    assert torch.equal(y[~outside], whole_y[~outside]) and y[outside].isnan().all()
+    k.grouped_gemm.moe_gemm(h_q, nv(w.down, (1, 3)), plan, y, gemm, activation=None, gather=False, experts=(1, 3))
+    assert torch.equal(y, whole_y)
+
+
+def test_expert_windows_are_checked(interpreted_kernels):
+    k = interpreted_kernels
+    nv = k.nvfp4_values.nvfp4_values
+    w = _experts(4, 64, 48, seed=10)
+    with pytest.raises(ValueError, match=r"nvfp4_values: experts=\(2, 5\) is not a window 0 <= lo < hi <= E=4"):
+        nv(w.gate_up, (2, 5))
+    x = quantize_activations(torch.randn(3, 64).to(torch.bfloat16), "nvfp4")
+    with pytest.raises(ValueError, match=r"nvfp4_values: experts=\(0, 1\) selects experts of weights"):
+        nv(x, (0, 1))
+    plan = k.align.align_rows(torch.tensor([0, 1, 3]), 4, 16)
+    gemm = k.configs.GemmConfig(16, 32, 32, group_m=1)
+    h = torch.empty(plan.padded_rows, 48, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"moe_gemm: experts=\(1, 3\) must be a window 0 <= lo < hi <= E=4 of the "
+                                         r"plan's experts, with hi - lo equal to the 1 experts of w"):
+        k.grouped_gemm.moe_gemm(nv(x), nv(w.gate_up, (1, 2)), plan, h, gemm, activation="silu", gather=True,
+                                experts=(1, 3))
+    with pytest.raises(ValueError, match=r"ExpertsConfig.decode_experts: expected an int >= 0 \(0: all experts at "
+                                         r"once\), got -1"):
+        k.configs.ExpertsConfig(gemm, gemm, decode_nvfp4="all", decode_experts=-1)
 
 
 def test_decoding_is_refused_for_other_schemes_and_unknown_choices(interpreted_kernels):
@@ -111,12 +168,27 @@ def test_decoding_is_refused_for_other_schemes_and_unknown_choices(interpreted_k
             ExpertInput(x, torch.tensor([0, 1, 1, 0])), w)
 
 
-def test_prefill_decodes_the_activations_and_the_weights_that_fit():
-    """At prefill nvfp4 decodes its activations, and its weights where one projection's fp16
-    copy stays within 2 GiB: Mixtral (1.9 GB) and Qwen3 (0.8 GB), not DeepSeek-V3 (15 GB); decode
-    and mid-size batches keep the codes (docs/performance.md, scripts/nvfp4_study.py)."""
-    assert select_config(4096 * 2, 8, 4096, 14336, "nvfp4").decode_nvfp4 == "all"
-    assert select_config(16384 * 8, 128, 2048, 768, "nvfp4").decode_nvfp4 == "all"
+def test_prefill_decodes_the_activations_and_the_weights_read_by_several_row_tiles():
+    """At prefill nvfp4 decodes its activations, and its weights where an expert holds more
+    than one 128-row tile, on bf16's tiles: whole where gate_up's fp16 copy stays within 2 GiB
+    (Mixtral 1.9 GB, Qwen3 0.8 GB), else in equal windows of experts that do (DeepSeek-V3: 8 of
+    32 experts, 1.9 GB each, not 15 GB). DeepSeek-V3 at 4096 tokens (128 rows per expert) decodes
+    only the activations. Decode and mid-size batches keep the codes (docs/performance.md,
+    scripts/nvfp4_study.py)."""
+    from moeshard.kernels.configs import decode_window, decoded_weight_bytes
+
+    mixtral = select_config(4096 * 2, 8, 4096, 14336, "nvfp4")
+    bf16 = select_config(4096 * 2, 8, 4096, 14336, "none")
+    assert (mixtral.decode_nvfp4, mixtral.decode_experts) == ("all", 0)
+    assert (mixtral.gate_up, mixtral.down, mixtral.lay_out_a) == (bf16.gate_up, bf16.down, bf16.lay_out_a)
+    qwen3 = select_config(4096 * 8, 128, 2048, 768, "nvfp4")
+    assert (qwen3.decode_nvfp4, qwen3.decode_experts) == ("all", 0)
+    assert qwen3.gate_up == select_config(4096 * 8, 128, 2048, 768, "none").gate_up
+    deepseek = select_config(16384 * 8, 256, 7168, 2048, "nvfp4")
+    assert (deepseek.decode_nvfp4, deepseek.decode_experts) == ("all", 32)
+    assert decoded_weight_bytes(32, 7168, 2048) <= 2 * 2**30 < decoded_weight_bytes(37, 7168, 2048)
+    assert decode_window(256, 7168, 2048) == 32 and decode_window(8, 4096, 14336) == 0
+    assert decode_window(9, 8192, 16384) == 3  # 512 MiB per expert: 4 fit, so 3 windows, of 3 each (not 4, 4, 1)
     assert select_config(4096 * 8, 256, 7168, 2048, "nvfp4").decode_nvfp4 == "activations"
     for shape in ((2, 8, 4096, 14336), (128, 8, 4096, 14336), (8, 256, 7168, 2048)):
         assert select_config(*shape, "nvfp4").decode_nvfp4 == "off", shape

@@ -183,10 +183,10 @@ def test_laid_out_input_gives_the_gathered_bits(scheme):
 
 @pytest.mark.parametrize("decode", ["activations", "all"])
 def test_decoded_nvfp4_operands_give_the_codes_bits(decode):
-    """nvfp4 experts with the activations (and the weights) decoded to fp16 values before the
-    GEMMs (``kernels.nvfp4_values``), compiled, at the prefill tiles: the decoded values are the
-    e2m1 values times their block scales, and y is the codes' bit for bit, with pointer loads
-    and through TMA."""
+    """nvfp4 experts with the activations (and the weights, whole and a window of experts at a
+    time) decoded to fp16 values before the GEMMs (``kernels.nvfp4_values``), compiled, at the
+    prefill tiles: the decoded values are the e2m1 values times their block scales, and y is the
+    codes' bit for bit, with pointer loads and through TMA."""
     import dataclasses
 
     from moeshard.kernels.nvfp4_values import nvfp4_values
@@ -205,9 +205,11 @@ def test_decoded_nvfp4_operands_give_the_codes_bits(decode):
                                     down=dataclasses.replace(sel.down, tma=tma))
         y_codes = TritonExperts("silu", torch.bfloat16, dataclasses.replace(tiles, decode_nvfp4="off"))(
             ExpertInput(xq, ids), w)
-        y = TritonExperts("silu", torch.bfloat16, dataclasses.replace(tiles, decode_nvfp4=decode))(
-            ExpertInput(xq, ids), w)
-        assert torch.equal(y, y_codes), f"{decode} tma={tma}"
+        for window in (0, 3) if decode == "all" else (0,):  # whole, and windows of 3 of the 8 experts
+            y = TritonExperts("silu", torch.bfloat16,
+                              dataclasses.replace(tiles, decode_nvfp4=decode, decode_experts=window))(
+                ExpertInput(xq, ids), w)
+            assert torch.equal(y, y_codes), f"{decode} tma={tma} decode_experts={window}"
 
 
 @pytest.mark.parametrize("chain", ["gate_up", "all"])

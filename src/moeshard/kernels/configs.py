@@ -99,19 +99,26 @@ class ExpertsConfig:
     (``NVFP4_DECODES``, nvfp4 experts only): which operands are decoded to fp16 values once,
     before the GEMMs, instead of in every program that reads them (``kernels.nvfp4_values``; the
     same bits): none, the activations (x and h), or the activations and the weights (a transient
-    fp16 copy of one projection's weights at a time)."""
+    fp16 copy of one projection's weights at a time). decode_experts (decode_nvfp4 "all"): how
+    many experts' weights are decoded and multiplied per pass (each GEMM launched once per
+    window of experts, ``moe_gemm``'s ``experts``), so that the fp16 copy stays small; 0 decodes
+    a projection whole."""
 
     gate_up: GemmConfig
     down: GemmConfig
     pdl: str = "off"
     lay_out_a: bool = False
     decode_nvfp4: str = "off"
+    decode_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHAINS:
             raise ValueError(f"ExpertsConfig.pdl: {self.pdl!r} is not one of {list(PDL_CHAINS)}")
         if self.decode_nvfp4 not in NVFP4_DECODES:
             raise ValueError(f"ExpertsConfig.decode_nvfp4: {self.decode_nvfp4!r} is not one of {list(NVFP4_DECODES)}")
+        if not isinstance(self.decode_experts, int) or isinstance(self.decode_experts, bool) or self.decode_experts < 0:
+            raise ValueError(f"ExpertsConfig.decode_experts: expected an int >= 0 (0: all experts at once), "
+                             f"got {self.decode_experts!r}")
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
         # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
         if self.gate_up.block_m % self.down.block_m:
@@ -152,14 +159,32 @@ TMA_ROWS = 1024
 LAY_OUT_INTER = 4096
 
 
-# The most fp16 bytes of decoded nvfp4 weights (one projection at a time) the experts may hold
-# transiently at prefill (``ExpertsConfig.decode_nvfp4 = "all"``).
+# The most fp16 bytes of decoded nvfp4 weights (one window of experts of one projection at a
+# time) the experts may hold transiently at prefill (``ExpertsConfig.decode_nvfp4 = "all"``).
 NVFP4_DECODED_MAX_BYTES = 2 * 2**30
 
 
 def decoded_weight_bytes(num_experts: int, hidden: int, inter: int) -> int:
     """fp16 bytes of the larger projection's decoded weights: gate_up, E x 2I x H."""
     return 2 * num_experts * 2 * inter * hidden
+
+
+def decode_window(num_experts: int, hidden: int, inter: int) -> int:
+    """``ExpertsConfig.decode_experts`` for nvfp4 weights decoded at prefill: 0 (whole) where
+    gate_up's fp16 copy fits in ``NVFP4_DECODED_MAX_BYTES``, else the fewest equal windows that
+    fit (DeepSeek-V3: 8 windows of 32 experts, 1.9 GB each, in place of 15 GB)."""
+    total = decoded_weight_bytes(num_experts, hidden, inter)
+    if total <= NVFP4_DECODED_MAX_BYTES:
+        return 0
+    fits = max(1, NVFP4_DECODED_MAX_BYTES // decoded_weight_bytes(1, hidden, inter))
+    windows = -(-num_experts // fits)
+    return -(-num_experts // windows)
+
+
+# nvfp4's prefill tiles where its weights stay codes, decoded in each program
+# (``moeshard bench --tune``, 2026-11-30).
+NVFP4_GATE_UP = GemmConfig(128, 128, 64, 8, 8, 3)
+NVFP4_DOWN = GemmConfig(128, 128, 128, 8, 8, 3)
 
 
 # quantize_h's grid (kernels/quant.py): QUANT_ROWS positions x a span of columns per program, a
@@ -280,11 +305,16 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
     half = r < HALF_TILES_BELOW
     if mode == NVFP4:
         # Prefill decodes the activations (x and h) once instead of in every column block's
-        # program, and the weights too where their transient fp16 copy stays within
-        # NVFP4_DECODED_MAX_BYTES (Mixtral, Qwen3; not DeepSeek-V3's 15 GB): see kernels/nvfp4_values.
-        decode = "all" if decoded_weight_bytes(num_experts, hidden, inter) <= NVFP4_DECODED_MAX_BYTES else "activations"
-        return ExpertsConfig(GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 128, 8, 8, 3),
-                             decode_nvfp4=decode)
+        # program (see kernels/nvfp4_values). Where an expert holds more than one row tile, every
+        # weight tile would be decoded again by each of them, so the weights are decoded once too,
+        # a window of experts at a time (``decode_window``), and both GEMMs become fp16 GEMMs on
+        # bf16's tiles. At one row tile per expert (DeepSeek-V3 at 4096 tokens) each weight tile
+        # is decoded once in the GEMM anyway, and a pass over the weights would only add to it.
+        if r > 128:
+            fp16 = _tiles(num_rows, num_experts, hidden, inter, "none", sms, fp8_gate_up)
+            return dataclasses.replace(fp16, decode_nvfp4="all",
+                                       decode_experts=decode_window(num_experts, hidden, inter))
+        return ExpertsConfig(NVFP4_GATE_UP, NVFP4_DOWN, decode_nvfp4="activations")
     if mode == FP8_BLOCK and fp8_gate_up == "mma":
         # Block scales per 128 x 128, one weight scale per tile and K step (moe_gemm's ws_scalar):
         # gate_up in 128 x 128 x 128 tiles with 8 warps, down in 64 x 128 x 128 tiles with 4 warps

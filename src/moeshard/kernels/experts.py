@@ -7,7 +7,8 @@
     h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
     (nvfp4 at prefill, ``ExpertsConfig.decode_nvfp4``: x, h_q and where chosen the weights are
-    decoded to fp16 values once, ``kernels.nvfp4_values``, instead of in every GEMM program)
+    decoded to fp16 values once, ``kernels.nvfp4_values``, instead of in every GEMM program; the
+    weights a window of ``decode_experts`` experts at a time, each GEMM launched per window)
 
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
 rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized
@@ -130,23 +131,36 @@ class TritonExperts(GroupedExperts):
             a, gather, a_row_div = lay_out_rows(x_in, plan, inp.repeat), False, 1
         else:
             a, gather, a_row_div = x_in, True, inp.repeat
-        # Decoded weights are a transient fp16 copy, one projection at a time.
-        w_gate_up = _decoded(weights.gate_up) if decode_w else weights.gate_up
-        moe_gemm(a, w_gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=gather, amax=amax,
-                 fp8_exact=self.fp8_gate_up == "exact", a_row_div=a_row_div, pdl_launch=front)
-        del w_gate_up
+        # Decoded weights are a transient fp16 copy of one window of experts of one projection.
+        for window in _windows(E, cfg.decode_experts) if decode_w else (None,):
+            w_gate_up = weights.gate_up if window is None else _decoded(weights.gate_up, window)
+            moe_gemm(a, w_gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=gather, amax=amax,
+                     fp8_exact=self.fp8_gate_up == "exact", a_row_div=a_row_div, pdl_launch=front, experts=window)
+            del w_gate_up
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
         h_q = quantize_h(h, scheme, plan, amax, pdl_launch=back) if scheme != "none" else h
         h_in = _decoded(h_q) if decode_a else h_q
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
-        w_down = _decoded(weights.down) if decode_w else weights.down
-        return moe_gemm(h_in, w_down, down_plan, y, cfg.down, activation=None, gather=False, pdl_launch=back)
+        for window in _windows(E, cfg.decode_experts) if decode_w else (None,):
+            w_down = weights.down if window is None else _decoded(weights.down, window)
+            moe_gemm(h_in, w_down, down_plan, y, cfg.down, activation=None, gather=False, pdl_launch=back,
+                     experts=window)
+            del w_down
+        return y
 
 
-def _decoded(t: torch.Tensor | QuantizedActivations | QuantizedWeight) -> Nvfp4Values:
-    """An nvfp4 operand decoded to fp16 values (``nvfp4_values``); ``TritonExperts`` asks only for
-    nvfp4 experts, whose activations and weights are quantized by then."""
+def _windows(num_experts: int, per_window: int) -> list[tuple[int, int]]:
+    """[lo, hi) windows of ``per_window`` experts covering all of them (one window for 0)."""
+    step = per_window or num_experts
+    return [(lo, min(lo + step, num_experts)) for lo in range(0, num_experts, step)]
+
+
+def _decoded(t: torch.Tensor | QuantizedActivations | QuantizedWeight,
+             window: tuple[int, int] | None = None) -> Nvfp4Values:
+    """An nvfp4 operand decoded to fp16 values (``nvfp4_values``; weights: experts ``window``
+    only); ``TritonExperts`` asks only for nvfp4 experts, whose activations and weights are
+    quantized by then."""
     if isinstance(t, torch.Tensor):
         raise TypeError("TritonExperts: decode_nvfp4 needs nvfp4 operands, got an unquantized tensor")
-    return nvfp4_values(t)
+    return nvfp4_values(t, window)

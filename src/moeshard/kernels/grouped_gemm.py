@@ -107,7 +107,7 @@ def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
 
 @triton.jit
 def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr, sorted_rows_ptr,
-          p0, expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+          p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
           stride_om, stride_on,
@@ -118,7 +118,8 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Computes and stores the BLOCK_M x BLOCK_N output tile whose rows are the padded positions
     [p0, p0 + BLOCK_M) of ``expert`` (its rows: [first, first + count)) and whose columns start
-    at pid_n * BLOCK_N. ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
+    at pid_n * BLOCK_N; ``w_expert`` is that expert's index in the weights given (``moe_gemm``'s
+    expert window). ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
     TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack] blocks when TMA_W (pack: 2 for nvfp4 codes,
     1 for an operand given as decoded values, A_VALUES / W_VALUES)."""
     offs_p = p0 + tl.arange(0, BLOCK_M)
@@ -154,13 +155,13 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     if TMA_W:
         w_ptrs = 0
     else:
-        w_ptrs = w_ptr + expert * stride_we + offs_wn[:, None] * stride_wn + offs_kw[None, :] * stride_wk
-    w_row = expert.to(tl.int32) * N_w + pid_n * BLOCK_N
+        w_ptrs = w_ptr + w_expert * stride_we + offs_wn[:, None] * stride_wn + offs_kw[None, :] * stride_wk
+    w_row = w_expert.to(tl.int32) * N_w + pid_n * BLOCK_N
     a_row = p0
     if QUANT == 4:
         offs_kq = tl.arange(0, BLOCK_K // 16)
         as_ptrs = a_scale_ptr + rows[:, None] * stride_asm + offs_kq[None, :] * stride_ask
-        ws_ptrs = w_scale_ptr + expert * stride_wse + offs_wn[:, None] * stride_wsn + offs_kq[None, :] * stride_wsk
+        ws_ptrs = w_scale_ptr + w_expert * stride_wse + offs_wn[:, None] * stride_wsn + offs_kq[None, :] * stride_wsk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -207,7 +208,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
             else:
                 kb = k0 // 128
                 a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
-                ws_base = w_scale_ptr + expert * stride_wse + kb * stride_wsk
+                ws_base = w_scale_ptr + w_expert * stride_wse + kb * stride_wsk
                 w_s = tl.load(ws_base + (offs_wn // 128) * stride_wsn)
                 acc += tl.dot(a, tl.trans(b.to(tl.float16))) * a_s[:, None] * w_s[None, :]
                 if FUSE_ACT:
@@ -228,7 +229,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         else:
             kb = k0 // 128
             a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
-            ws_base = w_scale_ptr + expert * stride_wse + kb * stride_wsk
+            ws_base = w_scale_ptr + w_expert * stride_wse + kb * stride_wsk
             col0 = pid_n * BLOCK_N
             acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * _block_w_scale(ws_base, offs_wn, col0, stride_wsn,
                                                                            WS_SCALAR)
@@ -238,13 +239,13 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
 
     if QUANT == 1 or QUANT == 2:
         a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
-        ws_base = w_scale_ptr + expert * stride_wse
+        ws_base = w_scale_ptr + w_expert * stride_wse
         acc = acc * a_s[:, None] * tl.load(ws_base + offs_wn * stride_wsn)[None, :]
         if FUSE_ACT:
             acc_up = acc_up * a_s[:, None] * tl.load(ws_base + (offs_wn + up_offset) * stride_wsn)[None, :]
     elif QUANT == 4:
         a_g = tl.load(a_global_ptr + rows * stride_ag, mask=row_ok, other=1.0)
-        denom = a_g[:, None] * tl.load(w_global_ptr + expert)
+        denom = a_g[:, None] * tl.load(w_global_ptr + w_expert)
         acc = acc / denom
         if FUSE_ACT:
             acc_up = acc_up / denom
@@ -275,14 +276,15 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         tl.store(out_ptrs, result, mask=n_ok[None, :])
 
 
-# num_tiles varies with the routed rows; specializing on it would compile a variant per value class.
-@triton.jit(do_not_specialize=["num_tiles"])
+# num_tiles varies with the routed rows, and the expert window with the chunk; specializing on
+# them would compile a variant per value class.
+@triton.jit(do_not_specialize=["num_tiles", "expert_lo", "expert_hi"])
 def moe_gemm_kernel(
         a_ptr, a_half_ptr, a_scale_ptr, a_global_ptr,
         w_ptr, w_scale_ptr, w_global_ptr,
         out_ptr, amax_ptr,
         sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
-        num_tiles, N, K, N_w, up_offset, a_row_div,
+        num_tiles, expert_lo, expert_hi, N, K, N_w, up_offset, a_row_div,
         stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
         stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
         stride_om, stride_on,
@@ -304,9 +306,11 @@ def moe_gemm_kernel(
     pdl.enter(PDL)
 
     expert = tl.load(tile_expert_ptr + pid_m)
-    if expert < 0:
+    # Padding tiles, and tiles of experts outside the window of weights given, compute nothing.
+    if expert < expert_lo or expert >= expert_hi:
         return
     expert = expert.to(tl.int64)
+    w_expert = expert - expert_lo
     first = tl.load(start_ptr + expert)
     count = tl.load(count_ptr + expert)
     p0 = pid_m * BLOCK_M
@@ -317,7 +321,7 @@ def moe_gemm_kernel(
     if HALF_TILES:
         if count - (p0 - first) <= BLOCK_M // 2:
             _tile(a_half_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
-                  sorted_rows_ptr, p0, expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+                  sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
                   stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
                   QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
@@ -331,7 +335,7 @@ def moe_gemm_kernel(
                          mask=(offs_n < N)[None, :])
             return
     _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
-          sorted_rows_ptr, p0, expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+          sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
           QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
@@ -410,7 +414,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
              plan: RowAlignment,
              out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
-             fp8_acc: str | None = None, pdl_launch: bool = False) -> torch.Tensor:
+             fp8_acc: str | None = None, pdl_launch: bool = False,
+             experts: tuple[int, int] | None = None) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -440,6 +445,9 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     pdl_launch: launch with programmatic dependent launch (``moeshard.kernels.pdl``; the caller
        checks ``pdl.supported``): every program waits for the kernel ahead before it reads
        anything that kernel may write.
+    experts: (lo, hi): w holds experts [lo, hi) of the plan's E only (w[e - lo] is expert e), and
+       only their tiles are computed; the others' output rows are left as they are, for another
+       launch over another window. None: w holds all E experts.
     """
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if config.block_m != plan.block_m:
@@ -463,6 +471,11 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         raise ValueError(f"moe_gemm: activation scheme (mode {a_mode}) and weight scheme (mode {w_mode}) differ")
     fused = activation is not None
     e, n_w, k = w.shape
+    num_experts = plan.start.shape[0]
+    lo, hi = (0, num_experts) if experts is None else experts
+    if not (0 <= lo < hi <= num_experts) or hi - lo != e:
+        raise ValueError(f"moe_gemm: experts={experts!r} must be a window 0 <= lo < hi <= E={num_experts} of the "
+                         f"plan's experts, with hi - lo equal to the {e} experts of w")
     n = n_w // 2 if fused else n_w
     if fused and n_w % 2:
         raise ValueError(f"moe_gemm: fused gate_up needs an even number of weight rows, got {n_w}")
@@ -491,7 +504,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         a_arg, a_half if tma_a else a_arg, a_scale, a_global, w_arg, w_scale, w_global,
         out, amax if amax is not None else out,
         plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
-        plan.max_tiles, n, k, n_w, n if fused else 0, a_row_div,
+        plan.max_tiles, lo, hi, n, k, n_w, n if fused else 0, a_row_div,
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
         out.stride(0), out.stride(1),

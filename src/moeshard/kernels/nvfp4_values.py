@@ -97,18 +97,26 @@ def _decode(q: torch.Tensor, s: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def nvfp4_values(t: QuantizedActivations | QuantizedWeight) -> Nvfp4Values:
+def nvfp4_values(t: QuantizedActivations | QuantizedWeight, experts: tuple[int, int] | None = None) -> Nvfp4Values:
     """Decodes nvfp4 activations ([M, K]) or expert weights ([E, N, K]) to fp16 values (one launch).
 
-    The result holds the same numbers the GEMM's nvfp4 mode decodes in registers; pass it to
-    ``moe_gemm`` in place of ``t``."""
+    experts: (lo, hi), weights only: decode experts [lo, hi) alone, to [hi - lo, N, K] values
+    with their global scales (``moe_gemm``'s expert window takes them), so that a large
+    projection is held decoded a window at a time. The result holds the same numbers the GEMM's
+    nvfp4 mode decodes in registers; pass it to ``moe_gemm`` in place of ``t``."""
     if t.scheme != "nvfp4":
         raise ValueError(f"nvfp4_values: expected nvfp4 operands, got scheme {t.scheme!r}")
     if isinstance(t, QuantizedWeight):
         e, n, k = t.shape
+        lo, hi = (0, e) if experts is None else experts
+        if not (0 <= lo < hi <= e):
+            raise ValueError(f"nvfp4_values: experts={experts!r} is not a window 0 <= lo < hi <= E={e}")
         assert t.global_scale is not None  # nvfp4 weights carry one (QuantizedWeight validates it)
-        values = _decode(t.data.reshape(e * n, k // 2), t.scale.reshape(e * n, k // NVFP4_BLOCK), k)
-        return Nvfp4Values(values.view(e, n, k), t.global_scale)
+        rows = (hi - lo) * n
+        values = _decode(t.data[lo:hi].reshape(rows, k // 2), t.scale[lo:hi].reshape(rows, k // NVFP4_BLOCK), k)
+        return Nvfp4Values(values.view(hi - lo, n, k), t.global_scale if experts is None else t.global_scale[lo:hi])
+    if experts is not None:
+        raise ValueError(f"nvfp4_values: experts={experts!r} selects experts of weights; activations have none")
     half = t.data.shape[1]
     assert t.row_scale is not None and t.tensor_scale is not None  # the nvfp4 codec has both
     return Nvfp4Values(_decode(t.data, t.row_scale, 2 * half), t.tensor_scale)
