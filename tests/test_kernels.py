@@ -463,27 +463,40 @@ def _bits(q) -> list[torch.Tensor]:
             for t in (q.data, q.row_scale, q.tensor_scale) if t is not None]
 
 
-@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
-@pytest.mark.parametrize("shape", [(1, 128), (1, 2304), (3, 1000), (17, 200), (33, 384), (0, 64), (5, 0)], ids=str)
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+@pytest.mark.parametrize("shape", [(1, 128), (1, 2304), (3, 1000), (17, 200), (3, 1008), (17, 208), (33, 384), (0, 64),
+                                   (5, 0)], ids=str)
 def test_fused_input_quantization_equals_the_torch_path(interpreted_kernels, exact_interpreter, scheme, shape):
     """The layer's input quantized in one pass (``quantize_rows``) is bit for bit what
-    ``quantize_activations`` makes: partial row blocks and scale groups, an all-zero row (the
-    amax floor), magnitudes over ten decades (e4m3 subnormals and flushes to zero among them),
-    and a given domain amax larger than x's own."""
+    ``quantize_activations`` makes: partial row blocks and scale groups (K a multiple of 16, not
+    of 128), an all-zero row (the amax floor), magnitudes over ten decades (e4m3 subnormals,
+    flushes to zero and nvfp4 blocks whose scale rounds to 0 among them), and a given domain
+    amax larger than x's own for the per-tensor schemes."""
     qr = interpreted_kernels.quant_rows
     g = torch.Generator().manual_seed(3)
     T, K = shape
+    if scheme == "nvfp4" and K % 16:
+        pytest.skip("nvfp4 takes K a multiple of 16 (refused: the test below)")
     x = (torch.randn(shape, generator=g) * torch.logspace(-6, 4, K or 1)[:K]).to(torch.bfloat16)
     if T > 2:
         x[2] = 0
     assert torch.equal(qr.input_amax(x), abs_amax(x, (0, 1)))
-    amaxes = [None, abs_amax(x, (0, 1)) * 3] if scheme == "fp8_tensor" else [None]
+    amaxes = [None, abs_amax(x, (0, 1)) * 3] if scheme in ("fp8_tensor", "nvfp4") else [None]
     for amax in amaxes:
         got, want = qr.quantize_rows(x, scheme, amax=amax), quantize_activations(x, scheme, amax=amax)
         assert [t.shape for t in _bits(got)] == [t.shape for t in _bits(want)]
         assert all(torch.equal(a, b) for a, b in zip(_bits(got), _bits(want), strict=True))
-    with pytest.raises(ValueError, match="is not one of the modes"):
+
+
+def test_fused_input_quantization_refuses_what_it_cannot_quantize(interpreted_kernels):
+    qr = interpreted_kernels.quant_rows
+    x = torch.randn(4, 40).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"quantize_rows: nvfp4 needs K % 16 == 0, got x.shape\[1\] \(K\)=40"):
         qr.quantize_rows(x, "nvfp4")
+    with pytest.raises(ValueError, match=r"quantize_rows: amax must be an fp32 \[\] tensor"):
+        qr.quantize_rows(x[:, :32], "nvfp4", amax=torch.ones(4, 1))
+    with pytest.raises(ValueError, match="is not one of the modes"):
+        qr.quantize_rows(x, "none")
 
 
 def test_strided_expert_ids_are_read_as_their_values(interpreted_kernels, exact_interpreter):

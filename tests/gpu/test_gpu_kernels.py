@@ -290,7 +290,7 @@ def test_quantize_h_bit_exact(scheme):
     assert_same_quantization(q, ref, live)
 
 
-@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
 @pytest.mark.parametrize("shape", [(1, 4096), (37, 2880), (4096, 7168)], ids=str)
 def test_fused_input_quantization_bit_exact(scheme, shape):
     """The layer's input quantized in one fused pass equals ``quantize_activations`` bit for bit
@@ -304,14 +304,14 @@ def test_fused_input_quantization_bit_exact(scheme, shape):
     x = (torch.randn(T, K, device="cuda") * torch.logspace(-8, 4, K, device="cuda")[torch.randperm(K, device="cuda")]
          ).to(torch.bfloat16)
     assert torch.equal(input_amax(x), abs_amax(x, (0, 1)))
-    for amax in ([None, abs_amax(x, (0, 1)) * 2] if scheme == "fp8_tensor" else [None]):
+    for amax in ([None, abs_amax(x, (0, 1)) * 2] if scheme in ("fp8_tensor", "nvfp4") else [None]):
         got, want = quantize_rows(x, scheme, amax=amax), quantize_activations(x, scheme, amax=amax)
         for a, b in ((got.data, want.data), (got.row_scale, want.row_scale), (got.tensor_scale, want.tensor_scale)):
             assert (a is None) == (b is None)
             if a is not None:
                 assert a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                                                           b.view(torch.uint8) if b.element_size() == 1 else b)
-    assert fused_input_quant(x.device, scheme) and not fused_input_quant(x.device, "nvfp4")
+    assert fused_input_quant(x.device, scheme) and not fused_input_quant(x.device, "none")
 
 
 def test_router_topk_kernel_matches_the_stable_sort():

@@ -90,7 +90,7 @@ def prepare(x: torch.Tensor, quant: QuantConfig, group: Any = None, trace: Colle
     ``StageRecorder`` (the backend's ``recorder``), which gets the payload, or None.
     """
     scheme = quant.spec
-    # On CUDA the fp8 schemes quantize in one fused pass (bit for bit the torch path's result).
+    # On CUDA the fp8 schemes and nvfp4 quantize in one fused pass (bit for bit the torch path's result).
     fused = scheme.quantized and fused_input_quant(x.device, scheme.name) and x.stride(-1) == 1
     amax = domain_amax(x, group, trace, fused) if scheme.per_tensor_activation else None
     if not scheme.quantized or quant.defer_input_quant:

@@ -55,16 +55,19 @@ def triton_support(device: torch.device, dtype: torch.dtype, scheme: str) -> tup
 
 def fused_input_quant(device: torch.device, scheme: str) -> bool:
     """Whether ``quant_rows.quantize_rows`` quantizes the layer's input in ``scheme`` on
-    ``device``: CUDA with Triton and fp8 tensor cores, and a scheme of its kernel modes (fp8 per
-    tensor, per row, per 128 block). Otherwise the torch path (``quantize_activations``) runs;
-    both give the same bits."""
-    from moeshard.quant import FP8_DTYPE, get_scheme
+    ``device``: CUDA with Triton and fp8 conversions (compute capability 8.9+: nvfp4's block
+    scales are e4m3 too), and a scheme of its kernel modes (fp8 per tensor, per row, per 128
+    block; nvfp4). Otherwise the torch path (``quantize_activations``) runs; both give the same
+    bits."""
+    from moeshard.quant import get_scheme
 
     spec = get_scheme(scheme, "fused_input_quant: quant")
-    if spec.kernel_mode not in (1, 2, 3) or spec.codec is None or spec.codec.data_dtype != FP8_DTYPE:
-        return False
     device = torch.device(device)
-    if device.type != "cuda" or not triton_importable()[0]:
+    if spec.codec is None or device.type != "cuda" or not triton_importable()[0]:
+        return False
+    from moeshard.kernels.quant_rows import MODES  # imports Triton
+
+    if spec.kernel_mode not in MODES:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index) >= (8, 9)

@@ -60,6 +60,24 @@ def _e2m1_code(y):
 
 
 @triton.jit
+def _nvfp4_chunk(x, g, ROWS: tl.constexpr, CHUNK: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x fp32 [ROWS, CHUNK] (CHUNK / 16 whole nvfp4 blocks per row), g the fp32 global scale
+    (a scalar) -> (packed uint8 [ROWS, CHUNK / 2] e2m1 codes, column 2i in the low
+    nibble; e4m3 [ROWS, CHUNK / 16] block scales), as ``moeshard.quant.nvfp4.nvfp4_quantize``:
+    s = e4m3(min(block amax / 6 * g, 448)), codes e2m1(x * g / s), 0 where s rounds to 0."""
+    blocks = tl.reshape(x, (ROWS, CHUNK // 16, 16))
+    block_amax = tl.max(tl.abs(blocks), axis=2)
+    s = tl.minimum(tl.math.div_rn(block_amax, tl.zeros_like(block_amax) + 6.0) * g, FP8_MAX).to(tl.float8e4nv)
+    s32 = s.to(tl.float32)
+    zero = s32 == 0.0
+    y = tl.math.div_rn(blocks * g, tl.where(zero, 1.0, s32)[:, :, None])
+    y = tl.where(zero[:, :, None], 0.0, y)
+    code = tl.reshape(_e2m1_code(y), (ROWS, CHUNK // 2, 2))
+    lo_code, hi_code = tl.split(code)
+    return lo_code | (hi_code << 4), s
+
+
+@triton.jit
 def _abs_max(h_rows, lo, hi, K, ROWS: tl.constexpr, CHUNK: tl.constexpr):
     """fp32 [ROWS]: max |h| over columns [lo, hi) of the rows at h_rows (pointers [ROWS, 1])."""
     cols = tl.arange(0, CHUNK)
@@ -155,16 +173,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
         for k0 in range(lo, hi, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-            blocks = tl.reshape(x, (ROWS, CHUNK // 16, 16))
-            block_amax = tl.max(tl.abs(blocks), axis=2)
-            s = tl.minimum(tl.math.div_rn(block_amax, tl.zeros_like(block_amax) + 6.0) * g, FP8_MAX).to(tl.float8e4nv)
-            s32 = s.to(tl.float32)
-            zero = s32 == 0.0
-            y = tl.math.div_rn(blocks * g, tl.where(zero, 1.0, s32)[:, :, None])
-            y = tl.where(zero[:, :, None], 0.0, y)
-            code = tl.reshape(_e2m1_code(y), (ROWS, CHUNK // 2, 2))
-            lo_code, hi_code = tl.split(code)
-            packed = lo_code | (hi_code << 4)
+            packed, s = _nvfp4_chunk(x, g, ROWS, CHUNK, FP8_MAX)
             s_ok = (k0 // 16 + bcols) < K // 16
             tl.store(s_ptr + rows[:, None] * stride_sm + k0 // 16 + bcols[None, :], s, mask=s_ok[None, :])
             p_ok = (k0 // 2 + pcols) < K // 2

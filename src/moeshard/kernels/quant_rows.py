@@ -14,14 +14,18 @@ fp8_tensor ``input_amax``: one read of x, max-reduced into one fp32 (the caller 
 fp8_token  one program per ``rows_per_program(T)`` rows: the row max over K, then the quantized
            row, in steps of as many columns as keep the tile at ROWS x CHUNK elements
 fp8_block  one program per ROWS rows x CHUNK columns: the group max, then the group
+nvfp4      ``input_amax`` as for fp8_tensor (the global scale ``2688 / amax``); then one program
+           per ROWS rows x CHUNK columns: each 16-value block's max, its e4m3 scale, the packed
+           e2m1 codes (``quant._nvfp4_chunk``, the arithmetic quantize_h uses for h)
 =========  =====================================================================================
 
 Why fp8_token's programs get fewer rows and wider steps when T is small: a program walks all of
 K in dependent steps, so at one token a 16 x 128 tile left one SM doing 56 steps of DeepSeek-V3's
 7168 columns, twice (about 0.1 ms of a 0.39 ms layer on one H200, ``moeshard bench``, 2026-12-01).
 
-nvfp4 and schemes without a kernel mode keep the torch path (``quantize_activations``). Scales
-are correctly rounded (``div_rn``), as torch computes them; max is exact in any order.
+Schemes without a kernel mode keep the torch path (``quantize_activations``); for nvfp4 that
+path takes about twenty elementwise passes. Scales are correctly rounded (``div_rn``), as torch
+computes them; max is exact in any order.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ import triton
 import triton.language as tl
 
 from moeshard.kernels.grouped_gemm import kernel_mode
-from moeshard.kernels.quant import _fp8
-from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedActivations
+from moeshard.kernels.quant import _fp8, _nvfp4_chunk
+from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, NVFP4_BLOCK, QuantizedActivations
 from moeshard.quant.fp8 import fp8_scale
+from moeshard.quant.nvfp4 import nvfp4_global_scale
 
 ROWS = 16  # rows per program
 CHUNK = 128  # columns per step: one fp8_block scale group
-MODES = (1, 2, 3)  # the kernel modes quantized here (fp8 per tensor, per row, per 128 block)
+MODES = (1, 2, 3, 4)  # the kernel modes quantized here (fp8 per tensor, per row, per 128 block; nvfp4)
 _AMAX_COLS = 2048  # columns per amax program
 
 
@@ -57,15 +62,26 @@ def _amax_kernel(x_ptr, out_ptr, T, K, stride_xm, ROWS: tl.constexpr, COLS: tl.c
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, tensor_scale_ptr, T, K, stride_xm, stride_qm, stride_sm,
                           MODE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                           AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS); modes 1 and 3 columns
-    [j*CHUNK, (j+1)*CHUNK) (mode 3: one scale group), mode 2 the whole row (j = 0 only) in
-    steps of CHUNK columns."""
+    """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS); modes 1, 3 and 4 columns
+    [j*CHUNK, (j+1)*CHUNK) (mode 3: one scale group; mode 4: CHUNK / 16 blocks, the global
+    scale read from ``tensor_scale_ptr``), mode 2 the whole row (j = 0 only) in steps of CHUNK
+    columns."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < T
     cols = tl.arange(0, CHUNK)
     x_rows = x_ptr + rows[:, None] * stride_xm
     q_rows = q_ptr + rows[:, None] * stride_qm
-    if MODE != 2:
+    if MODE == 4:
+        k0 = tl.program_id(1) * CHUNK
+        x = tl.load(x_rows + k0 + cols[None, :], mask=row_ok[:, None] & ((k0 + cols) < K)[None, :],
+                    other=0.0).to(tl.float32)
+        packed, s = _nvfp4_chunk(x, tl.load(tensor_scale_ptr), ROWS, CHUNK, FP8_MAX)
+        bcols = k0 // 16 + tl.arange(0, CHUNK // 16)
+        pcols = k0 // 2 + tl.arange(0, CHUNK // 2)
+        tl.store(s_ptr + rows[:, None] * stride_sm + bcols[None, :], s,
+                 mask=row_ok[:, None] & (bcols < K // 16)[None, :])
+        tl.store(q_rows + pcols[None, :], packed, mask=row_ok[:, None] & (pcols < K // 2)[None, :])
+    elif MODE != 2:
         k0 = tl.program_id(1) * CHUNK
         ok = row_ok[:, None] & ((k0 + cols) < K)[None, :]
         x = tl.load(x_rows + k0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -118,9 +134,9 @@ def quantize_rows(x: torch.Tensor, scheme: str, amax: torch.Tensor | None = None
     """x [T, K] (bf16 / fp16 / fp32) -> ``QuantizedActivations`` equal to
     ``quantize_activations(x, scheme, amax)`` bit for bit.
 
-    scheme: a registered scheme of kernel mode 1, 2 or 3 (``MODES``). amax: fp32 [] the amax of
-    the quantization domain for fp8_tensor (``input_amax``, all-reduced over the domain by the
-    caller); None: this x's own. Ignored (but validated as ``quantize_activations`` does: a
+    scheme: a registered scheme of kernel mode 1, 2, 3 or 4 (``MODES``). amax: fp32 [] the amax
+    of the quantization domain for fp8_tensor and nvfp4's global scale (``input_amax``,
+    all-reduced over the domain by the caller); None: this x's own. Ignored (but validated as ``quantize_activations`` does: a
     per-row scheme takes its scales from x) for the other schemes.
     """
     _check(x, "quantize_rows")
@@ -130,23 +146,31 @@ def quantize_rows(x: torch.Tensor, scheme: str, amax: torch.Tensor | None = None
                          f"use moeshard.quant.quantize_activations")
     T, K = x.shape
     dev = x.device
-    q = torch.empty(T, K, dtype=FP8_DTYPE, device=dev)
+    if mode == 4 and K % NVFP4_BLOCK:
+        raise ValueError(f"quantize_rows: {scheme} needs K % {NVFP4_BLOCK} == 0, got x.shape[1] (K)={K}")
+    q = torch.empty(T, K // 2 if mode == 4 else K, dtype=torch.uint8 if mode == 4 else FP8_DTYPE, device=dev)
     tensor_scale = None
-    if mode == 1:
+    if mode in (1, 4):
         a = input_amax(x) if amax is None else amax
         if not isinstance(a, torch.Tensor) or a.shape != () or a.dtype != torch.float32:
             raise ValueError(f"quantize_rows: amax must be an fp32 [] tensor, got {a!r}")
-        tensor_scale = fp8_scale(a)
+        tensor_scale = fp8_scale(a) if mode == 1 else nvfp4_global_scale(a)
+    if mode == 1:
+        assert tensor_scale is not None
         s = tensor_scale.reshape(1)
+    elif mode == 4:
+        s = torch.empty(T, K // NVFP4_BLOCK, dtype=FP8_DTYPE, device=dev)
     else:
         s = torch.empty(T, triton.cdiv(K, CHUNK) if mode == 3 else 1, dtype=torch.float32, device=dev)
     if T and (K or mode == 2):  # an empty fp8_token row still has a scale (the amax floor's)
         rows = rows_per_program(T) if mode == 2 else ROWS
         chunk = ROWS * CHUNK // rows  # fp8_token's steps widen as its programs take fewer rows
         grid = (triton.cdiv(T, rows), 1 if mode == 2 else triton.cdiv(K, chunk))
-        _quantize_rows_kernel[grid](x, q, s, s, T, K, x.stride(0), q.stride(0), s.stride(0) if mode != 1 else 0,
+        # nvfp4 reads its global scale; the fp8 modes take fp8_tensor's scale from s.
+        g = tensor_scale.reshape(1) if mode == 4 and tensor_scale is not None else s
+        _quantize_rows_kernel[grid](x, q, s, g, T, K, x.stride(0), q.stride(0), s.stride(0) if mode != 1 else 0,
                                     MODE=mode, ROWS=rows, CHUNK=chunk, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX,
                                     num_warps=4)
     if mode == 1:
         return QuantizedActivations(scheme, q, None, tensor_scale)
-    return QuantizedActivations(scheme, q, s, None)
+    return QuantizedActivations(scheme, q, s, tensor_scale)
