@@ -149,6 +149,9 @@ def test_expert_windows_are_checked(interpreted_kernels):
     with pytest.raises(ValueError, match=r"ExpertsConfig.decode_experts: expected an int >= 0 \(0: all experts at "
                                          r"once\), got -1"):
         k.configs.ExpertsConfig(gemm, gemm, decode_nvfp4="all", decode_experts=-1)
+    with pytest.raises(ValueError, match=r"ExpertsConfig.decode_experts=4 windows the decoded weights, but "
+                                         r"decode_nvfp4='activations' decodes none \(it needs 'all'\)"):
+        k.configs.ExpertsConfig(gemm, gemm, decode_nvfp4="activations", decode_experts=4)
 
 
 def test_decoding_is_refused_for_other_schemes_and_unknown_choices(interpreted_kernels):

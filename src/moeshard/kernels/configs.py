@@ -119,6 +119,9 @@ class ExpertsConfig:
         if not isinstance(self.decode_experts, int) or isinstance(self.decode_experts, bool) or self.decode_experts < 0:
             raise ValueError(f"ExpertsConfig.decode_experts: expected an int >= 0 (0: all experts at once), "
                              f"got {self.decode_experts!r}")
+        if self.decode_experts and self.decode_nvfp4 != "all":
+            raise ValueError(f"ExpertsConfig.decode_experts={self.decode_experts} windows the decoded weights, but "
+                             f"decode_nvfp4={self.decode_nvfp4!r} decodes none (it needs 'all')")
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
         # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
         if self.gate_up.block_m % self.down.block_m:
