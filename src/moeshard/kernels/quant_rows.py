@@ -23,8 +23,8 @@ Why fp8_token's programs get fewer rows and wider steps when T is small: a progr
 K in dependent steps, so at one token a 16 x 128 tile left one SM doing 56 steps of DeepSeek-V3's
 7168 columns, twice (about 0.1 ms of a 0.39 ms layer on one H200, ``moeshard bench``, 2026-12-01).
 
-Schemes without a kernel mode keep the torch path (``quantize_activations``); for nvfp4 that
-path takes about twenty elementwise passes. Scales are correctly rounded (``div_rn``), as torch
+Schemes without a kernel mode here keep the torch path (``quantize_activations``), which takes
+about twenty elementwise passes for nvfp4. Scales are correctly rounded (``div_rn``), as torch
 computes them; max is exact in any order.
 """
 
