@@ -22,6 +22,11 @@ import torch
 
 from moeshard.triton_env import triton_importable
 
+# The kernel modes (``QuantScheme.kernel_mode``) whose layer input ``quant_rows.quantize_rows``
+# quantizes in one pass: fp8 per tensor, per row, per 128 block, and nvfp4. Here, not in
+# quant_rows, so that asking ``fused_input_quant`` imports no Triton.
+FUSED_INPUT_MODES = (1, 2, 3, 4)
+
 
 def triton_support(device: torch.device, dtype: torch.dtype, scheme: str) -> tuple[bool, str]:
     """(ok, reason): whether ``TritonExperts`` runs ``scheme`` in model ``dtype`` on ``device``.
@@ -63,11 +68,9 @@ def fused_input_quant(device: torch.device, scheme: str) -> bool:
 
     spec = get_scheme(scheme, "fused_input_quant: quant")
     device = torch.device(device)
-    if spec.codec is None or device.type != "cuda" or not triton_importable()[0]:
+    if spec.kernel_mode not in FUSED_INPUT_MODES or spec.codec is None:
         return False
-    from moeshard.kernels.quant_rows import MODES  # imports Triton
-
-    if spec.kernel_mode not in MODES:
+    if device.type != "cuda" or not triton_importable()[0]:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index) >= (8, 9)

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeshard.kernels import FUSED_INPUT_MODES
 from moeshard.kernels.grouped_gemm import kernel_mode
 from moeshard.kernels.quant import _fp8, _nvfp4_chunk
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, NVFP4_BLOCK, QuantizedActivations
@@ -42,7 +43,7 @@ from moeshard.quant.nvfp4 import nvfp4_global_scale
 
 ROWS = 16  # rows per program
 CHUNK = 128  # columns per step: one fp8_block scale group
-MODES = (1, 2, 3, 4)  # the kernel modes quantized here (fp8 per tensor, per row, per 128 block; nvfp4)
+MODES = FUSED_INPUT_MODES  # the kernel modes quantized here (fp8 per tensor, per row, per 128 block; nvfp4)
 _AMAX_COLS = 2048  # columns per amax program
 
 
