@@ -61,12 +61,7 @@ class GemmConfig:
     per-tensor / per-row fp8 modes accumulate on the fp8 tensor cores (``FP8_ACCUMULATIONS``:
     what ``moe_gemm`` documents), ignored by the other modes. Every one of them stays within
     ``ACCUMULATION["fp8_mma"]`` (``scripts/accumulation_contract.py``); half_tiles: an expert's
-    last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``);
-    warp_specialize: the K loop is warp-specialized by Triton (``tl.range(warp_specialize=True)``:
-    on Hopper a producer warpgroup issues the TMA loads and consumer warpgroups the MMAs). Triton
-    3.6 partitions such a loop on sm_90 only from 4 warps (it adds the producer and a second
-    consumer warpgroup: 12 warps run), and at 8 it leaves the loop as it is, so it takes
-    num_warps=4; both operands must come through TMA (``moe_gemm`` checks)."""
+    last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``)."""
 
     block_m: int
     block_n: int
@@ -77,7 +72,6 @@ class GemmConfig:
     tma: bool = False
     fp8_acc: str = "split"
     half_tiles: bool = False
-    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         if self.fp8_acc not in FP8_ACCUMULATIONS:
@@ -85,14 +79,11 @@ class GemmConfig:
         if self.half_tiles and (self.block_m < 32 or self.block_m % 32):
             # A half tile is a tile of its own: at least 16 rows, as every tl.dot operand.
             raise ValueError(f"GemmConfig.half_tiles needs block_m a multiple of 32, got block_m={self.block_m}")
-        if self.warp_specialize and (self.num_warps != 4 or not self.tma or self.half_tiles):
-            raise ValueError(f"GemmConfig.warp_specialize needs num_warps=4, tma=True and no half_tiles, got "
-                             f"num_warps={self.num_warps}, tma={self.tma}, half_tiles={self.half_tiles}")
 
     def as_dict(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "group_m": self.group_m,
                 "num_warps": self.num_warps, "num_stages": self.num_stages, "tma": self.tma, "fp8_acc": self.fp8_acc,
-                "half_tiles": self.half_tiles, "warp_specialize": self.warp_specialize}
+                "half_tiles": self.half_tiles}
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
 
 @triton.jit
 def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr, sorted_rows_ptr,
-          p0, expert, w_expert, live, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+          p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
           stride_om, stride_on,
@@ -115,21 +115,15 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
           GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
           EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
           FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
-          WARP_SPEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Computes and stores the BLOCK_M x BLOCK_N output tile whose rows are the padded positions
     [p0, p0 + BLOCK_M) of ``expert`` (its rows: [first, first + count)) and whose columns start
     at pid_n * BLOCK_N; ``w_expert`` is that expert's index in the weights given (``moe_gemm``'s
     expert window). ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
     TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack] blocks when TMA_W (pack: 2 for nvfp4 codes,
-    1 for an operand given as decoded values, A_VALUES / W_VALUES). ``live`` false (WARP_SPEC
-    only): the tile computes nothing and stores nothing (a loop of no steps, every row masked).
-    WARP_SPEC: the K loop is warp-specialized by the compiler (``GemmConfig.warp_specialize``)."""
+    1 for an operand given as decoded values, A_VALUES / W_VALUES)."""
     offs_p = p0 + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
-    if WARP_SPEC:
-        # live as a row vector: combining a scalar comparison with a block trips Triton's interpreter.
-        live_rows = (tl.zeros([BLOCK_M], dtype=tl.int32) + live.to(tl.int32)) != 0
-        row_ok = row_ok & live_rows
     if GATHER_A or SCATTER_OUT:
         orig_rows32 = tl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0)
         orig_rows = orig_rows32.to(tl.int64)
@@ -171,10 +165,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # A warp-specialized loop must not follow an early return (Triton 3.6's Hopper pass fails
-    # on one), so a dead tile runs it for no steps instead.
-    k_stop = tl.where(live, K, 0) if WARP_SPEC else K
-    for k0 in tl.range(0, k_stop, BLOCK_K, warp_specialize=WARP_SPEC):
+    for k0 in range(0, K, BLOCK_K):
         ka = k0 // A_PACK
         kw = k0 // W_PACK
         ka_ok = ka + offs_ka < K // A_PACK
@@ -282,10 +273,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         # Padding rows are stored too (their A rows loaded as zeros, so they hold exact zeros):
         # the next stage may read whole tiles without masking.
         out_ptrs = out_ptr + offs_p.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-        if WARP_SPEC:
-            tl.store(out_ptrs, result, mask=live_rows[:, None] & n_ok[None, :])
-        else:
-            tl.store(out_ptrs, result, mask=n_ok[None, :])
+        tl.store(out_ptrs, result, mask=n_ok[None, :])
 
 
 # num_tiles varies with the routed rows, and the expert window with the chunk; specializing on
@@ -304,7 +292,7 @@ def moe_gemm_kernel(
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
-        A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr, WARP_SPEC: tl.constexpr,
+        A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -318,15 +306,9 @@ def moe_gemm_kernel(
     pdl.enter(PDL)
 
     expert = tl.load(tile_expert_ptr + pid_m)
-    # Padding tiles, and tiles of experts outside the window of weights given, compute nothing:
-    # they return here, or under WARP_SPEC run no steps and store nothing (``_tile``'s live).
-    if WARP_SPEC:
-        live = (expert >= expert_lo) & (expert < expert_hi)
-        expert = tl.where(live, expert, expert_lo)  # an index the loads below may use
-    else:
-        if expert < expert_lo or expert >= expert_hi:
-            return
-        live = True  # unused: WARP_SPEC is off
+    # Padding tiles, and tiles of experts outside the window of weights given, compute nothing.
+    if expert < expert_lo or expert >= expert_hi:
+        return
     expert = expert.to(tl.int64)
     w_expert = expert - expert_lo
     first = tl.load(start_ptr + expert)
@@ -339,11 +321,11 @@ def moe_gemm_kernel(
     if HALF_TILES:
         if count - (p0 - first) <= BLOCK_M // 2:
             _tile(a_half_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
-                  sorted_rows_ptr, p0, expert, w_expert, live, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+                  sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
                   stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
                   QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
-                  FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, WARP_SPEC, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+                  FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M // 2, BLOCK_N, BLOCK_K)
             if not SCATTER_OUT:
                 # The skipped half holds padding only: store its zeros, as a whole tile would.
                 offs_z = p0 + BLOCK_M // 2 + tl.arange(0, BLOCK_M // 2)
@@ -353,11 +335,11 @@ def moe_gemm_kernel(
                          mask=(offs_n < N)[None, :])
             return
     _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
-          sorted_rows_ptr, p0, expert, w_expert, live, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+          sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
           QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
-          FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, WARP_SPEC, BLOCK_M, BLOCK_N, BLOCK_K)
+          FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def one_w_scale_per_tile(mode: int, block_n: int, n: int, fused: bool) -> bool:
@@ -446,8 +428,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     amax: fp32 [E] zeroed buffer; gate_up max-reduces each expert's |h| into it.
     config.tma: weights (and, for the down GEMM, the contiguous h tiles) are read through TMA
        descriptors where the layout allows it; gathered rows always use pointer loads.
-    config.warp_specialize: the K loop is warp-specialized by the compiler (both operands must
-       come through TMA: a laid-out or padded-position A, ``config.tma``).
     config.half_tiles: a tile whose expert has rows in its first half only (the expert's last
        tile) computes a tile of half the height; the other half, padding, is stored as zeros
        (gate_up) or not at all (down), as a whole tile would leave it.
@@ -518,12 +498,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
             if config.half_tiles:
                 a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, bk // a_pack])
             tma_a = True
-    if config.warp_specialize and not (tma_a and tma_w):
-        # Triton's warp specialization on Hopper partitions a loop of TMA loads and MMAs; rows
-        # gathered with per-thread loads (or a layout TMA refuses) leave nothing to partition.
-        raise ValueError(f"moe_gemm: config.warp_specialize needs both operands through TMA, got A through "
-                         f"{'TMA' if tma_a else 'pointer loads'} (gather={gather}) and W through "
-                         f"{'TMA' if tma_w else 'pointer loads'}")
     ws_scalar = one_w_scale_per_tile(w_mode, bn, n, fused)
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
     moe_gemm_kernel[grid](
@@ -538,7 +512,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
-        PDL=pdl_launch, WARP_SPEC=config.warp_specialize,
+        PDL=pdl_launch,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),
     )
