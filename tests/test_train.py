@@ -32,7 +32,15 @@ import torch
 
 from moeshard.cli import main
 from moeshard.harness.runner import RANK_MODULES
-from moeshard.jobs.train import TrainSpec, compare_training, plan_train, reference_train, train_plans, train_rank
+from moeshard.jobs.train import (
+    TrainReference,
+    TrainSpec,
+    compare_training,
+    plan_train,
+    reference_train,
+    train_plans,
+    train_rank,
+)
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld
 from moeshard.tolerances import TRAIN_LOSS_RTOL
@@ -244,14 +252,16 @@ def test_a_loss_off_transformers_exits_1_and_says_so(models, tmp_path, capsys, m
     c = json.loads(out.read_text())["comparison"]
     assert c["loss_rel_diff"][0] < 1e-6 < TRAIN_LOSS_RTOL < c["loss_rel_diff"][1] and c["within_tolerance"] is False
     assert c["within_rounding_noise"] is False and max(c["transformers_float32_vs_float64_loss_rel"]) < 1e-6
+    assert c["loss_rel_diff_float64"][1] > TRAIN_LOSS_RTOL and len(c["transformers_float64_losses"]) == 2
     printed = capsys.readouterr().out
-    assert "tolerance 0.0001: EXCEEDED" in printed and "within twice that: EXCEEDED" in printed
+    assert "tolerance 0.0001: EXCEEDED" in printed and "within 0.0001 + 4 x that: EXCEEDED" in printed
 
 
 def test_a_loss_within_float32_rounding_exits_0(models, tmp_path, capsys, monkeypatch):
     """Why: float32 rounding alone can move a training (AdamW turns near-zero gradients into steps
     of either sign; on one H200 a tiny Qwen3-MoE's third AdamW loss differed by 0.69). Planted: the
-    float32 reference is off (another rate) and the float64 one as far off it: judged within noise."""
+    float32 reference is off (another rate), the float64 one is not: moeshard's losses lie on the
+    float64 run's, and the float32 reference's distance from it is allowed for: within noise."""
     from moeshard.commands import train as train_command
 
     def noisy(plan, dtype=torch.float32):
@@ -263,7 +273,21 @@ def test_a_loss_within_float32_rounding_exits_0(models, tmp_path, capsys, monkey
     assert main(_argv(models, "--lr", "0.05", "--compare", "--output", str(out))) == 0
     c = json.loads(out.read_text())["comparison"]
     assert c["within_tolerance"] is False and c["within_rounding_noise"] is True
+    assert max(c["loss_rel_diff_float64"]) < 1e-6  # moeshard is on the float64 run's trajectory
     assert "within (the difference is rounding order" in capsys.readouterr().out
+
+
+def test_reference_dtypes_are_checked(models):
+    """transformers runs in float32 (the reference) or float64 (the rounding measure), nothing
+    else; compare_training's float64 run must be one, its reference the float32 one."""
+    plan = _plan(models, "dp1-tp1-noep", "mixtral", "sgd")
+    with pytest.raises(ValueError, match=r"^reference_train: dtype must be torch.float32 or torch.float64, "
+                                         r"got torch.bfloat16$"):
+        reference_train(plan, dtype=torch.bfloat16)
+    fp32 = TrainReference(losses=(1.0,), aux_losses=None, grad_norm=1.0, params={}, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"exact must be transformers' float64 run and reference its float32 run, "
+                                         r"got exact.dtype=torch.float32 and reference.dtype=torch.float32"):
+        compare_training(plan, [], fp32, exact=fp32)
 
 
 def test_nonfinite_losses_are_exit_7_and_nothing_is_written(models, tmp_path, capsys):
