@@ -28,9 +28,8 @@ import dataclasses
 
 import torch
 
-from moeshard.bench.report import study_parser, write_study
-from moeshard.bench.timing import L2Flush, alternating_medians
-from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
+from moeshard.bench.study import case_line, run_on_gpu, study_parser, time_variants
+from moeshard.bench.workload import experts_for, hidden_states, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import RowAlignment, align_rows
 from moeshard.kernels.configs import multiprocessors, select_config
@@ -52,7 +51,7 @@ def routed_positions(plan: RowAlignment) -> torch.Tensor:
     return (expert >= 0) & (pos - plan.start.long()[e] < plan.count.long()[e])
 
 
-def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: int) -> dict:
+def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     cfg = model.cfg
     device = model.gate_up.device
     spec = get_scheme(scheme)
@@ -91,30 +90,18 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
     same["y"] = bool(torch.equal(ys["experts_gather"], ys["experts_laid_out"]))
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M, "padded_rows": plan.padded_rows,
            "config": g.as_dict(), "selected_lay_out_a": sel.lay_out_a, "same": same}
-    rec["rounds"], rec["median_ms"] = alternating_medians({f"{k}_ms": fn for k, fn in calls.items()}, rounds=rounds,
-                                                          reps=reps, flush=flush)
-    return rec
+    return time_variants(rec, calls, flush, args)
+
+
+def summary(rec: dict) -> str:
+    """One case's line: each variant's median ms, and which outputs differ if any do."""
+    return (case_line(rec)
+            + ("" if all(rec["same"].values()) else f" | DIFFERENT {rec['same']}"))
 
 
 def main() -> None:
-    args = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10).parse_args()
-    device = torch.device("cuda")
-    flush = L2Flush(device)
-    records = []
-    for name in args.models.split(","):
-        model = make_model(name, device)
-        for tokens in map(int, args.tokens.split(",")):
-            for scheme in args.schemes.split(","):
-                rec = study(name, tokens, scheme, model, flush, args.rounds, args.reps)
-                records.append(rec)
-                m = rec["median_ms"]
-                print(f"{name:14s} T={tokens:<6d} {scheme:10s} "
-                      + " ".join(f"{k[:-3]} {v:.3f}" for k, v in m.items())
-                      + ("" if all(rec["same"].values()) else f" | DIFFERENT {rec['same']}"), flush=True)
-        del model
-        torch.cuda.empty_cache()
-    if args.json:
-        write_study(args.json, "scripts/gather_study.py", args, records)
+    run_on_gpu(study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10).parse_args(), "scripts/gather_study.py",
+               study, summary)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ import dataclasses
 
 import torch
 
-from moeshard.bench.report import study_parser, write_study
-from moeshard.bench.timing import L2Flush, alternating_medians
-from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
+from moeshard.bench.study import run_on_gpu, study_parser
+from moeshard.bench.timing import alternating_medians
+from moeshard.bench.workload import experts_for, hidden_states, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_config
@@ -66,7 +66,7 @@ def layer_calls(model, scheme: str, experts, x: torch.Tensor, variants: dict) ->
     return calls
 
 
-def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: int, layer: bool = False) -> dict:
+def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     cfg = model.cfg
     device = model.gate_up.device
     spec = get_scheme(scheme)
@@ -112,42 +112,34 @@ def study(name: str, tokens: int, scheme: str, model, flush, rounds: int, reps: 
     (h0, y0), (h1, y1) = outs["whole"], outs["half"]
     rec["same_h"] = bool(torch.equal(h0.isnan(), h1.isnan()) and torch.equal(h0.nan_to_num(), h1.nan_to_num()))
     rec["same_y"] = bool(torch.equal(y0, y1))
-    whole_layer = layer_calls(model, scheme, experts, x, variants) if layer else {}
+    whole_layer = layer_calls(model, scheme, experts, x, variants) if args.layer else {}
     # Each round times every stage of every variant, then the layers; keys "variant/stage".
     flat = {f"{key}/{stage}": fn for key in variants for stage, fn in calls[key].items()}
     times, medians = alternating_medians({**flat, **{f"layer/{k}": fn for k, fn in whole_layer.items()}},
-                                         rounds=rounds, reps=reps, flush=flush)
+                                         rounds=args.rounds, reps=args.reps, flush=flush)
     for out, source in (("rounds", times), ("median_ms", medians)):
         rec[out] = {key: {stage: source[f"{key}/{stage}"] for stage in calls[key]} for key in variants}
         rec[f"layer_{out}"] = {k: source[f"layer/{k}"] for k in whole_layer}
     return rec
 
 
+def summary(rec: dict) -> str:
+    """One case's line: rows computed per routed row, each GEMM's and the experts' median ms whole
+    -> half, whether h and y are the same bits, and the layer's times with --layer."""
+    m = rec["median_ms"]
+    return (f"{rec['model']:14s} T={rec['tokens']:<6d} {rec['scheme']:10s} computed/row gate_up "
+            f"{rec['gate_up_computed_per_row']['whole']:.3f} -> {rec['gate_up_computed_per_row']['half']:.3f}"
+            f" | gate_up {m['whole']['gate_up_ms']:.3f} -> {m['half']['gate_up_ms']:.3f}"
+            f" down {m['whole']['down_ms']:.3f} -> {m['half']['down_ms']:.3f}"
+            f" experts {m['whole']['experts_ms']:.3f} -> {m['half']['experts_ms']:.3f} ms"
+            f" | same h {rec['same_h']} y {rec['same_y']}"
+            + "".join(f" | {k} {v:.3f}" for k, v in rec["layer_median_ms"].items()))
+
+
 def main() -> None:
     ap = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10)
     ap.add_argument("--layer", action="store_true", help="also time the whole layer (see the module doc)")
-    args = ap.parse_args()
-    device = torch.device("cuda")
-    flush = L2Flush(device)
-    records = []
-    for name in args.models.split(","):
-        model = make_model(name, device)
-        for tokens in map(int, args.tokens.split(",")):
-            for scheme in args.schemes.split(","):
-                rec = study(name, tokens, scheme, model, flush, args.rounds, args.reps, args.layer)
-                records.append(rec)
-                m = rec["median_ms"]
-                print(f"{name:14s} T={tokens:<6d} {scheme:10s} computed/row gate_up "
-                      f"{rec['gate_up_computed_per_row']['whole']:.3f} -> {rec['gate_up_computed_per_row']['half']:.3f}"
-                      f" | gate_up {m['whole']['gate_up_ms']:.3f} -> {m['half']['gate_up_ms']:.3f}"
-                      f" down {m['whole']['down_ms']:.3f} -> {m['half']['down_ms']:.3f}"
-                      f" experts {m['whole']['experts_ms']:.3f} -> {m['half']['experts_ms']:.3f} ms"
-                      f" | same h {rec['same_h']} y {rec['same_y']}"
-                      + "".join(f" | {k} {v:.3f}" for k, v in rec["layer_median_ms"].items()), flush=True)
-        del model
-        torch.cuda.empty_cache()
-    if args.json:
-        write_study(args.json, "scripts/half_tiles_study.py", args, records)
+    run_on_gpu(ap.parse_args(), "scripts/half_tiles_study.py", study, summary)
 
 
 if __name__ == "__main__":

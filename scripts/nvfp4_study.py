@@ -24,9 +24,8 @@ import dataclasses
 
 import torch
 
-from moeshard.bench.report import study_parser, write_study
-from moeshard.bench.timing import L2Flush, alternating_medians
-from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
+from moeshard.bench.study import case_line, run_on_gpu, study_parser, time_variants
+from moeshard.bench.workload import experts_for, hidden_states, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.configs import NVFP4_DOWN, NVFP4_GATE_UP, ExpertsConfig, decode_window, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
@@ -47,7 +46,7 @@ def peak_bytes(fn) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def study(name: str, tokens: int, model, flush, rounds: int, reps: int) -> dict:
+def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     cfg = model.cfg
     device = model.gate_up.device
     experts = experts_for(model, "nvfp4")
@@ -84,32 +83,23 @@ def study(name: str, tokens: int, model, flush, rounds: int, reps: int) -> dict:
            "max_rel_diff": {k: float((v.float() - ys["codes"].float()).abs().max() / top)
                             for k, v in ys.items() if k != "codes"},
            "peak_bytes": peaks}
-    rec["rounds"], rec["median_ms"] = alternating_medians({f"{k}_ms": fn for k, fn in calls.items()}, rounds=rounds,
-                                                          reps=reps, flush=flush)
-    return rec
+    return time_variants(rec, calls, flush, args)
+
+
+def summary(rec: dict) -> str:
+    """One case's line: each variant's median ms and peak memory, the selected variant, and
+    whether any y differs."""
+    return (case_line(rec)
+            + " | peak GB " + " ".join(f"{k} {v / 1e9:.2f}" for k, v in rec["peak_bytes"].items())
+            + f" | selected {rec['selected_variant']}"
+            + ("" if all(rec["same_y"].values()) else f" | DIFFERENT y, max rel {rec['max_rel_diff']}"))
 
 
 def main() -> None:
     args = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10).parse_args()
-    device = torch.device("cuda")
-    flush = L2Flush(device)
-    records = []
-    for name in args.models.split(","):
-        model = make_model(name, device)
-        for tokens in map(int, args.tokens.split(",")):
-            rec = study(name, tokens, model, flush, args.rounds, args.reps)
-            records.append(rec)
-            m = rec["median_ms"]
-            print(f"{name:14s} T={tokens:<6d} " + " ".join(f"{k[:-3]} {v:.3f}" for k, v in m.items())
-                  + " | peak GB " + " ".join(f"{k} {v / 1e9:.2f}" for k, v in rec["peak_bytes"].items())
-                  + f" | selected {rec['selected_variant']}"
-                  + ("" if all(rec["same_y"].values()) else f" | DIFFERENT y, max rel {rec['max_rel_diff']}"),
-                  flush=True)
-            torch.cuda.empty_cache()
-        del model
-        torch.cuda.empty_cache()
-    if args.json:
-        write_study(args.json, "scripts/nvfp4_study.py", args, records)
+    if args.schemes != "nvfp4":
+        raise SystemExit(f"nvfp4_study: --schemes must be nvfp4 (the study is of that scheme), got {args.schemes!r}")
+    run_on_gpu(args, "scripts/nvfp4_study.py", study, summary)
 
 
 if __name__ == "__main__":

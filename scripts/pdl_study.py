@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from moeshard.bench.report import study_parser, write_study
+from moeshard.bench.study import study_parser, write_study
 from moeshard.bench.timing import L2Flush, alternating_medians
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig

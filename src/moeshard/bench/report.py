@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from rich.console import Console, JustifyMethod
@@ -109,33 +108,6 @@ def print_tables(result: dict, console: Console | None = None) -> None:
         console.print(targets_table(result["targets"]))
     if result.get("tune"):
         console.print(tune_table(result["tune"]))
-
-
-def study_parser(doc: str, models: tuple[str, ...], tokens: tuple[int, ...], schemes: tuple[str, ...],
-                 reps: int) -> argparse.ArgumentParser:
-    """The options every study script takes: comma-separated ``--models``, ``--tokens`` and
-    ``--schemes`` (defaults given), ``--rounds`` of alternating variants, ``--reps`` per timing
-    and ``--json`` (``write_study``). The first line of ``doc`` describes the command."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--models", default=",".join(models))
-    ap.add_argument("--tokens", default=",".join(map(str, tokens)))
-    ap.add_argument("--schemes", default=",".join(schemes))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=reps)
-    ap.add_argument("--json", default=None)
-    return ap
-
-
-def write_study(path: str | Path, script: str, args: argparse.Namespace, records: list) -> None:
-    """Writes a study script's records as JSON with the command that reproduces them (``script``
-    with every option of ``args`` but ``--json``), the device and torch's version."""
-    import torch
-
-    options = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items()
-                       if v not in (None, False) and k != "json")
-    out = {"command": f"python3 {script} {options}", "device": torch.cuda.get_device_name(0),
-           "torch": torch.__version__, "records": records}
-    atomic_write_text(Path(path), json_text(out, indent=1))
 
 
 def write_json(result: dict, path: str | Path) -> None:

@@ -1,0 +1,110 @@
+"""The study scripts' shared parts (``scripts/*_study.py``): their options, their JSON, and the
+loop over models, token counts and schemes that runs their cases.
+
+A study times variants of one stage side by side on the bench's workloads
+(``moeshard.bench.workload``) and records each case as a dict; ``run_study`` runs the cases
+model by model (each model made once) and writes the records after every case, so a run cut
+short by the device's time limit keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from moeshard.finite import json_text
+from moeshard.outputs import atomic_write_text
+
+
+def study_parser(doc: str, models: tuple[str, ...], tokens: tuple[int, ...], schemes: tuple[str, ...],
+                 reps: int) -> argparse.ArgumentParser:
+    """The options every study script takes: comma-separated ``--models``, ``--tokens`` and
+    ``--schemes`` (defaults given), ``--rounds`` of alternating variants, ``--reps`` per timing
+    and ``--json`` (``write_study``). The first line of ``doc`` describes the command."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--models", default=",".join(models))
+    ap.add_argument("--tokens", default=",".join(map(str, tokens)))
+    ap.add_argument("--schemes", default=",".join(schemes))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+def write_study(path: str | Path, script: str, args: argparse.Namespace, records: list) -> None:
+    """Writes a study script's records as JSON with the command that reproduces them (``script``
+    with every option of ``args`` but ``--json``), the device and torch's version."""
+    import torch
+
+    options = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items()
+                       if v not in (None, False) and k != "json")
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    out = {"command": f"python3 {script} {options}", "device": device,
+           "torch": torch.__version__, "records": records}
+    atomic_write_text(Path(path), json_text(out, indent=1))
+
+
+def run_study(args: argparse.Namespace, script: str, make: Callable[[str], Any],
+              study: Callable[[str, Any, int, str], dict], line: Callable[[dict], str]) -> list[dict]:
+    """Runs a study's cases: for each model of ``args.models`` (``make(name)``, made once and
+    dropped after its cases), token count of ``args.tokens`` and scheme of ``args.schemes``
+    (``study_parser``'s options), ``study(name, model, tokens, scheme)`` gives a record, printed
+    as ``line(record)``. With ``args.json`` every record so far is written after each case
+    (``write_study``, naming ``script``). Cached CUDA memory is released after every case, so a
+    case's peak does not carry into the next. Returns the records."""
+    import torch
+
+    records: list[dict] = []
+    for name in args.models.split(","):
+        model = make(name)
+        for tokens in map(int, args.tokens.split(",")):
+            for scheme in args.schemes.split(","):
+                records.append(study(name, model, tokens, scheme))
+                print(line(records[-1]), flush=True)
+                if args.json:
+                    write_study(args.json, script, args, records)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return records
+
+
+def run_on_gpu(args: argparse.Namespace, script: str, study: Callable[..., dict],
+               line: Callable[[dict], str]) -> list[dict]:
+    """``run_study`` on the current CUDA device with the bench's full-size models
+    (``moeshard.bench.workload.make_model``): ``study(name, model, tokens, scheme, flush, args)``
+    gives a case's record; ``flush`` (``L2Flush``) is for the study's timings to call before
+    each repetition, ``args`` the parsed options (``--rounds``, ``--reps`` and the script's own)."""
+    import torch
+
+    from moeshard.bench.timing import L2Flush
+    from moeshard.bench.workload import make_model
+
+    device = torch.device("cuda")
+    flush = L2Flush(device)
+    return run_study(args, script, lambda name: make_model(name, device),
+                     lambda name, model, tokens, scheme: study(name, model, tokens, scheme, flush, args), line)
+
+
+def time_variants(rec: dict, calls: dict[str, Callable[[], object]], flush, args: argparse.Namespace) -> dict:
+    """Times each variant's call (``calls``: variant -> call) in ``args.rounds`` alternating rounds
+    of ``args.reps`` repetitions (``timing.alternating_medians``), and stores the times in ``rec``:
+    rec["rounds"][variant + "_ms"] each round's ms, rec["median_ms"][variant + "_ms"] their
+    median. Returns rec."""
+    from moeshard.bench.timing import alternating_medians
+
+    rec["rounds"], rec["median_ms"] = alternating_medians({f"{k}_ms": fn for k, fn in calls.items()},
+                                                          rounds=args.rounds, reps=args.reps, flush=flush)
+    return rec
+
+
+def case_line(rec: dict) -> str:
+    """The start of a case's printed line: model, tokens, scheme (when the record has one) and
+    each variant's median ms (``time_variants``)."""
+    scheme = f"{rec['scheme']:10s} " if "scheme" in rec else ""
+    return (f"{rec['model']:14s} T={rec['tokens']:<6d} {scheme}"
+            + " ".join(f"{k[:-3]} {v:.3f}" for k, v in rec["median_ms"].items()))
