@@ -37,7 +37,7 @@ import torch.distributed as dist
 from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
-from moeshard.jobs.world import each_plan
+from moeshard.jobs.world import RankPlace, each_plan, load_timed, synchronize
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.tolerances import compare as tolerance_compare
@@ -273,27 +273,14 @@ def greedy(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad_token
     return [tuple(row.tolist()) for row in new], logits
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def generate_rank(plan: GeneratePlan, groups: ParallelGroups | None) -> GenerateRankResult:
     """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
-    from moeshard.integrations.transformers import MoEBlock, expert_bytes, load_sharded_model
+    from moeshard.integrations.transformers import MoEBlock, expert_bytes
 
     p, spec = plan.parallel, plan.spec
-    rank = groups.rank if groups is not None else 0
-    device = groups.device if groups is not None else torch.device(spec.device)
-    dp_rank, tp_rank = p.dp_rank(rank), p.tp_rank(rank)
-    import transformers
-
-    transformers.AutoModelForCausalLM  # noqa: B018 - imported before the load is timed
-    t0 = time.perf_counter()
-    model = load_sharded_model(spec.model_dir, groups, quant=plan.quant, backend=plan.backend, dtype=plan.dtype,
-                               device=device, max_tokens_per_rank=plan.max_tokens_per_rank)
-    _sync(device)
-    load_s = time.perf_counter() - t0
+    place = RankPlace.of(plan, groups)
+    rank, dp_rank, tp_rank, device = place.rank, place.dp_rank, place.tp_rank, place.device
+    model, load_s = load_timed(plan, groups, device)
     block = next(m for m in model.modules() if isinstance(m, MoEBlock))
     same = None
     if p.tp > 1:
@@ -307,7 +294,7 @@ def generate_rank(plan: GeneratePlan, groups: ParallelGroups | None) -> Generate
     t1 = time.perf_counter()
     generated, logits = greedy(model, [spec.prompts[i] for i in mine], spec.max_new_tokens, plan.pad_token_id,
                                spec.compare, processors)
-    _sync(device)
+    synchronize(device)
     generate_s = time.perf_counter() - t1
     s = block.shard
     width = plan.cfg.intermediate_size // s.tp_size

@@ -36,7 +36,7 @@ from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, dtype_name, pa
 from moeshard.dispatch.registry import default_backend, support
 from moeshard.errors import RankFailed
 from moeshard.experts.base import ExpertWeights
-from moeshard.jobs.world import each_plan
+from moeshard.jobs.world import RankPlace, each_plan, synchronize
 from moeshard.parallel.agree import first_failure
 from moeshard.parallel.collectives import all_gatherv
 from moeshard.parallel.config import ParallelConfig
@@ -298,19 +298,13 @@ def _input_rows(plan: RunPlan, dp_rank: int) -> torch.Tensor:
     return random_hidden_states(plan.total_tokens, plan.cfg.hidden_size, plan.spec.seed, plan.cfg.dtype, start, stop)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RunRankResult:
     """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
     from moeshard.layer import MoELayer
 
     p = plan.parallel
-    rank = groups.rank if groups is not None else 0
-    device = groups.device if groups is not None else torch.device(plan.spec.device)
-    dp_rank, tp_rank = p.dp_rank(rank), p.tp_rank(rank)
+    place = RankPlace.of(plan, groups)
+    rank, dp_rank, tp_rank, device = place.rank, place.dp_rank, place.tp_rank, place.device
     t0 = time.perf_counter()
     error, weights, local = None, None, None
     try:
@@ -322,14 +316,14 @@ def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RunRankResult:
     layer = MoELayer(plan.cfg, quant=plan.quant, groups=groups, backend=plan.backend, weights=weights,
                      local_experts=local, device=device, max_tokens_per_rank=max(max(plan.tokens_per_rank), 1))
     del weights, local
-    _sync(device)
+    synchronize(device)
     load_s = time.perf_counter() - t0
     if groups is not None:
         dist.barrier()
     t1 = time.perf_counter()
     with torch.no_grad():
         out = layer(x)
-    _sync(device)
+    synchronize(device)
     forward_s = time.perf_counter() - t1
     if p.dp > 1:
         # Every TP column gathers over its own DP group (all ranks take part, none waits alone);

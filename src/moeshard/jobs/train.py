@@ -50,7 +50,7 @@ from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
 from moeshard.jobs.generate import check_prompts, load_transformers_model, padded_batch, split_prompts
-from moeshard.jobs.world import each_plan
+from moeshard.jobs.world import RankPlace, each_plan, load_timed, synchronize
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.sharding import ShardSpec
@@ -258,29 +258,17 @@ class TrainRankResult:
     shards: dict[str, ShardSpec]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResult:
     """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
-    from moeshard.integrations.transformers import MoEBlock, expert_bytes, load_sharded_model
+    from moeshard.integrations.transformers import MoEBlock, expert_bytes
     from moeshard.training import grad_norm, reduce_gradients
     from moeshard.training.router_losses import keep_router_logits, load_balancing_loss
 
-    p, spec = plan.parallel, plan.spec
-    rank = groups.rank if groups is not None else 0
-    device = groups.device if groups is not None else torch.device(spec.device)
-    dp_rank, tp_rank = p.dp_rank(rank), p.tp_rank(rank)
-    import transformers
-
-    transformers.AutoModelForCausalLM  # noqa: B018 - imported before the load is timed
-    t0 = time.perf_counter()
-    model = load_sharded_model(spec.model_dir, groups, quant=plan.quant, backend=plan.backend, dtype=plan.dtype,
-                               device=device, max_tokens_per_rank=plan.max_tokens_per_rank).requires_grad_(True)
-    _sync(device)
-    load_s = time.perf_counter() - t0
+    spec = plan.spec
+    place = RankPlace.of(plan, groups)
+    rank, dp_rank, tp_rank, device = place.rank, place.dp_rank, place.tp_rank, place.device
+    model, load_s = load_timed(plan, groups, device)
+    model.requires_grad_(True)
     if plan.aux_coef is not None:
         keep_router_logits(model)
     mine = plan.dp_prompts[dp_rank]
@@ -304,7 +292,7 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
         norm = grad_norm(model, groups)
         optimizer.step()
         losses.append(float(loss.detach()))
-    _sync(device)
+    synchronize(device)
     train_s = time.perf_counter() - t1
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoEBlock)}
     s = next(iter(blocks.values())).shard

@@ -1,9 +1,14 @@
-"""Plans over one world of ranks: the loop ``moeshard run`` and ``moeshard generate`` share."""
+"""Plans over one world of ranks: the loop ``moeshard run``, ``generate`` and ``train`` share,
+and what each of their ranks needs first (where it runs, its model loaded and timed)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+
+import torch
 
 from moeshard.dispatch.registry import build_groups
 from moeshard.parallel.config import ParallelConfig
@@ -84,3 +89,45 @@ def execute_local(plan: Any, run_one: Callable[[Any, ParallelGroups | None], R],
         kind = ValueError if errors[0]["error"] == "ValueError" else RuntimeError
         raise kind(errors[0]["message"])
     return results
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank of a job runs: ``rank`` in the world (0 in the single-rank layout, which
+    has no process group), its DP and TP ranks under the plan's layout, and its device (the
+    groups' device, or the plan's spec's for the single-rank layout)."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    device: torch.device
+
+    @staticmethod
+    def of(plan: Plan, groups: ParallelGroups | None) -> RankPlace:
+        rank = groups.rank if groups is not None else 0
+        device = groups.device if groups is not None else torch.device(plan.spec.device)
+        return RankPlace(rank, plan.parallel.dp_rank(rank), plan.parallel.tp_rank(rank), device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the work queued on ``device``, so that a host timing includes it (CPU work is
+    done when it returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_timed(plan: Any, groups: ParallelGroups | None, device: torch.device) -> tuple[torch.nn.Module, float]:
+    """The plan's whole transformers model with its MoE blocks as this rank's moeshard layers
+    (``integrations.transformers.load_sharded_model``: the plan's spec's ``model_dir``, its
+    quant, backend, dtype and max_tokens_per_rank), and the seconds the load took, to the
+    device's last write (transformers is imported before the clock starts)."""
+    import transformers
+
+    from moeshard.integrations.transformers import load_sharded_model
+
+    transformers.AutoModelForCausalLM  # noqa: B018 - imported before the load is timed
+    start = time.perf_counter()
+    model = load_sharded_model(plan.spec.model_dir, groups, quant=plan.quant, backend=plan.backend, dtype=plan.dtype,
+                               device=device, max_tokens_per_rank=plan.max_tokens_per_rank)
+    synchronize(device)
+    return model, time.perf_counter() - start
