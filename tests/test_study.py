@@ -57,3 +57,19 @@ def test_a_case_line_names_the_case_and_its_medians():
     assert case_line(rec) == "qwen3-30b-a3b  T=4096   fp8_tensor selected 0.477 both_ws 0.410"
     del rec["scheme"]
     assert case_line(rec) == "qwen3-30b-a3b  T=4096   selected 0.477 both_ws 0.410"
+
+
+def test_a_nonfinite_figure_is_written_as_null_and_the_study_goes_on(tmp_path):
+    """A variant whose output went wrong gives a NaN / Inf difference: a finding to record, not a
+    reason to stop the study and lose its records."""
+    def study(name, model, tokens, scheme):
+        return {"model": name, "tokens": tokens, "scheme": scheme,
+                "max_rel_diff": {"variant": float("nan") if tokens == 1 else float("inf")}}
+
+    records = run_study(_args(tmp_path, "--models", "m1"), "scripts/x_study.py", lambda name: None, study, str)
+    assert len(records) == 4
+    written = json.loads((tmp_path / "study.json").read_text())
+    assert [r["max_rel_diff"]["variant"] for r in written["records"]] == [None] * 4
+    assert [(f["field"], f["value"]) for f in written["nonfinite"]] == [
+        ("records[0].max_rel_diff.variant", "NaN"), ("records[1].max_rel_diff.variant", "NaN"),
+        ("records[2].max_rel_diff.variant", "Infinity"), ("records[3].max_rel_diff.variant", "Infinity")]

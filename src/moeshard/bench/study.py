@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moeshard.finite import json_text
+from moeshard.finite import json_text, with_nulls
 from moeshard.outputs import atomic_write_text
 
 
@@ -35,7 +35,9 @@ def study_parser(doc: str, models: tuple[str, ...], tokens: tuple[int, ...], sch
 
 def write_study(path: str | Path, script: str, args: argparse.Namespace, records: list) -> None:
     """Writes a study script's records as JSON with the command that reproduces them (``script``
-    with every option of ``args`` but ``--json``), the device and torch's version."""
+    with every option of ``args`` but ``--json``), the device and torch's version. A NaN / Inf in
+    a record (a variant's output gone wrong is a finding) is written as null and listed under
+    ``"nonfinite"`` (``finite.with_nulls``), so the study goes on and keeps its records."""
     import torch
 
     options = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items()
@@ -43,7 +45,7 @@ def write_study(path: str | Path, script: str, args: argparse.Namespace, records
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     out = {"command": f"python3 {script} {options}", "device": device,
            "torch": torch.__version__, "records": records}
-    atomic_write_text(Path(path), json_text(out, indent=1))
+    atomic_write_text(Path(path), json_text(with_nulls(out), indent=1))
 
 
 def run_study(args: argparse.Namespace, script: str, make: Callable[[str], Any],
