@@ -109,7 +109,8 @@ def test_readme_only_example_is_in_the_default_matrix(capsys):
 
 def test_a_run_with_no_valid_case_fails_with_exit_3(capsys):
     assert main(["check", "--world-sizes", "1", "--backends", "all2all"]) == 3
-    assert "nothing to verify: 0 of 18 selected cases are valid" in error_line(capsys, "check")
+    # 11 quant configs (5 schemes, 4 deferred, 2 with quantized shared experts) x 2 dtypes
+    assert "nothing to verify: 0 of 22 selected cases are valid" in error_line(capsys, "check")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA devices")

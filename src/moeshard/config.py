@@ -183,22 +183,37 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """How the routed experts are quantized (shared experts and the router stay in the model dtype).
+    """How the experts are quantized (the router stays in the model dtype).
 
     ``scheme`` is a registered scheme (``moeshard.quant.schemes``: ``none``, ``fp8_tensor``,
-    ``fp8_token``, ``fp8_block``, ``nvfp4`` built in). ``defer_input_quant=True`` dispatches the
-    activations in the model dtype and lets the expert kernel quantize them, so the dispatched
-    activation scale is ``None``.
+    ``fp8_token``, ``fp8_block``, ``nvfp4`` built in) for the routed experts.
+    ``defer_input_quant=True`` dispatches the activations in the model dtype and lets the expert
+    kernel quantize them, so the dispatched activation scale is ``None``.
+
+    ``shared`` is the shared experts' scheme: ``none`` (the model dtype, the default) or, with
+    quantized routed experts, a scheme whose activation scales are per row or per block
+    (``fp8_token``, ``fp8_block``), as fp8 checkpoints such as DeepSeek-V3's ship them. A
+    scheme with one activation scale per tensor (``fp8_tensor``, ``nvfp4``) is refused there:
+    the shared experts run on each rank's own rows, so that scale, and the output, would depend
+    on the layout.
     """
 
     scheme: str = "none"
     defer_input_quant: bool = False
+    shared: str = "none"
 
     def __post_init__(self) -> None:
         get_scheme(self.scheme, "QuantConfig.scheme")
         boolean("QuantConfig", "defer_input_quant", self.defer_input_quant)
         if self.defer_input_quant and self.scheme == "none":
             raise ValueError("QuantConfig.defer_input_quant: True has no meaning with scheme='none'")
+        if self.shared != "none" and self.scheme == "none":
+            raise ValueError(f"QuantConfig.shared: {self.shared!r} with scheme='none'; quantized shared experts need "
+                             f"quantized routed experts (a layer quantizes its routed experts at least as its shared)")
+        if get_scheme(self.shared, "QuantConfig.shared").per_tensor_activation:
+            raise ValueError(f"QuantConfig.shared: {self.shared!r} takes one activation scale per tensor; the shared "
+                             f"experts run on each rank's own rows, so it would depend on the layout; use a scheme "
+                             f"with per-row or per-block activation scales (fp8_token, fp8_block)")
 
     @property
     def spec(self) -> QuantScheme:
@@ -207,9 +222,12 @@ class QuantConfig:
 
     @property
     def quantized(self) -> bool:
+        """Whether the routed experts are quantized (the shared experts are only with them)."""
         return self.scheme != "none"
 
     @property
     def name(self) -> str:
-        """``scheme``, with ``+defer`` under deferred input quantization (as case ids write it)."""
-        return self.scheme + ("+defer" if self.defer_input_quant else "")
+        """``scheme``, with ``+defer`` under deferred input quantization and ``+shared-<scheme>``
+        with quantized shared experts (as case ids write it)."""
+        return (self.scheme + ("+defer" if self.defer_input_quant else "")
+                + ("" if self.shared == "none" else f"+shared-{self.shared}"))

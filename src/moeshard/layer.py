@@ -9,7 +9,8 @@
      -> quantize activations (unless none or deferred): data + per-row scales
      -> dispatch (backend) -> experts (grouped kernel) -> combine (backend): fp32 [T, H]
      -> TP without EP: all-reduce the partial sums over TP
-     -> + shared experts (model dtype, on the same rows, once; times ``cfg.shared_scale``), the
+     -> + shared experts (model dtype, or quantized per row or block with ``QuantConfig.shared``;
+        on the same rows, once; times ``cfg.shared_scale``), the
         sum in fp32 rounded once to the model dtype (forward without TP reduction: inside the
         backend's combine, ``combine_final``)
      -> SP only: all-gather over TP, drop the padding -> [T, H]
@@ -51,6 +52,7 @@ from moeshard.eplb.moves import MoveStats, move_slots, plan_moves
 from moeshard.eplb.placement import Placement, choose_replicas
 from moeshard.experts.base import ExpertKernel, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
+from moeshard.experts.shared import QuantizedSharedMLP
 from moeshard.kernel_choice import select_kernel
 from moeshard.layer_agreement import check_same_on_all_ranks, code, placement_code
 from moeshard.layer_params import Gate, RoutedExperts, SharedExperts
@@ -153,7 +155,8 @@ class MoELayer(nn.Module):
                 "intermediate_size": cfg.intermediate_size, "shared_width": cfg.shared_width,
                 "expert_bias": int(cfg.expert_bias),
                 "dtype": code(dtype_name(cfg.dtype)), "quant": code(quant.scheme),
-                "defer_input_quant": int(quant.defer_input_quant), "backend": code(backend),
+                "defer_input_quant": int(quant.defer_input_quant), "shared_quant": code(quant.shared),
+                "backend": code(backend),
                 "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep),
                 "max_tokens_per_rank": (max_tokens_per_rank or 0) if max_ok else -1,
                 "placement": placement_code(placement) if placement_ok else -1,
@@ -186,7 +189,15 @@ class MoELayer(nn.Module):
         self._check_local_experts(local_experts, rank)
         self.gate = Gate(weights)
         self.experts = RoutedExperts(local_experts)
-        self.shared_experts = SharedExperts(weights, cfg.activation) if cfg.has_shared_experts else None
+        if quant.shared != "none" and not cfg.has_shared_experts:
+            raise ValueError(f"MoELayer (rank {rank}): QuantConfig.shared={quant.shared!r}, but the model has no shared "
+                             f"experts (num_shared_experts={cfg.num_shared_experts})")
+        shared_quantized = None
+        if quant.shared != "none":
+            shared_quantized = QuantizedSharedMLP(quant.shared, select_kernel(cfg.activation, cfg.dtype, self.device,
+                                                                              quant.shared))
+        self.shared_experts = (SharedExperts(weights, cfg.activation, shared_quantized) if cfg.has_shared_experts
+                               else None)
         self.shared_expert_gate = None
         if cfg.shared_expert_gate:
             assert weights.shared_expert_gate is not None  # validate() requires it when configured
@@ -225,9 +236,12 @@ class MoELayer(nn.Module):
 
     @property
     def accumulation(self) -> float:
-        """The expert kernel's accumulation error for this layer's scheme: pass it to
+        """The expert kernels' accumulation error for this layer's schemes (the larger of the
+        routed experts' and, when quantized, the shared experts'): pass it to
         ``reference_forward`` so that the reference prices the roundings it may flip."""
-        return self.kernel.accumulation(self.quant.scheme)
+        routed = self.kernel.accumulation(self.quant.scheme)
+        shared = self.shared_experts.quantized if self.shared_experts is not None else None
+        return routed if shared is None else max(routed, shared.accumulation())
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], cfg: MoEConfig, **kwargs) -> MoELayer:

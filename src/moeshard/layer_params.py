@@ -9,6 +9,7 @@ from torch import nn
 
 from moeshard.activations import get_activation
 from moeshard.experts.base import ExpertWeights
+from moeshard.experts.shared import QuantizedSharedMLP
 from moeshard.quant import QuantizedWeight
 from moeshard.weights import MoEWeights
 
@@ -87,9 +88,13 @@ def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
 
 
 class SharedExperts(nn.Module):
-    """The fused shared-expert MLP: down(act(gate(x)) * up(x)); width S; never sharded."""
+    """The fused shared-expert MLP: down(act(gate(x)) * up(x)); width S; never sharded.
 
-    def __init__(self, weights: MoEWeights, activation: str) -> None:
+    ``gate_proj`` / ``up_proj`` [S, H] and ``down_proj`` [H, S] hold the model-dtype weights
+    (the state dict's). ``quantized``: None (the MLP runs in the model dtype), or the
+    ``QuantizedSharedMLP`` that runs it quantized (``QuantConfig.shared``) from those weights."""
+
+    def __init__(self, weights: MoEWeights, activation: str, quantized: QuantizedSharedMLP | None = None) -> None:
         super().__init__()
         self.activation = activation
         gate, up, down = weights.shared_gate, weights.shared_up, weights.shared_down
@@ -99,6 +104,9 @@ class SharedExperts(nn.Module):
         self.gate_proj = _frozen_linear(gate)
         self.up_proj = _frozen_linear(up)
         self.down_proj = _frozen_linear(down)
+        self.quantized = quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return self.down_proj(get_activation(self.activation)(self.gate_proj(x), self.up_proj(x)))

@@ -7,7 +7,10 @@ apart from quantization error and tolerances stay tight:
 * input activations: one domain for per-tensor scales (``input_amax``, default: amax of ``x``);
 * the intermediate h = act(gate) * up is rounded to the model dtype as the layer's GEMM output
   is, split into ``intermediate_shards`` column slices (the TP slices of I), and each slice is
-  quantized with per-tensor scales taken per expert over that expert's rows.
+  quantized with per-tensor scales taken per expert over that expert's rows;
+* shared experts quantized (``QuantConfig.shared``): one expert of [gate; up] and down,
+  quantized like a routed expert, every token through it (``_quantized_shared``), priced with
+  the same ``accumulation`` (the layer declares the larger of its kernels').
 
 Routing kinds and biases as the layer has them: the logits come from ``router.route_tokens`` in
 ``cfg.router_dtype``, as the layer's do; the router's bias (``MoEWeights.gate_bias``) is part of
@@ -281,6 +284,9 @@ def _check_arguments(x, weights, cfg, quant, intermediate_shards, input_amax, ac
         raise ValueError(f"{where}: weights must be MoEWeights, got {type(weights).__qualname__}")
     if quant is not None and not isinstance(quant, QuantConfig):
         raise ValueError(f"{where}: quant must be a QuantConfig or None, got {quant!r} (write QuantConfig({quant!r}))")
+    if quant is not None and quant.shared != "none" and not cfg.has_shared_experts:
+        raise ValueError(f"{where}: quant.shared={quant.shared!r}, but the model has no shared experts "
+                         f"(num_shared_experts={cfg.num_shared_experts})")
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{where}: x must be a torch.Tensor [T, hidden_size={cfg.hidden_size}], got "
                          f"{type(x).__module__}.{type(x).__qualname__} (convert it with torch.as_tensor first)")
@@ -366,8 +372,32 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
         # rounded to the model dtype first, as the layer holds them
         sw = {name: getattr(weights, name).to(dtype=dtype).to(x.device, torch.float64)
               for name in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, name) is not None}
-        shared = cfg.activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
+        if quant.shared == "none":
+            shared = cfg.activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
+            shared_slack = None
+        else:
+            shared, shared_slack = _quantized_shared(x, sw, cfg, quant.shared, accumulation, with_slack)
         if "shared_expert_gate" in sw:
-            shared = torch.sigmoid(x64 @ sw["shared_expert_gate"].T) * shared
+            shared_gate = torch.sigmoid(x64 @ sw["shared_expert_gate"].T)
+            shared = shared_gate * shared
+            shared_slack = None if shared_slack is None else shared_gate * shared_slack
         out += shared * cfg.shared_scale
+        if shared_slack is not None:
+            slack += shared_slack * cfg.shared_scale
     return Reference(out, slack)
+
+
+def _quantized_shared(x: torch.Tensor, sw: dict[str, torch.Tensor], cfg: MoEConfig, scheme: str, accumulation: float,
+                      with_slack: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The shared MLP quantized with ``scheme`` (``QuantConfig.shared``, per-row or per-block
+    activation scales), as ``moeshard.experts.shared`` runs it: one expert of gate_up [gate; up]
+    and down, quantized like a routed expert, every row of x [T, H] through it. sw: the shared
+    weights in fp64 (model-dtype values). -> (fp64 [T, H] output, fp64 [T, H] slack or None)."""
+    def dequantized(w: torch.Tensor) -> torch.Tensor:
+        return quantize_weight(w.unsqueeze(0).to(cfg.dtype), scheme).dequantize(torch.float32).double()[0]
+    gate_up = dequantized(torch.cat([sw["shared_gate"], sw["shared_up"]]))
+    down = dequantized(sw["shared_down"])
+    abs_weights = ([gate_up.abs()], [down.abs()]) if with_slack else None
+    [(y, s)] = expert_rows_batched([_fake_quant(x, scheme, None)], [gate_up], [down], cfg.activation, cfg.dtype,
+                                   scheme, 1, accumulation, with_slack, abs_weights, None)
+    return y, s

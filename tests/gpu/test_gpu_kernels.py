@@ -434,6 +434,42 @@ def test_layer_matches_reference(preset, scheme):
         _check(layer(x.cuda()).cpu(), ref, cfg.dtype, scheme, f"layer {preset} {scheme} T={T}")
 
 
+@pytest.mark.parametrize("routed, shared", [("fp8_block", "fp8_block"), ("fp8_tensor", "fp8_token")])
+def test_layer_with_quantized_shared_experts(routed, shared):
+    """Shared experts quantized (``QuantConfig.shared``) run as one expert of the Triton kernels:
+    within the reference's bound (the shared MLP quantized the same way), no host sync, and a
+    CUDA graph's replay gives eager's bits."""
+    cfg = PRESETS["deepseek-v3"].config("small", torch.bfloat16)
+    weights = MoEWeights.random(cfg, generator=torch.Generator().manual_seed(3))
+    quant = QuantConfig(routed, shared=shared)
+    layer = MoELayer(cfg, quant, weights=weights, device="cuda")
+    assert layer.shared_experts is not None and layer.shared_experts.quantized is not None
+    assert type(layer.shared_experts.quantized.kernel).__name__ == "TritonExperts"
+    for T in (1, 5, 300):
+        x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to(cfg.dtype)
+        ref = reference_forward(x, weights, cfg, quant, accumulation=layer.accumulation)
+        _check(layer(x.cuda()).cpu(), ref, cfg.dtype, routed, f"layer {quant.name} T={T}")
+    static_x = torch.randn(48, cfg.hidden_size, device="cuda").to(cfg.dtype)
+    layer(static_x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(static_x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    static_x.copy_(torch.randn(48, cfg.hidden_size, device="cuda").to(cfg.dtype))
+    graph.replay()
+    assert torch.equal(static_out, layer(static_x))
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_layer_forward_has_no_host_sync(scheme):
     cfg, _, layer = _layer("deepseek-v3", scheme)

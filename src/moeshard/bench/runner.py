@@ -46,7 +46,9 @@ BENCH_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """What to run. Token counts: prefill 4096..16384, decode 1..128 by default."""
+    """What to run. Token counts: prefill 4096..16384, decode 1..128 by default. shared_quant:
+    the layer's shared experts' scheme (``QuantConfig.shared``) with a quantized routed scheme,
+    for the models that have shared experts ("none": the model dtype)."""
 
     models: tuple[str, ...] = BENCH_MODELS
     quants: tuple[str, ...] = BUILTIN_SCHEMES
@@ -57,14 +59,24 @@ class BenchOptions:
     layer: bool = True
     baselines: bool = True
     seed: int = 0
+    shared_quant: str = "none"
 
     def validate(self) -> None:
         check_choices(self.models, self.quants)
+        if self.shared_quant != "none":
+            QuantConfig("fp8_block", shared=self.shared_quant)  # refuses a scheme shared experts cannot take
         for name in ("prefill_tokens", "decode_tokens"):
             for tokens in getattr(self, name):
                 positive_int("BenchOptions", name, tokens)
         positive_int("BenchOptions", "prefill_reps", self.prefill_reps)
         positive_int("BenchOptions", "decode_reps", self.decode_reps)
+
+    def quant(self, scheme: str, cfg) -> QuantConfig:
+        """The layer's ``QuantConfig`` for routed ``scheme`` on a model of ``cfg``: shared experts
+        quantized with ``shared_quant`` where there are shared experts and the routed scheme is
+        quantized."""
+        shared = self.shared_quant if scheme != "none" and cfg.has_shared_experts else "none"
+        return QuantConfig(scheme, shared=shared)
 
 
 def _timed(rec: dict, key: str, fn: Callable[[], object], reps: int, flush: L2Flush, graph: bool = True) -> None:
@@ -95,6 +107,7 @@ def _case(model: ModelOnDevice, scheme: str, experts, kernel, layer: MoELayer | 
     inp, _ = routed_input(model, x, QuantConfig(scheme))
     rows, active = inp.num_rows, active_experts(inp.expert_ids, E)
     rec = {"model": model.name, "regime": regime, "tokens": tokens, "quant": scheme, "rows": rows,
+           "shared_quant": opts.quant(scheme, cfg).shared,
            "active_experts": active, "kernel": type(kernel).__name__,
            "expert_flops": expert_flops(rows, cfg), "layer_flops": layer_flops(tokens, cfg),
            "weight_bytes": bytes_per_expert(experts) * active}
@@ -161,7 +174,7 @@ def run(opts: BenchOptions, progress: Callable[[str], None] = lambda s: None) ->
             kernel = select_kernel(model.cfg.activation, model.cfg.dtype, device, scheme)
             layer = None
             if opts.layer:
-                layer = MoELayer(model.cfg, QuantConfig(scheme), weights=model.shell, local_experts=experts,
+                layer = MoELayer(model.cfg, opts.quant(scheme, model.cfg), weights=model.shell, local_experts=experts,
                                  device=device)
             for regime, tokens in cases:
                 rec = _case(model, scheme, experts, kernel, layer, regime, tokens, opts, flush)

@@ -17,11 +17,13 @@ from moeshard.parallel.config import ParallelConfig
 
 def add_layout_arguments(parser: argparse.ArgumentParser, dtype_help: str, timeout_help: str) -> None:
     """The "layout and numerics" options of ``run`` and ``generate``: --dp, --tp, --ep, --backend,
-    --quant, --defer-input-quant, --dtype, --device, --timeout (the two commands word the
-    defaults of --dtype and --timeout their own way)."""
+    --quant, --defer-input-quant, --shared-quant, --dtype, --device, --timeout (the two commands
+    word the defaults of --dtype and --timeout their own way)."""
     from moeshard.config import MODEL_DTYPES
     from moeshard.dispatch.registry import BACKENDS
-    from moeshard.quant.schemes import BUILTIN_SCHEMES
+    from moeshard.quant.schemes import BUILTIN_SCHEMES, get_scheme, scheme_names
+
+    shared_schemes = [s for s in scheme_names() if get_scheme(s).quantized and not get_scheme(s).per_tensor_activation]
 
     lay = parser.add_argument_group("layout and numerics")
     lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
@@ -30,6 +32,9 @@ def add_layout_arguments(parser: argparse.ArgumentParser, dtype_help: str, timeo
     lay.add_argument("--backend", choices=sorted(BACKENDS), help="dispatch backend (default: local, all2all with --ep)")
     lay.add_argument("--quant", choices=BUILTIN_SCHEMES, help="expert quantization (default: the checkpoint's own)")
     lay.add_argument("--defer-input-quant", action="store_true", help="dispatch unquantized activations")
+    lay.add_argument("--shared-quant", choices=shared_schemes, default="none",
+                     help="quantize the shared experts too, with this per-row or per-block scheme (default: the "
+                          "model dtype)")
     lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"], help=dtype_help)
     lay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
     lay.add_argument("--timeout", type=float, default=600.0, help=timeout_help)

@@ -45,6 +45,10 @@ def add_parser(sub) -> None:
                    help="with --world-size or --backward: preset size (default full)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions at prefill (decode: 4x)")
     p.add_argument("--no-layer", action="store_true", help="time the experts only, not the whole layer")
+    p.add_argument("--shared-quant", default="none", metavar="SCHEME",
+                   help="the layer's shared experts quantized with this per-row or per-block scheme (fp8_token, "
+                        "fp8_block) beside quantized routed experts, where a model has shared experts (default: the "
+                        "model dtype)")
     p.add_argument("--no-baselines", action="store_true", help="skip torch._grouped_mm, portable and loop baselines")
     p.add_argument("--backward", action="store_true",
                    help="time the training cost instead: the experts' and the layer's forward and backward (bf16, "
@@ -93,7 +97,7 @@ def run(args) -> int:
     fields = {"prefill_tokens": ints(args.prefill_tokens or "4096,16384", "--prefill-tokens"),
               "decode_tokens": ints(args.decode_tokens or "1,16,64,128", "--decode-tokens"),
               "prefill_reps": args.reps, "decode_reps": 4 * args.reps, "layer": not args.no_layer,
-              "baselines": not args.no_baselines, "seed": args.seed}
+              "baselines": not args.no_baselines, "seed": args.seed, "shared_quant": args.shared_quant}
     if args.models:
         fields["models"] = names(args.models)
     if args.quants:

@@ -122,7 +122,8 @@ def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
         check_output_path(args.output, "--output", reads=files_read(args.model, args.input_file))
     return GenerateSpec(model_dir=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens,
                         parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant,
-                        defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
+                        defer_input_quant=args.defer_input_quant, shared_quant=args.shared_quant, dtype=args.dtype,
+                        backend=args.backend,
                         device=args.device, compare=args.compare)
 
 

@@ -91,7 +91,8 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     spec = RunSpec(parallel=ParallelConfig(args.dp, args.tp, args.ep), model_dir=args.model, layer=args.layer,
                    preset=args.random, preset_size="full" if args.full else "small", seed=seed(args.seed),
                    input_path=args.input, num_tokens=num_tokens, tokens_per_rank=split,
-                   quant=args.quant, defer_input_quant=args.defer_input_quant, dtype=args.dtype, backend=args.backend,
+                   quant=args.quant, defer_input_quant=args.defer_input_quant, shared_quant=args.shared_quant,
+                   dtype=args.dtype, backend=args.backend,
                    device=args.device)
     # After the options' own checks (RunSpec), before anything reads the files.
     if args.model is not None:

@@ -90,6 +90,9 @@ def spec_from_args(args: argparse.Namespace) -> TrainSpec:
     if args.defer_input_quant:
         raise ValueError("--defer-input-quant: train runs quant none (quantized experts have no backward), which "
                          "quantizes no activation to defer")
+    if args.shared_quant != "none":
+        raise ValueError(f"--shared-quant {args.shared_quant}: train runs quant none (quantized experts have no "
+                         f"backward), shared experts included")
     prompts = parse_prompts(args.input_ids) if args.input_ids is not None else read_prompts(args.input_file)
     check_input_dir(args.model, "--model")
     if args.output is not None:

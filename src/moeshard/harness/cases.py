@@ -41,10 +41,26 @@ TOKEN_PATTERNS: dict[int, list[tuple[int, ...]]] = {
 MAX_TOKENS_PER_RANK = 1 << 16
 
 
+# Quantized shared experts (``QuantConfig.shared``): DeepSeek-V3's fp8 checkpoints' kind (the
+# routed and shared experts in 128-block fp8), and per-row shared experts beside per-tensor
+# routed ones.
+SHARED_QUANTS = (("fp8_block", "fp8_block"), ("fp8_tensor", "fp8_token"))
+
+
 def quant_configs() -> list[QuantConfig]:
-    """Every registered scheme, then every quantized one with deferred input quantization."""
+    """Every registered scheme, then every quantized one with deferred input quantization, then
+    the quantized shared experts of ``SHARED_QUANTS``."""
     names = scheme_names()
-    return [QuantConfig(s) for s in names] + [QuantConfig(s, True) for s in names if s != "none"]
+    return ([QuantConfig(s) for s in names] + [QuantConfig(s, True) for s in names if s != "none"]
+            + [QuantConfig(routed, shared=shared) for routed, shared in SHARED_QUANTS])
+
+
+def presets_for(quant: QuantConfig, presets: list[str], size: str) -> list[str]:
+    """The presets a quant's cases rotate over: those with shared experts for quantized shared
+    experts (the others cannot run them), else all."""
+    if quant.shared == "none":
+        return presets
+    return [name for name in presets if PRESETS[name].config(size).has_shared_experts] or presets
 
 DTYPES = ("float32", "bfloat16")
 
@@ -154,6 +170,8 @@ def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoE
     ok, reason = support(backend, quant, parallel)
     if not ok:
         return reason
+    if quant.shared != "none" and not cfg.has_shared_experts:
+        return f"QuantConfig.shared={quant.shared!r} needs shared experts; the model has none"
     try:
         parallel.validate(parallel.world_size, cfg)
         E, ep, tp = cfg.num_experts, parallel.ep_size, parallel.tp
@@ -239,6 +257,9 @@ def generate(opts: MatrixOptions) -> list[Case]:
             layouts.append(p)
     cases: list[Case] = []
     rotation = itertools.count()
+    # The quantized shared experts rotate over their own count, so that adding them left every
+    # other case (its preset and tokens) as it was.
+    shared_rotation = itertools.count()
     for p in layouts:
         if opts.tokens_per_rank is not None and len(opts.tokens_per_rank) != p.dp:
             continue
@@ -249,9 +270,10 @@ def generate(opts: MatrixOptions) -> list[Case]:
             for q in quant_configs():
                 if opts.quants is not None and q.name not in opts.quants:
                     continue
+                usable = presets_for(q, presets, opts.size)
                 for dtype in opts.dtypes:
-                    n = next(rotation)
-                    chosen = presets if opts.all_presets else [presets[n % len(presets)]]
+                    n = next(rotation if q.shared == "none" else shared_rotation)
+                    chosen = usable if opts.all_presets else [usable[n % len(usable)]]
                     for k, preset in enumerate(chosen):
                         tokens = patterns[(n + k) % len(patterns)]
                         cfg = PRESETS[preset].config(opts.size, parse_dtype(dtype))

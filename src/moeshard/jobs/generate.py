@@ -57,6 +57,7 @@ class GenerateSpec:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quant: str | None = None
     defer_input_quant: bool = False
+    shared_quant: str = "none"
     dtype: str | None = None
     backend: str | None = None
     device: str = "cpu"
@@ -177,8 +178,7 @@ def plan_generate(spec: GenerateSpec) -> GeneratePlan:
                          f"{longest} + {spec.max_new_tokens} is more than the model's max_position_embeddings="
                          f"{positions}; give at most {max(positions - longest, 0)}")
     quant = resolve_quant(info, spec.quant)
-    if spec.defer_input_quant:
-        quant = QuantConfig(quant.scheme, defer_input_quant=True)
+    quant = QuantConfig(quant.scheme, defer_input_quant=spec.defer_input_quant, shared=spec.shared_quant)
     dtype = parse_dtype(spec.dtype) if spec.dtype is not None else (info.checkpoint_dtype or torch.float32)
     cfg = info.moe_config(dtype)
     backend = check_layout(cfg, quant, p, spec.backend, spec.device)

@@ -75,6 +75,7 @@ class RunSpec:
     tokens_per_rank: tuple[int, ...] | None = None
     quant: str | None = None
     defer_input_quant: bool = False
+    shared_quant: str = "none"
     dtype: str | None = None
     backend: str | None = None
     device: str = "cpu"
@@ -221,8 +222,7 @@ def plan_run(spec: RunSpec) -> RunPlan:
         base_cfg = preset.config(spec.preset_size)
         quant = QuantConfig(spec.quant or "none")
         source = f"random {preset.name} ({spec.preset_size}), seed {spec.seed}"
-    if spec.defer_input_quant:
-        quant = QuantConfig(quant.scheme, defer_input_quant=True)
+    quant = QuantConfig(quant.scheme, defer_input_quant=spec.defer_input_quant, shared=spec.shared_quant)
 
     if spec.input_path is not None:
         shape, st_dtype = input_header(spec.input_path)
@@ -354,7 +354,8 @@ def describe(plan: RunPlan) -> dict[str, str]:
     """The plan in words (for the summary and the output file's metadata)."""
     p, q = plan.parallel, plan.quant
     return {"source": plan.source, "layout": p.name, "backend": plan.backend,
-            "quant": q.scheme + (" (deferred input quantization)" if q.defer_input_quant else ""),
+            "quant": q.scheme + (" (deferred input quantization)" if q.defer_input_quant else "")
+            + ("" if q.shared == "none" else f", shared experts {q.shared}"),
             "dtype": dtype_name(plan.cfg.dtype), "device": plan.spec.device,
             "tokens_per_dp_rank": ",".join(map(str, plan.tokens_per_rank))}
 
