@@ -372,14 +372,7 @@ def test_load_counter_records_on_the_device_and_under_graph_replay():
         assert torch.equal(counter.ring, want) and int(counter.step) == i + 1
     cfg, _, layer = _layer("qwen3-30b-a3b", "none")
     x = torch.randn(40, cfg.hidden_size, device="cuda").to(cfg.dtype)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer(x)
+    graph, _ = _captured(layer, x)
     before = int(layer.loads.step)
     for _ in range(3):
         graph.replay()
@@ -412,6 +405,21 @@ def test_layer_final_combine_is_the_separate_sum():
         recorded = MoELayer(cfg, QuantConfig("none"), weights=weights, device="cuda", recorder=StageRecorder())
         x = torch.randn(200, cfg.hidden_size, device="cuda").to(cfg.dtype)
         assert torch.equal(layer(x), recorded(x)), preset
+
+
+def _captured(layer, x: torch.Tensor, warmups: int = 1):
+    """(a CUDA graph of ``layer(x)``, its output), captured after ``warmups`` calls on a side
+    stream (as torch asks before a capture: kernels compiled, caches filled)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            layer(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    return graph, out
 
 
 def _layer(preset: str, scheme: str, dtype=torch.bfloat16, seed=0):
@@ -457,14 +465,7 @@ def test_layer_with_quantized_shared_experts(routed, shared):
         layer(static_x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x)
+    graph, static_out = _captured(layer, static_x)
     static_x.copy_(torch.randn(48, cfg.hidden_size, device="cuda").to(cfg.dtype))
     graph.replay()
     assert torch.equal(static_out, layer(static_x))
@@ -488,15 +489,7 @@ def test_layer_forward_has_no_host_sync(scheme):
 def test_layer_cuda_graph_replay(scheme):
     cfg, _, layer = _layer("deepseek-v3", scheme)
     static_x = torch.randn(48, cfg.hidden_size, device="cuda").to(cfg.dtype)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            layer(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x)
+    graph, static_out = _captured(layer, static_x, warmups=3)
     for seed in range(3):
         new_x = torch.randn(48, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         static_x.copy_(new_x.to(cfg.dtype))
