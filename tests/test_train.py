@@ -35,6 +35,7 @@ from moeshard.harness.runner import RANK_MODULES
 from moeshard.jobs.train import (
     TrainReference,
     TrainSpec,
+    against_exact,
     compare_training,
     plan_train,
     reference_train,
@@ -288,6 +289,8 @@ def test_reference_dtypes_are_checked(models):
     with pytest.raises(ValueError, match=r"exact must be transformers' float64 run and reference its float32 run, "
                                          r"got exact.dtype=torch.float32 and reference.dtype=torch.float32"):
         compare_training(plan, [], fp32, exact=fp32)
+    with pytest.raises(ValueError, match=r"^against_exact: exact must be transformers' float64 run"):
+        against_exact(None, plan, [], fp32, fp32)  # type: ignore[arg-type]
 
 
 def test_nonfinite_losses_are_exit_7_and_nothing_is_written(models, tmp_path, capsys):

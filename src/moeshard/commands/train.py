@@ -37,6 +37,7 @@ from moeshard.jobs.train import (
     TrainPlan,
     TrainRankResult,
     TrainSpec,
+    against_exact,
     compare_training,
     describe,
     global_losses,
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
             # (transformers in float64, the same steps), and judge against float64 allowing for it.
             # (Within the tolerance of the float32 run is within that bound too: train_bound.)
             exact = reference_train(plan, dtype=torch.float64)
-            comparison = compare_training(plan, results, reference, exact=exact)
+            comparison = against_exact(comparison, plan, results, reference, exact)
     light = [replace(r, params=None) for r in results]  # the parameters are compared, not reported
     data = report(plan, light, comparison, time.perf_counter() - start)
     written = with_nulls(data)  # a NaN figure: null, named under "nonfinite"

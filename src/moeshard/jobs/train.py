@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -490,9 +490,8 @@ def compare_training(plan: TrainPlan, results: list[TrainRankResult], reference:
     it) and each replicated parameter on every rank (their copies must be the same). transformers'
     expert tensors are first put in moeshard's canonical layout (``MoEWeights``: gate_up [E, 2I, H],
     down [E, H, I]), then sliced as the rank's ``ShardSpec`` says (``training.reference.shard_of_grad``)."""
-    if exact is not None and (exact.dtype != torch.float64 or reference.dtype != torch.float32):
-        raise ValueError(f"compare_training: exact must be transformers' float64 run and reference its float32 run, "
-                         f"got exact.dtype={exact.dtype} and reference.dtype={reference.dtype}")
+    if exact is not None:
+        _check_exact("compare_training", reference, exact)
     if any(r.params is None for r in results):
         raise ValueError("compare_training: the ranks sent no parameters (TrainSpec.compare was False)")
     losses = global_losses(plan, results)
@@ -510,20 +509,35 @@ def compare_training(plan: TrainPlan, results: list[TrainRankResult], reference:
             count += 1
             if not diff <= worst:  # NaN counts as the worst
                 worst, at = diff, f"{name} on rank {r.rank}"
-    fp32 = plan.dtype == torch.float32
-    within = all(v <= TRAIN_LOSS_RTOL for v in rel) if fp32 else None
-    exact_rel = noise = within_noise = None
-    if exact is not None:
-        exact_rel = tuple(_rel(a, b) for a, b in zip(losses, exact.losses, strict=True))
-        noise = tuple(_rel(a, b) for a, b in zip(reference.losses, exact.losses, strict=True))
-        if fp32:  # NaN anywhere fails the comparison
-            within_noise = all(d <= train_bound(TRAIN_LOSS_RTOL, n) for d, n in zip(exact_rel, noise, strict=True))
-    return TrainComparison(losses=reference.losses, aux_losses=reference.aux_losses, loss_rel_diff=rel,
-                           rtol=TRAIN_LOSS_RTOL, within_tolerance=within, grad_norm=reference.grad_norm,
-                           grad_norm_rel_diff=_rel(results[0].grad_norm, reference.grad_norm),
-                           max_abs_param_diff=worst, param_diff_at=at, params_compared=count,
-                           exact_losses=None if exact is None else exact.losses, exact_loss_rel_diff=exact_rel,
-                           noise=noise, within_noise=within_noise)
+    within = all(v <= TRAIN_LOSS_RTOL for v in rel) if plan.dtype == torch.float32 else None
+    comparison = TrainComparison(losses=reference.losses, aux_losses=reference.aux_losses, loss_rel_diff=rel,
+                                 rtol=TRAIN_LOSS_RTOL, within_tolerance=within, grad_norm=reference.grad_norm,
+                                 grad_norm_rel_diff=_rel(results[0].grad_norm, reference.grad_norm),
+                                 max_abs_param_diff=worst, param_diff_at=at, params_compared=count)
+    return comparison if exact is None else against_exact(comparison, plan, results, reference, exact)
+
+
+def _check_exact(where: str, reference: TrainReference, exact: TrainReference) -> None:
+    if exact.dtype != torch.float64 or reference.dtype != torch.float32:
+        raise ValueError(f"{where}: exact must be transformers' float64 run and reference its float32 run, "
+                         f"got exact.dtype={exact.dtype} and reference.dtype={reference.dtype}")
+
+
+def against_exact(comparison: TrainComparison, plan: TrainPlan, results: list[TrainRankResult],
+                  reference: TrainReference, exact: TrainReference) -> TrainComparison:
+    """``comparison`` (``compare_training`` against ``reference``, transformers' float32 run)
+    with the losses also judged against ``exact``, its float64 run of the same steps
+    (``TrainComparison``'s exact fields, noise and within_noise); the parameters, compared once,
+    are kept as they are."""
+    _check_exact("against_exact", reference, exact)
+    losses = global_losses(plan, results)
+    exact_rel = tuple(_rel(a, b) for a, b in zip(losses, exact.losses, strict=True))
+    noise = tuple(_rel(a, b) for a, b in zip(reference.losses, exact.losses, strict=True))
+    within_noise = None
+    if plan.dtype == torch.float32:  # NaN anywhere fails the comparison
+        within_noise = all(d <= train_bound(TRAIN_LOSS_RTOL, n) for d, n in zip(exact_rel, noise, strict=True))
+    return replace(comparison, exact_losses=exact.losses, exact_loss_rel_diff=exact_rel, noise=noise,
+                   within_noise=within_noise)
 
 
 def describe(plan: TrainPlan) -> dict:
