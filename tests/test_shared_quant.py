@@ -101,5 +101,19 @@ def test_quantized_shared_experts_without_shared_experts_are_refused():
     with pytest.raises(ValueError, match=r"MoELayer \(rank 0\): QuantConfig.shared='fp8_block', but the model has no "
                                          r"shared experts \(num_shared_experts=0\)"):
         MoELayer(cfg, quant=quant, weights=w)
-    with pytest.raises(ValueError, match=r"reference_forward: quant.shared='fp8_block', but the model has no shared"):
+    with pytest.raises(ValueError, match=r"reference_forward: QuantConfig.shared='fp8_block', but the model has no "
+                                         r"shared"):
         reference_forward(x, w, cfg, quant)
+
+
+def test_run_takes_shared_quant_and_refuses_it_before_any_rank_starts(capsys):
+    from moeshard.cli import main
+
+    assert main(["run", "--random", "deepseek-v3", "--quant", "fp8_block", "--shared-quant", "fp8_block", "--tp", "2",
+                 "--tokens", "5"]) == 0
+    assert "shared experts fp8_block" in " ".join(capsys.readouterr().out.split())
+    assert main(["run", "--random", "mixtral-8x7b", "--quant", "fp8_block", "--shared-quant", "fp8_token", "--tp", "2",
+                 "--tokens", "5"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("--shared-quant: QuantConfig.shared='fp8_token', but the model has no shared experts "
+            "(num_shared_experts=0)") in err and "rank" not in err

@@ -220,6 +220,13 @@ class QuantConfig:
         """The scheme's descriptor."""
         return get_scheme(self.scheme, "QuantConfig.scheme")
 
+    def check_model(self, cfg: MoEConfig, owner: str) -> None:
+        """ValueError (naming ``owner``) if a model of ``cfg`` cannot take this quantization:
+        quantized shared experts where it has none."""
+        if self.shared != "none" and not cfg.has_shared_experts:
+            raise ValueError(f"{owner}: QuantConfig.shared={self.shared!r}, but the model has no shared experts "
+                             f"(num_shared_experts={cfg.num_shared_experts})")
+
     @property
     def quantized(self) -> bool:
         """Whether the routed experts are quantized (the shared experts are only with them)."""

@@ -189,9 +189,7 @@ class MoELayer(nn.Module):
         self._check_local_experts(local_experts, rank)
         self.gate = Gate(weights)
         self.experts = RoutedExperts(local_experts)
-        if quant.shared != "none" and not cfg.has_shared_experts:
-            raise ValueError(f"MoELayer (rank {rank}): QuantConfig.shared={quant.shared!r}, but the model has no shared "
-                             f"experts (num_shared_experts={cfg.num_shared_experts})")
+        quant.check_model(cfg, f"MoELayer (rank {rank})")
         shared_quantized = None
         if quant.shared != "none":
             shared_quantized = QuantizedSharedMLP(quant.shared, select_kernel(cfg.activation, cfg.dtype, self.device,

@@ -284,9 +284,8 @@ def _check_arguments(x, weights, cfg, quant, intermediate_shards, input_amax, ac
         raise ValueError(f"{where}: weights must be MoEWeights, got {type(weights).__qualname__}")
     if quant is not None and not isinstance(quant, QuantConfig):
         raise ValueError(f"{where}: quant must be a QuantConfig or None, got {quant!r} (write QuantConfig({quant!r}))")
-    if quant is not None and quant.shared != "none" and not cfg.has_shared_experts:
-        raise ValueError(f"{where}: quant.shared={quant.shared!r}, but the model has no shared experts "
-                         f"(num_shared_experts={cfg.num_shared_experts})")
+    if quant is not None:
+        quant.check_model(cfg, where)
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{where}: x must be a torch.Tensor [T, hidden_size={cfg.hidden_size}], got "
                          f"{type(x).__module__}.{type(x).__qualname__} (convert it with torch.as_tensor first)")

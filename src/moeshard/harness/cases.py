@@ -170,9 +170,8 @@ def refusal(parallel: ParallelConfig, backend: str, quant: QuantConfig, cfg: MoE
     ok, reason = support(backend, quant, parallel)
     if not ok:
         return reason
-    if quant.shared != "none" and not cfg.has_shared_experts:
-        return f"QuantConfig.shared={quant.shared!r} needs shared experts; the model has none"
     try:
+        quant.check_model(cfg, "quant")
         parallel.validate(parallel.world_size, cfg)
         E, ep, tp = cfg.num_experts, parallel.ep_size, parallel.tp
         spec = ShardSpec(0, E // ep, 0, 1) if parallel.enable_ep else ShardSpec(0, E, 0, tp)

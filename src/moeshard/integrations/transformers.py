@@ -271,6 +271,7 @@ def check_layout(cfg: MoEConfig, quant: QuantConfig, parallel: ParallelConfig, b
     for blocks of ``cfg``; returns the backend. Pure: every rank (and a parent before any rank
     starts) can call it."""
     parallel.validate(parallel.world_size, cfg, rank)
+    quant.check_model(cfg, "quant" if rank is None else f"quant (rank {rank})")
     backend = backend or default_backend(parallel)
     ok, reason = support(backend, quant, parallel, device=device)
     if not ok:

@@ -248,6 +248,7 @@ def plan_run(spec: RunSpec) -> RunPlan:
     cfg = replace(base_cfg, dtype=dtype)
 
     p.validate(p.world_size, cfg)
+    quant.check_model(cfg, "--shared-quant")
     backend = spec.backend or default_backend(p)
     ok, reason = support(backend, quant, p)
     if not ok:
