@@ -117,3 +117,23 @@ def test_run_takes_shared_quant_and_refuses_it_before_any_rank_starts(capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert ("--shared-quant: QuantConfig.shared='fp8_token', but the model has no shared experts "
             "(num_shared_experts=0)") in err and "rank" not in err
+
+
+def test_the_shared_schemes_offered_are_the_ones_quant_config_takes():
+    """The CLI's and the bench's choices for --shared-quant come from the scheme registry:
+    exactly the schemes QuantConfig.shared accepts."""
+    from moeshard.bench.runner import BenchOptions
+    from moeshard.config import shared_schemes
+    from moeshard.quant.schemes import scheme_names
+
+    assert shared_schemes() == ("fp8_token", "fp8_block")
+    for s in scheme_names():
+        if s in shared_schemes():
+            QuantConfig("fp8_tensor", shared=s)
+            BenchOptions(shared_quant=s).validate()
+        elif s != "none":
+            with pytest.raises(ValueError, match="QuantConfig.shared"):
+                QuantConfig("fp8_tensor", shared=s)
+            with pytest.raises(ValueError, match=r"BenchOptions.shared_quant: .* is not 'none' or one of "
+                                                 r"\['fp8_token', 'fp8_block'\]"):
+                BenchOptions(shared_quant=s).validate()

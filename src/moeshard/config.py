@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.activations import ActivationKind, get_activation
-from moeshard.quant.schemes import QuantScheme, get_scheme
+from moeshard.quant.schemes import QuantScheme, get_scheme, scheme_names
 from moeshard.routing import RoutingKind, get_routing, routing_names
 from moeshard.validate import boolean, finite_float, size
 
@@ -179,6 +179,12 @@ class MoEConfig:
     def shared_width(self) -> int:
         """Intermediate width of the fused shared-expert MLP."""
         return self.num_shared_experts * self.shared_intermediate_size
+
+
+def shared_schemes() -> tuple[str, ...]:
+    """The registered schemes ``QuantConfig.shared`` may name besides ``none``: quantized, with
+    per-row or per-block activation scales."""
+    return tuple(s for s in scheme_names() if get_scheme(s).quantized and not get_scheme(s).per_tensor_activation)
 
 
 @dataclass(frozen=True)

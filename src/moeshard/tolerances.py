@@ -55,11 +55,12 @@ TRAIN_LOSS_RTOL = 1e-4
 # Float32 rounding amplified by training. A rounding difference that flips a top-k choice changes
 # the gradients by far more than its own size, other layers amplify it too (Mamba's, in the tiny
 # models below), and every later step carries it on: two float32 runs of one training, differing
-# only in rounding order, can drift apart by far more than TRAIN_LOSS_RTOL. Such a run is judged against transformers' float64 run
-# of the same steps, allowing at each step the tolerance plus TRAIN_ROUNDING_FACTOR times
-# transformers' own float32 distance from that run (``train_bound``): how much rounding this
-# model amplifies by that step, measured. moeshard's float32 run is one more rounding order, so its
-# distance from float64 is another sample of the same amplification, not bounded by the first one.
+# only in rounding order, can drift apart by far more than TRAIN_LOSS_RTOL. Such a run is judged
+# against transformers' float64 run of the same steps, allowing at each step the tolerance plus
+# TRAIN_ROUNDING_FACTOR times transformers' own float32 distance from that run (``train_bound``):
+# how much rounding this model amplifies by that step, measured. moeshard's float32 run is one
+# more rounding order, so its distance from float64 is another sample of the same amplification,
+# not bounded by the first one.
 # Measured over tests/test_train_families.py (24 tiny families, three SGD steps at lr 0.01, (1,1)
 # and EP2): transformers' own float32 third loss up to 1.3e-2 from its float64 one (qwen3_next),
 # moeshard's beyond the tolerance by at most 2.3 times transformers' own distance (gpt_oss under

@@ -34,7 +34,7 @@ from moeshard.bench.workload import (
     make_model,
     routed_input,
 )
-from moeshard.config import QuantConfig
+from moeshard.config import QuantConfig, shared_schemes
 from moeshard.experts import GroupedExperts
 from moeshard.kernel_choice import kernel_choice, select_kernel
 from moeshard.layer import MoELayer
@@ -63,8 +63,9 @@ class BenchOptions:
 
     def validate(self) -> None:
         check_choices(self.models, self.quants)
-        if self.shared_quant != "none":
-            QuantConfig("fp8_block", shared=self.shared_quant)  # refuses a scheme shared experts cannot take
+        if self.shared_quant not in ("none", *shared_schemes()):
+            raise ValueError(f"BenchOptions.shared_quant: {self.shared_quant!r} is not 'none' or one of "
+                             f"{list(shared_schemes())} (quantized with per-row or per-block activation scales)")
         for name in ("prefill_tokens", "decode_tokens"):
             for tokens in getattr(self, name):
                 positive_int("BenchOptions", name, tokens)

@@ -19,11 +19,9 @@ def add_layout_arguments(parser: argparse.ArgumentParser, dtype_help: str, timeo
     """The "layout and numerics" options of ``run`` and ``generate``: --dp, --tp, --ep, --backend,
     --quant, --defer-input-quant, --shared-quant, --dtype, --device, --timeout (the two commands
     word the defaults of --dtype and --timeout their own way)."""
-    from moeshard.config import MODEL_DTYPES
+    from moeshard.config import MODEL_DTYPES, shared_schemes
     from moeshard.dispatch.registry import BACKENDS
-    from moeshard.quant.schemes import BUILTIN_SCHEMES, get_scheme, scheme_names
-
-    shared_schemes = [s for s in scheme_names() if get_scheme(s).quantized and not get_scheme(s).per_tensor_activation]
+    from moeshard.quant.schemes import BUILTIN_SCHEMES
 
     lay = parser.add_argument_group("layout and numerics")
     lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
@@ -32,7 +30,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser, dtype_help: str, timeo
     lay.add_argument("--backend", choices=sorted(BACKENDS), help="dispatch backend (default: local, all2all with --ep)")
     lay.add_argument("--quant", choices=BUILTIN_SCHEMES, help="expert quantization (default: the checkpoint's own)")
     lay.add_argument("--defer-input-quant", action="store_true", help="dispatch unquantized activations")
-    lay.add_argument("--shared-quant", choices=shared_schemes, default="none",
+    lay.add_argument("--shared-quant", choices=("none", *shared_schemes()), default="none",
                      help="quantize the shared experts too, with this per-row or per-block scheme (default: the "
                           "model dtype)")
     lay.add_argument("--dtype", choices=sorted(MODEL_DTYPES) + ["bf16", "fp16", "fp32"], help=dtype_help)

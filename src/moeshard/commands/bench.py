@@ -17,6 +17,7 @@ from pathlib import Path
 from moeshard import validate
 from moeshard.bench.device import require_cuda
 from moeshard.commands.args import add_allow_nonfinite, ints, names, seed, timeout
+from moeshard.config import shared_schemes
 from moeshard.finite import refuse_nonfinite
 from moeshard.outputs import check_output_path
 
@@ -45,10 +46,9 @@ def add_parser(sub) -> None:
                    help="with --world-size or --backward: preset size (default full)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions at prefill (decode: 4x)")
     p.add_argument("--no-layer", action="store_true", help="time the experts only, not the whole layer")
-    p.add_argument("--shared-quant", default="none", metavar="SCHEME",
-                   help="the layer's shared experts quantized with this per-row or per-block scheme (fp8_token, "
-                        "fp8_block) beside quantized routed experts, where a model has shared experts (default: the "
-                        "model dtype)")
+    p.add_argument("--shared-quant", choices=("none", *shared_schemes()), default="none",
+                   help="the layer's shared experts quantized with this per-row or per-block scheme beside quantized "
+                        "routed experts, where a model has shared experts (default: the model dtype)")
     p.add_argument("--no-baselines", action="store_true", help="skip torch._grouped_mm, portable and loop baselines")
     p.add_argument("--backward", action="store_true",
                    help="time the training cost instead: the experts' and the layer's forward and backward (bf16, "
