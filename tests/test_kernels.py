@@ -233,6 +233,72 @@ def test_half_tiles_compute_the_whole_tiles_numbers(interpreted_kernels, exact_i
     assert a0 is None or torch.equal(a0, a1)
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("persistent", ["loop", "flatten"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_persistent_programs_compute_every_tiles_numbers(interpreted_kernels, exact_interpreter, scheme, persistent,
+                                                        tma):
+    """``GemmConfig.persistent``: three programs walk the tiles in use instead of one program per
+    tile. h at every padded position (padding zeros included), y and the amax must be those of
+    one program per tile, bit for bit: a program that skipped a tile, took one twice or computed
+    past the last used tile would leave NaN or differ. The down GEMM runs the plan in half-height
+    tiles (``align.split_tiles``), where some tiles inside the used range are empty."""
+    k = interpreted_kernels
+    GemmConfig = k.configs.GemmConfig
+    M, E, H, I = 90, 5, 64, 96
+    x, _, w = _problem(M, E, H, I, torch.bfloat16, scheme, seed=17)
+    ids = torch.tensor([0] * 40 + [1] * 30 + [2] * 3 + [3] * 17)[torch.randperm(M, generator=torch.Generator().manual_seed(2))]
+    plan = k.align.align_rows(ids, E, 32)
+    down_plan = k.align.split_tiles(plan, 16)
+    amax = torch.zeros(E) if get_scheme(scheme).per_tensor_activation else None
+    outs = {}
+    for mode in ("off", persistent):
+        gate_up = GemmConfig(32, 64, 32, group_m=2, tma=tma, persistent=mode)
+        down = GemmConfig(16, 32, 32, group_m=2, tma=tma, persistent=mode)
+        h = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16)
+        a = None if amax is None else amax.clone()
+        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gate_up, activation="silu", gather=True, amax=a, programs=3)
+        h_in = k.quant.quantize_h(h, scheme, plan, a) if scheme != "none" else h
+        y = torch.full((M, H), float("nan"), dtype=torch.bfloat16)
+        k.grouped_gemm.moe_gemm(h_in, w.down, down_plan, y, down, activation=None, gather=False, programs=3)
+        outs[mode] = (h, a, y)
+    (h0, a0, y0), (h1, a1, y1) = outs["off"], outs[persistent]
+    assert torch.equal(h0.isnan(), h1.isnan()) and torch.equal(h0.nan_to_num(), h1.nan_to_num())
+    assert not y1.isnan().any() and torch.equal(y0, y1)
+    assert a0 is None or torch.equal(a0, a1)
+
+
+@pytest.mark.parametrize("persistent", ["loop", "flatten"])
+def test_persistent_programs_keep_to_the_expert_window(interpreted_kernels, exact_interpreter, persistent):
+    """With ``experts=(lo, hi)`` a persistent program walks every tile in use but computes and
+    stores only those of the window's experts: two windows give one launch's h and y, and the
+    rows of the other window stay as they were (NaN here) after the first."""
+    k = interpreted_kernels
+    gemm = k.configs.GemmConfig(16, 32, 32, group_m=1, persistent=persistent)
+    M, E, H, I = 40, 4, 64, 64
+    x, ids, w = _problem(M, E, H, I, torch.bfloat16, "none", seed=23)
+    plan = k.align.align_rows(ids, E, 16)
+    whole_h = torch.zeros(plan.padded_rows, I, dtype=torch.bfloat16)
+    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, whole_h, gemm, activation="silu", gather=True, programs=2)
+    h = torch.full_like(whole_h, float("nan"))
+    k.grouped_gemm.moe_gemm(x, w.gate_up[:2], plan, h, gemm, activation="silu", gather=True, experts=(0, 2),
+                            programs=2)
+    used = int(plan.start[E - 1]) + -(-int(plan.count[E - 1]) // 16) * 16  # positions of the tiles in use
+    second = torch.zeros(used, dtype=torch.bool)
+    second[int(plan.start[2]):] = True
+    assert second.any() and h[:used][second].isnan().all() and not h[:used][~second].isnan().any()
+    k.grouped_gemm.moe_gemm(x, w.gate_up[2:], plan, h, gemm, activation="silu", gather=True, experts=(2, 4),
+                            programs=2)
+    assert torch.equal(h[:used], whole_h[:used])
+
+
+def test_persistent_programs_need_whole_tiles_and_a_known_mode():
+    with pytest.raises(ValueError, match="persistent='flatten' computes whole tiles only"):
+        GemmConfig(128, 128, 64, half_tiles=True, persistent="flatten")
+    with pytest.raises(ValueError, match=r"GemmConfig.persistent: 'yes' is not one of \['off', 'loop', 'flatten'\]"):
+        GemmConfig(128, 128, 64, persistent="yes")
+
+
 def test_half_tiles_need_tiles_of_at_least_32_rows():
     with pytest.raises(ValueError, match="half_tiles needs block_m a multiple of 32, got block_m=16"):
         GemmConfig(16, 64, 64, half_tiles=True)
