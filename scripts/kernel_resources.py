@@ -24,14 +24,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moeshard.kernels.configs import PERSISTENCE
 from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, moe_gemm_kernel, one_w_scale_per_tile
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SM90 = GPUTarget("cuda", 90, 32)
 POINTERS = ("a_ptr", "a_half_ptr", "a_scale_ptr", "a_global_ptr", "w_ptr", "w_scale_ptr", "w_global_ptr", "out_ptr", "amax_ptr",
             "sorted_rows_ptr", "tile_expert_ptr", "start_ptr", "count_ptr")
-INTS = ("num_tiles", "num_experts", "expert_lo", "expert_hi", "N", "K", "N_w", "up_offset", "a_row_div", "stride_am", "stride_ak",
+INTS = ("num_tiles", "expert_lo", "expert_hi", "N", "K", "N_w", "up_offset", "a_row_div", "stride_am", "stride_ak",
         "stride_asm", "stride_ask", "stride_ag", "stride_we", "stride_wn", "stride_wk", "stride_wse", "stride_wsn",
         "stride_wsk", "stride_om", "stride_on")
 # (name, quant mode, a/w element, fused gate_up)
@@ -45,10 +44,9 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
 
 
 def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
-                 pdl: bool = False, persistent: str = "off"):
+                 pdl: bool = False):
     """``moe_gemm_kernel`` compiled for sm_90a (a Triton ``CompiledKernel``) with the given
-    constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); persistent as
-    ``GemmConfig.persistent``."""
+    constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     bm, bn, bk, warps, stages = tile
     sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*bf16"
@@ -65,7 +63,7 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
               # as moe_gemm sets it; N stands for any multiple of 128 (every model here)
               "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused), "HALF_TILES": half_tiles,
-              "A_VALUES": False, "W_VALUES": False, "PDL": pdl, "PERSISTENT": PERSISTENCE.index(persistent),
+              "A_VALUES": False, "W_VALUES": False, "PDL": pdl,
               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})
     names = list(moe_gemm_kernel.arg_names)

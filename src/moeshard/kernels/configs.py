@@ -47,10 +47,6 @@ NVFP4 = 4
 # How the fp8 tensor cores accumulate (modes 1 and 2): a fresh fp32 tile per BLOCK_K step added
 # in fp32; one accumulator promoted to fp32 every BLOCK_K terms; or reduced precision across K.
 FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
-# How the grouped GEMM's programs take their tiles (``GemmConfig.persistent``): one program per
-# tile; one program per multiprocessor walking the tiles in a loop; the same with the tile and K
-# loops flattened into one software pipeline.
-PERSISTENCE = ("off", "loop", "flatten")
 # Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).
 PDL_CHAINS = ("off", "gate_up", "all")
 # Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
@@ -65,11 +61,7 @@ class GemmConfig:
     per-tensor / per-row fp8 modes accumulate on the fp8 tensor cores (``FP8_ACCUMULATIONS``:
     what ``moe_gemm`` documents), ignored by the other modes. Every one of them stays within
     ``ACCUMULATION["fp8_mma"]`` (``scripts/accumulation_contract.py``); half_tiles: an expert's
-    last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``);
-    persistent (``PERSISTENCE``): "off" launches one program per tile, "loop" programs_per_sm
-    per multiprocessor, each walking the tiles in use, "flatten" the same with the tile and K
-    loops flattened into one software pipeline, so that a tile's epilogue overlaps the next
-    tile's first loads. A persistent program computes whole tiles only (no half tiles)."""
+    last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``)."""
 
     block_m: int
     block_n: int
@@ -80,19 +72,8 @@ class GemmConfig:
     tma: bool = False
     fp8_acc: str = "split"
     half_tiles: bool = False
-    persistent: str = "off"
-    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.programs_per_sm, int) or isinstance(self.programs_per_sm, bool) \
-                or self.programs_per_sm < 1:
-            raise ValueError(f"GemmConfig.programs_per_sm: expected an int >= 1, got {self.programs_per_sm!r}")
-        if self.persistent not in PERSISTENCE:
-            raise ValueError(f"GemmConfig.persistent: {self.persistent!r} is not one of {list(PERSISTENCE)}")
-        if self.persistent != "off" and self.half_tiles:
-            # The flattened loop holds one tile shape; a half tile is another kernel body.
-            raise ValueError(f"GemmConfig: persistent={self.persistent!r} computes whole tiles only; "
-                             f"half_tiles=True needs persistent='off'")
         if self.fp8_acc not in FP8_ACCUMULATIONS:
             raise ValueError(f"GemmConfig.fp8_acc: {self.fp8_acc!r} is not one of {list(FP8_ACCUMULATIONS)}")
         if self.half_tiles and (self.block_m < 32 or self.block_m % 32):
@@ -102,7 +83,7 @@ class GemmConfig:
     def as_dict(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "group_m": self.group_m,
                 "num_warps": self.num_warps, "num_stages": self.num_stages, "tma": self.tma, "fp8_acc": self.fp8_acc,
-                "half_tiles": self.half_tiles, "persistent": self.persistent, "programs_per_sm": self.programs_per_sm}
+                "half_tiles": self.half_tiles}
 
 
 @dataclass(frozen=True)

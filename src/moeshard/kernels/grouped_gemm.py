@@ -47,7 +47,7 @@ import triton.language as tl
 from moeshard.activations import get_activation
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
-from moeshard.kernels.configs import FP8_ACCUMULATIONS, PERSISTENCE, GemmConfig, multiprocessors
+from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
 from moeshard.kernels.nvfp4_values import Nvfp4Values, e2m1_scaled_f16
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 
@@ -107,7 +107,7 @@ def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
 
 @triton.jit
 def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr, sorted_rows_ptr,
-          p0, expert, w_expert, first, count, pid_n, N, K, tile_ok, N_w, up_offset, a_row_div,
+          p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
           stride_om, stride_on,
@@ -119,14 +119,11 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     """Computes and stores the BLOCK_M x BLOCK_N output tile whose rows are the padded positions
     [p0, p0 + BLOCK_M) of ``expert`` (its rows: [first, first + count)) and whose columns start
     at pid_n * BLOCK_N; ``w_expert`` is that expert's index in the weights given (``moe_gemm``'s
-    expert window). ``tile_ok`` (a scalar) masks every row of the tile: a persistent program's
-    empty tile of a split plan loads no rows and stores nothing. ``a_ptr`` is a TMA descriptor of
-    [BLOCK_M, BLOCK_K / pack] blocks when TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack]
-    blocks when TMA_W (pack: 2 for nvfp4 codes, 1 for an operand given as decoded values,
-    A_VALUES / W_VALUES)."""
+    expert window). ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
+    TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack] blocks when TMA_W (pack: 2 for nvfp4 codes,
+    1 for an operand given as decoded values, A_VALUES / W_VALUES)."""
     offs_p = p0 + tl.arange(0, BLOCK_M)
-    # tl.where, not &: the interpreter's & of a [BLOCK_M] and a scalar mask is not a mask.
-    row_ok = tl.where(tile_ok, offs_p - first < count, False)
+    row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
         orig_rows32 = tl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0)
         orig_rows = orig_rows32.to(tl.int64)
@@ -276,18 +273,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         # Padding rows are stored too (their A rows loaded as zeros, so they hold exact zeros):
         # the next stage may read whole tiles without masking.
         out_ptrs = out_ptr + offs_p.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(out_ptrs, result, mask=tl.where(tile_ok, n_ok, False)[None, :])
-
-
-@triton.jit
-def _tile_coords(t, num_tiles, num_pid_n, GROUP_M: tl.constexpr):
-    """(row tile, column block) of the t-th output tile in the grouped launch order: GROUP_M
-    consecutive row tiles (mostly one expert) sweep all column blocks together, so each weight
-    tile is read from HBM once per group, not once per tile."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (t // per_group) * GROUP_M
-    group_size = min(num_tiles - first_m, GROUP_M)
-    return first_m + (t % per_group) % group_size, (t % per_group) // group_size
+        tl.store(out_ptrs, result, mask=n_ok[None, :])
 
 
 # num_tiles varies with the routed rows, and the expert window with the chunk; specializing on
@@ -298,7 +284,7 @@ def moe_gemm_kernel(
         w_ptr, w_scale_ptr, w_global_ptr,
         out_ptr, amax_ptr,
         sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
-        num_tiles, num_experts, expert_lo, expert_hi, N, K, N_w, up_offset, a_row_div,
+        num_tiles, expert_lo, expert_hi, N, K, N_w, up_offset, a_row_div,
         stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
         stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
         stride_om, stride_on,
@@ -306,43 +292,22 @@ def moe_gemm_kernel(
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
-        A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr, PERSISTENT: tl.constexpr,
+        A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
+    # blocks together, so each weight tile is read from HBM once per group, not once per tile.
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
     pdl.enter(PDL)
-    if PERSISTENT != 0:
-        # Each program walks the tiles pid, pid + programs, ... of the window's experts: the
-        # tiles from expert_lo's first to the last one of expert_hi - 1 (every tile in between
-        # belongs to the window), so no program is spent on padding tiles. Under PERSISTENT == 2
-        # Triton flattens the tile and K loops into one software pipeline, so that the next tile's
-        # first operand loads are in flight while this tile's epilogue runs; it fuses only a K
-        # loop whose bounds do not change from tile to tile, so every tile runs all of K.
-        last = expert_hi - 1
-        t_lo = tl.load(start_ptr + expert_lo) // BLOCK_M
-        used = tl.load(start_ptr + last) // BLOCK_M + tl.cdiv(tl.load(count_ptr + last), BLOCK_M) - t_lo
-        for t in tl.range(pid, used * num_pid_n, tl.num_programs(0), flatten=PERSISTENT == 2):
-            pid_m, pid_n = _tile_coords(t, used, num_pid_n, GROUP_M)
-            pid_m += t_lo
-            expert = tl.load(tile_expert_ptr + pid_m)
-            # -1: an empty tile of a plan run in shorter tiles (``align.split_tiles``). It
-            # computes expert_lo's product for no rows and stores nothing.
-            in_window = expert >= expert_lo
-            expert = tl.where(in_window, expert, expert_lo).to(tl.int64)
-            _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
-                  sorted_rows_ptr, pid_m * BLOCK_M, expert, expert - expert_lo, tl.load(start_ptr + expert),
-                  tl.load(count_ptr + expert), pid_n, N, K, in_window, N_w, up_offset, a_row_div,
-                  stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
-                  stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
-                  QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
-                  FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M, BLOCK_N, BLOCK_K)
-        return
-    pid_m, pid_n = _tile_coords(pid, num_tiles, num_pid_n, GROUP_M)
 
     expert = tl.load(tile_expert_ptr + pid_m)
     # Padding tiles, and tiles of experts outside the window of weights given, compute nothing.
-    in_window = (expert >= expert_lo) & (expert < expert_hi)
-    if not in_window:
+    if expert < expert_lo or expert >= expert_hi:
         return
     expert = expert.to(tl.int64)
     w_expert = expert - expert_lo
@@ -356,8 +321,8 @@ def moe_gemm_kernel(
     if HALF_TILES:
         if count - (p0 - first) <= BLOCK_M // 2:
             _tile(a_half_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
-                  sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, in_window, N_w, up_offset,
-                  a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+                  sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+                  stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
                   QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
                   FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M // 2, BLOCK_N, BLOCK_K)
@@ -370,7 +335,7 @@ def moe_gemm_kernel(
                          mask=(offs_n < N)[None, :])
             return
     _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
-          sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, in_window, N_w, up_offset, a_row_div,
+          sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
           QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
@@ -450,7 +415,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
              out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
              fp8_acc: str | None = None, pdl_launch: bool = False,
-             experts: tuple[int, int] | None = None, programs: int | None = None) -> torch.Tensor:
+             experts: tuple[int, int] | None = None) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -466,9 +431,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     config.half_tiles: a tile whose expert has rows in its first half only (the expert's last
        tile) computes a tile of half the height; the other half, padding, is stored as zeros
        (gate_up) or not at all (down), as a whole tile would leave it.
-    config.persistent: "loop" / "flatten" launch ``config.programs_per_sm`` programs per
-       multiprocessor of out's device, each computing the tiles in use in turn (the same products
-       and stores as one program per tile); "flatten" pipelines across tiles.
     fp8_exact: fp8 operands are widened to fp16 (exactly) for an fp32-accurate product; without
        it they go to the fp8 tensor cores, whose accumulation keeps about 14 bits within each
        BLOCK_K step (the fp32 sum across steps is exact).
@@ -486,8 +448,6 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     experts: (lo, hi): w holds experts [lo, hi) of the plan's E only (w[e - lo] is expert e), and
        only their tiles are computed; the others' output rows are left as they are, for another
        launch over another window. None: w holds all E experts.
-    programs: how many programs a persistent config launches (at most one per tile); None:
-       ``config.programs_per_sm`` per multiprocessor of out's device.
     """
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if config.block_m != plan.block_m:
@@ -539,20 +499,12 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
                 a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, bk // a_pack])
             tma_a = True
     ws_scalar = one_w_scale_per_tile(w_mode, bn, n, fused)
-    tiles = plan.max_tiles * triton.cdiv(n, bn)
-    if config.persistent == "off":
-        grid = (tiles,)
-    else:
-        if programs is None:
-            programs = config.programs_per_sm * multiprocessors(out.device.index if out.is_cuda else None)
-        if not isinstance(programs, int) or isinstance(programs, bool) or programs < 1:
-            raise ValueError(f"moe_gemm: programs must be an int >= 1, got {programs!r}")
-        grid = (min(tiles, programs),)
+    grid = (plan.max_tiles * triton.cdiv(n, bn),)
     moe_gemm_kernel[grid](
         a_arg, a_half if tma_a else a_arg, a_scale, a_global, w_arg, w_scale, w_global,
         out, amax if amax is not None else out,
         plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
-        plan.max_tiles, num_experts, lo, hi, n, k, n_w, n if fused else 0, a_row_div,
+        plan.max_tiles, lo, hi, n, k, n_w, n if fused else 0, a_row_div,
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
         out.stride(0), out.stride(1),
@@ -560,7 +512,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
-        PDL=pdl_launch, PERSISTENT=PERSISTENCE.index(config.persistent),
+        PDL=pdl_launch,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),
     )
