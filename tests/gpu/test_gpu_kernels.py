@@ -422,6 +422,19 @@ def _captured(layer, x: torch.Tensor, warmups: int = 1):
     return graph, out
 
 
+def _forward_without_host_sync(layer, x: torch.Tensor) -> None:
+    """Runs ``layer(x)`` once to compile its kernels and fill its caches, then again with torch's
+    sync debug mode set to fail on any device-to-host synchronization."""
+    layer(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 def _layer(preset: str, scheme: str, dtype=torch.bfloat16, seed=0):
     cfg = PRESETS[preset].config("small", dtype)
     weights = MoEWeights.random(cfg, generator=torch.Generator().manual_seed(seed))
@@ -458,13 +471,7 @@ def test_layer_with_quantized_shared_experts(routed, shared):
         ref = reference_forward(x, weights, cfg, quant, accumulation=layer.accumulation)
         _check(layer(x.cuda()).cpu(), ref, cfg.dtype, routed, f"layer {quant.name} T={T}")
     static_x = torch.randn(48, cfg.hidden_size, device="cuda").to(cfg.dtype)
-    layer(static_x)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        layer(static_x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _forward_without_host_sync(layer, static_x)
     graph, static_out = _captured(layer, static_x)
     static_x.copy_(torch.randn(48, cfg.hidden_size, device="cuda").to(cfg.dtype))
     graph.replay()
@@ -474,15 +481,7 @@ def test_layer_with_quantized_shared_experts(routed, shared):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_layer_forward_has_no_host_sync(scheme):
     cfg, _, layer = _layer("deepseek-v3", scheme)
-    x = torch.randn(64, cfg.hidden_size, device="cuda").to(cfg.dtype)
-    layer(x)  # compiles the kernels and fills caches first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        layer(x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    _forward_without_host_sync(layer, torch.randn(64, cfg.hidden_size, device="cuda").to(cfg.dtype))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
