@@ -18,6 +18,7 @@ uneven, sometimes empty) token counts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -421,6 +422,72 @@ def test_fp8_checkpoint_is_read_as_stored(ckpts):
         assert torch.equal(gu.scale[5], want_scale)
         assert torch.equal(dn.data[5].view(torch.uint8), down[:, 128:].view(torch.uint8))
         assert torch.equal(dn.scale[5], get("down_proj.weight_scale_inv")[:, 1:])
+
+
+def test_fp8_shared_experts_run_as_stored(ckpts):
+    """``--shared-quant fp8_block`` on an FP8 checkpoint: the shared MLP runs the file's codes and
+    scales. In a bf16 model the dequantized weights are the stored values rounded to bf16, and
+    quantizing those again gives other scales (checked here, so the test can tell the two apart);
+    the layer must use the stored ones until its shared weights change, then quantize the new
+    ones."""
+    from moeshard.checkpoint.loader import build_layer
+    from moeshard.experts.shared import shared_gate_up
+    from moeshard.quant import quantize_weight
+
+    c = ckpts["deepseek_v3_fp8"]
+    block = load_moe_block(c.path, 1, quant=QuantConfig("fp8_block", shared="fp8_block"), dtype="bfloat16")
+    stored = block.shared_stored
+    assert stored is not None and isinstance(stored.gate_up, QuantizedWeight) and isinstance(stored.down, QuantizedWeight)
+    with safe_open(str(c.path / "model.safetensors"), "pt") as f:
+        get = lambda n: f.get_tensor(f"model.layers.1.mlp.shared_experts.{n}")  # noqa: E731
+        codes = torch.cat([get("gate_proj.weight"), get("up_proj.weight")]).view(torch.uint8)
+        assert torch.equal(stored.gate_up.data[0].view(torch.uint8), codes)
+        assert torch.equal(stored.gate_up.scale[0],
+                           torch.cat([get("gate_proj.weight_scale_inv"), get("up_proj.weight_scale_inv")]))
+        assert torch.equal(stored.down.data[0].view(torch.uint8), get("down_proj.weight").view(torch.uint8))
+        assert torch.equal(stored.down.scale[0], get("down_proj.weight_scale_inv"))
+    w = block.weights
+    again = quantize_weight(shared_gate_up(w.shared_gate, w.shared_up), "fp8_block")
+    assert not torch.equal(again.scale, stored.gate_up.scale)  # requantizing bf16 values moves the scales
+
+    layer = build_layer(block)
+    shared = layer.shared_experts
+    assert shared is not None and shared.quantized is not None
+    layer(c.x[:5].to(torch.bfloat16))
+    used = shared.quantized.weights(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    assert isinstance(used.gate_up, QuantizedWeight) and isinstance(used.down, QuantizedWeight)
+    assert torch.equal(used.gate_up.scale, stored.gate_up.scale) and torch.equal(used.down.scale, stored.down.scale)
+    assert torch.equal(used.gate_up.data.view(torch.uint8), stored.gate_up.data.view(torch.uint8))
+
+    with torch.no_grad():
+        shared.down_proj.weight.mul_(0.5)  # new weights: not the stored codes' values any more
+    used = shared.quantized.weights(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    assert isinstance(used.down, QuantizedWeight)
+    assert torch.equal(used.down.scale, quantize_weight(shared.down_proj.weight.unsqueeze(0), "fp8_block").scale)
+    assert not torch.equal(used.down.scale, stored.down.scale)
+
+    plain = load_moe_block(c.path, 1, quant=QuantConfig("fp8_block"), dtype="bfloat16")
+    assert plain.shared_stored is None  # shared experts in the model dtype: nothing to keep
+    with pytest.raises(ValueError, match="shared_stored \\(fp8_block\\) given, but quant.shared is 'none'"):
+        build_layer(dataclasses.replace(plain, shared_stored=stored))
+
+
+def test_run_takes_the_fp8_shared_experts_as_stored(ckpts):
+    """``moeshard run --shared-quant fp8_block`` on an FP8 checkpoint gives the bits of a layer
+    built from the loaded block (stored shared codes), and not those of the same layer with its
+    shared MLP quantized again from the bf16 weights (which differ here)."""
+    from moeshard.checkpoint.loader import build_layer
+
+    c = ckpts["deepseek_v3_fp8"]
+    spec = RunSpec(model_dir=str(c.path), layer=c.layer, input_path=str(c.input_path), quant="fp8_block",
+                   shared_quant="fp8_block", dtype="bfloat16")
+    got = run_rank(plan_run(spec), None).output
+    block = load_moe_block(c.path, 1, quant=QuantConfig("fp8_block", shared="fp8_block"), dtype="bfloat16")
+    x = c.x.to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(got, build_layer(block)(x))
+        requantized = build_layer(dataclasses.replace(block, shared_stored=None))(x)
+    assert not torch.equal(got, requantized)
 
 
 def test_fp8_fused_checkpoint_reads_like_per_expert(ckpts, tmp_path):

@@ -23,6 +23,7 @@ import pytest
 import torch
 from router_parity import bf16_router_parity
 
+from moeshard.config import QuantConfig
 from moeshard.jobs.generate import (
     GenerateSpec,
     by_prompt,
@@ -312,6 +313,18 @@ def test_fp8_block_checkpoint_whole_model(tmp_path):
                        dequantized["model.layers.1.mlp.shared_experts.up_proj.weight"])
     ids, logits = greedy(model, [PROMPTS[0]], NEW_TOKENS, 0, True)
     assert len(ids[0]) == NEW_TOKENS and torch.isfinite(logits).all()
+
+    # With the shared experts quantized too, they keep the checkpoint's own codes and scales.
+    model = load_sharded_model(tmp_path, quant=QuantConfig("fp8_block", shared="fp8_block"))
+    shared = model.model.layers[1].mlp.shared_experts
+    assert shared.quantized is not None and shared.quantized.stored is not None
+    prefix = "model.layers.1.mlp.shared_experts."
+    want = torch.cat([stored[prefix + "gate_proj.weight_scale_inv"], stored[prefix + "up_proj.weight_scale_inv"]])
+    assert torch.equal(shared.quantized.stored.gate_up.scale[0], want)
+    ids, logits = greedy(model, [PROMPTS[0]], NEW_TOKENS, 0, True)
+    assert len(ids[0]) == NEW_TOKENS and torch.isfinite(logits).all()
+    used = shared.quantized.weights(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    assert torch.equal(used.gate_up.scale[0], want)
 
 
 # -- several ranks: one spawn per world size --------------------------------------------------

@@ -113,7 +113,10 @@ class MoELayer(nn.Module):
     forward on this rank (``moeshard check --explain``); None: nothing is recorded;
     placement: expert-parallel load balancing (``moeshard.eplb.Placement``, EP on): E logical
     experts on P * S physical slots, hot experts with several replicas (None: no redundancy);
-    load_window: forwards over which ``expert_loads`` counts tokens per logical expert.
+    load_window: forwards over which ``expert_loads`` counts tokens per logical expert;
+    shared_stored: the shared MLP quantized with ``quant.shared`` as one expert (gate_up [1, 2S,
+    H], down [1, H, S]), as an fp8 checkpoint stores it (``LoadedBlock.shared_stored``): run as
+    stored while ``weights``' shared tensors are its dequantization (``QuantizedSharedMLP``).
 
     With a placement the router's logical ids become slot ids right after routing
     (``physical_ids``: deterministic, identical on every rank that sees a token); the backend is
@@ -138,7 +141,8 @@ class MoELayer(nn.Module):
                  backend: str | None = None, weights: MoEWeights | None = None,
                  local_experts: ExpertWeights | None = None, device=None,
                  max_tokens_per_rank: int | None = None, placement: Placement | None = None,
-                 load_window: int = 64, recorder: StageRecorder | None = None) -> None:
+                 load_window: int = 64, recorder: StageRecorder | None = None,
+                 shared_stored: ExpertWeights | None = None) -> None:
         super().__init__()
         quant = quant or QuantConfig()
         parallel = groups.config if groups is not None else ParallelConfig()
@@ -191,9 +195,12 @@ class MoELayer(nn.Module):
         self.experts = RoutedExperts(local_experts)
         quant.check_model(cfg, f"MoELayer (rank {rank})")
         shared_quantized = None
+        if shared_stored is not None and quant.shared == "none":
+            raise ValueError(f"MoELayer (rank {rank}): shared_stored ({shared_stored.scheme}) given, but "
+                             f"quant.shared is 'none' (the shared experts run in {cfg.dtype})")
         if quant.shared != "none":
             shared_quantized = QuantizedSharedMLP(quant.shared, select_kernel(cfg.activation, cfg.dtype, self.device,
-                                                                              quant.shared))
+                                                                              quant.shared), shared_stored)
         self.shared_experts = (SharedExperts(weights, cfg.activation, shared_quantized) if cfg.has_shared_experts
                                else None)
         self.shared_expert_gate = None

@@ -18,12 +18,24 @@ def read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], d
     """Tensor ``name`` of ``shape`` in ``dtype``. A float tensor of the checkpoint, or with ``fp8``
     (an FP8 block checkpoint) an e4m3 2-D weight and its block scales; ValueError naming the
     tensor, the file and what is wrong (shape, dtype, NaN/Inf) otherwise."""
+    t, scale = read_stored(ckpt, name, shape, fp8)
+    if scale is None:
+        return t.to(dtype)
+    rows, cols = shape
+    return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols))).to(dtype)
+
+
+def read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...],
+                fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tensor ``name`` of ``shape`` as stored, checked as ``read_dense`` checks it: (the float
+    tensor, None), or (the e4m3 [R, C] codes, their fp32 [ceil(R/128), ceil(C/128)] block scales)
+    for an fp8 weight of an FP8 block checkpoint (``fp8``)."""
     allowed = FLOAT_DTYPES + ((torch.float8_e4m3fn,) if fp8 else ())
     info = ckpt.expect(name, shape, allowed)
     t = ckpt.read(name)
     check_finite(t, name, info.file)
     if t.dtype != torch.float8_e4m3fn:
-        return t.to(dtype)
+        return t, None
     if len(shape) != 2:
         raise ValueError(f"tensor {name!r} in {str(info.file)!r}: an fp8 weight with block scales must be 2-D, "
                          f"got shape {list(shape)}")
@@ -31,5 +43,4 @@ def read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], d
     sinfo = ckpt.expect(sname, tuple(-(-n // FP8_BLOCK) for n in shape), scale_dtypes())
     scale = ckpt.read(sname).float()
     check_finite(scale, sname, sinfo.file)
-    rows, cols = shape
-    return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols))).to(dtype)
+    return t, scale

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moeshard.checkpoint.dense import read_dense
+from moeshard.checkpoint.dense import read_dense, read_stored
 from moeshard.checkpoint.experts import ExpertReader
 from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
 from moeshard.checkpoint.names import BlockNames, resolve_block_names
@@ -27,6 +27,7 @@ from moeshard.config import MoEConfig, QuantConfig, parse_dtype
 from moeshard.eplb.placement import Placement
 from moeshard.experts.base import ExpertWeights
 from moeshard.parallel.config import ParallelConfig
+from moeshard.quant import FP8_BLOCK, QuantizedWeight
 from moeshard.sharding import ShardSpec, shard_spec
 from moeshard.weights import MoEWeights
 
@@ -41,7 +42,10 @@ class LoadedBlock:
     weights: router ``gate`` [E, H], ``correction_bias`` fp32 [E], router ``gate_bias`` [E] and
     shared experts, in ``cfg.dtype``, with the routed experts' tensors None; local_experts: this
     rank's routed experts, ``gate_up`` [E_l, 2 I_l, H], ``down`` [E_l, H, I_l], quantized for
-    ``quant``, with their biases when the config has ``expert_bias``.
+    ``quant``, with their biases when the config has ``expert_bias``; shared_stored: with
+    ``quant.shared`` fp8_block in an FP8 block checkpoint whose shared MLP is stored in fp8, that
+    MLP as one fp8_block expert with the file's codes and scales (``MoELayer``'s shared_stored),
+    else None.
     """
 
     model: HFMoEModel
@@ -55,6 +59,7 @@ class LoadedBlock:
     weights: MoEWeights
     local_experts: ExpertWeights
     placement: Placement | None = None
+    shared_stored: ExpertWeights | None = None
 
 
 def resolve_quant(model: HFMoEModel, quant: QuantConfig | str | None) -> QuantConfig:
@@ -88,6 +93,24 @@ class _SmallTensors:
         name, E = self.names.correction_bias, self.cfg.num_experts
         rows = self.ckpt.has(name) and self.ckpt.info(name).shape == (1, E)
         return self.dense(name, (1, E) if rows else (E,), torch.float32).reshape(E)
+
+    def shared_stored(self, quant: QuantConfig) -> ExpertWeights | None:
+        """The shared MLP as one fp8_block expert (gate_up [1, 2S, H]: gate's tiles then up's;
+        down [1, H, S]) with the file's codes and scales, where ``quant.shared`` is fp8_block and
+        all three are stored in fp8; None otherwise, and where S is not a multiple of 128 (a
+        128-row tile would then hold gate and up rows, which no stored scale describes)."""
+        cfg, n = self.cfg, self.names
+        if not (self.fp8 and cfg.has_shared_experts and quant.shared == "fp8_block"):
+            return None
+        H, S = cfg.hidden_size, cfg.shared_width
+        (g, gs), (u, us), (d, ds) = (read_stored(self.ckpt, n.shared(p), shape, True)
+                                     for p, shape in (("gate", (S, H)), ("up", (S, H)), ("down", (H, S))))
+        if gs is None or us is None or ds is None or S % FP8_BLOCK:
+            return None
+        gate_up = QuantizedWeight("fp8_block", torch.cat([g, u]).unsqueeze(0), torch.cat([gs, us]).unsqueeze(0), None,
+                                  (1, 2 * S, H))
+        return ExpertWeights(gate_up, QuantizedWeight("fp8_block", d.unsqueeze(0), ds.unsqueeze(0), None, (1, H, S)),
+                             "fp8_block")
 
     def weights(self) -> MoEWeights:
         cfg, n = self.cfg, self.names
@@ -132,11 +155,13 @@ def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfi
     # hold before anything loops over experts (a config may claim 10^9 of them).
     ckpt.expect(names.router, (cfg.num_experts, cfg.hidden_size))
     experts = ExpertReader(ckpt, names, cfg, model.format)  # checks every expert tensor's shape
-    weights = _SmallTensors(ckpt, names, cfg, model.format.stored_scheme == "fp8_block").weights()
+    small = _SmallTensors(ckpt, names, cfg, model.format.stored_scheme == "fp8_block")
+    weights = small.weights()
     weights.validate(cfg, routed=False)
     local = experts.read(quant, spec)
     return LoadedBlock(model=model, layer=layer, cfg=cfg, quant=quant, parallel=parallel, rank=rank, spec=spec,
-                       names=names, weights=weights, local_experts=local, placement=placement)
+                       names=names, weights=weights, local_experts=local, placement=placement,
+                       shared_stored=small.shared_stored(quant))
 
 
 def build_layer(block: LoadedBlock, groups=None, backend: str | None = None, device=None):
@@ -149,4 +174,5 @@ def build_layer(block: LoadedBlock, groups=None, backend: str | None = None, dev
         raise ValueError(f"build_layer: the block was loaded for rank {block.rank} of {block.parallel.name}, but "
                          f"the groups are rank {groups.rank if groups else 0} of {layout.name}")
     return MoELayer(block.cfg, quant=block.quant, groups=groups, backend=backend, weights=block.weights,
-                    local_experts=block.local_experts, device=device, placement=block.placement)
+                    local_experts=block.local_experts, device=device, placement=block.placement,
+                    shared_stored=block.shared_stored)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moeshard.experts.base import ExpertInput, ExpertKernel, ExpertWeights
-from moeshard.quant import QuantizedActivations, get_scheme, quantize_activations, quantize_weight
+from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme, quantize_activations, quantize_weight
 
 
 def shared_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -30,15 +30,26 @@ class QuantizedSharedMLP:
     The quantized weights are made from the model-dtype weights on first use and again whenever
     those change (other tensors, as after ``.to``, or written in place, as ``load_state_dict``
     does: torch counts in-place writes in ``_version``), so they never go stale.
+
+    stored: the shared MLP already quantized with ``scheme`` as one expert (gate_up [1, 2S, H],
+    down [1, H, S]), as an fp8 checkpoint stores it. It is used, not requantized, whenever the
+    model-dtype weights are exactly its dequantization in their dtype (checked when they change),
+    so a checkpoint's codes and scales run as stored; other weights are quantized as above. The
+    check reads one value back to the host, only when the weights changed (the first forward, a
+    ``load_state_dict``).
     """
 
-    def __init__(self, scheme: str, kernel: ExpertKernel) -> None:
+    def __init__(self, scheme: str, kernel: ExpertKernel, stored: ExpertWeights | None = None) -> None:
         spec = get_scheme(scheme, "QuantizedSharedMLP: scheme")
         if not spec.quantized or spec.per_tensor_activation:
             raise ValueError(f"QuantizedSharedMLP: scheme must be quantized with per-row or per-block activation "
                              f"scales, got {scheme!r}")
+        if stored is not None and stored.scheme != scheme:
+            raise ValueError(f"QuantizedSharedMLP: stored weights are {stored.scheme!r}, the shared experts run "
+                             f"{scheme!r}")
         self.scheme = scheme
         self.kernel = kernel
+        self.stored = stored
         self._key: tuple | None = None
         self._weights: ExpertWeights | None = None
 
@@ -48,10 +59,24 @@ class QuantizedSharedMLP:
         key = tuple((t.data_ptr(), t._version, t.device, t.shape) for t in (gate, up, down))
         if key != self._key or self._weights is None:
             with torch.no_grad():
-                self._weights = ExpertWeights(quantize_weight(shared_gate_up(gate, up), self.scheme),
-                                              quantize_weight(down.unsqueeze(0), self.scheme), self.scheme)
+                gate_up = shared_gate_up(gate, up)
+                stored = self._stored_for(gate_up, down)
+                self._weights = stored or ExpertWeights(quantize_weight(gate_up, self.scheme),
+                                                        quantize_weight(down.unsqueeze(0), self.scheme), self.scheme)
             self._key = key
         return self._weights
+
+    def _stored_for(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights | None:
+        """``stored`` on the weights' device when gate_up [1, 2S, H] and down [H, S] are exactly
+        its dequantization in their dtype, else None."""
+        if self.stored is None or (self.stored.gate_up.shape, self.stored.down.shape) != (
+                tuple(gate_up.shape), (1, *down.shape)):
+            return None
+        stored = self.stored.to(gate_up.device)
+        for w, q in ((gate_up, stored.gate_up), (down.unsqueeze(0), stored.down)):
+            if not isinstance(q, QuantizedWeight) or not torch.equal(q.dequantize(torch.float32).to(w.dtype), w):
+                return None
+        return stored
 
     def quantize_input(self, x: torch.Tensor) -> QuantizedActivations:
         """x: [T, H] model dtype -> its rows quantized with the scheme (per row or per block):

@@ -552,7 +552,8 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         setattr(layers[index], attribute,
                 MoEBlock(routers.pop(index), block.cfg, layer=index, quant=block.quant, groups=groups,
                          backend=backend, weights=weights, local_experts=block.local_experts, device=device,
-                         max_tokens_per_rank=max_tokens_per_rank, **_router_names(family)))
+                         max_tokens_per_rank=max_tokens_per_rank, shared_stored=block.shared_stored,
+                         **_router_names(family)))
     return model.eval()
 
 

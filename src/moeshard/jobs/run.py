@@ -281,15 +281,16 @@ def _agree(groups: ParallelGroups | None, error: BaseException | None, rank: int
         raise RankFailed(f"{kind}: {text}{also}") from error
 
 
-def _load(plan: RunPlan, rank: int) -> tuple[MoEWeights, ExpertWeights | None]:
-    """(weights, local_experts) for ``MoELayer``: checkpoint slices, or full random weights."""
+def _load(plan: RunPlan, rank: int) -> tuple[MoEWeights, ExpertWeights | None, ExpertWeights | None]:
+    """(weights, local_experts, shared_stored) for ``MoELayer``: checkpoint slices (and the
+    shared MLP as stored, see ``LoadedBlock``), or full random weights."""
     spec = plan.spec
     if spec.model_dir is not None:
         assert spec.layer is not None  # RunSpec refuses a model directory without a layer
         block = load_moe_block(spec.model_dir, spec.layer, parallel=plan.parallel, rank=rank, quant=plan.quant,
                                dtype=plan.cfg.dtype)
-        return block.weights, block.local_experts
-    return random_weights(plan.cfg, spec.seed), None
+        return block.weights, block.local_experts, block.shared_stored
+    return random_weights(plan.cfg, spec.seed), None, None
 
 
 def _input_rows(plan: RunPlan, dp_rank: int) -> torch.Tensor:
@@ -307,16 +308,17 @@ def run_rank(plan: RunPlan, groups: ParallelGroups | None) -> RunRankResult:
     place = RankPlace.of(plan, groups)
     rank, dp_rank, tp_rank, device = place.rank, place.dp_rank, place.tp_rank, place.device
     t0 = time.perf_counter()
-    error, weights, local = None, None, None
+    error, weights, local, shared_stored = None, None, None, None
     try:
-        weights, local = _load(plan, rank)
+        weights, local, shared_stored = _load(plan, rank)
         x = _input_rows(plan, dp_rank).to(device)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see _agree)
         error = exc
     _agree(groups, error, rank)
     layer = MoELayer(plan.cfg, quant=plan.quant, groups=groups, backend=plan.backend, weights=weights,
-                     local_experts=local, device=device, max_tokens_per_rank=max(max(plan.tokens_per_rank), 1))
-    del weights, local
+                     local_experts=local, device=device, max_tokens_per_rank=max(max(plan.tokens_per_rank), 1),
+                     shared_stored=shared_stored)
+    del weights, local, shared_stored
     synchronize(device)
     load_s = time.perf_counter() - t0
     if groups is not None:
