@@ -13,7 +13,8 @@ as the selected prefill tiles' ``fp8_acc="imprecise"``.
 
 For each model, token count and scheme (fp8_tensor, fp8_token) it times, on the bench's
 workload (``moeshard.bench.workload``, CUDA graphs, an L2 flush before every repetition, rounds
-alternating), the selected Triton down GEMM and the Gluon kernel at 2, 3 and 4 stages, and
+alternating), the selected Triton down GEMM and the Gluon kernel at 3 and 4 stages, storing from
+the MMA layout or through shared memory in whole rows, and
 checks that each gives the Triton kernel's y bit for bit (reported, not assumed).
 
     PYTHONPATH=src python3 scripts/gluon_down_study.py --json results/h200/gluon_down_study.json
@@ -40,7 +41,8 @@ from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (4096, 16384)
 SCHEMES = ("fp8_tensor", "fp8_token")
-STAGES = (2, 3, 4)
+# (stages, coalesced stores) of the Gluon kernel
+VARIANTS = ((3, False), (4, False), (3, True), (4, True))
 
 
 @gluon.jit
@@ -85,7 +87,8 @@ def _mma(consumer, acc, use_acc, bars, a_bufs, w_bufs, STAGES: gl.constexpr):
 @gluon.jit
 def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr,
                            start_ptr, count_ptr, num_experts, N, K, stride_asm, stride_wse, stride_wsn, stride_om,
-                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, COALESCE: gl.constexpr,
+                           num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -94,6 +97,9 @@ def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, so
                                                      instr_shape=[16, BLOCK_N, 32])
     rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
+    # COALESCE: the result goes through shared memory into rows of 16-byte pieces per thread, so
+    # that a warp stores whole 512-byte rows (the MMA layout stores 4 bytes per thread).
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -108,6 +114,7 @@ def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, so
     num_pid_n = gl.cdiv(N, BLOCK_N)
     num_tiles = gl.cdiv(used * num_pid_n - pid, programs)
     k_steps = gl.cdiv(K, BLOCK_K)
+    own_steps = k_steps - (STAGES - 1)  # steps whose MMA is followed by a load of this tile
     producer = 0
     consumer = 0
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
@@ -119,33 +126,42 @@ def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, so
                                         GROUP_M)
     for ki in gl.static_range(STAGES - 1):
         producer = _load(producer, a_desc, w_desc, off_m, off_w, ki * BLOCK_K, bars, a_bufs, w_bufs, STAGES,
-                         (num_tiles > 0) & (ki < k_steps))
+                         num_tiles > 0)
 
     for idx in range(num_tiles):
+        # Everything the epilogue and the next tile's loads need is asked for now, so that its
+        # latency passes under this tile's MMAs.
         next_m, next_w, next_n, next_expert = _tile(idx + 1, pid, programs, used, num_pid_n, tile_expert_ptr, N,
                                                     BLOCK_M, BLOCK_N, GROUP_M)
-        has_next = idx + 1 < num_tiles
-        for s in range(k_steps):
+        offs_p = off_m + gl.arange(0, BLOCK_M, layout=rows_layout)
+        row_ok = offs_p - gl.load(start_ptr + expert) < gl.load(count_ptr + expert)
+        a_s = gl.load(a_scale_ptr + offs_p.to(gl.int64) * stride_asm, mask=row_ok, other=0.0)
+        orig = gl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0).to(gl.int64)
+
+        for s in range(own_steps):
             consumer, acc = _mma(consumer, acc, s > 0, bars, a_bufs, w_bufs, STAGES)
-            ahead = s + STAGES - 1
-            this_tile = ahead < k_steps
-            producer = _load(producer, a_desc, w_desc, gl.where(this_tile, off_m, next_m),
-                             gl.where(this_tile, off_w, next_w),
-                             gl.where(this_tile, ahead, ahead - k_steps) * BLOCK_K, bars, a_bufs, w_bufs, STAGES,
-                             this_tile | (has_next & (ahead - k_steps < k_steps)))
+            producer = _load(producer, a_desc, w_desc, off_m, off_w, (s + STAGES - 1) * BLOCK_K, bars, a_bufs,
+                             w_bufs, STAGES)
+        has_next = idx + 1 < num_tiles
+        for s in range(own_steps, k_steps):
+            consumer, acc = _mma(consumer, acc, s > 0, bars, a_bufs, w_bufs, STAGES)
+            producer = _load(producer, a_desc, w_desc, next_m, next_w, (s - own_steps) * BLOCK_K, bars, a_bufs,
+                             w_bufs, STAGES, has_next)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
         # Epilogue: per-row (h) and per-column (weight) scales, rounded to the model dtype, stored
         # at the routed rows (the Triton kernel's arithmetic in its order).
-        offs_p = off_m + gl.arange(0, BLOCK_M, layout=rows_layout)
-        first = gl.load(start_ptr + expert)
-        row_ok = offs_p - first < gl.load(count_ptr + expert)
-        a_s = gl.load(a_scale_ptr + offs_p.to(gl.int64) * stride_asm, mask=row_ok, other=0.0)
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
         w_s = gl.load(w_scale_ptr + expert.to(gl.int64) * stride_wse + offs_n * stride_wsn)
         result = (acc * a_s[:, None] * w_s[None, :]).to(out_ptr.dtype.element_ty)
-        orig = gl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0).to(gl.int64)
-        gl.store(out_ptr + orig[:, None] * stride_om + offs_n[None, :], result, mask=row_ok[:, None])
+        if COALESCE:
+            result = gl.convert_layout(result, store_layout)
+            orig_s = gl.convert_layout(orig, gl.SliceLayout(1, store_layout))
+            ok_s = gl.convert_layout(row_ok, gl.SliceLayout(1, store_layout))
+            cols_s = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+            gl.store(out_ptr + orig_s[:, None] * stride_om + cols_s[None, :], result, mask=ok_s[:, None])
+        else:
+            gl.store(out_ptr + orig[:, None] * stride_om + offs_n[None, :], result, mask=row_ok[:, None])
         off_m, off_w, off_n, expert = next_m, next_w, next_n, next_expert
 
     for i in gl.static_range(STAGES):
@@ -153,7 +169,8 @@ def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, so
 
 
 def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan, out: torch.Tensor, stages: int,
-                    block_m: int = 128, block_n: int = 256, block_k: int = 128, group_m: int = 8) -> torch.Tensor:
+                    coalesce: bool = False, block_m: int = 128, block_n: int = 256, block_k: int = 128,
+                    group_m: int = 8) -> torch.Tensor:
     """y[sorted_rows[p]] = (h[p] @ w[expert of p].T) * scales, as ``moe_gemm``'s down (gather=False)
     for per-tensor / per-row fp8 schemes; h at padded positions [P, I], w [E, H, I], out [M, H]."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -172,7 +189,7 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan, out: torc
     grid = (min(multiprocessors(out.device.index), plan.max_tiles * triton.cdiv(n, block_n)), )
     persistent_down_kernel[grid](a_desc, w_desc, out, a_scale, ws, plan.sorted_rows, plan.tile_expert, plan.start,
                                  plan.count, plan.start.shape[0], n, k, stride_asm, stride_wse, stride_wsn,
-                                 out.stride(0), STAGES=stages, GROUP_M=group_m, num_warps=8)
+                                 out.stride(0), STAGES=stages, GROUP_M=group_m, COALESCE=coalesce, num_warps=8)
     return out
 
 
@@ -198,18 +215,20 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     calls = {"triton_ms": lambda: moe_gemm(hq, experts.down, down_plan, y_ref, sel.down, activation=None,
                                            gather=False)}
     rec["same_bits"], rec["max_rel_diff"] = {}, {}
-    for stages in STAGES:
+    for stages, coalesce in VARIANTS:
+        key = f"gluon_s{stages}{'_coalesced' if coalesce else ''}"
         y = torch.full((M, H), float("nan"), dtype=cfg.dtype, device=device)
         try:
-            persistent_down(hq, experts.down, plan, y, stages)
+            persistent_down(hq, experts.down, plan, y, stages, coalesce)
             torch.cuda.synchronize()
         except Exception as exc:  # a variant that does not compile or launch is a finding too
-            rec.setdefault("errors", {})[f"gluon_s{stages}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            rec.setdefault("errors", {})[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             continue
-        rec["same_bits"][f"gluon_s{stages}"] = bool(torch.equal(y, y_ref))
+        rec["same_bits"][key] = bool(torch.equal(y, y_ref))
         diff = (y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max().clamp_min(1e-30)
-        rec["max_rel_diff"][f"gluon_s{stages}"] = float(diff)
-        calls[f"gluon_s{stages}_ms"] = lambda y=y, stages=stages: persistent_down(hq, experts.down, plan, y, stages)
+        rec["max_rel_diff"][key] = float(diff)
+        calls[f"{key}_ms"] = lambda y=y, stages=stages, coalesce=coalesce: persistent_down(
+            hq, experts.down, plan, y, stages, coalesce)
     rec["rounds"], rec["median_ms"] = alternating_medians(calls, rounds=args.rounds, reps=args.reps, flush=flush)
     return rec
 
