@@ -18,20 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from cuda_tools import cuda_tools_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "src" / "moeshard" / "kernels"
-
-
-def _cuda_tools() -> str | None:
-    """Why Triton cannot compile for sm_90 here, or None when it can."""
-    try:
-        import triton
-    except Exception as exc:  # noqa: BLE001 (any broken install is a reason to skip)
-        return f"triton does not import: {exc}"
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    missing = [t for t in ("ptxas", "cuobjdump") if not (bin_dir / t).exists()]
-    return f"Triton's CUDA tools are missing: {missing} in {bin_dir}" if missing else None
 
 
 def pdl_kernels() -> set[str]:
@@ -49,7 +39,7 @@ def pdl_kernels() -> set[str]:
 
 
 def test_every_pdl_kernel_waits_before_it_touches_memory(tmp_path):
-    reason = _cuda_tools()
+    reason = cuda_tools_missing()
     if reason:
         pytest.skip(reason)
     out = tmp_path / "order.json"

@@ -143,6 +143,77 @@ def test_half_tiles_give_the_whole_tiles_bits(scheme):
     assert torch.equal(y0, y1), f"{scheme}: y differs, max {(y0.float() - y1.float()).abs().max():.3g}"
 
 
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
+@pytest.mark.parametrize("H", [512, 640], ids=["H512", "H640"])
+def test_gluon_down_gives_the_triton_bits(scheme, H):
+    """The Gluon persistent down GEMM (``GemmConfig.engine="gluon"``) against the Triton grouped
+    GEMM on the same prefill tile: y bit for bit, with one program per SM and with three
+    programs (each walking hundreds of tiles, its loads running into the next tile's), for
+    experts of 0-300 rows (an empty expert, last tiles of every height), H a multiple of the
+    256-column tile and not (640: the last column tile is partial), and under CUDA-graph replay
+    with new h."""
+    import dataclasses
+
+    from moeshard.kernels.grouped_gemm import moe_gemm
+    from moeshard.kernels.persistent_down import persistent_down
+
+    E, I = 24, 768
+    counts = torch.randint(0, 300, (E,), generator=torch.Generator().manual_seed(7))
+    counts[3] = 0
+    ids = torch.repeat_interleave(torch.arange(E), counts)[torch.randperm(int(counts.sum()))].cuda()
+    M = ids.shape[0]
+    w = _weights(E, H, I, torch.bfloat16, scheme, seed=9)
+    spec = get_scheme(scheme)
+    amax = torch.empty(E, device="cuda") if spec.per_tensor_activation else None
+    plan = align_rows(ids, E, 128, amax=amax)
+    h = torch.randn(plan.padded_rows, I, device="cuda").to(torch.bfloat16)
+    if amax is not None:
+        amax.copy_(h.float().abs().amax().expand(E) * torch.linspace(0.5, 1.0, E, device="cuda"))
+    hq = quantize_h(h, scheme, plan, amax)
+    triton_cfg = GemmConfig(128, 256, 128, 8, 8, 3, tma=True, fp8_acc="imprecise")
+    gluon_cfg = dataclasses.replace(triton_cfg, engine="gluon", num_stages=4)
+    want = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe_gemm(hq, w.down, plan, want, triton_cfg, activation=None, gather=False)
+    assert not want.isnan().any()
+    for programs in (None, 3):
+        got = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        persistent_down(hq, w.down, plan, got, gluon_cfg, programs=programs)
+        assert torch.equal(got, want), f"{scheme} H={H} programs={programs}: max {(got.float() - want.float()).abs().max():.3g}"
+    y = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
+    moe_gemm(hq, w.down, plan, y, gluon_cfg, activation=None, gather=False)  # compiles before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_gemm(hq, w.down, plan, y, gluon_cfg, activation=None, gather=False)
+    new = quantize_h(torch.randn_like(h), scheme, plan, amax)
+    hq.data.copy_(new.data)
+    (hq.row_scale if hq.row_scale is not None else hq.tensor_scale).copy_(
+        new.row_scale if new.row_scale is not None else new.tensor_scale)
+    graph.replay()
+    moe_gemm(hq, w.down, plan, want, triton_cfg, activation=None, gather=False)
+    assert torch.equal(y, want), f"{scheme} H={H}: graph replay with new h differs"
+
+
+def test_experts_take_the_gluon_down_at_prefill_with_the_same_bits():
+    """``TritonExperts`` on an H200-class GPU selects the Gluon down GEMM for fp8_tensor at a
+    prefill shape with I <= GLUON_DOWN_MAX_K, and its output is the Triton-only config's."""
+    import dataclasses
+
+    from moeshard.kernels.persistent_down import supported
+
+    assert supported(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] == 9)
+    if not supported(torch.device("cuda")):
+        pytest.skip("the Gluon down GEMM runs on compute capability 9.x")
+    M, E, H, I = 8192, 8, 1024, 1536
+    sel = select_config(M, E, H, I, "fp8_tensor", gluon=True)
+    assert sel.down.engine == "gluon", sel
+    w = _weights(E, H, I, torch.bfloat16, "fp8_tensor", seed=2)
+    x = torch.randn(M, H, device="cuda").to(torch.bfloat16)
+    inp = ExpertInput(quantize_activations(x, "fp8_tensor"), _ids(M, E, seed=4), padded=False)
+    got = TritonExperts("silu", torch.bfloat16)(inp, w)
+    triton_only = dataclasses.replace(sel, down=dataclasses.replace(sel.down, engine="triton", num_stages=3))
+    assert torch.equal(got, TritonExperts("silu", torch.bfloat16, triton_only)(inp, w))
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_laid_out_input_gives_the_gathered_bits(scheme):
     """gate_up on the input laid out at padded positions (``kernels.layout``, read through TMA by

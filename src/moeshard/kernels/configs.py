@@ -47,6 +47,13 @@ NVFP4 = 4
 # How the fp8 tensor cores accumulate (modes 1 and 2): a fresh fp32 tile per BLOCK_K step added
 # in fp32; one accumulator promoted to fp32 every BLOCK_K terms; or reduced precision across K.
 FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
+# Which kernel computes a GEMM (``GemmConfig.engine``): the Triton grouped GEMM, or the Gluon
+# persistent down GEMM (``kernels.persistent_down``; fp8_tensor / fp8_token, prefill, Hopper).
+ENGINES = ("triton", "gluon")
+# The Gluon down GEMM is chosen up to this K (the intermediate size). One H200, down alone
+# (scripts/gluon_down_study.py, 2026-12-04): 4-14% faster at K = 768 and 2048, within 3% either
+# way at 14336.
+GLUON_DOWN_MAX_K = 8192
 # Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).
 PDL_CHAINS = ("off", "gate_up", "all")
 # Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
@@ -61,7 +68,10 @@ class GemmConfig:
     per-tensor / per-row fp8 modes accumulate on the fp8 tensor cores (``FP8_ACCUMULATIONS``:
     what ``moe_gemm`` documents), ignored by the other modes. Every one of them stays within
     ``ACCUMULATION["fp8_mma"]`` (``scripts/accumulation_contract.py``); half_tiles: an expert's
-    last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``)."""
+    last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``);
+    engine (``ENGINES``): "triton", or "gluon" for the persistent fp8 down GEMM
+    (``kernels.persistent_down``: 128 x 256 x 128 tiles, 8 warps, the MMA's own accumulation,
+    whole tiles; num_stages is its ring of loads)."""
 
     block_m: int
     block_n: int
@@ -72,8 +82,16 @@ class GemmConfig:
     tma: bool = False
     fp8_acc: str = "split"
     half_tiles: bool = False
+    engine: str = "triton"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"GemmConfig.engine: {self.engine!r} is not one of {list(ENGINES)}")
+        gluon_tile = (self.block_m, self.block_n, self.block_k, self.num_warps) == (128, 256, 128, 8)
+        if self.engine == "gluon" and not (gluon_tile and self.fp8_acc == "imprecise" and not self.half_tiles
+                                           and self.num_stages >= 2):
+            raise ValueError(f"GemmConfig: engine 'gluon' computes 128 x 256 x 128 tiles with 8 warps, "
+                             f"fp8_acc='imprecise', whole tiles and num_stages >= 2; got {self}")
         if self.fp8_acc not in FP8_ACCUMULATIONS:
             raise ValueError(f"GemmConfig.fp8_acc: {self.fp8_acc!r} is not one of {list(FP8_ACCUMULATIONS)}")
         if self.half_tiles and (self.block_m < 32 or self.block_m % 32):
@@ -83,7 +101,7 @@ class GemmConfig:
     def as_dict(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "group_m": self.group_m,
                 "num_warps": self.num_warps, "num_stages": self.num_stages, "tma": self.tma, "fp8_acc": self.fp8_acc,
-                "half_tiles": self.half_tiles}
+                "half_tiles": self.half_tiles, "engine": self.engine}
 
 
 @dataclass(frozen=True)
@@ -242,11 +260,19 @@ def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: in
 
 
 def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str,
-                  sms: int = 132, fp8_gate_up: str = "mma", pdl: bool = False) -> ExpertsConfig:
+                  sms: int = 132, fp8_gate_up: str = "mma", pdl: bool = False, gluon: bool = False) -> ExpertsConfig:
     """Tile shapes for M routed rows over E experts, hidden H, intermediate I (per rank),
     on a GPU with ``sms`` multiprocessors; fp8_gate_up as ``TritonExperts`` takes it; pdl:
-    whether the GPU takes programmatic dependent launch (``moeshard.kernels.pdl.supported``)."""
+    whether the GPU takes programmatic dependent launch (``moeshard.kernels.pdl.supported``);
+    gluon: whether it runs the Gluon down GEMM (``moeshard.kernels.persistent_down.supported``)."""
     cfg = _tiles(num_rows, num_experts, hidden, inter, scheme, sms, fp8_gate_up)
+    if gluon and cfg.down.fp8_acc == "imprecise" and cfg.down.block_n == 256 and inter <= GLUON_DOWN_MAX_K \
+            and get_scheme(scheme).kernel_mode in (1, 2):
+        # The per-row schemes' prefill down tile (128 x 256 x 128, unpromoted), as the persistent
+        # Gluon kernel with 4 stages (scripts/gluon_down_study.py: 4 stages and rows stored
+        # through shared memory were fastest at K = 768 and 2048).
+        cfg = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, engine="gluon", num_stages=4,
+                                                                 half_tiles=False))
     if not pdl or rows_per_expert(num_rows, num_experts) > DECODE_ROWS:
         return cfg
     # Decode only, and quantize_h with the down GEMM only while quantize_h's grid fits in one wave

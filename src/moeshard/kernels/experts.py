@@ -43,6 +43,16 @@ from moeshard.numerics import ACCUMULATION
 from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme, quantize_activations
 
 
+def gluon_supported(device: torch.device) -> bool:
+    """Whether ``device`` runs the Gluon down GEMM (``kernels.persistent_down``): False too where
+    the installed Triton has no Gluon to import."""
+    try:
+        from moeshard.kernels import persistent_down
+    except ImportError:
+        return False
+    return persistent_down.supported(device)
+
+
 class TritonExperts(GroupedExperts):
     """Routed experts on the fused Triton kernels; bf16/fp16 models, every quant scheme.
 
@@ -109,7 +119,7 @@ class TritonExperts(GroupedExperts):
         takes_pdl = pdl.supported(device)
         cfg = self.config or select_config(M, E, H, I, scheme,
                                            multiprocessors(device.index if device.type == "cuda" else None),
-                                           self.fp8_gate_up, pdl=takes_pdl)
+                                           self.fp8_gate_up, pdl=takes_pdl, gluon=gluon_supported(device))
         if cfg.pdl != "off" and not takes_pdl:
             raise ValueError(f"TritonExperts: config.pdl={cfg.pdl!r} but {device} does not take programmatic "
                              "dependent launch (CUDA compute capability 9.0+ and Triton's gdc instructions)")

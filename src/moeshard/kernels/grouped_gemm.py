@@ -445,10 +445,17 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     pdl_launch: launch with programmatic dependent launch (``moeshard.kernels.pdl``; the caller
        checks ``pdl.supported``): every program waits for the kernel ahead before it reads
        anything that kernel may write.
+    config.engine: "gluon" runs the persistent fp8 down GEMM (``kernels.persistent_down``, the
+       same bits) for fp8_tensor / fp8_token down GEMMs on compute capability 9.x, without any of
+       the options below; anything else is refused.
     experts: (lo, hi): w holds experts [lo, hi) of the plan's E only (w[e - lo] is expert e), and
        only their tiles are computed; the others' output rows are left as they are, for another
        launch over another window. None: w holds all E experts.
     """
+    if config.engine == "gluon":
+        return _gluon_down(a, w, plan, out, config, activation=activation, gather=gather, amax=amax,
+                           fp8_exact=fp8_exact, a_row_div=a_row_div, fp8_acc=fp8_acc, pdl_launch=pdl_launch,
+                           experts=experts)
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if config.block_m != plan.block_m:
         # Tiles of another height would index the plan's tiles at the wrong positions.
@@ -517,3 +524,20 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),
     )
     return out
+
+
+def _gluon_down(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, activation: str | None,
+                gather: bool, amax: torch.Tensor | None, fp8_exact: bool, a_row_div: int, fp8_acc: str | None,
+                pdl_launch: bool, experts: tuple[int, int] | None) -> torch.Tensor:
+    """``moe_gemm`` with ``config.engine == "gluon"``: the down GEMM of ``kernels.persistent_down``,
+    which takes none of moe_gemm's options (each one given is refused by name)."""
+    given = {"activation": activation is not None, "gather": gather, "amax": amax is not None,
+             "fp8_exact": fp8_exact, "a_row_div": a_row_div != 1,
+             "fp8_acc": fp8_acc not in (None, config.fp8_acc), "pdl_launch": pdl_launch,
+             "experts": experts is not None}
+    if any(given.values()):
+        raise ValueError(f"moe_gemm: engine 'gluon' computes the down GEMM at padded positions only; it does not "
+                         f"take {[name for name, used in given.items() if used]}")
+    from moeshard.kernels.persistent_down import persistent_down
+
+    return persistent_down(a, w, plan, out, config)
