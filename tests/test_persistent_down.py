@@ -15,7 +15,7 @@ import pytest
 import torch
 from cuda_tools import cuda_tools_missing
 
-from moeshard.kernels.configs import GLUON_DOWN_MAX_K, GemmConfig, select_config
+from moeshard.kernels.configs import GLUON_DOWN_MAX_K, GLUON_DOWN_MIN_K, GemmConfig, select_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GLUON_TILE = dict(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=4, tma=True,
@@ -24,7 +24,8 @@ GLUON_TILE = dict(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8,
 
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
 def test_select_config_takes_the_gluon_down_where_it_was_measured_faster(scheme):
-    """Per-row fp8 prefill down GEMMs with I up to GLUON_DOWN_MAX_K (DeepSeek-V3 2048, Qwen3 768),
+    """Per-row fp8 prefill down GEMMs with I in [GLUON_DOWN_MIN_K, GLUON_DOWN_MAX_K] (DeepSeek-V3
+    2048, Qwen3 768),
     on a GPU that runs it; not Mixtral's 14336, not fp8_block or bf16, not at decode, not without
     the GPU's support."""
     deepseek = select_config(4096 * 8, 256, 7168, 2048, scheme, gluon=True)
@@ -32,8 +33,12 @@ def test_select_config_takes_the_gluon_down_where_it_was_measured_faster(scheme)
     for cfg in (deepseek, qwen3):
         assert cfg.down == GemmConfig(**GLUON_TILE), cfg.down
         assert cfg.gate_up.engine == "triton"
-    assert 2048 <= GLUON_DOWN_MAX_K < 14336
+    assert GLUON_DOWN_MIN_K <= 768 and 2048 <= GLUON_DOWN_MAX_K < 14336
     assert select_config(4096 * 2, 8, 4096, 14336, scheme, gluon=True).down.engine == "triton"
+    # A small shared expert (64 columns, one expert of 300 rows), and a hidden size narrower
+    # than the 256-column tile: not measured, and the second refused by the kernel.
+    assert select_config(300, 1, 128, 64, scheme, gluon=True).down.engine == "triton"
+    assert select_config(4096 * 8, 256, 128, 2048, scheme, gluon=True).down.engine == "triton"
     assert select_config(4096 * 8, 256, 7168, 2048, scheme, gluon=False).down.engine == "triton"
     assert select_config(16, 256, 7168, 2048, scheme, gluon=True).down.engine == "triton"
     for other in ("none", "fp8_block", "nvfp4"):

@@ -144,20 +144,22 @@ def test_half_tiles_give_the_whole_tiles_bits(scheme):
 
 
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
-@pytest.mark.parametrize("H", [512, 640], ids=["H512", "H640"])
-def test_gluon_down_gives_the_triton_bits(scheme, H):
+@pytest.mark.parametrize("H, I", [(512, 768), (640, 768), (256, 320), (256, 128)],
+                         ids=["H512", "H640", "H256-I320", "H256-I128"])
+def test_gluon_down_gives_the_triton_bits(scheme, H, I):
     """The Gluon persistent down GEMM (``GemmConfig.engine="gluon"``) against the Triton grouped
     GEMM on the same prefill tile: y bit for bit, with one program per SM and with three
     programs (each walking hundreds of tiles, its loads running into the next tile's), for
     experts of 0-300 rows (an empty expert, last tiles of every height), H a multiple of the
-    256-column tile and not (640: the last column tile is partial), and under CUDA-graph replay
-    with new h."""
+    256-column tile and not (640: the last column tile is partial), K of fewer steps than the
+    ring has stages (320 and 128: three 128-column steps, the last partial, and one), and under
+    CUDA-graph replay with new h. Shapes smaller than one tile are refused by name."""
     import dataclasses
 
     from moeshard.kernels.grouped_gemm import moe_gemm
     from moeshard.kernels.persistent_down import persistent_down
 
-    E, I = 24, 768
+    E = 24
     counts = torch.randint(0, 300, (E,), generator=torch.Generator().manual_seed(7))
     counts[3] = 0
     ids = torch.repeat_interleave(torch.arange(E), counts)[torch.randperm(int(counts.sum()))].cuda()
@@ -179,6 +181,9 @@ def test_gluon_down_gives_the_triton_bits(scheme, H):
         got = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda")
         persistent_down(hq, w.down, plan, got, gluon_cfg, programs=programs)
         assert torch.equal(got, want), f"{scheme} H={H} programs={programs}: max {(got.float() - want.float()).abs().max():.3g}"
+    narrow = _weights(E, H, 64, torch.bfloat16, scheme, seed=3).down
+    with pytest.raises(ValueError, match=f"H={H} and I=64 must be at least the tile's 256 columns"):
+        persistent_down(quantize_h(h[:, :64].contiguous(), scheme, plan, amax), narrow, plan, got, gluon_cfg)
     y = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
     moe_gemm(hq, w.down, plan, y, gluon_cfg, activation=None, gather=False)  # compiles before the capture
     graph = torch.cuda.CUDAGraph()

@@ -50,10 +50,10 @@ FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
 # Which kernel computes a GEMM (``GemmConfig.engine``): the Triton grouped GEMM, or the Gluon
 # persistent down GEMM (``kernels.persistent_down``; fp8_tensor / fp8_token, prefill, Hopper).
 ENGINES = ("triton", "gluon")
-# The Gluon down GEMM is chosen up to this K (the intermediate size). One H200, down alone
-# (scripts/gluon_down_study.py, 2026-12-04): 4-14% faster at K = 768 and 2048, within 3% either
-# way at 14336.
-GLUON_DOWN_MAX_K = 8192
+# The Gluon down GEMM is chosen for K (the intermediate size) in this range. One H200, down
+# alone (scripts/gluon_down_study.py, 2026-12-04): 4-14% faster at K = 768 and 2048, within 3%
+# either way at 14336; shorter K was not measured (the kernel computes it, with fewer stages).
+GLUON_DOWN_MIN_K, GLUON_DOWN_MAX_K = 512, 8192
 # Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).
 PDL_CHAINS = ("off", "gate_up", "all")
 # Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
@@ -266,8 +266,8 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     whether the GPU takes programmatic dependent launch (``moeshard.kernels.pdl.supported``);
     gluon: whether it runs the Gluon down GEMM (``moeshard.kernels.persistent_down.supported``)."""
     cfg = _tiles(num_rows, num_experts, hidden, inter, scheme, sms, fp8_gate_up)
-    if gluon and cfg.down.fp8_acc == "imprecise" and cfg.down.block_n == 256 and inter <= GLUON_DOWN_MAX_K \
-            and get_scheme(scheme).kernel_mode in (1, 2):
+    if gluon and cfg.down.fp8_acc == "imprecise" and cfg.down.block_n == 256 and hidden >= 256 \
+            and GLUON_DOWN_MIN_K <= inter <= GLUON_DOWN_MAX_K and get_scheme(scheme).kernel_mode in (1, 2):
         # The per-row schemes' prefill down tile (128 x 256 x 128, unpromoted), as the persistent
         # Gluon kernel with 4 stages (scripts/gluon_down_study.py: 4 stages and rows stored
         # through shared memory were fastest at K = 768 and 2048).

@@ -101,6 +101,7 @@ def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, so
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    # Precondition (persistent_down): 2 <= STAGES <= K steps + 1.
     gl.static_assert(STAGES >= 2, "expected at least 2 stages")
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
@@ -204,6 +205,10 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
     if h.shape != (plan.padded_rows, k) or out.shape != (plan.num_rows, n):
         raise ValueError(f"{where}: h {tuple(h.shape)} must be [P={plan.padded_rows}, I={k}] and out "
                          f"{tuple(out.shape)} [M={plan.num_rows}, H={n}]")
+    if n < bn or k < bk:
+        # A TMA box larger than its tensor is not a case this kernel is measured or tested on.
+        raise ValueError(f"{where}: H={n} and I={k} must be at least the tile's {bn} columns and {bk}-column "
+                         f"K step")
     if out.stride(1) != 1 or k % 16 or not h.data.is_contiguous() or not w.data.is_contiguous():
         raise ValueError(f"{where}: needs contiguous h and w, I % 16 == 0 (TMA rows of 16-byte multiples) and "
                          f"out's rows contiguous; got I={k}, out strides {out.stride()}")
@@ -215,9 +220,11 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
     w_desc = TensorDescriptor.from_tensor(w.data.view(e * n, k), [bn, bk], w_layout)
     tiles = plan.max_tiles * triton.cdiv(n, bn)
     programs = programs or multiprocessors(out.device.index)
+    # The ring runs STAGES - 1 loads ahead within a tile's K steps: no more stages than steps + 1.
+    stages = max(2, min(config.num_stages, triton.cdiv(k, bk) + 1))
     if tiles:  # no launch for an empty plan
         persistent_down_kernel[(min(programs, tiles), )](
             a_desc, w_desc, out, a_scale, scale, plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
             plan.start.shape[0], n, k, a_scale.stride(0), stride_wse, stride_wsn, out.stride(0),
-            STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=config.num_warps)
+            STAGES=stages, GROUP_M=config.group_m, num_warps=config.num_warps)
     return out
