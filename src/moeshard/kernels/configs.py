@@ -51,7 +51,7 @@ FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
 # persistent down GEMM (``kernels.persistent_down``; fp8_tensor / fp8_token, prefill, Hopper).
 ENGINES = ("triton", "gluon")
 # The Gluon down GEMM is chosen for K (the intermediate size) in this range. One H200, down
-# alone (scripts/gluon_down_study.py, 2026-12-04): 4-14% faster at K = 768 and 2048, within 3%
+# alone (scripts/gluon_down_study.py, 2026-12-04): 2-12% faster at K = 768 and 2048, within 3%
 # either way at 14336; shorter K was not measured (the kernel computes it, with fewer stages).
 GLUON_DOWN_MIN_K, GLUON_DOWN_MAX_K = 512, 8192
 # Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).

@@ -14,14 +14,14 @@ epilogue and fills the pipeline again. Here one program per SM walks the tiles i
 its own TMA loads STAGES - 1 steps ahead of the MMAs across tile boundaries: the next tile's first
 loads are in flight during this tile's last MMAs and its epilogue, and the epilogue's row data
 (positions, row scales, routed rows) is asked for when the tile starts. One H200, down alone on
-the bench workloads (``scripts/gluon_down_study.py``, docs/performance.md): 4-14% faster than the
+the bench workloads (``scripts/gluon_down_study.py``, docs/performance.md): 2-12% faster than the
 Triton kernel at K = I of 768 and 2048 (Qwen3, DeepSeek-V3), within 3% either way at Mixtral's
 14336, which keeps Triton (``configs.GLUON_DOWN_MAX_K``).
 
 The accumulation is the tensor cores' own across K (Triton's default on Hopper, the selected
 prefill tiles' ``fp8_acc="imprecise"``), one MMA in flight behind the one issued. The result goes
 through shared memory into rows of 16 bytes per thread before the scattered store (from the MMA
-layout each thread would store 4 bytes, measured 20-40% slower).
+layout each thread stores 4 bytes: up to 55% slower at Qwen3 and DeepSeek-V3 shapes, measured).
 
 Gluon is Triton's experimental lower-level language; ``supported`` says where this kernel runs
 (compute capability 9.x: it issues warpgroup MMAs). Names that moved between Triton releases are
