@@ -28,15 +28,12 @@ import dataclasses
 
 import torch
 
-from moeshard.bench.study import case_line, run_on_gpu, study_parser, time_variants
-from moeshard.bench.workload import experts_for, hidden_states, routed_input
-from moeshard.config import QuantConfig
+from moeshard.bench.study import case_line, routed_case, run_on_gpu, study_parser, time_variants
 from moeshard.kernels.align import RowAlignment, align_rows
 from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.layout import lay_out_rows
-from moeshard.quant import get_scheme
 
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (4096, 16384)
@@ -52,13 +49,9 @@ def routed_positions(plan: RowAlignment) -> torch.Tensor:
 
 
 def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
-    cfg = model.cfg
-    device = model.gate_up.device
-    spec = get_scheme(scheme)
-    experts = experts_for(model, scheme)
-    x = hidden_states(model, tokens, tokens)
-    inp, _ = routed_input(model, x, QuantConfig(scheme))
-    M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    case = routed_case(model, tokens, scheme)
+    cfg, device, spec, experts, inp = case.cfg, case.device, case.spec, case.experts, case.inp
+    M, E, H, I = case.M, case.E, case.H, case.I
     sel = select_config(M, E, H, I, scheme, multiprocessors(device.index))
     plan = align_rows(inp.expert_ids, E, sel.block_m)
     valid = routed_positions(plan)

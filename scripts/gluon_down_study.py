@@ -19,17 +19,14 @@ import dataclasses
 
 import torch
 
-from moeshard.bench.study import run_on_gpu, study_parser
+from moeshard.bench.study import routed_case, run_on_gpu, study_parser
 from moeshard.bench.timing import alternating_medians
-from moeshard.bench.workload import experts_for, hidden_states, routed_input
-from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts, gluon_supported
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.persistent_down import persistent_down
 from moeshard.kernels.quant import quantize_h
-from moeshard.quant import get_scheme
 
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (4096, 16384)
@@ -38,13 +35,9 @@ STAGES = (3, 4)
 
 
 def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
-    cfg = model.cfg
-    device = model.gate_up.device
-    spec = get_scheme(scheme)
-    experts = experts_for(model, scheme)
-    x = hidden_states(model, tokens, tokens)
-    inp, _ = routed_input(model, x, QuantConfig(scheme))
-    M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    case = routed_case(model, tokens, scheme)
+    cfg, device, spec, experts, inp = case.cfg, case.device, case.spec, case.experts, case.inp
+    M, E, H, I = case.M, case.E, case.H, case.I
     sms = multiprocessors(device.index)
     triton_only = select_config(M, E, H, I, scheme, sms)
     chosen = select_config(M, E, H, I, scheme, sms, gluon=gluon_supported(device))

@@ -21,9 +21,8 @@ import dataclasses
 
 import torch
 
-from moeshard.bench.study import run_on_gpu, study_parser
+from moeshard.bench.study import routed_case, run_on_gpu, study_parser
 from moeshard.bench.timing import alternating_medians
-from moeshard.bench.workload import experts_for, hidden_states, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_config
@@ -31,7 +30,6 @@ from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
 from moeshard.layer import MoELayer
-from moeshard.quant import get_scheme
 
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (4096, 16384)
@@ -67,13 +65,9 @@ def layer_calls(model, scheme: str, experts, x: torch.Tensor, variants: dict) ->
 
 
 def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
-    cfg = model.cfg
-    device = model.gate_up.device
-    spec = get_scheme(scheme)
-    experts = experts_for(model, scheme)
-    x = hidden_states(model, tokens, tokens)
-    inp, _ = routed_input(model, x, QuantConfig(scheme))
-    M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    case = routed_case(model, tokens, scheme)
+    cfg, device, spec, experts, x, inp = case.cfg, case.device, case.spec, case.experts, case.x, case.inp
+    M, E, H, I = case.M, case.E, case.H, case.I
     sel = select_config(M, E, H, I, scheme, multiprocessors(device.index))
     variants = {}
     for half in (False, True):

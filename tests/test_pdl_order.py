@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from cuda_tools import cuda_tools_missing
+from cuda_tools import cuda_tools_missing, run_compile_script
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "src" / "moeshard" / "kernels"
@@ -43,11 +40,7 @@ def test_every_pdl_kernel_waits_before_it_touches_memory(tmp_path):
     if reason:
         pytest.skip(reason)
     out = tmp_path / "order.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
-    env["PYTHONPATH"] = str(ROOT / "src")
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "pdl_order.py"), "--json", str(out)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = run_compile_script("pdl_order.py", out, tmp_path)
     assert out.exists(), f"scripts/pdl_order.py wrote nothing (rc {run.returncode}):\n{run.stdout}\n{run.stderr[-3000:]}"
     rows = json.loads(out.read_text())["kernels"]
     broken = [r for r in rows if not r["ok"]]

@@ -6,18 +6,13 @@ bits against the Triton kernel's are tests/gpu's ``test_gluon_down_gives_the_tri
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from cuda_tools import cuda_tools_missing
+from cuda_tools import cuda_tools_missing, run_compile_script
 
 from moeshard.kernels.configs import GLUON_DOWN_MAX_K, GLUON_DOWN_MIN_K, GemmConfig, select_config
 
-ROOT = Path(__file__).resolve().parents[1]
 GLUON_TILE = dict(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=4, tma=True,
                   fp8_acc="imprecise", engine="gluon")
 
@@ -87,11 +82,7 @@ def test_the_gluon_down_compiles_for_hopper(tmp_path):
         pytest.skip(reason)
     pytest.importorskip("triton.experimental.gluon")
     out = tmp_path / "gluon.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
-    env["PYTHONPATH"] = str(ROOT / "src")
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gluon_resources.py"), "--json", str(out)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = run_compile_script("gluon_resources.py", out, tmp_path)
     assert out.exists(), f"scripts/gluon_resources.py wrote nothing (rc {run.returncode}):\n{run.stderr[-3000:]}"
     rows = json.loads(out.read_text())["kernels"]
     assert [r["stages"] for r in rows] == [2, 3, 4]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,35 @@ def case_line(rec: dict) -> str:
     scheme = f"{rec['scheme']:10s} " if "scheme" in rec else ""
     return (f"{rec['model']:14s} T={rec['tokens']:<6d} {scheme}"
             + " ".join(f"{k[:-3]} {v:.3f}" for k, v in rec["median_ms"].items()))
+
+
+@dataclass(frozen=True)
+class RoutedCase:
+    """A study case's routed experts on the bench workload (``routed_case``): the model's config
+    and device, the scheme's descriptor, the experts quantized for it, the hidden states x
+    [T, H], the experts' input (``ExpertInput``: M routed rows) and the sizes M, E, H, I."""
+
+    cfg: Any
+    device: Any
+    spec: Any
+    experts: Any
+    x: Any
+    inp: Any
+    M: int
+    E: int
+    H: int
+    I: int  # noqa: E741 (the intermediate size, as everywhere in the kernels)
+
+
+def routed_case(model, tokens: int, scheme: str) -> RoutedCase:
+    """``tokens`` tokens of the bench's hidden states (``workload.hidden_states``) routed by the
+    model's router (``workload.routed_input``) to its experts quantized with ``scheme``."""
+    from moeshard.bench.workload import experts_for, hidden_states, routed_input
+    from moeshard.config import QuantConfig
+    from moeshard.quant import get_scheme
+
+    cfg = model.cfg
+    x = hidden_states(model, tokens, tokens)
+    inp, _ = routed_input(model, x, QuantConfig(scheme))
+    return RoutedCase(cfg, model.gate_up.device, get_scheme(scheme), experts_for(model, scheme), x, inp,
+                      inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size)
