@@ -18,10 +18,15 @@ def read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], d
     """Tensor ``name`` of ``shape`` in ``dtype``. A float tensor of the checkpoint, or with ``fp8``
     (an FP8 block checkpoint) an e4m3 2-D weight and its block scales; ValueError naming the
     tensor, the file and what is wrong (shape, dtype, NaN/Inf) otherwise."""
-    t, scale = read_stored(ckpt, name, shape, fp8)
+    return in_dtype(*read_stored(ckpt, name, shape, fp8), dtype)
+
+
+def in_dtype(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor as ``read_stored`` gives it, in ``dtype``: an fp8 weight dequantized with its
+    128 x 128 block scales, a float tensor cast."""
     if scale is None:
         return t.to(dtype)
-    rows, cols = shape
+    rows, cols = t.shape
     return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols))).to(dtype)
 
 

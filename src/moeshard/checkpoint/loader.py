@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moeshard.checkpoint.dense import read_dense, read_stored
+from moeshard.checkpoint.dense import in_dtype, read_stored
 from moeshard.checkpoint.experts import ExpertReader
 from moeshard.checkpoint.hf_config import HFMoEModel, read_hf_config
 from moeshard.checkpoint.names import BlockNames, resolve_block_names
@@ -82,10 +82,18 @@ class _SmallTensors:
 
     def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fp8: bool) -> None:
         self.ckpt, self.names, self.cfg, self.fp8 = ckpt, names, cfg, fp8
+        self._read: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def stored(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A tensor as stored, read once (``read_stored``): the shared MLP's serve both its
+        model-dtype weights and ``shared_stored``."""
+        if name not in self._read:
+            self._read[name] = read_stored(self.ckpt, name, shape, self.fp8)
+        return self._read[name]
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """A weight in ``dtype`` (default the model dtype); see ``read_dense``."""
-        return read_dense(self.ckpt, name, shape, dtype or self.cfg.dtype, self.fp8)
+        return in_dtype(*self.stored(name, shape), dtype or self.cfg.dtype)
 
     def correction_bias(self) -> torch.Tensor:
         """fp32 [E]: the bias decides routing, so it stays fp32 as the layer keeps it. Stored [E],
@@ -103,7 +111,7 @@ class _SmallTensors:
         if not (self.fp8 and cfg.has_shared_experts and quant.shared == "fp8_block"):
             return None
         H, S = cfg.hidden_size, cfg.shared_width
-        (g, gs), (u, us), (d, ds) = (read_stored(self.ckpt, n.shared(p), shape, True)
+        (g, gs), (u, us), (d, ds) = (self.stored(n.shared(p), shape)
                                      for p, shape in (("gate", (S, H)), ("up", (S, H)), ("down", (H, S))))
         if gs is None or us is None or ds is None or S % FP8_BLOCK:
             return None
