@@ -198,6 +198,83 @@ def test_gluon_down_gives_the_triton_bits(scheme, H, I):
     assert torch.equal(y, want), f"{scheme} H={H}: graph replay with new h differs"
 
 
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
+@pytest.mark.parametrize("H, I", [(1024, 768), (384, 320), (128, 128), (256, 256)],
+                         ids=["H1024", "H384-I320", "H128-I128", "H256-I256"])
+def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
+    """The Gluon persistent gate_up GEMM (``GemmConfig.engine="gluon"``) against the Triton
+    grouped GEMM on the same prefill tile: h at every position and the per-expert amax bit for
+    bit, with rows gathered from tokens repeated for their two routed rows (``a_row_div=2``), with
+    one program per SM and with three (each walking hundreds of tiles, its loads running into the
+    next tile's), for experts of 0-300 rows (an empty expert, last tiles of every height: those of
+    at most 64 rows leave the second MMA warpgroup without real rows, which stores zeros), I a
+    multiple of the 128-column tile and not (320), K of more steps than the ring's stages and of
+    fewer (3 and 1), and under CUDA-graph replay with new x. An H that is not a whole number of
+    K steps is refused by name."""
+    import dataclasses
+
+    from moeshard.kernels.grouped_gemm import moe_gemm
+    from moeshard.kernels.persistent_gate_up import persistent_gate_up
+
+    E = 24
+    counts = 2 * torch.randint(0, 150, (E,), generator=torch.Generator().manual_seed(5))
+    counts[3] = 0
+    tokens = torch.repeat_interleave(torch.arange(E), counts // 2)[torch.randperm(int(counts.sum()) // 2)]
+    ids = tokens.repeat_interleave(2).cuda()  # each token's two routed rows go to one expert: fine for the GEMM
+    M = ids.shape[0]
+    w = _weights(E, H, I, torch.bfloat16, scheme, seed=11)
+    spec = get_scheme(scheme)
+    x = quantize_activations(torch.randn(M // 2, H, device="cuda").to(torch.bfloat16), scheme)
+    plan = align_rows(ids, E, 128)
+    triton_cfg = GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise")
+    gluon_cfg = dataclasses.replace(triton_cfg, engine="gluon")
+
+    def run(cfg, programs=None):
+        amax = torch.zeros(E, device="cuda") if spec.per_tensor_activation else None
+        h = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        if programs is None:
+            moe_gemm(x, w.gate_up, plan, h, cfg, activation="silu", gather=True, amax=amax, a_row_div=2)
+        else:
+            persistent_gate_up(x, w.gate_up, plan, h, cfg, activation="silu", amax=amax, a_row_div=2,
+                               programs=programs)
+        return h, amax
+
+    def same(a, b):
+        # Tiles past the last expert's hold padding only and are written by neither kernel.
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+    want_h, want_amax = run(triton_cfg)
+    assert not want_h[: plan.max_tiles * 128][plan.tile_expert.repeat_interleave(128) >= 0].isnan().any()
+    for programs in (None, 3):
+        got_h, got_amax = run(gluon_cfg, programs)
+        assert same(got_h, want_h), f"{scheme} H={H} I={I} programs={programs}: max " \
+            f"{(got_h.float() - want_h.float()).nan_to_num().abs().max():.3g}"
+        if want_amax is not None:
+            assert torch.equal(got_amax, want_amax), f"{scheme} H={H} I={I} programs={programs}: amax"
+    odd = quantize_activations(torch.randn(M // 2, H + 64, device="cuda").to(torch.bfloat16), scheme)
+    odd_w = _weights(E, H + 64, I, torch.bfloat16, scheme, seed=3).gate_up
+    with pytest.raises(ValueError, match=f"H={H + 64} a multiple of its 128-column K step"):
+        persistent_gate_up(odd, odd_w, plan, want_h, gluon_cfg, activation="silu", a_row_div=2)
+    h = torch.empty(plan.padded_rows, I, dtype=torch.bfloat16, device="cuda")
+    amax = torch.zeros(E, device="cuda") if spec.per_tensor_activation else None
+    moe_gemm(x, w.gate_up, plan, h, gluon_cfg, activation="silu", gather=True, amax=amax, a_row_div=2)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        if amax is not None:
+            amax.zero_()
+        moe_gemm(x, w.gate_up, plan, h, gluon_cfg, activation="silu", gather=True, amax=amax, a_row_div=2)
+    new = quantize_activations(torch.randn(M // 2, H, device="cuda").to(torch.bfloat16), scheme)
+    x.data.copy_(new.data)
+    (x.row_scale if x.row_scale is not None else x.tensor_scale).copy_(
+        new.row_scale if new.row_scale is not None else new.tensor_scale)
+    graph.replay()
+    want_h, want_amax = run(triton_cfg)
+    used = plan.tile_expert.repeat_interleave(128) >= 0
+    assert torch.equal(h[: used.shape[0]][used], want_h[: used.shape[0]][used]), f"{scheme} H={H}: graph replay"
+    if amax is not None:
+        assert torch.equal(amax, want_amax), f"{scheme} H={H}: graph replay amax"
+
+
 def test_experts_take_the_gluon_down_at_prefill_with_the_same_bits():
     """``TritonExperts`` on an H200-class GPU selects the Gluon down GEMM for fp8_tensor at a
     prefill shape with I <= GLUON_DOWN_MAX_K, and its output is the Triton-only config's."""

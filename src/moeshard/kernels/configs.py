@@ -48,7 +48,8 @@ NVFP4 = 4
 # in fp32; one accumulator promoted to fp32 every BLOCK_K terms; or reduced precision across K.
 FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
 # Which kernel computes a GEMM (``GemmConfig.engine``): the Triton grouped GEMM, or the Gluon
-# persistent down GEMM (``kernels.persistent_down``; fp8_tensor / fp8_token, prefill, Hopper).
+# persistent GEMMs (``kernels.persistent_gate_up``, ``kernels.persistent_down``; fp8_tensor /
+# fp8_token, prefill, Hopper).
 ENGINES = ("triton", "gluon")
 # The Gluon down GEMM is chosen for K (the intermediate size) in this range. One H200, down
 # alone (scripts/gluon_down_study.py, 2026-12-04): 2-12% faster at K = 768 and 2048, within 3%
@@ -69,9 +70,10 @@ class GemmConfig:
     what ``moe_gemm`` documents), ignored by the other modes. Every one of them stays within
     ``ACCUMULATION["fp8_mma"]`` (``scripts/accumulation_contract.py``); half_tiles: an expert's
     last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``);
-    engine (``ENGINES``): "triton", or "gluon" for the persistent fp8 down GEMM
-    (``kernels.persistent_down``: 128 x 256 x 128 tiles, 8 warps, the MMA's own accumulation,
-    whole tiles; num_stages is its ring of loads)."""
+    engine (``ENGINES``): "triton", or "gluon" for the persistent fp8 GEMMs
+    (``kernels.persistent_gate_up``, ``kernels.persistent_down``: 128-row tiles of 128 or 256
+    columns and 128-column K steps, 8 warps, the MMA's own accumulation, whole tiles; num_stages
+    is their ring of loads)."""
 
     block_m: int
     block_n: int
@@ -87,11 +89,11 @@ class GemmConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"GemmConfig.engine: {self.engine!r} is not one of {list(ENGINES)}")
-        gluon_tile = (self.block_m, self.block_n, self.block_k, self.num_warps) == (128, 256, 128, 8)
+        gluon_tile = (self.block_m, self.block_k, self.num_warps) == (128, 128, 8) and self.block_n in (128, 256)
         if self.engine == "gluon" and not (gluon_tile and self.fp8_acc == "imprecise" and not self.half_tiles
                                            and self.num_stages >= 2):
-            raise ValueError(f"GemmConfig: engine 'gluon' computes 128 x 256 x 128 tiles with 8 warps, "
-                             f"fp8_acc='imprecise', whole tiles and num_stages >= 2; got {self}")
+            raise ValueError(f"GemmConfig: engine 'gluon' computes 128 x 128 x 128 or 128 x 256 x 128 tiles with "
+                             f"8 warps, fp8_acc='imprecise', whole tiles and num_stages >= 2; got {self}")
         if self.fp8_acc not in FP8_ACCUMULATIONS:
             raise ValueError(f"GemmConfig.fp8_acc: {self.fp8_acc!r} is not one of {list(FP8_ACCUMULATIONS)}")
         if self.half_tiles and (self.block_m < 32 or self.block_m % 32):

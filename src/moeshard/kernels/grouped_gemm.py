@@ -445,15 +445,16 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     pdl_launch: launch with programmatic dependent launch (``moeshard.kernels.pdl``; the caller
        checks ``pdl.supported``): every program waits for the kernel ahead before it reads
        anything that kernel may write.
-    config.engine: "gluon" runs the persistent fp8 down GEMM (``kernels.persistent_down``, the
-       same bits) for fp8_tensor / fp8_token down GEMMs on compute capability 9.x, without any of
-       the options below; anything else is refused.
+    config.engine: "gluon" runs the persistent fp8 GEMMs (``kernels.persistent_gate_up`` with
+       gathered rows, ``kernels.persistent_down``; the same bits) for fp8_tensor / fp8_token on
+       compute capability 9.x, without fp8_exact, pdl_launch or experts (the down GEMM also
+       without amax and a_row_div); anything else is refused.
     experts: (lo, hi): w holds experts [lo, hi) of the plan's E only (w[e - lo] is expert e), and
        only their tiles are computed; the others' output rows are left as they are, for another
        launch over another window. None: w holds all E experts.
     """
     if config.engine == "gluon":
-        return _gluon_down(a, w, plan, out, config, activation=activation, gather=gather, amax=amax,
+        return _gluon(a, w, plan, out, config, activation=activation, gather=gather, amax=amax,
                            fp8_exact=fp8_exact, a_row_div=a_row_div, fp8_acc=fp8_acc, pdl_launch=pdl_launch,
                            experts=experts)
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
@@ -526,18 +527,26 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     return out
 
 
-def _gluon_down(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, activation: str | None,
-                gather: bool, amax: torch.Tensor | None, fp8_exact: bool, a_row_div: int, fp8_acc: str | None,
-                pdl_launch: bool, experts: tuple[int, int] | None) -> torch.Tensor:
-    """``moe_gemm`` with ``config.engine == "gluon"``: the down GEMM of ``kernels.persistent_down``,
-    which takes none of moe_gemm's options (each one given is refused by name)."""
-    given = {"activation": activation is not None, "gather": gather, "amax": amax is not None,
-             "fp8_exact": fp8_exact, "a_row_div": a_row_div != 1,
-             "fp8_acc": fp8_acc not in (None, config.fp8_acc), "pdl_launch": pdl_launch,
-             "experts": experts is not None}
+def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, activation: str | None,
+           gather: bool, amax: torch.Tensor | None, fp8_exact: bool, a_row_div: int, fp8_acc: str | None,
+           pdl_launch: bool, experts: tuple[int, int] | None) -> torch.Tensor:
+    """``moe_gemm`` with ``config.engine == "gluon"``: the gate_up GEMM of
+    ``kernels.persistent_gate_up`` (rows gathered) or the down GEMM of ``kernels.persistent_down``
+    (at padded positions), which take fewer of moe_gemm's options (each other one given is
+    refused by name)."""
+    gate_up = activation is not None
+    given = {"gather": gather != gate_up, "fp8_exact": fp8_exact, "fp8_acc": fp8_acc not in (None, config.fp8_acc),
+             "pdl_launch": pdl_launch, "experts": experts is not None}
+    if not gate_up:
+        given.update({"amax": amax is not None, "a_row_div": a_row_div != 1})
     if any(given.values()):
-        raise ValueError(f"moe_gemm: engine 'gluon' computes the down GEMM at padded positions only; it does not "
-                         f"take {[name for name, used in given.items() if used]}")
+        what = "gate_up GEMM with gathered rows" if gate_up else "down GEMM at padded positions"
+        raise ValueError(f"moe_gemm: engine 'gluon' computes the {what}; it does not take "
+                         f"{[name for name, used in given.items() if used]}")
+    if gate_up:
+        from moeshard.kernels.persistent_gate_up import persistent_gate_up
+
+        return persistent_gate_up(a, w, plan, out, config, activation=activation, amax=amax, a_row_div=a_row_div)
     from moeshard.kernels.persistent_down import persistent_down
 
     return persistent_down(a, w, plan, out, config)

@@ -1,0 +1,323 @@
+"""The fp8 gate_up GEMM at prefill as a persistent, warp-specialized kernel (Gluon, Hopper).
+
+Computes what ``grouped_gemm.moe_gemm`` computes for the fused gate_up projection of the
+per-tensor and per-row fp8 schemes with gathered rows (``GemmConfig.engine == "gluon"``), with the
+same bits:
+
+    gate[p, n] = rnd((sum_k x[r(p), k] * w[e, n, k]) * a_scale[r(p)] * w_scale[e, n])
+    up[p, n]   = rnd((sum_k x[r(p), k] * w[e, I + n, k]) * a_scale[r(p)] * w_scale[e, I + n])
+    h[p, n]    = rnd(act(gate[p, n]) * up[p, n])
+
+for each padded position p of a tile of expert e, r(p) = sorted_rows[p] // a_row_div (the
+token a routed row reads), rnd the rounding to the model dtype; x: fp8 [M / a_row_div, H],
+w: fp8 [E, 2I, H], h: [P, I] in the model dtype, padding positions stored as zeros. With an amax
+buffer it also max-reduces |h| of each expert's real rows into amax[e] (the per-tensor scale of
+the down GEMM's input).
+
+Why warp specialization: Hopper's TMA loads blocks and cannot gather rows, so the input rows come
+through cp.async, 16 bytes per thread. When the warps that issue the MMAs also issue those copies
+(Triton's kernel, and a persistent Gluon version measured 4-16% slower than it), every K step
+waits for all threads' copies behind a CTA-wide barrier. Here three partitions of 4 warps share a
+ring of STAGES stages in shared memory, and one program per SM walks the tiles in use:
+
+* the loader gathers each step's 128 input rows with cp.async (each thread's copies arrive on the
+  stage's ``ready`` mbarrier when they land, rows past the expert's count zero-filled without a
+  read) and loads the gate and up weight tiles through TMA onto the same mbarrier;
+* two MMA warpgroups each own 64 rows of the 128-row tile: they wait for ``ready``, issue their
+  gate and up MMAs (the tensor cores' own accumulation across K, as the selected prefill tiles'
+  ``fp8_acc="imprecise"``), release the stage on its ``empty`` mbarrier once the MMAs that read
+  it are done, and run their epilogue alone. A warpgroup whose 64 rows hold no real row (an
+  expert's last tile) issues no MMA and stores zeros, which leaves the tensor cores to the other
+  one: the Triton kernel's half tiles, without a second code path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from moeshard.kernels.align import RowAlignment
+from moeshard.kernels.configs import GemmConfig, multiprocessors
+from moeshard.kernels.persistent_down import _TMA_LOAD, _tile, supported
+from moeshard.quant import QuantizedActivations, QuantizedWeight
+
+# Names Triton 3.9 changed (3.6: async_copy_global_to_shared, thread_barrier).
+_CP_ASYNC = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_BARRIER = getattr(gl, "barrier", None) or gl.thread_barrier
+
+PARTITION_WARPS = gl.constexpr(4)  # each partition is one warpgroup
+# Registers per thread of the loader and of an MMA partition: 12 warps share the 64K of an SM.
+LOADER_REGS, MMA_REGS = gl.constexpr(40), gl.constexpr(232)
+
+
+@gluon.jit
+def _walk(pid, programs, start_ptr, count_ptr, num_experts, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(tiles in use, column tiles, this program's tile count): every partition walks the same
+    tiles, pid, pid + programs, ... of ``_tile``'s grouped order."""
+    last = num_experts - 1
+    # The tiles in use end with the last expert's (tiles past them hold padding only).
+    used = gl.load(start_ptr + last) // BLOCK_M + gl.cdiv(gl.load(count_ptr + last), BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    return used, num_pid_n, gl.cdiv(used * num_pid_n - pid, programs)
+
+
+@gluon.jit
+def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+            STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """The loader partition: for every K step of every tile, waits for the stage to be empty,
+    then loads the weight tiles through TMA and gathers the input rows through cp.async, all
+    completing on the stage's ``ready`` mbarrier."""
+    (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
+     count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_wse, stride_wsn, stride_om,
+     a_bufs, g_bufs, u_bufs, ready, empty) = args
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    # 16 bytes of one input row per thread: BLOCK_K / 16 threads cover a row.
+    gather: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [PARTITION_WARPS, 1],
+                                            [1, 0])
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    used, num_pid_n, num_tiles = _walk(pid, programs, start_ptr, count_ptr, num_experts, N, BLOCK_M, BLOCK_N)
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
+    step = 0
+    for idx in range(num_tiles):
+        off_m, _, off_n, expert = _tile(idx, pid, programs, used, num_pid_n, tile_expert_ptr, N, BLOCK_M, BLOCK_N,
+                                        GROUP_M)
+        offs_p = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
+        row_ok = offs_p - gl.load(start_ptr + expert) < gl.load(count_ptr + expert)
+        # Divided in int32, as grouped_gemm does (sorted_rows is int32).
+        rows = gl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0) // a_row_div
+        base = a_ptr + rows.to(gl.int64)[:, None] * stride_am + offs_k[None, :]
+        mask = gl.broadcast(base, row_ok[:, None])[1]
+        off_w = expert * 2 * N + off_n
+        for k in range(0, K, BLOCK_K):
+            index = step % STAGES
+            # A fresh mbarrier counts as having completed the phase before its first: the first
+            # pass over the ring waits for nothing.
+            mbarrier.wait(empty.index(index), (step // STAGES & 1) ^ 1)
+            bar = ready.index(index)
+            mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
+            _TMA_LOAD(w_desc, [off_w, k], bar, g_bufs.index(index))
+            _TMA_LOAD(w_desc, [off_w + N, k], bar, u_bufs.index(index))
+            # Whole 16-byte copies: K is a multiple of BLOCK_K (persistent_gate_up).
+            _CP_ASYNC(a_bufs.index(index), base + k, mask=mask)
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+            step += 1
+
+
+@gluon.jit
+def _act_mul(gate, up, ACT: gl.constexpr):
+    """grouped_gemm's _silu_mul (ACT 0) / _gelu_mul (ACT 1), in its operation order."""
+    if ACT == 0:
+        return gate / (1.0 + gl.exp(-gate)) * up
+    else:
+        return 0.5 * gate * (1.0 + gl.erf(gate * 0.7071067811865476)) * up
+
+
+@gluon.jit
+def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+            STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+    """An MMA partition: rows [64 WG, 64 WG + 64) of every tile, their K loop and epilogue."""
+    (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
+     count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_wse, stride_wsn, stride_om,
+     a_bufs, g_bufs, u_bufs, ready, empty) = args
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    ROWS: gl.constexpr = BLOCK_M // 2
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PARTITION_WARPS, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PARTITION_WARPS, 1], [1, 0])
+    out_ty: gl.constexpr = out_ptr.dtype.element_ty
+
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    used, num_pid_n, num_tiles = _walk(pid, programs, start_ptr, count_ptr, num_experts, N, BLOCK_M, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    step = 0
+    for idx in range(num_tiles):
+        off_m, _, off_n, expert = _tile(idx, pid, programs, used, num_pid_n, tile_expert_ptr, N, BLOCK_M, BLOCK_N,
+                                        GROUP_M)
+        first = off_m + WG * ROWS
+        offs_p = first + gl.arange(0, ROWS, layout=rows_layout)
+        start = gl.load(start_ptr + expert)
+        count = gl.load(count_ptr + expert)
+        row_ok = offs_p - start < count
+        rows = gl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0) // a_row_div
+        a_s = gl.load(a_scale_ptr + rows.to(gl.int64) * stride_asm, mask=row_ok, other=0.0)
+        offs_ps = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+        cols_s = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+        out_ptrs = out_ptr + offs_ps.to(gl.int64)[:, None] * stride_om + cols_s[None, :]
+        out_mask = gl.broadcast(out_ptrs, (cols_s < N)[None, :])[1]
+        if first - start < count:
+            acc_g = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
+            acc_u = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
+            for s in range(k_steps):
+                index = step % STAGES
+                mbarrier.wait(ready.index(index), step // STAGES & 1)
+                # cp.async wrote through the generic proxy; the MMA reads through the async one.
+                fence_async_shared()
+                a = a_bufs.index(index).slice(WG * ROWS, ROWS)
+                acc_g = warpgroup_mma(a, g_bufs.index(index).permute((1, 0)), acc_g, use_acc=s > 0, is_async=True)
+                acc_u = warpgroup_mma(a, u_bufs.index(index).permute((1, 0)), acc_u, use_acc=s > 0, is_async=True)
+                # The step before's MMAs are done: its stage is free for the loader.
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                _BARRIER()
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=s > 0)
+                step += 1
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            _BARRIER()
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+
+            # grouped_gemm's arithmetic in its order: (acc * row scale) * column scale, rounded to
+            # the model dtype, the activation in fp32, rounded again.
+            offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
+            col_ok = offs_n < N
+            ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
+            offs_wn = gl.where(col_ok, offs_n, 0)
+            wg_s = gl.load(ws_base + offs_wn * stride_wsn)
+            wu_s = gl.load(ws_base + (offs_wn + N) * stride_wsn)
+            gate = (acc_g * a_s[:, None] * wg_s[None, :]).to(out_ty).to(gl.float32)
+            up = (acc_u * a_s[:, None] * wu_s[None, :]).to(out_ty).to(gl.float32)
+            result = _act_mul(gate, up, ACT).to(out_ty)
+            if TRACK_AMAX:
+                seen = gl.where(row_ok[:, None] & col_ok[None, :], gl.abs(result.to(gl.float32)), 0.0)
+                gl.atomic_max(amax_ptr + expert, gl.max(gl.max(seen, axis=1), axis=0), sem="relaxed")
+            # Padding rows are stored too (their input rows read as zeros, so they hold exact
+            # zeros): the next stage may read whole tiles without masking.
+            gl.store(out_ptrs, gl.convert_layout(result, store_layout), mask=out_mask)
+        else:
+            # Rows of padding only: no MMA (the other warpgroup has the tensor cores), the stages
+            # released as they come, and zeros stored as the whole tile's padding rows would be.
+            for _ in range(k_steps):
+                index = step % STAGES
+                mbarrier.wait(ready.index(index), step // STAGES & 1)
+                mbarrier.arrive(empty.index(index))
+                step += 1
+            gl.store(out_ptrs, gl.zeros((ROWS, BLOCK_N), dtype=out_ty, layout=store_layout), mask=out_mask)
+
+
+@gluon.jit
+def _mma_rows_0(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 0)
+
+
+@gluon.jit
+def _mma_rows_1(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 1)
+
+
+@gluon.jit
+def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr,
+                              tile_expert_ptr, start_ptr, count_ptr, num_experts, N, K, a_row_div, stride_am,
+                              stride_asm, stride_wse, stride_wsn, stride_om,
+                              ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                              num_warps: gl.constexpr):
+    gl.static_assert(num_warps == PARTITION_WARPS, "the MMA partition the kernel starts in is one warpgroup")
+    gl.static_assert(BLOCK_M == 128, "two MMA warpgroups of 64 rows")
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        # ready: the loader's expect (one arrival plus the weight tiles' bytes) and each loader
+        # thread's copies; empty: one arrival per MMA warpgroup.
+        mbarrier.init(ready.index(i), count=1 + PARTITION_WARPS * 32)
+        mbarrier.init(empty.index(i), count=2)
+    args = (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
+            count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_wse, stride_wsn, stride_om,
+            a_bufs, g_bufs, u_bufs, ready, empty)
+    gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
+                        (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
+                        (_loader, (args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M))],
+                       [PARTITION_WARPS, PARTITION_WARPS], [MMA_REGS, LOADER_REGS])
+
+
+def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAlignment, out: torch.Tensor,
+                       config: GemmConfig, *, activation: str, amax: torch.Tensor | None = None,
+                       a_row_div: int = 1, programs: int | None = None) -> torch.Tensor:
+    """``moe_gemm(x, w, plan, out, config, activation=activation, gather=True, amax=amax,
+    a_row_div=a_row_div)`` for fp8_tensor / fp8_token with ``config.engine == "gluon"``; writes
+    and returns ``out``.
+
+    x: fp8 [M / a_row_div, H] with one scale per row ([rows, 1]) or per tensor; w: fp8 [E, 2I, H]
+    (gate rows, then up rows) with fp8_tensor [E] or fp8_token [E, 2I] scales; out: [P, I] in the
+    model dtype, written at every position of the tiles in use; amax: fp32 [E], zeroed by the
+    caller, or None; programs: how many persistent programs (None: one per multiprocessor of
+    out's device; at most one per tile). config: 128 x 128 x 128 tiles, num_stages the ring's
+    stages. Refuses (ValueError) what this kernel does not compute, naming the value.
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moeshard.kernels.grouped_gemm import _act_mode, _scale_strides
+
+    where = "moe_gemm (engine 'gluon', gate_up)"
+    if not supported(out.device):
+        raise ValueError(f"{where}: needs a CUDA device of compute capability 9.x, got {out.device}")
+    if not isinstance(x, QuantizedActivations) or not isinstance(w, QuantizedWeight) or \
+            w.scheme not in ("fp8_tensor", "fp8_token") or x.scheme != w.scheme:
+        raise ValueError(f"{where}: computes fp8_tensor / fp8_token gate_up GEMMs, got activations "
+                         f"{getattr(x, 'scheme', type(x).__name__)!r} and weights {getattr(w, 'scheme', type(w).__name__)!r}")
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if (bm, bn, bk) != (128, 128, 128):
+        raise ValueError(f"{where}: computes 128 x 128 x 128 tiles, got {bm} x {bn} x {bk}")
+    if plan.block_m != bm:
+        raise ValueError(f"{where}: config.block_m={bm} but the plan's block_m={plan.block_m}")
+    e, n_w, k = w.shape
+    n = n_w // 2
+    if n_w % 2:
+        raise ValueError(f"{where}: fused gate_up needs an even number of weight rows, got {n_w}")
+    if not isinstance(a_row_div, int) or isinstance(a_row_div, bool) or a_row_div < 1 or \
+            x.shape[0] * a_row_div != plan.num_rows:
+        raise ValueError(f"{where}: x has {x.shape[0]} rows and a_row_div={a_row_div!r}; the plan needs "
+                         f"M = {plan.num_rows} = rows * a_row_div")
+    if x.row_scale is not None and x.tensor_scale is not None:
+        raise ValueError(f"{where}: x has both row and tensor scales (a scheme with a global scale)")
+    a_scale = x.row_scale if x.row_scale is not None else x.tensor_scale
+    stride_asm = _scale_strides(a_scale, 2)[0]
+    if x.shape[1] != k or out.shape != (plan.padded_rows, n):
+        raise ValueError(f"{where}: x {tuple(x.shape)} must be [rows, H={k}] and out {tuple(out.shape)} "
+                         f"[P={plan.padded_rows}, I={n}]")
+    if n < bn or k % bk:
+        # A TMA box larger than its tensor is not a case this kernel is measured or tested on, and
+        # the gathered rows are copied in whole K steps.
+        raise ValueError(f"{where}: I={n} must be at least the tile's {bn} columns and H={k} a multiple of its "
+                         f"{bk}-column K step")
+    if out.stride(1) != 1 or x.data.stride(1) != 1 or x.data.stride(0) % 16 or not w.data.is_contiguous():
+        raise ValueError(f"{where}: needs contiguous w, x's and out's rows contiguous and x's rows 16-byte "
+                         f"aligned; got x strides {x.data.stride()}, out strides {out.stride()}")
+    if amax is not None and (amax.shape != (plan.start.shape[0],) or amax.dtype != torch.float32):
+        raise ValueError(f"{where}: amax must be fp32 [E={plan.start.shape[0]}], got {amax.dtype} "
+                         f"{tuple(amax.shape)}")
+    stride_wse, stride_wsn, _ = _scale_strides(w.scale, 3)
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
+    w_desc = TensorDescriptor.from_tensor(w.data.view(e * n_w, k), [bn, bk], w_layout)
+    tiles = plan.max_tiles * triton.cdiv(n, bn)
+    programs = programs or multiprocessors(out.device.index)
+    if tiles:  # no launch for an empty plan
+        persistent_gate_up_kernel[(min(programs, tiles), )](
+            x.data, w_desc, out, amax if amax is not None else out, a_scale, w.scale, plan.sorted_rows,
+            plan.tile_expert, plan.start, plan.count, plan.start.shape[0], n, k, a_row_div, x.data.stride(0),
+            stride_asm, stride_wse, stride_wsn, out.stride(0),
+            ACT=_act_mode(activation), TRACK_AMAX=amax is not None, BLOCK_M=bm, BLOCK_K=bk,
+            STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=PARTITION_WARPS.value,
+            maxnreg=_MAXNREG)
+    return out
+
+
+# The registers each thread starts with (12 warps, 3 x 4): a multiple of 8 with 12 x 32 x it
+# within the 65536 of an SM; warp_specialize then moves them between the partitions.
+_MAXNREG = 65536 // (3 * PARTITION_WARPS.value * 32) // 8 * 8
