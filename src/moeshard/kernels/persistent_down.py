@@ -59,9 +59,18 @@ def supported(device: torch.device) -> bool:
 def _tile(idx, pid, programs, used, num_pid_n, tile_expert_ptr, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           GROUP_M: gl.constexpr):
     """(first padded position, first weight row, first column, expert) of this program's idx-th
-    tile, in ``grouped_gemm``'s grouped launch order; past the last tile, the last tile (its
-    loads are then predicated off)."""
-    t = gl.minimum(pid + idx * programs, used * num_pid_n - 1)
+    tile, tiles pid, pid + programs, ... of ``grouped_gemm``'s grouped launch order; past the
+    last tile, the last tile (its loads are then predicated off)."""
+    return _grouped(gl.minimum(pid + idx * programs, used * num_pid_n - 1), used, num_pid_n, tile_expert_ptr, N,
+                    BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@gluon.jit
+def _grouped(t, used, num_pid_n, tile_expert_ptr, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             GROUP_M: gl.constexpr):
+    """(first padded position, first weight row, first column, expert) of tile t of
+    ``grouped_gemm``'s grouped launch order: GROUP_M consecutive row tiles sweep the column tiles
+    together, the row tiles fastest."""
     per_group = GROUP_M * num_pid_n
     first_m = (t // per_group) * GROUP_M
     group_size = gl.minimum(used - first_m, GROUP_M)

@@ -1,0 +1,61 @@
+"""Runs the per-row fp8 gate_up GEMM variants of ``scripts/gluon_gate_up_study.py`` once each, for a
+profiler to attach to.
+
+On the bench's workload for one model, token count and scheme, this launches gate_up with the
+Triton kernel's selected tile, with its whole tiles, and with the Gluon kernel (``--stages``),
+each ``--runs`` times after one warm-up launch, each variant inside an NVTX range of its name.
+Under Nsight Compute:
+
+    ncu --nvtx --nvtx-include "gluon/" --set full -o gluon python3 scripts/gate_up_profile.py \\
+        --model deepseek-v3 --tokens 4096 --scheme fp8_token
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from moeshard.bench.study import routed_case
+from moeshard.bench.workload import make_model
+from moeshard.kernels.align import align_rows
+from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.experts import gluon_supported
+from moeshard.kernels.grouped_gemm import moe_gemm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="deepseek-v3")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--scheme", default="fp8_token", choices=("fp8_tensor", "fp8_token"))
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=1)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    case = routed_case(make_model(args.model, device), args.tokens, args.scheme)
+    sms = multiprocessors(device.index)
+    chosen = select_config(case.M, case.E, case.H, case.I, args.scheme, sms, gluon=gluon_supported(device))
+    plan = align_rows(case.inp.expert_ids, case.E, chosen.block_m)
+    variants = {"triton": chosen.gate_up, "triton_whole": dataclasses.replace(chosen.gate_up, half_tiles=False),
+                "gluon": dataclasses.replace(chosen.gate_up, engine="gluon", half_tiles=False,
+                                             num_stages=args.stages)}
+    h = torch.empty(plan.padded_rows, case.I, dtype=case.cfg.dtype, device=device)
+    amax = torch.zeros(case.E, dtype=torch.float32, device=device) if case.spec.per_tensor_activation else None
+    for name, gemm in variants.items():
+        def run(gemm=gemm):
+            moe_gemm(case.inp.x, case.experts.gate_up, plan, h, gemm, activation=case.cfg.activation, gather=True,
+                     amax=amax, a_row_div=case.inp.repeat)
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(name)
+        for _ in range(args.runs):
+            run()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        print(f"{name}: {gemm}")
+
+
+if __name__ == "__main__":
+    main()
