@@ -18,8 +18,8 @@ Why warp specialization: Hopper's TMA loads blocks and cannot gather rows, so th
 through cp.async, 16 bytes per thread. When the warps that issue the MMAs also issue those copies
 (Triton's kernel, and a persistent Gluon version measured 4-16% slower than it), every K step
 waits for all threads' copies behind a CTA-wide barrier. Here three partitions of 4 warps share a
-ring of STAGES stages in shared memory, and one program per SM walks a contiguous range of the
-tiles in use (``_walk``):
+ring of STAGES stages in shared memory, and one program per SM takes the tiles in use one at a
+time from a counter in memory (the loader takes each and hands it to the MMA partitions):
 
 * the loader gathers each step's 128 input rows with cp.async (each thread's copies arrive on the
   stage's ``ready`` mbarrier when they land, rows past the expert's count zero-filled without a
@@ -61,22 +61,37 @@ LOADER_REGS, MMA_REGS = gl.constexpr(40), gl.constexpr(232)
 
 
 @gluon.jit
-def _walk(pid, programs, start_ptr, count_ptr, num_experts, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(tiles in use, column tiles, this program's first tile, its tile count): every partition
-    walks the same contiguous range of tiles of ``_grouped``'s order, ``programs`` ranges of
-    equal length. Contiguous, so that the row tiles of one expert, adjacent in that order for
-    each column tile, run one after the other on one SM and its weight tile is read from memory
-    once: with tiles pid, pid + programs, ... (``persistent_down``'s walk) the programs drift apart
-    and the weight tiles were read again (one H200, DeepSeek-V3 at 4096 tokens, Nsight Compute:
-    11.5 GB read from DRAM at an L2 hit rate of 20%, against the Triton kernel's 8.6 GB and 33%)."""
+def _tiles_in_use(start_ptr, count_ptr, num_experts, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(row tiles in use, column tiles): the tiles in use end with the last expert's (tiles past
+    them hold padding only)."""
     last = num_experts - 1
-    # The tiles in use end with the last expert's (tiles past them hold padding only).
     used = gl.load(start_ptr + last) // BLOCK_M + gl.cdiv(gl.load(count_ptr + last), BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    total = used * num_pid_n
-    per_program = gl.cdiv(total, programs)
-    first = pid * per_program
-    return used, num_pid_n, first, gl.maximum(gl.minimum(total - first, per_program), 0)
+    return used, gl.cdiv(N, BLOCK_N)
+
+
+@gluon.jit
+def _publish(t, j, tile_ids, tile_ready, tile_empty):
+    """The loader hands tile t, its program's j-th, to both MMA partitions (a ring of two slots)."""
+    slot = j % 2
+    mbarrier.wait(tile_empty.index(slot), (j // 2 & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [PARTITION_WARPS], [0])
+    tile_ids.index(slot).store(gl.full([1], t, gl.int32, layout))
+    # Every loader thread's store is done before the arrival that publishes it.
+    _BARRIER()
+    mbarrier.arrive(tile_ready.index(slot))
+
+
+@gluon.jit
+def _take(j, tile_ids, tile_ready, tile_empty):
+    """An MMA partition's j-th tile, as the loader published it."""
+    slot = j % 2
+    mbarrier.wait(tile_ready.index(slot), j // 2 & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [PARTITION_WARPS], [0])
+    t = gl.max(tile_ids.index(slot).load(layout), axis=0)
+    # Every thread of the partition has read the slot before it is released.
+    _BARRIER()
+    mbarrier.arrive(tile_empty.index(slot))
+    return t
 
 
 @gluon.jit
@@ -87,20 +102,23 @@ def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.const
     completing on the stage's ``ready`` mbarrier."""
     (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
      count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_wse, stride_wsn, stride_om,
-     a_bufs, g_bufs, u_bufs, ready, empty) = args
+     a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     # 16 bytes of one input row per thread: BLOCK_K / 16 threads cover a row.
     gather: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [PARTITION_WARPS, 1],
                                             [1, 0])
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    used, num_pid_n, first_tile, num_tiles = _walk(pid, programs, start_ptr, count_ptr, num_experts, N, BLOCK_M,
-                                                   BLOCK_N)
+    used, num_pid_n = _tiles_in_use(start_ptr, count_ptr, num_experts, N, BLOCK_M, BLOCK_N)
+    total = used * num_pid_n
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
     step = 0
-    for idx in range(num_tiles):
-        off_m, _, off_n, expert = _grouped(first_tile + idx, used, num_pid_n, tile_expert_ptr, N, BLOCK_M, BLOCK_N,
-                                           GROUP_M)
+    j = 0
+    # Tiles are taken in the grouped order from one counter, as the hardware hands out the
+    # programs of a non-persistent launch: the tiles that run at one time share their input rows
+    # and weight tiles in L2. The first id past the last tile ends every partition's loop.
+    t = gl.atomic_add(counter_ptr, 1)
+    _publish(t, j, tile_ids, tile_ready, tile_empty)
+    while t < total:
+        off_m, _, off_n, expert = _grouped(t, used, num_pid_n, tile_expert_ptr, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_p = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
         row_ok = offs_p - gl.load(start_ptr + expert) < gl.load(count_ptr + expert)
         # Divided in int32, as grouped_gemm does (sorted_rows is int32).
@@ -121,6 +139,9 @@ def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.const
             _CP_ASYNC(a_bufs.index(index), base + k, mask=mask)
             async_copy.mbarrier_arrive(bar, increment_count=False)
             step += 1
+        j += 1
+        t = gl.atomic_add(counter_ptr, 1)
+        _publish(t, j, tile_ids, tile_ready, tile_empty)
 
 
 @gluon.jit
@@ -138,7 +159,7 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.con
     """An MMA partition: rows [64 WG, 64 WG + 64) of every tile, their K loop and epilogue."""
     (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
      count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_wse, stride_wsn, stride_om,
-     a_bufs, g_bufs, u_bufs, ready, empty) = args
+     a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PARTITION_WARPS, 1],
@@ -148,15 +169,14 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.con
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PARTITION_WARPS, 1], [1, 0])
     out_ty: gl.constexpr = out_ptr.dtype.element_ty
 
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    used, num_pid_n, first_tile, num_tiles = _walk(pid, programs, start_ptr, count_ptr, num_experts, N, BLOCK_M,
-                                                   BLOCK_N)
+    used, num_pid_n = _tiles_in_use(start_ptr, count_ptr, num_experts, N, BLOCK_M, BLOCK_N)
+    total = used * num_pid_n
     k_steps = gl.cdiv(K, BLOCK_K)
     step = 0
-    for idx in range(num_tiles):
-        off_m, _, off_n, expert = _grouped(first_tile + idx, used, num_pid_n, tile_expert_ptr, N, BLOCK_M, BLOCK_N,
-                                           GROUP_M)
+    j = 0
+    t = _take(j, tile_ids, tile_ready, tile_empty)
+    while t < total:
+        off_m, _, off_n, expert = _grouped(t, used, num_pid_n, tile_expert_ptr, N, BLOCK_M, BLOCK_N, GROUP_M)
         first = off_m + WG * ROWS
         offs_p = first + gl.arange(0, ROWS, layout=rows_layout)
         start = gl.load(start_ptr + expert)
@@ -214,6 +234,8 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.con
                 mbarrier.arrive(empty.index(index))
                 step += 1
             gl.store(out_ptrs, gl.zeros((ROWS, BLOCK_N), dtype=out_ty, layout=store_layout), mask=out_mask)
+        j += 1
+        t = _take(j, tile_ids, tile_ready, tile_empty)
 
 
 @gluon.jit
@@ -230,7 +252,8 @@ def _mma_rows_1(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.c
 
 @gluon.jit
 def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr,
-                              tile_expert_ptr, start_ptr, count_ptr, num_experts, N, K, a_row_div, stride_am,
+                              tile_expert_ptr, start_ptr, count_ptr, counter_ptr, num_experts, N, K, a_row_div,
+                              stride_am,
                               stride_asm, stride_wse, stride_wsn, stride_om,
                               ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
@@ -248,9 +271,16 @@ def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_s
         # thread's copies; empty: one arrival per MMA warpgroup.
         mbarrier.init(ready.index(i), count=1 + PARTITION_WARPS * 32)
         mbarrier.init(empty.index(i), count=2)
+    # The tile ids the loader hands to the MMA partitions (``_publish``, ``_take``).
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=2)
     args = (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
             count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_wse, stride_wsn, stride_om,
-            a_bufs, g_bufs, u_bufs, ready, empty)
+            a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty)
     gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
                         (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
                         (_loader, (args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M))],
@@ -321,7 +351,8 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     if tiles:  # no launch for an empty plan
         persistent_gate_up_kernel[(min(programs, tiles), )](
             x.data, w_desc, out, amax if amax is not None else out, a_scale, w.scale, plan.sorted_rows,
-            plan.tile_expert, plan.start, plan.count, plan.start.shape[0], n, k, a_row_div, x.data.stride(0),
+            plan.tile_expert, plan.start, plan.count, torch.zeros(1, dtype=torch.int32, device=out.device),
+            plan.start.shape[0], n, k, a_row_div, x.data.stride(0),
             stride_asm, stride_wse, stride_wsn, out.stride(0),
             ACT=_act_mode(activation), TRACK_AMAX=amax is not None, BLOCK_M=bm, BLOCK_K=bk,
             STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=PARTITION_WARPS.value,
