@@ -1,11 +1,14 @@
-"""Registers, spills, shared memory and the instructions of the Gluon down GEMM, without a GPU.
+"""Registers, spills, shared memory and the instructions of the Gluon GEMMs, without a GPU.
 
-Compiles ``moeshard.kernels.persistent_down.persistent_down_kernel`` for Hopper (sm_90a) with the
-installed Triton, at 2-4 stages of its ring of loads, and reads the cubin as
-``scripts/kernel_resources.py`` does: registers (``cuobjdump --dump-resource-usage``), local-memory
-loads and stores (``LDL`` / ``STL``: spills), fp8 warpgroup MMAs (``QGMMA``) and TMA loads
-(``UTMALDG``) in the SASS, and the shared memory it asks for. Gluon is Triton's experimental
-layer, whose names move between releases; this is also the check that the kernel still compiles.
+Compiles ``moeshard.kernels.persistent_down.persistent_down_kernel`` at 2-4 stages of its ring of
+loads and ``moeshard.kernels.persistent_gate_up.persistent_gate_up_kernel`` at 3 and 4 for Hopper
+(sm_90a) with the installed Triton, and reads the cubin as ``scripts/kernel_resources.py`` does:
+registers (``cuobjdump --dump-resource-usage``; the gate_up kernel's is what each thread starts
+with, before its partitions trade them), local-memory loads and stores (``LDL`` / ``STL``:
+spills), fp8 warpgroup MMAs (``QGMMA``), TMA loads (``UTMALDG``), cp.async copies (``LDGSTS``) and
+their mbarrier arrivals (``ARRIVES``), register hand-overs between partitions (``USETMAXREG``) in
+the SASS, and the shared memory it asks for. Gluon is Triton's experimental layer, whose names
+move between releases; this is also the check that the kernels still compile.
 
     python scripts/gluon_resources.py            # the table
     python scripts/gluon_resources.py --json out.json
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_resources import SM90, cuobjdump  # noqa: E402
 
 from moeshard.kernels.persistent_down import persistent_down_kernel  # noqa: E402
+from moeshard.kernels.persistent_gate_up import _MAXNREG, PARTITION_WARPS, persistent_gate_up_kernel  # noqa: E402
 
 INTS = ("num_experts", "N", "K", "stride_asm", "stride_wse", "stride_wsn", "stride_om")
 POINTERS = {"out_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "sorted_rows_ptr": "*i32",
@@ -48,21 +52,42 @@ def compile_down(stages: int, block_m: int = 128, block_n: int = 256, block_k: i
     return triton.compile(src, target=SM90, options={"num_warps": warps})
 
 
-def resources(stages: int) -> dict:
-    kernel = compile_down(stages)
+def compile_gate_up(stages: int, block: int = 128):
+    """The gate_up kernel compiled for sm_90a with fp8 weights through a TMA descriptor of
+    [block, block] blocks (``persistent_gate_up``'s 128 x 128 x 128 tile)."""
+    layout = gl.NVMMASharedLayout.get_default_for([block, block], gl.float8e4nv)
+    sig = {"a_ptr": "*fp8e4nv", "w_desc": f"tensordesc<fp8e4nv[{block}, {block}],{layout!r}>", "amax_ptr": "*fp32",
+           "counter_ptr": "*i32", **POINTERS}
+    sig.update({name: "i32" for name in ("num_experts", "N", "K", "a_row_div", "stride_am", "stride_asm",
+                                         "stride_wse", "stride_wsn", "stride_om")})
+    consts = {"ACT": 0, "TRACK_AMAX": True, "BLOCK_M": block, "BLOCK_K": block, "STAGES": stages, "GROUP_M": 8,
+              "num_warps": PARTITION_WARPS.value}
+    sig.update({name: "constexpr" for name in consts})
+    names = list(persistent_gate_up_kernel.arg_names)
+    # As at run time: pointers, sizes and strides that are multiples of 16 carry that divisibility.
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("a_ptr", "out_ptr", "N", "K", "stride_am",
+                                                                           "stride_om")}
+    src = GluonASTSource(fn=persistent_gate_up_kernel, signature={name: sig[name] for name in names},
+                         constexprs={(names.index(name),): value for name, value in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=SM90, options={"num_warps": PARTITION_WARPS.value, "maxnreg": _MAXNREG})
+
+
+def resources(kernel_name: str, stages: int) -> dict:
+    kernel = compile_down(stages) if kernel_name == "down" else compile_gate_up(stages)
     usage = cuobjdump(kernel, "--dump-resource-usage")
     sass = cuobjdump(kernel, "--dump-sass")
     regs = re.search(r"REG:(\d+)", usage)
-    return {"stages": stages, "registers": int(regs.group(1)) if regs else -1, "shared": kernel.metadata.shared,
-            "spill_loads": len(re.findall(r"\bLDL\b", sass)), "spill_stores": len(re.findall(r"\bSTL\b", sass)),
-            "QGMMA": sass.count("QGMMA"), "UTMALDG": sass.count("UTMALDG")}
+    return {"kernel": kernel_name, "stages": stages, "registers": int(regs.group(1)) if regs else -1,
+            "shared": kernel.metadata.shared, "spill_loads": len(re.findall(r"\bLDL\b", sass)),
+            "spill_stores": len(re.findall(r"\bSTL\b", sass)),
+            **{op: sass.count(op) for op in ("QGMMA", "UTMALDG", "LDGSTS", "ARRIVES", "USETMAXREG")}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    rows = [resources(stages) for stages in (2, 3, 4)]
+    rows = [resources("down", stages) for stages in (2, 3, 4)] + [resources("gate_up", stages) for stages in (3, 4)]
     for r in rows:
         print(" ".join(f"{k} {v}" for k, v in r.items()))
     if args.json:

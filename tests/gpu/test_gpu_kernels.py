@@ -275,25 +275,37 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
         assert torch.equal(amax, want_amax), f"{scheme} H={H}: graph replay amax"
 
 
-def test_experts_take_the_gluon_down_at_prefill_with_the_same_bits():
+@pytest.mark.parametrize("H, engines", [(1024, ("triton", "gluon")), (2048, ("gluon", "gluon"))],
+                         ids=["H1024", "H2048"])
+def test_experts_take_the_gluon_gemms_at_prefill_with_the_same_bits(H, engines):
     """``TritonExperts`` on an H200-class GPU selects the Gluon down GEMM for fp8_tensor at a
-    prefill shape with I <= GLUON_DOWN_MAX_K, and its output is the Triton-only config's."""
+    prefill shape with I <= GLUON_DOWN_MAX_K, and the Gluon gate_up from H = GLUON_GATE_UP_MIN_H;
+    its output is the Triton-only config's. An input whose rows the Gluon gate_up cannot copy
+    (rows 16-byte misaligned) runs the Triton gate_up instead, with the same output."""
     import dataclasses
 
     from moeshard.kernels.persistent_down import supported
 
     assert supported(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] == 9)
     if not supported(torch.device("cuda")):
-        pytest.skip("the Gluon down GEMM runs on compute capability 9.x")
-    M, E, H, I = 8192, 8, 1024, 1536
+        pytest.skip("the Gluon GEMMs run on compute capability 9.x")
+    M, E, I = 8192, 8, 1536
     sel = select_config(M, E, H, I, "fp8_tensor", gluon=True)
-    assert sel.down.engine == "gluon", sel
+    assert (sel.gate_up.engine, sel.down.engine) == engines, sel
     w = _weights(E, H, I, torch.bfloat16, "fp8_tensor", seed=2)
     x = torch.randn(M, H, device="cuda").to(torch.bfloat16)
-    inp = ExpertInput(quantize_activations(x, "fp8_tensor"), _ids(M, E, seed=4), padded=False)
-    got = TritonExperts("silu", torch.bfloat16)(inp, w)
-    triton_only = dataclasses.replace(sel, down=dataclasses.replace(sel.down, engine="triton", num_stages=3))
-    assert torch.equal(got, TritonExperts("silu", torch.bfloat16, triton_only)(inp, w))
+    ids = _ids(M, E, seed=4)
+    xq = quantize_activations(x, "fp8_tensor")
+    got = TritonExperts("silu", torch.bfloat16)(ExpertInput(xq, ids, padded=False), w)
+    triton_only = ExpertsConfig(select_config(M, E, H, I, "fp8_tensor", gluon=False).gate_up,
+                                dataclasses.replace(sel.down, engine="triton", num_stages=3))
+    want = TritonExperts("silu", torch.bfloat16, triton_only)(ExpertInput(xq, ids, padded=False), w)
+    assert torch.equal(got, want)
+    wide = torch.zeros(M, H + 8, dtype=xq.data.dtype, device="cuda")
+    wide[:, :H] = xq.data
+    misaligned = dataclasses.replace(xq, data=wide[:, :H])
+    assert misaligned.data.stride(0) % 16
+    assert torch.equal(TritonExperts("silu", torch.bfloat16)(ExpertInput(misaligned, ids, padded=False), w), want)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

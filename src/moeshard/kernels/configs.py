@@ -55,6 +55,14 @@ ENGINES = ("triton", "gluon")
 # alone (scripts/gluon_down_study.py, 2026-12-04): 2-12% faster at K = 768 and 2048, within 3%
 # either way at 14336; shorter K was not measured (the kernel computes it, with fewer stages).
 GLUON_DOWN_MIN_K, GLUON_DOWN_MAX_K = 512, 8192
+# The warp-specialized Gluon gate_up GEMM is chosen for hidden sizes (its K) up to this. One H200,
+# gate_up alone and the whole experts, alternating (scripts/gluon_gate_up_study.py, 2026-12-04):
+# gate_up 1-9% faster than the Triton kernel's selected tiles at Qwen3 (H = 2048) and Mixtral
+# (4096) but Mixtral fp8_tensor at 16384 tokens (3% slower), the experts 1-7% faster there but
+# Qwen3 at 4096 tokens (even); at DeepSeek-V3 (7168) gate_up 3-6% faster but the experts 1-2%
+# faster at 4096 tokens (within the rounds' spread) and 2-6% slower at 16384.
+# Smaller hidden sizes were not measured (the kernel computes them: tests/gpu).
+GLUON_GATE_UP_MIN_H, GLUON_GATE_UP_MAX_H = 2048, 4096
 # Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).
 PDL_CHAINS = ("off", "gate_up", "all")
 # Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
@@ -266,10 +274,18 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     """Tile shapes for M routed rows over E experts, hidden H, intermediate I (per rank),
     on a GPU with ``sms`` multiprocessors; fp8_gate_up as ``TritonExperts`` takes it; pdl:
     whether the GPU takes programmatic dependent launch (``moeshard.kernels.pdl.supported``);
-    gluon: whether it runs the Gluon down GEMM (``moeshard.kernels.persistent_down.supported``)."""
+    gluon: whether it runs the Gluon GEMMs (``moeshard.kernels.persistent_down.supported``)."""
     cfg = _tiles(num_rows, num_experts, hidden, inter, scheme, sms, fp8_gate_up)
+    per_row = get_scheme(scheme).kernel_mode in (1, 2)
+    if gluon and per_row and cfg.gate_up == GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise",
+                                                       half_tiles=cfg.gate_up.half_tiles) \
+            and inter >= 128 and hidden % 128 == 0 and GLUON_GATE_UP_MIN_H <= hidden <= GLUON_GATE_UP_MAX_H:
+        # The per-row schemes' prefill gate_up tile as the warp-specialized Gluon kernel
+        # (``kernels.persistent_gate_up``), whose second MMA warpgroup skips rows of padding
+        # instead of half tiles.
+        cfg = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, engine="gluon", half_tiles=False))
     if gluon and cfg.down.fp8_acc == "imprecise" and cfg.down.block_n == 256 and hidden >= 256 \
-            and GLUON_DOWN_MIN_K <= inter <= GLUON_DOWN_MAX_K and get_scheme(scheme).kernel_mode in (1, 2):
+            and GLUON_DOWN_MIN_K <= inter <= GLUON_DOWN_MAX_K and per_row:
         # The per-row schemes' prefill down tile (128 x 256 x 128, unpromoted), as the persistent
         # Gluon kernel with 4 stages (scripts/gluon_down_study.py: 4 stages and rows stored
         # through shared memory were fastest at K = 768 and 2048).

@@ -25,6 +25,8 @@ quantize_h and down) under programmatic dependent launch (``ExpertsConfig.pdl``,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moeshard.activations import get_activation
@@ -44,8 +46,8 @@ from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme, qu
 
 
 def gluon_supported(device: torch.device) -> bool:
-    """Whether ``device`` runs the Gluon down GEMM (``kernels.persistent_down``): False too where
-    the installed Triton has no Gluon to import."""
+    """Whether ``device`` runs the Gluon GEMMs (``kernels.persistent_down``,
+    ``kernels.persistent_gate_up``): False too where the installed Triton has no Gluon to import."""
     try:
         from moeshard.kernels import persistent_down
     except ImportError:
@@ -120,6 +122,13 @@ class TritonExperts(GroupedExperts):
         cfg = self.config or select_config(M, E, H, I, scheme,
                                            multiprocessors(device.index if device.type == "cuda" else None),
                                            self.fp8_gate_up, pdl=takes_pdl, gluon=gluon_supported(device))
+        if self.config is None and cfg.gate_up.engine == "gluon":
+            from moeshard.kernels.persistent_gate_up import input_refusal
+
+            if input_refusal(x) is not None:
+                # An input the Gluon gate_up cannot copy rows from (shapes alone chose it): the
+                # Triton kernel on the same tile.
+                cfg = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, engine="triton"))
         if cfg.pdl != "off" and not takes_pdl:
             raise ValueError(f"TritonExperts: config.pdl={cfg.pdl!r} but {device} does not take programmatic "
                              "dependent launch (CUDA compute capability 9.0+ and Triton's gdc instructions)")

@@ -287,6 +287,18 @@ def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_s
                        [PARTITION_WARPS, PARTITION_WARPS], [MMA_REGS, LOADER_REGS])
 
 
+def input_refusal(x) -> str | None:
+    """Why this kernel cannot read the experts' input x (None when it can): it copies each row in
+    16-byte pieces and reads one scale per row or per tensor."""
+    if not isinstance(x, QuantizedActivations):
+        return f"x must be fp8 activations, got {type(x).__name__}"
+    if x.data.stride(1) != 1 or x.data.stride(0) % 16 or x.data.data_ptr() % 16:
+        return f"x's rows must be contiguous and 16-byte aligned, got strides {x.data.stride()}"
+    if x.row_scale is not None and x.tensor_scale is not None:
+        return "x has both row and tensor scales (a scheme with a global scale)"
+    return None
+
+
 def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAlignment, out: torch.Tensor,
                        config: GemmConfig, *, activation: str, amax: torch.Tensor | None = None,
                        a_row_div: int = 1, programs: int | None = None) -> torch.Tensor:
@@ -325,8 +337,9 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
             x.shape[0] * a_row_div != plan.num_rows:
         raise ValueError(f"{where}: x has {x.shape[0]} rows and a_row_div={a_row_div!r}; the plan needs "
                          f"M = {plan.num_rows} = rows * a_row_div")
-    if x.row_scale is not None and x.tensor_scale is not None:
-        raise ValueError(f"{where}: x has both row and tensor scales (a scheme with a global scale)")
+    refusal = input_refusal(x)
+    if refusal:
+        raise ValueError(f"{where}: {refusal}")
     a_scale = x.row_scale if x.row_scale is not None else x.tensor_scale
     stride_asm = _scale_strides(a_scale, 2)[0]
     if x.shape[1] != k or out.shape != (plan.padded_rows, n):
@@ -337,9 +350,8 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
         # the gathered rows are copied in whole K steps.
         raise ValueError(f"{where}: I={n} must be at least the tile's {bn} columns and H={k} a multiple of its "
                          f"{bk}-column K step")
-    if out.stride(1) != 1 or x.data.stride(1) != 1 or x.data.stride(0) % 16 or not w.data.is_contiguous():
-        raise ValueError(f"{where}: needs contiguous w, x's and out's rows contiguous and x's rows 16-byte "
-                         f"aligned; got x strides {x.data.stride()}, out strides {out.stride()}")
+    if out.stride(1) != 1 or not w.data.is_contiguous():
+        raise ValueError(f"{where}: needs contiguous w and out's rows contiguous; got out strides {out.stride()}")
     if amax is not None and (amax.shape != (plan.start.shape[0],) or amax.dtype != torch.float32):
         raise ValueError(f"{where}: amax must be fp32 [E={plan.start.shape[0]}], got {amax.dtype} "
                          f"{tuple(amax.shape)}")

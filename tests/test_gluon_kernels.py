@@ -1,0 +1,141 @@
+"""The Gluon GEMMs (``moeshard.kernels.persistent_down``, ``moeshard.kernels.persistent_gate_up``)
+without a GPU: where ``select_config`` takes them, what ``GemmConfig`` and ``moe_gemm`` refuse, and
+that they compile for Hopper (sm_90a) with the installed Triton, whose Gluon API moves between
+releases (their bits against the Triton kernel's are tests/gpu's
+``test_gluon_down_gives_the_triton_bits`` and ``test_gluon_gate_up_gives_the_triton_bits``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cuda_tools import cuda_tools_missing, run_compile_script
+
+from moeshard.kernels.configs import (
+    GLUON_DOWN_MAX_K,
+    GLUON_DOWN_MIN_K,
+    GLUON_GATE_UP_MAX_H,
+    GLUON_GATE_UP_MIN_H,
+    GemmConfig,
+    select_config,
+)
+
+GLUON_TILE = dict(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=4, tma=True,
+                  fp8_acc="imprecise", engine="gluon")
+GLUON_GATE_UP_TILE = {**GLUON_TILE, "block_n": 128}
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
+def test_select_config_takes_the_gluon_down_where_it_was_measured_faster(scheme):
+    """Per-row fp8 prefill down GEMMs with I in [GLUON_DOWN_MIN_K, GLUON_DOWN_MAX_K] (DeepSeek-V3
+    2048, Qwen3 768),
+    on a GPU that runs it; not Mixtral's 14336, not fp8_block or bf16, not at decode, not without
+    the GPU's support."""
+    deepseek = select_config(4096 * 8, 256, 7168, 2048, scheme, gluon=True)
+    qwen3 = select_config(16384 * 8, 128, 2048, 768, scheme, gluon=True)
+    for cfg in (deepseek, qwen3):
+        assert cfg.down == GemmConfig(**GLUON_TILE), cfg.down
+    assert GLUON_DOWN_MIN_K <= 768 and 2048 <= GLUON_DOWN_MAX_K < 14336
+    assert select_config(4096 * 2, 8, 4096, 14336, scheme, gluon=True).down.engine == "triton"
+    # A small shared expert (64 columns, one expert of 300 rows), and a hidden size narrower
+    # than the 256-column tile: not measured, and the second refused by the kernel.
+    assert select_config(300, 1, 128, 64, scheme, gluon=True).down.engine == "triton"
+    assert select_config(4096 * 8, 256, 128, 2048, scheme, gluon=True).down.engine == "triton"
+    assert select_config(4096 * 8, 256, 7168, 2048, scheme, gluon=False).down.engine == "triton"
+    assert select_config(16, 256, 7168, 2048, scheme, gluon=True).down.engine == "triton"
+    for other in ("none", "fp8_block", "nvfp4"):
+        assert select_config(4096 * 8, 256, 7168, 2048, other, gluon=True).down.engine == "triton", other
+    exact = select_config(4096 * 8, 256, 7168, 2048, scheme, fp8_gate_up="exact", gluon=True)
+    assert exact.down.engine == "triton"  # split accumulation: not the Gluon kernel's
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
+def test_select_config_takes_the_gluon_gate_up_where_it_was_measured_faster(scheme):
+    """Per-row fp8 prefill gate_up GEMMs with H in [GLUON_GATE_UP_MIN_H, GLUON_GATE_UP_MAX_H]
+    (Qwen3 2048, Mixtral 4096) at 256-4096 rows per expert, as whole tiles (the kernel's second
+    MMA warpgroup skips rows of padding); not DeepSeek-V3's 7168, not an unmeasured 512, not
+    fp8_block or bf16, not at decode or mid batches, not without the GPU's support, not for the
+    exact gate_up."""
+    assert GLUON_GATE_UP_MIN_H <= 2048 and 4096 <= GLUON_GATE_UP_MAX_H < 7168
+    for rows, experts, hidden, inter in ((4096 * 8, 128, 2048, 768), (16384 * 8, 128, 2048, 768),
+                                         (4096 * 2, 8, 4096, 14336), (16384 * 2, 8, 4096, 14336)):
+        cfg = select_config(rows, experts, hidden, inter, scheme, gluon=True)
+        assert cfg.gate_up == GemmConfig(**GLUON_GATE_UP_TILE), cfg.gate_up
+        assert select_config(rows, experts, hidden, inter, scheme, gluon=False).gate_up.engine == "triton"
+        for other in ("none", "fp8_block", "nvfp4"):
+            assert select_config(rows, experts, hidden, inter, other, gluon=True).gate_up.engine == "triton", other
+        exact = select_config(rows, experts, hidden, inter, scheme, fp8_gate_up="exact", gluon=True)
+        assert exact.gate_up.engine == "triton"
+    deepseek = select_config(4096 * 8, 256, 7168, 2048, scheme, gluon=True)
+    assert deepseek.gate_up.engine == "triton" and deepseek.gate_up.half_tiles
+    assert select_config(2000, 16, 512, 384, scheme, gluon=True).gate_up.engine == "triton"
+    assert select_config(16, 128, 2048, 768, scheme, gluon=True).gate_up.engine == "triton"  # decode
+    assert select_config(128 * 80, 128, 2048, 768, scheme, gluon=True).gate_up.engine == "triton"  # mid
+
+
+def test_gemm_config_refuses_what_the_gluon_engine_does_not_compute():
+    GemmConfig(**GLUON_TILE)
+    with pytest.raises(ValueError, match=r"GemmConfig.engine: 'cutlass' is not one of \['triton', 'gluon'\]"):
+        GemmConfig(128, 256, 128, engine="cutlass")
+    GemmConfig(**GLUON_GATE_UP_TILE)
+    for change in (dict(block_n=64), dict(block_k=64), dict(block_m=64), dict(num_warps=4), dict(fp8_acc="split"),
+                   dict(half_tiles=True), dict(num_stages=1)):
+        with pytest.raises(ValueError, match="engine 'gluon' computes 128 x 128 x 128 or 128 x 256 x 128 tiles"):
+            GemmConfig(**{**GLUON_TILE, **change})
+
+
+def test_moe_gemm_refuses_options_of_the_triton_kernel_for_the_gluon_engine():
+    """Each option the Gluon kernel does not take is named; off the GPU it says which device it
+    needs (both before anything is launched)."""
+    from moeshard.kernels.align import align_rows
+    from moeshard.kernels.grouped_gemm import moe_gemm
+    from moeshard.quant import quantize_activations, quantize_weight
+
+    E, H, I, M = 2, 256, 256, 8
+    w = quantize_weight(torch.randn(E, 2 * I, H), "fp8_token")
+    x = quantize_activations(torch.randn(M, H), "fp8_token")
+    plan = align_rows(torch.zeros(M, dtype=torch.long), E, 128)
+    h_out = torch.empty(plan.padded_rows, I)
+    with pytest.raises(ValueError, match=r"engine 'gluon' computes the gate_up GEMM with gathered rows; it does "
+                                         r"not take \['gather', 'fp8_exact', 'experts'\]"):
+        moe_gemm(x, w, plan, h_out, GemmConfig(**GLUON_GATE_UP_TILE), activation="silu", gather=False,
+                 fp8_exact=True, experts=(0, 2))
+    with pytest.raises(ValueError, match="needs a CUDA device of compute capability 9.x, got cpu"):
+        moe_gemm(x, w, plan, h_out, GemmConfig(**GLUON_GATE_UP_TILE), activation="silu", gather=True)
+    h = quantize_activations(torch.randn(plan.padded_rows, I), "fp8_token")
+    down = quantize_weight(torch.randn(E, H, I), "fp8_token")
+    with pytest.raises(ValueError, match="needs a CUDA device of compute capability 9.x, got cpu"):
+        moe_gemm(h, down, plan, torch.empty(M, H), GemmConfig(**GLUON_TILE), activation=None, gather=False)
+
+
+def test_the_gluon_kernels_compile_for_hopper(tmp_path):
+    """Compiled for sm_90a with the installed Triton (``scripts/gluon_resources.py``, in its own
+    process: the interpreted kernels of other tests patch Triton's language in this one), at every
+    stage count, with the ring of loads and the store's staging within Hopper's 227 KB of shared
+    memory:
+
+    * the down GEMM: fp8 warpgroup MMAs (QGMMA), TMA loads (UTMALDG), no local-memory spills;
+    * the gate_up GEMM: its partitions hand registers over (USETMAXREG: the MMA warpgroups take
+      more, the loader fewer), the loader's cp.async copies (LDGSTS) arrive on an mbarrier
+      (ARRIVES), the weights come through TMA and the MMAs are fp8 warpgroup MMAs. It spills a few
+      registers outside its K loop (16 local loads and 8 stores with Triton 3.9, 13 and 13 with
+      3.6), which the study measured with; more than 32 of either would be a different kernel."""
+    reason = cuda_tools_missing()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("triton.experimental.gluon")
+    out = tmp_path / "gluon.json"
+    run = run_compile_script("gluon_resources.py", out, tmp_path)
+    assert out.exists(), f"scripts/gluon_resources.py wrote nothing (rc {run.returncode}):\n{run.stderr[-3000:]}"
+    rows = json.loads(out.read_text())["kernels"]
+    assert [(r["kernel"], r["stages"]) for r in rows] == [("down", 2), ("down", 3), ("down", 4), ("gate_up", 3),
+                                                          ("gate_up", 4)]
+    for r in rows:
+        assert r["QGMMA"] and r["UTMALDG"], r
+        assert r["shared"] <= 227 * 1024, r
+        if r["kernel"] == "down":
+            assert r["spill_loads"] == r["spill_stores"] == 0, r
+        else:
+            assert r["USETMAXREG"] and r["LDGSTS"] and r["ARRIVES"], r
+            assert r["spill_loads"] <= 32 and r["spill_stores"] <= 32, r
