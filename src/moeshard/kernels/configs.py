@@ -78,10 +78,11 @@ class GemmConfig:
     what ``moe_gemm`` documents), ignored by the other modes. Every one of them stays within
     ``ACCUMULATION["fp8_mma"]`` (``scripts/accumulation_contract.py``); half_tiles: an expert's
     last tile computes only its first block_m / 2 rows when the rest is padding (``moe_gemm``);
-    engine (``ENGINES``): "triton", or "gluon" for the persistent fp8 GEMMs
-    (``kernels.persistent_gate_up``, ``kernels.persistent_down``: 128-row tiles of 128 or 256
-    columns and 128-column K steps, 8 warps, the MMA's own accumulation, whole tiles; num_stages
-    is their ring of loads)."""
+    engine (``ENGINES``): "triton", or "gluon" for the persistent fp8 GEMMs (128-row tiles with
+    128-column K steps, 8 MMA warps, the MMA's own accumulation, whole tiles; num_stages is their
+    ring of loads): the gate_up of ``kernels.persistent_gate_up`` (128 columns; its 8 MMA warps
+    are two warpgroups, with a third that loads) and the down GEMM of
+    ``kernels.persistent_down`` (256 columns)."""
 
     block_m: int
     block_n: int

@@ -30,6 +30,33 @@ time from a counter in memory (the loader takes each and hands it to the MMA par
   it are done, and run their epilogue alone. A warpgroup whose 64 rows hold no real row (an
   expert's last tile) issues no MMA and stores zeros, which leaves the tensor cores to the other
   one: the Triton kernel's half tiles, without a second code path.
+
+Why a counter: the tiles that run at one time must be neighbours in the grouped order, sharing
+input rows and weight tiles in L2, as the programs of a non-persistent launch are. Walked at a
+fixed stride per program they drift apart, and DeepSeek-V3's gate_up read 11.5 GB from DRAM at an
+L2 hit rate of 20% (Triton's kernel: 8.6 GB, 33%; with the counter: 35%; one H200, Nsight
+Compute, docs/performance.md).
+
+The mbarriers, and who arrives on them (a wrong count hangs the kernel):
+
+==============  ==========================================  =================================
+barrier         arrivals per phase                          waited on by
+==============  ==========================================  =================================
+ready[stage]    1 + 128: the loader's expect of the weight  both MMA warpgroups
+                tiles' bytes, and each loader thread's
+                cp.async copies as they land (``.noinc``)
+empty[stage]    2: each MMA warpgroup once its MMAs that    the loader
+                read the stage are done (or at once,
+                when it has no real rows)
+tile_ready[j]   1: the loader, after all its threads        both MMA warpgroups
+                stored the tile id
+tile_empty[j]   2: each MMA warpgroup, after all its        the loader
+                threads read the tile id
+==============  ==========================================  =================================
+
+A fresh mbarrier counts as having completed the phase before its first, so the loader's first
+pass over ``empty`` and ``tile_empty`` waits for nothing. Every partition ends on the first tile
+id past the tiles in use, which the loader publishes like any other.
 """
 
 from __future__ import annotations
