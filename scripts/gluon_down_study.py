@@ -8,7 +8,7 @@ and scheme (fp8_tensor, fp8_token) this times, on the bench's workload
 alternating): the down GEMM of the Triton kernel (the prefill tile ``select_config`` picks
 without Gluon) and of the Gluon kernel at 3 and 4 stages, checking each against the Triton
 kernel's y bit for bit; and the whole ``TritonExperts`` call with the config ``select_config``
-picks on this GPU and with its down GEMM on the Triton kernel.
+picks on this GPU and with its down GEMM on the Triton kernel (``experts_triton``).
 
     PYTHONPATH=src python3 scripts/gluon_down_study.py --json results/h200/gluon_down_study.json
 """
@@ -19,11 +19,10 @@ import dataclasses
 
 import torch
 
-from moeshard.bench.study import routed_case, run_on_gpu, study_parser
-from moeshard.bench.timing import alternating_medians
+from moeshard.bench.study import bits_line, experts_variants, routed_case, run_on_gpu, study_parser, time_variants
 from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import multiprocessors, select_config
-from moeshard.kernels.experts import TritonExperts, gluon_supported
+from moeshard.kernels.experts import gluon_supported
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.persistent_down import persistent_down
 from moeshard.kernels.quant import quantize_h
@@ -52,8 +51,8 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
            "config": {"triton": dataclasses.asdict(triton_only), "chosen": dataclasses.asdict(chosen)}}
     y_ref = torch.full((M, H), float("nan"), dtype=cfg.dtype, device=device)
     moe_gemm(hq, experts.down, down_plan, y_ref, triton_only.down, activation=None, gather=False)
-    calls = {"down_triton_ms": lambda: moe_gemm(hq, experts.down, down_plan, y_ref, triton_only.down,
-                                                activation=None, gather=False)}
+    calls = {"down_triton": lambda: moe_gemm(hq, experts.down, down_plan, y_ref, triton_only.down, activation=None,
+                                             gather=False)}
     rec["same_bits"] = {}
     if chosen.down.engine == "gluon":
         for stages in STAGES:
@@ -61,25 +60,14 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
             y = torch.full((M, H), float("nan"), dtype=cfg.dtype, device=device)
             persistent_down(hq, experts.down, plan, y, gemm)
             rec["same_bits"][f"down_gluon_s{stages}"] = bool(torch.equal(y, y_ref))
-            calls[f"down_gluon_s{stages}_ms"] = lambda y=y, gemm=gemm: persistent_down(hq, experts.down, plan, y, gemm)
-    for key, ec in (("experts_triton_ms", triton_only), ("experts_chosen_ms", chosen)):
-        kernel = TritonExperts(cfg.activation, cfg.dtype, ec)
-        calls[key] = lambda kernel=kernel: kernel(inp, experts)
-    outs = [TritonExperts(cfg.activation, cfg.dtype, ec)(inp, experts) for ec in (triton_only, chosen)]
-    rec["same_bits"]["experts"] = bool(torch.equal(*outs))
-    rec["rounds"], rec["median_ms"] = alternating_medians(calls, rounds=args.rounds, reps=args.reps, flush=flush)
-    return rec
-
-
-def summary(rec: dict) -> str:
-    parts = " | ".join(f"{k[:-3]} {v:.3f}" for k, v in rec["median_ms"].items())
-    bits = " ".join(f"{k}:{'same' if v else 'DIFFERENT'}" for k, v in rec["same_bits"].items())
-    return f"{rec['model']:14s} T={rec['tokens']:<6d} {rec['scheme']:10s} ms: {parts} | bits {bits}"
-
+            calls[f"down_gluon_s{stages}"] = lambda y=y, gemm=gemm: persistent_down(hq, experts.down, plan, y, gemm)
+    triton_down = dataclasses.replace(chosen, down=triton_only.down)
+    experts_variants(case, {"experts_triton": triton_down, "experts_chosen": chosen}, calls, rec)
+    return time_variants(rec, calls, flush, args)
 
 def main() -> None:
     ap = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10)
-    run_on_gpu(ap.parse_args(), "scripts/gluon_down_study.py", study, summary)
+    run_on_gpu(ap.parse_args(), "scripts/gluon_down_study.py", study, bits_line)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """The Gluon persistent gate_up GEMM against the Triton grouped GEMM at prefill, alone and in the experts.
 
 ``moeshard.kernels.persistent_gate_up`` computes the per-tensor / per-row fp8 gate_up GEMM as one
-program per SM that walks the tiles in use, its weight tiles through TMA and its gathered input
-rows through cp.async, STAGES - 1 steps ahead of the MMAs across tile boundaries
+program per SM, warp-specialized: a loader warpgroup takes tiles from a counter and gathers their
+input rows through cp.async (the weight tiles through TMA) for two MMA warpgroups
 (``GemmConfig.engine == "gluon"``). For each model, token count and scheme (fp8_tensor, fp8_token)
 this times, on the bench's workload (``moeshard.bench.workload``, CUDA graphs, an L2 flush before
 every repetition, rounds alternating): gate_up on the Triton kernel with the tile ``select_config``
 picks (half tiles where it takes them) and with whole tiles, and on the Gluon kernel at 3 and 4
 stages, checking h and the per-expert amax against the Triton kernel's bit for bit; and the whole
-``TritonExperts`` call with the config ``select_config`` picks on this GPU, and with its gate_up
-on the Gluon kernel.
+``TritonExperts`` call with the config ``select_config`` picks on this GPU and with its gate_up on
+the other kernel (the Gluon kernel at 4 stages where the Triton kernel is selected, the Triton
+kernel's tile where the Gluon kernel is; ``experts_other_gate_up``).
 
     PYTHONPATH=src python3 scripts/gluon_gate_up_study.py --json results/h200/gluon_gate_up_study.json
 """
@@ -20,11 +21,10 @@ import dataclasses
 
 import torch
 
-from moeshard.bench.study import routed_case, run_on_gpu, study_parser
-from moeshard.bench.timing import alternating_medians
+from moeshard.bench.study import bits_line, experts_variants, routed_case, run_on_gpu, study_parser, time_variants
 from moeshard.kernels.align import align_rows
 from moeshard.kernels.configs import multiprocessors, select_config
-from moeshard.kernels.experts import TritonExperts, gluon_supported
+from moeshard.kernels.experts import gluon_supported
 from moeshard.kernels.grouped_gemm import moe_gemm
 
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
@@ -57,9 +57,11 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
         return h, amax, call
 
     h_ref, amax_ref, calls = None, None, {}
-    variants = {"triton": chosen.gate_up, "triton_whole": dataclasses.replace(chosen.gate_up, half_tiles=False)}
+    # The Triton kernel's tile as select_config picks it without the Gluon kernels, and variants of it.
+    triton_tile = select_config(M, E, H, I, scheme, sms, gluon=False).gate_up
+    variants = {"triton": triton_tile, "triton_whole": dataclasses.replace(triton_tile, half_tiles=False)}
     for stages in STAGES:
-        variants[f"gluon_s{stages}"] = dataclasses.replace(chosen.gate_up, engine="gluon", half_tiles=False,
+        variants[f"gluon_s{stages}"] = dataclasses.replace(triton_tile, engine="gluon", half_tiles=False,
                                                            num_stages=stages)
     rec["same_bits"] = {}
     for key, gemm in variants.items():
@@ -70,28 +72,19 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
             rec["same_bits"][f"h_{key}"] = same(h, h_ref)
             if amax is not None:
                 rec["same_bits"][f"amax_{key}"] = bool(torch.equal(amax, amax_ref))
-        calls[f"gate_up_{key}_ms"] = call
-    with_gluon = dataclasses.replace(chosen, gate_up=variants["gluon_s4"])
-    configs = {"experts_chosen_ms": chosen, "experts_gluon_gate_up_ms": with_gluon}
-    outs = []
-    for key, ec in configs.items():
-        kernel = TritonExperts(cfg.activation, cfg.dtype, ec)
-        outs.append(kernel(inp, experts))
-        calls[key] = lambda kernel=kernel: kernel(inp, experts)
-    rec["same_bits"]["experts"] = bool(torch.equal(*outs))
-    rec["rounds"], rec["median_ms"] = alternating_medians(calls, rounds=args.rounds, reps=args.reps, flush=flush)
-    return rec
-
-
-def summary(rec: dict) -> str:
-    parts = " | ".join(f"{k[:-3]} {v:.3f}" for k, v in rec["median_ms"].items())
-    bits = " ".join(f"{k}:{'same' if v else 'DIFFERENT'}" for k, v in rec["same_bits"].items())
-    return f"{rec['model']:14s} T={rec['tokens']:<6d} {rec['scheme']:10s} ms: {parts} | bits {bits}"
+        calls[f"gate_up_{key}"] = call
+    # The experts as selected, and with the Gluon gate_up (4 stages) or, where that is selected,
+    # the Triton kernel's tile.
+    other = variants["gluon_s4"] if chosen.gate_up.engine == "triton" else triton_tile
+    rec["other_gate_up"] = dataclasses.asdict(other)
+    experts_variants(case, {"experts_chosen": chosen, "experts_other_gate_up": dataclasses.replace(chosen, gate_up=other)},
+                     calls, rec)
+    return time_variants(rec, calls, flush, args)
 
 
 def main() -> None:
     ap = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10)
-    run_on_gpu(ap.parse_args(), "scripts/gluon_gate_up_study.py", study, summary)
+    run_on_gpu(ap.parse_args(), "scripts/gluon_gate_up_study.py", study, bits_line)
 
 
 if __name__ == "__main__":

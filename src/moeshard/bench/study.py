@@ -113,6 +113,30 @@ def case_line(rec: dict) -> str:
             + " ".join(f"{k[:-3]} {v:.3f}" for k, v in rec["median_ms"].items()))
 
 
+def bits_line(rec: dict) -> str:
+    """``case_line`` and whether each variant gave the reference's bits (rec["same_bits"])."""
+    bits = " ".join(f"{k}:{'same' if v else 'DIFFERENT'}" for k, v in rec["same_bits"].items())
+    return f"{case_line(rec)} | bits {bits}"
+
+
+def experts_variants(case: RoutedCase, configs: dict, calls: dict[str, Callable[[], object]], rec: dict) -> None:
+    """Adds a ``TritonExperts`` call on ``case`` for each config (variant -> ``ExpertsConfig``) to
+    ``calls`` (for ``time_variants``), and records in rec["same_bits"]["experts"] whether all their
+    outputs are the first one's bits."""
+    import torch
+
+    from moeshard.kernels.experts import TritonExperts
+
+    def call(kernel: TritonExperts) -> Callable[[], torch.Tensor]:
+        return lambda: kernel(case.inp, case.experts)
+
+    outs = []
+    for key, config in configs.items():
+        calls[key] = run = call(TritonExperts(case.cfg.activation, case.cfg.dtype, config))
+        outs.append(run())
+    rec.setdefault("same_bits", {})["experts"] = all(torch.equal(outs[0], out) for out in outs[1:])
+
+
 @dataclass(frozen=True)
 class RoutedCase:
     """A study case's routed experts on the bench workload (``routed_case``): the model's config

@@ -543,7 +543,7 @@ def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, a
         what = "gate_up GEMM with gathered rows" if gate_up else "down GEMM at padded positions"
         raise ValueError(f"moe_gemm: engine 'gluon' computes the {what}; it does not take "
                          f"{[name for name, used in given.items() if used]}")
-    if gate_up:
+    if activation is not None:
         from moeshard.kernels.persistent_gate_up import persistent_gate_up
 
         return persistent_gate_up(a, w, plan, out, config, activation=activation, amax=amax, a_row_div=a_row_div)

@@ -182,6 +182,19 @@ def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, so
         mbarrier.invalidate(bars.index(i))
 
 
+def operands_refusal(device: torch.device, a, w, gemm: str) -> str | None:
+    """Why a Gluon GEMM (``gemm``: "gate_up" or "down") cannot run on ``device`` with activations
+    ``a`` and weights ``w`` (None when it can): it needs compute capability 9.x and fp8_tensor or
+    fp8_token operands of one scheme."""
+    if not supported(device):
+        return f"needs a CUDA device of compute capability 9.x, got {device}"
+    if not isinstance(a, QuantizedActivations) or not isinstance(w, QuantizedWeight) or \
+            w.scheme not in ("fp8_tensor", "fp8_token") or a.scheme != w.scheme:
+        return (f"computes fp8_tensor / fp8_token {gemm} GEMMs, got activations "
+                f"{getattr(a, 'scheme', type(a).__name__)!r} and weights {getattr(w, 'scheme', type(w).__name__)!r}")
+    return None
+
+
 def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignment, out: torch.Tensor,
                     config: GemmConfig, programs: int | None = None) -> torch.Tensor:
     """``moe_gemm(h, w, plan, out, config, activation=None, gather=False)`` for fp8_tensor /
@@ -196,13 +209,12 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from moeshard.kernels.grouped_gemm import _scale_strides
+
     where = "moe_gemm (engine 'gluon')"
-    if not supported(out.device):
-        raise ValueError(f"{where}: needs a CUDA device of compute capability 9.x, got {out.device}")
-    if not isinstance(h, QuantizedActivations) or not isinstance(w, QuantizedWeight) or \
-            w.scheme not in ("fp8_tensor", "fp8_token") or h.scheme != w.scheme:
-        raise ValueError(f"{where}: computes fp8_tensor / fp8_token down GEMMs, got activations "
-                         f"{getattr(h, 'scheme', type(h).__name__)!r} and weights {getattr(w, 'scheme', type(w).__name__)!r}")
+    refusal = operands_refusal(out.device, h, w, "down")
+    if refusal:
+        raise ValueError(f"{where}: {refusal}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if plan.block_m != bm:
         raise ValueError(f"{where}: config.block_m={bm} but the plan's block_m={plan.block_m}")
@@ -222,7 +234,7 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
         raise ValueError(f"{where}: needs contiguous h and w, I % 16 == 0 (TMA rows of 16-byte multiples) and "
                          f"out's rows contiguous; got I={k}, out strides {out.stride()}")
     scale = w.scale  # fp8_tensor [E], fp8_token [E, H]
-    stride_wse, stride_wsn = (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (scale.stride(0), 0)
+    stride_wse, stride_wsn, _ = _scale_strides(scale, 3)
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(h.data, [bm, bk], a_layout)

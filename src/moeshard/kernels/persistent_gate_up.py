@@ -75,7 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig, multiprocessors
-from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, supported
+from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, operands_refusal
 from moeshard.quant import QuantizedActivations, QuantizedWeight
 
 # Names Triton 3.9 changed (3.6: async_copy_global_to_shared, thread_barrier).
@@ -345,12 +345,9 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     from moeshard.kernels.grouped_gemm import _act_mode, _scale_strides
 
     where = "moe_gemm (engine 'gluon', gate_up)"
-    if not supported(out.device):
-        raise ValueError(f"{where}: needs a CUDA device of compute capability 9.x, got {out.device}")
-    if not isinstance(x, QuantizedActivations) or not isinstance(w, QuantizedWeight) or \
-            w.scheme not in ("fp8_tensor", "fp8_token") or x.scheme != w.scheme:
-        raise ValueError(f"{where}: computes fp8_tensor / fp8_token gate_up GEMMs, got activations "
-                         f"{getattr(x, 'scheme', type(x).__name__)!r} and weights {getattr(w, 'scheme', type(w).__name__)!r}")
+    refusal = operands_refusal(out.device, x, w, "gate_up")
+    if refusal:
+        raise ValueError(f"{where}: {refusal}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if (bm, bn, bk) != (128, 128, 128):
         raise ValueError(f"{where}: computes 128 x 128 x 128 tiles, got {bm} x {bn} x {bk}")
