@@ -44,24 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moeshard.activations import get_activation
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
+from moeshard.kernels.modes import act_mode, kernel_mode, scale_strides
 from moeshard.kernels.nvfp4_values import Nvfp4Values, e2m1_scaled_f16
-from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme
-
-
-def _act_mode(activation: str | None) -> int:
-    """The epilogue's ``ACT`` mode of a registered activation kind (0 when none is fused)."""
-    if activation is None:
-        return 0
-    kind = get_activation(activation, "moe_gemm: activation")
-    refusal = kind.kernel_refusal()
-    if refusal is not None or kind.kernel_mode is None:
-        raise ValueError(f"moe_gemm: {refusal}")
-    return kind.kernel_mode
-
+from moeshard.quant import QuantizedActivations, QuantizedWeight
 
 FP8_ACC_MODES = {name: i for i, name in enumerate(FP8_ACCUMULATIONS)}  # the kernel's FP8_ACC
 
@@ -352,43 +340,24 @@ def one_w_scale_per_tile(mode: int, block_n: int, n: int, fused: bool) -> bool:
     return mode == 3 and block_n <= 128 and 128 % block_n == 0 and (not fused or n % 128 == 0)
 
 
-def _scale_strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
-    """Strides of a scale tensor broadcast to ``dims`` dimensions (0 where it has size one or is
-    missing), so one kernel handles per-tensor, per-row and per-block scales alike."""
-    if t is None:
-        return (0,) * dims
-    if t.dim() == 0:
-        return (0,) * dims
-    strides = [s if n > 1 else 0 for n, s in zip(t.shape, t.stride(), strict=True)]
-    return tuple(strides + [0] * (dims - len(strides)))
-
-
-def kernel_mode(scheme: str) -> int:
-    """The scheme's mode in these kernels (``moeshard.quant.schemes.KERNEL_MODES``)."""
-    mode = get_scheme(scheme, "moe_gemm").kernel_mode
-    if mode is None:
-        raise ValueError(f"moe_gemm: quant {scheme!r} has no Triton kernel mode")
-    return mode
-
-
 def _a_operand(a: torch.Tensor | QuantizedActivations | Nvfp4Values):
     """(data, scale, global, stride_asm, stride_ask, stride_ag, quant mode, decoded values) of
     activations."""
     if isinstance(a, Nvfp4Values):  # decoded nvfp4: no block scales left, the global scale stays
-        ag = _scale_strides(a.global_scale, 2)[0]
+        ag = scale_strides(a.global_scale, 2)[0]
         return a.values, a.values, a.global_scale, 0, 0, ag, kernel_mode("nvfp4"), True
     if not isinstance(a, QuantizedActivations):
         return a, a, a, 0, 0, 0, 0, False
     mode = kernel_mode(a.scheme)
     if a.row_scale is None:  # one scale per tensor (or per row from an amax override)
         scale = a.tensor_scale
-        sm, sk = _scale_strides(scale, 2)
+        sm, sk = scale_strides(scale, 2)
         return a.data, scale, scale, sm, sk, 0, mode, False
     if a.tensor_scale is not None:  # row scales and a global scale (nvfp4)
         sm, sk = a.row_scale.stride()
-        ag = _scale_strides(a.tensor_scale, 2)[0]  # [] -> 0, [M, 1] -> its row stride
+        ag = scale_strides(a.tensor_scale, 2)[0]  # [] -> 0, [M, 1] -> its row stride
         return a.data, a.row_scale, a.tensor_scale, sm, sk, ag, mode, False
-    sm, sk = _scale_strides(a.row_scale, 2)
+    sm, sk = scale_strides(a.row_scale, 2)
     return a.data, a.row_scale, a.row_scale, sm, sk, 0, mode, False
 
 
@@ -401,7 +370,7 @@ def _w_operand(w: torch.Tensor | QuantizedWeight | Nvfp4Values):
         return w, w, w, (0, 0, 0), 0, False
     if w.global_scale is not None:
         return w.data, w.scale, w.global_scale, w.scale.stride(), kernel_mode(w.scheme), False
-    return w.data, w.scale, w.scale, _scale_strides(w.scale, 3), kernel_mode(w.scheme), False
+    return w.data, w.scale, w.scale, scale_strides(w.scale, 3), kernel_mode(w.scheme), False
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -516,7 +485,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
         out.stride(0), out.stride(1),
-        QUANT=w_mode, FUSE_ACT=fused, ACT=_act_mode(activation),  # fused
+        QUANT=w_mode, FUSE_ACT=fused, ACT=act_mode(activation),  # fused
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,

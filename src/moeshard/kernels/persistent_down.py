@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig, multiprocessors
+from moeshard.kernels.modes import scale_strides
 from moeshard.quant import QuantizedActivations, QuantizedWeight
 
 # Triton 3.9 named the TMA load async_load (3.6: async_copy_global_to_shared).
@@ -209,8 +210,6 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from moeshard.kernels.grouped_gemm import _scale_strides
-
     where = "moe_gemm (engine 'gluon')"
     refusal = operands_refusal(out.device, h, w, "down")
     if refusal:
@@ -234,7 +233,7 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
         raise ValueError(f"{where}: needs contiguous h and w, I % 16 == 0 (TMA rows of 16-byte multiples) and "
                          f"out's rows contiguous; got I={k}, out strides {out.stride()}")
     scale = w.scale  # fp8_tensor [E], fp8_token [E, H]
-    stride_wse, stride_wsn, _ = _scale_strides(scale, 3)
+    stride_wse, stride_wsn, _ = scale_strides(scale, 3)
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(h.data, [bm, bk], a_layout)

@@ -75,6 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig, multiprocessors
+from moeshard.kernels.modes import act_mode, scale_strides
 from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, operands_refusal
 from moeshard.quant import QuantizedActivations, QuantizedWeight
 
@@ -342,8 +343,6 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from moeshard.kernels.grouped_gemm import _act_mode, _scale_strides
-
     where = "moe_gemm (engine 'gluon', gate_up)"
     refusal = operands_refusal(out.device, x, w, "gate_up")
     if refusal:
@@ -365,7 +364,7 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     if refusal:
         raise ValueError(f"{where}: {refusal}")
     a_scale = x.row_scale if x.row_scale is not None else x.tensor_scale
-    stride_asm = _scale_strides(a_scale, 2)[0]
+    stride_asm = scale_strides(a_scale, 2)[0]
     if x.shape[1] != k or out.shape != (plan.padded_rows, n):
         raise ValueError(f"{where}: x {tuple(x.shape)} must be [rows, H={k}] and out {tuple(out.shape)} "
                          f"[P={plan.padded_rows}, I={n}]")
@@ -379,7 +378,7 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     if amax is not None and (amax.shape != (plan.start.shape[0],) or amax.dtype != torch.float32):
         raise ValueError(f"{where}: amax must be fp32 [E={plan.start.shape[0]}], got {amax.dtype} "
                          f"{tuple(amax.shape)}")
-    stride_wse, stride_wsn, _ = _scale_strides(w.scale, 3)
+    stride_wse, stride_wsn, _ = scale_strides(w.scale, 3)
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
     w_desc = TensorDescriptor.from_tensor(w.data.view(e * n_w, k), [bn, bk], w_layout)
     tiles = plan.max_tiles * triton.cdiv(n, bn)
@@ -390,7 +389,7 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
             plan.tile_expert, plan.start, plan.count, torch.zeros(1, dtype=torch.int32, device=out.device),
             plan.start.shape[0], n, k, a_row_div, x.data.stride(0),
             stride_asm, stride_wse, stride_wsn, out.stride(0),
-            ACT=_act_mode(activation), TRACK_AMAX=amax is not None, BLOCK_M=bm, BLOCK_K=bk,
+            ACT=act_mode(activation), TRACK_AMAX=amax is not None, BLOCK_M=bm, BLOCK_K=bk,
             STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=PARTITION_WARPS.value,
             maxnreg=_MAXNREG)
     return out

@@ -34,7 +34,7 @@ import triton.language as tl
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import QUANT_ROWS, SPAN_UNIT, column_span
-from moeshard.kernels.grouped_gemm import kernel_mode
+from moeshard.kernels.modes import kernel_mode
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, NVFP4_BLOCK, QuantizedActivations
 
 ROWS = QUANT_ROWS  # positions per program; BLOCK_M is a multiple, so a program's rows share one tile

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from moeshard.kernels import FUSED_INPUT_MODES
-from moeshard.kernels.grouped_gemm import kernel_mode
+from moeshard.kernels.modes import kernel_mode
 from moeshard.kernels.quant import _fp8, _nvfp4_chunk
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, NVFP4_BLOCK, QuantizedActivations
 from moeshard.quant.fp8 import fp8_scale

@@ -1,0 +1,42 @@
+"""What the kernels are compiled on: a scheme's and an activation's constexpr modes, and how they
+read a scale tensor of any of the schemes' shapes.
+
+Shared by the Triton grouped GEMM (``grouped_gemm``), the quantization kernels (``quant``,
+``quant_rows``) and the Gluon GEMMs (``persistent_gate_up``, ``persistent_down``), which compute
+the same arithmetic on the same operands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeshard.activations import get_activation
+from moeshard.quant import get_scheme
+
+
+def kernel_mode(scheme: str) -> int:
+    """The scheme's mode in these kernels (``moeshard.quant.schemes.KERNEL_MODES``)."""
+    mode = get_scheme(scheme, "moe_gemm").kernel_mode
+    if mode is None:
+        raise ValueError(f"moe_gemm: quant {scheme!r} has no Triton kernel mode")
+    return mode
+
+
+def act_mode(activation: str | None) -> int:
+    """The epilogue's ``ACT`` mode of a registered activation kind (0 when none is fused)."""
+    if activation is None:
+        return 0
+    kind = get_activation(activation, "moe_gemm: activation")
+    refusal = kind.kernel_refusal()
+    if refusal is not None or kind.kernel_mode is None:
+        raise ValueError(f"moe_gemm: {refusal}")
+    return kind.kernel_mode
+
+
+def scale_strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
+    """Strides of a scale tensor broadcast to ``dims`` dimensions (0 where it has size one or is
+    missing), so one kernel handles per-tensor, per-row and per-block scales alike."""
+    if t is None or t.dim() == 0:
+        return (0,) * dims
+    strides = [s if n > 1 else 0 for n, s in zip(t.shape, t.stride(), strict=True)]
+    return tuple(strides + [0] * (dims - len(strides)))
