@@ -55,7 +55,7 @@ ENGINES = ("triton", "gluon")
 # alone (scripts/gluon_down_study.py, 2026-12-04): 2-12% faster at K = 768 and 2048, within 3%
 # either way at 14336; shorter K was not measured (the kernel computes it, with fewer stages).
 GLUON_DOWN_MIN_K, GLUON_DOWN_MAX_K = 512, 8192
-# The warp-specialized Gluon gate_up GEMM is chosen for hidden sizes (its K) up to this. One H200,
+# The warp-specialized Gluon gate_up GEMM is chosen for hidden sizes (its K) in this range. One H200,
 # gate_up alone and the whole experts, alternating (scripts/gluon_gate_up_study.py, 2026-12-04):
 # gate_up 1-9% faster than the Triton kernel's selected tiles at Qwen3 (H = 2048) and Mixtral
 # (4096) but Mixtral fp8_tensor at 16384 tokens (3% slower), the experts 1-7% faster there but
