@@ -465,6 +465,29 @@ def test_command_generates_compares_and_writes_json(models, tmp_path, capsys):
     assert not list(tmp_path.glob(".gen.json.*"))  # written atomically, nothing left behind
 
 
+def test_command_under_torchrun_in_this_process(models, tmp_path, monkeypatch):
+    """A torchrun world of one rank (this process, env://): init from the environment, the gather
+    of the ranks' results on rank 0 (``jobs.world.execute_torchrun``), the comparison, and the
+    process group torn down after; the ids are the one-process run's."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["--model", models["deepseek_v3"], "--input-ids", "3,17,42;5,6", "--max-new-tokens", "4", "--compare"]
+    alone = tmp_path / "alone.json"
+    assert moeshard_generate([*argv, "--output", str(alone)]) == 0
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "torchrun.json"
+    assert moeshard_generate([*argv, "--output", str(out)]) == 0
+    data, want = json.loads(out.read_text()), json.loads(alone.read_text())
+    assert [p["generated_ids"] for p in data["prompts"]] == [p["generated_ids"] for p in want["prompts"]]
+    assert data["comparison"]["same_ids"] == [True, True] and [r["rank"] for r in data["ranks"]] == [0]
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dp", "2", "--ep", "--input-ids", "3,4"], "--dp 2: every DP rank runs its own prompts, but only 1"),
     (["--input-ids", "3,64"], "token ids [64] outside the vocabulary [0, 64)"),

@@ -24,13 +24,10 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
 
 import torch
-import torch.distributed as dist
 
 from moeshard.commands.args import add_allow_nonfinite, add_layout_arguments, ints, timeout
-from moeshard.dispatch.registry import build_groups
 from moeshard.errors import NonFiniteOutput
 from moeshard.finite import json_text, with_nulls
 from moeshard.jobs.generate import (
@@ -47,10 +44,9 @@ from moeshard.jobs.generate import (
     plan_generate,
     reference_generate,
 )
-from moeshard.jobs.world import execute_local as run_locally
+from moeshard.jobs.world import execute
 from moeshard.outputs import atomic_write_text, check_input_dir, check_input_file, check_output_path
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.torchrun import destroy, init_from_env, torchrun_environment
 
 
 def add_parser(subparsers) -> None:
@@ -128,24 +124,10 @@ def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
 
 
 # -- ranks ------------------------------------------------------------------------------------
-def execute_local(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResult]:
-    """Every rank's result: in this process for one rank, else ``dp * tp`` spawned ranks."""
-    return run_locally(plan, generate_rank, generate_plans, timeout_s)
-
-
-def _execute_torchrun(plan: GeneratePlan, timeout_s: float) -> list[GenerateRankResult] | None:
-    """One rank of torchrun's world; returns every rank's result on rank 0, None elsewhere."""
-    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo", timeout_s=timeout_s)
-    try:
-        plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
-        result = generate_rank(plan, build_groups(plan.parallel, plan.spec.device, [plan.backend]))
-        reports: list[GenerateRankResult | None] = [None] * dist.get_world_size()
-        light = replace(result, logits=None) if result.tp_rank != 0 else result
-        dist.all_gather_object(reports, light)  # our own small dataclasses, between our own ranks
-        # all_gather_object filled every entry with a rank's report
-        return cast("list[GenerateRankResult]", reports) if dist.get_rank() == 0 else None
-    finally:
-        destroy()
+def _light(result: GenerateRankResult) -> GenerateRankResult:
+    """What rank 0 needs of a rank's result: the logits of TP rank 0 only (the others agree or
+    are counted as disagreeing on their own rank)."""
+    return replace(result, logits=None) if result.tp_rank != 0 else result
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -226,12 +208,9 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     timeout_s = timeout(args.timeout)
     plan = plan_generate(spec_from_args(args))
-    if torchrun_environment():
-        results = _execute_torchrun(plan, timeout_s)
-        if results is None:
-            return 0
-    else:
-        results = execute_local(plan, timeout_s)
+    results = execute(plan, generate_rank, generate_plans, timeout_s, light=_light)
+    if results is None:  # a rank of torchrun's world other than 0
+        return 0
     bad = nonfinite_logits(results)
     if bad and not args.allow_nonfinite:
         raise NonFiniteOutput(f"the logits hold NaN/Inf at {len(bad)} (prompt, step) pair(s), the first prompt "

@@ -21,14 +21,11 @@ import argparse
 import sys
 import time
 from dataclasses import replace
-from typing import cast
 
 import torch
-import torch.distributed as dist
 
 from moeshard.commands.args import add_allow_nonfinite, add_layout_arguments, timeout
 from moeshard.commands.generate import files_read, parse_prompts, read_prompts
-from moeshard.dispatch.registry import build_groups
 from moeshard.errors import NonFiniteOutput
 from moeshard.finite import json_text, nonfinite_fields, with_nulls
 from moeshard.jobs.train import (
@@ -47,10 +44,9 @@ from moeshard.jobs.train import (
     train_plans,
     train_rank,
 )
-from moeshard.jobs.world import execute_local as run_locally
+from moeshard.jobs.world import execute
 from moeshard.outputs import atomic_write_text, check_input_dir, check_output_path
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.torchrun import destroy, init_from_env, torchrun_environment
 from moeshard.tolerances import TRAIN_ROUNDING_FACTOR
 
 
@@ -104,25 +100,6 @@ def spec_from_args(args: argparse.Namespace) -> TrainSpec:
 
 
 # -- ranks ------------------------------------------------------------------------------------
-def execute_local(plan: TrainPlan, timeout_s: float) -> list[TrainRankResult]:
-    """Every rank's result: in this process for one rank, else ``dp * tp`` spawned ranks."""
-    return run_locally(plan, train_rank, train_plans, timeout_s)
-
-
-def _execute_torchrun(plan: TrainPlan, timeout_s: float) -> list[TrainRankResult] | None:
-    """One rank of torchrun's world; returns every rank's result on rank 0, None elsewhere."""
-    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo", timeout_s=timeout_s)
-    try:
-        plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
-        result = train_rank(plan, build_groups(plan.parallel, plan.spec.device, [plan.backend]))
-        reports: list[TrainRankResult | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, result)  # our own small dataclasses, between our own ranks
-        # all_gather_object filled every entry with a rank's report
-        return cast("list[TrainRankResult]", reports) if dist.get_rank() == 0 else None
-    finally:
-        destroy()
-
-
 # -- output -----------------------------------------------------------------------------------
 def report(plan: TrainPlan, results: list[TrainRankResult], comparison: TrainComparison | None,
            wall_s: float) -> dict:
@@ -206,12 +183,9 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     timeout_s = timeout(args.timeout)
     plan = plan_train(spec_from_args(args))
-    if torchrun_environment():
-        results = _execute_torchrun(plan, timeout_s)
-        if results is None:
-            return 0
-    else:
-        results = execute_local(plan, timeout_s)
+    results = execute(plan, train_rank, train_plans, timeout_s)
+    if results is None:  # a rank of torchrun's world other than 0
+        return 0
     bad = _nonfinite(plan, results)
     if bad and not args.allow_nonfinite:
         shown = ", ".join(f"{name} = {value}" for name, value in bad[:3])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -58,6 +58,40 @@ def each_plan(plans: Sequence[Plan], run_one: Callable[[Any, ParallelGroups], R]
         except Exception as exc:  # noqa: BLE001 - recorded for the caller, which reports it
             results.append({"error": type(exc).__name__, "message": str(exc)})
     return results
+
+
+def execute(plan: Any, run_one: Callable[[Any, ParallelGroups | None], R], run_plans: Callable[[list[Any]], list],
+            timeout_s: float, light: Callable[[R], R] | None = None) -> list[R] | None:
+    """Every rank's result of one plan, wherever this process runs: under torchrun
+    (``execute_torchrun``) on rank 0, None on the other ranks; else ``execute_local``."""
+    from moeshard.parallel.torchrun import torchrun_environment
+
+    if torchrun_environment():
+        return execute_torchrun(plan, run_one, timeout_s, light)
+    return execute_local(plan, run_one, run_plans, timeout_s)
+
+
+def execute_torchrun(plan: Any, run_one: Callable[[Any, ParallelGroups | None], R], timeout_s: float,
+                     light: Callable[[R], R] | None = None) -> list[R] | None:
+    """Runs ``run_one(plan, groups)`` as this process's rank of torchrun's world (env://, NCCL on
+    cuda, gloo on cpu; ``timeout_s`` bounds the rendezvous and every collective) and gathers every
+    rank's result (``light(result)`` where given: what rank 0 needs of it) on rank 0; returns them
+    there, None on the other ranks. A layout that does not fit the world is refused on every rank
+    before any collective."""
+    import torch.distributed as dist
+
+    from moeshard.parallel.torchrun import destroy, init_from_env
+
+    init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo", timeout_s=timeout_s)
+    try:
+        plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
+        result = run_one(plan, build_groups(plan.parallel, plan.spec.device, [plan.backend]))
+        reports: list[R | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, light(result) if light is not None else result)  # our own small dataclasses
+        # all_gather_object filled every entry with a rank's report
+        return cast("list[R]", reports) if dist.get_rank() == 0 else None
+    finally:
+        destroy()
 
 
 def execute_local(plan: Any, run_one: Callable[[Any, ParallelGroups | None], R],
