@@ -21,7 +21,6 @@ from moeshard.bench.study import routed_case
 from moeshard.bench.workload import make_model
 from moeshard.kernels.align import align_rows
 from moeshard.kernels.configs import multiprocessors, select_config
-from moeshard.kernels.experts import gluon_supported
 from moeshard.kernels.grouped_gemm import moe_gemm
 
 
@@ -36,11 +35,11 @@ def main() -> None:
     device = torch.device("cuda")
     case = routed_case(make_model(args.model, device), args.tokens, args.scheme)
     sms = multiprocessors(device.index)
-    chosen = select_config(case.M, case.E, case.H, case.I, args.scheme, sms, gluon=gluon_supported(device))
-    plan = align_rows(case.inp.expert_ids, case.E, chosen.block_m)
-    variants = {"triton": chosen.gate_up, "triton_whole": dataclasses.replace(chosen.gate_up, half_tiles=False),
-                "gluon": dataclasses.replace(chosen.gate_up, engine="gluon", half_tiles=False,
-                                             num_stages=args.stages)}
+    # The Triton kernel's tile as select_config picks it without the Gluon kernels, and variants of it.
+    tile = select_config(case.M, case.E, case.H, case.I, args.scheme, sms, gluon=False).gate_up
+    plan = align_rows(case.inp.expert_ids, case.E, tile.block_m)
+    variants = {"triton": tile, "triton_whole": dataclasses.replace(tile, half_tiles=False),
+                "gluon": dataclasses.replace(tile, engine="gluon", half_tiles=False, num_stages=args.stages)}
     h = torch.empty(plan.padded_rows, case.I, dtype=case.cfg.dtype, device=device)
     amax = torch.zeros(case.E, dtype=torch.float32, device=device) if case.spec.per_tensor_activation else None
     for name, gemm in variants.items():

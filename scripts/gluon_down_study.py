@@ -65,6 +65,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     experts_variants(case, {"experts_triton": triton_down, "experts_chosen": chosen}, calls, rec)
     return time_variants(rec, calls, flush, args)
 
+
 def main() -> None:
     ap = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=10)
     run_on_gpu(ap.parse_args(), "scripts/gluon_down_study.py", study, bits_line)
