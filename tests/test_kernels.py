@@ -251,6 +251,28 @@ def test_split_tiles_marks_the_empty_halves(interpreted_kernels):
         align.split_tiles(plan, 12)
 
 
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_split_tiles_kernel_matches_its_definition(interpreted_kernels, ratio):
+    """The split kernel against the definition in torch: a shorter tile belongs to its parent
+    tile's expert where that expert has a row at or after the tile's first position, else -1.
+    Random loads with empty experts, experts of exactly a parent tile, and more shorter tiles than
+    one program covers (so a second program's offset is exercised)."""
+    align = interpreted_kernels.align
+    gen = torch.Generator().manual_seed(ratio)
+    for M, E in ((37, 5), (300, 9), (9000, 3)):
+        ids = torch.randint(0, E, (M,), generator=gen)
+        ids[ids == 1] = 2  # expert 1 empty
+        ids[:16] = 0  # expert 0: at least one whole 16-row tile
+        plan = align.align_rows(ids, E, 16)
+        split = align.split_tiles(plan, 16 // ratio)
+        parent = plan.tile_expert.repeat_interleave(ratio)
+        first = torch.arange(parent.shape[0], dtype=torch.int32) * (16 // ratio)
+        expert = parent.clamp(min=0).long()
+        live = (parent >= 0) & (first - plan.start[expert] < plan.count[expert])
+        assert torch.equal(split.tile_expert, torch.where(live, parent, -1)), (M, E)
+        assert split.sorted_rows is plan.sorted_rows and split.block_m == 16 // ratio
+
+
 @pytest.mark.parametrize("fp8_acc", ["promote", "imprecise"])
 def test_fp8_accumulation_modes_compute_the_same_products(interpreted_kernels, exact_interpreter, fp8_acc):
     """The interpreter accumulates exactly, so every accumulation mode must give the split mode's

@@ -8,6 +8,9 @@ G histogram programs (G <= HIST_PROGRAMS, each counting a contiguous chunk of th
                                                cursor [E] = 0 (and amax [E] = 0 on request)
                    --scatter kernel (max(M / 1024, E) programs)--> sorted_rows [P]: row at each
                                                position, tile_expert [max_tiles] (-1 past the last tile)
+    (split_tiles, for a GEMM of shorter tiles over the same positions:)
+    tile_expert, start, count --split kernel (max_tiles * ratio / 1024 programs)--> tile_expert
+                                               [max_tiles * ratio] of the shorter tiles (-1 where empty)
 
 Expert e's rows occupy positions [start[e], start[e] + count[e]); the padding up to the next
 multiple of BM is never read as a row (kernels mask positions p with p - start[e] >= count[e]).
@@ -270,20 +273,38 @@ def partial_counts(ids: torch.Tensor, num_bins: int, pdl_launch: bool = False) -
     return partial
 
 
+@triton.jit(do_not_specialize=["num_tiles"])
+def _split_kernel(parent_ptr, start_ptr, count_ptr, tile_expert_ptr, num_tiles,
+                  RATIO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """tile_expert[t] (int32 [num_tiles], tiles of BLOCK_M rows) = parent_ptr[t // RATIO], the
+    expert of the plan's tile holding it, where that expert has a row at or after the tile's
+    first position, else -1; tiles [pid * BLOCK, +BLOCK)."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < num_tiles
+    parent = tl.load(parent_ptr + t // RATIO, mask=ok, other=-1)
+    has = parent >= 0
+    expert = tl.where(has, parent, 0)
+    start = tl.load(start_ptr + expert, mask=has, other=0)
+    count = tl.load(count_ptr + expert, mask=has, other=0)
+    live = has & (t * BLOCK_M - start < count)
+    tl.store(tile_expert_ptr + t, tl.where(live, parent, -1), mask=ok)
+
+
 def split_tiles(plan: RowAlignment, block_m: int) -> RowAlignment:
     """The same plan seen as tiles of ``block_m`` rows (a divisor of ``plan.block_m``): positions,
     starts and counts are unchanged (a multiple of plan.block_m is one of block_m), each tile
     becomes ``plan.block_m // block_m`` tiles of its expert, and those holding no row of it are
     marked -1, so no program computes them. Lets the down GEMM run shorter tiles than gate_up
-    over one plan (less padding computed when experts hold few rows). A few torch ops on the
-    device, sized from the plan's shapes (graph-safe)."""
+    over one plan (less padding computed when experts hold few rows). One launch, sized from
+    the plan's shapes (graph-safe)."""
     if block_m == plan.block_m:
         return plan
     if not isinstance(block_m, int) or block_m < 1 or plan.block_m % block_m:
         raise ValueError(f"split_tiles: block_m={block_m!r} must divide the plan's block_m={plan.block_m}")
-    parent = plan.tile_expert.repeat_interleave(plan.block_m // block_m)
-    first_row = torch.arange(parent.shape[0], device=parent.device, dtype=torch.int32) * block_m
-    expert = parent.clamp(min=0).long()
-    live = (parent >= 0) & (first_row - plan.start[expert] < plan.count[expert])
-    return RowAlignment(plan.sorted_rows, torch.where(live, parent, -1), plan.start, plan.count, block_m,
-                        plan.num_rows)
+    ratio = plan.block_m // block_m
+    tiles = plan.max_tiles * ratio
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=plan.tile_expert.device)
+    _split_kernel[(triton.cdiv(tiles, SCATTER_BLOCK),)](plan.tile_expert, plan.start, plan.count, tile_expert, tiles,
+                                                         RATIO=ratio, BLOCK_M=block_m, BLOCK=SCATTER_BLOCK,
+                                                         num_warps=4)
+    return RowAlignment(plan.sorted_rows, tile_expert, plan.start, plan.count, block_m, plan.num_rows)
