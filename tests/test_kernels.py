@@ -16,6 +16,7 @@ the unmodified interpreter. The same kernels are checked on a GPU by tests/gpu/t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -233,6 +234,98 @@ def test_half_tiles_compute_the_whole_tiles_numbers(interpreted_kernels, exact_i
     assert a0 is None or torch.equal(a0, a1)
 
 
+@pytest.mark.parametrize("dtype,activation,half,tma", [
+    (torch.bfloat16, "silu", False, False), (torch.bfloat16, "silu", True, True),
+    (torch.float16, "gelu", True, False), (torch.float16, "silu", False, True)])
+def test_gate_up_quantizing_h_gives_quantize_h_bits(interpreted_kernels, exact_interpreter, dtype, activation,
+                                                    half, tma):
+    """fp8_block gate_up with ``out_scale`` stores h quantized: the values and scales must be
+    ``quantize_h``'s of the model-dtype h, bit for bit, at every position quantize_h writes
+    (padding rows included: their zeros take the floor scale), and nothing elsewhere. Experts of
+    40 (a tile and a half tile), 30, 3 and 17 rows and an empty one; two 128-column groups."""
+    k = interpreted_kernels
+    GemmConfig = k.configs.GemmConfig
+    M, E, H, I = 90, 5, 128, 256
+    x, _, w = _problem(M, E, H, I, dtype, "fp8_block", seed=17)
+    ids = torch.tensor([0] * 40 + [1] * 30 + [2] * 3 + [3] * 17)[torch.randperm(M, generator=torch.Generator().manual_seed(2))]
+    plan = k.align.align_rows(ids, E, 32)
+    gemm = GemmConfig(32, 128, 128, group_m=2, tma=tma, half_tiles=half)
+    h = torch.full((plan.padded_rows, I), float("nan"), dtype=dtype)
+    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation=activation, gather=True)
+    want = k.quant.quantize_h(h, "fp8_block", plan, None)
+    q = torch.full((plan.padded_rows, I), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN
+    s = torch.full((plan.padded_rows, I // 128), float("nan"))
+    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, q, gemm, activation=activation, gather=True, out_scale=s,
+                            h_dtype=dtype)
+    written = (plan.tile_expert >= 0).repeat_interleave(32)  # the positions quantize_h writes
+    assert written.sum() < plan.padded_rows  # tiles past the end stay unwritten by both
+    assert torch.equal(q.view(torch.uint8)[written], want.data.view(torch.uint8)[written])
+    assert torch.equal(s[written], want.row_scale[written])
+    assert (q.view(torch.uint8)[~written] == 0x7F).all() and s[~written].isnan().all()
+
+
+def test_gate_up_quantizing_h_refuses_what_it_cannot_quantize(interpreted_kernels):
+    k = interpreted_kernels
+    GemmConfig = k.configs.GemmConfig
+    M, E, H, I = 20, 2, 128, 256
+    x, ids, w = _problem(M, E, H, I, torch.bfloat16, "fp8_block", seed=3)
+    plan = k.align.align_rows(ids, E, 32)
+    P = plan.padded_rows
+    q = torch.empty(P, I, dtype=torch.float8_e4m3fn)
+    s = torch.empty(P, I // 128)
+    gemm = GemmConfig(32, 128, 128)
+
+    def call(**over):
+        args = dict(a=x, w=w.gate_up, plan=plan, out=q, config=gemm, activation="silu", gather=True, out_scale=s,
+                    h_dtype=torch.bfloat16)
+        args.update(over)
+        k.grouped_gemm.moe_gemm(args.pop("a"), args.pop("w"), args.pop("plan"), args.pop("out"), args.pop("config"),
+                                **args)
+
+    with pytest.raises(ValueError, match="block_n=64, N=256"):
+        call(config=GemmConfig(32, 64, 128))
+    with pytest.raises(ValueError, match="needs h_dtype.*got None"):
+        call(h_dtype=None)
+    with pytest.raises(ValueError, match="takes no amax"):
+        call(amax=torch.zeros(E))
+    with pytest.raises(ValueError, match=rf"out must be torch.float8_e4m3fn \[{P}, {I}\]; got torch.bfloat16"):
+        call(out=torch.empty(P, I, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=rf"out_scale must be contiguous float32 \[{P}, 2\] rows; got torch.float32 \[{P}, 1\]"):
+        call(out_scale=torch.empty(P, 1))
+    xt, _, wt = _problem(M, E, H, I, torch.bfloat16, "fp8_token", seed=3)
+    with pytest.raises(ValueError, match="fp8_block gate_up GEMM; got gate_up with operands of kernel mode 2"):
+        call(a=xt, w=wt.gate_up)
+    with pytest.raises(ValueError, match="does not take \\['out_scale'\\]"):
+        call(a=xt, w=wt.gate_up, config=GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise",
+                                                   engine="gluon"))
+
+
+@pytest.mark.parametrize("I", [256, 192])
+def test_experts_quantizing_h_in_gate_up_give_the_same_bits(interpreted_kernels, exact_interpreter, I):
+    """``ExpertsConfig.h_quant='gate_up'``: the experts' output is the separate pass's, bit for
+    bit; an intermediate size that is not a multiple of 128 is refused with its value."""
+    TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
+    M, E, H = 45, 4, 128
+    x, ids, w = _problem(M, E, H, I, torch.bfloat16, "fp8_block", seed=23)
+    base = ExpertsConfig(GemmConfig(32, 128, 128, half_tiles=True), GemmConfig(16, 128, 128))
+    fused = dataclasses.replace(base, h_quant="gate_up")
+    if I % 128:
+        with pytest.raises(ValueError, match="fp8_block experts whose intermediate size is a multiple of 128; "
+                                             "the experts are fp8_block with I=192"):
+            TritonExperts("silu", torch.bfloat16, fused)(ExpertInput(x, ids), w)
+        return
+    y0 = TritonExperts("silu", torch.bfloat16, base)(ExpertInput(x, ids), w)
+    y1 = TritonExperts("silu", torch.bfloat16, fused)(ExpertInput(x, ids), w)
+    assert not y1.isnan().any() and torch.equal(y0, y1)
+
+
+def test_h_quant_in_gate_up_needs_its_tile():
+    with pytest.raises(ValueError, match="h_quant: 'fused' is not one of"):
+        ExpertsConfig(GemmConfig(32, 128, 128), GemmConfig(32, 128, 128), h_quant="fused")
+    with pytest.raises(ValueError, match="128-column tiles; got gate_up block_n=64, engine='triton'"):
+        ExpertsConfig(GemmConfig(32, 64, 128), GemmConfig(32, 128, 128), h_quant="gate_up")
+
+
 def test_half_tiles_need_tiles_of_at_least_32_rows():
     with pytest.raises(ValueError, match="half_tiles needs block_m a multiple of 32, got block_m=16"):
         GemmConfig(16, 64, 64, half_tiles=True)
@@ -420,6 +513,26 @@ def test_fp8_down_tiles_follow_the_measured_choices():
     assert (exact.down.block_m, exact.down.block_n) == (64, 128)
     block = select_config(32768, 256, 7168, 2048, "fp8_block")
     assert (block.down.fp8_acc, block.down.block_m, block.gate_up.block_n) == ("split", 64, 128)
+
+
+def test_h_is_quantized_in_gate_up_where_it_was_measured_faster():
+    """``ExpertsConfig.h_quant`` as scripts/h_quant_study.py measured it (``configs._h_quant``):
+    fp8_block decode tiles 128 columns wide (Qwen3 and DeepSeek-V3 at 128 tokens, Mixtral at one
+    token) and Mixtral's prefill with its input laid out; the separate pass at Qwen3 and
+    DeepSeek-V3 prefill, on narrower tiles, and for every other scheme. Without quantize_h the
+    decode chain keeps PDL on the plan and gate_up only."""
+    gate_up_cases = [(1024, 128, 2048, 768), (1024, 256, 7168, 2048), (2, 8, 4096, 14336), (8192, 8, 4096, 14336),
+                     (32768, 8, 4096, 14336)]
+    for M, E, H, I in gate_up_cases:
+        assert select_config(M, E, H, I, "fp8_block").h_quant == "gate_up", (M, E, H, I)
+        for scheme in ("none", "fp8_tensor", "fp8_token", "nvfp4"):
+            assert select_config(M, E, H, I, scheme).h_quant == "pass", (M, E, H, I, scheme)
+    for M, E, H, I in [(32768, 128, 2048, 768), (131072, 128, 2048, 768), (32768, 256, 7168, 2048),
+                       (8, 256, 7168, 2048), (256, 8, 4096, 14336)]:
+        assert select_config(M, E, H, I, "fp8_block").h_quant == "pass", (M, E, H, I)
+    assert select_config(1024, 128, 2048, 768, "fp8_block", pdl=True).pdl == "gate_up"
+    # an intermediate size that is not a multiple of 128 keeps the pass
+    assert select_config(32768, 8, 4096, 14400, "fp8_block").h_quant == "pass"
 
 
 def test_experts_config_refuses_down_tiles_that_do_not_divide_the_plan():

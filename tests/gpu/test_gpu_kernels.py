@@ -308,6 +308,40 @@ def test_experts_take_the_gluon_gemms_at_prefill_with_the_same_bits(H, engines):
     assert torch.equal(TritonExperts("silu", torch.bfloat16)(ExpertInput(misaligned, ids, padded=False), w), want)
 
 
+@pytest.mark.parametrize("M, E, H, I, dtype", [(3000, 8, 512, 768, torch.bfloat16), (8192, 4, 1024, 1536, torch.float16),
+                                                (600, 2, 256, 256, torch.bfloat16)],
+                         ids=["half-tiles", "whole-tiles-fp16", "two-groups"])
+def test_gate_up_quantizing_h_gives_the_pass_bits(M, E, H, I, dtype):
+    """fp8_block prefill, compiled: gate_up storing h quantized (``moe_gemm``'s out_scale, the
+    selected 128 x 128 x 128 TMA tile, half tiles where select_config takes them) gives
+    quantize_h's values and scales at every position quantize_h writes, and the experts with
+    ``h_quant='gate_up'`` the output of the separate pass, bit for bit."""
+    import dataclasses
+
+    from moeshard.kernels.grouped_gemm import moe_gemm
+
+    sel = select_config(M, E, H, I, "fp8_block")
+    assert sel.gate_up.block_n == 128 and sel.gate_up.tma, sel
+    w = _weights(E, H, I, dtype, "fp8_block", seed=5)
+    x = torch.randn(M, H, device="cuda").to(dtype)
+    ids = _ids(M, E, seed=6)
+    xq = quantize_activations(x, "fp8_block")
+    plan = align_rows(ids, E, sel.block_m)
+    h = torch.empty(plan.padded_rows, I, dtype=dtype, device="cuda")
+    moe_gemm(xq, w.gate_up, plan, h, sel.gate_up, activation="silu", gather=True)
+    want = quantize_h(h, "fp8_block", plan, None)
+    q = torch.full((plan.padded_rows, I), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    s = torch.full((plan.padded_rows, I // 128), float("nan"), device="cuda")
+    moe_gemm(xq, w.gate_up, plan, q, sel.gate_up, activation="silu", gather=True, out_scale=s, h_dtype=dtype)
+    written = (plan.tile_expert >= 0).repeat_interleave(sel.block_m)
+    assert torch.equal(q.view(torch.uint8)[written], want.data.view(torch.uint8)[written])
+    assert torch.equal(s[written], want.row_scale[written])
+    assert (q.view(torch.uint8)[~written] == 0x7F).all() and s[~written].isnan().all()
+    outs = [TritonExperts("silu", dtype, dataclasses.replace(sel, h_quant=where))(ExpertInput(xq, ids), w)
+            for where in ("pass", "gate_up")]
+    assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_laid_out_input_gives_the_gathered_bits(scheme):
     """gate_up on the input laid out at padded positions (``kernels.layout``, read through TMA by

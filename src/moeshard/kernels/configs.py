@@ -67,6 +67,8 @@ GLUON_GATE_UP_MIN_H, GLUON_GATE_UP_MAX_H = 2048, 4096
 PDL_CHAINS = ("off", "gate_up", "all")
 # Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
 NVFP4_DECODES = ("off", "activations", "all")
+# Where h is quantized between the GEMMs (``ExpertsConfig.h_quant``).
+H_QUANTS = ("pass", "gate_up")
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,11 @@ class ExpertsConfig:
     fp16 copy of one projection's weights at a time). decode_experts (decode_nvfp4 "all"): how
     many experts' weights are decoded and multiplied per pass (each GEMM launched once per
     window of experts, ``moe_gemm``'s ``experts``), so that the fp16 copy stays small; 0 decodes
-    a projection whole."""
+    a projection whole. h_quant (``H_QUANTS``, quantized experts): h is quantized for the down
+    GEMM by ``quantize_h``'s own pass over it ("pass"), or by the gate_up GEMM as it stores h
+    ("gate_up": fp8_block experts whose intermediate size is a multiple of 128, gate_up in
+    128-column Triton tiles; ``moe_gemm``'s ``out_scale``; the same bits, and no model-dtype h
+    written and read again)."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -139,6 +145,7 @@ class ExpertsConfig:
     lay_out_a: bool = False
     decode_nvfp4: str = "off"
     decode_experts: int = 0
+    h_quant: str = "pass"
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHAINS:
@@ -148,6 +155,13 @@ class ExpertsConfig:
         if not isinstance(self.decode_experts, int) or isinstance(self.decode_experts, bool) or self.decode_experts < 0:
             raise ValueError(f"ExpertsConfig.decode_experts: expected an int >= 0 (0: all experts at once), "
                              f"got {self.decode_experts!r}")
+        if self.h_quant not in H_QUANTS:
+            raise ValueError(f"ExpertsConfig.h_quant: {self.h_quant!r} is not one of {list(H_QUANTS)}")
+        if self.h_quant == "gate_up" and (self.gate_up.block_n != 128 or self.gate_up.engine != "triton"
+                                          or self.decode_nvfp4 != "off"):
+            raise ValueError(f"ExpertsConfig.h_quant='gate_up' quantizes h in the Triton gate_up GEMM's 128-column "
+                             f"tiles; got gate_up block_n={self.gate_up.block_n}, engine={self.gate_up.engine!r}, "
+                             f"decode_nvfp4={self.decode_nvfp4!r}")
         if self.decode_experts and self.decode_nvfp4 != "all":
             raise ValueError(f"ExpertsConfig.decode_experts={self.decode_experts} windows the decoded weights, but "
                              f"decode_nvfp4={self.decode_nvfp4!r} decodes none (it needs 'all')")
@@ -304,8 +318,29 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     # 1.04 at one Mixtral token. The whole chain at 4096 tokens took 0.99-1.05.
     quantized = get_scheme(scheme).quantized
     P = max_tiles(num_rows, num_experts, cfg.block_m) * cfg.block_m
-    chain = "all" if quantized and quantize_h_programs(P, inter) <= sms else "gate_up"
+    # Where gate_up quantizes h (``_h_quant``) no quantize_h runs, and only the plan and gate_up
+    # chain was measured.
+    separate = quantized and cfg.h_quant == "pass"
+    chain = "all" if separate and quantize_h_programs(P, inter) <= sms else "gate_up"
     return dataclasses.replace(cfg, pdl=chain)
+
+
+def _h_quant(mode: int | None, gate_up: GemmConfig, inter: int, where: bool) -> str:
+    """``ExpertsConfig.h_quant``: "gate_up" for fp8_block experts whose gate_up tile is 128 columns
+    wide over an intermediate size that is a multiple of 128, where ``where`` says the shape gains
+    from it, else "pass".
+
+    One H200, the experts with either h_quant, alternating rounds (scripts/h_quant_study.py,
+    2026-12-04; the same bits): at decode, where the tile is 128 wide, quantizing in gate_up saves
+    a launch (Qwen3 128 tokens 0.180 against 0.183 ms, DeepSeek-V3 128 tokens 2.010 against 2.037,
+    Mixtral one token 0.122 against 0.125, in every round). At prefill the epilogue's correctly
+    rounded divisions cost the gate_up tiles more than the pass over h costs where h is narrow:
+    Qwen3 4096 and 16384 tokens 0.646 and 2.094 against 0.607 and 2.020 ms, DeepSeek-V3 within its
+    rounds' spread (5.47-5.85 against 5.64-5.71 ms at 4096 tokens). Mixtral's 14336-column h is the
+    widest pass: 16384 tokens 15.02-15.18 against 15.31-16.16 ms, 4096 tokens even, so prefill
+    quantizes in gate_up where the input is laid out (Mixtral from 1024 rows per expert)."""
+    wide = mode == FP8_BLOCK and gate_up.block_n == 128 and gate_up.engine == "triton" and inter % 128 == 0
+    return "gate_up" if where and wide else "pass"
 
 
 def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str, sms: int,
@@ -318,8 +353,9 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # the expert's weights again.
         block_m = 16 if 1.5 * r <= 16 else (32 if 1.5 * r <= 32 else 64)
         tiles = min(num_rows, num_experts)
-        return ExpertsConfig(_streaming(block_m, inter, tiles, sms, True, mode),
-                             _streaming(block_m, hidden, tiles, sms, False, mode))
+        gate_up = _streaming(block_m, inter, tiles, sms, True, mode)
+        return ExpertsConfig(gate_up, _streaming(block_m, hidden, tiles, sms, False, mode),
+                             h_quant=_h_quant(mode, gate_up, inter, True))
     if r <= 96:
         if mode == NVFP4:
             return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 3), GemmConfig(64, 128, 64, 8, 4, 3))
@@ -375,8 +411,9 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # 0.217, 0.691-0.697 against 0.721-0.735), 3 of pointer loads at Mixtral's 14336 (1.22
         # against 1.27-1.31 ms; 16384 tokens 4.87-4.88 against 4.94-5.08).
         long_k = inter >= 8192
-        return ExpertsConfig(GemmConfig(128, 128, 128, 8, 8, 3, tma=True, half_tiles=half),
-                             GemmConfig(64, 128, 128, 8, 4, 3 if long_k else 4, tma=not long_k), lay_out_a=lay_out)
+        gate_up = GemmConfig(128, 128, 128, 8, 8, 3, tma=True, half_tiles=half)
+        return ExpertsConfig(gate_up, GemmConfig(64, 128, 128, 8, 4, 3 if long_k else 4, tma=not long_k),
+                             lay_out_a=lay_out, h_quant=_h_quant(mode, gate_up, inter, lay_out))
     if fp8:
         # Per-tensor / per-row scales: gate_up accumulates across K on the tensor cores without
         # promotion. Mixtral at 4096 tokens on one H200 (scripts/fp8_study.py, 2026-12-01): 1.74 ms

@@ -42,7 +42,7 @@ from moeshard.kernels.quant import quantize_h
 from moeshard.kernels.quant_rows import MODES as ROW_MODES
 from moeshard.kernels.quant_rows import quantize_rows
 from moeshard.numerics import ACCUMULATION
-from moeshard.quant import QuantizedActivations, QuantizedWeight, get_scheme, quantize_activations
+from moeshard.quant import FP8_DTYPE, QuantizedActivations, QuantizedWeight, get_scheme, quantize_activations
 
 
 def gluon_supported(device: torch.device) -> bool:
@@ -132,6 +132,9 @@ class TritonExperts(GroupedExperts):
         if cfg.pdl != "off" and not takes_pdl:
             raise ValueError(f"TritonExperts: config.pdl={cfg.pdl!r} but {device} does not take programmatic "
                              "dependent launch (CUDA compute capability 9.0+ and Triton's gdc instructions)")
+        if cfg.h_quant == "gate_up" and (scheme != "fp8_block" or I % 128):
+            raise ValueError(f"TritonExperts: config.h_quant='gate_up' quantizes h of fp8_block experts whose "
+                             f"intermediate size is a multiple of 128; the experts are {scheme} with I={I}")
         if cfg.decode_nvfp4 != "off" and scheme != "nvfp4":
             raise ValueError(f"TritonExperts: config.decode_nvfp4={cfg.decode_nvfp4!r} decodes nvfp4 operands, but the "
                              f"experts are {scheme}")
@@ -144,7 +147,14 @@ class TritonExperts(GroupedExperts):
         # shorter) would otherwise sit between quantize_h and the down GEMM, which then could not
         # overlap quantize_h's end.
         down_plan = split_tiles(plan, cfg.down.block_m)
-        h = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device)
+        stored_q: QuantizedActivations | None = None
+        if cfg.h_quant == "gate_up":  # gate_up stores h quantized (the values and scales quantize_h gives)
+            stored_q = QuantizedActivations(
+                scheme, torch.empty(plan.padded_rows, I, dtype=FP8_DTYPE, device=device),
+                torch.empty(plan.padded_rows, I // 128, dtype=torch.float32, device=device), None)
+            h, h_scale = stored_q.data, stored_q.row_scale
+        else:
+            h, h_scale = torch.empty(plan.padded_rows, I, dtype=self.out_dtype, device=device), None
         x_in = _decoded(x) if decode_a else x
         if cfg.lay_out_a:  # one block per tile instead of a gather of rows (the same bits)
             a, gather, a_row_div = lay_out_rows(x_in, plan, inp.repeat), False, 1
@@ -154,11 +164,15 @@ class TritonExperts(GroupedExperts):
         for window in _windows(E, cfg.decode_experts) if decode_w else (None,):
             w_gate_up = weights.gate_up if window is None else _decoded(weights.gate_up, window)
             moe_gemm(a, w_gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=gather, amax=amax,
-                     fp8_exact=self.fp8_gate_up == "exact", a_row_div=a_row_div, pdl_launch=front, experts=window)
+                     fp8_exact=self.fp8_gate_up == "exact", a_row_div=a_row_div, pdl_launch=front, experts=window,
+                     out_scale=h_scale, h_dtype=self.out_dtype if h_scale is not None else None)
             del w_gate_up
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
-        h_q = quantize_h(h, scheme, plan, amax, pdl_launch=back) if scheme != "none" else h
+        if stored_q is not None:
+            h_q: torch.Tensor | QuantizedActivations = stored_q
+        else:
+            h_q = quantize_h(h, scheme, plan, amax, pdl_launch=back) if scheme != "none" else h
         h_in = _decoded(h_q) if decode_a else h_q
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
         for window in _windows(E, cfg.decode_experts) if decode_w else (None,):

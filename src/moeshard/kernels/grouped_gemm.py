@@ -49,9 +49,14 @@ from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
 from moeshard.kernels.modes import act_mode, kernel_mode, scale_strides
 from moeshard.kernels.nvfp4_values import Nvfp4Values, e2m1_scaled_f16
-from moeshard.quant import QuantizedActivations, QuantizedWeight
+from moeshard.kernels.quant import _fp8_group
+from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedActivations, QuantizedWeight
 
 FP8_ACC_MODES = {name: i for i, name in enumerate(FP8_ACCUMULATIONS)}  # the kernel's FP8_ACC
+# The model dtypes h is rounded to (the kernel's H_TY).
+H_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -94,12 +99,13 @@ def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
 
 
 @triton.jit
-def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr, sorted_rows_ptr,
-          p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr, amax_ptr,
+          sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
-          stride_om, stride_on,
-          QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
+          stride_om, stride_on, stride_osm,
+          QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, QUANT_OUT: tl.constexpr,
+          H_TY: tl.constexpr,
           GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
           EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
           FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
@@ -109,7 +115,9 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     at pid_n * BLOCK_N; ``w_expert`` is that expert's index in the weights given (``moe_gemm``'s
     expert window). ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
     TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack] blocks when TMA_W (pack: 2 for nvfp4 codes,
-    1 for an operand given as decoded values, A_VALUES / W_VALUES)."""
+    1 for an operand given as decoded values, A_VALUES / W_VALUES). The gate_up product and h are
+    rounded to H_TY, the model dtype; with QUANT_OUT (gate_up, BLOCK_N = 128) h is stored as
+    fp8_block values at ``out_ptr`` and their row scales at column pid_n of ``out_scale_ptr``."""
     offs_p = p0 + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
@@ -242,13 +250,13 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     if FUSE_ACT:
         # The reference rounds the gate_up product to the model dtype before the activation,
         # and the activation's fp32 result to the model dtype again.
-        gate = acc.to(out_ty).to(tl.float32)
-        up = acc_up.to(out_ty).to(tl.float32)
+        gate = acc.to(H_TY).to(tl.float32)
+        up = acc_up.to(H_TY).to(tl.float32)
         if ACT == 0:
             h = _silu_mul(gate, up)
         else:
             h = _gelu_mul(gate, up)
-        result = h.to(out_ty)
+        result = h.to(H_TY)
     else:
         result = acc.to(out_ty)
     if TRACK_AMAX:
@@ -257,6 +265,14 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     if SCATTER_OUT:
         out_ptrs = out_ptr + orig_rows[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, result, mask=row_ok[:, None] & n_ok[None, :])
+    elif QUANT_OUT:
+        # h as quantize_h would quantize it from the model dtype: this tile's columns are one
+        # 128-column scale group of every row, padding rows included (their zeros give the
+        # floor scale, as quantize_h's do).
+        q, scale = _fp8_group(result.to(tl.float32), _AMAX_FLOOR, _FP8_MAX)
+        rows64 = offs_p.to(tl.int64)
+        tl.store(out_ptr + rows64[:, None] * stride_om + offs_n[None, :] * stride_on, q, mask=n_ok[None, :])
+        tl.store(out_scale_ptr + rows64 * stride_osm + pid_n, scale)
     else:
         # Padding rows are stored too (their A rows loaded as zeros, so they hold exact zeros):
         # the next stage may read whole tiles without masking.
@@ -270,13 +286,14 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
 def moe_gemm_kernel(
         a_ptr, a_half_ptr, a_scale_ptr, a_global_ptr,
         w_ptr, w_scale_ptr, w_global_ptr,
-        out_ptr, amax_ptr,
+        out_ptr, out_scale_ptr, amax_ptr,
         sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
         num_tiles, expert_lo, expert_hi, N, K, N_w, up_offset, a_row_div,
         stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
         stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
-        stride_om, stride_on,
-        QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr,
+        stride_om, stride_on, stride_osm,
+        QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, QUANT_OUT: tl.constexpr,
+        H_TY: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
@@ -308,25 +325,29 @@ def moe_gemm_kernel(
     # third of the MMA work was padding.
     if HALF_TILES:
         if count - (p0 - first) <= BLOCK_M // 2:
-            _tile(a_half_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
-                  sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
-                  stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+            _tile(a_half_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr,
+                  amax_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset,
+                  a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
-                  QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
-                  FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+                  stride_osm, QUANT, FUSE_ACT, ACT, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K,
+                  TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M // 2, BLOCK_N, BLOCK_K)
             if not SCATTER_OUT:
-                # The skipped half holds padding only: store its zeros, as a whole tile would.
-                offs_z = p0 + BLOCK_M // 2 + tl.arange(0, BLOCK_M // 2)
+                # The skipped half holds padding only: store its zeros (quantized: zeros and the
+                # floor scale), as a whole tile would.
+                offs_z = (p0 + BLOCK_M // 2 + tl.arange(0, BLOCK_M // 2)).to(tl.int64)
                 offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                z_ptrs = out_ptr + offs_z.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+                z_ptrs = out_ptr + offs_z[:, None] * stride_om + offs_n[None, :] * stride_on
                 tl.store(z_ptrs, tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=out_ptr.dtype.element_ty),
                          mask=(offs_n < N)[None, :])
+                if QUANT_OUT:
+                    _, floor = _fp8_group(tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32), _AMAX_FLOOR, _FP8_MAX)
+                    tl.store(out_scale_ptr + offs_z * stride_osm + pid_n, floor)
             return
-    _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, amax_ptr,
+    _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr, amax_ptr,
           sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
-          stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
-          QUANT, FUSE_ACT, ACT, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
+          stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, stride_osm,
+          QUANT, FUSE_ACT, ACT, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
           FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
@@ -384,7 +405,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
              out: torch.Tensor, config: GemmConfig, *, activation: str | None, gather: bool,
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
              fp8_acc: str | None = None, pdl_launch: bool = False,
-             experts: tuple[int, int] | None = None) -> torch.Tensor:
+             experts: tuple[int, int] | None = None, out_scale: torch.Tensor | None = None,
+             h_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -421,11 +443,16 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     experts: (lo, hi): w holds experts [lo, hi) of the plan's E only (w[e - lo] is expert e), and
        only their tiles are computed; the others' output rows are left as they are, for another
        launch over another window. None: w holds all E experts.
+    out_scale: fp8_block gate_up only: h is quantized as it is stored, bit for bit as
+       ``quant.quantize_h`` quantizes the model-dtype h (no h in the model dtype is written):
+       ``out`` is then fp8 e4m3 [P, N_w / 2] and ``out_scale`` fp32 [P, N_w / 256], the scale of
+       each row's 128-column group. Needs 128-column tiles (one group per tile), N_w / 2 a
+       multiple of 128, no amax, and ``h_dtype``, the model dtype h is rounded to first.
     """
     if config.engine == "gluon":
         return _gluon(a, w, plan, out, config, activation=activation, gather=gather, amax=amax,
-                           fp8_exact=fp8_exact, a_row_div=a_row_div, fp8_acc=fp8_acc, pdl_launch=pdl_launch,
-                           experts=experts)
+                      fp8_exact=fp8_exact, a_row_div=a_row_div, fp8_acc=fp8_acc, pdl_launch=pdl_launch,
+                      experts=experts, out_scale=out_scale)
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if config.block_m != plan.block_m:
         # Tiles of another height would index the plan's tiles at the wrong positions.
@@ -476,16 +503,23 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
                 a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, bk // a_pack])
             tma_a = True
     ws_scalar = one_w_scale_per_tile(w_mode, bn, n, fused)
+    if out_scale is not None:
+        h_ty = H_TYPES[_check_quantized_out(out, out_scale, h_dtype, plan, n, w_mode, bn, fused, amax)]
+    else:
+        if h_dtype is not None and h_dtype != out.dtype:
+            raise ValueError(f"moe_gemm: h_dtype={h_dtype} differs from out's {out.dtype}; it rounds h for out_scale")
+        h_ty = H_TYPES.get(out.dtype, tl.float32)
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
     moe_gemm_kernel[grid](
         a_arg, a_half if tma_a else a_arg, a_scale, a_global, w_arg, w_scale, w_global,
-        out, amax if amax is not None else out,
+        out, out_scale if out_scale is not None else out, amax if amax is not None else out,
         plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
         plan.max_tiles, lo, hi, n, k, n_w, n if fused else 0, a_row_div,
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0,
         QUANT=w_mode, FUSE_ACT=fused, ACT=act_mode(activation),  # fused
+        QUANT_OUT=out_scale is not None, H_TY=h_ty,
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
@@ -496,16 +530,42 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     return out
 
 
+def _check_quantized_out(out: torch.Tensor, out_scale: torch.Tensor, h_dtype: torch.dtype | None,
+                         plan: RowAlignment, n: int, mode: int, block_n: int, fused: bool,
+                         amax: torch.Tensor | None) -> torch.dtype:
+    """Refuses, naming the values, an ``out_scale`` call ``moe_gemm``'s kernel cannot quantize h in;
+    returns h_dtype."""
+    if not fused or mode != kernel_mode("fp8_block"):
+        raise ValueError(f"moe_gemm: out_scale quantizes h in the fp8_block gate_up GEMM; got "
+                         f"{'gate_up' if fused else 'down'} with operands of kernel mode {mode}")
+    if block_n != 128 or n % 128:
+        raise ValueError(f"moe_gemm: out_scale needs 128-column tiles over a multiple of 128 columns (one scale "
+                         f"group per tile); got block_n={block_n}, N={n}")
+    if amax is not None:
+        raise ValueError("moe_gemm: out_scale takes no amax (fp8_block scales h per row and 128 columns)")
+    if h_dtype not in H_TYPES:
+        raise ValueError(f"moe_gemm: out_scale needs h_dtype, the model dtype h is rounded to, one of "
+                         f"{list(H_TYPES)}; got {h_dtype}")
+    P = plan.padded_rows
+    if out.dtype != FP8_DTYPE or tuple(out.shape) != (P, n):
+        raise ValueError(f"moe_gemm: with out_scale, out must be {FP8_DTYPE} [{P}, {n}]; got {out.dtype} "
+                         f"{list(out.shape)}")
+    if out_scale.dtype != torch.float32 or tuple(out_scale.shape) != (P, n // 128) or out_scale.stride(1) != 1:
+        raise ValueError(f"moe_gemm: out_scale must be contiguous float32 [{P}, {n // 128}] rows; got "
+                         f"{out_scale.dtype} {list(out_scale.shape)} with strides {out_scale.stride()}")
+    return h_dtype
+
+
 def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, activation: str | None,
            gather: bool, amax: torch.Tensor | None, fp8_exact: bool, a_row_div: int, fp8_acc: str | None,
-           pdl_launch: bool, experts: tuple[int, int] | None) -> torch.Tensor:
+           pdl_launch: bool, experts: tuple[int, int] | None, out_scale: torch.Tensor | None) -> torch.Tensor:
     """``moe_gemm`` with ``config.engine == "gluon"``: the gate_up GEMM of
     ``kernels.persistent_gate_up`` (rows gathered) or the down GEMM of ``kernels.persistent_down``
     (at padded positions), which take fewer of moe_gemm's options (each other one given is
     refused by name)."""
     gate_up = activation is not None
     given = {"gather": gather != gate_up, "fp8_exact": fp8_exact, "fp8_acc": fp8_acc not in (None, config.fp8_acc),
-             "pdl_launch": pdl_launch, "experts": experts is not None}
+             "pdl_launch": pdl_launch, "experts": experts is not None, "out_scale": out_scale is not None}
     if not gate_up:
         given.update({"amax": amax is not None, "a_row_div": a_row_div != 1})
     if any(given.values()):

@@ -49,6 +49,15 @@ def _fp8(x, scale, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _fp8_group(x, AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x fp32 [R, 128] (one fp8_block scale group per row) -> (e4m3 [R, 128] values, fp32 [R]
+    scales ``max(amax, AMAX_FLOOR) / 448``), as ``moeshard.quant`` quantizes a 1 x 128 block."""
+    block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
+    scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX)
+    return _fp8(x, scale[:, None], FP8_MAX), scale
+
+
+@triton.jit
 def _e2m1_code(y):
     """fp32 -> e2m1 code (uint8, 0..15): nearest value, ties to the even code, saturating at 6;
     the sign bit follows y's sign bit (so -0.0 keeps 0x8), as ``moeshard.quant.e2m1_encode``."""
@@ -160,10 +169,9 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
         for k0 in range(lo, hi, CHUNK):
             ok = (k0 + cols) < K
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-            block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-            scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX)
+            q, scale = _fp8_group(x, AMAX_FLOOR, FP8_MAX)
             tl.store(s_ptr + rows * stride_sm + k0 // CHUNK, scale)
-            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok[None, :])
+            tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], q, mask=ok[None, :])
     else:
         g = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX * 6.0, amax)
         if pid_k == 0:
