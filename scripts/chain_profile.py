@@ -6,7 +6,7 @@ two disagree (a gate_up faster alone but experts no faster), this says which ker
 took the time: for each model, token count and scheme it runs ``TritonExperts`` on the bench's
 workload with the selected config and with its gate_up on the other kernel (the Gluon kernel at 4
 stages where the Triton kernel is selected, the Triton kernel's tile where the Gluon kernel is;
-the selected config alone for the schemes the Gluon gate_up does not take),
+the selected config alone for the schemes and tiles the Gluon gate_up does not take),
 an L2 flush before every call as the bench does, under the CUDA profiler (eager launches: at
 prefill a kernel runs for milliseconds, so launch gaps do not matter), in ``--rounds`` alternating
 rounds. Records each kernel's GPU microseconds per call (the flush's own kernel included, so that
@@ -44,7 +44,9 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     chosen = select_config(case.M, case.E, case.H, case.I, scheme, sms, gluon=gluon_supported(case.device))
     triton_tile = select_config(case.M, case.E, case.H, case.I, scheme, sms, gluon=False).gate_up
     configs = {"chosen": chosen}
-    if case.spec.kernel_mode in (1, 2):  # the per-row schemes, which the Gluon gate_up takes
+    gluon_tile = (triton_tile.block_m, triton_tile.block_n, triton_tile.block_k, triton_tile.num_warps,
+                  triton_tile.fp8_acc) == (128, 128, 128, 8, "imprecise")
+    if case.spec.kernel_mode in (1, 2) and gluon_tile:  # the per-row schemes' prefill tile, the Gluon gate_up's
         configs["other"] = dataclasses.replace(chosen, gate_up=other_gate_up(chosen.gate_up, triton_tile))
     rec: dict = {"model": name, "tokens": tokens, "scheme": scheme, "rows": case.M,
                  "gate_up": {key: config.gate_up.engine for key, config in configs.items()}}

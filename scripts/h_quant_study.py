@@ -6,8 +6,10 @@ gate_up GEMM's epilogue (``moe_gemm``'s out_scale), so h is written once, in fp8
 back in the model dtype. For each model and token count this times the ``TritonExperts`` call
 with the config ``select_config`` picks and with the other h_quant, on the bench's workload
 (``moeshard.bench.workload``, CUDA graphs, an L2 flush before every repetition, rounds
-alternating), and checks that both give the same bits. Where the gate_up tile is not 128
-columns wide (some decode tiles) only the selected config runs.
+alternating), and checks that all give the same bits. Where the gate_up tile is a 64-row decode
+tile narrower than 128 columns, the other variants are that tile widened to 128 columns with 8
+warps (3 and 4 stages), quantizing h; for other tiles narrower than 128 columns only the selected
+config runs.
 
     PYTHONPATH=src python3 scripts/h_quant_study.py --json results/h200/h_quant_study.json
 """
@@ -37,6 +39,12 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     if chosen.gate_up.block_n == 128 and chosen.gate_up.engine == "triton" and case.I % 128 == 0:
         other = "pass" if chosen.h_quant == "gate_up" else "gate_up"
         configs[f"h_{other}"] = dataclasses.replace(chosen, h_quant=other)
+    elif chosen.gate_up.block_m == 64 and chosen.gate_up.block_n < 128 and case.I % 128 == 0:
+        # A 64-row decode tile narrower than h's scale groups: the 128-column tile with 8 warps
+        # (4 spill, scripts/kernel_resources.py), quantizing h.
+        for stages in (3, 4):
+            wide = dataclasses.replace(chosen.gate_up, block_n=128, num_warps=8, num_stages=stages)
+            configs[f"h_gate_up_w8_s{stages}"] = dataclasses.replace(chosen, gate_up=wide, h_quant="gate_up")
     calls: dict = {}
     experts_variants(case, configs, calls, rec)
     return time_variants(rec, calls, flush, args)
