@@ -67,6 +67,15 @@ def _tile(idx, pid, programs, used, num_pid_n, tile_expert_ptr, N, BLOCK_M: gl.c
 
 
 @gluon.jit
+def _tiles_in_use(start_ptr, count_ptr, num_experts, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(row tiles in use, column tiles): the tiles in use end with the last expert's (tiles past
+    them hold padding only)."""
+    last = num_experts - 1
+    used = gl.load(start_ptr + last) // BLOCK_M + gl.cdiv(gl.load(count_ptr + last), BLOCK_M)
+    return used, gl.cdiv(N, BLOCK_N)
+
+
+@gluon.jit
 def _grouped(t, used, num_pid_n, tile_expert_ptr, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              GROUP_M: gl.constexpr):
     """(first padded position, first weight row, first column, expert) of tile t of
@@ -127,10 +136,7 @@ def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, so
 
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    last = num_experts - 1
-    # The tiles in use end with the last expert's (tiles past them hold padding only).
-    used = gl.load(start_ptr + last) // BLOCK_M + gl.cdiv(gl.load(count_ptr + last), BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
+    used, num_pid_n = _tiles_in_use(start_ptr, count_ptr, num_experts, N, BLOCK_M, BLOCK_N)
     num_tiles = gl.cdiv(used * num_pid_n - pid, programs)
     k_steps = gl.cdiv(K, BLOCK_K)
     own_steps = k_steps - (STAGES - 1)  # steps whose MMA is followed by a load of the same tile

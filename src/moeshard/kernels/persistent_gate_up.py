@@ -76,7 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig, multiprocessors
 from moeshard.kernels.modes import act_mode, scale_strides
-from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, operands_refusal
+from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, _tiles_in_use, operands_refusal
 from moeshard.quant import QuantizedActivations, QuantizedWeight
 
 # Names Triton 3.9 changed (3.6: async_copy_global_to_shared, thread_barrier).
@@ -86,15 +86,6 @@ _BARRIER = getattr(gl, "barrier", None) or gl.thread_barrier
 PARTITION_WARPS = gl.constexpr(4)  # each partition is one warpgroup
 # Registers per thread of the loader and of an MMA partition: 12 warps share the 64K of an SM.
 LOADER_REGS, MMA_REGS = gl.constexpr(40), gl.constexpr(232)
-
-
-@gluon.jit
-def _tiles_in_use(start_ptr, count_ptr, num_experts, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(row tiles in use, column tiles): the tiles in use end with the last expert's (tiles past
-    them hold padding only)."""
-    last = num_experts - 1
-    used = gl.load(start_ptr + last) // BLOCK_M + gl.cdiv(gl.load(count_ptr + last), BLOCK_M)
-    return used, gl.cdiv(N, BLOCK_N)
 
 
 @gluon.jit
