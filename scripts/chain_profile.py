@@ -22,32 +22,37 @@ import statistics
 
 from moeshard.bench.study import experts_variants, routed_case, run_on_gpu, study_parser
 from moeshard.bench.timing import kernel_times
-from moeshard.kernels.configs import GemmConfig, multiprocessors, select_config
+from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.experts import gluon_supported
+from moeshard.quant import get_scheme
 
 MODELS = ("deepseek-v3", "qwen3-30b-a3b")
 TOKENS = (4096, 16384)
 SCHEMES = ("fp8_tensor", "fp8_token")
 
 
-def other_gate_up(chosen: GemmConfig, triton_tile: GemmConfig) -> GemmConfig:
-    """The gate_up on the kernel ``select_config`` did not pick: the Gluon kernel (4 stages, whole
-    tiles) on the Triton tile, or that Triton tile where the Gluon kernel was picked."""
-    if chosen.engine == "gluon":
-        return triton_tile
-    return dataclasses.replace(triton_tile, engine="gluon", half_tiles=False, num_stages=4)
+def variants(M: int, E: int, H: int, I: int, scheme: str, sms: int, gluon: bool) -> dict[str, ExpertsConfig]:  # noqa: E741
+    """The configs profiled for M routed rows over E experts of hidden size H and intermediate
+    size I: "chosen", as ``select_config`` picks it, and, at the per-row schemes' prefill tile
+    (the one the Gluon gate_up computes), "other" with the gate_up on the other engine: the Gluon
+    kernel (4 stages, whole tiles) on the Triton tile, or that Triton tile where the Gluon kernel
+    was picked."""
+    chosen = select_config(M, E, H, I, scheme, sms, gluon=gluon)
+    configs = {"chosen": chosen}
+    triton_tile = select_config(M, E, H, I, scheme, sms, gluon=False).gate_up
+    gluon_tile = (triton_tile.block_m, triton_tile.block_n, triton_tile.block_k, triton_tile.num_warps,
+                  triton_tile.fp8_acc) == (128, 128, 128, 8, "imprecise")
+    if get_scheme(scheme).kernel_mode in (1, 2) and gluon_tile:
+        other = triton_tile if chosen.gate_up.engine == "gluon" else \
+            dataclasses.replace(triton_tile, engine="gluon", half_tiles=False, num_stages=4)
+        configs["other"] = dataclasses.replace(chosen, gate_up=other)
+    return configs
 
 
 def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     case = routed_case(model, tokens, scheme)
-    sms = multiprocessors(case.device.index)
-    chosen = select_config(case.M, case.E, case.H, case.I, scheme, sms, gluon=gluon_supported(case.device))
-    triton_tile = select_config(case.M, case.E, case.H, case.I, scheme, sms, gluon=False).gate_up
-    configs = {"chosen": chosen}
-    gluon_tile = (triton_tile.block_m, triton_tile.block_n, triton_tile.block_k, triton_tile.num_warps,
-                  triton_tile.fp8_acc) == (128, 128, 128, 8, "imprecise")
-    if case.spec.kernel_mode in (1, 2) and gluon_tile:  # the per-row schemes' prefill tile, the Gluon gate_up's
-        configs["other"] = dataclasses.replace(chosen, gate_up=other_gate_up(chosen.gate_up, triton_tile))
+    configs = variants(case.M, case.E, case.H, case.I, scheme, multiprocessors(case.device.index),
+                       gluon_supported(case.device))
     rec: dict = {"model": name, "tokens": tokens, "scheme": scheme, "rows": case.M,
                  "gate_up": {key: config.gate_up.engine for key, config in configs.items()}}
     calls: dict = {}

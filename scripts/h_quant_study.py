@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from moeshard.bench.study import bits_line, experts_variants, routed_case, run_on_gpu, study_parser, time_variants
-from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.experts import gluon_supported
 from moeshard.kernels.pdl import supported as pdl_supported
 
@@ -28,23 +28,33 @@ TOKENS = (1, 128, 4096, 16384)
 SCHEMES = ("fp8_block",)
 
 
-def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
-    case = routed_case(model, tokens, scheme)
-    device = case.device
-    chosen = select_config(case.M, case.E, case.H, case.I, scheme, multiprocessors(device.index),
-                           pdl=pdl_supported(device), gluon=gluon_supported(device))
-    rec: dict = {"model": name, "tokens": tokens, "scheme": scheme, "rows": case.M,
-                 "config": dataclasses.asdict(chosen)}
+def variants(M: int, E: int, H: int, I: int, scheme: str, sms: int, pdl: bool,  # noqa: E741
+             gluon: bool) -> dict[str, ExpertsConfig]:
+    """The configs timed for M routed rows over E experts of hidden size H and intermediate size
+    I: the one ``select_config`` picks, named by its h_quant, and the other h_quant where the
+    gate_up tile is 128 columns wide; a 64-row decode tile narrower than h's scale groups is
+    also tried widened to 128 columns with 8 warps (4 spill, scripts/kernel_resources.py) at 3
+    and 4 stages, quantizing h."""
+    chosen = select_config(M, E, H, I, scheme, sms, pdl=pdl, gluon=gluon)
     configs = {f"h_{chosen.h_quant}": chosen}
-    if chosen.gate_up.block_n == 128 and chosen.gate_up.engine == "triton" and case.I % 128 == 0:
+    if chosen.gate_up.block_n == 128 and chosen.gate_up.engine == "triton" and I % 128 == 0:
         other = "pass" if chosen.h_quant == "gate_up" else "gate_up"
         configs[f"h_{other}"] = dataclasses.replace(chosen, h_quant=other)
-    elif chosen.gate_up.block_m == 64 and chosen.gate_up.block_n < 128 and case.I % 128 == 0:
-        # A 64-row decode tile narrower than h's scale groups: the 128-column tile with 8 warps
-        # (4 spill, scripts/kernel_resources.py), quantizing h.
+    elif chosen.gate_up.block_m == 64 and chosen.gate_up.block_n < 128 and I % 128 == 0:
         for stages in (3, 4):
             wide = dataclasses.replace(chosen.gate_up, block_n=128, num_warps=8, num_stages=stages)
             configs[f"h_gate_up_w8_s{stages}"] = dataclasses.replace(chosen, gate_up=wide, h_quant="gate_up")
+    return configs
+
+
+def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
+    case = routed_case(model, tokens, scheme)
+    device = case.device
+    configs = variants(case.M, case.E, case.H, case.I, scheme, multiprocessors(device.index),
+                       pdl_supported(device), gluon_supported(device))
+    chosen = next(iter(configs.values()))
+    rec: dict = {"model": name, "tokens": tokens, "scheme": scheme, "rows": case.M,
+                 "config": dataclasses.asdict(chosen)}
     calls: dict = {}
     experts_variants(case, configs, calls, rec)
     return time_variants(rec, calls, flush, args)
