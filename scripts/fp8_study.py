@@ -31,7 +31,7 @@ from moeshard.kernels.configs import GemmConfig as C
 from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
-from moeshard.kernels.quant import CHUNK, ROWS, column_span, quantize_h
+from moeshard.kernels.quant import CHUNK, ROWS, column_span, quantize_h, quantized_positions
 from moeshard.quant import get_scheme
 
 CASES = (("mixtral-8x7b", (1, 16, 128, 4096, 16384)), ("deepseek-v3", (1, 16, 128, 4096, 16384)),
@@ -168,7 +168,7 @@ def study(name: str, tokens: int, scheme: str, model, flush, out: list, log, swe
 
 
 def _bits(q, live: torch.Tensor) -> list[torch.Tensor]:
-    """The quantization's tensors at the rows ``live`` marks (rows of tiles past the end are
+    """The quantization's tensors at the rows ``live`` marks (``quantized_positions``: the rest is
     left unwritten), fp8 as bytes."""
     return [(t.view(torch.uint8) if t.element_size() == 1 else t)[live]
             for t in (q.data, q.row_scale, q.tensor_scale) if t is not None]
@@ -193,7 +193,7 @@ def quant_h_stage(name: str, tokens: int, model, flush, out: list, log) -> None:
         h = torch.randn(plan.padded_rows, I, device=device).to(cfg.dtype)
         amax = torch.full((E,), float(h.abs().amax()), device=device) if get_scheme(scheme).per_tensor_activation \
             else None
-        live = plan.tile_expert.repeat_interleave(plan.block_m) >= 0
+        live = quantized_positions(plan)
         want = _bits(quantize_h(h, scheme, plan, amax, span=whole), live)
         chosen = column_span(plan.padded_rows, I)
         rec = {"model": name, "tokens": tokens, "scheme": scheme, "stage": "quantize_h", "rows": M,

@@ -67,7 +67,8 @@ def _compile(fn, sig: dict, consts: dict, warps: int = 4):
 
 def _quantize_h(mode: int, partial: bool):
     sig = {"h_ptr": "*bf16", "q_ptr": "*u8" if mode == 4 else "*fp8e4nv", "s_ptr": "*fp8e4nv" if mode == 4 else "*fp32",
-           "g_ptr": "*fp32", "amax_ptr": "*fp32", "part_ptr": "*fp32", "tile_expert_ptr": "*i32", "K": "i32",
+           "g_ptr": "*fp32", "amax_ptr": "*fp32", "part_ptr": "*fp32", "tile_expert_ptr": "*i32",
+           "start_ptr": "*i32", "count_ptr": "*i32", "K": "i32",
            "span": "i32", "num_spans": "i32", "stride_hm": "i32", "stride_qm": "i32", "stride_sm": "i32"}
     consts = {"MODE": mode, "ROWS": quant.ROWS, "BLOCK_M": 16, "CHUNK": quant.CHUNK, "PARTIAL_MAX": partial,
               "PART_BLOCK": quant.PART_BLOCK, "AMAX_FLOOR": 1e-12, "FP8_MAX": 448.0, "PDL": True}
@@ -75,8 +76,8 @@ def _quantize_h(mode: int, partial: bool):
 
 
 def _row_max():
-    sig = {"h_ptr": "*bf16", "part_ptr": "*fp32", "tile_expert_ptr": "*i32", "K": "i32", "span": "i32",
-           "num_spans": "i32", "stride_hm": "i32"}
+    sig = {"h_ptr": "*bf16", "part_ptr": "*fp32", "tile_expert_ptr": "*i32", "start_ptr": "*i32",
+           "count_ptr": "*i32", "K": "i32", "span": "i32", "num_spans": "i32", "stride_hm": "i32"}
     return _compile(quant._row_max_kernel, sig, {"ROWS": quant.ROWS, "BLOCK_M": 16, "CHUNK": quant.CHUNK, "PDL": True})
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_asserts import assert_same_quantization
+from quant_asserts import assert_same_quantization, quantized_positions
 
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.dispatch.base import BackendContext, weighted_sum
@@ -107,10 +107,45 @@ def test_quantize_h_bit_exact(interpreted_kernels, exact_interpreter, scheme, ca
     for e in range(E):
         amax[e] = h[tile_of == e].float().abs().amax()
     q = quantize_h(h, scheme, plan, amax, span=span)
-    live = tile_of >= 0
+    live = quantized_positions(plan)
+    if bm > 16:  # some 16-row blocks of the 32-row tiles hold padding only: skipped
+        assert live.sum() < (tile_of >= 0).sum()
     row_amax = amax[tile_of.clamp(min=0)].unsqueeze(1)[live]
     ref = quantize_activations(h[live], scheme, amax=row_amax if get_scheme(scheme).per_tensor_activation else None)
     assert_same_quantization(q, ref, live)
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_down_ignores_the_positions_quantize_h_leaves(interpreted_kernels, exact_interpreter, scheme, tma):
+    """quantize_h leaves row blocks past each expert's last row unwritten, and the down GEMM reads
+    whole tiles: whatever those positions hold (here NaN values and scales) must not reach y.
+    y with NaN there equals y with zeros there, bit for bit, for 32-row tiles holding 3-17 rows."""
+    k = interpreted_kernels
+    GemmConfig = k.configs.GemmConfig
+    M, E, H, I = 45, 4, 64, 128
+    x, _, w = _problem(M, E, H, I, torch.bfloat16, scheme, seed=29)
+    ids = torch.tensor([0] * 17 + [1] * 3 + [2] * 25)[torch.randperm(M, generator=torch.Generator().manual_seed(3))]
+    plan = k.align.align_rows(ids, E, 32)
+    gemm = GemmConfig(32, 64, 32, group_m=2, tma=tma)
+    amax = torch.zeros(E) if get_scheme(scheme).per_tensor_activation else None
+    h = torch.empty(plan.padded_rows, I, dtype=torch.bfloat16)
+    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True, amax=amax)
+    q = k.quant.quantize_h(h, scheme, plan, amax)
+    skipped = ~quantized_positions(plan)
+    assert skipped[(plan.tile_expert >= 0).repeat_interleave(32)].any()
+    ys = []
+    for fill in (0, float("nan")):
+        tensors = [q.data] + [t for t in (q.row_scale, q.tensor_scale) if t is not None and t.dim() == 2]
+        for t in tensors:
+            if t.dtype.is_floating_point and t.element_size() > 1:
+                t[skipped] = fill
+            else:  # fp8 values, nvfp4 codes and e4m3 scales: bytes (0x7F is an e4m3 NaN)
+                t.view(torch.uint8)[skipped] = 0 if fill == 0 else 0x7F
+        y = torch.full((M, H), float("nan"), dtype=torch.bfloat16)
+        k.grouped_gemm.moe_gemm(q, w.down, plan, y, gemm, activation=None, gather=False)
+        ys.append(y)
+    assert not ys[0].isnan().any() and torch.equal(ys[0], ys[1])
 
 
 @pytest.mark.parametrize("scheme", QUANTIZED)
@@ -257,11 +292,13 @@ def test_gate_up_quantizing_h_gives_quantize_h_bits(interpreted_kernels, exact_i
     s = torch.full((plan.padded_rows, I // 128), float("nan"))
     k.grouped_gemm.moe_gemm(x, w.gate_up, plan, q, gemm, activation=activation, gather=True, out_scale=s,
                             h_dtype=dtype)
-    written = (plan.tile_expert >= 0).repeat_interleave(32)  # the positions quantize_h writes
-    assert written.sum() < plan.padded_rows  # tiles past the end stay unwritten by both
+    # gate_up writes every position of its live tiles, quantize_h the row blocks holding rows
+    tiles = (plan.tile_expert >= 0).repeat_interleave(32)
+    written = quantized_positions(plan)
+    assert written.sum() < tiles.sum() < plan.padded_rows
     assert torch.equal(q.view(torch.uint8)[written], want.data.view(torch.uint8)[written])
     assert torch.equal(s[written], want.row_scale[written])
-    assert (q.view(torch.uint8)[~written] == 0x7F).all() and s[~written].isnan().all()
+    assert (q.view(torch.uint8)[~tiles] == 0x7F).all() and s[~tiles].isnan().all()
 
 
 def test_gate_up_quantizing_h_refuses_what_it_cannot_quantize(interpreted_kernels):

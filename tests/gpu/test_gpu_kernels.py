@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_asserts import assert_same_quantization
+from quant_asserts import assert_same_quantization, quantized_positions
 
 CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -333,10 +333,12 @@ def test_gate_up_quantizing_h_gives_the_pass_bits(M, E, H, I, dtype):
     q = torch.full((plan.padded_rows, I), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     s = torch.full((plan.padded_rows, I // 128), float("nan"), device="cuda")
     moe_gemm(xq, w.gate_up, plan, q, sel.gate_up, activation="silu", gather=True, out_scale=s, h_dtype=dtype)
-    written = (plan.tile_expert >= 0).repeat_interleave(sel.block_m)
+    # gate_up writes every position of its live tiles, quantize_h the row blocks holding rows
+    tiles = (plan.tile_expert >= 0).repeat_interleave(sel.block_m)
+    written = quantized_positions(plan)
     assert torch.equal(q.view(torch.uint8)[written], want.data.view(torch.uint8)[written])
     assert torch.equal(s[written], want.row_scale[written])
-    assert (q.view(torch.uint8)[~written] == 0x7F).all() and s[~written].isnan().all()
+    assert (q.view(torch.uint8)[~tiles] == 0x7F).all() and s[~tiles].isnan().all()
     outs = [TritonExperts("silu", dtype, dataclasses.replace(sel, h_quant=where))(ExpertInput(xq, ids), w)
             for where in ("pass", "gate_up")]
     assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1])
@@ -483,10 +485,47 @@ def test_quantize_h_bit_exact(scheme):
     amax.copy_(torch.zeros(E, device="cuda").scatter_reduce(0, tile_of.clamp(min=0).long(), h.float().abs().amax(1),
                                                             "amax", include_self=True))
     q = quantize_h(h, scheme, plan, amax)
-    live = tile_of >= 0
+    live = quantized_positions(plan)  # row blocks past each expert's last row are left unwritten
     row_amax = amax[tile_of.clamp(min=0).long()].unsqueeze(1)[live]
     ref = quantize_activations(h[live], scheme, amax=row_amax if get_scheme(scheme).per_tensor_activation else None)
     assert_same_quantization(q, ref, live)
+
+
+@pytest.mark.parametrize("scheme, M, E, H, I", [
+    *[(scheme, 3000, 8, 512, 768) for scheme in ("fp8_tensor", "fp8_token", "fp8_block")],
+    *[(scheme, 256, 8, 512, 1408) for scheme in ("fp8_tensor", "fp8_token", "fp8_block", "nvfp4")]],
+    ids=lambda v: str(v))
+def test_down_ignores_the_positions_quantize_h_leaves(scheme, M, E, H, I):
+    """Compiled, with the tiles select_config picks (the Gluon down GEMM where it takes the shape;
+    a 64-row decode tile of about 32 rows): the row blocks quantize_h leaves unwritten (past each
+    expert's last row) hold NaN values and scales, and y must be the bits it is with zeros there.
+    (nvfp4's prefill decodes h to values before the down GEMM, so only its decode shape applies.)"""
+    from moeshard.kernels.align import split_tiles
+    from moeshard.kernels.experts import gluon_supported
+    from moeshard.kernels.grouped_gemm import moe_gemm
+
+    sel = select_config(M, E, H, I, scheme, gluon=gluon_supported(torch.device("cuda")))
+    w = _weights(E, H, I, torch.bfloat16, scheme, seed=7)
+    x = quantize_activations(torch.randn(M, H, device="cuda").to(torch.bfloat16), scheme)
+    ids = _ids(M, E, seed=8)
+    plan = align_rows(ids, E, sel.block_m)
+    amax = torch.zeros(E, device="cuda") if get_scheme(scheme).per_tensor_activation else None
+    h = torch.empty(plan.padded_rows, I, dtype=torch.bfloat16, device="cuda")
+    moe_gemm(x, w.gate_up, plan, h, sel.gate_up, activation="silu", gather=True, amax=amax)
+    q = quantize_h(h, scheme, plan, amax)
+    skipped = ~quantized_positions(plan)
+    assert skipped[(plan.tile_expert >= 0).repeat_interleave(sel.block_m)].any()
+    ys = []
+    for nan in (False, True):
+        for t in [q.data] + [t for t in (q.row_scale, q.tensor_scale) if t is not None and t.dim() == 2]:
+            if t.dtype.is_floating_point and t.element_size() > 1:
+                t[skipped] = float("nan") if nan else 0.0
+            else:  # fp8 values, nvfp4 codes and e4m3 scales: bytes (0x7F is an e4m3 NaN)
+                t.view(torch.uint8)[skipped] = 0x7F if nan else 0
+        y = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe_gemm(q, w.down, split_tiles(plan, sel.down.block_m), y, sel.down, activation=None, gather=False)
+        ys.append(y)
+    assert not ys[0].isnan().any() and torch.equal(ys[0], ys[1])
 
 
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])

@@ -3,7 +3,9 @@
 
 h sits at the padded positions of the tile plan (``align``). The grid is (P / ROWS row blocks) x
 (column spans): a program quantizes ROWS positions x ``span`` columns, CHUNK columns per step,
-takes its expert from ``tile_expert`` and skips tiles past the end. Modes are the schemes'
+takes its expert from ``tile_expert`` and skips tiles past the end, and row blocks past its
+expert's last row: padding only, which no GEMM stores a result of (an expert of 32 rows in a
+64-row decode tile leaves two of its four row blocks). Modes are the schemes'
 ``kernel_mode`` (``moeshard.quant.schemes.KERNEL_MODES``):
 
 =========  =========================================================================
@@ -99,14 +101,25 @@ def _abs_max(h_rows, lo, hi, K, ROWS: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _row_max_kernel(h_ptr, part_ptr, tile_expert_ptr, K, span, num_spans, stride_hm,
+def _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The expert of row block ``pid`` (positions [pid * ROWS, +ROWS)), or -1 where the block holds
+    none of its rows: a tile past the end, or positions past the expert's last row."""
+    expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M)
+    if expert >= 0:
+        if pid * ROWS - tl.load(start_ptr + expert) >= tl.load(count_ptr + expert):
+            expert = -1
+    return expert
+
+
+@triton.jit
+def _row_max_kernel(h_ptr, part_ptr, tile_expert_ptr, start_ptr, count_ptr, K, span, num_spans, stride_hm,
                     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """part[p, j] (fp32 [P, num_spans]) = max |h[p, j*span:(j+1)*span]|, for the rows of live
-    tiles (the others are left unwritten)."""
+    """part[p, j] (fp32 [P, num_spans]) = max |h[p, j*span:(j+1)*span]|, for the row blocks that
+    hold rows of their expert (``_row_block_expert``; the others are left unwritten)."""
     pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M)
+    expert = _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS, BLOCK_M)
     if expert < 0:
         return
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -116,7 +129,7 @@ def _row_max_kernel(h_ptr, part_ptr, tile_expert_ptr, K, span, num_spans, stride
 
 
 @triton.jit
-def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expert_ptr,
+def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expert_ptr, start_ptr, count_ptr,
                        K, span, num_spans, stride_hm, stride_qm, stride_sm,
                        MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                        PARTIAL_MAX: tl.constexpr, PART_BLOCK: tl.constexpr,
@@ -125,11 +138,12 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
     multiple of CHUNK, so no 128- or 16-column scale group straddles two programs); program
     (i, 0) writes the rows' per-row scales. PARTIAL_MAX (fp8_token): the row max comes from
     part [P, num_spans], PART_BLOCK partial maxima per step, else from this program's own pass
-    over its columns, which are then the whole row."""
+    over its columns, which are then the whole row. Row blocks without a row of their expert
+    (``_row_block_expert``) are left unwritten."""
     pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M)
+    expert = _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS, BLOCK_M)
     if expert < 0:
         return
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -188,13 +202,25 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
             tl.store(q_ptr + rows[:, None] * stride_qm + k0 // 2 + pcols[None, :], packed, mask=p_ok[None, :])
 
 
+def quantized_positions(plan: RowAlignment) -> torch.Tensor:
+    """bool [P] on the plan's device: the padded positions ``quantize_h`` writes, the blocks of
+    ``ROWS`` positions in live tiles that begin before their expert's last row (for comparing its
+    outputs; a few torch ops)."""
+    tile_of = plan.tile_expert.repeat_interleave(plan.block_m).long()
+    expert = tile_of.clamp(min=0)
+    block_start = torch.arange(tile_of.shape[0], device=tile_of.device) // ROWS * ROWS
+    return (tile_of >= 0) & (block_start - plan.start.long()[expert] < plan.count.long()[expert])
+
+
 def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Tensor | None,
                span: int | None = None, pdl_launch: bool = False) -> QuantizedActivations:
     """h: [P, I] model dtype at the plan's padded positions -> ``QuantizedActivations`` [P, I].
 
     amax: fp32 [E] per-expert amax of h (fp8_tensor, nvfp4), else None. The per-tensor scales
     come back per row (``tensor_scale`` [P, 1]), each row carrying its expert's scale. Rows of
-    tiles past the end of the plan are left unwritten (no kernel reads them).
+    tiles past the end of the plan, and blocks of ``ROWS`` positions past their expert's last
+    row, are left unwritten: no GEMM stores a result computed from them (the down GEMM reads
+    whole tiles but masks their rows' scales and stores).
     span: columns per program, a multiple of CHUNK (128); None picks it from P and I
     (``column_span``). Results do not depend on it. One launch, two for fp8_token when a row
     spans several programs. pdl_launch: launched with programmatic dependent launch
@@ -226,11 +252,11 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
         partial = mode == 2 and num_spans > 1
         part = torch.empty(P, num_spans, dtype=torch.float32, device=dev) if partial else s
         if partial:
-            _row_max_kernel[grid](h, part, plan.tile_expert, K, span, num_spans, h.stride(0),
+            _row_max_kernel[grid](h, part, plan.tile_expert, plan.start, plan.count, K, span, num_spans, h.stride(0),
                                   ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, PDL=pdl_launch, num_warps=4,
                                   **pdl.launch_options(pdl_launch))
         _quantize_h_kernel[grid](
-            h, q, s, g, amax if amax is not None else s, part, plan.tile_expert,
+            h, q, s, g, amax if amax is not None else s, part, plan.tile_expert, plan.start, plan.count,
             K, span, num_spans, h.stride(0), q.stride(0), s.stride(0),
             MODE=mode, ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, PARTIAL_MAX=partial,
             PART_BLOCK=PART_BLOCK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, PDL=pdl_launch, num_warps=4,
