@@ -643,7 +643,7 @@ def test_fused_input_quantization_equals_the_torch_path(interpreted_kernels, exa
     ``quantize_activations`` makes: partial row blocks and scale groups (K a multiple of 16, not
     of 128), an all-zero row (the amax floor), magnitudes over ten decades (e4m3 subnormals,
     flushes to zero and nvfp4 blocks whose scale rounds to 0 among them), and a given domain
-    amax larger than x's own for the per-tensor schemes."""
+    amax larger than x's own, or 0, for the per-tensor schemes."""
     qr = interpreted_kernels.quant_rows
     g = torch.Generator().manual_seed(3)
     T, K = shape
@@ -653,7 +653,8 @@ def test_fused_input_quantization_equals_the_torch_path(interpreted_kernels, exa
     if T > 2:
         x[2] = 0
     assert torch.equal(qr.input_amax(x), abs_amax(x, (0, 1)))
-    amaxes = [None, abs_amax(x, (0, 1)) * 3] if scheme in ("fp8_tensor", "nvfp4") else [None]
+    # A domain amax of 0 takes the floor's scale (the kernel computes fp8_tensor's scale itself).
+    amaxes = [None, abs_amax(x, (0, 1)) * 3, torch.zeros(())] if scheme in ("fp8_tensor", "nvfp4") else [None]
     for amax in amaxes:
         got, want = qr.quantize_rows(x, scheme, amax=amax), quantize_activations(x, scheme, amax=amax)
         assert [t.shape for t in _bits(got)] == [t.shape for t in _bits(want)]

@@ -533,7 +533,7 @@ def test_down_ignores_the_positions_quantize_h_leaves(scheme, M, E, H, I):
 def test_fused_input_quantization_bit_exact(scheme, shape):
     """The layer's input quantized in one fused pass equals ``quantize_activations`` bit for bit
     on the GPU: magnitudes over twelve decades (e4m3 subnormals among them), the own amax and a
-    given domain amax; and the layer on CUDA takes this path."""
+    given domain amax (larger, or 0); and the layer on CUDA takes this path."""
     from moeshard.kernels import fused_input_quant
     from moeshard.kernels.quant_rows import input_amax, quantize_rows
     from moeshard.quant.fp8 import abs_amax
@@ -542,7 +542,8 @@ def test_fused_input_quantization_bit_exact(scheme, shape):
     x = (torch.randn(T, K, device="cuda") * torch.logspace(-8, 4, K, device="cuda")[torch.randperm(K, device="cuda")]
          ).to(torch.bfloat16)
     assert torch.equal(input_amax(x), abs_amax(x, (0, 1)))
-    for amax in ([None, abs_amax(x, (0, 1)) * 2] if scheme in ("fp8_tensor", "nvfp4") else [None]):
+    domain = [None, abs_amax(x, (0, 1)) * 2, torch.zeros((), device="cuda")]  # 0: the floor's scale
+    for amax in (domain if scheme in ("fp8_tensor", "nvfp4") else [None]):
         got, want = quantize_rows(x, scheme, amax=amax), quantize_activations(x, scheme, amax=amax)
         for a, b in ((got.data, want.data), (got.row_scale, want.row_scale), (got.tensor_scale, want.tensor_scale)):
             assert (a is None) == (b is None)

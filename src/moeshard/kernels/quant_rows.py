@@ -10,7 +10,8 @@ scheme     passes
 =========  =====================================================================================
 fp8_tensor ``input_amax``: one read of x, max-reduced into one fp32 (the caller all-reduces it
            over the quantization domain); then ``quantize_rows``: one program per ROWS rows x
-           CHUNK columns, one read, one fp8 write
+           CHUNK columns, one read, one fp8 write; each program computes the scale from the
+           amax, and the first stores it
 fp8_token  one program per ``rows_per_program(T)`` rows: the row max over K, then the quantized
            row, in steps of as many columns as keep the tile at ROWS x CHUNK elements
 fp8_block  one program per ROWS rows x CHUNK columns: the group max, then the group
@@ -64,9 +65,10 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, tensor_scale_ptr, T, K, stride_xm
                           MODE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                           AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr):
     """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS); modes 1, 3 and 4 columns
-    [j*CHUNK, (j+1)*CHUNK) (mode 3: one scale group; mode 4: CHUNK / 16 blocks, the global
-    scale read from ``tensor_scale_ptr``), mode 2 the whole row (j = 0 only) in steps of CHUNK
-    columns."""
+    [j*CHUNK, (j+1)*CHUNK) (mode 1: the scale ``fp8_scale(amax)`` from the amax at
+    ``tensor_scale_ptr``, stored by program (0, 0) at ``s_ptr``; mode 3: one scale group; mode 4:
+    CHUNK / 16 blocks, the global scale read from ``tensor_scale_ptr``), mode 2 the whole row
+    (j = 0 only) in steps of CHUNK columns."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < T
     cols = tl.arange(0, CHUNK)
@@ -87,7 +89,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, tensor_scale_ptr, T, K, stride_xm
         ok = row_ok[:, None] & ((k0 + cols) < K)[None, :]
         x = tl.load(x_rows + k0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         if MODE == 1:
-            scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(tensor_scale_ptr)
+            # fp8_scale(amax), correctly rounded as torch divides; program (0, 0) stores it.
+            amax = tl.maximum(tl.load(tensor_scale_ptr), AMAX_FLOOR)
+            tensor_scale = tl.math.div_rn(amax, amax * 0.0 + FP8_MAX)
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                tl.store(s_ptr, tensor_scale)
+            scale = tl.zeros([ROWS], dtype=tl.float32) + tensor_scale
         else:
             block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
             scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX)
@@ -150,12 +157,22 @@ def quantize_rows(x: torch.Tensor, scheme: str, amax: torch.Tensor | None = None
     if mode == 4 and K % NVFP4_BLOCK:
         raise ValueError(f"quantize_rows: {scheme} needs K % {NVFP4_BLOCK} == 0, got x.shape[1] (K)={K}")
     q = torch.empty(T, K // 2 if mode == 4 else K, dtype=torch.uint8 if mode == 4 else FP8_DTYPE, device=dev)
+    launch = T > 0 and (K > 0 or mode == 2)  # an empty fp8_token row still has a scale (the amax floor's)
     tensor_scale = None
+    g = None  # what the kernel reads at tensor_scale_ptr: fp8_tensor's amax, nvfp4's global scale
     if mode in (1, 4):
         a = input_amax(x) if amax is None else amax
         if not isinstance(a, torch.Tensor) or a.shape != () or a.dtype != torch.float32:
             raise ValueError(f"quantize_rows: amax must be an fp32 [] tensor, got {a!r}")
-        tensor_scale = fp8_scale(a) if mode == 1 else nvfp4_global_scale(a)
+        if mode == 4:
+            tensor_scale = nvfp4_global_scale(a)
+            g = tensor_scale.reshape(1)
+        elif launch:
+            # The kernel computes fp8_scale(amax) itself and stores it: three small launches fewer.
+            tensor_scale = torch.empty((), dtype=torch.float32, device=dev)
+            g = a.reshape(1)
+        else:
+            tensor_scale = fp8_scale(a)
     if mode == 1:
         assert tensor_scale is not None
         s = tensor_scale.reshape(1)
@@ -163,15 +180,13 @@ def quantize_rows(x: torch.Tensor, scheme: str, amax: torch.Tensor | None = None
         s = torch.empty(T, K // NVFP4_BLOCK, dtype=FP8_DTYPE, device=dev)
     else:
         s = torch.empty(T, triton.cdiv(K, CHUNK) if mode == 3 else 1, dtype=torch.float32, device=dev)
-    if T and (K or mode == 2):  # an empty fp8_token row still has a scale (the amax floor's)
+    if launch:
         rows = rows_per_program(T) if mode == 2 else ROWS
         chunk = ROWS * CHUNK // rows  # fp8_token's steps widen as its programs take fewer rows
         grid = (triton.cdiv(T, rows), 1 if mode == 2 else triton.cdiv(K, chunk))
-        # nvfp4 reads its global scale; the fp8 modes take fp8_tensor's scale from s.
-        g = tensor_scale.reshape(1) if mode == 4 and tensor_scale is not None else s
-        _quantize_rows_kernel[grid](x, q, s, g, T, K, x.stride(0), q.stride(0), s.stride(0) if mode != 1 else 0,
-                                    MODE=mode, ROWS=rows, CHUNK=chunk, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX,
-                                    num_warps=4)
+        _quantize_rows_kernel[grid](x, q, s, s if g is None else g, T, K, x.stride(0), q.stride(0),
+                                    s.stride(0) if mode != 1 else 0, MODE=mode, ROWS=rows, CHUNK=chunk,
+                                    AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, num_warps=4)
     if mode == 1:
         return QuantizedActivations(scheme, q, None, tensor_scale)
     return QuantizedActivations(scheme, q, s, tensor_scale)
