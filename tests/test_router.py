@@ -107,6 +107,10 @@ def test_router_precision_fp32_or_the_model_dtype():
     assert rounded.dtype == torch.float32 and torch.equal(rounded, torch.nn.functional.linear(x, w, b).float())
     assert torch.equal(rounded, rounded.bfloat16().float()) and not torch.equal(rounded, wide + b.float())
     assert torch.equal(router_logits(x.float(), w.float(), "model"), router_logits(x.float(), w.float(), "fp32"))
+    # widen=False keeps the model dtype (what route_tokens hands select_experts): the same values.
+    narrow = router_logits(x, w, "model", b, widen=False)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), rounded)
+    assert router_logits(x, w, "fp32", widen=False).dtype == torch.float32
     with pytest.raises(ValueError, match=r"router_logits: router_dtype 'bf16' is not one of \['fp32', 'model'\]"):
         router_logits(x, w, "bf16")
 
@@ -120,6 +124,8 @@ def test_route_tokens_routes_the_logits_of_the_configs_precision():
         got = route_tokens(x, w, c)
         want = route(router_logits(x, w, router_dtype), c)
         assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_weights, want.topk_weights)
+        # Off CUDA, model-dtype logits are widened before routing: the Routing carries fp32 logits.
+        assert got.logits is not None and got.logits.dtype == torch.float32
     # bf16 logits tie often (ties go to the lower index): the two precisions choose differently
     model = route_tokens(x, w, MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=8,
                                          router_dtype="model"))

@@ -67,3 +67,45 @@ def test_topk_with_weights_refuses_mismatched_scores(interpreted_kernels):
         topk.topk_with_weights(torch.zeros(2, 8), torch.zeros(2, 4), 2, True, 1e-20, 1.0)
     ids, w = topk.topk_with_weights(torch.zeros(0, 8), torch.zeros(0, 8), 2, True, 1e-20, 1.0)
     assert ids.shape == w.shape == (0, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("T,E,k,renormalize,scale", [(37, 128, 8, True, 1.0), (40, 8, 2, True, 1.0),
+                                                     (17, 60, 5, False, 1.0), (9, 64, 6, True, 2.5), (1, 1, 1, True, 1.0)])
+def test_softmax_topk_is_the_routers_softmax_routing(interpreted_kernels, dtype, T, E, k, renormalize, scale):
+    """Softmax routing in one pass from the logits as the router computed them (the model dtype
+    under ``router_dtype="model"``): the ids of the stable sort of torch's fp32 softmax (ties
+    among equal logits to the lower column; logits rounded to halves tie often), weights within
+    a few ulps of the torch ops' (the exponential and the sum's order differ), a row with a NaN
+    logit all NaN (ids 0..k-1, as the sort ranks NaN first), -inf logits taken last, and a
+    column-major view read as its values."""
+    topk = interpreted_kernels.topk
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = ((torch.randn(T, E, generator=g) * 6).round() / 2).to(dtype)
+    if T > 2:
+        logits[1, 1] = float("nan")
+        logits[2, : E // 2] = float("-inf")
+    p = torch.softmax(logits.float(), dim=-1)
+    want_ids = torch.sort(p, dim=-1, descending=True, stable=True).indices[:, :k]
+    want = p.gather(1, want_ids)
+    if renormalize:
+        want = want / want.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    want = want * scale
+    for view in (logits, logits.t().contiguous().t()):
+        ids, weights = topk.softmax_topk(view, k, renormalize, 1e-20, scale)
+        assert torch.equal(ids, want_ids)
+        assert weights.dtype == torch.float32
+        torch.testing.assert_close(weights, want, rtol=8 * 2.0**-23, atol=0, equal_nan=True)
+    if T > 2:
+        assert weights[1].isnan().all() and torch.equal(ids[1], torch.arange(k))
+
+
+def test_softmax_topk_refuses_what_it_cannot_run(interpreted_kernels):
+    topk = interpreted_kernels.topk
+    with pytest.raises(ValueError, match=r"softmax_topk: needs \[T, E\] logits of .* got torch.int32 \[2, 4\], k=1"):
+        topk.softmax_topk(torch.zeros(2, 4, dtype=torch.int32), 1, True, 1e-20, 1.0)
+    with pytest.raises(ValueError, match=r"got torch.float32 \[2, 4\], k=5"):
+        topk.softmax_topk(torch.zeros(2, 4), 5, True, 1e-20, 1.0)
+    ids, w = topk.softmax_topk(torch.zeros(0, 8, dtype=torch.bfloat16), 2, True, 1e-20, 1.0)
+    assert ids.shape == w.shape == (0, 2)
+    assert not topk.softmax_supported(torch.zeros(2, 4), 2)  # CPU logits keep the torch ops

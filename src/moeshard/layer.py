@@ -371,7 +371,7 @@ class MoELayer(nn.Module):
             if routing.logits is None:
                 raise ValueError(f"MoELayer: keep_router_logits is set but {type(self).__name__}.route returned no "
                                  f"logits (build its Routing with moeshard.router.route)")
-            self.router_logits = (routing.logits, first_row)
+            self.router_logits = (routing.logits.float(), first_row)  # fp32 (a model-dtype router's widened)
         routing = Routing(self.physical_ids(routing.topk_ids, first_row), routing.topk_weights)
         T = x.shape[0]
         if self.cfg.routing_kind.weights_on_input:

@@ -573,8 +573,30 @@ def test_router_topk_kernel_matches_the_stable_sort():
         gpu = route(logits, cfg, bias)
         cpu = route(logits.cpu(), cfg, None if bias is None else bias.cpu())
         assert torch.equal(gpu.topk_ids.cpu(), cpu.topk_ids), preset
-        # The weights come from the same pass on the GPU (kernels.topk.topk_with_weights).
+        # The weights come from the same pass on the GPU (kernels.topk: topk_with_weights, and
+        # softmax_topk, whose exponential is the GPU's fast one, for Qwen3 and Mixtral).
         assert torch.allclose(gpu.topk_weights.cpu(), cpu.topk_weights, rtol=1e-5, atol=0), preset
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_softmax_routing_from_model_dtype_logits(preset):
+    """route_tokens on CUDA with bf16 logits (``router_dtype="model"``) routes in one pass from
+    the bf16 logits (``kernels.topk.softmax_topk``): the experts the CPU's torch ops pick from the
+    same logits, weights within 1e-5, and the bf16 logits kept in the Routing."""
+    import dataclasses
+
+    from moeshard.router import route_tokens, router_logits, select_experts
+
+    cfg = dataclasses.replace(PRESETS[preset].config("full", torch.bfloat16), router_dtype="model")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(4096, cfg.hidden_size, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(cfg.num_experts, cfg.hidden_size, device="cuda", generator=g) / 64).bfloat16()
+    gpu = route_tokens(x, w, cfg)
+    logits = router_logits(x, w, "model", widen=False)
+    assert gpu.logits is not None and gpu.logits.dtype == torch.bfloat16 and torch.equal(gpu.logits, logits)
+    cpu = select_experts(logits.cpu(), cfg, None)
+    assert torch.equal(gpu.topk_ids.cpu(), cpu.topk_ids)
+    assert torch.allclose(gpu.topk_weights.cpu(), cpu.topk_weights, rtol=1e-5, atol=0)
 
 
 def test_align_plan():

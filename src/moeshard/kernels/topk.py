@@ -2,7 +2,8 @@
 
     scores [T, E] (fp32) --one program per ROWS rows, the row in registers, K rounds--> ids int64 [T, K]
     (``topk_with_weights``: and in the same pass weights fp32 [T, K] = values [t, ids] of a second
-     [T, E] tensor, divided by max(their sum, floor) when renormalizing, times a scale)
+     [T, E] tensor, divided by max(their sum, floor) when renormalizing, times a scale;
+     ``softmax_topk``: the scores are the softmax of logits the kernel reads, in any float dtype)
 
 Round r takes the largest score among the columns not taken yet and, among equal scores, the
 lowest column: the order of a stable descending sort (``torch.sort(..., descending=True,
@@ -29,16 +30,25 @@ ROWS = 16  # rows per program
 @triton.jit(do_not_specialize=["T"])
 def _topk_kernel(s_ptr, ids_ptr, w_src_ptr, w_ptr, T, E, stride_s, stride_w, floor, scale,
                  K: tl.constexpr, KP: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                 WEIGHTS: tl.constexpr, RENORM: tl.constexpr, SCALE: tl.constexpr):
+                 WEIGHTS: tl.constexpr, RENORM: tl.constexpr, SCALE: tl.constexpr, SOFTMAX: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, COLS)
     row_ok = rows < T
     col_ok = cols < E
     s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if SOFTMAX:
+        # s holds logits: the scores are p = exp(s - max) / sum, selected on and gathered as the
+        # weights. A NaN logit makes its row's sum, so every p of the row, NaN (as torch's softmax).
+        top = tl.max(tl.where(col_ok[None, :], s, float("-inf")), axis=1)
+        e = tl.where(col_ok[None, :], tl.exp(s - top[:, None]), 0.0)
+        s = tl.math.div_rn(e, tl.broadcast_to(tl.sum(e, axis=1)[:, None], (ROWS, COLS)))
     if WEIGHTS:
-        src = tl.load(w_src_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :],
-                      mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        if SOFTMAX:
+            src = s
+        else:
+            src = tl.load(w_src_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :],
+                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         ks = tl.arange(0, KP)
         w = tl.zeros([ROWS, KP], dtype=tl.float32)
         total = tl.zeros([ROWS], dtype=tl.float32)
@@ -82,18 +92,20 @@ def _check_scores(what: str, scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _launch(choice: torch.Tensor, k: int, scores: torch.Tensor | None, renormalize: bool = False,
-            floor: float = 1.0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One ``_topk_kernel`` launch over [T, E] ``choice``: (ids int64 [T, k], and with ``scores``
-    the gathered weights fp32 [T, k], else None)."""
+            floor: float = 1.0, scale: float = 1.0, softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``_topk_kernel`` launch over [T, E] ``choice`` (with ``softmax``: logits, whose
+    softmax is both the choice and the scores): (ids int64 [T, k], and with ``scores`` or
+    ``softmax`` the gathered weights fp32 [T, k], else None)."""
     T, E = choice.shape
     ids = torch.empty(T, k, dtype=torch.int64, device=choice.device)
-    weights = None if scores is None else torch.empty(T, k, dtype=torch.float32, device=choice.device)
+    gather = scores is not None or softmax
+    weights = torch.empty(T, k, dtype=torch.float32, device=choice.device) if gather else None
     if T:
         _topk_kernel[(triton.cdiv(T, ROWS),)](
             choice, ids, choice if scores is None else scores, ids if weights is None else weights, T, E,
             choice.stride(0), 0 if scores is None else scores.stride(0), float(floor), float(scale), K=k,
             KP=triton.next_power_of_2(k), COLS=max(16, triton.next_power_of_2(E)), ROWS=ROWS,
-            WEIGHTS=scores is not None, RENORM=renormalize, SCALE=scale != 1.0, num_warps=4)
+            WEIGHTS=gather, RENORM=renormalize, SCALE=scale != 1.0, SOFTMAX=softmax, num_warps=4)
     return ids, weights
 
 
@@ -117,4 +129,31 @@ def topk_with_weights(choice: torch.Tensor, scores: torch.Tensor, k: int, renorm
     ids, weights = _launch(choice, k, scores if scores.stride(1) == 1 else scores.contiguous(), renormalize, floor,
                            scale)
     assert weights is not None  # _launch gathers weights whenever it is given scores
+    return ids, weights
+
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def softmax_supported(logits: torch.Tensor, k: int) -> bool:
+    """Whether ``softmax_topk`` runs this case: [T, E] of ``LOGIT_DTYPES`` on CUDA, 1 <= k <= E <= MAX_COLUMNS."""
+    return (logits.is_cuda and logits.dtype in LOGIT_DTYPES and logits.dim() == 2
+            and 1 <= k <= logits.shape[1] <= MAX_COLUMNS)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, floor: float,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (fp32, bf16 or fp16) -> (ids int64 [T, k], weights fp32 [T, k]): the router's
+    softmax routing in one pass, p = softmax(logits in fp32) over each row, ids =
+    ``topk_low_index_first(p, k)``, weights = p[t, ids] renormalized and scaled as
+    ``topk_with_weights``. The softmax, and no fp32 copy of the logits, is computed in the
+    kernel; p is torch's softmax up to rounding (the exponential is the GPU's fast one, and the
+    sum's order differs), so where two experts' p differ by that much the pick may differ from
+    the torch ops'. One launch, no host sync."""
+    if not (logits.dim() == 2 and logits.dtype in LOGIT_DTYPES and 1 <= k <= logits.shape[1] <= MAX_COLUMNS):
+        raise ValueError(f"softmax_topk: needs [T, E] logits of {[str(d) for d in LOGIT_DTYPES]} with 1 <= k <= E <= "
+                         f"{MAX_COLUMNS}; got {logits.dtype} {list(logits.shape)}, k={k}")
+    ids, weights = _launch(logits if logits.stride(1) == 1 else logits.contiguous(), k, None, renormalize, floor,
+                           scale, softmax=True)
+    assert weights is not None  # _launch gathers weights with softmax
     return ids, weights
