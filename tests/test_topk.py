@@ -1,6 +1,6 @@
 """The router's one-pass top-k (``moeshard.kernels.topk``) through Triton's CPU interpreter,
 against the stable descending sort it stands in for on CUDA: ties (scores rounded to a quarter,
-as bf16 logits tie), NaN and infinities, one column, k = E, and the input checks."""
+as bf16 logits tie; -0.0 and 0.0), NaN and infinities, one column, k = E, and the input checks."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ def test_topk_equals_the_stable_sort(interpreted_kernels, T, E, k):
     g = torch.Generator().manual_seed(T * E + k)
     s = (torch.randn(T, E, generator=g) * 4).round() / 4
     if E > 4:
-        s[0, 1] = s[0, 3] = float("nan")  # NaN ranks first, lower column first
+        s[0, 1] = float("nan")  # NaN ranks first, lower column first
+        s[0, 3] = -s[0, 1]  # a NaN with its sign bit set ranks as any NaN
         s[1 % T, 2] = float("inf")
         s[-1, : E // 2] = float("-inf")  # -inf columns are still scores, taken last
+    if T > 3:
+        s[2] = torch.where(torch.arange(E) % 3 == 0, -0.0, 0.0)  # -0.0 and 0.0 are equal scores
     want = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
     assert torch.equal(topk.topk_low_index_first(s, k), want)
     assert torch.equal(topk.topk_low_index_first(s.t().contiguous().t(), k), want)  # a column-major view

@@ -25,6 +25,7 @@ import triton.language as tl
 
 MAX_COLUMNS = 1024  # the widest row held in registers (E of every family is far below)
 ROWS = 16  # rows per program
+_TAKEN: tl.constexpr = tl.constexpr(-(2**63))  # the key of a taken or padding column
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -44,28 +45,34 @@ def _topk_kernel(s_ptr, ids_ptr, w_src_ptr, w_ptr, T, E, stride_s, stride_w, flo
         e = tl.where(col_ok[None, :], tl.exp(s - top[:, None]), 0.0)
         s = tl.math.div_rn(e, tl.broadcast_to(tl.sum(e, axis=1)[:, None], (ROWS, COLS)))
     if WEIGHTS:
-        if SOFTMAX:
-            src = s
-        else:
+        if not SOFTMAX:
             src = tl.load(w_src_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :],
                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         ks = tl.arange(0, KP)
         w = tl.zeros([ROWS, KP], dtype=tl.float32)
         total = tl.zeros([ROWS], dtype=tl.float32)
-    nan = s != s
-    open_ = tl.broadcast_to(col_ok[None, :], (ROWS, COLS))  # columns still to be taken
+    # One int64 key per score, so that one max per round picks: the score's order bits (its fp32
+    # bits with the magnitude of negatives inverted, which order as signed integers as the floats
+    # do; -0.0 made +0.0, an equal score; every NaN the largest) << 32, or'ed with COLS - 1 -
+    # column, so that equal scores go to the lower column. Taken and padding columns get the
+    # smallest int64, below every score's key (-inf's included).
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
+    order = tl.where(s != s, 0x7FFFFFFF, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits))
+    key = (order.to(tl.int64) << 32) | (COLS - 1 - cols).to(tl.int64)[None, :]
+    key = tl.where(col_ok[None, :], key, _TAKEN)
     for k in tl.static_range(K):
-        # NaN first (lowest column among them), then the largest number.
-        nan_left = open_ & nan
-        any_nan = tl.max(nan_left.to(tl.int32), axis=1) > 0
-        best = tl.max(tl.where(open_ & ~nan, s, float("-inf")), axis=1)
-        cand = tl.where(any_nan[:, None], nan_left, open_ & ~nan & (s == best[:, None]))
-        pick = tl.min(tl.where(cand, cols[None, :], COLS), axis=1)
+        top = tl.max(key, axis=1)
+        pick = (COLS - 1) - (top & 65535).to(tl.int32)
         tl.store(ids_ptr + rows.to(tl.int64) * K + k, pick.to(tl.int64), mask=row_ok)
-        open_ = open_ & (cols[None, :] != pick[:, None])
+        key = tl.where(cols[None, :] == pick[:, None], _TAKEN, key)
         if WEIGHTS:
-            # The one column equal to pick: a sum of one value and zeros is that value.
-            wk = tl.sum(tl.where(cols[None, :] == pick[:, None], src, 0.0), axis=1)
+            if SOFTMAX:
+                # The weight is the score picked: its bits back from the key (NaN stays NaN).
+                o = (top >> 32).to(tl.int32)
+                wk = tl.where(o < 0, o ^ 0x7FFFFFFF, o).to(tl.float32, bitcast=True)
+            else:
+                # The one column equal to pick: a sum of one value and zeros is that value.
+                wk = tl.sum(tl.where(cols[None, :] == pick[:, None], src, 0.0), axis=1)
             w = tl.where(ks[None, :] == k, wk[:, None], w)
             total = total + wk
     if WEIGHTS:
