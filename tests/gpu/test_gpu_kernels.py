@@ -554,7 +554,8 @@ def test_fused_input_quantization_bit_exact(scheme, shape):
 
 
 def test_router_topk_kernel_matches_the_stable_sort():
-    """The router's one-pass top-k on CUDA gives the stable sort's indices (ties, NaN, -inf), and
+    """The router's one-pass top-k on CUDA gives the stable sort's indices (ties, NaN of either
+    sign, -inf, -0.0 beside 0.0), and
     routing on the GPU picks the experts the CPU's sort picks, group-limited routing included,
     with the CPU's weights (renormalized and scaled in the same pass on the GPU)."""
     from moeshard.kernels.topk import topk_low_index_first
@@ -562,7 +563,9 @@ def test_router_topk_kernel_matches_the_stable_sort():
 
     s = (torch.randn(5000, 256, device="cuda") * 4).round() / 4
     s[0, :3] = float("nan")
+    s[0, 5] = -s[0, 0]  # a NaN with its sign bit set ranks as any NaN
     s[1, ::2] = float("-inf")
+    s[2] = torch.where(torch.arange(256, device="cuda") % 3 == 0, -0.0, 0.0)  # equal scores: lower column first
     for k in (1, 2, 8):
         want = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
         assert torch.equal(topk_low_index_first(s, k), want), k
