@@ -56,8 +56,11 @@ def _topk_kernel(s_ptr, ids_ptr, w_src_ptr, w_ptr, T, E, stride_s, stride_w, flo
     # do; -0.0 made +0.0, an equal score; every NaN the largest) << 32, or'ed with COLS - 1 -
     # column, so that equal scores go to the lower column. Taken and padding columns get the
     # smallest int64, below every score's key (-inf's included).
-    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
-    order = tl.where(s != s, 0x7FFFFFFF, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits))
+    # Integer tests on the bits (a float compare with zero may be folded away with the sign of zero).
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> +0.0
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    order = tl.where(nan, 0x7FFFFFFF, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits))
     key = (order.to(tl.int64) << 32) | (COLS - 1 - cols).to(tl.int64)[None, :]
     key = tl.where(col_ok[None, :], key, _TAKEN)
     for k in tl.static_range(K):
