@@ -653,8 +653,11 @@ def test_fused_input_quantization_equals_the_torch_path(interpreted_kernels, exa
     if T > 2:
         x[2] = 0
     assert torch.equal(qr.input_amax(x), abs_amax(x, (0, 1)))
-    # A domain amax of 0 takes the floor's scale (the kernel computes fp8_tensor's scale itself).
+    # A domain amax of 0 takes the floor's scale, an infinite one an infinite scale (the kernel
+    # computes fp8_tensor's scale itself).
     amaxes = [None, abs_amax(x, (0, 1)) * 3, torch.zeros(())] if scheme in ("fp8_tensor", "nvfp4") else [None]
+    if scheme == "fp8_tensor":
+        amaxes.append(torch.tensor(float("inf")))
     for amax in amaxes:
         got, want = qr.quantize_rows(x, scheme, amax=amax), quantize_activations(x, scheme, amax=amax)
         assert [t.shape for t in _bits(got)] == [t.shape for t in _bits(want)]

@@ -89,12 +89,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, tensor_scale_ptr, T, K, stride_xm
         ok = row_ok[:, None] & ((k0 + cols) < K)[None, :]
         x = tl.load(x_rows + k0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         if MODE == 1:
-            # fp8_scale(amax), correctly rounded as torch divides; program (0, 0) stores it.
-            amax = tl.maximum(tl.load(tensor_scale_ptr), AMAX_FLOOR)
-            tensor_scale = tl.math.div_rn(amax, amax * 0.0 + FP8_MAX)
-            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-                tl.store(s_ptr, tensor_scale)
-            scale = tl.zeros([ROWS], dtype=tl.float32) + tensor_scale
+            # fp8_scale(amax), correctly rounded as torch divides (an infinite amax too); program
+            # (0, 0) stores it.
+            at = tl.zeros([ROWS], dtype=tl.int32)
+            amax = tl.maximum(tl.load(tensor_scale_ptr + at), AMAX_FLOOR)
+            scale = tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX)
+            # Zero only at row 0 of program (0, 0): program ids are never negative.
+            tl.store(s_ptr + at, scale, mask=(tl.arange(0, ROWS) + tl.program_id(0) + tl.program_id(1)) == 0)
         else:
             block_max = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
             scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX)
