@@ -52,15 +52,16 @@ def compile_down(stages: int, block_m: int = 128, block_n: int = 256, block_k: i
     return triton.compile(src, target=SM90, options={"num_warps": warps})
 
 
-def compile_gate_up(stages: int, block: int = 128):
+def compile_gate_up(stages: int, block: int = 128, track_amax: int = 1):
     """The gate_up kernel compiled for sm_90a with fp8 weights through a TMA descriptor of
-    [block, block] blocks (``persistent_gate_up``'s 128 x 128 x 128 tile)."""
+    [block, block] blocks (``persistent_gate_up``'s 128 x 128 x 128 tile); track_amax 1: the
+    per-expert amax (fp8_tensor), 2: the row maxima (fp8_token)."""
     layout = gl.NVMMASharedLayout.get_default_for([block, block], gl.float8e4nv)
     sig = {"a_ptr": "*fp8e4nv", "w_desc": f"tensordesc<fp8e4nv[{block}, {block}],{layout!r}>", "amax_ptr": "*fp32",
            "counter_ptr": "*i32", **POINTERS}
     sig.update({name: "i32" for name in ("num_experts", "N", "K", "a_row_div", "stride_am", "stride_asm",
                                          "stride_wse", "stride_wsn", "stride_om")})
-    consts = {"ACT": 0, "TRACK_AMAX": True, "BLOCK_M": block, "BLOCK_K": block, "STAGES": stages, "GROUP_M": 8,
+    consts = {"ACT": 0, "TRACK_AMAX": track_amax, "BLOCK_M": block, "BLOCK_K": block, "STAGES": stages, "GROUP_M": 8,
               "num_warps": PARTITION_WARPS.value}
     sig.update({name: "constexpr" for name in consts})
     names = list(persistent_gate_up_kernel.arg_names)
@@ -73,7 +74,9 @@ def compile_gate_up(stages: int, block: int = 128):
 
 
 def resources(kernel_name: str, stages: int) -> dict:
-    kernel = compile_down(stages) if kernel_name == "down" else compile_gate_up(stages)
+    """kernel_name: "down", "gate_up" (the per-expert amax) or "gate_up_rows" (the row maxima)."""
+    kernel = compile_down(stages) if kernel_name == "down" else \
+        compile_gate_up(stages, track_amax=2 if kernel_name == "gate_up_rows" else 1)
     usage = cuobjdump(kernel, "--dump-resource-usage")
     sass = cuobjdump(kernel, "--dump-sass")
     regs = re.search(r"REG:(\d+)", usage)
@@ -87,7 +90,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    rows = [resources("down", stages) for stages in (2, 3, 4)] + [resources("gate_up", stages) for stages in (3, 4)]
+    rows = [resources("down", stages) for stages in (2, 3, 4)] + [resources("gate_up", stages) for stages in (3, 4)] + \
+        [resources("gate_up_rows", 3)]
     for r in rows:
         print(" ".join(f"{k} {v}" for k, v in r.items()))
     if args.json:

@@ -46,10 +46,11 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
 
 
 def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
-                 pdl: bool = False, quant_out: bool = False):
+                 pdl: bool = False, quant_out: bool = False, track_amax: int = 0):
     """``moe_gemm_kernel`` compiled for sm_90a (a Triton ``CompiledKernel``) with the given
     constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); quant_out: gate_up
-    stores h as fp8_block values and scales (``moe_gemm``'s out_scale)."""
+    stores h as fp8_block values and scales (``moe_gemm``'s out_scale); track_amax: 1 per-expert
+    amax, 2 per-position row maxima (``moe_gemm``'s amax, row_amax), 0 neither."""
     bm, bn, bk, warps, stages = tile
     sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*fp8e4nv" if quant_out else "*bf16"
@@ -63,7 +64,7 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
     aligned = [*POINTERS, "N", "K", "N_w", "up_offset", "stride_am", "stride_we", "stride_wn", "stride_om"]
     consts = {**unit, "QUANT": quant, "FUSE_ACT": fused, "ACT": 0, "QUANT_OUT": quant_out, "H_TY": tl.bfloat16,
               "GATHER_A": fused, "SCATTER_OUT": not fused,
-              "TRACK_AMAX": False, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
+              "TRACK_AMAX": track_amax, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
               # as moe_gemm sets it; N stands for any multiple of 128 (every model here)
               "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused), "HALF_TILES": half_tiles,

@@ -65,12 +65,12 @@ def _compile(fn, sig: dict, consts: dict, warps: int = 4):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=SM90, options={"num_warps": warps})
 
 
-def _quantize_h(mode: int, partial: bool):
+def _quantize_h(mode: int, row_max: int):
     sig = {"h_ptr": "*bf16", "q_ptr": "*u8" if mode == 4 else "*fp8e4nv", "s_ptr": "*fp8e4nv" if mode == 4 else "*fp32",
            "g_ptr": "*fp32", "amax_ptr": "*fp32", "part_ptr": "*fp32", "tile_expert_ptr": "*i32",
            "start_ptr": "*i32", "count_ptr": "*i32", "K": "i32",
            "span": "i32", "num_spans": "i32", "stride_hm": "i32", "stride_qm": "i32", "stride_sm": "i32"}
-    consts = {"MODE": mode, "ROWS": quant.ROWS, "BLOCK_M": 16, "CHUNK": quant.CHUNK, "PARTIAL_MAX": partial,
+    consts = {"MODE": mode, "ROWS": quant.ROWS, "BLOCK_M": 16, "CHUNK": quant.CHUNK, "ROW_MAX": row_max,
               "PART_BLOCK": quant.PART_BLOCK, "AMAX_FLOOR": 1e-12, "FP8_MAX": 448.0, "PDL": True}
     return _compile(quant._quantize_h_kernel, sig, consts)
 
@@ -83,8 +83,9 @@ def _row_max():
 
 def _small_plan():
     sig = {"ids_ptr": "*i64", "M": "i32", "E": "i32", "num_tiles": "i32", "count_ptr": "*i32", "start_ptr": "*i32",
-           "sorted_rows_ptr": "*i32", "tile_expert_ptr": "*i32", "amax_ptr": "*fp32"}
-    consts = {"BLOCK_M": 16, "NUM_BINS": 256, "ROWS": 64, "TILES": 64, "ZERO_AMAX": True, "PDL": True}
+           "sorted_rows_ptr": "*i32", "tile_expert_ptr": "*i32", "amax_ptr": "*fp32", "row_amax_ptr": "*fp32"}
+    consts = {"BLOCK_M": 16, "NUM_BINS": 256, "ROWS": 64, "TILES": 64, "ZERO_AMAX": True, "ZERO_ROWS": True,
+              "PDL": True}
     return _compile(align._small_plan_kernel, sig, consts)
 
 
@@ -102,8 +103,9 @@ def _plan():
 
 def _scatter():
     sig = {"ids_ptr": "*i64", "M": "i32", "E": "i32", "num_tiles": "i32", "start_ptr": "*i32", "count_ptr": "*i32",
-           "cursor_ptr": "*i32", "sorted_rows_ptr": "*i32", "tile_expert_ptr": "*i32"}
-    consts = {"BLOCK": align.SCATTER_BLOCK, "BLOCK_M": 128, "TILE_BLOCK": 128, "PDL": True}
+           "cursor_ptr": "*i32", "sorted_rows_ptr": "*i32", "tile_expert_ptr": "*i32", "row_amax_ptr": "*fp32",
+           "zero_chunk": "i32"}
+    consts = {"BLOCK": align.SCATTER_BLOCK, "BLOCK_M": 128, "TILE_BLOCK": 128, "ZERO_ROWS": True, "PDL": True}
     return _compile(align._scatter_kernel, sig, consts)
 
 
@@ -122,11 +124,14 @@ KERNELS = (
      lambda: compile_gemm(1, "fp8e4nv", True, (128, 128, 128, 8, 4), "imprecise", half_tiles=True, pdl=True)),
     ("down fp8_block, mid tile", "moe_gemm_kernel", lambda: compile_gemm(3, "fp8e4nv", False, (64, 128, 128, 4, 3),
                                                                         "split", pdl=True)),
-    ("quantize_h fp8_tensor", "_quantize_h_kernel", lambda: _quantize_h(1, False)),
-    ("quantize_h fp8_token, whole rows", "_quantize_h_kernel", lambda: _quantize_h(2, False)),
-    ("quantize_h fp8_token, partial maxima", "_quantize_h_kernel", lambda: _quantize_h(2, True)),
-    ("quantize_h fp8_block", "_quantize_h_kernel", lambda: _quantize_h(3, False)),
-    ("quantize_h nvfp4", "_quantize_h_kernel", lambda: _quantize_h(4, False)),
+    ("gate_up fp8_token, decode tile, row maxima", "moe_gemm_kernel",
+     lambda: compile_gemm(2, "fp8e4nv", True, (16, 64, 128, 4, 4), "split", pdl=True, track_amax=2)),
+    ("quantize_h fp8_tensor", "_quantize_h_kernel", lambda: _quantize_h(1, 0)),
+    ("quantize_h fp8_token, whole rows", "_quantize_h_kernel", lambda: _quantize_h(2, 0)),
+    ("quantize_h fp8_token, partial maxima", "_quantize_h_kernel", lambda: _quantize_h(2, 1)),
+    ("quantize_h fp8_token, the gate_up GEMM's row maxima", "_quantize_h_kernel", lambda: _quantize_h(2, 2)),
+    ("quantize_h fp8_block", "_quantize_h_kernel", lambda: _quantize_h(3, 0)),
+    ("quantize_h nvfp4", "_quantize_h_kernel", lambda: _quantize_h(4, 0)),
     ("row max (fp8_token)", "_row_max_kernel", _row_max),
 )
 

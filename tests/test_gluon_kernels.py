@@ -120,7 +120,8 @@ def test_the_gluon_kernels_compile_for_hopper(tmp_path):
       more, the loader fewer), the loader's cp.async copies (LDGSTS) arrive on an mbarrier
       (ARRIVES), the weights come through TMA and the MMAs are fp8 warpgroup MMAs. It spills a few
       registers outside its K loop (16 local loads and 8 stores with Triton 3.9, 13 and 13 with
-      3.6), which the study measured with; more than 32 of either would be a different kernel."""
+      3.6), which the study measured with; more than 32 of either would be a different kernel.
+      The same with fp8_token's row maxima (``gate_up_rows``), whose epilogue spills more."""
     reason = cuda_tools_missing()
     if reason:
         pytest.skip(reason)
@@ -130,7 +131,7 @@ def test_the_gluon_kernels_compile_for_hopper(tmp_path):
     assert out.exists(), f"scripts/gluon_resources.py wrote nothing (rc {run.returncode}):\n{run.stderr[-3000:]}"
     rows = json.loads(out.read_text())["kernels"]
     assert [(r["kernel"], r["stages"]) for r in rows] == [("down", 2), ("down", 3), ("down", 4), ("gate_up", 3),
-                                                          ("gate_up", 4)]
+                                                          ("gate_up", 4), ("gate_up_rows", 3)]
     for r in rows:
         assert r["QGMMA"] and r["UTMALDG"], r
         assert r["shared"] <= 227 * 1024, r
@@ -138,4 +139,7 @@ def test_the_gluon_kernels_compile_for_hopper(tmp_path):
             assert r["spill_loads"] == r["spill_stores"] == 0, r
         else:
             assert r["USETMAXREG"] and r["LDGSTS"] and r["ARRIVES"], r
-            assert r["spill_loads"] <= 32 and r["spill_stores"] <= 32, r
+            # The row maxima's reduction and atomics cost their epilogue more: 47 loads and 37
+            # stores with Triton 3.9, 22 and 22 with 3.6, as measured on the GPU.
+            bound = 64 if r["kernel"] == "gate_up_rows" else 32
+            assert r["spill_loads"] <= bound and r["spill_stores"] <= bound, r

@@ -301,6 +301,80 @@ def test_gate_up_quantizing_h_gives_quantize_h_bits(interpreted_kernels, exact_i
     assert (q.view(torch.uint8)[~tiles] == 0x7F).all() and s[~tiles].isnan().all()
 
 
+@pytest.mark.parametrize("M,E,bm", [(40, 5, 16), (200, 3, 32), (1500, 6, 16)])
+def test_align_rows_zeroes_the_row_maxima_buffer(interpreted_kernels, M, E, bm):
+    """row_amax [P] is zeroed by the plan at every position, by the one-program plan (40 rows) and
+    by the scatter kernel's programs, each zeroing its share (200 and 1500 rows: P spread over 3
+    and 6 programs). The buffer starts as NaN, so a share left unzeroed fails."""
+    align = interpreted_kernels.align
+    ids = torch.randint(0, E, (M,), generator=torch.Generator().manual_seed(M))
+    P = align.max_tiles(M, E, bm) * bm
+    row_amax = torch.full((P,), float("nan"))
+    plan = align.align_rows(ids, E, bm, row_amax=row_amax)
+    assert plan.padded_rows == P and torch.equal(row_amax, torch.zeros(P))
+    with pytest.raises(ValueError, match=rf"row_amax must be a contiguous float32 \[{P}\]"):
+        align.align_rows(ids, E, bm, row_amax=torch.zeros(P + 1))
+
+
+@pytest.mark.parametrize("half,tma,span", [(False, False, None), (True, True, None), (True, False, 256),
+                                           (False, True, 512)])
+def test_gate_up_row_maxima_give_quantize_h_bits(interpreted_kernels, exact_interpreter, half, tma, span):
+    """fp8_token: the gate_up GEMM's row maxima (``row_amax``) equal max |h| of every routed row,
+    and ``quantize_h`` given them writes the same bits as from its own passes over h, at every
+    position it writes. Experts of 40 (a tile and a half tile), 30, 3 and 17 rows and an empty
+    one; h 384 columns wide, over one to three spans and six 64-column tiles."""
+    k = interpreted_kernels
+    GemmConfig = k.configs.GemmConfig
+    M, E, H, I = 90, 5, 64, 384
+    x, _, w = _problem(M, E, H, I, torch.bfloat16, "fp8_token", seed=23)
+    ids = torch.tensor([0] * 40 + [1] * 30 + [2] * 3 + [3] * 17)[torch.randperm(M, generator=torch.Generator().manual_seed(4))]
+    P = k.align.max_tiles(M, E, 32) * 32
+    row_amax = torch.full((P,), float("nan"))
+    plan = k.align.align_rows(ids, E, 32, row_amax=row_amax)
+    gemm = GemmConfig(32, 64, 32, group_m=2, tma=tma, half_tiles=half)
+    h = torch.full((P, I), float("nan"), dtype=torch.bfloat16)
+    k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True, row_amax=row_amax)
+    tile_of = plan.tile_expert.repeat_interleave(32).long()
+    expert = tile_of.clamp(min=0)
+    pos = torch.arange(P)
+    real = (tile_of >= 0) & (pos - plan.start.long()[expert] < plan.count.long()[expert])
+    assert torch.equal(row_amax[real], h[real].float().abs().amax(dim=1))
+    written = quantized_positions(plan)
+    assert (written & ~real).any()  # padding rows of live row blocks: their zeros, the plan's zero
+    assert (row_amax[written & ~real] == 0).all()
+    want = k.quant.quantize_h(h, "fp8_token", plan, None, span=span)
+    got = k.quant.quantize_h(h, "fp8_token", plan, None, span=span, row_amax=row_amax)
+    assert torch.equal(got.data.view(torch.uint8)[written], want.data.view(torch.uint8)[written])
+    assert torch.equal(got.row_scale[written], want.row_scale[written])
+    # A planted fault: row maxima of half the size give other scales and values.
+    wrong = k.quant.quantize_h(h, "fp8_token", plan, None, span=span, row_amax=row_amax / 2)
+    assert not torch.equal(wrong.row_scale[real], want.row_scale[real])
+
+
+def test_row_maxima_are_refused_where_they_do_not_apply(interpreted_kernels):
+    k = interpreted_kernels
+    GemmConfig = k.configs.GemmConfig
+    M, E, H, I = 20, 2, 64, 128
+    x, ids, w = _problem(M, E, H, I, torch.bfloat16, "fp8_token", seed=5)
+    plan = k.align.align_rows(ids, E, 16)
+    P = plan.padded_rows
+    h = torch.zeros(P, I, dtype=torch.bfloat16)
+    gemm = GemmConfig(16, 64, 32)
+    with pytest.raises(ValueError, match="row_amax takes h's row maxima in the gate_up GEMM, without amax"):
+        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True, amax=torch.zeros(E),
+                                row_amax=torch.zeros(P))
+    with pytest.raises(ValueError, match="got down"):
+        k.grouped_gemm.moe_gemm(quantize_activations(h, "fp8_token"), w.down, plan, torch.empty(M, H, dtype=torch.bfloat16),
+                                gemm, activation=None, gather=False, row_amax=torch.zeros(P))
+    with pytest.raises(ValueError, match=rf"row_amax must be a contiguous float32 \[P={P}\]"):
+        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True,
+                                row_amax=torch.zeros(P, 2)[:, 0])
+    with pytest.raises(ValueError, match="row_amax is fp8_token's contiguous float32"):
+        k.quant.quantize_h(h, "fp8_block", plan, None, row_amax=torch.zeros(P))
+    with pytest.raises(ValueError, match="row_amax is fp8_token's contiguous float32"):
+        k.quant.quantize_h(h, "fp8_token", plan, None, row_amax=torch.zeros(P - 1))
+
+
 def test_gate_up_quantizing_h_refuses_what_it_cannot_quantize(interpreted_kernels):
     k = interpreted_kernels
     GemmConfig = k.configs.GemmConfig

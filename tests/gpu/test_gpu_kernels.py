@@ -203,8 +203,9 @@ def test_gluon_down_gives_the_triton_bits(scheme, H, I):
                          ids=["H1024", "H384-I320", "H128-I128", "H256-I256"])
 def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
     """The Gluon persistent gate_up GEMM (``GemmConfig.engine="gluon"``) against the Triton
-    grouped GEMM on the same prefill tile: h at every position and the per-expert amax bit for
-    bit, with rows gathered from tokens repeated for their two routed rows (``a_row_div=2``), with
+    grouped GEMM on the same prefill tile: h at every position and the per-expert amax
+    (fp8_tensor) or the row maxima (fp8_token, equal to max |h| of each routed row) bit for bit,
+    with rows gathered from tokens repeated for their two routed rows (``a_row_div=2``), with
     one program per SM and with three (each walking hundreds of tiles, its loads running into the
     next tile's), for experts of 0-300 rows (an empty expert, last tiles of every height: those of
     at most 64 rows leave the second MMA warpgroup without real rows, which stores zeros), I a
@@ -231,13 +232,15 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
 
     def run(cfg, programs=None):
         amax = torch.zeros(E, device="cuda") if spec.per_tensor_activation else None
+        rows = None if spec.per_tensor_activation else torch.zeros(plan.padded_rows, device="cuda")
         h = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16, device="cuda")
         if programs is None:
-            moe_gemm(x, w.gate_up, plan, h, cfg, activation="silu", gather=True, amax=amax, a_row_div=2)
+            moe_gemm(x, w.gate_up, plan, h, cfg, activation="silu", gather=True, amax=amax, a_row_div=2,
+                     row_amax=rows)
         else:
             persistent_gate_up(x, w.gate_up, plan, h, cfg, activation="silu", amax=amax, a_row_div=2,
-                               programs=programs)
-        return h, amax
+                               programs=programs, row_amax=rows)
+        return h, amax if rows is None else rows
 
     def same(a, b):
         # Tiles past the last expert's hold padding only and are written by neither kernel.
@@ -245,12 +248,19 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
 
     want_h, want_amax = run(triton_cfg)
     assert not want_h[: plan.max_tiles * 128][plan.tile_expert.repeat_interleave(128) >= 0].isnan().any()
+    if not spec.per_tensor_activation:
+        tile_of = plan.tile_expert.repeat_interleave(128).long()
+        expert = tile_of.clamp(min=0)
+        real = (tile_of >= 0) & (torch.arange(plan.padded_rows, device="cuda") - plan.start.long()[expert]
+                                 < plan.count.long()[expert])
+        assert torch.equal(want_amax[real], want_h[real].float().abs().amax(dim=1))
+        assert (want_amax[~real] == 0).all()
     for programs in (None, 3):
         got_h, got_amax = run(gluon_cfg, programs)
         assert same(got_h, want_h), f"{scheme} H={H} I={I} programs={programs}: max " \
             f"{(got_h.float() - want_h.float()).nan_to_num().abs().max():.3g}"
         if want_amax is not None:
-            assert torch.equal(got_amax, want_amax), f"{scheme} H={H} I={I} programs={programs}: amax"
+            assert torch.equal(got_amax, want_amax), f"{scheme} H={H} I={I} programs={programs}: amax / row maxima"
     odd = quantize_activations(torch.randn(M // 2, H + 64, device="cuda").to(torch.bfloat16), scheme)
     odd_w = _weights(E, H + 64, I, torch.bfloat16, scheme, seed=3).gate_up
     with pytest.raises(ValueError, match=f"H={H + 64} a multiple of its 128-column K step"):
@@ -489,6 +499,36 @@ def test_quantize_h_bit_exact(scheme):
     row_amax = amax[tile_of.clamp(min=0).long()].unsqueeze(1)[live]
     ref = quantize_activations(h[live], scheme, amax=row_amax if get_scheme(scheme).per_tensor_activation else None)
     assert_same_quantization(q, ref, live)
+
+
+@pytest.mark.parametrize("M, bm, block_n", [(48, 16, 128), (900, 64, 64), (3000, 128, 128)],
+                         ids=["one-program-plan", "decode-128", "prefill"])
+def test_gate_up_row_maxima_give_quantize_h_bits(M, bm, block_n):
+    """fp8_token: the compiled Triton gate_up's row maxima (``row_amax``, zeroed by the plan: one
+    program at 48 rows, the scatter kernel's programs above) equal max |h| of every routed row and
+    are zero at padding positions, and ``quantize_h`` given them writes its own passes' bits."""
+    from moeshard.kernels.align import max_tiles
+    from moeshard.kernels.grouped_gemm import moe_gemm
+
+    E, H, I = 8, 512, 1408
+    w = _weights(E, H, I, torch.bfloat16, "fp8_token", seed=8)
+    x = quantize_activations(torch.randn(M, H, device="cuda").to(torch.bfloat16), "fp8_token")
+    ids = _ids(M, E, seed=9)
+    rows = torch.full((max_tiles(M, E, bm) * bm,), float("nan"), device="cuda")
+    plan = align_rows(ids, E, bm, row_amax=rows)
+    h = torch.empty(plan.padded_rows, I, dtype=torch.bfloat16, device="cuda")
+    moe_gemm(x, w.gate_up, plan, h, GemmConfig(bm, block_n, 128, 4, 8 if bm == 128 else 4, 3), activation="silu",
+             gather=True,
+             row_amax=rows)
+    tile_of = plan.tile_expert.repeat_interleave(bm).long()
+    expert = tile_of.clamp(min=0)
+    real = (tile_of >= 0) & (torch.arange(plan.padded_rows, device="cuda") - plan.start.long()[expert]
+                             < plan.count.long()[expert])
+    assert torch.equal(rows[real], h[real].float().abs().amax(dim=1))
+    assert (rows[~real] == 0).all()
+    live = quantized_positions(plan)
+    got = quantize_h(h, "fp8_token", plan, None, row_amax=rows)
+    assert_same_quantization(got, quantize_activations(h[live], "fp8_token"), live)
 
 
 @pytest.mark.parametrize("scheme, M, E, H, I", [

@@ -8,6 +8,7 @@ G histogram programs (G <= HIST_PROGRAMS, each counting a contiguous chunk of th
                                                cursor [E] = 0 (and amax [E] = 0 on request)
                    --scatter kernel (max(M / 1024, E) programs)--> sorted_rows [P]: row at each
                                                position, tile_expert [max_tiles] (-1 past the last tile)
+                                               (and row_amax [P] = 0 on request)
     (split_tiles, for a GEMM of shorter tiles over the same positions:)
     tile_expert, start, count --split kernel (max_tiles * ratio / 1024 programs)--> tile_expert
                                                [max_tiles * ratio] of the shorter tiles (-1 where empty)
@@ -144,16 +145,31 @@ def _plan_kernel(partial_ptr, num_parts, E, count_ptr, start_ptr, cursor_ptr, am
         tl.store(amax_ptr + bins, tl.zeros([NUM_BINS], dtype=tl.float32), mask=in_range)
 
 
+@triton.jit
+def _zero_positions(row_amax_ptr, lo, hi, BLOCK: tl.constexpr):
+    """row_amax[lo:hi] = 0 (fp32), BLOCK positions per store."""
+    for p0 in range(lo, hi, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        tl.store(row_amax_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < hi)
+
+
 # M and num_tiles change with every batch; one compiled variant serves all of them.
-@triton.jit(do_not_specialize=["M", "num_tiles"])
+@triton.jit(do_not_specialize=["M", "num_tiles", "zero_chunk"])
 def _scatter_kernel(ids_ptr, M, E, num_tiles, start_ptr, count_ptr, cursor_ptr, sorted_rows_ptr, tile_expert_ptr,
-                    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, TILE_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    row_amax_ptr, zero_chunk,
+                    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, TILE_BLOCK: tl.constexpr, ZERO_ROWS: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program pid places rows [pid * BLOCK, +BLOCK) at their experts' next free positions, writes
     expert pid's tiles into tile_expert (pid < E), and -1 into the tiles of [pid * BLOCK, +BLOCK)
     past the last expert's (the grid has max(M / BLOCK, E) programs and num_tiles <= M, so every
-    expert and every tile is covered)."""
+    expert and every tile is covered). ZERO_ROWS: it also zeroes row_amax at positions
+    [pid * zero_chunk, +zero_chunk) of the num_tiles * BLOCK_M (``align_rows`` sizes the chunk so
+    that the programs cover them all)."""
     pdl.enter(PDL)
     pid = tl.program_id(0)
+    if ZERO_ROWS:
+        _zero_positions(row_amax_ptr, pid * zero_chunk, tl.minimum((pid + 1) * zero_chunk, num_tiles * BLOCK_M),
+                        BLOCK)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     expert = tl.load(ids_ptr + offs, mask=offs < M, other=-1)
     mask = expert >= 0  # in range and not a padding row
@@ -177,12 +193,15 @@ def _scatter_kernel(ids_ptr, M, E, num_tiles, start_ptr, count_ptr, cursor_ptr, 
 
 @triton.jit(do_not_specialize=["M", "num_tiles"])
 def _small_plan_kernel(ids_ptr, M, E, num_tiles, count_ptr, start_ptr, sorted_rows_ptr, tile_expert_ptr, amax_ptr,
-                       BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-                       ZERO_AMAX: tl.constexpr, PDL: tl.constexpr):
+                       row_amax_ptr, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, ROWS: tl.constexpr,
+                       TILES: tl.constexpr, ZERO_AMAX: tl.constexpr, ZERO_ROWS: tl.constexpr, PDL: tl.constexpr):
     """The whole plan in one program for M <= ROWS ids (ROWS, TILES: powers of two >= M and
     num_tiles): count, start, sorted_rows (rows in input order within each expert),
-    tile_expert (-1 from the last used tile to num_tiles), and amax = 0 when ZERO_AMAX."""
+    tile_expert (-1 from the last used tile to num_tiles), amax = 0 when ZERO_AMAX and
+    row_amax [num_tiles * BLOCK_M] = 0 when ZERO_ROWS."""
     pdl.enter(PDL)
+    if ZERO_ROWS:
+        _zero_positions(row_amax_ptr, 0, num_tiles * BLOCK_M, 1024)
     bins = tl.arange(0, NUM_BINS)
     in_range = bins < E
     offs = tl.arange(0, ROWS)
@@ -214,12 +233,15 @@ def _small_plan_kernel(ids_ptr, M, E, num_tiles, count_ptr, start_ptr, sorted_ro
 
 
 def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
-               amax: torch.Tensor | None = None, pdl_launch: bool = False) -> RowAlignment:
+               amax: torch.Tensor | None = None, pdl_launch: bool = False,
+               row_amax: torch.Tensor | None = None) -> RowAlignment:
     """The tile plan of ``expert_ids`` (int64 or int32 [M], values in [0, num_experts) or -1 for a
     padding row, which is placed nowhere; M > 0).
 
     amax: optional fp32 [num_experts] buffer that the plan kernel zeroes on the way (the gate_up
     GEMM then max-reduces each expert's |h| into it), saving a separate memset launch.
+    row_amax: optional fp32 [P] buffer, P = ``max_tiles(M, num_experts, block_m) * block_m``, that
+    the plan zeroes on the way (the gate_up GEMM then max-reduces each position's |h| into it).
     Three launches (histogram, plan, scatter), all sized from M and E on the host; one for at
     most ``ONE_PROGRAM_ROWS`` ids. pdl_launch: launched with programmatic dependent launch
     (``moeshard.kernels.pdl``; the caller checks ``pdl.supported``).
@@ -230,6 +252,11 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     M, E = expert_ids.shape[0], num_experts
     device = expert_ids.device
     tiles = max_tiles(M, E, block_m)
+    for name, buf, size in (("amax", amax, E), ("row_amax", row_amax, tiles * block_m)):
+        if buf is not None and (buf.dtype != torch.float32 or tuple(buf.shape) != (size,) or buf.stride(0) != 1
+                                or buf.device != device):
+            raise ValueError(f"align_rows: {name} must be a contiguous float32 [{size}] buffer on {device}, got "
+                             f"{buf.dtype} {list(buf.shape)} with strides {buf.stride()} on {buf.device}")
     count = torch.empty(E, dtype=torch.int32, device=device)
     start = torch.empty(E, dtype=torch.int32, device=device)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=device)
@@ -237,10 +264,11 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     num_bins = max(32, triton.next_power_of_2(E))
     if M <= ONE_PROGRAM_ROWS:
         _small_plan_kernel[(1,)](expert_ids, M, E, tiles, count, start, sorted_rows, tile_expert,
-                                 amax if amax is not None else count, BLOCK_M=block_m, NUM_BINS=num_bins,
+                                 amax if amax is not None else count, row_amax if row_amax is not None else count,
+                                 BLOCK_M=block_m, NUM_BINS=num_bins,
                                  ROWS=max(16, triton.next_power_of_2(M)), TILES=max(16, triton.next_power_of_2(tiles)),
-                                 ZERO_AMAX=amax is not None, PDL=pdl_launch, num_warps=4,
-                                 **pdl.launch_options(pdl_launch))
+                                 ZERO_AMAX=amax is not None, ZERO_ROWS=row_amax is not None, PDL=pdl_launch,
+                                 num_warps=4, **pdl.launch_options(pdl_launch))
         return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
     partial = partial_counts(expert_ids, E, pdl_launch)
     parts = partial.shape[0]
@@ -249,11 +277,13 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     _plan_kernel[(1,)](partial, parts, E, count, start, cursor, amax if amax is not None else count,
                        BLOCK_M=block_m, NUM_BINS=num_bins, PART_BLOCK=max(1, 8192 // num_bins),
                        ZERO_AMAX=amax is not None, PDL=pdl_launch, num_warps=4, **pdl.launch_options(pdl_launch))
-    # At least one program per row block and per expert (see _scatter_kernel); tiles <= M.
-    _scatter_kernel[(max(triton.cdiv(M, SCATTER_BLOCK), E),)](expert_ids, M, E, tiles, start, count, cursor,
-                                                              sorted_rows, tile_expert, BLOCK=SCATTER_BLOCK,
-                                                              BLOCK_M=block_m, TILE_BLOCK=128, PDL=pdl_launch,
-                                                              num_warps=4, **pdl.launch_options(pdl_launch))
+    # At least one program per row block and per expert (see _scatter_kernel); tiles <= M. With
+    # P <= M + E * BM positions, each program zeroes at most 1024 + BM of them.
+    programs = max(triton.cdiv(M, SCATTER_BLOCK), E)
+    _scatter_kernel[(programs,)](expert_ids, M, E, tiles, start, count, cursor, sorted_rows, tile_expert,
+                                 row_amax if row_amax is not None else count, triton.cdiv(tiles * block_m, programs),
+                                 BLOCK=SCATTER_BLOCK, BLOCK_M=block_m, TILE_BLOCK=128, ZERO_ROWS=row_amax is not None,
+                                 PDL=pdl_launch, num_warps=4, **pdl.launch_options(pdl_launch))
     return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
 
 

@@ -4,7 +4,7 @@
     x [M / repeat, H] (model dtype or quantized) --gate_up GEMM, act fused, routed row m gathered
         from x[m // repeat] (or, ``ExpertsConfig.lay_out_a``, read from x laid out at the padded
         positions first, ``kernels.layout``)--> h [P, I]
-    h --quantize_h (scheme; per-expert amax from the GEMM epilogue)--> h_q [P, I]
+    h --quantize_h (scheme; per-expert amax, or fp8_token's row maxima, from the GEMM epilogue)--> h_q [P, I]
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
     (nvfp4 at prefill, ``ExpertsConfig.decode_nvfp4``: x, h_q and where chosen the weights are
     decoded to fp16 values once, ``kernels.nvfp4_values``, instead of in every GEMM program; the
@@ -12,8 +12,7 @@
 
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
 rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized
-(seven for fp8_token when quantize_h splits a row over several programs: a row-max pass first; two fewer
-when the tile plan is one program, at most 128 routed rows); no host
+(two fewer when the tile plan is one program, at most 64 routed rows); no host
 sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
 routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up product is
 rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is
@@ -33,7 +32,7 @@ from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels import pdl
-from moeshard.kernels.align import align_rows, split_tiles
+from moeshard.kernels.align import align_rows, max_tiles, split_tiles
 from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.layout import lay_out_rows
@@ -142,7 +141,10 @@ class TritonExperts(GroupedExperts):
         decode_a, decode_w = cfg.decode_nvfp4 != "off", cfg.decode_nvfp4 == "all"
         per_tensor = spec.per_tensor_activation
         amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
-        plan = align_rows(ids, E, cfg.block_m, amax=amax, pdl_launch=front)
+        # fp8_token's row maxima come from the gate_up epilogue: quantize_h then reads h once.
+        row_amax = torch.empty(max_tiles(M, E, cfg.block_m) * cfg.block_m, dtype=torch.float32, device=device) \
+            if spec.name == "fp8_token" and cfg.h_quant != "gate_up" else None
+        plan = align_rows(ids, E, cfg.block_m, amax=amax, pdl_launch=front, row_amax=row_amax)
         # The down GEMM's plan is made before the gate_up GEMM: its torch ops (when its tiles are
         # shorter) would otherwise sit between quantize_h and the down GEMM, which then could not
         # overlap quantize_h's end.
@@ -165,14 +167,14 @@ class TritonExperts(GroupedExperts):
             w_gate_up = weights.gate_up if window is None else _decoded(weights.gate_up, window)
             moe_gemm(a, w_gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=gather, amax=amax,
                      fp8_exact=self.fp8_gate_up == "exact", a_row_div=a_row_div, pdl_launch=front, experts=window,
-                     out_scale=h_scale, h_dtype=self.out_dtype if h_scale is not None else None)
+                     out_scale=h_scale, h_dtype=self.out_dtype if h_scale is not None else None, row_amax=row_amax)
             del w_gate_up
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
         if stored_q is not None:
             h_q: torch.Tensor | QuantizedActivations = stored_q
         else:
-            h_q = quantize_h(h, scheme, plan, amax, pdl_launch=back) if scheme != "none" else h
+            h_q = quantize_h(h, scheme, plan, amax, pdl_launch=back, row_amax=row_amax) if scheme != "none" else h
         h_in = _decoded(h_q) if decode_a else h_q
         y = torch.empty(M, H, dtype=self.out_dtype, device=device)
         for window in _windows(E, cfg.decode_experts) if decode_w else (None,):

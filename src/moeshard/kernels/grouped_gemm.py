@@ -11,8 +11,10 @@ each):
   backend passes each token once for its K routed rows, so no [M, K] copy is made); the program keeps two
   accumulators, gate columns [n, n + BN) and up columns [N + n, N + n + BN) of W, and writes
   h = act(gate) * up at the padded positions, each factor rounded to the model dtype first as
-  the reference does. With ``TRACK_AMAX`` it also max-reduces |h| of the tile's real rows into
-  the expert's amax (per-tensor activation scales of the down projection).
+  the reference does. With ``TRACK_AMAX`` 1 it also max-reduces |h| of the tile's real rows into
+  the expert's amax (per-tensor activation scales of the down projection); with 2, |h| of each
+  real row into that position's amax (fp8_token's row scales, so that ``quantize_h`` need not
+  read h twice).
 * down (``SCATTER_OUT``): A is h at the padded positions; results go straight to the original
   routed row order, row ``sorted_rows[p]`` of the [M, N] output (no separate unpermute pass).
 
@@ -47,7 +49,7 @@ import triton.language as tl
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
-from moeshard.kernels.modes import act_mode, kernel_mode, scale_strides
+from moeshard.kernels.modes import act_mode, amax_mode, kernel_mode, scale_strides
 from moeshard.kernels.nvfp4_values import Nvfp4Values, e2m1_scaled_f16
 from moeshard.kernels.quant import _fp8_group
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedActivations, QuantizedWeight
@@ -259,9 +261,13 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         result = h.to(H_TY)
     else:
         result = acc.to(out_ty)
-    if TRACK_AMAX:
+    if TRACK_AMAX == 1:
         seen = tl.where(row_ok[:, None] & n_ok[None, :], tl.abs(result.to(tl.float32)), 0.0)
         tl.atomic_max(amax_ptr + expert, tl.max(tl.max(seen, axis=1), axis=0), sem="relaxed")
+    elif TRACK_AMAX == 2:
+        # Padding rows are left at the plan's zero: their h is exactly zero.
+        seen = tl.where(n_ok[None, :], tl.abs(result.to(tl.float32)), 0.0)
+        tl.atomic_max(amax_ptr + offs_p, tl.max(seen, axis=1), mask=row_ok, sem="relaxed")
     if SCATTER_OUT:
         out_ptrs = out_ptr + orig_rows[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, result, mask=row_ok[:, None] & n_ok[None, :])
@@ -406,7 +412,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
              fp8_acc: str | None = None, pdl_launch: bool = False,
              experts: tuple[int, int] | None = None, out_scale: torch.Tensor | None = None,
-             h_dtype: torch.dtype | None = None) -> torch.Tensor:
+             h_dtype: torch.dtype | None = None, row_amax: torch.Tensor | None = None) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -417,6 +423,10 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     out: ``activation`` given (gate_up): [P, N_w / 2] in the model dtype, written at padded
        positions; else (down): [M, N_w], written at the original rows (``plan.sorted_rows``).
     amax: fp32 [E] zeroed buffer; gate_up max-reduces each expert's |h| into it.
+    row_amax: fp32 [P] zeroed buffer (``align_rows(row_amax=...)``); gate_up max-reduces the |h|
+       of each position holding a routed row into it: the row maxima of h, which fp8_token's
+       ``quantize_h`` then reads instead of h (the same values: max is exact in any order).
+       Padding positions are left as they are. Not with amax or out_scale.
     config.tma: weights (and, for the down GEMM, the contiguous h tiles) are read through TMA
        descriptors where the layout allows it; gathered rows always use pointer loads.
     config.half_tiles: a tile whose expert has rows in its first half only (the expert's last
@@ -449,10 +459,12 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
        each row's 128-column group. Needs 128-column tiles (one group per tile), N_w / 2 a
        multiple of 128, no amax, and ``h_dtype``, the model dtype h is rounded to first.
     """
+    if row_amax is not None:
+        _check_row_amax(row_amax, plan, activation, amax, out_scale)
     if config.engine == "gluon":
         return _gluon(a, w, plan, out, config, activation=activation, gather=gather, amax=amax,
                       fp8_exact=fp8_exact, a_row_div=a_row_div, fp8_acc=fp8_acc, pdl_launch=pdl_launch,
-                      experts=experts, out_scale=out_scale)
+                      experts=experts, out_scale=out_scale, row_amax=row_amax)
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if config.block_m != plan.block_m:
         # Tiles of another height would index the plan's tiles at the wrong positions.
@@ -512,7 +524,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
     moe_gemm_kernel[grid](
         a_arg, a_half if tma_a else a_arg, a_scale, a_global, w_arg, w_scale, w_global,
-        out, out_scale if out_scale is not None else out, amax if amax is not None else out,
+        out, out_scale if out_scale is not None else out,
+        amax if amax is not None else row_amax if row_amax is not None else out,
         plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
         plan.max_tiles, lo, hi, n, k, n_w, n if fused else 0, a_row_div,
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
@@ -520,7 +533,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0,
         QUANT=w_mode, FUSE_ACT=fused, ACT=act_mode(activation),  # fused
         QUANT_OUT=out_scale is not None, H_TY=h_ty,
-        GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax is not None, EVEN_K=k % bk == 0,
+        GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax_mode(amax, row_amax), EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
         PDL=pdl_launch,
@@ -528,6 +541,19 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),
     )
     return out
+
+
+def _check_row_amax(row_amax: torch.Tensor, plan: RowAlignment, activation: str | None,
+                    amax: torch.Tensor | None, out_scale: torch.Tensor | None) -> None:
+    """Refuses, naming the values, a ``row_amax`` ``moe_gemm`` cannot fill."""
+    if activation is None or amax is not None or out_scale is not None:
+        raise ValueError(f"moe_gemm: row_amax takes h's row maxima in the gate_up GEMM, without amax or out_scale; "
+                         f"got {'gate_up' if activation is not None else 'down'}, amax given: {amax is not None}, "
+                         f"out_scale given: {out_scale is not None}")
+    P = plan.padded_rows
+    if row_amax.dtype != torch.float32 or tuple(row_amax.shape) != (P,) or row_amax.stride(0) != 1:
+        raise ValueError(f"moe_gemm: row_amax must be a contiguous float32 [P={P}] buffer; got {row_amax.dtype} "
+                         f"{list(row_amax.shape)} with strides {row_amax.stride()}")
 
 
 def _check_quantized_out(out: torch.Tensor, out_scale: torch.Tensor, h_dtype: torch.dtype | None,
@@ -558,7 +584,8 @@ def _check_quantized_out(out: torch.Tensor, out_scale: torch.Tensor, h_dtype: to
 
 def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, activation: str | None,
            gather: bool, amax: torch.Tensor | None, fp8_exact: bool, a_row_div: int, fp8_acc: str | None,
-           pdl_launch: bool, experts: tuple[int, int] | None, out_scale: torch.Tensor | None) -> torch.Tensor:
+           pdl_launch: bool, experts: tuple[int, int] | None, out_scale: torch.Tensor | None,
+           row_amax: torch.Tensor | None) -> torch.Tensor:
     """``moe_gemm`` with ``config.engine == "gluon"``: the gate_up GEMM of
     ``kernels.persistent_gate_up`` (rows gathered) or the down GEMM of ``kernels.persistent_down``
     (at padded positions), which take fewer of moe_gemm's options (each other one given is
@@ -575,7 +602,8 @@ def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, a
     if activation is not None:
         from moeshard.kernels.persistent_gate_up import persistent_gate_up
 
-        return persistent_gate_up(a, w, plan, out, config, activation=activation, amax=amax, a_row_div=a_row_div)
+        return persistent_gate_up(a, w, plan, out, config, activation=activation, amax=amax, a_row_div=a_row_div,
+                                  row_amax=row_amax)
     from moeshard.kernels.persistent_down import persistent_down
 
     return persistent_down(a, w, plan, out, config)

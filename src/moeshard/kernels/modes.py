@@ -33,6 +33,12 @@ def act_mode(activation: str | None) -> int:
     return kind.kernel_mode
 
 
+def amax_mode(amax: torch.Tensor | None, row_amax: torch.Tensor | None) -> int:
+    """The gate_up epilogue's ``TRACK_AMAX``: 1 max-reduces |h| per expert into amax [E], 2 per
+    position into row_amax [P] (fp8_token's row maxima), 0 neither."""
+    return 1 if amax is not None else 2 if row_amax is not None else 0
+
+
 def scale_strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
     """Strides of a scale tensor broadcast to ``dims`` dimensions (0 where it has size one or is
     missing), so one kernel handles per-tensor, per-row and per-block scales alike."""

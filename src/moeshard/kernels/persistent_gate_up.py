@@ -12,7 +12,8 @@ for each padded position p of a tile of expert e, r(p) = sorted_rows[p] // a_row
 token a routed row reads), rnd the rounding to the model dtype; x: fp8 [M / a_row_div, H],
 w: fp8 [E, 2I, H], h: [P, I] in the model dtype, padding positions stored as zeros. With an amax
 buffer it also max-reduces |h| of each expert's real rows into amax[e] (the per-tensor scale of
-the down GEMM's input).
+the down GEMM's input), or with a row_amax buffer |h| of each real row into row_amax[p]
+(fp8_token's row scales).
 
 Why warp specialization: Hopper's TMA loads blocks and cannot gather rows, so the input rows come
 through cp.async, 16 bytes per thread. When the warps that issue the MMAs also issue those copies
@@ -75,7 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig, multiprocessors
-from moeshard.kernels.modes import act_mode, scale_strides
+from moeshard.kernels.modes import act_mode, amax_mode, scale_strides
 from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, _tiles_in_use, operands_refusal
 from moeshard.quant import QuantizedActivations, QuantizedWeight
 
@@ -238,9 +239,13 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.con
             gate = (acc_g * a_s[:, None] * wg_s[None, :]).to(out_ty).to(gl.float32)
             up = (acc_u * a_s[:, None] * wu_s[None, :]).to(out_ty).to(gl.float32)
             result = _act_mul(gate, up, ACT).to(out_ty)
-            if TRACK_AMAX:
+            if TRACK_AMAX == 1:
                 seen = gl.where(row_ok[:, None] & col_ok[None, :], gl.abs(result.to(gl.float32)), 0.0)
                 gl.atomic_max(amax_ptr + expert, gl.max(gl.max(seen, axis=1), axis=0), sem="relaxed")
+            elif TRACK_AMAX == 2:
+                # Padding rows are left at the plan's zero: their h is exactly zero.
+                seen = gl.where(col_ok[None, :], gl.abs(result.to(gl.float32)), 0.0)
+                gl.atomic_max(amax_ptr + offs_p, gl.max(seen, axis=1), mask=row_ok, sem="relaxed")
             # Padding rows are stored too (their input rows read as zeros, so they hold exact
             # zeros): the next stage may read whole tiles without masking.
             gl.store(out_ptrs, gl.convert_layout(result, store_layout), mask=out_mask)
@@ -320,17 +325,19 @@ def input_refusal(x) -> str | None:
 
 def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAlignment, out: torch.Tensor,
                        config: GemmConfig, *, activation: str, amax: torch.Tensor | None = None,
-                       a_row_div: int = 1, programs: int | None = None) -> torch.Tensor:
+                       a_row_div: int = 1, programs: int | None = None,
+                       row_amax: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_gemm(x, w, plan, out, config, activation=activation, gather=True, amax=amax,
-    a_row_div=a_row_div)`` for fp8_tensor / fp8_token with ``config.engine == "gluon"``; writes
-    and returns ``out``.
+    a_row_div=a_row_div, row_amax=row_amax)`` for fp8_tensor / fp8_token with
+    ``config.engine == "gluon"``; writes and returns ``out``.
 
     x: fp8 [M / a_row_div, H] with one scale per row ([rows, 1]) or per tensor; w: fp8 [E, 2I, H]
     (gate rows, then up rows) with fp8_tensor [E] or fp8_token [E, 2I] scales; out: [P, I] in the
     model dtype, written at every position of the tiles in use; amax: fp32 [E], zeroed by the
-    caller, or None; programs: how many persistent programs (None: one per multiprocessor of
-    out's device; at most one per tile). config: 128 x 128 x 128 tiles, num_stages the ring's
-    stages. Refuses (ValueError) what this kernel does not compute, naming the value.
+    caller, or None; row_amax: fp32 [P], zeroed by the caller (``align_rows``), or None: the row
+    maxima of |h| at the positions holding routed rows (not with amax); programs: how many
+    persistent programs (None: one per multiprocessor of out's device; at most one per tile).
+    config: 128 x 128 x 128 tiles, num_stages the ring's stages. Refuses (ValueError) what this kernel does not compute, naming the value.
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -369,6 +376,10 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     if amax is not None and (amax.shape != (plan.start.shape[0],) or amax.dtype != torch.float32):
         raise ValueError(f"{where}: amax must be fp32 [E={plan.start.shape[0]}], got {amax.dtype} "
                          f"{tuple(amax.shape)}")
+    if row_amax is not None and (amax is not None or row_amax.shape != (plan.padded_rows,)
+                                 or row_amax.dtype != torch.float32 or row_amax.stride(0) != 1):
+        raise ValueError(f"{where}: row_amax must be a contiguous fp32 [P={plan.padded_rows}] buffer, without amax; "
+                         f"got {row_amax.dtype} {tuple(row_amax.shape)}, amax given: {amax is not None}")
     stride_wse, stride_wsn, _ = scale_strides(w.scale, 3)
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
     w_desc = TensorDescriptor.from_tensor(w.data.view(e * n_w, k), [bn, bk], w_layout)
@@ -376,11 +387,12 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     programs = programs or multiprocessors(out.device.index)
     if tiles:  # no launch for an empty plan
         persistent_gate_up_kernel[(min(programs, tiles), )](
-            x.data, w_desc, out, amax if amax is not None else out, a_scale, w.scale, plan.sorted_rows,
+            x.data, w_desc, out, amax if amax is not None else row_amax if row_amax is not None else out, a_scale,
+            w.scale, plan.sorted_rows,
             plan.tile_expert, plan.start, plan.count, torch.zeros(1, dtype=torch.int32, device=out.device),
             plan.start.shape[0], n, k, a_row_div, x.data.stride(0),
             stride_asm, stride_wse, stride_wsn, out.stride(0),
-            ACT=act_mode(activation), TRACK_AMAX=amax is not None, BLOCK_M=bm, BLOCK_K=bk,
+            ACT=act_mode(activation), TRACK_AMAX=amax_mode(amax, row_amax), BLOCK_M=bm, BLOCK_K=bk,
             STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=PARTITION_WARPS.value,
             maxnreg=_MAXNREG)
     return out

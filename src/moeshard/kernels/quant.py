@@ -12,16 +12,17 @@ expert's last row: padding only, which no GEMM stores a result of (an expert of 
 scheme     scales
 =========  =========================================================================
 fp8_tensor per expert: ``amax[e] / 448`` (amax max-reduced by the gate_up GEMM)
-fp8_token  per row: ``amax(|h[p, :]|) / 448`` (a row max over all spans first)
+fp8_token  per row: ``amax(|h[p, :]|) / 448`` (the row max given, or over all spans first)
 fp8_block  per row and 128 columns: ``amax(|h[p, g*128:(g+1)*128]|) / 448``
 nvfp4      global ``2688 / amax[e]`` per expert; e4m3 block scale per 16 values
 =========  =========================================================================
 
 Every scale but fp8_token's depends on its own 128 (or 16) columns or on the expert alone, so
-the spans of a row are independent. fp8_token's row max spans the whole row: with more than one
-span, a first kernel writes each span's max into a [P, spans] buffer and the quantizing kernel
-reduces that row of partial maxima (max is exact in any order, so the scale is bit for bit the
-whole row's). With one span, one kernel makes both passes over its row.
+the spans of a row are independent. fp8_token's row max spans the whole row. The gate_up GEMM
+can max-reduce it as it stores h (``moe_gemm(row_amax=...)``); given that, one pass quantizes.
+Else, with more than one span, a first kernel writes each span's max into a [P, spans] buffer and
+the quantizing kernel reduces that row of partial maxima (max is exact in any order, so the scale
+is bit for bit the whole row's); with one span, one kernel makes both passes over its row.
 
 Divisions use ``div_rn`` (correctly rounded), as torch's CUDA kernels do; Triton's default fp32
 division is approximate and would move values across rounding boundaries.
@@ -132,14 +133,14 @@ def _row_max_kernel(h_ptr, part_ptr, tile_expert_ptr, start_ptr, count_ptr, K, s
 def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expert_ptr, start_ptr, count_ptr,
                        K, span, num_spans, stride_hm, stride_qm, stride_sm,
                        MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                       PARTIAL_MAX: tl.constexpr, PART_BLOCK: tl.constexpr,
+                       ROW_MAX: tl.constexpr, PART_BLOCK: tl.constexpr,
                        AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS) x columns [j*span, (j+1)*span) (span a
     multiple of CHUNK, so no 128- or 16-column scale group straddles two programs); program
-    (i, 0) writes the rows' per-row scales. PARTIAL_MAX (fp8_token): the row max comes from
-    part [P, num_spans], PART_BLOCK partial maxima per step, else from this program's own pass
-    over its columns, which are then the whole row. Row blocks without a row of their expert
-    (``_row_block_expert``) are left unwritten."""
+    (i, 0) writes the rows' per-row scales. fp8_token's row max (ROW_MAX): 0, this program's own
+    pass over its columns, which are then the whole row; 1, the reduction of part [P, num_spans],
+    PART_BLOCK partial maxima per step; 2, part [P] itself (the gate_up GEMM's row maxima). Row
+    blocks without a row of their expert (``_row_block_expert``) are left unwritten."""
     pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -162,7 +163,9 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
             x = tl.load(h_rows + k0 + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
             tl.store(q_ptr + rows[:, None] * stride_qm + k0 + cols[None, :], _fp8(x, scale, FP8_MAX), mask=ok[None, :])
     elif MODE == 2:
-        if PARTIAL_MAX:
+        if ROW_MAX == 2:
+            row_max = tl.load(part_ptr + rows)
+        elif ROW_MAX == 1:
             row_max = tl.zeros([ROWS], dtype=tl.float32)
             for j0 in range(0, num_spans, PART_BLOCK):
                 j = j0 + tl.arange(0, PART_BLOCK)
@@ -213,7 +216,8 @@ def quantized_positions(plan: RowAlignment) -> torch.Tensor:
 
 
 def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Tensor | None,
-               span: int | None = None, pdl_launch: bool = False) -> QuantizedActivations:
+               span: int | None = None, pdl_launch: bool = False,
+               row_amax: torch.Tensor | None = None) -> QuantizedActivations:
     """h: [P, I] model dtype at the plan's padded positions -> ``QuantizedActivations`` [P, I].
 
     amax: fp32 [E] per-expert amax of h (fp8_tensor, nvfp4), else None. The per-tensor scales
@@ -222,8 +226,10 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
     row, are left unwritten: no GEMM stores a result computed from them (the down GEMM reads
     whole tiles but masks their rows' scales and stores).
     span: columns per program, a multiple of CHUNK (128); None picks it from P and I
-    (``column_span``). Results do not depend on it. One launch, two for fp8_token when a row
-    spans several programs. pdl_launch: launched with programmatic dependent launch
+    (``column_span``). Results do not depend on it. row_amax: fp8_token only, fp32 [P], max |h|
+    of each row (the gate_up GEMM's ``row_amax``), read at the positions quantized instead of a
+    pass over h. One launch, two for fp8_token without row_amax when a row spans several
+    programs. pdl_launch: launched with programmatic dependent launch
     (``moeshard.kernels.pdl``; the caller checks ``pdl.supported``).
     """
     P, K = h.shape
@@ -232,6 +238,10 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
         raise ValueError(f"quantize_h: padded rows {P} and block_m {plan.block_m} must be multiples of {ROWS}")
     if mode in (1, 4) and amax is None:
         raise ValueError(f"quantize_h: {scheme} needs the per-expert amax")
+    if row_amax is not None and (mode != 2 or row_amax.dtype != torch.float32 or tuple(row_amax.shape) != (P,)
+                                 or row_amax.stride(0) != 1):
+        raise ValueError(f"quantize_h: row_amax is fp8_token's contiguous float32 [P={P}] row maxima; got "
+                         f"{row_amax.dtype} {list(row_amax.shape)} with strides {row_amax.stride()} for {scheme}")
     if span is not None and (span <= 0 or span % CHUNK):
         raise ValueError(f"quantize_h: span must be a positive multiple of {CHUNK}, got {span}")
     dev = h.device
@@ -249,8 +259,9 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
         span = span or column_span(P, K)
         num_spans = triton.cdiv(K, span)
         grid = (P // ROWS, num_spans)
-        partial = mode == 2 and num_spans > 1
-        part = torch.empty(P, num_spans, dtype=torch.float32, device=dev) if partial else s
+        partial = mode == 2 and num_spans > 1 and row_amax is None
+        part = torch.empty(P, num_spans, dtype=torch.float32, device=dev) if partial else \
+            row_amax if row_amax is not None else s
         if partial:
             _row_max_kernel[grid](h, part, plan.tile_expert, plan.start, plan.count, K, span, num_spans, h.stride(0),
                                   ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, PDL=pdl_launch, num_warps=4,
@@ -258,7 +269,7 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
         _quantize_h_kernel[grid](
             h, q, s, g, amax if amax is not None else s, part, plan.tile_expert, plan.start, plan.count,
             K, span, num_spans, h.stride(0), q.stride(0), s.stride(0),
-            MODE=mode, ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, PARTIAL_MAX=partial,
+            MODE=mode, ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, ROW_MAX=2 if row_amax is not None else int(partial),
             PART_BLOCK=PART_BLOCK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, PDL=pdl_launch, num_warps=4,
             **pdl.launch_options(pdl_launch))
     if mode == 1:
