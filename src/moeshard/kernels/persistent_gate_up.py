@@ -337,7 +337,8 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     caller, or None; row_amax: fp32 [P], zeroed by the caller (``align_rows``), or None: the row
     maxima of |h| at the positions holding routed rows (not with amax); programs: how many
     persistent programs (None: one per multiprocessor of out's device; at most one per tile).
-    config: 128 x 128 x 128 tiles, num_stages the ring's stages. Refuses (ValueError) what this kernel does not compute, naming the value.
+    config: 128 x 128 x 128 tiles, num_stages the ring's stages. Refuses (ValueError) what this
+    kernel does not compute, naming the value.
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
