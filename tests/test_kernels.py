@@ -630,20 +630,56 @@ def test_h_is_quantized_in_gate_up_where_it_was_measured_faster():
     """``ExpertsConfig.h_quant`` as scripts/h_quant_study.py measured it (``configs._h_quant``):
     fp8_block decode tiles 128 columns wide (Qwen3 and DeepSeek-V3 at 128 tokens, Mixtral at one
     token) and Mixtral's prefill with its input laid out; the separate pass at Qwen3 and
-    DeepSeek-V3 prefill, on narrower tiles, and for every other scheme. Without quantize_h the
+    DeepSeek-V3 prefill, on narrower tiles, and for every other scheme (fp8_token's row maxima:
+    the test below). Without quantize_h the
     decode chain keeps PDL on the plan and gate_up only."""
     gate_up_cases = [(1024, 128, 2048, 768), (1024, 256, 7168, 2048), (2, 8, 4096, 14336), (8192, 8, 4096, 14336),
                      (32768, 8, 4096, 14336)]
     for M, E, H, I in gate_up_cases:
         assert select_config(M, E, H, I, "fp8_block").h_quant == "gate_up", (M, E, H, I)
-        for scheme in ("none", "fp8_tensor", "fp8_token", "nvfp4"):
+        for scheme in ("none", "fp8_tensor", "nvfp4"):
             assert select_config(M, E, H, I, scheme).h_quant == "pass", (M, E, H, I, scheme)
+        assert select_config(M, E, H, I, "fp8_token").h_quant != "gate_up", (M, E, H, I)
     for M, E, H, I in [(32768, 128, 2048, 768), (131072, 128, 2048, 768), (32768, 256, 7168, 2048),
                        (8, 256, 7168, 2048), (256, 8, 4096, 14336)]:
         assert select_config(M, E, H, I, "fp8_block").h_quant == "pass", (M, E, H, I)
     assert select_config(1024, 128, 2048, 768, "fp8_block", pdl=True).pdl == "gate_up"
     # an intermediate size that is not a multiple of 128 keeps the pass
     assert select_config(32768, 8, 4096, 14400, "fp8_block").h_quant == "pass"
+
+
+def test_row_maxima_come_from_gate_up_where_they_were_measured_faster():
+    """fp8_token's ``h_quant="row_max"`` as the A/B measured it (``select_config``): decode tiles
+    and the Gluon gate_up (Qwen3 and Mixtral prefill); the row-max pass on the Triton 128-row
+    prefill tile (DeepSeek-V3 prefill, where it was 10-13% slower), and never for another scheme."""
+    decode = [(8, 128, 2048, 768), (1024, 128, 2048, 768), (2, 8, 4096, 14336), (256, 8, 4096, 14336),
+              (1024, 256, 7168, 2048)]
+    gluon = [(32768, 128, 2048, 768), (131072, 128, 2048, 768), (8192, 8, 4096, 14336), (32768, 8, 4096, 14336)]
+    for M, E, H, I in decode + gluon:
+        cfg = select_config(M, E, H, I, "fp8_token", gluon=True, pdl=True)
+        assert cfg.h_quant == "row_max", (M, E, H, I)
+        for scheme in ("none", "fp8_tensor", "nvfp4"):
+            assert select_config(M, E, H, I, scheme, gluon=True).h_quant == "pass", (M, E, H, I, scheme)
+    for M, E, H, I in [(32768, 256, 7168, 2048), (131072, 256, 7168, 2048)]:
+        cfg = select_config(M, E, H, I, "fp8_token", gluon=True)
+        assert cfg.gate_up.engine == "triton" and cfg.h_quant == "pass", (M, E, H, I)
+    # without the Gluon kernels (no Hopper GPU) the prefill keeps the pass, decode the row maxima
+    assert select_config(32768, 8, 4096, 14336, "fp8_token").h_quant == "pass"
+    assert select_config(2, 8, 4096, 14336, "fp8_token").h_quant == "row_max"
+    # quantize_h still runs after gate_up: the decode chain may take it under PDL
+    assert select_config(8, 128, 2048, 768, "fp8_token", pdl=True).pdl == "all"
+
+
+def test_row_maxima_config_refusals(interpreted_kernels):
+    with pytest.raises(ValueError, match="h_quant='row_max' takes fp8_token's row maxima.*decode_nvfp4='activations'"):
+        ExpertsConfig(GemmConfig(32, 128, 128), GemmConfig(32, 128, 128), h_quant="row_max",
+                      decode_nvfp4="activations")
+    TritonExperts = interpreted_kernels.experts.TritonExperts
+    x, ids, w = _problem(20, 2, 64, 128, torch.bfloat16, "fp8_tensor", seed=6)
+    cfg = ExpertsConfig(GemmConfig(16, 64, 32), GemmConfig(16, 64, 32), h_quant="row_max")
+    with pytest.raises(ValueError, match="h_quant='row_max' takes fp8_token's row maxima from the gate_up GEMM; the "
+                                         "experts are fp8_tensor"):
+        TritonExperts("silu", torch.bfloat16, config=cfg)(ExpertInput(x, ids), w)
 
 
 def test_experts_config_refuses_down_tiles_that_do_not_divide_the_plan():

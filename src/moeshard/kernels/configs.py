@@ -42,6 +42,7 @@ from moeshard.quant import get_scheme
 
 # Kernel modes (``moeshard.quant.schemes.KERNEL_MODES``) that pick tile shapes.
 FP8 = (1, 2, 3)
+FP8_TOKEN = 2
 FP8_BLOCK = 3
 NVFP4 = 4
 # How the fp8 tensor cores accumulate (modes 1 and 2): a fresh fp32 tile per BLOCK_K step added
@@ -68,7 +69,7 @@ PDL_CHAINS = ("off", "gate_up", "all")
 # Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
 NVFP4_DECODES = ("off", "activations", "all")
 # Where h is quantized between the GEMMs (``ExpertsConfig.h_quant``).
-H_QUANTS = ("pass", "gate_up")
+H_QUANTS = ("pass", "gate_up", "row_max")
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,9 @@ class ExpertsConfig:
     GEMM by ``quantize_h``'s own pass over it ("pass"), or by the gate_up GEMM as it stores h
     ("gate_up": fp8_block experts whose intermediate size is a multiple of 128, gate_up in
     128-column Triton tiles; ``moe_gemm``'s ``out_scale``; the same bits, and no model-dtype h
-    written and read again)."""
+    written and read again), or by ``quantize_h`` in one pass with the row maxima the gate_up
+    GEMM max-reduced as it stored h ("row_max": fp8_token experts; ``moe_gemm``'s ``row_amax``;
+    the same bits, without the row-max pass over h)."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -157,6 +160,9 @@ class ExpertsConfig:
                              f"got {self.decode_experts!r}")
         if self.h_quant not in H_QUANTS:
             raise ValueError(f"ExpertsConfig.h_quant: {self.h_quant!r} is not one of {list(H_QUANTS)}")
+        if self.h_quant == "row_max" and self.decode_nvfp4 != "off":
+            raise ValueError(f"ExpertsConfig.h_quant='row_max' takes fp8_token's row maxima from the gate_up GEMM; "
+                             f"decode_nvfp4={self.decode_nvfp4!r} decodes nvfp4 operands")
         if self.h_quant == "gate_up" and (self.gate_up.block_n != 128 or self.gate_up.engine != "triton"
                                           or self.decode_nvfp4 != "off"):
             raise ValueError(f"ExpertsConfig.h_quant='gate_up' quantizes h in the Triton gate_up GEMM's 128-column "
@@ -306,7 +312,20 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # through shared memory were fastest at K = 768 and 2048).
         cfg = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, engine="gluon", num_stages=4,
                                                                  half_tiles=False))
-    if not pdl or rows_per_expert(num_rows, num_experts) > DECODE_ROWS:
+    decode = rows_per_expert(num_rows, num_experts) <= DECODE_ROWS
+    if get_scheme(scheme).kernel_mode == FP8_TOKEN and (decode or cfg.gate_up.engine == "gluon"):
+        # fp8_token's row maxima from the gate_up epilogue (``ExpertsConfig.h_quant``). One H200,
+        # the bench's fp8_token experts against the row-max pass, two alternating rounds
+        # (results/h200/row_max_ab-2026-12-04-4a36ae4): Qwen3 at 1, 16 and 128 tokens 0.0303 /
+        # 0.1345 / 0.1837-0.1843 against 0.0311 / 0.1362-0.1367 / 0.1852-0.1858 ms, Mixtral at 16
+        # and 128 tokens 0.3685-0.3700 / 0.3777-0.3787 against 0.3705-0.3732 / 0.3793-0.3802, one
+        # token and DeepSeek-V3's decode within the rounds' spread; with the Gluon gate_up, Qwen3
+        # at 16384 tokens 1.404-1.407 against 1.418 and Mixtral at 4096 and 16384 2.455-2.459 /
+        # 10.26 against 2.474-2.487 / 10.28-10.38 (Qwen3 at 4096 even). On the Triton 128 x 128 x 128 prefill tile (at the 255-register cap; the
+        # epilogue's reduction spills 1-2 registers where the tile spilled none) DeepSeek-V3 lost
+        # 10-13%: 4.28-4.33 / 13.68-13.74 against 3.84-3.97 / 12.05-12.16 ms at 4096 / 16384 tokens.
+        cfg = dataclasses.replace(cfg, h_quant="row_max")
+    if not pdl or not decode:
         return cfg
     # Decode only, and quantize_h with the down GEMM only while quantize_h's grid fits in one wave
     # of the multiprocessors. One H200, the experts launched serially and with PDL on some of
@@ -320,7 +339,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     P = max_tiles(num_rows, num_experts, cfg.block_m) * cfg.block_m
     # Where gate_up quantizes h (``_h_quant``) no quantize_h runs, and only the plan and gate_up
     # chain was measured.
-    separate = quantized and cfg.h_quant == "pass"
+    separate = quantized and cfg.h_quant != "gate_up"
     chain = "all" if separate and quantize_h_programs(P, inter) <= sms else "gate_up"
     return dataclasses.replace(cfg, pdl=chain)
 

@@ -134,6 +134,9 @@ class TritonExperts(GroupedExperts):
         if cfg.h_quant == "gate_up" and (scheme != "fp8_block" or I % 128):
             raise ValueError(f"TritonExperts: config.h_quant='gate_up' quantizes h of fp8_block experts whose "
                              f"intermediate size is a multiple of 128; the experts are {scheme} with I={I}")
+        if cfg.h_quant == "row_max" and scheme != "fp8_token":
+            raise ValueError(f"TritonExperts: config.h_quant='row_max' takes fp8_token's row maxima from the gate_up "
+                             f"GEMM; the experts are {scheme}")
         if cfg.decode_nvfp4 != "off" and scheme != "nvfp4":
             raise ValueError(f"TritonExperts: config.decode_nvfp4={cfg.decode_nvfp4!r} decodes nvfp4 operands, but the "
                              f"experts are {scheme}")
@@ -141,9 +144,9 @@ class TritonExperts(GroupedExperts):
         decode_a, decode_w = cfg.decode_nvfp4 != "off", cfg.decode_nvfp4 == "all"
         per_tensor = spec.per_tensor_activation
         amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
-        # fp8_token's row maxima come from the gate_up epilogue: quantize_h then reads h once.
+        # fp8_token's row maxima from the gate_up epilogue: quantize_h then reads h once.
         row_amax = torch.empty(max_tiles(M, E, cfg.block_m) * cfg.block_m, dtype=torch.float32, device=device) \
-            if spec.name == "fp8_token" and cfg.h_quant != "gate_up" else None
+            if cfg.h_quant == "row_max" else None
         plan = align_rows(ids, E, cfg.block_m, amax=amax, pdl_launch=front, row_amax=row_amax)
         # The down GEMM's plan is made before the gate_up GEMM: its torch ops (when its tiles are
         # shorter) would otherwise sit between quantize_h and the down GEMM, which then could not
