@@ -321,9 +321,10 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # and 128 tokens 0.3685-0.3700 / 0.3777-0.3787 against 0.3705-0.3732 / 0.3793-0.3802, one
         # token and DeepSeek-V3's decode within the rounds' spread; with the Gluon gate_up, Qwen3
         # at 16384 tokens 1.404-1.407 against 1.418 and Mixtral at 4096 and 16384 2.455-2.459 /
-        # 10.26 against 2.474-2.487 / 10.28-10.38 (Qwen3 at 4096 even). On the Triton 128 x 128 x 128 prefill tile (at the 255-register cap; the
-        # epilogue's reduction spills 1-2 registers where the tile spilled none) DeepSeek-V3 lost
-        # 10-13%: 4.28-4.33 / 13.68-13.74 against 3.84-3.97 / 12.05-12.16 ms at 4096 / 16384 tokens.
+        # 10.26 against 2.474-2.487 / 10.28-10.38 (Qwen3 at 4096 even). On the Triton 128 x 128 x
+        # 128 prefill tile (at the 255-register cap; the epilogue's reduction spills 1-2 registers
+        # where the tile spilled none) DeepSeek-V3 lost 10-13%: 4.28-4.33 / 13.68-13.74 against
+        # 3.84-3.97 / 12.05-12.16 ms at 4096 / 16384 tokens.
         cfg = dataclasses.replace(cfg, h_quant="row_max")
     if not pdl or not decode:
         return cfg
