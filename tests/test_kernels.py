@@ -351,15 +351,19 @@ def test_gate_up_row_maxima_give_quantize_h_bits(interpreted_kernels, exact_inte
     assert not torch.equal(wrong.row_scale[real], want.row_scale[real])
 
 
+def _refusal_problem(k, scheme: str, H: int, I: int, bm: int, seed: int):  # noqa: E741
+    """(x, w, plan, P) of 20 routed rows over 2 experts, for the refusal tests."""
+    x, ids, w = _problem(20, 2, H, I, torch.bfloat16, scheme, seed=seed)
+    plan = k.align.align_rows(ids, 2, bm)
+    return x, w, plan, plan.padded_rows
+
+
 def test_row_maxima_are_refused_where_they_do_not_apply(interpreted_kernels):
     k = interpreted_kernels
-    GemmConfig = k.configs.GemmConfig
     M, E, H, I = 20, 2, 64, 128
-    x, ids, w = _problem(M, E, H, I, torch.bfloat16, "fp8_token", seed=5)
-    plan = k.align.align_rows(ids, E, 16)
-    P = plan.padded_rows
+    x, w, plan, P = _refusal_problem(k, "fp8_token", H, I, 16, seed=5)
     h = torch.zeros(P, I, dtype=torch.bfloat16)
-    gemm = GemmConfig(16, 64, 32)
+    gemm = k.configs.GemmConfig(16, 64, 32)
     with pytest.raises(ValueError, match="row_amax takes h's row maxima in the gate_up GEMM, without amax"):
         k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="silu", gather=True, amax=torch.zeros(E),
                                 row_amax=torch.zeros(P))
@@ -379,9 +383,7 @@ def test_gate_up_quantizing_h_refuses_what_it_cannot_quantize(interpreted_kernel
     k = interpreted_kernels
     GemmConfig = k.configs.GemmConfig
     M, E, H, I = 20, 2, 128, 256
-    x, ids, w = _problem(M, E, H, I, torch.bfloat16, "fp8_block", seed=3)
-    plan = k.align.align_rows(ids, E, 32)
-    P = plan.padded_rows
+    x, w, plan, P = _refusal_problem(k, "fp8_block", H, I, 32, seed=3)
     q = torch.empty(P, I, dtype=torch.float8_e4m3fn)
     s = torch.empty(P, I // 128)
     gemm = GemmConfig(32, 128, 128)
