@@ -4,6 +4,8 @@ profiler to attach to.
 On the bench's workload for one model, token count and scheme, this launches gate_up with the
 Triton kernel's selected tile, with its whole tiles, and with the Gluon kernel (``--stages``),
 each ``--runs`` times after one warm-up launch, each variant inside an NVTX range of its name.
+``--row-max`` (fp8_token) adds the Gluon kernel max-reducing each row's |h| into row maxima
+(``moe_gemm(row_amax=...)``, "gluon_row_max"), to see what that epilogue costs.
 Under Nsight Compute:
 
     ncu --nvtx --nvtx-include "gluon/" --set full -o gluon python3 scripts/gate_up_profile.py \\
@@ -31,7 +33,10 @@ def main() -> None:
     ap.add_argument("--scheme", default="fp8_token", choices=("fp8_tensor", "fp8_token"))
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--row-max", action="store_true")
     args = ap.parse_args()
+    if args.row_max and args.scheme != "fp8_token":
+        raise SystemExit(f"--row-max: the row maxima are fp8_token's, got --scheme {args.scheme}")
     device = torch.device("cuda")
     case = routed_case(make_model(args.model, device), args.tokens, args.scheme)
     sms = multiprocessors(device.index)
@@ -42,10 +47,15 @@ def main() -> None:
                 "gluon": dataclasses.replace(tile, engine="gluon", half_tiles=False, num_stages=args.stages)}
     h = torch.empty(plan.padded_rows, case.I, dtype=case.cfg.dtype, device=device)
     amax = torch.zeros(case.E, dtype=torch.float32, device=device) if case.spec.per_tensor_activation else None
-    for name, gemm in variants.items():
-        def run(gemm=gemm):
+    # Zeroed once: later launches max-reduce the same values into it.
+    rows = torch.zeros(plan.padded_rows, dtype=torch.float32, device=device)
+    runs = [(name, gemm, None) for name, gemm in variants.items()]
+    if args.row_max:
+        runs.append(("gluon_row_max", variants["gluon"], rows))
+    for name, gemm, row_amax in runs:
+        def run(gemm=gemm, row_amax=row_amax):
             moe_gemm(case.inp.x, case.experts.gate_up, plan, h, gemm, activation=case.cfg.activation, gather=True,
-                     amax=amax, a_row_div=case.inp.repeat)
+                     amax=amax, a_row_div=case.inp.repeat, row_amax=row_amax)
         run()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_push(name)
