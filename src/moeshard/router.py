@@ -91,7 +91,9 @@ def _softmax_in_kernel(logits: torch.Tensor, cfg: MoEConfig) -> bool:
     """Whether softmax routing over all experts (no correction bias, no groups) runs as one
     Triton pass from the logits as they are (``kernels.topk.softmax_topk``): on CUDA, without
     autograd. It replaces the fp32 copy of model-dtype logits, the softmax and the selection's
-    launch (about 6 us of a 0.56 ms fp8 layer at Qwen3-30B-A3B's 4096 tokens on one H200)."""
+    launch: with fp8_tensor's scale computed in the input quantization, Qwen3-30B-A3B's fp8 layer
+    on one H200 took 13-15 us less at 4096 tokens and 26-28 us less at 16384 (docs/performance.md,
+    "The layer around the experts: the router in one pass")."""
     kind = cfg.routing_kind
     if not (logits.is_cuda and kind.order == "score_then_topk" and kind.scores == "softmax"
             and not cfg.use_correction_bias and cfg.n_group == 1):

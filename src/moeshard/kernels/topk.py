@@ -41,8 +41,8 @@ def _topk_kernel(s_ptr, ids_ptr, w_src_ptr, w_ptr, T, E, stride_s, stride_w, flo
     if SOFTMAX:
         # s holds logits: the scores are p = exp(s - max) / sum, selected on and gathered as the
         # weights. A NaN logit makes its row's sum, so every p of the row, NaN (as torch's softmax).
-        top = tl.max(tl.where(col_ok[None, :], s, float("-inf")), axis=1)
-        e = tl.where(col_ok[None, :], tl.exp(s - top[:, None]), 0.0)
+        row_max = tl.max(tl.where(col_ok[None, :], s, float("-inf")), axis=1)
+        e = tl.where(col_ok[None, :], tl.exp(s - row_max[:, None]), 0.0)
         s = tl.math.div_rn(e, tl.broadcast_to(tl.sum(e, axis=1)[:, None], (ROWS, COLS)))
     if WEIGHTS:
         if not SOFTMAX:
@@ -145,10 +145,14 @@ def topk_with_weights(choice: torch.Tensor, scores: torch.Tensor, k: int, renorm
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _softmax_shape_ok(logits: torch.Tensor, k: int) -> bool:
+    """[T, E] of ``LOGIT_DTYPES`` with 1 <= k <= E <= MAX_COLUMNS."""
+    return logits.dim() == 2 and logits.dtype in LOGIT_DTYPES and 1 <= k <= logits.shape[1] <= MAX_COLUMNS
+
+
 def softmax_supported(logits: torch.Tensor, k: int) -> bool:
     """Whether ``softmax_topk`` runs this case: [T, E] of ``LOGIT_DTYPES`` on CUDA, 1 <= k <= E <= MAX_COLUMNS."""
-    return (logits.is_cuda and logits.dtype in LOGIT_DTYPES and logits.dim() == 2
-            and 1 <= k <= logits.shape[1] <= MAX_COLUMNS)
+    return logits.is_cuda and _softmax_shape_ok(logits, k)
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, floor: float,
@@ -160,7 +164,7 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, floor: float,
     kernel; p is torch's softmax up to rounding (the exponential is the GPU's fast one, and the
     sum's order differs), so where two experts' p differ by that much the pick may differ from
     the torch ops'. One launch, no host sync."""
-    if not (logits.dim() == 2 and logits.dtype in LOGIT_DTYPES and 1 <= k <= logits.shape[1] <= MAX_COLUMNS):
+    if not _softmax_shape_ok(logits, k):
         raise ValueError(f"softmax_topk: needs [T, E] logits of {[str(d) for d in LOGIT_DTYPES]} with 1 <= k <= E <= "
                          f"{MAX_COLUMNS}; got {logits.dtype} {list(logits.shape)}, k={k}")
     ids, weights = _launch(logits if logits.stride(1) == 1 else logits.contiguous(), k, None, renormalize, floor,
