@@ -31,6 +31,9 @@ MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (4096, 16384)
 SCHEMES = ("fp8_tensor", "fp8_token")
 STAGES = (3, 4)
+# fp8_block's Gluon tiles (block_n, stages): 64 columns with both step products in flight, 128
+# with one at a time (``persistent_gate_up._block_scaled_k_loop``).
+BLOCK_TILES = ((64, 4), (64, 6), (128, 3), (128, 4))
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -60,9 +63,15 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     # The Triton kernel's tile as select_config picks it without the Gluon kernels, and variants of it.
     triton_tile = select_config(M, E, H, I, scheme, sms, gluon=False).gate_up
     variants = {"triton": triton_tile, "triton_whole": dataclasses.replace(triton_tile, half_tiles=False)}
-    for stages in STAGES:
-        variants[f"gluon_s{stages}"] = dataclasses.replace(triton_tile, engine="gluon", half_tiles=False,
-                                                           num_stages=stages)
+    if scheme == "fp8_block":
+        for block_n, stages in BLOCK_TILES:
+            variants[f"gluon_n{block_n}_s{stages}"] = dataclasses.replace(
+                triton_tile, block_n=block_n, engine="gluon", half_tiles=False, num_stages=stages,
+                fp8_acc="imprecise")
+    else:
+        for stages in STAGES:
+            variants[f"gluon_s{stages}"] = dataclasses.replace(triton_tile, engine="gluon", half_tiles=False,
+                                                               num_stages=stages)
     rec["same_bits"] = {}
     for key, gemm in variants.items():
         h, amax, call = gate_up(gemm)
@@ -74,7 +83,15 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
                 rec["same_bits"][f"amax_{key}"] = bool(torch.equal(amax, amax_ref))
         calls[f"gate_up_{key}"] = call
     # The experts as selected, and with the Gluon gate_up (4 stages) or, where that is selected,
-    # the Triton kernel's tile.
+    # the Triton kernel's tile. fp8_block: with each Gluon tile, the input gathered (not laid out)
+    # and h quantized by quantize_h's pass.
+    if scheme == "fp8_block":
+        configs = {"experts_chosen": chosen}
+        for block_n, stages in BLOCK_TILES:
+            configs[f"experts_gluon_n{block_n}_s{stages}"] = dataclasses.replace(
+                chosen, gate_up=variants[f"gluon_n{block_n}_s{stages}"], lay_out_a=False, h_quant="pass")
+        experts_variants(case, configs, calls, rec)
+        return time_variants(rec, calls, flush, args)
     other = variants["gluon_s4"] if chosen.gate_up.engine == "triton" else triton_tile
     rec["other_gate_up"] = dataclasses.asdict(other)
     experts_variants(case, {"experts_chosen": chosen, "experts_other_gate_up": dataclasses.replace(chosen, gate_up=other)},

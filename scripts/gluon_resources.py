@@ -52,17 +52,18 @@ def compile_down(stages: int, block_m: int = 128, block_n: int = 256, block_k: i
     return triton.compile(src, target=SM90, options={"num_warps": warps})
 
 
-def compile_gate_up(stages: int, block: int = 128, track_amax: int = 1):
+def compile_gate_up(stages: int, block: int = 128, track_amax: int = 1, block_n: int = 128,
+                    block_scales: bool = False):
     """The gate_up kernel compiled for sm_90a with fp8 weights through a TMA descriptor of
-    [block, block] blocks (``persistent_gate_up``'s 128 x 128 x 128 tile); track_amax 1: the
-    per-expert amax (fp8_tensor), 2: the row maxima (fp8_token)."""
-    layout = gl.NVMMASharedLayout.get_default_for([block, block], gl.float8e4nv)
-    sig = {"a_ptr": "*fp8e4nv", "w_desc": f"tensordesc<fp8e4nv[{block}, {block}],{layout!r}>", "amax_ptr": "*fp32",
-           "counter_ptr": "*i32", **POINTERS}
+    [block_n, block] blocks (``persistent_gate_up``'s 128 x block_n x 128 tile); track_amax 1:
+    the per-expert amax (fp8_tensor), 2: the row maxima (fp8_token); block_scales: fp8_block."""
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, block], gl.float8e4nv)
+    sig = {"a_ptr": "*fp8e4nv", "w_desc": f"tensordesc<fp8e4nv[{block_n}, {block}],{layout!r}>",
+           "amax_ptr": "*fp32", "counter_ptr": "*i32", **POINTERS}
     sig.update({name: "i32" for name in ("num_experts", "N", "K", "a_row_div", "stride_am", "stride_asm",
-                                         "stride_wse", "stride_wsn", "stride_om")})
-    consts = {"ACT": 0, "TRACK_AMAX": track_amax, "BLOCK_M": block, "BLOCK_K": block, "STAGES": stages, "GROUP_M": 8,
-              "num_warps": PARTITION_WARPS.value}
+                                         "stride_ask", "stride_wse", "stride_wsn", "stride_wsk", "stride_om")})
+    consts = {"ACT": 0, "TRACK_AMAX": track_amax, "BLOCK_SCALES": block_scales, "BLOCK_M": block, "BLOCK_K": block,
+              "STAGES": stages, "GROUP_M": 8, "num_warps": PARTITION_WARPS.value}
     sig.update({name: "constexpr" for name in consts})
     names = list(persistent_gate_up_kernel.arg_names)
     # As at run time: pointers, sizes and strides that are multiples of 16 carry that divisibility.
@@ -73,10 +74,20 @@ def compile_gate_up(stages: int, block: int = 128, track_amax: int = 1):
     return triton.compile(src, target=SM90, options={"num_warps": PARTITION_WARPS.value, "maxnreg": _MAXNREG})
 
 
+# The gate_up variants: (track_amax, block_n, block_scales).
+GATE_UP = {"gate_up": (1, 128, False), "gate_up_rows": (2, 128, False),
+           "gate_up_block64": (0, 64, True), "gate_up_block128": (0, 128, True)}
+
+
 def resources(kernel_name: str, stages: int) -> dict:
-    """kernel_name: "down", "gate_up" (the per-expert amax) or "gate_up_rows" (the row maxima)."""
-    kernel = compile_down(stages) if kernel_name == "down" else \
-        compile_gate_up(stages, track_amax=2 if kernel_name == "gate_up_rows" else 1)
+    """kernel_name: "down", or one of ``GATE_UP``: "gate_up" (the per-expert amax),
+    "gate_up_rows" (the row maxima), "gate_up_block64" / "gate_up_block128" (fp8_block's block
+    scales, 64- and 128-column tiles)."""
+    if kernel_name == "down":
+        kernel = compile_down(stages)
+    else:
+        track_amax, block_n, block_scales = GATE_UP[kernel_name]
+        kernel = compile_gate_up(stages, track_amax=track_amax, block_n=block_n, block_scales=block_scales)
     usage = cuobjdump(kernel, "--dump-resource-usage")
     sass = cuobjdump(kernel, "--dump-sass")
     regs = re.search(r"REG:(\d+)", usage)
@@ -91,7 +102,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = [resources("down", stages) for stages in (2, 3, 4)] + [resources("gate_up", stages) for stages in (3, 4)] + \
-        [resources("gate_up_rows", 3)]
+        [resources("gate_up_rows", 3)] + [resources("gate_up_block64", stages) for stages in (4, 6)] + \
+        [resources("gate_up_block128", stages) for stages in (3, 4)]
     for r in rows:
         print(" ".join(f"{k} {v}" for k, v in r.items()))
     if args.json:

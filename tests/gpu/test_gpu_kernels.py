@@ -285,6 +285,70 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
         assert torch.equal(amax, want_amax), f"{scheme} H={H}: graph replay amax"
 
 
+@pytest.mark.parametrize("block_n, stages", [(64, 4), (64, 6), (128, 3)], ids=["n64-s4", "n64-s6", "n128-s3"])
+@pytest.mark.parametrize("H, I", [(1024, 768), (128, 128), (384, 256)], ids=["H1024", "H128-I128", "H384-I256"])
+def test_gluon_gate_up_gives_the_triton_bits_for_fp8_block(H, I, block_n, stages):
+    """The Gluon gate_up with fp8_block's 128 x 128 block scales (each K step's products scaled
+    and added in fp32) against the Triton grouped GEMM's 128 x 128 x 128 tile: h bit for bit at
+    every position the Triton kernel writes, in 64- and 128-column tiles, with one program per SM
+    and with three, rows gathered from tokens repeated for two routed rows, experts of 0-300 rows,
+    K of one step and of more steps than the ring's stages, and under CUDA-graph replay with new
+    x. An intermediate size that is not a multiple of 128 (its up columns would straddle weight
+    blocks) and an amax or row_amax buffer (fp8_block's h is quantized from h) are refused by
+    name."""
+    from moeshard.kernels.grouped_gemm import moe_gemm
+    from moeshard.kernels.persistent_gate_up import persistent_gate_up
+
+    E = 24
+    counts = 2 * torch.randint(0, 150, (E,), generator=torch.Generator().manual_seed(6))
+    counts[5] = 0
+    tokens = torch.repeat_interleave(torch.arange(E), counts // 2)[torch.randperm(int(counts.sum()) // 2)]
+    ids = tokens.repeat_interleave(2).cuda()
+    M = ids.shape[0]
+    w = _weights(E, H, I, torch.bfloat16, "fp8_block", seed=12)
+    x = quantize_activations(torch.randn(M // 2, H, device="cuda").to(torch.bfloat16), "fp8_block")
+    plan = align_rows(ids, E, 128)
+    triton_cfg = GemmConfig(128, 128, 128, 8, 8, 3, tma=True)
+    gluon_cfg = GemmConfig(128, block_n, 128, 8, 8, stages, tma=True, fp8_acc="imprecise", engine="gluon")
+
+    def run(cfg, programs=None):
+        h = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        if programs is None:
+            moe_gemm(x, w.gate_up, plan, h, cfg, activation="silu", gather=True, a_row_div=2)
+        else:
+            persistent_gate_up(x, w.gate_up, plan, h, cfg, activation="silu", a_row_div=2, programs=programs)
+        return h
+
+    def same(a, b):
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+    want = run(triton_cfg)
+    assert not want[: plan.max_tiles * 128][plan.tile_expert.repeat_interleave(128) >= 0].isnan().any()
+    for programs in (None, 3):
+        got = run(gluon_cfg, programs)
+        assert same(got, want), f"H={H} I={I} block_n={block_n} programs={programs}: max " \
+            f"{(got.float() - want.float()).nan_to_num().abs().max():.3g}"
+    odd_w = _weights(E, H, I + 64, torch.bfloat16, "fp8_block", seed=3).gate_up
+    odd_h = torch.empty(plan.padded_rows, I + 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match=f"fp8_block needs I={I + 64} a multiple of 128"):
+        persistent_gate_up(x, odd_w, plan, odd_h, gluon_cfg, activation="silu", a_row_div=2)
+    with pytest.raises(ValueError, match="no amax or row_amax; got amax given: False, row_amax given: True"):
+        persistent_gate_up(x, w.gate_up, plan, want, gluon_cfg, activation="silu", a_row_div=2,
+                           row_amax=torch.zeros(plan.padded_rows, device="cuda"))
+    h = torch.empty(plan.padded_rows, I, dtype=torch.bfloat16, device="cuda")
+    moe_gemm(x, w.gate_up, plan, h, gluon_cfg, activation="silu", gather=True, a_row_div=2)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_gemm(x, w.gate_up, plan, h, gluon_cfg, activation="silu", gather=True, a_row_div=2)
+    new = quantize_activations(torch.randn(M // 2, H, device="cuda").to(torch.bfloat16), "fp8_block")
+    x.data.copy_(new.data)
+    x.row_scale.copy_(new.row_scale)
+    graph.replay()
+    want = run(triton_cfg)
+    used = plan.tile_expert.repeat_interleave(128) >= 0
+    assert torch.equal(h[: used.shape[0]][used], want[: used.shape[0]][used]), f"H={H} block_n={block_n}: replay"
+
+
 @pytest.mark.parametrize("H, engines", [(1024, ("triton", "gluon")), (2048, ("gluon", "gluon"))],
                          ids=["H1024", "H2048"])
 def test_experts_take_the_gluon_gemms_at_prefill_with_the_same_bits(H, engines):

@@ -101,10 +101,10 @@ class GemmConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"GemmConfig.engine: {self.engine!r} is not one of {list(ENGINES)}")
-        gluon_tile = (self.block_m, self.block_k, self.num_warps) == (128, 128, 8) and self.block_n in (128, 256)
+        gluon_tile = (self.block_m, self.block_k, self.num_warps) == (128, 128, 8) and self.block_n in (64, 128, 256)
         if self.engine == "gluon" and not (gluon_tile and self.fp8_acc == "imprecise" and not self.half_tiles
                                            and self.num_stages >= 2):
-            raise ValueError(f"GemmConfig: engine 'gluon' computes 128 x 128 x 128 or 128 x 256 x 128 tiles with "
+            raise ValueError(f"GemmConfig: engine 'gluon' computes 128 x 64, 128 or 256 x 128 tiles with "
                              f"8 warps, fp8_acc='imprecise', whole tiles and num_stages >= 2; got {self}")
         if self.fp8_acc not in FP8_ACCUMULATIONS:
             raise ValueError(f"GemmConfig.fp8_acc: {self.fp8_acc!r} is not one of {list(FP8_ACCUMULATIONS)}")
@@ -168,6 +168,9 @@ class ExpertsConfig:
             raise ValueError(f"ExpertsConfig.h_quant='gate_up' quantizes h in the Triton gate_up GEMM's 128-column "
                              f"tiles; got gate_up block_n={self.gate_up.block_n}, engine={self.gate_up.engine!r}, "
                              f"decode_nvfp4={self.decode_nvfp4!r}")
+        if self.lay_out_a and self.gate_up.engine == "gluon":
+            raise ValueError("ExpertsConfig.lay_out_a lays the input out for a gate_up GEMM that reads it by tile; "
+                             "the Gluon gate_up (engine 'gluon') gathers its rows")
         if self.decode_experts and self.decode_nvfp4 != "all":
             raise ValueError(f"ExpertsConfig.decode_experts={self.decode_experts} windows the decoded weights, but "
                              f"decode_nvfp4={self.decode_nvfp4!r} decodes none (it needs 'all')")

@@ -189,15 +189,16 @@ def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, so
         mbarrier.invalidate(bars.index(i))
 
 
-def operands_refusal(device: torch.device, a, w, gemm: str) -> str | None:
+def operands_refusal(device: torch.device, a, w, gemm: str,
+                     schemes: tuple[str, ...] = ("fp8_tensor", "fp8_token")) -> str | None:
     """Why a Gluon GEMM (``gemm``: "gate_up" or "down") cannot run on ``device`` with activations
-    ``a`` and weights ``w`` (None when it can): it needs compute capability 9.x and fp8_tensor or
-    fp8_token operands of one scheme."""
+    ``a`` and weights ``w`` (None when it can): it needs compute capability 9.x and operands of one
+    of ``schemes``, the same for both."""
     if not supported(device):
         return f"needs a CUDA device of compute capability 9.x, got {device}"
     if not isinstance(a, QuantizedActivations) or not isinstance(w, QuantizedWeight) or \
-            w.scheme not in ("fp8_tensor", "fp8_token") or a.scheme != w.scheme:
-        return (f"computes fp8_tensor / fp8_token {gemm} GEMMs, got activations "
+            w.scheme not in schemes or a.scheme != w.scheme:
+        return (f"computes {' / '.join(schemes)} {gemm} GEMMs, got activations "
                 f"{getattr(a, 'scheme', type(a).__name__)!r} and weights {getattr(w, 'scheme', type(w).__name__)!r}")
     return None
 

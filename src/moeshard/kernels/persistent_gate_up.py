@@ -76,7 +76,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig, multiprocessors
-from moeshard.kernels.modes import act_mode, amax_mode, scale_strides
+from moeshard.kernels.grouped_gemm import one_w_scale_per_tile
+from moeshard.kernels.modes import act_mode, amax_mode, kernel_mode, scale_strides
 from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, _tiles_in_use, operands_refusal
 from moeshard.quant import QuantizedActivations, QuantizedWeight
 
@@ -84,6 +85,8 @@ from moeshard.quant import QuantizedActivations, QuantizedWeight
 _CP_ASYNC = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _BARRIER = getattr(gl, "barrier", None) or gl.thread_barrier
 
+# The schemes this kernel computes: one scale per tensor or row, or fp8_block's 128 x 128 blocks.
+GATE_UP_SCHEMES = ("fp8_tensor", "fp8_token", "fp8_block")
 PARTITION_WARPS = gl.constexpr(4)  # each partition is one warpgroup
 # Registers per thread of the loader and of an MMA partition: 12 warps share the 64K of an SM.
 LOADER_REGS, MMA_REGS = gl.constexpr(40), gl.constexpr(232)
@@ -115,14 +118,14 @@ def _take(j, tile_ids, tile_ready, tile_empty):
 
 
 @gluon.jit
-def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-            STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """The loader partition: for every K step of every tile, waits for the stage to be empty,
     then loads the weight tiles through TMA and gathers the input rows through cp.async, all
     completing on the stage's ``ready`` mbarrier."""
     (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
-     count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_wse, stride_wsn, stride_om,
-     a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
+     count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+     stride_om, a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     # 16 bytes of one input row per thread: BLOCK_K / 16 threads cover a row.
     gather: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [PARTITION_WARPS, 1],
@@ -174,19 +177,72 @@ def _act_mul(gate, up, ACT: gl.constexpr):
 
 
 @gluon.jit
-def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-            STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+def _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_n, N, a_scale_ptr, w_scale_ptr,
+                         stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, a_bufs, g_bufs, u_bufs, ready,
+                         empty, STAGES: gl.constexpr, WG: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr):
+    """fp8_block's K loop of one MMA partition: each 128-column step's gate and up products start
+    from zero on the tensor cores, and are added to the fp32 accumulators scaled by the rows'
+    block scales and the tile's weight block scale, as grouped_gemm's ``acc += dot * a_scale[row,
+    kb] * w_scale[e, n // 128, kb]`` (one weight block per tile: N and the tile's columns lie in
+    128-column blocks, ``persistent_gate_up``). The up MMA runs while the gate product is scaled;
+    the other MMA partition's MMAs run while this one scales both. Returns (acc_g, acc_u, step)."""
+    BLOCK_N: gl.constexpr = acc_g.shape[1]
+    zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
+    as_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_asm
+    ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
+    wg_ptr = ws_base + (off_n // 128) * stride_wsn
+    wu_ptr = ws_base + ((off_n + N) // 128) * stride_wsn
+    a_s = gl.load(as_ptrs, mask=row_ok, other=0.0)
+    wg_s = gl.load(wg_ptr)
+    wu_s = gl.load(wu_ptr)
+    for s in range(k_steps):
+        # The next step's scales are asked for before this step's MMAs, to arrive under them.
+        following = gl.minimum(s + 1, k_steps - 1)
+        a_next = gl.load(as_ptrs + following * stride_ask, mask=row_ok, other=0.0)
+        wg_next = gl.load(wg_ptr + following * stride_wsk)
+        wu_next = gl.load(wu_ptr + following * stride_wsk)
+        index = step % STAGES
+        mbarrier.wait(ready.index(index), step // STAGES & 1)
+        # cp.async wrote through the generic proxy; the MMA reads through the async one.
+        fence_async_shared()
+        a = a_bufs.index(index).slice(WG * ROWS, ROWS)
+        if BLOCK_N <= 64:
+            part_g = warpgroup_mma(a, g_bufs.index(index).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part_u = warpgroup_mma(a, u_bufs.index(index).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part_g = warpgroup_mma_wait(num_outstanding=1, deps=(part_g, ))
+            acc_g += part_g * a_s[:, None] * wg_s
+        else:
+            part_g = warpgroup_mma(a, g_bufs.index(index).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part_g = warpgroup_mma_wait(num_outstanding=0, deps=(part_g, ))
+            acc_g += part_g * a_s[:, None] * wg_s
+            part_u = warpgroup_mma(a, u_bufs.index(index).permute((1, 0)), zero, use_acc=False, is_async=True)
+        part_u = warpgroup_mma_wait(num_outstanding=0, deps=(part_u, ))
+        # Both MMAs that read the stage are done: it is free for the loader.
+        _BARRIER()
+        mbarrier.arrive(empty.index(index))
+        acc_u += part_u * a_s[:, None] * wu_s
+        a_s, wg_s, wu_s = a_next, wg_next, wu_next
+        step += 1
+    return acc_g, acc_u, step
+
+
+@gluon.jit
+def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
     """An MMA partition: rows [64 WG, 64 WG + 64) of every tile, their K loop and epilogue."""
     (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
-     count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_wse, stride_wsn, stride_om,
-     a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
+     count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+     stride_om, a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PARTITION_WARPS, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
     rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PARTITION_WARPS, 1], [1, 0])
+    # 8 columns per thread (16 bytes of bf16); a 128-column tile as measured, narrower ones without
+    # threads holding the same columns.
+    STORE_TN: gl.constexpr = 32 if BLOCK_N >= 128 else BLOCK_N // 8
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // STORE_TN, STORE_TN], [PARTITION_WARPS, 1], [1, 0])
     out_ty: gl.constexpr = out_ptr.dtype.element_ty
 
     used, num_pid_n = _tiles_in_use(start_ptr, count_ptr, num_experts, N, BLOCK_M, BLOCK_N)
@@ -203,7 +259,9 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.con
         count = gl.load(count_ptr + expert)
         row_ok = offs_p - start < count
         rows = gl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0) // a_row_div
-        a_s = gl.load(a_scale_ptr + rows.to(gl.int64) * stride_asm, mask=row_ok, other=0.0)
+        if not BLOCK_SCALES:
+            # The row scales of the per-row schemes, asked for under the K loop.
+            a_s = gl.load(a_scale_ptr + rows.to(gl.int64) * stride_asm, mask=row_ok, other=0.0)
         offs_ps = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
         cols_s = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
         out_ptrs = out_ptr + offs_ps.to(gl.int64)[:, None] * stride_om + cols_s[None, :]
@@ -211,33 +269,46 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.con
         if first - start < count:
             acc_g = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
             acc_u = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
-            for s in range(k_steps):
-                index = step % STAGES
-                mbarrier.wait(ready.index(index), step // STAGES & 1)
-                # cp.async wrote through the generic proxy; the MMA reads through the async one.
-                fence_async_shared()
-                a = a_bufs.index(index).slice(WG * ROWS, ROWS)
-                acc_g = warpgroup_mma(a, g_bufs.index(index).permute((1, 0)), acc_g, use_acc=s > 0, is_async=True)
-                acc_u = warpgroup_mma(a, u_bufs.index(index).permute((1, 0)), acc_u, use_acc=s > 0, is_async=True)
-                # The step before's MMAs are done: its stage is free for the loader.
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            if BLOCK_SCALES:
+                acc_g, acc_u, step = _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_n, N,
+                                                          a_scale_ptr, w_scale_ptr, stride_asm, stride_ask, stride_wse,
+                                                          stride_wsn, stride_wsk, a_bufs, g_bufs, u_bufs, ready, empty,
+                                                          STAGES, WG, ROWS, layout)
+            else:
+                for s in range(k_steps):
+                    index = step % STAGES
+                    mbarrier.wait(ready.index(index), step // STAGES & 1)
+                    # cp.async wrote through the generic proxy; the MMA reads through the async one.
+                    fence_async_shared()
+                    a = a_bufs.index(index).slice(WG * ROWS, ROWS)
+                    acc_g = warpgroup_mma(a, g_bufs.index(index).permute((1, 0)), acc_g, use_acc=s > 0,
+                                          is_async=True)
+                    acc_u = warpgroup_mma(a, u_bufs.index(index).permute((1, 0)), acc_u, use_acc=s > 0,
+                                          is_async=True)
+                    # The step before's MMAs are done: its stage is free for the loader.
+                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                    _BARRIER()
+                    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=s > 0)
+                    step += 1
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
                 _BARRIER()
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=s > 0)
-                step += 1
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-            _BARRIER()
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
 
-            # grouped_gemm's arithmetic in its order: (acc * row scale) * column scale, rounded to
-            # the model dtype, the activation in fp32, rounded again.
             offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
             col_ok = offs_n < N
-            ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
-            offs_wn = gl.where(col_ok, offs_n, 0)
-            wg_s = gl.load(ws_base + offs_wn * stride_wsn)
-            wu_s = gl.load(ws_base + (offs_wn + N) * stride_wsn)
-            gate = (acc_g * a_s[:, None] * wg_s[None, :]).to(out_ty).to(gl.float32)
-            up = (acc_u * a_s[:, None] * wu_s[None, :]).to(out_ty).to(gl.float32)
+            if BLOCK_SCALES:
+                # Scaled at every K step already.
+                gate = acc_g.to(out_ty).to(gl.float32)
+                up = acc_u.to(out_ty).to(gl.float32)
+            else:
+                # grouped_gemm's arithmetic in its order: (acc * row scale) * column scale, rounded
+                # to the model dtype, the activation in fp32, rounded again.
+                ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
+                offs_wn = gl.where(col_ok, offs_n, 0)
+                wg_s = gl.load(ws_base + offs_wn * stride_wsn)
+                wu_s = gl.load(ws_base + (offs_wn + N) * stride_wsn)
+                gate = (acc_g * a_s[:, None] * wg_s[None, :]).to(out_ty).to(gl.float32)
+                up = (acc_u * a_s[:, None] * wu_s[None, :]).to(out_ty).to(gl.float32)
             result = _act_mul(gate, up, ACT).to(out_ty)
             if TRACK_AMAX == 1:
                 seen = gl.where(row_ok[:, None] & col_ok[None, :], gl.abs(result.to(gl.float32)), 0.0)
@@ -263,23 +334,22 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.con
 
 
 @gluon.jit
-def _mma_rows_0(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 0)
+def _mma_rows_0(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 0)
 
 
 @gluon.jit
-def _mma_rows_1(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 1)
+def _mma_rows_1(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 1)
 
 
 @gluon.jit
 def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr,
                               tile_expert_ptr, start_ptr, count_ptr, counter_ptr, num_experts, N, K, a_row_div,
-                              stride_am,
-                              stride_asm, stride_wse, stride_wsn, stride_om,
-                              ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_M: gl.constexpr,
+                              stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om,
+                              ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                               num_warps: gl.constexpr):
     gl.static_assert(num_warps == PARTITION_WARPS, "the MMA partition the kernel starts in is one warpgroup")
@@ -303,11 +373,11 @@ def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_s
         mbarrier.init(tile_ready.index(i), count=1)
         mbarrier.init(tile_empty.index(i), count=2)
     args = (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
-            count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_wse, stride_wsn, stride_om,
-            a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty)
-    gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
-                        (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
-                        (_loader, (args, ACT, TRACK_AMAX, BLOCK_M, BLOCK_K, STAGES, GROUP_M))],
+            count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn,
+            stride_wsk, stride_om, a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty)
+    gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
+                        (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
+                        (_loader, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M))],
                        [PARTITION_WARPS, PARTITION_WARPS], [MMA_REGS, LOADER_REGS])
 
 
@@ -343,12 +413,12 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     where = "moe_gemm (engine 'gluon', gate_up)"
-    refusal = operands_refusal(out.device, x, w, "gate_up")
+    refusal = operands_refusal(out.device, x, w, "gate_up", GATE_UP_SCHEMES)
     if refusal:
         raise ValueError(f"{where}: {refusal}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    if (bm, bn, bk) != (128, 128, 128):
-        raise ValueError(f"{where}: computes 128 x 128 x 128 tiles, got {bm} x {bn} x {bk}")
+    if (bm, bk) != (128, 128) or bn not in (64, 128):
+        raise ValueError(f"{where}: computes 128 x 128 x 128 and 128 x 64 x 128 tiles, got {bm} x {bn} x {bk}")
     if plan.block_m != bm:
         raise ValueError(f"{where}: config.block_m={bm} but the plan's block_m={plan.block_m}")
     e, n_w, k = w.shape
@@ -363,7 +433,7 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     if refusal:
         raise ValueError(f"{where}: {refusal}")
     a_scale = x.row_scale if x.row_scale is not None else x.tensor_scale
-    stride_asm = scale_strides(a_scale, 2)[0]
+    stride_asm, stride_ask = scale_strides(a_scale, 2)
     if x.shape[1] != k or out.shape != (plan.padded_rows, n):
         raise ValueError(f"{where}: x {tuple(x.shape)} must be [rows, H={k}] and out {tuple(out.shape)} "
                          f"[P={plan.padded_rows}, I={n}]")
@@ -381,7 +451,14 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
                                  or row_amax.dtype != torch.float32 or row_amax.stride(0) != 1):
         raise ValueError(f"{where}: row_amax must be a contiguous fp32 [P={plan.padded_rows}] buffer, without amax; "
                          f"got {row_amax.dtype} {tuple(row_amax.shape)}, amax given: {amax is not None}")
-    stride_wse, stride_wsn, _ = scale_strides(w.scale, 3)
+    block_scales = w.scheme == "fp8_block"
+    if block_scales and (amax is not None or row_amax is not None
+                         or not one_w_scale_per_tile(kernel_mode(w.scheme), bn, n, True)):
+        # Each K step scales the tile by one weight block's scale; fp8_block's h is quantized per
+        # 128-column group by quantize_h, from h.
+        raise ValueError(f"{where}: fp8_block needs I={n} a multiple of 128 and no amax or row_amax; got amax "
+                         f"given: {amax is not None}, row_amax given: {row_amax is not None}")
+    stride_wse, stride_wsn, stride_wsk = scale_strides(w.scale, 3)
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
     w_desc = TensorDescriptor.from_tensor(w.data.view(e * n_w, k), [bn, bk], w_layout)
     tiles = plan.max_tiles * triton.cdiv(n, bn)
@@ -392,8 +469,9 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
             w.scale, plan.sorted_rows,
             plan.tile_expert, plan.start, plan.count, torch.zeros(1, dtype=torch.int32, device=out.device),
             plan.start.shape[0], n, k, a_row_div, x.data.stride(0),
-            stride_asm, stride_wse, stride_wsn, out.stride(0),
-            ACT=act_mode(activation), TRACK_AMAX=amax_mode(amax, row_amax), BLOCK_M=bm, BLOCK_K=bk,
+            stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, out.stride(0),
+            ACT=act_mode(activation), TRACK_AMAX=amax_mode(amax, row_amax), BLOCK_SCALES=block_scales,
+            BLOCK_M=bm, BLOCK_K=bk,
             STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=PARTITION_WARPS.value,
             maxnreg=_MAXNREG)
     return out
