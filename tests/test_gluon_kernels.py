@@ -55,7 +55,7 @@ def test_select_config_takes_the_gluon_gate_up_where_it_was_measured_faster(sche
     """Per-row fp8 prefill gate_up GEMMs with H in [GLUON_GATE_UP_MIN_H, GLUON_GATE_UP_MAX_H]
     (Qwen3 2048, Mixtral 4096) at 256-4096 rows per expert, as whole tiles (the kernel's second
     MMA warpgroup skips rows of padding); not DeepSeek-V3's 7168, not an unmeasured 512, not
-    fp8_block or bf16, not at decode or mid batches, not without the GPU's support, not for the
+    bf16 or nvfp4, not at decode or mid batches, not without the GPU's support, not for the
     exact gate_up."""
     assert GLUON_GATE_UP_MIN_H <= 2048 and 4096 <= GLUON_GATE_UP_MAX_H < 7168
     for rows, experts, hidden, inter in ((4096 * 8, 128, 2048, 768), (16384 * 8, 128, 2048, 768),
@@ -63,7 +63,7 @@ def test_select_config_takes_the_gluon_gate_up_where_it_was_measured_faster(sche
         cfg = select_config(rows, experts, hidden, inter, scheme, gluon=True)
         assert cfg.gate_up == GemmConfig(**GLUON_GATE_UP_TILE), cfg.gate_up
         assert select_config(rows, experts, hidden, inter, scheme, gluon=False).gate_up.engine == "triton"
-        for other in ("none", "fp8_block", "nvfp4"):
+        for other in ("none", "nvfp4"):
             assert select_config(rows, experts, hidden, inter, other, gluon=True).gate_up.engine == "triton", other
         exact = select_config(rows, experts, hidden, inter, scheme, fp8_gate_up="exact", gluon=True)
         assert exact.gate_up.engine == "triton"
@@ -72,6 +72,32 @@ def test_select_config_takes_the_gluon_gate_up_where_it_was_measured_faster(sche
     assert select_config(2000, 16, 512, 384, scheme, gluon=True).gate_up.engine == "triton"
     assert select_config(16, 128, 2048, 768, scheme, gluon=True).gate_up.engine == "triton"  # decode
     assert select_config(128 * 80, 128, 2048, 768, scheme, gluon=True).gate_up.engine == "triton"  # mid
+
+
+def test_select_config_takes_the_gluon_gate_up_for_fp8_block_where_it_was_measured_faster():
+    """fp8_block's prefill gate_up (the 128 x 128 x 128 tile) is the Gluon kernel with block
+    scales at the hidden sizes measured, Qwen3's 2048, Mixtral's 4096 and DeepSeek-V3's 7168, in
+    128-column tiles at 4 stages; the input is then gathered, not laid out, and h quantized by
+    quantize_h's pass. Not without the GPU's support (Mixtral then keeps the layout and the
+    gate_up quantizing h), not at decode or mid batches, not for an unmeasured hidden size or an
+    intermediate size that is not a multiple of 128."""
+    from moeshard.kernels.configs import GLUON_BLOCK_GATE_UP_MAX_H, GLUON_BLOCK_GATE_UP_MIN_H
+
+    tile = GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise", engine="gluon")
+    for rows, experts, hidden, inter in ((4096 * 8, 128, 2048, 768), (16384 * 8, 128, 2048, 768),
+                                         (4096 * 2, 8, 4096, 14336), (16384 * 2, 8, 4096, 14336),
+                                         (4096 * 8, 256, 7168, 2048), (16384 * 8, 256, 7168, 2048)):
+        cfg = select_config(rows, experts, hidden, inter, "fp8_block", gluon=True)
+        assert cfg.gate_up == tile and not cfg.lay_out_a and cfg.h_quant == "pass", cfg
+        assert select_config(rows, experts, hidden, inter, "fp8_block", gluon=False).gate_up.engine == "triton"
+    mixtral = select_config(16384 * 2, 8, 4096, 14336, "fp8_block", gluon=False)
+    assert mixtral.lay_out_a and mixtral.h_quant == "gate_up"
+    assert GLUON_BLOCK_GATE_UP_MIN_H == 2048 and GLUON_BLOCK_GATE_UP_MAX_H == 7168
+    assert select_config(16, 256, 7168, 2048, "fp8_block", gluon=True).gate_up.engine == "triton"  # decode
+    assert select_config(128 * 80, 128, 2048, 768, "fp8_block", gluon=True).gate_up.engine == "triton"  # mid
+    for hidden in (1024, 8192):
+        assert select_config(4096 * 8, 128, hidden, 768, "fp8_block", gluon=True).gate_up.engine == "triton", hidden
+    assert select_config(4096 * 8, 128, 2048, 704, "fp8_block", gluon=True).gate_up.engine == "triton"
 
 
 def test_gemm_config_refuses_what_the_gluon_engine_does_not_compute():

@@ -64,10 +64,12 @@ def test_every_h_quant_study_variant_is_built(model):
             configs = variants(*_shape(model, tokens), "fp8_block", 132, pdl, True)
             assert configs and all(c.h_quant in ("pass", "gate_up") for c in configs.values())
     expected = {("qwen3-30b-a3b", 1): {"h_pass"}, ("qwen3-30b-a3b", 128): {"h_gate_up", "h_pass"},
-                ("qwen3-30b-a3b", 4096): {"h_pass", "h_gate_up"}, ("deepseek-v3", 16): {"h_gate_up", "h_pass"},
+                ("qwen3-30b-a3b", 4096): {"h_pass"}, ("deepseek-v3", 16): {"h_gate_up", "h_pass"},
                 ("mixtral-8x7b", 1): {"h_gate_up", "h_pass"},
                 ("mixtral-8x7b", 128): {"h_pass", "h_gate_up_w8_s3", "h_gate_up_w8_s4"},
-                ("mixtral-8x7b", 16384): {"h_gate_up", "h_pass"}}
+                ("mixtral-8x7b", 16384): {"h_pass"}}
+    # At prefill on a GPU that runs it, fp8_block's gate_up is the Gluon kernel, which stores h
+    # for the pass: no gate_up variant quantizing h.
     for (name, tokens), keys in expected.items():
         if name == model:
             got = variants(*_shape(model, tokens), "fp8_block", 132, True, True)

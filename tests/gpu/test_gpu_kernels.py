@@ -382,6 +382,28 @@ def test_experts_take_the_gluon_gemms_at_prefill_with_the_same_bits(H, engines):
     assert torch.equal(TritonExperts("silu", torch.bfloat16)(ExpertInput(misaligned, ids, padded=False), w), want)
 
 
+def test_fp8_block_experts_take_the_gluon_gate_up_with_the_same_bits():
+    """fp8_block ``TritonExperts`` at a prefill shape on an H200-class GPU select the Gluon gate_up
+    with block scales (rows gathered, h quantized by quantize_h's pass), and give the output of
+    the Triton-only config, which lays the input out and quantizes h in its gate_up (I >= 4096 at
+    1024 rows per expert), bit for bit."""
+    from moeshard.kernels.persistent_down import supported
+
+    if not supported(torch.device("cuda")):
+        pytest.skip("the Gluon GEMMs run on compute capability 9.x")
+    M, E, H, I = 8192, 8, 2048, 4096
+    sel = select_config(M, E, H, I, "fp8_block", gluon=True)
+    assert sel.gate_up.engine == "gluon" and not sel.lay_out_a and sel.h_quant == "pass", sel
+    triton_only = select_config(M, E, H, I, "fp8_block", gluon=False)
+    assert triton_only.lay_out_a and triton_only.h_quant == "gate_up", triton_only
+    w = _weights(E, H, I, torch.bfloat16, "fp8_block", seed=21)
+    xq = quantize_activations(torch.randn(M, H, device="cuda").to(torch.bfloat16), "fp8_block")
+    inp = ExpertInput(xq, _ids(M, E, seed=22), padded=False)
+    got = TritonExperts("silu", torch.bfloat16)(inp, w)
+    want = TritonExperts("silu", torch.bfloat16, triton_only)(inp, w)
+    assert torch.equal(got, want), f"max {(got.float() - want.float()).abs().max():.3g}"
+
+
 @pytest.mark.parametrize("M, E, H, I, dtype", [(3000, 8, 512, 768, torch.bfloat16), (8192, 4, 1024, 1536, torch.float16),
                                                 (600, 2, 256, 256, torch.bfloat16)],
                          ids=["half-tiles", "whole-tiles-fp16", "two-groups"])

@@ -49,8 +49,8 @@ NVFP4 = 4
 # in fp32; one accumulator promoted to fp32 every BLOCK_K terms; or reduced precision across K.
 FP8_ACCUMULATIONS = ("split", "promote", "imprecise")
 # Which kernel computes a GEMM (``GemmConfig.engine``): the Triton grouped GEMM, or the Gluon
-# persistent GEMMs (``kernels.persistent_gate_up``, ``kernels.persistent_down``; fp8_tensor /
-# fp8_token, prefill, Hopper).
+# persistent GEMMs (``kernels.persistent_gate_up``: fp8_tensor, fp8_token and fp8_block;
+# ``kernels.persistent_down``: fp8_tensor / fp8_token; prefill, Hopper).
 ENGINES = ("triton", "gluon")
 # The Gluon down GEMM is chosen for K (the intermediate size) in this range. One H200, down
 # alone (scripts/gluon_down_study.py, 2026-12-04): 2-12% faster at K = 768 and 2048, within 3%
@@ -64,6 +64,15 @@ GLUON_DOWN_MIN_K, GLUON_DOWN_MAX_K = 512, 8192
 # faster at 4096 tokens (within the rounds' spread) and 2-6% slower at 16384.
 # Smaller hidden sizes were not measured (the kernel computes them: tests/gpu).
 GLUON_GATE_UP_MIN_H, GLUON_GATE_UP_MAX_H = 2048, 4096
+# fp8_block's prefill gate_up is the Gluon kernel with block scales for hidden sizes in this range.
+# One H200, gate_up alone and the whole experts, two alternating rounds
+# (scripts/gluon_gate_up_study.py --schemes fp8_block, 2026-12-04; the same bits): 128-column tiles
+# at 4 stages against the Triton kernel's selected tile, experts Qwen3 (H = 2048) 0.541 against
+# 0.598 ms at 4096 tokens and 1.849 against 2.076 at 16384, Mixtral (4096) 3.715 against 4.051
+# and 14.889 against 14.909 (there the Triton gate_up reads the input laid out and quantizes h
+# itself), DeepSeek-V3 (7168) 5.120 against 5.603 and 16.28 against 17.31. 64-column tiles were
+# slower than the Triton kernel at Mixtral and DeepSeek-V3 and even at Qwen3.
+GLUON_BLOCK_GATE_UP_MIN_H, GLUON_BLOCK_GATE_UP_MAX_H = 2048, 7168
 # Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).
 PDL_CHAINS = ("off", "gate_up", "all")
 # Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
@@ -315,6 +324,15 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # through shared memory were fastest at K = 768 and 2048).
         cfg = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, engine="gluon", num_stages=4,
                                                                  half_tiles=False))
+    if gluon and get_scheme(scheme).kernel_mode == FP8_BLOCK \
+            and cfg.gate_up == GemmConfig(128, 128, 128, 8, 8, 3, tma=True, half_tiles=cfg.gate_up.half_tiles) \
+            and inter >= 128 and inter % 128 == 0 and hidden % 128 == 0 \
+            and GLUON_BLOCK_GATE_UP_MIN_H <= hidden <= GLUON_BLOCK_GATE_UP_MAX_H:
+        # fp8_block's prefill gate_up tile as the Gluon kernel with block scales: it gathers the
+        # input's rows (no layout pass) and stores h in the model dtype for quantize_h.
+        gate_up = dataclasses.replace(cfg.gate_up, engine="gluon", half_tiles=False, num_stages=4,
+                                      fp8_acc="imprecise")
+        cfg = dataclasses.replace(cfg, gate_up=gate_up, lay_out_a=False, h_quant="pass")
     decode = rows_per_expert(num_rows, num_experts) <= DECODE_ROWS
     if get_scheme(scheme).kernel_mode == FP8_TOKEN and (decode or cfg.gate_up.engine == "gluon"):
         # fp8_token's row maxima from the gate_up epilogue (``ExpertsConfig.h_quant``). One H200,

@@ -1,12 +1,18 @@
 """The fp8 gate_up GEMM at prefill as a persistent, warp-specialized kernel (Gluon, Hopper).
 
-Computes what ``grouped_gemm.moe_gemm`` computes for the fused gate_up projection of the
-per-tensor and per-row fp8 schemes with gathered rows (``GemmConfig.engine == "gluon"``), with the
-same bits:
+Computes what ``grouped_gemm.moe_gemm`` computes for the fused gate_up projection of the fp8
+schemes with gathered rows (``GemmConfig.engine == "gluon"``), with the same bits. Per-tensor and
+per-row scales (fp8_tensor, fp8_token):
 
     gate[p, n] = rnd((sum_k x[r(p), k] * w[e, n, k]) * a_scale[r(p)] * w_scale[e, n])
     up[p, n]   = rnd((sum_k x[r(p), k] * w[e, I + n, k]) * a_scale[r(p)] * w_scale[e, I + n])
     h[p, n]    = rnd(act(gate[p, n]) * up[p, n])
+
+fp8_block's 128 x 128 blocks, summed over the 128-column K steps b in fp32:
+
+    gate[p, n] = rnd(sum_b (sum_{k in b} x[r(p), k] * w[e, n, k]) * a_scale[r(p), b] * w_scale[e, n // 128, b])
+
+and up likewise with the weight rows I + n.
 
 for each padded position p of a tile of expert e, r(p) = sorted_rows[p] // a_row_div (the
 token a routed row reads), rnd the rounding to the model dtype; x: fp8 [M / a_row_div, H],
@@ -30,7 +36,12 @@ time from a counter in memory (the loader takes each and hands it to the MMA par
   ``fp8_acc="imprecise"``), release the stage on its ``empty`` mbarrier once the MMAs that read
   it are done, and run their epilogue alone. A warpgroup whose 64 rows hold no real row (an
   expert's last tile) issues no MMA and stores zeros, which leaves the tensor cores to the other
-  one: the Triton kernel's half tiles, without a second code path.
+  one: the Triton kernel's half tiles, without a second code path. For fp8_block each K step's
+  products start from zero and are scaled into fp32 accumulators before the stage is released
+  (``_block_scaled_k_loop``); while one warpgroup scales, the other's MMAs can have the tensor
+  cores. In 128-column tiles at 4 stages it took 8-17% less time than the Triton kernel's selected
+  tile on the bench's prefill shapes (one H200, ``scripts/gluon_gate_up_study.py``,
+  docs/performance.md).
 
 Why a counter: the tiles that run at one time must be neighbours in the grouped order, sharing
 input rows and weight tiles in L2, as the programs of a non-persistent launch are. Walked at a
@@ -184,8 +195,10 @@ def _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_
     from zero on the tensor cores, and are added to the fp32 accumulators scaled by the rows'
     block scales and the tile's weight block scale, as grouped_gemm's ``acc += dot * a_scale[row,
     kb] * w_scale[e, n // 128, kb]`` (one weight block per tile: N and the tile's columns lie in
-    128-column blocks, ``persistent_gate_up``). The up MMA runs while the gate product is scaled;
-    the other MMA partition's MMAs run while this one scales both. Returns (acc_g, acc_u, step)."""
+    128-column blocks, ``persistent_gate_up``). In 64-column tiles both products are in flight at
+    once and the up MMA runs while the gate product is scaled; a 128-column tile has registers for
+    one product at a time (gate, then up). Either way the other MMA partition's MMAs run while this
+    one scales. Returns (acc_g, acc_u, step)."""
     BLOCK_N: gl.constexpr = acc_g.shape[1]
     zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
     as_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_asm
@@ -398,17 +411,19 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
                        a_row_div: int = 1, programs: int | None = None,
                        row_amax: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_gemm(x, w, plan, out, config, activation=activation, gather=True, amax=amax,
-    a_row_div=a_row_div, row_amax=row_amax)`` for fp8_tensor / fp8_token with
+    a_row_div=a_row_div, row_amax=row_amax)`` for fp8_tensor / fp8_token / fp8_block with
     ``config.engine == "gluon"``; writes and returns ``out``.
 
-    x: fp8 [M / a_row_div, H] with one scale per row ([rows, 1]) or per tensor; w: fp8 [E, 2I, H]
-    (gate rows, then up rows) with fp8_tensor [E] or fp8_token [E, 2I] scales; out: [P, I] in the
+    x: fp8 [M / a_row_div, H] with one scale per row ([rows, 1]) or per tensor, or fp8_block's
+    [rows, H / 128]; w: fp8 [E, 2I, H] (gate rows, then up rows) with fp8_tensor [E], fp8_token
+    [E, 2I] or fp8_block [E, 2I / 128, H / 128] scales (fp8_block: I a multiple of 128, no amax
+    or row_amax); out: [P, I] in the
     model dtype, written at every position of the tiles in use; amax: fp32 [E], zeroed by the
     caller, or None; row_amax: fp32 [P], zeroed by the caller (``align_rows``), or None: the row
     maxima of |h| at the positions holding routed rows (not with amax); programs: how many
     persistent programs (None: one per multiprocessor of out's device; at most one per tile).
-    config: 128 x 128 x 128 tiles, num_stages the ring's stages. Refuses (ValueError) what this
-    kernel does not compute, naming the value.
+    config: 128 x 128 x 128 or 128 x 64 x 128 tiles, num_stages the ring's stages. Refuses
+    (ValueError) what this kernel does not compute, naming the value.
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
