@@ -10,6 +10,10 @@ without Gluon) and of the Gluon kernel at 3 and 4 stages, checking each against 
 kernel's y bit for bit; and the whole ``TritonExperts`` call with the config ``select_config``
 picks on this GPU and with its down GEMM on the Triton kernel (``experts_triton``).
 
+For fp8_block (``--schemes fp8_block``) the Gluon kernel is ``moeshard.kernels.persistent_block_down``
+(warp-specialized, block scales) in 128 x 128 x 128 tiles at 4 and 6 stages, and the experts are
+timed as selected and with that down GEMM (``experts_block_down_s4``, ``_s6``).
+
     PYTHONPATH=src python3 scripts/gluon_down_study.py --json results/h200/gluon_down_study.json
 """
 
@@ -21,9 +25,10 @@ import torch
 
 from moeshard.bench.study import bits_line, experts_variants, routed_case, run_on_gpu, study_parser, time_variants
 from moeshard.kernels.align import align_rows, split_tiles
-from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.configs import GemmConfig, multiprocessors, select_config
 from moeshard.kernels.experts import gluon_supported
 from moeshard.kernels.grouped_gemm import moe_gemm
+from moeshard.kernels.persistent_block_down import persistent_block_down
 from moeshard.kernels.persistent_down import persistent_down
 from moeshard.kernels.quant import quantize_h
 
@@ -31,6 +36,7 @@ MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (4096, 16384)
 SCHEMES = ("fp8_tensor", "fp8_token")
 STAGES = (3, 4)
+BLOCK_STAGES = (4, 6)
 
 
 def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
@@ -54,6 +60,18 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     calls = {"down_triton": lambda: moe_gemm(hq, experts.down, down_plan, y_ref, triton_only.down, activation=None,
                                              gather=False)}
     rec["same_bits"] = {}
+    if scheme == "fp8_block":
+        configs = {"experts_chosen": chosen}
+        for stages in BLOCK_STAGES:
+            gemm = GemmConfig(128, 128, 128, 8, 8, stages, tma=True, fp8_acc="imprecise", engine="gluon")
+            y = torch.full((M, H), float("nan"), dtype=cfg.dtype, device=device)
+            persistent_block_down(hq, experts.down, plan, y, gemm)
+            rec["same_bits"][f"down_gluon_s{stages}"] = bool(torch.equal(y, y_ref))
+            calls[f"down_gluon_s{stages}"] = lambda y=y, gemm=gemm: persistent_block_down(hq, experts.down, plan, y,
+                                                                                          gemm)
+            configs[f"experts_block_down_s{stages}"] = dataclasses.replace(chosen, down=gemm)
+        experts_variants(case, configs, calls, rec)
+        return time_variants(rec, calls, flush, args)
     if chosen.down.engine == "gluon":
         for stages in STAGES:
             gemm = dataclasses.replace(chosen.down, num_stages=stages)

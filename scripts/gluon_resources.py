@@ -29,6 +29,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_resources import SM90, cuobjdump  # noqa: E402
 
+from moeshard.kernels.persistent_block_down import persistent_block_down_kernel  # noqa: E402
 from moeshard.kernels.persistent_down import persistent_down_kernel  # noqa: E402
 from moeshard.kernels.persistent_gate_up import _MAXNREG, PARTITION_WARPS, persistent_gate_up_kernel  # noqa: E402
 
@@ -79,12 +80,31 @@ GATE_UP = {"gate_up": (1, 128, False), "gate_up_rows": (2, 128, False),
            "gate_up_block64": (0, 64, True), "gate_up_block128": (0, 128, True)}
 
 
+def compile_block_down(stages: int, block: int = 128):
+    """fp8_block's warp-specialized down kernel compiled for sm_90a with h and the weights through
+    TMA descriptors of [block, block] blocks."""
+    layout = gl.NVMMASharedLayout.get_default_for([block, block], gl.float8e4nv)
+    desc = f"tensordesc<fp8e4nv[{block}, {block}],{layout!r}>"
+    sig = {"a_desc": desc, "w_desc": desc, "counter_ptr": "*i32", **POINTERS}
+    sig.update({name: "i32" for name in ("num_experts", "N", "K", "stride_asm", "stride_ask", "stride_wse",
+                                         "stride_wsn", "stride_wsk", "stride_om")})
+    consts = {"STAGES": stages, "GROUP_M": 8, "num_warps": PARTITION_WARPS.value}
+    sig.update({name: "constexpr" for name in consts})
+    names = list(persistent_block_down_kernel.arg_names)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "N", "K", "stride_om")}
+    src = GluonASTSource(fn=persistent_block_down_kernel, signature={name: sig[name] for name in names},
+                         constexprs={(names.index(name),): value for name, value in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=SM90, options={"num_warps": PARTITION_WARPS.value, "maxnreg": _MAXNREG})
+
+
 def resources(kernel_name: str, stages: int) -> dict:
     """kernel_name: "down", or one of ``GATE_UP``: "gate_up" (the per-expert amax),
     "gate_up_rows" (the row maxima), "gate_up_block64" / "gate_up_block128" (fp8_block's block
     scales, 64- and 128-column tiles)."""
     if kernel_name == "down":
         kernel = compile_down(stages)
+    elif kernel_name == "block_down":
+        kernel = compile_block_down(stages)
     else:
         track_amax, block_n, block_scales = GATE_UP[kernel_name]
         kernel = compile_gate_up(stages, track_amax=track_amax, block_n=block_n, block_scales=block_scales)
@@ -103,7 +123,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = [resources("down", stages) for stages in (2, 3, 4)] + [resources("gate_up", stages) for stages in (3, 4)] + \
         [resources("gate_up_rows", 3)] + [resources("gate_up_block64", stages) for stages in (4, 6)] + \
-        [resources("gate_up_block128", stages) for stages in (3, 4)]
+        [resources("gate_up_block128", stages) for stages in (3, 4)] + \
+        [resources("block_down", stages) for stages in (4, 6)]
     for r in rows:
         print(" ".join(f"{k} {v}" for k, v in r.items()))
     if args.json:

@@ -155,6 +155,7 @@ def test_the_gluon_kernels_compile_for_hopper(tmp_path):
     memory:
 
     * the down GEMM: fp8 warpgroup MMAs (QGMMA), TMA loads (UTMALDG), no local-memory spills;
+    * fp8_block's warp-specialized down GEMM: the same, with registers handed between partitions;
     * the gate_up GEMM: its partitions hand registers over (USETMAXREG: the MMA warpgroups take
       more, the loader fewer), the loader's cp.async copies (LDGSTS) arrive on an mbarrier
       (ARRIVES), the weights come through TMA and the MMAs are fp8 warpgroup MMAs. It spills a few
@@ -172,12 +173,15 @@ def test_the_gluon_kernels_compile_for_hopper(tmp_path):
     assert [(r["kernel"], r["stages"]) for r in rows] == [("down", 2), ("down", 3), ("down", 4), ("gate_up", 3),
                                                           ("gate_up", 4), ("gate_up_rows", 3), ("gate_up_block64", 4),
                                                           ("gate_up_block64", 6), ("gate_up_block128", 3),
-                                                          ("gate_up_block128", 4)]
+                                                          ("gate_up_block128", 4), ("block_down", 4), ("block_down", 6)]
     for r in rows:
         assert r["QGMMA"] and r["UTMALDG"], r
         assert r["shared"] <= 227 * 1024, r
         if r["kernel"] == "down":
             assert r["spill_loads"] == r["spill_stores"] == 0, r
+        elif r["kernel"] == "block_down":
+            # Warp-specialized, its h and weight tiles through TMA (no cp.async); no spills.
+            assert r["USETMAXREG"] and r["spill_loads"] == r["spill_stores"] == 0, r
         else:
             assert r["USETMAXREG"] and r["LDGSTS"] and r["ARRIVES"], r
             # The row maxima's reduction and atomics cost their epilogue more: 47 loads and 37

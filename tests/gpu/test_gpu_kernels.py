@@ -382,6 +382,59 @@ def test_experts_take_the_gluon_gemms_at_prefill_with_the_same_bits(H, engines):
     assert torch.equal(TritonExperts("silu", torch.bfloat16)(ExpertInput(misaligned, ids, padded=False), w), want)
 
 
+@pytest.mark.parametrize("stages", [4, 6])
+@pytest.mark.parametrize("H, I", [(1024, 768), (256, 128), (384, 384)], ids=["H1024", "H256-I128", "H384-I384"])
+def test_gluon_block_down_gives_the_triton_bits(H, I, stages):
+    """fp8_block's warp-specialized Gluon down GEMM (``kernels.persistent_block_down``) against
+    the Triton grouped GEMM's selected prefill down tile (64 x 128 x 128 over the split plan): y
+    bit for bit at every routed row, rows no tile writes left as they were, with one program per
+    SM and with three, experts of 0-300 rows (last tiles whose second warpgroup holds padding
+    only), K of one step and of more steps than the ring's stages, and under CUDA-graph replay
+    with new h. A hidden size that is not a multiple of 128 is refused by name."""
+    from moeshard.kernels.align import split_tiles
+    from moeshard.kernels.grouped_gemm import moe_gemm
+    from moeshard.kernels.persistent_block_down import persistent_block_down
+
+    E = 24
+    counts = torch.randint(0, 300, (E,), generator=torch.Generator().manual_seed(7))
+    counts[2] = 0
+    ids = torch.repeat_interleave(torch.arange(E), counts)[torch.randperm(int(counts.sum()))].cuda()
+    M = ids.shape[0]
+    w = _weights(E, H, I, torch.bfloat16, "fp8_block", seed=13)
+    plan = align_rows(ids, E, 128)
+    h = torch.randn(plan.padded_rows, I, device="cuda").to(torch.bfloat16)
+    hq = quantize_h(h, "fp8_block", plan, None)
+    triton_cfg = GemmConfig(64, 128, 128, 8, 4, 4, tma=True)
+    gluon_cfg = GemmConfig(128, 128, 128, 8, 8, stages, tma=True, fp8_acc="imprecise", engine="gluon")
+
+    def triton_y():
+        y = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe_gemm(hq, w.down, split_tiles(plan, 64), y, triton_cfg, activation=None, gather=False)
+        return y
+
+    want = triton_y()
+    assert not want.isnan().any()
+    for programs in (None, 3):
+        got = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        persistent_block_down(hq, w.down, plan, got, gluon_cfg, programs=programs)
+        assert torch.equal(got, want), f"H={H} I={I} stages={stages} programs={programs}: max " \
+            f"{(got.float() - want.float()).nan_to_num().abs().max():.3g}"
+    odd_w = _weights(E, H + 64, I, torch.bfloat16, "fp8_block", seed=4).down
+    with pytest.raises(ValueError, match=f"H={H + 64} and I={I} must be multiples of the tile's 128 columns"):
+        persistent_block_down(hq, odd_w, plan, torch.empty(M, H + 64, dtype=torch.bfloat16, device="cuda"),
+                              gluon_cfg)
+    y = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
+    moe_gemm(hq, w.down, plan, y, gluon_cfg, activation=None, gather=False)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_gemm(hq, w.down, plan, y, gluon_cfg, activation=None, gather=False)
+    new = quantize_h(torch.randn(plan.padded_rows, I, device="cuda").to(torch.bfloat16), "fp8_block", plan, None)
+    hq.data.copy_(new.data)
+    hq.row_scale.copy_(new.row_scale)
+    graph.replay()
+    assert torch.equal(y, triton_y()), f"H={H} I={I} stages={stages}: graph replay"
+
+
 def test_fp8_block_experts_take_the_gluon_gate_up_with_the_same_bits():
     """fp8_block ``TritonExperts`` at a prefill shape on an H200-class GPU select the Gluon gate_up
     with block scales (rows gathered, h quantized by quantize_h's pass), and give the output of

@@ -447,7 +447,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
        checks ``pdl.supported``): every program waits for the kernel ahead before it reads
        anything that kernel may write.
     config.engine: "gluon" runs the persistent fp8 GEMMs (``kernels.persistent_gate_up`` with
-       gathered rows, ``kernels.persistent_down``; the same bits) for fp8_tensor / fp8_token on
+       gathered rows, ``kernels.persistent_down`` and for fp8_block
+       ``kernels.persistent_block_down``; the same bits) for fp8_tensor / fp8_token / fp8_block on
        compute capability 9.x, without fp8_exact, pdl_launch or experts (the down GEMM also
        without amax and a_row_div); anything else is refused.
     experts: (lo, hi): w holds experts [lo, hi) of the plan's E only (w[e - lo] is expert e), and
@@ -588,8 +589,8 @@ def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, a
            row_amax: torch.Tensor | None) -> torch.Tensor:
     """``moe_gemm`` with ``config.engine == "gluon"``: the gate_up GEMM of
     ``kernels.persistent_gate_up`` (rows gathered) or the down GEMM of ``kernels.persistent_down``
-    (at padded positions), which take fewer of moe_gemm's options (each other one given is
-    refused by name)."""
+    (``kernels.persistent_block_down`` for fp8_block; at padded positions), which take fewer of
+    moe_gemm's options (each other one given is refused by name)."""
     gate_up = activation is not None
     given = {"gather": gather != gate_up, "fp8_exact": fp8_exact, "fp8_acc": fp8_acc not in (None, config.fp8_acc),
              "pdl_launch": pdl_launch, "experts": experts is not None, "out_scale": out_scale is not None}
@@ -604,6 +605,10 @@ def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, a
 
         return persistent_gate_up(a, w, plan, out, config, activation=activation, amax=amax, a_row_div=a_row_div,
                                   row_amax=row_amax)
+    if getattr(w, "scheme", None) == "fp8_block":
+        from moeshard.kernels.persistent_block_down import persistent_block_down
+
+        return persistent_block_down(a, w, plan, out, config)
     from moeshard.kernels.persistent_down import persistent_down
 
     return persistent_down(a, w, plan, out, config)
