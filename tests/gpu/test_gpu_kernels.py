@@ -435,18 +435,18 @@ def test_gluon_block_down_gives_the_triton_bits(H, I, stages):
     assert torch.equal(y, triton_y()), f"H={H} I={I} stages={stages}: graph replay"
 
 
-def test_fp8_block_experts_take_the_gluon_gate_up_with_the_same_bits():
+def test_fp8_block_experts_take_the_gluon_gemms_with_the_same_bits():
     """fp8_block ``TritonExperts`` at a prefill shape on an H200-class GPU select the Gluon gate_up
-    with block scales (rows gathered, h quantized by quantize_h's pass), and give the output of
-    the Triton-only config, which lays the input out and quantizes h in its gate_up (I >= 4096 at
-    1024 rows per expert), bit for bit."""
+    with block scales (rows gathered, h quantized by quantize_h's pass) and the Gluon down GEMM
+    with block scales, and give the output of the Triton-only config, which lays the input out
+    and quantizes h in its gate_up (I >= 4096 at 1024 rows per expert), bit for bit."""
     from moeshard.kernels.persistent_down import supported
 
     if not supported(torch.device("cuda")):
         pytest.skip("the Gluon GEMMs run on compute capability 9.x")
     M, E, H, I = 8192, 8, 2048, 4096
     sel = select_config(M, E, H, I, "fp8_block", gluon=True)
-    assert sel.gate_up.engine == "gluon" and not sel.lay_out_a and sel.h_quant == "pass", sel
+    assert sel.gate_up.engine == sel.down.engine == "gluon" and not sel.lay_out_a and sel.h_quant == "pass", sel
     triton_only = select_config(M, E, H, I, "fp8_block", gluon=False)
     assert triton_only.lay_out_a and triton_only.h_quant == "gate_up", triton_only
     w = _weights(E, H, I, torch.bfloat16, "fp8_block", seed=21)

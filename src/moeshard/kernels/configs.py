@@ -73,6 +73,15 @@ GLUON_GATE_UP_MIN_H, GLUON_GATE_UP_MAX_H = 2048, 4096
 # itself), DeepSeek-V3 (7168) 5.120 against 5.603 and 16.28 against 17.31. 64-column tiles were
 # slower than the Triton kernel at Mixtral and DeepSeek-V3 and even at Qwen3.
 GLUON_BLOCK_GATE_UP_MIN_H, GLUON_BLOCK_GATE_UP_MAX_H = 2048, 7168
+# ... and its down GEMM the warp-specialized Gluon kernel with block scales
+# (``kernels.persistent_block_down``, 128 x 128 x 128 tiles, 6 stages) for hidden sizes (its N) in
+# this range. One H200, down alone and the whole experts, two alternating rounds
+# (scripts/gluon_down_study.py --schemes fp8_block, 2026-12-04; the same bits): down 13-16% faster
+# than the Triton tile at Qwen3 (H = 2048; experts 0.511 against 0.542 ms at 4096 tokens, 1.708
+# against 1.794 at 16384) and Mixtral (4096; 3.498 against 3.719, 14.17 against 15.97-16.54); at
+# DeepSeek-V3 (7168) down 3-4% faster but the experts 4% faster at 4096 tokens and 2% slower at
+# 16384 (16.26-16.30 against 15.97-16.00), so it keeps the Triton tile.
+GLUON_BLOCK_DOWN_MIN_H, GLUON_BLOCK_DOWN_MAX_H = 2048, 4096
 # Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).
 PDL_CHAINS = ("off", "gate_up", "all")
 # Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
@@ -333,6 +342,9 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         gate_up = dataclasses.replace(cfg.gate_up, engine="gluon", half_tiles=False, num_stages=4,
                                       fp8_acc="imprecise")
         cfg = dataclasses.replace(cfg, gate_up=gate_up, lay_out_a=False, h_quant="pass")
+        if GLUON_BLOCK_DOWN_MIN_H <= hidden <= GLUON_BLOCK_DOWN_MAX_H:
+            cfg = dataclasses.replace(cfg, down=GemmConfig(128, 128, 128, 8, 8, 6, tma=True, fp8_acc="imprecise",
+                                                           engine="gluon"))
     decode = rows_per_expert(num_rows, num_experts) <= DECODE_ROWS
     if get_scheme(scheme).kernel_mode == FP8_TOKEN and (decode or cfg.gate_up.engine == "gluon"):
         # fp8_token's row maxima from the gate_up epilogue (``ExpertsConfig.h_quant``). One H200,
