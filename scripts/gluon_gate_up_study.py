@@ -12,6 +12,11 @@ stages, checking h and the per-expert amax against the Triton kernel's bit for b
 the other kernel (the Gluon kernel at 4 stages where the Triton kernel is selected, the Triton
 kernel's tile where the Gluon kernel is; ``experts_other_gate_up``).
 
+For fp8_block (``--schemes fp8_block``) the Gluon kernel runs with block scales in 64-column
+tiles at 4 and 6 stages and 128-column tiles at 3 and 4 (``BLOCK_TILES``), and the experts are
+timed as selected and with each of those gate_up tiles (input gathered, h quantized by
+quantize_h's pass).
+
     PYTHONPATH=src python3 scripts/gluon_gate_up_study.py --json results/h200/gluon_gate_up_study.json
 """
 

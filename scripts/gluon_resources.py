@@ -1,7 +1,9 @@
 """Registers, spills, shared memory and the instructions of the Gluon GEMMs, without a GPU.
 
 Compiles ``moeshard.kernels.persistent_down.persistent_down_kernel`` at 2-4 stages of its ring of
-loads and ``moeshard.kernels.persistent_gate_up.persistent_gate_up_kernel`` at 3 and 4 for Hopper
+loads, ``moeshard.kernels.persistent_gate_up.persistent_gate_up_kernel`` at 3 and 4 (and with
+fp8_block's block scales in 64- and 128-column tiles) and
+``moeshard.kernels.persistent_block_down.persistent_block_down_kernel`` at 4 and 6 for Hopper
 (sm_90a) with the installed Triton, and reads the cubin as ``scripts/kernel_resources.py`` does:
 registers (``cuobjdump --dump-resource-usage``; the gate_up kernel's is what each thread starts
 with, before its partitions trade them), local-memory loads and stores (``LDL`` / ``STL``:
