@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig, multiprocessors
 from moeshard.kernels.modes import scale_strides
-from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, _tiles_in_use, operands_refusal
+from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, _tiles_in_use, operands_refusal, tma_descriptors
 from moeshard.kernels.persistent_gate_up import (
     _BARRIER,
     _MAXNREG,
@@ -53,6 +53,8 @@ from moeshard.kernels.persistent_gate_up import (
     MMA_REGS,
     PARTITION_WARPS,
     _publish,
+    _release_stages,
+    _ring_and_handoff,
     _take,
 )
 from moeshard.quant import QuantizedActivations, QuantizedWeight
@@ -151,11 +153,7 @@ def _mma_rows(args, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.con
                      gl.convert_layout(acc.to(out_ty), store_layout), mask=ok_s[:, None] & (cols < N)[None, :])
         else:
             # Rows of padding only: no MMA and nothing stored; the stages released as they come.
-            for _ in range(k_steps):
-                index = step % STAGES
-                mbarrier.wait(ready.index(index), step // STAGES & 1)
-                mbarrier.arrive(empty.index(index))
-                step += 1
+            step = _release_stages(step, k_steps, ready, empty, STAGES)
         j += 1
         t = _take(j, tile_ids, tile_ready, tile_empty)
 
@@ -181,17 +179,8 @@ def persistent_block_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_p
     gl.static_assert(BLOCK_M == 128, "two MMA warpgroups of 64 rows")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(tile_ready.index(i), count=1)
-        mbarrier.init(tile_empty.index(i), count=2)
+    # ready: the loader's expect of both tiles' bytes, one arrival.
+    ready, empty, tile_ids, tile_ready, tile_empty = _ring_and_handoff(STAGES, 1)
     args = (a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
             num_experts, N, K, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om,
             a_bufs, w_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty)
@@ -214,8 +203,6 @@ def persistent_block_down(h: QuantizedActivations, w: QuantizedWeight, plan: Row
     steps; one weight block per tile). Refuses (ValueError) what this kernel does not compute,
     naming the value.
     """
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     where = "moe_gemm (engine 'gluon', fp8_block down)"
     refusal = operands_refusal(out.device, h, w, "down", ("fp8_block",))
     if refusal:
@@ -225,7 +212,7 @@ def persistent_block_down(h: QuantizedActivations, w: QuantizedWeight, plan: Row
         raise ValueError(f"{where}: computes 128 x 128 x 128 tiles, got {bm} x {bn} x {bk}")
     if plan.block_m != bm:
         raise ValueError(f"{where}: config.block_m={bm} but the plan's block_m={plan.block_m}")
-    e, n, k = w.shape
+    _, n, k = w.shape
     if h.shape != (plan.padded_rows, k) or out.shape != (plan.num_rows, n):
         raise ValueError(f"{where}: h {tuple(h.shape)} must be [P={plan.padded_rows}, I={k}] and out "
                          f"{tuple(out.shape)} [M={plan.num_rows}, H={n}]")
@@ -237,10 +224,7 @@ def persistent_block_down(h: QuantizedActivations, w: QuantizedWeight, plan: Row
                          f"{out.stride()}")
     stride_asm, stride_ask = scale_strides(h.row_scale, 2)
     stride_wse, stride_wsn, stride_wsk = scale_strides(w.scale, 3)
-    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
-    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
-    a_desc = TensorDescriptor.from_tensor(h.data, [bm, bk], a_layout)
-    w_desc = TensorDescriptor.from_tensor(w.data.view(e * n, k), [bn, bk], w_layout)
+    a_desc, w_desc = tma_descriptors(h, w, config)
     tiles = plan.max_tiles * triton.cdiv(n, bn)
     programs = programs or multiprocessors(out.device.index)
     if tiles:  # no launch for an empty plan

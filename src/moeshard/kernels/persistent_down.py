@@ -203,6 +203,20 @@ def operands_refusal(device: torch.device, a, w, gemm: str,
     return None
 
 
+def tma_descriptors(h: QuantizedActivations, w: QuantizedWeight, config: GemmConfig):
+    """The down GEMM's TMA descriptors: h's fp8 [P, I] in [block_m, block_k] blocks and the
+    weights' fp8 [E, H, I], viewed [E * H, I], in [block_n, block_k] blocks (contiguous, checked by
+    the caller)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    e, n, k = w.shape
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
+    return (TensorDescriptor.from_tensor(h.data, [bm, bk], a_layout),
+            TensorDescriptor.from_tensor(w.data.view(e * n, k), [bn, bk], w_layout))
+
+
 def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignment, out: torch.Tensor,
                     config: GemmConfig, programs: int | None = None) -> torch.Tensor:
     """``moe_gemm(h, w, plan, out, config, activation=None, gather=False)`` for fp8_tensor /
@@ -215,8 +229,6 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
     multiprocessor of out's device; at most one per tile). Refuses (ValueError) what this
     kernel does not compute, naming the value.
     """
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     where = "moe_gemm (engine 'gluon')"
     refusal = operands_refusal(out.device, h, w, "down")
     if refusal:
@@ -224,7 +236,7 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if plan.block_m != bm:
         raise ValueError(f"{where}: config.block_m={bm} but the plan's block_m={plan.block_m}")
-    e, n, k = w.shape
+    _, n, k = w.shape
     a_scale = h.row_scale if h.row_scale is not None else h.tensor_scale
     if a_scale is None or a_scale.shape != (h.shape[0], 1):
         raise ValueError(f"{where}: h needs one scale per row [P, 1], got "
@@ -241,10 +253,7 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
                          f"out's rows contiguous; got I={k}, out strides {out.stride()}")
     scale = w.scale  # fp8_tensor [E], fp8_token [E, H]
     stride_wse, stride_wsn, _ = scale_strides(scale, 3)
-    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
-    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
-    a_desc = TensorDescriptor.from_tensor(h.data, [bm, bk], a_layout)
-    w_desc = TensorDescriptor.from_tensor(w.data.view(e * n, k), [bn, bk], w_layout)
+    a_desc, w_desc = tma_descriptors(h, w, config)
     tiles = plan.max_tiles * triton.cdiv(n, bn)
     programs = programs or multiprocessors(out.device.index)
     # The ring runs STAGES - 1 loads ahead within a tile's K steps: no more stages than steps + 1.

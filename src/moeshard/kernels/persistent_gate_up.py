@@ -129,6 +129,38 @@ def _take(j, tile_ids, tile_ready, tile_empty):
 
 
 @gluon.jit
+def _ring_and_handoff(STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr):
+    """The mbarriers of a warp-specialized kernel with one loader and two MMA warpgroups: the
+    ring's ``ready`` (READY_ARRIVALS per phase) and ``empty`` (one per MMA warpgroup) for each of
+    STAGES stages, and the two-slot tile hand-over of ``_publish`` / ``_take`` (its ids, and
+    ``tile_ready`` / ``tile_empty``: one arrival by the loader, one per MMA warpgroup)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=READY_ARRIVALS)
+        mbarrier.init(empty.index(i), count=2)
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=2)
+    return ready, empty, tile_ids, tile_ready, tile_empty
+
+
+@gluon.jit
+def _release_stages(step, k_steps, ready, empty, STAGES: gl.constexpr):
+    """An MMA warpgroup with no real rows in a tile: waits for each of its K steps' stages and
+    releases it at once (the other warpgroup's MMAs read it). Returns the step count."""
+    for _ in range(k_steps):
+        index = step % STAGES
+        mbarrier.wait(ready.index(index), step // STAGES & 1)
+        mbarrier.arrive(empty.index(index))
+        step += 1
+    return step
+
+
+@gluon.jit
 def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """The loader partition: for every K step of every tile, waits for the stage to be empty,
@@ -336,11 +368,7 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
         else:
             # Rows of padding only: no MMA (the other warpgroup has the tensor cores), the stages
             # released as they come, and zeros stored as the whole tile's padding rows would be.
-            for _ in range(k_steps):
-                index = step % STAGES
-                mbarrier.wait(ready.index(index), step // STAGES & 1)
-                mbarrier.arrive(empty.index(index))
-                step += 1
+            step = _release_stages(step, k_steps, ready, empty, STAGES)
             gl.store(out_ptrs, gl.zeros((ROWS, BLOCK_N), dtype=out_ty, layout=store_layout), mask=out_mask)
         j += 1
         t = _take(j, tile_ids, tile_ready, tile_empty)
@@ -371,20 +399,9 @@ def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_s
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        # ready: the loader's expect (one arrival plus the weight tiles' bytes) and each loader
-        # thread's copies; empty: one arrival per MMA warpgroup.
-        mbarrier.init(ready.index(i), count=1 + PARTITION_WARPS * 32)
-        mbarrier.init(empty.index(i), count=2)
-    # The tile ids the loader hands to the MMA partitions (``_publish``, ``_take``).
-    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(tile_ready.index(i), count=1)
-        mbarrier.init(tile_empty.index(i), count=2)
+    # ready: the loader's expect (one arrival plus the weight tiles' bytes) and each loader
+    # thread's copies.
+    ready, empty, tile_ids, tile_ready, tile_empty = _ring_and_handoff(STAGES, 1 + PARTITION_WARPS * 32)
     args = (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
             count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn,
             stride_wsk, stride_om, a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty)
