@@ -25,7 +25,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, moe_gemm_kernel, one_w_scale_per_tile
+from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, moe_gemm_kernel
+from moeshard.kernels.modes import one_w_scale_per_tile
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SM90 = GPUTarget("cuda", 90, 32)

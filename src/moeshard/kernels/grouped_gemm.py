@@ -49,7 +49,7 @@ import triton.language as tl
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
-from moeshard.kernels.modes import act_mode, amax_mode, kernel_mode, scale_strides
+from moeshard.kernels.modes import act_mode, amax_mode, kernel_mode, one_w_scale_per_tile, scale_strides
 from moeshard.kernels.nvfp4_values import Nvfp4Values, e2m1_scaled_f16
 from moeshard.kernels.quant import _fp8_group
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedActivations, QuantizedWeight
@@ -355,16 +355,6 @@ def moe_gemm_kernel(
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, stride_osm,
           QUANT, FUSE_ACT, ACT, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
           FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-def one_w_scale_per_tile(mode: int, block_n: int, n: int, fused: bool) -> bool:
-    """Whether every fp8_block (mode 3) tile of ``block_n`` of the N output columns lies in one
-    128-column weight block: at most 128 columns starting on a multiple of its width, and for the
-    fused gate_up N a multiple of 128 (so up's columns, N later, are aligned too). Its weight scale
-    is then one scalar per K step. A [BLOCK_N] scale vector in the MMA layout costs registers:
-    the 8-warp 128 x 64 x 128 fused gate_up tile needs 180 with the scalar and spills at 255 with
-    the vector (scripts/kernel_resources.py). The products are the same in either form."""
-    return mode == 3 and block_n <= 128 and 128 % block_n == 0 and (not fused or n % 128 == 0)
 
 
 def _a_operand(a: torch.Tensor | QuantizedActivations | Nvfp4Values):

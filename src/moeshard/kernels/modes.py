@@ -2,8 +2,8 @@
 read a scale tensor of any of the schemes' shapes.
 
 Shared by the Triton grouped GEMM (``grouped_gemm``), the quantization kernels (``quant``,
-``quant_rows``) and the Gluon GEMMs (``persistent_gate_up``, ``persistent_down``), which compute
-the same arithmetic on the same operands.
+``quant_rows``) and the Gluon GEMMs (``persistent_gate_up``, ``persistent_down``,
+``persistent_block_down``), which compute the same arithmetic on the same operands.
 """
 
 from __future__ import annotations
@@ -46,3 +46,13 @@ def scale_strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
         return (0,) * dims
     strides = [s if n > 1 else 0 for n, s in zip(t.shape, t.stride(), strict=True)]
     return tuple(strides + [0] * (dims - len(strides)))
+
+
+def one_w_scale_per_tile(mode: int, block_n: int, n: int, fused: bool) -> bool:
+    """Whether every fp8_block (mode 3) tile of ``block_n`` of the N output columns lies in one
+    128-column weight block: at most 128 columns starting on a multiple of its width, and for the
+    fused gate_up N a multiple of 128 (so up's columns, N later, are aligned too). Its weight scale
+    is then one scalar per K step. A [BLOCK_N] scale vector in the MMA layout costs registers:
+    the 8-warp 128 x 64 x 128 fused gate_up tile needs 180 with the scalar and spills at 255 with
+    the vector (scripts/kernel_resources.py). The products are the same in either form."""
+    return mode == 3 and block_n <= 128 and 128 % block_n == 0 and (not fused or n % 128 == 0)

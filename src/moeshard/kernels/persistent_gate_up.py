@@ -87,8 +87,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig, multiprocessors
-from moeshard.kernels.grouped_gemm import one_w_scale_per_tile
-from moeshard.kernels.modes import act_mode, amax_mode, kernel_mode, scale_strides
+from moeshard.kernels.modes import act_mode, amax_mode, kernel_mode, one_w_scale_per_tile, scale_strides
 from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, _tiles_in_use, operands_refusal
 from moeshard.quant import QuantizedActivations, QuantizedWeight
 
