@@ -167,7 +167,7 @@ def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.
     completing on the stage's ``ready`` mbarrier."""
     (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
      count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-     stride_om, a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
+     stride_om, a_bufs, w_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     # 16 bytes of one input row per thread: BLOCK_K / 16 threads cover a row.
     gather: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [PARTITION_WARPS, 1],
@@ -198,8 +198,9 @@ def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.
             mbarrier.wait(empty.index(index), (step // STAGES & 1) ^ 1)
             bar = ready.index(index)
             mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
-            _TMA_LOAD(w_desc, [off_w, k], bar, g_bufs.index(index))
-            _TMA_LOAD(w_desc, [off_w + N, k], bar, u_bufs.index(index))
+            # The gate tile above the up tile: one [2 BLOCK_N, BLOCK_K] operand.
+            _TMA_LOAD(w_desc, [off_w, k], bar, w_bufs.index(index).slice(0, BLOCK_N))
+            _TMA_LOAD(w_desc, [off_w + N, k], bar, w_bufs.index(index).slice(BLOCK_N, BLOCK_N))
             # Whole 16-byte copies: K is a multiple of BLOCK_K (persistent_gate_up).
             _CP_ASYNC(a_bufs.index(index), base + k, mask=mask)
             async_copy.mbarrier_arrive(bar, increment_count=False)
@@ -220,7 +221,7 @@ def _act_mul(gate, up, ACT: gl.constexpr):
 
 @gluon.jit
 def _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_n, N, a_scale_ptr, w_scale_ptr,
-                         stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, a_bufs, g_bufs, u_bufs, ready,
+                         stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, a_bufs, w_bufs, ready,
                          empty, STAGES: gl.constexpr, WG: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr):
     """fp8_block's K loop of one MMA partition: each 128-column step's gate and up products start
     from zero on the tensor cores, and are added to the fp32 accumulators scaled by the rows'
@@ -250,16 +251,18 @@ def _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_
         # cp.async wrote through the generic proxy; the MMA reads through the async one.
         fence_async_shared()
         a = a_bufs.index(index).slice(WG * ROWS, ROWS)
+        g_tile = w_bufs.index(index).slice(0, BLOCK_N).permute((1, 0))
+        u_tile = w_bufs.index(index).slice(BLOCK_N, BLOCK_N).permute((1, 0))
         if BLOCK_N <= 64:
-            part_g = warpgroup_mma(a, g_bufs.index(index).permute((1, 0)), zero, use_acc=False, is_async=True)
-            part_u = warpgroup_mma(a, u_bufs.index(index).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part_g = warpgroup_mma(a, g_tile, zero, use_acc=False, is_async=True)
+            part_u = warpgroup_mma(a, u_tile, zero, use_acc=False, is_async=True)
             part_g = warpgroup_mma_wait(num_outstanding=1, deps=(part_g, ))
             acc_g += part_g * a_s[:, None] * wg_s
         else:
-            part_g = warpgroup_mma(a, g_bufs.index(index).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part_g = warpgroup_mma(a, g_tile, zero, use_acc=False, is_async=True)
             part_g = warpgroup_mma_wait(num_outstanding=0, deps=(part_g, ))
             acc_g += part_g * a_s[:, None] * wg_s
-            part_u = warpgroup_mma(a, u_bufs.index(index).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part_u = warpgroup_mma(a, u_tile, zero, use_acc=False, is_async=True)
         part_u = warpgroup_mma_wait(num_outstanding=0, deps=(part_u, ))
         # Both MMAs that read the stage are done: it is free for the loader.
         _BARRIER()
@@ -272,15 +275,18 @@ def _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_
 
 @gluon.jit
 def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr,
+              WIDE_MMA: gl.constexpr):
     """An MMA partition: rows [64 WG, 64 WG + 64) of every tile, their K loop and epilogue."""
     (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
      count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-     stride_om, a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
+     stride_om, a_bufs, w_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty) = args
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     ROWS: gl.constexpr = BLOCK_M // 2
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PARTITION_WARPS, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
+    wide_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PARTITION_WARPS, 1],
+                                                          instr_shape=[16, 2 * BLOCK_N, 32])
     rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
     # 8 columns per thread (16 bytes of bf16); a 128-column tile as measured, narrower ones without
@@ -306,18 +312,34 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
         if not BLOCK_SCALES:
             # The row scales of the per-row schemes, asked for under the K loop.
             a_s = gl.load(a_scale_ptr + rows.to(gl.int64) * stride_asm, mask=row_ok, other=0.0)
-        offs_ps = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
-        cols_s = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-        out_ptrs = out_ptr + offs_ps.to(gl.int64)[:, None] * stride_om + cols_s[None, :]
-        out_mask = gl.broadcast(out_ptrs, (cols_s < N)[None, :])[1]
         if first - start < count:
             acc_g = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
             acc_u = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
             if BLOCK_SCALES:
                 acc_g, acc_u, step = _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_n, N,
                                                           a_scale_ptr, w_scale_ptr, stride_asm, stride_ask, stride_wse,
-                                                          stride_wsn, stride_wsk, a_bufs, g_bufs, u_bufs, ready, empty,
+                                                          stride_wsn, stride_wsk, a_bufs, w_bufs, ready, empty,
                                                           STAGES, WG, ROWS, layout)
+            elif WIDE_MMA:
+                # One MMA of 2 BLOCK_N columns (gate, then up) per step: the rows' A tile is read
+                # from shared memory once per step instead of once for each of two MMAs.
+                acc = gl.zeros((ROWS, 2 * BLOCK_N), dtype=gl.float32, layout=wide_layout)
+                for s in range(k_steps):
+                    index = step % STAGES
+                    mbarrier.wait(ready.index(index), step // STAGES & 1)
+                    fence_async_shared()
+                    a = a_bufs.index(index).slice(WG * ROWS, ROWS)
+                    acc = warpgroup_mma(a, w_bufs.index(index).permute((1, 0)), acc, use_acc=s > 0, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                    _BARRIER()
+                    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=s > 0)
+                    step += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                _BARRIER()
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+                acc_g, acc_u = gl.split(gl.permute(gl.reshape(acc, [ROWS, 2, BLOCK_N]), (0, 2, 1)))
+                acc_g = gl.convert_layout(acc_g, layout)
+                acc_u = gl.convert_layout(acc_u, layout)
             else:
                 for s in range(k_steps):
                     index = step % STAGES
@@ -325,9 +347,9 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
                     # cp.async wrote through the generic proxy; the MMA reads through the async one.
                     fence_async_shared()
                     a = a_bufs.index(index).slice(WG * ROWS, ROWS)
-                    acc_g = warpgroup_mma(a, g_bufs.index(index).permute((1, 0)), acc_g, use_acc=s > 0,
+                    acc_g = warpgroup_mma(a, w_bufs.index(index).slice(0, BLOCK_N).permute((1, 0)), acc_g, use_acc=s > 0,
                                           is_async=True)
-                    acc_u = warpgroup_mma(a, u_bufs.index(index).permute((1, 0)), acc_u, use_acc=s > 0,
+                    acc_u = warpgroup_mma(a, w_bufs.index(index).slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u, use_acc=s > 0,
                                           is_async=True)
                     # The step before's MMAs are done: its stage is free for the loader.
                     acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
@@ -363,26 +385,34 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
                 gl.atomic_max(amax_ptr + offs_p, gl.max(seen, axis=1), mask=row_ok, sem="relaxed")
             # Padding rows are stored too (their input rows read as zeros, so they hold exact
             # zeros): the next stage may read whole tiles without masking.
-            gl.store(out_ptrs, gl.convert_layout(result, store_layout), mask=out_mask)
+            result = gl.convert_layout(result, store_layout)
         else:
             # Rows of padding only: no MMA (the other warpgroup has the tensor cores), the stages
             # released as they come, and zeros stored as the whole tile's padding rows would be.
             step = _release_stages(step, k_steps, ready, empty, STAGES)
-            gl.store(out_ptrs, gl.zeros((ROWS, BLOCK_N), dtype=out_ty, layout=store_layout), mask=out_mask)
+            result = gl.zeros((ROWS, BLOCK_N), dtype=out_ty, layout=store_layout)
+        # The output's addresses are made after the K loop, not held in registers across it.
+        offs_ps = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+        cols_s = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+        out_ptrs = out_ptr + offs_ps.to(gl.int64)[:, None] * stride_om + cols_s[None, :]
+        out_mask = gl.broadcast(out_ptrs, (cols_s < N)[None, :])[1]
+        gl.store(out_ptrs, result, mask=out_mask)
         j += 1
         t = _take(j, tile_ids, tile_ready, tile_empty)
 
 
 @gluon.jit
 def _mma_rows_0(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 0)
+                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                WIDE_MMA: gl.constexpr):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 0, WIDE_MMA)
 
 
 @gluon.jit
 def _mma_rows_1(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 1)
+                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                WIDE_MMA: gl.constexpr):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 1, WIDE_MMA)
 
 
 @gluon.jit
@@ -391,21 +421,21 @@ def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_s
                               stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om,
                               ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              num_warps: gl.constexpr, WIDE_MMA: gl.constexpr = False):
     gl.static_assert(num_warps == PARTITION_WARPS, "the MMA partition the kernel starts in is one warpgroup")
     gl.static_assert(BLOCK_M == 128, "two MMA warpgroups of 64 rows")
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-    g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 2 * w_desc.block_type.shape[0], BLOCK_K],
+                                       w_desc.layout)
     # ready: the loader's expect (one arrival plus the weight tiles' bytes) and each loader
     # thread's copies.
     ready, empty, tile_ids, tile_ready, tile_empty = _ring_and_handoff(STAGES, 1 + PARTITION_WARPS * 32)
     args = (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
             count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn,
-            stride_wsk, stride_om, a_bufs, g_bufs, u_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty)
-    gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
-                        (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
+            stride_wsk, stride_om, a_bufs, w_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty)
+    gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, WIDE_MMA)),
+                        (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, WIDE_MMA)),
                         (_loader, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M))],
                        [PARTITION_WARPS, PARTITION_WARPS], [MMA_REGS, LOADER_REGS])
 
@@ -425,7 +455,7 @@ def input_refusal(x) -> str | None:
 def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAlignment, out: torch.Tensor,
                        config: GemmConfig, *, activation: str, amax: torch.Tensor | None = None,
                        a_row_div: int = 1, programs: int | None = None,
-                       row_amax: torch.Tensor | None = None) -> torch.Tensor:
+                       row_amax: torch.Tensor | None = None, wide_mma: bool = True) -> torch.Tensor:
     """``moe_gemm(x, w, plan, out, config, activation=activation, gather=True, amax=amax,
     a_row_div=a_row_div, row_amax=row_amax)`` for fp8_tensor / fp8_token / fp8_block with
     ``config.engine == "gluon"``; writes and returns ``out``.
@@ -437,7 +467,9 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     model dtype, written at every position of the tiles in use; amax: fp32 [E], zeroed by the
     caller, or None; row_amax: fp32 [P], zeroed by the caller (``align_rows``), or None: the row
     maxima of |h| at the positions holding routed rows (not with amax); programs: how many
-    persistent programs (None: one per multiprocessor of out's device; at most one per tile).
+    persistent programs (None: one per multiprocessor of out's device; at most one per tile);
+    wide_mma: the per-row schemes' K step as one MMA over the gate and up columns (True) or one
+    MMA for each (False; what ``scripts/gluon_gate_up_study.py`` compares), with the same bits.
     config: 128 x 128 x 128 or 128 x 64 x 128 tiles, num_stages the ring's stages. Refuses
     (ValueError) what this kernel does not compute, naming the value.
     """
@@ -504,7 +536,7 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
             ACT=act_mode(activation), TRACK_AMAX=amax_mode(amax, row_amax), BLOCK_SCALES=block_scales,
             BLOCK_M=bm, BLOCK_K=bk,
             STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=PARTITION_WARPS.value,
-            maxnreg=_MAXNREG)
+            WIDE_MMA=bool(wide_mma) and not block_scales, maxnreg=_MAXNREG)
     return out
 
 
