@@ -7,8 +7,7 @@ input rows through cp.async (the weight tiles through TMA) for two MMA warpgroup
 this times, on the bench's workload (``moeshard.bench.workload``, CUDA graphs, an L2 flush before
 every repetition, rounds alternating): gate_up on the Triton kernel with the tile ``select_config``
 picks (half tiles where it takes them) and with whole tiles, and on the Gluon kernel at 3 and 4
-stages, each with one MMA over the gate and up columns per K step and with one MMA for each
-(``gluon_two_mma_*``), checking h and the per-expert amax against the Triton kernel's bit for bit; and the whole
+stages, checking h and the per-expert amax against the Triton kernel's bit for bit; and the whole
 ``TritonExperts`` call with the config ``select_config`` picks on this GPU and with its gate_up on
 the other kernel (the Gluon kernel at 4 stages where the Triton kernel is selected, the Triton
 kernel's tile where the Gluon kernel is; ``experts_other_gate_up``).
@@ -32,7 +31,6 @@ from moeshard.kernels.align import align_rows
 from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import gluon_supported
 from moeshard.kernels.grouped_gemm import moe_gemm
-from moeshard.kernels.persistent_gate_up import persistent_gate_up
 
 MODELS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")
 TOKENS = (4096, 16384)
@@ -58,16 +56,11 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     plan = align_rows(inp.expert_ids, E, chosen.block_m)
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": M, "config": dataclasses.asdict(chosen)}
 
-    def gate_up(gemm, wide_mma=True):
+    def gate_up(gemm):
         amax = torch.zeros(E, dtype=torch.float32, device=device) if spec.per_tensor_activation else None
         h = torch.full((plan.padded_rows, I), float("nan"), dtype=cfg.dtype, device=device)
-        if wide_mma:
-            call = lambda: moe_gemm(inp.x, experts.gate_up, plan, h, gemm, activation=cfg.activation,  # noqa: E731
-                                    gather=True, amax=amax, a_row_div=inp.repeat)
-        else:
-            call = lambda: persistent_gate_up(inp.x, experts.gate_up, plan, h, gemm,  # noqa: E731
-                                              activation=cfg.activation, amax=amax, a_row_div=inp.repeat,
-                                              wide_mma=False)
+        call = lambda: moe_gemm(inp.x, experts.gate_up, plan, h, gemm, activation=cfg.activation,  # noqa: E731
+                                gather=True, amax=amax, a_row_div=inp.repeat)
         call()
         return h, amax, call
 
@@ -84,11 +77,9 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
         for stages in STAGES:
             variants[f"gluon_s{stages}"] = dataclasses.replace(triton_tile, engine="gluon", half_tiles=False,
                                                                num_stages=stages)
-            # The same tile with one MMA for the gate columns and one for the up columns per step.
-            variants[f"gluon_two_mma_s{stages}"] = variants[f"gluon_s{stages}"]
     rec["same_bits"] = {}
     for key, gemm in variants.items():
-        h, amax, call = gate_up(gemm, wide_mma="two_mma" not in key)
+        h, amax, call = gate_up(gemm)
         if h_ref is None:
             h_ref, amax_ref = h, amax
         else:

@@ -56,7 +56,7 @@ def compile_down(stages: int, block_m: int = 128, block_n: int = 256, block_k: i
 
 
 def compile_gate_up(stages: int, block: int = 128, track_amax: int = 1, block_n: int = 128,
-                    block_scales: bool = False, wide_mma: bool = False):
+                    block_scales: bool = False):
     """The gate_up kernel compiled for sm_90a with fp8 weights through a TMA descriptor of
     [block_n, block] blocks (``persistent_gate_up``'s 128 x block_n x 128 tile); track_amax 1:
     the per-expert amax (fp8_tensor), 2: the row maxima (fp8_token); block_scales: fp8_block."""
@@ -66,7 +66,7 @@ def compile_gate_up(stages: int, block: int = 128, track_amax: int = 1, block_n:
     sig.update({name: "i32" for name in ("num_experts", "N", "K", "a_row_div", "stride_am", "stride_asm",
                                          "stride_ask", "stride_wse", "stride_wsn", "stride_wsk", "stride_om")})
     consts = {"ACT": 0, "TRACK_AMAX": track_amax, "BLOCK_SCALES": block_scales, "BLOCK_M": block, "BLOCK_K": block,
-              "STAGES": stages, "GROUP_M": 8, "num_warps": PARTITION_WARPS.value, "WIDE_MMA": wide_mma}
+              "STAGES": stages, "GROUP_M": 8, "num_warps": PARTITION_WARPS.value}
     sig.update({name: "constexpr" for name in consts})
     names = list(persistent_gate_up_kernel.arg_names)
     # As at run time: pointers, sizes and strides that are multiples of 16 carry that divisibility.
@@ -77,10 +77,9 @@ def compile_gate_up(stages: int, block: int = 128, track_amax: int = 1, block_n:
     return triton.compile(src, target=SM90, options={"num_warps": PARTITION_WARPS.value, "maxnreg": _MAXNREG})
 
 
-# The gate_up variants as ``persistent_gate_up`` launches them: (track_amax, block_n, block_scales,
-# wide_mma).
-GATE_UP = {"gate_up": (1, 128, False, True), "gate_up_rows": (2, 128, False, True),
-           "gate_up_block64": (0, 64, True, False), "gate_up_block128": (0, 128, True, False)}
+# The gate_up variants: (track_amax, block_n, block_scales).
+GATE_UP = {"gate_up": (1, 128, False), "gate_up_rows": (2, 128, False),
+           "gate_up_block64": (0, 64, True), "gate_up_block128": (0, 128, True)}
 
 
 def compile_block_down(stages: int, block: int = 128):
@@ -109,9 +108,8 @@ def resources(kernel_name: str, stages: int) -> dict:
     elif kernel_name == "block_down":
         kernel = compile_block_down(stages)
     else:
-        track_amax, block_n, block_scales, wide_mma = GATE_UP[kernel_name]
-        kernel = compile_gate_up(stages, track_amax=track_amax, block_n=block_n, block_scales=block_scales,
-                                 wide_mma=wide_mma)
+        track_amax, block_n, block_scales = GATE_UP[kernel_name]
+        kernel = compile_gate_up(stages, track_amax=track_amax, block_n=block_n, block_scales=block_scales)
     usage = cuobjdump(kernel, "--dump-resource-usage")
     sass = cuobjdump(kernel, "--dump-sass")
     regs = re.search(r"REG:(\d+)", usage)

@@ -205,7 +205,6 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
     """The Gluon persistent gate_up GEMM (``GemmConfig.engine="gluon"``) against the Triton
     grouped GEMM on the same prefill tile: h at every position and the per-expert amax
     (fp8_tensor) or the row maxima (fp8_token, equal to max |h| of each routed row) bit for bit,
-    with each K step as one MMA over the gate and up columns (the default) and as one MMA for each,
     with rows gathered from tokens repeated for their two routed rows (``a_row_div=2``), with
     one program per SM and with three (each walking hundreds of tiles, its loads running into the
     next tile's), for experts of 0-300 rows (an empty expert, last tiles of every height: those of
@@ -231,16 +230,16 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
     triton_cfg = GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise")
     gluon_cfg = dataclasses.replace(triton_cfg, engine="gluon")
 
-    def run(cfg, programs=None, wide_mma=True):
+    def run(cfg, programs=None):
         amax = torch.zeros(E, device="cuda") if spec.per_tensor_activation else None
         rows = None if spec.per_tensor_activation else torch.zeros(plan.padded_rows, device="cuda")
         h = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16, device="cuda")
-        if programs is None and wide_mma:
+        if programs is None:
             moe_gemm(x, w.gate_up, plan, h, cfg, activation="silu", gather=True, amax=amax, a_row_div=2,
                      row_amax=rows)
         else:
             persistent_gate_up(x, w.gate_up, plan, h, cfg, activation="silu", amax=amax, a_row_div=2,
-                               programs=programs, row_amax=rows, wide_mma=wide_mma)
+                               programs=programs, row_amax=rows)
         return h, amax if rows is None else rows
 
     def same(a, b):
@@ -256,12 +255,12 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
                                  < plan.count.long()[expert])
         assert torch.equal(want_amax[real], want_h[real].float().abs().amax(dim=1))
         assert (want_amax[~real] == 0).all()
-    for programs, wide_mma in ((None, True), (3, True), (None, False), (3, False)):
-        got_h, got_amax = run(gluon_cfg, programs, wide_mma)
-        where = f"{scheme} H={H} I={I} programs={programs} wide_mma={wide_mma}"
-        assert same(got_h, want_h), f"{where}: max {(got_h.float() - want_h.float()).nan_to_num().abs().max():.3g}"
+    for programs in (None, 3):
+        got_h, got_amax = run(gluon_cfg, programs)
+        assert same(got_h, want_h), f"{scheme} H={H} I={I} programs={programs}: max " \
+            f"{(got_h.float() - want_h.float()).nan_to_num().abs().max():.3g}"
         if want_amax is not None:
-            assert torch.equal(got_amax, want_amax), f"{where}: amax / row maxima"
+            assert torch.equal(got_amax, want_amax), f"{scheme} H={H} I={I} programs={programs}: amax / row maxima"
     odd = quantize_activations(torch.randn(M // 2, H + 64, device="cuda").to(torch.bfloat16), scheme)
     odd_w = _weights(E, H + 64, I, torch.bfloat16, scheme, seed=3).gate_up
     with pytest.raises(ValueError, match=f"H={H + 64} a multiple of its 128-column K step"):

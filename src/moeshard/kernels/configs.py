@@ -60,10 +60,13 @@ GLUON_DOWN_MIN_K, GLUON_DOWN_MAX_K = 512, 8192
 # gate_up alone and the whole experts, alternating (scripts/gluon_gate_up_study.py, 2026-12-04):
 # gate_up 1-9% faster than the Triton kernel's selected tiles at Qwen3 (H = 2048) and Mixtral
 # (4096) but Mixtral fp8_tensor at 16384 tokens (3% slower), the experts 1-7% faster there but
-# Qwen3 at 4096 tokens (even); at DeepSeek-V3 (7168) gate_up 3-6% faster but the experts 1-2%
-# faster at 4096 tokens (within the rounds' spread) and 2-6% slower at 16384.
+# Qwen3 at 4096 tokens (even). DeepSeek-V3 (7168) was left out then (experts within 2% at 4096
+# tokens, 2-6% slower at 16384); with the kernel's one MMA over gate and up per K step, its
+# experts took 3.91-3.97 against 4.05-4.12 ms at 4096 tokens and 11.69-11.90 against
+# 12.32-13.19 at 16384 (fp8_tensor; fp8_token 4.06-4.08 / 11.82-11.87 against 4.18-4.20 /
+# 12.36-13.45), two rounds each (results/h200/gluon_gate_up_study-2026-12-04-ef2d65f).
 # Smaller hidden sizes were not measured (the kernel computes them: tests/gpu).
-GLUON_GATE_UP_MIN_H, GLUON_GATE_UP_MAX_H = 2048, 4096
+GLUON_GATE_UP_MIN_H, GLUON_GATE_UP_MAX_H = 2048, 7168
 # fp8_block's prefill gate_up is the Gluon kernel with block scales for hidden sizes in this range.
 # One H200, gate_up alone and the whole experts, two alternating rounds
 # (scripts/gluon_gate_up_study.py --schemes fp8_block, 2026-12-04; the same bits): 128-column tiles

@@ -31,17 +31,21 @@ time from a counter in memory (the loader takes each and hands it to the MMA par
 * the loader gathers each step's 128 input rows with cp.async (each thread's copies arrive on the
   stage's ``ready`` mbarrier when they land, rows past the expert's count zero-filled without a
   read) and loads the gate and up weight tiles through TMA onto the same mbarrier;
-* two MMA warpgroups each own 64 rows of the 128-row tile: they wait for ``ready``, issue their
-  gate and up MMAs (the tensor cores' own accumulation across K, as the selected prefill tiles'
-  ``fp8_acc="imprecise"``), release the stage on its ``empty`` mbarrier once the MMAs that read
-  it are done, and run their epilogue alone. A warpgroup whose 64 rows hold no real row (an
-  expert's last tile) issues no MMA and stores zeros, which leaves the tensor cores to the other
-  one: the Triton kernel's half tiles, without a second code path. For fp8_block each K step's
-  products start from zero and are scaled into fp32 accumulators before the stage is released
-  (``_block_scaled_k_loop``); while one warpgroup scales, the other's MMAs can have the tensor
-  cores. In 128-column tiles at 4 stages it took 8-17% less time than the Triton kernel's selected
-  tile on the bench's prefill shapes (one H200, ``scripts/gluon_gate_up_study.py``,
-  docs/performance.md).
+* two MMA warpgroups each own 64 rows of the 128-row tile: they wait for ``ready``, issue one
+  MMA over the stage's gate and up weight tiles, stacked into one operand of 2 BLOCK_N columns
+  (the tensor cores' own accumulation across K, as the selected prefill tiles'
+  ``fp8_acc="imprecise"``), release the stage on its ``empty`` mbarrier once the MMA that read it
+  is done, and run their epilogue alone. One MMA for gate and another for up read the input tile
+  from shared memory twice per step, and took 0-7% longer (one H200,
+  ``scripts/gluon_gate_up_study.py``, docs/performance.md). A warpgroup whose 64 rows hold no real
+  row (an expert's last tile) issues no MMA and stores zeros, which leaves the tensor cores to the
+  other one: the Triton kernel's half tiles, without a second code path. For fp8_block each K
+  step's products start from zero and are scaled into fp32 accumulators before the stage is
+  released (``_block_scaled_k_loop``; one product at a time in 128-column tiles, where a stacked
+  product would not fit in registers beside the two accumulators); while one warpgroup scales, the
+  other's MMAs can have the tensor cores. In 128-column tiles at 4 stages it took 8-17% less time
+  than the Triton kernel's selected tile on the bench's prefill shapes (one H200,
+  ``scripts/gluon_gate_up_study.py``, docs/performance.md).
 
 Why a counter: the tiles that run at one time must be neighbours in the grouped order, sharing
 input rows and weight tiles in L2, as the programs of a non-persistent launch are. Walked at a
@@ -275,8 +279,7 @@ def _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_
 
 @gluon.jit
 def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr,
-              WIDE_MMA: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
     """An MMA partition: rows [64 WG, 64 WG + 64) of every tile, their K loop and epilogue."""
     (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
      count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
@@ -320,16 +323,19 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
                                                           a_scale_ptr, w_scale_ptr, stride_asm, stride_ask, stride_wse,
                                                           stride_wsn, stride_wsk, a_bufs, w_bufs, ready, empty,
                                                           STAGES, WG, ROWS, layout)
-            elif WIDE_MMA:
-                # One MMA of 2 BLOCK_N columns (gate, then up) per step: the rows' A tile is read
-                # from shared memory once per step instead of once for each of two MMAs.
+            else:
+                # One MMA over the stage's stacked gate and up tiles (2 BLOCK_N columns) per step:
+                # the warpgroup's input tile is read from shared memory once per step, not once
+                # for a gate MMA and again for an up MMA.
                 acc = gl.zeros((ROWS, 2 * BLOCK_N), dtype=gl.float32, layout=wide_layout)
                 for s in range(k_steps):
                     index = step % STAGES
                     mbarrier.wait(ready.index(index), step // STAGES & 1)
+                    # cp.async wrote through the generic proxy; the MMA reads through the async one.
                     fence_async_shared()
                     a = a_bufs.index(index).slice(WG * ROWS, ROWS)
                     acc = warpgroup_mma(a, w_bufs.index(index).permute((1, 0)), acc, use_acc=s > 0, is_async=True)
+                    # The step before's MMA is done: its stage is free for the loader.
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                     _BARRIER()
                     mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=s > 0)
@@ -337,28 +343,11 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _BARRIER()
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+                # Columns n and BLOCK_N + n sit in the same thread's registers: the split and the
+                # layout conversion move no data (the SASS has no more shared-memory traffic).
                 acc_g, acc_u = gl.split(gl.permute(gl.reshape(acc, [ROWS, 2, BLOCK_N]), (0, 2, 1)))
                 acc_g = gl.convert_layout(acc_g, layout)
                 acc_u = gl.convert_layout(acc_u, layout)
-            else:
-                for s in range(k_steps):
-                    index = step % STAGES
-                    mbarrier.wait(ready.index(index), step // STAGES & 1)
-                    # cp.async wrote through the generic proxy; the MMA reads through the async one.
-                    fence_async_shared()
-                    a = a_bufs.index(index).slice(WG * ROWS, ROWS)
-                    acc_g = warpgroup_mma(a, w_bufs.index(index).slice(0, BLOCK_N).permute((1, 0)), acc_g, use_acc=s > 0,
-                                          is_async=True)
-                    acc_u = warpgroup_mma(a, w_bufs.index(index).slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u, use_acc=s > 0,
-                                          is_async=True)
-                    # The step before's MMAs are done: its stage is free for the loader.
-                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-                    _BARRIER()
-                    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=s > 0)
-                    step += 1
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-                _BARRIER()
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
 
             offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
             col_ok = offs_n < N
@@ -404,15 +393,15 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
 @gluon.jit
 def _mma_rows_0(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                WIDE_MMA: gl.constexpr):
-    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 0, WIDE_MMA)
+                ):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 0)
 
 
 @gluon.jit
 def _mma_rows_1(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                WIDE_MMA: gl.constexpr):
-    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 1, WIDE_MMA)
+                ):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 1)
 
 
 @gluon.jit
@@ -421,7 +410,7 @@ def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_s
                               stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om,
                               ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                              num_warps: gl.constexpr, WIDE_MMA: gl.constexpr = False):
+                              num_warps: gl.constexpr):
     gl.static_assert(num_warps == PARTITION_WARPS, "the MMA partition the kernel starts in is one warpgroup")
     gl.static_assert(BLOCK_M == 128, "two MMA warpgroups of 64 rows")
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
@@ -434,8 +423,8 @@ def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_s
     args = (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
             count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn,
             stride_wsk, stride_om, a_bufs, w_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty)
-    gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, WIDE_MMA)),
-                        (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, WIDE_MMA)),
+    gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
+                        (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
                         (_loader, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M))],
                        [PARTITION_WARPS, PARTITION_WARPS], [MMA_REGS, LOADER_REGS])
 
@@ -455,7 +444,7 @@ def input_refusal(x) -> str | None:
 def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAlignment, out: torch.Tensor,
                        config: GemmConfig, *, activation: str, amax: torch.Tensor | None = None,
                        a_row_div: int = 1, programs: int | None = None,
-                       row_amax: torch.Tensor | None = None, wide_mma: bool = True) -> torch.Tensor:
+                       row_amax: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_gemm(x, w, plan, out, config, activation=activation, gather=True, amax=amax,
     a_row_div=a_row_div, row_amax=row_amax)`` for fp8_tensor / fp8_token / fp8_block with
     ``config.engine == "gluon"``; writes and returns ``out``.
@@ -467,9 +456,7 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     model dtype, written at every position of the tiles in use; amax: fp32 [E], zeroed by the
     caller, or None; row_amax: fp32 [P], zeroed by the caller (``align_rows``), or None: the row
     maxima of |h| at the positions holding routed rows (not with amax); programs: how many
-    persistent programs (None: one per multiprocessor of out's device; at most one per tile);
-    wide_mma: the per-row schemes' K step as one MMA over the gate and up columns (True) or one
-    MMA for each (False; what ``scripts/gluon_gate_up_study.py`` compares), with the same bits.
+    persistent programs (None: one per multiprocessor of out's device; at most one per tile).
     config: 128 x 128 x 128 or 128 x 64 x 128 tiles, num_stages the ring's stages. Refuses
     (ValueError) what this kernel does not compute, naming the value.
     """
@@ -536,7 +523,7 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
             ACT=act_mode(activation), TRACK_AMAX=amax_mode(amax, row_amax), BLOCK_SCALES=block_scales,
             BLOCK_M=bm, BLOCK_K=bk,
             STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=PARTITION_WARPS.value,
-            WIDE_MMA=bool(wide_mma) and not block_scales, maxnreg=_MAXNREG)
+            maxnreg=_MAXNREG)
     return out
 
 
