@@ -10,7 +10,9 @@ picks (half tiles where it takes them) and with whole tiles, and on the Gluon ke
 stages, checking h and the per-expert amax against the Triton kernel's bit for bit; and the whole
 ``TritonExperts`` call with the config ``select_config`` picks on this GPU and with its gate_up on
 the other kernel (the Gluon kernel at 4 stages where the Triton kernel is selected, the Triton
-kernel's tile where the Gluon kernel is; ``experts_other_gate_up``).
+kernel's tile where the Gluon kernel is, with h quantized as ``select_config`` pairs with that
+gate_up: ``experts_other_gate_up``), and, where fp8_token's row maxima come from the gate_up
+epilogue, with quantize_h's row-max pass instead (``experts_chosen_h_pass``).
 
 For fp8_block (``--schemes fp8_block``) the Gluon kernel runs with block scales in 64-column
 tiles at 4 and 6 stages and 128-column tiles at 3 and 4 (``BLOCK_TILES``), and the experts are
@@ -99,8 +101,14 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
         return time_variants(rec, calls, flush, args)
     other = variants["gluon_s4"] if chosen.gate_up.engine == "triton" else triton_tile
     rec["other_gate_up"] = dataclasses.asdict(other)
-    experts_variants(case, {"experts_chosen": chosen, "experts_other_gate_up": dataclasses.replace(chosen, gate_up=other)},
-                     calls, rec)
+    # h quantized as select_config pairs it with the other gate_up (fp8_token's row maxima come
+    # from the Gluon gate_up's epilogue, not from the Triton prefill tile's).
+    h_quant = select_config(M, E, H, I, scheme, sms, gluon=other.engine == "gluon").h_quant
+    configs = {"experts_chosen": chosen, "experts_other_gate_up": dataclasses.replace(chosen, gate_up=other, h_quant=h_quant)}
+    if chosen.h_quant == "row_max":
+        # fp8_token's row maxima from the gate_up epilogue against quantize_h's row-max pass.
+        configs["experts_chosen_h_pass"] = dataclasses.replace(chosen, h_quant="pass")
+    experts_variants(case, configs, calls, rec)
     return time_variants(rec, calls, flush, args)
 
 
