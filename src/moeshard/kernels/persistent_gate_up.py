@@ -36,8 +36,8 @@ time from a counter in memory (the loader takes each and hands it to the MMA par
   (the tensor cores' own accumulation across K, as the selected prefill tiles'
   ``fp8_acc="imprecise"``), release the stage on its ``empty`` mbarrier once the MMA that read it
   is done, and run their epilogue alone. One MMA for gate and another for up read the input tile
-  from shared memory twice per step, and took 0-7% longer (one H200,
-  ``scripts/gluon_gate_up_study.py``, docs/performance.md). A warpgroup whose 64 rows hold no real
+  from shared memory twice per step, and took up to 7% longer at all but one of the bench's
+  prefill shapes (one H200, ``scripts/gluon_gate_up_study.py``, docs/performance.md). A warpgroup whose 64 rows hold no real
   row (an expert's last tile) issues no MMA and stores zeros, which leaves the tensor cores to the
   other one: the Triton kernel's half tiles, without a second code path. For fp8_block each K
   step's products start from zero and are scaled into fp32 accumulators before the stage is
