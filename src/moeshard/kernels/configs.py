@@ -82,9 +82,12 @@ GLUON_BLOCK_GATE_UP_MIN_H, GLUON_BLOCK_GATE_UP_MAX_H = 2048, 7168
 # (scripts/gluon_down_study.py --schemes fp8_block, 2026-12-04; the same bits): down 13-16% faster
 # than the Triton tile at Qwen3 (H = 2048; experts 0.511 against 0.542 ms at 4096 tokens, 1.708
 # against 1.794 at 16384) and Mixtral (4096; 3.498 against 3.719, 14.17 against 15.97-16.54); at
-# DeepSeek-V3 (7168) down 3-4% faster but the experts 4% faster at 4096 tokens and 2% slower at
-# 16384 (16.26-16.30 against 15.97-16.00), so it keeps the Triton tile.
-GLUON_BLOCK_DOWN_MIN_H, GLUON_BLOCK_DOWN_MAX_H = 2048, 4096
+# DeepSeek-V3 (7168) down 3-4% faster, the experts 4% faster at 4096 tokens and 2% slower at 16384
+# (16.26-16.30 against 15.97-16.00) in that study; in three alternating rounds of its experts on
+# one lease (moeshard bench, 2026-12-04, results/h200/block_down_ab-2026-12-04-51e63e8) within the
+# rounds' spread at 4096 tokens (4.41-4.55 against 4.52-4.60 ms) and 1.2-4.5% faster at 16384 in
+# every round (14.99-15.33 against 15.36-15.69).
+GLUON_BLOCK_DOWN_MIN_H, GLUON_BLOCK_DOWN_MAX_H = 2048, 7168
 # Which of the experts' kernels launch under PDL (``ExpertsConfig.pdl``).
 PDL_CHAINS = ("off", "gate_up", "all")
 # Which nvfp4 operands are decoded to fp16 values before the GEMMs (``ExpertsConfig.decode_nvfp4``).
