@@ -30,8 +30,8 @@ GLUON_GATE_UP_TILE = {**GLUON_TILE, "block_n": 128}
 def test_select_config_takes_the_gluon_down_where_it_was_measured_faster(scheme):
     """Per-row fp8 prefill down GEMMs with I in [GLUON_DOWN_MIN_K, GLUON_DOWN_MAX_K] (DeepSeek-V3
     2048, Qwen3 768),
-    on a GPU that runs it; not Mixtral's 14336, not fp8_block or bf16, not at decode, not without
-    the GPU's support."""
+    on a GPU that runs it; not Mixtral's 14336, not bf16 or nvfp4 (fp8_block: its own kernel), not
+    at decode, not without the GPU's support."""
     deepseek = select_config(4096 * 8, 256, 7168, 2048, scheme, gluon=True)
     qwen3 = select_config(16384 * 8, 128, 2048, 768, scheme, gluon=True)
     for cfg in (deepseek, qwen3):
@@ -44,8 +44,10 @@ def test_select_config_takes_the_gluon_down_where_it_was_measured_faster(scheme)
     assert select_config(4096 * 8, 256, 128, 2048, scheme, gluon=True).down.engine == "triton"
     assert select_config(4096 * 8, 256, 7168, 2048, scheme, gluon=False).down.engine == "triton"
     assert select_config(16, 256, 7168, 2048, scheme, gluon=True).down.engine == "triton"
-    for other in ("none", "fp8_block", "nvfp4"):
+    for other in ("none", "nvfp4"):
         assert select_config(4096 * 8, 256, 7168, 2048, other, gluon=True).down.engine == "triton", other
+    # fp8_block's down is its own Gluon kernel with block scales (the test below), not this tile.
+    assert select_config(4096 * 8, 256, 7168, 2048, "fp8_block", gluon=True).down != GemmConfig(**GLUON_TILE)
     exact = select_config(4096 * 8, 256, 7168, 2048, scheme, fp8_gate_up="exact", gluon=True)
     assert exact.down.engine == "triton"  # split accumulation: not the Gluon kernel's
 
