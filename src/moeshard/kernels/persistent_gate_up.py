@@ -37,15 +37,15 @@ time from a counter in memory (the loader takes each and hands it to the MMA par
   ``fp8_acc="imprecise"``), release the stage on its ``empty`` mbarrier once the MMA that read it
   is done, and run their epilogue alone. One MMA for gate and another for up read the input tile
   from shared memory twice per step, and took up to 7% longer at all but one of the bench's
-  prefill shapes (one H200, ``scripts/gluon_gate_up_study.py``, docs/performance.md). A warpgroup whose 64 rows hold no real
-  row (an expert's last tile) issues no MMA and stores zeros, which leaves the tensor cores to the
-  other one: the Triton kernel's half tiles, without a second code path. For fp8_block each K
-  step's products start from zero and are scaled into fp32 accumulators before the stage is
-  released (``_block_scaled_k_loop``; one product at a time in 128-column tiles, where a stacked
-  product would not fit in registers beside the two accumulators); while one warpgroup scales, the
-  other's MMAs can have the tensor cores. In 128-column tiles at 4 stages it took 8-17% less time
-  than the Triton kernel's selected tile on the bench's prefill shapes (one H200,
-  ``scripts/gluon_gate_up_study.py``, docs/performance.md).
+  prefill shapes (one H200, ``scripts/gluon_gate_up_study.py``, docs/performance.md). A
+  warpgroup whose 64 rows hold no real row (an expert's last tile) issues no MMA and stores zeros,
+  which leaves the tensor cores to the other one: the Triton kernel's half tiles, without a second
+  code path. For fp8_block each K step's products start from zero and are scaled into fp32
+  accumulators before the stage is released (``_block_scaled_k_loop``; one product at a time in
+  128-column tiles, where a stacked product would not fit in registers beside the two
+  accumulators); while one warpgroup scales, the other's MMAs can have the tensor cores. In
+  128-column tiles at 4 stages it took 8-17% less time than the Triton kernel's selected tile on
+  the bench's prefill shapes (one H200, ``scripts/gluon_gate_up_study.py``, docs/performance.md).
 
 Why a counter: the tiles that run at one time must be neighbours in the grouped order, sharing
 input rows and weight tiles in L2, as the programs of a non-persistent launch are. Walked at a
@@ -316,9 +316,9 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
             # The row scales of the per-row schemes, asked for under the K loop.
             a_s = gl.load(a_scale_ptr + rows.to(gl.int64) * stride_asm, mask=row_ok, other=0.0)
         if first - start < count:
-            acc_g = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
-            acc_u = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
             if BLOCK_SCALES:
+                acc_g = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
+                acc_u = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
                 acc_g, acc_u, step = _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_n, N,
                                                           a_scale_ptr, w_scale_ptr, stride_asm, stride_ask, stride_wse,
                                                           stride_wsn, stride_wsk, a_bufs, w_bufs, ready, empty,
