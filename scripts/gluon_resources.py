@@ -40,17 +40,21 @@ POINTERS = {"out_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", 
             "tile_expert_ptr": "*i32", "start_ptr": "*i32", "count_ptr": "*i32"}
 
 
-def compile_down(stages: int, block_m: int = 128, block_n: int = 256, block_k: int = 128, warps: int = 8):
+def compile_down(stages: int, block_m: int = 128, block_n: int = 256, block_k: int = 128, warps: int = 8,
+                 col_scales: bool = False):
     """The kernel compiled for sm_90a (a Triton ``CompiledKernel``) with fp8 h and weights
-    through TMA descriptors of [block_m, block_k] and [block_n, block_k] blocks."""
+    through TMA descriptors of [block_m, block_k] and [block_n, block_k] blocks; col_scales: one
+    weight scale per output column (fp8_token), else one per expert (fp8_tensor)."""
     descs = {}
     for name, rows in (("a_desc", block_m), ("w_desc", block_n)):
         layout = gl.NVMMASharedLayout.get_default_for([rows, block_k], gl.float8e4nv)
         descs[name] = f"tensordesc<fp8e4nv[{rows}, {block_k}],{layout!r}>"
-    consts = {"STAGES": stages, "GROUP_M": 8, "num_warps": warps}
+    consts = {"W_COL_SCALES": col_scales, "STAGES": stages, "GROUP_M": 8, "num_warps": warps}
+    if col_scales:
+        consts["stride_wsn"] = 1  # fp8_token's [E, H] scales: a constant at launch
     sig = {**descs, **POINTERS, **{name: "i32" for name in INTS}, **{name: "constexpr" for name in consts}}
     names = list(persistent_down_kernel.arg_names)
-    src = GluonASTSource(fn=persistent_down_kernel, signature=sig,
+    src = GluonASTSource(fn=persistent_down_kernel, signature={name: sig[name] for name in names},
                          constexprs={(names.index(name),): value for name, value in consts.items()})
     return triton.compile(src, target=SM90, options={"num_warps": warps})
 
@@ -65,13 +69,17 @@ def compile_gate_up(stages: int, block: int = 128, track_amax: int = 1, block_n:
            "amax_ptr": "*fp32", "counter_ptr": "*i32", **POINTERS}
     sig.update({name: "i32" for name in ("num_experts", "N", "K", "a_row_div", "stride_am", "stride_asm",
                                          "stride_ask", "stride_wse", "stride_wsn", "stride_wsk", "stride_om")})
-    consts = {"ACT": 0, "TRACK_AMAX": track_amax, "BLOCK_SCALES": block_scales, "BLOCK_M": block, "BLOCK_K": block,
-              "STAGES": stages, "GROUP_M": 8, "num_warps": PARTITION_WARPS.value}
+    consts = {"ACT": 0, "TRACK_AMAX": track_amax, "BLOCK_SCALES": block_scales, "W_COL_SCALES": track_amax == 2,
+              "BLOCK_M": block, "BLOCK_K": block, "STAGES": stages, "GROUP_M": 8, "num_warps": PARTITION_WARPS.value}
+    if track_amax == 2:
+        # fp8_token's [E, 2I] weight scales: their column stride is 1, which the launch makes a constant.
+        consts["stride_wsn"] = 1
     sig.update({name: "constexpr" for name in consts})
     names = list(persistent_gate_up_kernel.arg_names)
     # As at run time: pointers, sizes and strides that are multiples of 16 carry that divisibility.
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("a_ptr", "out_ptr", "N", "K", "stride_am",
-                                                                           "stride_om")}
+    aligned = ["a_ptr", "out_ptr", "w_scale_ptr", "N", "K", "stride_am", "stride_om"] + \
+        (["stride_wse"] if track_amax == 2 else [])  # fp8_token's 2I
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = GluonASTSource(fn=persistent_gate_up_kernel, signature={name: sig[name] for name in names},
                          constexprs={(names.index(name),): value for name, value in consts.items()}, attrs=attrs)
     return triton.compile(src, target=SM90, options={"num_warps": PARTITION_WARPS.value, "maxnreg": _MAXNREG})
@@ -100,11 +108,11 @@ def compile_block_down(stages: int, block: int = 128):
 
 
 def resources(kernel_name: str, stages: int) -> dict:
-    """kernel_name: "down", or one of ``GATE_UP``: "gate_up" (the per-expert amax),
+    """kernel_name: "down" (fp8_tensor's weight scales), "down_rows" (fp8_token's), "block_down", or one of ``GATE_UP``: "gate_up" (the per-expert amax),
     "gate_up_rows" (the row maxima), "gate_up_block64" / "gate_up_block128" (fp8_block's block
     scales, 64- and 128-column tiles)."""
-    if kernel_name == "down":
-        kernel = compile_down(stages)
+    if kernel_name in ("down", "down_rows"):
+        kernel = compile_down(stages, col_scales=kernel_name == "down_rows")
     elif kernel_name == "block_down":
         kernel = compile_block_down(stages)
     else:
@@ -115,7 +123,7 @@ def resources(kernel_name: str, stages: int) -> dict:
     regs = re.search(r"REG:(\d+)", usage)
     return {"kernel": kernel_name, "stages": stages, "registers": int(regs.group(1)) if regs else -1,
             "shared": kernel.metadata.shared, "spill_loads": len(re.findall(r"\bLDL\b", sass)),
-            "spill_stores": len(re.findall(r"\bSTL\b", sass)),
+            "spill_stores": len(re.findall(r"\bSTL\b", sass)), "global_loads": len(re.findall(r"\bLDG\.E", sass)),
             **{op: sass.count(op) for op in ("QGMMA", "UTMALDG", "LDGSTS", "ARRIVES", "USETMAXREG")}}
 
 
@@ -123,7 +131,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    rows = [resources("down", stages) for stages in (2, 3, 4)] + [resources("gate_up", stages) for stages in (3, 4)] + \
+    rows = [resources("down", stages) for stages in (2, 3, 4)] + [resources("down_rows", 3)] + \
+        [resources("gate_up", stages) for stages in (3, 4)] + \
         [resources("gate_up_rows", 3)] + [resources("gate_up_block64", stages) for stages in (4, 6)] + \
         [resources("gate_up_block128", stages) for stages in (3, 4)] + \
         [resources("block_down", stages) for stages in (4, 6)]

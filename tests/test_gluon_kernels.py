@@ -166,14 +166,23 @@ def test_the_gluon_kernels_compile_for_hopper(tmp_path):
     stage count, with the ring of loads and the store's staging within Hopper's 227 KB of shared
     memory:
 
-    * the down GEMM: fp8 warpgroup MMAs (QGMMA), TMA loads (UTMALDG), no local-memory spills;
+    * the down GEMM: fp8 warpgroup MMAs (QGMMA), TMA loads (UTMALDG), no local-memory spills with
+      fp8_tensor's weight scales (one per expert), a few with fp8_token's (one per column: 19 loads
+      and stores with Triton 3.9, 13 with 3.6);
     * fp8_block's warp-specialized down GEMM: the same, with registers handed between partitions;
     * the gate_up GEMM: its partitions hand registers over (USETMAXREG: the MMA warpgroups take
       more, the loader fewer), the loader's cp.async copies (LDGSTS) arrive on an mbarrier
       (ARRIVES), the weights come through TMA and the MMAs are fp8 warpgroup MMAs. It spills a few
       registers outside its K loop (10 local loads and 5 stores with Triton 3.9, 3 and 3 with
       3.6, where the study measured it); more than 32 of either would be a different kernel.
-      The same with fp8_token's row maxima (``gate_up_rows``), whose epilogue spills more."""
+      The same with fp8_token's row maxima (``gate_up_rows``: 8 and 5 with 3.9, 2 and 2 with
+      3.6).
+
+    The per-row schemes' epilogues load their weight scales once per tile (fp8_tensor: one per
+    expert) or once per thread (fp8_token: one column each, handed round by a layout
+    conversion). Loading the scale of every column a thread holds costs 64 loads per thread and
+    tile, with their addresses (159 global loads, LDG, in the gate_up SASS and 74 in down's);
+    these kernels have 33-35 and 11."""
     reason = cuda_tools_missing()
     if reason:
         pytest.skip(reason)
@@ -182,23 +191,26 @@ def test_the_gluon_kernels_compile_for_hopper(tmp_path):
     run = run_compile_script("gluon_resources.py", out, tmp_path)
     assert out.exists(), f"scripts/gluon_resources.py wrote nothing (rc {run.returncode}):\n{run.stderr[-3000:]}"
     rows = json.loads(out.read_text())["kernels"]
-    assert [(r["kernel"], r["stages"]) for r in rows] == [("down", 2), ("down", 3), ("down", 4), ("gate_up", 3),
+    assert [(r["kernel"], r["stages"]) for r in rows] == [("down", 2), ("down", 3), ("down", 4), ("down_rows", 3),
+                                                          ("gate_up", 3),
                                                           ("gate_up", 4), ("gate_up_rows", 3), ("gate_up_block64", 4),
                                                           ("gate_up_block64", 6), ("gate_up_block128", 3),
                                                           ("gate_up_block128", 4), ("block_down", 4), ("block_down", 6)]
     for r in rows:
         assert r["QGMMA"] and r["UTMALDG"], r
         assert r["shared"] <= 227 * 1024, r
-        if r["kernel"] == "down":
-            assert r["spill_loads"] == r["spill_stores"] == 0, r
+        if r["kernel"] in ("down", "down_rows"):
+            assert r["global_loads"] <= 16, r
+            bound = 0 if r["kernel"] == "down" else 32
+            assert r["spill_loads"] <= bound and r["spill_stores"] <= bound, r
         elif r["kernel"] == "block_down":
             # Warp-specialized, its h and weight tiles through TMA (no cp.async); no spills.
             assert r["USETMAXREG"] and r["spill_loads"] == r["spill_stores"] == 0, r
         else:
             assert r["USETMAXREG"] and r["LDGSTS"] and r["ARRIVES"], r
-            # The row maxima's reduction and atomics cost their epilogue more with Triton 3.9: 34
-            # loads and 29 stores (3 and 3 with 3.6, as measured on the GPU). fp8_block's
-            # 128-column tile holds a third accumulator (the step's product) beside gate and up:
-            # 15 and 8 with 3.9, 7 and 5 with 3.6.
-            bound = 64 if r["kernel"] in ("gate_up_rows", "gate_up_block128") else 32
+            # fp8_block's 128-column tile holds a third accumulator (the step's product) beside
+            # gate and up: 15 spill loads and 8 stores with 3.9, 7 and 5 with 3.6.
+            bound = 64 if r["kernel"] == "gate_up_block128" else 32
             assert r["spill_loads"] <= bound and r["spill_stores"] <= bound, r
+            if r["kernel"] in ("gate_up", "gate_up_rows"):
+                assert r["global_loads"] <= 40, r

@@ -116,7 +116,8 @@ def _mma(consumer, acc, use_acc, bars, a_bufs, w_bufs, STAGES: gl.constexpr):
 @gluon.jit
 def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr,
                            start_ptr, count_ptr, num_experts, N, K, stride_asm, stride_wse, stride_wsn, stride_om,
-                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+                           W_COL_SCALES: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                           num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -174,10 +175,18 @@ def persistent_down_kernel(a_desc, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, so
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
         # grouped_gemm's arithmetic in its order: (acc * row scale) * column scale, then rounded.
-        offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
-        col_ok = offs_n < N
-        w_s = gl.load(w_scale_ptr + expert.to(gl.int64) * stride_wse + offs_n * stride_wsn, mask=col_ok, other=0.0)
-        result = gl.convert_layout((acc * a_s[:, None] * w_s[None, :]).to(out_ptr.dtype.element_ty), store_layout)
+        ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
+        if W_COL_SCALES:
+            # Each thread loads one column's scale and the layout conversion hands it to the
+            # threads that hold the column: one load per thread, not one per column it holds.
+            flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            offs_f = off_n + gl.arange(0, BLOCK_N, layout=flat)
+            w_s = gl.load(ws_base + offs_f * stride_wsn, mask=offs_f < N, other=0.0)
+            scaled = acc * a_s[:, None] * gl.convert_layout(w_s, cols_layout)[None, :]
+        else:
+            # One weight scale per expert (fp8_tensor).
+            scaled = acc * a_s[:, None] * gl.load(ws_base)
+        result = gl.convert_layout(scaled.to(out_ptr.dtype.element_ty), store_layout)
         orig_s = gl.convert_layout(orig, gl.SliceLayout(1, store_layout))
         ok_s = gl.convert_layout(row_ok, gl.SliceLayout(1, store_layout))
         cols_s = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
@@ -262,5 +271,5 @@ def persistent_down(h: QuantizedActivations, w: QuantizedWeight, plan: RowAlignm
         persistent_down_kernel[(min(programs, tiles), )](
             a_desc, w_desc, out, a_scale, scale, plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
             plan.start.shape[0], n, k, a_scale.stride(0), stride_wse, stride_wsn, out.stride(0),
-            STAGES=stages, GROUP_M=config.group_m, num_warps=config.num_warps)
+            W_COL_SCALES=stride_wsn != 0, STAGES=stages, GROUP_M=config.group_m, num_warps=config.num_warps)
     return out

@@ -279,7 +279,8 @@ def _block_scaled_k_loop(acc_g, acc_u, step, k_steps, rows, row_ok, expert, off_
 
 @gluon.jit
 def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+              W_COL_SCALES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr, WG: gl.constexpr):
     """An MMA partition: rows [64 WG, 64 WG + 64) of every tile, their K loop and epilogue."""
     (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
      count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
@@ -359,11 +360,24 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
                 # grouped_gemm's arithmetic in its order: (acc * row scale) * column scale, rounded
                 # to the model dtype, the activation in fp32, rounded again.
                 ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
-                offs_wn = gl.where(col_ok, offs_n, 0)
-                wg_s = gl.load(ws_base + offs_wn * stride_wsn)
-                wu_s = gl.load(ws_base + (offs_wn + N) * stride_wsn)
-                gate = (acc_g * a_s[:, None] * wg_s[None, :]).to(out_ty).to(gl.float32)
-                up = (acc_u * a_s[:, None] * wu_s[None, :]).to(out_ty).to(gl.float32)
+                if W_COL_SCALES:
+                    # Each thread loads one column's scales and the layout conversion hands them to
+                    # the threads that hold the column: 2 loads per thread, not 64.
+                    flat: gl.constexpr = gl.BlockedLayout([1], [32], [PARTITION_WARPS], [0])
+                    offs_f = off_n + gl.arange(0, BLOCK_N, layout=flat)
+                    f_ok = offs_f < N
+                    wg_s = gl.load(ws_base + offs_f * stride_wsn, mask=f_ok, other=0.0)
+                    wu_s = gl.load(ws_base + (offs_f + N) * stride_wsn, mask=f_ok, other=0.0)
+                    wg_s = gl.convert_layout(wg_s, cols_layout)
+                    wu_s = gl.convert_layout(wu_s, cols_layout)
+                    gate = (acc_g * a_s[:, None] * wg_s[None, :]).to(out_ty).to(gl.float32)
+                    up = (acc_u * a_s[:, None] * wu_s[None, :]).to(out_ty).to(gl.float32)
+                else:
+                    # One weight scale per expert (fp8_tensor): one load, not one per column
+                    # each thread holds (64 loads and their addresses in every tile's epilogue).
+                    w_s = gl.load(ws_base)
+                    gate = (acc_g * a_s[:, None] * w_s).to(out_ty).to(gl.float32)
+                    up = (acc_u * a_s[:, None] * w_s).to(out_ty).to(gl.float32)
             result = _act_mul(gate, up, ACT).to(out_ty)
             if TRACK_AMAX == 1:
                 seen = gl.where(row_ok[:, None] & col_ok[None, :], gl.abs(result.to(gl.float32)), 0.0)
@@ -392,23 +406,24 @@ def _mma_rows(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: g
 
 @gluon.jit
 def _mma_rows_0(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                ):
-    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 0)
+                W_COL_SCALES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                GROUP_M: gl.constexpr):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, W_COL_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 0)
 
 
 @gluon.jit
 def _mma_rows_1(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                ):
-    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 1)
+                W_COL_SCALES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                GROUP_M: gl.constexpr):
+    _mma_rows(args, ACT, TRACK_AMAX, BLOCK_SCALES, W_COL_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M, 1)
 
 
 @gluon.jit
 def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr,
                               tile_expert_ptr, start_ptr, count_ptr, counter_ptr, num_experts, N, K, a_row_div,
                               stride_am, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om,
-                              ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr, BLOCK_M: gl.constexpr,
+                              ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.constexpr,
+                              W_COL_SCALES: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                               num_warps: gl.constexpr):
     gl.static_assert(num_warps == PARTITION_WARPS, "the MMA partition the kernel starts in is one warpgroup")
@@ -423,8 +438,10 @@ def persistent_gate_up_kernel(a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_s
     args = (a_ptr, w_desc, out_ptr, amax_ptr, a_scale_ptr, w_scale_ptr, sorted_rows_ptr, tile_expert_ptr, start_ptr,
             count_ptr, num_experts, N, K, a_row_div, stride_am, stride_asm, stride_ask, stride_wse, stride_wsn,
             stride_wsk, stride_om, a_bufs, w_bufs, ready, empty, counter_ptr, tile_ids, tile_ready, tile_empty)
-    gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
-                        (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M)),
+    gl.warp_specialize([(_mma_rows_0, (args, ACT, TRACK_AMAX, BLOCK_SCALES, W_COL_SCALES, BLOCK_M, BLOCK_K, STAGES,
+                                       GROUP_M)),
+                        (_mma_rows_1, (args, ACT, TRACK_AMAX, BLOCK_SCALES, W_COL_SCALES, BLOCK_M, BLOCK_K, STAGES,
+                                       GROUP_M)),
                         (_loader, (args, ACT, TRACK_AMAX, BLOCK_SCALES, BLOCK_M, BLOCK_K, STAGES, GROUP_M))],
                        [PARTITION_WARPS, PARTITION_WARPS], [MMA_REGS, LOADER_REGS])
 
@@ -521,7 +538,7 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
             plan.start.shape[0], n, k, a_row_div, x.data.stride(0),
             stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, out.stride(0),
             ACT=act_mode(activation), TRACK_AMAX=amax_mode(amax, row_amax), BLOCK_SCALES=block_scales,
-            BLOCK_M=bm, BLOCK_K=bk,
+            W_COL_SCALES=stride_wsn != 0, BLOCK_M=bm, BLOCK_K=bk,
             STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=PARTITION_WARPS.value,
             maxnreg=_MAXNREG)
     return out
