@@ -108,9 +108,10 @@ def compile_block_down(stages: int, block: int = 128):
 
 
 def resources(kernel_name: str, stages: int) -> dict:
-    """kernel_name: "down" (fp8_tensor's weight scales), "down_rows" (fp8_token's), "block_down", or one of ``GATE_UP``: "gate_up" (the per-expert amax),
-    "gate_up_rows" (the row maxima), "gate_up_block64" / "gate_up_block128" (fp8_block's block
-    scales, 64- and 128-column tiles)."""
+    """kernel_name: "down" (fp8_tensor's weight scales), "down_rows" (fp8_token's), "block_down",
+    or one of ``GATE_UP``: "gate_up" (the per-expert amax), "gate_up_rows" (the row maxima),
+    "gate_up_block64" / "gate_up_block128" (fp8_block's block scales, 64- and 128-column
+    tiles)."""
     if kernel_name in ("down", "down_rows"):
         kernel = compile_down(stages, col_scales=kernel_name == "down_rows")
     elif kernel_name == "block_down":
