@@ -96,16 +96,17 @@ def _histogram():
 
 def _plan():
     sig = {"partial_ptr": "*i32", "num_parts": "i32", "E": "i32", "count_ptr": "*i32", "start_ptr": "*i32",
-           "cursor_ptr": "*i32", "amax_ptr": "*fp32"}
+           "base_ptr": "*i32", "amax_ptr": "*fp32"}
     consts = {"BLOCK_M": 128, "NUM_BINS": 256, "PART_BLOCK": 32, "ZERO_AMAX": True, "PDL": True}
     return _compile(align._plan_kernel, sig, consts)
 
 
 def _scatter():
-    sig = {"ids_ptr": "*i64", "M": "i32", "E": "i32", "num_tiles": "i32", "start_ptr": "*i32", "count_ptr": "*i32",
-           "cursor_ptr": "*i32", "sorted_rows_ptr": "*i32", "tile_expert_ptr": "*i32", "row_amax_ptr": "*fp32",
-           "zero_chunk": "i32"}
-    consts = {"BLOCK": align.SCATTER_BLOCK, "BLOCK_M": 128, "TILE_BLOCK": 128, "ZERO_ROWS": True, "PDL": True}
+    sig = {"ids_ptr": "*i64", "M": "i32", "E": "i32", "per_program": "i32", "num_tiles": "i32",
+           "start_ptr": "*i32", "count_ptr": "*i32", "base_ptr": "*i32", "sorted_rows_ptr": "*i32",
+           "tile_expert_ptr": "*i32", "row_amax_ptr": "*fp32", "fill_span": "i32", "zero_span": "i32"}
+    consts = {"NUM_BINS": 256, "RANK": align.RANK_BLOCK, "CHUNK": align.HIST_CHUNK, "BLOCK_M": 128, "TILE_BLOCK": 128,
+              "FILL_BLOCK": align.TILE_FILL_BLOCK, "ZERO_ROWS": True, "PDL": True}
     return _compile(align._scatter_kernel, sig, consts)
 
 

@@ -1,9 +1,11 @@
 """``align_rows`` with several histogram programs, through Triton's CPU interpreter.
 
 tests/test_kernels.py checks small plans (one histogram program); here the histogram is split
-over programs of one or several 1024-id chunks, with a partial last chunk, one expert, more than
-256 experts, skewed loads and the ``amax`` zeroing; and the one-program plan of a few ids (a
-decode step's), against its definition and the three-kernel plan of the same ids. The kernels come from the
+over programs of one or several 1024-id chunks, with a partial last chunk, padding rows, one
+expert, more than 256 experts, skewed loads and the ``amax`` zeroing; and the one-program plan of
+a few ids (a decode step's), against its definition and the three-kernel plan of the same ids.
+Every plan keeps each expert's rows in input order (the interpreter runs programs one after
+another, so tests/gpu checks the order where programs run at once). The kernels come from the
 ``interpreted_kernels`` fixture (tests/conftest.py): run or fail on CPU with triton, skipped with
 the reason without triton or with CUDA.
 """
@@ -57,11 +59,13 @@ def test_align_rows_multi_program(align, monkeypatch, hist_programs, M, E, bm):
     monkeypatch.setattr(align, "HIST_PROGRAMS", hist_programs)
     g = torch.Generator().manual_seed(M + E)
     ids = torch.randint(0, E, (M,), generator=g)
-    _check_plan(align, ids, E, bm)
+    if M > 4:
+        ids[[1, M // 2, M - 1]] = -1  # padding rows, in the first, a middle and the last chunk
+    _check_plan(align, ids, E, bm, in_order=True)
     skewed = ids.clone()
     skewed[: M // 2] = E - 1  # one expert with many tiles, likely a few experts with none
     skewed[M // 2: M // 2 + M // 8] = 0
-    _check_plan(align, skewed.to(torch.int32), E, bm)
+    _check_plan(align, skewed.to(torch.int32), E, bm, in_order=True)
 
 
 # (M, E, BLOCK_M): one id, top-2 of 8 experts, 64 ids over 256 experts (DeepSeek-V3 at 8 tokens),
@@ -81,6 +85,9 @@ def test_align_rows_one_program(align, monkeypatch, M, E, bm):
         ids[[1, M - 1]] = -1
     one = _check_plan(align, ids, E, bm, in_order=True)
     monkeypatch.setattr(align, "ONE_PROGRAM_ROWS", 0)
-    three = _check_plan(align, ids, E, bm)
+    three = _check_plan(align, ids, E, bm, in_order=True)
     for name in ("count", "start", "tile_expert"):
         assert torch.equal(getattr(one, name), getattr(three, name)), name
+    for e in range(E):  # both keep input order, so the routed positions hold the same rows
+        s, c = int(one.start[e]), int(one.count[e])
+        assert torch.equal(one.sorted_rows[s:s + c], three.sorted_rows[s:s + c]), e
