@@ -148,13 +148,17 @@ def _plan_kernel(partial_ptr, num_parts, E, count_ptr, start_ptr, base_ptr, amax
     starts = tl.cumsum(padded, 0) - padded
     tl.store(count_ptr + bins, counts, mask=in_range)
     tl.store(start_ptr + bins, starts, mask=in_range)
-    running = starts
-    for g0 in range(0, num_parts, PART_BLOCK):
-        g = g0 + tl.arange(0, PART_BLOCK)
-        ok = (g < num_parts)[:, None] & in_range[None, :]
-        part = tl.load(partial_ptr + g[:, None] * E + bins[None, :], mask=ok, other=0)
-        tl.store(base_ptr + g[:, None] * E + bins[None, :], running[None, :] + tl.cumsum(part, 0) - part, mask=ok)
-        running += tl.sum(part, axis=0)
+    if num_parts == 1:  # one chunk (up to HIST_CHUNK ids: decode): its base is the starts
+        tl.store(base_ptr + bins, starts, mask=in_range)
+    else:
+        running = starts
+        for g0 in range(0, num_parts, PART_BLOCK):
+            g = g0 + tl.arange(0, PART_BLOCK)
+            ok = (g < num_parts)[:, None] & in_range[None, :]
+            part = tl.load(partial_ptr + g[:, None] * E + bins[None, :], mask=ok, other=0)
+            tl.store(base_ptr + g[:, None] * E + bins[None, :], running[None, :] + tl.cumsum(part, 0) - part,
+                     mask=ok)
+            running += tl.sum(part, axis=0)
     if ZERO_AMAX:
         tl.store(amax_ptr + bins, tl.zeros([NUM_BINS], dtype=tl.float32), mask=in_range)
 
