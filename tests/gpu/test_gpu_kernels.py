@@ -210,8 +210,10 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
     next tile's), for experts of 0-300 rows (an empty expert, last tiles of every height: those of
     at most 64 rows leave the second MMA warpgroup without real rows, which stores zeros), I a
     multiple of the 128-column tile and not (320), K of more steps than the ring's stages and of
-    fewer (3 and 1), and under CUDA-graph replay with new x. An H that is not a whole number of
-    K steps is refused by name."""
+    fewer (3 and 1), with every seventh token 400 times larger (gates beyond +-88, where exp(-gate)
+    leaves the normal range: the Gluon epilogue flushes denormal exps, Triton's does not), and
+    under CUDA-graph replay with new x. An H that is not a whole number of K steps is refused by
+    name."""
     import dataclasses
 
     from moeshard.kernels.grouped_gemm import moe_gemm
@@ -225,7 +227,11 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
     M = ids.shape[0]
     w = _weights(E, H, I, torch.bfloat16, scheme, seed=11)
     spec = get_scheme(scheme)
-    x = quantize_activations(torch.randn(M // 2, H, device="cuda").to(torch.bfloat16), scheme)
+    tokens_x = torch.randn(M // 2, H, device="cuda")
+    # Rows large enough that exp(-gate) leaves the normal range both ways (gate beyond +-88):
+    # denormal results, flushed by the Gluon epilogue's exp, and infinities.
+    tokens_x[:: 7] *= 400.0
+    x = quantize_activations(tokens_x.to(torch.bfloat16), scheme)
     plan = align_rows(ids, E, 128)
     triton_cfg = GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise")
     gluon_cfg = dataclasses.replace(triton_cfg, engine="gluon")
@@ -248,6 +254,10 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
 
     want_h, want_amax = run(triton_cfg)
     assert not want_h[: plan.max_tiles * 128][plan.tile_expert.repeat_interleave(128) >= 0].isnan().any()
+    # The inputs reach the ranges the large rows are for (gates of the first tokens with one
+    # expert's weights, in fp32).
+    gate = x.dequantize()[:128] @ w.gate_up.dequantize()[0, :I].T
+    assert gate.max() > 90 and gate.min() < -90, f"gate range {gate.min():.3g}..{gate.max():.3g}"
     if not spec.per_tensor_activation:
         tile_of = plan.tile_expert.repeat_interleave(128).long()
         expert = tile_of.clamp(min=0)
