@@ -16,7 +16,7 @@ as in ``kernels.persistent_gate_up``, a loader warpgroup feeds a ring of STAGES 
 TMA (h's tile and the weight tile, both blocks) and two MMA warpgroups own 64 rows each of every
 128-row tile, so that one can scale while the other's MMAs run. Tiles come from a counter in the
 grouped order (``persistent_gate_up`` says why), handed from the loader to the MMA partitions
-through ``_publish`` / ``_take``. One H200, down alone at 6 stages (``scripts/gluon_down_study.py``,
+through ``_claim`` / ``_take``. One H200, down alone at 6 stages (``scripts/gluon_down_study.py``,
 docs/performance.md): 13-16% faster than the Triton kernel's selected tile at Qwen3's and
 Mixtral's prefill shapes, 3-4% at DeepSeek-V3's.
 
@@ -52,7 +52,7 @@ from moeshard.kernels.persistent_gate_up import (
     LOADER_REGS,
     MMA_REGS,
     PARTITION_WARPS,
-    _publish,
+    _claim,
     _release_stages,
     _ring_and_handoff,
     _take,
@@ -72,8 +72,7 @@ def _loader(args, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.const
     total = used * num_pid_n
     step = 0
     j = 0
-    t = gl.atomic_add(counter_ptr, 1)
-    _publish(t, j, tile_ids, tile_ready, tile_empty)
+    t = _claim(counter_ptr, j, tile_ids, tile_ready, tile_empty)
     while t < total:
         off_m, off_w, _, _ = _grouped(t, used, num_pid_n, tile_expert_ptr, N, BLOCK_M, BLOCK_N, GROUP_M)
         for k in range(0, K, BLOCK_K):
@@ -86,8 +85,7 @@ def _loader(args, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.const
             _TMA_LOAD(w_desc, [off_w, k], bar, w_bufs.index(index))
             step += 1
         j += 1
-        t = gl.atomic_add(counter_ptr, 1)
-        _publish(t, j, tile_ids, tile_ready, tile_empty)
+        t = _claim(counter_ptr, j, tile_ids, tile_ready, tile_empty)
 
 
 @gluon.jit

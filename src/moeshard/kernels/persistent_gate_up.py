@@ -107,8 +107,10 @@ LOADER_REGS, MMA_REGS = gl.constexpr(40), gl.constexpr(232)
 
 
 @gluon.jit
-def _publish(t, j, tile_ids, tile_ready, tile_empty):
-    """The loader hands tile t, its program's j-th, to both MMA partitions (a ring of two slots)."""
+def _claim(counter_ptr, j, tile_ids, tile_ready, tile_empty):
+    """The loader takes the next tile id t from the counter and hands it, its program's j-th, to
+    both MMA partitions (a ring of two slots); returns t."""
+    t = gl.atomic_add(counter_ptr, 1)
     slot = j % 2
     mbarrier.wait(tile_empty.index(slot), (j // 2 & 1) ^ 1)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [PARTITION_WARPS], [0])
@@ -116,6 +118,7 @@ def _publish(t, j, tile_ids, tile_ready, tile_empty):
     # Every loader thread's store is done before the arrival that publishes it.
     _BARRIER()
     mbarrier.arrive(tile_ready.index(slot))
+    return t
 
 
 @gluon.jit
@@ -135,7 +138,7 @@ def _take(j, tile_ids, tile_ready, tile_empty):
 def _ring_and_handoff(STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr):
     """The mbarriers of a warp-specialized kernel with one loader and two MMA warpgroups: the
     ring's ``ready`` (READY_ARRIVALS per phase) and ``empty`` (one per MMA warpgroup) for each of
-    STAGES stages, and the two-slot tile hand-over of ``_publish`` / ``_take`` (its ids, and
+    STAGES stages, and the two-slot tile hand-over of ``_claim`` / ``_take`` (its ids, and
     ``tile_ready`` / ``tile_empty``: one arrival by the loader, one per MMA warpgroup)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -184,8 +187,7 @@ def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.
     # Tiles are taken in the grouped order from one counter, as the hardware hands out the
     # programs of a non-persistent launch: the tiles that run at one time share their input rows
     # and weight tiles in L2. The first id past the last tile ends every partition's loop.
-    t = gl.atomic_add(counter_ptr, 1)
-    _publish(t, j, tile_ids, tile_ready, tile_empty)
+    t = _claim(counter_ptr, j, tile_ids, tile_ready, tile_empty)
     while t < total:
         off_m, _, off_n, expert = _grouped(t, used, num_pid_n, tile_expert_ptr, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_p = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
@@ -210,8 +212,7 @@ def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.
             async_copy.mbarrier_arrive(bar, increment_count=False)
             step += 1
         j += 1
-        t = gl.atomic_add(counter_ptr, 1)
-        _publish(t, j, tile_ids, tile_ready, tile_empty)
+        t = _claim(counter_ptr, j, tile_ids, tile_ready, tile_empty)
 
 
 @gluon.jit
