@@ -90,6 +90,16 @@ class RowAlignment:
         return self.sorted_rows.shape[0]
 
 
+@triton.jit
+def _expert_counts(ids, NUM_BINS: tl.constexpr):
+    """[NUM_BINS] int32: how many of ids (int32, -1 for padding rows and masked lanes) equal each
+    bin. The -1 ids are counted as expert 0 and taken off bin 0, so bins need not exceed E (a
+    spare bin would double NUM_BINS at E = 256) and the histogram needs no mask."""
+    real = ids >= 0
+    counts = tl.histogram(tl.where(real, ids, 0), NUM_BINS)
+    return tl.where(tl.arange(0, NUM_BINS) == 0, counts - tl.sum((~real).to(tl.int32)), counts)
+
+
 @triton.jit(do_not_specialize=["M", "per_program"])
 def _histogram_kernel(ids_ptr, M, E, per_program, partial_ptr,
                       NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
@@ -101,19 +111,9 @@ def _histogram_kernel(ids_ptr, M, E, per_program, partial_ptr,
     lo = pid * per_program
     hi = tl.minimum(lo + per_program, M)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
-    padding = tl.zeros([CHUNK], dtype=tl.int32)
     for m0 in range(lo, hi, CHUNK):
         offs = m0 + tl.arange(0, CHUNK)
-        # Masked lanes and padding rows read as expert 0 and are taken off bin 0 below: bins then
-        # need not exceed E (a spare bin would double NUM_BINS at E = 256), and no histogram mask
-        # is needed.
-        ids = tl.load(ids_ptr + offs, mask=offs < hi, other=0).to(tl.int32)
-        pad = ids < 0
-        padding += pad.to(tl.int32)
-        counts += tl.histogram(tl.where(pad, 0, ids), NUM_BINS)
-    rows = tl.maximum(hi - lo, 0)
-    masked = tl.cdiv(rows, CHUNK) * CHUNK - rows + tl.sum(padding)
-    counts = tl.where(bins == 0, counts - masked, counts)
+        counts += _expert_counts(tl.load(ids_ptr + offs, mask=offs < hi, other=-1).to(tl.int32), NUM_BINS)
     tl.store(partial_ptr + pid * E + bins, counts, mask=bins < E)
 
 
@@ -195,13 +195,10 @@ def _scatter_kernel(ids_ptr, M, E, per_program, num_tiles, start_ptr, count_ptr,
         bins = tl.arange(0, NUM_BINS)
         chunk = lo // per_program
         cursor = tl.load(base_ptr + chunk * E + bins, mask=bins < E, other=0)
-        # The rows of the chunk before this block, counted as the histogram kernel counts them
-        # (padding and masked lanes read as expert 0 and are taken off bin 0).
+        # The rows of the chunk before this block, counted as the histogram kernel counts them.
         for c0 in range(chunk * per_program, lo, CHUNK):
             offs = c0 + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < lo, other=-1).to(tl.int32)
-            counts = tl.histogram(tl.where(ids >= 0, ids, 0), NUM_BINS)
-            cursor += tl.where(bins == 0, counts - tl.sum((ids < 0).to(tl.int32)), counts)
+            cursor += _expert_counts(tl.load(ids_ptr + offs, mask=offs < lo, other=-1).to(tl.int32), NUM_BINS)
         r = tl.arange(0, RANK)
         offs = lo + r
         ids = tl.load(ids_ptr + offs, mask=offs < M, other=-1).to(tl.int32)
@@ -244,11 +241,7 @@ def _small_plan_kernel(ids_ptr, M, E, num_tiles, count_ptr, start_ptr, sorted_ro
     in_range = bins < E
     offs = tl.arange(0, ROWS)
     ids = tl.load(ids_ptr + offs, mask=offs < M, other=-1).to(tl.int32)
-    real = ids >= 0  # in range and not a padding row
-    # Masked lanes and padding rows count as expert 0 and are taken off bin 0 (as the histogram
-    # kernel does), so bins need not exceed E.
-    counts = tl.histogram(tl.where(real, ids, 0), NUM_BINS)
-    counts = tl.where(bins == 0, counts - tl.sum((~real).to(tl.int32)), counts)
+    counts = _expert_counts(ids, NUM_BINS)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
@@ -260,7 +253,7 @@ def _small_plan_kernel(ids_ptr, M, E, num_tiles, count_ptr, start_ptr, sorted_ro
     earlier = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
     slot = tl.sum(earlier.to(tl.int32), axis=1)
     start = tl.sum(tl.where(ids[:, None] == bins[None, :], starts[None, :], 0), axis=1)
-    tl.store(sorted_rows_ptr + start + slot, offs, mask=real)
+    tl.store(sorted_rows_ptr + start + slot, offs, mask=ids >= 0)
     # Tile t belongs to the first expert whose tiles end after it (empty experts end where the
     # previous one does, so they are passed over); tiles from the last used one on are -1.
     t = tl.arange(0, TILES)
