@@ -211,9 +211,11 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
     at most 64 rows leave the second MMA warpgroup without real rows, which stores zeros), I a
     multiple of the 128-column tile and not (320), K of more steps than the ring's stages and of
     fewer (3 and 1), with every seventh token 400 times larger (gates beyond +-88, where exp(-gate)
-    leaves the normal range: the Gluon epilogue flushes denormal exps, Triton's does not), and
-    under CUDA-graph replay with new x. An H that is not a whole number of K steps is refused by
-    name."""
+    leaves the normal range: the Gluon epilogue flushes denormal exps and reciprocals, Triton's does
+    not), and under CUDA-graph replay with new x. The one difference allowed: where 1 + exp(-gate)
+    exceeds 2^126, the Gluon silu flushes to zero a product Triton leaves below 2^-100 (a zero
+    where Triton's h is larger, or any other difference, fails). An H that is not a whole number
+    of K steps is refused by name."""
     import dataclasses
 
     from moeshard.kernels.grouped_gemm import moe_gemm
@@ -248,9 +250,14 @@ def test_gluon_gate_up_gives_the_triton_bits(scheme, H, I):
                                programs=programs, row_amax=rows)
         return h, amax if rows is None else rows
 
-    def same(a, b):
+    def same(got, want):
         # Tiles past the last expert's hold padding only and are written by neither kernel.
-        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+        if not torch.equal(got.isnan(), want.isnan()):
+            return False
+        got, want = got.nan_to_num(), want.nan_to_num()
+        # The flushing reciprocal's zeros (see the docstring), and nothing else, may differ.
+        flushed = (got != want) & (got == 0) & (want.float().abs() < 2.0 ** -100)
+        return torch.equal(torch.where(flushed, want, got), want)
 
     want_h, want_amax = run(triton_cfg)
     assert not want_h[: plan.max_tiles * 128][plan.tile_expert.repeat_interleave(128) >= 0].isnan().any()

@@ -218,14 +218,20 @@ def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.
 @gluon.jit
 def _act_mul(gate, up, ACT: gl.constexpr):
     """grouped_gemm's _silu_mul (ACT 0) / _gelu_mul (ACT 1), in its operation order, with the same
-    bits."""
+    bits, except that silu flushes to zero the products Triton leaves below 2^-126 * |up|."""
     if ACT == 0:
         # exp(-gate) as Triton computes it (2^(-gate * log2 e) by the approximate ex2), but with
         # denormal results flushed to zero: they only ever meet 1.0 + e, which is 1.0 either way.
         # That saves the range fix-up of each exp (a compare, a select and two multiplies).
         e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [-gate * 1.4426950408889634],
                                       dtype=gl.float32, is_pure=True, pack=1)
-        return gate / (1.0 + e) * up
+        # Triton's fp32 division (div.full) is the approximate reciprocal times gate, with a range
+        # fix-up for divisors above 2^126 (gate < -87.3): a compare and two multiplies per
+        # element. The flushing reciprocal has no fix-up; there it gives 0 where Triton gives
+        # gate / (1 + e) of at most 88 * 2^-126, so h differs only by such products.
+        r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+        return gate * r * up
     else:
         return 0.5 * gate * (1.0 + gl.erf(gate * 0.7071067811865476)) * up
 
