@@ -1,8 +1,9 @@
 """The fp8 gate_up GEMM at prefill as a persistent, warp-specialized kernel (Gluon, Hopper).
 
 Computes what ``grouped_gemm.moe_gemm`` computes for the fused gate_up projection of the fp8
-schemes with gathered rows (``GemmConfig.engine == "gluon"``), with the same bits. Per-tensor and
-per-row scales (fp8_tensor, fp8_token):
+schemes with gathered rows (``GemmConfig.engine == "gluon"``), with the same bits (silu alone
+flushes to zero the products below 2^-126 * |up| that Triton's division keeps: ``_act_mul``).
+Per-tensor and per-row scales (fp8_tensor, fp8_token):
 
     gate[p, n] = rnd((sum_k x[r(p), k] * w[e, n, k]) * a_scale[r(p)] * w_scale[e, n])
     up[p, n]   = rnd((sum_k x[r(p), k] * w[e, I + n, k]) * a_scale[r(p)] * w_scale[e, I + n])
