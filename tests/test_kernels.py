@@ -751,11 +751,12 @@ def _bits(q) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
 @pytest.mark.parametrize("shape", [(1, 128), (1, 2304), (3, 1000), (17, 200), (3, 1008), (17, 208), (33, 384), (0, 64),
-                                   (5, 0)], ids=str)
+                                   (5, 0), (3, 8208)], ids=str)
 def test_fused_input_quantization_equals_the_torch_path(interpreted_kernels, exact_interpreter, scheme, shape):
     """The layer's input quantized in one pass (``quantize_rows``) is bit for bit what
     ``quantize_activations`` makes: partial row blocks and scale groups (K a multiple of 16, not
-    of 128), an all-zero row (the amax floor), magnitudes over ten decades (e4m3 subnormals,
+    of 128), fp8_token's rows whole in registers and, past ``WHOLE_ROW`` columns (8208), in two
+    passes of column steps, an all-zero row (the amax floor), magnitudes over ten decades (e4m3 subnormals,
     flushes to zero and nvfp4 blocks whose scale rounds to 0 among them), and a given domain
     amax larger than x's own, or 0, for the per-tensor schemes."""
     qr = interpreted_kernels.quant_rows
@@ -776,6 +777,22 @@ def test_fused_input_quantization_equals_the_torch_path(interpreted_kernels, exa
         got, want = qr.quantize_rows(x, scheme, amax=amax), quantize_activations(x, scheme, amax=amax)
         assert [t.shape for t in _bits(got)] == [t.shape for t in _bits(want)]
         assert all(torch.equal(a, b) for a, b in zip(_bits(got), _bits(want), strict=True))
+
+
+def test_fp8_token_input_tiles(interpreted_kernels):
+    """fp8_token's input tile (``token_tile``): whole rows of up to WHOLE_ROW columns, as many per
+    program as WHOLE_ROW elements hold (Qwen3's 2048: 4; DeepSeek-V3's 7168, rounded to 8192: 1),
+    no more than T needs; longer rows in 16-row programs of 128-column steps, fewer rows and wider
+    steps at small T."""
+    tile = interpreted_kernels.quant_rows.token_tile
+    assert tile(16384, 2048) == (4, 2048, True)
+    assert tile(16384, 4096) == (2, 4096, True)
+    assert tile(16384, 7168) == (1, 8192, True)
+    assert tile(1, 2048) == (1, 2048, True)
+    assert tile(3, 100) == (4, 128, True)
+    assert tile(5, 0) == (8, 1, True)
+    assert tile(16384, 9000) == (16, 128, False)
+    assert tile(1, 9000) == (1, 2048, False)
 
 
 def test_fused_input_quantization_refuses_what_it_cannot_quantize(interpreted_kernels):

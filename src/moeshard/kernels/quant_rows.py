@@ -3,7 +3,8 @@ bit for bit as ``moeshard.quant.quantize_activations`` makes them (``tests/test_
 
 The torch path takes several passes over x (float copy, abs, amax, division, clamp, fp8 cast:
 about 1.7 ms for DeepSeek-V3's 16384 x 7168 bf16 input on one H200, ``scripts/layer_profile.py``);
-here each row block is read once (twice for fp8_token, the second read from L2) and written once:
+here each row block is read once (fp8_token's rows longer than WHOLE_ROW columns twice) and written
+once:
 
 =========  =====================================================================================
 scheme     passes
@@ -12,17 +13,20 @@ fp8_tensor ``input_amax``: one read of x, max-reduced into one fp32 (the caller 
            over the quantization domain); then ``quantize_rows``: one program per ROWS rows x
            CHUNK columns, one read, one fp8 write; each program computes the scale from the
            amax, and the first stores it
-fp8_token  one program per ``rows_per_program(T)`` rows: the row max over K, then the quantized
-           row, in steps of as many columns as keep the tile at ROWS x CHUNK elements
+fp8_token  one program per ``token_tile(T, K)`` rows: rows of at most WHOLE_ROW columns held in
+           registers, their max and their quantized values from that one read; longer rows in
+           two passes of column steps (the row max, then the quantized row)
 fp8_block  one program per ROWS rows x CHUNK columns: the group max, then the group
 nvfp4      ``input_amax`` as for fp8_tensor (the global scale ``2688 / amax``); then one program
            per ROWS rows x CHUNK columns: each 16-value block's max, its e4m3 scale, the packed
            e2m1 codes (``quant._nvfp4_chunk``, the arithmetic quantize_h uses for h)
 =========  =====================================================================================
 
-Why fp8_token's programs get fewer rows and wider steps when T is small: a program walks all of
-K in dependent steps, so at one token a 16 x 128 tile left one SM doing 56 steps of DeepSeek-V3's
-7168 columns, twice (about 0.1 ms of a 0.39 ms layer on one H200, ``moeshard bench``, 2026-12-01).
+Why fp8_token holds whole rows: in two passes the second read of a row missed L2 at 16384 tokens
+(1.8-2.1 TB/s against a copy's 3.6-4.1 at the bench models' hidden sizes, one H200,
+``scripts/input_quant_study.py``), and at one token a 16 x 128 tile left one SM doing 56 dependent
+steps of DeepSeek-V3's 7168 columns, twice. Longer rows, which do not fit, get fewer rows per
+program and wider steps when T is small, for the same reason.
 
 Schemes without a kernel mode here keep the torch path (``quantize_activations``), which takes
 about twenty elementwise passes for nvfp4. Scales are correctly rounded (``div_rn``), as torch
@@ -46,6 +50,9 @@ ROWS = 16  # rows per program
 CHUNK = 128  # columns per step: one fp8_block scale group
 MODES = FUSED_INPUT_MODES  # the kernel modes quantized here (fp8 per tensor, per row, per 128 block; nvfp4)
 _AMAX_COLS = 2048  # columns per amax program
+# fp8_token: a program's rows x the row length rounded up to a power of two, held in registers
+# (32 fp32 per thread of 8 warps, twice that while loading).
+WHOLE_ROW = 8192
 
 
 @triton.jit
@@ -63,12 +70,12 @@ def _amax_kernel(x_ptr, out_ptr, T, K, stride_xm, ROWS: tl.constexpr, COLS: tl.c
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, tensor_scale_ptr, T, K, stride_xm, stride_qm, stride_sm,
                           MODE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                          AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr):
+                          AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, WHOLE: tl.constexpr = False):
     """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS); modes 1, 3 and 4 columns
     [j*CHUNK, (j+1)*CHUNK) (mode 1: the scale ``fp8_scale(amax)`` from the amax at
     ``tensor_scale_ptr``, stored by program (0, 0) at ``s_ptr``; mode 3: one scale group; mode 4:
     CHUNK / 16 blocks, the global scale read from ``tensor_scale_ptr``), mode 2 the whole row
-    (j = 0 only) in steps of CHUNK columns."""
+    (j = 0 only): WHOLE, in one load of CHUNK >= K columns; else in steps of CHUNK columns, twice."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < T
     cols = tl.arange(0, CHUNK)
@@ -101,6 +108,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, tensor_scale_ptr, T, K, stride_xm
             scale = tl.math.div_rn(block_max, tl.zeros_like(block_max) + FP8_MAX)
             tl.store(s_ptr + rows * stride_sm + k0 // CHUNK, scale, mask=row_ok)
         tl.store(q_rows + k0 + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok)
+    elif WHOLE:
+        ok = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR), tl.zeros([ROWS], tl.float32) + FP8_MAX)
+        tl.store(s_ptr + rows * stride_sm, scale, mask=row_ok)
+        tl.store(q_rows + cols[None, :], _fp8(x, scale[:, None], FP8_MAX), mask=ok)
     else:
         row_max = tl.zeros([ROWS], dtype=tl.float32)
         for k0 in range(0, K, CHUNK):
@@ -133,10 +146,17 @@ def input_amax(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(())
 
 
-def rows_per_program(T: int) -> int:
-    """fp8_token's rows per program for T rows: ROWS, or the power of two at or above T when
-    fewer (its steps then take ROWS * CHUNK / rows columns: the same tile, fewer steps)."""
-    return min(ROWS, triton.next_power_of_2(max(T, 1)))
+def token_tile(T: int, K: int) -> tuple[int, int, bool]:
+    """fp8_token's (rows per program, columns per load, whole rows) for x [T, K]: rows of at most
+    WHOLE_ROW columns (rounded up to a power of two) whole, as many per program as fit in
+    WHOLE_ROW elements (at most ROWS, and not more than T needs); longer rows in steps, ROWS rows
+    per program, or the power of two at or above T when fewer (the steps then take
+    ROWS * CHUNK / rows columns: the same tile, fewer steps)."""
+    width = triton.next_power_of_2(max(K, 1))
+    rows = min(ROWS, triton.next_power_of_2(max(T, 1)))
+    if width <= WHOLE_ROW:
+        return min(rows, WHOLE_ROW // width), width, True
+    return rows, ROWS * CHUNK // rows, False
 
 
 def quantize_rows(x: torch.Tensor, scheme: str, amax: torch.Tensor | None = None) -> QuantizedActivations:
@@ -182,12 +202,12 @@ def quantize_rows(x: torch.Tensor, scheme: str, amax: torch.Tensor | None = None
     else:
         s = torch.empty(T, triton.cdiv(K, CHUNK) if mode == 3 else 1, dtype=torch.float32, device=dev)
     if launch:
-        rows = rows_per_program(T) if mode == 2 else ROWS
-        chunk = ROWS * CHUNK // rows  # fp8_token's steps widen as its programs take fewer rows
+        rows, chunk, whole = token_tile(T, K) if mode == 2 else (ROWS, CHUNK, False)
         grid = (triton.cdiv(T, rows), 1 if mode == 2 else triton.cdiv(K, chunk))
         _quantize_rows_kernel[grid](x, q, s, s if g is None else g, T, K, x.stride(0), q.stride(0),
                                     s.stride(0) if mode != 1 else 0, MODE=mode, ROWS=rows, CHUNK=chunk,
-                                    AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, num_warps=4)
+                                    AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, WHOLE=whole,
+                                    num_warps=8 if whole else 4)
     if mode == 1:
         return QuantizedActivations(scheme, q, None, tensor_scale)
     return QuantizedActivations(scheme, q, s, tensor_scale)
