@@ -374,6 +374,6 @@ def split_tiles(plan: RowAlignment, block_m: int) -> RowAlignment:
     tiles = plan.max_tiles * ratio
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=plan.tile_expert.device)
     _split_kernel[(triton.cdiv(tiles, TILE_FILL_BLOCK),)](plan.tile_expert, plan.start, plan.count, tile_expert, tiles,
-                                                         RATIO=ratio, BLOCK_M=block_m, BLOCK=TILE_FILL_BLOCK,
-                                                         num_warps=4)
+                                                           RATIO=ratio, BLOCK_M=block_m, BLOCK=TILE_FILL_BLOCK,
+                                                           num_warps=4)
     return RowAlignment(plan.sorted_rows, tile_expert, plan.start, plan.count, block_m, plan.num_rows)

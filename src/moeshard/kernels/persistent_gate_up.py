@@ -2,7 +2,7 @@
 
 Computes what ``grouped_gemm.moe_gemm`` computes for the fused gate_up projection of the fp8
 schemes with gathered rows (``GemmConfig.engine == "gluon"``), with the same bits (silu alone
-flushes to zero the products below 2^-126 * |up| that Triton's division keeps: ``_act_mul``).
+flushes to zero the products of at most 88 * 2^-126 * |up| that Triton's division keeps: ``_act_mul``).
 Per-tensor and per-row scales (fp8_tensor, fp8_token):
 
     gate[p, n] = rnd((sum_k x[r(p), k] * w[e, n, k]) * a_scale[r(p)] * w_scale[e, n])
@@ -219,7 +219,8 @@ def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.
 @gluon.jit
 def _act_mul(gate, up, ACT: gl.constexpr):
     """grouped_gemm's _silu_mul (ACT 0) / _gelu_mul (ACT 1), in its operation order, with the same
-    bits, except that silu flushes to zero the products Triton leaves below 2^-126 * |up|."""
+    bits, except that silu flushes to zero the products Triton leaves at gate < -87.3, of at most
+    88 * 2^-126 * |up|."""
     if ACT == 0:
         # exp(-gate) as Triton computes it (2^(-gate * log2 e) by the approximate ex2), but with
         # denormal results flushed to zero: they only ever meet 1.0 + e, which is 1.0 either way.
