@@ -825,18 +825,23 @@ def test_align_plan():
 
 
 def test_load_counter_records_on_the_device_and_under_graph_replay():
-    """The compiled record pass (kernels/loads.py) against bincount, every row of the ring; the
-    layer's counter advances once per CUDA-graph replay."""
+    """The compiled record pass (kernels/loads.py) against bincount, every row of the ring, over
+    one program and up to 128 programs whose last to arrive writes their summed counts (40
+    records, each checked: a row read before another program's counts were visible would
+    differ); the running counts and arrivals zero after each; the layer's counter advances once
+    per CUDA-graph replay."""
     from moeshard.eplb.loads import LoadCounter
 
     E, window = 256, 3
     counter = LoadCounter(E, window, device="cuda")
     want = torch.zeros(window, E, dtype=torch.int64, device="cuda")
-    for i, M in enumerate((1, 5000, 131072, 7)):
+    sizes = (1, 5000, 131072, 7) + (131072, 65536, 4097) * 12
+    for i, M in enumerate(sizes):
         ids = _ids(M, E, seed=i).view(-1, 1)
         counter.record(ids)
         want[i % window] = torch.bincount(ids.view(-1), minlength=E)
-        assert torch.equal(counter.ring, want) and int(counter.step) == i + 1
+        assert torch.equal(counter.ring, want) and int(counter.step) == i + 1, f"record {i}, {M} ids"
+        assert not counter.pending.any()
     cfg, _, layer = _layer("qwen3-30b-a3b", "none")
     x = torch.randn(40, cfg.hidden_size, device="cuda").to(cfg.dtype)
     graph, _ = _captured(layer, x)

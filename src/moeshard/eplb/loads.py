@@ -1,7 +1,7 @@
 """Tokens per logical expert, counted on the device over a running window of forwards.
 
-    record(topk_ids [T, K])  -> counts [E] of this forward (fixed shape: a histogram kernel and one
-                                program that writes the row on CUDA, ``kernels.loads``; a scatter-add
+    record(topk_ids [T, K])  -> counts [E] of this forward (fixed shape: one kernel whose last
+                                program writes the row on CUDA, ``kernels.loads``; a scatter-add
                                 elsewhere) written into row ``step % window`` of a ring [window, E]; step += 1
     read()                   -> int64 [E]: the sum of the ring (the last ``window`` forwards)
 
@@ -26,6 +26,7 @@ class LoadCounter(nn.Module):
     # Buffers registered in __init__, declared so that type checkers see tensors, not Module attributes.
     ring: torch.Tensor
     step: torch.Tensor
+    pending: torch.Tensor
 
     def __init__(self, num_experts: int, window: int, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -34,6 +35,10 @@ class LoadCounter(nn.Module):
         self.num_experts, self.window = num_experts, window
         self.register_buffer("ring", torch.zeros(window, num_experts, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("step", torch.zeros(1, dtype=torch.int64, device=device), persistent=False)
+        # The record kernel's programs add their counts and count themselves in here (zero again after
+        # every record).
+        self.register_buffer("pending", torch.zeros(num_experts + 1, dtype=torch.int32, device=device),
+                             persistent=False)
 
     @torch.no_grad()
     def record(self, topk_ids: torch.Tensor) -> None:
@@ -42,7 +47,7 @@ class LoadCounter(nn.Module):
         if ids.is_cuda and triton_importable()[0]:
             from moeshard.kernels.loads import record_counts
 
-            record_counts(ids, self.ring, self.step)  # the histogram, then one program writes the row
+            record_counts(ids, self.ring, self.step, self.pending)  # one launch: counts, then the row
             return
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
         counts.scatter_add_(0, ids, torch.ones_like(ids))
@@ -57,3 +62,4 @@ class LoadCounter(nn.Module):
     def reset(self) -> None:
         self.ring.zero_()
         self.step.zero_()
+        self.pending.zero_()
