@@ -112,3 +112,12 @@ def test_softmax_topk_refuses_what_it_cannot_run(interpreted_kernels):
     ids, w = topk.softmax_topk(torch.zeros(0, 8, dtype=torch.bfloat16), 2, True, 1e-20, 1.0)
     assert ids.shape == w.shape == (0, 2)
     assert not topk.softmax_supported(torch.zeros(2, 4), 2)  # CPU logits keep the torch ops
+
+
+def test_rows_of_128_scores_or_more_take_the_measured_tile(interpreted_kernels):
+    """The tile follows scripts/topk_study.py: 2 rows on one warp from 128 columns (Qwen3's and
+    DeepSeek-V3's rows, faster there), 16 rows on 4 warps below (Mixtral's, where the small tile
+    was slower)."""
+    topk = interpreted_kernels.topk
+    assert [topk.tile(c) for c in (16, 32, 64)] == [(topk.ROWS, topk.WARPS)] * 3
+    assert [topk.tile(c) for c in (128, 256, 1024)] == [topk.WIDE_TILE] * 3 == [(2, 1)] * 3

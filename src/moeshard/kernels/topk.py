@@ -24,7 +24,21 @@ import triton
 import triton.language as tl
 
 MAX_COLUMNS = 1024  # the widest row held in registers (E of every family is far below)
-ROWS = 16  # rows per program
+ROWS = 16  # rows per program of rows narrower than WIDE_ROW
+WARPS = 4  # warps per program of rows narrower than WIDE_ROW
+# Rows of at least WIDE_ROW columns (after rounding up to a power of two): WIDE_TILE, (rows, warps).
+# One H200, scripts/topk_study.py (results/h200/topk_study-2026-12-04-697169e.json): at 256
+# columns (DeepSeek-V3's selection with weights) 16 rows on 4 warps took 64.8 us at 16384 tokens
+# and 16.1 us at one token, 2 rows on one warp 44.8 and 8.5 us; at 128 columns (Qwen3-30B-A3B's
+# softmax) 18.9 against 18.8 us and 7.3 against 6.1 us. At 16 columns (Mixtral's 8 experts) 2 rows
+# on one warp was slower (9.6 against 6.5 us at 16384 tokens). Every variant gave the same bits.
+WIDE_ROW = 128
+WIDE_TILE = (2, 1)
+
+
+def tile(columns: int) -> tuple[int, int]:
+    """(rows per program, warps) for rows of ``columns`` scores (``COLS``, a power of two)."""
+    return WIDE_TILE if columns >= WIDE_ROW else (ROWS, WARPS)
 _TAKEN: tl.constexpr = tl.constexpr(-(2**63))  # the key of a taken or padding column
 
 
@@ -102,20 +116,24 @@ def _check_scores(what: str, scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _launch(choice: torch.Tensor, k: int, scores: torch.Tensor | None, renormalize: bool = False,
-            floor: float = 1.0, scale: float = 1.0, softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            floor: float = 1.0, scale: float = 1.0, softmax: bool = False,
+            rows_warps: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One ``_topk_kernel`` launch over [T, E] ``choice`` (with ``softmax``: logits, whose
     softmax is both the choice and the scores): (ids int64 [T, k], and with ``scores`` or
-    ``softmax`` the gathered weights fp32 [T, k], else None)."""
+    ``softmax`` the gathered weights fp32 [T, k], else None). rows_warps: (rows per program,
+    warps), ``tile``'s unless a study gives others (scripts/topk_study.py)."""
     T, E = choice.shape
+    cols = max(16, triton.next_power_of_2(E))
+    rows, warps = rows_warps or tile(cols)
     ids = torch.empty(T, k, dtype=torch.int64, device=choice.device)
     gather = scores is not None or softmax
     weights = torch.empty(T, k, dtype=torch.float32, device=choice.device) if gather else None
     if T:
-        _topk_kernel[(triton.cdiv(T, ROWS),)](
+        _topk_kernel[(triton.cdiv(T, rows),)](
             choice, ids, choice if scores is None else scores, ids if weights is None else weights, T, E,
             choice.stride(0), 0 if scores is None else scores.stride(0), float(floor), float(scale), K=k,
-            KP=triton.next_power_of_2(k), COLS=max(16, triton.next_power_of_2(E)), ROWS=ROWS,
-            WEIGHTS=gather, RENORM=renormalize, SCALE=scale != 1.0, SOFTMAX=softmax, num_warps=4)
+            KP=triton.next_power_of_2(k), COLS=cols, ROWS=rows,
+            WEIGHTS=gather, RENORM=renormalize, SCALE=scale != 1.0, SOFTMAX=softmax, num_warps=warps)
     return ids, weights
 
 
