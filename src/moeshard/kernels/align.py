@@ -109,12 +109,19 @@ def _histogram_kernel(ids_ptr, M, E, per_program, partial_ptr,
     pid = tl.program_id(0)
     bins = tl.arange(0, NUM_BINS)
     lo = pid * per_program
-    hi = tl.minimum(lo + per_program, M)
+    counts = ids_counts(ids_ptr, lo, tl.minimum(lo + per_program, M), NUM_BINS, CHUNK)
+    tl.store(partial_ptr + pid * E + bins, counts, mask=bins < E)
+
+
+@triton.jit
+def ids_counts(ids_ptr, lo, hi, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """[NUM_BINS] int32: how many of ids[lo, hi) equal each bin, CHUNK ids at a time; padding
+    ids (-1) count nowhere."""
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for m0 in range(lo, hi, CHUNK):
         offs = m0 + tl.arange(0, CHUNK)
         counts += _expert_counts(tl.load(ids_ptr + offs, mask=offs < hi, other=-1).to(tl.int32), NUM_BINS)
-    tl.store(partial_ptr + pid * E + bins, counts, mask=bins < E)
+    return counts
 
 
 @triton.jit

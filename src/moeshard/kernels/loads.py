@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeshard.kernels.align import HIST_CHUNK, _expert_counts, histogram_split
+from moeshard.kernels.align import HIST_CHUNK, histogram_split, ids_counts
 
 
 @triton.jit
@@ -45,11 +45,7 @@ def _record_kernel(ids_ptr, M, E, per_program, num_parts, pending_ptr, ring_ptr,
     pid = tl.program_id(0)
     bins = tl.arange(0, NUM_BINS)
     lo = pid * per_program
-    hi = tl.minimum(lo + per_program, M)
-    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for m0 in range(lo, hi, CHUNK):
-        offs = m0 + tl.arange(0, CHUNK)
-        counts += _expert_counts(tl.load(ids_ptr + offs, mask=offs < hi, other=-1).to(tl.int32), NUM_BINS)
+    counts = ids_counts(ids_ptr, lo, tl.minimum(lo + per_program, M), NUM_BINS, CHUNK)
     if num_parts == 1:
         _write_row(counts.to(tl.int64), E, ring_ptr, step_ptr, window, NUM_BINS)
     else:
