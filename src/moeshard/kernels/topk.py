@@ -34,12 +34,12 @@ WARPS = 4  # warps per program of rows narrower than WIDE_ROW
 # on one warp was slower (9.6 against 6.5 us at 16384 tokens). Every variant gave the same bits.
 WIDE_ROW = 128
 WIDE_TILE = (2, 1)
+_TAKEN: tl.constexpr = tl.constexpr(-(2**63))  # the key of a taken or padding column
 
 
 def tile(columns: int) -> tuple[int, int]:
     """(rows per program, warps) for rows of ``columns`` scores (``COLS``, a power of two)."""
     return WIDE_TILE if columns >= WIDE_ROW else (ROWS, WARPS)
-_TAKEN: tl.constexpr = tl.constexpr(-(2**63))  # the key of a taken or padding column
 
 
 @triton.jit(do_not_specialize=["T"])
