@@ -181,3 +181,30 @@ def test_combine_final_is_declared_by_the_registry_and_refused_when_missing(exte
             MoELayer(cfg, weights=w, backend="local_blocks_claims")
     finally:
         unregister_backend(claimed.name)
+
+
+def test_payload_first_is_declared_by_the_registry_and_refused_when_missing(extended):
+    """Making the payload before the routing is a capability in each backend's registry entry
+    (``BackendSpec.payload_first``), as ``combine_final`` is: every built-in entry's flag matches
+    what its backend has (only ``local``, whose payload needs no collective), and an entry that
+    claims it for a backend without ``dispatch_payload`` is refused when the layer is built."""
+    import dataclasses
+
+    from moeshard.dispatch.base import BackendContext
+    from moeshard.dispatch.registry import register_backend, unregister_backend
+
+    cfg = PRESETS["qwen2-57b-a14b"].config("small")
+    for name, spec in BACKENDS.items():
+        if spec.layouts == "no_ep":
+            backend = spec.factory(BackendContext(cfg, QuantConfig()))
+            assert callable(getattr(backend, "dispatch_payload", None)) == spec.payload_first, name
+    assert [n for n, spec in BACKENDS.items() if spec.payload_first] == ["local"]
+    w = MoEWeights.random(cfg, torch.Generator().manual_seed(6))
+    claimed = dataclasses.replace(BACKENDS["local_blocks"], name="local_blocks_payload", payload_first=True)
+    register_backend(claimed)
+    try:
+        with pytest.raises(TypeError, match="local_blocks: its registry entry says payload_first=True but the "
+                                            "backend has no payload and dispatch_payload"):
+            MoELayer(cfg, weights=w, backend="local_blocks_payload")
+    finally:
+        unregister_backend(claimed.name)

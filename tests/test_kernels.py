@@ -581,6 +581,27 @@ def test_local_backend_round_trip():
     assert backend.combine(torch.empty(0, H), empty).shape == (0, H)
 
 
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block"])
+def test_local_backend_dispatches_a_payload_made_before_the_routing(scheme):
+    """``dispatch_payload`` (the layer's forward on CUDA makes the payload on a side stream while
+    it routes) hands the experts what ``dispatch`` does: the same rows, scales, ids and weights."""
+    T, K, H = 6, 3, 32
+    backend = LocalBackend(BackendContext(MoEConfig(4, K, H, 16), QuantConfig(scheme)))
+    x = torch.randn(T, H).to(torch.bfloat16)
+    routing = Routing(torch.randint(0, 4, (T, K)), torch.rand(T, K))
+    want, got = backend.dispatch(x, routing), backend.dispatch_payload(x, backend.payload(x), routing)
+    a, b = want.input, got.input
+    assert (a.repeat, a.padded) == (b.repeat, b.padded) and torch.equal(a.expert_ids, b.expert_ids)
+    assert torch.equal(want.state.topk_weights, got.state.topk_weights)
+    for u, v in ((a.x, b.x), (a.input_amax, b.input_amax)):
+        if isinstance(u, torch.Tensor) or u is None:
+            assert (u is None and v is None) or torch.equal(u, v)
+        else:  # QuantizedActivations
+            assert u.scheme == v.scheme and torch.equal(u.data.view(torch.uint8), v.data.view(torch.uint8))
+            for s, t in ((u.row_scale, v.row_scale), (u.tensor_scale, v.tensor_scale)):
+                assert (s is None and t is None) or torch.equal(s, t)
+
+
 def test_selection_on_cpu():
     assert type(select_kernel("silu", torch.bfloat16, torch.device("cpu"), "none")) is GroupedExperts
     name, reason = kernel_choice(torch.bfloat16, "cpu", "fp8_block")

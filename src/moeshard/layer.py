@@ -45,7 +45,8 @@ from moeshard.autograd.collectives import gather_rows, shard_rows, tp_copy, tp_r
 from moeshard.autograd.roles import GradRole, layer_role
 from moeshard.autograd.support import backward_refusal
 from moeshard.config import MoEConfig, QuantConfig, dtype_name
-from moeshard.dispatch.base import BackendContext, DispatchBackend, FinalCombineBackend
+from moeshard.dispatch.base import BackendContext, DispatchBackend, Dispatched, FinalCombineBackend, PayloadFirstBackend
+from moeshard.dispatch.payload import Payload
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.eplb.loads import LoadCounter
 from moeshard.eplb.moves import MoveStats, move_slots, plan_moves
@@ -96,6 +97,18 @@ def _final_combiner(backend: DispatchBackend, declared: bool) -> Callable[..., t
     return cast(FinalCombineBackend, backend).combine_final
 
 
+def _payload_dispatcher(backend: DispatchBackend, declared: bool) -> Callable[..., Dispatched] | None:
+    """``backend.dispatch_payload`` where its registry entry declares it (``BackendSpec.payload_first``),
+    else None; a declared method the backend lacks is refused when the layer is built."""
+    if not declared:
+        return None
+    method = getattr(backend, "dispatch_payload", None)
+    if not callable(method) or not callable(getattr(backend, "payload", None)):
+        raise TypeError(f"{backend.name}: its registry entry says payload_first=True but the backend has no "
+                        f"payload and dispatch_payload (moeshard.dispatch.base.PayloadFirstBackend)")
+    return cast(PayloadFirstBackend, backend).dispatch_payload
+
+
 class MoELayer(nn.Module):
     """One MoE block.
 
@@ -125,7 +138,11 @@ class MoELayer(nn.Module):
     at run time, moving only the slots whose expert changed.
 
     On CUDA the shared experts run on a side stream while the routed path is dispatched and
-    computed (``overlap_shared``, default on), and are joined before they are added.
+    computed (``overlap_shared``, default on), and are joined before they are added. Where the
+    backend's payload needs neither the routing nor a collective (``BackendSpec.payload_first``:
+    the local backend), the forward makes it (the input's amax and quantization, for per-tensor
+    scales) on another side stream while it routes (``overlap_payload``, default on CUDA; not
+    under autograd or the stage recorder).
 
     Cross-rank precondition: every rank of the world constructs the layer with the same cfg,
     quant, layout and backend (checked here by one all-gather) and calls ``forward`` the same
@@ -229,8 +246,11 @@ class MoELayer(nn.Module):
         self.backend: DispatchBackend = BACKENDS[backend].factory(
             BackendContext(backend_cfg, quant, groups, routed_max, recorder))
         self._combine_final = _final_combiner(self.backend, BACKENDS[backend].combine_final)
+        self._dispatch_payload = _payload_dispatcher(self.backend, BACKENDS[backend].payload_first)
         self.overlap_shared = self.device.type == "cuda"
+        self.overlap_payload = self.device.type == "cuda"
         self._side_stream: torch.cuda.Stream | None = None
+        self._payload_stream: torch.cuda.Stream | None = None
         self.recorder = recorder
         # Training losses on the router (moeshard.training.router_losses) set this: every forward
         # then keeps the fp32 logits of the rows it routed, and the first row's index in its DP
@@ -361,6 +381,7 @@ class MoELayer(nn.Module):
         final True. grad: carry gradients (the differentiable collectives and the portable
         experts)."""
         rec = self.recorder
+        join_payload = self._start_payload(x, grad)
         routing = self.route(x)
         if rec is not None:
             rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_row)
@@ -383,7 +404,11 @@ class MoELayer(nn.Module):
             # gradients of both are partial sums over TP.
             x, weights = tp_copy(x, routing.topk_weights, group=self.groups.tp_group, trace=self.groups.trace)
             routing = Routing(routing.topk_ids, weights)
-        d = differentiable.dispatch(self.backend, x, routing) if grad else self.backend.dispatch(x, routing)
+        if join_payload is not None:
+            assert self._dispatch_payload is not None  # _start_payload starts one only for such a backend
+            d = self._dispatch_payload(x, join_payload(), routing)
+        else:
+            d = differentiable.dispatch(self.backend, x, routing) if grad else self.backend.dispatch(x, routing)
         inp = d.input
         if rec is not None:
             _record_dispatched(rec, inp, self.slot_expert)
@@ -425,6 +450,41 @@ class MoELayer(nn.Module):
         if tp_sliced or self.cfg.routing_kind.weights_on_input or self.recorder is not None:
             return None
         return self._combine_final
+
+    def _start_payload(self, x: torch.Tensor, grad: bool) -> Callable[[], Payload] | None:
+        """Starts the backend's payload of x [T, H] (the rows this rank routes, quantized as the
+        backend sends them) on a side stream, and returns its join: called once, it gives the
+        payload, readable on the current stream. None where the backend makes the payload
+        itself at dispatch: a backend without ``payload_first``, off CUDA, ``overlap_payload``
+        off, under autograd, with the stage recorder (which records the payload in stage order),
+        weights on the input (the payload is then of the weighted rows), or a payload that is x
+        itself (no scheme, or a per-row scheme's deferred quantization: nothing to overlap).
+
+        Why: the payload reads x once or twice (fp8_tensor: the amax, then the quantization) and
+        the router reads it once more, then runs its top-k; neither needs the other's result, so
+        on two streams they overlap."""
+        spec = self.quant.spec
+        if (self._dispatch_payload is None or not (self.overlap_payload and x.is_cuda) or grad
+                or self.recorder is not None or self.cfg.routing_kind.weights_on_input or not spec.quantized
+                or (self.quant.defer_input_quant and not spec.per_tensor_activation)):
+            return None
+        main = torch.cuda.current_stream(x.device)
+        if self._payload_stream is None:
+            self._payload_stream = torch.cuda.Stream(device=x.device)
+        side = self._payload_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            payload = cast(PayloadFirstBackend, self.backend).payload(x)
+
+        def join() -> Payload:
+            main.wait_stream(side)
+            if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
+                for t in (payload.rows, payload.row_scale, payload.tensor_scale, payload.input_amax):
+                    if t is not None:
+                        t.record_stream(main)  # keeps the allocator from reusing them too early
+            return payload
+
+        return join
 
     def _start_shared(self, x: torch.Tensor) -> Callable[[], torch.Tensor | None]:
         """Starts the shared experts on x [T, H] (the rows this rank routes) and returns their

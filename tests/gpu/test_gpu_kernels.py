@@ -879,6 +879,37 @@ def test_layer_final_combine_is_the_separate_sum():
         assert torch.equal(layer(x), recorded(x)), preset
 
 
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_layer_makes_the_payload_while_it_routes(preset, scheme):
+    """On CUDA the layer takes a per-tensor scheme's amax and quantization on a side stream while
+    it routes (the local backend's ``payload_first``; DeepSeek-V3's shared experts on a third):
+    the same bits as with ``overlap_payload`` off, which makes the payload at dispatch, eager at 1
+    and 300 tokens and in a replayed CUDA graph; every such forward took the side stream's
+    payload, and a per-row scheme's none."""
+    cfg, weights, layer = _layer(preset, scheme)
+    serial = MoELayer(cfg, QuantConfig(scheme), weights=weights, device="cuda")
+    serial.overlap_payload = False
+    taken = []
+    dispatch_payload = layer._dispatch_payload
+
+    def spy(x, payload, routing):
+        taken.append(x.shape[0])
+        return dispatch_payload(x, payload, routing)
+
+    layer._dispatch_payload = spy
+    for T in (1, 300):
+        x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.dtype)
+        assert torch.equal(layer(x), serial(x)), (preset, scheme, T)
+    static_x = torch.randn(48, cfg.hidden_size, device="cuda").to(cfg.dtype)
+    graph, static_out = _captured(layer, static_x)
+    static_x.copy_(torch.randn(48, cfg.hidden_size, device="cuda").to(cfg.dtype))
+    graph.replay()
+    assert torch.equal(static_out, serial(static_x)), (preset, scheme, "graph")
+    # Two eager forwards, the warm-up, the capture.
+    assert taken == [1, 300, 48, 48], taken
+
+
 def _captured(layer, x: torch.Tensor, warmups: int = 1):
     """(a CUDA graph of ``layer(x)``, its output), captured after ``warmups`` calls on a side
     stream (as torch asks before a capture: kernels compiled, caches filled)."""

@@ -98,6 +98,22 @@ class FinalCombineBackend(DispatchBackend, Protocol):
         ...
 
 
+class PayloadFirstBackend(DispatchBackend, Protocol):
+    """A backend whose registry entry says ``payload_first=True`` (``BackendSpec``): the payload
+    of x needs neither the routing nor a collective, so it can be made before the routing."""
+
+    def payload(self, x: torch.Tensor) -> Payload:
+        """x: [T, H] this rank's tokens (model dtype) -> the ``Payload`` its dispatch sends; no
+        collective runs."""
+        ...
+
+    def dispatch_payload(self, x: torch.Tensor, payload: Payload, routing: Routing) -> Dispatched:
+        """``dispatch(x, routing)`` given ``payload``, which is ``payload(x)`` made earlier: the
+        same result. The layer calls it forward only, after joining the stream that made the
+        payload."""
+        ...
+
+
 class DifferentiableBackend(DispatchBackend, Protocol):
     """A backend whose dispatch and combine have a backward (its registry entry says
     ``backward=True``). Collective like the forward: every rank of the EP group calls each

@@ -4,7 +4,8 @@ Each (token, k) pair becomes one routed row, in token-major order: row ``t * K +
 k-th choice. The rows are not copied: dispatch hands the experts x [T, Hp] itself with
 ``repeat = K`` (routed row m reads x[m // K]), and the expert kernels gather through that index,
 which saves writing and re-reading a [T * K, Hp] copy. No communication, and nothing here reads a
-value back to the host, so the single-device forward stays CUDA-graph capturable.
+value back to the host, so the single-device forward stays CUDA-graph capturable. The payload
+needs neither the routing nor a collective (``payload_first``): the layer makes it while it routes.
 
 Because rows are token-major, combine needs no scatter: ``out[t] = sum_k w[t, k] * y[t*K + k]``
 is a strided reduction, done in one pass by a Triton kernel on CUDA (``moeshard.dispatch.combine_kernel``)
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.dispatch.base import Dispatched, RowBackend, acc_dtype, pair_rows_backward
+from moeshard.dispatch.payload import Payload
 from moeshard.router import Routing
 from moeshard.triton_env import triton_importable
 
@@ -46,8 +48,11 @@ class LocalBackend(RowBackend):
         with ``repeat = K``; expert_ids is [T * K]. The quantization domain is this rank's tokens
         (identical on the TP ranks of a DP rank), so no collective runs.
         """
+        return self.dispatch_payload(x, self.payload(x), routing)
+
+    def dispatch_payload(self, x: torch.Tensor, p: Payload, routing: Routing) -> Dispatched:
+        """``dispatch`` with ``p = self.payload(x)`` made beforehand (``PayloadFirstBackend``)."""
         K = routing.topk_ids.shape[1]
-        p = self.payload(x)
         inp = p.expert_input(p.rows, p.row_scale, routing.topk_ids.reshape(-1), repeat=K, padded=False)
         w = routing.topk_weights
         return Dispatched(inp, LocalState(w.to(acc_dtype(w)).contiguous()))

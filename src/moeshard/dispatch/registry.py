@@ -46,6 +46,9 @@ class BackendSpec:
     combine_final: it has ``combine_final`` (``dispatch.base.FinalCombineBackend``: the combine that
     also adds the shared experts and rounds to the model dtype in one pass), which the layer's
     forward then calls where nothing sits between the two.
+    payload_first: it has ``dispatch_payload`` (``dispatch.base.PayloadFirstBackend``: dispatch
+    from the payload of x made beforehand; its payload needs neither the routing nor a
+    collective), so the layer's forward on CUDA makes the payload on a side stream while it routes.
     """
 
     name: str
@@ -60,6 +63,7 @@ class BackendSpec:
     graph_safe: bool = False
     backward: bool = False
     combine_final: bool = False
+    payload_first: bool = False
 
     def supported_quants(self) -> tuple[str, ...]:
         return scheme_names() if self.quants is None else self.quants
@@ -111,7 +115,7 @@ def unregister_backend(name: str) -> None:
 for _spec in (
     BackendSpec("local", "no_ep", FLAT, True, (),
                 "no expert parallelism: each rank computes all (TP-sliced) experts for its tokens", _local,
-                graph_safe=True, backward=True, combine_final=True),
+                graph_safe=True, backward=True, combine_final=True, payload_first=True),
     BackendSpec("allgather_reducescatter", "ep", FLAT, True, (),
                 "all-gather tokens+routing over EP, local experts, reduce-scatter back (uneven)", _agrs,
                 backward=True),

@@ -62,6 +62,14 @@ class EPLBCheck:
 
         # An instance attribute, on purpose: it shadows the method for this layer's backend only.
         layer.backend.dispatch = spy  # type: ignore[method-assign]
+        if layer._dispatch_payload is not None:  # the layer's forward on CUDA dispatches a payload made earlier
+            dispatch_payload = layer._dispatch_payload
+
+            def spy_payload(x, payload, routing):
+                self.routed.append(routing.topk_ids.detach().cpu())
+                return dispatch_payload(x, payload, routing)
+
+            layer._dispatch_payload = spy_payload
 
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, SequenceChunk | None]:
         p = self.case.parallel
