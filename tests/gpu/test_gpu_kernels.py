@@ -880,7 +880,7 @@ def test_layer_final_combine_is_the_separate_sum():
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
-@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "nvfp4", "fp8_token"])
 def test_layer_makes_the_payload_while_it_routes(preset, scheme):
     """On CUDA the layer takes a per-tensor scheme's amax and quantization on a side stream while
     it routes (the local backend's ``payload_first``; DeepSeek-V3's shared experts on a third):
@@ -907,7 +907,7 @@ def test_layer_makes_the_payload_while_it_routes(preset, scheme):
     graph.replay()
     assert torch.equal(static_out, serial(static_x)), (preset, scheme, "graph")
     # Two eager forwards, the warm-up, the capture.
-    assert taken == [1, 300, 48, 48], taken
+    assert taken == ([1, 300, 48, 48] if scheme in ("fp8_tensor", "nvfp4") else []), taken
 
 
 def _captured(layer, x: torch.Tensor, warmups: int = 1):
