@@ -121,3 +121,81 @@ def test_rows_of_128_scores_or_more_take_the_measured_tile(interpreted_kernels):
     topk = interpreted_kernels.topk
     assert [topk.tile(c) for c in (16, 32, 64)] == [(topk.ROWS, topk.WARPS)] * 3
     assert [topk.tile(c) for c in (128, 256, 1024)] == [topk.WIDE_TILE] * 3 == [(2, 1)] * 3
+
+
+@pytest.fixture
+def interpreter_exp(interpreted_kernels, monkeypatch):
+    """Triton's interpreter has no libdevice: the kernel's accurate exponential (``__nv_expf``
+    on the GPU, where tests/gpu compares the sigmoid's bits with torch's) runs as ``tl.exp`` here."""
+    import types
+
+    import triton.language as tl
+
+    monkeypatch.setattr(interpreted_kernels.topk, "libdevice", types.SimpleNamespace(exp=lambda x: tl.exp(x)))
+
+
+def _torch_sigmoid_routing(logits, k, bias, groups, renormalize, scale):
+    """The router's torch ops for sigmoid routing (``router.select_experts``): scores, the biased
+    choice, the groups' scores (best one, or the sum of the best two), the best groups kept by a
+    stable sort, the others masked to -inf, the stable sort's top k, the unbiased weights."""
+    T, E = logits.shape
+    scores = logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float().view(1, -1)
+    if groups.count > 1:
+        grouped = choice.view(T, groups.count, E // groups.count)
+        top2 = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
+        group_scores = top2[..., 0] if groups.by_max else top2.sum(dim=-1)
+        keep = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :groups.keep]
+        mask = torch.zeros(T, groups.count, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(E // groups.count, dim=1), float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    return ids, weights * scale
+
+
+@pytest.mark.parametrize("T,E,k,count,keep,by_max,with_bias,renormalize,scale", [
+    (37, 256, 8, 8, 4, False, True, True, 2.5),  # DeepSeek-V3
+    (9, 64, 6, 8, 3, True, True, False, 1.0),
+    (17, 32, 4, 4, 2, False, False, True, 1.0),
+    (3, 16, 12, 2, 1, False, True, True, 1.0),  # k past the kept experts: masked (-inf) ones taken last
+    (5, 128, 8, 1, 1, False, True, True, 1.0),  # no groups (GLM-4.5's routing)
+    (4, 60, 5, 1, 1, False, False, False, 1.0),
+])
+def test_sigmoid_topk_is_the_routers_sigmoid_routing(interpreted_kernels, interpreter_exp, T, E, k, count, keep,
+                                                     by_max, with_bias, renormalize, scale):
+    """Sigmoid routing in one pass (DeepSeek-V3's: the groups' scores, the best groups kept, the
+    top k of the biased choice among them, the unbiased weights) picks what the router's torch ops
+    pick: ties in the logits (rounded to a quarter), among the groups' scores (two equal groups)
+    and among the scores; weights within an ulp of the sum's order. The sigmoid here is the
+    interpreter's, not the GPU's, so the test compares its own scores' picks (the GPU test compares
+    the bits with torch's CUDA ops)."""
+    topk = interpreted_kernels.topk
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = (torch.randn(T, E, generator=g) * 8).round() / 4
+    if count > 1 and T > 1:
+        logits[1, E // count:2 * E // count] = logits[1, :E // count]  # two groups with equal scores
+    bias = (torch.randn(E, generator=g) * 0.05).round(decimals=3) if with_bias else None
+    groups = topk.Groups(count, keep, by_max)
+    ids, weights = topk.sigmoid_topk(logits, k, bias, groups, renormalize, 1e-20, scale)
+    want_ids, want = _torch_sigmoid_routing(logits, k, bias, groups, renormalize, scale)
+    assert torch.equal(ids, want_ids)
+    assert weights.dtype == torch.float32 and torch.allclose(weights, want, rtol=4 * 2.0**-23, atol=0)
+    # bf16 logits are read as they are and widened in the kernel.
+    ids16, _ = topk.sigmoid_topk(logits.bfloat16(), k, bias, groups, renormalize, 1e-20, scale)
+    assert torch.equal(ids16, _torch_sigmoid_routing(logits.bfloat16(), k, bias, groups, renormalize, scale)[0])
+
+
+def test_sigmoid_topk_refuses_what_it_cannot_run(interpreted_kernels, interpreter_exp):
+    topk = interpreted_kernels.topk
+    with pytest.raises(ValueError, match=r"sigmoid_topk: needs .* got torch.float32 \[2, 48\], k=2, bias None, "
+                                         r"Groups\(count=4, keep=2, by_max=False\)"):
+        topk.sigmoid_topk(torch.zeros(2, 48), 2, None, topk.Groups(4, 2), True, 1e-20, 1.0)  # 48: not a power of two
+    with pytest.raises(ValueError, match=r"bias \[8\]"):
+        topk.sigmoid_topk(torch.zeros(2, 16), 2, torch.zeros(8), topk.NO_GROUPS, True, 1e-20, 1.0)
+    with pytest.raises(ValueError, match=r"Groups\(count=4, keep=5"):
+        topk.sigmoid_topk(torch.zeros(2, 16), 2, None, topk.Groups(4, 5), True, 1e-20, 1.0)
+    ids, w = topk.sigmoid_topk(torch.zeros(0, 16), 2, None, topk.Groups(4, 2), True, 1e-20, 1.0)
+    assert ids.shape == w.shape == (0, 2)
+    assert not topk.sigmoid_supported(torch.zeros(2, 16), 2, None, topk.NO_GROUPS)  # CPU logits keep the torch ops

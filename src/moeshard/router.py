@@ -50,8 +50,9 @@ class Routing:
     """topk_ids: int64 [T, K] expert ids; topk_weights: fp32 [T, K] combine weights; logits:
     [T, E] the logits they were computed from (router bias included), which the training
     losses read (``moeshard.training.router_losses``), or None: fp32, or the model dtype where
-    the router rounded them to it (``router_dtype="model"``) and the softmax routing read them
-    as they are (``_softmax_in_kernel``); their fp32 widening is the same values."""
+    the router rounded them to it (``router_dtype="model"``) and the softmax or sigmoid routing
+    read them as they are (``_softmax_in_kernel``, ``_sigmoid_in_kernel``); their fp32 widening
+    is the same values."""
 
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
@@ -103,6 +104,30 @@ def _softmax_in_kernel(logits: torch.Tensor, cfg: MoEConfig) -> bool:
     from moeshard.kernels import topk
 
     return topk.softmax_supported(logits, cfg.top_k)
+
+
+def _sigmoid_in_kernel(logits: torch.Tensor, cfg: MoEConfig,
+                       correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """On CUDA without autograd: (ids, weights) of sigmoid routing (``score_then_topk`` with
+    sigmoid scores: DeepSeek-V3's, its correction bias and groups included) in one Triton pass
+    from the logits as they are (``kernels.topk.sigmoid_topk``); None where that pass does not
+    apply (then the torch ops below run). The pass computes the sigmoid as torch's CUDA kernel
+    does, so it picks what the torch ops pick, with their weights; it replaces about a dozen
+    launches that a decode step runs one after another (docs/performance.md, "DeepSeek-V3's
+    routing in one pass")."""
+    kind = cfg.routing_kind
+    if not (logits.is_cuda and kind.order == "score_then_topk" and kind.scores == "sigmoid"):
+        return None
+    bias = correction_bias if cfg.use_correction_bias else None
+    if torch.is_grad_enabled() and (logits.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    from moeshard.kernels import topk
+
+    groups = topk.Groups(cfg.n_group, cfg.topk_group, kind.groups == "max") if cfg.n_group > 1 else topk.NO_GROUPS
+    if not topk.sigmoid_supported(logits, cfg.top_k, bias, groups):
+        return None
+    return topk.sigmoid_topk(logits, cfg.top_k, bias, groups, cfg.renormalize, kind.weight_floor,
+                             cfg.routed_scaling_factor)
 
 
 def _group_mask(choice_scores: torch.Tensor, cfg: MoEConfig, group_score: str) -> torch.Tensor:
@@ -197,6 +222,9 @@ def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.
         ids, weights = topk.softmax_topk(logits, cfg.top_k, cfg.renormalize, kind.weight_floor,
                                          cfg.routed_scaling_factor)
         return Routing(topk_ids=ids, topk_weights=weights, logits=logits)
+    fused = _sigmoid_in_kernel(logits, cfg, correction_bias)
+    if fused is not None:
+        return Routing(topk_ids=fused[0], topk_weights=fused[1], logits=logits)
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     if kind.order == "topk_then_score":

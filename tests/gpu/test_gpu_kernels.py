@@ -780,6 +780,44 @@ def test_router_topk_kernel_matches_the_stable_sort():
         assert torch.allclose(gpu.topk_weights.cpu(), cpu.topk_weights, rtol=1e-5, atol=0), preset
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sigmoid_routing_in_one_pass_is_the_torch_ops(dtype):
+    """DeepSeek-V3's routing on CUDA runs in one pass (``kernels.topk.sigmoid_topk``: the sigmoid,
+    the bias, the groups, the top k, the weights): the ids the router's torch ops pick on the
+    same GPU (logits with many ties, a NaN row, a row whose best two groups tie), and, without
+    renormalization and scaling, their weights bit for bit (the sigmoid is torch's CUDA one);
+    with them, within an ulp of the sum's order. Also without groups and without the bias."""
+    import dataclasses
+
+    from moeshard.kernels.topk import Groups, sigmoid_supported
+    from moeshard.router import _sigmoid_in_kernel, select_experts
+
+    base = PRESETS["deepseek-v3"].config("full", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    logits = ((torch.randn(3000, base.num_experts, device="cuda", generator=g) * 8).round() / 4).to(dtype)
+    logits[0] = float("nan")
+    logits[1, 32:64] = logits[1, :32]
+    bias = torch.randn(base.num_experts, device="cuda", generator=g) * 0.05
+    variants = [base, dataclasses.replace(base, renormalize=False, routed_scaling_factor=1.0),
+                dataclasses.replace(base, n_group=1, topk_group=1),
+                dataclasses.replace(base, use_correction_bias=False)]
+    for cfg in variants:
+        b = bias if cfg.use_correction_bias else None
+        assert _sigmoid_in_kernel(logits, cfg, b) is not None  # the one-pass path applies
+        fused = select_experts(logits, cfg, b)
+        # The torch ops: logits that require grad keep every step in torch on the same GPU.
+        with torch.enable_grad():
+            ops = select_experts(logits.float().clone().requires_grad_(), cfg, b)
+        assert torch.equal(fused.topk_ids[1:], ops.topk_ids[1:]), cfg
+        assert torch.equal(fused.topk_ids[0], torch.arange(cfg.top_k, device="cuda"))  # NaN row: the first k
+        want = ops.topk_weights.detach()
+        if cfg.renormalize or cfg.routed_scaling_factor != 1.0:
+            torch.testing.assert_close(fused.topk_weights, want, rtol=4 * 2.0**-23, atol=0, equal_nan=True)
+        else:
+            assert torch.equal(fused.topk_weights[1:], want[1:])
+    assert not sigmoid_supported(logits[:, :200], 8, None, Groups(8, 4))  # 200 experts: the torch ops
+
+
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
 def test_softmax_routing_from_model_dtype_logits(preset):
     """route_tokens on CUDA with bf16 logits (``router_dtype="model"``) routes in one pass from
