@@ -199,3 +199,35 @@ def test_sigmoid_topk_refuses_what_it_cannot_run(interpreted_kernels, interprete
     ids, w = topk.sigmoid_topk(torch.zeros(0, 16), 2, None, topk.Groups(4, 2), True, 1e-20, 1.0)
     assert ids.shape == w.shape == (0, 2)
     assert not topk.sigmoid_supported(torch.zeros(2, 16), 2, None, topk.NO_GROUPS)  # CPU logits keep the torch ops
+
+
+@pytest.mark.parametrize("T,E,k,count,keep,by_max,with_bias", [
+    (33, 64, 6, 8, 3, True, False),  # DeepSeek-V2: groups scored by their best
+    (9, 64, 8, 1, 1, False, True),  # ERNIE 4.5: a selection bias, no groups
+    (17, 128, 8, 4, 2, False, True),  # softmax with both
+])
+def test_softmax_topk_with_bias_and_groups(interpreted_kernels, T, E, k, count, keep, by_max, with_bias):
+    """Softmax routing with a selection bias or groups in one pass: the torch ops' picks from
+    torch's softmax (the kernel's differs by rounding only; logits rounded to halves, so two
+    experts' choices never sit an ulp apart unless equal), the weights the unbiased p within a
+    few ulps."""
+    topk = interpreted_kernels.topk
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = (torch.randn(T, E, generator=g) * 6).round() / 2
+    bias = (torch.randn(E, generator=g) * 0.05).round(decimals=3) if with_bias else None
+    groups = topk.Groups(count, keep, by_max)
+    p = torch.softmax(logits, dim=-1)
+    choice = p if bias is None else p + bias.view(1, -1)
+    if count > 1:
+        grouped = choice.view(T, count, E // count)
+        top2 = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
+        group_scores = top2[..., 0] if by_max else top2.sum(dim=-1)
+        kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+        mask = torch.zeros(T, count, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(E // count, dim=1), float("-inf"))
+    want_ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
+    want = p.gather(1, want_ids)
+    want = want / want.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    ids, weights = topk.softmax_topk(logits, k, True, 1e-20, 1.0, bias, groups)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want, rtol=8 * 2.0**-23, atol=0)

@@ -38,11 +38,15 @@ batch sizes. Logits rounded to bf16 tie far more often than fp32 ones; the rule 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from moeshard.config import ROUTER_DTYPES, MoEConfig
+
+if TYPE_CHECKING:
+    from moeshard.kernels.topk import Groups
 
 
 @dataclass(frozen=True)
@@ -88,22 +92,33 @@ def _fused_selection(choice: torch.Tensor, scores: torch.Tensor,
                                   cfg.routed_scaling_factor)
 
 
-def _softmax_in_kernel(logits: torch.Tensor, cfg: MoEConfig) -> bool:
-    """Whether softmax routing over all experts (no correction bias, no groups) runs as one
-    Triton pass from the logits as they are (``kernels.topk.softmax_topk``): on CUDA, without
-    autograd. It replaces the fp32 copy of model-dtype logits, the softmax and the selection's
-    launch: with fp8_tensor's scale computed in the input quantization, Qwen3-30B-A3B's fp8 layer
-    on one H200 took 13-15 us less at 4096 tokens and 26-28 us less at 16384 (docs/performance.md,
-    "The layer around the experts: the router in one pass")."""
+def _groups_of(cfg: MoEConfig) -> Groups:
+    """``kernels.topk.Groups`` of cfg's group-limited selection (``NO_GROUPS`` without groups)."""
+    from moeshard.kernels import topk
+
+    if cfg.n_group == 1:
+        return topk.NO_GROUPS
+    return topk.Groups(cfg.n_group, cfg.topk_group, cfg.routing_kind.groups == "max")
+
+
+def _softmax_in_kernel(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None) -> bool:
+    """Whether softmax routing over all experts (``score_then_topk`` with softmax scores, a
+    selection bias and groups included) runs as one Triton pass from the logits as they are
+    (``kernels.topk.softmax_topk``): on CUDA, without autograd. It replaces the fp32 copy of
+    model-dtype logits, the softmax and the selection's launch: with fp8_tensor's scale computed
+    in the input quantization, Qwen3-30B-A3B's fp8 layer on one H200 took 13-15 us less at 4096
+    tokens and 26-28 us less at 16384 (docs/performance.md, "The layer around the experts: the
+    router in one pass"); with a bias or groups also their dozen launches (as
+    ``_sigmoid_in_kernel``)."""
     kind = cfg.routing_kind
-    if not (logits.is_cuda and kind.order == "score_then_topk" and kind.scores == "softmax"
-            and not cfg.use_correction_bias and cfg.n_group == 1):
+    if not (logits.is_cuda and kind.order == "score_then_topk" and kind.scores == "softmax"):
         return False
-    if torch.is_grad_enabled() and logits.requires_grad:
+    bias = correction_bias if cfg.use_correction_bias else None
+    if torch.is_grad_enabled() and (logits.requires_grad or (bias is not None and bias.requires_grad)):
         return False
     from moeshard.kernels import topk
 
-    return topk.softmax_supported(logits, cfg.top_k)
+    return topk.softmax_supported(logits, cfg.top_k, bias, _groups_of(cfg))
 
 
 def _sigmoid_in_kernel(logits: torch.Tensor, cfg: MoEConfig,
@@ -123,7 +138,7 @@ def _sigmoid_in_kernel(logits: torch.Tensor, cfg: MoEConfig,
         return None
     from moeshard.kernels import topk
 
-    groups = topk.Groups(cfg.n_group, cfg.topk_group, kind.groups == "max") if cfg.n_group > 1 else topk.NO_GROUPS
+    groups = _groups_of(cfg)
     if not topk.sigmoid_supported(logits, cfg.top_k, bias, groups):
         return None
     return topk.sigmoid_topk(logits, cfg.top_k, bias, groups, cfg.renormalize, kind.weight_floor,
@@ -216,11 +231,12 @@ def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.
     the one-pass softmax widens to fp32 first) -> the routing of ``cfg``'s kind: the second half
     of ``route_tokens``, for a caller that computes the logits itself (the gradient reference)."""
     kind = cfg.routing_kind
-    if _softmax_in_kernel(logits, cfg):
+    if _softmax_in_kernel(logits, cfg, correction_bias):
         from moeshard.kernels import topk
 
         ids, weights = topk.softmax_topk(logits, cfg.top_k, cfg.renormalize, kind.weight_floor,
-                                         cfg.routed_scaling_factor)
+                                         cfg.routed_scaling_factor, correction_bias if cfg.use_correction_bias else None,
+                                         _groups_of(cfg))
         return Routing(topk_ids=ids, topk_weights=weights, logits=logits)
     fused = _sigmoid_in_kernel(logits, cfg, correction_bias)
     if fused is not None:

@@ -754,8 +754,9 @@ def test_fused_input_quantization_bit_exact(scheme, shape):
 def test_router_topk_kernel_matches_the_stable_sort():
     """The router's one-pass top-k on CUDA gives the stable sort's indices (ties, NaN of either
     sign, -inf, -0.0 beside 0.0), and
-    routing on the GPU picks the experts the CPU's sort picks, group-limited routing included,
-    with the CPU's weights (renormalized and scaled in the same pass on the GPU)."""
+    routing on the GPU picks the experts the CPU's sort picks, group-limited routing (by the
+    best two and by the best one) and a selection bias included, with the CPU's weights
+    (renormalized and scaled in the same pass on the GPU)."""
     from moeshard.kernels.topk import topk_low_index_first
     from moeshard.router import route
 
@@ -768,15 +769,17 @@ def test_router_topk_kernel_matches_the_stable_sort():
         # The CPU's stable sort is what the reference routes with.
         want = torch.sort(s.cpu(), dim=-1, descending=True, stable=True).indices[:, :k]
         assert torch.equal(topk_low_index_first(s, k).cpu(), want), k
-    for preset in ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"):
+    for preset in ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2", "ernie-4.5-21b-a3b"):
         cfg = PRESETS[preset].config("full", torch.bfloat16)  # only its routing: no weights are made
         logits = (torch.randn(999, cfg.num_experts, device="cuda") * 2).round() / 2  # many ties
         bias = torch.randn(cfg.num_experts, device="cuda") * 0.1 if cfg.use_correction_bias else None
         gpu = route(logits, cfg, bias)
         cpu = route(logits.cpu(), cfg, None if bias is None else bias.cpu())
         assert torch.equal(gpu.topk_ids.cpu(), cpu.topk_ids), preset
-        # The weights come from the same pass on the GPU (kernels.topk: topk_with_weights, and
-        # softmax_topk, whose exponential is the GPU's fast one, for Qwen3 and Mixtral).
+        # The weights come from the same pass on the GPU (kernels.topk: sigmoid_topk for
+        # DeepSeek-V3, softmax_topk, whose exponential is the GPU's fast one, for Qwen3, Mixtral
+        # and ERNIE, its selection bias in it); DeepSeek-V2's 160 experts in groups keep the
+        # torch ops (the pass takes groups of a power-of-two E).
         assert torch.allclose(gpu.topk_weights.cpu(), cpu.topk_weights, rtol=1e-5, atol=0), preset
 
 
