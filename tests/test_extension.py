@@ -156,11 +156,17 @@ def test_the_registry_decides_which_groups_a_backend_needs():
     assert deciders == [], f"modules deciding a side channel themselves: {deciders}"
 
 
-def test_combine_final_is_declared_by_the_registry_and_refused_when_missing(extended):
-    """The layer's one-pass combine with the shared experts is a capability in each backend's
-    registry entry (``BackendSpec.combine_final``), not discovered by looking for a method: every
-    built-in entry's flag matches what its backend has, and an entry that claims the method for
-    a backend without it is refused when the layer is built, with the backend's name."""
+@pytest.mark.parametrize("flag, method, missing", [
+    ("combine_final", "combine_final", "combine_final"),
+    ("payload_first", "dispatch_payload", "payload and dispatch_payload"),
+])
+def test_backend_capabilities_are_declared_by_the_registry_and_refused_when_missing(extended, flag, method, missing):
+    """What the layer's forward may ask of a backend beyond dispatch and combine is a capability
+    in its registry entry, not discovered by looking for a method: the one-pass combine with the
+    shared experts (``BackendSpec.combine_final``) and the payload made before the routing
+    (``payload_first``, which only ``local`` has: its payload needs no collective). Every
+    built-in entry's flag matches what its backend has, and an entry that claims a capability for
+    a backend without its method is refused when the layer is built, with the backend's name."""
     import dataclasses
 
     from moeshard.dispatch.base import BackendContext
@@ -170,41 +176,14 @@ def test_combine_final_is_declared_by_the_registry_and_refused_when_missing(exte
     for name, spec in BACKENDS.items():
         if spec.layouts == "no_ep":
             backend = spec.factory(BackendContext(cfg, QuantConfig()))
-            assert callable(getattr(backend, "combine_final", None)) == spec.combine_final, name
-    assert BACKENDS["local"].combine_final and not BACKENDS["local_blocks"].combine_final
+            assert callable(getattr(backend, method, None)) == getattr(spec, flag), name
+    assert [n for n, spec in BACKENDS.items() if getattr(spec, flag)] == ["local"]
     w = MoEWeights.random(cfg, torch.Generator().manual_seed(6))
-    claimed = dataclasses.replace(BACKENDS["local_blocks"], name="local_blocks_claims", combine_final=True)
+    claimed = dataclasses.replace(BACKENDS["local_blocks"], name=f"local_blocks_{flag}", **{flag: True})
     register_backend(claimed)
     try:
-        with pytest.raises(TypeError, match="local_blocks: its registry entry says combine_final=True but the "
-                                            "backend has no combine_final"):
-            MoELayer(cfg, weights=w, backend="local_blocks_claims")
-    finally:
-        unregister_backend(claimed.name)
-
-
-def test_payload_first_is_declared_by_the_registry_and_refused_when_missing(extended):
-    """Making the payload before the routing is a capability in each backend's registry entry
-    (``BackendSpec.payload_first``), as ``combine_final`` is: every built-in entry's flag matches
-    what its backend has (only ``local``, whose payload needs no collective), and an entry that
-    claims it for a backend without ``dispatch_payload`` is refused when the layer is built."""
-    import dataclasses
-
-    from moeshard.dispatch.base import BackendContext
-    from moeshard.dispatch.registry import register_backend, unregister_backend
-
-    cfg = PRESETS["qwen2-57b-a14b"].config("small")
-    for name, spec in BACKENDS.items():
-        if spec.layouts == "no_ep":
-            backend = spec.factory(BackendContext(cfg, QuantConfig()))
-            assert callable(getattr(backend, "dispatch_payload", None)) == spec.payload_first, name
-    assert [n for n, spec in BACKENDS.items() if spec.payload_first] == ["local"]
-    w = MoEWeights.random(cfg, torch.Generator().manual_seed(6))
-    claimed = dataclasses.replace(BACKENDS["local_blocks"], name="local_blocks_payload", payload_first=True)
-    register_backend(claimed)
-    try:
-        with pytest.raises(TypeError, match="local_blocks: its registry entry says payload_first=True but the "
-                                            "backend has no payload and dispatch_payload"):
-            MoELayer(cfg, weights=w, backend="local_blocks_payload")
+        with pytest.raises(TypeError, match=f"local_blocks: its registry entry says {flag}=True but the "
+                                            f"backend has no {missing}"):
+            MoELayer(cfg, weights=w, backend=claimed.name)
     finally:
         unregister_backend(claimed.name)
