@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 
 import torch
-import triton
 
+from moeshard.bench.study import write_study
 from moeshard.bench.timing import L2Flush, alternating_medians
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
@@ -78,11 +77,8 @@ def main() -> None:
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "results": results}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_study(args.json, "scripts/payload_overlap_study.py", args, results)
 
 
 if __name__ == "__main__":
