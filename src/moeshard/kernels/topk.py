@@ -18,12 +18,13 @@ multiplication over [T, K] (about 12 us of launches at Qwen3-30B-A3B's 4096 toke
 K weights in order k = 0, 1, ... and divides rounding to nearest, as the torch ops do up to the
 order of the sum (within an ulp of fp32).
 
-Sigmoid routing with groups (``sigmoid_topk``) replaced the torch ops that score the groups and
-mask the others out (a top-2 per group, a gather, a sum, a top-k of the groups, a scatter, a
-repeat, a negation and a fill, besides the sigmoid and the bias's add): about a dozen launches
-in a row at every decode step. The kernel computes the sigmoid as torch's CUDA kernel does
-(``1 / (1 + expf(-x))``, the accurate exponential and a correctly rounded division), so its
-scores, and with them its picks and weights, are the torch path's bit for bit on the GPU.
+Sigmoid routing with groups (``sigmoid_topk``) takes one launch where the torch ops that score
+the groups and mask the others out take about a dozen in a row at every decode step (a top-2
+per group, a gather, a sum, a top-k of the groups, a scatter, a repeat, a negation and a fill,
+besides the sigmoid and the bias's add). The kernel computes the sigmoid as torch's CUDA kernel
+does (``1 / (1 + expf(-x))``, the accurate exponential and a correctly rounded division), so its
+scores are the torch path's bit for bit on the GPU, and with them its picks; its weights are
+too, up to the order of the K weights' sum when renormalizing.
 """
 
 from __future__ import annotations
