@@ -74,3 +74,31 @@ def test_every_h_quant_study_variant_is_built(model):
             got = variants(*_shape(model, tokens), "fp8_block", 132, True, True)
             assert set(got) == keys, (tokens, sorted(got))
             assert next(iter(got)) == f"h_{got[next(iter(got))].h_quant}"  # the selected config first
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "qwen2-57b-a14b", "mixtral-8x7b"])
+def test_every_decode_layer_study_variant_is_built(model):
+    """``scripts/decode_layer_study.py`` builds its layers on the CPU as on the GPU (small blocks
+    here): the shared experts' variants only for a block that has them, the block without them
+    a valid layer with none, the payload's variant for per-tensor schemes only; and each
+    variant's forward runs, the inline ones giving the layer's bits."""
+    import torch
+
+    from moeshard.bench.workload import experts_for, hidden_states, make_model
+
+    study = _script("decode_layer_study")
+    m = make_model(model, torch.device("cpu"), size="small")
+    for scheme in ("fp8_tensor", "fp8_block"):
+        layers = study.layers(m, scheme, experts_for(m, scheme))
+        want = {"layer"} | ({"shared_inline", "no_shared"} if m.cfg.has_shared_experts else set()) | (
+            {"payload_inline"} if scheme == "fp8_tensor" else set())
+        assert set(layers) == want, (model, scheme)
+        if "no_shared" in layers:
+            assert layers["no_shared"].shared_experts is None and layers["layer"].shared_experts is not None
+        x = hidden_states(m, 3, 3)
+        out = layers["layer"](x)
+        for name, layer in layers.items():
+            y = layer(x)
+            assert y.shape == out.shape, name
+            if name.endswith("_inline"):
+                assert torch.equal(y, out), name
