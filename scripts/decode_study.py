@@ -6,8 +6,9 @@ while it streams its weights. The 2 GiB copy that the bench's bandwidth ceiling 
 that once over about a millisecond; a one-token MoE call pays it within about a hundred
 microseconds. This study times, for each model, token count and scheme:
 
-* the whole ``TritonExperts`` call and each of its stages alone (tile plan, gate_up, quantize_h,
-  down), captured in CUDA graphs, under three flushes: ``write`` (the bench's), ``read`` (a
+* the whole ``TritonExperts`` call, the same call with its tile plan made ahead (what the plan
+  costs inside the chain, where the launches after it wait on it), and each of its stages alone
+  (tile plan, gate_up, quantize_h, down), captured in CUDA graphs, under three flushes: ``write`` (the bench's), ``read`` (a
   reduction over the same buffer: L2 is left full of clean lines, as after a layer that only read
   its weights) and ``none`` (the weights may stay in L2: a floor, not a figure);
 * a read of the same number of bytes as the call's weights (``torch.sum`` over a buffer of that
@@ -27,6 +28,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -113,9 +115,27 @@ class Call:
         active = int((torch.bincount(self.inp.expert_ids, minlength=E) > 0).sum())
         self.weight_bytes = bytes_per_expert(self.experts) * active
         self.rows, self.active = M, active
+        self.plans_ahead: dict[int, object] = {}  # experts_plan_ahead's plans, by BLOCK_M
 
     def experts_call(self):
         return self.kernel(self.inp, self.experts)
+
+    def experts_plan_ahead(self):
+        """The whole call with the tile plan it would make handed in, made before the call: the
+        buffers the plan kernel zeroes (amax, row maxima) are zeroed by memsets instead. The plan
+        is made at the first (eager) call and kept, so a captured graph holds no plan kernel."""
+        plans = self.plans_ahead
+
+        def made_ahead(ids, E, block_m, amax=None, pdl_launch=False, row_amax=None):
+            if block_m not in plans:
+                plans[block_m] = align_rows(ids, E, block_m)
+            for t in (amax, row_amax):
+                if t is not None:
+                    t.zero_()
+            return plans[block_m]
+
+        with mock.patch("moeshard.kernels.experts.align_rows", made_ahead):
+            return self.kernel(self.inp, self.experts)
 
     def align(self):
         return align_rows(self.inp.expert_ids, self.E, self.sel.block_m, amax=self.amax)
@@ -137,7 +157,8 @@ def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, 
     device = model.gate_up.device
     stream = torch.empty(int(call.weight_bytes) // 4, dtype=torch.float32, device=device).uniform_()
     stream_out = torch.empty((), dtype=torch.float32, device=device)
-    stages = {"experts": call.experts_call, "align": call.align, "gate_up": call.gate_up, "down": call.down,
+    stages = {"experts": call.experts_call, "experts_plan_ahead": call.experts_plan_ahead,
+              "align": call.align, "gate_up": call.gate_up, "down": call.down,
               "read_weight_bytes": lambda: torch.sum(stream, dim=0, out=stream_out)}
     if call.spec.quantized:
         stages["quant_h"] = call.quant_h
