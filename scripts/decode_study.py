@@ -28,10 +28,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 
+from moeshard.bench.study import plan_made_ahead
 from moeshard.bench.timing import L2Flush, graph_median_ms, graphed
 from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
@@ -115,27 +115,11 @@ class Call:
         active = int((torch.bincount(self.inp.expert_ids, minlength=E) > 0).sum())
         self.weight_bytes = bytes_per_expert(self.experts) * active
         self.rows, self.active = M, active
-        self.plans_ahead: dict[int, object] = {}  # experts_plan_ahead's plans, by BLOCK_M
+        # The same call with the plan made before it (what the plan costs inside the chain).
+        self.experts_plan_ahead = plan_made_ahead(self.experts_call)
 
     def experts_call(self):
         return self.kernel(self.inp, self.experts)
-
-    def experts_plan_ahead(self):
-        """The whole call with the tile plan it would make handed in, made before the call: the
-        buffers the plan kernel zeroes (amax, row maxima) are zeroed by memsets instead. The plan
-        is made at the first (eager) call and kept, so a captured graph holds no plan kernel."""
-        plans = self.plans_ahead
-
-        def made_ahead(ids, E, block_m, amax=None, pdl_launch=False, row_amax=None):
-            if block_m not in plans:
-                plans[block_m] = align_rows(ids, E, block_m)
-            for t in (amax, row_amax):
-                if t is not None:
-                    t.zero_()
-            return plans[block_m]
-
-        with mock.patch("moeshard.kernels.experts.align_rows", made_ahead):
-            return self.kernel(self.inp, self.experts)
 
     def align(self):
         return align_rows(self.inp.expert_ids, self.E, self.sel.block_m, amax=self.amax)

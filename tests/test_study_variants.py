@@ -6,7 +6,8 @@ machine, after the models are made, and costs device time. ``scripts/chain_profi
 failed that way at Mixtral's 128-token decode tile. Here every variant of
 ``scripts/chain_profile.py`` and ``scripts/h_quant_study.py`` is built for the bench's models, token
 counts and fp8 schemes, with and without the Gluon GEMMs and PDL, and the variants the recorded
-studies rely on are checked by name.
+studies rely on are checked by name. The studies' variant of the experts with their tile plan
+made ahead (``bench.study.plan_made_ahead``) is checked to give the call's own bits.
 """
 
 from __future__ import annotations
@@ -102,3 +103,44 @@ def test_every_decode_layer_study_variant_is_built(model):
             assert y.shape == out.shape, name
             if name.endswith("_inline"):
                 assert torch.equal(y, out), name
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
+def test_plan_made_ahead_is_the_call_without_its_plan(interpreted_kernels, scheme):
+    """``bench.study.plan_made_ahead`` (the studies' variant that times the experts without their
+    tile plan) makes the plan once and hands it to every later call, zeroing the buffers the plan
+    kernel zeroes (fp8_tensor's amax, fp8_token's row maxima at decode): the same bits as the
+    call itself, every time."""
+    import torch
+
+    from moeshard.bench.study import plan_made_ahead
+    from moeshard.experts.base import ExpertInput, ExpertWeights
+    from moeshard.kernels import align
+    from moeshard.kernels.experts import TritonExperts
+    from moeshard.quant import quantize_weight
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I = 4, 64, 128  # noqa: E741
+    w = ExpertWeights(quantize_weight(torch.randn(E, 2 * I, H, generator=g).to(torch.bfloat16) / 8, scheme),
+                      quantize_weight(torch.randn(E, H, I, generator=g).to(torch.bfloat16) / 11, scheme), scheme)
+    inp = ExpertInput(torch.randn(3, H, generator=g).to(torch.bfloat16), torch.tensor([0, 2, 2, 1, 3, 0]), repeat=2)
+    kernel = TritonExperts("silu", torch.bfloat16)
+    want = kernel(inp, w)
+    # The same ids with a quarter of the input: a stale amax (or row maximum) would keep the
+    # first call's larger scale.
+    small = ExpertInput(inp.x / 4, inp.expert_ids, repeat=2)
+    want_small = kernel(small, w)
+    calls = []
+    real = align.align_rows
+    current = [inp]
+    try:
+        align.align_rows = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        ahead = plan_made_ahead(lambda: kernel(current[0], w))
+        outs = [ahead(), ahead()]
+        current[0] = small
+        outs_small = [ahead(), ahead()]
+    finally:
+        align.align_rows = real
+    assert calls == [1]
+    assert all(torch.equal(out, want) for out in outs)
+    assert all(torch.equal(out, want_small) for out in outs_small)

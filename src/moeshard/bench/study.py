@@ -119,6 +119,33 @@ def bits_line(rec: dict) -> str:
     return f"{case_line(rec)} | bits {bits}"
 
 
+def plan_made_ahead(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` (one that runs ``TritonExperts``) with the tile plan the experts make handed in
+    instead: made at the first call (eager, before any graph capture) and kept, so a graph
+    captured later holds no plan kernel; the buffers the plan kernel zeroes (the per-expert amax,
+    the row maxima) are zeroed by memsets. What the plan costs a call is its time against
+    ``call``'s. The calls must route the same ids every time."""
+    from unittest import mock
+
+    from moeshard.kernels.align import align_rows
+
+    plans: dict[int, Any] = {}
+
+    def made_ahead(ids, E, block_m, amax=None, pdl_launch=False, row_amax=None):
+        if block_m not in plans:
+            plans[block_m] = align_rows(ids, E, block_m)
+        for t in (amax, row_amax):
+            if t is not None:
+                t.zero_()
+        return plans[block_m]
+
+    def run():
+        with mock.patch("moeshard.kernels.experts.align_rows", made_ahead):
+            return call()
+
+    return run
+
+
 def experts_variants(case: RoutedCase, configs: dict, calls: dict[str, Callable[[], object]], rec: dict) -> None:
     """Adds a ``TritonExperts`` call on ``case`` for each config (variant -> ``ExpertsConfig``) to
     ``calls`` (for ``time_variants``), and records in rec["same_bits"]["experts"] whether all their
