@@ -8,9 +8,10 @@ microseconds. This study times, for each model, token count and scheme:
 
 * the whole ``TritonExperts`` call, the same call with its tile plan made ahead (what the plan
   costs inside the chain, where the launches after it wait on it), and each of its stages alone
-  (tile plan, gate_up, quantize_h, down), captured in CUDA graphs, under three flushes: ``write`` (the bench's), ``read`` (a
-  reduction over the same buffer: L2 is left full of clean lines, as after a layer that only read
-  its weights) and ``none`` (the weights may stay in L2: a floor, not a figure);
+  (tile plan, gate_up, quantize_h, down), captured in CUDA graphs, under three flushes:
+  ``write`` (the bench's), ``read`` (a reduction over the same buffer: L2 is left full of clean
+  lines, as after a layer that only read its weights) and ``none`` (the weights may stay in L2:
+  a floor, not a figure);
 * a read of the same number of bytes as the call's weights (``torch.sum`` over a buffer of that
   size) under each flush: what streaming those bytes costs with nothing else to do;
 * the GPU time of each kernel inside the graphed call under the ``write`` flush (the CUDA
