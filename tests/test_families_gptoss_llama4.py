@@ -211,6 +211,31 @@ def test_mxfp4_dequantization_is_transformers_own():
                                 torch.float32).abs().flatten().tolist()) <= {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_transformers_reference_holds_mxfp4_experts_in_the_asked_dtype(models, dtype):
+    """transformers 5.17 (the GPU machine's) dequantizes MXFP4 experts to bf16 whatever dtype is
+    asked, so its fp32 reference ran gpt-oss's experts in bf16 (logits 1e-2 off the 1e-5 parity);
+    5.24 loads them in the asked dtype. The reference's loader gives the asked dtype under either,
+    with the checkpoint's exact values; and a model holding its experts in bf16, as 5.17 loads
+    them, is brought to the same bits."""
+    from moeshard.checkpoint.mxfp4 import dequantize_mxfp4
+    from moeshard.jobs.generate import _mxfp4_experts_in, load_transformers_model
+    from safetensors.torch import load_file
+
+    stored = load_file(Path(models["gpt_oss_mxfp4"]) / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj"
+    want = dequantize_mxfp4(stored[name + "_blocks"], stored[name + "_scales"], dtype).transpose(1, 2)
+    model = load_transformers_model(models["gpt_oss_mxfp4"], dtype)
+    params = dict(model.named_parameters())
+    assert params[name].dtype == dtype and torch.equal(params[name], want)
+    for p in params.values():
+        if p.dtype == dtype:
+            p.data = p.data.to(torch.bfloat16)  # what transformers 5.17 loads for an fp32 model's experts
+    _mxfp4_experts_in(model, dtype)
+    assert params[name].dtype == dtype and torch.equal(params[name], want)
+    assert params["model.layers.1.mlp.experts.down_proj_bias"].dtype == torch.bfloat16  # only the MXFP4 weights
+
+
 @pytest.mark.parametrize("layout", [ParallelConfig(1, 2, False), ParallelConfig(2, 1, True)],
                          ids=lambda p: p.name)
 def test_mxfp4_rank_reads_its_slice_as_transformers_dequantizes(models, layout):
@@ -218,8 +243,9 @@ def test_mxfp4_rank_reads_its_slice_as_transformers_dequantizes(models, layout):
     or EP whole experts) and biases, read from the MXFP4 checkpoint, equal the same slice of
     transformers' dequantized model; the down bias only on TP rank 0."""
     from moeshard.checkpoint import load_moe_block
+    from moeshard.jobs.generate import load_transformers_model
 
-    ref = tf.AutoModelForCausalLM.from_pretrained(models["gpt_oss_mxfp4"]).eval()
+    ref = load_transformers_model(models["gpt_oss_mxfp4"], torch.float32).eval()
     experts = ref.model.layers[1].mlp.experts  # transformers' dequantized [E, H, 2I] interleaved, [E, I, H]
     gate_up = experts.gate_up_proj.transpose(1, 2)
     gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)  # gate rows, then up rows
