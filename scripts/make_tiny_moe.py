@@ -188,6 +188,10 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
     if family in SIGMOID_FAMILIES:
         randomize_routers(model, family, 2 / hidden**0.5)
+    with torch.no_grad():  # a router left at zero (ERNIE 4.5's by transformers 5.17) routes every token on ties
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and not p.any():
+                p.normal_(0.0, cfg.initializer_range)
     with torch.no_grad():  # expert biases (gpt_oss) start at zero in transformers: random, so that they count
         for name, p in model.named_parameters():
             if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):

@@ -30,12 +30,19 @@ class RouterParity:
     biases_differ: int
 
 
-def _transformers_choice(output) -> tuple[torch.Tensor, torch.Tensor]:
-    """A transformers router's output -> (logits [T, E], chosen experts int64 [T, K], sorted): the
-    routers return (logits, weights, ids), Llama-4's returns (scores, zero off the chosen, logits)."""
+def _transformers_choice(output) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A transformers router's output -> (logits [T, E], chosen experts int64 [T, K], sorted; None
+    when the router returns its logits alone). The routers return (logits, weights, ids) in
+    transformers 5.24 and some (ids, weights, logits) in 5.17, so the parts are told apart by
+    dtype and width (logits: E columns, weights: K < E). Llama-4's returns (scores, zero off the
+    chosen, logits). 5.17's Jamba router is a Linear, its logits alone (the block hands its
+    experts the ids, which ``bf16_router_parity`` reads there)."""
     ints = [t for t in output if not t.is_floating_point()]
     if ints:
-        return output[0], ints[0].sort(dim=-1).values
+        logits = max((t for t in output if t.is_floating_point()), key=lambda t: t.shape[-1])
+        return logits, ints[0].sort(dim=-1).values
+    if len(output) == 1:
+        return output[0], None
     scores, logits = output
     k = int((scores[0] > 0).sum())
     return logits, scores.topk(k, dim=-1).indices.sort(dim=-1).values
@@ -62,7 +69,15 @@ def bf16_router_parity(tf, model_dir: str) -> RouterParity:
         def record(_m, args, out, layer=layer):
             logits, ids = _transformers_choice(out if isinstance(out, tuple) else (out,))
             seen.append((layer, args[0].reshape(-1, args[0].shape[-1]), logits.float(), ids))
+
+        def handed(_m, args, layer=layer):  # a router of logits alone: the ids the block hands its experts
+            if seen and seen[-1][0] == layer and seen[-1][3] is None:
+                ids = next(t for t in args if isinstance(t, torch.Tensor) and not t.is_floating_point())
+                seen[-1] = (*seen[-1][:3], ids.sort(dim=-1).values)
         hooks.append(router.register_forward_hook(record))
+        experts = getattr(block, "experts", None)
+        if isinstance(experts, torch.nn.Module):
+            hooks.append(experts.register_forward_pre_hook(handed))
     with torch.no_grad():
         plain(IDS)
     for hook in hooks:
@@ -74,6 +89,7 @@ def bf16_router_parity(tf, model_dir: str) -> RouterParity:
                         for layer, bias in biases.items() if ours[layer].cfg.use_correction_bias)
     with torch.no_grad():
         for layer, x, logits, ids in seen:
+            assert ids is not None, f"layer {layer}: transformers' router gave no ids and its experts got none"
             block = ours[layer]
             got = block.route(x)
             assert got.logits is not None

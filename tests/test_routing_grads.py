@@ -84,6 +84,14 @@ def _correction(router) -> torch.Tensor | None:
     return next((t for name, t in tensors if name.endswith("e_score_correction_bias")), None)
 
 
+def _ids_and_weights(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's (logits, weights, ids) as transformers 5.24 orders it, or (ids, weights, logits)
+    as 5.17's Granite router does -> (ids [T, K], weights [T, K])."""
+    ids = next(t for t in out if not t.is_floating_point())
+    weights = next(t for t in out if t.is_floating_point() and t.shape == ids.shape)
+    return ids, weights
+
+
 def _dense(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.zeros(ids.shape[0], E, dtype=weights.dtype).scatter(1, ids, weights)
 
@@ -98,7 +106,7 @@ def test_route_weights_have_the_gradient_of_transformers_router(kind):
 
     x_tf = x.clone().requires_grad_()
     out = router(x_tf)
-    dense_tf = out[0] if kind == "topk_sigmoid_input" else _dense(out[2], out[1])  # Llama-4's scores are dense
+    dense_tf = out[0] if kind == "topk_sigmoid_input" else _dense(*_ids_and_weights(out))  # Llama-4's scores are dense
     (dense_tf * upstream).sum().backward()
 
     x_ms = x.clone().requires_grad_()

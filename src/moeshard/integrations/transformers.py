@@ -440,9 +440,32 @@ def _build_on_meta(model_dir: Path, dtype: torch.dtype):
     config = transformers.AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _hold_as_loaded(model, dtype)
     if (model_dir / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(str(model_dir))
     return model
+
+
+def _hold_as_loaded(model: nn.Module, dtype: torch.dtype) -> None:
+    """Gives the meta model's tensors the dtypes ``from_pretrained`` loads them in, where they differ
+    from ``from_config``'s: a model class keeps some in fp32 whatever ``dtype`` (its
+    ``_keep_in_fp32_modules_strict`` for fp16 and bf16, ``_keep_in_fp32_modules`` for fp16),
+    listed by its ``_get_dtype_plan`` and matched as transformers' loader matches them (each
+    pattern searched in the tensor's name, ``*`` as ``.*``). Why: transformers 5.17's dots1 and
+    EXAONE-MoE declare the selection bias without a dtype, so ``from_config`` in bf16 held it in
+    bf16 and moeshard routed on the rounded bias, while transformers' loaded model keeps it in
+    fp32 (5.24 declares it fp32)."""
+    import re
+
+    get_plan = getattr(model, "_get_dtype_plan", None)
+    if get_plan is None:
+        return
+    plan = [(re.compile(pattern.replace("*", ".*")), held) for pattern, held in get_plan(dtype).items()]
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in tensors:
+        held = next((held for pattern, held in plan if pattern.search(name)), None)
+        if held is not None and t.dtype != held:
+            _set(model, name, t.to(held))
 
 
 def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, names: BlockNames,
