@@ -7,11 +7,17 @@ In-process (``moeshard.cli.main``), except where ranks must start."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
 import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -350,6 +356,108 @@ def test_an_unreachable_torchrun_rendezvous_is_exactly_one_line(capfd, monkeypat
     assert len(lines) == 1 and lines[0].startswith("moeshard run: error: rank 1: the torchrun rendezvous at "
                                                    "MASTER_ADDR:MASTER_PORT=127.0.0.1:1 did not complete within "
                                                    "0.5 s (--timeout)"), err
+
+
+@contextlib.contextmanager
+def _silent_listener():
+    """A port on 127.0.0.1 that accepts connections and never answers (a stray server, a
+    firewall's black hole); yields (port, an Event set once a connection was accepted)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    stop, accepted = threading.Event(), threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(server.accept()[0])
+                accepted.set()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+def _torchrun_env(monkeypatch, rank: int, port) -> None:
+    for name, value in (("RANK", str(rank)), ("WORLD_SIZE", "2"), ("LOCAL_RANK", str(rank)),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+
+
+def test_a_rendezvous_that_accepts_and_never_answers_ends_within_the_timeout(capfd, monkeypatch):
+    """Edge case from a review: torch's own bound did not hold for a port that accepts and never
+    answers, and the run waited as long as the listener lived (190 s with --timeout 5)."""
+    with _silent_listener() as (port, _):
+        _torchrun_env(monkeypatch, 1, port)
+        start = time.monotonic()
+        assert main(["run", "--random", "mixtral-8x7b", "--dp", "2", "--ep", "--timeout", "1"]) == 5
+        assert time.monotonic() - start < 10
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0] == (f"moeshard run: error: rank 1: the torchrun rendezvous at "
+                                            f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port} did not complete within 1 s "
+                                            f"(--timeout)"), err
+
+
+@pytest.mark.parametrize("signum, code, line", [(signal.SIGTERM, 143, "moeshard run: terminated by SIGTERM"),
+                                                 (signal.SIGINT, 130, "moeshard run: interrupted")])
+def test_a_signal_while_the_rendezvous_waits_ends_the_run_at_once(signum, code, line):
+    """Edge case from a review: a signal that came while torch's rendezvous waited in C++ was
+    answered only when the wait gave up (150 s with --timeout 60), after 38 lines of torch's log."""
+    with _silent_listener() as (port, accepted):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent / "src"),
+                                                            os.environ.get("PYTHONPATH", "")]),
+                   RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        proc = subprocess.Popen([sys.executable, "-m", "moeshard", "run", "--random", "mixtral-8x7b", "--dp", "2",
+                                 "--ep", "--timeout", "120"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            assert accepted.wait(60), "the rank never reached the rendezvous"
+            start = time.monotonic()
+            proc.send_signal(signum)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert time.monotonic() - start < 10
+    assert proc.returncode == code, err[-3000:]
+    assert [x for x in err.splitlines() if x.strip()] == [line], err[-3000:]
+
+
+@pytest.mark.parametrize("port", ["abc", "99999", "0", " "])
+def test_a_bad_master_port_is_refused_naming_it_and_the_rank(capsys, monkeypatch, port):
+    _torchrun_env(monkeypatch, 1, port)
+    assert main(["run", "--random", "mixtral-8x7b", "--dp", "2", "--ep", "--timeout", "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: init_from_env (rank 1): MASTER_PORT must be a port number in [1, 65535] (as torchrun sets it), " \
+           f"got {port!r}" in err, err
+
+
+def test_a_master_port_in_use_on_rank_0_is_a_refusal_not_a_timeout(capfd, monkeypatch):
+    """Rank 0 serves the rendezvous: a port another process holds fails at once (EADDRINUSE), a
+    setting to change (exit 2), not a wait that ran out (exit 5)."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        _torchrun_env(monkeypatch, 0, port)
+        assert main(["run", "--random", "mixtral-8x7b", "--dp", "2", "--ep", "--timeout", "20"]) == 2
+    finally:
+        taken.close()
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [f"moeshard run: error: rank 0: the torchrun rendezvous cannot listen at "
+                     f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}: the port is in use (EADDRINUSE); choose a free "
+                     f"MASTER_PORT"], err
 
 
 def test_infinite_timeouts_are_refused_by_the_api():
