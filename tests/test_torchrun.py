@@ -86,3 +86,36 @@ def test_an_unreachable_torchrun_rendezvous_is_one_line_exit_5():
     last = lines[-1]
     assert last.startswith("moeshard run: error: rank 1: the torchrun rendezvous at MASTER_ADDR:MASTER_PORT=127.0.0.1:1 "
                            "did not complete within 2 s (--timeout)"), last
+
+
+def test_torchrun_ranks_started_with_different_options_are_refused_naming_them(tmp_path):
+    """Edge case from a review: two nodes started by hand with another --seed each computed on other
+    inputs, and the run ended with exit 0 (its output 1.98 off the one-seed run's). Paths may
+    differ from node to node; options may not."""
+    import socket
+
+    with socket.socket() as probe:  # a free port for the rendezvous rank 0 serves
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]),
+                OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs = []
+    for rank, seed in ((0, "0"), (1, "1")):
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+        procs.append(subprocess.Popen([sys.executable, "-m", "moeshard", "run", "--random", "mixtral-8x7b", "--dp", "2",
+                                       "--ep", "--tokens", "6", "--seed", seed, "--timeout", "60", "--output",
+                                       str(tmp_path / f"out{rank}.safetensors")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=120)[1])
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (proc, err) in enumerate(zip(procs, outs)):
+        assert proc.returncode == 2, err[-3000:]
+        assert [line for line in err.splitlines() if line.strip()] == [
+            f"moeshard run: error: rank {rank}: the ranks were started with different options: seed: rank 0=0, "
+            f"rank 1=1"], err[-3000:]
+    assert list(tmp_path.iterdir()) == []

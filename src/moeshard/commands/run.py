@@ -40,6 +40,7 @@ from moeshard.dispatch.registry import build_groups
 from moeshard.errors import MoeshardError, NonFiniteOutput, OutputError, RankFailed
 from moeshard.jobs.failures import as_value_error, rank_errors
 from moeshard.jobs.run import RunPlan, RunRankResult, RunSpec, check_memory, describe, files_read, plan_run, run_plans, run_rank
+from moeshard.jobs.world import check_same_spec
 from moeshard.outputs import atomic_write, check_input_dir, check_input_file, check_output_path
 from moeshard.parallel.capacity import available_memory, check_local_world
 from moeshard.parallel.config import ParallelConfig
@@ -128,6 +129,7 @@ def _execute_torchrun(plan: RunPlan, timeout_s: float) -> list[RunRankResult] | 
     init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo", timeout_s=timeout_s)
     trace = CollectiveTrace(TRACE_CAPACITY)
     try:
+        check_same_spec(plan.spec)
         plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
         result = run_rank(plan, build_groups(plan.parallel, plan.spec.device, [plan.backend], trace=trace))
         reports: list[RunRankResult | None] = [None] * dist.get_world_size()

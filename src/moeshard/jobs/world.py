@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, TypeVar, cast
 
 import torch
@@ -84,6 +84,7 @@ def execute_torchrun(plan: Any, run_one: Callable[[Any, ParallelGroups | None], 
 
     init_from_env(backend="nccl" if plan.spec.device == "cuda" else "gloo", timeout_s=timeout_s)
     try:
+        check_same_spec(plan.spec)
         plan.parallel.validate_world_size(dist.get_world_size(), rank=dist.get_rank())
         result = run_one(plan, build_groups(plan.parallel, plan.spec.device, [plan.backend]))
         reports: list[R | None] = [None] * dist.get_world_size()
@@ -92,6 +93,29 @@ def execute_torchrun(plan: Any, run_one: Callable[[Any, ParallelGroups | None], 
         return cast("list[R]", reports) if dist.get_rank() == 0 else None
     finally:
         destroy()
+
+
+PATH_FIELDS = ("model_dir", "input_path")  # where a node finds its files: its own mount may differ
+
+
+def check_same_spec(spec: Any) -> None:
+    """Under torchrun each rank parsed its own command line (nodes may be started one by one):
+    every field of ``spec`` (a frozen dataclass of what the user asked for) but the paths
+    (``PATH_FIELDS``) must be the same on every rank, or a rank with another ``--seed`` would
+    compute on other inputs without an error. One ``all_gather_object`` of the fields' reprs,
+    before any other collective; every rank sees the same table, so all raise together: a
+    ValueError naming each field that differs and every rank's value."""
+    import torch.distributed as dist
+
+    mine = {f.name: repr(getattr(spec, f.name)) for f in fields(spec) if f.name not in PATH_FIELDS}
+    table: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(table, mine)  # small dicts of strings, between our own ranks
+    rows = [row or {} for row in table]
+    differ = [name for name in mine if len({row.get(name) for row in rows}) > 1]
+    if differ:
+        parts = "; ".join(f"{name}: " + ", ".join(f"rank {r}={row.get(name)}" for r, row in enumerate(rows))
+                          for name in differ)
+        raise ValueError(f"rank {dist.get_rank()}: the ranks were started with different options: {parts}")
 
 
 def execute_local(plan: Any, run_one: Callable[[Any, ParallelGroups | None], R],
