@@ -82,6 +82,27 @@ def _error(rank: int, rendezvous: bool) -> RankError:
     return RankError(rank, "DistStoreError" if rendezvous else "RuntimeError", "wait timeout after 2000ms", "", rendezvous)
 
 
+@pytest.mark.parametrize("message, stuck", [
+    ("[../gloo/transport/unbound_buffer.cc:129] Timed out waiting 15000ms for send operation to complete", True),
+    ("boom on purpose", False),
+])
+def test_a_rank_stopped_after_joining_is_the_timeout_its_peers_waited_for(message, stuck):
+    """Edge case from a review: eplb --layer with a rank stopped (SIGSTOP) mid-run ended as rank
+    0's failure (exit 4, gloo's text first), while train and generate said the stopped rank did
+    not finish (exit 5). A peer's own error (not a wait that ran out) stays the failure."""
+    errors = {0: RankError(0, "RuntimeError", message, "")}
+    silent = SilentRanks((), (), {1: "stopped by a signal (SIGSTOP or SIGTSTP)"})
+    failure = RankFailure(2, errors, [1], {}, False, 30.0, {0: None, 1: None}, {}, silent, 15.0)
+    assert failure.timed_out == stuck
+    if stuck:
+        assert failure.summary.startswith("rank 1 did not finish: its process is stopped by a signal (SIGSTOP or "
+                                          "SIGTSTP); rank 0 gave up waiting for it: RuntimeError: [../gloo"), \
+            failure.summary
+    else:
+        assert failure.summary.startswith("rank 0 raised RuntimeError: boom on purpose; ranks [1] were stopped after "
+                                          "the failure above"), failure.summary
+
+
 @pytest.mark.parametrize("errors, died, silent, timed_out, culprits", [
     # rank 0 gave up at the rendezvous, rank 1 is stopped and never joined: rank 1's timeout
     ({0: _error(0, True)}, {}, SilentRanks((1,), (1,), {1: "stopped by a signal"}), False, [1]),

@@ -71,6 +71,13 @@ def did_not_join(rank: int, silent: SilentRanks, within: str) -> str:
     return f"rank {rank} did not join the process group within {within}" + (f": its process is {why}" if why else "")
 
 
+def gave_up_waiting(err: RankError) -> bool:
+    """Whether a rank's error is a wait for its peers that ran out (a collective's or a store's
+    timeout), not a failure of its own work."""
+    return err.type_name in ("DistBackendError", "DistStoreError", "DistNetworkError") \
+        or "timed out" in err.message.lower()
+
+
 def raised_verb(culprits: list[int]) -> str:
     """How a rank's error is introduced: "raised", or, when it only waited for ``culprits``,
     "gave up waiting for it:"."""
@@ -99,7 +106,9 @@ class RankFailure(RuntimeError):
         world was stopped (which had not joined the process group, which were halted).
       ``timed_out``: a rank did not finish in time: the deadline passed with no rank failed or
         dead, or the failure is a rendezvous that never completed (``rendezvous_culprits``: the
-        summary names the ranks that never joined first, the others only waited for them).
+        summary names the ranks that never joined first, the others only waited for them), or a
+        rank that had joined cannot run (stopped) while every rank that raised only gave up
+        waiting (``gave_up_waiting``): the summary names it first.
       ``exitcodes``: rank -> final exit code of every rank (negative: ended by that signal).
       ``results``: rank -> return value, for the ranks that finished.
       ``summary``: the failure in one line (each rank's error type and first message line, how
@@ -111,25 +120,31 @@ class RankFailure(RuntimeError):
                  silent: SilentRanks | None = None, pg_timeout_s: float | None = None):
         silent = silent or SilentRanks()
         culprits = rendezvous_culprits(silent, errors, died, timed_out)
+        # A rank whose process cannot run (stopped) after joining is what its peers waited for:
+        # their collectives' timeouts are its doing, so the failure is a rank that did not
+        # finish (exit 5), named first, not the peers' errors (exit 4).
+        stuck = [] if culprits or not all(map(gave_up_waiting, errors.values())) else \
+            [r for r in missing if r in silent.halted and r not in died and r not in silent.not_joined]
         self.world_size = world_size
         self.errors = errors
         self.missing = missing
         self.died = died
         self.silent = silent
-        self.timed_out = timed_out or bool(culprits)
+        self.timed_out = timed_out or bool(culprits) or bool(stuck)
         self.exitcodes = exitcodes
         self.results = results
         # The peers gave up after the process-group timeout, or the parent's deadline came first.
         within = (f"{timeout_s / 2 if pg_timeout_s is None else pg_timeout_s:g} s (the process-group timeout)"
                   if errors else f"{timeout_s:g} s")
         head = [did_not_join(rank, silent, within) for rank in culprits]
-        verb = raised_verb(culprits)
+        head += [f"rank {rank} did not finish: its process is {silent.halted[rank]}" for rank in stuck]
+        verb = raised_verb(culprits) if not stuck else f"gave up waiting for {'it' if len(stuck) == 1 else 'them'}:"
         lines = [f"spawn(world_size={world_size}) failed:", *head]
         lines += [f"rank {rank} {verb} {err.type_name}: {err.message}" for rank, err in sorted(errors.items())]
         first = [f"rank {rank} {verb} {err.type_name}: {(err.message.strip().splitlines() or [''])[0]}"
                  for rank, err in sorted(errors.items())]
         rest = [f"rank {rank} {ended(code)} without reporting a result" for rank, code in sorted(died.items())]
-        others = [r for r in missing if r not in died and r not in culprits]
+        others = [r for r in missing if r not in died and r not in culprits and r not in stuck]
         if culprits:
             rest += _while_waiting(others, silent, culprits)
         elif others:
