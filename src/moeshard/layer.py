@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,9 @@ def _payload_dispatcher(backend: DispatchBackend, declared: bool) -> Callable[..
         raise TypeError(f"{backend.name}: its registry entry says payload_first=True but the backend has no "
                         f"payload and dispatch_payload (moeshard.dispatch.base.PayloadFirstBackend)")
     return cast(PayloadFirstBackend, backend).dispatch_payload
+
+
+_T = TypeVar("_T")
 
 
 class MoELayer(nn.Module):
@@ -249,8 +252,7 @@ class MoELayer(nn.Module):
         self._dispatch_payload = _payload_dispatcher(self.backend, BACKENDS[backend].payload_first)
         self.overlap_shared = self.device.type == "cuda"
         self.overlap_payload = self.device.type == "cuda"
-        self._side_stream: torch.cuda.Stream | None = None
-        self._payload_stream: torch.cuda.Stream | None = None
+        self._streams: dict[str, torch.cuda.Stream] = {}  # the side streams, by use (``_beside``)
         self.recorder = recorder
         # Training losses on the router (moeshard.training.router_losses) set this: every forward
         # then keeps the fp32 logits of the rows it routed, and the first row's index in its DP
@@ -472,23 +474,9 @@ class MoELayer(nn.Module):
                 or self.recorder is not None or self.cfg.routing_kind.weights_on_input
                 or not spec.per_tensor_activation):
             return None
-        main = torch.cuda.current_stream(x.device)
-        if self._payload_stream is None:
-            self._payload_stream = torch.cuda.Stream(device=x.device)
-        side = self._payload_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            payload = cast(PayloadFirstBackend, self.backend).payload(x)
-
-        def join() -> Payload:
-            main.wait_stream(side)
-            if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
-                for t in (payload.rows, payload.row_scale, payload.tensor_scale, payload.input_amax):
-                    if t is not None:
-                        t.record_stream(main)  # keeps the allocator from reusing them too early
-            return payload
-
-        return join
+        payload_first = cast(PayloadFirstBackend, self.backend)
+        return self._beside("payload", x, lambda: payload_first.payload(x),
+                            lambda p: (p.rows, p.row_scale, p.tensor_scale, p.input_amax))
 
     def _start_shared(self, x: torch.Tensor) -> Callable[[], torch.Tensor | None]:
         """Starts the shared experts on x [T, H] (the rows this rank routes) and returns their
@@ -499,19 +487,30 @@ class MoELayer(nn.Module):
             return lambda: None
         if not (self.overlap_shared and x.is_cuda):
             return lambda: self._shared(x)
+        return self._beside("shared", x, lambda: self._shared(x), lambda shared: (shared,))
+
+    def _beside(self, name: str, x: torch.Tensor, work: Callable[[], _T],
+                held: Callable[[_T], tuple[torch.Tensor | None, ...]]) -> Callable[[], _T]:
+        """Runs ``work()`` on the layer's side stream ``name`` (made on x's device on first use),
+        after what the current stream has issued so far, and returns its join: called once, it
+        makes the current stream wait for the side stream and gives work's result. Outside a
+        graph capture the tensors ``held(result)`` are then marked as used on the current stream,
+        which keeps the allocator from reusing them too early (a captured graph keeps its own pool)."""
         main = torch.cuda.current_stream(x.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=x.device)
-        side = self._side_stream
+        side = self._streams.get(name)
+        if side is None:
+            side = self._streams[name] = torch.cuda.Stream(device=x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            shared = self._shared(x)
+            result = work()
 
-        def join() -> torch.Tensor:
+        def join() -> _T:
             main.wait_stream(side)
-            if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
-                shared.record_stream(main)  # keeps the allocator from reusing it too early
-            return shared
+            if not torch.cuda.is_current_stream_capturing():
+                for t in held(result):
+                    if t is not None:
+                        t.record_stream(main)
+            return result
 
         return join
 

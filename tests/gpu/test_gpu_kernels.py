@@ -792,8 +792,8 @@ def test_sigmoid_routing_in_one_pass_is_the_torch_ops(dtype):
     with them, within an ulp of the sum's order. Also without groups and without the bias."""
     import dataclasses
 
-    from moeshard.kernels.topk import Groups, sigmoid_supported
-    from moeshard.router import _sigmoid_in_kernel, select_experts
+    from moeshard.kernels.topk import Groups, routing_supported
+    from moeshard.router import _routing_in_kernel, select_experts
 
     base = PRESETS["deepseek-v3"].config("full", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -806,7 +806,7 @@ def test_sigmoid_routing_in_one_pass_is_the_torch_ops(dtype):
                 dataclasses.replace(base, use_correction_bias=False)]
     for cfg in variants:
         b = bias if cfg.use_correction_bias else None
-        assert _sigmoid_in_kernel(logits, cfg, b) is not None  # the one-pass path applies
+        assert _routing_in_kernel(logits, cfg, b) is not None  # the one-pass path applies
         fused = select_experts(logits, cfg, b)
         # The torch ops: logits that require grad keep every step in torch on the same GPU.
         with torch.enable_grad():
@@ -818,7 +818,7 @@ def test_sigmoid_routing_in_one_pass_is_the_torch_ops(dtype):
             torch.testing.assert_close(fused.topk_weights, want, rtol=4 * 2.0**-23, atol=0, equal_nan=True)
         else:
             assert torch.equal(fused.topk_weights[1:], want[1:])
-    assert not sigmoid_supported(logits[:, :200], 8, None, Groups(8, 4))  # 200 experts: the torch ops
+    assert not routing_supported(logits[:, :200], 8, None, Groups(8, 4))  # 200 experts: the torch ops
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
