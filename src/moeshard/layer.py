@@ -45,7 +45,7 @@ from moeshard.autograd.collectives import gather_rows, shard_rows, tp_copy, tp_r
 from moeshard.autograd.roles import GradRole, layer_role
 from moeshard.autograd.support import backward_refusal
 from moeshard.config import MoEConfig, QuantConfig, dtype_name
-from moeshard.dispatch.base import BackendContext, DispatchBackend, Dispatched, FinalCombineBackend, PayloadFirstBackend
+from moeshard.dispatch.base import BackendContext, DispatchBackend, FinalCombineBackend, PayloadFirstBackend
 from moeshard.dispatch.payload import Payload
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.eplb.loads import LoadCounter
@@ -97,16 +97,17 @@ def _final_combiner(backend: DispatchBackend, declared: bool) -> Callable[..., t
     return cast(FinalCombineBackend, backend).combine_final
 
 
-def _payload_dispatcher(backend: DispatchBackend, declared: bool) -> Callable[..., Dispatched] | None:
-    """``backend.dispatch_payload`` where its registry entry declares it (``BackendSpec.payload_first``),
-    else None; a declared method the backend lacks is refused when the layer is built."""
+def _payload_first(backend: DispatchBackend, declared: bool) -> PayloadFirstBackend | None:
+    """The backend as a ``PayloadFirstBackend`` where its registry entry declares it
+    (``BackendSpec.payload_first``), else None; a declared backend without the methods is
+    refused when the layer is built. The layer calls its methods at each forward (not bound
+    once), so a check that wraps ``backend.dispatch_payload`` sees every call."""
     if not declared:
         return None
-    method = getattr(backend, "dispatch_payload", None)
-    if not callable(method) or not callable(getattr(backend, "payload", None)):
+    if not (callable(getattr(backend, "dispatch_payload", None)) and callable(getattr(backend, "payload", None))):
         raise TypeError(f"{backend.name}: its registry entry says payload_first=True but the backend has no "
                         f"payload and dispatch_payload (moeshard.dispatch.base.PayloadFirstBackend)")
-    return cast(PayloadFirstBackend, backend).dispatch_payload
+    return cast(PayloadFirstBackend, backend)
 
 
 _T = TypeVar("_T")
@@ -249,7 +250,7 @@ class MoELayer(nn.Module):
         self.backend: DispatchBackend = BACKENDS[backend].factory(
             BackendContext(backend_cfg, quant, groups, routed_max, recorder))
         self._combine_final = _final_combiner(self.backend, BACKENDS[backend].combine_final)
-        self._dispatch_payload = _payload_dispatcher(self.backend, BACKENDS[backend].payload_first)
+        self._payload_first = _payload_first(self.backend, BACKENDS[backend].payload_first)
         self.overlap_shared = self.device.type == "cuda"
         self.overlap_payload = self.device.type == "cuda"
         self._streams: dict[str, torch.cuda.Stream] = {}  # the side streams, by use (``_beside``)
@@ -407,8 +408,8 @@ class MoELayer(nn.Module):
             x, weights = tp_copy(x, routing.topk_weights, group=self.groups.tp_group, trace=self.groups.trace)
             routing = Routing(routing.topk_ids, weights)
         if join_payload is not None:
-            assert self._dispatch_payload is not None  # _start_payload starts one only for such a backend
-            d = self._dispatch_payload(x, join_payload(), routing)
+            assert self._payload_first is not None  # _start_payload starts one only for such a backend
+            d = self._payload_first.dispatch_payload(x, join_payload(), routing)
         else:
             d = differentiable.dispatch(self.backend, x, routing) if grad else self.backend.dispatch(x, routing)
         inp = d.input
@@ -470,12 +471,12 @@ class MoELayer(nn.Module):
         fp8_token's and fp8_block's one pass gained nothing (-1.5 to +3.5%, within the runs'
         spread), so they quantize at dispatch."""
         spec = self.quant.spec
-        if (self._dispatch_payload is None or not (self.overlap_payload and x.is_cuda) or grad
+        if (self._payload_first is None or not (self.overlap_payload and x.is_cuda) or grad
                 or self.recorder is not None or self.cfg.routing_kind.weights_on_input
                 or not spec.per_tensor_activation):
             return None
-        payload_first = cast(PayloadFirstBackend, self.backend)
-        return self._beside("payload", x, lambda: payload_first.payload(x),
+        backend = self._payload_first
+        return self._beside("payload", x, lambda: backend.payload(x),
                             lambda p: (p.rows, p.row_scale, p.tensor_scale, p.input_amax))
 
     def _start_shared(self, x: torch.Tensor) -> Callable[[], torch.Tensor | None]:

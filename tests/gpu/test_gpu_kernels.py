@@ -932,13 +932,13 @@ def test_layer_makes_the_payload_while_it_routes(preset, scheme):
     serial = MoELayer(cfg, QuantConfig(scheme), weights=weights, device="cuda")
     serial.overlap_payload = False
     taken = []
-    dispatch_payload = layer._dispatch_payload
+    dispatch_payload = layer.backend.dispatch_payload
 
     def spy(x, payload, routing):
         taken.append(x.shape[0])
         return dispatch_payload(x, payload, routing)
 
-    layer._dispatch_payload = spy
+    layer.backend.dispatch_payload = spy  # an instance attribute: this layer's backend only
     for T in (1, 300):
         x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.dtype)
         assert torch.equal(layer(x), serial(x)), (preset, scheme, T)
