@@ -376,15 +376,16 @@ class MoELayer(nn.Module):
                 and self.quant.spec.per_tensor_activation)
 
     def _routed(self, x: torch.Tensor, first_row: int = 0, grad: bool = False,
-                join_shared: Callable[[], torch.Tensor | None] = lambda: None) -> tuple[torch.Tensor, bool]:
+                join_shared: Callable[[], torch.Tensor | None] = lambda: None,
+                join_payload: Callable[[], Payload] | None = None) -> tuple[torch.Tensor, bool]:
         """x: [T, H] rows this rank routes (the first at row ``first_row`` of its DP rank's batch)
         -> (out, final): the fp32 [T, H] routed-expert output (TP-reduced), final False; or, where
         the backend's combine can finish the layer's sum (``_final_combine``), the model-dtype
         [T, H] sum of the routed output and ``join_shared()`` (the shared experts, or None),
         final True. grad: carry gradients (the differentiable collectives and the portable
-        experts)."""
+        experts). join_payload: the join of x's payload started on a side stream
+        (``_start_payload``), or None to make it at dispatch."""
         rec = self.recorder
-        join_payload = self._start_payload(x, grad)
         routing = self.route(x)
         if rec is not None:
             rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_row)
@@ -543,8 +544,14 @@ class MoELayer(nn.Module):
             else:
                 x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
             first_row = chunk.start
+        # The payload's side stream is issued before the shared experts': the routed experts wait
+        # for the payload, the shared experts' output is needed only at the combine. Issued after
+        # them, at one DeepSeek-V3 token its two small kernels waited behind the shared experts'
+        # GEMMs, which took every multiprocessor (scripts/decode_layer_study.py: the fp8_tensor
+        # layer 183-194 us with the payload on its side stream, 160 us without).
+        join_payload = self._start_payload(x, grad)
         join_shared = self._start_shared(x)
-        out, final = self._routed(x, first_row, grad, join_shared)
+        out, final = self._routed(x, first_row, grad, join_shared, join_payload)
         if not final:
             shared = join_shared()
             if shared is not None:

@@ -1,0 +1,79 @@
+"""What the tile plan costs a decode step's experts inside their chain of kernels (one GPU).
+
+    PYTHONPATH=src python3 scripts/plan_chain_study.py [--models ...] [--tokens 1,2,4,16]
+        [--schemes fp8_tensor,fp8_block] [--rounds 3] [--reps 40] [--json FILE]
+
+The plan's own kernel runs a few microseconds, but the launches after it wait on it. This times
+``TritonExperts`` on the bench's routed rows (CUDA graphs, the bench's L2 flush before every
+repetition, alternating rounds: ``bench.study.time_variants``) as shipped and with one thing
+changed:
+
+* ``plan_ahead``: the plan it would make handed in, made before the timed call; the buffers the
+  plan kernel zeroes (the per-expert amax, the row maxima) are zeroed by memsets instead;
+* ``pdl_off``: no kernel of the chain under programmatic dependent launch;
+* ``pdl_off_plan_ahead``: both.
+
+Every variant's output is checked to be the shipped call's bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import torch
+
+from moeshard.bench.study import bits_line, routed_case, run_on_gpu, study_parser, time_variants
+from moeshard.kernels.align import align_rows
+from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.experts import TritonExperts, gluon_supported
+from moeshard.kernels.pdl import supported as pdl_supported
+
+SCRIPT = "scripts/plan_chain_study.py"
+
+
+def plan_ahead(kernel: TritonExperts, inp, experts):
+    """``kernel(inp, experts)`` with its plans made at the first (eager) call and kept, so that a
+    graph captured later holds no plan kernel; amax and the row maxima are zeroed by memsets."""
+    plans: dict[int, object] = {}
+
+    def made_ahead(ids, E, block_m, amax=None, pdl_launch=False, row_amax=None):
+        if block_m not in plans:
+            plans[block_m] = align_rows(ids, E, block_m)
+        for t in (amax, row_amax):
+            if t is not None:
+                t.zero_()
+        return plans[block_m]
+
+    def call():
+        with mock.patch("moeshard.kernels.experts.align_rows", made_ahead):
+            return kernel(inp, experts)
+
+    return call
+
+
+def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
+    case = routed_case(model, tokens, scheme)
+    device = case.device
+    shipped = select_config(case.M, case.E, case.H, case.I, scheme, multiprocessors(device.index),
+                            pdl=pdl_supported(device), gluon=gluon_supported(device))
+    kernels = {"shipped": TritonExperts(case.cfg.activation, case.cfg.dtype, shipped),
+               "pdl_off": TritonExperts(case.cfg.activation, case.cfg.dtype, dataclasses.replace(shipped, pdl="off"))}
+    calls = {"shipped": lambda: kernels["shipped"](case.inp, case.experts),
+             "plan_ahead": plan_ahead(kernels["shipped"], case.inp, case.experts),
+             "pdl_off": lambda: kernels["pdl_off"](case.inp, case.experts),
+             "pdl_off_plan_ahead": plan_ahead(kernels["pdl_off"], case.inp, case.experts)}
+    want = calls["shipped"]()
+    rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": case.M, "pdl": shipped.pdl,
+           "same_bits": {k: torch.equal(fn(), want) for k, fn in calls.items() if k != "shipped"}}
+    return time_variants(rec, calls, flush, args)
+
+
+def main() -> None:
+    args = study_parser(__doc__, ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"), (1, 2, 4, 16),
+                        ("fp8_tensor", "fp8_block"), reps=40).parse_args()
+    run_on_gpu(args, SCRIPT, study, bits_line)
+
+
+if __name__ == "__main__":
+    main()
