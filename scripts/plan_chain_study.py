@@ -5,13 +5,14 @@
 
 The plan's own kernel runs a few microseconds, but the launches after it wait on it. This times
 ``TritonExperts`` on the bench's routed rows (CUDA graphs, the bench's L2 flush before every
-repetition, alternating rounds: ``bench.study.time_variants``) as shipped and with one thing
+repetition, alternating rounds: ``bench.study.time_variants``) with ``select_config``'s config
+(``shipped``: one token's rows on the direct plan, ``ExpertsConfig.direct``) and with one thing
 changed:
 
-* ``plan_ahead``: the plan it would make handed in, made before the timed call; the buffers the
-  plan kernel zeroes (the per-expert amax, the row maxima) are zeroed by memsets instead;
-* ``pdl_off``: no kernel of the chain under programmatic dependent launch;
-* ``pdl_off_plan_ahead``: both.
+* ``sorted``: the sorted plan of ``align_rows`` whatever the token count (``direct`` off);
+* ``sorted_plan_ahead``: that plan handed in, made before the timed call; the buffers the plan
+  kernel zeroes (the per-expert amax, the row maxima) are zeroed by memsets instead;
+* ``pdl_off``: no kernel of the chain under programmatic dependent launch.
 
 Every variant's output is checked to be the shipped call's bits.
 """
@@ -57,14 +58,14 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     device = case.device
     shipped = select_config(case.M, case.E, case.H, case.I, scheme, multiprocessors(device.index),
                             pdl=pdl_supported(device), gluon=gluon_supported(device))
-    kernels = {"shipped": TritonExperts(case.cfg.activation, case.cfg.dtype, shipped),
-               "pdl_off": TritonExperts(case.cfg.activation, case.cfg.dtype, dataclasses.replace(shipped, pdl="off"))}
-    calls = {"shipped": lambda: kernels["shipped"](case.inp, case.experts),
-             "plan_ahead": plan_ahead(kernels["shipped"], case.inp, case.experts),
-             "pdl_off": lambda: kernels["pdl_off"](case.inp, case.experts),
-             "pdl_off_plan_ahead": plan_ahead(kernels["pdl_off"], case.inp, case.experts)}
+    configs = {"shipped": shipped, "sorted": dataclasses.replace(shipped, direct=False),
+               "pdl_off": dataclasses.replace(shipped, pdl="off")}
+    kernels = {k: TritonExperts(case.cfg.activation, case.cfg.dtype, c) for k, c in configs.items()}
+    calls = {k: (lambda kernel=kernel: kernel(case.inp, case.experts)) for k, kernel in kernels.items()}
+    calls["sorted_plan_ahead"] = plan_ahead(kernels["sorted"], case.inp, case.experts)
     want = calls["shipped"]()
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": case.M, "pdl": shipped.pdl,
+           "direct": shipped.direct and case.inp.repeat == case.M,
            "same_bits": {k: torch.equal(fn(), want) for k, fn in calls.items() if k != "shipped"}}
     return time_variants(rec, calls, flush, args)
 
