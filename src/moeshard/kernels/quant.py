@@ -107,7 +107,7 @@ def _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS: tl.const
     """The expert of row block ``pid`` (positions [pid * ROWS, +ROWS)), or -1 where the block holds
     none of its rows: a tile past the end, or positions past the expert's last row (DIRECT, a
     direct plan: past the tile's first position, its one row)."""
-    expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M)
+    expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M).to(tl.int32)  # a direct plan's ids: int64
     if expert >= 0:
         if DIRECT:
             if (pid * ROWS) % BLOCK_M != 0:
