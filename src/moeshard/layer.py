@@ -546,9 +546,9 @@ class MoELayer(nn.Module):
             first_row = chunk.start
         # The payload's side stream is issued before the shared experts': the routed experts wait
         # for the payload, the shared experts' output is needed only at the combine. Issued after
-        # them, at one DeepSeek-V3 token its two small kernels waited behind the shared experts'
-        # GEMMs, which took every multiprocessor (scripts/decode_layer_study.py: the fp8_tensor
-        # layer 183-194 us with the payload on its side stream, 160 us without).
+        # them, DeepSeek-V3's fp8_tensor layer took 183-194 us at one token against 160 us with
+        # the payload made at dispatch (scripts/decode_layer_study.py, one H200), likely its two
+        # small kernels waiting behind the shared experts' GEMMs (not profiled).
         join_payload = self._start_payload(x, grad)
         join_shared = self._start_shared(x)
         out, final = self._routed(x, first_row, grad, join_shared, join_payload)

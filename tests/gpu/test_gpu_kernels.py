@@ -97,6 +97,36 @@ def test_triton_experts_match_reference(dtype, scheme, shape, fp8_gate_up):
     _check(y, ref, dtype, scheme, f"{scheme} {shape} {fp8_gate_up}")
 
 
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_one_token_direct_plan_gives_the_sorted_plans_bits(scheme):
+    """One token's routed rows (``repeat`` equal to the rows) on the decode config
+    ``select_config`` picks, which takes the direct plan (``ExpertsConfig.direct``: a tile per row,
+    no plan kernel, the ids int64), against the same config on the sorted plan: the same bits,
+    for DeepSeek-V3's and Mixtral's one-token shapes (8 of 256 experts, 2 of 8), eager and in a
+    replayed CUDA graph, and a padding row (-1) left out on both."""
+    import dataclasses
+
+    for E, H, I, ids in ((256, 1024, 512, [200, 3, 17, 255, 0, 128, 64, 9]), (8, 512, 1792, [5, 2]),
+                         (64, 512, 384, [7, -1, 63, 12])):
+        K = len(ids)
+        w = _weights(E, H, I, torch.bfloat16, scheme, seed=E)
+        x = torch.randn(1, H, device="cuda").to(torch.bfloat16)
+        expert_ids = torch.tensor(ids, device="cuda")
+        inp = ExpertInput(x, expert_ids, repeat=K)
+        direct = select_config(K, E, H, I, scheme, pdl=True)
+        assert direct.direct, direct
+        sorted_plan = TritonExperts("silu", torch.bfloat16, dataclasses.replace(direct, direct=False))
+        kernel = TritonExperts("silu", torch.bfloat16, direct)
+        want, got = sorted_plan(inp, w), kernel(inp, w)
+        live = expert_ids >= 0
+        assert torch.equal(got[live], want[live]), (scheme, E)
+        assert want[live].abs().sum() > 0
+        graph, static = _captured(lambda _, kernel=kernel, inp=inp, w=w: kernel(inp, w), x)
+        x.copy_(torch.randn(1, H, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(static[live], sorted_plan(inp, w)[live]), (scheme, E, "graph")
+
+
 @pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block"])
 def test_half_tiles_give_the_whole_tiles_bits(scheme):
     """The prefill tiles ``select_config`` picks, compiled, with and without half tiles: 64 experts
