@@ -20,37 +20,15 @@ Every variant's output is checked to be the shipped call's bits.
 from __future__ import annotations
 
 import dataclasses
-from unittest import mock
 
 import torch
 
-from moeshard.bench.study import bits_line, routed_case, run_on_gpu, study_parser, time_variants
-from moeshard.kernels.align import align_rows
+from moeshard.bench.study import bits_line, plan_made_ahead, routed_case, run_on_gpu, study_parser, time_variants
 from moeshard.kernels.configs import multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts, gluon_supported
 from moeshard.kernels.pdl import supported as pdl_supported
 
 SCRIPT = "scripts/plan_chain_study.py"
-
-
-def plan_ahead(kernel: TritonExperts, inp, experts):
-    """``kernel(inp, experts)`` with its plans made at the first (eager) call and kept, so that a
-    graph captured later holds no plan kernel; amax and the row maxima are zeroed by memsets."""
-    plans: dict[int, object] = {}
-
-    def made_ahead(ids, E, block_m, amax=None, pdl_launch=False, row_amax=None):
-        if block_m not in plans:
-            plans[block_m] = align_rows(ids, E, block_m)
-        for t in (amax, row_amax):
-            if t is not None:
-                t.zero_()
-        return plans[block_m]
-
-    def call():
-        with mock.patch("moeshard.kernels.experts.align_rows", made_ahead):
-            return kernel(inp, experts)
-
-    return call
 
 
 def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
@@ -62,7 +40,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
                "pdl_off": dataclasses.replace(shipped, pdl="off")}
     kernels = {k: TritonExperts(case.cfg.activation, case.cfg.dtype, c) for k, c in configs.items()}
     calls = {k: (lambda kernel=kernel: kernel(case.inp, case.experts)) for k, kernel in kernels.items()}
-    calls["sorted_plan_ahead"] = plan_ahead(kernels["sorted"], case.inp, case.experts)
+    calls["sorted_plan_ahead"] = plan_made_ahead(calls["sorted"])
     want = calls["shipped"]()
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": case.M, "pdl": shipped.pdl,
            "direct": shipped.direct and case.inp.repeat == case.M,
