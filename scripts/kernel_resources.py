@@ -57,8 +57,8 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
     sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*fp8e4nv" if quant_out else "*bf16"
     sig["sorted_rows_ptr"] = sig["tile_expert_ptr"] = sig["start_ptr"] = sig["count_ptr"] = "*i32"
-    if direct:
-        sig["tile_expert_ptr"] = "*i64"
+    if direct:  # a direct plan hands the int64 expert ids as both (sorted_rows unread)
+        sig["tile_expert_ptr"] = sig["sorted_rows_ptr"] = "*i64"
     if quant in (1, 3):
         sig["a_ptr"] = sig["a_half_ptr"] = sig["w_ptr"] = "*fp8e4nv"
     sig.update({name: "i32" for name in INTS})

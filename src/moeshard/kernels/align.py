@@ -75,8 +75,8 @@ class RowAlignment:
 
     direct (``direct_rows``): tile t holds routed row t alone, at position t * BM, and its expert
     is tile_expert[t], the routed rows' expert ids themselves (int32 or int64 [M]; -1: a padding
-    row, computed nowhere). sorted_rows, start and count are then never read (nothing fills
-    them; they keep the shapes P and E).
+    row, computed nowhere). sorted_rows, start and count are then never read: start and count
+    are unfilled [E] buffers (E is their length), sorted_rows the ids again.
     """
 
     sorted_rows: torch.Tensor
@@ -93,7 +93,7 @@ class RowAlignment:
 
     @property
     def padded_rows(self) -> int:
-        return self.sorted_rows.shape[0]
+        return self.num_rows * self.block_m if self.direct else self.sorted_rows.shape[0]
 
 
 @triton.jit
@@ -344,10 +344,8 @@ def direct_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Row
     if expert_ids.dim() != 1 or expert_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"direct_rows: expert_ids must be int32 or int64 [M], got {expert_ids.dtype} "
                          f"{list(expert_ids.shape)}")
-    M, device = expert_ids.shape[0], expert_ids.device
-    unread = torch.empty(num_experts, dtype=torch.int32, device=device)  # start and count: shapes only
-    return RowAlignment(torch.empty(M * block_m, dtype=torch.int32, device=device), expert_ids, unread, unread,
-                        block_m, M, direct=True)
+    unread = torch.empty(num_experts, dtype=torch.int32, device=expert_ids.device)  # start and count: E only
+    return RowAlignment(expert_ids, expert_ids, unread, unread, block_m, expert_ids.shape[0], direct=True)
 
 
 def histogram_split(M: int) -> tuple[int, int]:
