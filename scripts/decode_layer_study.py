@@ -14,6 +14,8 @@ alternating rounds (``bench.study.time_variants``):
 * ``shared_inline``: shared experts on the layer's stream, not a side stream (models with them);
 * ``payload_inline``: a per-tensor scheme's amax and quantization at dispatch, not on a side
   stream beside the router (fp8_tensor, nvfp4);
+* ``payload_priority``: the payload's side stream at the device's highest stream priority
+  (per-tensor schemes of models with shared experts, whose side stream runs beside it);
 * ``no_shared``: the same block without its shared experts (models with them): the routed path;
 * ``routed_chain``: route, dispatch and the experts, no combine and no shared experts;
 * ``route``: the router alone (logits, selection);
@@ -63,6 +65,12 @@ def layers(model: ModelOnDevice, scheme: str, experts) -> dict[str, MoELayer]:
     if quant.spec.per_tensor_activation:
         out["payload_inline"] = build()
         out["payload_inline"].overlap_payload = False
+        if model.cfg.has_shared_experts and model.gate_up.device.type == "cuda":
+            # The payload's side stream at the highest priority the device has (the layer's own
+            # side streams take the default, lowest): the payload against the shared experts.
+            out["payload_priority"] = build()
+            # (torch maps a priority past the device's range to its nearest end: the highest.)
+            out["payload_priority"]._streams["payload"] = torch.cuda.Stream(model.gate_up.device, priority=-100)
     return out
 
 

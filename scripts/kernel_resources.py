@@ -47,15 +47,18 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
 
 
 def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
-                 pdl: bool = False, quant_out: bool = False, track_amax: int = 0):
+                 pdl: bool = False, quant_out: bool = False, track_amax: int = 0, direct: bool = False):
     """``moe_gemm_kernel`` compiled for sm_90a (a Triton ``CompiledKernel``) with the given
     constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); quant_out: gate_up
     stores h as fp8_block values and scales (``moe_gemm``'s out_scale); track_amax: 1 per-expert
-    amax, 2 per-position row maxima (``moe_gemm``'s amax, row_amax), 0 neither."""
+    amax, 2 per-position row maxima (``moe_gemm``'s amax, row_amax), 0 neither; direct: on a
+    direct plan (``align.direct_rows``: the tiles' experts are the int64 expert ids)."""
     bm, bn, bk, warps, stages = tile
     sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*fp8e4nv" if quant_out else "*bf16"
     sig["sorted_rows_ptr"] = sig["tile_expert_ptr"] = sig["start_ptr"] = sig["count_ptr"] = "*i32"
+    if direct:  # a direct plan hands the int64 expert ids as both (sorted_rows unread)
+        sig["tile_expert_ptr"] = sig["sorted_rows_ptr"] = "*i64"
     if quant in (1, 3):
         sig["a_ptr"] = sig["a_half_ptr"] = sig["w_ptr"] = "*fp8e4nv"
     sig.update({name: "i32" for name in INTS})
@@ -69,7 +72,7 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
               # as moe_gemm sets it; N stands for any multiple of 128 (every model here)
               "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused), "HALF_TILES": half_tiles,
-              "A_VALUES": False, "W_VALUES": False, "PDL": pdl,
+              "A_VALUES": False, "W_VALUES": False, "PDL": pdl, "DIRECT": direct,
               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})
     names = list(moe_gemm_kernel.arg_names)

@@ -65,20 +65,21 @@ def _compile(fn, sig: dict, consts: dict, warps: int = 4):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=SM90, options={"num_warps": warps})
 
 
-def _quantize_h(mode: int, row_max: int):
+def _quantize_h(mode: int, row_max: int, direct: bool = False):
     sig = {"h_ptr": "*bf16", "q_ptr": "*u8" if mode == 4 else "*fp8e4nv", "s_ptr": "*fp8e4nv" if mode == 4 else "*fp32",
-           "g_ptr": "*fp32", "amax_ptr": "*fp32", "part_ptr": "*fp32", "tile_expert_ptr": "*i32",
+           "g_ptr": "*fp32", "amax_ptr": "*fp32", "part_ptr": "*fp32", "tile_expert_ptr": "*i64" if direct else "*i32",
            "start_ptr": "*i32", "count_ptr": "*i32", "K": "i32",
            "span": "i32", "num_spans": "i32", "stride_hm": "i32", "stride_qm": "i32", "stride_sm": "i32"}
     consts = {"MODE": mode, "ROWS": quant.ROWS, "BLOCK_M": 16, "CHUNK": quant.CHUNK, "ROW_MAX": row_max,
-              "PART_BLOCK": quant.PART_BLOCK, "AMAX_FLOOR": 1e-12, "FP8_MAX": 448.0, "PDL": True}
+              "PART_BLOCK": quant.PART_BLOCK, "AMAX_FLOOR": 1e-12, "FP8_MAX": 448.0, "PDL": True, "DIRECT": direct}
     return _compile(quant._quantize_h_kernel, sig, consts)
 
 
 def _row_max():
     sig = {"h_ptr": "*bf16", "part_ptr": "*fp32", "tile_expert_ptr": "*i32", "start_ptr": "*i32",
            "count_ptr": "*i32", "K": "i32", "span": "i32", "num_spans": "i32", "stride_hm": "i32"}
-    return _compile(quant._row_max_kernel, sig, {"ROWS": quant.ROWS, "BLOCK_M": 16, "CHUNK": quant.CHUNK, "PDL": True})
+    return _compile(quant._row_max_kernel, sig, {"ROWS": quant.ROWS, "BLOCK_M": 16, "CHUNK": quant.CHUNK, "PDL": True,
+                                                 "DIRECT": False})
 
 
 def _small_plan():
@@ -127,7 +128,10 @@ KERNELS = (
                                                                         "split", pdl=True)),
     ("gate_up fp8_token, decode tile, row maxima", "moe_gemm_kernel",
      lambda: compile_gemm(2, "fp8e4nv", True, (16, 64, 128, 4, 4), "split", pdl=True, track_amax=2)),
+    ("gate_up fp8_tensor, decode tile, direct plan", "moe_gemm_kernel",
+     lambda: compile_gemm(1, "fp8e4nv", True, (16, 64, 128, 4, 4), "split", pdl=True, track_amax=1, direct=True)),
     ("quantize_h fp8_tensor", "_quantize_h_kernel", lambda: _quantize_h(1, 0)),
+    ("quantize_h fp8_tensor, direct plan", "_quantize_h_kernel", lambda: _quantize_h(1, 0, direct=True)),
     ("quantize_h fp8_token, whole rows", "_quantize_h_kernel", lambda: _quantize_h(2, 0)),
     ("quantize_h fp8_token, partial maxima", "_quantize_h_kernel", lambda: _quantize_h(2, 1)),
     ("quantize_h fp8_token, the gate_up GEMM's row maxima", "_quantize_h_kernel", lambda: _quantize_h(2, 2)),

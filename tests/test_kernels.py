@@ -602,6 +602,25 @@ def test_local_backend_dispatches_a_payload_made_before_the_routing(scheme):
                 assert (s is None and t is None) or torch.equal(s, t)
 
 
+def test_local_backend_public_dispatches_do_not_call_each_other():
+    """Checks wrap a backend's public ``dispatch`` and ``dispatch_payload`` on the instance to see
+    each forward's routing (``harness.eplb``, the GPU payload test); if one called the other
+    through the instance, a forward would be seen twice."""
+    T, K, H = 5, 2, 16
+    backend = LocalBackend(BackendContext(MoEConfig(4, K, H, 16), QuantConfig("fp8_tensor")))
+    seen: list[str] = []
+    for name in ("dispatch", "dispatch_payload"):
+        method = getattr(backend, name)
+        setattr(backend, name, lambda *a, method=method, name=name: seen.append(name) or method(*a))
+    x = torch.randn(T, H).to(torch.bfloat16)
+    routing = Routing(torch.randint(0, 4, (T, K)), torch.rand(T, K))
+    backend.dispatch(x, routing)
+    assert seen == ["dispatch"]
+    seen.clear()
+    backend.dispatch_payload(x, backend.payload(x), routing)
+    assert seen == ["dispatch_payload"]
+
+
 def test_selection_on_cpu():
     assert type(select_kernel("silu", torch.bfloat16, torch.device("cpu"), "none")) is GroupedExperts
     name, reason = kernel_choice(torch.bfloat16, "cpu", "fp8_block")

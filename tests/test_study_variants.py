@@ -81,7 +81,8 @@ def test_every_h_quant_study_variant_is_built(model):
 def test_every_decode_layer_study_variant_is_built(model):
     """``scripts/decode_layer_study.py`` builds its layers on the CPU as on the GPU (small blocks
     here): the shared experts' variants only for a block that has them, the block without them
-    a valid layer with none, the payload's variant for per-tensor schemes only; and each
+    a valid layer with none, the payload's variant for per-tensor schemes only (its stream
+    priority variant needs CUDA streams, so it is not built here); and each
     variant's forward runs, the inline ones giving the layer's bits."""
     import torch
 

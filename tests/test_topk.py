@@ -111,7 +111,7 @@ def test_softmax_topk_refuses_what_it_cannot_run(interpreted_kernels):
         topk.softmax_topk(torch.zeros(2, 4), 5, True, 1e-20, 1.0)
     ids, w = topk.softmax_topk(torch.zeros(0, 8, dtype=torch.bfloat16), 2, True, 1e-20, 1.0)
     assert ids.shape == w.shape == (0, 2)
-    assert not topk.softmax_supported(torch.zeros(2, 4), 2)  # CPU logits keep the torch ops
+    assert not topk.routing_supported(torch.zeros(2, 4), 2)  # CPU logits keep the torch ops
 
 
 def test_rows_of_128_scores_or_more_take_the_measured_tile(interpreted_kernels):
@@ -178,12 +178,12 @@ def test_sigmoid_topk_is_the_routers_sigmoid_routing(interpreted_kernels, interp
         logits[1, E // count:2 * E // count] = logits[1, :E // count]  # two groups with equal scores
     bias = (torch.randn(E, generator=g) * 0.05).round(decimals=3) if with_bias else None
     groups = topk.Groups(count, keep, by_max)
-    ids, weights = topk.sigmoid_topk(logits, k, bias, groups, renormalize, 1e-20, scale)
+    ids, weights = topk.sigmoid_topk(logits, k, renormalize, 1e-20, scale, bias, groups)
     want_ids, want = _torch_sigmoid_routing(logits, k, bias, groups, renormalize, scale)
     assert torch.equal(ids, want_ids)
     assert weights.dtype == torch.float32 and torch.allclose(weights, want, rtol=4 * 2.0**-23, atol=0)
     # bf16 logits are read as they are and widened in the kernel.
-    ids16, _ = topk.sigmoid_topk(logits.bfloat16(), k, bias, groups, renormalize, 1e-20, scale)
+    ids16, _ = topk.sigmoid_topk(logits.bfloat16(), k, renormalize, 1e-20, scale, bias, groups)
     assert torch.equal(ids16, _torch_sigmoid_routing(logits.bfloat16(), k, bias, groups, renormalize, scale)[0])
 
 
@@ -191,14 +191,14 @@ def test_sigmoid_topk_refuses_what_it_cannot_run(interpreted_kernels, interprete
     topk = interpreted_kernels.topk
     with pytest.raises(ValueError, match=r"sigmoid_topk: needs .* got torch.float32 \[2, 48\], k=2, bias None, "
                                          r"Groups\(count=4, keep=2, by_max=False\)"):
-        topk.sigmoid_topk(torch.zeros(2, 48), 2, None, topk.Groups(4, 2), True, 1e-20, 1.0)  # 48: not a power of two
+        topk.sigmoid_topk(torch.zeros(2, 48), 2, True, 1e-20, 1.0, None, topk.Groups(4, 2))  # 48: not a power of two
     with pytest.raises(ValueError, match=r"bias \[8\]"):
-        topk.sigmoid_topk(torch.zeros(2, 16), 2, torch.zeros(8), topk.NO_GROUPS, True, 1e-20, 1.0)
+        topk.sigmoid_topk(torch.zeros(2, 16), 2, True, 1e-20, 1.0, torch.zeros(8))
     with pytest.raises(ValueError, match=r"Groups\(count=4, keep=5"):
-        topk.sigmoid_topk(torch.zeros(2, 16), 2, None, topk.Groups(4, 5), True, 1e-20, 1.0)
-    ids, w = topk.sigmoid_topk(torch.zeros(0, 16), 2, None, topk.Groups(4, 2), True, 1e-20, 1.0)
+        topk.sigmoid_topk(torch.zeros(2, 16), 2, True, 1e-20, 1.0, None, topk.Groups(4, 5))
+    ids, w = topk.sigmoid_topk(torch.zeros(0, 16), 2, True, 1e-20, 1.0, None, topk.Groups(4, 2))
     assert ids.shape == w.shape == (0, 2)
-    assert not topk.sigmoid_supported(torch.zeros(2, 16), 2, None, topk.NO_GROUPS)  # CPU logits keep the torch ops
+    assert not topk.routing_supported(torch.zeros(2, 16), 2)  # CPU logits keep the torch ops
 
 
 @pytest.mark.parametrize("T,E,k,count,keep,by_max,with_bias", [

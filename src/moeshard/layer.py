@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from moeshard.autograd.collectives import gather_rows, shard_rows, tp_copy, tp_r
 from moeshard.autograd.roles import GradRole, layer_role
 from moeshard.autograd.support import backward_refusal
 from moeshard.config import MoEConfig, QuantConfig, dtype_name
-from moeshard.dispatch.base import BackendContext, DispatchBackend, Dispatched, FinalCombineBackend, PayloadFirstBackend
+from moeshard.dispatch.base import BackendContext, DispatchBackend, FinalCombineBackend, PayloadFirstBackend
 from moeshard.dispatch.payload import Payload
 from moeshard.dispatch.registry import BACKENDS, default_backend, support
 from moeshard.eplb.loads import LoadCounter
@@ -97,16 +97,20 @@ def _final_combiner(backend: DispatchBackend, declared: bool) -> Callable[..., t
     return cast(FinalCombineBackend, backend).combine_final
 
 
-def _payload_dispatcher(backend: DispatchBackend, declared: bool) -> Callable[..., Dispatched] | None:
-    """``backend.dispatch_payload`` where its registry entry declares it (``BackendSpec.payload_first``),
-    else None; a declared method the backend lacks is refused when the layer is built."""
+def _payload_first(backend: DispatchBackend, declared: bool) -> PayloadFirstBackend | None:
+    """The backend as a ``PayloadFirstBackend`` where its registry entry declares it
+    (``BackendSpec.payload_first``), else None; a declared backend without the methods is
+    refused when the layer is built. The layer calls its methods at each forward (not bound
+    once), so a check that wraps ``backend.dispatch_payload`` sees every call."""
     if not declared:
         return None
-    method = getattr(backend, "dispatch_payload", None)
-    if not callable(method) or not callable(getattr(backend, "payload", None)):
+    if not (callable(getattr(backend, "dispatch_payload", None)) and callable(getattr(backend, "payload", None))):
         raise TypeError(f"{backend.name}: its registry entry says payload_first=True but the backend has no "
                         f"payload and dispatch_payload (moeshard.dispatch.base.PayloadFirstBackend)")
-    return cast(PayloadFirstBackend, backend).dispatch_payload
+    return cast(PayloadFirstBackend, backend)
+
+
+_T = TypeVar("_T")
 
 
 class MoELayer(nn.Module):
@@ -246,11 +250,10 @@ class MoELayer(nn.Module):
         self.backend: DispatchBackend = BACKENDS[backend].factory(
             BackendContext(backend_cfg, quant, groups, routed_max, recorder))
         self._combine_final = _final_combiner(self.backend, BACKENDS[backend].combine_final)
-        self._dispatch_payload = _payload_dispatcher(self.backend, BACKENDS[backend].payload_first)
+        self._payload_first = _payload_first(self.backend, BACKENDS[backend].payload_first)
         self.overlap_shared = self.device.type == "cuda"
         self.overlap_payload = self.device.type == "cuda"
-        self._side_stream: torch.cuda.Stream | None = None
-        self._payload_stream: torch.cuda.Stream | None = None
+        self._streams: dict[str, torch.cuda.Stream] = {}  # the side streams, by use (``_beside``)
         self.recorder = recorder
         # Training losses on the router (moeshard.training.router_losses) set this: every forward
         # then keeps the fp32 logits of the rows it routed, and the first row's index in its DP
@@ -373,15 +376,16 @@ class MoELayer(nn.Module):
                 and self.quant.spec.per_tensor_activation)
 
     def _routed(self, x: torch.Tensor, first_row: int = 0, grad: bool = False,
-                join_shared: Callable[[], torch.Tensor | None] = lambda: None) -> tuple[torch.Tensor, bool]:
+                join_shared: Callable[[], torch.Tensor | None] = lambda: None,
+                join_payload: Callable[[], Payload] | None = None) -> tuple[torch.Tensor, bool]:
         """x: [T, H] rows this rank routes (the first at row ``first_row`` of its DP rank's batch)
         -> (out, final): the fp32 [T, H] routed-expert output (TP-reduced), final False; or, where
         the backend's combine can finish the layer's sum (``_final_combine``), the model-dtype
         [T, H] sum of the routed output and ``join_shared()`` (the shared experts, or None),
         final True. grad: carry gradients (the differentiable collectives and the portable
-        experts)."""
+        experts). join_payload: the join of x's payload started on a side stream
+        (``_start_payload``), or None to make it at dispatch."""
         rec = self.recorder
-        join_payload = self._start_payload(x, grad)
         routing = self.route(x)
         if rec is not None:
             rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_row)
@@ -405,8 +409,8 @@ class MoELayer(nn.Module):
             x, weights = tp_copy(x, routing.topk_weights, group=self.groups.tp_group, trace=self.groups.trace)
             routing = Routing(routing.topk_ids, weights)
         if join_payload is not None:
-            assert self._dispatch_payload is not None  # _start_payload starts one only for such a backend
-            d = self._dispatch_payload(x, join_payload(), routing)
+            assert self._payload_first is not None  # _start_payload starts one only for such a backend
+            d = self._payload_first.dispatch_payload(x, join_payload(), routing)
         else:
             d = differentiable.dispatch(self.backend, x, routing) if grad else self.backend.dispatch(x, routing)
         inp = d.input
@@ -468,27 +472,13 @@ class MoELayer(nn.Module):
         fp8_token's and fp8_block's one pass gained nothing (-1.5 to +3.5%, within the runs'
         spread), so they quantize at dispatch."""
         spec = self.quant.spec
-        if (self._dispatch_payload is None or not (self.overlap_payload and x.is_cuda) or grad
+        if (self._payload_first is None or not (self.overlap_payload and x.is_cuda) or grad
                 or self.recorder is not None or self.cfg.routing_kind.weights_on_input
                 or not spec.per_tensor_activation):
             return None
-        main = torch.cuda.current_stream(x.device)
-        if self._payload_stream is None:
-            self._payload_stream = torch.cuda.Stream(device=x.device)
-        side = self._payload_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            payload = cast(PayloadFirstBackend, self.backend).payload(x)
-
-        def join() -> Payload:
-            main.wait_stream(side)
-            if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
-                for t in (payload.rows, payload.row_scale, payload.tensor_scale, payload.input_amax):
-                    if t is not None:
-                        t.record_stream(main)  # keeps the allocator from reusing them too early
-            return payload
-
-        return join
+        backend = self._payload_first
+        return self._beside("payload", x, lambda: backend.payload(x),
+                            lambda p: (p.rows, p.row_scale, p.tensor_scale, p.input_amax))
 
     def _start_shared(self, x: torch.Tensor) -> Callable[[], torch.Tensor | None]:
         """Starts the shared experts on x [T, H] (the rows this rank routes) and returns their
@@ -499,19 +489,30 @@ class MoELayer(nn.Module):
             return lambda: None
         if not (self.overlap_shared and x.is_cuda):
             return lambda: self._shared(x)
+        return self._beside("shared", x, lambda: self._shared(x), lambda shared: (shared,))
+
+    def _beside(self, name: str, x: torch.Tensor, work: Callable[[], _T],
+                held: Callable[[_T], tuple[torch.Tensor | None, ...]]) -> Callable[[], _T]:
+        """Runs ``work()`` on the layer's side stream ``name`` (made on x's device on first use),
+        after what the current stream has issued so far, and returns its join: called once, it
+        makes the current stream wait for the side stream and gives work's result. Outside a
+        graph capture the tensors ``held(result)`` are then marked as used on the current stream,
+        which keeps the allocator from reusing them too early (a captured graph keeps its own pool)."""
         main = torch.cuda.current_stream(x.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=x.device)
-        side = self._side_stream
+        side = self._streams.get(name)
+        if side is None:
+            side = self._streams[name] = torch.cuda.Stream(device=x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            shared = self._shared(x)
+            result = work()
 
-        def join() -> torch.Tensor:
+        def join() -> _T:
             main.wait_stream(side)
-            if not torch.cuda.is_current_stream_capturing():  # a captured graph keeps its own pool
-                shared.record_stream(main)  # keeps the allocator from reusing it too early
-            return shared
+            if not torch.cuda.is_current_stream_capturing():
+                for t in held(result):
+                    if t is not None:
+                        t.record_stream(main)
+            return result
 
         return join
 
@@ -543,8 +544,14 @@ class MoELayer(nn.Module):
             else:
                 x, chunk = sequence_parallel_chunk(x, p.tp_rank(self.groups.rank), p.tp)
             first_row = chunk.start
+        # The payload's side stream is issued before the shared experts': the routed experts wait
+        # for the payload, the shared experts' output is needed only at the combine. Issued after
+        # them, DeepSeek-V3's fp8_tensor layer took 183-194 us at one token against 160 us with
+        # the payload made at dispatch (scripts/decode_layer_study.py, one H200), likely its two
+        # small kernels waiting behind the shared experts' GEMMs (not profiled).
+        join_payload = self._start_payload(x, grad)
         join_shared = self._start_shared(x)
-        out, final = self._routed(x, first_row, grad, join_shared)
+        out, final = self._routed(x, first_row, grad, join_shared, join_payload)
         if not final:
             shared = join_shared()
             if shared is not None:

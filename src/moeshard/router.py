@@ -55,8 +55,7 @@ class Routing:
     [T, E] the logits they were computed from (router bias included), which the training
     losses read (``moeshard.training.router_losses``), or None: fp32, or the model dtype where
     the router rounded them to it (``router_dtype="model"``) and the softmax or sigmoid routing
-    read them as they are (``_softmax_in_kernel``, ``_sigmoid_in_kernel``); their fp32 widening
-    is the same values."""
+    read them as they are (``_routing_in_kernel``); their fp32 widening is the same values."""
 
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
@@ -101,37 +100,24 @@ def _groups_of(cfg: MoEConfig) -> Groups:
     return topk.Groups(cfg.n_group, cfg.topk_group, cfg.routing_kind.groups == "max")
 
 
-def _softmax_in_kernel(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None) -> bool:
-    """Whether softmax routing over all experts (``score_then_topk`` with softmax scores, a
-    selection bias and groups included) runs as one Triton pass from the logits as they are
-    (``kernels.topk.softmax_topk``): on CUDA, without autograd. It replaces the fp32 copy of
-    model-dtype logits, the softmax and the selection's launch: with fp8_tensor's scale computed
+def _routing_in_kernel(logits: torch.Tensor, cfg: MoEConfig,
+                       correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """On CUDA without autograd: (ids, weights) of softmax or sigmoid routing over all experts
+    (``score_then_topk``, a selection bias and groups included) in one Triton pass from the
+    logits as they are (``kernels.topk.softmax_topk``, ``sigmoid_topk``); None where that pass
+    does not apply (then the torch ops below run).
+
+    The sigmoid is computed as torch's CUDA kernel computes it, so sigmoid routing picks what the
+    torch ops pick, with their weights; the softmax's exponential is the GPU's fast one, so its
+    picks are the torch ops' up to that rounding. The pass replaces the fp32 copy of
+    model-dtype logits, the scores and the selection's launches: with fp8_tensor's scale computed
     in the input quantization, Qwen3-30B-A3B's fp8 layer on one H200 took 13-15 us less at 4096
     tokens and 26-28 us less at 16384 (docs/performance.md, "The layer around the experts: the
-    router in one pass"); with a bias or groups also their dozen launches (as
-    ``_sigmoid_in_kernel``)."""
+    router in one pass"); with a bias or groups also their dozen launches, which a decode step
+    runs one after another (DeepSeek-V3's one-token layer 6-11% faster, "DeepSeek-V3's routing
+    in one pass")."""
     kind = cfg.routing_kind
-    if not (logits.is_cuda and kind.order == "score_then_topk" and kind.scores == "softmax"):
-        return False
-    bias = correction_bias if cfg.use_correction_bias else None
-    if torch.is_grad_enabled() and (logits.requires_grad or (bias is not None and bias.requires_grad)):
-        return False
-    from moeshard.kernels import topk
-
-    return topk.softmax_supported(logits, cfg.top_k, bias, _groups_of(cfg))
-
-
-def _sigmoid_in_kernel(logits: torch.Tensor, cfg: MoEConfig,
-                       correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """On CUDA without autograd: (ids, weights) of sigmoid routing (``score_then_topk`` with
-    sigmoid scores: DeepSeek-V3's, its correction bias and groups included) in one Triton pass
-    from the logits as they are (``kernels.topk.sigmoid_topk``); None where that pass does not
-    apply (then the torch ops below run). The pass computes the sigmoid as torch's CUDA kernel
-    does, so it picks what the torch ops pick, with their weights; it replaces about a dozen
-    launches that a decode step runs one after another (docs/performance.md, "DeepSeek-V3's
-    routing in one pass")."""
-    kind = cfg.routing_kind
-    if not (logits.is_cuda and kind.order == "score_then_topk" and kind.scores == "sigmoid"):
+    if not (logits.is_cuda and kind.order == "score_then_topk" and kind.scores in ("softmax", "sigmoid")):
         return None
     bias = correction_bias if cfg.use_correction_bias else None
     if torch.is_grad_enabled() and (logits.requires_grad or (bias is not None and bias.requires_grad)):
@@ -139,10 +125,10 @@ def _sigmoid_in_kernel(logits: torch.Tensor, cfg: MoEConfig,
     from moeshard.kernels import topk
 
     groups = _groups_of(cfg)
-    if not topk.sigmoid_supported(logits, cfg.top_k, bias, groups):
+    if not topk.routing_supported(logits, cfg.top_k, bias, groups):
         return None
-    return topk.sigmoid_topk(logits, cfg.top_k, bias, groups, cfg.renormalize, kind.weight_floor,
-                             cfg.routed_scaling_factor)
+    run = topk.softmax_topk if kind.scores == "softmax" else topk.sigmoid_topk
+    return run(logits, cfg.top_k, cfg.renormalize, kind.weight_floor, cfg.routed_scaling_factor, bias, groups)
 
 
 def _group_mask(choice_scores: torch.Tensor, cfg: MoEConfig, group_score: str) -> torch.Tensor:
@@ -228,17 +214,10 @@ def _check_biases(cfg: MoEConfig, correction_bias: torch.Tensor | None, router_b
 def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None) -> Routing:
     """logits [T, E] (the router bias included, as ``router_logits`` adds it; fp32 or wider, or
     the model dtype as ``router_logits(..., widen=False)`` returns them, which every path but
-    the one-pass softmax widens to fp32 first) -> the routing of ``cfg``'s kind: the second half
+    the one-pass routing widens to fp32 first) -> the routing of ``cfg``'s kind: the second half
     of ``route_tokens``, for a caller that computes the logits itself (the gradient reference)."""
     kind = cfg.routing_kind
-    if _softmax_in_kernel(logits, cfg, correction_bias):
-        from moeshard.kernels import topk
-
-        ids, weights = topk.softmax_topk(logits, cfg.top_k, cfg.renormalize, kind.weight_floor,
-                                         cfg.routed_scaling_factor, correction_bias if cfg.use_correction_bias else None,
-                                         _groups_of(cfg))
-        return Routing(topk_ids=ids, topk_weights=weights, logits=logits)
-    fused = _sigmoid_in_kernel(logits, cfg, correction_bias)
+    fused = _routing_in_kernel(logits, cfg, correction_bias)
     if fused is not None:
         return Routing(topk_ids=fused[0], topk_weights=fused[1], logits=logits)
     if logits.dtype in (torch.bfloat16, torch.float16):

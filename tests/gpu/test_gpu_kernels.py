@@ -97,6 +97,36 @@ def test_triton_experts_match_reference(dtype, scheme, shape, fp8_gate_up):
     _check(y, ref, dtype, scheme, f"{scheme} {shape} {fp8_gate_up}")
 
 
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+def test_one_token_direct_plan_gives_the_sorted_plans_bits(scheme):
+    """One token's routed rows (``repeat`` equal to the rows) on the decode config
+    ``select_config`` picks, which takes the direct plan (``ExpertsConfig.direct``: a tile per row,
+    no plan kernel, the ids int64), against the same config on the sorted plan: the same bits,
+    for DeepSeek-V3's and Mixtral's one-token shapes (8 of 256 experts, 2 of 8), eager and in a
+    replayed CUDA graph, and a padding row (-1) left out on both."""
+    import dataclasses
+
+    for E, H, I, ids in ((256, 1024, 512, [200, 3, 17, 255, 0, 128, 64, 9]), (8, 512, 1792, [5, 2]),
+                         (64, 512, 384, [7, -1, 63, 12])):
+        K = len(ids)
+        w = _weights(E, H, I, torch.bfloat16, scheme, seed=E)
+        x = torch.randn(1, H, device="cuda").to(torch.bfloat16)
+        expert_ids = torch.tensor(ids, device="cuda")
+        inp = ExpertInput(x, expert_ids, repeat=K)
+        direct = select_config(K, E, H, I, scheme, pdl=True)
+        assert direct.direct, direct
+        sorted_plan = TritonExperts("silu", torch.bfloat16, dataclasses.replace(direct, direct=False))
+        kernel = TritonExperts("silu", torch.bfloat16, direct)
+        want, got = sorted_plan(inp, w), kernel(inp, w)
+        live = expert_ids >= 0
+        assert torch.equal(got[live], want[live]), (scheme, E)
+        assert want[live].abs().sum() > 0
+        graph, static = _captured(lambda _, kernel=kernel, inp=inp, w=w: kernel(inp, w), x)
+        x.copy_(torch.randn(1, H, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(static[live], sorted_plan(inp, w)[live]), (scheme, E, "graph")
+
+
 @pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block"])
 def test_half_tiles_give_the_whole_tiles_bits(scheme):
     """The prefill tiles ``select_config`` picks, compiled, with and without half tiles: 64 experts
@@ -792,8 +822,8 @@ def test_sigmoid_routing_in_one_pass_is_the_torch_ops(dtype):
     with them, within an ulp of the sum's order. Also without groups and without the bias."""
     import dataclasses
 
-    from moeshard.kernels.topk import Groups, sigmoid_supported
-    from moeshard.router import _sigmoid_in_kernel, select_experts
+    from moeshard.kernels.topk import Groups, routing_supported
+    from moeshard.router import _routing_in_kernel, select_experts
 
     base = PRESETS["deepseek-v3"].config("full", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -806,7 +836,7 @@ def test_sigmoid_routing_in_one_pass_is_the_torch_ops(dtype):
                 dataclasses.replace(base, use_correction_bias=False)]
     for cfg in variants:
         b = bias if cfg.use_correction_bias else None
-        assert _sigmoid_in_kernel(logits, cfg, b) is not None  # the one-pass path applies
+        assert _routing_in_kernel(logits, cfg, b) is not None  # the one-pass path applies
         fused = select_experts(logits, cfg, b)
         # The torch ops: logits that require grad keep every step in torch on the same GPU.
         with torch.enable_grad():
@@ -818,7 +848,7 @@ def test_sigmoid_routing_in_one_pass_is_the_torch_ops(dtype):
             torch.testing.assert_close(fused.topk_weights, want, rtol=4 * 2.0**-23, atol=0, equal_nan=True)
         else:
             assert torch.equal(fused.topk_weights[1:], want[1:])
-    assert not sigmoid_supported(logits[:, :200], 8, None, Groups(8, 4))  # 200 experts: the torch ops
+    assert not routing_supported(logits[:, :200], 8, None, Groups(8, 4))  # 200 experts: the torch ops
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
@@ -932,13 +962,13 @@ def test_layer_makes_the_payload_while_it_routes(preset, scheme):
     serial = MoELayer(cfg, QuantConfig(scheme), weights=weights, device="cuda")
     serial.overlap_payload = False
     taken = []
-    dispatch_payload = layer._dispatch_payload
+    dispatch_payload = layer.backend.dispatch_payload
 
     def spy(x, payload, routing):
         taken.append(x.shape[0])
         return dispatch_payload(x, payload, routing)
 
-    layer._dispatch_payload = spy
+    layer.backend.dispatch_payload = spy  # an instance attribute: this layer's backend only
     for T in (1, 300):
         x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.dtype)
         assert torch.equal(layer(x), serial(x)), (preset, scheme, T)

@@ -18,10 +18,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
+from moeshard.dispatch.base import PayloadFirstBackend
+from moeshard.dispatch.registry import BACKENDS
 from moeshard.eplb.placement import Layout, Placement
 from moeshard.eplb.policies import get_policy
 from moeshard.harness.cases import Case
@@ -62,14 +65,15 @@ class EPLBCheck:
 
         # An instance attribute, on purpose: it shadows the method for this layer's backend only.
         layer.backend.dispatch = spy  # type: ignore[method-assign]
-        if layer._dispatch_payload is not None:  # the layer's forward on CUDA dispatches a payload made earlier
-            dispatch_payload = layer._dispatch_payload
+        if BACKENDS[layer.backend.name].payload_first:  # the layer's forward on CUDA dispatches a payload made earlier
+            backend = cast(PayloadFirstBackend, layer.backend)
+            dispatch_payload = backend.dispatch_payload
 
             def spy_payload(x, payload, routing):
                 self.routed.append(routing.topk_ids.detach().cpu())
                 return dispatch_payload(x, payload, routing)
 
-            layer._dispatch_payload = spy_payload
+            backend.dispatch_payload = spy_payload  # type: ignore[method-assign]
 
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, SequenceChunk | None]:
         p = self.case.parallel

@@ -72,6 +72,11 @@ class RowAlignment:
     tile_expert: [max_tiles] expert of each tile, -1 past the last tile;
     start: [E] first position of each expert (multiple of BM); count: [E] rows per expert;
     block_m: BM; num_rows: M.
+
+    direct (``direct_rows``): tile t holds routed row t alone, at position t * BM, and its expert
+    is tile_expert[t], the routed rows' expert ids themselves (int32 or int64 [M]; -1: a padding
+    row, computed nowhere). sorted_rows, start and count are then never read: start and count
+    are unfilled [E] buffers (E is their length), sorted_rows the ids again.
     """
 
     sorted_rows: torch.Tensor
@@ -80,6 +85,7 @@ class RowAlignment:
     count: torch.Tensor
     block_m: int
     num_rows: int
+    direct: bool = False
 
     @property
     def max_tiles(self) -> int:
@@ -87,7 +93,7 @@ class RowAlignment:
 
     @property
     def padded_rows(self) -> int:
-        return self.sorted_rows.shape[0]
+        return self.num_rows * self.block_m if self.direct else self.sorted_rows.shape[0]
 
 
 @triton.jit
@@ -327,6 +333,21 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     return RowAlignment(sorted_rows, tile_expert, start, count, block_m, M)
 
 
+def direct_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> RowAlignment:
+    """The direct plan of ``expert_ids`` (int64 or int32 [M], values in [0, num_experts) or -1):
+    one tile of ``block_m`` positions per routed row, in input order (``RowAlignment.direct``).
+    No kernel runs, so the experts' first GEMM waits on nothing but the ids. An expert chosen by
+    two rows has its weights read once per row, so the experts take it for one token's rows
+    (``TritonExperts``), which top-k routing gives distinct experts. The buffers that
+    ``align_rows`` would zero (amax, row maxima) are the caller's to zero."""
+    expert_ids = expert_ids.contiguous()
+    if expert_ids.dim() != 1 or expert_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"direct_rows: expert_ids must be int32 or int64 [M], got {expert_ids.dtype} "
+                         f"{list(expert_ids.shape)}")
+    unread = torch.empty(num_experts, dtype=torch.int32, device=expert_ids.device)  # start and count: E only
+    return RowAlignment(expert_ids, expert_ids, unread, unread, block_m, expert_ids.shape[0], direct=True)
+
+
 def histogram_split(M: int) -> tuple[int, int]:
     """(per_program, G): how the histogram kernel splits M > 0 ids over its programs: G programs
     of per_program ids each (a multiple of HIST_CHUNK; fewer in the last), at most HIST_PROGRAMS."""
@@ -375,6 +396,9 @@ def split_tiles(plan: RowAlignment, block_m: int) -> RowAlignment:
     the plan's shapes (graph-safe)."""
     if block_m == plan.block_m:
         return plan
+    if plan.direct:
+        raise ValueError(f"split_tiles: a direct plan (one row per tile) has no shorter tiles; block_m={block_m} "
+                         f"differs from its block_m={plan.block_m}")
     if not isinstance(block_m, int) or block_m < 1 or plan.block_m % block_m:
         raise ValueError(f"split_tiles: block_m={block_m!r} must divide the plan's block_m={plan.block_m}")
     ratio = plan.block_m // block_m

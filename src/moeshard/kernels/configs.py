@@ -164,7 +164,11 @@ class ExpertsConfig:
     128-column Triton tiles; ``moe_gemm``'s ``out_scale``; the same bits, and no model-dtype h
     written and read again), or by ``quantize_h`` in one pass with the row maxima the gate_up
     GEMM max-reduced as it stored h ("row_max": fp8_token experts; ``moe_gemm``'s ``row_amax``;
-    the same bits, without the row-max pass over h)."""
+    the same bits, without the row-max pass over h). direct: a call whose routed rows are one
+    token's choices (``ExpertInput.repeat`` equal to its rows, which top-k routing gives distinct
+    experts) runs on ``align.direct_rows``' plan, one tile per row in input order, instead of
+    ``align_rows``': the same bits, and no plan kernel for the GEMM to wait on (both GEMMs on
+    the Triton engine, one tile height, the input not laid out)."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -173,6 +177,7 @@ class ExpertsConfig:
     decode_nvfp4: str = "off"
     decode_experts: int = 0
     h_quant: str = "pass"
+    direct: bool = False
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHAINS:
@@ -198,6 +203,11 @@ class ExpertsConfig:
         if self.decode_experts and self.decode_nvfp4 != "all":
             raise ValueError(f"ExpertsConfig.decode_experts={self.decode_experts} windows the decoded weights, but "
                              f"decode_nvfp4={self.decode_nvfp4!r} decodes none (it needs 'all')")
+        if self.direct and (self.gate_up.block_m != self.down.block_m or self.lay_out_a
+                            or "gluon" in (self.gate_up.engine, self.down.engine)):
+            raise ValueError(f"ExpertsConfig.direct runs both Triton GEMMs on one direct plan; got block_m "
+                             f"{self.gate_up.block_m} / {self.down.block_m}, engines {self.gate_up.engine!r} / "
+                             f"{self.down.engine!r}, lay_out_a={self.lay_out_a}")
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
         # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
         if self.gate_up.block_m % self.down.block_m:
@@ -365,6 +375,13 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # where the tile spilled none) DeepSeek-V3 lost 10-13%: 4.28-4.33 / 13.68-13.74 against
         # 3.84-3.97 / 12.05-12.16 ms at 4096 / 16384 tokens.
         cfg = dataclasses.replace(cfg, h_quant="row_max")
+    if decode and cfg.gate_up.block_m == cfg.down.block_m and not cfg.lay_out_a \
+            and cfg.gate_up.engine == cfg.down.engine == "triton":
+        # One token's rows on a direct plan (``ExpertsConfig.direct``): the GEMM waits on no
+        # plan kernel. One H200, DeepSeek-V3's experts at one token with the plan made before the
+        # call (scripts/decode_study.py, the bench's L2 flush): 112 and 110 us against 123 us
+        # (fp8_tensor, fp8_block), though the plan kernel itself runs 3 us.
+        cfg = dataclasses.replace(cfg, direct=True)
     if not pdl or not decode:
         return cfg
     # Decode only, and quantize_h with the down GEMM only while quantize_h's grid fits in one wave

@@ -12,7 +12,8 @@
 
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
 rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized
-(two fewer when the tile plan is one program, at most 64 routed rows); no host
+(two fewer when the tile plan is one program, at most 64 routed rows; three fewer for one
+token's rows, ``ExpertsConfig.direct``: a tile per row, no plan kernel); no host
 sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
 routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up product is
 rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is
@@ -32,7 +33,7 @@ from moeshard.activations import get_activation
 from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeights
 from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels import pdl
-from moeshard.kernels.align import align_rows, max_tiles, split_tiles
+from moeshard.kernels.align import align_rows, direct_rows, max_tiles, split_tiles
 from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.layout import lay_out_rows
@@ -143,11 +144,18 @@ class TritonExperts(GroupedExperts):
         front, back = cfg.pdl != "off", cfg.pdl == "all"  # plan and gate_up; quantize_h and down
         decode_a, decode_w = cfg.decode_nvfp4 != "off", cfg.decode_nvfp4 == "all"
         per_tensor = spec.per_tensor_activation
-        amax = torch.empty(E, dtype=torch.float32, device=device) if per_tensor else None
+        # One token's choices (distinct experts under top-k): a tile per row, no plan kernel. The
+        # buffers the plan kernel would zero are zeroed here.
+        direct = cfg.direct and inp.repeat == M
+        new = torch.zeros if direct else torch.empty
+        amax = new(E, dtype=torch.float32, device=device) if per_tensor else None
         # fp8_token's row maxima from the gate_up epilogue: quantize_h then reads h once.
-        row_amax = torch.empty(max_tiles(M, E, cfg.block_m) * cfg.block_m, dtype=torch.float32, device=device) \
-            if cfg.h_quant == "row_max" else None
-        plan = align_rows(ids, E, cfg.block_m, amax=amax, pdl_launch=front, row_amax=row_amax)
+        positions = M * cfg.block_m if direct else max_tiles(M, E, cfg.block_m) * cfg.block_m
+        row_amax = new(positions, dtype=torch.float32, device=device) if cfg.h_quant == "row_max" else None
+        if direct:
+            plan = direct_rows(ids, E, cfg.block_m)
+        else:
+            plan = align_rows(ids, E, cfg.block_m, amax=amax, pdl_launch=front, row_amax=row_amax)
         # The down GEMM's plan is made before the gate_up GEMM: its torch ops (when its tiles are
         # shorter) would otherwise sit between quantize_h and the down GEMM, which then could not
         # overlap quantize_h's end.

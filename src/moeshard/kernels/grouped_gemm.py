@@ -102,7 +102,7 @@ def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
 
 @triton.jit
 def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr, amax_ptr,
-          sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+          sorted_rows_ptr, p0, expert, w_expert, first, count, direct_row, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
           stride_om, stride_on, stride_osm,
@@ -111,11 +111,12 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
           GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
           EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
           FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Computes and stores the BLOCK_M x BLOCK_N output tile whose rows are the padded positions
     [p0, p0 + BLOCK_M) of ``expert`` (its rows: [first, first + count)) and whose columns start
     at pid_n * BLOCK_N; ``w_expert`` is that expert's index in the weights given (``moe_gemm``'s
-    expert window). ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
+    expert window). DIRECT: a direct plan's tile, whose one row (count 1) is routed row
+    ``direct_row``. ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
     TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack] blocks when TMA_W (pack: 2 for nvfp4 codes,
     1 for an operand given as decoded values, A_VALUES / W_VALUES). The gate_up product and h are
     rounded to H_TY, the model dtype; with QUANT_OUT (gate_up, BLOCK_N = 128) h is stored as
@@ -123,7 +124,10 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     offs_p = p0 + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
-        orig_rows32 = tl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0)
+        if DIRECT:  # the tile's one row is routed row direct_row; no plan holds it
+            orig_rows32 = tl.zeros([BLOCK_M], dtype=tl.int32) + direct_row
+        else:
+            orig_rows32 = tl.load(sorted_rows_ptr + offs_p, mask=row_ok, other=0)
         orig_rows = orig_rows32.to(tl.int64)
     # rows: where this tile's A rows (and their scales) live. Routed row m of a gathered A is
     # row m // a_row_div (divided in int32: sorted_rows is int32, and 64-bit division is slow).
@@ -303,7 +307,7 @@ def moe_gemm_kernel(
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
-        A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr,
+        A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr, DIRECT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -322,9 +326,13 @@ def moe_gemm_kernel(
         return
     expert = expert.to(tl.int64)
     w_expert = expert - expert_lo
-    first = tl.load(start_ptr + expert)
-    count = tl.load(count_ptr + expert)
     p0 = pid_m * BLOCK_M
+    if DIRECT:  # tile pid_m is routed row pid_m alone (``align.direct_rows``)
+        first = p0
+        count = 1
+    else:
+        first = tl.load(start_ptr + expert)
+        count = tl.load(count_ptr + expert)
     # An expert's last tile holds count % BLOCK_M rows. With HALF_TILES a tile whose rows fit in
     # its first half computes only that half (a BLOCK_M / 2 tile, the smallest the wgmma takes
     # is 64 rows): with 128-row tiles and ~128 rows per expert (DeepSeek-V3 at 4096 tokens) a
@@ -332,11 +340,12 @@ def moe_gemm_kernel(
     if HALF_TILES:
         if count - (p0 - first) <= BLOCK_M // 2:
             _tile(a_half_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr,
-                  amax_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset,
+                  amax_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w, up_offset,
                   a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
                   stride_osm, QUANT, FUSE_ACT, ACT, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K,
-                  TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+                  TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M // 2, BLOCK_N,
+                  BLOCK_K)
             if not SCATTER_OUT:
                 # The skipped half holds padding only: store its zeros (quantized: zeros and the
                 # floor scale), as a whole tile would.
@@ -350,11 +359,11 @@ def moe_gemm_kernel(
                     tl.store(out_scale_ptr + offs_z * stride_osm + pid_n, floor)
             return
     _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr, amax_ptr,
-          sorted_rows_ptr, p0, expert, w_expert, first, count, pid_n, N, K, N_w, up_offset, a_row_div,
+          sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w, up_offset, a_row_div,
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, stride_osm,
           QUANT, FUSE_ACT, ACT, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
-          FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, BLOCK_M, BLOCK_N, BLOCK_K)
+          FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def _a_operand(a: torch.Tensor | QuantizedActivations | Nvfp4Values):
@@ -527,7 +536,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax_mode(amax, row_amax), EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
-        PDL=pdl_launch,
+        PDL=pdl_launch, DIRECT=plan.direct,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),
     )
@@ -583,7 +592,8 @@ def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, a
     moe_gemm's options (each other one given is refused by name)."""
     gate_up = activation is not None
     given = {"gather": gather != gate_up, "fp8_exact": fp8_exact, "fp8_acc": fp8_acc not in (None, config.fp8_acc),
-             "pdl_launch": pdl_launch, "experts": experts is not None, "out_scale": out_scale is not None}
+             "pdl_launch": pdl_launch, "experts": experts is not None, "out_scale": out_scale is not None,
+             "a direct plan": plan.direct}
     if not gate_up:
         given.update({"amax": amax is not None, "a_row_div": a_row_div != 1})
     if any(given.values()):

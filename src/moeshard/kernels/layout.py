@@ -76,6 +76,9 @@ def lay_out_rows(x: torch.Tensor | QuantizedActivations | Nvfp4Values, plan: Row
     repeat: ``ExpertInput.repeat``: routed row m is row m // repeat of x.
     Returns [P, K] (and [P, ...] scales): zeros (zero scales) at padding positions.
     """
+    if plan.direct:
+        raise ValueError("lay_out_rows: the plan is direct (``align.direct_rows``), which holds no sorted rows to "
+                         "lay the input out by; lay out by ``align.align_rows``' plan")
     rows = x.shape[0]
     if rows * repeat != plan.num_rows:
         raise ValueError(f"lay_out_rows: x has {rows} rows and repeat={repeat}, the plan has "

@@ -102,25 +102,31 @@ def _abs_max(h_rows, lo, hi, K, ROWS: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+def _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      DIRECT: tl.constexpr):
     """The expert of row block ``pid`` (positions [pid * ROWS, +ROWS)), or -1 where the block holds
-    none of its rows: a tile past the end, or positions past the expert's last row."""
-    expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M)
+    none of its rows: a tile past the end, or positions past the expert's last row (DIRECT, a
+    direct plan: past the tile's first position, its one row)."""
+    expert = tl.load(tile_expert_ptr + (pid * ROWS) // BLOCK_M).to(tl.int32)  # a direct plan's ids: int64
     if expert >= 0:
-        if pid * ROWS - tl.load(start_ptr + expert) >= tl.load(count_ptr + expert):
+        if DIRECT:
+            if (pid * ROWS) % BLOCK_M != 0:
+                expert = -1
+        elif pid * ROWS - tl.load(start_ptr + expert) >= tl.load(count_ptr + expert):
             expert = -1
     return expert
 
 
 @triton.jit
 def _row_max_kernel(h_ptr, part_ptr, tile_expert_ptr, start_ptr, count_ptr, K, span, num_spans, stride_hm,
-                    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+                    DIRECT: tl.constexpr):
     """part[p, j] (fp32 [P, num_spans]) = max |h[p, j*span:(j+1)*span]|, for the row blocks that
     hold rows of their expert (``_row_block_expert``; the others are left unwritten)."""
     pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    expert = _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS, BLOCK_M)
+    expert = _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS, BLOCK_M, DIRECT)
     if expert < 0:
         return
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -134,7 +140,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
                        K, span, num_spans, stride_hm, stride_qm, stride_sm,
                        MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                        ROW_MAX: tl.constexpr, PART_BLOCK: tl.constexpr,
-                       AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+                       AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr, DIRECT: tl.constexpr):
     """Program (i, j) quantizes rows [i*ROWS, (i+1)*ROWS) x columns [j*span, (j+1)*span) (span a
     multiple of CHUNK, so no 128- or 16-column scale group straddles two programs); program
     (i, 0) writes the rows' per-row scales. fp8_token's row max (ROW_MAX): 0, this program's own
@@ -144,7 +150,7 @@ def _quantize_h_kernel(h_ptr, q_ptr, s_ptr, g_ptr, amax_ptr, part_ptr, tile_expe
     pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    expert = _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS, BLOCK_M)
+    expert = _row_block_expert(pid, tile_expert_ptr, start_ptr, count_ptr, ROWS, BLOCK_M, DIRECT)
     if expert < 0:
         return
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -212,6 +218,8 @@ def quantized_positions(plan: RowAlignment) -> torch.Tensor:
     tile_of = plan.tile_expert.repeat_interleave(plan.block_m).long()
     expert = tile_of.clamp(min=0)
     block_start = torch.arange(tile_of.shape[0], device=tile_of.device) // ROWS * ROWS
+    if plan.direct:  # each tile's first block: its one row
+        return (tile_of >= 0) & (block_start % plan.block_m == 0)
     return (tile_of >= 0) & (block_start - plan.start.long()[expert] < plan.count.long()[expert])
 
 
@@ -264,14 +272,14 @@ def quantize_h(h: torch.Tensor, scheme: str, plan: RowAlignment, amax: torch.Ten
             row_amax if row_amax is not None else s
         if partial:
             _row_max_kernel[grid](h, part, plan.tile_expert, plan.start, plan.count, K, span, num_spans, h.stride(0),
-                                  ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, PDL=pdl_launch, num_warps=4,
-                                  **pdl.launch_options(pdl_launch))
+                                  ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, PDL=pdl_launch, DIRECT=plan.direct,
+                                  num_warps=4, **pdl.launch_options(pdl_launch))
         _quantize_h_kernel[grid](
             h, q, s, g, amax if amax is not None else s, part, plan.tile_expert, plan.start, plan.count,
             K, span, num_spans, h.stride(0), q.stride(0), s.stride(0),
             MODE=mode, ROWS=ROWS, BLOCK_M=plan.block_m, CHUNK=CHUNK, ROW_MAX=2 if row_amax is not None else int(partial),
-            PART_BLOCK=PART_BLOCK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, PDL=pdl_launch, num_warps=4,
-            **pdl.launch_options(pdl_launch))
+            PART_BLOCK=PART_BLOCK, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, PDL=pdl_launch, DIRECT=plan.direct,
+            num_warps=4, **pdl.launch_options(pdl_launch))
     if mode == 1:
         return QuantizedActivations(scheme, q, None, s)
     if mode == 4:

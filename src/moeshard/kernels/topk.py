@@ -257,32 +257,12 @@ def _softmax_shape_ok(logits: torch.Tensor, k: int) -> bool:
     return logits.dim() == 2 and logits.dtype in LOGIT_DTYPES and 1 <= k <= logits.shape[1] <= MAX_COLUMNS
 
 
-def softmax_supported(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None,
+def routing_supported(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None,
                       groups: Groups = NO_GROUPS) -> bool:
-    """Whether ``softmax_topk`` runs this case: logits on CUDA and the shapes ``_scored_shape_ok`` takes."""
+    """Whether ``softmax_topk`` and ``sigmoid_topk`` run this case: logits on CUDA (bias too) and
+    the shapes ``_scored_shape_ok`` takes."""
     return logits.is_cuda and (bias is None or bias.device == logits.device) and _scored_shape_ok(
         logits, k, bias, groups)
-
-
-def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, floor: float, scale: float,
-                 bias: torch.Tensor | None = None, groups: Groups = NO_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (fp32, bf16 or fp16) -> (ids int64 [T, k], weights fp32 [T, k]): the router's
-    softmax routing in one pass, p = softmax(logits in fp32) over each row, the choice p + bias
-    ([E], or None) with only the ``groups.keep`` best groups' experts eligible (``sigmoid_topk``
-    says how), ids = ``topk_low_index_first(choice, k)``, weights = p[t, ids] renormalized and
-    scaled as ``topk_with_weights``. The softmax, and no fp32 copy of the logits, is computed in
-    the kernel; p is torch's softmax up to rounding (the exponential is the GPU's fast one, and
-    the sum's order differs), so where two experts' choices differ by that much the pick may
-    differ from the torch ops'. One launch, no host sync."""
-    if not _scored_shape_ok(logits, k, bias, groups):
-        raise ValueError(f"softmax_topk: needs [T, E] logits of {[str(d) for d in LOGIT_DTYPES]} with 1 <= k <= E <= "
-                         f"{MAX_COLUMNS}, bias None or [E], and for groups E a power of two >= 16 that the group "
-                         f"count divides and 1 <= keep <= count; got {logits.dtype} {list(logits.shape)}, k={k}, "
-                         f"bias {None if bias is None else list(bias.shape)}, {groups}")
-    ids, weights = _launch(logits if logits.stride(1) == 1 else logits.contiguous(), k, None, renormalize, floor,
-                           scale, softmax=True, bias=None if bias is None else bias.contiguous(), groups=groups)
-    assert weights is not None  # _launch gathers weights with softmax
-    return ids, weights
 
 
 def _scored_shape_ok(logits: torch.Tensor, k: int, bias: torch.Tensor | None, groups: Groups) -> bool:
@@ -300,28 +280,40 @@ def _scored_shape_ok(logits: torch.Tensor, k: int, bias: torch.Tensor | None, gr
             and 1 <= groups.keep <= groups.count)
 
 
-def sigmoid_supported(logits: torch.Tensor, k: int, bias: torch.Tensor | None, groups: Groups) -> bool:
-    """Whether ``sigmoid_topk`` runs this case: logits on CUDA and the shapes ``_scored_shape_ok`` takes."""
-    return logits.is_cuda and (bias is None or bias.device == logits.device) and _scored_shape_ok(
-        logits, k, bias, groups)
-
-
-def sigmoid_topk(logits: torch.Tensor, k: int, bias: torch.Tensor | None, groups: Groups, renormalize: bool,
-                 floor: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (fp32, bf16 or fp16) -> (ids int64 [T, k], weights fp32 [T, k]): sigmoid
-    routing in one pass (DeepSeek-V3's): scores s = sigmoid(logits in fp32), choice = s + bias
-    ([E], any float dtype, or None), only the ``groups.keep`` best groups' experts eligible (the
-    others' choice -inf), ids = ``topk_low_index_first(choice, k)``, weights = s[t, ids]
-    renormalized and scaled as ``topk_with_weights``. The router's torch ops on the same device
-    (``router.select_experts``) give the same ids and, up to the order of the K weights' sum,
-    the same weights: the sigmoid is computed as torch's CUDA kernel computes it. One launch, no
-    host sync."""
+def _scored_topk(where: str, logits: torch.Tensor, k: int, renormalize: bool, floor: float, scale: float,
+                 bias: torch.Tensor | None, groups: Groups, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax_topk`` (sigmoid False) or ``sigmoid_topk``: the shape check, named ``where`` in
+    its refusal, and the launch."""
     if not _scored_shape_ok(logits, k, bias, groups):
-        raise ValueError(f"sigmoid_topk: needs [T, E] logits of {[str(d) for d in LOGIT_DTYPES]} with 1 <= k <= E <= "
+        raise ValueError(f"{where}: needs [T, E] logits of {[str(d) for d in LOGIT_DTYPES]} with 1 <= k <= E <= "
                          f"{MAX_COLUMNS}, bias None or [E], and for groups E a power of two >= 16 that the group "
                          f"count divides and 1 <= keep <= count; got {logits.dtype} {list(logits.shape)}, k={k}, "
                          f"bias {None if bias is None else list(bias.shape)}, {groups}")
     ids, weights = _launch(logits if logits.stride(1) == 1 else logits.contiguous(), k, None, renormalize, floor,
-                           scale, sigmoid=True, bias=None if bias is None else bias.contiguous(), groups=groups)
-    assert weights is not None  # _launch gathers weights with sigmoid
+                           scale, softmax=not sigmoid, sigmoid=sigmoid,
+                           bias=None if bias is None else bias.contiguous(), groups=groups)
+    assert weights is not None  # _launch gathers weights with either score
     return ids, weights
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, floor: float, scale: float,
+                 bias: torch.Tensor | None = None, groups: Groups = NO_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (fp32, bf16 or fp16) -> (ids int64 [T, k], weights fp32 [T, k]): the router's
+    softmax routing in one pass, p = softmax(logits in fp32) over each row, the choice p + bias
+    ([E], any float dtype, or None) with only the ``groups.keep`` best groups' experts eligible
+    (the others' choice -inf), ids = ``topk_low_index_first(choice, k)``, weights = p[t, ids]
+    renormalized and scaled as ``topk_with_weights``. The softmax, and no fp32 copy of the
+    logits, is computed in the kernel; p is torch's softmax up to rounding (the exponential is
+    the GPU's fast one, and the sum's order differs), so where two experts' choices differ by
+    that much the pick may differ from the torch ops'. One launch, no host sync."""
+    return _scored_topk("softmax_topk", logits, k, renormalize, floor, scale, bias, groups, sigmoid=False)
+
+
+def sigmoid_topk(logits: torch.Tensor, k: int, renormalize: bool, floor: float, scale: float,
+                 bias: torch.Tensor | None = None, groups: Groups = NO_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax_topk`` with sigmoid scores (DeepSeek-V3's routing): s = sigmoid(logits in fp32),
+    the choice s + bias with only the best groups eligible, weights s[t, ids] renormalized and
+    scaled. The router's torch ops on the same device (``router.select_experts``) give the same
+    ids and, up to the order of the K weights' sum, the same weights: the sigmoid is computed as
+    torch's CUDA kernel computes it. One launch, no host sync."""
+    return _scored_topk("sigmoid_topk", logits, k, renormalize, floor, scale, bias, groups, sigmoid=True)

@@ -1,0 +1,102 @@
+"""One token's routed rows on the direct plan (``align.direct_rows``, ``ExpertsConfig.direct``):
+a tile per row and no plan kernel, the same bits as the sorted plan of ``align_rows``.
+
+A decode step of one token waits for the tile plan before its first GEMM; the direct plan takes
+the routed rows' expert ids as the tiles' experts instead. These run the Triton kernels in the
+CPU interpreter on both plans and compare every written row bit for bit, for every scheme and
+each way h is quantized between the GEMMs, with one token's distinct experts, with a padding row
+(id -1, written nowhere on either plan) and with an expert chosen twice (correct on the direct
+plan too, its weights read once per row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moeshard.experts.base import ExpertInput, ExpertWeights
+from moeshard.quant import quantize_weight
+
+SCHEMES = ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"]
+H, I, E, K = 64, 128, 6, 4  # noqa: E741
+IDS = {"distinct": [5, 0, 3, 2], "padding": [2, -1, 0, 5], "repeated": [1, 1, 4, 0]}
+
+
+def _weights(scheme: str, seed: int = 3) -> ExpertWeights:
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
+    dn = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
+    if scheme == "none":
+        return ExpertWeights(gu, dn)
+    return ExpertWeights(quantize_weight(gu, scheme), quantize_weight(dn, scheme), scheme)
+
+
+def _configs(k, scheme: str) -> dict[str, object]:
+    """The sorted-plan configs tried for ``scheme``: each way h is quantized between the GEMMs."""
+    GemmConfig, ExpertsConfig = k.configs.GemmConfig, k.configs.ExpertsConfig
+    base = ExpertsConfig(GemmConfig(16, 32, 32), GemmConfig(16, 32, 32))
+    out = {"pass": base}
+    if scheme == "fp8_token":
+        out["row_max"] = dataclasses.replace(base, h_quant="row_max")
+    if scheme == "fp8_block":
+        out["gate_up"] = ExpertsConfig(GemmConfig(16, 128, 32), GemmConfig(16, 32, 32), h_quant="gate_up")
+    return out
+
+
+@pytest.mark.parametrize("ids", IDS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_one_token_on_the_direct_plan_is_the_sorted_plans_bits(interpreted_kernels, monkeypatch, scheme, ids):
+    k = interpreted_kernels
+    x = (torch.randn(1, H, generator=torch.Generator().manual_seed(7)) * 3).to(torch.bfloat16)
+    expert_ids = torch.tensor(IDS[ids])
+    inp = ExpertInput(x, expert_ids, repeat=K)
+    w = _weights(scheme)
+    written = expert_ids >= 0
+    for name, config in _configs(k, scheme).items():
+        want = k.experts.TritonExperts("silu", torch.bfloat16, config)(inp, w)
+        with monkeypatch.context() as m:  # the direct plan runs no plan kernel
+            m.setattr(k.experts, "align_rows", lambda *a, **kw: pytest.fail("align_rows ran on a one-token call"))
+            got = k.experts.TritonExperts("silu", torch.bfloat16, dataclasses.replace(config, direct=True))(inp, w)
+        assert torch.equal(got[written], want[written]), (scheme, ids, name)
+        assert want[written].abs().sum() > 0
+
+
+def test_more_tokens_keep_the_sorted_plan(interpreted_kernels, monkeypatch):
+    """``direct`` is taken for one token's rows only: two tokens' rows may share experts, whose
+    weights a direct plan would read once per row."""
+    k = interpreted_kernels
+    config = dataclasses.replace(_configs(k, "fp8_tensor")["pass"], direct=True)
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    inp = ExpertInput(x, torch.tensor([0, 1, 1, 2, 1, 3, 0, 4]), repeat=K)
+    calls = []
+    align_rows = k.experts.align_rows
+    monkeypatch.setattr(k.experts, "align_rows", lambda *a, **kw: calls.append(1) or align_rows(*a, **kw))
+    k.experts.TritonExperts("silu", torch.bfloat16, config)(inp, _weights("fp8_tensor"))
+    assert calls == [1]
+
+
+def test_direct_plan_refusals(interpreted_kernels):
+    k = interpreted_kernels
+    GemmConfig, ExpertsConfig = k.configs.GemmConfig, k.configs.ExpertsConfig
+    with pytest.raises(ValueError, match="direct runs both Triton GEMMs on one direct plan; got block_m 32 / 16"):
+        ExpertsConfig(GemmConfig(32, 32, 32), GemmConfig(16, 32, 32), direct=True)
+    plan = k.align.direct_rows(torch.tensor([3, 1]), E, 32)
+    assert (plan.direct, plan.max_tiles, plan.padded_rows, plan.start.shape[0]) == (True, 2, 64, E)
+    with pytest.raises(ValueError, match="a direct plan .* has no shorter tiles"):
+        k.align.split_tiles(plan, 16)
+    with pytest.raises(ValueError, match="lay_out_rows: the plan is direct"):
+        k.layout.lay_out_rows(torch.zeros(2, H, dtype=torch.bfloat16), plan, 1)
+    with pytest.raises(ValueError, match=r"expert_ids must be int32 or int64 \[M\]"):
+        k.align.direct_rows(torch.tensor([[3, 1]]), E, 32)
+
+
+def test_decode_configs_take_the_direct_plan(interpreted_kernels):
+    """``select_config`` allows the direct plan at decode (one token's rows then take it), not at
+    prefill, where the Gluon GEMMs and the laid-out input need the sorted plan."""
+    select = interpreted_kernels.configs.select_config
+    for rows, E_, H_, I_ in ((8, 256, 7168, 2048), (2, 8, 4096, 14336), (8, 128, 2048, 768)):
+        for scheme in SCHEMES:
+            assert select(rows, E_, H_, I_, scheme).direct, (rows, E_, scheme)
+    assert not select(8 * 4096, 256, 7168, 2048, "fp8_tensor", gluon=True).direct
