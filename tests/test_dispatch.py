@@ -125,6 +125,40 @@ def test_ranks_that_disagree_are_refused_together_not_hung():
         assert f"(rank {rank}): ranks disagree on hidden_size: rank 0=16, rank 1=32" in err.message
 
 
+def _disagreeing_routing_fields():
+    """Every field of MoEConfig beyond the sizes, one layer each, rank 1 with another value."""
+    from moeshard.config import MoEConfig
+    from moeshard.layer import MoELayer
+    rank = dist.get_rank()
+    groups = ParallelGroups.build(ParallelConfig(dp=1, tp=2, enable_ep=False))
+    base = dict(num_experts=4, top_k=2, hidden_size=32, intermediate_size=32)
+    other = {"activation": "gelu", "scoring": "sigmoid", "renormalize": False, "routed_scaling_factor": 2.0,
+             "router_dtype": "model", "num_shared_experts": 1, "shared_scale": 2.0}
+    messages = {}
+    for name, value in other.items():
+        extra = {"shared_intermediate_size": 16} if name in ("num_shared_experts", "shared_scale") else {}
+        if name == "shared_scale":
+            extra["num_shared_experts"] = 1
+        try:
+            MoELayer(MoEConfig(**base, **extra, **({name: value} if rank == 1 else {})), groups=groups)
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages
+
+
+def test_ranks_that_disagree_on_any_config_field_are_refused_naming_it():
+    """Edge case from a review: only sizes, dtype, quantization and layout were exchanged, so a
+    rank with another activation, routing or scale ran without an error and its peers got a
+    mixed result (dp1-tp2, rank 1 with gelu: every rank's output 5% off, exit 0)."""
+    per_rank = spawn(_disagreeing_routing_fields, 2, timeout_s=120)
+    for rank, messages in enumerate(per_rank):
+        assert set(messages) == {"activation", "scoring", "renormalize", "routed_scaling_factor", "router_dtype",
+                                 "num_shared_experts", "shared_scale"}, messages
+        assert f"MoELayer (rank {rank}): ranks disagree on MoEConfig.activation: rank 0=" in messages["activation"]
+        assert messages["activation"].endswith("this rank's value: " + repr("gelu" if rank else "silu"))
+        assert "ranks disagree on MoEConfig.routed_scaling_factor" in messages["routed_scaling_factor"]
+
+
 def test_all2all_refused_on_cuda_without_side_channel():
     """all2all's CUDA count exchange needs the gloo side group: its registry entry says so, and the
     layer refuses the combination with this reason at construction (before any collective)."""

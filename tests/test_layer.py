@@ -129,6 +129,47 @@ def test_transformers_state_dict_loads_as_is(kind):
     assert torch.allclose(layer(x), expected.reshape(9, 32), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor"])
+def test_the_routed_experts_run_the_tensors_the_layer_holds_after_they_are_replaced(scheme):
+    """Edge case from a review: the kernels' view of the routed experts was made once, so after
+    ``load_state_dict(..., assign=True)`` (the way into a layer built on the meta device) the
+    layer ran the new router with the old experts, silently (4.3 off the reference)."""
+    cfg, quant = MoEConfig(4, 2, 32, 32), QuantConfig(scheme)
+    g = torch.Generator().manual_seed(0)
+    old, new = MoEWeights.random(cfg, g), MoEWeights.random(cfg, g)
+    x = torch.randn(5, 32, generator=g)
+    layer = MoELayer(cfg, quant=quant, weights=old)
+    layer(x)  # the view of the old tensors is made
+    layer.load_state_dict(MoELayer(cfg, quant=quant, weights=new).state_dict(), assign=True)
+    with torch.no_grad():
+        out = layer(x)
+    assert compare(out, reference_forward(x, new, cfg, quant, accumulation=layer.accumulation), cfg.dtype, scheme)[3]
+
+
+def test_functional_call_runs_and_differentiates_the_experts_it_is_given():
+    """``torch.func.functional_call`` puts the given tensors in place of the layer's: the routed
+    experts among them give the output and receive the gradient (they were ignored: the output
+    was the given router's with the layer's own experts, and the experts' gradient None)."""
+    from torch.func import functional_call
+
+    cfg = MoEConfig(4, 2, 32, 32)
+    g = torch.Generator().manual_seed(0)
+    own, given = MoEWeights.random(cfg, g), MoEWeights.random(cfg, g)
+    x = torch.randn(5, 32, generator=g)
+    layer = MoELayer(cfg, weights=own)
+    params = {k: v.detach().clone().requires_grad_(True)
+              for k, v in MoELayer(cfg, weights=given).named_parameters()}
+    out = functional_call(layer, params, (x,))
+    assert compare(out.detach(), reference_forward(x, given, cfg, accumulation=layer.accumulation), cfg.dtype,
+                   "none")[3]
+    out.sum().backward()
+    grad = params["experts.gate_up_proj"].grad
+    assert grad is not None and grad.abs().max() > 0
+    with torch.no_grad():  # afterwards the layer runs its own experts again
+        assert compare(layer(x), reference_forward(x, own, cfg, accumulation=layer.accumulation), cfg.dtype,
+                       "none")[3]
+
+
 def test_from_state_dict_quantizes():
     cfg = PRESETS["deepseek-v3"].config("small")
     w, x = _inputs(cfg, 8, 9)

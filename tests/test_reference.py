@@ -185,7 +185,9 @@ def _reference_inputs():
 
 @pytest.mark.parametrize("change, message", [
     (lambda x, kw: (x[0], kw), "x must be [T, hidden_size="),
-    (lambda x, kw: (x.long(), kw), "x must hold floats"),
+    (lambda x, kw: (x.long(), kw), "x must be in the model dtype"),
+    # The layer refuses x in another dtype; a reference of it would be of no layer's computation.
+    (lambda x, kw: (x.double(), kw), "x must be in the model dtype cfg.dtype=torch.float32, got torch.float64"),
     (lambda x, kw: (x.numpy(), kw), "x must be a torch.Tensor"),
     (lambda x, kw: (x, {**kw, "quant": "fp8_block"}), "quant must be a QuantConfig or None, got 'fp8_block'"),
     (lambda x, kw: (x, {**kw, "intermediate_shards": 0}), "intermediate_shards: must be a positive integer, got 0"),

@@ -69,6 +69,13 @@ from moeshard.stages import StageRecorder
 from moeshard.validate import is_int
 from moeshard.weights import SHARED_ALIASES, MoEWeights
 
+_EXCHANGED = ("num_experts", "top_k", "hidden_size", "intermediate_size", "expert_bias", "dtype")
+
+
+def _config_fields(cfg: MoEConfig) -> dict[str, object]:
+    """cfg's fields that the layer's configuration exchange holds no column of their own for."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _EXCHANGED}
+
 
 def _record_dispatched(rec: StageRecorder, inp, slot_expert: torch.Tensor) -> None:
     """The experts' input as received (wire views, so that bytes can be compared), with each
@@ -185,7 +192,12 @@ class MoELayer(nn.Module):
                 "layout(dp,tp,ep)": parallel.dp * 10000 + parallel.tp * 10 + int(parallel.enable_ep),
                 "max_tokens_per_rank": (max_tokens_per_rank or 0) if max_ok else -1,
                 "placement": placement_code(placement) if placement_ok else -1,
-                "load_window": load_window if is_int(load_window) else -1})
+                "load_window": load_window if is_int(load_window) else -1,
+                # Every other field of the config, each as a digest of its value: a rank with
+                # another activation, routing or scale would otherwise run without an error and
+                # give its peers a mixed result.
+                **{f"MoEConfig.{name}": code(repr(value)) for name, value in _config_fields(cfg).items()}},
+                values={f"MoEConfig.{name}": value for name, value in _config_fields(cfg).items()})
         if not max_ok:
             raise ValueError(f"MoELayer (rank {rank}): max_tokens_per_rank must be None or an int >= 1, "
                              f"got {max_tokens_per_rank!r}")

@@ -32,8 +32,13 @@ def placement_code(placement: Placement | None) -> int:
     return 0 if placement is None or placement.is_identity else placement.fingerprint()
 
 
-def check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> None:
+def check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int],
+                            values: dict[str, object] | None = None) -> None:
     """One small all-gather at construction: every rank must agree on the layer's configuration.
+
+    fields: name -> int (a size, or a ``code`` of a name or of a value's repr). values: name ->
+    this rank's value, for fields whose ints are digests that say nothing to a reader: the
+    refusal then shows this rank's value beside the ranks' digests.
 
     Every rank sees the same gathered table, so every rank raises together (nobody is left
     waiting in a later collective)."""
@@ -45,5 +50,6 @@ def check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int]) -> N
     for i, name in enumerate(fields):
         column = rows[:, i].tolist()
         if len(set(column)) > 1:
+            here = f"; this rank's value: {values[name]!r}" if values and name in values else ""
             raise ValueError(f"MoELayer (rank {groups.rank}): ranks disagree on {name}: "
-                             + ", ".join(f"rank {r}={name_of(v)}" for r, v in enumerate(column)))
+                             + ", ".join(f"rank {r}={name_of(v)}" for r, v in enumerate(column)) + here)

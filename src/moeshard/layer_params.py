@@ -34,9 +34,11 @@ class RoutedExperts(nn.Module):
     expert biases are ``gate_up_proj_bias`` [E_l, 2 I_l] and ``down_proj_bias`` [E_l, H] (the
     latter on TP rank 0 only), model-dtype parameters.
 
-    ``weights`` is the kernels' view of the buffers, built once (it validates every layout) and
-    rebuilt only when the module's tensors are replaced (``.to``, ``.cuda``, ...): not per forward.
-    ``load_state_dict`` copies into the existing tensors, so the view stays valid."""
+    ``weights`` is the kernels' view of the module's tensors. Building it validates every layout,
+    so it is kept, and made again whenever a tensor it holds is no longer the module's: after
+    ``.to``, ``load_state_dict(..., assign=True)``, an assignment, or inside
+    ``torch.func.functional_call`` (which puts the tensors it is given in place of the module's).
+    Writes into the same tensors (``load_state_dict``'s copy, an in-place op) need no new view."""
 
     gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
@@ -55,7 +57,8 @@ class RoutedExperts(nn.Module):
                 setattr(self, name, nn.Parameter(w, requires_grad=False))
         for name, b in (("gate_up_proj_bias", weights.gate_up_bias), ("down_proj_bias", weights.down_bias)):
             setattr(self, name, None if b is None else nn.Parameter(b, requires_grad=False))
-        self.weights = self._view()
+        self._made_from: tuple = ()
+        self._made: ExpertWeights | None = None
 
     def _weight(self, name: str):
         if self.scheme == "none":
@@ -69,14 +72,22 @@ class RoutedExperts(nn.Module):
         names = [n + suffix for n in ("gate_up_proj", "down_proj") for suffix in ("", "_scale", "_global_scale", "_bias")]
         return [t for t in (getattr(self, n, None) for n in names) if t is not None]
 
-    def _view(self) -> ExpertWeights:
-        return ExpertWeights(self._weight("gate_up_proj"), self._weight("down_proj"), self.scheme,
-                             self.gate_up_proj_bias, self.down_proj_bias)
+    @property
+    def weights(self) -> ExpertWeights:
+        """The kernels' ``ExpertWeights`` of the module's current tensors (see the class)."""
+        # A tensor's identity, and its storage: ``.to`` may swap a parameter's ``.data`` in place.
+        held = tuple((t, t.data_ptr()) for t in self.slot_tensors())
+        if self._made is None or len(held) != len(self._made_from) or any(
+                a is not b or pa != pb for (a, pa), (b, pb) in zip(held, self._made_from, strict=True)):
+            self._made = ExpertWeights(self._weight("gate_up_proj"), self._weight("down_proj"), self.scheme,
+                                       self.gate_up_proj_bias, self.down_proj_bias)
+            self._made_from = held
+        return self._made
 
     def _apply(self, fn, *args, **kwargs):
-        out = super()._apply(fn, *args, **kwargs)
-        self.weights = self._view()
-        return out
+        # The view made before holds the old tensors: let them go now, not at the next forward.
+        self._made, self._made_from = None, ()
+        return super()._apply(fn, *args, **kwargs)
 
 
 def _frozen_linear(weight: torch.Tensor) -> nn.Linear:

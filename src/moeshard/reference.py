@@ -291,8 +291,10 @@ def _check_arguments(x, weights, cfg, quant, intermediate_shards, input_amax, ac
                          f"{type(x).__module__}.{type(x).__qualname__} (convert it with torch.as_tensor first)")
     if x.dim() != 2 or x.shape[1] != cfg.hidden_size:
         raise ValueError(f"{where}: x must be [T, hidden_size={cfg.hidden_size}], got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"{where}: x must hold floats (the model dtype {cfg.dtype}), got {x.dtype}")
+    if x.dtype != cfg.dtype:
+        # The layer refuses it too: the router and the experts' rounding follow the model dtype,
+        # so x in another dtype would give a reference that no layer computes.
+        raise ValueError(f"{where}: x must be in the model dtype cfg.dtype={cfg.dtype}, got {x.dtype}")
     size(where, "intermediate_shards", intermediate_shards)
     if cfg.intermediate_size % intermediate_shards:
         raise ValueError(f"{where}: intermediate_shards={intermediate_shards} does not divide "

@@ -29,7 +29,10 @@ class QuantizedSharedMLP:
 
     The quantized weights are made from the model-dtype weights on first use and again whenever
     those change (other tensors, as after ``.to``, or written in place, as ``load_state_dict``
-    does: torch counts in-place writes in ``_version``), so they never go stale.
+    does: torch counts in-place writes in ``_version``). A write that torch does not count is
+    not seen: one through ``.data`` (``p.data.copy_(w)``, as some weight-averaging code writes)
+    leaves ``_version`` as it was, and the quantized weights of before stay in use. Write into
+    the parameter itself under ``torch.no_grad()`` (``p.copy_(w)``) or assign a new tensor.
 
     stored: the shared MLP already quantized with ``scheme`` as one expert (gate_up [1, 2S, H],
     down [1, H, S]), as an fp8 checkpoint stores it. It is used, not requantized, whenever the
