@@ -12,7 +12,7 @@ TORCH ?= torch==2.13.0
 CONSTRAINTS := constraints.txt
 PIP_C := -c $(CONSTRAINTS)
 
-.PHONY: check test test-slow test-all lint venv clean upgrade-constraints gpu-check
+.PHONY: check test test-slow test-all test-compat lint venv clean upgrade-constraints gpu-check
 
 # .base: what `moeshard check` needs (torch, rich, safetensors; numpy only because torch warns
 # at import without it); .installed adds the test tools (pytest, transformers, triton), which
@@ -70,5 +70,20 @@ upgrade-constraints:
 	rm -rf $(RESOLVE) $(VENV)
 	$(MAKE) lint test-all
 
+# The GPU machine's transformers (5.17), which the suite supports beside the pinned one: a second
+# venv adds .venv's site-packages after its own (a .pth line calling site.addsitedir, so that
+# .venv's own .pth files, moeshard's editable install among them, are read) and holds
+# transformers 5.17 (and what it needs); the test files that import transformers run there
+# (slow cases too).
+COMPAT := .venv-compat
+COMPAT_TRANSFORMERS ?= transformers==5.17.0
+COMPAT_TESTS = $(shell grep -l transformers tests/test_*.py)
+test-compat: $(VENV)/.installed
+	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
+	$(PY) -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" > \
+		"$$($(COMPAT)/bin/python -c 'import site; print(site.getsitepackages()[0])')/zz_moeshard_base.pth"
+	$(COMPAT)/bin/python -m pip install -q "$(COMPAT_TRANSFORMERS)"
+	$(COMPAT)/bin/python -m pytest -q -p no:cacheprovider -n 2 $(COMPAT_TESTS)
+
 clean:
-	rm -rf $(VENV) $(RESOLVE)
+	rm -rf $(VENV) $(RESOLVE) $(COMPAT)
