@@ -218,9 +218,10 @@ def test_the_transformers_reference_holds_mxfp4_experts_in_the_asked_dtype(model
     5.24 loads them in the asked dtype. The reference's loader gives the asked dtype under either,
     with the checkpoint's exact values; and a model holding its experts in bf16, as 5.17 loads
     them, is brought to the same bits."""
+    from safetensors.torch import load_file
+
     from moeshard.checkpoint.mxfp4 import dequantize_mxfp4
     from moeshard.jobs.generate import _mxfp4_experts_in, load_transformers_model
-    from safetensors.torch import load_file
 
     stored = load_file(Path(models["gpt_oss_mxfp4"]) / "model.safetensors")
     name = "model.layers.1.mlp.experts.down_proj"

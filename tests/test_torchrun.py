@@ -113,7 +113,7 @@ def test_torchrun_ranks_started_with_different_options_are_refused_naming_them(t
     finally:
         for proc in procs:
             proc.kill()
-    for rank, (proc, err) in enumerate(zip(procs, outs)):
+    for rank, (proc, err) in enumerate(zip(procs, outs, strict=True)):
         assert proc.returncode == 2, err[-3000:]
         assert [line for line in err.splitlines() if line.strip()] == [
             f"moeshard run: error: rank {rank}: the ranks were started with different options: seed: rank 0=0, "
