@@ -77,15 +77,20 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
                              f"{torch.cuda.device_count()} GPUs are visible")
         torch.cuda.set_device(local_rank)
         device = device_id = torch.device("cuda", local_rank)
+
+    def join() -> None:
+        if device_id is not None:  # the current CUDA device is the thread's own: the helper's too
+            torch.cuda.set_device(device_id)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+
     where = f"MASTER_ADDR:MASTER_PORT={os.environ.get('MASTER_ADDR')}:{port}"
     late = f"rank {rank}: the torchrun rendezvous at {where} did not complete within {timeout_s:g} s (--timeout)"
     try:
         # torch's C++ log of a rendezvous that gives up or is given up (socket timeouts, a C++
         # backtrace) says what the one line below says: it is held back, and dropped in that case.
         with stderr_held(dropped_on=(*RENDEZVOUS_ERRORS, TimedOut, KeyboardInterrupt)):
-            _bounded(lambda: dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                                     timeout=datetime.timedelta(seconds=timeout_s),
-                                                     device_id=device_id), timeout_s, late)
+            _bounded(join, timeout_s, late)
     except RENDEZVOUS_ERRORS as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if rank == 0 and ("EADDRINUSE" in str(exc) or os.strerror(errno.EADDRINUSE) in str(exc)):
