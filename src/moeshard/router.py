@@ -88,7 +88,7 @@ def _fused_selection(choice: torch.Tensor, scores: torch.Tensor,
 
     if not topk.supported(choice, cfg.top_k):
         return None
-    return topk.topk_with_weights(choice, scores, cfg.top_k, cfg.renormalize, cfg.routing_kind.weight_floor,
+    return topk.topk_with_weights(choice, scores, cfg.top_k, bool(cfg.renormalize), cfg.routing_kind.weight_floor,
                                   cfg.routed_scaling_factor)
 
 
@@ -141,7 +141,7 @@ def _sigmoid_in_kernel(logits: torch.Tensor, cfg: MoEConfig,
     groups = _groups_of(cfg)
     if not topk.sigmoid_supported(logits, cfg.top_k, bias, groups):
         return None
-    return topk.sigmoid_topk(logits, cfg.top_k, bias, groups, cfg.renormalize, kind.weight_floor,
+    return topk.sigmoid_topk(logits, cfg.top_k, bias, groups, bool(cfg.renormalize), kind.weight_floor,
                              cfg.routed_scaling_factor)
 
 
@@ -234,7 +234,7 @@ def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.
     if _softmax_in_kernel(logits, cfg, correction_bias):
         from moeshard.kernels import topk
 
-        ids, weights = topk.softmax_topk(logits, cfg.top_k, cfg.renormalize, kind.weight_floor,
+        ids, weights = topk.softmax_topk(logits, cfg.top_k, bool(cfg.renormalize), kind.weight_floor,
                                          cfg.routed_scaling_factor, correction_bias if cfg.use_correction_bias else None,
                                          _groups_of(cfg))
         return Routing(topk_ids=ids, topk_weights=weights, logits=logits)
