@@ -113,6 +113,25 @@ def test_backward_bench_plan_runs_on_cpu(tmp_path, capsys):
     assert "target layer_bwd_over_fwd <= 2.2" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--backward", "--quants", "fp8_tensor"],
+     "--backward does not read --quants; --quants is for the one-GPU bench or --world-size (or torchrun)"),
+    (["--backward", "--decode-tokens", "1", "--shared-quant", "fp8_token", "--plot", "x.png"],
+     "--backward does not read --decode-tokens, --shared-quant, --plot"),
+    (["--world-size", "2", "--device", "cpu", "--no-layer"],
+     "--world-size (or torchrun) does not read --no-layer; --no-layer is for the one-GPU bench or --backward"),
+    (["--world-size", "2", "--device", "cpu", "--tune"], "--world-size (or torchrun) does not read --tune"),
+    (["--size", "small"], "the one-GPU bench does not read --size; --size is for --world-size (or torchrun) or --backward"),
+    (["--runs", "DP", "--no-graphs"], "the one-GPU bench does not read --runs, --no-graphs"),
+])
+def test_a_flag_the_mode_would_ignore_is_refused(argv, message, capsys):
+    """Each of the bench's modes (one GPU, across ranks, backward) refuses, before it measures
+    anything, a flag it does not read: ``--backward --quants fp8_tensor`` would otherwise time the
+    bf16 backward under an fp8 command line."""
+    assert cli.main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_backward_bench_refuses_world_size(capsys):
     assert cli.main(["bench", "--backward", "--world-size", "2", "--device", "cpu"]) == 2
     assert "--backward times one device" in capsys.readouterr().err

@@ -95,3 +95,41 @@ def test_new_kinds_through_layer_and_reference(scoring):
     x = torch.randn(10, 16)
     layer = MoELayer.from_state_dict(w.state_dict(), c)
     assert compare(layer(x), reference_forward(x, w, c), c.dtype, "none")[3]
+
+
+def test_renormalize_follows_the_kinds_rule():
+    """A config that omits ``renormalize`` gets what its routing kind does. The trap this guards:
+    Llama-4's top-1 sigmoid, renormalized, would weight every token's expert by exactly 1.0."""
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.0]])
+    llama4 = cfg(top_k=1, scoring="topk_sigmoid_input")
+    assert llama4.renormalize is False
+    r = route(logits, llama4)
+    assert r.topk_ids.tolist() == [[2]]
+    assert r.topk_weights[0].tolist() == pytest.approx([1 / (1 + math.exp(-2.0))], rel=1e-6)
+    assert cfg(scoring="softmax").renormalize is True  # Mixtral's default, as before
+    assert cfg(scoring="softmax_bias").renormalize is True
+    for name in ("topk_softmax", "topk_softmax_bias", "sparsemixer"):
+        assert cfg(scoring=name).renormalize is False
+    assert cfg(scoring="softmax", renormalize=False).renormalize is False  # Qwen's norm_topk_prob=False
+
+
+@pytest.mark.parametrize("scoring,value,message", [
+    ("topk_sigmoid_input", True, "routing kind 'topk_sigmoid_input' never renormalizes its weights"),
+    ("topk_softmax", True, "routing kind 'topk_softmax' never renormalizes its weights"),
+    ("sparsemixer", True, "routing kind 'sparsemixer' never renormalizes its weights"),
+    ("softmax_bias", False, "routing kind 'softmax_bias' always renormalizes its weights, got False"),
+    ("softmax", "yes", "MoEConfig.renormalize: must be a bool, got 'yes'"),
+])
+def test_renormalize_the_kind_does_not_allow_is_refused(scoring, value, message):
+    with pytest.raises(ValueError) as info:
+        cfg(scoring=scoring, renormalize=value)
+    assert str(info.value).startswith("MoEConfig.renormalize: ") and message in str(info.value)
+
+
+def test_a_kinds_renormalization_rule_is_checked_at_registration():
+    base = get_routing("softmax")
+    with pytest.raises(ValueError, match=r"register_routing\('bad'\): renormalize 'sometimes' is not one of "
+                                         r"\['optional', 'always', 'never'\]"):
+        register_routing(RoutingKind("bad", base.scores, base.order, None, False, False, True, base.weight_floor,
+                                     False, "x", renormalize="sometimes"))
+    assert "bad" not in routing_names()

@@ -50,6 +50,21 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     return MODEL_DTYPES[name]
 
 
+def _renormalize(owner: str, value: object, kind: RoutingKind) -> bool:
+    """``MoEConfig.renormalize`` resolved against the routing kind's rule (``RoutingKind.renormalize``):
+    omitted (None) it is the kind's (True for an "optional" kind); given, it must be a bool the
+    kind allows."""
+    if value is None:
+        return kind.renormalize != "never"
+    boolean(owner, "renormalize", value)
+    if kind.renormalize == "always" and not value:
+        raise ValueError(f"{owner}.renormalize: routing kind {kind.name!r} always renormalizes its weights, got False")
+    if kind.renormalize == "never" and value:
+        raise ValueError(f"{owner}.renormalize: routing kind {kind.name!r} never renormalizes its weights "
+                         f"({kind.summary}), got True")
+    return bool(value)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Shape and routing of one MoE block.
@@ -68,6 +83,11 @@ class MoEConfig:
         near it (Phi-3.5-MoE).
       * ``scoring="softmax"``: Mixtral (``renormalize=True``) and Qwen2/Qwen3-MoE
         (``renormalize`` = ``norm_topk_prob``).
+    ``renormalize`` (divide the K weights by their sum) follows the kind's rule
+    (``RoutingKind.renormalize``): omitted, it is True for a kind where it is optional (softmax,
+    sigmoid, group_limited_greedy, topk_sigmoid) and the kind's own choice for the others
+    (always for softmax_bias; never for topk_softmax, topk_softmax_bias, topk_sigmoid_input and
+    sparsemixer); a value the kind does not allow is refused. After construction it is a bool.
       * ``scoring="sigmoid"``: DeepSeek-V3; ``use_correction_bias`` adds
         ``e_score_correction_bias`` for selection only; ``n_group``/``topk_group`` restrict the
         choice to the best groups; ``routed_scaling_factor`` multiplies the final weights.
@@ -94,7 +114,7 @@ class MoEConfig:
     intermediate_size: int
     activation: str = "silu"
     scoring: str = "softmax"
-    renormalize: bool = True
+    renormalize: bool | None = None
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -113,12 +133,13 @@ class MoEConfig:
             size(owner, name, getattr(self, name))
         for name in ("num_shared_experts", "shared_intermediate_size"):
             size(owner, name, getattr(self, name), minimum=0)
-        for name in ("renormalize", "use_correction_bias", "shared_expert_gate", "expert_bias"):
+        for name in ("use_correction_bias", "shared_expert_gate", "expert_bias"):
             boolean(owner, name, getattr(self, name))
         get_activation(self.activation, f"{owner}.activation")
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"{owner}.router_dtype: {self.router_dtype!r} is not one of {list(ROUTER_DTYPES)}")
         kind = get_routing(self.scoring, f"{owner}.scoring")
+        object.__setattr__(self, "renormalize", _renormalize(owner, self.renormalize, kind))
         object.__setattr__(self, "routed_scaling_factor",
                            finite_float(owner, "routed_scaling_factor", self.routed_scaling_factor, 0.0,
                                         MAX_ROUTED_SCALING, low_open=True))

@@ -87,7 +87,7 @@ def _fused_selection(choice: torch.Tensor, scores: torch.Tensor,
 
     if not topk.supported(choice, cfg.top_k):
         return None
-    return topk.topk_with_weights(choice, scores, cfg.top_k, cfg.renormalize, cfg.routing_kind.weight_floor,
+    return topk.topk_with_weights(choice, scores, cfg.top_k, bool(cfg.renormalize), cfg.routing_kind.weight_floor,
                                   cfg.routed_scaling_factor)
 
 
@@ -128,7 +128,7 @@ def _routing_in_kernel(logits: torch.Tensor, cfg: MoEConfig,
     if not topk.routing_supported(logits, cfg.top_k, bias, groups):
         return None
     run = topk.softmax_topk if kind.scores == "softmax" else topk.sigmoid_topk
-    return run(logits, cfg.top_k, cfg.renormalize, kind.weight_floor, cfg.routed_scaling_factor, bias, groups)
+    return run(logits, cfg.top_k, bool(cfg.renormalize), kind.weight_floor, cfg.routed_scaling_factor, bias, groups)
 
 
 def _group_mask(choice_scores: torch.Tensor, cfg: MoEConfig, group_score: str) -> torch.Tensor:

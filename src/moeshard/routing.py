@@ -49,6 +49,8 @@ SCORES = ("softmax", "sigmoid")
 ORDERS = ("score_then_topk", "topk_then_score", "masked_rounds")
 # How a group of experts is scored for group top-k: the sum of its best two, or its best one.
 GROUP_SCORES = ("top2_sum", "max")
+# Whether the K weights may be divided by their sum: the config's choice, always, or never.
+RENORMALIZATION = ("optional", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,12 @@ class RoutingKind:
     mask_eps: with ``order="masked_rounds"``, a round scores the picked expert among the
       remaining ones whose logit s_j is near the pick's m: ``(m - s_j) / max(|s_j|, m) <= 2 *
       mask_eps``; 0 for the other orders.
+    renormalize: ``RENORMALIZATION``: whether ``MoEConfig.renormalize`` is the family's choice
+      ("optional"; True when not given, as Mixtral), fixed on ("always": the family always
+      divides by the sum) or fixed off ("never": the weights are final as scored, e.g. a
+      softmax over the selected logits already sums to 1, and Llama-4's top-1 sigmoid would
+      become 1.0). ``MoEConfig`` fills in an omitted ``renormalize`` from it and refuses a
+      contradiction.
     """
 
     name: str
@@ -82,6 +90,7 @@ class RoutingKind:
     weights_on_input: bool
     summary: str
     mask_eps: float = 0.0
+    renormalize: str = "optional"
 
 
 _REGISTRY: Registry[RoutingKind] = Registry()
@@ -105,6 +114,8 @@ def register_routing(kind: RoutingKind) -> RoutingKind:
     if not (isinstance(kind.mask_eps, float) and (0 < kind.mask_eps < 1 if rounds else kind.mask_eps == 0)):
         raise ValueError(f"{where}: mask_eps must be a float in (0, 1) with order 'masked_rounds' and 0.0 otherwise, "
                          f"got {kind.mask_eps!r} with order {kind.order!r}")
+    if kind.renormalize not in RENORMALIZATION:
+        raise ValueError(f"{where}: renormalize {kind.renormalize!r} is not one of {list(RENORMALIZATION)}")
     if not (isinstance(kind.weight_floor, float) and 0 < kind.weight_floor < 1):
         raise ValueError(f"{where}: weight_floor must be a float in (0, 1), got {kind.weight_floor!r}")
     _REGISTRY.add(kind.name, kind)
@@ -133,14 +144,15 @@ for _kind in (
     RoutingKind("sigmoid", "sigmoid", "score_then_topk", "top2_sum", True, False, True, _FLOOR, False,
                 "sigmoid, selection bias, group top-k by best two, routed scaling"),
     RoutingKind("topk_softmax", "softmax", "topk_then_score", None, False, False, True, _FLOOR, False,
-                "top-k of the logits, softmax over the selected"),
+                "top-k of the logits, softmax over the selected", renormalize="never"),
     RoutingKind("group_limited_greedy", "softmax", "score_then_topk", "max", False, False, True, _FLOOR, False,
                 "softmax, groups scored by their best expert, top-k in the kept groups"),
     # ERNIE 4.5 divides by max(sum, moe_norm_min); its configs' moe_norm_min is 1e-12.
     RoutingKind("softmax_bias", "softmax", "score_then_topk", None, True, False, False, 1e-12, False,
-                "softmax, top-k on the scores plus a selection bias, renormalized"),
+                "softmax, top-k on the scores plus a selection bias, renormalized", renormalize="always"),
     RoutingKind("sparsemixer", "softmax", "masked_rounds", None, False, False, False, _FLOOR, False,
-                "top-1 of the remaining logits per round, softmax among the logits near it", mask_eps=0.01),
+                "top-1 of the remaining logits per round, softmax among the logits near it", mask_eps=0.01,
+                renormalize="never"),
 ):
     register_routing(_kind)
 
@@ -149,9 +161,9 @@ for _kind in (
 # weight applied to the expert's input (Llama-4).
 for _kind in (
     RoutingKind("topk_softmax_bias", "softmax", "topk_then_score", None, False, True, True, _FLOOR, False,
-                "router with a bias, top-k of the logits, softmax over the selected"),
+                "router with a bias, top-k of the logits, softmax over the selected", renormalize="never"),
     RoutingKind("topk_sigmoid_input", "sigmoid", "topk_then_score", None, False, False, False, _FLOOR, True,
-                "top-k of the logits, sigmoid of the selected, applied to the expert's input"),
+                "top-k of the logits, sigmoid of the selected, applied to the expert's input", renormalize="never"),
 ):
     register_routing(_kind)
 

@@ -439,7 +439,7 @@ def _mixtral_moe(f: ConfigFields) -> MoEConfig:
     act, H = f.activation(), f.int("hidden_size")
     return MoEConfig(num_experts=f.int("num_local_experts"), top_k=f.int("num_experts_per_tok"), hidden_size=H,
                      intermediate_size=f.int("intermediate_size"),
-                     activation=act, scoring=f.family.routing, renormalize=True)
+                     activation=act, scoring=f.family.routing)  # renormalize: the kind's rule (softmax: True)
 
 
 def _qwen_moe(f: ConfigFields, gated_shared_expert: bool) -> MoEConfig:

@@ -83,6 +83,7 @@ def run(args) -> int:
     from moeshard.parallel.torchrun import torchrun_environment
 
     distributed = args.world_size is not None or torchrun_environment()
+    _refuse_unread_flags(args, "backward" if args.backward else "distributed" if distributed else "single")
     if args.backward:
         if distributed:
             raise ValueError("--backward times one device; it does not take --world-size or torchrun")
@@ -127,6 +128,34 @@ def run(args) -> int:
         if why:
             print(f"moeshard bench: no plot: {why}", file=sys.stderr)
     return 0
+
+
+# The flags only some of the bench's three modes read: (flag, attribute, its default, the modes
+# that read it). A flag given to a mode that would ignore it is refused, so that, say, ``--backward
+# --quants fp8_tensor`` cannot pass for an fp8 backward when it times bf16.
+_MODE_FLAGS = (
+    ("--quants", "quants", None, ("single", "distributed")),
+    ("--decode-tokens", "decode_tokens", None, ("single", "distributed")),
+    ("--shared-quant", "shared_quant", "none", ("single",)),
+    ("--no-baselines", "no_baselines", False, ("single",)),
+    ("--tune", "tune", False, ("single",)),
+    ("--tune-only", "tune_only", False, ("single",)),
+    ("--no-layer", "no_layer", False, ("single", "backward")),
+    ("--plot", "plot", None, ("single", "distributed")),
+    ("--size", "size", "full", ("distributed", "backward")),
+    ("--runs", "runs", None, ("distributed",)),
+    ("--no-graphs", "no_graphs", False, ("distributed",)),
+)
+_MODE_NAMES = {"single": "the one-GPU bench", "distributed": "--world-size (or torchrun)", "backward": "--backward"}
+
+
+def _refuse_unread_flags(args, mode: str) -> None:
+    """ValueError naming each given flag that ``mode`` (single, distributed, backward) does not read."""
+    unread = [flag for flag, attr, default, modes in _MODE_FLAGS if mode not in modes and getattr(args, attr) != default]
+    if unread:
+        where = {flag: " or ".join(_MODE_NAMES[m] for m in modes) for flag, _, _, modes in _MODE_FLAGS}
+        raise ValueError(f"{_MODE_NAMES[mode]} does not read {', '.join(unread)}; "
+                         + "; ".join(f"{flag} is for {where[flag]}" for flag in unread))
 
 
 def _progress(started: float, quiet: bool):
