@@ -273,3 +273,29 @@ def test_training_runs_the_portable_experts_in_place_of_the_triton_kernels():
     with torch.no_grad():
         assert torch.equal(layer(x), out)
     assert CountingTriton.calls == 1
+
+
+def test_a_backend_assigned_after_build_is_the_one_the_forward_calls():
+    """``layer.backend`` may be replaced after the layer is built (the planted faults and the
+    EPLB check's spies do it): the forward must call the new backend's combine, not a method
+    bound when the layer was built (on CUDA the same holds for its payload methods)."""
+    cfg = PRESETS["deepseek-v3"].config("small", torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    layer = MoELayer(cfg, weights=MoEWeights.random(cfg, g))
+    x = torch.randn(9, cfg.hidden_size, generator=g).to(cfg.dtype)
+    calls = []
+
+    class Counting(type(layer.backend)):  # type: ignore[misc]
+        def combine_final(self, *args, **kwargs):
+            calls.append("combine_final")
+            return super().combine_final(*args, **kwargs)
+
+        def combine(self, *args, **kwargs):
+            calls.append("combine")
+            return super().combine(*args, **kwargs)
+
+    with torch.no_grad():
+        out = layer(x)
+        layer.backend = Counting(layer.backend.ctx)
+        assert torch.equal(layer(x), out)
+    assert calls[:1] == ["combine_final"]  # (the local backend's combine_final calls its combine)

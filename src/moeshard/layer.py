@@ -261,11 +261,13 @@ class MoELayer(nn.Module):
             routed_max = None if routed_max is None else routed_max * cfg.top_k
         self.backend: DispatchBackend = BACKENDS[backend].factory(
             BackendContext(backend_cfg, quant, groups, routed_max, recorder))
-        self._combine_final = _final_combiner(self.backend, BACKENDS[backend].combine_final)
-        self._payload_first = _payload_first(self.backend, BACKENDS[backend].payload_first)
+        # A backend lacking what its registry entry declares is refused here, at build time; the
+        # forward reads both again from self.backend (``_final_combine``, ``_payload_backend``).
+        _final_combiner(self.backend, BACKENDS[backend].combine_final)
+        _payload_first(self.backend, BACKENDS[backend].payload_first)
         self.overlap_shared = self.device.type == "cuda"
         self.overlap_payload = self.device.type == "cuda"
-        self._streams: dict[str, torch.cuda.Stream] = {}  # the side streams, by use (``_beside``)
+        self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}  # side streams by use and device
         self.recorder = recorder
         # Training losses on the router (moeshard.training.router_losses) set this: every forward
         # then keeps the fp32 logits of the rows it routed, and the first row's index in its DP
@@ -421,8 +423,9 @@ class MoELayer(nn.Module):
             x, weights = tp_copy(x, routing.topk_weights, group=self.groups.tp_group, trace=self.groups.trace)
             routing = Routing(routing.topk_ids, weights)
         if join_payload is not None:
-            assert self._payload_first is not None  # _start_payload starts one only for such a backend
-            d = self._payload_first.dispatch_payload(x, join_payload(), routing)
+            payload_backend = self._payload_backend()
+            assert payload_backend is not None  # _start_payload starts one only for such a backend
+            d = payload_backend.dispatch_payload(x, join_payload(), routing)
         else:
             d = differentiable.dispatch(self.backend, x, routing) if grad else self.backend.dispatch(x, routing)
         inp = d.input
@@ -465,7 +468,14 @@ class MoELayer(nn.Module):
         else None. Forward only (the caller has grad=False)."""
         if tp_sliced or self.cfg.routing_kind.weights_on_input or self.recorder is not None:
             return None
-        return self._combine_final
+        return _final_combiner(self.backend, BACKENDS[self.backend.name].combine_final)
+
+    def _payload_backend(self) -> PayloadFirstBackend | None:
+        """``self.backend`` as a ``PayloadFirstBackend`` where its registry entry says
+        ``payload_first``, else None. Read at each forward, as ``_final_combine`` is, so that a
+        backend assigned after the layer was built, or a check wrapping its methods, is the one
+        the forward calls."""
+        return _payload_first(self.backend, BACKENDS[self.backend.name].payload_first)
 
     def _start_payload(self, x: torch.Tensor, grad: bool) -> Callable[[], Payload] | None:
         """Starts the backend's payload of x [T, H] (the rows this rank routes, quantized as the
@@ -484,11 +494,11 @@ class MoELayer(nn.Module):
         fp8_token's and fp8_block's one pass gained nothing (-1.5 to +3.5%, within the runs'
         spread), so they quantize at dispatch."""
         spec = self.quant.spec
-        if (self._payload_first is None or not (self.overlap_payload and x.is_cuda) or grad
+        backend = self._payload_backend()
+        if (backend is None or not (self.overlap_payload and x.is_cuda) or grad
                 or self.recorder is not None or self.cfg.routing_kind.weights_on_input
                 or not spec.per_tensor_activation):
             return None
-        backend = self._payload_first
         return self._beside("payload", x, lambda: backend.payload(x),
                             lambda p: (p.rows, p.row_scale, p.tensor_scale, p.input_amax))
 
@@ -505,15 +515,17 @@ class MoELayer(nn.Module):
 
     def _beside(self, name: str, x: torch.Tensor, work: Callable[[], _T],
                 held: Callable[[_T], tuple[torch.Tensor | None, ...]]) -> Callable[[], _T]:
-        """Runs ``work()`` on the layer's side stream ``name`` (made on x's device on first use),
+        """Runs ``work()`` on the layer's side stream ``name`` on x's device (made on first use),
         after what the current stream has issued so far, and returns its join: called once, it
         makes the current stream wait for the side stream and gives work's result. Outside a
         graph capture the tensors ``held(result)`` are then marked as used on the current stream,
         which keeps the allocator from reusing them too early (a captured graph keeps its own pool)."""
         main = torch.cuda.current_stream(x.device)
-        side = self._streams.get(name)
+        # Keyed by device too: a layer moved to another GPU (``.to``) must not keep queueing its
+        # side work on the first device's streams.
+        side = self._streams.get((name, x.device))
         if side is None:
-            side = self._streams[name] = torch.cuda.Stream(device=x.device)
+            side = self._streams[(name, x.device)] = torch.cuda.Stream(device=x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             result = work()
