@@ -146,6 +146,24 @@ def test_the_routed_experts_run_the_tensors_the_layer_holds_after_they_are_repla
     assert compare(out, reference_forward(x, new, cfg, quant, accumulation=layer.accumulation), cfg.dtype, scheme)[3]
 
 
+def test_replaced_experts_are_not_kept_alive_by_the_kernels_view():
+    """After ``load_state_dict(..., assign=True)`` the layer's cached view of its experts must
+    not hold the old tensors until the next forward: a model loading many layers would keep
+    every old set of expert weights allocated at once."""
+    import gc
+    import weakref
+
+    cfg = MoEConfig(4, 2, 32, 32)
+    g = torch.Generator().manual_seed(0)
+    layer = MoELayer(cfg, weights=MoEWeights.random(cfg, g))
+    with torch.no_grad():
+        layer(torch.randn(3, 32, generator=g))  # the view of the first tensors is made
+    old = weakref.ref(layer.experts.gate_up_proj)
+    layer.load_state_dict(MoELayer(cfg, weights=MoEWeights.random(cfg, g)).state_dict(), assign=True)
+    gc.collect()
+    assert old() is None
+
+
 def test_functional_call_runs_and_differentiates_the_experts_it_is_given():
     """``torch.func.functional_call`` puts the given tensors in place of the layer's: the routed
     experts among them give the output and receive the gradient (they were ignored: the output

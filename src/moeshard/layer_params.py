@@ -38,7 +38,10 @@ class RoutedExperts(nn.Module):
     so it is kept, and made again whenever a tensor it holds is no longer the module's: after
     ``.to``, ``load_state_dict(..., assign=True)``, an assignment, or inside
     ``torch.func.functional_call`` (which puts the tensors it is given in place of the module's).
-    Writes into the same tensors (``load_state_dict``'s copy, an in-place op) need no new view."""
+    Writes into the same tensors (``load_state_dict``'s copy, an in-place op) need no new view.
+    The view is dropped at ``.to`` and after ``load_state_dict``, so it never keeps replaced
+    tensors alive; the tensors a ``functional_call`` gave stay referenced by it until the next
+    forward (or ``.to`` / ``load_state_dict``) of the layer."""
 
     gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
@@ -59,6 +62,9 @@ class RoutedExperts(nn.Module):
             setattr(self, name, None if b is None else nn.Parameter(b, requires_grad=False))
         self._made_from: tuple = ()
         self._made: ExpertWeights | None = None
+        # load_state_dict(assign=True) puts new tensors in: let the view of the old ones go then,
+        # not at the next forward (a model loading many layers would hold every old set at once).
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._forget_view())
 
     def _weight(self, name: str):
         if self.scheme == "none":
@@ -84,9 +90,12 @@ class RoutedExperts(nn.Module):
             self._made_from = held
         return self._made
 
+    def _forget_view(self) -> None:
+        self._made, self._made_from = None, ()
+
     def _apply(self, fn, *args, **kwargs):
         # The view made before holds the old tensors: let them go now, not at the next forward.
-        self._made, self._made_from = None, ()
+        self._forget_view()
         return super()._apply(fn, *args, **kwargs)
 
 
