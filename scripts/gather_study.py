@@ -75,7 +75,9 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     calls["layout"] = lambda: lay_out_rows(inp.x, plan, inp.repeat)
     ys = {}
     for lay_out in (False, True):
-        kernel = TritonExperts(cfg.activation, cfg.dtype, dataclasses.replace(sel, lay_out_a=lay_out))
+        # A laid-out input reads tiles of the sorted plan, never the direct one.
+        laid = dataclasses.replace(sel, lay_out_a=lay_out, direct=sel.direct and not lay_out)
+        kernel = TritonExperts(cfg.activation, cfg.dtype, laid)
         key = "experts_laid_out" if lay_out else "experts_gather"
         calls[key] = lambda kernel=kernel: kernel(inp, experts)
         ys[key] = calls[key]().clone()

@@ -75,11 +75,11 @@ def _quantize_h(mode: int, row_max: int, direct: bool = False):
     return _compile(quant._quantize_h_kernel, sig, consts)
 
 
-def _row_max():
-    sig = {"h_ptr": "*bf16", "part_ptr": "*fp32", "tile_expert_ptr": "*i32", "start_ptr": "*i32",
+def _row_max(direct: bool = False):
+    sig = {"h_ptr": "*bf16", "part_ptr": "*fp32", "tile_expert_ptr": "*i64" if direct else "*i32", "start_ptr": "*i32",
            "count_ptr": "*i32", "K": "i32", "span": "i32", "num_spans": "i32", "stride_hm": "i32"}
     return _compile(quant._row_max_kernel, sig, {"ROWS": quant.ROWS, "BLOCK_M": 16, "CHUNK": quant.CHUNK, "PDL": True,
-                                                 "DIRECT": False})
+                                                 "DIRECT": direct})
 
 
 def _small_plan():
@@ -138,6 +138,7 @@ KERNELS = (
     ("quantize_h fp8_block", "_quantize_h_kernel", lambda: _quantize_h(3, 0)),
     ("quantize_h nvfp4", "_quantize_h_kernel", lambda: _quantize_h(4, 0)),
     ("row max (fp8_token)", "_row_max_kernel", _row_max),
+    ("row max (fp8_token), direct plan", "_row_max_kernel", lambda: _row_max(direct=True)),
 )
 
 

@@ -45,6 +45,17 @@ def _configs(k, scheme: str) -> dict[str, object]:
     return out
 
 
+def _poisoned_empty(empty):
+    """``torch.empty`` whose memory reads as NaN (floats) or 2^30 (integers): a buffer the direct
+    path forgets to zero or write then shows in the output, whatever the allocator hands back."""
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.dtype.is_floating_point:
+            return t.fill_(float("nan")) if t.element_size() > 1 else t.view(torch.uint8).fill_(0x7F).view(t.dtype)
+        return t.fill_(2**30) if t.dtype in (torch.int32, torch.int64) else t
+    return poisoned
+
+
 @pytest.mark.parametrize("ids", IDS)
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_one_token_on_the_direct_plan_is_the_sorted_plans_bits(interpreted_kernels, monkeypatch, scheme, ids):
@@ -58,6 +69,7 @@ def test_one_token_on_the_direct_plan_is_the_sorted_plans_bits(interpreted_kerne
         want = k.experts.TritonExperts("silu", torch.bfloat16, config)(inp, w)
         with monkeypatch.context() as m:  # the direct plan runs no plan kernel
             m.setattr(k.experts, "align_rows", lambda *a, **kw: pytest.fail("align_rows ran on a one-token call"))
+            m.setattr(torch, "empty", _poisoned_empty(torch.empty))
             got = k.experts.TritonExperts("silu", torch.bfloat16, dataclasses.replace(config, direct=True))(inp, w)
         assert torch.equal(got[written], want[written]), (scheme, ids, name)
         assert want[written].abs().sum() > 0
@@ -99,4 +111,12 @@ def test_decode_configs_take_the_direct_plan(interpreted_kernels):
     for rows, E_, H_, I_ in ((8, 256, 7168, 2048), (2, 8, 4096, 14336), (8, 128, 2048, 768)):
         for scheme in SCHEMES:
             assert select(rows, E_, H_, I_, scheme).direct, (rows, E_, scheme)
-    assert not select(8 * 4096, 256, 7168, 2048, "fp8_tensor", gluon=True).direct
+    for scheme in SCHEMES:  # prefill, on either engine
+        assert not select(8 * 4096, 256, 7168, 2048, scheme).direct, scheme
+        assert not select(8 * 4096, 256, 7168, 2048, scheme, gluon=True).direct, scheme
+    # A decode config given a laid-out input: the refusal says where direct came from.
+    chosen = select(8, 256, 7168, 2048, "fp8_tensor")
+    with pytest.raises(ValueError, match=r"select_config sets direct=True for decode sizes: "
+                                         r"replace\(config, direct=False, ...\)"):
+        dataclasses.replace(chosen, lay_out_a=True)
+    assert dataclasses.replace(chosen, lay_out_a=True, direct=False).lay_out_a

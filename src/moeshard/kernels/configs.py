@@ -207,7 +207,8 @@ class ExpertsConfig:
                             or "gluon" in (self.gate_up.engine, self.down.engine)):
             raise ValueError(f"ExpertsConfig.direct runs both Triton GEMMs on one direct plan; got block_m "
                              f"{self.gate_up.block_m} / {self.down.block_m}, engines {self.gate_up.engine!r} / "
-                             f"{self.down.engine!r}, lay_out_a={self.lay_out_a}")
+                             f"{self.down.engine!r}, lay_out_a={self.lay_out_a} (select_config sets direct=True "
+                             f"for decode sizes: replace(config, direct=False, ...) to change these)")
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
         # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
         if self.gate_up.block_m % self.down.block_m:
