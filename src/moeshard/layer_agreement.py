@@ -37,19 +37,28 @@ def check_same_on_all_ranks(groups: ParallelGroups, fields: dict[str, int],
     """One small all-gather at construction: every rank must agree on the layer's configuration.
 
     fields: name -> int (a size, or a ``code`` of a name or of a value's repr). values: name ->
-    this rank's value, for fields whose ints are digests that say nothing to a reader: the
-    refusal then shows this rank's value beside the ranks' digests.
+    this rank's value, for fields whose ints are digests that say nothing to a reader: when the
+    ranks disagree on such a field, a second exchange (of the values' reprs, on the failure path
+    only) lets the refusal show every rank's value.
 
-    Every rank sees the same gathered table, so every rank raises together (nobody is left
-    waiting in a later collective)."""
+    Every rank sees the same gathered table, so every rank takes the failure path and raises
+    together (nobody is left waiting in a later collective)."""
     mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=groups.device)
     table = [torch.empty_like(mine) for _ in range(groups.world_size)]
     with traced(groups.trace, "all_gather", "world", mine):
         dist.all_gather(table, mine)
     rows = torch.stack(table).cpu()
-    for i, name in enumerate(fields):
-        column = rows[:, i].tolist()
-        if len(set(column)) > 1:
-            here = f"; this rank's value: {values[name]!r}" if values and name in values else ""
-            raise ValueError(f"MoELayer (rank {groups.rank}): ranks disagree on {name}: "
-                             + ", ".join(f"rank {r}={name_of(v)}" for r, v in enumerate(column)) + here)
+    columns = {name: rows[:, i].tolist() for i, name in enumerate(fields)}
+    differ = [name for name, column in columns.items() if len(set(column)) > 1]
+    if not differ:
+        return
+    name = differ[0]
+    shown: list[object] = [name_of(v) for v in columns[name]]
+    if values and name in values:
+        # Every rank is here with the same ``name`` (the same table): the exchange is collective.
+        reprs: list[object] = [None] * groups.world_size
+        with traced(groups.trace, "all_gather_object", "world"):
+            dist.all_gather_object(reprs, repr(values[name]))
+        shown = [str(r) for r in reprs]
+    raise ValueError(f"MoELayer (rank {groups.rank}): ranks disagree on {name}: "
+                     + ", ".join(f"rank {r}={v}" for r, v in enumerate(shown)))
