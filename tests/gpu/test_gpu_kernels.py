@@ -981,6 +981,29 @@ def test_layer_makes_the_payload_while_it_routes(preset, scheme):
     assert taken == ([1, 300, 48, 48] if scheme in ("fp8_tensor", "nvfp4") else []), taken
 
 
+def test_a_backend_assigned_after_build_makes_and_dispatches_the_payload():
+    """``layer.backend`` replaced after the layer is built (as the planted faults and the EPLB
+    check do): the CUDA forward makes and dispatches the payload through the new backend, not
+    through methods bound at construction."""
+    cfg, weights, layer = _layer("qwen3-30b-a3b", "fp8_tensor")
+    x = torch.randn(5, cfg.hidden_size, device="cuda").to(cfg.dtype)
+    want = layer(x)
+    calls = []
+
+    class Counting(type(layer.backend)):
+        def payload(self, *args, **kwargs):
+            calls.append("payload")
+            return super().payload(*args, **kwargs)
+
+        def dispatch_payload(self, *args, **kwargs):
+            calls.append("dispatch_payload")
+            return super().dispatch_payload(*args, **kwargs)
+
+    layer.backend = Counting(layer.backend.ctx)
+    assert torch.equal(layer(x), want)
+    assert calls == ["payload", "dispatch_payload"], calls
+
+
 def _captured(layer, x: torch.Tensor, warmups: int = 1):
     """(a CUDA graph of ``layer(x)``, its output), captured after ``warmups`` calls on a side
     stream (as torch asks before a capture: kernels compiled, caches filled)."""
