@@ -18,8 +18,8 @@ Writes, under ``--out`` (default ``results/<machine>/ab``):
   its output;
 - ``summary.txt``, ``summary.json``: per case (the record's text fields and token count: model,
   regime, quant, ...) and per time it carries (``experts_ms``, ``layer_ms``, the backward's
-  ``*_fwdbwd_ms``, ...), each round's milliseconds of either code, the medians, and new / base
-  (below 1: new is faster);
+  ``*_fwdbwd_ms``, ...), each round's milliseconds of either code, the medians, new / base (below
+  1: new is faster) and whether every round of one code beat every round of the other;
 then packs the folder into ``<out>.tar.gz`` (a device call brings back at most 8 files). Exit
 code 0 when every run finished, 1 when one failed or timed out (the summary says which).
 """
@@ -58,6 +58,20 @@ def order(round_index: int) -> tuple[str, str]:
     return CODES if round_index % 2 == 0 else CODES[::-1]
 
 
+def verdict(rounds: dict[str, list[float]]) -> str:
+    """How the two codes' rounds compare: ``faster`` when every round of the new code beat every
+    round of the base, ``slower`` when every one lost, ``within spread`` when they overlap, ``-``
+    when a code has none (a ratio of medians alone does not say whether the spread covers it)."""
+    base, new = rounds.get("base", []), rounds.get("new", [])
+    if not base or not new:
+        return "-"
+    if max(new) < min(base):
+        return "faster"
+    if min(new) > max(base):
+        return "slower"
+    return "within spread"
+
+
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     """One row per case from the bench JSONs of each code (``runs["base"]``, ``runs["new"]``, one
     dict per round): for each time the records carry, each round's value, the medians and new /
@@ -76,20 +90,22 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
         for name, rounds in cases[key].items():
             medians = {c: statistics.median(rounds[c]) if rounds[c] else None for c in CODES}
             ratio = medians["new"] / medians["base"] if medians["new"] and medians["base"] else None
-            row["times"][name] = {"rounds": rounds, "median": medians, "new_over_base": ratio}
+            row["times"][name] = {"rounds": rounds, "median": medians, "new_over_base": ratio,
+                                  "verdict": verdict(rounds)}
         rows.append(row)
     return rows
 
 
 def render(rows: list[dict], header: list[str]) -> str:
-    """The summary as text: one line per case and time, base rounds -> new rounds (new / base)."""
+    """The summary as text: one line per case and time, base rounds -> new rounds (new / base,
+    ``verdict``)."""
     lines = [*header, ""]
     for row in rows:
         case = " ".join(f"{k}={v}" for k, v in row["case"].items())
         for name, t in row["times"].items():
             rounds = {c: "/".join(f"{v:.4f}" for v in t["rounds"][c]) or "-" for c in CODES}
             ratio = f"{t['new_over_base']:.3f}" if t["new_over_base"] is not None else "-"
-            lines.append(f"{case} {name}: {rounds['base']} -> {rounds['new']} ({ratio})")
+            lines.append(f"{case} {name}: {rounds['base']} -> {rounds['new']} ({ratio}, {t['verdict']})")
     return "\n".join(lines) + "\n"
 
 
@@ -152,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(runs)
     device = next((run["device"] for c in CODES for run in runs[c] if run.get("device")), {})
     header = [f"bench_ab: {args.rounds} rounds, alternating; each cell's times are base rounds -> new rounds "
-              f"(new / base of the medians)",
+              f"(new / base of the medians; faster or slower: in every round, else within spread)",
               f"bench arguments: {' '.join(bench_args) or '(none)'}",
               f"base: {srcs['base']}", f"new: {srcs['new']}",
               "device: " + (", ".join(f"{k} {v}" for k, v in device.items()) or "?"),

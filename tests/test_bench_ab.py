@@ -88,5 +88,7 @@ def test_summary_medians_ratios_and_a_case_one_code_lacks():
     assert lone["rounds"] == {"base": [], "new": [9.0]} and lone["new_over_base"] is None
     text = bench_ab.render(rows, ["header"])
     assert "model=m quant=fp8_tensor regime=prefill tokens=4 experts_ms: 2.0000/4.0000/3.0000 -> " \
-           "1.0000/2.0000/6.0000 (0.667)" in text
-    assert "regime=prefill tokens=8 experts_ms: - -> 9.0000 (-)" in text
+           "1.0000/2.0000/6.0000 (0.667, within spread)" in text
+    assert "tokens=4 layer_ms: 3.0000/5.0000/4.0000 -> 2.0000/2.5000/2.0000 (0.500, faster)" in text
+    assert "regime=prefill tokens=8 experts_ms: - -> 9.0000 (-, -)" in text
+    assert bench_ab.verdict({"base": [1.0, 1.1], "new": [1.2, 1.3]}) == "slower"
