@@ -441,6 +441,21 @@ def test_a_bad_master_port_is_refused_naming_it_and_the_rank(capsys, monkeypatch
            f"got {port!r}" in err, err
 
 
+@pytest.mark.parametrize("rank,world,local", [(5, "2", "0"), (-1, "2", "0"), (0, "0", "0"), (1, "2", "-1")])
+def test_a_rank_outside_its_world_is_refused_not_waited_for(capsys, monkeypatch, rank, world, local):
+    """A RANK outside [0, WORLD_SIZE) waited out the whole rendezvous timeout (exit 5) for peers
+    that could never come; WORLD_SIZE=0 ended in torch's own text, naming no variable."""
+    _torchrun_env(monkeypatch, rank, 29611)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("LOCAL_RANK", local)
+    start = time.monotonic()
+    assert main(["run", "--random", "mixtral-8x7b", "--tokens", "4", "--timeout", "30"]) == 2
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert (f"error: init_from_env (rank {rank}): the environment needs WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE and "
+            f"LOCAL_RANK >= 0 (as torchrun sets them), got RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}") in err, err
+
+
 def test_a_master_port_in_use_on_rank_0_is_a_refusal_not_a_timeout(capfd, monkeypatch):
     """Rank 0 serves the rendezvous: a port another process holds fails at once (EADDRINUSE), a
     setting to change (exit 2), not a wait that ran out (exit 5)."""
