@@ -288,6 +288,7 @@ def test_bench_output_paths_are_checked_first(tmp_path, capsys):
     (["--seed", "-3"], "--seed: must be an integer in [0, 9223372036854775806], got -3"),
     (["--timeout", "inf"], "--timeout: must be a finite number in (0, 604800], got inf"),
     (["--output", "/proc/nowhere/out.safetensors"], "does not exist"),
+    (["--layer", "7"], "--layer 7 picks a decoder layer of --model; --random mixtral-8x7b is one random MoE block"),
 ])
 def test_run_refusals_are_one_line_before_anything_starts(argv, message, capsys):
     start = time.monotonic()
