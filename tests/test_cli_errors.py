@@ -68,7 +68,8 @@ def _listed(argv: list[str], capsys) -> list[str]:
 
 @pytest.mark.parametrize("filters", [[], ["--world-sizes", "2"], pytest.param(["--full"], marks=pytest.mark.slow),
                                      ["--layouts", "dp4-tp1-ep"],
-                                     ["--world-sizes", "4", "--tokens-per-rank", "0,3,1,2", "--seed", "5"]])
+                                     ["--world-sizes", "4", "--tokens-per-rank", "0,3,1,2", "--seed", "5"],
+                                     ["--world-sizes", "1", "--dtypes", "fp32,bf16,fp16"]])
 def test_only_takes_every_id_that_list_prints(filters, capsys):
     """Under any filters, the listed ids -- joined by commas, the way --only reads them -- select
     exactly those cases from the *default* matrix, with the listing's seeds and skip reasons."""
@@ -79,6 +80,14 @@ def test_only_takes_every_id_that_list_prints(filters, capsys):
     got = select_ids(generate(MatrixOptions(seed=opts.seed)), list(case_ids([",".join(listed)])), opts.seed)
     assert [c.id for c in got] == listed
     assert all(c == want[c.id] and c.seed == want[c.id].seed for c in got)
+
+
+def test_dtype_aliases_list_as_case_ids_spell_them_and_once(capsys):
+    """``--dtypes fp32`` listed ids with ``fp32`` that ``--only`` refused, and ``fp32,float32`` ran
+    every case twice under two ids."""
+    aliases = _listed(["--world-sizes", "1", "--dtypes", "fp32,float32,bf16"], capsys)
+    assert aliases == _listed(["--world-sizes", "1", "--dtypes", "float32,bfloat16"], capsys)
+    assert all("/fp32/" not in i and "/bf16/" not in i for i in aliases)
 
 
 def test_only_is_repeatable_and_takes_spaces(capsys):
