@@ -602,6 +602,33 @@ def test_every_command_refuses_bad_timeouts_and_seeds_by_their_flag(command, bad
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["eplb", "--layer", "--device", "cpu", "--policies", "greedy", "--zipf", "3.0", "--experts", "99"],
+     "--layer does not read --experts, --zipf, --policies; --experts is for the trace (without --layer)"),
+    (["eplb", "--world-size", "4", "--quant", "fp8_block", "--policy", "greedy"],
+     "the trace (without --layer) does not read --world-size, --policy, --quant; --world-size is for --layer"),
+    (["eplb", "--timeout", "1", "--reps", "3", "--device", "cpu"],
+     "the trace (without --layer) does not read --device, --reps, --timeout"),
+])
+def test_eplb_refuses_a_flag_its_mode_would_ignore(argv, message, capsys):
+    """The trace and ``--layer`` read different flags: one given to the other mode was ignored
+    (``--layer --policies greedy`` reported the hierarchical policy, exit 0)."""
+    assert main(argv) == 2
+    assert message in error_line(capsys, "eplb")
+
+
+@pytest.mark.parametrize("command", ["bench", "eplb"])
+def test_the_mode_flag_tables_hold_the_parsers_defaults(command):
+    """A flag's default in its command's mode table is the parser's, so a flag left alone is
+    never refused and one given a value always is."""
+    import importlib
+
+    module = importlib.import_module(f"moeshard.commands.{command}")
+    args = build_parser().parse_args([command])
+    for flag, attr, default, _ in module._MODE_FLAGS:
+        assert getattr(args, attr) == default, (command, flag, getattr(args, attr), default)
+
+
+@pytest.mark.parametrize("argv, message", [
     (["eplb", "--tokens", "100000000"], "the trace of 8 steps x 8 ranks x 100000000 tokens (--tokens) needs about"),
     (["eplb", "--layer", "--device", "cpu", "--tokens", "100000000"], "--layer with 100000000 --tokens per rank"),
     (["eplb", "--tokens", str(10**12)], "--tokens: must be at most 2147483647"),

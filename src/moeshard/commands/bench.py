@@ -16,11 +16,10 @@ from pathlib import Path
 
 from moeshard import validate
 from moeshard.bench.device import require_cuda
-from moeshard.commands.args import add_allow_nonfinite, ints, names, seed, timeout
+from moeshard.commands.args import add_allow_nonfinite, ints, names, refuse_unread_flags, seed, timeout
 from moeshard.config import shared_schemes
 from moeshard.finite import refuse_nonfinite
 from moeshard.outputs import check_output_path
-
 
 DIST_TIMEOUT_S = 3600.0  # the distributed bench's bound on the whole run, unless --timeout says
 
@@ -88,7 +87,8 @@ def run(args) -> int:
     from moeshard.parallel.torchrun import torchrun_environment
 
     distributed = args.world_size is not None or torchrun_environment()
-    _refuse_unread_flags(args, "backward" if args.backward else "distributed" if distributed else "single")
+    refuse_unread_flags(args, "backward" if args.backward else "distributed" if distributed else "single",
+                        _MODE_FLAGS, _MODE_NAMES)
     if args.backward:
         if distributed:
             raise ValueError("--backward times one device; it does not take --world-size or torchrun")
@@ -159,15 +159,6 @@ _MODE_NAMES = {"single": "the one-GPU bench", "distributed": "--world-size (or t
 def _dist_timeout(args) -> float:
     """The distributed bench's bound on the whole run, in seconds."""
     return timeout(DIST_TIMEOUT_S if args.timeout is None else args.timeout)
-
-
-def _refuse_unread_flags(args, mode: str) -> None:
-    """ValueError naming each given flag that ``mode`` (single, distributed, backward) does not read."""
-    unread = [flag for flag, attr, default, modes in _MODE_FLAGS if mode not in modes and getattr(args, attr) != default]
-    if unread:
-        where = {flag: " or ".join(_MODE_NAMES[m] for m in modes) for flag, _, _, modes in _MODE_FLAGS}
-        raise ValueError(f"{_MODE_NAMES[mode]} does not read {', '.join(unread)}; "
-                         + "; ".join(f"{flag} is for {where[flag]}" for flag in unread))
 
 
 def _progress(started: float, quiet: bool):
