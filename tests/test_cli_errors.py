@@ -616,7 +616,15 @@ def test_eplb_refuses_a_flag_its_mode_would_ignore(argv, message, capsys):
     assert message in error_line(capsys, "eplb")
 
 
-@pytest.mark.parametrize("command", ["bench", "eplb"])
+def test_check_list_refuses_the_flags_of_a_run(capsys, tmp_path):
+    """``--list`` runs nothing: ``--json`` (no file was written, exit 0), ``--explain`` and
+    ``--timeout`` with it are refused, naming them."""
+    assert main(["check", "--list", "--json", str(tmp_path / "l.json"), "--explain"]) == 2
+    assert "--list does not read --json, --explain; --json is for a run (without --list)" in error_line(capsys, "check")
+    assert not (tmp_path / "l.json").exists()
+
+
+@pytest.mark.parametrize("command", ["bench", "eplb", "check"])
 def test_the_mode_flag_tables_hold_the_parsers_defaults(command):
     """A flag's default in its command's mode table is the parser's, so a flag left alone is
     never refused and one given a value always is."""
