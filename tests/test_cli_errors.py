@@ -803,3 +803,17 @@ def test_tiny_timeouts_on_spawned_worlds_are_exit_5_not_a_bad_descriptor(capsys,
     with pytest.raises(Exception) as info:
         spawn(faults.sleep_forever, 2, timeout_s=1e-4)
     assert getattr(info.value, "timed_out", False) and "did not finish within 0.0001 s" in str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("3,17,42;;5", "holds an empty prompt (prompt 2 of 3)"),
+    ("", "holds an empty prompt (prompt 1 of 1)"),
+    ("3,4; ", "holds an empty prompt (prompt 2 of 2)"),
+])
+def test_generate_prompts_refuse_an_empty_one_anywhere(text, message):
+    """``--input-ids "3,17,42;;5"`` dropped the empty prompt and reported the third as prompt 2."""
+    from moeshard.commands.generate import parse_prompts
+
+    assert parse_prompts("3,17,42; 5") == ((3, 17, 42), (5,))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_prompts(text)
