@@ -21,13 +21,15 @@ Writes, under ``--out`` (default ``results/<machine>/ab``):
   ``*_fwdbwd_ms``, ...), each round's milliseconds of either code, the medians, new / base (below
   1: new is faster) and whether every round of one code beat every round of the other;
 then packs the folder into ``<out>.tar.gz`` (a device call brings back at most 8 files). Exit
-code 0 when every run finished, 1 when one failed or timed out (the summary says which).
+code 0 when every run finished, 1 when one failed or timed out (the summary says which), 2 for
+an argument it refuses (before any run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"bench argument {name}: bench_ab sets it itself")
     if args.rounds < 1:
         p.error(f"--rounds: must be at least 1, got {args.rounds}")
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        p.error(f"--timeout-s: must be a finite number of seconds above 0, got {args.timeout_s}")
     for flag, src in (("--base-src", args.base_src), ("--new-src", args.new_src)):
         if not (src / "moeshard" / "__init__.py").is_file():
             p.error(f"{flag}: {src} has no moeshard package (expected {src}/moeshard/__init__.py)")
@@ -152,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
 
         args.out = ROOT / "results" / machine_name() / "ab"
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # an existing file there, a read-only or virtual file system, ...
+        p.error(f"--out {out}: cannot make the folder: {exc.strerror or exc}")
 
     srcs = {"base": args.base_src.resolve(), "new": args.new_src.resolve()}
     runs: dict[str, list[dict]] = {c: [] for c in CODES}

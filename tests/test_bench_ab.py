@@ -59,9 +59,14 @@ def test_a_failed_run_is_named_and_the_exit_code_says_so(tmp_path):
     (["--base-src", "SRC", "--", "--json", "x.json"], "bench argument --json: bench_ab sets it itself"),
     (["--base-src", "SRC", "--rounds", "0"], "--rounds: must be at least 1, got 0"),
     (["--base-src", "/nonexistent/src"], "--base-src: /nonexistent/src has no moeshard package"),
+    (["--base-src", "SRC", "--timeout-s", "nan"], "--timeout-s: must be a finite number of seconds above 0, got nan"),
+    (["--base-src", "SRC", "--timeout-s", "-5"], "--timeout-s: must be a finite number of seconds above 0, got -5.0"),
+    (["--base-src", "SRC", "--out", "FILE"], "cannot make the folder: File exists"),
+    (["--base-src", "SRC", "--out", "/proc/ab"], "--out /proc/ab: cannot make the folder"),
 ])
-def test_refusals_name_the_argument(argv, message, capsys):
-    argv = [str(ROOT / "src") if a == "SRC" else a for a in argv]
+def test_refusals_name_the_argument(argv, message, capsys, tmp_path):
+    (tmp_path / "afile").write_text("")
+    argv = [{"SRC": str(ROOT / "src"), "FILE": str(tmp_path / "afile")}.get(a, a) for a in argv]
     with pytest.raises(SystemExit) as info:
         bench_ab.main(argv)
     assert info.value.code == 2 and message in capsys.readouterr().err

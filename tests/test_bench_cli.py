@@ -123,6 +123,10 @@ def test_backward_bench_plan_runs_on_cpu(tmp_path, capsys):
     (["--world-size", "2", "--device", "cpu", "--tune"], "--world-size (or torchrun) does not read --tune"),
     (["--size", "small"], "the one-GPU bench does not read --size; --size is for --world-size (or torchrun) or --backward"),
     (["--runs", "DP", "--no-graphs"], "the one-GPU bench does not read --runs, --no-graphs"),
+    (["--backward", "--device", "cpu", "--timeout", "0.001"],
+     "--backward does not read --timeout; --timeout is for --world-size (or torchrun)"),
+    (["--device", "cpu", "--models", "mixtral-8x7b"],
+     "the one-GPU bench does not read --device; --device is for --world-size (or torchrun) or --backward"),
 ])
 def test_a_flag_the_mode_would_ignore_is_refused(argv, message, capsys):
     """Each of the bench's modes (one GPU, across ranks, backward) refuses, before it measures

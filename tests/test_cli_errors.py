@@ -68,7 +68,8 @@ def _listed(argv: list[str], capsys) -> list[str]:
 
 @pytest.mark.parametrize("filters", [[], ["--world-sizes", "2"], pytest.param(["--full"], marks=pytest.mark.slow),
                                      ["--layouts", "dp4-tp1-ep"],
-                                     ["--world-sizes", "4", "--tokens-per-rank", "0,3,1,2", "--seed", "5"]])
+                                     ["--world-sizes", "4", "--tokens-per-rank", "0,3,1,2", "--seed", "5"],
+                                     ["--world-sizes", "1", "--dtypes", "fp32,bf16,fp16"]])
 def test_only_takes_every_id_that_list_prints(filters, capsys):
     """Under any filters, the listed ids -- joined by commas, the way --only reads them -- select
     exactly those cases from the *default* matrix, with the listing's seeds and skip reasons."""
@@ -79,6 +80,14 @@ def test_only_takes_every_id_that_list_prints(filters, capsys):
     got = select_ids(generate(MatrixOptions(seed=opts.seed)), list(case_ids([",".join(listed)])), opts.seed)
     assert [c.id for c in got] == listed
     assert all(c == want[c.id] and c.seed == want[c.id].seed for c in got)
+
+
+def test_dtype_aliases_list_as_case_ids_spell_them_and_once(capsys):
+    """``--dtypes fp32`` listed ids with ``fp32`` that ``--only`` refused, and ``fp32,float32`` ran
+    every case twice under two ids."""
+    aliases = _listed(["--world-sizes", "1", "--dtypes", "fp32,float32,bf16"], capsys)
+    assert aliases == _listed(["--world-sizes", "1", "--dtypes", "float32,bfloat16"], capsys)
+    assert all("/fp32/" not in i and "/bf16/" not in i for i in aliases)
 
 
 def test_only_is_repeatable_and_takes_spaces(capsys):
@@ -288,6 +297,7 @@ def test_bench_output_paths_are_checked_first(tmp_path, capsys):
     (["--seed", "-3"], "--seed: must be an integer in [0, 9223372036854775806], got -3"),
     (["--timeout", "inf"], "--timeout: must be a finite number in (0, 604800], got inf"),
     (["--output", "/proc/nowhere/out.safetensors"], "does not exist"),
+    (["--layer", "7"], "--layer 7 picks a decoder layer of --model; --random mixtral-8x7b is one random MoE block"),
 ])
 def test_run_refusals_are_one_line_before_anything_starts(argv, message, capsys):
     start = time.monotonic()
@@ -441,6 +451,21 @@ def test_a_bad_master_port_is_refused_naming_it_and_the_rank(capsys, monkeypatch
            f"got {port!r}" in err, err
 
 
+@pytest.mark.parametrize("rank,world,local", [(5, "2", "0"), (-1, "2", "0"), (0, "0", "0"), (1, "2", "-1")])
+def test_a_rank_outside_its_world_is_refused_not_waited_for(capsys, monkeypatch, rank, world, local):
+    """A RANK outside [0, WORLD_SIZE) waited out the whole rendezvous timeout (exit 5) for peers
+    that could never come; WORLD_SIZE=0 ended in torch's own text, naming no variable."""
+    _torchrun_env(monkeypatch, rank, 29611)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("LOCAL_RANK", local)
+    start = time.monotonic()
+    assert main(["run", "--random", "mixtral-8x7b", "--tokens", "4", "--timeout", "30"]) == 2
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert (f"error: init_from_env (rank {rank}): the environment needs WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE and "
+            f"LOCAL_RANK >= 0 (as torchrun sets them), got RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}") in err, err
+
+
 def test_a_master_port_in_use_on_rank_0_is_a_refusal_not_a_timeout(capfd, monkeypatch):
     """Rank 0 serves the rendezvous: a port another process holds fails at once (EADDRINUSE), a
     setting to change (exit 2), not a wait that ran out (exit 5)."""
@@ -574,6 +599,41 @@ def test_every_command_refuses_bad_timeouts_and_seeds_by_their_flag(command, bad
     argv, message = BAD_NUMBERS[bad]
     assert main([*NUMBER_COMMANDS[command], *argv]) == 2
     assert message in error_line(capsys, command)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eplb", "--layer", "--device", "cpu", "--policies", "greedy", "--zipf", "3.0", "--experts", "99"],
+     "--layer does not read --experts, --zipf, --policies; --experts is for the trace (without --layer)"),
+    (["eplb", "--world-size", "4", "--quant", "fp8_block", "--policy", "greedy"],
+     "the trace (without --layer) does not read --world-size, --policy, --quant; --world-size is for --layer"),
+    (["eplb", "--timeout", "1", "--reps", "3", "--device", "cpu"],
+     "the trace (without --layer) does not read --device, --reps, --timeout"),
+])
+def test_eplb_refuses_a_flag_its_mode_would_ignore(argv, message, capsys):
+    """The trace and ``--layer`` read different flags: one given to the other mode was ignored
+    (``--layer --policies greedy`` reported the hierarchical policy, exit 0)."""
+    assert main(argv) == 2
+    assert message in error_line(capsys, "eplb")
+
+
+def test_check_list_refuses_the_flags_of_a_run(capsys, tmp_path):
+    """``--list`` runs nothing: ``--json`` (no file was written, exit 0), ``--explain`` and
+    ``--timeout`` with it are refused, naming them."""
+    assert main(["check", "--list", "--json", str(tmp_path / "l.json"), "--explain"]) == 2
+    assert "--list does not read --json, --explain; --json is for a run (without --list)" in error_line(capsys, "check")
+    assert not (tmp_path / "l.json").exists()
+
+
+@pytest.mark.parametrize("command", ["bench", "eplb", "check"])
+def test_the_mode_flag_tables_hold_the_parsers_defaults(command):
+    """A flag's default in its command's mode table is the parser's, so a flag left alone is
+    never refused and one given a value always is."""
+    import importlib
+
+    module = importlib.import_module(f"moeshard.commands.{command}")
+    args = build_parser().parse_args([command])
+    for flag, attr, default, _ in module._MODE_FLAGS:
+        assert getattr(args, attr) == default, (command, flag, getattr(args, attr), default)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -743,3 +803,17 @@ def test_tiny_timeouts_on_spawned_worlds_are_exit_5_not_a_bad_descriptor(capsys,
     with pytest.raises(Exception) as info:
         spawn(faults.sleep_forever, 2, timeout_s=1e-4)
     assert getattr(info.value, "timed_out", False) and "did not finish within 0.0001 s" in str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("3,17,42;;5", "holds an empty prompt (prompt 2 of 3)"),
+    ("", "holds an empty prompt (prompt 1 of 1)"),
+    ("3,4; ", "holds an empty prompt (prompt 2 of 2)"),
+])
+def test_generate_prompts_refuse_an_empty_one_anywhere(text, message):
+    """``--input-ids "3,17,42;;5"`` dropped the empty prompt and reported the third as prompt 2."""
+    from moeshard.commands.generate import parse_prompts
+
+    assert parse_prompts("3,17,42; 5") == ((3, 17, 42), (5,))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_prompts(text)

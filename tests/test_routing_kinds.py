@@ -133,3 +133,15 @@ def test_a_kinds_renormalization_rule_is_checked_at_registration():
         register_routing(RoutingKind("bad", base.scores, base.order, None, False, False, True, base.weight_floor,
                                      False, "x", renormalize="sometimes"))
     assert "bad" not in routing_names()
+
+
+def test_replace_carries_renormalize_and_none_takes_the_new_kinds_rule():
+    """The resolved value is stored, so ``replace`` carries it to a new scoring; ``None`` asks for
+    the new kind's rule (a carried True is refused by a kind that never renormalizes)."""
+    from dataclasses import replace
+
+    mixtral = cfg(scoring="softmax")
+    with pytest.raises(ValueError, match="routing kind 'topk_softmax' never renormalizes its weights"):
+        replace(mixtral, scoring="topk_softmax")
+    assert replace(mixtral, scoring="topk_softmax", renormalize=None).renormalize is False
+    assert replace(cfg(scoring="topk_softmax"), scoring="softmax", renormalize=None).renormalize is True

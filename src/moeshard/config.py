@@ -87,7 +87,9 @@ class MoEConfig:
     (``RoutingKind.renormalize``): omitted, it is True for a kind where it is optional (softmax,
     sigmoid, group_limited_greedy, topk_sigmoid) and the kind's own choice for the others
     (always for softmax_bias; never for topk_softmax, topk_softmax_bias, topk_sigmoid_input and
-    sparsemixer); a value the kind does not allow is refused. After construction it is a bool.
+    sparsemixer); a value the kind does not allow is refused. After construction it is a bool, so
+    ``dataclasses.replace(cfg, scoring=...)`` carries it over: pass ``renormalize=None`` with the
+    new scoring to take that kind's rule.
       * ``scoring="sigmoid"``: DeepSeek-V3; ``use_correction_bias`` adds
         ``e_score_correction_bias`` for selection only; ``n_group``/``topk_group`` restrict the
         choice to the best groups; ``routed_scaling_factor`` multiplies the final weights.

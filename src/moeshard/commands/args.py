@@ -109,3 +109,17 @@ def layouts(text: str, flag: str = "--layouts") -> tuple[ParallelConfig, ...]:
         return tuple(ParallelConfig.parse(t) for t in text.split("," if named else ";") if t.strip())
     except ValueError as exc:
         raise ValueError(f"{flag}: {exc}") from None
+
+
+def refuse_unread_flags(args: argparse.Namespace, mode: str,
+                        flags: tuple[tuple[str, str, object, tuple[str, ...]], ...], mode_names: dict[str, str]) -> None:
+    """For a command with modes that read different flags: ValueError naming each flag given
+    (its value is not its default) that ``mode`` does not read, and the modes that do. flags:
+    (flag, its attribute in ``args``, its default, the modes that read it); mode_names: how the
+    message names each mode. A flag silently ignored would let a command line claim what the
+    run did not do."""
+    unread = [flag for flag, attr, default, modes in flags if mode not in modes and getattr(args, attr) != default]
+    if unread:
+        where = {flag: " or ".join(mode_names[m] for m in modes) for flag, _, _, modes in flags}
+        raise ValueError(f"{mode_names[mode]} does not read {', '.join(unread)}; "
+                         + "; ".join(f"{flag} is for {where[flag]}" for flag in unread))

@@ -16,10 +16,12 @@ from pathlib import Path
 
 from moeshard import validate
 from moeshard.bench.device import require_cuda
-from moeshard.commands.args import add_allow_nonfinite, ints, names, seed, timeout
+from moeshard.commands.args import add_allow_nonfinite, ints, names, refuse_unread_flags, seed, timeout
 from moeshard.config import shared_schemes
 from moeshard.finite import refuse_nonfinite
 from moeshard.outputs import check_output_path
+
+DIST_TIMEOUT_S = 3600.0  # the distributed bench's bound on the whole run, unless --timeout says
 
 
 def add_parser(sub) -> None:
@@ -37,7 +39,8 @@ def add_parser(sub) -> None:
                    help="run the layer across N GPUs (one process each) per layout x backend x quant")
     p.add_argument("--runs", default=None, help="with --world-size: comma list of run names (e.g. 'DP,EP2 low_latency')")
     p.add_argument("--no-graphs", action="store_true", help="with --world-size: eager timing only")
-    p.add_argument("--timeout", type=float, default=3600.0, help="with --world-size: seconds the whole run may take")
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"with --world-size: seconds the whole run may take (default {DIST_TIMEOUT_S:.0f})")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="with --world-size or --backward: cpu runs the same plan on gloo ranks or the host "
                         "(checks the plumbing; its times say "
@@ -77,13 +80,15 @@ def run(args) -> int:
     seed(args.seed)
     # Named as the user gave them: the library sees --reps doubled (or, at decode, quadrupled).
     validate.size("", "--reps", args.reps)
-    timeout(args.timeout)
+    if args.timeout is not None:
+        timeout(args.timeout)
     if args.world_size is not None:
         validate.size("", "--world-size", args.world_size)
     from moeshard.parallel.torchrun import torchrun_environment
 
     distributed = args.world_size is not None or torchrun_environment()
-    _refuse_unread_flags(args, "backward" if args.backward else "distributed" if distributed else "single")
+    refuse_unread_flags(args, "backward" if args.backward else "distributed" if distributed else "single",
+                        _MODE_FLAGS, _MODE_NAMES)
     if args.backward:
         if distributed:
             raise ValueError("--backward times one device; it does not take --world-size or torchrun")
@@ -145,17 +150,15 @@ _MODE_FLAGS = (
     ("--size", "size", "full", ("distributed", "backward")),
     ("--runs", "runs", None, ("distributed",)),
     ("--no-graphs", "no_graphs", False, ("distributed",)),
+    ("--timeout", "timeout", None, ("distributed",)),
+    ("--device", "device", "cuda", ("distributed", "backward")),
 )
 _MODE_NAMES = {"single": "the one-GPU bench", "distributed": "--world-size (or torchrun)", "backward": "--backward"}
 
 
-def _refuse_unread_flags(args, mode: str) -> None:
-    """ValueError naming each given flag that ``mode`` (single, distributed, backward) does not read."""
-    unread = [flag for flag, attr, default, modes in _MODE_FLAGS if mode not in modes and getattr(args, attr) != default]
-    if unread:
-        where = {flag: " or ".join(_MODE_NAMES[m] for m in modes) for flag, _, _, modes in _MODE_FLAGS}
-        raise ValueError(f"{_MODE_NAMES[mode]} does not read {', '.join(unread)}; "
-                         + "; ".join(f"{flag} is for {where[flag]}" for flag in unread))
+def _dist_timeout(args) -> float:
+    """The distributed bench's bound on the whole run, in seconds."""
+    return timeout(DIST_TIMEOUT_S if args.timeout is None else args.timeout)
 
 
 def _progress(started: float, quiet: bool):
@@ -269,7 +272,7 @@ def _run_distributed(args) -> int:
 
     started = time.time()
     if torchrun_environment():
-        init_from_env(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=timeout(args.timeout))
+        init_from_env(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=_dist_timeout(args))
         try:
             opts = _dist_options(args, dist.get_world_size())
             mine = _dist_rank(opts, args.quiet)
@@ -286,7 +289,7 @@ def _run_distributed(args) -> int:
                              f"{torch.cuda.device_count()} are visible")
         _check_memory(opts)
         per_rank = spawn(_dist_rank, opts.world_size, args=(opts, args.quiet), device=opts.device,
-                         timeout_s=timeout(args.timeout))
+                         timeout_s=_dist_timeout(args))
     records = merge(per_rank)
     derive(records)
     machine = describe(torch.device("cuda", 0)) if opts.device == "cuda" else {

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moeshard.commands.args import case_ids, ints, layouts, names, seed, timeout
+from moeshard.commands.args import case_ids, ints, layouts, names, refuse_unread_flags, seed, timeout
 from moeshard.errors import NothingVerified, Terminated
 from moeshard.harness import cases as matrix
 from moeshard.harness import report
@@ -122,11 +122,22 @@ def _check_memory(valid: list[matrix.Case], available: int | None) -> None:
                          f"--presets / --world-sizes")
 
 
+# --list prints the cases and runs none: the flags that shape a run are refused with it, not
+# dropped (``--list --json F`` wrote no file, exit 0).
+_MODE_FLAGS = (
+    ("--json", "json", None, ("run",)),
+    ("--explain", "explain", False, ("run",)),
+    ("--timeout", "timeout", 120.0, ("run",)),
+)
+_MODE_NAMES = {"list": "--list", "run": "a run (without --list)"}
+
+
 def run(args) -> int:
+    refuse_unread_flags(args, "list" if args.list else "run", _MODE_FLAGS, _MODE_NAMES)
     console = wide_console()
     opts = options(args)
     case_timeout = timeout(args.timeout)
-    if args.json is not None and not args.list:
+    if args.json is not None:
         check_output_path(args.json, "--json")
     cases = matrix.generate(opts)
     if args.only:

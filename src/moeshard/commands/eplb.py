@@ -12,7 +12,7 @@ import sys
 import time
 
 from moeshard import validate
-from moeshard.commands.args import add_allow_nonfinite, ints, names
+from moeshard.commands.args import add_allow_nonfinite, ints, names, refuse_unread_flags
 from moeshard.finite import json_text, refuse_nonfinite
 from moeshard.outputs import atomic_write_text, check_output_path
 
@@ -152,7 +152,31 @@ def _layer(args) -> tuple[dict, str]:
     return result, format_report(result)
 
 
+# The flags only one of the two modes reads: (flag, attribute, default, modes). A trace flag given
+# with --layer (or the other way round) is refused rather than ignored: ``--layer --policies
+# greedy`` would otherwise report the hierarchical policy under a command line naming greedy.
+_MODE_FLAGS = (
+    ("--experts", "experts", None, ("trace",)),
+    ("--top-k", "top_k", None, ("trace",)),
+    ("--ranks", "ranks", 8, ("trace",)),
+    ("--steps", "steps", 8, ("trace",)),
+    ("--zipf", "zipf", 0.8, ("trace",)),
+    ("--policies", "policies", "greedy,hierarchical", ("trace",)),
+    ("--world-size", "world_size", 2, ("layer",)),
+    ("--device", "device", "cuda", ("layer",)),
+    ("--size", "size", None, ("layer",)),
+    ("--skew", "skew", "zipf", ("layer",)),
+    ("--policy", "policy", "hierarchical", ("layer",)),
+    ("--backend", "backend", "all2all", ("layer",)),
+    ("--quant", "quant", "none", ("layer",)),
+    ("--reps", "reps", 10, ("layer",)),
+    ("--timeout", "timeout", 1800.0, ("layer",)),
+)
+_MODE_NAMES = {"trace": "the trace (without --layer)", "layer": "--layer"}
+
+
 def run(args) -> int:
+    refuse_unread_flags(args, "layer" if args.layer else "trace", _MODE_FLAGS, _MODE_NAMES)
     _check_counts(args)
     if args.json is not None:  # checked before any work; the command reads no file of its own
         check_output_path(args.json, "--json")

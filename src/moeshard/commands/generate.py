@@ -73,9 +73,15 @@ def add_parser(subparsers) -> None:
 
 # -- prompts ----------------------------------------------------------------------------------
 def parse_prompts(text: str, flag: str = "--input-ids") -> tuple[tuple[int, ...], ...]:
-    """``"3,17,42;5,6"`` -> ((3, 17, 42), (5, 6)); empty prompts are refused."""
-    prompts = tuple(ints(part, flag) for part in text.split(";") if part.strip())
-    if not prompts or any(not p for p in prompts):
+    """``"3,17,42;5,6"`` -> ((3, 17, 42), (5, 6)); an empty prompt anywhere is refused, naming its
+    position (``"3;;5"`` would otherwise number the prompts after it one lower than written)."""
+    parts = text.split(";")
+    empty = [i + 1 for i, part in enumerate(parts) if not part.strip()]
+    if empty:
+        raise ValueError(f"{flag}: {text!r} holds an empty prompt (prompt {', '.join(map(str, empty))} of "
+                         f"{len(parts)}); write ids like 3,17,42 (prompts separated by ';')")
+    prompts = tuple(ints(part, flag) for part in parts)
+    if any(not p for p in prompts):
         raise ValueError(f"{flag}: {text!r} holds an empty prompt; write ids like 3,17,42 (prompts separated by ';')")
     return prompts
 

@@ -11,7 +11,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 
 from moeshard.autograd.support import backward_refusal
-from moeshard.config import MoEConfig, QuantConfig, parse_dtype
+from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
 from moeshard.dispatch.registry import BACKENDS, support
 from moeshard.eplb.placement import Layout
 from moeshard.parallel.config import ParallelConfig
@@ -223,11 +223,13 @@ class MatrixOptions:
         for q in self.quants or ():
             if q not in known:
                 raise ValueError(f"--quants: {q!r} is not one of {sorted(known)}")
-        for d in self.dtypes:
-            try:
-                parse_dtype(d)
-            except ValueError as exc:
-                raise ValueError(f"--dtypes: {exc}") from None
+        try:
+            # Spelled as case ids spell them (fp32 -> float32), once each: every id --list prints
+            # is one --only takes, and fp32,float32 is one dtype, not two runs of it.
+            names = tuple(dict.fromkeys(dtype_name(parse_dtype(d)) for d in self.dtypes))
+        except ValueError as exc:
+            raise ValueError(f"--dtypes: {exc}") from None
+        object.__setattr__(self, "dtypes", names)
         for preset in self.presets or ():
             if preset not in PRESETS:
                 raise ValueError(f"--presets: {preset!r} is not one of {sorted(PRESETS)}")

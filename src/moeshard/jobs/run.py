@@ -86,6 +86,9 @@ class RunSpec:
                              f"model={self.model_dir!r}, random={self.preset!r}")
         if self.model_dir is not None and self.layer is None:
             raise ValueError("run: --model needs --layer (the index of the decoder layer whose MoE block to run)")
+        if self.preset is not None and self.layer is not None:
+            raise ValueError(f"run: --layer {self.layer} picks a decoder layer of --model; --random "
+                             f"{self.preset} is one random MoE block and takes no --layer")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"run: device must be 'cpu' or 'cuda', got {self.device!r}")
         if not is_int(self.num_tokens) or not 0 <= self.num_tokens <= MAX_DIM:

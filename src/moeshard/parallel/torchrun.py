@@ -64,6 +64,11 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
             raise ValueError(f"init_from_env: environment variable {name} must be set to an integer "
                              f"(as torchrun does), got {raw!r}") from None
     rank, world_size, local_rank = values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
+    # A rank outside the world would wait out the rendezvous for peers that never come.
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ValueError(f"init_from_env (rank {rank}): the environment needs WORLD_SIZE >= 1, 0 <= RANK < "
+                         f"WORLD_SIZE and LOCAL_RANK >= 0 (as torchrun sets them), got RANK={rank}, "
+                         f"WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}")
     port = os.environ.get("MASTER_PORT")
     if port is None or not port.strip().isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(f"init_from_env (rank {rank}): MASTER_PORT must be a port number in [1, 65535] (as torchrun "
