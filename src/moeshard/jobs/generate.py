@@ -257,15 +257,24 @@ def greedy(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad_token
     config.output_logits = keep_logits
     config.return_dict_in_generate = True
     # generate() fills what the given config leaves None from model.generation_config, EOS
-    # included: the model's own is cleared for the call, then restored.
+    # included: the model's own is cleared for the call, then restored. A config with
+    # output_router_logits on makes transformers' MoE models compute their training auxiliary
+    # loss at every step, which fails with a KV cache and a batch of several prompts ("size of
+    # tensor a (2) must match ... (8)", transformers' own generate too) and plays no part in
+    # generation: it is off for the call, then restored.
     saved = model.generation_config.eos_token_id
+    router_logits = getattr(model.config, "output_router_logits", None)
     model.generation_config.eos_token_id = None
+    if router_logits:
+        model.config.output_router_logits = False
     try:
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, generation_config=config,
                                  logits_processor=LogitsProcessorList(processors or []))
     finally:
         model.generation_config.eos_token_id = saved
+        if router_logits:
+            model.config.output_router_logits = router_logits
     new = out.sequences[:, ids.shape[1]:].cpu()
     if new.shape[1] != max_new_tokens:
         raise RuntimeError(f"generate returned {new.shape[1]} new tokens, expected {max_new_tokens}")
