@@ -806,9 +806,9 @@ def test_tiny_timeouts_on_spawned_worlds_are_exit_5_not_a_bad_descriptor(capsys,
 
 
 @pytest.mark.parametrize("text, message", [
-    ("3,17,42;;5", "holds an empty prompt (prompt 2 of 3)"),
-    ("", "holds an empty prompt (prompt 1 of 1)"),
-    ("3,4; ", "holds an empty prompt (prompt 2 of 2)"),
+    ("3,17,42;;5", "holds an empty prompt (part 2 of the 3 that ';' separates)"),
+    ("", "holds an empty prompt (part 1 of the 1 that ';' separates)"),
+    ("3,4; ", "holds an empty prompt (part 2 of the 2 that ';' separates)"),
 ])
 def test_generate_prompts_refuse_an_empty_one_anywhere(text, message):
     """``--input-ids "3,17,42;;5"`` dropped the empty prompt and reported the third as prompt 2."""
@@ -817,3 +817,20 @@ def test_generate_prompts_refuse_an_empty_one_anywhere(text, message):
     assert parse_prompts("3,17,42; 5") == ((3, 17, 42), (5,))
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_prompts(text)
+
+
+@pytest.mark.parametrize("command", ["generate", "train"])
+@pytest.mark.parametrize("prompts, message", [
+    ([[300, 1]], "prompt 0 holds token ids [300] outside the vocabulary"),
+    ([[-1, 1]], "prompt 0 holds [-1, 1]; token ids are integers >= 0"),
+])
+def test_refusals_of_what_a_prompt_file_holds_name_the_file_option(command, prompts, message, tmp_path, capsys):
+    """Prompts read with --input-file were refused under the name --input-ids."""
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(prompts))
+    model = _gen_model(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 64}))
+    assert main([command, "--model", str(model), "--input-file", str(path)]) == 2
+    line = error_line(capsys, command)
+    assert f"--input-file: {message}" in line, line

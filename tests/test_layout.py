@@ -137,3 +137,15 @@ def test_the_input_is_laid_out_where_it_was_measured_to_pay():
                   (16, 8, 4096, 14336)):
         for scheme in ("none", "fp8_block"):
             assert not select_config(*shape, scheme).lay_out_a, (shape, scheme)
+
+
+def test_ep_on_one_rank_is_refused_not_contradicted():
+    """dp1-tp1-ep was listed as a valid layout, then every EP backend refused it as EP off and the
+    local backend as EP on: one rank holds every expert, so EP there is refused once, up front."""
+    from moeshard.parallel.config import ParallelConfig
+
+    for build in (lambda: ParallelConfig(1, 1, True), lambda: ParallelConfig.parse("dp1-tp1-ep")):
+        with pytest.raises(ValueError, match=r"ParallelConfig.enable_ep: expert parallelism spreads the experts "
+                                             r"over ranks, but dp=1, tp=1 is one rank"):
+            build()
+    assert ParallelConfig(2, 1, True).ep_size == 2 and ParallelConfig(1, 2, True).is_sequence_parallel

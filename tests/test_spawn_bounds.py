@@ -128,3 +128,29 @@ def test_a_rendezvous_that_never_completes_is_blamed_on_the_ranks_that_never_cam
         assert ("rank 0 gave up waiting for it: DistStoreError" in failure.summary) == bool(errors)
     else:
         assert "did not join" not in failure.summary, failure.summary
+
+
+def _rank_1_raises(plans):
+    """A rank's ``run_plans``: rank 1 records an unexpected error, as ``jobs.world.run_plans`` does."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        return [{"error": "RuntimeError", "message": "The size of tensor a (2) must match the size of tensor b (8)"}]
+    return ["fine"]
+
+
+def test_a_ranks_unexpected_error_in_generate_or_train_is_a_rank_failure():
+    """``generate`` and ``train`` raised a rank's unexpected error as a plain RuntimeError: a
+    traceback and exit 1 (which means a failed check, or for train a loss out of tolerance). It is
+    that rank's failure, named, exit 4, as ``moeshard run`` reports it."""
+    from types import SimpleNamespace
+
+    from moeshard.errors import ExitCode, RankFailed
+    from moeshard.jobs.world import execute_local
+    from moeshard.parallel.config import ParallelConfig
+
+    plan = SimpleNamespace(parallel=ParallelConfig(2, 1, False), spec=SimpleNamespace(device="cpu"))
+    with pytest.raises(RankFailed) as info:
+        execute_local(plan, lambda plan, groups: None, _rank_1_raises, timeout_s=60)
+    assert str(info.value) == "rank 1 raised RuntimeError: The size of tensor a (2) must match the size of tensor b (8)"
+    assert info.value.exit_code == ExitCode.RANK_FAILED == 4

@@ -380,3 +380,18 @@ def test_torchrun_two_ranks_sequence_parallel(models, tmp_path):
     data = json.loads(out.read_text())
     assert data["layout"] == "dp1-tp2-ep" and [r["rank"] for r in data["ranks"]] == [0, 1]
     assert data["comparison"]["within_tolerance"] is True and data["comparison"]["max_abs_param_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_generate_runs_models_saved_with_router_logits_on(models, family, capsys):
+    """A config with ``output_router_logits`` (as make_tiny_moe saves it with a load-balancing
+    loss) made transformers compute its auxiliary loss at every cached decoding step, which fails
+    for a batch of several prompts (transformers' own generate too): generate turns it off for
+    the call and matches transformers alone."""
+    from moeshard import cli
+
+    config = json.loads((Path(models[family]) / "config.json").read_text())
+    assert config.get("output_router_logits") is True
+    assert cli.main(["generate", "--model", models[family], "--input-ids", "3,17,42;5,6", "--max-new-tokens", "2",
+                     "--compare"]) == 0
+    assert "same ids for 2 of 2 prompt(s)" in capsys.readouterr().out

@@ -78,8 +78,8 @@ def parse_prompts(text: str, flag: str = "--input-ids") -> tuple[tuple[int, ...]
     parts = text.split(";")
     empty = [i + 1 for i, part in enumerate(parts) if not part.strip()]
     if empty:
-        raise ValueError(f"{flag}: {text!r} holds an empty prompt (prompt {', '.join(map(str, empty))} of "
-                         f"{len(parts)}); write ids like 3,17,42 (prompts separated by ';')")
+        raise ValueError(f"{flag}: {text!r} holds an empty prompt (part {', '.join(map(str, empty))} of the "
+                         f"{len(parts)} that ';' separates); write ids like 3,17,42 (prompts separated by ';')")
     prompts = tuple(ints(part, flag) for part in parts)
     if any(not p for p in prompts):
         raise ValueError(f"{flag}: {text!r} holds an empty prompt; write ids like 3,17,42 (prompts separated by ';')")
@@ -126,7 +126,8 @@ def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
                         parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant,
                         defer_input_quant=args.defer_input_quant, shared_quant=args.shared_quant, dtype=args.dtype,
                         backend=args.backend,
-                        device=args.device, compare=args.compare)
+                        device=args.device, compare=args.compare,
+                        prompts_from="--input-ids" if args.input_ids is not None else "--input-file")
 
 
 # -- ranks ------------------------------------------------------------------------------------

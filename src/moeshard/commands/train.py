@@ -96,7 +96,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainSpec:
         check_output_path(args.output, "--output", reads=files_read(args.model, args.input_file))
     return TrainSpec(model_dir=args.model, prompts=prompts, steps=args.steps, lr=args.lr, optimizer=args.optimizer,
                      parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant, dtype=args.dtype,
-                     backend=args.backend, device=args.device, compare=args.compare)
+                     backend=args.backend, device=args.device, compare=args.compare,
+                     prompts_from="--input-ids" if args.input_ids is not None else "--input-file")
 
 
 # -- ranks ------------------------------------------------------------------------------------

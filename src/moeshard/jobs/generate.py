@@ -44,12 +44,16 @@ from moeshard.tolerances import compare as tolerance_compare
 from moeshard.tolerances import tolerance
 from moeshard.validate import is_int
 
+# The options prompts come from, named in the refusals of what they hold.
+PROMPT_SOURCES = ("--input-ids", "--input-file")
+
 
 @dataclass(frozen=True)
 class GenerateSpec:
     """What the user asked for. prompts: token ids, one tuple per prompt; quant/dtype/backend
     None: the checkpoint's quantization and dtype, the layout's default backend; compare: keep
-    each step's logits so they can be compared with transformers alone."""
+    each step's logits so they can be compared with transformers alone; prompts_from: the
+    command-line option the prompts came from (``PROMPT_SOURCES``), which refusals name."""
 
     model_dir: str
     prompts: tuple[tuple[int, ...], ...]
@@ -62,19 +66,22 @@ class GenerateSpec:
     backend: str | None = None
     device: str = "cpu"
     compare: bool = False
+    prompts_from: str = "--input-ids"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"generate: device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.prompts_from not in PROMPT_SOURCES:
+            raise ValueError(f"generate: prompts_from must be one of {list(PROMPT_SOURCES)}, got {self.prompts_from!r}")
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens: must be an integer >= 1, got {self.max_new_tokens!r}")
         if not self.prompts:
-            raise ValueError("--input-ids: no prompt given")
+            raise ValueError(f"{self.prompts_from}: no prompt given")
         for i, prompt in enumerate(self.prompts):
             if not prompt:
-                raise ValueError(f"--input-ids: prompt {i} is empty")
+                raise ValueError(f"{self.prompts_from}: prompt {i} is empty")
             if any(not is_int(t) or t < 0 for t in prompt):
-                raise ValueError(f"--input-ids: prompt {i} holds {list(prompt)[:8]}; token ids are integers >= 0")
+                raise ValueError(f"{self.prompts_from}: prompt {i} holds {list(prompt)[:8]}; token ids are integers >= 0")
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,8 @@ def split_prompts(count: int, dp: int) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def check_prompts(model_dir: str, prompts: tuple[tuple[int, ...], ...], dp: int) -> tuple[dict, int, int]:
+def check_prompts(model_dir: str, prompts: tuple[tuple[int, ...], ...], dp: int,
+                  flag: str = "--input-ids") -> tuple[dict, int, int]:
     """(config.json as read, vocab_size, the padding id) of ``model_dir``, after refusing a token
     id outside the vocabulary and fewer prompts than DP ranks (each DP rank runs its own). The
     padding id is the config's ``pad_token_id`` when it is a token of the vocabulary, else 0 (it
@@ -155,7 +163,7 @@ def check_prompts(model_dir: str, prompts: tuple[tuple[int, ...], ...], dp: int)
     for i, prompt in enumerate(prompts):
         bad = [t for t in prompt if t >= vocab]
         if bad:
-            raise ValueError(f"--input-ids: prompt {i} holds token ids {bad[:8]} outside the vocabulary "
+            raise ValueError(f"{flag}: prompt {i} holds token ids {bad[:8]} outside the vocabulary "
                              f"[0, {vocab}) of {model_dir}")
     if len(prompts) < dp:
         raise ValueError(f"--dp {dp}: every DP rank runs its own prompts, but only {len(prompts)} prompt(s) "
@@ -170,7 +178,7 @@ def plan_generate(spec: GenerateSpec) -> GeneratePlan:
 
     p = spec.parallel
     info = read_hf_config(spec.model_dir)
-    raw, vocab, pad = check_prompts(spec.model_dir, spec.prompts, p.dp)
+    raw, vocab, pad = check_prompts(spec.model_dir, spec.prompts, p.dp, spec.prompts_from)
     positions = raw.get("max_position_embeddings")
     longest = max(len(prompt) for prompt in spec.prompts)
     if is_int(positions) and longest + spec.max_new_tokens > positions:
@@ -257,15 +265,24 @@ def greedy(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad_token
     config.output_logits = keep_logits
     config.return_dict_in_generate = True
     # generate() fills what the given config leaves None from model.generation_config, EOS
-    # included: the model's own is cleared for the call, then restored.
+    # included: the model's own is cleared for the call, then restored. A config with
+    # output_router_logits on makes transformers' MoE models compute their training auxiliary
+    # loss at every step, which fails with a KV cache and a batch of several prompts ("size of
+    # tensor a (2) must match ... (8)", transformers' own generate too) and plays no part in
+    # generation: it is off for the call, then restored.
     saved = model.generation_config.eos_token_id
+    router_logits = getattr(model.config, "output_router_logits", None)
     model.generation_config.eos_token_id = None
+    if router_logits:
+        model.config.output_router_logits = False
     try:
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, generation_config=config,
                                  logits_processor=LogitsProcessorList(processors or []))
     finally:
         model.generation_config.eos_token_id = saved
+        if router_logits:
+            model.config.output_router_logits = router_logits
     new = out.sequences[:, ids.shape[1]:].cpu()
     if new.shape[1] != max_new_tokens:
         raise RuntimeError(f"generate returned {new.shape[1]} new tokens, expected {max_new_tokens}")

@@ -49,7 +49,7 @@ from moeshard.autograd.support import backward_refusal
 from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
-from moeshard.jobs.generate import check_prompts, load_transformers_model, padded_batch, split_prompts
+from moeshard.jobs.generate import PROMPT_SOURCES, check_prompts, load_transformers_model, padded_batch, split_prompts
 from moeshard.jobs.world import RankPlace, each_plan, load_timed, synchronize
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
@@ -102,10 +102,13 @@ class TrainSpec:
     backend: str | None = None
     device: str = "cpu"
     compare: bool = False
+    prompts_from: str = "--input-ids"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"train: device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.prompts_from not in PROMPT_SOURCES:
+            raise ValueError(f"train: prompts_from must be one of {list(PROMPT_SOURCES)}, got {self.prompts_from!r}")
         if not is_int(self.steps) or not 1 <= self.steps <= MAX_STEPS:
             raise ValueError(f"--steps: must be an integer in [1, {MAX_STEPS}], got {self.steps!r}")
         if (not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not math.isfinite(self.lr)
@@ -114,10 +117,11 @@ class TrainSpec:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer: {self.optimizer!r} is not one of {sorted(OPTIMIZERS)}")
         if not self.prompts or any(not p for p in self.prompts):
-            raise ValueError("--input-ids: no prompt given, or an empty one")
+            raise ValueError(f"{self.prompts_from}: no prompt given, or an empty one")
         for i, prompt in enumerate(self.prompts):
             if any(not is_int(t) or t < 0 for t in prompt):
-                raise ValueError(f"--input-ids: prompt {i} holds {list(prompt)[:8]}; token ids are integers >= 0")
+                raise ValueError(f"{self.prompts_from}: prompt {i} holds {list(prompt)[:8]}; token ids are integers "
+                                 f">= 0")
 
 
 @dataclass(frozen=True)
@@ -180,15 +184,15 @@ def plan_train(spec: TrainSpec) -> TrainPlan:
 
     p = spec.parallel
     info = read_hf_config(spec.model_dir)
-    raw, _, pad = check_prompts(spec.model_dir, spec.prompts, p.dp)
+    raw, _, pad = check_prompts(spec.model_dir, spec.prompts, p.dp, spec.prompts_from)
     positions = raw.get("max_position_embeddings")
     longest = max(len(prompt) for prompt in spec.prompts)
     if is_int(positions) and longest > positions:
-        raise ValueError(f"--input-ids: the longest prompt has {longest} tokens, more than the model's "
+        raise ValueError(f"{spec.prompts_from}: the longest prompt has {longest} tokens, more than the model's "
                          f"max_position_embeddings={positions}")
     tokens = sum(len(prompt) - 1 for prompt in spec.prompts)
     if tokens == 0:
-        raise ValueError(f"--input-ids: every prompt is one token long, so there is no next token to predict; give "
+        raise ValueError(f"{spec.prompts_from}: every prompt is one token long, so there is no next token to predict; give "
                          f"prompts of two tokens or more (got {len(spec.prompts)} prompt(s))")
     quant = resolve_quant(info, spec.quant)
     dtype = parse_dtype(spec.dtype) if spec.dtype is not None else (info.checkpoint_dtype or torch.float32)

@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 
 from moeshard.dispatch.registry import build_groups
+from moeshard.errors import RankFailed
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.trace import CollectiveTrace
@@ -123,7 +124,8 @@ def execute_local(plan: Any, run_one: Callable[[Any, ParallelGroups | None], R],
     """Every rank's result of one plan (``plan.parallel``, ``plan.spec.device``): ``run_one(plan,
     None)`` in this process for one rank (under ``timeout_s``), else ``run_plans([plan])`` on
     ``dp * tp`` spawned ranks. A refusal raised on a rank comes back as one ValueError, another
-    rank's exception as RuntimeError, a failed or late rank as ``as_value_error``'s error."""
+    exception as ``RankFailed`` naming the rank (exit 4), a failed or late rank as
+    ``as_value_error``'s error."""
     import torch
 
     from moeshard.jobs.failures import as_value_error
@@ -142,10 +144,13 @@ def execute_local(plan: Any, run_one: Callable[[Any, ParallelGroups | None], R],
     except RankFailure as failure:
         raise as_value_error(failure) from None
     results = [r[0] for r in per_rank]
-    errors = [r for r in results if isinstance(r, dict)]
+    errors = [(rank, r) for rank, r in enumerate(results) if isinstance(r, dict)]
     if errors:
-        kind = ValueError if errors[0]["error"] == "ValueError" else RuntimeError
-        raise kind(errors[0]["message"])
+        rank, first = errors[0]
+        if first["error"] == "ValueError":
+            raise ValueError(first["message"])
+        # Not a refusal: that rank's failure (exit 4, one line), as ``moeshard run`` reports it.
+        raise RankFailed(f"rank {rank} raised {first['error']}: {first['message']}")
     return results
 
 

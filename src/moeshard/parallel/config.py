@@ -52,6 +52,12 @@ class ParallelConfig:
         size("ParallelConfig", "dp", self.dp)
         size("ParallelConfig", "tp", self.tp)
         boolean("ParallelConfig", "enable_ep", self.enable_ep)
+        if self.enable_ep and self.dp * self.tp == 1:
+            # EP spreads the experts over ranks; a single rank holds them all, and the layer there
+            # runs without groups, where EP backends cannot run: refused rather than contradicted.
+            raise ValueError("ParallelConfig.enable_ep: expert parallelism spreads the experts over ranks, but "
+                             "dp=1, tp=1 is one rank, which holds every expert; turn EP off (dp1-tp1-noep) or "
+                             "use more ranks")
 
     @property
     def world_size(self) -> int:
