@@ -2,6 +2,8 @@
 transformers state dicts, quantization error bounds, refusals."""
 
 
+import re
+
 import pytest
 import torch
 
@@ -317,3 +319,17 @@ def test_a_backend_assigned_after_build_is_the_one_the_forward_calls():
         layer.backend = Counting(layer.backend.ctx)
         assert torch.equal(layer(x), out)
     assert calls[:1] == ["combine_final"]  # (the local backend's combine_final calls its combine)
+
+
+@pytest.mark.parametrize("extra", ["shared_expert.gate_proj.weight", "gate.bias", "gate.e_score_correction_bias",
+                                   "experts.gate_up_projj"])
+def test_from_state_dict_refuses_a_tensor_the_config_does_not_read(extra):
+    """A state dict holding a shared expert (or a router bias, a correction bias, a misspelt name)
+    under a config without it built a layer that silently dropped it; ``load_state_dict`` refused
+    the same dict."""
+    cfg = MoEConfig(4, 2, 16, 8)
+    state = MoEWeights.random(cfg, torch.Generator().manual_seed(0)).state_dict()
+    MoELayer.from_state_dict(state, cfg)
+    with pytest.raises(ValueError, match=rf"state dict: unexpected tensor\(s\) \['{re.escape(extra)}'\]: the config "
+                                         r"reads none of them \(num_shared_experts=0"):
+        MoELayer.from_state_dict({**state, extra: torch.zeros(4)}, cfg)

@@ -132,11 +132,18 @@ class MoEWeights:
         )
 
     @staticmethod
-    def from_state_dict(state: dict[str, torch.Tensor], cfg: MoEConfig, prefix: str = "") -> MoEWeights:
-        """Reads the canonical names (module table) under ``prefix``; validates shapes."""
+    def from_state_dict(state: dict[str, torch.Tensor], cfg: MoEConfig, prefix: str = "",
+                        strict: bool = True) -> MoEWeights:
+        """Reads the canonical names (module table) under ``prefix``; validates shapes. strict: a
+        tensor under ``prefix`` that ``cfg`` reads no use for (a shared expert with
+        ``num_shared_experts=0``, a router bias its routing kind has none of, a misspelt name) is
+        refused, naming it, rather than dropped (``load_state_dict`` refuses it as well)."""
+        read: set[str] = set()
+
         def get(name: str, required: bool) -> torch.Tensor | None:
             key = prefix + name
             if key in state:
+                read.add(key)
                 return state[key]
             if required:
                 raise ValueError(f"state dict: missing tensor {key!r}")
@@ -147,6 +154,7 @@ class MoEWeights:
                 return None
             for alias in SHARED_ALIASES:
                 if prefix + alias + name in state:
+                    read.add(prefix + alias + name)
                     return state[prefix + alias + name]
             raise ValueError(f"state dict: missing tensor {prefix + SHARED_ALIASES[0] + name!r} "
                              f"(or {prefix + SHARED_ALIASES[1] + name!r})")
@@ -166,6 +174,12 @@ class MoEWeights:
             gate_up_bias=get("experts.gate_up_proj_bias", True) if cfg.expert_bias else None,
             down_bias=get("experts.down_proj_bias", True) if cfg.expert_bias else None,
         )
+        unread = sorted(k for k in state if k.startswith(prefix) and k not in read)
+        if strict and unread:
+            raise ValueError(f"state dict: unexpected tensor(s) {unread[:6]}{' ...' if len(unread) > 6 else ''}: the "
+                             f"config reads none of them (num_shared_experts={cfg.num_shared_experts}, "
+                             f"shared_expert_gate={cfg.shared_expert_gate}, use_correction_bias="
+                             f"{cfg.use_correction_bias}, scoring={cfg.scoring!r}, expert_bias={cfg.expert_bias})")
         weights.validate(cfg)
         return weights
 
