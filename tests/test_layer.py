@@ -333,3 +333,14 @@ def test_from_state_dict_refuses_a_tensor_the_config_does_not_read(extra):
     with pytest.raises(ValueError, match=rf"state dict: unexpected tensor\(s\) \['{re.escape(extra)}'\]: the config "
                                          r"reads none of them \(num_shared_experts=0"):
         MoELayer.from_state_dict({**state, extra: torch.zeros(4)}, cfg)
+
+
+@pytest.mark.parametrize("cast", ["bfloat16", "double"])
+def test_a_layer_cast_after_it_was_built_is_refused_naming_both_dtypes(cast):
+    """``MoELayer(cfg).bfloat16()`` changed the tensors, not the config the kernels follow: a
+    TypeError from inside a GEMM ("activations torch.float32 and weights torch.bfloat16 differ")."""
+    cfg = MoEConfig(4, 2, 16, 8)
+    layer = getattr(MoELayer(cfg, weights=MoEWeights.random(cfg, torch.Generator().manual_seed(0))), cast)()
+    with pytest.raises(ValueError, match=rf"the layer's experts are torch.{'float64' if cast == 'double' else cast} "
+                                         r"but its cfg.dtype is torch.float32"):
+        layer(torch.randn(3, 16))

@@ -345,6 +345,13 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer.forward (rank {rank}): x.dtype is {x.dtype}, the layer's dtype is {self.cfg.dtype}")
         if x.device != self.device and not (x.device.type == self.device.type == "cuda" and self.device.index is None):
             raise ValueError(f"MoELayer.forward (rank {rank}): x is on {x.device}, the layer on {self.device}")
+        held = self.experts.gate_up_proj.dtype
+        if self.quant.scheme == "none" and held != self.cfg.dtype:
+            # A cast after construction (.bfloat16(), .double(), .to(dtype)) changes the tensors, not
+            # the config the kernels and the combine follow: a TypeError deep in a GEMM before.
+            raise ValueError(f"MoELayer.forward (rank {rank}): the layer's experts are {held} but its cfg.dtype "
+                             f"is {self.cfg.dtype} (cast after it was built?); build the layer with "
+                             f"MoEConfig(dtype={held}) instead")
         if self.max_tokens_per_rank is not None and x.shape[0] > self.max_tokens_per_rank:
             raise ValueError(f"MoELayer.forward (rank {rank}): x has {x.shape[0]} tokens, more than "
                              f"max_tokens_per_rank={self.max_tokens_per_rank}")
