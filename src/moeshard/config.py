@@ -83,16 +83,14 @@ class MoEConfig:
         near it (Phi-3.5-MoE).
       * ``scoring="softmax"``: Mixtral (``renormalize=True``) and Qwen2/Qwen3-MoE
         (``renormalize`` = ``norm_topk_prob``).
-    ``renormalize`` (divide the K weights by their sum) follows the kind's rule
-    (``RoutingKind.renormalize``): omitted, it is True for a kind where it is optional (softmax,
-    sigmoid, group_limited_greedy, topk_sigmoid) and the kind's own choice for the others
-    (always for softmax_bias; never for topk_softmax, topk_softmax_bias, topk_sigmoid_input and
-    sparsemixer); a value the kind does not allow is refused. After construction it is a bool, so
-    ``dataclasses.replace(cfg, scoring=...)`` carries it over: pass ``renormalize=None`` with the
-    new scoring to take that kind's rule.
       * ``scoring="sigmoid"``: DeepSeek-V3; ``use_correction_bias`` adds
         ``e_score_correction_bias`` for selection only; ``n_group``/``topk_group`` restrict the
         choice to the best groups; ``routed_scaling_factor`` multiplies the final weights.
+    ``renormalize`` (divide the K weights by their sum) follows the routing kind's rule
+    (``RoutingKind.renormalize``): omitted, it is the kind's choice (True where the kind leaves it
+    optional); a value the kind does not allow is refused. After construction it is a bool, so
+    ``dataclasses.replace(cfg, scoring=...)`` carries it over: pass ``renormalize=None`` with the
+    new scoring to take that kind's rule.
     Shared experts: ``num_shared_experts`` experts of ``shared_intermediate_size`` fused into one
     MLP of width ``num_shared_experts * shared_intermediate_size`` (DeepSeek-V3, Qwen2-MoE), optionally
     multiplied by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE), then by ``shared_scale``
