@@ -11,7 +11,10 @@ of device-memory states (fresh; after a large tensor was allocated and freed, so
 allocator holds it; while it is held; after ``empty_cache``; after a prefill), each timed three
 ways: a graph captured in that state, one graph captured at the start and replayed, and a read
 of a buffer of the one-token weight bytes (``torch.sum``) as a control that has no plan, no
-scales and no graph pool of its own.
+scales and no graph pool of its own. --settle: the read alone, in windows after a large tensor
+was freed and handed back to the driver (``torch.cuda.empty_cache()``, as ``torch.cuda.graph``
+does when a capture begins), for several sizes and pauses: how long, and how much, the release
+slows reads.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=16384)
     ap.add_argument("--idle", action="store_true")
     ap.add_argument("--states", action="store_true")
+    ap.add_argument("--settle", action="store_true")
     ap.add_argument("--big-gib", type=float, default=16.0, help="--states: size of the large tensor")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -49,6 +53,9 @@ def main() -> None:
     def say(text: str) -> None:
         print(f"{time.time():.3f}  {text}", flush=True)
 
+    if args.settle:
+        settle(model, flush, say)
+        return
     if args.states:
         states(model, experts, timed, flush, args, say)
         return
@@ -69,6 +76,31 @@ def main() -> None:
             time.sleep(pause)
             say(f"  prefill {args.prefill}: {prefill:.3f} ms; one token after {pause} s idle: "
                 f"{timed(1, 40) * 1e3:.1f} us")
+
+
+def settle(model, flush, say) -> None:
+    """The read control after a release of each size, after each pause (--settle)."""
+    device = torch.device("cuda")
+    nbytes = 3 * model.cfg.hidden_size * model.cfg.intermediate_size * model.cfg.top_k
+    control = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device)
+    read = graphed(lambda: control.sum(dtype=torch.float32))
+    say(f"read of {nbytes / 1e6:.0f} MB, median of 20 after each L2 flush; columns: freed GiB, host ms in "
+        f"empty_cache, pause s, read us")
+    for _ in range(2):
+        base = time_cuda(read, warmup=2, reps=20, flush=flush).median_ms * 1e3
+        say(f"  nothing freed            read {base:6.1f} us")
+        for gib in (0.25, 1.0, 4.0, 16.0):
+            for pause in (0.0, 0.005, 0.02, 0.05, 0.1, 0.3):
+                big = torch.empty(int(gib * 2**30) // 4, dtype=torch.int32, device=device)
+                big.zero_()
+                torch.cuda.synchronize()
+                del big
+                start = time.perf_counter()
+                torch.cuda.empty_cache()
+                host_ms = (time.perf_counter() - start) * 1e3
+                time.sleep(pause)
+                r = time_cuda(read, warmup=0, reps=20, flush=flush).median_ms * 1e3
+                say(f"  {gib:5.2f} GiB  {host_ms:7.2f} ms  pause {pause:5.3f} s  read {r:6.1f} us")
 
 
 def states(model, experts, timed, flush, args, say) -> None:
