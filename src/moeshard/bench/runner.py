@@ -12,7 +12,6 @@ Ratios are derived from figures of the same run only.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -21,7 +20,7 @@ import torch
 from moeshard.bench import baselines
 from moeshard.bench.ceilings import copy_gbps, matmul_tflops
 from moeshard.bench.device import describe, require_cuda
-from moeshard.bench.timing import L2Flush, graphed, time_cuda
+from moeshard.bench.timing import L2Flush, graphed, release_memory, time_cuda
 from moeshard.bench.workload import (
     ModelOnDevice,
     active_experts,
@@ -184,11 +183,9 @@ def run(opts: BenchOptions, progress: Callable[[str], None] = lambda s: None) ->
                          + ", ".join(f"{k[:-3]} {v:.3f} ms" for k, v in rec.items() if k.endswith("_ms"))
                          + "".join(f"; {k}: {v}" for k, v in rec.items() if k.endswith("_error")))
             del layer, experts, kernel
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_memory(collect=True)
         del model
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory(collect=True)
     derive(records, ceilings)
     choices = {q: kernel_choice(torch.bfloat16, device, q) for q in opts.quants}
     return {"device": describe(device), "options": asdict(opts), "ceilings": ceilings,

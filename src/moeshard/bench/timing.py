@@ -5,10 +5,19 @@ the timed region), so decode shapes whose weights would otherwise stay in L2 bet
 repetitions are timed as they run in a model, reading weights from HBM. ``graphed`` captures a
 callable in a CUDA graph, as a serving engine runs a layer, so host launch overhead is not
 counted; eager timing is kept for code that cannot be captured (the per-expert loop).
+
+Memory handed back to the driver slows HBM reads for a while after it: on one H200, a plain read
+of 352 MB took 113 us instead of 101.6 us right after 16 GiB had been released, and a one-token
+DeepSeek-V3 experts call 117 us instead of 107 (``scripts/after_prefill_probe.py --states``).
+``torch.cuda.graph`` releases the allocator's cache when a capture begins, so a case captured
+right after a large one (a one-token step after a 16384-token prefill) was timed while the
+driver worked on the memory the large one left. ``graphed`` releases that memory itself before
+capturing and, where the release was large, waits it out (``release_memory``).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +48,27 @@ class L2Flush:
 
     def __call__(self) -> None:
         self.buffer.zero_()
+
+
+# A release at least this large is waited out for RELEASE_SETTLE_S before anything is timed.
+RELEASE_SETTLE_BYTES = 256 * 2**20
+RELEASE_SETTLE_S = 0.3
+
+
+def release_memory(collect: bool = False) -> int:
+    """Hands the caching allocator's unused memory back to the driver (``torch.cuda.empty_cache``;
+    collect: ``gc.collect()`` first) and, where at least ``RELEASE_SETTLE_BYTES`` went back, waits
+    ``RELEASE_SETTLE_S`` so that the driver's work on it does not overlap a timing. Returns the
+    bytes released (current device)."""
+    if collect:
+        gc.collect()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    released = before - torch.cuda.memory_reserved()
+    if released >= RELEASE_SETTLE_BYTES:
+        torch.cuda.synchronize()
+        time.sleep(RELEASE_SETTLE_S)
+    return released
 
 
 def time_host(fn: Callable[[], object], *, warmup: int, reps: int) -> Timing:
@@ -76,7 +106,10 @@ class graphed:
     """``fn`` captured in a CUDA graph; calling the object replays it.
 
     ``fn`` is run three times on a side stream first (Triton compilation, cuBLAS handles and
-    allocator pools must exist before capture). ``output`` holds the captured result tensor(s).
+    allocator pools must exist before capture). Then the allocator's unused memory (what earlier
+    cases and these runs left) is released and waited out (``release_memory``), so that the
+    capture's own ``empty_cache`` has nothing large left to hand back before the replays are
+    timed. ``output`` holds the captured result tensor(s).
     """
 
     def __init__(self, fn: Callable[[], object]) -> None:
@@ -87,6 +120,7 @@ class graphed:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        release_memory()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.output = fn()
