@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.bench.timing import L2Flush, time_cuda, time_host
+from moeshard.bench.timing import L2Flush, release_memory, time_cuda, time_host
 from moeshard.bench.workload import (
     check_choices,
     expert_flops,
@@ -226,11 +226,11 @@ def run(opts: BackwardOptions, device: torch.device, progress: Callable[[str], N
                 + "".join(f"; {k}: {v}" for k, v in rec.items() if k.endswith("_error")))
             gc.collect()
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                release_memory()
         del model
         gc.collect()
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            release_memory()
     return {"options": {"models": list(opts.models), "tokens": list(opts.tokens), "reps": opts.reps,
                         "size": opts.size, "layer": opts.layer, "seed": opts.seed},
             "records": records, "targets": targets(records)}

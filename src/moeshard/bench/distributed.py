@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeshard.bench.timing import L2Flush, graphed, time_cuda, time_host
+from moeshard.bench.timing import L2Flush, graphed, release_memory, time_cuda, time_host
 from moeshard.bench.workload import ModelOnDevice, check_choices, hidden_states, make_model
 from moeshard.config import QuantConfig
 from moeshard.dispatch.packing import SlotLayout
@@ -237,7 +237,7 @@ def rank_records(opts: DistOptions, progress: Callable[[str], None] = lambda s: 
             records += _one_gpu(model, quant, full, opts, flush, rank)
             gc.collect()
             if cuda:
-                torch.cuda.empty_cache()
+                release_memory()
             for run in runs:
                 g = groups[run.parallel]
                 tokens = _tokens(opts, run)
@@ -256,11 +256,11 @@ def rank_records(opts: DistOptions, progress: Callable[[str], None] = lambda s: 
                 del layer
                 gc.collect()
                 if cuda:
-                    torch.cuda.empty_cache()
+                    release_memory()
         del model, full
         gc.collect()
         if cuda:
-            torch.cuda.empty_cache()
+            release_memory()
     dist.barrier()
     return records
 

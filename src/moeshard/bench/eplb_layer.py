@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
-from moeshard.bench.timing import L2Flush, time_cuda, time_host
+from moeshard.bench.timing import L2Flush, release_memory, time_cuda, time_host
 from moeshard.config import QuantConfig
 from moeshard.dispatch.registry import BACKENDS, build_groups, ep_backends
 from moeshard.eplb.placement import Layout, Placement
@@ -175,7 +175,7 @@ def rank_records(opts: LayerOptions, progress=lambda s: None) -> list[dict]:
         target = get_policy(opts.policy)(loads, layout).aligned_to(start)
         gc.collect()
         if cuda:
-            torch.cuda.empty_cache()
+            release_memory()
         progress(f"{opts.policy}, {r} redundant slots per rank")
         layer = build(start)
         if cuda:

@@ -59,6 +59,8 @@ def run_study(args: argparse.Namespace, script: str, make: Callable[[str], Any],
     case's peak does not carry into the next. Returns the records."""
     import torch
 
+    from moeshard.bench.timing import release_memory
+
     records: list[dict] = []
     for name in args.models.split(","):
         model = make(name)
@@ -69,10 +71,10 @@ def run_study(args: argparse.Namespace, script: str, make: Callable[[str], Any],
                 if args.json:
                     write_study(args.json, script, args, records)
                 if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                    release_memory()
         del model
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            release_memory()
     return records
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from moeshard.bench.timing import L2Flush, time_cuda
+from moeshard.bench.timing import L2Flush, release_memory, time_cuda
 from moeshard.bench.workload import ModelOnDevice, experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows
@@ -87,7 +87,7 @@ def sweep(device: torch.device, progress: Callable[[str], None], reps: int = 10,
             continue
         if name not in models:
             models.clear()
-            torch.cuda.empty_cache()
+            release_memory()
             models[name] = make_model(name, device)
         model = models[name]
         cfg = model.cfg
@@ -122,7 +122,7 @@ def sweep(device: torch.device, progress: Callable[[str], None], reps: int = 10,
                 progress(f"  tune {scheme:9s} {name:13s} T={tokens:<6d} {gemm:7s} {c.as_dict()} -> "
                          + (f"{res['ms']:.3f} ms ({entry['tflops']:.0f} TFLOP/s)" if "ms" in res else res["error"]))
         del experts, inp
-        torch.cuda.empty_cache()
+        release_memory()
     return out
 
 
