@@ -502,6 +502,23 @@ def test_fp8_accumulation_modes_compute_the_same_products(interpreted_kernels, e
                  gather=True)
 
 
+def test_fp8_block_refuses_k_steps_across_its_scale_groups(interpreted_kernels):
+    """fp8_block's GEMM scales each K step with one 128-column group's scales. A 256-column step
+    ran and gave outputs off by 55-76% of their largest value on the GPU (a tile study's decode
+    variants), with no error; it is refused before any launch, and 128 still runs."""
+    moe_gemm, align_rows = interpreted_kernels.grouped_gemm.moe_gemm, interpreted_kernels.align.align_rows
+    GemmConfig = interpreted_kernels.configs.GemmConfig
+    xq, ids, w = _problem(5, 2, 256, 32, torch.bfloat16, "fp8_block", seed=3)
+    plan = align_rows(ids, 2, 16)
+    h = torch.zeros(plan.padded_rows, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fp8_block scales each 128-column group of K; config.block_k=256 must "
+                                         r"divide 128"):
+        moe_gemm(xq, w.gate_up, plan, h, GemmConfig(16, 32, 256, group_m=1), activation="silu", gather=True)
+    assert not h.any()  # nothing ran
+    moe_gemm(xq, w.gate_up, plan, h, GemmConfig(16, 32, 128, group_m=1), activation="silu", gather=True)
+    assert h.any()
+
+
 def test_triton_experts_gelu_and_deferred_quant(interpreted_kernels, exact_interpreter):
     TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
     x, ids, w = _problem(30, 3, 64, 64, torch.bfloat16, "fp8_tensor", seed=8)

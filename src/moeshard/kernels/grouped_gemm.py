@@ -498,6 +498,11 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     if w_mode == 4 and k % 16:
         raise ValueError(f"moe_gemm: nvfp4 needs K % 16 == 0, got K={k}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if w_mode == 3 and 128 % bk:
+        # The kernel takes one scale group per K step (k0 // 128): a step across two groups
+        # would scale both halves with the first group's scales.
+        raise ValueError(f"moe_gemm: fp8_block scales each 128-column group of K; config.block_k={bk} must divide "
+                         f"128 (one group per K step)")
     # Stored columns per value: nvfp4 codes pack two per byte, decoded values one.
     a_pack = 2 if a_mode == 4 and not a_values else 1
     w_pack = 2 if w_mode == 4 and not w_values else 1

@@ -1,0 +1,142 @@
+"""The weight-streaming decode tiles: the experts with other tile widths, K steps and depths (one GPU).
+
+At decode (up to ``configs.DECODE_ROWS`` rows per expert) each GEMM streams its experts' weights
+once, and ``select_config`` picks the widest tile that still gives every multiprocessor a program,
+with as many stages as shared memory holds. A 16-row fp8 tile 128 columns wide at 4 stages takes
+139 KB of shared memory, so one program runs per multiprocessor and each program's first loads
+wait with none of another program's loads beside them. This study times the whole
+``TritonExperts`` call with the config ``select_config`` picks and with the gate_up or the down
+tile replaced by narrower, deeper-K or shallower tiles (two or three programs per multiprocessor),
+on the bench's workload (``moeshard.bench.workload``, CUDA graphs, an L2 flush before every
+repetition, rounds alternating). Every variant keeps the chosen tile height (one tile plan).
+
+Each variant's output is compared with the chosen config's: the same bits where only the tile
+width or depth changed (each output element sums the same K steps in the same order), and the
+largest difference relative to the output's largest value where the K step changed (the
+tensor cores then accumulate 256 products per fp32 step instead of 128, and h's fp8 rounding
+can flip). fp8_block keeps 128-column K steps (one scale per step); its h quantized in the
+gate_up epilogue needs 128-column gate_up tiles, so narrower ones quantize h in its own pass.
+A variant that fails to compile or launch is recorded with its error.
+
+    PYTHONPATH=src python3 scripts/decode_tile_study.py --json results/h200/decode_tile_study.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from moeshard.bench.study import routed_case, run_on_gpu, study_parser, time_variants
+from moeshard.kernels.configs import ExpertsConfig, GemmConfig, multiprocessors, select_config
+from moeshard.kernels.experts import TritonExperts, gluon_supported
+from moeshard.kernels.pdl import supported as pdl_supported
+from moeshard.quant import get_scheme
+
+MODELS = ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")
+TOKENS = (16, 128)
+SCHEMES = ("fp8_tensor", "fp8_block")
+# (block_n, block_k, num_stages) of 4-warp tiles at the chosen height, per GEMM and height.
+GATE_UP = {16: ((32, 256, 4), (32, 256, 3), (64, 256, 3), (128, 256, 2), (32, 128, 6), (64, 128, 6),
+                (128, 128, 3)),
+           64: ((32, 256, 3), (64, 256, 2), (32, 128, 6), (64, 128, 3))}
+DOWN = {16: ((32, 256, 4), (64, 256, 3), (128, 256, 2), (32, 128, 6), (64, 128, 6), (128, 128, 3)),
+        64: ((64, 256, 3), (128, 256, 2), (64, 128, 6), (128, 128, 3))}
+# Variants replacing both tiles: the narrow deep-K and the narrow deep-pipeline pairs.
+PAIRS = (((32, 256, 4), (64, 256, 3)), ((32, 128, 6), (64, 128, 6)))
+START = time.monotonic()
+
+
+def _tile(chosen: GemmConfig, shape: tuple[int, int, int]) -> GemmConfig:
+    block_n, block_k, stages = shape
+    return dataclasses.replace(chosen, block_n=block_n, block_k=block_k, num_stages=stages, num_warps=4)
+
+
+def _config(chosen: ExpertsConfig, scheme: str, gate_up: GemmConfig | None,
+            down: GemmConfig | None) -> ExpertsConfig | None:
+    """``chosen`` with either tile replaced, or None where the scheme cannot take it (fp8_block:
+    128-column K steps only)."""
+    g, d = gate_up or chosen.gate_up, down or chosen.down
+    if get_scheme(scheme).kernel_mode == 3 and (g.block_k != 128 or d.block_k != 128):
+        return None
+    h_quant = "pass" if chosen.h_quant == "gate_up" and g.block_n != 128 else chosen.h_quant
+    return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant)
+
+
+def variants(chosen: ExpertsConfig, scheme: str) -> dict[str, ExpertsConfig]:
+    """The chosen config (first) and its variants, named by what they replace."""
+    bm = chosen.block_m
+    out = {"chosen": chosen}
+    named = [(f"g{n}x{k}s{s}", (n, k, s), None) for n, k, s in GATE_UP.get(bm, ())]
+    named += [(f"d{n}x{k}s{s}", None, (n, k, s)) for n, k, s in DOWN.get(bm, ())]
+    named += [(f"g{g[0]}x{g[1]}s{g[2]}+d{d[0]}x{d[1]}s{d[2]}", g, d) for g, d in PAIRS if bm == 16]
+    for name, g, d in named:
+        cfg = _config(chosen, scheme, _tile(chosen.gate_up, g) if g else None, _tile(chosen.down, d) if d else None)
+        if cfg is not None and cfg != chosen:
+            out[name] = cfg
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
+    rec: dict = {"model": name, "tokens": tokens, "scheme": scheme}
+    if time.monotonic() - START > args.budget_s:
+        rec["skipped"] = f"past --budget-s {args.budget_s}"
+        return rec
+    case = routed_case(model, tokens, scheme)
+    device = case.device
+    chosen = select_config(case.M, case.E, case.H, case.I, scheme, multiprocessors(device.index),
+                           pdl=pdl_supported(device), gluon=gluon_supported(device))
+    rec.update(rows=case.M, config=dataclasses.asdict(chosen), variants={}, errors={})
+    calls: dict = {}
+    reference = None
+    for key, cfg in variants(chosen, scheme).items():
+        kernel = TritonExperts(case.cfg.activation, case.cfg.dtype, cfg)
+        try:
+            out = kernel(case.inp, case.experts)
+            torch.cuda.synchronize()
+        except Exception as exc:  # a tile that does not compile or launch is a finding, not the end
+            rec["errors"][key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            continue
+        if reference is None:
+            reference = out
+        rec["variants"][key] = {"gate_up": list(dataclasses.astuple(cfg.gate_up)[:6]),
+                                "down": list(dataclasses.astuple(cfg.down)[:6]), "h_quant": cfg.h_quant,
+                                "same_bits": bool(torch.equal(out, reference)), "rel_diff": _rel(out, reference)}
+        calls[key] = lambda kernel=kernel: kernel(case.inp, case.experts)
+    time_variants(rec, calls, flush, args)
+    base = rec["median_ms"]["chosen_ms"]
+    for key, v in rec["variants"].items():
+        v["vs_chosen"] = rec["median_ms"][f"{key}_ms"] / base
+    return rec
+
+
+def line(rec: dict) -> str:
+    head = f"{rec['model']:14s} T={rec['tokens']:<4d} {rec['scheme']:10s}"
+    if "skipped" in rec:
+        return f"{head} skipped ({rec['skipped']})"
+    base = rec["median_ms"]["chosen_ms"]
+    best = sorted(rec["variants"].items(), key=lambda kv: kv[1]["vs_chosen"])[:4]
+    parts = []
+    for key, v in best:
+        bits = "" if v["same_bits"] else f" (rel {v['rel_diff']:.3g})"
+        parts.append(f"{key} {v['vs_chosen']:.3f}{bits}")
+    errors = f" errors: {sorted(rec['errors'])}" if rec["errors"] else ""
+    return f"{head} chosen {base:.4f} ms | best: " + ", ".join(parts) + errors
+
+
+def main() -> None:
+    ap = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=20)
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="cases starting later than this many seconds after the start are skipped")
+    args = ap.parse_args()
+    run_on_gpu(args, "scripts/decode_tile_study.py", study, line)
+
+
+if __name__ == "__main__":
+    main()
