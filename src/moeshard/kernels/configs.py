@@ -10,6 +10,8 @@ Regimes, by expected rows per active expert r = M / min(M, E):
   widest that still gives one program per multiprocessor (one token of Mixtral touches two
   experts: its down projection needs 32-column tiles to spread 2 x 4096 weight rows over 132
   SMs; measured best against 16 and 64), and the pipeline is as deep as shared memory allows.
+  The per-tensor and per-row fp8 schemes' 16-row tiles from 16 routed rows on instead take
+  256-column K steps in narrow tiles (``_deep_k``), so that several programs share a multiprocessor.
 * mid (r <= 96, BLOCK_M 64): less padding per expert than 128-row tiles.
 * prefill (BLOCK_M 128): compute-bound tiles, 8 warps, grouped launch order so that a group of
   row tiles reuses one expert's weight tiles from L2; weights through TMA (the down GEMM's of
