@@ -2,11 +2,9 @@
 
 At decode (up to ``configs.DECODE_ROWS`` rows per expert) each GEMM streams its experts' weights
 once, and ``select_config`` picks the widest tile that still gives every multiprocessor a program,
-with as many stages as shared memory holds. A 16-row fp8 tile 128 columns wide at 4 stages takes
-139 KB of shared memory, so one program runs per multiprocessor and each program's first loads
-wait with none of another program's loads beside them. This study times the whole
+with 128-column K steps and as many stages as shared memory holds. This study times the whole
 ``TritonExperts`` call with the config ``select_config`` picks and with the gate_up or the down
-tile replaced by narrower, deeper-K or shallower tiles (two or three programs per multiprocessor),
+tile replaced by narrower ones, ones with 256-column K steps, or ones with more or fewer stages,
 on the bench's workload (``moeshard.bench.workload``, CUDA graphs, an L2 flush before every
 repetition, rounds alternating). Every variant keeps the chosen tile height (one tile plan).
 
