@@ -33,9 +33,8 @@ from moeshard.quant import quantize_activations, quantize_weight
 from moeshard.reference import expert_reference
 from moeshard.tolerances import tolerance
 
-# (rows M, experts E, hidden H, intermediate I): decode (and decode at DeepSeek-V3's K, whose 16-row
-# tiles take 256-column K steps), small batch, mid, prefill tiles, a larger
-# K, and sizes that are multiples of no tile.
+# (rows M, experts E, hidden H, intermediate I): decode (also at DeepSeek-V3's K), small batch, mid,
+# prefill tiles, a larger K, and sizes that are multiples of no tile.
 SHAPES = {"decode": (24, 64, 512, 256), "decode-deep": (128, 32, 7168, 2048), "batch64": (256, 8, 512, 512),
           "mid": (1600, 16, 512, 384),
           "prefill": (6144, 8, 1024, 1536), "big": (8192, 8, 4096, 1024), "odd": (999, 12, 256, 336),

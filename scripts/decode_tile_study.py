@@ -12,9 +12,10 @@ Each variant's output is compared with the chosen config's: the same bits where 
 width or depth changed (each output element sums the same K steps in the same order), and the
 largest difference relative to the output's largest value where the K step changed (the
 tensor cores then accumulate 256 products per fp32 step instead of 128, and h's fp8 rounding
-can flip). fp8_block keeps 128-column K steps (one scale per step); its h quantized in the
-gate_up epilogue needs 128-column gate_up tiles, so narrower ones quantize h in its own pass.
-A variant that fails to compile or launch is recorded with its error.
+can flip). fp8_block's h quantized in the gate_up epilogue needs 128-column gate_up tiles, so
+narrower ones quantize h in its own pass. A variant that is refused (``moe_gemm`` refuses
+fp8_block K steps wider than its 128-column scale groups), or fails to compile or launch, is
+recorded with its error.
 
     PYTHONPATH=src python3 scripts/decode_tile_study.py --json results/h200/decode_tile_study.json
 """
@@ -30,7 +31,6 @@ from moeshard.bench.study import routed_case, run_on_gpu, study_parser, time_var
 from moeshard.kernels.configs import ExpertsConfig, GemmConfig, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts, gluon_supported
 from moeshard.kernels.pdl import supported as pdl_supported
-from moeshard.quant import get_scheme
 
 MODELS = ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")
 TOKENS = (16, 128)
@@ -51,18 +51,14 @@ def _tile(chosen: GemmConfig, shape: tuple[int, int, int]) -> GemmConfig:
     return dataclasses.replace(chosen, block_n=block_n, block_k=block_k, num_stages=stages, num_warps=4)
 
 
-def _config(chosen: ExpertsConfig, scheme: str, gate_up: GemmConfig | None,
-            down: GemmConfig | None) -> ExpertsConfig | None:
-    """``chosen`` with either tile replaced, or None where the scheme cannot take it (fp8_block:
-    128-column K steps only)."""
+def _config(chosen: ExpertsConfig, gate_up: GemmConfig | None, down: GemmConfig | None) -> ExpertsConfig:
+    """``chosen`` with either tile replaced."""
     g, d = gate_up or chosen.gate_up, down or chosen.down
-    if get_scheme(scheme).kernel_mode == 3 and (g.block_k != 128 or d.block_k != 128):
-        return None
     h_quant = "pass" if chosen.h_quant == "gate_up" and g.block_n != 128 else chosen.h_quant
     return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant)
 
 
-def variants(chosen: ExpertsConfig, scheme: str) -> dict[str, ExpertsConfig]:
+def variants(chosen: ExpertsConfig) -> dict[str, ExpertsConfig]:
     """The chosen config (first) and its variants, named by what they replace."""
     bm = chosen.block_m
     out = {"chosen": chosen}
@@ -70,8 +66,8 @@ def variants(chosen: ExpertsConfig, scheme: str) -> dict[str, ExpertsConfig]:
     named += [(f"d{n}x{k}s{s}", None, (n, k, s)) for n, k, s in DOWN.get(bm, ())]
     named += [(f"g{g[0]}x{g[1]}s{g[2]}+d{d[0]}x{d[1]}s{d[2]}", g, d) for g, d in PAIRS if bm == 16]
     for name, g, d in named:
-        cfg = _config(chosen, scheme, _tile(chosen.gate_up, g) if g else None, _tile(chosen.down, d) if d else None)
-        if cfg is not None and cfg != chosen:
+        cfg = _config(chosen, _tile(chosen.gate_up, g) if g else None, _tile(chosen.down, d) if d else None)
+        if cfg != chosen:
             out[name] = cfg
     return out
 
@@ -93,7 +89,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     rec.update(rows=case.M, config=dataclasses.asdict(chosen), variants={}, errors={})
     calls: dict = {}
     reference = None
-    for key, cfg in variants(chosen, scheme).items():
+    for key, cfg in variants(chosen).items():
         kernel = TritonExperts(case.cfg.activation, case.cfg.dtype, cfg)
         try:
             out = kernel(case.inp, case.experts)
