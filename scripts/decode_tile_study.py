@@ -34,15 +34,18 @@ from moeshard.kernels.pdl import supported as pdl_supported
 
 MODELS = ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")
 TOKENS = (16, 128)
-SCHEMES = ("fp8_tensor", "fp8_block")
+SCHEMES = ("fp8_tensor", "fp8_token", "fp8_block")
 # (block_n, block_k, num_stages) of 4-warp tiles at the chosen height, per GEMM and height.
 GATE_UP = {16: ((32, 256, 4), (32, 256, 3), (64, 256, 3), (128, 256, 2), (32, 128, 6), (64, 128, 6),
                 (128, 128, 3)),
            64: ((32, 256, 3), (64, 256, 2), (32, 128, 6), (64, 128, 3))}
 DOWN = {16: ((32, 256, 4), (64, 256, 3), (128, 256, 2), (32, 128, 6), (64, 128, 6), (128, 128, 3)),
         64: ((64, 256, 3), (128, 256, 2), (64, 128, 6), (128, 128, 3))}
-# Variants replacing both tiles: the narrow deep-K and the narrow deep-pipeline pairs.
-PAIRS = (((32, 256, 4), (64, 256, 3)), ((32, 128, 6), (64, 128, 6)))
+# Variants replacing both tiles, per height: at 16 rows the narrow deep-K and the narrow
+# deep-pipeline pairs; at 64 rows the deep-K pair and the best 128-column pair (fp8_block's only
+# legal K step) of the single replacements measured at Mixtral's 128 tokens.
+PAIRS = {16: (((32, 256, 4), (64, 256, 3)), ((32, 128, 6), (64, 128, 6))),
+         64: (((64, 256, 2), (64, 256, 3)), ((64, 128, 3), (128, 128, 3)))}
 START = time.monotonic()
 
 
@@ -64,7 +67,7 @@ def variants(chosen: ExpertsConfig) -> dict[str, ExpertsConfig]:
     out = {"chosen": chosen}
     named = [(f"g{n}x{k}s{s}", (n, k, s), None) for n, k, s in GATE_UP.get(bm, ())]
     named += [(f"d{n}x{k}s{s}", None, (n, k, s)) for n, k, s in DOWN.get(bm, ())]
-    named += [(f"g{g[0]}x{g[1]}s{g[2]}+d{d[0]}x{d[1]}s{d[2]}", g, d) for g, d in PAIRS if bm == 16]
+    named += [(f"g{g[0]}x{g[1]}s{g[2]}+d{d[0]}x{d[1]}s{d[2]}", g, d) for g, d in PAIRS.get(bm, ())]
     for name, g, d in named:
         cfg = _config(chosen, _tile(chosen.gate_up, g) if g else None, _tile(chosen.down, d) if d else None)
         if cfg != chosen:

@@ -1,0 +1,66 @@
+"""``scripts/decode_tile_study.py``'s variants: each keeps the chosen tile height (one tile plan),
+replaces only the tiles its name says, and the pairs of both tiles exist at both decode heights.
+The timing itself needs a GPU (the study runs on the GPU machine)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from moeshard.kernels.configs import select_config
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import decode_tile_study  # noqa: E402
+
+# (rows, experts, hidden, intermediate) of the bench's decode cases: Mixtral at 16 and 128 tokens
+# (top-2), DeepSeek-V3 at 16 tokens (top-8 of 256 experts).
+CASES = {"mixtral-16": (32, 8, 4096, 14336), "mixtral-128": (256, 8, 4096, 14336),
+         "deepseek-16": (128, 256, 7168, 2048)}
+
+
+def chosen(case: str, scheme: str):
+    m, e, h, i = CASES[case]
+    return select_config(m, e, h, i, scheme, 132, pdl=True, gluon=True)
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_variants_keep_the_tile_height_and_replace_what_their_name_says(case, scheme):
+    base = chosen(case, scheme)
+    out = decode_tile_study.variants(base)
+    assert next(iter(out)) == "chosen" and out["chosen"] == base
+    for name, cfg in out.items():
+        assert cfg.block_m == base.block_m, name
+        if name == "chosen":
+            continue
+        assert cfg != base, name
+        parts = dict((p[0], p[1:]) for p in name.split("+"))
+        for key, gemm, before in (("g", cfg.gate_up, base.gate_up), ("d", cfg.down, base.down)):
+            if key in parts:
+                n, rest = parts[key].split("x")
+                k, stages = rest.split("s")
+                assert (gemm.block_n, gemm.block_k, gemm.num_stages, gemm.num_warps) == (int(n), int(k), int(stages), 4)
+            else:
+                assert gemm == before, name
+
+
+@pytest.mark.parametrize("case,pair", [("mixtral-16", "g32x256s4+d64x256s3"), ("deepseek-16", "g32x128s6+d64x128s6"),
+                                       ("mixtral-128", "g64x256s2+d64x256s3"), ("mixtral-128", "g64x128s3+d128x128s3")])
+def test_both_decode_heights_have_pairs_of_both_tiles(case, pair):
+    base = chosen(case, "fp8_token")
+    assert base.block_m == (64 if case == "mixtral-128" else 16)
+    assert pair in decode_tile_study.variants(base)
+
+
+def test_fp8_block_keeps_h_quantized_in_the_gate_up_only_with_its_128_column_tiles():
+    base = chosen("mixtral-16", "fp8_block")
+    assert base.h_quant == "gate_up" and base.gate_up.block_n == 128
+    narrower = 0
+    for name, cfg in decode_tile_study.variants(base).items():
+        if cfg.gate_up.block_n != 128:
+            assert cfg.h_quant == "pass", name
+            narrower += 1
+    assert narrower
