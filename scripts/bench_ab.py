@@ -130,6 +130,27 @@ def run_bench(src: Path, bench_args: list[str], json_path: Path, log_path: Path,
     return {**json.loads(json_path.read_text()), "src": str(src), "rc": rc, "seconds": seconds}
 
 
+def rounds_and_out(p: argparse.ArgumentParser, args: argparse.Namespace, default: str) -> Path:
+    """Checks ``args.rounds`` (at least 1) and ``args.timeout_s`` (finite, above 0), then makes
+    the output folder ``args.out`` (default ``results/<machine>/<default>``) and returns it; a
+    refusal is ``p.error`` naming the option and its value (exit code 2, before any run)."""
+    if args.rounds < 1:
+        p.error(f"--rounds: must be at least 1, got {args.rounds}")
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        p.error(f"--timeout-s: must be a finite number of seconds above 0, got {args.timeout_s}")
+    if args.out is None:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from gpu_gate import machine_name  # the GPU gate's folder naming: h200, h200x2, ...
+
+        args.out = ROOT / "results" / machine_name() / default
+    out: Path = args.out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # an existing file there, a read-only or virtual file system, ...
+        p.error(f"--out {out}: cannot make the folder: {exc.strerror or exc}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, bench_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -143,23 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--json", "--quiet"):
         if name in bench_args:
             p.error(f"bench argument {name}: bench_ab sets it itself")
-    if args.rounds < 1:
-        p.error(f"--rounds: must be at least 1, got {args.rounds}")
-    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
-        p.error(f"--timeout-s: must be a finite number of seconds above 0, got {args.timeout_s}")
     for flag, src in (("--base-src", args.base_src), ("--new-src", args.new_src)):
         if not (src / "moeshard" / "__init__.py").is_file():
             p.error(f"{flag}: {src} has no moeshard package (expected {src}/moeshard/__init__.py)")
-    if args.out is None:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        from gpu_gate import machine_name  # the GPU gate's folder naming: h200, h200x2, ...
-
-        args.out = ROOT / "results" / machine_name() / "ab"
-    out: Path = args.out
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # an existing file there, a read-only or virtual file system, ...
-        p.error(f"--out {out}: cannot make the folder: {exc.strerror or exc}")
+    out = rounds_and_out(p, args, "ab")
 
     srcs = {"base": args.base_src.resolve(), "new": args.new_src.resolve()}
     runs: dict[str, list[dict]] = {c: [] for c in CODES}

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tarfile
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_ab import run_bench  # noqa: E402
+from bench_ab import rounds_and_out, run_bench  # noqa: E402
 
 from moeshard.bench.targets import evaluate  # noqa: E402
 
@@ -152,19 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--quants", "--json", "--quiet"):
         if name in extra:
             p.error(f"bench argument {name}: fp8_targets sets it itself")
-    if args.rounds < 1:
-        p.error(f"--rounds: must be at least 1, got {args.rounds}")
-    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
-        p.error(f"--timeout-s: must be a finite number of seconds above 0, got {args.timeout_s}")
-    if args.out is None:
-        from gpu_gate import machine_name  # the GPU gate's folder naming: h200, h200x2, ...
-
-        args.out = ROOT / "results" / machine_name() / "fp8-targets"
-    out: Path = args.out
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        p.error(f"--out {out}: cannot make the folder: {exc.strerror or exc}")
+    out = rounds_and_out(p, args, "fp8-targets")
 
     names, results, failed = [], [], []
     for r in range(1, args.rounds + 1):
