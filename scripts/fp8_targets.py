@@ -100,7 +100,7 @@ def table(rows: list[dict]) -> str:
     lines = [f"| target | met ({' / '.join(rows[0]['runs'])}) | misses: range over the runs (runs missed) |",
              "|---|---|---|"] if rows else []
     for row in rows:
-        totals = {n for c in row["counts"] if c for n in [c[1]]}
+        totals = {c[1] for c in row["counts"] if c}  # cases per run; said once where every run has as many
         met = " / ".join("-" if c is None else str(c[0]) for c in row["counts"])
         met += f" of {totals.pop()}" if len(totals) == 1 else ""
         th = row["threshold"]
