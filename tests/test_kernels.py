@@ -662,6 +662,38 @@ def test_selection_on_cpu():
     assert 2 * (4096 // one.down.block_n) >= 132
 
 
+def test_decode_tiles_take_deep_k_steps_where_they_were_measured_faster():
+    """The per-tensor and per-row fp8 schemes stream 16-row decode tiles with 256-column K steps
+    (gate_up 32 columns at 4 stages, down 64 at 3) from 16 routed rows on, where K is a multiple
+    of 256: DeepSeek-V3, Mixtral and Qwen3 at 16 and 128 tokens ran 3-7% faster on one H200. One
+    token (2 or 8 routed rows) ran slower and keeps 128-column steps, as do fp8_block (one scale
+    group per step), bf16, the exact gate_up, 64-row tiles and a K that 256 does not divide."""
+    from moeshard.kernels.configs import DEEP_K_MIN_ROWS
+
+    shapes = {"deepseek-v3": (256, 7168, 2048, 8), "mixtral": (8, 4096, 14336, 2), "qwen3": (128, 2048, 768, 8)}
+    for scheme in ("fp8_tensor", "fp8_token"):
+        for name, (E, H, I, k) in shapes.items():  # noqa: E741
+            for tokens in (16, 128 if name != "mixtral" else 16):
+                cfg = select_config(tokens * k, E, H, I, scheme)
+                assert (cfg.gate_up.block_m, cfg.gate_up.block_n, cfg.gate_up.block_k, cfg.gate_up.num_stages) == \
+                    (16, 32, 256, 4), (name, tokens, cfg.gate_up)
+                assert (cfg.down.block_n, cfg.down.block_k, cfg.down.num_stages) == (64, 256, 3), (name, cfg.down)
+            one = select_config(k, E, H, I, scheme)
+            assert one.gate_up.block_k == one.down.block_k == 128, (name, one)
+        assert select_config(DEEP_K_MIN_ROWS - 1, 256, 7168, 2048, scheme).gate_up.block_k == 128
+        exact = select_config(128, 256, 7168, 2048, scheme, fp8_gate_up="exact")
+        assert (exact.gate_up.block_k, exact.down.block_k) == (128, 256)  # the down GEMM is always fp8 MMA
+        assert select_config(128, 256, 7168 + 128, 2048 + 128, scheme).gate_up.block_k == 128
+        assert select_config(256, 8, 4096, 14336, scheme).block_m == 64  # Mixtral at 128 tokens
+        assert select_config(256, 8, 4096, 14336, scheme).gate_up.block_k == 128
+    for scheme in ("none", "fp8_block", "nvfp4"):
+        cfg = select_config(128, 256, 7168, 2048, scheme)
+        assert cfg.gate_up.block_k <= 128 and cfg.down.block_k <= 128, (scheme, cfg)
+    # Narrower where the widest would leave multiprocessors idle: two experts' down (Mixtral,
+    # 2 x 4096 / 64 = 128 programs) at 32 columns.
+    assert select_config(16, 2, 4096, 14336, "fp8_tensor", sms=132).down.block_n == 32
+
+
 def test_fp8_down_tiles_follow_the_measured_choices():
     """The tiles the fp8 study measured fastest (docs/performance.md): at Mixtral's 128-token
     decode the fp8 down GEMM streams 64 x 128 tiles (the fused gate_up and bf16 keep 64 columns);

@@ -10,6 +10,8 @@ Regimes, by expected rows per active expert r = M / min(M, E):
   widest that still gives one program per multiprocessor (one token of Mixtral touches two
   experts: its down projection needs 32-column tiles to spread 2 x 4096 weight rows over 132
   SMs; measured best against 16 and 64), and the pipeline is as deep as shared memory allows.
+  The per-tensor and per-row fp8 schemes' 16-row tiles from 16 routed rows on instead take
+  256-column K steps in narrow tiles (``_deep_k``).
 * mid (r <= 96, BLOCK_M 64): less padding per expert than 128-row tiles.
 * prefill (BLOCK_M 128): compute-bound tiles, 8 warps, grouped launch order so that a group of
   row tiles reuses one expert's weight tiles from L2; weights through TMA (the down GEMM's of
@@ -306,6 +308,36 @@ def quantize_h_programs(padded_rows: int, K: int) -> int:
     return padded_rows // QUANT_ROWS * triton.cdiv(K, column_span(padded_rows, K))
 
 
+# The per-tensor and per-row fp8 GEMMs (modes 1 and 2) on the MMA stream their weights in 16-row
+# tiles with 256-column K steps where K is a multiple of 256, from DEEP_K_MIN_ROWS routed rows on:
+# gate_up 32 columns wide at 4 stages, down 64 wide at 3 (each narrower where fewer programs than
+# multiprocessors would run). One GPU, the whole experts against the tiles of ``_streaming``, two
+# alternating rounds (scripts/decode_tile_study.py, 2026-12-05, an H100;
+# results/h100/decode_tile_study-2026-12-05-2950028): fp8_tensor at 16 tokens 0.939-0.953 of the
+# time at DeepSeek-V3, Mixtral and Qwen3, and 0.939-0.952 at 128 tokens (DeepSeek-V3, Qwen3). The
+# K step is what moves it: 256-column steps at the chosen 128-column width gave 0.957-0.976,
+# 128-column steps at 32 columns and 6 stages 0.985-0.996. fp8_block's scale groups are 128
+# columns (``moe_gemm`` refuses wider steps). One token's rows (2 and 8 routed rows measured) keep
+# the tiles of ``_streaming``: on one H200 (``scripts/bench_ab.py``, two alternating rounds of the
+# bench, results/h200/decode_tile_ab-2026-12-05-2950028) the deep-K tiles took 1.06-1.08x the time
+# at one DeepSeek-V3 token and 1.01-1.02x at one Mixtral token, and 0.93-0.97x at 16 and 128 tokens
+# (DeepSeek-V3 0.9554 -> 0.9022 ms at 16 tokens, Mixtral 0.380 -> 0.355, Qwen3 0.1378 -> 0.1340).
+# Between 9 and 31 routed rows nothing was measured; the threshold sits between the two.
+DEEP_K = 256
+DEEP_K_MIN_ROWS = 16
+DEEP_K_GATE_UP_WIDTHS, DEEP_K_GATE_UP_STAGES = (32, 16), 4
+DEEP_K_DOWN_WIDTHS, DEEP_K_DOWN_STAGES = (64, 32, 16), 3
+
+
+def _deep_k(n: int, tiles: int, sms: int, fused: bool) -> GemmConfig:
+    """A 16-row weight-streaming tile with ``DEEP_K``-column K steps: the widest of its widths
+    giving at least one program per multiprocessor."""
+    widths = DEEP_K_GATE_UP_WIDTHS if fused else DEEP_K_DOWN_WIDTHS
+    block_n = next((w for w in widths if tiles * -(-n // w) >= sms), widths[-1])
+    stages = DEEP_K_GATE_UP_STAGES if fused else DEEP_K_DOWN_STAGES
+    return GemmConfig(16, block_n, DEEP_K, group_m=1, num_warps=4, num_stages=stages)
+
+
 def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: int | None) -> GemmConfig:
     """A weight-streaming tile: the widest BLOCK_N giving at least one program per SM, with as
     many pipeline stages as shared memory holds (deeper for narrow tiles)."""
@@ -430,9 +462,16 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # the expert's weights again.
         block_m = 16 if 1.5 * r <= 16 else (32 if 1.5 * r <= 32 else 64)
         tiles = min(num_rows, num_experts)
-        gate_up = _streaming(block_m, inter, tiles, sms, True, mode)
-        return ExpertsConfig(gate_up, _streaming(block_m, hidden, tiles, sms, False, mode),
-                             h_quant=_h_quant(mode, gate_up, inter, True))
+        deep = block_m == 16 and mode in (1, 2) and num_rows >= DEEP_K_MIN_ROWS
+        if deep and fp8_gate_up == "mma" and hidden % DEEP_K == 0:
+            gate_up = _deep_k(inter, tiles, sms, True)
+        else:
+            gate_up = _streaming(block_m, inter, tiles, sms, True, mode)
+        if deep and inter % DEEP_K == 0:
+            down = _deep_k(hidden, tiles, sms, False)
+        else:
+            down = _streaming(block_m, hidden, tiles, sms, False, mode)
+        return ExpertsConfig(gate_up, down, h_quant=_h_quant(mode, gate_up, inter, True))
     if r <= 96:
         if mode == NVFP4:
             return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 3), GemmConfig(64, 128, 64, 8, 4, 3))
