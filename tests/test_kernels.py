@@ -191,6 +191,26 @@ def test_triton_experts_match_reference(interpreted_kernels, exact_interpreter, 
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_deep_k_decode_tiles_match_reference(interpreted_kernels, exact_interpreter, scheme, tma):
+    """The 16-row decode tiles with 256-column K steps that ``select_config`` takes from 16 routed
+    rows on, as it picks them for a decode-sized problem whose K (H and I) 256 divides, with the
+    K loop running twice per tile in the gate_up and once in the down."""
+    import dataclasses
+
+    TritonExperts, _, _ = _experts_api(interpreted_kernels)
+    M, E, H, I = 24, 4, 512, 256
+    cfg = interpreted_kernels.configs.select_config(M, E, H, I, scheme)
+    assert (cfg.gate_up.block_m, cfg.gate_up.block_k, cfg.down.block_k) == (16, 256, 256), cfg
+    cfg = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, tma=tma),
+                              down=dataclasses.replace(cfg.down, tma=tma))
+    x, ids, w = _problem(M, E, H, I, torch.bfloat16, scheme, seed=13)
+    y = TritonExperts("silu", torch.bfloat16, cfg)(ExpertInput(x, ids), w)
+    err, atol, rtol, ok = compare(y, expert_reference(x, ids, w, "silu", torch.bfloat16), torch.bfloat16, scheme)
+    assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
+
+
 @pytest.mark.parametrize("block_n,block_k", [(64, 64), (128, 128)])
 def test_fp8_block_tiles_inside_one_scale_block_match_reference(interpreted_kernels, exact_interpreter, block_n,
                                                                  block_k):
