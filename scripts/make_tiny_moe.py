@@ -9,15 +9,17 @@ sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``
 glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe), whose router weights and
 selection biases are drawn at random (transformers starts some at zero, where every expert ties);
 the softmax-routed ones (``SOFTMAX_FAMILIES``), also from ``AutoConfig.for_model``; gpt_oss
-(random expert biases: transformers initialises them to zero) and llama4_text (top-1, a shared
-expert, MoE on every second layer). The defaults keep every size a multiple of 128, so
-``--quant fp8_block`` also runs under ``--tp 2`` without EP (the intermediate slice of a TP rank
-must hold whole 128-wide blocks). ``--router-aux-loss-coef`` turns transformers' load-balancing
-loss on (``output_router_logits``), which ``moeshard train`` adds over the global batch;
-``make(...)`` does the same from Python (the tests call it). Weights are float32 unless
-``--dtype`` says otherwise: ``--compare`` judges float32 runs (in bf16, moeshard's fp32 sum of the
-experts and transformers' per-expert rounding can pick different ids at a near-tie of a random
-model; docs/transformers.md, "Known differences").
+(random expert biases: transformers initialises them to zero), llama4_text (top-1, a shared
+expert, MoE on every second layer) and lfm2_moe (short-convolution and attention layers, the
+first layer dense, its router and expert bias drawn at random as the sigmoid families' are).
+The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
+``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
+``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
+which ``moeshard train`` adds over the global batch; ``make(...)`` does the same from Python (the
+tests call it). Weights are float32 unless ``--dtype`` says otherwise: ``--compare`` judges
+float32 runs (in bf16, moeshard's fp32 sum of the experts and transformers' per-expert rounding
+can pick different ids at a near-tie of a random model; docs/transformers.md, "Known
+differences").
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ SIGMOID_FAMILIES = {
 }
 # The routers' (weight, selection bias) inside a block, where they are not gate.weight and
 # gate.e_score_correction_bias.
-ROUTER_PARAMS = {"minimax_m2": ("gate.weight", "e_score_correction_bias"), "afmoe": ("router.gate.weight", "expert_bias")}
+ROUTER_PARAMS = {"minimax_m2": ("gate.weight", "e_score_correction_bias"), "afmoe": ("router.gate.weight", "expert_bias"),
+                 "lfm2_moe": ("gate.weight", "expert_bias")}
 
 
 def randomize_routers(model, family: str, std: float) -> None:
@@ -55,11 +58,12 @@ def randomize_routers(model, family: str, std: float) -> None:
     weight_name, bias_name = ROUTER_PARAMS.get(family, ("gate.weight", "gate.e_score_correction_bias"))
     with torch.no_grad():
         for layer in model.model.layers:
-            if not hasattr(layer.mlp, "experts"):
+            block = getattr(layer, "mlp", None) or layer.feed_forward  # LFM2-MoE's is feed_forward
+            if not hasattr(block, "experts"):
                 continue
-            layer.mlp.get_parameter(weight_name).normal_(0.0, std)
+            block.get_parameter(weight_name).normal_(0.0, std)
             owner, _, leaf = bias_name.rpartition(".")
-            bias = getattr(layer.mlp.get_submodule(owner) if owner else layer.mlp, leaf, None)
+            bias = getattr(block.get_submodule(owner) if owner else block, leaf, None)
             if bias is not None:
                 bias.uniform_(0.0, 0.3)
 
@@ -165,8 +169,21 @@ def _llama4_text(hidden: int, moe_intermediate: int, experts: int, layers: int, 
                                    interleave_moe_layer_step=2 if layers > 1 else 1, initializer_range=0.2)
 
 
+def _lfm2_moe(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    return tf.AutoConfig.for_model("lfm2_moe", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * moe_intermediate,
+                                   moe_intermediate_size=moe_intermediate, num_experts=experts, num_experts_per_tok=2,
+                                   num_dense_layers=1 if layers > 1 else 0,
+                                   layer_types=_alternating("conv", "full_attention", layers), initializer_range=0.2,
+                                   max_position_embeddings=512)
+
+
 # Families built from transformers' config class by model type (AutoConfig.for_model).
-EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text}
+EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe}
+# Families whose router weights and selection biases are drawn at random (see the module docstring).
+RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe")
 
 
 def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,
@@ -186,7 +203,7 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
                              f"computes no load-balancing loss for it)")
         cfg.output_router_logits, cfg.router_aux_loss_coef = True, router_aux_loss_coef
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
-    if family in SIGMOID_FAMILIES:
+    if family in RANDOM_ROUTERS:
         randomize_routers(model, family, 2 / hidden**0.5)
     with torch.no_grad():  # a router left at zero (ERNIE 4.5's by transformers 5.17) routes every token on ties
         for name, p in model.named_parameters():

@@ -69,15 +69,19 @@ CONFIGS: dict[str, dict] = {
     # The config class's default combination, "average"; its "softmax" selection runs at one rank below.
     "cohere2_moe": dict(intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
                         expert_selection_fn="sigmoid", first_k_dense_replace=1, prefix_dense_intermediate_size=48),
+    # A short-convolution layer, then an attention layer whose feed-forward is the MoE block.
+    "lfm2_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                     num_dense_layers=1, routed_scaling_factor=1.5, layer_types=["conv", "full_attention"]),
 }
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
-                 "minimax_m2": ("gate.weight", "e_score_correction_bias")}
+                 "minimax_m2": ("gate.weight", "e_score_correction_bias"),
+                 "lfm2_moe": ("gate.weight", "expert_bias")}
 FAMILIES = tuple(CONFIGS)
 # Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2: routers
 # in the model dtype. (glm4_moe_lite routes in fp32 in both; its bf16 ids differ where transformers'
 # two best next-token logits are one bf16 step apart: docs/transformers.md, known differences.)
-BF16_FAMILIES = ("minimax_m2", "afmoe")
+BF16_FAMILIES = ("minimax_m2", "afmoe", "lfm2_moe")
 BF16_EP2 = ParallelConfig(2, 1, True)
 
 
@@ -89,12 +93,17 @@ def _config(model_type: str):
         return None
 
 
+def _block(layer):
+    """A decoder layer's feed-forward: ``mlp``, or LFM2-MoE's ``feed_forward``."""
+    return getattr(layer, "mlp", None) or layer.feed_forward
+
+
 def _randomize_routers(model, model_type: str, generator: torch.Generator) -> None:
     """Router weights at std 2/sqrt(H) and selection biases in [0, 0.3): scores spread out, no ties."""
     weight_name, bias_name = ROUTER_PARAMS.get(model_type, ("gate.weight", "gate.e_score_correction_bias"))
     with torch.no_grad():
         for layer in model.model.layers:
-            block = layer.mlp
+            block = _block(layer)
             if not hasattr(block, "experts"):
                 continue
             weight = block.get_parameter(weight_name)
@@ -178,12 +187,12 @@ def test_one_rank_logits_and_router_logits_equal_transformers(models, model_type
     ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
     plain = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     want = plain(ids, labels=ids, output_router_logits=True)
-    moe_layers = [i for i, layer in enumerate(plain.model.layers) if hasattr(layer.mlp, "experts")]
+    moe_layers = [i for i, layer in enumerate(plain.model.layers) if hasattr(_block(layer), "experts")]
     assert moe_layers
     for model in (load_sharded_model(model_dir),
                   shard_moe_blocks(tf.AutoModelForCausalLM.from_pretrained(model_dir).eval())):
-        assert [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoEBlock)] == moe_layers
-        block = model.model.layers[moe_layers[0]].mlp
+        assert [i for i, layer in enumerate(model.model.layers) if isinstance(_block(layer), MoEBlock)] == moe_layers
+        block = _block(model.model.layers[moe_layers[0]])
         rows: list[torch.Tensor] = []
         hook = block.register_forward_pre_hook(
             lambda _m, args, rows=rows: rows.append(args[0].reshape(-1, args[0].shape[-1])))
@@ -423,7 +432,15 @@ def test_routing_fields_follow_the_config_class():
     af = _parse("afmoe", route_scale=2.5).moe
     assert (af.routed_scaling_factor, af.renormalize, af.num_shared_experts) == (2.5, True, 2)
     # the router's precision comes from the family, as its transformers router computes
-    assert [_parse(t, n_routed_experts=16).moe.router_dtype for t in FAMILIES] == ["fp32"] * 5 + ["model"] * 3
+    lfm2 = _parse("lfm2_moe", routed_scaling_factor=1.5).moe
+    assert (lfm2.scoring, lfm2.renormalize, lfm2.routed_scaling_factor, lfm2.use_correction_bias,
+            lfm2.intermediate_size) == ("sigmoid_bias_model", True, 1.5, True, 16)
+    plain = _parse("lfm2_moe", use_expert_bias=False, norm_topk_prob=False).moe
+    assert (plain.use_correction_bias, plain.renormalize) == (False, False)
+    assert list(_parse("lfm2_moe").dense_layers) == [0, 1]  # num_dense_layers: 2
+    assert list(_parse("lfm2_moe", num_dense_layers=1).dense_layers) == [0]
+    # the router's precision comes from the family, as its transformers router computes
+    assert [_parse(t, n_routed_experts=16).moe.router_dtype for t in FAMILIES] == ["fp32"] * 5 + ["model"] * 4
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):

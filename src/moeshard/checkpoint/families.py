@@ -208,6 +208,8 @@ def checkpoint_format(raw: dict[str, Any], family: ModelFamily, source: str) -> 
 # Every one is read (by the checkpoint reader and the transformers integration).
 FUSED_LAYOUTS = tuple(LAYOUTS)
 READ_FUSED_LAYOUTS = FUSED_LAYOUTS
+# What transformers' block passes its router: rows [T, H], or its input as given [batch, seq, H].
+ROUTER_INPUTS = ("rows", "block")
 # hidden_act patterns (fnmatch) -> activation kind, tried in order.
 HIDDEN_ACTS = {"silu": "silu", "swish": "silu", "gelu*": "gelu"}
 
@@ -220,7 +222,9 @@ class ModelFamily:
       one. Shape fields (sizes, expert counts, top-k) have none: a guess there would load the
       wrong tensors, so a missing one is an error.
     moe: config.json -> the block's ``MoEConfig`` (dtype and router_dtype left at their defaults:
-      the loader sets the first from the checkpoint or the caller, the second from ``router_dtype``).
+      the loader sets the first from the checkpoint or the caller, the second from ``router_dtype``;
+      a routing kind that scores in the model dtype needs ``router_dtype=f.family.router_dtype``
+      here already, since ``MoEConfig`` refuses it with fp32 logits).
     dense_layers: (config.json, num_layers) -> ``DenseLayers``, {layer: why it has no MoE block},
       decided per layer by a rule (reading the fields once), never by a loop over all layers.
     routing: the routing kind (``moeshard.routing``) its blocks use; ``moe`` builds the
@@ -258,6 +262,10 @@ class ModelFamily:
     returns_router_output: None (the block returns its output), or i: the transformers block
       returns ``(output, router(x)[i])`` (gpt-oss: its router's scores; Llama-4: its logits), and
       so does moeshard's block in its place.
+    router_input: what transformers' block passes its router: ``"rows"`` [T, H] (most
+      families) or ``"block"``, the block's input as given, [batch, seq, H] (AFMoE's router
+      unpacks three dimensions); moeshard's block calls the router the same way, for its
+      observers (``output_router_logits``).
     stored_names: block-relative tensor names as the transformers model holds them -> as the
       checkpoint stores them, where the two differ (Granite's ``router.weight`` is stored
       ``router.layer.weight``, its ``experts.gate_up_proj`` ``input_linear.weight``); the
@@ -289,15 +297,19 @@ class ModelFamily:
     expert_biases: tuple[str, str] = ("gate_up_proj_bias", "down_proj_bias")
     returns_router_output: int | None = None
     stored_names: Mapping[str, str] = field(default_factory=dict)
+    router_input: str = "rows"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         object.__setattr__(self, "hidden_acts", MappingProxyType(dict(self.hidden_acts)))
         object.__setattr__(self, "stored_names", MappingProxyType(dict(self.stored_names)))
         where = f"ModelFamily({self.model_type!r})"
-        get_routing(self.routing, f"{where}.routing")
+        routing = get_routing(self.routing, f"{where}.routing")
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"{where}.router_dtype: {self.router_dtype!r} is not one of {list(ROUTER_DTYPES)}")
+        if routing.score_dtype == "model" and self.router_dtype != "model":
+            raise ValueError(f"{where}.router_dtype: routing {self.routing!r} scores in the model dtype, from logits "
+                             f"computed in it; router_dtype must be 'model', got {self.router_dtype!r}")
         for pattern, kind in self.hidden_acts.items():
             get_activation(kind, f"{where}.hidden_acts[{pattern!r}]")
         if self.fused_layout not in FUSED_LAYOUTS:
@@ -320,6 +332,8 @@ class ModelFamily:
         odd = {k: v for k, v in self.stored_names.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)}
         if odd:
             raise ValueError(f"{where}.stored_names: every entry must map a tensor name to a tensor name, got {odd}")
+        if self.router_input not in ROUTER_INPUTS:
+            raise ValueError(f"{where}.router_input: {self.router_input!r} is not one of {list(ROUTER_INPUTS)}")
         if self.block_bias is not None and not (isinstance(self.block_bias, str) and self.block_bias.isidentifier()):
             raise ValueError(f"{where}.block_bias: expected None or a parameter name of the block, got "
                              f"{self.block_bias!r}")

@@ -103,8 +103,12 @@ class MoEBlock(MoELayer):
     AFMoE's ``gate.weight``, Hunyuan's ``wg.weight``; a bias held [1, E], as ERNIE 4.5 holds it, is
     read as [E]); router_bias: the router linear's bias parameter name (read when the routing kind
     has ``router_bias``). block_bias: None, or the name under which the block itself holds the
-    selection bias (MiniMax-M2, AFMoE): the block then keeps ``weights``' bias as that fp32 buffer
-    [E] and calls the router as transformers does, ``router(hidden_states, bias)``.
+    selection bias (MiniMax-M2, AFMoE, LFM2-MoE): the block then keeps ``weights``' bias as that
+    buffer [E] and calls the router as transformers does, ``router(rows, bias)`` (with
+    ``use_correction_bias`` False the bias is None, as LFM2-MoE passes it without
+    ``use_expert_bias``).
+    router_input: ``"rows"``: the router is called on the rows [T, H]; ``"block"``: on the
+    block's input as given (``ModelFamily.router_input``).
     returns_router_output: None, or i: ``forward`` returns ``(output, router(x)[i])`` as the
     family's block does. layer: the decoder layer index (for
     messages). Other arguments as ``MoELayer``.
@@ -113,7 +117,7 @@ class MoEBlock(MoELayer):
     def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, router_name: str = "gate",
                  router_weight: str = "weight", correction_bias: str = "e_score_correction_bias",
                  router_bias: str = "bias", block_bias: str | None = None,
-                 returns_router_output: int | None = None, **kwargs: Any) -> None:
+                 returns_router_output: int | None = None, router_input: str = "rows", **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         weight = _tensor_at(router, router_weight)
         if weight is None or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
@@ -125,11 +129,12 @@ class MoEBlock(MoELayer):
                                                                                  correction_bias, block_bias)
         self.router_bias_name = router_bias
         self.returns_router_output = returns_router_output
-        if block_bias is not None:
+        self.router_input = router_input
+        if block_bias is not None and cfg.use_correction_bias:
             bias = self.gate.e_score_correction_bias
             if bias is None:
-                raise ValueError(f"MoEBlock (layer {layer}): block_bias={block_bias!r} needs a config with "
-                                 f"use_correction_bias and the bias in weights")
+                raise ValueError(f"MoEBlock (layer {layer}): block_bias={block_bias!r} with use_correction_bias "
+                                 f"needs the bias in weights")
             self.register_buffer(block_bias, bias)
         # transformers' router stands in for MoELayer's Gate, under the family's router name.
         if router_name != "gate":
@@ -169,10 +174,11 @@ class MoEBlock(MoELayer):
         observers (``output_router_logits``); its routing is not used."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        if self.block_bias is not None:  # as the transformers block calls it, on its own input
-            router_out = self.hf_router(hidden_states, getattr(self, self.block_bias))
+        rows = hidden_states if self.router_input == "block" else x  # as the transformers block passes them
+        if self.block_bias is not None:  # LFM2-MoE passes None without a bias
+            router_out = self.hf_router(rows, self._selection_bias())
         else:
-            router_out = self.hf_router(x)
+            router_out = self.hf_router(rows)
         out = super().forward(x).reshape(shape)
         if self.returns_router_output is not None:
             return out, router_out[self.returns_router_output]
@@ -357,7 +363,8 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str,
 def _router_names(family: ModelFamily) -> dict[str, Any]:
     return {"router_name": family.router, "router_weight": family.router_weight,
             "correction_bias": family.correction_bias, "router_bias": family.router_bias,
-            "block_bias": family.block_bias, "returns_router_output": family.returns_router_output}
+            "block_bias": family.block_bias, "returns_router_output": family.returns_router_output,
+            "router_input": family.router_input}
 
 
 def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, quant: QuantConfig | str | None = None,

@@ -17,6 +17,7 @@ from moeshard.checkpoint.models import (
     granite,  # noqa: F401
     hunyuan,  # noqa: F401
     jamba,  # noqa: F401
+    lfm2_moe,  # noqa: F401
     llama4,  # noqa: F401
     mellum,  # noqa: F401
     minimax,  # noqa: F401
