@@ -10,8 +10,9 @@ glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe),
 selection biases are drawn at random (transformers starts some at zero, where every expert ties);
 the softmax-routed ones (``SOFTMAX_FAMILIES``), also from ``AutoConfig.for_model``; gpt_oss
 (random expert biases: transformers initialises them to zero), llama4_text (top-1, a shared
-expert, MoE on every second layer) and lfm2_moe (short-convolution and attention layers, the
-first layer dense, its router and expert bias drawn at random as the sigmoid families' are).
+expert, MoE on every second layer), lfm2_moe (short-convolution and attention layers, the
+first layer dense, its router and expert bias drawn at random as the sigmoid families' are) and
+dbrx (its experts as three stacked tensors).
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -180,8 +181,20 @@ def _lfm2_moe(hidden: int, moe_intermediate: int, experts: int, layers: int, voc
                                    max_position_embeddings=512)
 
 
+def _dbrx(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # DBRX's own names for the sizes; its attention reads rope_theta from attn_config and clamps q,
+    # k, v by clip_qkv (transformers 5.24 refuses clip_qkv=None).
+    return tf.AutoConfig.for_model("dbrx", vocab_size=vocab, d_model=hidden, n_layers=layers, n_heads=4,
+                                   max_seq_len=512, initializer_range=0.2,
+                                   attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                   ffn_config=dict(ffn_hidden_size=moe_intermediate, moe_num_experts=experts,
+                                                   moe_top_k=2))
+
+
 # Families built from transformers' config class by model type (AutoConfig.for_model).
-EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe}
+EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe")
 

@@ -42,7 +42,7 @@ from types import MappingProxyType
 from typing import Any
 
 from moeshard.activations import get_activation
-from moeshard.checkpoint.fused import LAYOUTS
+from moeshard.checkpoint.fused import LAYOUTS, fused_layout
 from moeshard.config import MAX_ROUTED_SCALING, ROUTER_DTYPES, MoEConfig
 from moeshard.routing import get_routing
 from moeshard.validate import MAX_DIM, is_int
@@ -54,6 +54,7 @@ W1_W3_W2 = ("w1", "w3", "w2")
 # Other spellings of a field: transformers 5 writes num_local_experts where older configs (and the
 # hub) have num_experts / n_routed_experts.
 _ALIASES: dict[str, tuple[str, ...]] = {
+    "num_hidden_layers": ("n_layers",),  # DBRX
     "num_local_experts": ("num_experts",),
     "num_experts": ("num_local_experts",),
     "n_routed_experts": ("num_local_experts",),
@@ -205,6 +206,7 @@ def checkpoint_format(raw: dict[str, Any], family: ModelFamily, source: str) -> 
 #   interleaved             [E, 2I, H] rows 2i gate, 2i + 1 up
 #   transposed              [E, H, 2I] gate columns first, down [E, I, H] (Llama-4)
 #   transposed_interleaved  [E, H, 2I] columns 2i gate, 2i + 1 up, down [E, I, H] (gpt-oss)
+#   stacked                 gate, up and down as three [E * I, H] tensors, down transposed (DBRX)
 # Every one is read (by the checkpoint reader and the transformers integration).
 FUSED_LAYOUTS = tuple(LAYOUTS)
 READ_FUSED_LAYOUTS = FUSED_LAYOUTS
@@ -250,7 +252,8 @@ class ModelFamily:
       calls the router as ``router(hidden_states, bias)``.
     bias_aliases: further checkpoint names of the selection bias, after the block prefix, tried
       after ``bias_module`` (EXAONE-MoE checkpoints keep it on the block: ``e_score_correction_bias``).
-    experts: the routed experts' module name; fused_names: its (gate_up, down) fused parameters;
+    experts: the routed experts' module name; fused_names: its (gate_up, down) fused parameters,
+      or for a ``stacked`` layout its (gate, up, down) ones (dotted: DBRX's ``mlp.w1``);
       fused_layout: how the fused gate_up holds gate and up (``FUSED_LAYOUTS``, ``checkpoint.fused``);
       expert_biases: its (gate_up [E, 2I], down [E, H]) bias parameters, read when the config has
       ``expert_bias`` (gpt-oss); the gate_up bias follows ``fused_layout``'s gate/up order.
@@ -286,7 +289,7 @@ class ModelFamily:
     block_bias: str | None = None
     bias_aliases: tuple[str, ...] = ()
     experts: str = "experts"
-    fused_names: tuple[str, str] = ("gate_up_proj", "down_proj")
+    fused_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
     fused_layout: str = "gate_up_rows"
     expert_spellings: tuple[tuple[str, str, str], ...] = (GATE_UP_DOWN, W1_W3_W2)
     shared_prefixes: tuple[str, ...] = ("shared_experts.", "shared_expert.")
@@ -323,8 +326,12 @@ class ModelFamily:
             if bad or not getattr(self, name):
                 raise ValueError(f"{where}.{name}: every entry must be a module name ending in '.', got "
                                  f"{list(getattr(self, name))}")
-        if len(self.fused_names) != 2 or not all(isinstance(n, str) and n for n in self.fused_names):
-            raise ValueError(f"{where}.fused_names: expected (gate_up, down) names, got {self.fused_names!r}")
+        stacked = fused_layout(self.fused_layout).stacked
+        if len(self.fused_names) != fused_layout(self.fused_layout).tensors or not all(
+                isinstance(n, str) and n and all(p.isidentifier() for p in n.split(".")) for n in self.fused_names):
+            want = "(gate, up, down)" if stacked else "(gate_up, down)"
+            raise ValueError(f"{where}.fused_names: fused layout {self.fused_layout!r} expects {want} names, got "
+                             f"{self.fused_names!r}")
         for name in ("router_weight", "correction_bias"):
             value = getattr(self, name)
             if not (isinstance(value, str) and value and all(part.isidentifier() for part in value.split("."))):

@@ -317,8 +317,8 @@ def agree(groups: ParallelGroups | None, error: BaseException | None, what: str)
 def _gate_up(block: nn.Module, index: int, name: str, family: ModelFamily) -> torch.Tensor:
     """The fused ``experts.gate_up_proj`` of layer ``index``'s block (transformers 5; the family's
     ``experts`` and ``fused_names``)."""
-    w = getattr(getattr(block, family.experts), family.fused_names[0], None)
-    if not isinstance(w, torch.Tensor):
+    w = _tensor_at(block, f"{family.experts}.{family.fused_names[0]}")  # dotted: DBRX's experts.mlp.w1
+    if w is None:
         raise ValueError(f"{name}: the experts of layer {index} are not a fused gate_up_proj tensor; "
                          f"expected transformers-5 fused experts in one of {sorted(MODEL_DTYPES)}")
     return w
@@ -333,15 +333,19 @@ def _model_dtype(blocks: dict[int, nn.Module], name: str, family: ModelFamily) -
     return w.dtype
 
 
-def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str, torch.Tensor]:
+def _canonical(state: dict[str, torch.Tensor], family: ModelFamily, num_experts: int) -> dict[str, torch.Tensor]:
     """A block's state dict under the family's names and fused layout -> under ``MoEWeights``'
     canonical names and layout (``gate.weight``, ``gate.bias``, ``experts.gate_up_proj`` [E, 2I, H],
     ``experts.down_proj`` [E, H, I], their biases, ``shared_experts.*``, ``shared_expert_gate.weight``)."""
+    layout = fused_layout(family.fused_layout)
+    fused = [f"{family.experts}.{name}" for name in family.fused_names]
+    state = dict(state)
+    if all(name in state for name in fused):
+        state["experts.gate_up_proj"], state["experts.down_proj"] = layout.canonical_tensors(
+            [state.pop(name) for name in fused], num_experts)
     renames = {family.router_tensor: "gate.weight",
                family.bias_module: "gate.e_score_correction_bias",
                f"{family.router}.{family.router_bias}": "gate.bias",
-               f"{family.experts}.{family.fused_names[0]}": "experts.gate_up_proj",
-               f"{family.experts}.{family.fused_names[1]}": "experts.down_proj",
                f"{family.experts}.{family.expert_biases[0]}": "experts.gate_up_proj_bias",
                f"{family.experts}.{family.expert_biases[1]}": "experts.down_proj_bias",
                f"{family.shared_expert_gate}.weight": "shared_expert_gate.weight"}
@@ -351,10 +355,6 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str,
         out["shared_experts." + key[len(shared):] if shared else renames.get(key, key)] = t
     if "gate.e_score_correction_bias" in out:  # ERNIE 4.5 holds it [1, E]
         out["gate.e_score_correction_bias"] = out["gate.e_score_correction_bias"].reshape(-1)
-    layout = fused_layout(family.fused_layout)
-    if "experts.gate_up_proj" in out and "experts.down_proj" in out:
-        out["experts.gate_up_proj"], out["experts.down_proj"] = layout.canonical(out["experts.gate_up_proj"],
-                                                                                 out["experts.down_proj"])
     if "experts.gate_up_proj_bias" in out:
         out["experts.gate_up_proj_bias"] = layout.canonical_bias(out["experts.gate_up_proj_bias"])
     return out
@@ -410,8 +410,8 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
             assert isinstance(router, nn.Module)  # find_moe_blocks checked every block's router
             # A transformers block may hold tensors the layer does not read (its own buffers): the
             # families' parity with transformers, not strictness, proves what is read.
-            work.append((index, router, MoEWeights.from_state_dict(_canonical(block.state_dict(), family), cfg,
-                                                                strict=False)))
+            state = _canonical(block.state_dict(), family, cfg.num_experts)
+            work.append((index, router, MoEWeights.from_state_dict(state, cfg, strict=False)))
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to prepare the model")

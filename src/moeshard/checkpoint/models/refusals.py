@@ -23,8 +23,6 @@ REFUSALS = {
                    "v_conv1d) and its forget gate under the attention's names, which transformers concatenates and "
                    "renames as it loads them; moeshard reads the weights outside the MoE blocks under the model's own "
                    "names (its MoE block is DeepSeek-V3's)",
-    "dbrx": "its experts are stored as three [moe_num_experts * ffn_hidden_size, d_model] matrices (w1, v1, and w2 "
-            "the down projection transposed) in a nested ffn_config, a layout moeshard does not read",
 }
 for _model_type, _reason in REFUSALS.items():
     refuse_family(_model_type, _reason)
