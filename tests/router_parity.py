@@ -1,4 +1,7 @@
-"""Router parity in the model dtype, for the family tests: in transformers' own bf16 forward, every
+"""For the family tests: router parity in the model dtype, and a model's logits before and after
+its blocks are swapped in memory (``swapped_logits``).
+
+Router parity: in transformers' own bf16 forward, every
 MoE block's router input, routed by moeshard's block (``MoEBlock.route``: the family's
 ``router_dtype``), gives the logits transformers' router computed, bit for bit, and the experts it
 chose, except where the values it selects on tie exactly (``torch.topk`` breaks a tie its own
@@ -122,3 +125,14 @@ def _selected_on(logits: torch.Tensor, block) -> torch.Tensor:
         return scores.float()
     bias = block._selection_bias()
     return (scores + (bias if in_model_dtype else bias.float()).view(1, -1)).float()
+
+
+def swapped_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(transformers' logits, the logits after ``shard_moe_blocks``) of ``model`` on ``ids``; the
+    model keeps moeshard's blocks afterwards."""
+    from moeshard.integrations.transformers import shard_moe_blocks
+
+    with torch.no_grad():
+        want = model(ids).logits
+        shard_moe_blocks(model)
+        return want, model(ids).logits

@@ -1,6 +1,6 @@
 """``torch.compile`` of a model that holds moeshard layers: the layer runs eagerly inside the
-compiled model (``MoELayer.forward`` is ``torch.compiler.disable``d: a graph break at its
-boundary), so the compiled model's outputs and gradients are the eager model's, bit for bit, at
+compiled model (under a compile ``MoELayer.forward`` calls a ``torch.compiler.disable``d
+``_forward``: a graph break at its boundary), so the compiled model's outputs and gradients are the eager model's, bit for bit, at
 one rank and under EP on CPU ranks, in float32 (whose grouped GEMM torch cannot trace) and
 bfloat16, and a transformers model with moeshard blocks compiles too (its logits within the
 float32 table: the compiled attention rounds its own way).
@@ -64,7 +64,7 @@ def _differences(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_compiled_model_gives_the_eager_models_outputs_and_gradients(dtype):
-    torch._dynamo.reset()
+    torch.compiler.reset()
     x = torch.randn(16, H, generator=torch.Generator().manual_seed(1)).to(dtype)
     diffs = _differences(_model(dtype), x)
     assert all(d == 0 for d in diffs.values()), diffs
@@ -86,7 +86,7 @@ def test_a_compiled_transformers_model_with_moeshard_blocks():
     tf = pytest.importorskip("transformers")
     from moeshard.integrations.transformers import MoEBlock, shard_moe_blocks
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     cfg = tf.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                             num_experts_per_tok=2, norm_topk_prob=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from router_parity import bf16_router_parity
+from router_parity import bf16_router_parity, swapped_logits
 
 from moeshard.jobs.generate import (
     GenerateSpec,
@@ -298,23 +298,41 @@ def test_bf16_ep2_generates_what_transformers_generates(models, world, reference
     _check_bf16_ids(plan, results, reference)
 
 
+def _variant(model_type: str, **settings):
+    """The family's tiny random model with other ``settings`` of its config, its routers drawn
+    at random; skipped where this transformers lacks the type."""
+    cfg = _config(model_type)
+    if cfg is None:
+        pytest.skip(f"transformers {tf.__version__} has no config class for model_type {model_type!r}")
+    for name, value in settings.items():
+        setattr(cfg, name, value)
+    torch.manual_seed(7)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    _randomize_routers(model, model_type, torch.Generator().manual_seed(8))
+    return model
+
+
+def test_lfm2_moe_without_its_expert_bias_and_renormalization():
+    """LFM2-MoE's other settings, in memory at one rank: no expert bias (transformers' router then
+    gets None from the block, and so does moeshard's) and no renormalization."""
+    from moeshard.integrations.transformers import MoEBlock
+
+    model = _variant("lfm2_moe", use_expert_bias=False, norm_topk_prob=False)
+    want, got = swapped_logits(model, torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]]))
+    block = model.model.layers[1].feed_forward
+    assert isinstance(block, MoEBlock)
+    assert (block.cfg.use_correction_bias, block.cfg.renormalize, block.cfg.routed_scaling_factor) == (False, False, 1.5)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
 def test_cohere2_softmax_selection_and_summed_shared_expert():
     """Cohere2-MoE's other settings, in memory at one rank: softmax over the selected logits
     (``topk_softmax``, norm_topk_prob unread) and shared experts summed, not averaged."""
-    from moeshard.integrations.transformers import MoEBlock, shard_moe_blocks
+    from moeshard.integrations.transformers import MoEBlock
 
-    cfg = _config("cohere2_moe")
-    if cfg is None:
-        pytest.skip(f"transformers {tf.__version__} has no config class for model_type 'cohere2_moe'")
-    cfg.expert_selection_fn, cfg.shared_expert_combination_strategy, cfg.norm_topk_prob = "softmax", "sum", False
-    torch.manual_seed(7)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    _randomize_routers(model, "cohere2_moe", torch.Generator().manual_seed(8))
-    ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        want = model(ids).logits
-        shard_moe_blocks(model)
-        got = model(ids).logits
+    model = _variant("cohere2_moe", expert_selection_fn="softmax", shared_expert_combination_strategy="sum",
+                     norm_topk_prob=False)
+    want, got = swapped_logits(model, torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]]))
     block = model.model.layers[1].mlp
     assert isinstance(block, MoEBlock)
     assert (block.cfg.scoring, block.cfg.renormalize, block.cfg.routed_scaling_factor, block.cfg.shared_scale) == \

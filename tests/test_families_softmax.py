@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from router_parity import bf16_router_parity
+from router_parity import bf16_router_parity, swapped_logits
 
 from moeshard.checkpoint.hf_config import parse_hf_config
 from moeshard.jobs.generate import (
@@ -425,3 +425,18 @@ def test_dbrx_reads_its_nested_ffn_config(models):
                                          r"got \[1, 2\]"):
         parse_hf_config({**raw, "ffn_config": [1, 2]}, "config.json")
     assert parse_hf_config(raw, "config.json").num_layers == 2  # n_layers
+
+
+def test_dbrx_without_normalization_equals_transformers(models):
+    """``moe_normalize_expert_weights`` null, in memory at one rank: the softmax probabilities
+    of the top k are the weights as they are."""
+    from moeshard.integrations.transformers import MoEBlock
+
+    model = tf.AutoModelForCausalLM.from_pretrained(_dir(models, "dbrx")).eval()
+    model.config.ffn_config.moe_normalize_expert_weights = None
+    for layer in model.transformer.blocks:
+        layer.ffn.moe_normalize_expert_weights = None
+    want, got = swapped_logits(model, torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]]))
+    block = model.transformer.blocks[0].ffn
+    assert isinstance(block, MoEBlock) and block.cfg.renormalize is False
+    assert torch.allclose(got, want, atol=FP32_ATOL, rtol=0), (got - want).abs().max()

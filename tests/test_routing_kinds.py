@@ -2,6 +2,7 @@
 kinds beyond today's softmax / sigmoid ones, refusals naming the values, and a kind added as data."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -126,12 +127,14 @@ def test_renormalize_the_kind_does_not_allow_is_refused(scoring, value, message)
     assert str(info.value).startswith("MoEConfig.renormalize: ") and message in str(info.value)
 
 
-def test_a_kinds_renormalization_rule_is_checked_at_registration():
+@pytest.mark.parametrize("field, value, allowed", [("renormalize", "sometimes", "['optional', 'always', 'never']"),
+                                                   ("score_dtype", "bf16", "['fp32', 'model']")])
+def test_a_kinds_rules_are_checked_at_registration(field, value, allowed):
     base = get_routing("softmax")
-    with pytest.raises(ValueError, match=r"register_routing\('bad'\): renormalize 'sometimes' is not one of "
-                                         r"\['optional', 'always', 'never'\]"):
+    with pytest.raises(ValueError, match=rf"register_routing\('bad'\): {field} '{value}' is not one of "
+                                         rf"{re.escape(allowed)}"):
         register_routing(RoutingKind("bad", base.scores, base.order, None, False, False, True, base.weight_floor,
-                                     False, "x", renormalize="sometimes"))
+                                     False, "x", **{field: value}))
     assert "bad" not in routing_names()
 
 
@@ -213,12 +216,6 @@ def test_a_kind_that_scores_in_the_model_dtype_needs_model_dtype_logits():
     with pytest.raises(ValueError, match=r"MoEConfig.router_dtype: scoring='softmax_model' scores in the model dtype, "
                                          r"from logits computed in it; router_dtype must be 'model', got 'fp32'"):
         cfg(scoring="softmax_model")
-    base = get_routing("softmax")
-    with pytest.raises(ValueError, match=r"register_routing\('bad'\): score_dtype 'bf16' is not one of "
-                                         r"\['fp32', 'model'\]"):
-        register_routing(RoutingKind("bad", base.scores, base.order, None, False, False, True, base.weight_floor,
-                                     False, "x", score_dtype="bf16"))
-    assert "bad" not in routing_names()
 
 
 @pytest.mark.parametrize("scoring", ["softmax_model", "sigmoid_bias_model"])

@@ -167,7 +167,7 @@ class MoEBlock(MoELayer):
         return None if bias is None else bias.reshape(-1)
 
     # The block keeps transformers' contract (a tuple for some families), not MoELayer's [T, H].
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Any]:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Any]:  # type: ignore[override]
         """hidden_states: [..., H] (transformers passes [batch, seq, H]) in the model dtype ->
         the same shape (with ``returns_router_output`` i: ``(that, router output i)``, as the
         family's block returns). The transformers router runs first on all rows, for its outputs'
