@@ -69,6 +69,11 @@ CONFIGS: dict[str, dict] = {
     # The config class's default combination, "average"; its "softmax" selection runs at one rank below.
     "cohere2_moe": dict(intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
                         expert_selection_fn="sigmoid", first_k_dense_replace=1, prefix_dense_intermediate_size=48),
+    # A Kimi delta attention layer with a dense MLP, then an MLA layer with the MoE block; the
+    # checkpoint stores the delta attention's forget gate and convolutions as the hub does.
+    "kimi_linear": dict(MLA, intermediate_size=48, moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+                        n_group=2, topk_group=1, n_shared_experts=1, linear_head_dim=8, linear_num_heads=4,
+                        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"]),
     # A short-convolution layer, then an attention layer whose feed-forward is the MoE block.
     "lfm2_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                      num_dense_layers=1, routed_scaling_factor=1.5, layer_types=["conv", "full_attention"]),
@@ -449,7 +454,6 @@ def test_routing_fields_follow_the_config_class():
     assert (m2.intermediate_size, m2.renormalize, m2.has_shared_experts) == (16, True, False)
     af = _parse("afmoe", route_scale=2.5).moe
     assert (af.routed_scaling_factor, af.renormalize, af.num_shared_experts) == (2.5, True, 2)
-    # the router's precision comes from the family, as its transformers router computes
     lfm2 = _parse("lfm2_moe", routed_scaling_factor=1.5).moe
     assert (lfm2.scoring, lfm2.renormalize, lfm2.routed_scaling_factor, lfm2.use_correction_bias,
             lfm2.intermediate_size) == ("sigmoid_bias_model", True, 1.5, True, 16)
@@ -457,8 +461,15 @@ def test_routing_fields_follow_the_config_class():
     assert (plain.use_correction_bias, plain.renormalize) == (False, False)
     assert list(_parse("lfm2_moe").dense_layers) == [0, 1]  # num_dense_layers: 2
     assert list(_parse("lfm2_moe", num_dense_layers=1).dense_layers) == [0]
+    # config.json's own (the hub's) spellings of the routing fields
+    kimi = _parse("kimi_linear", num_local_experts=None, num_experts_per_tok=None, n_shared_experts=None, num_experts=8,
+                  num_experts_per_token=2, moe_renormalize=False, num_expert_group=2, num_shared_experts=2).moe
+    assert (kimi.num_experts, kimi.top_k, kimi.renormalize, kimi.n_group, kimi.shared_width,
+            kimi.routed_scaling_factor) == (8, 2, False, 2, 32, 2.446)
+    assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
     # the router's precision comes from the family, as its transformers router computes
-    assert [_parse(t, n_routed_experts=16).moe.router_dtype for t in FAMILIES] == ["fp32"] * 5 + ["model"] * 4
+    assert [_parse(t, n_routed_experts=16).moe.router_dtype for t in FAMILIES] == \
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"]
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):

@@ -364,8 +364,7 @@ def test_config_refusals_name_the_field(models, family, changes, message):
 
 
 @pytest.mark.parametrize("model_type, part", [("longcat_flash", "zero-computation (identity) experts"),
-                                              ("jetmoe", "adds a learned bias"),
-                                              ("kimi_linear", "short convolutions split")])
+                                              ("jetmoe", "adds a learned bias")])
 def test_inexpressible_families_are_refused_naming_the_part(model_type, part):
     with pytest.raises(ValueError, match=f"config.json: model_type '{model_type}' is not supported: .*{re.escape(part)}"):
         parse_hf_config({"model_type": model_type}, "config.json")

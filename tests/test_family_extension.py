@@ -118,3 +118,25 @@ def test_a_registered_family_shards_through_the_transformers_integration(toy):
     assert compare((y - x).reshape(-1, H), reference_forward(x.reshape(-1, H), full, block.cfg), torch.float32,
                    "none")[3]
     assert "router.weight" in dict(block.named_parameters())
+
+
+def test_tensors_outside_the_blocks_stored_under_other_names():
+    """``dense_renames`` and ``dense_concat`` (Kimi-Linear's attention): a model tensor is read
+    under its own name where the checkpoint holds it, else renamed, or from parts concatenated
+    along dim 0; a descriptor with malformed entries is refused naming the field."""
+    fam = replace(TOY, dense_renames=(("attn.gate.", "attn."), (".mlp.", ".moe.")),
+                  dense_concat={"attn.conv.weight": ("attn.q_conv.weight", "attn.k_conv.weight")})
+    held = {"layers.0.attn.f.weight", "layers.0.moe.up.weight", "layers.1.mlp.up.weight"}
+    assert fam.dense_sources("layers.0.attn.gate.f.weight", held.__contains__) == ("layers.0.attn.f.weight",)
+    assert fam.dense_sources("layers.0.mlp.up.weight", held.__contains__) == ("layers.0.moe.up.weight",)
+    assert fam.dense_sources("layers.1.mlp.up.weight", held.__contains__) == ("layers.1.mlp.up.weight",)  # its own
+    assert fam.dense_sources("layers.2.mlp.up.weight", held.__contains__) == ("layers.2.moe.up.weight",)  # message
+    assert fam.dense_sources("layers.0.attn.conv.weight", held.__contains__) == ("layers.0.attn.q_conv.weight",
+                                                                              "layers.0.attn.k_conv.weight")
+    assert fam.dense_sources("norm.weight", held.__contains__) == ("norm.weight",)
+    with pytest.raises(ValueError, match=r"ModelFamily\('toy_mixtral'\).dense_renames: expected \(model part, stored "
+                                         r"part\) pairs of names, got \[\('attn.gate.',\)\]"):
+        replace(TOY, dense_renames=(("attn.gate.",),))
+    with pytest.raises(ValueError, match=r"ModelFamily\('toy_mixtral'\).dense_concat: expected \{model name ending: "
+                                         r"two or more stored name endings\}"):
+        replace(TOY, dense_concat={"attn.conv.weight": ("attn.q_conv.weight",)})

@@ -269,6 +269,11 @@ class ModelFamily:
       families) or ``"block"``, the block's input as given, [batch, seq, H] (AFMoE's router
       unpacks three dimensions); moeshard's block calls the router the same way, for its
       observers (``output_router_logits``).
+    dense_renames, dense_concat: how the checkpoint stores a tensor outside the MoE blocks that
+      transformers renames or builds as it loads (Kimi-Linear's attention): ``dense_renames``
+      (model part, stored part) pairs, each replacing the first in a model tensor's name;
+      ``dense_concat`` {model name ending: the stored name endings whose tensors, concatenated
+      along dim 0 in that order, make it} (``dense_sources``).
     stored_names: block-relative tensor names as the transformers model holds them -> as the
       checkpoint stores them, where the two differ (Granite's ``router.weight`` is stored
       ``router.layer.weight``, its ``experts.gate_up_proj`` ``input_linear.weight``); the
@@ -301,11 +306,14 @@ class ModelFamily:
     returns_router_output: int | None = None
     stored_names: Mapping[str, str] = field(default_factory=dict)
     router_input: str = "rows"
+    dense_renames: tuple[tuple[str, str], ...] = ()
+    dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         object.__setattr__(self, "hidden_acts", MappingProxyType(dict(self.hidden_acts)))
         object.__setattr__(self, "stored_names", MappingProxyType(dict(self.stored_names)))
+        object.__setattr__(self, "dense_concat", MappingProxyType(dict(self.dense_concat)))
         where = f"ModelFamily({self.model_type!r})"
         routing = get_routing(self.routing, f"{where}.routing")
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
@@ -339,6 +347,15 @@ class ModelFamily:
         odd = {k: v for k, v in self.stored_names.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)}
         if odd:
             raise ValueError(f"{where}.stored_names: every entry must map a tensor name to a tensor name, got {odd}")
+        if not all(isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(p, str) and p for p in pair)
+                   for pair in self.dense_renames):
+            raise ValueError(f"{where}.dense_renames: expected (model part, stored part) pairs of names, got "
+                             f"{list(self.dense_renames)}")
+        if not all(isinstance(k, str) and k and isinstance(v, tuple) and len(v) > 1 and all(isinstance(p, str) and p
+                                                                                         for p in v)
+                   for k, v in self.dense_concat.items()):
+            raise ValueError(f"{where}.dense_concat: expected {{model name ending: two or more stored name endings}}, "
+                             f"got {dict(self.dense_concat)}")
         if self.router_input not in ROUTER_INPUTS:
             raise ValueError(f"{where}.router_input: {self.router_input!r} is not one of {list(ROUTER_INPUTS)}")
         if self.block_bias is not None and not (isinstance(self.block_bias, str) and self.block_bias.isidentifier()):
@@ -367,6 +384,21 @@ class ModelFamily:
     def stored(self, name: str) -> str:
         """The checkpoint's name of the block-relative tensor ``name`` (see ``stored_names``)."""
         return self.stored_names.get(name, name)
+
+    def dense_sources(self, name: str, stored: Callable[[str], bool]) -> tuple[str, ...]:
+        """The checkpoint's tensors that make the model's tensor ``name`` outside the MoE blocks:
+        the parts ``dense_concat`` lists (concatenated along dim 0), or one tensor: ``name`` itself
+        where the checkpoint holds it (``stored``), else ``name`` with the first of
+        ``dense_renames`` whose stored name it holds (else with the first that applies, for the
+        message)."""
+        for ending, parts in self.dense_concat.items():
+            if name.endswith(ending):
+                return tuple(name[: len(name) - len(ending)] + part for part in parts)
+        renamed = [name.replace(model_part, stored_part, 1) for model_part, stored_part in self.dense_renames
+                   if model_part in name]
+        if stored(name) or not renamed:
+            return (name,)
+        return (next((r for r in renamed if stored(r)), renamed[0]),)
 
     @property
     def router_tensor(self) -> str:

@@ -494,10 +494,11 @@ def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, nam
 
 
 def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple[str, ...], device: torch.device,
-                fp8: bool) -> None:
+                fp8: bool, family: ModelFamily) -> None:
     """Every parameter and persistent buffer outside the MoE blocks (``skip`` prefixes), read
-    under its own name; tied weights (``lm_head`` with ``tie_word_embeddings``) are tied after;
-    non-persistent buffers (rotary frequencies) are computed as transformers does."""
+    under its own name (or as the family stores it: ``ModelFamily.dense_sources``); tied weights
+    (``lm_head`` with ``tie_word_embeddings``) are tied after; non-persistent buffers (rotary
+    frequencies) are computed as transformers does."""
     persistent = set(model.state_dict(keep_vars=True))
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     tensors: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in model.named_parameters(remove_duplicate=False)]
@@ -505,9 +506,10 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
     for name, t in tensors:
         if name.startswith(skip) or not _is_meta(t):
             continue
-        if not ckpt.has(name) and name in tied:
+        sources = family.dense_sources(name, ckpt.has)
+        if not ckpt.has(sources[0]) and name in tied:
             continue
-        _set(model, name, read_dense(ckpt, name, tuple(t.shape), t.dtype, fp8).to(device))
+        _set(model, name, _read_sources(ckpt, name, sources, tuple(t.shape), t.dtype, fp8).to(device))
     model.tie_weights()
     for name, buffer in list(model.named_buffers()):
         if name in persistent or not _is_meta(buffer):
@@ -527,6 +529,19 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
     if left:
         raise ValueError(f"{ckpt.model_dir}: no value for {left[:6]}{' ...' if len(left) > 6 else ''} (not in the "
                          f"checkpoint)")
+
+
+def _read_sources(ckpt: SafetensorsCheckpoint, name: str, sources: tuple[str, ...], shape: tuple[int, ...],
+                  dtype: torch.dtype, fp8: bool) -> torch.Tensor:
+    """The model's tensor ``name`` of ``shape`` from its checkpoint ``sources``: one tensor, or
+    equal parts along dim 0 concatenated (``ModelFamily.dense_concat``)."""
+    if len(sources) == 1:
+        return read_dense(ckpt, sources[0], shape, dtype, fp8)
+    if not shape or shape[0] % len(sources):
+        raise ValueError(f"{name}: its shape {list(shape)} does not split into {len(sources)} equal parts along dim 0 "
+                         f"({list(sources)})")
+    part = (shape[0] // len(sources), *shape[1:])
+    return torch.cat([read_dense(ckpt, source, part, dtype, fp8) for source in sources])
 
 
 def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = None, *,
@@ -571,7 +586,7 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         for index, prefix in prefixes.items():
             blocks[index] = load_moe_block(model_dir, index, parallel=parallel, rank=rank, quant=quant_cfg, dtype=dtype)
             routers[index] = _load_router(model, ckpt, prefix, blocks[index].names, device, fp8)
-        _load_dense(model, ckpt, tuple(prefixes.values()), device, fp8)
+        _load_dense(model, ckpt, tuple(prefixes.values()), device, fp8, family)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to load")

@@ -18,6 +18,7 @@ from moeshard.checkpoint.models import (
     granite,  # noqa: F401
     hunyuan,  # noqa: F401
     jamba,  # noqa: F401
+    kimi_linear,  # noqa: F401
     lfm2_moe,  # noqa: F401
     llama4,  # noqa: F401
     mellum,  # noqa: F401

@@ -19,10 +19,6 @@ REFUSALS = {
                    "expert (Gemma4TextRouter)",
     "lara_mini": "its checkpoint stores the linear-attention projections fused (in_proj), which transformers splits "
                  "as it loads them; moeshard reads the weights outside the MoE blocks under the model's own names",
-    "kimi_linear": "its checkpoint stores the delta attention's short convolutions split (q_conv1d, k_conv1d, "
-                   "v_conv1d) and its forget gate under the attention's names, which transformers concatenates and "
-                   "renames as it loads them; moeshard reads the weights outside the MoE blocks under the model's own "
-                   "names (its MoE block is DeepSeek-V3's)",
 }
 for _model_type, _reason in REFUSALS.items():
     refuse_family(_model_type, _reason)
