@@ -109,6 +109,7 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
         "granitemoehybrid": dict(granite, shared_intermediate_size=I, layer_types=_alternating("mamba", "attention", L),
                                  mamba_n_heads=8, mamba_d_head=2 * common["hidden_size"] // 8, mamba_n_groups=1),
         "phimoe": dict(intermediate_size=I, num_local_experts=experts),
+        "lara_mini": dict(moe_intermediate_size=I, shared_expert_intermediate_size=I, num_experts=experts, **linear),
     }[family]
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the small vocabulary
     return tf.AutoConfig.for_model(family, **{**common, "num_experts_per_tok": 2, **ids, **extra})
@@ -116,7 +117,7 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
 
 SOFTMAX_FAMILIES = ("olmoe", "flex_olmo", "mellum", "minimax", "jamba", "qwen3_next", "qwen3_5_moe_text",
                     "deepseek_v2", "hunyuan_v1_moe", "ernie4_5_moe", "granitemoe", "granitemoeshared",
-                    "granitemoehybrid", "phimoe")
+                    "granitemoehybrid", "phimoe", "lara_mini")
 
 
 def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):

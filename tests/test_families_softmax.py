@@ -81,6 +81,9 @@ CONFIGS = {
                              shared_intermediate_size=24, layer_types=["mamba", "attention"], mamba_n_heads=4,
                              mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1),
     "phimoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+    # Gated delta net and attention layers; the checkpoint fuses the delta net's input projections.
+    "lara_mini": dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+                      num_experts_per_tok=2, **LINEAR_ATTENTION),
     # DBRX's own names for SMALL's sizes (given as hidden_size, transformers 5.24 sizes the experts
     # by the default d_model); its attention reads rope_theta from attn_config and clamps by clip_qkv.
     "dbrx": dict(d_model=32, n_layers=2, n_heads=4, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
@@ -388,6 +391,7 @@ def test_config_readers(models):
         "granitemoehybrid": ("topk_softmax", False, 0, False, [], 4, 1),
         "phimoe": ("sparsemixer", False, 0, False, [], 4, 1),
         "dbrx": ("softmax_model", True, 0, False, [], 4, 1),
+        "lara_mini": ("softmax", True, 24, False, [], 4, 1),
     }
     assert set(want) == set(FAMILIES)
     for family, (scoring, renorm, shared, gated, dense, experts, groups) in want.items():

@@ -140,3 +140,28 @@ def test_tensors_outside_the_blocks_stored_under_other_names():
     with pytest.raises(ValueError, match=r"ModelFamily\('toy_mixtral'\).dense_concat: expected \{model name ending: "
                                          r"two or more stored name endings\}"):
         replace(TOY, dense_concat={"attn.conv.weight": ("attn.q_conv.weight",)})
+
+
+def test_a_stored_tensor_split_into_model_tensors(tmp_path):
+    """``dense_split`` (LaraMini's fused in_proj): each model tensor is its row range of the stored
+    tensor, the ranges in the listed order, their lengths the model tensors' own."""
+    from moeshard.checkpoint.reader import SafetensorsCheckpoint
+    from moeshard.integrations.transformers import _read_split
+
+    fam = replace(TOY, dense_split={"attn.in_proj.weight": ("attn.in_qkv.weight", "attn.in_z.weight",
+                                                            "attn.in_a.weight")})
+    assert fam.dense_split_of("layers.3.attn.in_z.weight") == (
+        "layers.3.attn.in_proj.weight", ("layers.3.attn.in_qkv.weight", "layers.3.attn.in_z.weight",
+                                         "layers.3.attn.in_a.weight"))
+    assert fam.dense_split_of("layers.3.attn.out.weight") is None
+    fused = torch.arange(9 * 2, dtype=torch.float32).reshape(9, 2)
+    save_file({"layers.3.attn.in_proj.weight": fused}, str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    shapes = {"layers.3.attn.in_qkv.weight": (6, 2), "layers.3.attn.in_z.weight": (2, 2), "layers.3.attn.in_a.weight": (1, 2)}
+    split = fam.dense_split_of("layers.3.attn.in_z.weight")
+    assert split is not None
+    got = {n: _read_split(ckpt, n, split, shapes, torch.float32, False) for n in shapes}
+    assert torch.equal(torch.cat(list(got.values())), fused) and torch.equal(got["layers.3.attn.in_z.weight"], fused[6:8])
+    with pytest.raises(ValueError, match=r"has shape \[9, 2\], expected \[10, 2\]"):
+        _read_split(ckpt, "layers.3.attn.in_z.weight", split, {**shapes, "layers.3.attn.in_a.weight": (2, 2)},
+                    torch.float32, False)

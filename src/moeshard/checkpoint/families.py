@@ -269,11 +269,13 @@ class ModelFamily:
       families) or ``"block"``, the block's input as given, [batch, seq, H] (AFMoE's router
       unpacks three dimensions); moeshard's block calls the router the same way, for its
       observers (``output_router_logits``).
-    dense_renames, dense_concat: how the checkpoint stores a tensor outside the MoE blocks that
-      transformers renames or builds as it loads (Kimi-Linear's attention): ``dense_renames``
-      (model part, stored part) pairs, each replacing the first in a model tensor's name;
-      ``dense_concat`` {model name ending: the stored name endings whose tensors, concatenated
-      along dim 0 in that order, make it} (``dense_sources``).
+    dense_renames, dense_concat, dense_split: how the checkpoint stores a tensor outside the MoE
+      blocks that transformers renames, stacks or splits as it loads (Kimi-Linear's and
+      LaraMini's linear attention): ``dense_renames`` (model part, stored part) pairs, each
+      replacing the first in a model tensor's name; ``dense_concat`` {model name ending: the
+      stored name endings whose tensors, concatenated along dim 0 in that order, make it};
+      ``dense_split`` {stored name ending: the model name endings that are its consecutive row
+      ranges along dim 0, in order} (``dense_sources``, ``dense_split_of``).
     stored_names: block-relative tensor names as the transformers model holds them -> as the
       checkpoint stores them, where the two differ (Granite's ``router.weight`` is stored
       ``router.layer.weight``, its ``experts.gate_up_proj`` ``input_linear.weight``); the
@@ -308,12 +310,14 @@ class ModelFamily:
     router_input: str = "rows"
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         object.__setattr__(self, "hidden_acts", MappingProxyType(dict(self.hidden_acts)))
         object.__setattr__(self, "stored_names", MappingProxyType(dict(self.stored_names)))
         object.__setattr__(self, "dense_concat", MappingProxyType(dict(self.dense_concat)))
+        object.__setattr__(self, "dense_split", MappingProxyType(dict(self.dense_split)))
         where = f"ModelFamily({self.model_type!r})"
         routing = get_routing(self.routing, f"{where}.routing")
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
@@ -351,11 +355,12 @@ class ModelFamily:
                    for pair in self.dense_renames):
             raise ValueError(f"{where}.dense_renames: expected (model part, stored part) pairs of names, got "
                              f"{list(self.dense_renames)}")
-        if not all(isinstance(k, str) and k and isinstance(v, tuple) and len(v) > 1 and all(isinstance(p, str) and p
-                                                                                         for p in v)
-                   for k, v in self.dense_concat.items()):
-            raise ValueError(f"{where}.dense_concat: expected {{model name ending: two or more stored name endings}}, "
-                             f"got {dict(self.dense_concat)}")
+        for name, what in (("dense_concat", "{model name ending: two or more stored name endings}"),
+                           ("dense_split", "{stored name ending: two or more model name endings}")):
+            entries = getattr(self, name)
+            if not all(isinstance(k, str) and k and isinstance(v, tuple) and len(v) > 1
+                       and all(isinstance(p, str) and p for p in v) for k, v in entries.items()):
+                raise ValueError(f"{where}.{name}: expected {what}, got {dict(entries)}")
         if self.router_input not in ROUTER_INPUTS:
             raise ValueError(f"{where}.router_input: {self.router_input!r} is not one of {list(ROUTER_INPUTS)}")
         if self.block_bias is not None and not (isinstance(self.block_bias, str) and self.block_bias.isidentifier()):
@@ -384,6 +389,16 @@ class ModelFamily:
     def stored(self, name: str) -> str:
         """The checkpoint's name of the block-relative tensor ``name`` (see ``stored_names``)."""
         return self.stored_names.get(name, name)
+
+    def dense_split_of(self, name: str) -> tuple[str, tuple[str, ...]] | None:
+        """(the stored tensor, the model tensors that are its row ranges, in order) where the model's
+        tensor ``name`` is one of a ``dense_split`` entry's parts, else None."""
+        for stored_ending, parts in self.dense_split.items():
+            for part in parts:
+                if name.endswith(part):
+                    prefix = name[: len(name) - len(part)]
+                    return prefix + stored_ending, tuple(prefix + p for p in parts)
+        return None
 
     def dense_sources(self, name: str, stored: Callable[[str], bool]) -> tuple[str, ...]:
         """The checkpoint's tensors that make the model's tensor ``name`` outside the MoE blocks:

@@ -19,6 +19,7 @@ from moeshard.checkpoint.models import (
     hunyuan,  # noqa: F401
     jamba,  # noqa: F401
     kimi_linear,  # noqa: F401
+    lara_mini,  # noqa: F401
     lfm2_moe,  # noqa: F401
     llama4,  # noqa: F401
     mellum,  # noqa: F401

@@ -17,8 +17,6 @@ REFUSALS = {
     "gemma4_text": "its router and experts are attributes of the decoder layer (no MoE block module to replace), the "
                    "router reading the residual stream through its own norm and scale and scaling each weight per "
                    "expert (Gemma4TextRouter)",
-    "lara_mini": "its checkpoint stores the linear-attention projections fused (in_proj), which transformers splits "
-                 "as it loads them; moeshard reads the weights outside the MoE blocks under the model's own names",
 }
 for _model_type, _reason in REFUSALS.items():
     refuse_family(_model_type, _reason)
