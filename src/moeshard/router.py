@@ -241,10 +241,9 @@ def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.
         choice = scores
         if cfg.use_correction_bias:
             assert correction_bias is not None  # refused by _check_biases when missing
-            # In the model dtype the sum takes torch's promotion, as the family's router adds its
-            # bias: a bf16 score plus an fp32 bias is an fp32 sum, plus a bf16 bias a bf16 one.
-            bias = correction_bias if in_model_dtype else correction_bias.float()
-            choice = scores + bias.view(1, -1)
+            # In fp32 for every kind: the layer holds the bias in fp32, and LFM2-MoE's router adds
+            # its fp32 bias to its model-dtype scores in fp32 as well (torch's type promotion).
+            choice = scores.float() + correction_bias.float().view(1, -1)
         if cfg.n_group > 1:
             assert kind.groups is not None  # MoEConfig refuses n_group > 1 for a kind without groups
             # Experts outside the kept groups can never win: -inf is below any score.

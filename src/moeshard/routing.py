@@ -30,9 +30,9 @@ sparsemixer            K rounds on the logits s: the best remaining expert i (lo
                        eval: sparsemixer without its training-time sampling)
 softmax_model          as softmax, every step in the model dtype (DBRX: ``softmax(logits,
                        dtype=logits.dtype)``, top K, divided by their sum, the 1-norm)
-sigmoid_bias_model     s = sigmoid(logits) in the model dtype; top K of s + selection bias, the
-                       weights are s; optionally divided by their sum plus 1e-6; routed scaling;
-                       every step in the model dtype (LFM2-MoE)
+sigmoid_bias_model     s = sigmoid(logits) in the model dtype; top K of s + selection bias (the
+                       sum in fp32), the weights are s; optionally divided by their sum plus
+                       1e-6; routed scaling; every other step in the model dtype (LFM2-MoE)
 =====================  ==========================================================================
 
 ``router_bias``: the router is a linear with a bias, ``route`` needs the bias and adds it to the
@@ -42,9 +42,10 @@ the harness apply it. ``weight_floor`` is the floor of the renormalization's den
 (``floor_added``) a constant added to it.
 
 ``score_dtype``: "fp32" computes everything after the logits in fp32 (most families: their
-routers widen the logits first); "model" computes the scores, the selection bias's sum, the
-renormalization and the scaling with torch's ops in the model dtype, each rounding to it, as the
-family's router does (``router.select_experts``), and only the final weights are widened.
+routers widen the logits first); "model" computes the scores, the renormalization and the
+scaling with torch's ops in the model dtype, each rounding to it, as the family's router does
+(``router.select_experts``; a selection bias is added in fp32, where the layer holds it), and
+only the final weights are widened.
 """
 
 from __future__ import annotations
