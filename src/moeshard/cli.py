@@ -1,4 +1,4 @@
-"""``moeshard`` command line: check, backends, run, bench, generate, train, eplb.
+"""``moeshard`` command line: check, backends, families, run, bench, generate, train, eplb.
 
 Each subcommand lives in ``moeshard.commands.<name>`` and exposes ``add_parser(subparsers)``,
 which registers its options and sets ``func(args) -> int`` (the exit code).
@@ -22,7 +22,7 @@ import threading
 
 from moeshard.errors import ExitCode, MoeshardError, Terminated
 
-COMMANDS = ("check", "backends", "run", "bench", "generate", "train", "eplb")
+COMMANDS = ("check", "backends", "families", "run", "bench", "generate", "train", "eplb")
 
 
 def build_parser() -> argparse.ArgumentParser:

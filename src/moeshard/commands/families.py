@@ -1,0 +1,58 @@
+"""``moeshard families``: the model types this install reads (``checkpoint.families``), each with
+its routing, router precision, where its block lives and the checkpoint formats it ships, and
+the model types refused with the part of their block moeshard cannot express; a table or JSON."""
+
+from __future__ import annotations
+
+import json
+
+from rich.markup import escape
+from rich.table import Table
+
+from moeshard.checkpoint import families as registry
+from moeshard.commands.check import wide_console
+from moeshard.routing import get_routing
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("families", help="print the model families moeshard reads, and those it refuses and why")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=run)
+
+
+def families_json() -> dict[str, list[dict]]:
+    """{"supported": one row per registered model type, "refused": one per refused model type}."""
+    supported = []
+    for f in registry.FAMILIES.values():
+        kind = get_routing(f.routing)
+        supported.append({"model_type": f.model_type, "routing": f.routing, "routing_summary": kind.summary,
+                          "scores_in": kind.score_dtype, "router_logits_in": f.router_dtype,
+                          "block": [f"{f.layers}.{{L}}.{p}" for p in f.block_prefixes],
+                          "fused_layout": f.fused_layout, "formats": list(f.formats)})
+    refused = [{"model_type": t, "reason": why} for t, why in sorted(registry.REFUSED.items())]
+    return {"supported": supported, "refused": refused}
+
+
+def run(args) -> int:
+    rows = families_json()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    table = Table(title=f"model families moeshard reads ({len(rows['supported'])})", header_style="bold",
+                  caption="routing: the descriptor's kind (a family's config reader may pick another from config.json); "
+                          "router logits and scores: fp32 or the model dtype; docs/transformers.md has each family's "
+                          "proof")
+    for col in ("model_type", "routing", "router logits", "scores", "block", "fused layout", "formats"):
+        table.add_column(col)
+    for r in rows["supported"]:
+        table.add_row(r["model_type"], r["routing"], r["router_logits_in"], r["scores_in"],
+                      escape(" or ".join(r["block"])), r["fused_layout"], ", ".join(r["formats"]))
+    console = wide_console()
+    console.print(table)
+    refused = Table(title=f"model types refused ({len(rows['refused'])})", header_style="bold")
+    refused.add_column("model_type")
+    refused.add_column("what moeshard cannot express")
+    for r in rows["refused"]:
+        refused.add_row(r["model_type"], escape(r["reason"]))
+    console.print(refused)
+    return 0

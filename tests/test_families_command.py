@@ -1,0 +1,29 @@
+"""``moeshard families``: every registered family and every refused model type, read from the
+registry (so the listing cannot fall behind it), as tables and as JSON."""
+
+from __future__ import annotations
+
+import json
+
+from moeshard.checkpoint.families import FAMILIES, REFUSED
+from moeshard.cli import main
+
+
+def test_families_json_lists_the_registry(capsys):
+    assert main(["families", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["model_type"] for r in rows["supported"]] == list(FAMILIES)
+    assert {r["model_type"]: r["reason"] for r in rows["refused"]} == REFUSED
+    dbrx = next(r for r in rows["supported"] if r["model_type"] == "dbrx")
+    assert (dbrx["routing"], dbrx["scores_in"], dbrx["router_logits_in"], dbrx["block"], dbrx["fused_layout"],
+            dbrx["formats"]) == ("softmax_model", "model", "model", ["transformer.blocks.{L}.ffn."], "stacked", ["bf16"])
+    assert not set(FAMILIES) & set(REFUSED)
+
+
+def test_families_tables_print_each_model_type_and_the_reasons_whole(capsys):
+    assert main(["families"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"model families moeshard reads ({len(FAMILIES)})" in out and f"model types refused ({len(REFUSED)})" in out
+    for model_type in (*FAMILIES, *REFUSED):
+        assert model_type in out
+    assert "learned bias [hidden_size]" in out  # rich markup would have eaten the brackets
