@@ -63,6 +63,7 @@ register_family(ModelFamily(
                     "routed_scaling_factor": 2.446, "norm_topk_prob": True, "first_k_dense_replace": 1,
                     "mlp_layer_types": None},
     _moe, _dense_layers, routing="sigmoid", block_prefixes=("block_sparse_moe.", "mlp."), router_dtype="fp32",
+    formats=("bf16",),
     dense_renames=(("self_attn.forget_gate.", "self_attn."), (".mlp.", ".block_sparse_moe.")),
     dense_concat={"self_attn.conv1d.weight": ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
                                               "self_attn.v_conv1d.weight")}))
