@@ -10,15 +10,18 @@ glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe),
 selection biases are drawn at random (transformers starts some at zero, where every expert ties);
 the softmax-routed ones (``SOFTMAX_FAMILIES``), also from ``AutoConfig.for_model``; gpt_oss
 (random expert biases: transformers initialises them to zero), llama4_text (top-1, a shared
-expert, MoE on every second layer) and kimi_linear (Kimi delta attention and MLA layers in turn,
-its routers drawn at random as the sigmoid families' are). The defaults keep every size a multiple of 128, so
-``--quant fp8_block`` also runs under ``--tp 2`` without EP (the intermediate slice of a TP rank
-must hold whole 128-wide blocks). ``--router-aux-loss-coef`` turns transformers' load-balancing
-loss on (``output_router_logits``), which ``moeshard train`` adds over the global batch;
-``make(...)`` does the same from Python (the tests call it). Weights are float32 unless
-``--dtype`` says otherwise: ``--compare`` judges float32 runs (in bf16, moeshard's fp32 sum of the
-experts and transformers' per-expert rounding can pick different ids at a near-tie of a random
-model; docs/transformers.md, "Known differences").
+expert, MoE on every second layer), lfm2_moe (short-convolution and attention layers, the
+first layer dense, its router and expert bias drawn at random as the sigmoid families' are),
+dbrx (its experts as three stacked tensors) and kimi_linear (Kimi delta attention and MLA layers
+in turn, its routers drawn at random too).
+The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
+``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
+``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
+which ``moeshard train`` adds over the global batch; ``make(...)`` does the same from Python (the
+tests call it). Weights are float32 unless ``--dtype`` says otherwise: ``--compare`` judges
+float32 runs (in bf16, moeshard's fp32 sum of the experts and transformers' per-expert rounding
+can pick different ids at a near-tie of a random model; docs/transformers.md, "Known
+differences").
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ SIGMOID_FAMILIES = {
 }
 # The routers' (weight, selection bias) inside a block, where they are not gate.weight and
 # gate.e_score_correction_bias.
-ROUTER_PARAMS = {"minimax_m2": ("gate.weight", "e_score_correction_bias"), "afmoe": ("router.gate.weight", "expert_bias")}
+ROUTER_PARAMS = {"minimax_m2": ("gate.weight", "e_score_correction_bias"), "afmoe": ("router.gate.weight", "expert_bias"),
+                 "lfm2_moe": ("gate.weight", "expert_bias")}
 
 
 def randomize_routers(model, family: str, std: float) -> None:
@@ -56,11 +60,12 @@ def randomize_routers(model, family: str, std: float) -> None:
     weight_name, bias_name = ROUTER_PARAMS.get(family, ("gate.weight", "gate.e_score_correction_bias"))
     with torch.no_grad():
         for layer in model.model.layers:
-            if not hasattr(layer.mlp, "experts"):
+            block = getattr(layer, "mlp", None) or layer.feed_forward  # LFM2-MoE's is feed_forward
+            if not hasattr(block, "experts"):
                 continue
-            layer.mlp.get_parameter(weight_name).normal_(0.0, std)
+            block.get_parameter(weight_name).normal_(0.0, std)
             owner, _, leaf = bias_name.rpartition(".")
-            bias = getattr(layer.mlp.get_submodule(owner) if owner else layer.mlp, leaf, None)
+            bias = getattr(block.get_submodule(owner) if owner else block, leaf, None)
             if bias is not None:
                 bias.uniform_(0.0, 0.3)
 
@@ -167,6 +172,17 @@ def _llama4_text(hidden: int, moe_intermediate: int, experts: int, layers: int, 
                                    interleave_moe_layer_step=2 if layers > 1 else 1, initializer_range=0.2)
 
 
+def _lfm2_moe(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    return tf.AutoConfig.for_model("lfm2_moe", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * moe_intermediate,
+                                   moe_intermediate_size=moe_intermediate, num_experts=experts, num_experts_per_tok=2,
+                                   num_dense_layers=1 if layers > 1 else 0,
+                                   layer_types=_alternating("conv", "full_attention", layers), initializer_range=0.2,
+                                   max_position_embeddings=512)
+
+
 def _kimi_linear(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
     import transformers as tf
 
@@ -182,10 +198,23 @@ def _kimi_linear(hidden: int, moe_intermediate: int, experts: int, layers: int, 
                                    initializer_range=0.2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
+def _dbrx(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # DBRX's own names for the sizes; its attention reads rope_theta from attn_config and clamps q,
+    # k, v by clip_qkv (transformers 5.24 refuses clip_qkv=None).
+    return tf.AutoConfig.for_model("dbrx", vocab_size=vocab, d_model=hidden, n_layers=layers, n_heads=4,
+                                   max_seq_len=512, initializer_range=0.2,
+                                   attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                   ffn_config=dict(ffn_hidden_size=moe_intermediate, moe_num_experts=experts,
+                                                   moe_top_k=2))
+
+
 # Families built from transformers' config class by model type (AutoConfig.for_model).
-EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "kimi_linear": _kimi_linear}
+EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
+         "kimi_linear": _kimi_linear}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
-RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "kimi_linear")
+RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear")
 
 
 def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,

@@ -1,4 +1,7 @@
-"""Router parity in the model dtype, for the family tests: in transformers' own bf16 forward, every
+"""For the family tests: router parity in the model dtype, and a model's logits before and after
+its blocks are swapped in memory (``swapped_logits``).
+
+Router parity: in transformers' own bf16 forward, every
 MoE block's router input, routed by moeshard's block (``MoEBlock.route``: the family's
 ``router_dtype``), gives the logits transformers' router computed, bit for bit, and the experts it
 chose, except where the values it selects on tie exactly (``torch.topk`` breaks a tie its own
@@ -8,7 +11,7 @@ same inputs routed with fp32 logits show whether the precision is visible at all
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +55,7 @@ def bf16_router_parity(tf, model_dir: str) -> RouterParity:
     """Runs ``IDS`` through transformers' model (``from_pretrained`` in bfloat16) and routes each
     MoE block's router input with the block ``load_sharded_model`` builds for that layer."""
     from moeshard.integrations.transformers import MoEBlock, find_moe_blocks, load_sharded_model, moe_model_info
+    from moeshard.router import router_logits
 
     plain = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     family = moe_model_info(plain).family
@@ -100,13 +104,8 @@ def bf16_router_parity(tf, model_dir: str) -> RouterParity:
                 tie = sorted(choice[row, sorted(mine - theirs)].tolist()) == sorted(choice[row, sorted(theirs - mine)].tolist())
                 ties, ids_differ = ties + tie, ids_differ + (not tie)
             logits_differ += int((got.logits != logits).any(dim=-1).sum())
-            cfg = block.cfg
-            block.cfg = replace(cfg, router_dtype="fp32")
-            try:
-                wide = block.route(x).logits
-            finally:
-                block.cfg = cfg
-            assert wide is not None
+            router_bias = getattr(block.hf_router, block.router_bias_name) if block.cfg.routing_kind.router_bias else None
+            wide = router_logits(x, block.hf_router.get_parameter(block.router_weight), "fp32", router_bias)
             fp32_differ += int((wide != logits).any(dim=-1).sum())
     assert rows, f"{model_dir}: no MoE block ran"
     return RouterParity(rows, ids_differ, ties, logits_differ, fp32_differ, biases_differ)
@@ -114,9 +113,26 @@ def bf16_router_parity(tf, model_dir: str) -> RouterParity:
 
 def _selected_on(logits: torch.Tensor, block) -> torch.Tensor:
     """fp32 [T, E]: the values a routing kind selects on, up to a monotone map: the scores plus
-    the selection bias for a kind with one, else the logits."""
+    the selection bias for a kind with one, else the logits; for a kind that scores in the model
+    dtype, the scores rounded to it (two logits apart can round to one score)."""
     cfg = block.cfg
-    if not cfg.use_correction_bias:
+    in_model_dtype = cfg.routing_kind.score_dtype == "model"
+    if not (cfg.use_correction_bias or in_model_dtype):
         return logits
-    scores = logits.softmax(dim=-1) if cfg.routing_kind.scores == "softmax" else logits.sigmoid()
-    return scores + block._selection_bias().float().view(1, -1)
+    values = logits.to(cfg.dtype) if in_model_dtype else logits
+    scores = values.softmax(dim=-1) if cfg.routing_kind.scores == "softmax" else values.sigmoid()
+    if not cfg.use_correction_bias:
+        return scores.float()
+    bias = block._selection_bias()
+    return (scores + (bias if in_model_dtype else bias.float()).view(1, -1)).float()
+
+
+def swapped_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(transformers' logits, the logits after ``shard_moe_blocks``) of ``model`` on ``ids``; the
+    model keeps moeshard's blocks afterwards."""
+    from moeshard.integrations.transformers import shard_moe_blocks
+
+    with torch.no_grad():
+        want = model(ids).logits
+        shard_moe_blocks(model)
+        return want, model(ids).logits

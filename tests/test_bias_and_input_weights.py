@@ -217,26 +217,33 @@ def test_triton_experts_refuse_biases_instead_of_dropping_them():
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_fused_layouts_read_back_moeshards_layout(name):
     """Each stored layout, built here from moeshard's [E, 2I, H] / [E, H, I] by its definition,
-    converts back whole and slice by slice (a TP half of I)."""
+    converts back whole and slice by slice (a TP half of I), biases too where the layout has them."""
     layout = LAYOUTS[name]
     E, H, I = 3, 5, 4
     gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
     bias = torch.randn(E, 2 * I)
     gate, up = gate_up[:, :I], gate_up[:, I:]
-    stored_gu = torch.stack([gate, up], dim=2).flatten(1, 2) if layout.interleaved else gate_up  # rows 2i, 2i + 1
-    stored_bias = torch.stack([bias[:, :I], bias[:, I:]], dim=2).flatten(1) if layout.interleaved else bias
-    stored_dn = down
-    if layout.transposed:
-        stored_gu, stored_dn = stored_gu.transpose(1, 2), down.transpose(1, 2)
-    assert (tuple(stored_gu.shape), tuple(stored_dn.shape)) == layout.shapes(E, H, I)
-    gu, dn = layout.canonical(stored_gu, stored_dn)
+    if layout.stacked:  # DBRX: gate, up and down^T, each expert's I rows one after another
+        stored = [gate.reshape(E * I, H), up.reshape(E * I, H), down.transpose(1, 2).reshape(E * I, H)]
+    else:
+        stored_gu = torch.stack([gate, up], dim=2).flatten(1, 2) if layout.interleaved else gate_up  # rows 2i, 2i + 1
+        stored = [stored_gu.transpose(1, 2), down.transpose(1, 2)] if layout.transposed else [stored_gu, down]
+        assert tuple(tuple(t.shape) for t in stored) == layout.shapes(E, H, I)
+    assert len(stored) == layout.tensors
+    assert tuple(tuple(t.shape) for t in stored) == layout.stored_shapes(E, H, I)
+    gu, dn = layout.canonical_tensors(stored, E)
     assert torch.equal(gu, gate_up) and torch.equal(dn, down)
+    for lo, hi in ((0, 2), (2, 4), (0, 4)):
+        for e in range(E):
+            gu_rows, dn_rows = layout.expert_rows([stored[which][index]
+                                                   for which, index in layout.expert_reads(e, lo, hi, I)])
+            assert torch.equal(gu_rows, torch.cat([gate_up[e, lo:hi], gate_up[e, I + lo:I + hi]]))
+            assert torch.equal(dn_rows, down[e, :, lo:hi])
+    if layout.stacked:
+        return
+    stored_bias = torch.stack([bias[:, :I], bias[:, I:]], dim=2).flatten(1) if layout.interleaved else bias
     assert torch.equal(layout.canonical_bias(stored_bias), bias)
     for lo, hi in ((0, 2), (2, 4), (0, 4)):
         for e in range(E):
-            parts = [stored_gu[index] for index in layout.gate_up_reads(e, lo, hi, I)]
-            want = torch.cat([gate_up[e, lo:hi], gate_up[e, I + lo:I + hi]])
-            assert torch.equal(layout.gate_up_rows(parts), want)
-            assert torch.equal(layout.down_rows(stored_dn[layout.down_read(e, lo, hi)]), down[e, :, lo:hi])
             b = layout.bias_rows([stored_bias[index] for index in layout.bias_reads(e, lo, hi, I)])
             assert torch.equal(b, torch.cat([bias[e, lo:hi], bias[e, I + lo:I + hi]]))

@@ -14,9 +14,9 @@ def test_families_json_lists_the_registry(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["model_type"] for r in rows["supported"]] == list(FAMILIES)
     assert {r["model_type"]: r["reason"] for r in rows["refused"]} == REFUSED
-    kimi = next(r for r in rows["supported"] if r["model_type"] == "kimi_linear")
-    assert (kimi["routing"], kimi["router_logits_in"], kimi["block"], kimi["fused_layout"], kimi["formats"]) == (
-        "sigmoid", "fp32", ["model.layers.{L}.block_sparse_moe.", "model.layers.{L}.mlp."], "gate_up_rows", ["bf16"])
+    dbrx = next(r for r in rows["supported"] if r["model_type"] == "dbrx")
+    assert (dbrx["routing"], dbrx["scores_in"], dbrx["router_logits_in"], dbrx["block"], dbrx["fused_layout"],
+            dbrx["formats"]) == ("softmax_model", "model", "model", ["transformer.blocks.{L}.ffn."], "stacked", ["bf16"])
     assert not set(FAMILIES) & set(REFUSED)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from router_parity import bf16_router_parity
+from router_parity import bf16_router_parity, swapped_logits
 
 from moeshard.jobs.generate import (
     GenerateSpec,
@@ -74,15 +74,19 @@ CONFIGS: dict[str, dict] = {
     "kimi_linear": dict(MLA, intermediate_size=48, moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
                         n_group=2, topk_group=1, n_shared_experts=1, linear_head_dim=8, linear_num_heads=4,
                         layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"]),
+    # A short-convolution layer, then an attention layer whose feed-forward is the MoE block.
+    "lfm2_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                     num_dense_layers=1, routed_scaling_factor=1.5, layer_types=["conv", "full_attention"]),
 }
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
-                 "minimax_m2": ("gate.weight", "e_score_correction_bias")}
+                 "minimax_m2": ("gate.weight", "e_score_correction_bias"),
+                 "lfm2_moe": ("gate.weight", "expert_bias")}
 FAMILIES = tuple(CONFIGS)
 # Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2: routers
 # in the model dtype. (glm4_moe_lite routes in fp32 in both; its bf16 ids differ where transformers'
 # two best next-token logits are one bf16 step apart: docs/transformers.md, known differences.)
-BF16_FAMILIES = ("minimax_m2", "afmoe")
+BF16_FAMILIES = ("minimax_m2", "afmoe", "lfm2_moe")
 BF16_EP2 = ParallelConfig(2, 1, True)
 
 
@@ -94,12 +98,17 @@ def _config(model_type: str):
         return None
 
 
+def _block(layer):
+    """A decoder layer's feed-forward: ``mlp``, or LFM2-MoE's ``feed_forward``."""
+    return getattr(layer, "mlp", None) or layer.feed_forward
+
+
 def _randomize_routers(model, model_type: str, generator: torch.Generator) -> None:
     """Router weights at std 2/sqrt(H) and selection biases in [0, 0.3): scores spread out, no ties."""
     weight_name, bias_name = ROUTER_PARAMS.get(model_type, ("gate.weight", "gate.e_score_correction_bias"))
     with torch.no_grad():
         for layer in model.model.layers:
-            block = layer.mlp
+            block = _block(layer)
             if not hasattr(block, "experts"):
                 continue
             weight = block.get_parameter(weight_name)
@@ -183,12 +192,12 @@ def test_one_rank_logits_and_router_logits_equal_transformers(models, model_type
     ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
     plain = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     want = plain(ids, labels=ids, output_router_logits=True)
-    moe_layers = [i for i, layer in enumerate(plain.model.layers) if hasattr(layer.mlp, "experts")]
+    moe_layers = [i for i, layer in enumerate(plain.model.layers) if hasattr(_block(layer), "experts")]
     assert moe_layers
     for model in (load_sharded_model(model_dir),
                   shard_moe_blocks(tf.AutoModelForCausalLM.from_pretrained(model_dir).eval())):
-        assert [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoEBlock)] == moe_layers
-        block = model.model.layers[moe_layers[0]].mlp
+        assert [i for i, layer in enumerate(model.model.layers) if isinstance(_block(layer), MoEBlock)] == moe_layers
+        block = _block(model.model.layers[moe_layers[0]])
         rows: list[torch.Tensor] = []
         hook = block.register_forward_pre_hook(
             lambda _m, args, rows=rows: rows.append(args[0].reshape(-1, args[0].shape[-1])))
@@ -294,23 +303,41 @@ def test_bf16_ep2_generates_what_transformers_generates(models, world, reference
     _check_bf16_ids(plan, results, reference)
 
 
+def _variant(model_type: str, **settings):
+    """The family's tiny random model with other ``settings`` of its config, its routers drawn
+    at random; skipped where this transformers lacks the type."""
+    cfg = _config(model_type)
+    if cfg is None:
+        pytest.skip(f"transformers {tf.__version__} has no config class for model_type {model_type!r}")
+    for name, value in settings.items():
+        setattr(cfg, name, value)
+    torch.manual_seed(7)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    _randomize_routers(model, model_type, torch.Generator().manual_seed(8))
+    return model
+
+
+def test_lfm2_moe_without_its_expert_bias_and_renormalization():
+    """LFM2-MoE's other settings, in memory at one rank: no expert bias (transformers' router then
+    gets None from the block, and so does moeshard's) and no renormalization."""
+    from moeshard.integrations.transformers import MoEBlock
+
+    model = _variant("lfm2_moe", use_expert_bias=False, norm_topk_prob=False)
+    want, got = swapped_logits(model, torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]]))
+    block = model.model.layers[1].feed_forward
+    assert isinstance(block, MoEBlock)
+    assert (block.cfg.use_correction_bias, block.cfg.renormalize, block.cfg.routed_scaling_factor) == (False, False, 1.5)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
 def test_cohere2_softmax_selection_and_summed_shared_expert():
     """Cohere2-MoE's other settings, in memory at one rank: softmax over the selected logits
     (``topk_softmax``, norm_topk_prob unread) and shared experts summed, not averaged."""
-    from moeshard.integrations.transformers import MoEBlock, shard_moe_blocks
+    from moeshard.integrations.transformers import MoEBlock
 
-    cfg = _config("cohere2_moe")
-    if cfg is None:
-        pytest.skip(f"transformers {tf.__version__} has no config class for model_type 'cohere2_moe'")
-    cfg.expert_selection_fn, cfg.shared_expert_combination_strategy, cfg.norm_topk_prob = "softmax", "sum", False
-    torch.manual_seed(7)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    _randomize_routers(model, "cohere2_moe", torch.Generator().manual_seed(8))
-    ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        want = model(ids).logits
-        shard_moe_blocks(model)
-        got = model(ids).logits
+    model = _variant("cohere2_moe", expert_selection_fn="softmax", shared_expert_combination_strategy="sum",
+                     norm_topk_prob=False)
+    want, got = swapped_logits(model, torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]]))
     block = model.model.layers[1].mlp
     assert isinstance(block, MoEBlock)
     assert (block.cfg.scoring, block.cfg.renormalize, block.cfg.routed_scaling_factor, block.cfg.shared_scale) == \
@@ -427,15 +454,22 @@ def test_routing_fields_follow_the_config_class():
     assert (m2.intermediate_size, m2.renormalize, m2.has_shared_experts) == (16, True, False)
     af = _parse("afmoe", route_scale=2.5).moe
     assert (af.routed_scaling_factor, af.renormalize, af.num_shared_experts) == (2.5, True, 2)
-    # the router's precision comes from the family, as its transformers router computes
+    lfm2 = _parse("lfm2_moe", routed_scaling_factor=1.5).moe
+    assert (lfm2.scoring, lfm2.renormalize, lfm2.routed_scaling_factor, lfm2.use_correction_bias,
+            lfm2.intermediate_size) == ("sigmoid_bias_model", True, 1.5, True, 16)
+    plain = _parse("lfm2_moe", use_expert_bias=False, norm_topk_prob=False).moe
+    assert (plain.use_correction_bias, plain.renormalize) == (False, False)
+    assert list(_parse("lfm2_moe").dense_layers) == [0, 1]  # num_dense_layers: 2
+    assert list(_parse("lfm2_moe", num_dense_layers=1).dense_layers) == [0]
     # config.json's own (the hub's) spellings of the routing fields
     kimi = _parse("kimi_linear", num_local_experts=None, num_experts_per_tok=None, n_shared_experts=None, num_experts=8,
                   num_experts_per_token=2, moe_renormalize=False, num_expert_group=2, num_shared_experts=2).moe
     assert (kimi.num_experts, kimi.top_k, kimi.renormalize, kimi.n_group, kimi.shared_width,
             kimi.routed_scaling_factor) == (8, 2, False, 2, 32, 2.446)
     assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
+    # the router's precision comes from the family, as its transformers router computes
     assert [_parse(t, n_routed_experts=16).moe.router_dtype for t in FAMILIES] == \
-        ["fp32"] * 5 + ["model"] * 3 + ["fp32"]
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"]
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from router_parity import bf16_router_parity
+from router_parity import bf16_router_parity, swapped_logits
 
 from moeshard.checkpoint.hf_config import parse_hf_config
 from moeshard.jobs.generate import (
@@ -84,12 +84,18 @@ CONFIGS = {
     # Gated delta net and attention layers; the checkpoint fuses the delta net's input projections.
     "lara_mini": dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
                       num_experts_per_tok=2, **LINEAR_ATTENTION),
+    # DBRX's own names for SMALL's sizes (given as hidden_size, transformers 5.24 sizes the experts
+    # by the default d_model); its attention reads rope_theta from attn_config and clamps by clip_qkv.
+    "dbrx": dict(d_model=32, n_layers=2, n_heads=4, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)),
 }
+# SMALL's fields a config class takes under names of its own (in CONFIGS).
+OWN_NAMES = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
 FAMILIES = tuple(CONFIGS)
 # Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2 (routers in
 # the model dtype; the others' bf16 ids differ where two next-token logits tie or are one bf16 step
 # apart, or an exact tie of router logits is broken another way: docs/transformers.md).
-BF16_FAMILIES = ("granitemoe", "qwen3_5_moe_text", "phimoe")
+BF16_FAMILIES = ("granitemoe", "qwen3_5_moe_text", "phimoe", "dbrx")
 BF16_EP2 = ParallelConfig(2, 1, True)
 # Families whose MoE block takes the path of a family make test runs under layouts and in memory
 # (the same reader output, names, routing kind and shared-expert kind; a layout's own path is
@@ -110,7 +116,8 @@ SAME_PATH_AS = {
 def _config(model_type: str):
     """transformers' config of the tiny model, or None where the installed transformers lacks the class."""
     try:
-        return tf.AutoConfig.for_model(model_type, **{**SMALL, **CONFIGS[model_type]})
+        small = {k: v for k, v in SMALL.items() if k not in OWN_NAMES.get(model_type, ())}
+        return tf.AutoConfig.for_model(model_type, **{**small, **CONFIGS[model_type]})
     except ValueError as exc:
         if str(exc).startswith("Unrecognized model identifier"):
             return None
@@ -360,8 +367,7 @@ def test_config_refusals_name_the_field(models, family, changes, message):
 
 
 @pytest.mark.parametrize("model_type, part", [("longcat_flash", "zero-computation (identity) experts"),
-                                              ("jetmoe", "adds a learned bias"), ("dbrx", "a layout moeshard does not read"),
-                                              ("lfm2_moe", "sigmoid scores computed in the model dtype")])
+                                              ("jetmoe", "adds a learned bias")])
 def test_inexpressible_families_are_refused_naming_the_part(model_type, part):
     with pytest.raises(ValueError, match=f"config.json: model_type '{model_type}' is not supported: .*{re.escape(part)}"):
         parse_hf_config({"model_type": model_type}, "config.json")
@@ -384,6 +390,7 @@ def test_config_readers(models):
         "granitemoeshared": ("topk_softmax", False, 0, False, [], 4, 1),
         "granitemoehybrid": ("topk_softmax", False, 0, False, [], 4, 1),
         "phimoe": ("sparsemixer", False, 0, False, [], 4, 1),
+        "dbrx": ("softmax_model", True, 0, False, [], 4, 1),
         "lara_mini": ("softmax", True, 24, False, [], 4, 1),
     }
     assert set(want) == set(FAMILIES)
@@ -396,3 +403,43 @@ def test_config_readers(models):
                 m.num_experts, m.n_group) == (scoring, renorm, shared, gated, dense, experts, groups), family
     greedy = parse_hf_config(_raw(models, "deepseek_v2", topk_method="greedy"), "deepseek_v2").moe
     assert (greedy.scoring, greedy.n_group, greedy.routed_scaling_factor) == ("softmax", 1, 2.0)
+
+
+def test_dbrx_reads_its_nested_ffn_config(models):
+    """DBRX keeps its expert settings in ``ffn_config``: read with their own messages, a norm other
+    than the 1-norm refused, no normalization (null) honoured."""
+    raw = _raw(models, "dbrx")
+    ffn = raw["ffn_config"]
+
+    def parse(**changes):
+        return parse_hf_config({**raw, "ffn_config": {**ffn, **changes}}, "config.json").moe
+
+    moe = parse()
+    assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.renormalize, moe.activation,
+            moe.router_dtype) == (4, 2, 32, 16, True, "silu", "model")
+    assert parse(moe_normalize_expert_weights=None).renormalize is False
+    assert parse(ffn_act_fn={"name": "gelu"}).activation == "gelu"
+    with pytest.raises(ValueError, match=r"config.json: ffn_config: moe_normalize_expert_weights=2; DBRX would divide "
+                                         r"the weights by their 2-norm"):
+        parse(moe_normalize_expert_weights=2.0)
+    with pytest.raises(ValueError, match=r"config.json: ffn_config: missing field 'moe_top_k'"):
+        parse_hf_config({**raw, "ffn_config": {k: v for k, v in ffn.items() if k != "moe_top_k"}}, "config.json")
+    with pytest.raises(ValueError, match=r"config.json: ffn_config must be an object holding DBRX's expert settings, "
+                                         r"got \[1, 2\]"):
+        parse_hf_config({**raw, "ffn_config": [1, 2]}, "config.json")
+    assert parse_hf_config(raw, "config.json").num_layers == 2  # n_layers
+
+
+def test_dbrx_without_normalization_equals_transformers(models):
+    """``moe_normalize_expert_weights`` null, in memory at one rank: the softmax probabilities
+    of the top k are the weights as they are."""
+    from moeshard.integrations.transformers import MoEBlock
+
+    model = tf.AutoModelForCausalLM.from_pretrained(_dir(models, "dbrx")).eval()
+    model.config.ffn_config.moe_normalize_expert_weights = None
+    for layer in model.transformer.blocks:
+        layer.ffn.moe_normalize_expert_weights = None
+    want, got = swapped_logits(model, torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]]))
+    block = model.transformer.blocks[0].ffn
+    assert isinstance(block, MoEBlock) and block.cfg.renormalize is False
+    assert torch.allclose(got, want, atol=FP32_ATOL, rtol=0), (got - want).abs().max()

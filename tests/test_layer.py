@@ -335,6 +335,17 @@ def test_from_state_dict_refuses_a_tensor_the_config_does_not_read(extra):
         MoELayer.from_state_dict({**state, extra: torch.zeros(4)}, cfg)
 
 
+@pytest.mark.parametrize("name, field", [("gate.weight", "gate"), ("experts.down_proj", "down")])
+def test_meta_weights_are_refused_naming_the_tensor(name, field):
+    """A state dict of a model built on the meta device (shapes, no data) failed inside torch's
+    copy ("Cannot copy out of meta tensor") without naming the tensor."""
+    cfg = MoEConfig(4, 2, 16, 8)
+    state = MoEWeights.random(cfg, torch.Generator().manual_seed(0)).state_dict()
+    with pytest.raises(ValueError, match=rf"MoEWeights.{field}: a meta tensor \(a shape without data\); materialise "
+                                         r"the weights first"):
+        MoELayer.from_state_dict({**state, name: state[name].to("meta")}, cfg)
+
+
 @pytest.mark.parametrize("cast", ["bfloat16", "double"])
 def test_a_layer_cast_after_it_was_built_is_refused_naming_both_dtypes(cast):
     """``MoELayer(cfg).bfloat16()`` changed the tensors, not the config the kernels follow: a

@@ -137,7 +137,98 @@ def test_route_weights_have_the_gradient_of_transformers_router(kind):
         assert float(x_ms.grad[lone].abs().max()) == 0 and float(x_ms.grad[~lone].abs().amax(dim=1).min()) > 0
 
 
+# Kinds that score in the model dtype, whose transformers routing is not one router module's
+# output: LFM2-MoE's router takes the block's expert bias as an argument; DBRX's router returns
+# logits and its FFN routes them (``route_tokens_to_experts``).
+# kind -> (module, config class, config fields, moeshard routing fields)
+MODEL_DTYPE_KINDS = {
+    "sigmoid_bias_model": ("lfm2_moe", "Lfm2MoeConfig",
+                           dict(num_experts=E, num_experts_per_tok=2, routed_scaling_factor=1.5),
+                           dict(top_k=2, use_correction_bias=True, routed_scaling_factor=1.5)),
+    "softmax_model": ("dbrx", "DbrxConfig", dict(d_model=H, ffn_config=dict(moe_num_experts=E, moe_top_k=2)),
+                      dict(top_k=2, renormalize=True)),
+}
+
+
+def _model_dtype_routing(kind: str, g: torch.Generator, dtype: torch.dtype = torch.float32):
+    """(router weight, selection bias or None, x -> (ids, weights)) of the family's own routing
+    code in ``dtype``, its router weight drawn from ``g`` (the LFM2-MoE bias stays fp32, as the
+    block holds it)."""
+    module, config_class, fields, _ = MODEL_DTYPE_KINDS[kind]
+    modeling = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    if not hasattr(tf, config_class):
+        pytest.skip(f"transformers {tf.__version__} has no {config_class}")
+    config = getattr(tf, config_class)(**SHAPE, **fields)
+    if module == "lfm2_moe":
+        router = modeling.Lfm2MoeTopKRouter(config).eval().to(dtype)
+        bias = torch.rand(E, generator=g) / 4
+        weight = router.weight
+
+        def run(x):
+            _, w, ids = router(x, bias)
+            return ids, w
+    else:
+        ffn = modeling.DbrxFFN(config).eval().to(dtype)
+        bias, weight = None, ffn.router.layer.weight
+
+        def run(x):
+            w, ids = ffn.route_tokens_to_experts(ffn.router(x))
+            return ids, w
+    with torch.no_grad():
+        weight.copy_(torch.randn(weight.shape, generator=g))
+    return weight, bias, run
+
+
+@pytest.mark.parametrize("kind", list(MODEL_DTYPE_KINDS))
+def test_model_dtype_kinds_have_the_gradient_of_transformers_routing(kind):
+    """fp32 (the model dtype here): the same routes, weights and gradients of x and the router
+    weight as the family's own routing, with its +1e-6 (LFM2-MoE) and its 1-norm (DBRX)."""
+    g = torch.Generator().manual_seed(200 + len(kind))
+    weight, bias, run = _model_dtype_routing(kind, g)
+    cfg = MoEConfig(num_experts=E, hidden_size=H, intermediate_size=8, scoring=kind, router_dtype="model",
+                    **MODEL_DTYPE_KINDS[kind][3])
+    x = torch.randn(T, H, generator=g)
+    upstream = torch.randn(T, E, generator=g)
+
+    x_tf = x.clone().requires_grad_()
+    dense_tf = _dense(*run(x_tf))
+    (dense_tf * upstream).sum().backward()
+
+    x_ms = x.clone().requires_grad_()
+    w_ms = weight.detach().clone().requires_grad_()
+    r = route_tokens(x_ms, w_ms, cfg, bias)
+    dense = _dense(r.topk_ids, r.topk_weights)
+    assert torch.equal(dense, dense_tf.detach()), kind  # the same routes and weights, bit for bit
+    (dense * upstream).sum().backward()
+    assert x_tf.grad is not None and x_ms.grad is not None and weight.grad is not None and w_ms.grad is not None
+    assert float(x_tf.grad.abs().max()) > 0, kind
+    assert torch.allclose(x_ms.grad, x_tf.grad, rtol=0, atol=1e-5 * float(x_tf.grad.abs().max())), kind
+    assert torch.allclose(w_ms.grad, weight.grad, rtol=0, atol=1e-5 * float(weight.grad.abs().max())), kind
+
+
+@pytest.mark.parametrize("kind", list(MODEL_DTYPE_KINDS))
+def test_model_dtype_kinds_in_bf16_are_the_familys_routing_bit_for_bit(kind):
+    """bf16: the same experts and the same bf16 weights as the family's routing (each step
+    rounded to bf16); the same kind's steps in fp32 give other weights for some tokens."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(300 + len(kind))
+    weight, bias, run = _model_dtype_routing(kind, g, torch.bfloat16)
+    cfg = MoEConfig(num_experts=E, hidden_size=H, intermediate_size=8, scoring=kind, router_dtype="model",
+                    dtype=torch.bfloat16, **MODEL_DTYPE_KINDS[kind][3])
+    x = torch.randn(4 * T, H, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        ids, w = run(x)
+        r = route_tokens(x, weight, cfg, bias)
+    assert w.dtype == torch.bfloat16
+    assert torch.equal(_dense(r.topk_ids, r.topk_weights), _dense(ids, w.float())), kind
+    wide = replace(cfg, scoring={"softmax_model": "softmax", "sigmoid_bias_model": "sigmoid"}[kind])
+    with torch.no_grad():
+        fp32 = route_tokens(x, weight, wide, bias)
+    assert not torch.equal(_dense(fp32.topk_ids, fp32.topk_weights), _dense(ids, w.float())), kind
+
+
 def test_every_registered_routing_kind_is_compared():
     from moeshard.routing import routing_names
 
-    assert set(KINDS) == set(routing_names())
+    assert set(KINDS) | set(MODEL_DTYPE_KINDS) == set(routing_names())

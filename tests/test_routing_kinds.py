@@ -2,6 +2,7 @@
 kinds beyond today's softmax / sigmoid ones, refusals naming the values, and a kind added as data."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -126,12 +127,14 @@ def test_renormalize_the_kind_does_not_allow_is_refused(scoring, value, message)
     assert str(info.value).startswith("MoEConfig.renormalize: ") and message in str(info.value)
 
 
-def test_a_kinds_renormalization_rule_is_checked_at_registration():
+@pytest.mark.parametrize("field, value, allowed", [("renormalize", "sometimes", "['optional', 'always', 'never']"),
+                                                   ("score_dtype", "bf16", "['fp32', 'model']")])
+def test_a_kinds_rules_are_checked_at_registration(field, value, allowed):
     base = get_routing("softmax")
-    with pytest.raises(ValueError, match=r"register_routing\('bad'\): renormalize 'sometimes' is not one of "
-                                         r"\['optional', 'always', 'never'\]"):
+    with pytest.raises(ValueError, match=rf"register_routing\('bad'\): {field} '{value}' is not one of "
+                                         rf"{re.escape(allowed)}"):
         register_routing(RoutingKind("bad", base.scores, base.order, None, False, False, True, base.weight_floor,
-                                     False, "x", renormalize="sometimes"))
+                                     False, "x", **{field: value}))
     assert "bad" not in routing_names()
 
 
@@ -145,3 +148,84 @@ def test_replace_carries_renormalize_and_none_takes_the_new_kinds_rule():
         replace(mixtral, scoring="topk_softmax")
     assert replace(mixtral, scoring="topk_softmax", renormalize=None).renormalize is False
     assert replace(cfg(scoring="topk_softmax"), scoring="softmax", renormalize=None).renormalize is True
+
+
+# -- kinds that score in the model dtype (DBRX, LFM2-MoE) --------------------------------------
+def _bf16(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.bfloat16)
+
+
+def test_sigmoid_bias_model_divides_by_the_sum_plus_its_floor():
+    """fp32 model: s = sigmoid(logits) = [0.119, 0.881, 0.269, 0.731]; with the bias [0, 0, 0.7,
+    0.3] the choice is [0.119, 0.881, 0.969, 1.031], so experts 3 and 2 (1 and 3 without it);
+    the weights are their unbiased s over (s3 + s2 + 1e-6), times 1.5: the added 1e-6 moves each
+    weight by about 1e-6 relative, which a max(sum, floor) denominator would not."""
+    logits = torch.tensor([[-2.0, 2.0, -1.0, 1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.7, 0.3])
+    c = cfg(scoring="sigmoid_bias_model", use_correction_bias=True, routed_scaling_factor=1.5, router_dtype="model")
+    r = route(logits, c, bias)
+    s = [1 / (1 + math.exp(-v)) for v in (-2.0, 2.0, -1.0, 1.0)]
+    assert r.topk_ids.tolist() == [[3, 2]]
+    total = s[3] + s[2] + 1e-6
+    assert r.topk_weights[0].tolist() == pytest.approx([1.5 * s[3] / total, 1.5 * s[2] / total], rel=2e-7, abs=0)
+    clamped = [1.5 * s[3] / (s[3] + s[2]), 1.5 * s[2] / (s[3] + s[2])]
+    assert all(abs(a - b) > 5e-7 * b for a, b in zip(r.topk_weights[0].tolist(), clamped, strict=True))
+
+
+def test_sigmoid_bias_model_rounds_every_step_to_the_model_dtype():
+    """bf16 model: each step rounds to bf16 as LFM2-MoE's router computes it (sigmoid, the sum,
+    the sum plus 1e-6, the quotient, the scaling); the bias is added in fp32 (an fp32 buffer)."""
+    logits = _bf16([[0.3, 1.7, -0.4, 1.1, 0.9, -2.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05, 0.0])
+    c = MoEConfig(num_experts=6, top_k=3, hidden_size=8, intermediate_size=8, scoring="sigmoid_bias_model",
+                  use_correction_bias=True, routed_scaling_factor=2.5, router_dtype="model", dtype=torch.bfloat16)
+    r = route(logits, c, bias)
+    rnd = lambda v: float(torch.tensor(v, dtype=torch.float32).to(torch.bfloat16))  # noqa: E731
+    s = [rnd(1 / (1 + math.exp(-float(v)))) for v in logits[0]]
+    assert r.topk_ids.tolist() == [[1, 4, 3]]  # s(1.7); s(0.9) + 0.05 = 0.761 over s(1.1) = 0.750; not s(0.3)
+    total = rnd(rnd(s[1] + s[4] + s[3]) + 1e-6)
+    want = [rnd(rnd(s[e] / total) * 2.5) for e in (1, 4, 3)]
+    assert r.topk_weights.dtype == torch.float32 and r.topk_weights[0].tolist() == want
+    wide = MoEConfig(num_experts=6, top_k=3, hidden_size=8, intermediate_size=8, scoring="sigmoid",
+                     use_correction_bias=True, routed_scaling_factor=2.5, router_dtype="model", dtype=torch.bfloat16)
+    assert route(logits, wide, bias).topk_weights[0].tolist() != want  # fp32 scoring: other weights
+
+
+def test_softmax_model_selects_on_the_rounded_probabilities():
+    """bf16 softmax probabilities of two different logits can round to one value: the kind then
+    ties them and takes the lower expert, where fp32 scoring takes the larger logit; the weights
+    are the bf16 probabilities over their bf16 sum."""
+    logits = _bf16([[0.0, -2.0, 2.0**-10, -3.0]])  # expert 2's logit above expert 0's
+    c = MoEConfig(num_experts=4, top_k=1, hidden_size=8, intermediate_size=8, scoring="softmax_model",
+                  renormalize=False, router_dtype="model", dtype=torch.bfloat16)
+    p = logits.softmax(dim=-1)
+    assert p[0, 0] == p[0, 2] and logits[0, 0] < logits[0, 2]
+    r = route(logits, c)
+    assert r.topk_ids.tolist() == [[0]] and r.topk_weights[0].tolist() == [float(p[0, 0])]
+    fp32 = MoEConfig(num_experts=4, top_k=1, hidden_size=8, intermediate_size=8, scoring="softmax",
+                     renormalize=False, router_dtype="model", dtype=torch.bfloat16)
+    assert route(logits, fp32).topk_ids.tolist() == [[2]]
+    two = route(logits, MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, scoring="softmax_model",
+                                  router_dtype="model", dtype=torch.bfloat16))
+    rnd = lambda v: float(torch.tensor(v).to(torch.bfloat16))  # noqa: E731
+    total = rnd(2 * float(p[0, 0]))
+    assert two.topk_ids.tolist() == [[0, 2]] and two.topk_weights[0].tolist() == [rnd(float(p[0, 0]) / total)] * 2
+
+
+def test_a_kind_that_scores_in_the_model_dtype_needs_model_dtype_logits():
+    with pytest.raises(ValueError, match=r"MoEConfig.router_dtype: scoring='softmax_model' scores in the model dtype, "
+                                         r"from logits computed in it; router_dtype must be 'model', got 'fp32'"):
+        cfg(scoring="softmax_model")
+
+
+@pytest.mark.parametrize("scoring", ["softmax_model", "sigmoid_bias_model"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_dtype_kinds_through_layer_and_reference(scoring, dtype):
+    c = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, scoring=scoring,
+                  use_correction_bias=scoring == "sigmoid_bias_model", router_dtype="model", dtype=dtype,
+                  routed_scaling_factor=1.5 if scoring == "sigmoid_bias_model" else 1.0)
+    torch.manual_seed(0)
+    w = MoEWeights.random(c)
+    x = torch.randn(10, 16).to(dtype)
+    layer = MoELayer.from_state_dict(w.state_dict(), c)
+    assert compare(layer(x), reference_forward(x, w, c), c.dtype, "none")[3]

@@ -98,7 +98,9 @@ class MoEConfig:
     ``routed_scaling_factor=0.5``).
     Router precision: ``router_dtype`` (``ROUTER_DTYPES``) says where the logits are computed:
     ``"fp32"`` (the default) or ``"model"`` (in the model dtype, rounded to it, as the family's
-    router does); selection and weights are computed in fp32 from those logits either way.
+    router does); selection and weights are computed in fp32 from those logits, except for a
+    routing kind with ``score_dtype="model"``, which computes them in ``dtype`` and needs
+    ``router_dtype="model"``.
     Expert biases: ``expert_bias`` gives every routed expert a gate_up bias [2I] and a down bias
     [H] (gpt-oss), added to its projections' outputs (``moeshard.weights``).
 
@@ -139,6 +141,9 @@ class MoEConfig:
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"{owner}.router_dtype: {self.router_dtype!r} is not one of {list(ROUTER_DTYPES)}")
         kind = get_routing(self.scoring, f"{owner}.scoring")
+        if kind.score_dtype == "model" and self.router_dtype != "model":
+            raise ValueError(f"{owner}.router_dtype: scoring={self.scoring!r} scores in the model dtype, from logits "
+                             f"computed in it; router_dtype must be 'model', got {self.router_dtype!r}")
         object.__setattr__(self, "renormalize", _renormalize(owner, self.renormalize, kind))
         object.__setattr__(self, "routed_scaling_factor",
                            finite_float(owner, "routed_scaling_factor", self.routed_scaling_factor, 0.0,

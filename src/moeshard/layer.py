@@ -562,7 +562,13 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] in ``cfg.dtype`` on this rank's device (T may be 0 and may differ per DP
         rank; identical on the TP ranks of one DP rank; at most ``max_tokens_per_rank``) -> [T, H]
-        in ``cfg.dtype``."""
+        in ``cfg.dtype``. Under ``torch.compile`` of a model holding the layer, the layer itself
+        runs eagerly (the rest of the model is compiled)."""
+        if torch.compiler.is_compiling():
+            return _eager_forward()(self, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         grad = self._check_input(x)
         p = self.parallel
         first_row = 0
@@ -674,3 +680,19 @@ class MoELayer(nn.Module):
         self.slot_expert.copy_(torch.tensor(list(self.shard.logical_experts), dtype=torch.int64))
         self.placement = placement
         return stats
+
+
+_EAGER_FORWARD: Callable[[MoELayer, torch.Tensor], torch.Tensor] | None = None
+
+
+def _eager_forward() -> Callable[[MoELayer, torch.Tensor], torch.Tensor]:
+    """``MoELayer._forward`` as ``torch.compile`` calls it: eagerly, a graph break at the layer's
+    boundary. Traced, the layer fails (its float32 grouped GEMM has no meta function on torch
+    2.13, and a backward fails on its custom autograd Functions around graph breaks), and it
+    keeps host-side state (the experts' weight views, dispatch plans, side streams) while its GPU
+    work is its own Triton kernels already. Made on first use, under a compile: importing dynamo
+    costs about 1.1 s, which the layer's import does not pay."""
+    global _EAGER_FORWARD
+    if _EAGER_FORWARD is None:
+        _EAGER_FORWARD = torch.compiler.disable(MoELayer._forward)
+    return _EAGER_FORWARD

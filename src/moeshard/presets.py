@@ -6,7 +6,8 @@ and ``medium``: 4x the hidden size, 2x the intermediate sizes and up to 2x the e
 ``small``, for the longer CPU runs (``moeshard check --full``). Each computes its router logits
 as its family does (``MoEConfig.router_dtype``): in the model dtype, except the DeepSeek-V3,
 DeepSeek-V2 and ERNIE 4.5 presets, whose routers transformers runs in fp32; the matrix's bfloat16
-cases therefore cover both.
+cases therefore cover both. DBRX and LFM2-MoE also score in the model dtype (their routing kinds'
+``score_dtype``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,18 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="topk_softmax",
                      renormalize=False),
            "top-k of the logits, softmax over the selected", router_dtype="model"),
+    Preset("dbrx",
+           MoEConfig(num_experts=16, top_k=4, hidden_size=6144, intermediate_size=10752, scoring="softmax_model",
+                     router_dtype="model"),
+           MoEConfig(num_experts=16, top_k=4, hidden_size=128, intermediate_size=512, scoring="softmax_model",
+                     router_dtype="model"),
+           "softmax in the model dtype, top-4 of 16, divided by their sum", router_dtype="model"),
+    Preset("lfm2-8b-a1b",
+           MoEConfig(num_experts=32, top_k=4, hidden_size=2048, intermediate_size=1792, scoring="sigmoid_bias_model",
+                     use_correction_bias=True, router_dtype="model"),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="sigmoid_bias_model",
+                     use_correction_bias=True, router_dtype="model"),
+           "sigmoid in the model dtype, selection bias, divided by the sum plus 1e-6", router_dtype="model"),
 )}
 
 

@@ -26,9 +26,12 @@ Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
 Precision: ``router_logits`` computes the logits x W^T (the router's bias included) in the
 family's precision, ``MoEConfig.router_dtype``: in fp32 (``"fp32"``), or in the model dtype and
 rounded to it (``"model"``, as most transformers routers do); everything after the logits is
-computed in fp32 on device. ``route_tokens`` (tokens -> routing) is what the layer, the
-reference, the harness and the transformers integration call, so they all pick the same experts
-from the same logits; ``route`` starts from logits. Nothing synchronises with the host.
+computed in fp32 on device, except for a routing kind with ``score_dtype="model"`` (DBRX,
+LFM2-MoE), whose scores, selection sums, renormalization and scaling are torch's ops in the
+model dtype, rounding as the family's router does; its weights are then widened to fp32.
+``route_tokens`` (tokens -> routing) is what the layer, the reference, the harness and the
+transformers integration call, so they all pick the same experts from the same logits; ``route``
+starts from logits. Nothing synchronises with the host.
 
 Ties: ``torch.topk`` order for equal values is not specified, so ties are broken explicitly in
 favour of the lower expert (and group) index, which makes routing reproducible across devices and
@@ -217,10 +220,15 @@ def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.
     the one-pass routing widens to fp32 first) -> the routing of ``cfg``'s kind: the second half
     of ``route_tokens``, for a caller that computes the logits itself (the gradient reference)."""
     kind = cfg.routing_kind
-    fused = _routing_in_kernel(logits, cfg, correction_bias)
+    in_model_dtype = kind.score_dtype == "model"
+    fused = None if in_model_dtype else _routing_in_kernel(logits, cfg, correction_bias)
     if fused is not None:
         return Routing(topk_ids=fused[0], topk_weights=fused[1], logits=logits)
-    if logits.dtype in (torch.bfloat16, torch.float16):
+    given = logits
+    if in_model_dtype:
+        # The logits' values are model-dtype values (router_dtype "model"), so this is exact.
+        logits = logits.to(cfg.dtype)
+    elif logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     if kind.order == "topk_then_score":
         # Select on the logits (the scores are monotone in them), score the K selected only.
@@ -233,20 +241,25 @@ def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.
         choice = scores
         if cfg.use_correction_bias:
             assert correction_bias is not None  # refused by _check_biases when missing
-            choice = scores + correction_bias.float().view(1, -1)
+            # In fp32 for every kind: the layer holds the bias in fp32, and LFM2-MoE's router adds
+            # its fp32 bias to its model-dtype scores in fp32 as well (torch's type promotion).
+            choice = scores.float() + correction_bias.float().view(1, -1)
         if cfg.n_group > 1:
             assert kind.groups is not None  # MoEConfig refuses n_group > 1 for a kind without groups
             # Experts outside the kept groups can never win: -inf is below any score.
             choice = choice.masked_fill(~_group_mask(choice, cfg, kind.groups), float("-inf"))
-        fused = _fused_selection(choice, scores, cfg)
+        fused = None if in_model_dtype else _fused_selection(choice, scores, cfg)
         if fused is not None:
             return Routing(topk_ids=fused[0], topk_weights=fused[1], logits=logits)
         ids = _topk_low_index_first(choice, cfg.top_k)
         weights = scores.gather(1, ids)
     if cfg.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(kind.weight_floor)
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + kind.weight_floor if kind.floor_added else total.clamp_min(kind.weight_floor))
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
+    if in_model_dtype:
+        return Routing(topk_ids=ids, topk_weights=weights.float(), logits=given)
     return Routing(topk_ids=ids, topk_weights=weights, logits=logits)
 
 

@@ -28,12 +28,24 @@ sparsemixer            K rounds on the logits s: the best remaining expert i (lo
                        and weighted by its softmax share among the remaining experts j with
                        (m - s_j) / max(|s_j|, m) <= 2 * mask_eps, mask_eps 0.01 (Phi-3.5-MoE in
                        eval: sparsemixer without its training-time sampling)
+softmax_model          as softmax, every step in the model dtype (DBRX: ``softmax(logits,
+                       dtype=logits.dtype)``, top K, divided by their sum, the 1-norm)
+sigmoid_bias_model     s = sigmoid(logits) in the model dtype; top K of s + selection bias (the
+                       sum in fp32), the weights are s; optionally divided by their sum plus
+                       1e-6; routed scaling; every other step in the model dtype (LFM2-MoE)
 =====================  ==========================================================================
 
 ``router_bias``: the router is a linear with a bias, ``route`` needs the bias and adds it to the
 logits. ``weights_on_input``: the weight scales the expert's input (rounded to the model dtype,
 as the family does) and the expert's output is summed unweighted; the layer, the reference and
-the harness apply it. ``weight_floor`` is the floor of the renormalization's denominator.
+the harness apply it. ``weight_floor`` is the floor of the renormalization's denominator, or
+(``floor_added``) a constant added to it.
+
+``score_dtype``: "fp32" computes everything after the logits in fp32 (most families: their
+routers widen the logits first); "model" computes the scores, the renormalization and the
+scaling with torch's ops in the model dtype, each rounding to it, as the family's router does
+(``router.select_experts``; a selection bias is added in fp32, where the layer holds it), and
+only the final weights are widened.
 """
 
 from __future__ import annotations
@@ -51,6 +63,8 @@ ORDERS = ("score_then_topk", "topk_then_score", "masked_rounds")
 GROUP_SCORES = ("top2_sum", "max")
 # Whether the K weights may be divided by their sum: the config's choice, always, or never.
 RENORMALIZATION = ("optional", "always", "never")
+# The precision of the scores and weights: fp32, or the model dtype (each op rounding to it).
+SCORE_DTYPES = ("fp32", "model")
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,9 @@ class RoutingKind:
     correction_bias: ``use_correction_bias`` is allowed (a bias [E] added for selection only).
     router_bias: the logits come from a router with a bias [E]; ``route`` requires it.
     scaling: ``routed_scaling_factor`` other than 1 is allowed.
-    weight_floor: renormalization divides by ``max(sum of the K weights, weight_floor)``.
+    weight_floor: renormalization divides by ``max(sum of the K weights, weight_floor)``, or with
+      ``floor_added`` by ``sum + weight_floor`` (LFM2-MoE's ``sum + 1e-6``, which moves an fp32
+      weight by a relative 1e-6).
     weights_on_input: the weight multiplies the expert's input rather than its output.
     summary: one line for listings.
     mask_eps: with ``order="masked_rounds"``, a round scores the picked expert among the
@@ -77,6 +93,10 @@ class RoutingKind:
       softmax over the selected logits already sums to 1, and Llama-4's top-1 sigmoid would
       become 1.0). ``MoEConfig`` fills in an omitted ``renormalize`` from it and refuses a
       contradiction.
+    score_dtype: ``SCORE_DTYPES``: "model" computes the scores and weights in the model dtype
+      (``MoEConfig.dtype``) from logits rounded to it, so it needs ``router_dtype="model"``; the
+      one-pass Triton routing is fp32 and does not take such a kind.
+    floor_added: see ``weight_floor``.
     """
 
     name: str
@@ -91,6 +111,8 @@ class RoutingKind:
     summary: str
     mask_eps: float = 0.0
     renormalize: str = "optional"
+    score_dtype: str = "fp32"
+    floor_added: bool = False
 
 
 _REGISTRY: Registry[RoutingKind] = Registry()
@@ -116,6 +138,10 @@ def register_routing(kind: RoutingKind) -> RoutingKind:
                          f"got {kind.mask_eps!r} with order {kind.order!r}")
     if kind.renormalize not in RENORMALIZATION:
         raise ValueError(f"{where}: renormalize {kind.renormalize!r} is not one of {list(RENORMALIZATION)}")
+    if kind.score_dtype not in SCORE_DTYPES:
+        raise ValueError(f"{where}: score_dtype {kind.score_dtype!r} is not one of {list(SCORE_DTYPES)}")
+    if not isinstance(kind.floor_added, bool):
+        raise ValueError(f"{where}: floor_added must be a bool, got {kind.floor_added!r}")
     if not (isinstance(kind.weight_floor, float) and 0 < kind.weight_floor < 1):
         raise ValueError(f"{where}: weight_floor must be a float in (0, 1), got {kind.weight_floor!r}")
     _REGISTRY.add(kind.name, kind)
@@ -170,3 +196,15 @@ for _kind in (
 # Cohere2-MoE with expert_selection_fn="sigmoid" (its "softmax" is topk_softmax).
 register_routing(RoutingKind("topk_sigmoid", "sigmoid", "topk_then_score", None, False, False, True, _FLOOR, False,
                              "top-k of the logits, sigmoid of the selected, optional renormalization"))
+
+# Routers that score in the model dtype: DBRX (``softmax(logits, dtype=logits.dtype)``, its
+# weights divided by their 1-norm, the sum for these non-negative weights), LFM2-MoE (sigmoid
+# scores, an expert bias for selection, divided by ``sum + 1e-6``, ``routed_scaling_factor``).
+for _kind in (
+    RoutingKind("softmax_model", "softmax", "score_then_topk", None, False, False, False, _FLOOR, False,
+                "softmax in the model dtype, top-k, optional renormalization", score_dtype="model"),
+    RoutingKind("sigmoid_bias_model", "sigmoid", "score_then_topk", None, True, False, True, 1e-6, False,
+                "sigmoid in the model dtype, selection bias, renormalized by the sum plus 1e-6, routed scaling",
+                score_dtype="model", floor_added=True),
+):
+    register_routing(_kind)

@@ -87,6 +87,10 @@ class MoEWeights:
                 raise ValueError(f"MoEWeights.{name}: expected shape {shape}, got {tuple(value.shape)}")
             if not value.is_floating_point():
                 raise ValueError(f"MoEWeights.{name}: expected a floating tensor, got {value.dtype}")
+            if value.is_meta:
+                raise ValueError(f"MoEWeights.{name}: a meta tensor (a shape without data); materialise the weights "
+                                 f"first (moeshard.integrations.transformers.load_sharded_model reads a checkpoint's, "
+                                 f"or module.to_empty(device=...) and load_state_dict)")
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> MoEWeights:
         """Moves every tensor; the router (``gate``, ``correction_bias``, ``gate_bias``) keeps its

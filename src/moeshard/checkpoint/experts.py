@@ -17,9 +17,9 @@ What is read, per local expert (a ``ShardSpec`` says which experts and which sli
   match the single-device model. So the expert's full gate/up rows and down columns are read,
   quantized, then sliced with ``QuantizedWeight.slice_out``/``slice_in``/``cat_out``, and the
   full-precision expert is dropped before the next one is read.
-* a fused layout other than ``gate_up_rows`` (``checkpoint.fused``: interleaved gate/up, or
-  transposed ``[E, H, 2I]`` / ``[E, I, H]``): the same slices of the stored tensor, converted into
-  moeshard's layout one expert at a time.
+* a fused layout other than ``gate_up_rows`` (``checkpoint.fused``: interleaved gate/up,
+  transposed ``[E, H, 2I]`` / ``[E, I, H]``, or DBRX's three stacked ``[E * I, H]`` tensors): the
+  same slices of the stored tensors, converted into moeshard's layout one expert at a time.
 * an MXFP4 checkpoint (gpt-oss: ``<name>_blocks`` / ``<name>_scales``, ``checkpoint.mxfp4``): the
   blocks and scales of the kept slice (down: the 32-column blocks that cover it), dequantized to
   the model dtype; then as a full-precision checkpoint (any scheme, the slice or whole expert).
@@ -145,6 +145,9 @@ class ExpertReader:
         if self.fp8 and names.fused and self.layout.name != "gate_up_rows":
             raise ValueError(f"{names.fused_gate_up}: an fp8 checkpoint is read with fused layout 'gate_up_rows' "
                              f"only, its family's is {self.layout.name!r}")
+        if (self.mxfp4 or cfg.expert_bias) and self.layout.stacked:
+            what = "an MXFP4 checkpoint" if self.mxfp4 else "experts with biases"
+            raise ValueError(f"{names.fused_gate_up}: {what} in fused layout 'stacked' is not read")
         if (self.mxfp4 or cfg.expert_bias) and not names.fused:
             what = "an MXFP4 checkpoint" if self.mxfp4 else "experts with biases"
             raise ValueError(f"{names.prefix}{names.family.experts}: {what} must be stored as fused tensors "
@@ -163,8 +166,7 @@ class ExpertReader:
             self._check_mxfp4_shapes()
             want, scales = {}, {}
         elif n.fused:
-            gate_up_shape, down_shape = self.layout.shapes(E, H, I)
-            want = {n.fused_gate_up: gate_up_shape, n.fused_down: down_shape}
+            want = dict(zip(n.fused_tensors, self.layout.stored_shapes(E, H, I), strict=True))
             scales = {scale_name(n.fused_gate_up): (E, _blocks(2 * I), _blocks(H)),
                       scale_name(n.fused_down): (E, _blocks(H), _blocks(I))}
         else:
@@ -244,10 +246,11 @@ class ExpertReader:
     def _converted_into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Another fused layout (``checkpoint.fused``): the stored slices, converted."""
         n, layout, I = self.names, self.layout, self.cfg.intermediate_size
-        reads = [(n.fused_gate_up, index) for index in layout.gate_up_reads(e, lo, hi, I)]
-        *gu, dn = self.ckpt.read_many(reads + [(n.fused_down, layout.down_read(e, lo, hi))])
-        self._place(gate_up, layout.gate_up_rows(gu), n.fused_gate_up)
-        self._place(down, layout.down_rows(dn), n.fused_down)
+        tensors = n.fused_tensors
+        parts = self.ckpt.read_many([(tensors[which], index) for which, index in layout.expert_reads(e, lo, hi, I)])
+        gate_up_rows, down_rows = layout.expert_rows(parts)
+        self._place(gate_up, gate_up_rows, n.fused_gate_up)
+        self._place(down, down_rows, n.fused_down)
 
     def _mxfp4_into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """MXFP4 blocks and scales of the slice, dequantized: gate_up rows (the family's gate/up

@@ -42,7 +42,7 @@ from types import MappingProxyType
 from typing import Any
 
 from moeshard.activations import get_activation
-from moeshard.checkpoint.fused import LAYOUTS
+from moeshard.checkpoint.fused import LAYOUTS, fused_layout
 from moeshard.config import MAX_ROUTED_SCALING, ROUTER_DTYPES, MoEConfig
 from moeshard.routing import get_routing
 from moeshard.validate import MAX_DIM, is_int
@@ -54,6 +54,7 @@ W1_W3_W2 = ("w1", "w3", "w2")
 # Other spellings of a field: transformers 5 writes num_local_experts where older configs (and the
 # hub) have num_experts / n_routed_experts.
 _ALIASES: dict[str, tuple[str, ...]] = {
+    "num_hidden_layers": ("n_layers",),  # DBRX
     "num_local_experts": ("num_experts",),
     "num_experts": ("num_local_experts",),
     "n_routed_experts": ("num_local_experts",),
@@ -205,9 +206,12 @@ def checkpoint_format(raw: dict[str, Any], family: ModelFamily, source: str) -> 
 #   interleaved             [E, 2I, H] rows 2i gate, 2i + 1 up
 #   transposed              [E, H, 2I] gate columns first, down [E, I, H] (Llama-4)
 #   transposed_interleaved  [E, H, 2I] columns 2i gate, 2i + 1 up, down [E, I, H] (gpt-oss)
+#   stacked                 gate, up and down as three [E * I, H] tensors, down transposed (DBRX)
 # Every one is read (by the checkpoint reader and the transformers integration).
 FUSED_LAYOUTS = tuple(LAYOUTS)
 READ_FUSED_LAYOUTS = FUSED_LAYOUTS
+# What transformers' block passes its router: rows [T, H], or its input as given [batch, seq, H].
+ROUTER_INPUTS = ("rows", "block")
 # hidden_act patterns (fnmatch) -> activation kind, tried in order.
 HIDDEN_ACTS = {"silu": "silu", "swish": "silu", "gelu*": "gelu"}
 
@@ -220,7 +224,9 @@ class ModelFamily:
       one. Shape fields (sizes, expert counts, top-k) have none: a guess there would load the
       wrong tensors, so a missing one is an error.
     moe: config.json -> the block's ``MoEConfig`` (dtype and router_dtype left at their defaults:
-      the loader sets the first from the checkpoint or the caller, the second from ``router_dtype``).
+      the loader sets the first from the checkpoint or the caller, the second from ``router_dtype``;
+      a routing kind that scores in the model dtype needs ``router_dtype=f.family.router_dtype``
+      here already, since ``MoEConfig`` refuses it with fp32 logits).
     dense_layers: (config.json, num_layers) -> ``DenseLayers``, {layer: why it has no MoE block},
       decided per layer by a rule (reading the fields once), never by a loop over all layers.
     routing: the routing kind (``moeshard.routing``) its blocks use; ``moe`` builds the
@@ -246,7 +252,8 @@ class ModelFamily:
       calls the router as ``router(hidden_states, bias)``.
     bias_aliases: further checkpoint names of the selection bias, after the block prefix, tried
       after ``bias_module`` (EXAONE-MoE checkpoints keep it on the block: ``e_score_correction_bias``).
-    experts: the routed experts' module name; fused_names: its (gate_up, down) fused parameters;
+    experts: the routed experts' module name; fused_names: its (gate_up, down) fused parameters,
+      or for a ``stacked`` layout its (gate, up, down) ones (dotted: DBRX's ``mlp.w1``);
       fused_layout: how the fused gate_up holds gate and up (``FUSED_LAYOUTS``, ``checkpoint.fused``);
       expert_biases: its (gate_up [E, 2I], down [E, H]) bias parameters, read when the config has
       ``expert_bias`` (gpt-oss); the gate_up bias follows ``fused_layout``'s gate/up order.
@@ -258,6 +265,10 @@ class ModelFamily:
     returns_router_output: None (the block returns its output), or i: the transformers block
       returns ``(output, router(x)[i])`` (gpt-oss: its router's scores; Llama-4: its logits), and
       so does moeshard's block in its place.
+    router_input: what transformers' block passes its router: ``"rows"`` [T, H] (most
+      families) or ``"block"``, the block's input as given, [batch, seq, H] (AFMoE's router
+      unpacks three dimensions); moeshard's block calls the router the same way, for its
+      observers (``output_router_logits``).
     dense_renames, dense_concat, dense_split: how the checkpoint stores a tensor outside the MoE
       blocks that transformers renames, stacks or splits as it loads (Kimi-Linear's and
       LaraMini's linear attention): ``dense_renames`` (model part, stored part) pairs, each
@@ -285,7 +296,7 @@ class ModelFamily:
     block_bias: str | None = None
     bias_aliases: tuple[str, ...] = ()
     experts: str = "experts"
-    fused_names: tuple[str, str] = ("gate_up_proj", "down_proj")
+    fused_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
     fused_layout: str = "gate_up_rows"
     expert_spellings: tuple[tuple[str, str, str], ...] = (GATE_UP_DOWN, W1_W3_W2)
     shared_prefixes: tuple[str, ...] = ("shared_experts.", "shared_expert.")
@@ -296,6 +307,7 @@ class ModelFamily:
     expert_biases: tuple[str, str] = ("gate_up_proj_bias", "down_proj_bias")
     returns_router_output: int | None = None
     stored_names: Mapping[str, str] = field(default_factory=dict)
+    router_input: str = "rows"
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -307,9 +319,12 @@ class ModelFamily:
         object.__setattr__(self, "dense_concat", MappingProxyType(dict(self.dense_concat)))
         object.__setattr__(self, "dense_split", MappingProxyType(dict(self.dense_split)))
         where = f"ModelFamily({self.model_type!r})"
-        get_routing(self.routing, f"{where}.routing")
+        routing = get_routing(self.routing, f"{where}.routing")
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"{where}.router_dtype: {self.router_dtype!r} is not one of {list(ROUTER_DTYPES)}")
+        if routing.score_dtype == "model" and self.router_dtype != "model":
+            raise ValueError(f"{where}.router_dtype: routing {self.routing!r} scores in the model dtype, from logits "
+                             f"computed in it; router_dtype must be 'model', got {self.router_dtype!r}")
         for pattern, kind in self.hidden_acts.items():
             get_activation(kind, f"{where}.hidden_acts[{pattern!r}]")
         if self.fused_layout not in FUSED_LAYOUTS:
@@ -323,8 +338,12 @@ class ModelFamily:
             if bad or not getattr(self, name):
                 raise ValueError(f"{where}.{name}: every entry must be a module name ending in '.', got "
                                  f"{list(getattr(self, name))}")
-        if len(self.fused_names) != 2 or not all(isinstance(n, str) and n for n in self.fused_names):
-            raise ValueError(f"{where}.fused_names: expected (gate_up, down) names, got {self.fused_names!r}")
+        stacked = fused_layout(self.fused_layout).stacked
+        if len(self.fused_names) != fused_layout(self.fused_layout).tensors or not all(
+                isinstance(n, str) and n and all(p.isidentifier() for p in n.split(".")) for n in self.fused_names):
+            want = "(gate, up, down)" if stacked else "(gate_up, down)"
+            raise ValueError(f"{where}.fused_names: fused layout {self.fused_layout!r} expects {want} names, got "
+                             f"{self.fused_names!r}")
         for name in ("router_weight", "correction_bias"):
             value = getattr(self, name)
             if not (isinstance(value, str) and value and all(part.isidentifier() for part in value.split("."))):
@@ -342,6 +361,8 @@ class ModelFamily:
             if not all(isinstance(k, str) and k and isinstance(v, tuple) and len(v) > 1
                        and all(isinstance(p, str) and p for p in v) for k, v in entries.items()):
                 raise ValueError(f"{where}.{name}: expected {what}, got {dict(entries)}")
+        if self.router_input not in ROUTER_INPUTS:
+            raise ValueError(f"{where}.router_input: {self.router_input!r} is not one of {list(ROUTER_INPUTS)}")
         if self.block_bias is not None and not (isinstance(self.block_bias, str) and self.block_bias.isidentifier()):
             raise ValueError(f"{where}.block_bias: expected None or a parameter name of the block, got "
                              f"{self.block_bias!r}")

@@ -12,12 +12,17 @@ gate_up_rows            [E, 2I, H], gate rows then up      [E, H, I]        tran
 interleaved             [E, 2I, H], row 2i gate, 2i+1 up   [E, H, I]        gpt-oss mxfp4 blocks
 transposed              [E, H, 2I], gate columns first     [E, I, H]        Llama-4
 transposed_interleaved  [E, H, 2I], column 2i gate, 2i+1   [E, I, H]        gpt-oss
+stacked                 gate [E*I, H] and up [E*I, H],     [E*I, H]         DBRX (w1, v1, w2)
+                        two tensors, expert e's rows        (transposed)
+                        [e*I, (e+1)*I)
 ======================  =================================  ===============  ========================
 
 A gate_up bias [E, 2I] follows the layout's gate/up order (interleaved or gate first); a down
-bias is [E, H] in every layout. ``FusedLayout`` gives the stored shapes, the reads of one
-expert's slice [lo, hi) of I, and their conversion into moeshard's layout, so the checkpoint
-reader and the transformers integration read any layout the same way.
+bias is [E, H] in every layout but ``stacked``, which has none. ``FusedLayout`` gives the stored
+shapes, the reads of one expert's slice [lo, hi) of I, and their conversion into moeshard's
+layout, so the checkpoint reader and the transformers integration read any layout the same way.
+A ``stacked`` layout stores three tensors (its family's ``fused_names`` name gate, up and down),
+the others two (gate_up, down).
 """
 
 from __future__ import annotations
@@ -31,11 +36,43 @@ import torch
 class FusedLayout:
     """transposed: gate_up is stored [E, H, 2I] and down [E, I, H] (``x @ W``), else [E, 2I, H]
     and [E, H, I] (``x @ W.T``); interleaved: gate and up alternate along the 2I axis (2i gate,
-    2i + 1 up), else gate [0, I) then up [I, 2I)."""
+    2i + 1 up), else gate [0, I) then up [I, 2I); stacked: gate, up and down are three tensors
+    [E * I, H], expert e's rows [e * I, (e + 1) * I) (down's row i is column i of its [H, I]
+    down), DBRX's ``w1``, ``v1``, ``w2``."""
 
     name: str
     transposed: bool
     interleaved: bool
+    stacked: bool = False
+
+    @property
+    def tensors(self) -> int:
+        """How many tensors hold the routed experts: 3 (gate, up, down) stacked, else 2 (gate_up, down)."""
+        return 3 if self.stacked else 2
+
+    def stored_shapes(self, E: int, H: int, I: int) -> tuple[tuple[int, ...], ...]:
+        """The stored shape of each of the ``tensors`` tensors, in the family's ``fused_names`` order."""
+        return ((E * I, H),) * 3 if self.stacked else self.shapes(E, H, I)
+
+    def expert_reads(self, e: int, lo: int, hi: int, I: int) -> list[tuple[int, tuple]]:
+        """(which stored tensor, index) of expert e's gate and up of [lo, hi) of I, then its down."""
+        if self.stacked:
+            rows = (slice(e * I + lo, e * I + hi),)
+            return [(0, rows), (1, rows), (2, rows)]
+        return [(0, index) for index in self.gate_up_reads(e, lo, hi, I)] + [(1, self.down_read(e, lo, hi))]
+
+    def expert_rows(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reads of ``expert_reads`` -> (gate_up [2w, H], gate rows then up; down [H, w])."""
+        if self.stacked:
+            return torch.cat(parts[:2], dim=0), parts[2].transpose(0, 1)
+        return self.gate_up_rows(parts[:-1]), self.down_rows(parts[-1])
+
+    def canonical_tensors(self, stored: list[torch.Tensor], E: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``tensors`` whole stored tensors of E experts -> (gate_up [E, 2I, H], down [E, H, I])."""
+        if self.stacked:
+            gate, up, down = (t.reshape(E, -1, t.shape[-1]) for t in stored)
+            return torch.cat([gate, up], dim=1), down.transpose(1, 2)
+        return self.canonical(*stored)
 
     @property
     def rows(self) -> FusedLayout:
@@ -103,6 +140,7 @@ LAYOUTS: dict[str, FusedLayout] = {layout.name: layout for layout in (
     FusedLayout("interleaved", transposed=False, interleaved=True),
     FusedLayout("transposed", transposed=True, interleaved=False),
     FusedLayout("transposed_interleaved", transposed=True, interleaved=True),
+    FusedLayout("stacked", transposed=False, interleaved=False, stacked=True),
 )}
 
 

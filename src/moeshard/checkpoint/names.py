@@ -109,11 +109,18 @@ class BlockNames:
 
     @property
     def fused_gate_up(self) -> str:
+        """The fused gate_up tensor (a ``stacked`` layout's gate tensor)."""
         return self.stored(f"{self.family.experts}.{self.family.fused_names[0]}")
 
     @property
     def fused_down(self) -> str:
-        return self.stored(f"{self.family.experts}.{self.family.fused_names[1]}")
+        return self.stored(f"{self.family.experts}.{self.family.fused_names[-1]}")
+
+    @property
+    def fused_tensors(self) -> tuple[str, ...]:
+        """Every stored tensor of the fused experts, in the family's ``fused_names`` order:
+        (gate_up, down), or (gate, up, down) for a ``stacked`` layout."""
+        return tuple(self.stored(f"{self.family.experts}.{name}") for name in self.family.fused_names)
 
     def expert(self, e: int, projection: str) -> str:
         """Per-expert weight name; projection is "gate", "up" or "down"."""

@@ -26,7 +26,7 @@ def families_json() -> dict[str, list[dict]]:
     for f in registry.FAMILIES.values():
         kind = get_routing(f.routing)
         supported.append({"model_type": f.model_type, "routing": f.routing, "routing_summary": kind.summary,
-                          "router_logits_in": f.router_dtype,
+                          "scores_in": kind.score_dtype, "router_logits_in": f.router_dtype,
                           "block": [f"{f.layers}.{{L}}.{p}" for p in f.block_prefixes],
                           "fused_layout": f.fused_layout, "formats": list(f.formats)})
     refused = [{"model_type": t, "reason": why} for t, why in sorted(registry.REFUSED.items())]
@@ -40,12 +40,13 @@ def run(args) -> int:
         return 0
     table = Table(title=f"model families moeshard reads ({len(rows['supported'])})", header_style="bold",
                   caption="routing: the descriptor's kind (a family's config reader may pick another from config.json); "
-                          "router logits: fp32 or the model dtype; docs/transformers.md has each family's proof")
-    for col in ("model_type", "routing", "router logits", "block", "fused layout", "formats"):
+                          "router logits and scores: fp32 or the model dtype; docs/transformers.md has each family's "
+                          "proof")
+    for col in ("model_type", "routing", "router logits", "scores", "block", "fused layout", "formats"):
         table.add_column(col)
     for r in rows["supported"]:
-        table.add_row(r["model_type"], r["routing"], r["router_logits_in"], escape(" or ".join(r["block"])),
-                      r["fused_layout"], ", ".join(r["formats"]))
+        table.add_row(r["model_type"], r["routing"], r["router_logits_in"], r["scores_in"],
+                      escape(" or ".join(r["block"])), r["fused_layout"], ", ".join(r["formats"]))
     console = wide_console()
     console.print(table)
     refused = Table(title=f"model types refused ({len(rows['refused'])})", header_style="bold")

@@ -440,7 +440,8 @@ def eplb_cases(opts: MatrixOptions, layouts: list[ParallelConfig], presets: list
         q = next((c for c in quants if c.name == quant), None)
         tokens = tokens_for(p, n)
         if p in ep_layouts and backend in backends and q is not None and dtype in dtypes and tokens is not None:
-            c = _eplb_case(opts, p, backend, q, dtype, presets[n % len(presets)], tokens, EPLBCase(r, skew, policy))
+            usable = presets_for(q, presets, opts.size)
+            c = _eplb_case(opts, p, backend, q, dtype, usable[n % len(usable)], tokens, EPLBCase(r, skew, policy))
             cases[c.id] = c
     if opts.eplb == "full" and quants and dtypes:
         # n counts every combination of the unfiltered matrix, so a case's rotated axes (and its
@@ -456,7 +457,9 @@ def eplb_cases(opts: MatrixOptions, layouts: list[ParallelConfig], presets: list
                             q = quants[n % len(quants)]
                             dtype = dtypes[(n // len(quants) + n) % len(dtypes)]
                             eplb = EPLBCase(r, skew, EPLB_POLICIES[(n // 2) % len(EPLB_POLICIES)])
-                            c = _eplb_case(opts, p, backend, q, dtype, presets[(3 * n + 1) % len(presets)], tokens, eplb)
+                            # A quantized shared expert needs a preset with shared experts.
+                            usable = presets_for(q, presets, opts.size)
+                            c = _eplb_case(opts, p, backend, q, dtype, usable[(3 * n + 1) % len(usable)], tokens, eplb)
                             cases.setdefault(c.id, c)
                         n += 1
     return list(cases.values())

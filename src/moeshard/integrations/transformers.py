@@ -103,8 +103,12 @@ class MoEBlock(MoELayer):
     AFMoE's ``gate.weight``, Hunyuan's ``wg.weight``; a bias held [1, E], as ERNIE 4.5 holds it, is
     read as [E]); router_bias: the router linear's bias parameter name (read when the routing kind
     has ``router_bias``). block_bias: None, or the name under which the block itself holds the
-    selection bias (MiniMax-M2, AFMoE): the block then keeps ``weights``' bias as that fp32 buffer
-    [E] and calls the router as transformers does, ``router(hidden_states, bias)``.
+    selection bias (MiniMax-M2, AFMoE, LFM2-MoE): the block then keeps ``weights``' bias as that
+    buffer [E] and calls the router as transformers does, ``router(rows, bias)`` (with
+    ``use_correction_bias`` False the bias is None, as LFM2-MoE passes it without
+    ``use_expert_bias``).
+    router_input: ``"rows"``: the router is called on the rows [T, H]; ``"block"``: on the
+    block's input as given (``ModelFamily.router_input``).
     returns_router_output: None, or i: ``forward`` returns ``(output, router(x)[i])`` as the
     family's block does. layer: the decoder layer index (for
     messages). Other arguments as ``MoELayer``.
@@ -113,7 +117,7 @@ class MoEBlock(MoELayer):
     def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, router_name: str = "gate",
                  router_weight: str = "weight", correction_bias: str = "e_score_correction_bias",
                  router_bias: str = "bias", block_bias: str | None = None,
-                 returns_router_output: int | None = None, **kwargs: Any) -> None:
+                 returns_router_output: int | None = None, router_input: str = "rows", **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         weight = _tensor_at(router, router_weight)
         if weight is None or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
@@ -125,11 +129,12 @@ class MoEBlock(MoELayer):
                                                                                  correction_bias, block_bias)
         self.router_bias_name = router_bias
         self.returns_router_output = returns_router_output
-        if block_bias is not None:
+        self.router_input = router_input
+        if block_bias is not None and cfg.use_correction_bias:
             bias = self.gate.e_score_correction_bias
             if bias is None:
-                raise ValueError(f"MoEBlock (layer {layer}): block_bias={block_bias!r} needs a config with "
-                                 f"use_correction_bias and the bias in weights")
+                raise ValueError(f"MoEBlock (layer {layer}): block_bias={block_bias!r} with use_correction_bias "
+                                 f"needs the bias in weights")
             self.register_buffer(block_bias, bias)
         # transformers' router stands in for MoELayer's Gate, under the family's router name.
         if router_name != "gate":
@@ -169,10 +174,11 @@ class MoEBlock(MoELayer):
         observers (``output_router_logits``); its routing is not used."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        if self.block_bias is not None:  # as the transformers block calls it, on its own input
-            router_out = self.hf_router(hidden_states, getattr(self, self.block_bias))
+        rows = hidden_states if self.router_input == "block" else x  # as the transformers block passes them
+        if self.block_bias is not None:  # LFM2-MoE passes None without a bias
+            router_out = self.hf_router(rows, self._selection_bias())
         else:
-            router_out = self.hf_router(x)
+            router_out = self.hf_router(rows)
         out = super().forward(x).reshape(shape)
         if self.returns_router_output is not None:
             return out, router_out[self.returns_router_output]
@@ -311,8 +317,8 @@ def agree(groups: ParallelGroups | None, error: BaseException | None, what: str)
 def _gate_up(block: nn.Module, index: int, name: str, family: ModelFamily) -> torch.Tensor:
     """The fused ``experts.gate_up_proj`` of layer ``index``'s block (transformers 5; the family's
     ``experts`` and ``fused_names``)."""
-    w = getattr(getattr(block, family.experts), family.fused_names[0], None)
-    if not isinstance(w, torch.Tensor):
+    w = _tensor_at(block, f"{family.experts}.{family.fused_names[0]}")  # dotted: DBRX's experts.mlp.w1
+    if w is None:
         raise ValueError(f"{name}: the experts of layer {index} are not a fused gate_up_proj tensor; "
                          f"expected transformers-5 fused experts in one of {sorted(MODEL_DTYPES)}")
     return w
@@ -327,15 +333,19 @@ def _model_dtype(blocks: dict[int, nn.Module], name: str, family: ModelFamily) -
     return w.dtype
 
 
-def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str, torch.Tensor]:
+def _canonical(state: dict[str, torch.Tensor], family: ModelFamily, num_experts: int) -> dict[str, torch.Tensor]:
     """A block's state dict under the family's names and fused layout -> under ``MoEWeights``'
     canonical names and layout (``gate.weight``, ``gate.bias``, ``experts.gate_up_proj`` [E, 2I, H],
     ``experts.down_proj`` [E, H, I], their biases, ``shared_experts.*``, ``shared_expert_gate.weight``)."""
+    layout = fused_layout(family.fused_layout)
+    fused = [f"{family.experts}.{name}" for name in family.fused_names]
+    state = dict(state)
+    if all(name in state for name in fused):
+        state["experts.gate_up_proj"], state["experts.down_proj"] = layout.canonical_tensors(
+            [state.pop(name) for name in fused], num_experts)
     renames = {family.router_tensor: "gate.weight",
                family.bias_module: "gate.e_score_correction_bias",
                f"{family.router}.{family.router_bias}": "gate.bias",
-               f"{family.experts}.{family.fused_names[0]}": "experts.gate_up_proj",
-               f"{family.experts}.{family.fused_names[1]}": "experts.down_proj",
                f"{family.experts}.{family.expert_biases[0]}": "experts.gate_up_proj_bias",
                f"{family.experts}.{family.expert_biases[1]}": "experts.down_proj_bias",
                f"{family.shared_expert_gate}.weight": "shared_expert_gate.weight"}
@@ -345,10 +355,6 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str,
         out["shared_experts." + key[len(shared):] if shared else renames.get(key, key)] = t
     if "gate.e_score_correction_bias" in out:  # ERNIE 4.5 holds it [1, E]
         out["gate.e_score_correction_bias"] = out["gate.e_score_correction_bias"].reshape(-1)
-    layout = fused_layout(family.fused_layout)
-    if "experts.gate_up_proj" in out and "experts.down_proj" in out:
-        out["experts.gate_up_proj"], out["experts.down_proj"] = layout.canonical(out["experts.gate_up_proj"],
-                                                                                 out["experts.down_proj"])
     if "experts.gate_up_proj_bias" in out:
         out["experts.gate_up_proj_bias"] = layout.canonical_bias(out["experts.gate_up_proj_bias"])
     return out
@@ -357,7 +363,8 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily) -> dict[str,
 def _router_names(family: ModelFamily) -> dict[str, Any]:
     return {"router_name": family.router, "router_weight": family.router_weight,
             "correction_bias": family.correction_bias, "router_bias": family.router_bias,
-            "block_bias": family.block_bias, "returns_router_output": family.returns_router_output}
+            "block_bias": family.block_bias, "returns_router_output": family.returns_router_output,
+            "router_input": family.router_input}
 
 
 def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, quant: QuantConfig | str | None = None,
@@ -403,8 +410,8 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
             assert isinstance(router, nn.Module)  # find_moe_blocks checked every block's router
             # A transformers block may hold tensors the layer does not read (its own buffers): the
             # families' parity with transformers, not strictness, proves what is read.
-            work.append((index, router, MoEWeights.from_state_dict(_canonical(block.state_dict(), family), cfg,
-                                                                strict=False)))
+            state = _canonical(block.state_dict(), family, cfg.num_experts)
+            work.append((index, router, MoEWeights.from_state_dict(state, cfg, strict=False)))
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to prepare the model")

@@ -466,7 +466,7 @@ class _ReferenceParams:
 
         if prefix not in self.blocks:
             raw = {k[len(prefix) + 1:]: v for k, v in self.params.items() if k.startswith(prefix + ".")}
-            self.blocks[prefix] = {**raw, **_canonical(raw, self.family)}
+            self.blocks[prefix] = {**raw, **_canonical(raw, self.family, self.plan.cfg.num_experts)}
         return self.blocks[prefix]
 
     def of(self, name: str, shards: dict[str, ShardSpec]) -> torch.Tensor:

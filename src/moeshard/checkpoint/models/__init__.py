@@ -10,6 +10,7 @@ family is known wherever ``FAMILIES`` is read. A new module is one import line b
 from moeshard.checkpoint.models import (
     afmoe,  # noqa: F401
     cohere2_moe,  # noqa: F401
+    dbrx,  # noqa: F401
     deepseek_v2,  # noqa: F401
     deepseek_v3_style,  # noqa: F401  glm4_moe, glm4_moe_lite, dots1, exaone_moe
     ernie,  # noqa: F401
@@ -19,6 +20,7 @@ from moeshard.checkpoint.models import (
     jamba,  # noqa: F401
     kimi_linear,  # noqa: F401
     lara_mini,  # noqa: F401
+    lfm2_moe,  # noqa: F401
     llama4,  # noqa: F401
     mellum,  # noqa: F401
     minimax,  # noqa: F401

@@ -7,7 +7,8 @@ s + ``expert_bias`` chosen, their unbiased s divided by their sum, times ``route
 kind ``sigmoid`` with one group, ``renormalize``, ``routed_scaling_factor = route_scale``), plus
 ``num_shared_experts`` shared experts of ``moe_intermediate_size`` fused into one MLP. Its router
 module ``router`` wraps a linear, so the router weight is ``router.gate.weight``; the bias
-``expert_bias`` is the block's own parameter, passed to the router (``block_bias``).
+``expert_bias`` is the block's own parameter, passed to the router (``block_bias``) with the
+block's input as given, [batch, seq, H] (``router_input="block"``).
 """
 
 from __future__ import annotations
@@ -34,4 +35,4 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
 register_family(ModelFamily("afmoe", {"hidden_act": "silu", "num_dense_layers": 1, "num_shared_experts": 2,
                                       "route_scale": 1.0},
                             _moe, _dense_layers, routing="sigmoid", router="router", router_weight="gate.weight",
-                            block_bias="expert_bias", router_dtype="model"))
+                            block_bias="expert_bias", router_dtype="model", router_input="block"))

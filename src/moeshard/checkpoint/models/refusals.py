@@ -17,10 +17,6 @@ REFUSALS = {
     "gemma4_text": "its router and experts are attributes of the decoder layer (no MoE block module to replace), the "
                    "router reading the residual stream through its own norm and scale and scaling each weight per "
                    "expert (Gemma4TextRouter)",
-    "lfm2_moe": "its router selects on sigmoid scores computed in the model dtype (plus expert_bias) and "
-                "renormalizes by the sum plus 1e-6; moeshard's routing kinds score in fp32 and divide by the sum",
-    "dbrx": "its experts are stored as three [moe_num_experts * ffn_hidden_size, d_model] matrices (w1, v1, and w2 "
-            "the down projection transposed) in a nested ffn_config, a layout moeshard does not read",
 }
 for _model_type, _reason in REFUSALS.items():
     refuse_family(_model_type, _reason)
