@@ -77,11 +77,13 @@ def compiled_ep2_rank() -> dict[str, float]:
     return _differences(_model(torch.float32, groups=groups, backend="all2all"), x)
 
 
+@pytest.mark.slow  # a spawn of two ranks that each compile; the one-rank case above runs in make test
 def test_a_compiled_model_under_ep2_gives_the_eager_models_outputs_and_gradients():
     for rank, diffs in enumerate(spawn(compiled_ep2_rank, 2, timeout_s=180.0)):
         assert all(d == 0 for d in diffs.values()), (rank, diffs)
 
 
+@pytest.mark.slow
 def test_a_compiled_transformers_model_with_moeshard_blocks():
     tf = pytest.importorskip("transformers")
     from moeshard.integrations.transformers import MoEBlock, shard_moe_blocks

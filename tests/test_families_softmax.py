@@ -110,6 +110,7 @@ SAME_PATH_AS = {
     "qwen3_5_moe_text": "qwen2_moe",
     "granitemoeshared": "granitemoe",  # the shared MLP beside the block is transformers'
     "granitemoehybrid": "granitemoe",
+    "lara_mini": "hunyuan_v1_moe",  # softmax of fp32 logits, renormalized, an ungated shared MLP
 }
 
 
