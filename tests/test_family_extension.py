@@ -160,8 +160,10 @@ def test_a_stored_tensor_split_into_model_tensors(tmp_path):
     shapes = {"layers.3.attn.in_qkv.weight": (6, 2), "layers.3.attn.in_z.weight": (2, 2), "layers.3.attn.in_a.weight": (1, 2)}
     split = fam.dense_split_of("layers.3.attn.in_z.weight")
     assert split is not None
-    got = {n: _read_split(ckpt, n, split, shapes, torch.float32, False) for n in shapes}
+    held: dict = {}
+    got = {n: _read_split(ckpt, n, split, shapes, torch.float32, False, held) for n in shapes}
     assert torch.equal(torch.cat(list(got.values())), fused) and torch.equal(got["layers.3.attn.in_z.weight"], fused[6:8])
+    assert not held  # dropped once every part was taken
     with pytest.raises(ValueError, match=r"has shape \[9, 2\], expected \[10, 2\]"):
         _read_split(ckpt, "layers.3.attn.in_z.weight", split, {**shapes, "layers.3.attn.in_a.weight": (2, 2)},
-                    torch.float32, False)
+                    torch.float32, False, {})

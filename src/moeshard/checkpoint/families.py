@@ -338,10 +338,10 @@ class ModelFamily:
             if bad or not getattr(self, name):
                 raise ValueError(f"{where}.{name}: every entry must be a module name ending in '.', got "
                                  f"{list(getattr(self, name))}")
-        stacked = fused_layout(self.fused_layout).stacked
-        if len(self.fused_names) != fused_layout(self.fused_layout).tensors or not all(
+        layout = fused_layout(self.fused_layout)
+        if len(self.fused_names) != layout.tensors or not all(
                 isinstance(n, str) and n and all(p.isidentifier() for p in n.split(".")) for n in self.fused_names):
-            want = "(gate, up, down)" if stacked else "(gate_up, down)"
+            want = "(gate, up, down)" if layout.stacked else "(gate_up, down)"
             raise ValueError(f"{where}.fused_names: fused layout {self.fused_layout!r} expects {want} names, got "
                              f"{self.fused_names!r}")
         for name in ("router_weight", "correction_bias"):

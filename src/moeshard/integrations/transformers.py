@@ -504,12 +504,13 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
     tensors: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in model.named_parameters(remove_duplicate=False)]
     tensors += [(n, t) for n, t in model.named_buffers(remove_duplicate=False) if n in persistent]
     shapes = {n: tuple(t.shape) for n, t in tensors}
+    split_read: dict[str, tuple[torch.Tensor, set[str]]] = {}  # a split tensor read once, until its parts are taken
     for name, t in tensors:
         if name.startswith(skip) or not _is_meta(t):
             continue
         split = family.dense_split_of(name)
         if split is not None:
-            _set(model, name, _read_split(ckpt, name, split, shapes, t.dtype, fp8).to(device))
+            _set(model, name, _read_split(ckpt, name, split, shapes, t.dtype, fp8, split_read).to(device))
             continue
         sources = family.dense_sources(name, ckpt.has)
         if not ckpt.has(sources[0]) and name in tied:
@@ -550,16 +551,23 @@ def _read_sources(ckpt: SafetensorsCheckpoint, name: str, sources: tuple[str, ..
 
 
 def _read_split(ckpt: SafetensorsCheckpoint, name: str, split: tuple[str, tuple[str, ...]],
-                shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, fp8: bool) -> torch.Tensor:
+                shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, fp8: bool,
+                held: dict[str, tuple[torch.Tensor, set[str]]]) -> torch.Tensor:
     """The model's tensor ``name``: its rows of the stored tensor ``split[0]``, whose consecutive row
-    ranges along dim 0 are the model tensors ``split[1]``, in order (``ModelFamily.dense_split``)."""
+    ranges along dim 0 are the model tensors ``split[1]``, in order (``ModelFamily.dense_split``).
+    The stored tensor is read once and kept in ``held`` until each of its parts has been taken."""
     stored, parts = split
     missing = [p for p in parts if p not in shapes]
     if missing:
         raise ValueError(f"{name}: the model has no {missing}, which {stored!r} also holds")
     rows = [shapes[p][0] for p in parts]
+    if stored not in held:
+        held[stored] = (read_dense(ckpt, stored, (sum(rows), *shapes[name][1:]), dtype, fp8), set(parts))
+    whole, left = held[stored]
+    left.discard(name)
+    if not left:
+        del held[stored]
     start = sum(rows[: parts.index(name)])
-    whole = read_dense(ckpt, stored, (sum(rows), *shapes[name][1:]), dtype, fp8)
     return whole[start:start + shapes[name][0]].clone()
 
 
