@@ -39,7 +39,14 @@ def _transformers_choice(output) -> tuple[torch.Tensor, torch.Tensor | None]:
     transformers 5.24 and some (ids, weights, logits) in 5.17, so the parts are told apart by
     dtype and width (logits: E columns, weights: K < E). Llama-4's returns (scores, zero off the
     chosen, logits). 5.17's Jamba router is a Linear, its logits alone (the block hands its
-    experts the ids, which ``bf16_router_parity`` reads there)."""
+    experts the ids, which ``bf16_router_parity`` reads there). JetMoE's returns the slots sorted
+    by expert (positions in the flattened [T, K] choice), the rows, the weights, the rows per
+    expert (a list) and the logits: each slot's expert follows from the counts."""
+    if len(output) == 5 and isinstance(output[3], list):
+        slots, _, _, counts, logits = output
+        flat = torch.empty_like(slots)
+        flat[slots] = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        return logits, flat.reshape(logits.shape[0], -1).sort(dim=-1).values
     ints = [t for t in output if not t.is_floating_point()]
     if ints:
         logits = max((t for t in output if t.is_floating_point()), key=lambda t: t.shape[-1])

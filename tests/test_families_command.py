@@ -26,4 +26,4 @@ def test_families_tables_print_each_model_type_and_the_reasons_whole(capsys):
     assert f"model families moeshard reads ({len(FAMILIES)})" in out and f"model types refused ({len(REFUSED)})" in out
     for model_type in (*FAMILIES, *REFUSED):
         assert model_type in out
-    assert "learned bias [hidden_size]" in out  # rich markup would have eaten the brackets
+    assert "embedding tables [num_experts, hidden_size]" in out  # rich markup would have eaten the brackets

@@ -81,6 +81,8 @@ CONFIGS = {
                              shared_intermediate_size=24, layer_types=["mamba", "attention"], mamba_n_heads=4,
                              mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1),
     "phimoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+    # A learned bias on the block's output; attention as a mixture of heads (kv_channels: head_dim).
+    "jetmoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, kv_channels=8),
     # Gated delta net and attention layers; the checkpoint fuses the delta net's input projections.
     "lara_mini": dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
                       num_experts_per_tok=2, **LINEAR_ATTENTION),
@@ -143,7 +145,15 @@ def _close_router_rows(model) -> None:
             w.copy_(torch.randn(1, w.shape[1], generator=g) + 0.01 * torch.randn(w.shape, generator=g))
 
 
-PREPARE = {"ernie4_5_moe": _random_selection_bias, "phimoe": _close_router_rows}
+def _random_output_bias(model) -> None:
+    """JetMoE: an output bias of the size of the block's output (init gives zeros)."""
+    g = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        with torch.no_grad():
+            layer.mlp.bias.copy_(torch.randn(layer.mlp.bias.shape, generator=g) / 2)
+
+
+PREPARE = {"ernie4_5_moe": _random_selection_bias, "phimoe": _close_router_rows, "jetmoe": _random_output_bias}
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +378,7 @@ def test_config_refusals_name_the_field(models, family, changes, message):
 
 
 @pytest.mark.parametrize("model_type, part", [("longcat_flash", "zero-computation (identity) experts"),
-                                              ("jetmoe", "adds a learned bias")])
+                                              ("doge", "rows of two embedding tables")])
 def test_inexpressible_families_are_refused_naming_the_part(model_type, part):
     with pytest.raises(ValueError, match=f"config.json: model_type '{model_type}' is not supported: .*{re.escape(part)}"):
         parse_hf_config({"model_type": model_type}, "config.json")
@@ -391,6 +401,7 @@ def test_config_readers(models):
         "granitemoeshared": ("topk_softmax", False, 0, False, [], 4, 1),
         "granitemoehybrid": ("topk_softmax", False, 0, False, [], 4, 1),
         "phimoe": ("sparsemixer", False, 0, False, [], 4, 1),
+        "jetmoe": ("topk_softmax", False, 0, False, [], 4, 1),
         "dbrx": ("softmax_model", True, 0, False, [], 4, 1),
         "lara_mini": ("softmax", True, 24, False, [], 4, 1),
     }

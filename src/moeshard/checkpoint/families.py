@@ -55,6 +55,7 @@ W1_W3_W2 = ("w1", "w3", "w2")
 # hub) have num_experts / n_routed_experts.
 _ALIASES: dict[str, tuple[str, ...]] = {
     "num_hidden_layers": ("n_layers",),  # DBRX
+    "hidden_act": ("activation_function",),  # JetMoE
     "num_local_experts": ("num_experts",),
     "num_experts": ("num_local_experts",),
     "n_routed_experts": ("num_local_experts",),
@@ -252,7 +253,8 @@ class ModelFamily:
       calls the router as ``router(hidden_states, bias)``.
     bias_aliases: further checkpoint names of the selection bias, after the block prefix, tried
       after ``bias_module`` (EXAONE-MoE checkpoints keep it on the block: ``e_score_correction_bias``).
-    experts: the routed experts' module name; fused_names: its (gate_up, down) fused parameters,
+    experts: the routed experts' module name, or "" where the block holds their fused parameters
+      itself (JetMoE's ``input_linear.weight``); fused_names: its (gate_up, down) fused parameters,
       or for a ``stacked`` layout its (gate, up, down) ones (dotted: DBRX's ``mlp.w1``);
       fused_layout: how the fused gate_up holds gate and up (``FUSED_LAYOUTS``, ``checkpoint.fused``);
       expert_biases: its (gate_up [E, 2I], down [E, H]) bias parameters, read when the config has
@@ -276,6 +278,10 @@ class ModelFamily:
       stored name endings whose tensors, concatenated along dim 0 in that order, make it};
       ``dense_split`` {stored name ending: the model name endings that are its consecutive row
       ranges along dim 0, in order} (``dense_sources``, ``dense_split_of``).
+    output_bias: None, or the name of a learned bias [H] the block adds to every row of its output
+      (JetMoE's ``bias``). moeshard's block adds it to the layer's output rows, whole (after a
+      sequence-parallel gather), as transformers' block does; it is a parameter of the block, not
+      of the layer, and its gradient is reduced as any replicated parameter's outside the layer.
     stored_names: block-relative tensor names as the transformers model holds them -> as the
       checkpoint stores them, where the two differ (Granite's ``router.weight`` is stored
       ``router.layer.weight``, its ``experts.gate_up_proj`` ``input_linear.weight``); the
@@ -308,6 +314,7 @@ class ModelFamily:
     returns_router_output: int | None = None
     stored_names: Mapping[str, str] = field(default_factory=dict)
     router_input: str = "rows"
+    output_bias: str | None = None
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -366,6 +373,12 @@ class ModelFamily:
         if self.block_bias is not None and not (isinstance(self.block_bias, str) and self.block_bias.isidentifier()):
             raise ValueError(f"{where}.block_bias: expected None or a parameter name of the block, got "
                              f"{self.block_bias!r}")
+        if self.output_bias is not None and not (isinstance(self.output_bias, str) and self.output_bias.isidentifier()):
+            raise ValueError(f"{where}.output_bias: expected None or a parameter name of the block, got "
+                             f"{self.output_bias!r}")
+        if not (isinstance(self.experts, str) and all(p.isidentifier() for p in self.experts.split(".") if self.experts)):
+            raise ValueError(f"{where}.experts: expected a module name or '' (the block holds the experts), got "
+                             f"{self.experts!r}")
         if not all(isinstance(a, str) and a and not a.endswith(".") for a in self.bias_aliases):
             raise ValueError(f"{where}.bias_aliases: expected tensor names after the block prefix, got "
                              f"{list(self.bias_aliases)}")
@@ -414,6 +427,11 @@ class ModelFamily:
         if stored(name) or not renamed:
             return (name,)
         return (next((r for r in renamed if stored(r)), renamed[0]),)
+
+    def expert_tensor(self, name: str) -> str:
+        """The block-relative name of the routed experts' tensor ``name`` (``experts.gate_up_proj``;
+        ``name`` itself where the block holds the experts, ``experts`` "")."""
+        return f"{self.experts}.{name}" if self.experts else name
 
     @property
     def router_tensor(self) -> str:

@@ -101,30 +101,30 @@ class BlockNames:
 
     @property
     def fused_gate_up_bias(self) -> str:
-        return f"{self.prefix}{self.family.experts}.{self.family.expert_biases[0]}"
+        return self.prefix + self.family.expert_tensor(self.family.expert_biases[0])
 
     @property
     def fused_down_bias(self) -> str:
-        return f"{self.prefix}{self.family.experts}.{self.family.expert_biases[1]}"
+        return self.prefix + self.family.expert_tensor(self.family.expert_biases[1])
 
     @property
     def fused_gate_up(self) -> str:
         """The fused gate_up tensor (a ``stacked`` layout's gate tensor)."""
-        return self.stored(f"{self.family.experts}.{self.family.fused_names[0]}")
+        return self.stored(self.family.expert_tensor(self.family.fused_names[0]))
 
     @property
     def fused_down(self) -> str:
-        return self.stored(f"{self.family.experts}.{self.family.fused_names[-1]}")
+        return self.stored(self.family.expert_tensor(self.family.fused_names[-1]))
 
     @property
     def fused_tensors(self) -> tuple[str, ...]:
         """Every stored tensor of the fused experts, in the family's ``fused_names`` order:
         (gate_up, down), or (gate, up, down) for a ``stacked`` layout."""
-        return tuple(self.stored(f"{self.family.experts}.{name}") for name in self.family.fused_names)
+        return tuple(self.stored(self.family.expert_tensor(name)) for name in self.family.fused_names)
 
     def expert(self, e: int, projection: str) -> str:
         """Per-expert weight name; projection is "gate", "up" or "down"."""
-        return f"{self.prefix}{self.family.experts}.{e}.{self.spelling[PROJECTIONS.index(projection)]}.weight"
+        return self.prefix + self.family.expert_tensor(f"{e}.{self.spelling[PROJECTIONS.index(projection)]}.weight")
 
     def shared(self, projection: str) -> str:
         return f"{self.prefix}{self.shared_prefix}{projection}_proj.weight"
@@ -154,7 +154,7 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
     stored = lambda name: ckpt.has(name) or ckpt.has(mxfp4_names(name)[0])  # noqa: E731
     fused = stored(probe.fused_gate_up)
     spelling = family.expert_spellings[0]
-    firsts = [f"{prefix}{family.experts}.0.{s[0]}.weight" for s in family.expert_spellings]
+    firsts = [prefix + family.expert_tensor(f"0.{s[0]}.weight") for s in family.expert_spellings]
     both = [name for name in firsts if ckpt.has(name)]
     if fused and both:
         # Two copies of the same experts and nothing to say which is meant (transformers refuses

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 from torch import nn
 
+from moeshard.autograd.roles import GradRole, replicated_role
 from moeshard.checkpoint.dense import read_dense
 from moeshard.checkpoint.families import READ_FUSED_LAYOUTS, ModelFamily
 from moeshard.checkpoint.fused import fused_layout
@@ -110,14 +111,19 @@ class MoEBlock(MoELayer):
     router_input: ``"rows"``: the router is called on the rows [T, H]; ``"block"``: on the
     block's input as given (``ModelFamily.router_input``).
     returns_router_output: None, or i: ``forward`` returns ``(output, router(x)[i])`` as the
-    family's block does. layer: the decoder layer index (for
-    messages). Other arguments as ``MoELayer``.
+    family's block does. output_bias_name: None, or the name of the block's learned output bias
+    (``ModelFamily.output_bias``, JetMoE's ``bias``); output_bias: its value [H] in the model dtype,
+    the same on every rank, held as a parameter under that name and added to the layer's output
+    rows (after a sequence-parallel gather, so each rank adds it to whole rows): its gradient is a
+    replicated parameter's outside the layer (``gradient_roles``). layer: the decoder layer index
+    (for messages). Other arguments as ``MoELayer``.
     """
 
     def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, router_name: str = "gate",
                  router_weight: str = "weight", correction_bias: str = "e_score_correction_bias",
                  router_bias: str = "bias", block_bias: str | None = None,
-                 returns_router_output: int | None = None, router_input: str = "rows", **kwargs: Any) -> None:
+                 returns_router_output: int | None = None, router_input: str = "rows",
+                 output_bias_name: str | None = None, output_bias: torch.Tensor | None = None, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         weight = _tensor_at(router, router_weight)
         if weight is None or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
@@ -136,6 +142,21 @@ class MoEBlock(MoELayer):
                 raise ValueError(f"MoEBlock (layer {layer}): block_bias={block_bias!r} with use_correction_bias "
                                  f"needs the bias in weights")
             self.register_buffer(block_bias, bias)
+        self.output_bias_name = output_bias_name
+        if (output_bias_name is None) != (output_bias is None):
+            raise ValueError(f"MoEBlock (layer {layer}): output_bias_name={output_bias_name!r} and output_bias "
+                             f"({'None' if output_bias is None else 'given'}) go together")
+        if output_bias_name is not None:
+            assert output_bias is not None  # checked just above
+            if tuple(output_bias.shape) != (cfg.hidden_size,) or output_bias.dtype != cfg.dtype:
+                raise ValueError(f"MoEBlock (layer {layer}): the block's output bias {output_bias_name!r} must be "
+                                 f"[hidden_size={cfg.hidden_size}] in {cfg.dtype}, got {list(output_bias.shape)} "
+                                 f"in {output_bias.dtype}")
+            if hasattr(self, output_bias_name):
+                raise ValueError(f"MoEBlock (layer {layer}): output_bias_name={output_bias_name!r} is taken by "
+                                 f"the layer's own attribute of that name")
+            self.register_parameter(output_bias_name, nn.Parameter(output_bias.detach().to(self.device),
+                                                                   requires_grad=output_bias.requires_grad))
         # transformers' router stands in for MoELayer's Gate, under the family's router name.
         if router_name != "gate":
             del self.gate
@@ -180,9 +201,20 @@ class MoEBlock(MoELayer):
         else:
             router_out = self.hf_router(rows)
         out = super().forward(x).reshape(shape)
+        if self.output_bias_name is not None:
+            out = out + getattr(self, self.output_bias_name)
         if self.returns_router_output is not None:
             return out, router_out[self.returns_router_output]
         return out
+
+    def gradient_roles(self) -> dict[str, GradRole]:
+        """``MoELayer.gradient_roles``, with the block's output bias as a replicated parameter
+        outside the layer: every rank adds it to whole rows (after any sequence-parallel
+        gather), so the TP ranks of a DP rank hold the same gradient and only DP ranks sum."""
+        roles = super().gradient_roles()
+        if self.output_bias_name is not None:
+            roles[self.output_bias_name] = replicated_role(self.groups.rank if self.groups is not None else 0)
+        return roles
 
     def extra_repr(self) -> str:
         s = self.shard
@@ -257,10 +289,13 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
         if isinstance(block, MoEBlock):
             raise ValueError(f"{type(model).__name__}: layer {index}'s MoE block is already a moeshard MoEBlock "
                              f"(layout {block.parallel.name}); shard a model once")
-        if (block is None or not isinstance(getattr(block, family.router, None), nn.Module)
-                or getattr(block, family.experts, None) is None):
+        # The experts' module, or where the block holds them itself (JetMoE) their fused gate_up.
+        experts = family.experts or family.expert_tensor(family.fused_names[0])
+        held = block is not None and (getattr(block, experts, None) is not None if family.experts
+                                      else _tensor_at(block, experts) is not None)
+        if block is None or not isinstance(getattr(block, family.router, None), nn.Module) or not held:
             raise ValueError(f"{type(model).__name__}: layer {index} should hold an MoE block with a router "
-                             f"({family.router}) and experts ({family.experts}) at "
+                             f"({family.router}) and experts ({experts}) at "
                              f"{' or '.join('.' + a for a in family.block_attributes)}, found {type(block).__name__}")
         blocks[index] = block
     return blocks
@@ -317,7 +352,7 @@ def agree(groups: ParallelGroups | None, error: BaseException | None, what: str)
 def _gate_up(block: nn.Module, index: int, name: str, family: ModelFamily) -> torch.Tensor:
     """The fused ``experts.gate_up_proj`` of layer ``index``'s block (transformers 5; the family's
     ``experts`` and ``fused_names``)."""
-    w = _tensor_at(block, f"{family.experts}.{family.fused_names[0]}")  # dotted: DBRX's experts.mlp.w1
+    w = _tensor_at(block, family.expert_tensor(family.fused_names[0]))  # dotted: DBRX's experts.mlp.w1
     if w is None:
         raise ValueError(f"{name}: the experts of layer {index} are not a fused gate_up_proj tensor; "
                          f"expected transformers-5 fused experts in one of {sorted(MODEL_DTYPES)}")
@@ -338,7 +373,7 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily, num_experts:
     canonical names and layout (``gate.weight``, ``gate.bias``, ``experts.gate_up_proj`` [E, 2I, H],
     ``experts.down_proj`` [E, H, I], their biases, ``shared_experts.*``, ``shared_expert_gate.weight``)."""
     layout = fused_layout(family.fused_layout)
-    fused = [f"{family.experts}.{name}" for name in family.fused_names]
+    fused = [family.expert_tensor(name) for name in family.fused_names]
     state = dict(state)
     if all(name in state for name in fused):
         state["experts.gate_up_proj"], state["experts.down_proj"] = layout.canonical_tensors(
@@ -346,8 +381,8 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily, num_experts:
     renames = {family.router_tensor: "gate.weight",
                family.bias_module: "gate.e_score_correction_bias",
                f"{family.router}.{family.router_bias}": "gate.bias",
-               f"{family.experts}.{family.expert_biases[0]}": "experts.gate_up_proj_bias",
-               f"{family.experts}.{family.expert_biases[1]}": "experts.down_proj_bias",
+               family.expert_tensor(family.expert_biases[0]): "experts.gate_up_proj_bias",
+               family.expert_tensor(family.expert_biases[1]): "experts.down_proj_bias",
                f"{family.shared_expert_gate}.weight": "shared_expert_gate.weight"}
     out = {}
     for key, t in state.items():
@@ -364,7 +399,7 @@ def _router_names(family: ModelFamily) -> dict[str, Any]:
     return {"router_name": family.router, "router_weight": family.router_weight,
             "correction_bias": family.correction_bias, "router_bias": family.router_bias,
             "block_bias": family.block_bias, "returns_router_output": family.returns_router_output,
-            "router_input": family.router_input}
+            "router_input": family.router_input, "output_bias_name": family.output_bias}
 
 
 def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, quant: QuantConfig | str | None = None,
@@ -382,7 +417,7 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
     parallel, rank = _layout(groups)
     name = type(model).__name__
     error: Exception | None = None
-    work: list[tuple[int, nn.Module, MoEWeights]] = []
+    work: list[tuple[int, nn.Module, MoEWeights, torch.Tensor | None]] = []
     cfg: MoEConfig | None = None
     device: torch.device | None = None
     try:
@@ -411,7 +446,10 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
             # A transformers block may hold tensors the layer does not read (its own buffers): the
             # families' parity with transformers, not strictness, proves what is read.
             state = _canonical(block.state_dict(), family, cfg.num_experts)
-            work.append((index, router, MoEWeights.from_state_dict(state, cfg, strict=False)))
+            bias = _tensor_at(block, family.output_bias) if family.output_bias is not None else None
+            if family.output_bias is not None and bias is None:
+                raise ValueError(f"{name}: layer {index}'s block has no output bias {family.output_bias!r}")
+            work.append((index, router, MoEWeights.from_state_dict(state, cfg, strict=False), bias))
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to prepare the model")
@@ -419,10 +457,10 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
     family = moe_model_info(model).family
     layers = _decoder_layers(model, family)
     while work:
-        index, router, weights = work.pop(0)  # out of work: the full experts go with the old block
+        index, router, weights, bias = work.pop(0)  # out of work: the full experts go with the old block
         setattr(layers[index], _block_attribute(layers[index], family),
                 MoEBlock(router, cfg, layer=index, quant=quant, groups=groups, backend=backend, weights=weights,
-                         device=device, **_router_names(family)))
+                         device=device, output_bias=bias, **_router_names(family)))
     return model
 
 
@@ -592,7 +630,7 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
     if device is None:
         device = groups.device if groups is not None else "cpu"
     device = torch.device(device)
-    error, model, blocks, routers = None, None, {}, {}
+    error, model, blocks, routers, biases = None, None, {}, {}, {}
     cfg = quant_cfg = None
     try:
         from moeshard.checkpoint.loader import load_moe_block
@@ -613,6 +651,10 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         for index, prefix in prefixes.items():
             blocks[index] = load_moe_block(model_dir, index, parallel=parallel, rank=rank, quant=quant_cfg, dtype=dtype)
             routers[index] = _load_router(model, ckpt, prefix, blocks[index].names, device, fp8)
+            if family.output_bias is not None:
+                held = model.get_parameter(prefix + family.output_bias)  # the meta model's: shape and dtype
+                biases[index] = read_dense(ckpt, blocks[index].names.prefix + family.output_bias, tuple(held.shape),
+                                           held.dtype, fp8).to(device).requires_grad_(held.requires_grad)
         _load_dense(model, ckpt, tuple(prefixes.values()), device, fp8, family)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
@@ -628,7 +670,7 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
                 MoEBlock(routers.pop(index), block.cfg, layer=index, quant=block.quant, groups=groups,
                          backend=backend, weights=weights, local_experts=block.local_experts, device=device,
                          max_tokens_per_rank=max_tokens_per_rank, shared_stored=block.shared_stored,
-                         **_router_names(family)))
+                         output_bias=biases.pop(index, None), **_router_names(family)))
     return model.eval()
 
 

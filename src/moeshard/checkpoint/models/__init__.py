@@ -18,6 +18,7 @@ from moeshard.checkpoint.models import (
     granite,  # noqa: F401
     hunyuan,  # noqa: F401
     jamba,  # noqa: F401
+    jetmoe,  # noqa: F401
     kimi_linear,  # noqa: F401
     lara_mini,  # noqa: F401
     lfm2_moe,  # noqa: F401

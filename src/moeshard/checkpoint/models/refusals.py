@@ -9,11 +9,10 @@ from moeshard.checkpoint.families import refuse_family
 REFUSALS = {
     "longcat_flash": "its router also picks zero-computation (identity) experts (zero_expert_num), which pass the "
                      "row through scaled by its weight; moeshard's experts are gated MLPs only",
-    "jetmoe": "its MoE block adds a learned bias [hidden_size] to every row's output (JetMoeMoE.bias), which "
-              "moeshard's block does not have",
     "zaya": "its router is an MLP over a projection of the hidden states that carries state from the previous "
             "layer and routes to an extra skip class (ZayaRouter), not a linear router",
-    "doge": "its experts are product-key embeddings chosen by two sub-key top-ks (DogeCDMoE), not gated MLP experts",
+    "doge": "its experts are rows of two embedding tables [num_experts, hidden_size] chosen by two sub-key top-ks "
+            "(DogeCDMoE), not gated MLP experts",
     "gemma4_text": "its router and experts are attributes of the decoder layer (no MoE block module to replace), the "
                    "router reading the residual stream through its own norm and scale and scaling each weight per "
                    "expert (Gemma4TextRouter)",
