@@ -29,6 +29,7 @@ import pytest
 import torch
 from router_parity import bf16_router_parity, swapped_logits
 
+from moeshard.checkpoint.families import FAMILIES as DESCRIPTORS
 from moeshard.checkpoint.hf_config import parse_hf_config
 from moeshard.jobs.generate import (
     GenerateSpec,
@@ -81,6 +82,9 @@ CONFIGS = {
                              shared_intermediate_size=24, layer_types=["mamba", "attention"], mamba_n_heads=4,
                              mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1),
     "phimoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+    # The decoder layer routes (its router on its own norm and scales) and calls its experts.
+    "gemma4_text": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k_experts=2,
+                        enable_moe_block=True, head_dim=8, hidden_size_per_layer_input=0),
     # A learned bias on the block's output; attention as a mixture of heads (kv_channels: head_dim).
     "jetmoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, kv_channels=8),
     # Gated delta net and attention layers; the checkpoint fuses the delta net's input projections.
@@ -153,7 +157,17 @@ def _random_output_bias(model) -> None:
             layer.mlp.bias.copy_(torch.randn(layer.mlp.bias.shape, generator=g) / 2)
 
 
-PREPARE = {"ernie4_5_moe": _random_selection_bias, "phimoe": _close_router_rows, "jetmoe": _random_output_bias}
+def _random_router_scales(model) -> None:
+    """Gemma 4: the router's input scale and per-expert weight scale away from their init (ones)."""
+    g = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        with torch.no_grad():
+            layer.router.scale.copy_(1 + torch.randn(layer.router.scale.shape, generator=g) / 3)
+            layer.router.per_expert_scale.copy_(0.5 + torch.rand(layer.router.per_expert_scale.shape, generator=g))
+
+
+PREPARE = {"ernie4_5_moe": _random_selection_bias, "phimoe": _close_router_rows, "jetmoe": _random_output_bias,
+           "gemma4_text": _random_router_scales}
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +238,7 @@ def test_one_rank_logits_equal_transformers(models, reference, family):
 def test_in_memory_model_equals_transformers(models, family):
     """shard_moe_blocks on the model transformers loaded (the model's own names, not the
     checkpoint's): the forward's logits equal the plain model's, and every MoE layer is an MoEBlock."""
+    from moeshard.integrations.given_routing import MoEExperts
     from moeshard.integrations.transformers import MoEBlock, find_moe_blocks, moe_model_info, shard_moe_blocks
 
     model_dir = _dir(models, family)
@@ -235,8 +250,8 @@ def test_in_memory_model_equals_transformers(models, family):
     assert torch.allclose(got, want, atol=FP32_ATOL, rtol=0), (got - want).abs().max()
     info = moe_model_info(model)
     moe = [i for i in range(info.num_layers) if i not in info.dense_layers]
-    assert moe and sorted(m.layer_index for m in model.modules() if isinstance(m, MoEBlock)) == moe
-    with pytest.raises(ValueError, match="already a moeshard MoEBlock"):
+    assert moe and sorted(m.layer_index for m in model.modules() if isinstance(m, (MoEBlock, MoEExperts))) == moe
+    with pytest.raises(ValueError, match="already a moeshard MoE(Block|Experts)"):
         find_moe_blocks(model)
 
 
@@ -265,16 +280,50 @@ def test_the_nudges_reach_the_routing(models):
         pytest.skip(f"transformers {tf.__version__} has neither ernie4_5_moe nor phimoe")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if not DESCRIPTORS[f].experts_only])
 def test_bf16_router_is_transformers_router(models, family):
     """bf16, on transformers' own router inputs: moeshard's logits are its router's bit for bit
     and its experts the same (ties aside, ``router_parity``); for a family whose router computes
-    in the model dtype, fp32 logits would differ, so the test sees the precision."""
-    from moeshard.checkpoint.families import FAMILIES as DESCRIPTORS
-
+    in the model dtype, fp32 logits would differ, so the test sees the precision. (Gemma 4's
+    decoder layer routes with transformers' own router: ``test_given_routing_reaches_the_experts``.)"""
     parity = bf16_router_parity(tf, _dir(models, family))
     assert parity.logits_differ == parity.ids_differ == parity.biases_differ == 0, parity
     assert (parity.fp32_logits_differ > 0) == (DESCRIPTORS[family].router_dtype == "model"), parity
+
+
+def test_given_routing_reaches_the_experts(models):
+    """Gemma 4 in bfloat16: its decoder layers keep transformers' router, and moeshard's experts
+    get exactly the ids and weights it returned, for every row, in every MoE layer; the layer's
+    output is the weighted sum of those experts (transformers' own experts on the same routing,
+    within bf16's tolerance of one rounding)."""
+    from moeshard.integrations.given_routing import MoEExperts
+    from moeshard.integrations.transformers import load_sharded_model
+
+    model = load_sharded_model(_dir(models, "gemma4_text"), dtype="bfloat16")
+    plain = tf.AutoModelForCausalLM.from_pretrained(_dir(models, "gemma4_text"), dtype=torch.bfloat16).eval()
+    routed, handed, theirs = {}, {}, {}
+    hooks = []
+    for index, layer in enumerate(model.model.layers):
+        assert isinstance(layer.experts, MoEExperts) and type(layer.router).__name__ == "Gemma4TextRouter"
+        hooks.append(layer.router.register_forward_hook(lambda _m, _a, out, i=index: routed.__setitem__(i, out)))
+        hooks.append(layer.experts.register_forward_hook(
+            lambda _m, args, out, i=index: handed.__setitem__(i, (args, out))))
+    for index, layer in enumerate(plain.model.layers):
+        hooks.append(layer.experts.register_forward_hook(
+            lambda m, args, out, i=index: theirs.__setitem__(i, (m, out))))
+    ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        model(ids)
+        plain(ids)
+    for hook in hooks:
+        hook.remove()
+    assert sorted(handed) == sorted(routed) == list(range(len(model.model.layers))), (sorted(handed), sorted(routed))
+    for index, ((rows, top_ids, weights), out) in handed.items():
+        assert torch.equal(top_ids, routed[index][2]) and torch.equal(weights, routed[index][1])
+        experts = theirs[index][0]
+        with torch.no_grad():  # transformers' experts on moeshard's inputs: the same sum, rounded per expert
+            want = experts(rows, top_ids, weights)
+        assert torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2), (out - want).abs().max()
 
 
 @pytest.mark.parametrize("family", BF16_FAMILIES)
@@ -402,6 +451,7 @@ def test_config_readers(models):
         "granitemoehybrid": ("topk_softmax", False, 0, False, [], 4, 1),
         "phimoe": ("sparsemixer", False, 0, False, [], 4, 1),
         "jetmoe": ("topk_softmax", False, 0, False, [], 4, 1),
+        "gemma4_text": ("softmax", True, 0, False, [], 4, 1),
         "dbrx": ("softmax_model", True, 0, False, [], 4, 1),
         "lara_mini": ("softmax", True, 24, False, [], 4, 1),
     }

@@ -11,6 +11,8 @@ name            kernel      h                                                   
 ==============  ==========  ==========================================================  =========
 silu            0           silu(gate) * up (SwiGLU: Mixtral, Qwen, DeepSeek)
 gelu            1           gelu(gate) * up (exact erf GELU-GLU)
+gelu_tanh       none        gelu_tanh(gate) * up, GELU's tanh approximation (Gemma 4's
+                            ``gelu_pytorch_tanh``)
 swiglu_clamped  none        g = min(gate, limit); u = clamp(up, -limit, limit);        alpha 1.702
                             (u + 1) * g * sigmoid(alpha * g)  (gpt-oss)                 limit 7.0
 ==============  ==========  ==========================================================  =========
@@ -119,6 +121,10 @@ def _gelu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate) * up
 
 
+def _gelu_tanh_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     # gpt-oss clamps both products so that the large-activation tail stays in range.
     gate = gate.clamp(max=limit)
@@ -132,5 +138,6 @@ for _kind in (
     ActivationKind("swiglu_clamped", _clamped_swiglu, None,
                    "gpt-oss SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)",
                    {"alpha": 1.702, "limit": 7.0}),
+    ActivationKind("gelu_tanh", _gelu_tanh_glu, None, "GELU-GLU with GELU's tanh approximation"),
 ):
     register_activation(_kind)

@@ -357,8 +357,7 @@ class MoELayer(nn.Module):
                              f"max_tokens_per_rank={self.max_tokens_per_rank}")
         if not torch.is_grad_enabled():
             return False
-        what = "x requires grad" if x.requires_grad else next(
-            (f"parameter {n!r} requires grad" for n, q in self.named_parameters() if q.requires_grad), None)
+        what = self._needs_grad(x)
         if what is None:
             return False
         reason = backward_refusal(self.backend_name, self.quant, self.placement.has_replicas)
@@ -366,6 +365,13 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer.forward (rank {rank}): {what}, but {reason} (or run the layer under "
                              f"torch.no_grad() / torch.inference_mode())")
         return True
+
+    def _needs_grad(self, x: torch.Tensor) -> str | None:
+        """What makes this forward carry gradients (grad mode on): x or a parameter that requires
+        grad, named for messages; None if nothing does."""
+        if x.requires_grad:
+            return "x requires grad"
+        return next((f"parameter {n!r} requires grad" for n, q in self.named_parameters() if q.requires_grad), None)
 
     def route(self, x: torch.Tensor) -> Routing:
         """x: [T, H] rows this rank routes -> top-k ids / fp32 weights [T, K] (global logical

@@ -55,7 +55,7 @@ W1_W3_W2 = ("w1", "w3", "w2")
 # hub) have num_experts / n_routed_experts.
 _ALIASES: dict[str, tuple[str, ...]] = {
     "num_hidden_layers": ("n_layers",),  # DBRX
-    "hidden_act": ("activation_function",),  # JetMoE
+    "hidden_act": ("activation_function", "hidden_activation"),  # JetMoE, Gemma 4
     "num_local_experts": ("num_experts",),
     "num_experts": ("num_local_experts",),
     "n_routed_experts": ("num_local_experts",),
@@ -278,6 +278,14 @@ class ModelFamily:
       stored name endings whose tensors, concatenated along dim 0 in that order, make it};
       ``dense_split`` {stored name ending: the model name endings that are its consecutive row
       ranges along dim 0, in order} (``dense_sources``, ``dense_split_of``).
+    experts_only: transformers' decoder layer routes its tokens itself and hands its experts
+      module the routing, ``experts(rows [T, H], top_k_index [T, K], top_k_weights [T, K])``
+      (Gemma 4: the router reads the residual stream through its own norm and scales, the experts
+      another norm of it). moeshard then replaces only that module (``MoEExperts``), taking the
+      routing as given; ``block_prefixes`` is ``("",)``: the decoder layer holds ``router`` and
+      ``experts``, and the router stays transformers' (read as any dense tensor). ``moe``'s routing
+      kind describes the router's selection; ``moeshard run``, which routes one block alone,
+      refuses such a family.
     output_bias: None, or the name of a learned bias [H] the block adds to every row of its output
       (JetMoE's ``bias``). moeshard's block adds it to the layer's output rows, whole (after a
       sequence-parallel gather), as transformers' block does; it is a parameter of the block, not
@@ -315,6 +323,7 @@ class ModelFamily:
     stored_names: Mapping[str, str] = field(default_factory=dict)
     router_input: str = "rows"
     output_bias: str | None = None
+    experts_only: bool = False
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -340,7 +349,13 @@ class ModelFamily:
         if unknown or not self.formats:
             raise ValueError(f"{where}.formats: {list(self.formats)} must be a non-empty list of "
                              f"{list(CHECKPOINT_FORMATS)}")
+        if self.experts_only and (self.block_prefixes != ("",) or not self.experts):
+            raise ValueError(f"{where}: experts_only needs block_prefixes ('',) (the decoder layer holds the router "
+                             f"and the experts) and an experts module name, got {self.block_prefixes!r} and "
+                             f"{self.experts!r}")
         for name in ("block_prefixes", "shared_prefixes"):
+            if name == "block_prefixes" and self.experts_only:
+                continue
             bad = [p for p in getattr(self, name) if not (isinstance(p, str) and p.endswith(".") and len(p) > 1)]
             if bad or not getattr(self, name):
                 raise ValueError(f"{where}.{name}: every entry must be a module name ending in '.', got "

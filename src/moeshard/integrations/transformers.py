@@ -78,6 +78,7 @@ from moeshard.checkpoint.reader import SafetensorsCheckpoint
 from moeshard.config import MODEL_DTYPES, MoEConfig, QuantConfig, parse_dtype
 from moeshard.dispatch.registry import default_backend, support
 from moeshard.errors import MoeshardError
+from moeshard.integrations.given_routing import MoEExperts
 from moeshard.layer import MoELayer
 from moeshard.parallel.agree import first_failure
 from moeshard.parallel.config import ParallelConfig
@@ -273,7 +274,9 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     block attribute) of every MoE layer, in order.
 
     Refuses a model whose MoE layers do not hold a block with the family's router and experts,
-    and a model whose blocks are already ``MoEBlock``s."""
+    and a model whose blocks are already ``MoEBlock``s. For a family whose decoder layer routes
+    itself (``experts_only``, Gemma 4) the "block" is the decoder layer, which holds the router
+    and the experts; an experts module already an ``MoEExperts`` is refused the same way."""
     info = moe_model_info(model)
     family = info.family
     layers = _decoder_layers(model, family)
@@ -284,19 +287,19 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     for index, layer in enumerate(layers):
         if index in info.dense_layers:
             continue
-        attr = _block_attribute(layer, family)
-        block = getattr(layer, attr, None)
-        if isinstance(block, MoEBlock):
-            raise ValueError(f"{type(model).__name__}: layer {index}'s MoE block is already a moeshard MoEBlock "
-                             f"(layout {block.parallel.name}); shard a model once")
+        block = layer if family.experts_only else getattr(layer, _block_attribute(layer, family), None)
+        done = getattr(block, family.experts, None) if family.experts_only else block
+        if isinstance(done, MoELayer):
+            raise ValueError(f"{type(model).__name__}: layer {index}'s MoE block is already a moeshard "
+                             f"{type(done).__name__} (layout {done.parallel.name}); shard a model once")
         # The experts' module, or where the block holds them itself (JetMoE) their fused gate_up.
         experts = family.experts or family.expert_tensor(family.fused_names[0])
         held = block is not None and (getattr(block, experts, None) is not None if family.experts
                                       else _tensor_at(block, experts) is not None)
         if block is None or not isinstance(getattr(block, family.router, None), nn.Module) or not held:
+            at = "the decoder layer" if family.experts_only else " or ".join("." + a for a in family.block_attributes)
             raise ValueError(f"{type(model).__name__}: layer {index} should hold an MoE block with a router "
-                             f"({family.router}) and experts ({experts}) at "
-                             f"{' or '.join('.' + a for a in family.block_attributes)}, found {type(block).__name__}")
+                             f"({family.router}) and experts ({experts}) at {at}, found {type(block).__name__}")
         blocks[index] = block
     return blocks
 
@@ -445,7 +448,10 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
             assert isinstance(router, nn.Module)  # find_moe_blocks checked every block's router
             # A transformers block may hold tensors the layer does not read (its own buffers): the
             # families' parity with transformers, not strictness, proves what is read.
-            state = _canonical(block.state_dict(), family, cfg.num_experts)
+            held = block.state_dict()
+            if family.experts_only:  # the decoder layer: only its router's and experts' tensors
+                held = {k: v for k, v in held.items() if k.startswith((family.router + ".", family.experts + "."))}
+            state = _canonical(held, family, cfg.num_experts)
             bias = _tensor_at(block, family.output_bias) if family.output_bias is not None else None
             if family.output_bias is not None and bias is None:
                 raise ValueError(f"{name}: layer {index}'s block has no output bias {family.output_bias!r}")
@@ -458,10 +464,22 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
     layers = _decoder_layers(model, family)
     while work:
         index, router, weights, bias = work.pop(0)  # out of work: the full experts go with the old block
-        setattr(layers[index], _block_attribute(layers[index], family),
-                MoEBlock(router, cfg, layer=index, quant=quant, groups=groups, backend=backend, weights=weights,
-                         device=device, output_bias=bias, **_router_names(family)))
+        _replace_block(layers[index], family, router, cfg, layer=index, quant=quant, groups=groups, backend=backend,
+                       weights=weights, device=device, output_bias=bias)
     return model
+
+
+def _replace_block(decoder_layer: nn.Module, family: ModelFamily, router: nn.Module | None, cfg: MoEConfig, *,
+                   output_bias: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Puts moeshard's module in the decoder layer: an ``MoEBlock`` (with transformers' router) in
+    place of the block, or for an ``experts_only`` family an ``MoEExperts`` in place of its
+    experts (the router stays where it is). kwargs: ``MoELayer``'s, and ``layer``."""
+    if family.experts_only:
+        setattr(decoder_layer, family.experts, MoEExperts(cfg, **kwargs))
+        return
+    assert router is not None  # every block family's router is loaded with its block
+    setattr(decoder_layer, _block_attribute(decoder_layer, family),
+            MoEBlock(router, cfg, output_bias=output_bias, **kwargs, **_router_names(family)))
 
 
 # -- from a checkpoint directory --------------------------------------------------------------
@@ -560,14 +578,20 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
             continue
         owner = name.rpartition(".")[0]
         module = model.get_submodule(owner) if owner else model
-        if any(True for _ in module.parameters(recurse=False)):
-            raise ValueError(f"cannot initialise buffer {name!r}: its module {type(module).__name__} also holds "
-                             f"parameters")
         for leaf, b in list(module._buffers.items()):
             if _is_meta(b):
                 module._buffers[leaf] = torch.empty_like(b, device=device)
-        with torch.no_grad():
-            model._init_weights(module)  # transformers' own initialisation of e.g. rotary inv_freq
+        # transformers' own initialisation of e.g. rotary inv_freq, or Gemma's embedding scale. It
+        # initialises the module's parameters too: they stand aside as meta tensors meanwhile, so
+        # that the values read from the checkpoint stay.
+        loaded = {leaf: p for leaf, p in module._parameters.items() if p is not None}
+        for leaf, p in loaded.items():
+            module._parameters[leaf] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        try:
+            with torch.no_grad():
+                model._init_weights(module)
+        finally:
+            module._parameters.update(loaded)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if _is_meta(t) and not n.startswith(skip)]
     if left:
@@ -644,13 +668,16 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         ckpt = SafetensorsCheckpoint(model_dir)
         family = info.family
         layers = _decoder_layers(model, family)
-        # Module names in the transformers model: the family's layers path and block attribute.
-        prefixes = {index: f"{family.layer_prefix(index)}{_block_attribute(layers[index], family)}."
+        # Module names in the transformers model: the family's layers path and block attribute (for
+        # an experts_only family its experts module: its router loads as a dense tensor).
+        prefixes = {index: f"{family.layer_prefix(index)}"
+                           f"{family.experts if family.experts_only else _block_attribute(layers[index], family)}."
                     for index in find_moe_blocks(model)}
         fp8 = info.format.stored_scheme == "fp8_block"
         for index, prefix in prefixes.items():
             blocks[index] = load_moe_block(model_dir, index, parallel=parallel, rank=rank, quant=quant_cfg, dtype=dtype)
-            routers[index] = _load_router(model, ckpt, prefix, blocks[index].names, device, fp8)
+            if not family.experts_only:
+                routers[index] = _load_router(model, ckpt, prefix, blocks[index].names, device, fp8)
             if family.output_bias is not None:
                 held = model.get_parameter(prefix + family.output_bias)  # the meta model's: shape and dtype
                 biases[index] = read_dense(ckpt, blocks[index].names.prefix + family.output_bias, tuple(held.shape),
@@ -664,13 +691,14 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
     layers = _decoder_layers(model, family)
     for index in sorted(blocks):
         block = blocks.pop(index)
-        attribute = _block_attribute(layers[index], family)
-        weights = _bias_as_transformers_holds_it(block.weights, getattr(layers[index], attribute), family)
-        setattr(layers[index], attribute,
-                MoEBlock(routers.pop(index), block.cfg, layer=index, quant=block.quant, groups=groups,
-                         backend=backend, weights=weights, local_experts=block.local_experts, device=device,
-                         max_tokens_per_rank=max_tokens_per_rank, shared_stored=block.shared_stored,
-                         output_bias=biases.pop(index, None), **_router_names(family)))
+        weights = block.weights
+        if not family.experts_only:
+            weights = _bias_as_transformers_holds_it(weights, getattr(layers[index], _block_attribute(layers[index],
+                                                                                                     family)), family)
+        _replace_block(layers[index], family, routers.pop(index, None), block.cfg, layer=index, quant=block.quant,
+                       groups=groups, backend=backend, weights=weights, local_experts=block.local_experts,
+                       device=device, max_tokens_per_rank=max_tokens_per_rank, shared_stored=block.shared_stored,
+                       output_bias=biases.pop(index, None))
     return model.eval()
 
 
@@ -686,9 +714,10 @@ def _bias_as_transformers_holds_it(weights: MoEWeights, meta_block: nn.Module, f
 
 
 def expert_bytes(model: nn.Module) -> int:
-    """Bytes of routed-expert tensors this rank holds (every ``MoEBlock``'s shard, scales included)."""
+    """Bytes of routed-expert tensors this rank holds (every ``MoEBlock``'s or ``MoEExperts``' shard,
+    scales included)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, MoEBlock):
+        if isinstance(module, MoELayer):
             total += sum(t.nbytes for t in list(module.experts.parameters()) + list(module.experts.buffers()))
     return total

@@ -292,13 +292,14 @@ def greedy(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad_token
 
 def generate_rank(plan: GeneratePlan, groups: ParallelGroups | None) -> GenerateRankResult:
     """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
-    from moeshard.integrations.transformers import MoEBlock, expert_bytes
+    from moeshard.integrations.transformers import expert_bytes
+    from moeshard.layer import MoELayer
 
     p, spec = plan.parallel, plan.spec
     place = RankPlace.of(plan, groups)
     rank, dp_rank, tp_rank, device = place.rank, place.dp_rank, place.tp_rank, place.device
     model, load_s = load_timed(plan, groups, device)
-    block = next(m for m in model.modules() if isinstance(m, MoEBlock))
+    block = next(m for m in model.modules() if isinstance(m, MoELayer))
     same = None
     if p.tp > 1:
         assert groups is not None  # tp > 1: a world of several ranks, which runs with its groups

@@ -264,7 +264,8 @@ class TrainRankResult:
 
 def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResult:
     """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
-    from moeshard.integrations.transformers import MoEBlock, expert_bytes
+    from moeshard.integrations.transformers import expert_bytes
+    from moeshard.layer import MoELayer
     from moeshard.training import grad_norm, reduce_gradients
     from moeshard.training.router_losses import keep_router_logits, load_balancing_loss
 
@@ -298,7 +299,7 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
         losses.append(float(loss.detach()))
     synchronize(device)
     train_s = time.perf_counter() - t1
-    blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoEBlock)}
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
     s = next(iter(blocks.values())).shard
     width = plan.cfg.intermediate_size // s.tp_size
     params = None
@@ -466,6 +467,8 @@ class _ReferenceParams:
 
         if prefix not in self.blocks:
             raw = {k[len(prefix) + 1:]: v for k, v in self.params.items() if k.startswith(prefix + ".")}
+            if self.family.experts_only:  # moeshard's module is the layer's experts: under transformers' names
+                raw = {f"{self.family.experts}.{k}": v for k, v in raw.items()}
             self.blocks[prefix] = {**raw, **_canonical(raw, self.family, self.plan.cfg.num_experts)}
         return self.blocks[prefix]
 

@@ -14,6 +14,7 @@ from moeshard.checkpoint.models import (
     deepseek_v2,  # noqa: F401
     deepseek_v3_style,  # noqa: F401  glm4_moe, glm4_moe_lite, dots1, exaone_moe
     ernie,  # noqa: F401
+    gemma4,  # noqa: F401
     gpt_oss,  # noqa: F401
     granite,  # noqa: F401
     hunyuan,  # noqa: F401

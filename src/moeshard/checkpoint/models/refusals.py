@@ -13,9 +13,6 @@ REFUSALS = {
             "layer and routes to an extra skip class (ZayaRouter), not a linear router",
     "doge": "its experts are rows of two embedding tables [num_experts, hidden_size] chosen by two sub-key top-ks "
             "(DogeCDMoE), not gated MLP experts",
-    "gemma4_text": "its router and experts are attributes of the decoder layer (no MoE block module to replace), the "
-                   "router reading the residual stream through its own norm and scale and scaling each weight per "
-                   "expert (Gemma4TextRouter)",
 }
 for _model_type, _reason in REFUSALS.items():
     refuse_family(_model_type, _reason)

@@ -1,0 +1,93 @@
+"""``MoEExperts``: a transformers experts module run by moeshard on the routing its decoder layer
+computed, for a family whose layer routes itself (``ModelFamily.experts_only``: Gemma 4).
+
+Such a layer calls ``experts(rows [T, H], top_k_index [T, K], top_k_weights [T, K])``; its
+router reads an input the experts do not (Gemma 4's router normalizes and scales the residual
+stream, its experts get another norm of it), so moeshard cannot route the experts' rows itself.
+``MoEExperts`` takes the ids and weights as given and runs everything after the router: dispatch
+under the layout, the experts, the combine. Under sequence parallelism each TP rank takes its
+chunk of the rows, ids and weights; with autograd the weights' chunk is cut by ``shard_rows``,
+whose backward all-gathers, so the gradient reaching the router (transformers', replicated on
+every TP rank) is whole on each rank, as a replicated parameter's must be.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moeshard.autograd.collectives import shard_rows
+from moeshard.config import MoEConfig
+from moeshard.layer import MoELayer
+from moeshard.parallel.sequence import SequenceChunk
+from moeshard.router import Routing
+
+
+class MoEExperts(MoELayer):
+    """``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
+
+    hidden_states: the rows the experts take, in the model dtype (T may be 0); top_k_index: int64
+    logical expert ids in [0, E) (not checked on the device: that would synchronize); top_k_weights:
+    the combine weights (any float dtype, used in fp32), differentiable. On the TP ranks of one DP
+    rank all three are the same tensors (the decoder layer runs replicated there). The output is
+    the weighted sum of the K experts' outputs, in the model dtype. ``weights`` as ``MoELayer``'s:
+    their router weight is the transformers router's (checked for its shape, not used; the router
+    stays transformers', on the decoder layer). layer: the decoder layer index (for messages).
+    Other arguments as ``MoELayer``.
+    """
+
+    def __init__(self, cfg: MoEConfig, *, layer: int | None = None, **kwargs: Any) -> None:
+        super().__init__(cfg, **kwargs)
+        del self.gate  # transformers' router, on the decoder layer, routes
+        self.layer_index = layer
+        self._given: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,  # type: ignore[override]
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        rank = self.groups.rank if self.groups is not None else 0
+        where = f"MoEExperts (layer {self.layer_index}, rank {rank})"
+        rows = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() else None
+        want = (rows, self.cfg.top_k)
+        for name, t, integer in (("top_k_index", top_k_index, True), ("top_k_weights", top_k_weights, False)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.is_floating_point() == integer:
+                got = (f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__)
+                raise ValueError(f"{where}: {name} must be [T={rows}, top_k={self.cfg.top_k}] "
+                                 f"{'integer' if integer else 'floating point'}, got {got}")
+            if t.device != hidden_states.device:
+                raise ValueError(f"{where}: {name} is on {t.device}, hidden_states on {hidden_states.device}")
+        self._given = (top_k_index.long(), top_k_weights)
+        try:
+            return super().forward(hidden_states)
+        finally:
+            self._given = None
+
+    def _needs_grad(self, x: torch.Tensor) -> str | None:
+        assert self._given is not None  # set by forward
+        if self._given[1].requires_grad:
+            return "top_k_weights requires grad"
+        return super()._needs_grad(x)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """x: [T, H] rows this rank routes -> the given ids and fp32 weights of those rows: all of
+        them, or under sequence parallelism this TP rank's chunk."""
+        assert self._given is not None  # set by forward
+        ids, weights = self._given
+        p = self.parallel
+        if not p.is_sequence_parallel:
+            return Routing(ids, weights.float())
+        assert self.groups is not None  # sequence parallelism needs tp > 1, hence groups
+        chunk = SequenceChunk.of(ids.shape[0], p.tp_rank(self.groups.rank), p.tp)
+        rows = slice(chunk.start, chunk.start + chunk.real)
+        if weights.requires_grad and torch.is_grad_enabled():
+            mine = shard_rows(weights.float(), chunk.rows_per_rank, chunk.tp_rank, self.groups.tp_group, "tp",
+                              trace=self.groups.trace)
+        else:
+            mine = weights[rows].float()
+        return Routing(ids[rows], mine)
+
+    def extra_repr(self) -> str:
+        s = self.shard
+        return (f"layer={self.layer_index}, layout={self.parallel.name}, backend={self.backend_name}, "
+                f"quant={self.quant.name}, experts=[{s.expert_start}, {s.expert_stop}) of {self.cfg.num_experts}, "
+                f"routing given")
