@@ -8,8 +8,8 @@ Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense); th
 sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
 glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe), whose router weights and
 selection biases are drawn at random (transformers starts some at zero, where every expert ties);
-the softmax-routed ones (``SOFTMAX_FAMILIES``; JetMoE's output bias drawn at random, where
-transformers starts it at zero), also from ``AutoConfig.for_model``; gpt_oss
+the softmax-routed ones (``SOFTMAX_FAMILIES``; JetMoE's output bias and Gemma 4's router scales
+drawn at random, where transformers starts them at zero and one), also from ``AutoConfig.for_model``; gpt_oss
 (random expert biases: transformers initialises them to zero), llama4_text (top-1, a shared
 expert, MoE on every second layer), lfm2_moe (short-convolution and attention layers, the
 first layer dense, its router and expert bias drawn at random as the sigmoid families' are),
@@ -111,6 +111,8 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
                                  mamba_n_heads=8, mamba_d_head=2 * common["hidden_size"] // 8, mamba_n_groups=1),
         "phimoe": dict(intermediate_size=I, num_local_experts=experts),
         "jetmoe": dict(intermediate_size=I, num_local_experts=experts, kv_channels=head),
+        "gemma4_text": dict(intermediate_size=2 * I, moe_intermediate_size=I, num_experts=experts, top_k_experts=2,
+                            enable_moe_block=True, head_dim=head, hidden_size_per_layer_input=0),
         "lara_mini": dict(moe_intermediate_size=I, shared_expert_intermediate_size=I, num_experts=experts, **linear),
     }[family]
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the small vocabulary
@@ -119,7 +121,7 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
 
 SOFTMAX_FAMILIES = ("olmoe", "flex_olmo", "mellum", "minimax", "jamba", "qwen3_next", "qwen3_5_moe_text",
                     "deepseek_v2", "hunyuan_v1_moe", "ernie4_5_moe", "granitemoe", "granitemoeshared",
-                    "granitemoehybrid", "phimoe", "lara_mini", "jetmoe")
+                    "granitemoehybrid", "phimoe", "lara_mini", "jetmoe", "gemma4_text")
 
 
 def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
@@ -249,6 +251,10 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
         if family == "jetmoe":  # and so does JetMoE's bias on the block's output
             for layer in model.model.layers:
                 layer.mlp.bias.normal_(0.0, 0.5)
+        if family == "gemma4_text":  # and Gemma 4's router scales (ones)
+            for layer in model.model.layers:
+                layer.router.scale.normal_(1.0, 0.3)
+                layer.router.per_expert_scale.uniform_(0.5, 1.5)
     model.save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
 

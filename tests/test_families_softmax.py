@@ -14,9 +14,14 @@ its router's bit for bit (each family's ``router_dtype``: fp32 for DeepSeek-V2, 
 at (1,1) and under EP2 (in the 2-rank spawn; with fp32 logits Phi-3.5-MoE's did not).
 
 The random models are nudged where an untouched random init would hide the family's routing:
-ERNIE 4.5's selection bias is random (transformers initialises it to zeros), and Phi-3.5-MoE's
+ERNIE 4.5's selection bias is random (transformers initialises it to zeros), Phi-3.5-MoE's
 router rows are close to each other, so that sparsemixer's window often holds more than the
-picked expert and its masked softmax matters.
+picked expert and its masked softmax matters, JetMoE's bias on the block's output is random
+(zeros) and so are Gemma 4's router scales (ones).
+
+Gemma 4's decoder layer routes itself; its router is transformers' own, so instead of router
+parity its test follows the ids and weights from that router into moeshard's experts, and
+``moeshard run``, which routes one block alone, refuses it.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ FAMILIES = tuple(CONFIGS)
 # Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2 (routers in
 # the model dtype; the others' bf16 ids differ where two next-token logits tie or are one bf16 step
 # apart, or an exact tie of router logits is broken another way: docs/transformers.md).
-BF16_FAMILIES = ("granitemoe", "qwen3_5_moe_text", "phimoe", "dbrx")
+BF16_FAMILIES = ("granitemoe", "qwen3_5_moe_text", "phimoe", "dbrx", "gemma4_text")
 BF16_EP2 = ParallelConfig(2, 1, True)
 # Families whose MoE block takes the path of a family make test runs under layouts and in memory
 # (the same reader output, names, routing kind and shared-expert kind; a layout's own path is
@@ -324,6 +329,15 @@ def test_given_routing_reaches_the_experts(models):
         with torch.no_grad():  # transformers' experts on moeshard's inputs: the same sum, rounded per expert
             want = experts(rows, top_ids, weights)
         assert torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2), (out - want).abs().max()
+
+
+def test_run_refuses_a_family_that_routes_in_its_decoder_layer(models, capsys):
+    """``moeshard run`` routes one block alone: Gemma 4's router input is not the experts', so it
+    refuses, exit 2, naming the model type, before any rank starts."""
+    from moeshard.cli import main
+
+    assert main(["run", "--model", _dir(models, "gemma4_text"), "--layer", "0", "--tokens", "4"]) == 2
+    assert "model_type 'gemma4_text' routes in its decoder layer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", BF16_FAMILIES)

@@ -19,10 +19,11 @@ error.
 
 The routing kinds, activations, expert biases and shared experts of these families have their
 gradients proved layer by layer (``moeshard check --backward``, ``tests/test_routing_grads.py``);
-this proves the whole model trains as transformers trains it. ``make test`` runs three families
+this proves the whole model trains as transformers trains it. ``make test`` runs four families
 with parts of their own at (1,1): gpt_oss (expert and router biases, clamped SwiGLU),
-llama4_text (weights on the input) and jetmoe (a bias on the block's output, also under SP and
-TP2), and the planted error; ``make test-slow`` every family at (1,1) and under EP2.
+llama4_text (weights on the input), jetmoe (a bias on the block's output) and gemma4_text (the
+routing given by its decoder layer), the last two also under SP and TP2; and the planted error.
+``make test-slow`` runs every family at (1,1) and under EP2.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
 # own third loss in float32 against float64 differs by up to 6.9e-3 at lr 0.05 (granitemoe), 1.3e-2
 # at 0.01 (qwen3_next; jamba 9.4e-4) and 7.3e-5 at 0.002 (granitemoehybrid).
 STEPS, LR = 3, 0.01
+MOE_LAYERS = 2  # make_tiny_moe's default: every layer of these two families has an MoE block
 LAYOUTS = {"dp1-tp1-noep": ParallelConfig(), "dp2-tp1-ep": ParallelConfig(2, 1, True),
            "dp1-tp2-ep": ParallelConfig(1, 2, True), "dp1-tp2-noep": ParallelConfig(1, 2, False)}
-FAST = ("gpt_oss", "llama4_text", "jetmoe")
+FAST = ("gpt_oss", "llama4_text", "jetmoe", "gemma4_text")
 
 
 class _Models(dict):
@@ -190,28 +192,37 @@ def test_family_trains_as_transformers_under_ep2(ep2, references, family):
         _check(plan, results, references(plan), f"dp2-tp1-ep {family} {steps} step(s)")
 
 
-def test_output_bias_trains_as_transformers_under_sp_and_tp(models, references):
-    """JetMoE's bias on the block's output is added to whole rows after the sequence-parallel
-    gather, so the TP ranks hold the same gradient for it: reduced over the TP ranks as the
-    layer's router is under SP, it would count twice. Under SP (dp1-tp2-ep) and TP2
-    (dp1-tp2-noep), the losses, gradient norm and parameters are transformers'."""
+# Parameters outside moeshard's layer whose gradient depends on how the layer splits rows over
+# the TP ranks: JetMoE's bias on the block's output (added to whole rows after the
+# sequence-parallel gather) and Gemma 4's router (transformers', on the decoder layer: its
+# weights reach moeshard's experts as given routing, cut into chunks under SP).
+OUTSIDE_THE_LAYER = {"jetmoe": (".mlp.bias",),
+                     "gemma4_text": (".router.proj.weight", ".router.scale", ".router.per_expert_scale")}
+
+
+@pytest.mark.parametrize("family", sorted(OUTSIDE_THE_LAYER))
+def test_parameters_outside_the_layer_train_as_transformers_under_sp_and_tp(models, references, family):
+    """Under SP (dp1-tp2-ep) and TP2 (dp1-tp2-noep) the losses, gradient norm and parameters are
+    transformers', and so is the one step of each parameter ``OUTSIDE_THE_LAYER`` names: the TP
+    ranks must hold the same whole gradient for it, and only the DP ranks sum. A gradient counted
+    twice (JetMoE's bias summed over the TP ranks as the layer's router is under SP) or half
+    (Gemma 4's routing weights cut to a rank's chunk without gathering their gradient back) moves
+    the losses and the norm too little for the checks above to see, so the step is compared."""
     from safetensors.torch import load_file
 
     layouts = ("dp1-tp2-ep", "dp1-tp2-noep")
-    plans = [_plan(models, layout, "jetmoe", steps) for layout in layouts for steps in (STEPS, 1)]
+    plans = [_plan(models, layout, family, steps) for layout in layouts for steps in (STEPS, 1)]
     for plan, results in zip(plans, _run_world(2, plans), strict=True):
-        tag = f"{plan.parallel.name} jetmoe {plan.spec.steps} step(s)"
+        tag = f"{plan.parallel.name} {family} {plan.spec.steps} step(s)"
         _check(plan, results, references(plan), tag)
         if plan.spec.steps != 1:
             continue
-        # The one step moves the bias by lr x its gradient: a gradient counted twice moves the
-        # losses and the norm too little for the checks above to see, so the step is compared.
         start = load_file(str(Path(plan.spec.model_dir) / "model.safetensors"))
         exact = references(plan)[1].params
-        biases = [name for name in exact if name.endswith(".mlp.bias")]
-        assert biases, tag
+        names = [name for name in exact if name.endswith(OUTSIDE_THE_LAYER[family])]
+        assert len(names) == len(OUTSIDE_THE_LAYER[family]) * MOE_LAYERS, (tag, names)
         for r in results:
-            for name in biases:
+            for name in names:
                 step, want = r.params[name] - start[name], exact[name] - start[name].double()
                 assert float((step.double() - want).norm()) <= 1e-4 * float(want.norm()), (tag, name)
 
