@@ -25,10 +25,12 @@ def test_builtin_kinds_by_hand():
     up = torch.tensor([[2.0, -8.0, 3.0]])
     silu = [g * _sigmoid(g) * u for g, u in zip(gate[0].tolist(), up[0].tolist(), strict=True)]
     gelu = [g * 0.5 * (1 + math.erf(g / math.sqrt(2))) * u for g, u in zip(gate[0].tolist(), up[0].tolist(), strict=True)]
+    gelu_tanh = [g * 0.5 * (1 + math.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
+                 for g, u in zip(gate[0].tolist(), up[0].tolist(), strict=True)]
     # clamped: gate min(., 7), up clamp(-7, 7), (u + 1) * g * sigmoid(1.702 g)
     clamped = [(2.0 + 1) * -1.0 * _sigmoid(-1.702), (-7.0 + 1) * 0.5 * _sigmoid(0.851), (3.0 + 1) * 7.0 * _sigmoid(7 * 1.702)]
     gate_up = torch.cat([gate, up], dim=1)
-    for name, want in (("silu", silu), ("gelu", gelu), ("swiglu_clamped", clamped)):
+    for name, want in (("silu", silu), ("gelu", gelu), ("gelu_tanh", gelu_tanh), ("swiglu_clamped", clamped)):
         got = activate(gate_up, name, torch.float32)[0].tolist()
         assert got == pytest.approx(want, rel=1e-6), name
     assert dict(get_activation("swiglu_clamped").params) == {"alpha": 1.702, "limit": 7.0}

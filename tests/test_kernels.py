@@ -291,7 +291,8 @@ def test_half_tiles_compute_the_whole_tiles_numbers(interpreted_kernels, exact_i
 
 @pytest.mark.parametrize("dtype,activation,half,tma", [
     (torch.bfloat16, "silu", False, False), (torch.bfloat16, "silu", True, True),
-    (torch.float16, "gelu", True, False), (torch.float16, "silu", False, True)])
+    (torch.float16, "gelu", True, False), (torch.float16, "silu", False, True),
+    (torch.bfloat16, "gelu_tanh", False, False)])
 def test_gate_up_quantizing_h_gives_quantize_h_bits(interpreted_kernels, exact_interpreter, dtype, activation,
                                                     half, tma):
     """fp8_block gate_up with ``out_scale`` stores h quantized: the values and scales must be
@@ -930,7 +931,8 @@ def test_strided_expert_ids_are_read_as_their_values(interpreted_kernels, exact_
 
 
 
-@pytest.mark.parametrize("activation, dtype", [("silu", torch.bfloat16), ("gelu", torch.float32)])
+@pytest.mark.parametrize("activation, dtype", [("silu", torch.bfloat16), ("gelu", torch.float32),
+                                               ("gelu_tanh", torch.float32)])
 def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_kernels, exact_interpreter,
                                                                  activation, dtype):
     """The one-pass gated activation of the experts' training forward (``kernels/glu.py``) and

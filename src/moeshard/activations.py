@@ -11,7 +11,7 @@ name            kernel      h                                                   
 ==============  ==========  ==========================================================  =========
 silu            0           silu(gate) * up (SwiGLU: Mixtral, Qwen, DeepSeek)
 gelu            1           gelu(gate) * up (exact erf GELU-GLU)
-gelu_tanh       none        gelu_tanh(gate) * up, GELU's tanh approximation (Gemma 4's
+gelu_tanh       2           gelu_tanh(gate) * up, GELU's tanh approximation (Gemma 4's
                             ``gelu_pytorch_tanh``)
 swiglu_clamped  none        g = min(gate, limit); u = clamp(up, -limit, limit);        alpha 1.702
                             (u + 1) * g * sigmoid(alpha * g)  (gpt-oss)                 limit 7.0
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from moeshard.registry import Registry
 
 # Modes of the Triton gate_up epilogue (``ACT`` of ``kernels.grouped_gemm._moe_gemm``).
-KERNEL_MODES = (0, 1)
+KERNEL_MODES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,6 @@ for _kind in (
     ActivationKind("swiglu_clamped", _clamped_swiglu, None,
                    "gpt-oss SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)",
                    {"alpha": 1.702, "limit": 7.0}),
-    ActivationKind("gelu_tanh", _gelu_tanh_glu, None, "GELU-GLU with GELU's tanh approximation"),
+    ActivationKind("gelu_tanh", _gelu_tanh_glu, 2, "GELU-GLU with GELU's tanh approximation"),
 ):
     register_activation(_kind)

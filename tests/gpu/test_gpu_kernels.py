@@ -228,6 +228,33 @@ def test_gluon_down_gives_the_triton_bits(scheme, H, I):
     assert torch.equal(y, want), f"{scheme} H={H}: graph replay with new h differs"
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_gluon_gate_up_gelu_epilogues_match_triton(activation):
+    """The Gluon gate_up's erf and tanh GELU epilogues (ACT 1 and 2) against the Triton grouped
+    GEMM's on the same prefill tile and the reference: the same h within one bf16 rounding (their
+    exp and erf may differ in the last fp32 bit), every routed row written."""
+    import dataclasses
+
+    from moeshard.kernels.grouped_gemm import moe_gemm
+    from moeshard.kernels.persistent_gate_up import persistent_gate_up
+
+    E, H, I = 8, 1024, 768
+    ids = _ids(1500, E, seed=9)
+    w = _weights(E, H, I, torch.bfloat16, "fp8_token", seed=12)
+    x = quantize_activations(torch.randn(1500, H, device="cuda").to(torch.bfloat16) * 3, "fp8_token")
+    plan = align_rows(ids, E, 128)
+    triton_cfg = GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise")
+    got, want = (torch.zeros(plan.padded_rows, I, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    rows_got, rows_want = (torch.zeros(plan.padded_rows, device="cuda") for _ in range(2))
+    moe_gemm(x, w.gate_up, plan, want, triton_cfg, activation=activation, gather=True, row_amax=rows_want)
+    persistent_gate_up(x, w.gate_up, plan, got, dataclasses.replace(triton_cfg, engine="gluon"),
+                       activation=activation, row_amax=rows_got)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7 * float(want.float().abs().max()))
+    torch.testing.assert_close(rows_got, rows_want, rtol=2**-7, atol=0.0)
+    routed = plan.tile_expert.repeat_interleave(128)[: plan.padded_rows] >= 0
+    assert (want[routed].float().abs().sum(dim=1) > 0).float().mean() > 0.5, "the tiles computed nothing"
+
+
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
 @pytest.mark.parametrize("H, I", [(1024, 768), (384, 320), (128, 128), (256, 256)],
                          ids=["H1024", "H384-I320", "H128-I128", "H256-I256"])
@@ -652,8 +679,9 @@ def test_pdl_gives_the_same_bits(scheme, M, chain):
         assert torch.equal(static_y, want), f"{scheme} M={M} {chain}: replay {seed}"
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_gelu_and_deferred_quantization(scheme):
+def test_gelu_and_deferred_quantization(scheme, activation):
     M, E, H, I = SHAPES["mid"]
     dtype = torch.bfloat16
     w = _weights(E, H, I, dtype, scheme, seed=3)
@@ -661,12 +689,12 @@ def test_gelu_and_deferred_quantization(scheme):
     ids = _ids(M, E, seed=4)
     amax = x.abs().amax().float()
     # Deferred: model-dtype rows in, the kernel quantizes them with the layer-wide amax.
-    kernel = TritonExperts("gelu", dtype)
+    kernel = TritonExperts(activation, dtype)
     y = kernel(ExpertInput(x, ids, amax if get_scheme(scheme).per_tensor_activation else None), w)
     xin = (quantize_activations(x, scheme, amax=amax if get_scheme(scheme).per_tensor_activation else None)
            if scheme != "none" else x)
-    ref = expert_reference(xin, ids, w, "gelu", dtype, accumulation=kernel.accumulation(scheme))
-    _check(y, ref, dtype, scheme, f"gelu deferred {scheme}")
+    ref = expert_reference(xin, ids, w, activation, dtype, accumulation=kernel.accumulation(scheme))
+    _check(y, ref, dtype, scheme, f"{activation} deferred {scheme}")
 
 
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
@@ -1138,7 +1166,7 @@ def test_select_kernel():
     assert select_config(131072, 256, 7168, 2048, "none").block_m == 128
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_training_forward_of_grouped_experts_matches_the_torch_path(activation, dtype):
     """A CUDA forward that carries gradients runs the one-pass gated activation and its

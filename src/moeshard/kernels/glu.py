@@ -22,9 +22,11 @@ import triton
 import triton.language as tl
 
 from moeshard.activations import get_activation
-from moeshard.kernels.grouped_gemm import _gelu_mul, _silu_mul
+from moeshard.kernels.grouped_gemm import _gelu_mul, _gelu_tanh_mul, _silu_mul
 
-MODES = (0, 1)  # the kernel modes computed here: 0 silu, 1 exact-erf gelu (activations.KERNEL_MODES)
+# The kernel modes computed here: 0 silu, 1 exact-erf gelu, 2 tanh-approximate gelu
+# (activations.KERNEL_MODES).
+MODES = (0, 1, 2)
 ROWS = 8  # rows per program
 COLS = 256  # columns of h per program
 
@@ -40,8 +42,10 @@ def _glu_fwd_kernel(gu_ptr, h_ptr, M, I, stride_gu, stride_h, ACT: tl.constexpr,
     up = tl.load(gate_ptrs + I, mask=ok, other=0.0).to(tl.float32)
     if ACT == 0:
         h = _silu_mul(gate, up)
-    else:
+    elif ACT == 1:
         h = _gelu_mul(gate, up)
+    else:
+        h = _gelu_tanh_mul(gate, up)
     tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
@@ -59,10 +63,16 @@ def _glu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, M, I, stride_gu, stride_dh, stride_
         s = 1.0 / (1.0 + tl.exp(-g))
         a = g * s
         da = s * (1.0 + g * (1.0 - s))
-    else:
+    elif ACT == 1:
         cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
         a = g * cdf
         da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    else:
+        # a = g (1 + t) / 2, t = tanh(z), z = k (g + c g^3): da = (1 + t) / 2 + g (1 - t^2) k (1 + 3 c g^2) / 2
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0
+        a = 0.5 * g * (1.0 + t)
+        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
     out = dgu_ptr + rows[:, None] * stride_dgu + cols[None, :]
     tl.store(out, (dh * u * da).to(dgu_ptr.dtype.element_ty), mask=ok)
     tl.store(out + I, (dh * a).to(dgu_ptr.dtype.element_ty), mask=ok)

@@ -72,6 +72,14 @@ def _gelu_mul(gate, up):
 
 
 @triton.jit
+def _gelu_tanh_mul(gate, up):
+    # tanh(z) as 2 sigmoid(2z) - 1: Triton has no tanh of its own, and at |z| large exp's
+    # overflow to inf gives exactly -1 (and its underflow +1).
+    z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    return 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0)) * up
+
+
+@triton.jit
 def _load_tile(ptr, ptrs, row, col, rows_ok, cols_ok, TMA: tl.constexpr, MASK_ROWS: tl.constexpr,
                EVEN_K: tl.constexpr, ZERO: tl.constexpr):
     """One [R, C] operand tile: through a TMA descriptor at (row, col) (out-of-bounds parts read
@@ -260,8 +268,10 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         up = acc_up.to(H_TY).to(tl.float32)
         if ACT == 0:
             h = _silu_mul(gate, up)
-        else:
+        elif ACT == 1:
             h = _gelu_mul(gate, up)
+        else:
+            h = _gelu_tanh_mul(gate, up)
         result = h.to(H_TY)
     else:
         result = acc.to(out_ty)

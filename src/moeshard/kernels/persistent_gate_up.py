@@ -218,9 +218,9 @@ def _loader(args, ACT: gl.constexpr, TRACK_AMAX: gl.constexpr, BLOCK_SCALES: gl.
 
 @gluon.jit
 def _act_mul(gate, up, ACT: gl.constexpr):
-    """grouped_gemm's _silu_mul (ACT 0) / _gelu_mul (ACT 1), in its operation order, with the same
-    bits, except that silu flushes to zero the products Triton leaves at gate < -87.3, of at most
-    88 * 2^-126 * |up|."""
+    """grouped_gemm's _silu_mul (ACT 0) / _gelu_mul (ACT 1) / _gelu_tanh_mul (ACT 2), in its
+    operation order, with the same bits, except that silu flushes to zero the products Triton
+    leaves at gate < -87.3, of at most 88 * 2^-126 * |up|."""
     if ACT == 0:
         # exp(-gate) as Triton computes it (2^(-gate * log2 e) by the approximate ex2), but with
         # denormal results flushed to zero: they only ever meet 1.0 + e, which is 1.0 either way.
@@ -234,8 +234,11 @@ def _act_mul(gate, up, ACT: gl.constexpr):
         r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=gl.float32,
                                       is_pure=True, pack=1)
         return gate * r * up
-    else:
+    elif ACT == 1:
         return 0.5 * gate * (1.0 + gl.erf(gate * 0.7071067811865476)) * up
+    else:
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        return 0.5 * gate * (1.0 + (2.0 / (1.0 + gl.exp(-2.0 * z)) - 1.0)) * up
 
 
 @gluon.jit
