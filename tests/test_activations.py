@@ -1,6 +1,7 @@
 """Activation kinds are a registry read by the config, the experts, the shared experts and the
-reference: hand-computed values of each built-in kind, refusals with their reason, and a kind
-without a Triton epilogue (gpt-oss's clamped SwiGLU) through the layer and the reference."""
+reference: hand-computed values of each built-in kind, refusals with their reason, and the kinds
+beyond silu and gelu (gpt-oss's clamped SwiGLU, without a Triton epilogue, and Gemma 4's
+tanh-approximate GELU) through the layer and the reference."""
 
 import math
 
@@ -57,8 +58,9 @@ def test_a_kind_without_a_kernel_mode_is_refused_by_triton_with_its_reason():
         TritonExperts("swiglu_clamped", torch.bfloat16)
 
 
-def test_clamped_swiglu_through_layer_and_reference():
-    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=32, activation="swiglu_clamped",
+@pytest.mark.parametrize("activation", ["swiglu_clamped", "gelu_tanh"])
+def test_kinds_beyond_silu_and_gelu_through_layer_and_reference(activation):
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=32, activation=activation,
                     num_shared_experts=1, shared_intermediate_size=16)
     torch.manual_seed(0)
     w = MoEWeights.random(cfg)

@@ -20,8 +20,9 @@ swiglu_clamped  none        g = min(gate, limit); u = clamp(up, -limit, limit); 
 A kind without a ``kernel_mode`` runs on the portable experts; the Triton kernels refuse it
 with the reason (``kernel_refusal``). A new kind is one ``register_activation`` entry (its
 function and parameters as data); a Triton epilogue for it is a change to
-``kernels/grouped_gemm.py`` plus its ``kernel_mode`` here, and the same mode's forward and
-derivative in ``kernels/glu.py`` (the training forward on CUDA).
+``kernels/grouped_gemm.py`` and the Gluon gate_up's ``_act_mul``
+(``kernels/persistent_gate_up.py``) plus its ``kernel_mode`` here, and the same mode's forward
+and derivative in ``kernels/glu.py`` (the training forward on CUDA).
 """
 
 from __future__ import annotations
