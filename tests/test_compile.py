@@ -2,8 +2,9 @@
 compiled model (under a compile ``MoELayer.forward`` calls a ``torch.compiler.disable``d
 ``_forward``: a graph break at its boundary), so the compiled model's outputs and gradients are the eager model's, bit for bit, at
 one rank and under EP on CPU ranks, in float32 (whose grouped GEMM torch cannot trace) and
-bfloat16, and a transformers model with moeshard blocks compiles too (its logits within the
-float32 table: the compiled attention rounds its own way).
+bfloat16, and a transformers model with moeshard blocks compiles too, as does one whose decoder
+layers route for moeshard's experts (Gemma 4; their logits within the float32 table: the compiled
+attention rounds its own way).
 
 Why the test exists: traced, the layer failed in two ways on torch 2.13 -- a float32 forward on
 the grouped GEMM's bf16-only meta function, and any backward on its custom autograd Functions
@@ -100,4 +101,31 @@ def test_a_compiled_transformers_model_with_moeshard_blocks():
         want = model(ids).logits
         got = torch.compile(model)(ids).logits
     # The compiled attention and norms round their own way (inductor's fused kernels): the fp32 table.
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+
+
+@pytest.mark.slow
+def test_a_compiled_model_whose_layers_route_for_moeshards_experts():
+    """Gemma 4: the decoder layer routes and calls moeshard's MoEExperts; under torch.compile the
+    experts run eagerly on the routing the compiled router gave."""
+    tf = pytest.importorskip("transformers")
+    from moeshard.integrations.given_routing import MoEExperts
+    from moeshard.integrations.transformers import shard_moe_blocks
+
+    torch.compiler.reset()
+    try:
+        cfg = tf.AutoConfig.for_model("gemma4_text", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                                      moe_intermediate_size=16, num_experts=4, top_k_experts=2, enable_moe_block=True,
+                                      hidden_size_per_layer_input=0, layer_types=["sliding_attention",
+                                                                                  "full_attention"])
+    except ValueError:
+        pytest.skip(f"transformers {tf.__version__} has no gemma4_text")
+    torch.manual_seed(0)
+    model = shard_moe_blocks(tf.AutoModelForCausalLM.from_config(cfg).eval())
+    assert all(isinstance(layer.experts, MoEExperts) for layer in model.model.layers)
+    ids = torch.tensor([[3, 17, 42, 5, 9], [1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = model(ids).logits
+        got = torch.compile(model)(ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()

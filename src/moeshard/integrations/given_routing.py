@@ -13,6 +13,7 @@ every TP rank) is whole on each rank, as a replicated parameter's must be.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +46,13 @@ class MoEExperts(MoELayer):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,  # type: ignore[override]
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        # Under torch.compile of the model the module runs eagerly, as MoELayer does: it holds
+        # the given routing between its stages, which a trace would not see.
+        if torch.compiler.is_compiling():
+            return _eager_run()(self, hidden_states, top_k_index, top_k_weights)
+        return self._run(hidden_states, top_k_index, top_k_weights)
+
+    def _run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         rank = self.groups.rank if self.groups is not None else 0
         where = f"MoEExperts (layer {self.layer_index}, rank {rank})"
         rows = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() else None
@@ -58,7 +66,7 @@ class MoEExperts(MoELayer):
                 raise ValueError(f"{where}: {name} is on {t.device}, hidden_states on {hidden_states.device}")
         self._given = (top_k_index.long(), top_k_weights)
         try:
-            return super().forward(hidden_states)
+            return self._forward(hidden_states)
         finally:
             self._given = None
 
@@ -91,3 +99,15 @@ class MoEExperts(MoELayer):
         return (f"layer={self.layer_index}, layout={self.parallel.name}, backend={self.backend_name}, "
                 f"quant={self.quant.name}, experts=[{s.expert_start}, {s.expert_stop}) of {self.cfg.num_experts}, "
                 f"routing given")
+
+
+_EAGER_RUN: Callable[..., torch.Tensor] | None = None
+
+
+def _eager_run() -> Callable[..., torch.Tensor]:
+    """``MoEExperts._run`` as torch.compile calls it: eagerly (a graph break at the module's
+    boundary), made on first use under a compile, as ``moeshard.layer._eager_forward``."""
+    global _EAGER_RUN
+    if _EAGER_RUN is None:
+        _EAGER_RUN = torch.compiler.disable(MoEExperts._run)
+    return _EAGER_RUN
