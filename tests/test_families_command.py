@@ -17,6 +17,10 @@ def test_families_json_lists_the_registry(capsys):
     dbrx = next(r for r in rows["supported"] if r["model_type"] == "dbrx")
     assert (dbrx["routing"], dbrx["scores_in"], dbrx["router_logits_in"], dbrx["block"], dbrx["fused_layout"],
             dbrx["formats"]) == ("softmax_model", "model", "model", ["transformer.blocks.{L}.ffn."], "stacked", ["bf16"])
+    gemma = next(r for r in rows["supported"] if r["model_type"] == "gemma4_text")
+    assert (gemma["routed_by"], gemma["block"]) == ("transformers' router in the decoder layer",
+                                                    ["model.layers.{L}.experts"])
+    assert dbrx["routed_by"] == "moeshard"
     assert not set(FAMILIES) & set(REFUSED)
 
 
@@ -26,4 +30,5 @@ def test_families_tables_print_each_model_type_and_the_reasons_whole(capsys):
     assert f"model families moeshard reads ({len(FAMILIES)})" in out and f"model types refused ({len(REFUSED)})" in out
     for model_type in (*FAMILIES, *REFUSED):
         assert model_type in out
+    assert "softmax (given by the layer)" in out
     assert "embedding tables [num_experts, hidden_size]" in out  # rich markup would have eaten the brackets
