@@ -6,7 +6,8 @@
 
 Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense); the
 sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
-glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe), whose router weights and
+glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe, solar_open, glm_moe_dsa,
+hy_v3, mimo_v2_flash), whose router weights and
 selection biases are drawn at random (transformers starts some at zero, where every expert ties);
 the softmax-routed ones (``SOFTMAX_FAMILIES``; JetMoE's output bias and Gemma 4's router scales
 drawn at random, where transformers starts them at zero and one), also from ``AutoConfig.for_model``; gpt_oss
@@ -47,10 +48,19 @@ SIGMOID_FAMILIES = {
                                route_scale=2.0),
     "cohere2_moe": lambda i, e: dict(intermediate_size=i, head_dim=64, num_experts=e, num_experts_per_tok=2,
                                      num_shared_experts=1, expert_selection_fn="sigmoid", first_k_dense_replace=1),
+    "solar_open": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, n_shared_experts=1, head_dim=64),
+    "glm_moe_dsa": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, n_shared_experts=1,
+                                     first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64,
+                                     qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, index_topk=16,
+                                     index_head_dim=32, index_n_heads=2),
+    "hy_v3": lambda i, e: dict(num_experts=e, num_experts_per_tok=2, head_dim=64),
+    "mimo_v2_flash": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, head_dim=64, v_head_dim=64,
+                                       sliding_window=16),
 }
 # The routers' (weight, selection bias) inside a block, where they are not gate.weight and
 # gate.e_score_correction_bias.
-ROUTER_PARAMS = {"minimax_m2": ("gate.weight", "e_score_correction_bias"), "afmoe": ("router.gate.weight", "expert_bias"),
+ROUTER_PARAMS = {"minimax_m2": ("gate.weight", "e_score_correction_bias"), "hy_v3": ("gate.weight", "e_score_correction_bias"),
+                 "afmoe": ("router.gate.weight", "expert_bias"),
                  "lfm2_moe": ("gate.weight", "expert_bias")}
 
 
@@ -110,6 +120,7 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
         "granitemoehybrid": dict(granite, shared_intermediate_size=I, layer_types=_alternating("mamba", "attention", L),
                                  mamba_n_heads=8, mamba_d_head=2 * common["hidden_size"] // 8, mamba_n_groups=1),
         "phimoe": dict(intermediate_size=I, num_local_experts=experts),
+        "granitemoe_swa": dict(granite, shared_intermediate_size=0),
         "jetmoe": dict(intermediate_size=I, num_local_experts=experts, kv_channels=head),
         "gemma4_text": dict(intermediate_size=2 * I, moe_intermediate_size=I, num_experts=experts, top_k_experts=2,
                             enable_moe_block=True, head_dim=head, hidden_size_per_layer_input=0),
@@ -121,7 +132,8 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
 
 SOFTMAX_FAMILIES = ("olmoe", "flex_olmo", "mellum", "minimax", "jamba", "qwen3_next", "qwen3_5_moe_text",
                     "deepseek_v2", "hunyuan_v1_moe", "ernie4_5_moe", "granitemoe", "granitemoeshared",
-                    "granitemoehybrid", "phimoe", "lara_mini", "jetmoe", "gemma4_text")
+                    "granitemoehybrid", "phimoe", "lara_mini", "jetmoe", "gemma4_text",
+                    "granitemoe_swa")
 
 
 def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):

@@ -77,10 +77,25 @@ CONFIGS: dict[str, dict] = {
     # A short-convolution layer, then an attention layer whose feed-forward is the MoE block.
     "lfm2_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                      num_dense_layers=1, routed_scaling_factor=1.5, layer_types=["conv", "full_attention"]),
+    "solar_open": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                       n_shared_experts=1, head_dim=8),
+    # GLM-5: DeepSeek-V3.2's block (a dense first layer) beside its indexed attention.
+    "glm_moe_dsa": dict(MLA, q_lora_rank=16, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, index_topk=4,
+                        index_head_dim=16, index_n_heads=2),
+    # Hunyuan 3: the bias on the block, the router stored as router.gate, the shared MLP as shared_mlp.
+    "hy_v3": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8),
+    # No shared experts; the attention's sinks stored as attention_sink_bias.
+    "mimo_v2_flash": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                          head_dim=8, v_head_dim=8, sliding_window=8),
 }
+# Families whose block takes the path of another family here (the same reader or descriptor
+# fields: routing kind, names, shared experts): their layout cases run in make test-slow.
+SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32"}
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias"),
+                 "hy_v3": ("gate.weight", "e_score_correction_bias"),
                  "lfm2_moe": ("gate.weight", "expert_bias")}
 FAMILIES = tuple(CONFIGS)
 # Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2: routers
@@ -250,24 +265,25 @@ def world(models):
     world ``BF16_FAMILIES`` under EP2 in bfloat16), in one spawn."""
     cache = {}
 
-    def get(ws: int):
-        if ws not in cache:
+    def get(ws: int, slow: bool = False):
+        if (ws, slow) not in cache:
             keys = [(layout, "float32", model_type) for layout in WORLD_LAYOUTS[ws] for model_type in FAMILIES
-                    if model_type in models]
-            if ws == BF16_EP2.world_size:
+                    if model_type in models and (model_type in SAME_PATH_AS) == slow]
+            if ws == BF16_EP2.world_size and not slow:
                 keys += [(BF16_EP2, "bfloat16", model_type) for model_type in BF16_FAMILIES if model_type in models]
             plans = [_plan(models[model_type], layout, dtype) for layout, dtype, model_type in keys]
             try:
                 per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
                                  preload=("moeshard.jobs.generate",))
             except RankFailure as failure:
-                cache[ws] = failure
+                cache[ws, slow] = failure
             else:
-                cache[ws] = {(layout.name, dtype, model_type): (plan, [per_rank[r][i] for r in range(ws)])
-                             for i, ((layout, dtype, model_type), plan) in enumerate(zip(keys, plans, strict=True))}
-        if isinstance(cache[ws], RankFailure):
-            pytest.fail(f"the {ws}-rank run failed:\n{cache[ws]}")
-        return cache[ws]
+                cache[ws, slow] = {(layout.name, dtype, model_type): (plan, [per_rank[r][i] for r in range(ws)])
+                                   for i, ((layout, dtype, model_type), plan) in enumerate(zip(keys, plans,
+                                                                                               strict=True))}
+        if isinstance(cache[ws, slow], RankFailure):
+            pytest.fail(f"the {ws}-rank run failed:\n{cache[ws, slow]}")
+        return cache[ws, slow]
 
     return get
 
@@ -277,15 +293,16 @@ def _layout_params():
     # `make test-slow`. Its layout's code path runs in `make test` for deepseek_v3's sigmoid
     # routing (test_transformers_integration), and these families' own code (names, bias,
     # routing) runs here under EP, SP and TP in the 2-rank world.
-    return [pytest.param(ws, layout.name, id=layout.name, marks=[pytest.mark.slow] if ws == 4 else [])
-            for ws, layouts in WORLD_LAYOUTS.items() for layout in layouts]
+    # A family in SAME_PATH_AS runs its layouts in make test-slow.
+    return [pytest.param(ws, layout.name, model_type, id=f"{layout.name}-{model_type}",
+                         marks=[pytest.mark.slow] if ws == 4 or model_type in SAME_PATH_AS else [])
+            for ws, layouts in WORLD_LAYOUTS.items() for layout in layouts for model_type in FAMILIES]
 
 
-@pytest.mark.parametrize("ws, layout", _layout_params())
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("ws, layout, model_type", _layout_params())
 def test_layout_generates_what_transformers_generates(models, world, reference, ws, layout, model_type):
     _model(models, model_type)
-    plan, results = world(ws)[(layout, "float32", model_type)]
+    plan, results = world(ws, model_type in SAME_PATH_AS)[(layout, "float32", model_type)]
     _check_parity(plan, results, reference)
     p = plan.parallel
     if p.enable_ep:  # each rank holds only its own experts
@@ -469,7 +486,7 @@ def test_routing_fields_follow_the_config_class():
     assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
     # the router's precision comes from the family, as its transformers router computes
     assert [_parse(t, n_routed_experts=16).moe.router_dtype for t in FAMILIES] == \
-        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"]
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 4
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):

@@ -86,6 +86,8 @@ CONFIGS = {
     "granitemoehybrid": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                              shared_intermediate_size=24, layer_types=["mamba", "attention"], mamba_n_heads=4,
                              mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1),
+    # Granite with sliding-window attention and sinks; its checkpoint keeps the model's names.
+    "granitemoe_swa": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0),
     "phimoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
     # The decoder layer routes (its router on its own norm and scales) and calls its experts.
     "gemma4_text": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k_experts=2,
@@ -121,6 +123,7 @@ SAME_PATH_AS = {
     "qwen3_5_moe_text": "qwen2_moe",
     "granitemoeshared": "granitemoe",  # the shared MLP beside the block is transformers'
     "granitemoehybrid": "granitemoe",
+    "granitemoe_swa": "granitemoe",  # Granite's block, stored under the model's own names
     "lara_mini": "hunyuan_v1_moe",  # softmax of fp32 logits, renormalized, an ungated shared MLP
 }
 
@@ -463,6 +466,7 @@ def test_config_readers(models):
         "granitemoe": ("topk_softmax", False, 0, False, [], 4, 1),
         "granitemoeshared": ("topk_softmax", False, 0, False, [], 4, 1),
         "granitemoehybrid": ("topk_softmax", False, 0, False, [], 4, 1),
+        "granitemoe_swa": ("topk_softmax", False, 0, False, [], 4, 1),
         "phimoe": ("sparsemixer", False, 0, False, [], 4, 1),
         "jetmoe": ("topk_softmax", False, 0, False, [], 4, 1),
         "gemma4_text": ("softmax", True, 0, False, [], 4, 1),

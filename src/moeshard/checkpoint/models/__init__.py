@@ -18,6 +18,7 @@ from moeshard.checkpoint.models import (
     gpt_oss,  # noqa: F401
     granite,  # noqa: F401
     hunyuan,  # noqa: F401
+    hy_v3,  # noqa: F401
     jamba,  # noqa: F401
     jetmoe,  # noqa: F401
     kimi_linear,  # noqa: F401
@@ -25,6 +26,7 @@ from moeshard.checkpoint.models import (
     lfm2_moe,  # noqa: F401
     llama4,  # noqa: F401
     mellum,  # noqa: F401
+    mimo_v2_flash,  # noqa: F401
     minimax,  # noqa: F401
     minimax_m2,  # noqa: F401
     olmoe,  # noqa: F401

@@ -1,5 +1,6 @@
-"""Families whose blocks are DeepSeek-V3's: GLM-4-MoE, GLM-4-MoE-Lite, dots1, EXAONE-MoE and
-DeepSeek-V3.2 (whose attention, with its indexer, stays transformers').
+"""Families whose blocks are DeepSeek-V3's: GLM-4-MoE, GLM-4-MoE-Lite, dots1, EXAONE-MoE,
+DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``; their attention, with its indexer, stays
+transformers'), and Solar Open.
 
 Their transformers router is DeepSeek-V3's ``noaux_tc`` (routing kind ``sigmoid``):
 s = sigmoid(fp32 logits), selection on s + ``e_score_correction_bias`` within the ``topk_group``
@@ -18,6 +19,10 @@ exaone_moe     num_experts / num_shared_experts     True            2.5    mlp_l
                                                                            L < first_k_dense_replace (1)
 deepseek_v32   n_routed_experts / n_shared_experts  True            2.5    mlp_layer_types, else
                                                                            L < first_k_dense_replace (3)
+glm_moe_dsa    n_routed_experts / n_shared_experts  True            2.5    mlp_layer_types, else
+                                                                           L < first_k_dense_replace (3)
+solar_open     n_routed_experts / n_shared_experts  True            1.0    none (its config class has no
+                                                                           first_k_dense_replace)
 =============  ===================================  ==============  =====  =============================
 
 (``n_group`` and ``topk_group`` default to 1 everywhere but DeepSeek-V3.2, 8 and 4; these are the
@@ -35,9 +40,11 @@ from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 
 # model_type -> config.json's names of its routed and shared expert counts.
 _EXPERTS = {"glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts", "dots1": "n_routed_experts",
-            "exaone_moe": "num_experts", "deepseek_v32": "n_routed_experts"}
+            "exaone_moe": "num_experts", "deepseek_v32": "n_routed_experts", "glm_moe_dsa": "n_routed_experts",
+            "solar_open": "n_routed_experts"}
 _SHARED = {"glm4_moe": "n_shared_experts", "glm4_moe_lite": "n_shared_experts", "dots1": "n_shared_experts",
-           "exaone_moe": "num_shared_experts", "deepseek_v32": "n_shared_experts"}
+           "exaone_moe": "num_shared_experts", "deepseek_v32": "n_shared_experts", "glm_moe_dsa": "n_shared_experts",
+           "solar_open": "n_shared_experts"}
 
 
 def _moe(f: ConfigFields) -> MoEConfig:
@@ -55,6 +62,10 @@ def _moe(f: ConfigFields) -> MoEConfig:
 def _first_k_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
     first = f.int("first_k_dense_replace", minimum=0)
     return DenseLayers(num_layers, lambda layer: f"layer < first_k_dense_replace={first}" if layer < first else None)
+
+
+def _no_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
+    return DenseLayers(num_layers, lambda layer: None)
 
 
 def _glm4_moe_lite_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
@@ -85,5 +96,10 @@ for _family in (
                                  "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 3,
                                  "mlp_layer_types": None},
                 _moe, _listed_or_first_k_dense, routing="sigmoid", router_dtype="fp32"),
+    ModelFamily("glm_moe_dsa", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                                "first_k_dense_replace": 3, "mlp_layer_types": None},
+                _moe, _listed_or_first_k_dense, routing="sigmoid", router_dtype="fp32"),
+    ModelFamily("solar_open", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True},
+                _moe, _no_dense, routing="sigmoid", router_dtype="fp32"),
 ):
     register_family(_family)

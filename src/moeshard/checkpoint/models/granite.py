@@ -1,4 +1,4 @@
-"""Granite MoE (granitemoe, granitemoeshared, granitemoehybrid): top-k of the logits, softmax
+"""Granite MoE (granitemoe, granitemoeshared, granitemoehybrid, granitemoe_swa): top-k of the logits, softmax
 over the K selected (routing kind ``topk_softmax``); experts ``intermediate_size`` wide.
 
 The block is the decoder layer's ``block_sparse_moe``. The checkpoint keeps Granite's own names,
@@ -40,3 +40,8 @@ for _model_type, _reader in (("granitemoe", _moe), ("granitemoeshared", _moe), (
     register_family(ModelFamily(_model_type, {"hidden_act": "silu"}, _reader, _dense_layers, routing="topk_softmax",
                                 block_prefixes=("block_sparse_moe.",), router="router", stored_names=_STORED,
                                 formats=("bf16",), router_dtype="model"))
+# Granite with sliding-window attention and attention sinks (outside the block, transformers'):
+# transformers converts no names for it, so its checkpoints hold the model's own.
+register_family(ModelFamily("granitemoe_swa", {"hidden_act": "silu"}, _moe, _dense_layers, routing="topk_softmax",
+                            block_prefixes=("block_sparse_moe.",), router="router", formats=("bf16",),
+                            router_dtype="model"))

@@ -11,6 +11,18 @@ REFUSALS = {
                      "row through scaled by its weight; moeshard's experts are gated MLPs only",
     "zaya": "its router is an MLP over a projection of the hidden states that carries state from the previous "
             "layer and routes to an extra skip class (ZayaRouter), not a linear router",
+    "deepseek_v4": "its first layers route by token id (hash routing through gate.tid2eid), its scores are "
+                   "sqrt(softplus(logits)) and its experts clamp SwiGLU at swiglu_limit; moeshard routes on logits "
+                   "with softmax or sigmoid scores only",
+    "hy_v4": "its routed experts clamp SwiGLU (silu(min(gate, swiglu_limit)) * clamp(up)) while its shared experts do "
+             "not; moeshard's block runs one activation for both",
+    "kolibri1": "it selects on the logits plus a bias and weighs by the sigmoid of the unbiased selected logits, which "
+                "no routing kind does (the selection bias is added to scores), and its checkpoints keep that bias "
+                "outside the block (moe.router.expert_bias)",
+    "axk1": "its block ends in an RMS norm of the routed and shared experts' sum (post_mlp_layernorm), which "
+            "moeshard's block does not have",
+    "nemotron_h": "its experts are not gated (up_proj, relu squared, down_proj) and may project into a latent space "
+                  "around them (moe_latent_size); moeshard's experts are gated MLPs",
     "doge": "its experts are rows of two embedding tables [num_experts, hidden_size] chosen by two sub-key top-ks "
             "(DogeCDMoE), not gated MLP experts",
 }
