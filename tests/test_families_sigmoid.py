@@ -88,15 +88,27 @@ CONFIGS: dict[str, dict] = {
     # No shared experts; the attention's sinks stored as attention_sink_bias.
     "mimo_v2_flash": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                           head_dim=8, v_head_dim=8, sliding_window=8),
+    # Sigmoid scores without a bias, an ungated shared expert, Qwen's dense-layer rule.
+    "flint": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                  shared_expert_intermediate_size=24, mlp_only_layers=[0], sliding_window=8, head_dim=8),
+    # DeepSeek-V3's router, no shared experts, the scale on the experts' sum.
+    "beam": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, n_group=2,
+                 topk_group=1, mlp_layer_types=["dense", "sparse"], sliding_window=8, head_dim=8),
+    # Model-dtype logits, the bias stored under the experts, a scale on the experts' sum.
+    "laguna": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                   shared_expert_intermediate_size=16, moe_routed_scaling_factor=1.5, head_dim=8),
 }
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
-SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32"}
+SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam": "mimo_v2_flash"}
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias"),
                  "hy_v3": ("gate.weight", "e_score_correction_bias"),
                  "lfm2_moe": ("gate.weight", "expert_bias")}
+# Selection biases drawn in [0, 0.3), or wider where that range moved no token's experts in the
+# tiny model (the one-rank test checks that the bias decides some token's experts).
+BIAS_RANGE = {"laguna": 1.0}
 FAMILIES = tuple(CONFIGS)
 # Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2: routers
 # in the model dtype. (glm4_moe_lite routes in fp32 in both; its bf16 ids differ where transformers'
@@ -119,7 +131,8 @@ def _block(layer):
 
 
 def _randomize_routers(model, model_type: str, generator: torch.Generator) -> None:
-    """Router weights at std 2/sqrt(H) and selection biases in [0, 0.3): scores spread out, no ties."""
+    """Router weights at std 2/sqrt(H) and selection biases in [0, 0.3) (``BIAS_RANGE``): scores
+    spread out, no ties."""
     weight_name, bias_name = ROUTER_PARAMS.get(model_type, ("gate.weight", "gate.e_score_correction_bias"))
     with torch.no_grad():
         for layer in model.model.layers:
@@ -131,7 +144,7 @@ def _randomize_routers(model, model_type: str, generator: torch.Generator) -> No
             owner, _, leaf = bias_name.rpartition(".")
             bias = getattr(block.get_submodule(owner) if owner else block, leaf, None)
             if bias is not None:
-                bias.copy_(torch.rand(bias.shape, generator=generator) * 0.3)
+                bias.copy_(torch.rand(bias.shape, generator=generator) * BIAS_RANGE.get(model_type, 0.3))
 
 
 @pytest.fixture(scope="module")
@@ -431,7 +444,7 @@ def _parse(model_type: str, **fields):
 
     base = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 32, "moe_intermediate_size": 16,
             "intermediate_size": 16, "num_experts_per_tok": 2, "n_routed_experts": 4, "num_experts": 4,
-            "num_local_experts": 4, "n_shared_experts": 1}
+            "num_local_experts": 4, "n_shared_experts": 1, "shared_expert_intermediate_size": 16}
     return parse_hf_config({**base, **fields}, f"{model_type}/config.json")
 
 
@@ -485,12 +498,41 @@ def test_routing_fields_follow_the_config_class():
             kimi.routed_scaling_factor) == (8, 2, False, 2, 32, 2.446)
     assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
     # the router's precision comes from the family, as its transformers router computes
-    assert [_parse(t, n_routed_experts=16).moe.router_dtype for t in FAMILIES] == \
-        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 4
+    assert [_parse(t, n_routed_experts=16, num_experts=16).moe.router_dtype for t in FAMILIES] == \
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"]
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):
         _parse("afmoe", route_scale=0)
+
+
+def test_newer_readers_follow_their_config_classes():
+    """The routing fields and dense layers of the families read on DeepSeek-V3's and Qwen's
+    descriptors, at the defaults of their transformers config classes."""
+    solar = _parse("solar_open").moe
+    assert (solar.routed_scaling_factor, solar.renormalize, solar.n_group, solar.shared_width) == (1.0, True, 1, 16)
+    assert list(_parse("solar_open", first_k_dense_replace=2).dense_layers) == []  # its config class has none
+    dsa = _parse("glm_moe_dsa").moe
+    assert (dsa.routed_scaling_factor, dsa.n_group, dsa.topk_group) == (2.5, 1, 1)
+    assert list(_parse("glm_moe_dsa").dense_layers) == [0, 1, 2]
+    hy = _parse("hy_v3").moe
+    assert (hy.routed_scaling_factor, hy.renormalize, hy.use_correction_bias, hy.shared_width) == (2.826, True, True, 16)
+    assert list(_parse("hy_v3").dense_layers) == [0]
+    mimo = _parse("mimo_v2_flash", routed_scaling_factor=None).moe  # null on the hub
+    assert (mimo.routed_scaling_factor, mimo.has_shared_experts, mimo.use_correction_bias) == (1.0, False, True)
+    flint = _parse("flint", shared_expert_intermediate_size=24).moe
+    assert (flint.use_correction_bias, flint.renormalize, flint.shared_width, flint.shared_expert_gate) == \
+        (False, True, 24, False)
+    assert list(_parse("flint").dense_layers) == [0, 1]  # mlp_only_layers: [0, 1]
+    beam = _parse("beam", num_experts=16).moe
+    assert (beam.n_group, beam.topk_group, beam.routed_scaling_factor, beam.has_shared_experts) == (8, 4, 2.5, False)
+    assert list(_parse("beam", num_experts=16).dense_layers) == [0, 1, 2]
+    laguna = _parse("laguna", moe_routed_scaling_factor=2.0).moe
+    assert (laguna.routed_scaling_factor, laguna.renormalize, laguna.shared_width) == (2.0, True, 16)
+    with pytest.raises(ValueError, match=r"moe_router_logit_softcapping=30.0; moeshard routes laguna blocks without"):
+        _parse("laguna", moe_router_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match=r"moe_apply_router_weight_on_input=true"):
+        _parse("laguna", moe_apply_router_weight_on_input=True)
 
 
 def test_exaone_bias_read_under_either_name(models, tmp_path):

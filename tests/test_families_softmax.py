@@ -86,8 +86,6 @@ CONFIGS = {
     "granitemoehybrid": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                              shared_intermediate_size=24, layer_types=["mamba", "attention"], mamba_n_heads=4,
                              mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1),
-    # Granite with sliding-window attention and sinks; its checkpoint keeps the model's names.
-    "granitemoe_swa": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0),
     "phimoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
     # The decoder layer routes (its router on its own norm and scales) and calls its experts.
     "gemma4_text": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k_experts=2,
@@ -101,6 +99,9 @@ CONFIGS = {
     # by the default d_model); its attention reads rope_theta from attn_config and clamps by clip_qkv.
     "dbrx": dict(d_model=32, n_layers=2, n_heads=4, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)),
+    # Granite with sliding-window attention and sinks; its checkpoint keeps the model's names.
+    # (Appended last: a family's seed is its place here, so the others keep their random models.)
+    "granitemoe_swa": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0),
 }
 # SMALL's fields a config class takes under names of its own (in CONFIGS).
 OWN_NAMES = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}

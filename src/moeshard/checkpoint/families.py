@@ -506,7 +506,7 @@ def _no_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
     return DenseLayers(num_layers, lambda layer: None)
 
 
-def _qwen_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
+def qwen_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
     only = frozenset(f.int_list("mlp_only_layers"))
     step = f.int("decoder_sparse_step")
     experts = f.int("num_experts", minimum=0)
@@ -543,21 +543,30 @@ def _mixtral_moe(f: ConfigFields) -> MoEConfig:
                      activation=act, scoring=f.family.routing)  # renormalize: the kind's rule (softmax: True)
 
 
-def _qwen_moe(f: ConfigFields, gated_shared_expert: bool) -> MoEConfig:
+SHARED_EXPERT_KINDS = ("none", "gated", "ungated")
+
+
+def qwen_layout_moe(f: ConfigFields, shared_expert: str) -> MoEConfig:
+    """The block of a Qwen-layout config.json (``num_experts``, ``moe_intermediate_size``,
+    ``norm_topk_prob``) under the family's routing kind, with no shared expert, or one of
+    ``shared_expert_intermediate_size`` behind a sigmoid gate (Qwen2-MoE) or added whole
+    (LaraMini, Flint): ``shared_expert`` is one of ``SHARED_EXPERT_KINDS``."""
+    if shared_expert not in SHARED_EXPERT_KINDS:
+        raise ValueError(f"qwen_layout_moe: shared_expert={shared_expert!r} is not one of {list(SHARED_EXPERT_KINDS)}")
     act, H = f.activation(), f.int("hidden_size")
-    shared = f.int("shared_expert_intermediate_size", minimum=0) if gated_shared_expert else 0
+    shared = f.int("shared_expert_intermediate_size", minimum=0) if shared_expert != "none" else 0
     return MoEConfig(num_experts=f.int("num_experts"), top_k=f.int("num_experts_per_tok"), hidden_size=H,
                      intermediate_size=f.int("moe_intermediate_size"), activation=act, scoring=f.family.routing,
                      renormalize=f.bool("norm_topk_prob"), num_shared_experts=1 if shared else 0,
-                     shared_intermediate_size=shared, shared_expert_gate=bool(shared))
+                     shared_intermediate_size=shared, shared_expert_gate=bool(shared) and shared_expert == "gated")
 
 
 def _qwen2_moe(f: ConfigFields) -> MoEConfig:
-    return _qwen_moe(f, gated_shared_expert=True)
+    return qwen_layout_moe(f, "gated")
 
 
 def _qwen3_moe(f: ConfigFields) -> MoEConfig:
-    return _qwen_moe(f, gated_shared_expert=False)
+    return qwen_layout_moe(f, "none")
 
 
 def _deepseek_v3_moe(f: ConfigFields) -> MoEConfig:
@@ -583,8 +592,8 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     # Mixtral on the hub keeps its block under block_sparse_moe; transformers 5 writes mlp.
     ModelFamily("mixtral", {"hidden_act": "silu"}, _mixtral_moe, _no_dense_layers,
                 block_prefixes=("block_sparse_moe.", "mlp."), router_dtype="model"),
-    ModelFamily("qwen2_moe", _QWEN_DEFAULTS, _qwen2_moe, _qwen_dense_layers, router_dtype="model"),
-    ModelFamily("qwen3_moe", _QWEN_DEFAULTS, _qwen3_moe, _qwen_dense_layers, router_dtype="model"),
+    ModelFamily("qwen2_moe", _QWEN_DEFAULTS, _qwen2_moe, qwen_dense_layers, router_dtype="model"),
+    ModelFamily("qwen3_moe", _QWEN_DEFAULTS, _qwen3_moe, qwen_dense_layers, router_dtype="model"),
     ModelFamily("deepseek_v3", {"hidden_act": "silu", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                                 "norm_topk_prob": True, "first_k_dense_replace": 3, "moe_layer_freq": 1,
                                 "scoring_func": "sigmoid", "topk_method": "noaux_tc"},

@@ -8,25 +8,26 @@ family is known wherever ``FAMILIES`` is read. A new module is one import line b
 """
 
 from moeshard.checkpoint.models import (
-    afmoe,  # noqa: F401
+    afmoe,  # noqa: F401  afmoe, hy_v3
     cohere2_moe,  # noqa: F401
     dbrx,  # noqa: F401
+    deepseek_routed,  # noqa: F401  mimo_v2_flash, beam
     deepseek_v2,  # noqa: F401
-    deepseek_v3_style,  # noqa: F401  glm4_moe, glm4_moe_lite, dots1, exaone_moe
+    deepseek_v3_style,  # noqa: F401  glm4_moe, glm4_moe_lite, dots1, exaone_moe, deepseek_v32, glm_moe_dsa, solar_open
     ernie,  # noqa: F401
+    flint,  # noqa: F401
     gemma4,  # noqa: F401
     gpt_oss,  # noqa: F401
     granite,  # noqa: F401
     hunyuan,  # noqa: F401
-    hy_v3,  # noqa: F401
     jamba,  # noqa: F401
     jetmoe,  # noqa: F401
     kimi_linear,  # noqa: F401
+    laguna,  # noqa: F401
     lara_mini,  # noqa: F401
     lfm2_moe,  # noqa: F401
     llama4,  # noqa: F401
     mellum,  # noqa: F401
-    mimo_v2_flash,  # noqa: F401
     minimax,  # noqa: F401
     minimax_m2,  # noqa: F401
     olmoe,  # noqa: F401

@@ -15,16 +15,12 @@ the model's ``norm`` (``dense_renames``).
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
+from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, qwen_layout_moe, register_family
 from moeshard.config import MoEConfig
 
 
 def _moe(f: ConfigFields) -> MoEConfig:
-    shared = f.int("shared_expert_intermediate_size", minimum=0)
-    return MoEConfig(num_experts=f.int("num_experts"), top_k=f.int("num_experts_per_tok"),
-                     hidden_size=f.int("hidden_size"), intermediate_size=f.int("moe_intermediate_size"),
-                     activation=f.activation(), scoring=f.family.routing, renormalize=f.bool("norm_topk_prob"),
-                     num_shared_experts=1 if shared else 0, shared_intermediate_size=shared)
+    return qwen_layout_moe(f, "ungated")
 
 
 def _every_layer(f: ConfigFields, num_layers: int) -> DenseLayers:
