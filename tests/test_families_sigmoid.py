@@ -100,7 +100,8 @@ CONFIGS: dict[str, dict] = {
 }
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
-SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam": "mimo_v2_flash"}
+SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam": "glm4_moe", "mimo_v2_flash": "glm4_moe",
+                "laguna": "minimax_m2"}  # laguna: sigmoid of model-dtype logits with a bias, as minimax_m2
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias"),
