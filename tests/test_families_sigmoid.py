@@ -97,11 +97,17 @@ CONFIGS: dict[str, dict] = {
     # Model-dtype logits, the bias stored under the experts, a scale on the experts' sum.
     "laguna": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                    shared_expert_intermediate_size=16, moe_routed_scaling_factor=1.5, head_dim=8),
+    # A.X-K2: DeepSeek-V3's block; gated norms whose low-rank MLP and a fused query gate the
+    # checkpoint stores under other names.
+    "axk2": dict(MLA, kv_lora_rank=8, q_lora_rank=16, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+                 n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, index_topk=4, index_head_dim=16,
+                 index_n_heads=2, gated_norm_rank=4),
 }
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
 SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam": "glm4_moe", "mimo_v2_flash": "glm4_moe",
-                "laguna": "minimax_m2"}  # laguna: sigmoid of model-dtype logits with a bias, as minimax_m2
+                "laguna": "minimax_m2",  # laguna: sigmoid of model-dtype logits with a bias, as minimax_m2
+                "axk2": "deepseek_v32"}  # axk2: its renames are outside the block, read at (1,1) in make test
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias"),
@@ -500,7 +506,7 @@ def test_routing_fields_follow_the_config_class():
     assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
     # the router's precision comes from the family, as its transformers router computes
     assert [_parse(t, n_routed_experts=16, num_experts=16).moe.router_dtype for t in FAMILIES] == \
-        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"]
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"]
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):

@@ -1,6 +1,6 @@
 """Families whose blocks are DeepSeek-V3's: GLM-4-MoE, GLM-4-MoE-Lite, dots1, EXAONE-MoE,
 DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``; their attention, with its indexer, stays
-transformers'), and Solar Open.
+transformers'), Solar Open and A.X-K2 (whose gated norms and attention stay transformers').
 
 Their transformers router is DeepSeek-V3's ``noaux_tc`` (routing kind ``sigmoid``):
 s = sigmoid(fp32 logits), selection on s + ``e_score_correction_bias`` within the ``topk_group``
@@ -23,13 +23,19 @@ glm_moe_dsa    n_routed_experts / n_shared_experts  True            2.5    mlp_l
                                                                            L < first_k_dense_replace (3)
 solar_open     n_routed_experts / n_shared_experts  True            1.0    none (its config class has no
                                                                            first_k_dense_replace)
+axk2           n_routed_experts / n_shared_experts  True            2.5    mlp_layer_types, else
+                                                                           L < first_k_dense_replace (1)
+                                                                           or L % moe_layer_freq != 0
 =============  ===================================  ==============  =====  =============================
 
 (``n_group`` and ``topk_group`` default to 1 everywhere but DeepSeek-V3.2, 8 and 4; these are the
 defaults of the transformers-5 config classes, used when config.json omits a field; dots1 has none
 for ``n_shared_experts``). EXAONE-MoE checkpoints keep the bias on the block,
 ``mlp.e_score_correction_bias``, which transformers renames to ``mlp.gate.e_score_correction_bias``:
-both names are read.
+both names are read. A.X-K2's checkpoints name its gated norms' low-rank MLP ``W_down`` / ``W_up``
+(transformers' ``mlp.fc1`` / ``mlp.fc2``) and its fused query and gate projection ``q_b_proj``
+(transformers' ``q_gate_proj``), read through ``dense_renames``; a null ``n_group`` / ``topk_group``
+(A.X-K2-Light) is one group.
 """
 
 from __future__ import annotations
@@ -41,10 +47,10 @@ from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 # model_type -> config.json's names of its routed and shared expert counts.
 _EXPERTS = {"glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts", "dots1": "n_routed_experts",
             "exaone_moe": "num_experts", "deepseek_v32": "n_routed_experts", "glm_moe_dsa": "n_routed_experts",
-            "solar_open": "n_routed_experts"}
+            "solar_open": "n_routed_experts", "axk2": "n_routed_experts"}
 _SHARED = {"glm4_moe": "n_shared_experts", "glm4_moe_lite": "n_shared_experts", "dots1": "n_shared_experts",
            "exaone_moe": "num_shared_experts", "deepseek_v32": "n_shared_experts", "glm_moe_dsa": "n_shared_experts",
-           "solar_open": "n_shared_experts"}
+           "solar_open": "n_shared_experts", "axk2": "n_shared_experts"}
 
 
 def _moe(f: ConfigFields) -> MoEConfig:
@@ -66,6 +72,18 @@ def _first_k_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
 
 def _no_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
     return DenseLayers(num_layers, lambda layer: None)
+
+
+def _axk2_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
+    if f.raw.get("mlp_layer_types") is not None:
+        return listed_or_first_dense(f, num_layers, 0)
+    first, freq = f.int("first_k_dense_replace", minimum=0), f.int("moe_layer_freq")
+
+    def why(layer: int) -> str | None:
+        if layer < first:
+            return f"layer < first_k_dense_replace={first} (no mlp_layer_types)"
+        return f"layer % moe_layer_freq={freq} != 0 (no mlp_layer_types)" if layer % freq else None
+    return DenseLayers(num_layers, why)
 
 
 def _glm4_moe_lite_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
@@ -101,5 +119,9 @@ for _family in (
                 _moe, _listed_or_first_k_dense, routing="sigmoid", router_dtype="fp32"),
     ModelFamily("solar_open", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True},
                 _moe, _no_dense, routing="sigmoid", router_dtype="fp32"),
+    ModelFamily("axk2", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                         "first_k_dense_replace": 1, "moe_layer_freq": 1, "mlp_layer_types": None},
+                _moe, _axk2_dense, routing="sigmoid", router_dtype="fp32",
+                dense_renames=(("mlp.fc1", "W_down"), ("mlp.fc2", "W_up"), ("self_attn.q_gate_proj.", "self_attn.q_b_proj."))),
 ):
     register_family(_family)
