@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,9 @@ class _Models(dict):
         self.root = root
 
     def __missing__(self, family: str) -> str:
-        make_tiny_moe.make(str(self.root / family), family, dtype="float32", seed=FAMILIES.index(family))
+        # The seed follows the family's name, not its place in FAMILIES: a family added later leaves
+        # every other family's random model as it was.
+        make_tiny_moe.make(str(self.root / family), family, dtype="float32", seed=zlib.crc32(family.encode()) % 1000)
         self[family] = str(self.root / family)
         return self[family]
 
@@ -222,13 +225,18 @@ def test_parameters_outside_the_layer_train_as_transformers_under_sp_and_tp(mode
         if plan.spec.steps != 1:
             continue
         start = load_file(str(Path(plan.spec.model_dir) / "model.safetensors"))
-        exact = references(plan)[1].params
+        ref, exact = (run.params for run in references(plan))
         names = [name for name in exact if name.endswith(OUTSIDE_THE_LAYER[family])]
         assert len(names) == len(OUTSIDE_THE_LAYER[family]) * MOE_LAYERS, (tag, names)
-        for r in results:
-            for name in names:
-                step, want = r.params[name] - start[name], exact[name] - start[name].double()
-                assert float((step.double() - want).norm()) <= 1e-4 * float(want.norm()), (tag, name)
+        for name in names:
+            want = exact[name] - start[name].double()
+            # transformers' own float32 step is this far from its float64 step: rounding, which
+            # train_bound allows for on top of 1e-4.
+            own = float((ref[name] - start[name]).double().sub(want).norm()) / float(want.norm())
+            for r in results:
+                step = r.params[name] - start[name]
+                rel = float((step.double() - want).norm()) / float(want.norm())
+                assert rel <= train_bound(1e-4, own), (tag, name, rel, own)
 
 
 @pytest.mark.slow
