@@ -571,7 +571,7 @@ class MoELayer(nn.Module):
         in ``cfg.dtype``. Under ``torch.compile`` of a model holding the layer, the layer itself
         runs eagerly (the rest of the model is compiled)."""
         if torch.compiler.is_compiling():
-            return _eager_forward()(self, x)
+            return eager_under_compile(MoELayer._forward)(self, x)
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -688,17 +688,17 @@ class MoELayer(nn.Module):
         return stats
 
 
-_EAGER_FORWARD: Callable[[MoELayer, torch.Tensor], torch.Tensor] | None = None
+_EAGER: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {}
 
 
-def _eager_forward() -> Callable[[MoELayer, torch.Tensor], torch.Tensor]:
-    """``MoELayer._forward`` as ``torch.compile`` calls it: eagerly, a graph break at the layer's
-    boundary. Traced, the layer fails (its float32 grouped GEMM has no meta function on torch
-    2.13, and a backward fails on its custom autograd Functions around graph breaks), and it
-    keeps host-side state (the experts' weight views, dispatch plans, side streams) while its GPU
-    work is its own Triton kernels already. Made on first use, under a compile: importing dynamo
-    costs about 1.1 s, which the layer's import does not pay."""
-    global _EAGER_FORWARD
-    if _EAGER_FORWARD is None:
-        _EAGER_FORWARD = torch.compiler.disable(MoELayer._forward)
-    return _EAGER_FORWARD
+def eager_under_compile(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``method`` (``MoELayer._forward``, or a subclass's entry) as ``torch.compile`` calls it:
+    eagerly, a graph break at the layer's boundary. Traced, the layer fails (its float32 grouped
+    GEMM has no meta function on torch 2.13, and a backward fails on its custom autograd
+    Functions around graph breaks), and it keeps host-side state (the experts' weight views,
+    dispatch plans, side streams) while its GPU work is its own Triton kernels already. Made on
+    first use, under a compile: importing dynamo costs about 1.1 s, which the layer's import does
+    not pay."""
+    if method not in _EAGER:
+        _EAGER[method] = torch.compiler.disable(method)
+    return _EAGER[method]

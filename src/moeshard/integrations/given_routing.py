@@ -13,14 +13,13 @@ every TP rank) is whole on each rank, as a replicated parameter's must be.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from moeshard.autograd.collectives import shard_rows
 from moeshard.config import MoEConfig
-from moeshard.layer import MoELayer
+from moeshard.layer import MoELayer, eager_under_compile
 from moeshard.parallel.sequence import SequenceChunk
 from moeshard.router import Routing
 
@@ -49,7 +48,7 @@ class MoEExperts(MoELayer):
         # Under torch.compile of the model the module runs eagerly, as MoELayer does: it holds
         # the given routing between its stages, which a trace would not see.
         if torch.compiler.is_compiling():
-            return _eager_run()(self, hidden_states, top_k_index, top_k_weights)
+            return eager_under_compile(MoEExperts._run)(self, hidden_states, top_k_index, top_k_weights)
         return self._run(hidden_states, top_k_index, top_k_weights)
 
     def _run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -100,14 +99,3 @@ class MoEExperts(MoELayer):
                 f"quant={self.quant.name}, experts=[{s.expert_start}, {s.expert_stop}) of {self.cfg.num_experts}, "
                 f"routing given")
 
-
-_EAGER_RUN: Callable[..., torch.Tensor] | None = None
-
-
-def _eager_run() -> Callable[..., torch.Tensor]:
-    """``MoEExperts._run`` as torch.compile calls it: eagerly (a graph break at the module's
-    boundary), made on first use under a compile, as ``moeshard.layer._eager_forward``."""
-    global _EAGER_RUN
-    if _EAGER_RUN is None:
-        _EAGER_RUN = torch.compiler.disable(MoEExperts._run)
-    return _EAGER_RUN
