@@ -62,6 +62,13 @@ def test_config_refuses_what_a_kind_cannot_do():
     with pytest.raises(ValueError, match=r"use_correction_bias: only defined for scoring='sigmoid'( or '\w+')*, "
                                          r"got scoring='topk_softmax'"):
         cfg(scoring="topk_softmax", use_correction_bias=True)
+    # A group scored by its best two needs two experts, whichever scores the kind computes: softmax
+    # with one expert per group was accepted and then failed inside the forward (top-2 of one).
+    for scoring in ("softmax", "sigmoid"):
+        with pytest.raises(ValueError, match=rf"n_group: {scoring} grouped top-k scores a group by its best two "
+                                             r"experts, but n_group=4 leaves 1 expert per group"):
+            cfg(scoring=scoring, n_group=4, topk_group=2)
+    cfg(scoring="group_limited_greedy", n_group=4, topk_group=2)  # scored by its best one: one expert will do
 
 
 def test_a_kind_added_as_data():

@@ -169,8 +169,8 @@ class MoEConfig:
             if kind.groups is None:
                 raise ValueError(f"{owner}.n_group: scoring={self.scoring!r} has no group top-k, got "
                                  f"n_group={self.n_group}")
-            if self.scoring == "sigmoid" and kind.groups == "top2_sum" and per_group < 2:
-                raise ValueError(f"{owner}.n_group: sigmoid grouped top-k scores a group by its best two "
+            if kind.groups == "top2_sum" and per_group < 2:
+                raise ValueError(f"{owner}.n_group: {self.scoring} grouped top-k scores a group by its best two "
                                  f"experts, but n_group={self.n_group} leaves {per_group} expert per group")
         if self.use_correction_bias and not kind.correction_bias:
             with_bias = [n for n in routing_names() if get_routing(n).correction_bias]
