@@ -102,12 +102,17 @@ CONFIGS: dict[str, dict] = {
     "axk2": dict(MLA, kv_lora_rank=8, q_lora_rank=16, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
                  n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, index_topk=4, index_head_dim=16,
                  index_n_heads=2, gated_norm_rank=4),
+    # Sarvam-MoE: GLM-4-MoE under its original names (saved so by transformers), the query, key and
+    # value rows and their biases fused in one tensor.
+    "sarvam_moe": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                       n_shared_experts=1, first_k_dense_replace=1, head_dim=8, attention_bias=True),
 }
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
 SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam": "glm4_moe", "mimo_v2_flash": "glm4_moe",
                 "laguna": "minimax_m2",  # laguna: sigmoid of model-dtype logits with a bias, as minimax_m2
-                "axk2": "deepseek_v32"}  # axk2: its renames are outside the block, read at (1,1) in make test
+                "axk2": "deepseek_v32",  # axk2: its renames are outside the block, read at (1,1) in make test
+                "sarvam_moe": "glm4_moe"}  # and so are sarvam_moe's
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias"),
@@ -506,7 +511,7 @@ def test_routing_fields_follow_the_config_class():
     assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
     # the router's precision comes from the family, as its transformers router computes
     assert [_parse(t, n_routed_experts=16, num_experts=16).moe.router_dtype for t in FAMILIES] == \
-        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"]
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 2
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):
@@ -540,6 +545,14 @@ def test_newer_readers_follow_their_config_classes():
         _parse("laguna", moe_router_logit_softcapping=30.0)
     with pytest.raises(ValueError, match=r"moe_apply_router_weight_on_input=true"):
         _parse("laguna", moe_apply_router_weight_on_input=True)
+    sarvam = _parse("sarvam_moe").moe
+    assert (sarvam.routed_scaling_factor, sarvam.renormalize, sarvam.use_correction_bias, sarvam.shared_width) == \
+        (2.5, True, True, 16)
+    assert list(_parse("sarvam_moe").dense_layers) == [0]
+    # the original config.json's spellings of the expert counts (SarvamMoEConfig.attribute_map)
+    hub = _parse("sarvam_moe", n_routed_experts=None, num_local_experts=None, n_shared_experts=None, num_experts=8,
+                 num_shared_experts=2).moe
+    assert (hub.num_experts, hub.num_shared_experts, hub.shared_width) == (8, 2, 32)
 
 
 def test_exaone_bias_read_under_either_name(models, tmp_path):

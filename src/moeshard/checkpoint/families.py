@@ -58,7 +58,8 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "hidden_act": ("activation_function", "hidden_activation"),  # JetMoE, Gemma 4
     "num_local_experts": ("num_experts",),
     "num_experts": ("num_local_experts",),
-    "n_routed_experts": ("num_local_experts",),
+    "n_routed_experts": ("num_local_experts", "num_experts"),  # Sarvam-MoE's hub config: num_experts
+    "n_shared_experts": ("num_shared_experts",),
 }
 
 

@@ -1,6 +1,7 @@
 """Families whose blocks are DeepSeek-V3's: GLM-4-MoE, GLM-4-MoE-Lite, dots1, EXAONE-MoE,
 DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``; their attention, with its indexer, stays
-transformers'), Solar Open and A.X-K2 (whose gated norms and attention stay transformers').
+transformers'), Solar Open, A.X-K2 (whose gated norms and attention stay transformers') and
+Sarvam-MoE (``sarvam_moe``, which transformers builds as GLM-4-MoE).
 
 Their transformers router is DeepSeek-V3's ``noaux_tc`` (routing kind ``sigmoid``):
 s = sigmoid(fp32 logits), selection on s + ``e_score_correction_bias`` within the ``topk_group``
@@ -26,6 +27,7 @@ solar_open     n_routed_experts / n_shared_experts  True            1.0    none 
 axk2           n_routed_experts / n_shared_experts  True            2.5    mlp_layer_types, else
                                                                            L < first_k_dense_replace (1)
                                                                            or L % moe_layer_freq != 0
+sarvam_moe     n_routed_experts / n_shared_experts  True            2.5    L < first_k_dense_replace (1)
 =============  ===================================  ==============  =====  =============================
 
 (``n_group`` and ``topk_group`` default to 1 everywhere but DeepSeek-V3.2, 8 and 4; these are the
@@ -35,7 +37,12 @@ for ``n_shared_experts``). EXAONE-MoE checkpoints keep the bias on the block,
 both names are read. A.X-K2's checkpoints name its gated norms' low-rank MLP ``W_down`` / ``W_up``
 (transformers' ``mlp.fc1`` / ``mlp.fc2``) and its fused query and gate projection ``q_b_proj``
 (transformers' ``q_gate_proj``), read through ``dense_renames``; a null ``n_group`` / ``topk_group``
-(A.X-K2-Light) is one group.
+(A.X-K2-Light) is one group. Sarvam-MoE's checkpoints keep its original names, which transformers
+renames as it loads: ``model.word_embeddings``, ``attention.dense`` / ``query_layernorm`` /
+``key_layernorm`` (``dense_renames``), the query, key and value rows fused in
+``attention.query_key_value`` (``dense_split``), the selection bias as ``gate.expert_bias``
+(``bias_aliases``); its config.json may spell the expert counts ``num_experts`` and
+``num_shared_experts``.
 """
 
 from __future__ import annotations
@@ -47,10 +54,10 @@ from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 # model_type -> config.json's names of its routed and shared expert counts.
 _EXPERTS = {"glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts", "dots1": "n_routed_experts",
             "exaone_moe": "num_experts", "deepseek_v32": "n_routed_experts", "glm_moe_dsa": "n_routed_experts",
-            "solar_open": "n_routed_experts", "axk2": "n_routed_experts"}
+            "solar_open": "n_routed_experts", "axk2": "n_routed_experts", "sarvam_moe": "n_routed_experts"}
 _SHARED = {"glm4_moe": "n_shared_experts", "glm4_moe_lite": "n_shared_experts", "dots1": "n_shared_experts",
            "exaone_moe": "num_shared_experts", "deepseek_v32": "n_shared_experts", "glm_moe_dsa": "n_shared_experts",
-           "solar_open": "n_shared_experts", "axk2": "n_shared_experts"}
+           "solar_open": "n_shared_experts", "axk2": "n_shared_experts", "sarvam_moe": "n_shared_experts"}
 
 
 def _moe(f: ConfigFields) -> MoEConfig:
@@ -123,5 +130,15 @@ for _family in (
                          "first_k_dense_replace": 1, "moe_layer_freq": 1, "mlp_layer_types": None},
                 _moe, _axk2_dense, routing="sigmoid", router_dtype="fp32",
                 dense_renames=(("mlp.fc1", "W_down"), ("mlp.fc2", "W_up"), ("self_attn.q_gate_proj.", "self_attn.q_b_proj."))),
+    ModelFamily("sarvam_moe", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                               "first_k_dense_replace": 1},
+                _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32", bias_aliases=("gate.expert_bias",),
+                formats=("bf16",),
+                dense_renames=(("model.embed_tokens.", "model.word_embeddings."),
+                               ("self_attn.o_proj.", "attention.dense."),
+                               ("self_attn.q_norm.", "attention.query_layernorm."),
+                               ("self_attn.k_norm.", "attention.key_layernorm.")),
+                dense_split={f"attention.query_key_value.{kind}": tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv")
+                             for kind in ("weight", "bias")}),
 ):
     register_family(_family)
