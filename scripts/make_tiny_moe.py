@@ -14,8 +14,8 @@ drawn at random, where transformers starts them at zero and one), also from ``Au
 (random expert biases: transformers initialises them to zero), llama4_text (top-1, a shared
 expert, MoE on every second layer), lfm2_moe (short-convolution and attention layers, the
 first layer dense, its router and expert bias drawn at random as the sigmoid families' are),
-dbrx (its experts as three stacked tensors) and kimi_linear (Kimi delta attention and MLA layers
-in turn, its routers drawn at random too).
+dbrx (its experts as three stacked tensors), kimi_linear and bailing_hybrid (Kimi delta attention
+and MLA layers in turn, their routers drawn at random too).
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -223,6 +223,22 @@ def _kimi_linear(hidden: int, moe_intermediate: int, experts: int, layers: int, 
                                    initializer_range=0.2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
+def _bailing_hybrid(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # Ling's hybrid: Kimi delta attention and MLA layers in turn (the first with a dense MLP), the
+    # config and the checkpoint under Ling's own names; no multi-token-prediction layer.
+    return tf.AutoConfig.for_model("bailing_hybrid", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=4, intermediate_size=2 * moe_intermediate,
+                                   moe_intermediate_size=moe_intermediate, num_experts=experts,
+                                   num_experts_per_token=2, num_expert_group=2, topk_group=1, num_shared_experts=1,
+                                   q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
+                                   v_head_dim=32, head_dim=64, linear_head_dim=64, linear_num_heads=4,
+                                   layer_types=_alternating("linear_attention", "full_attention", layers),
+                                   mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), num_nextn_predict_layers=0,
+                                   initializer_range=0.2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
 def _dbrx(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
     import transformers as tf
 
@@ -237,9 +253,9 @@ def _dbrx(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: 
 
 # Families built from transformers' config class by model type (AutoConfig.for_model).
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
-         "kimi_linear": _kimi_linear}
+         "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
-RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear")
+RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid")
 
 
 def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,

@@ -106,13 +106,20 @@ CONFIGS: dict[str, dict] = {
     # value rows and their biases fused in one tensor.
     "sarvam_moe": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                        n_shared_experts=1, first_k_dense_replace=1, head_dim=8, attention_bias=True),
+    # Ling's hybrid: a Kimi delta attention layer with a dense MLP, then an MLA layer with the MoE
+    # block, the config and the checkpoint under Ling's own names.
+    "bailing_hybrid": dict(MLA, head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+                           num_experts_per_token=2, num_shared_experts=1, num_expert_group=2, topk_group=1,
+                           layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                           linear_head_dim=8, linear_num_heads=4, num_nextn_predict_layers=0),
 }
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
 SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam": "glm4_moe", "mimo_v2_flash": "glm4_moe",
                 "laguna": "minimax_m2",  # laguna: sigmoid of model-dtype logits with a bias, as minimax_m2
                 "axk2": "deepseek_v32",  # axk2: its renames are outside the block, read at (1,1) in make test
-                "sarvam_moe": "glm4_moe"}  # and so are sarvam_moe's
+                "sarvam_moe": "glm4_moe",  # and so are sarvam_moe's
+                "bailing_hybrid": "kimi_linear"}  # kimi_linear's reader and block, Ling's names outside the block
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias"),
@@ -510,8 +517,8 @@ def test_routing_fields_follow_the_config_class():
             kimi.routed_scaling_factor) == (8, 2, False, 2, 32, 2.446)
     assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
     # the router's precision comes from the family, as its transformers router computes
-    assert [_parse(t, n_routed_experts=16, num_experts=16).moe.router_dtype for t in FAMILIES] == \
-        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 2
+    assert [_parse(t, n_routed_experts=16, num_experts=16, num_local_experts=16).moe.router_dtype for t in FAMILIES] == \
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 3
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):
@@ -553,6 +560,14 @@ def test_newer_readers_follow_their_config_classes():
     hub = _parse("sarvam_moe", n_routed_experts=None, num_local_experts=None, n_shared_experts=None, num_experts=8,
                  num_shared_experts=2).moe
     assert (hub.num_experts, hub.num_shared_experts, hub.shared_width) == (8, 2, 32)
+    ling = _parse("bailing_hybrid", n_routed_experts=None, num_local_experts=None, n_shared_experts=None,
+                  num_experts=16, num_shared_experts=1, num_experts_per_tok=None, num_experts_per_token=4).moe
+    assert (ling.num_experts, ling.top_k, ling.n_group, ling.topk_group, ling.routed_scaling_factor, ling.renormalize,
+            ling.shared_width) == (16, 4, 8, 4, 2.5, True, 16)
+    sixteen = dict(num_local_experts=16, num_experts=16)  # its default 8 groups need 8 experts at least
+    assert list(_parse("bailing_hybrid", **sixteen).dense_layers) == [0, 1]  # first_k_dense_replace: 2
+    assert list(_parse("bailing_hybrid", **sixteen,
+                       mlp_layer_types=["dense", "sparse", "sparse", "dense"]).dense_layers) == [0, 3]
 
 
 def test_exaone_bias_read_under_either_name(models, tmp_path):

@@ -23,7 +23,7 @@ from moeshard.checkpoint.models import (
     hunyuan,  # noqa: F401
     jamba,  # noqa: F401
     jetmoe,  # noqa: F401
-    kimi_linear,  # noqa: F401
+    kimi_linear,  # noqa: F401  kimi_linear, bailing_hybrid
     laguna,  # noqa: F401
     lara_mini,  # noqa: F401
     lfm2_moe,  # noqa: F401

@@ -20,6 +20,14 @@ its short convolution as three tensors (``q_conv1d``, ``k_conv1d``, ``v_conv1d``
 the model's ``conv1d``): ``dense_renames`` and ``dense_concat`` say so. A dense layer's MLP is
 ``mlp.`` on the hub and ``block_sparse_moe.`` where transformers saved the model (it renames every
 ``mlp.`` back as it saves): both are read.
+
+Ling's hybrid models (``bailing_hybrid``) are read the same way: the same block, config names and
+defaults of their own (``num_experts`` for the expert count, 8 groups keeping 4, scale 2.5, the
+first two layers dense unless ``mlp_layer_types`` says otherwise), Kimi delta attention and MLA
+layers, and a checkpoint under Ling's names: ``model.word_embeddings``, every attention tensor under
+``attention.`` (the output projection ``attention.dense``; the forget gate's ``f_proj``, ``dt_bias``
+and ``A_log`` on the attention), the short convolution as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``,
+and the selection bias as ``gate.expert_bias``.
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
     return listed_or_first_dense(f, num_layers, "first_k_dense_replace")
 
 
+_CONV = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+
 register_family(ModelFamily(
     "kimi_linear", {"hidden_act": "silu", "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
                     "routed_scaling_factor": 2.446, "norm_topk_prob": True, "first_k_dense_replace": 1,
@@ -65,5 +75,13 @@ register_family(ModelFamily(
     _moe, _dense_layers, routing="sigmoid", block_prefixes=("block_sparse_moe.", "mlp."), router_dtype="fp32",
     formats=("bf16",),
     dense_renames=(("self_attn.forget_gate.", "self_attn."), (".mlp.", ".block_sparse_moe.")),
-    dense_concat={"self_attn.conv1d.weight": ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
-                                              "self_attn.v_conv1d.weight")}))
+    dense_concat={"self_attn.conv1d.weight": tuple(f"self_attn.{c}" for c in _CONV)}))
+register_family(ModelFamily(
+    "bailing_hybrid", {"hidden_act": "silu", "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+                       "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 2,
+                       "mlp_layer_types": None},
+    _moe, _dense_layers, routing="sigmoid", router_dtype="fp32", formats=("bf16",), bias_aliases=("gate.expert_bias",),
+    # The more specific renames first: a tensor is read under the first whose stored name exists.
+    dense_renames=(("model.embed_tokens.", "model.word_embeddings."), ("self_attn.forget_gate.", "attention."),
+                   ("self_attn.o_proj.", "attention.dense."), ("self_attn.", "attention.")),
+    dense_concat={"self_attn.conv1d.weight": tuple(f"attention.{c}" for c in _CONV)}))
