@@ -112,6 +112,9 @@ CONFIGS: dict[str, dict] = {
                            num_experts_per_token=2, num_shared_experts=1, num_expert_group=2, topk_group=1,
                            layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
                            linear_head_dim=8, linear_num_heads=4, num_nextn_predict_layers=0),
+    # Sarvam-MLA: DeepSeek-V3 (transformers builds it so) with one group and a dense first layer.
+    "sarvam_mla": dict(MLA, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                       n_shared_experts=1),
 }
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
@@ -119,7 +122,8 @@ SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam":
                 "laguna": "minimax_m2",  # laguna: sigmoid of model-dtype logits with a bias, as minimax_m2
                 "axk2": "deepseek_v32",  # axk2: its renames are outside the block, read at (1,1) in make test
                 "sarvam_moe": "glm4_moe",  # and so are sarvam_moe's
-                "bailing_hybrid": "kimi_linear"}  # kimi_linear's reader and block, Ling's names outside the block
+                "bailing_hybrid": "kimi_linear",  # kimi_linear's reader and block, Ling's names outside the block
+                "sarvam_mla": "glm4_moe"}
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias"),
@@ -518,7 +522,7 @@ def test_routing_fields_follow_the_config_class():
     assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
     # the router's precision comes from the family, as its transformers router computes
     assert [_parse(t, n_routed_experts=16, num_experts=16, num_local_experts=16).moe.router_dtype for t in FAMILIES] == \
-        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 3
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 4
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):
@@ -564,6 +568,10 @@ def test_newer_readers_follow_their_config_classes():
                   num_experts=16, num_shared_experts=1, num_experts_per_tok=None, num_experts_per_token=4).moe
     assert (ling.num_experts, ling.top_k, ling.n_group, ling.topk_group, ling.routed_scaling_factor, ling.renormalize,
             ling.shared_width) == (16, 4, 8, 4, 2.5, True, 16)
+    mla = _parse("sarvam_mla").moe
+    assert (mla.routed_scaling_factor, mla.n_group, mla.renormalize, mla.use_correction_bias, mla.shared_width) == \
+        (2.5, 1, True, True, 16)
+    assert list(_parse("sarvam_mla").dense_layers) == [0]
     sixteen = dict(num_local_experts=16, num_experts=16)  # its default 8 groups need 8 experts at least
     assert list(_parse("bailing_hybrid", **sixteen).dense_layers) == [0, 1]  # first_k_dense_replace: 2
     assert list(_parse("bailing_hybrid", **sixteen,

@@ -1,7 +1,8 @@
 """Families whose blocks are DeepSeek-V3's: GLM-4-MoE, GLM-4-MoE-Lite, dots1, EXAONE-MoE,
 DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``; their attention, with its indexer, stays
-transformers'), Solar Open, A.X-K2 (whose gated norms and attention stay transformers') and
-Sarvam-MoE (``sarvam_moe``, which transformers builds as GLM-4-MoE).
+transformers'), Solar Open, A.X-K2 (whose gated norms and attention stay transformers'), and
+Sarvam's two: ``sarvam_moe`` and ``sarvam_mla``, which transformers builds as GLM-4-MoE and as
+DeepSeek-V3.
 
 Their transformers router is DeepSeek-V3's ``noaux_tc`` (routing kind ``sigmoid``):
 s = sigmoid(fp32 logits), selection on s + ``e_score_correction_bias`` within the ``topk_group``
@@ -28,6 +29,7 @@ axk2           n_routed_experts / n_shared_experts  True            2.5    mlp_l
                                                                            L < first_k_dense_replace (1)
                                                                            or L % moe_layer_freq != 0
 sarvam_moe     n_routed_experts / n_shared_experts  True            2.5    L < first_k_dense_replace (1)
+sarvam_mla     n_routed_experts / n_shared_experts  True            2.5    L < first_k_dense_replace (1)
 =============  ===================================  ==============  =====  =============================
 
 (``n_group`` and ``topk_group`` default to 1 everywhere but DeepSeek-V3.2, 8 and 4; these are the
@@ -42,7 +44,7 @@ renames as it loads: ``model.word_embeddings``, ``attention.dense`` / ``query_la
 ``key_layernorm`` (``dense_renames``), the query, key and value rows fused in
 ``attention.query_key_value`` (``dense_split``), the selection bias as ``gate.expert_bias``
 (``bias_aliases``); its config.json may spell the expert counts ``num_experts`` and
-``num_shared_experts``.
+``num_shared_experts``, and so may Sarvam-MLA's, whose checkpoints keep DeepSeek-V3's names.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 # model_type -> config.json's names of its routed and shared expert counts.
 _EXPERTS = {"glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts", "dots1": "n_routed_experts",
             "exaone_moe": "num_experts", "deepseek_v32": "n_routed_experts", "glm_moe_dsa": "n_routed_experts",
-            "solar_open": "n_routed_experts", "axk2": "n_routed_experts", "sarvam_moe": "n_routed_experts"}
+            "solar_open": "n_routed_experts", "axk2": "n_routed_experts", "sarvam_moe": "n_routed_experts",
+            "sarvam_mla": "n_routed_experts"}
 _SHARED = {"glm4_moe": "n_shared_experts", "glm4_moe_lite": "n_shared_experts", "dots1": "n_shared_experts",
            "exaone_moe": "num_shared_experts", "deepseek_v32": "n_shared_experts", "glm_moe_dsa": "n_shared_experts",
-           "solar_open": "n_shared_experts", "axk2": "n_shared_experts", "sarvam_moe": "n_shared_experts"}
+           "solar_open": "n_shared_experts", "axk2": "n_shared_experts", "sarvam_moe": "n_shared_experts",
+           "sarvam_mla": "n_shared_experts"}
 
 
 def _moe(f: ConfigFields) -> MoEConfig:
@@ -140,5 +144,8 @@ for _family in (
                                ("self_attn.k_norm.", "attention.key_layernorm.")),
                 dense_split={f"attention.query_key_value.{kind}": tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv")
                              for kind in ("weight", "bias")}),
+    ModelFamily("sarvam_mla", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                               "first_k_dense_replace": 1},
+                _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32", formats=("bf16",)),
 ):
     register_family(_family)
