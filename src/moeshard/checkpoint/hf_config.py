@@ -109,10 +109,28 @@ def _checkpoint_dtype(raw: dict[str, Any], source: str) -> torch.dtype | None:
     return None
 
 
+# What a vision-language config.json declares for the whole checkpoint, which its text model's
+# config inherits where it declares none.
+_WHOLE_CHECKPOINT = ("dtype", "torch_dtype", "quantization_config")
+
+
+def text_model_config(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
+    """``(raw, source)``, or for a vision-language config.json whose own model type is no family and
+    whose ``text_config`` is one (Qwen3.5-MoE's ``qwen3_5_moe`` holds a ``qwen3_5_moe_text``, Llama
+    4's ``llama4`` a ``llama4_text``) that text config, named ``<source>: text_config``: the model
+    transformers' ``AutoModelForCausalLM`` builds from it, whose tensors ``SafetensorsCheckpoint``
+    names as that model does."""
+    text = raw.get("text_config")
+    if raw.get("model_type") in FAMILIES or not isinstance(text, dict) or text.get("model_type") not in FAMILIES:
+        return raw, source
+    return {**{k: raw[k] for k in _WHOLE_CHECKPOINT if k in raw}, **text}, f"{source}: text_config"
+
+
 def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEModel:
     """``HFMoEModel`` from the parsed ``config.json`` dict; ValueError names the field and value."""
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    raw, source = text_model_config(raw, source)
     family = model_family(raw.get("model_type"), source)
     f = family.fields(raw, source)
     num_layers = f.int("num_hidden_layers")

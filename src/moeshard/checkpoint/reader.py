@@ -84,11 +84,34 @@ def _owned_copy(view: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return from_wire(to_wire(view).clone(memory_format=torch.contiguous_format), view.dtype)
 
 
+# A vision-language checkpoint keeps its text model under a ``language_model`` part (Qwen3.5-MoE:
+# ``model.language_model.layers.*``, Llama 4: ``language_model.model.layers.*`` and
+# ``language_model.lm_head.*``); transformers' causal LM of it reads those tensors without that part.
+# (stored prefix, the causal LM's prefix)
+TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head."))
+
+
+def text_model_name(stored: str) -> str:
+    """The causal LM's name of a vision-language checkpoint's tensor ``stored`` (itself outside the
+    text model)."""
+    for prefix, plain in TEXT_MODEL_PREFIXES:
+        if stored.startswith(prefix):
+            return plain + stored[len(prefix):]
+    return stored
+
+
 class SafetensorsCheckpoint:
     """The tensors of one model directory: which file holds which name; slice reads.
 
     ``model_dir``: the directory. Construction reads only ``model.safetensors.index.json`` or, without
     one, the headers of the ``*.safetensors`` files; no tensor data.
+
+    Names are the causal LM's: in a vision-language checkpoint, whose text model is stored under a
+    ``language_model`` part (``TEXT_MODEL_PREFIXES``) and which holds no ``model.layers.*``, each
+    text-model tensor is known by the name transformers' causal LM gives it (``model.layers.0...``
+    for ``model.language_model.layers.0...``), as transformers' ``AutoModelForCausalLM`` loads it;
+    the vision tower's tensors keep their names and are read by nothing.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -116,11 +139,28 @@ class SafetensorsCheckpoint:
                                              f"{path.name!r} under {str(self.model_dir)!r}, and there is no "
                                              f"{INDEX_FILE} to say which one is meant")
                         self._where[name] = path
+        self._stored: dict[str, str] = {}  # a text-model tensor's causal-LM name -> its stored name
+        if not any(n.startswith("model.layers.") for n in self._where):
+            self._as_text_model()
         read = set(self._where.values())
         self.ignored = sorted(p.name for p in self.model_dir.glob("*.safetensors") if p not in read)
         if self.ignored:
             log.info("%s: not model weights, ignored (as transformers ignores them): %s", self.model_dir,
                      ", ".join(self.ignored))
+
+    def _as_text_model(self) -> None:
+        """Names a vision-language checkpoint's text-model tensors as the causal LM does."""
+        renamed = {name: text_model_name(name) for name in self._where}
+        for stored, plain in renamed.items():
+            if plain != stored and plain in self._where:
+                raise ValueError(f"model directory {str(self.model_dir)!r} holds both {stored!r} and {plain!r}, the "
+                                 f"causal LM's name of the first; which one is the text model's is not clear")
+        self._where = {renamed[name]: path for name, path in self._where.items()}
+        self._stored = {plain: stored for stored, plain in renamed.items() if plain != stored}
+
+    def stored_name(self, name: str) -> str:
+        """The name the files keep the tensor ``name`` under."""
+        return self._stored.get(name, name)
 
     # -- discovery ------------------------------------------------------------------------
     def _weight_files(self) -> list[Path]:
@@ -204,14 +244,16 @@ class SafetensorsCheckpoint:
             raise self._missing(name)
         path = self._where[name]
         with self._open(path) as f:
-            if name not in set(f.keys()):
-                raise ValueError(f"tensor {name!r} is missing from {str(path)!r}, the file the index names for it")
+            if self.stored_name(name) not in set(f.keys()):
+                raise ValueError(f"tensor {self.stored_name(name)!r} is missing from {str(path)!r}, the file the index "
+                                 f"names for it")
             for key in f.keys():
                 sl = f.get_slice(key)
                 dtype = torch_dtype(sl.get_dtype())
                 if dtype is None:
                     continue
-                self._info[key] = TensorInfo(key, tuple(sl.get_shape()), dtype, path)
+                known = text_model_name(key) if self._stored else key
+                self._info[known] = TensorInfo(known, tuple(sl.get_shape()), dtype, path)
         if name not in self._info:
             raise ValueError(f"tensor {name!r} in {str(path)!r} has a dtype moeshard cannot use")
         return self._info[name]
@@ -248,7 +290,8 @@ class SafetensorsCheckpoint:
                 for i in which:
                     name, index = requests[i]
                     try:
-                        view = f.get_slice(name)[index] if index else f.get_slice(name)[:]
+                        sl = f.get_slice(self.stored_name(name))
+                        view = sl[index] if index else sl[:]
                     except SafetensorError as exc:
                         raise ValueError(f"tensor {name!r} in {str(path)!r} cannot be read: {exc}") from None
                     target = dtype if dtype is not None and view.is_floating_point() and view.element_size() > 1 else None
@@ -271,7 +314,8 @@ class SafetensorsCheckpoint:
                 for i in which:
                     (name, index), dst = requests[i], destinations[i]
                     try:
-                        view = f.get_slice(name)[index] if index else f.get_slice(name)[:]
+                        sl = f.get_slice(self.stored_name(name))
+                        view = sl[index] if index else sl[:]
                     except SafetensorError as exc:
                         raise ValueError(f"tensor {name!r} in {str(path)!r} cannot be read: {exc}") from None
                     if tuple(view.shape) != tuple(dst.shape):

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moeshard.checkpoint.hf_config import read_hf_config
+from moeshard.checkpoint.hf_config import read_hf_config, text_model_config
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
 from moeshard.jobs.world import RankPlace, each_plan, load_timed, synchronize
@@ -156,7 +156,7 @@ def check_prompts(model_dir: str, prompts: tuple[tuple[int, ...], ...], dp: int,
     padding id is the config's ``pad_token_id`` when it is a token of the vocabulary, else 0 (it
     only fills masked positions)."""
     info = read_hf_config(model_dir)
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    raw, _ = text_model_config(json.loads((Path(model_dir) / "config.json").read_text()), info.source)
     vocab = raw.get("vocab_size")
     if not is_int(vocab) or vocab < 1:
         raise ValueError(f"{info.source}: vocab_size must be a positive integer, got {vocab!r}")
