@@ -2,8 +2,8 @@
 always renormalized, plus one shared expert gated by ``sigmoid(shared_expert_gate(x))`` in every
 layer; its gated-delta-net (linear attention) layers stay transformers'. Checkpoint names as
 Qwen2-MoE's (``mlp.gate``, ``mlp.experts.{e}.*``, ``mlp.shared_expert.*``,
-``mlp.shared_expert_gate``). The multimodal ``qwen3_5_moe`` checkpoint (its text model under
-``model.language_model``) is another model type, not read here.
+``mlp.shared_expert_gate``). The published vision-language ``qwen3_5_moe`` checkpoint (its text
+model under ``model.language_model``) is read as this text model (``hf_config.text_model_config``).
 """
 
 from __future__ import annotations
