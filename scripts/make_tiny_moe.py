@@ -136,6 +136,8 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
         "gemma4_text": dict(intermediate_size=2 * I, moe_intermediate_size=I, num_experts=experts, top_k_experts=2,
                             enable_moe_block=True, head_dim=head, hidden_size_per_layer_input=0),
         "lara_mini": dict(moe_intermediate_size=I, shared_expert_intermediate_size=I, num_experts=experts, **linear),
+        "aria_text": dict(intermediate_size=I, moe_num_experts=experts, moe_topk=2, moe_num_shared_experts=1,
+                          head_dim=head),
     }[family]
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the small vocabulary
     return tf.AutoConfig.for_model(family, **{**common, "num_experts_per_tok": 2, **ids, **extra})
@@ -144,7 +146,7 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
 SOFTMAX_FAMILIES = ("olmoe", "flex_olmo", "mellum", "minimax", "jamba", "qwen3_next", "qwen3_5_moe_text",
                     "deepseek_v2", "hunyuan_v1_moe", "ernie4_5_moe", "granitemoe", "granitemoeshared",
                     "granitemoehybrid", "phimoe", "lara_mini", "jetmoe", "gemma4_text",
-                    "granitemoe_swa")
+                    "granitemoe_swa", "aria_text")
 
 
 def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):

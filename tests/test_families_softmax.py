@@ -102,6 +102,8 @@ CONFIGS = {
     # Granite with sliding-window attention and sinks; its checkpoint keeps the model's names.
     # (Appended last: a family's seed is its place here, so the others keep their random models.)
     "granitemoe_swa": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0),
+    # Aria's text model: Granite's routing, experts stored transposed as fc1 / fc2, a shared MLP.
+    "aria_text": dict(intermediate_size=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, head_dim=8),
 }
 # SMALL's fields a config class takes under names of its own (in CONFIGS).
 OWN_NAMES = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
@@ -437,6 +439,9 @@ def _raw(models, family: str, **changes) -> dict:
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'; deepseek_v2 blocks route with one of"),
     ("granitemoehybrid", {"num_local_experts": 0}, "num_local_experts=0: the model has no MoE block"),
     ("mellum", {"mlp_layer_types": ["sparse"]}, "mlp_layer_types must list ['sparse', 'dense'] once per layer"),
+    ("aria_text", {"hidden_act": "gelu"}, "hidden_act='gelu'; Aria runs its routed experts with SiLU and its shared "
+                                          "experts with hidden_act"),
+    ("aria_text", {"mlp_bias": True}, "mlp_bias=true puts biases on Aria's shared experts"),
 ])
 def test_config_refusals_name_the_field(models, family, changes, message):
     with pytest.raises(ValueError, match="config.json: .*") as info:
@@ -473,6 +478,7 @@ def test_config_readers(models):
         "gemma4_text": ("softmax", True, 0, False, [], 4, 1),
         "dbrx": ("softmax_model", True, 0, False, [], 4, 1),
         "lara_mini": ("softmax", True, 24, False, [], 4, 1),
+        "aria_text": ("topk_softmax", False, 16, False, [], 4, 1),
     }
     assert set(want) == set(FAMILIES)
     for family, (scoring, renorm, shared, gated, dense, experts, groups) in want.items():

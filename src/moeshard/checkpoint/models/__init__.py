@@ -9,6 +9,7 @@ family is known wherever ``FAMILIES`` is read. A new module is one import line b
 
 from moeshard.checkpoint.models import (
     afmoe,  # noqa: F401  afmoe, hy_v3
+    aria,  # noqa: F401
     cohere2_moe,  # noqa: F401
     dbrx,  # noqa: F401
     deepseek_routed,  # noqa: F401  mimo_v2_flash, beam
