@@ -212,35 +212,32 @@ def _lfm2_moe(hidden: int, moe_intermediate: int, experts: int, layers: int, voc
                                    max_position_embeddings=512)
 
 
-def _kimi_linear(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+# Kimi delta attention and MLA layers in turn (the first with a dense MLP), saved as the hub stores
+# them; the default special token ids of these configs lie beyond a tiny vocabulary.
+_KDA_MLA = dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=32,
+                qk_nope_head_dim=32, v_head_dim=32, linear_head_dim=64, linear_num_heads=4, initializer_range=0.2,
+                pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def _kda_mla(model_type: str, hidden: int, moe_intermediate: int, layers: int, vocab: int, **routing):
     import transformers as tf
 
-    # Kimi delta attention and MLA layers in turn (the first with a dense MLP), saved as the hub
-    # stores them; its default special token ids lie beyond a tiny vocabulary.
-    return tf.AutoConfig.for_model("kimi_linear", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=4, intermediate_size=2 * moe_intermediate,
-                                   moe_intermediate_size=moe_intermediate, num_local_experts=experts,
-                                   num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-                                   q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
-                                   v_head_dim=32, linear_head_dim=64, linear_num_heads=4,
+    return tf.AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   intermediate_size=2 * moe_intermediate, moe_intermediate_size=moe_intermediate,
                                    layer_types=_alternating("linear_attention", "full_attention", layers),
-                                   initializer_range=0.2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+                                   **_KDA_MLA, **routing)
+
+
+def _kimi_linear(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    return _kda_mla("kimi_linear", hidden, moe_intermediate, layers, vocab, num_local_experts=experts,
+                    num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1)
 
 
 def _bailing_hybrid(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
-    import transformers as tf
-
-    # Ling's hybrid: Kimi delta attention and MLA layers in turn (the first with a dense MLP), the
-    # config and the checkpoint under Ling's own names; no multi-token-prediction layer.
-    return tf.AutoConfig.for_model("bailing_hybrid", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=4, intermediate_size=2 * moe_intermediate,
-                                   moe_intermediate_size=moe_intermediate, num_experts=experts,
-                                   num_experts_per_token=2, num_expert_group=2, topk_group=1, num_shared_experts=1,
-                                   q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
-                                   v_head_dim=32, head_dim=64, linear_head_dim=64, linear_num_heads=4,
-                                   layer_types=_alternating("linear_attention", "full_attention", layers),
-                                   mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), num_nextn_predict_layers=0,
-                                   initializer_range=0.2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    # Ling's own names for the routing fields; no multi-token-prediction layer.
+    return _kda_mla("bailing_hybrid", hidden, moe_intermediate, layers, vocab, num_experts=experts,
+                    num_experts_per_token=2, num_expert_group=2, topk_group=1, num_shared_experts=1, head_dim=64,
+                    mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), num_nextn_predict_layers=0)
 
 
 def _dbrx(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):

@@ -9,6 +9,8 @@ without re-saving. Each tiny model is transformers' own vision-language class, s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -43,9 +45,22 @@ STORED_ROUTER = {"qwen3_5_moe": "model.language_model.layers.0.mlp.gate.weight",
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3))
 
 
+@dataclass(frozen=True)
+class Built:
+    """The saved models: ``built(model_type)`` is one's directory, or skips the test calling it."""
+
+    dirs: dict[str, str]
+
+    def __call__(self, model_type: str) -> str:
+        if model_type not in self.dirs:
+            pytest.skip(f"transformers {tf.__version__} has no {MODELS[model_type][0]}")
+        return self.dirs[model_type]
+
+
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, str]:
-    """model_type -> directory of its tiny vision-language model (the ones this transformers has)."""
+def models(tmp_path_factory) -> Built:
+    """model_type -> directory of its tiny vision-language model; a test of a model this transformers
+    lacks is skipped here."""
     root = tmp_path_factory.mktemp("tiny-vl")
     out = {}
     for seed, (model_type, (model_class, config_class, text, vision)) in enumerate(MODELS.items()):
@@ -55,18 +70,12 @@ def models(tmp_path_factory) -> dict[str, str]:
         config = getattr(tf, config_class)(text_config={**TEXT, **text}, vision_config=vision)
         getattr(tf, model_class)(config).eval().save_pretrained(root / model_type)
         out[model_type] = str(root / model_type)
-    return out
-
-
-def _model(models, model_type: str) -> str:
-    if model_type not in models:
-        pytest.skip(f"transformers {tf.__version__} has no {MODELS[model_type][0]}")
-    return models[model_type]
+    return Built(out)
 
 
 @pytest.mark.parametrize("model_type", list(MODELS))
 def test_the_text_model_is_read_under_the_causal_lms_names(models, model_type):
-    model_dir = _model(models, model_type)
+    model_dir = models(model_type)
     info = read_hf_config(model_dir)
     assert info.model_type == f"{model_type}_text" and info.source.endswith("config.json: text_config")
     ckpt = SafetensorsCheckpoint(model_dir)
@@ -89,7 +98,7 @@ def test_one_rank_logits_equal_transformers_causal_lm(models, model_type):
     MoE block moeshard's."""
     from moeshard.integrations.transformers import MoEBlock, load_sharded_model
 
-    model_dir = _model(models, model_type)
+    model_dir = models(model_type)
     ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
     want = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     got = load_sharded_model(model_dir)
@@ -103,10 +112,10 @@ def test_one_rank_logits_equal_transformers_causal_lm(models, model_type):
 
 def test_ep2_generates_what_transformers_generates(models):
     """Both models under EP2 on two CPU ranks, in one spawn: transformers' greedy ids."""
-    present = [t for t in MODELS if t in models]
+    present = list(models.dirs)
     if not present:
         pytest.skip(f"transformers {tf.__version__} has neither vision-language class")
-    plans = [plan_generate(GenerateSpec(models[t], PROMPTS, 4, ParallelConfig(2, 1, True), compare=True))
+    plans = [plan_generate(GenerateSpec(models(t), PROMPTS, 4, ParallelConfig(2, 1, True), compare=True))
              for t in present]
     per_rank = spawn(generate_plans, 2, args=(plans,), timeout_s=300.0, preload=("moeshard.jobs.generate",))
     for i, plan in enumerate(plans):
