@@ -115,6 +115,12 @@ CONFIGS: dict[str, dict] = {
     # Sarvam-MLA: DeepSeek-V3 (transformers builds it so) with one group and a dense first layer.
     "sarvam_mla": dict(MLA, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                        n_shared_experts=1),
+    # dots.note 3's text model: DeepSeek-V3's block with shared experts of their own width, beside
+    # indexed attention; a dense first layer.
+    "dots3_note_text": dict(MLA, q_lora_rank=16, head_dim=16, intermediate_size=48, moe_intermediate_size=16,
+                            shared_experts_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+                            n_shared_experts=1, index_topk=4, index_head_dim=16, index_n_heads=2,
+                            mlp_layer_types=["dense", "sparse"], sliding_window=8),
 }
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
@@ -123,7 +129,7 @@ SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam":
                 "axk2": "deepseek_v32",  # axk2: its renames are outside the block, read at (1,1) in make test
                 "sarvam_moe": "glm4_moe",  # and so are sarvam_moe's
                 "bailing_hybrid": "kimi_linear",  # kimi_linear's reader and block, Ling's names outside the block
-                "sarvam_mla": "glm4_moe"}
+                "sarvam_mla": "glm4_moe", "dots3_note_text": "glm4_moe"}
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias"),
@@ -522,7 +528,7 @@ def test_routing_fields_follow_the_config_class():
     assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
     # the router's precision comes from the family, as its transformers router computes
     assert [_parse(t, n_routed_experts=16, num_experts=16, num_local_experts=16).moe.router_dtype for t in FAMILIES] == \
-        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 4
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 5
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):
@@ -572,6 +578,16 @@ def test_newer_readers_follow_their_config_classes():
     assert (mla.routed_scaling_factor, mla.n_group, mla.renormalize, mla.use_correction_bias, mla.shared_width) == \
         (2.5, 1, True, True, 16)
     assert list(_parse("sarvam_mla").dense_layers) == [0]
+    dots3 = _parse("dots3_note_text", shared_experts_intermediate_size=24).moe
+    assert (dots3.shared_width, dots3.routed_scaling_factor, dots3.renormalize) == (24, 1.0, True)
+    old = _parse("dots3_note_text", moe_shared_expert_intermediate_size=40, n_shared_experts=2)  # older spellings
+    assert old.moe.shared_width == 80 and list(old.dense_layers) == [0]
+    assert list(_parse("dots3_note_text", first_k_dense_replace=0, moe_layer_freq=[1, 0, 1, 0]).dense_layers) == [1, 3]
+    assert list(_parse("dots3_note_text", mlp_layer_types=["sparse", "dense", "dense", "sparse"]).dense_layers) == [1, 2]
+    with pytest.raises(ValueError, match=r"mlp_bias=true puts biases on the shared experts"):
+        _parse("dots3_note_text", mlp_bias=True)
+    with pytest.raises(ValueError, match=r"moe_layer_freq lists 2 layers, but num_hidden_layers=4"):
+        _parse("dots3_note_text", moe_layer_freq=[1, 1])
     sixteen = dict(num_local_experts=16, num_experts=16)  # its default 8 groups need 8 experts at least
     assert list(_parse("bailing_hybrid", **sixteen).dense_layers) == [0, 1]  # first_k_dense_replace: 2
     assert list(_parse("bailing_hybrid", **sixteen,

@@ -60,6 +60,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "num_experts": ("num_local_experts",),
     "n_routed_experts": ("num_local_experts", "num_experts"),  # Sarvam-MoE's hub config: num_experts
     "n_shared_experts": ("num_shared_experts",),
+    "shared_experts_intermediate_size": ("moe_shared_expert_intermediate_size",),  # dots.note 3's older configs
 }
 
 

@@ -30,6 +30,9 @@ axk2           n_routed_experts / n_shared_experts  True            2.5    mlp_l
                                                                            or L % moe_layer_freq != 0
 sarvam_moe     n_routed_experts / n_shared_experts  True            2.5    L < first_k_dense_replace (1)
 sarvam_mla     n_routed_experts / n_shared_experts  True            2.5    L < first_k_dense_replace (1)
+dots3_note_    n_routed_experts / n_shared_experts  True            1.0    mlp_layer_types, else
+text                                                                       L < first_k_dense_replace (1)
+                                                                           or moe_layer_freq says dense
 =============  ===================================  ==============  =====  =============================
 
 (``n_group`` and ``topk_group`` default to 1 everywhere but DeepSeek-V3.2, 8 and 4; these are the
@@ -45,6 +48,10 @@ renames as it loads: ``model.word_embeddings``, ``attention.dense`` / ``query_la
 ``attention.query_key_value`` (``dense_split``), the selection bias as ``gate.expert_bias``
 (``bias_aliases``); its config.json may spell the expert counts ``num_experts`` and
 ``num_shared_experts``, and so may Sarvam-MLA's, whose checkpoints keep DeepSeek-V3's names.
+dots.note 3's text model (``dots3_note_text``; its indexed and sliding-window attention stay
+transformers') sizes its shared experts by ``shared_experts_intermediate_size`` (an older
+config.json: ``moe_shared_expert_intermediate_size``); ``mlp_bias`` would put biases on them and
+is refused.
 """
 
 from __future__ import annotations
@@ -57,11 +64,17 @@ from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 _EXPERTS = {"glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts", "dots1": "n_routed_experts",
             "exaone_moe": "num_experts", "deepseek_v32": "n_routed_experts", "glm_moe_dsa": "n_routed_experts",
             "solar_open": "n_routed_experts", "axk2": "n_routed_experts", "sarvam_moe": "n_routed_experts",
-            "sarvam_mla": "n_routed_experts"}
+            "sarvam_mla": "n_routed_experts", "dots3_note_text": "n_routed_experts"}
 _SHARED = {"glm4_moe": "n_shared_experts", "glm4_moe_lite": "n_shared_experts", "dots1": "n_shared_experts",
            "exaone_moe": "num_shared_experts", "deepseek_v32": "n_shared_experts", "glm_moe_dsa": "n_shared_experts",
            "solar_open": "n_shared_experts", "axk2": "n_shared_experts", "sarvam_moe": "n_shared_experts",
-           "sarvam_mla": "n_shared_experts"}
+           "sarvam_mla": "n_shared_experts", "dots3_note_text": "n_shared_experts"}
+
+
+# model_type -> the field of one shared expert's width, where it is not moe_intermediate_size.
+_SHARED_WIDTH = {"dots3_note_text": "shared_experts_intermediate_size"}
+# Families whose shared experts take biases when config.json's mlp_bias is true.
+_SHARED_BIAS = ("dots3_note_text",)
 
 
 def _moe(f: ConfigFields) -> MoEConfig:
@@ -69,11 +82,15 @@ def _moe(f: ConfigFields) -> MoEConfig:
     act, H = f.activation(), f.int("hidden_size")
     I = f.int("moe_intermediate_size")
     shared = f.int(_SHARED[model_type], minimum=0)
+    if shared and model_type in _SHARED_BIAS and f.raw.get("mlp_bias"):
+        raise ValueError(f"{f.source}: mlp_bias=true puts biases on the shared experts; moeshard's shared experts "
+                         f"have none")
+    width = f.int(_SHARED_WIDTH[model_type]) if model_type in _SHARED_WIDTH else I
     return MoEConfig(num_experts=f.int(_EXPERTS[model_type]), top_k=f.int("num_experts_per_tok"), hidden_size=H,
                      intermediate_size=I, activation=act, scoring=f.family.routing,
                      renormalize=f.bool("norm_topk_prob"), n_group=f.int("n_group"), topk_group=f.int("topk_group"),
                      routed_scaling_factor=f.float("routed_scaling_factor", 0.0, MAX_ROUTED_SCALING),
-                     use_correction_bias=True, num_shared_experts=shared, shared_intermediate_size=I if shared else 0)
+                     use_correction_bias=True, num_shared_experts=shared, shared_intermediate_size=width if shared else 0)
 
 
 def _first_k_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
@@ -94,6 +111,29 @@ def _axk2_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
         if layer < first:
             return f"layer < first_k_dense_replace={first} (no mlp_layer_types)"
         return f"layer % moe_layer_freq={freq} != 0 (no mlp_layer_types)" if layer % freq else None
+    return DenseLayers(num_layers, why)
+
+
+def _dots3_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
+    """``mlp_layer_types``, else as Dots3NoteTextConfig fills it in from an older config.json: layer L
+    is sparse from ``first_k_dense_replace`` (1) on where ``moe_layer_freq`` (1) divides L, or, for a
+    list, where its entry L is nonzero."""
+    if f.raw.get("mlp_layer_types") is not None:
+        return listed_or_first_dense(f, num_layers, 0)
+    first = f.int("first_k_dense_replace", minimum=0)
+    freq = f.raw.get("moe_layer_freq", 1)
+    if isinstance(freq, list):
+        if len(freq) != num_layers:
+            raise ValueError(f"{f.source}: moe_layer_freq lists {len(freq)} layers, but num_hidden_layers={num_layers}")
+        flags = [bool(v) for v in freq]
+    else:
+        step = f.int("moe_layer_freq")
+        flags = [layer % step == 0 for layer in range(num_layers)]
+
+    def why(layer: int) -> str | None:
+        if layer < first:
+            return f"layer < first_k_dense_replace={first} (no mlp_layer_types)"
+        return None if flags[layer] else f"moe_layer_freq has no MoE block at layer {layer} (no mlp_layer_types)"
     return DenseLayers(num_layers, why)
 
 
@@ -147,5 +187,9 @@ for _family in (
     ModelFamily("sarvam_mla", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
                                "first_k_dense_replace": 1},
                 _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32", formats=("bf16",)),
+    ModelFamily("dots3_note_text", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                                    "norm_topk_prob": True, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+                                    "shared_experts_intermediate_size": 1536, "mlp_layer_types": None},
+                _moe, _dots3_dense, routing="sigmoid", router_dtype="fp32", formats=("bf16",)),
 ):
     register_family(_family)
