@@ -65,7 +65,8 @@ def bf16_router_parity(tf, model_dir: str) -> RouterParity:
     from moeshard.router import router_logits
 
     plain = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    family = moe_model_info(plain).family
+    info = moe_model_info(plain)
+    family = info.family
     seen: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     hooks = []
     biases: dict[int, torch.Tensor] = {}  # layer -> the selection bias transformers adds, fp32 [E]
@@ -83,7 +84,13 @@ def bf16_router_parity(tf, model_dir: str) -> RouterParity:
 
         def handed(_m, args, layer=layer):  # a router of logits alone: the ids the block hands its experts
             if seen and seen[-1][0] == layer and seen[-1][3] is None:
-                ids = next(t for t in args if isinstance(t, torch.Tensor) and not t.is_floating_point())
+                tensors = [t for t in args if isinstance(t, torch.Tensor)]
+                ids = next((t for t in tensors if not t.is_floating_point()), None)
+                if ids is None:
+                    # 5.17's Aria hands its experts the router's logits, and they take the top
+                    # top_k of them with torch.topk (Aria's topk_softmax selection).
+                    logits = next(t for t in tensors if t.shape[-1] == info.moe.num_experts)
+                    ids = logits.topk(info.moe.top_k, dim=-1).indices
                 seen[-1] = (*seen[-1][:3], ids.sort(dim=-1).values)
         hooks.append(router.register_forward_hook(record))
         experts = getattr(block, "experts", None)

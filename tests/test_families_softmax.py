@@ -266,6 +266,30 @@ def test_in_memory_model_equals_transformers(models, family):
         find_moe_blocks(model)
 
 
+def test_aria_experts_held_under_the_checkpoints_names_load_in_memory(models):
+    """transformers before 5.24 holds Aria's experts as the checkpoint stores them
+    (``experts.fc1.weight`` [E, H, 2I], ``experts.fc2.weight`` [E, I, H]): shard_moe_blocks reads
+    them under those names (``ModelFamily.stored_names``), with the same logits."""
+    from torch import nn
+
+    from moeshard.integrations.transformers import shard_moe_blocks
+
+    model_dir = _dir(models, "aria_text")
+    ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
+    want = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()(ids).logits
+    older = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    for layer in older.model.layers:
+        experts, held = layer.mlp.experts, nn.Module()
+        for name, tensor in (("fc1", experts.gate_up_proj), ("fc2", experts.down_proj)):
+            part = nn.Module()
+            part.weight = nn.Parameter(tensor.detach().clone())
+            held.add_module(name, part)
+        layer.mlp.experts = held  # the names 5.17 gives them; its forward is moeshard's after the swap
+    with torch.no_grad():
+        got = shard_moe_blocks(older)(ids).logits
+    assert torch.allclose(got, want, atol=FP32_ATOL, rtol=0), (got - want).abs().max()
+
+
 def test_the_nudges_reach_the_routing(models):
     """The ERNIE selection bias changes which experts are picked, and Phi-3.5-MoE's sparsemixer
     gives weights below 1 (its window holds more than the pick) for some tokens: the parity

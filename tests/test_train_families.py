@@ -42,6 +42,8 @@ from moeshard.parallel.config import ParallelConfig
 from moeshard.tolerances import TRAIN_LOSS_RTOL, train_bound
 
 tf = pytest.importorskip("transformers")
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
@@ -73,6 +75,8 @@ class _Models(dict):
         self.root = root
 
     def __missing__(self, family: str) -> str:
+        if family not in CONFIG_MAPPING:  # a model type newer than the installed transformers
+            pytest.skip(f"transformers {tf.__version__} has no config class for model_type {family!r}")
         # The seed follows the family's name, not its place in FAMILIES: a family added later leaves
         # every other family's random model as it was.
         make_tiny_moe.make(str(self.root / family), family, dtype="float32", seed=zlib.crc32(family.encode()) % 1000)
@@ -93,7 +97,7 @@ def _plan(models, layout: str, family: str, steps: int = STEPS):
 def ep2(models):
     """(family, steps) -> (plan, per-rank results) under dp2-tp1-ep: every family's plans (STEPS
     steps, and one step) on one 2-rank world."""
-    cases = [(f, steps) for f in FAMILIES for steps in (STEPS, 1)]
+    cases = [(f, steps) for f in FAMILIES if f in CONFIG_MAPPING for steps in (STEPS, 1)]
     plans = [_plan(models, "dp2-tp1-ep", f, steps) for f, steps in cases]
     runs = _run_world(2, plans)
     return {case: (p, results) for case, p, results in zip(cases, plans, runs, strict=True)}
@@ -192,6 +196,8 @@ def test_family_trains_as_transformers_on_one_rank(models, references, family):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_as_transformers_under_ep2(ep2, references, family):
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {tf.__version__} has no config class for model_type {family!r}")
     for steps in (STEPS, 1):
         plan, results = ep2[(family, steps)]
         half = plan.cfg.num_experts // 2

@@ -355,7 +355,10 @@ def agree(groups: ParallelGroups | None, error: BaseException | None, what: str)
 def _gate_up(block: nn.Module, index: int, name: str, family: ModelFamily) -> torch.Tensor:
     """The fused ``experts.gate_up_proj`` of layer ``index``'s block (transformers 5; the family's
     ``experts`` and ``fused_names``)."""
-    w = _tensor_at(block, family.expert_tensor(family.fused_names[0]))  # dotted: DBRX's experts.mlp.w1
+    name_in_model = family.expert_tensor(family.fused_names[0])  # dotted: DBRX's experts.mlp.w1
+    w = _tensor_at(block, name_in_model)
+    if w is None and name_in_model in family.stored_names:  # an older release under the checkpoint's name
+        w = _tensor_at(block, family.stored_names[name_in_model])
     if w is None:
         raise ValueError(f"{name}: the experts of layer {index} are not a fused gate_up_proj tensor; "
                          f"expected transformers-5 fused experts in one of {sorted(MODEL_DTYPES)}")
@@ -378,6 +381,12 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily, num_experts:
     layout = fused_layout(family.fused_layout)
     fused = [family.expert_tensor(name) for name in family.fused_names]
     state = dict(state)
+    for name in fused:
+        # An older transformers release may hold the experts under the checkpoint's names (Aria's
+        # experts.fc1.weight before transformers 5.24), in the same layout.
+        stored = family.stored_names.get(name)
+        if name not in state and stored in state:
+            state[name] = state.pop(stored)
     if all(name in state for name in fused):
         state["experts.gate_up_proj"], state["experts.down_proj"] = layout.canonical_tensors(
             [state.pop(name) for name in fused], num_experts)
