@@ -142,3 +142,16 @@ def test_text_model_names_refuse_a_clash_and_leave_a_text_checkpoint_alone(tmp_p
     save_file({"model.layers.0.mlp.gate.weight": t, "language_model.model.norm.weight": t.clone()},
               text / "model.safetensors")
     assert SafetensorsCheckpoint(text).names() == ["language_model.model.norm.weight", "model.layers.0.mlp.gate.weight"]
+
+
+@pytest.mark.parametrize("raw", [{"model_type": {"quant_method": "fp8"}},
+                                 {"model_type": "vl", "text_config": {"model_type": ["qwen3_5_moe_text"]}},
+                                 {"model_type": "vl", "text_config": "qwen3_5_moe_text"}])
+def test_a_malformed_model_type_is_refused_by_name(raw):
+    """A model type that is no string (here or in text_config) is refused as unsupported, naming
+    the value: the text-config lookup must not fail on it first (hypothesis found a dict there
+    raising TypeError: unhashable)."""
+    from moeshard.checkpoint import parse_hf_config
+
+    with pytest.raises(ValueError, match=r"config.json: model_type .* is not supported; supported: \["):
+        parse_hf_config(raw, "config.json")

@@ -120,8 +120,11 @@ def text_model_config(raw: dict[str, Any], source: str) -> tuple[dict[str, Any],
     4's ``llama4`` a ``llama4_text``) that text config, named ``<source>: text_config``: the model
     transformers' ``AutoModelForCausalLM`` builds from it, whose tensors ``SafetensorsCheckpoint``
     names as that model does."""
+    def known(model_type: Any) -> bool:  # a malformed model_type (a dict, a list) is model_family's to refuse
+        return isinstance(model_type, str) and model_type in FAMILIES
+
     text = raw.get("text_config")
-    if raw.get("model_type") in FAMILIES or not isinstance(text, dict) or text.get("model_type") not in FAMILIES:
+    if known(raw.get("model_type")) or not isinstance(text, dict) or not known(text.get("model_type")):
         return raw, source
     return {**{k: raw[k] for k in _WHOLE_CHECKPOINT if k in raw}, **text}, f"{source}: text_config"
 
