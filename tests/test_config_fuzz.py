@@ -223,4 +223,10 @@ def test_a_huge_layer_count_costs_nothing():
         assert "MoE layers: none among the first 100000" in str(exc)  # the listing scans a bounded prefix
     else:
         raise AssertionError("layer 5 is dense")
+    # The families reading first_k_dense_replace and an integer moe_layer_freq decide per layer too.
+    shape = {"hidden_size": 32, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+             "num_hidden_layers": MAX_DIM, "moe_layer_freq": 3, "first_k_dense_replace": 1}
+    for model_type in ("axk2", "dots3_note_text"):
+        dense = parse_hf_config({"model_type": model_type, **shape}).dense_layers
+        assert (0 in dense, 3 in dense, 4 in dense, MAX_DIM - 1 in dense) == (True, False, True, MAX_DIM % 3 != 1)
     assert time.monotonic() - start < 5

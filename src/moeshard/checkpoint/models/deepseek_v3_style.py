@@ -102,39 +102,39 @@ def _no_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
     return DenseLayers(num_layers, lambda layer: None)
 
 
-def _axk2_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
+def _first_k_then_freq(f: ConfigFields, num_layers: int, freq_lists: bool = False) -> DenseLayers:
+    """``mlp_layer_types`` when given; else layer L is dense below ``first_k_dense_replace`` and
+    where ``moe_layer_freq`` does not divide L, or, with ``freq_lists`` (dots.note 3's older
+    config.json), where a per-layer ``moe_layer_freq`` list holds 0 at L."""
     if f.raw.get("mlp_layer_types") is not None:
         return listed_or_first_dense(f, num_layers, 0)
-    first, freq = f.int("first_k_dense_replace", minimum=0), f.int("moe_layer_freq")
+    first, freq = f.int("first_k_dense_replace", minimum=0), f.get("moe_layer_freq")
+    if freq_lists and isinstance(freq, list):
+        if len(freq) != num_layers:
+            raise ValueError(f"{f.source}: moe_layer_freq lists {len(freq)} layers, but num_hidden_layers={num_layers}")
+        sparse = tuple(bool(v) for v in freq)  # as long as the config's own list
+
+        def off_freq(layer: int) -> str | None:
+            return None if sparse[layer] else f"moe_layer_freq[{layer}] is 0 (no mlp_layer_types)"
+    else:
+        step = f.int("moe_layer_freq")
+
+        def off_freq(layer: int) -> str | None:
+            return f"layer % moe_layer_freq={step} != 0 (no mlp_layer_types)" if layer % step else None
 
     def why(layer: int) -> str | None:
         if layer < first:
             return f"layer < first_k_dense_replace={first} (no mlp_layer_types)"
-        return f"layer % moe_layer_freq={freq} != 0 (no mlp_layer_types)" if layer % freq else None
+        return off_freq(layer)
     return DenseLayers(num_layers, why)
+
+
+def _axk2_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
+    return _first_k_then_freq(f, num_layers)
 
 
 def _dots3_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
-    """``mlp_layer_types``, else as Dots3NoteTextConfig fills it in from an older config.json: layer L
-    is sparse from ``first_k_dense_replace`` (1) on where ``moe_layer_freq`` (1) divides L, or, for a
-    list, where its entry L is nonzero."""
-    if f.raw.get("mlp_layer_types") is not None:
-        return listed_or_first_dense(f, num_layers, 0)
-    first = f.int("first_k_dense_replace", minimum=0)
-    freq = f.raw.get("moe_layer_freq", 1)
-    if isinstance(freq, list):
-        if len(freq) != num_layers:
-            raise ValueError(f"{f.source}: moe_layer_freq lists {len(freq)} layers, but num_hidden_layers={num_layers}")
-        flags = [bool(v) for v in freq]
-    else:
-        step = f.int("moe_layer_freq")
-        flags = [layer % step == 0 for layer in range(num_layers)]
-
-    def why(layer: int) -> str | None:
-        if layer < first:
-            return f"layer < first_k_dense_replace={first} (no mlp_layer_types)"
-        return None if flags[layer] else f"moe_layer_freq has no MoE block at layer {layer} (no mlp_layer_types)"
-    return DenseLayers(num_layers, why)
+    return _first_k_then_freq(f, num_layers, freq_lists=True)
 
 
 def _glm4_moe_lite_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
