@@ -504,7 +504,8 @@ class DenseLayers(Mapping[int, str]):
         return f"DenseLayers(num_layers={self.num_layers})"
 
 
-def _no_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
+def every_layer(f: ConfigFields, num_layers: int) -> DenseLayers:
+    """Every layer holds an MoE block."""
     return DenseLayers(num_layers, lambda layer: None)
 
 
@@ -592,7 +593,7 @@ _QWEN_DEFAULTS = {"hidden_act": "silu", "norm_topk_prob": False, "decoder_sparse
 
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     # Mixtral on the hub keeps its block under block_sparse_moe; transformers 5 writes mlp.
-    ModelFamily("mixtral", {"hidden_act": "silu"}, _mixtral_moe, _no_dense_layers,
+    ModelFamily("mixtral", {"hidden_act": "silu"}, _mixtral_moe, every_layer,
                 block_prefixes=("block_sparse_moe.", "mlp."), router_dtype="model"),
     ModelFamily("qwen2_moe", _QWEN_DEFAULTS, _qwen2_moe, qwen_dense_layers, router_dtype="model"),
     ModelFamily("qwen3_moe", _QWEN_DEFAULTS, _qwen3_moe, qwen_dense_layers, router_dtype="model"),

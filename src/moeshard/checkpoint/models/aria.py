@@ -13,8 +13,7 @@ experts (``mlp_bias``). The vision-language ``aria`` checkpoint is not read: tra
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, ModelFamily, register_family
-from moeshard.checkpoint.models.olmoe import every_layer
+from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 
 _STORED = {"experts.gate_up_proj": "experts.fc1.weight", "experts.down_proj": "experts.fc2.weight"}

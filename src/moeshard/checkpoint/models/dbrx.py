@@ -15,7 +15,7 @@ training mode only; moeshard routes as transformers does in eval mode.
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
+from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 
 _FFN_DEFAULTS = {"moe_normalize_expert_weights": 1.0, "ffn_act_fn": {"name": "silu"}}
@@ -56,11 +56,7 @@ def _moe(f: ConfigFields) -> MoEConfig:
                      router_dtype=f.family.router_dtype)
 
 
-def _no_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
-    return DenseLayers(num_layers, lambda layer: None)
-
-
-register_family(ModelFamily("dbrx", _FFN_DEFAULTS, _moe, _no_dense_layers, routing="softmax_model",
+register_family(ModelFamily("dbrx", _FFN_DEFAULTS, _moe, every_layer, routing="softmax_model",
                             layers="transformer.blocks", block_prefixes=("ffn.",), router="router",
                             router_weight="layer.weight", router_dtype="model", fused_names=("mlp.w1", "mlp.v1", "mlp.w2"),
                             fused_layout="stacked", formats=("bf16",)))

@@ -56,7 +56,7 @@ is refused.
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
+from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, every_layer, register_family
 from moeshard.checkpoint.models.layer_types import listed_or_first_dense
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 
@@ -96,10 +96,6 @@ def _moe(f: ConfigFields) -> MoEConfig:
 def _first_k_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
     first = f.int("first_k_dense_replace", minimum=0)
     return DenseLayers(num_layers, lambda layer: f"layer < first_k_dense_replace={first}" if layer < first else None)
-
-
-def _no_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
-    return DenseLayers(num_layers, lambda layer: None)
 
 
 def _first_k_then_freq(f: ConfigFields, num_layers: int, freq_lists: bool = False) -> DenseLayers:
@@ -169,7 +165,7 @@ for _family in (
                                 "first_k_dense_replace": 3, "mlp_layer_types": None},
                 _moe, _listed_or_first_k_dense, routing="sigmoid", router_dtype="fp32"),
     ModelFamily("solar_open", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True},
-                _moe, _no_dense, routing="sigmoid", router_dtype="fp32"),
+                _moe, every_layer, routing="sigmoid", router_dtype="fp32"),
     ModelFamily("axk2", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
                          "first_k_dense_replace": 1, "moe_layer_freq": 1, "mlp_layer_types": None},
                 _moe, _axk2_dense, routing="sigmoid", router_dtype="fp32",

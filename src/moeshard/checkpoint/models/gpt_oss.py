@@ -26,7 +26,7 @@ block; the block returns ``(output, router scores)``.
 from __future__ import annotations
 
 from moeshard.activations import get_activation
-from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
+from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 
 ACTIVATION = "swiglu_clamped"
@@ -44,11 +44,7 @@ def _moe(f: ConfigFields) -> MoEConfig:
                      activation=ACTIVATION, scoring=f.family.routing, renormalize=False, expert_bias=True)
 
 
-def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
-    return DenseLayers(num_layers, lambda layer: None)
-
-
 register_family(ModelFamily(
-    "gpt_oss", {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}, _moe, _dense_layers, routing="topk_softmax_bias",
+    "gpt_oss", {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}, _moe, every_layer, routing="topk_softmax_bias",
     router="router", fused_layout="transposed_interleaved", formats=("bf16", "mxfp4"), returns_router_output=1,
     router_dtype="model"))

@@ -10,8 +10,7 @@ Checkpoint: ``model.layers.{L}.mlp.gate.wg.weight`` [E, H], ``mlp.experts.{e}.{g
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, ModelFamily, register_family
-from moeshard.checkpoint.models.olmoe import every_layer
+from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 from moeshard.validate import is_int
 

@@ -11,7 +11,7 @@ stays transformers', as dense weights.
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
+from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 
 
@@ -21,11 +21,7 @@ def _moe(f: ConfigFields) -> MoEConfig:
                      activation=f.activation(), scoring=f.family.routing, renormalize=False)
 
 
-def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
-    return DenseLayers(num_layers, lambda layer: None)
-
-
-register_family(ModelFamily("jetmoe", {"hidden_act": "silu"}, _moe, _dense_layers, routing="topk_softmax",
+register_family(ModelFamily("jetmoe", {"hidden_act": "silu"}, _moe, every_layer, routing="topk_softmax",
                             router="router", router_weight="layer.weight", experts="",
                             fused_names=("input_linear.weight", "output_linear.weight"),
                             output_bias="bias", formats=("bf16",), router_dtype="model"))

@@ -15,7 +15,7 @@ the model's ``norm`` (``dense_renames``).
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, qwen_layout_moe, register_family
+from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, qwen_layout_moe, register_family
 from moeshard.config import MoEConfig
 
 
@@ -23,12 +23,8 @@ def _moe(f: ConfigFields) -> MoEConfig:
     return qwen_layout_moe(f, "ungated")
 
 
-def _every_layer(f: ConfigFields, num_layers: int) -> DenseLayers:
-    return DenseLayers(num_layers, lambda layer: None)
-
-
 register_family(ModelFamily(
-    "lara_mini", {"hidden_act": "silu", "norm_topk_prob": True}, _moe, _every_layer, router_dtype="fp32",
+    "lara_mini", {"hidden_act": "silu", "norm_topk_prob": True}, _moe, every_layer, router_dtype="fp32",
     formats=("bf16",), dense_renames=(("linear_attn.norm.", "linear_attn.out_norm."),),
     dense_split={"linear_attn.in_proj.weight": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
                                                 "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight")}))

@@ -12,7 +12,7 @@ neither is read here.
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
+from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 
 
@@ -22,10 +22,6 @@ def _moe(f: ConfigFields) -> MoEConfig:
                      activation=f.activation(), scoring=f.family.routing, renormalize=True, use_correction_bias=True)
 
 
-def _no_dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
-    return DenseLayers(num_layers, lambda layer: None)
-
-
-register_family(ModelFamily("minimax_m2", {"hidden_act": "silu"}, _moe, _no_dense_layers, routing="sigmoid",
+register_family(ModelFamily("minimax_m2", {"hidden_act": "silu"}, _moe, every_layer, routing="sigmoid",
                             block_prefixes=("block_sparse_moe.", "mlp."), block_bias="e_score_correction_bias",
                             router_dtype="model"))

@@ -7,7 +7,7 @@ Checkpoint: ``model.layers.{L}.mlp.gate.weight`` [E, H] and per-expert
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
+from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 
 
@@ -15,10 +15,6 @@ def olmoe_moe(f: ConfigFields) -> MoEConfig:
     return MoEConfig(num_experts=f.int("num_experts"), top_k=f.int("num_experts_per_tok"),
                      hidden_size=f.int("hidden_size"), intermediate_size=f.int("intermediate_size"),
                      activation=f.activation(), scoring=f.family.routing, renormalize=f.bool("norm_topk_prob"))
-
-
-def every_layer(f: ConfigFields, num_layers: int) -> DenseLayers:
-    return DenseLayers(num_layers, lambda layer: None)
 
 
 _DEFAULTS = {"hidden_act": "silu", "norm_topk_prob": False}

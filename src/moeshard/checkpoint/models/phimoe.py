@@ -10,8 +10,7 @@ model's ``mlp.router.weight``), per-expert ``experts.{e}.w1/w3/w2.weight``.
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import W1_W3_W2, ConfigFields, ModelFamily, register_family
-from moeshard.checkpoint.models.olmoe import every_layer
+from moeshard.checkpoint.families import W1_W3_W2, ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 from moeshard.routing import get_routing
 

@@ -8,8 +8,7 @@ model under ``model.language_model``) is read as this text model (``hf_config.te
 
 from __future__ import annotations
 
-from moeshard.checkpoint.families import ConfigFields, ModelFamily, register_family
-from moeshard.checkpoint.models.olmoe import every_layer
+from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 
 
