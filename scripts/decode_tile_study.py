@@ -12,10 +12,11 @@ Each variant's output is compared with the chosen config's: the same bits where 
 width or depth changed (each output element sums the same K steps in the same order), and the
 largest difference relative to the output's largest value where the K step changed (the
 tensor cores then accumulate 256 products per fp32 step instead of 128, and h's fp8 rounding
-can flip). fp8_block's h quantized in the gate_up epilogue needs 128-column gate_up tiles, so
-narrower ones quantize h in its own pass. A variant that is refused (``moe_gemm`` refuses
-fp8_block K steps wider than its 128-column scale groups), or fails to compile or launch, is
-recorded with its error.
+can flip; fp8_block's wider steps are 128-column sub-steps, one per scale group, so the same
+bits). fp8_block's h is quantized in the gate_up epilogue by 128-column gate_up tiles, as
+``select_config`` does where the intermediate size is a multiple of 128, and in its own pass
+after narrower ones. A variant that is refused, or fails to compile or launch, is recorded with
+its error.
 
     PYTHONPATH=src python3 scripts/decode_tile_study.py --json results/h200/decode_tile_study.json
 """
@@ -55,22 +56,31 @@ def _tile(chosen: GemmConfig, shape: tuple[int, int, int]) -> GemmConfig:
     return dataclasses.replace(chosen, block_n=block_n, block_k=block_k, num_stages=stages, num_warps=4)
 
 
-def _config(chosen: ExpertsConfig, gate_up: GemmConfig | None, down: GemmConfig | None) -> ExpertsConfig:
-    """``chosen`` with either tile replaced."""
+def _config(chosen: ExpertsConfig, gate_up: GemmConfig | None, down: GemmConfig | None,
+            gate_up_quantizes_h: bool = False) -> ExpertsConfig:
+    """``chosen`` with either tile replaced. gate_up_quantizes_h: h may be quantized in the
+    gate_up epilogue (fp8_block over an intermediate size that 128 divides), which a 128-column
+    gate_up tile then does; otherwise a narrower tile leaves it to the pass."""
     g, d = gate_up or chosen.gate_up, down or chosen.down
-    h_quant = "pass" if chosen.h_quant == "gate_up" and g.block_n != 128 else chosen.h_quant
+    h_quant = chosen.h_quant
+    if gate_up_quantizes_h and h_quant in ("gate_up", "pass"):
+        h_quant = "gate_up" if g.block_n == 128 else "pass"
+    elif h_quant == "gate_up" and g.block_n != 128:
+        h_quant = "pass"
     return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant)
 
 
-def variants(chosen: ExpertsConfig) -> dict[str, ExpertsConfig]:
-    """The chosen config (first) and its variants, named by what they replace."""
+def variants(chosen: ExpertsConfig, gate_up_quantizes_h: bool = False) -> dict[str, ExpertsConfig]:
+    """The chosen config (first) and its variants, named by what they replace (``_config``'s
+    gate_up_quantizes_h)."""
     bm = chosen.block_m
     out = {"chosen": chosen}
     named = [(f"g{n}x{k}s{s}", (n, k, s), None) for n, k, s in GATE_UP.get(bm, ())]
     named += [(f"d{n}x{k}s{s}", None, (n, k, s)) for n, k, s in DOWN.get(bm, ())]
     named += [(f"g{g[0]}x{g[1]}s{g[2]}+d{d[0]}x{d[1]}s{d[2]}", g, d) for g, d in PAIRS.get(bm, ())]
     for name, g, d in named:
-        cfg = _config(chosen, _tile(chosen.gate_up, g) if g else None, _tile(chosen.down, d) if d else None)
+        cfg = _config(chosen, _tile(chosen.gate_up, g) if g else None, _tile(chosen.down, d) if d else None,
+                      gate_up_quantizes_h)
         if cfg != chosen:
             out[name] = cfg
     return out
@@ -93,7 +103,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     rec.update(rows=case.M, config=dataclasses.asdict(chosen), variants={}, errors={})
     calls: dict = {}
     reference = None
-    for key, cfg in variants(chosen).items():
+    for key, cfg in variants(chosen, scheme == "fp8_block" and case.I % 128 == 0).items():
         kernel = TritonExperts(case.cfg.activation, case.cfg.dtype, cfg)
         try:
             out = kernel(case.inp, case.experts)

@@ -64,11 +64,20 @@ def test_both_decode_heights_have_pairs_of_both_tiles(case):
 
 
 def test_fp8_block_keeps_h_quantized_in_the_gate_up_only_with_its_128_column_tiles():
-    base = chosen("mixtral-16", "fp8_block")
+    """As select_config does: where the gate_up may quantize h, a 128-column gate_up tile does and
+    a narrower one leaves it to the pass, whichever the chosen tiles did."""
+    for case in ("mixtral-16", "deepseek-16"):
+        base = chosen(case, "fp8_block")
+        wide = narrower = 0
+        for name, cfg in decode_tile_study.variants(base, gate_up_quantizes_h=True).items():
+            if name == "chosen":
+                continue
+            assert cfg.h_quant == ("gate_up" if cfg.gate_up.block_n == 128 else "pass"), (case, name)
+            wide += cfg.gate_up.block_n == 128
+            narrower += cfg.gate_up.block_n != 128
+        assert wide and narrower, case
+    # Without it, a tile that quantized h keeps doing so only at 128 columns.
+    base = select_config(2, 8, 4096, 14336, "fp8_block", 132)  # one Mixtral token
     assert base.h_quant == "gate_up" and base.gate_up.block_n == 128
-    narrower = 0
     for name, cfg in decode_tile_study.variants(base).items():
-        if cfg.gate_up.block_n != 128:
-            assert cfg.h_quant == "pass", name
-            narrower += 1
-    assert narrower
+        assert cfg.h_quant == ("gate_up" if cfg.gate_up.block_n == 128 else "pass"), name

@@ -191,7 +191,7 @@ def test_triton_experts_match_reference(interpreted_kernels, exact_interpreter, 
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
-@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_deep_k_decode_tiles_match_reference(interpreted_kernels, exact_interpreter, scheme, tma):
     """The 16-row decode tiles with 256-column K steps that ``select_config`` takes from 16 routed
@@ -211,6 +211,25 @@ def test_deep_k_decode_tiles_match_reference(interpreted_kernels, exact_interpre
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
+def _blocky_fp8_block_problem(M, E, H, I, seed):  # noqa: E741
+    """An fp8_block problem whose weights' 128 x 128 blocks differ in magnitude by up to 2^9
+    (block (j, k) scaled by 2^((3j + 5k) % 10 - 5)), so that a scale taken from the wrong block
+    (the neighbouring column block, gate's block for up, or another K group) is far outside any
+    tolerance."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, E, (M,), generator=gen)
+
+    def blocky(rows, cols):
+        j = torch.arange(rows) // 128
+        k = torch.arange(cols) // 128
+        return torch.exp2(((3 * j[:, None] + 5 * k[None, :]) % 10).float() - 5)
+    gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5 * blocky(2 * I, H)).to(torch.bfloat16)
+    dn = (torch.randn(E, H, I, generator=gen) / I**0.5 * blocky(H, I)).to(torch.bfloat16)
+    w = ExpertWeights(quantize_weight(gu, "fp8_block"), quantize_weight(dn, "fp8_block"), "fp8_block")
+    return quantize_activations(x, "fp8_block"), ids, w
+
+
 @pytest.mark.parametrize("block_n,block_k", [(64, 64), (128, 128)])
 def test_fp8_block_tiles_inside_one_scale_block_match_reference(interpreted_kernels, exact_interpreter, block_n,
                                                                  block_k):
@@ -220,19 +239,7 @@ def test_fp8_block_tiles_inside_one_scale_block_match_reference(interpreted_kern
     neighbouring column block, gate's block for up, or a BLOCK_K = 64 step's wrong K block)
     is far outside the tolerance."""
     TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
-    M, E, H, I = 37, 3, 256, 256
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(M, H, generator=gen).to(torch.bfloat16)
-    ids = torch.randint(0, E, (M,), generator=gen)
-    # block (j, k) of 128 x 128 scaled by 2^((3j + 5k) % 10): neighbouring blocks differ.
-    def blocky(rows, cols):
-        j = torch.arange(rows) // 128
-        k = torch.arange(cols) // 128
-        return torch.exp2(((3 * j[:, None] + 5 * k[None, :]) % 10).float() - 5)
-    gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5 * blocky(2 * I, H)).to(torch.bfloat16)
-    dn = (torch.randn(E, H, I, generator=gen) / I**0.5 * blocky(H, I)).to(torch.bfloat16)
-    w = ExpertWeights(quantize_weight(gu, "fp8_block"), quantize_weight(dn, "fp8_block"), "fp8_block")
-    xq = quantize_activations(x, "fp8_block")
+    xq, ids, w = _blocky_fp8_block_problem(37, 3, 256, 256, seed=5)
     gemm = GemmConfig(16, block_n, block_k, group_m=2)
     y = TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm))(ExpertInput(xq, ids), w)
     err, atol, rtol, ok = compare(y, expert_reference(xq, ids, w, "silu", torch.bfloat16), torch.bfloat16,
@@ -523,21 +530,44 @@ def test_fp8_accumulation_modes_compute_the_same_products(interpreted_kernels, e
                  gather=True)
 
 
-def test_fp8_block_refuses_k_steps_across_its_scale_groups(interpreted_kernels):
-    """fp8_block's GEMM scales each K step with one 128-column group's scales. A 256-column step
-    ran and gave outputs off by 55-76% of their largest value on the GPU (a tile study's decode
-    variants), with no error; it is refused before any launch, and 128 still runs."""
+def test_fp8_block_refuses_k_steps_it_cannot_scale_by_group(interpreted_kernels):
+    """fp8_block's GEMM scales each 128-column sub-step of K with that group's scales. A
+    256-column step once ran with the first group's scales for both halves and gave outputs off
+    by 55-76% of their largest value on the GPU (a tile study's decode variants), with no error.
+    A step that is not whole groups, or whose last step would run past K's groups, is refused
+    before any launch; 128 and whole groups dividing K still run."""
     moe_gemm, align_rows = interpreted_kernels.grouped_gemm.moe_gemm, interpreted_kernels.align.align_rows
     GemmConfig = interpreted_kernels.configs.GemmConfig
-    xq, ids, w = _problem(5, 2, 256, 32, torch.bfloat16, "fp8_block", seed=3)
-    plan = align_rows(ids, 2, 16)
-    h = torch.zeros(plan.padded_rows, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"fp8_block scales each 128-column group of K; config.block_k=256 must "
-                                         r"divide 128"):
-        moe_gemm(xq, w.gate_up, plan, h, GemmConfig(16, 32, 256, group_m=1), activation="silu", gather=True)
-    assert not h.any()  # nothing ran
-    moe_gemm(xq, w.gate_up, plan, h, GemmConfig(16, 32, 128, group_m=1), activation="silu", gather=True)
-    assert h.any()
+    for K, bk in ((256, 192), (384, 256)):
+        xq, ids, w = _problem(5, 2, K, 32, torch.bfloat16, "fp8_block", seed=3)
+        plan = align_rows(ids, 2, 16)
+        h = torch.zeros(plan.padded_rows, 32, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=rf"fp8_block scales each 128-column group of K; config.block_k={bk} "
+                                             rf"must divide 128, or be a multiple of 128 that divides K={K}"):
+            moe_gemm(xq, w.gate_up, plan, h, GemmConfig(16, 32, bk, group_m=1), activation="silu", gather=True)
+        assert not h.any()  # nothing ran
+        moe_gemm(xq, w.gate_up, plan, h, GemmConfig(16, 32, 128, group_m=1), activation="silu", gather=True)
+        assert h.any()
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_fp8_block_steps_of_whole_groups_give_the_bits_of_one_group_steps(interpreted_kernels, exact_interpreter, tma):
+    """A 256- or 512-column fp8_block K step runs as 128-column sub-steps, each scaled by its own
+    group: the same sums added in the same order as 128-column steps, so the same bits, on
+    weights whose K groups differ in scale by up to 2^9 (a sub-step scaled by its neighbour's
+    group would move the output by far more than a rounding). Through pointer loads and TMA."""
+    TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
+    xq, ids, w = _blocky_fp8_block_problem(29, 3, 512, 256, seed=11)
+    outs = {}
+    for bk in (128, 256, 512):
+        gate_up = GemmConfig(16, 32, min(bk, 512), group_m=1, tma=tma)
+        down = GemmConfig(16, 64, min(bk, 256), group_m=1, tma=tma)  # the down GEMM's K is I = 256
+        cfg = ExpertsConfig(gate_up, down, h_quant="pass")
+        outs[bk] = TritonExperts("silu", torch.bfloat16, cfg)(ExpertInput(xq, ids), w)
+    assert torch.equal(outs[256], outs[128]) and torch.equal(outs[512], outs[128])
+    err, atol, rtol, ok = compare(outs[256], expert_reference(xq, ids, w, "silu", torch.bfloat16), torch.bfloat16,
+                                  "fp8_block")
+    assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
 
 
 def test_triton_experts_gelu_and_deferred_quant(interpreted_kernels, exact_interpreter):
@@ -684,15 +714,15 @@ def test_selection_on_cpu():
 
 
 def test_decode_tiles_take_deep_k_steps_where_they_were_measured_faster():
-    """The per-tensor and per-row fp8 schemes stream 16-row decode tiles with 256-column K steps
-    (gate_up 32 columns at 4 stages, down 64 at 3) from 16 routed rows on, where K is a multiple
-    of 256: DeepSeek-V3, Mixtral and Qwen3 at 16 and 128 tokens ran 3-7% faster on one H200. One
-    token (2 or 8 routed rows) ran slower and keeps 128-column steps, as do fp8_block (one scale
-    group per step), bf16, the exact gate_up, 64-row tiles and a K that 256 does not divide."""
+    """The fp8 schemes stream 16-row decode tiles with 256-column K steps (gate_up 32 columns at
+    4 stages, down 64 at 3) from 16 routed rows on, where K is a multiple of 256: DeepSeek-V3,
+    Mixtral and Qwen3 at 16 and 128 tokens ran 3-7% faster on one H200 (fp8_block's steps as two
+    scale groups each). One token (2 or 8 routed rows) ran slower and keeps 128-column steps, as
+    do bf16, nvfp4, the exact gate_up, 64-row tiles and a K that 256 does not divide."""
     from moeshard.kernels.configs import DEEP_K_MIN_ROWS
 
     shapes = {"deepseek-v3": (256, 7168, 2048, 8), "mixtral": (8, 4096, 14336, 2), "qwen3": (128, 2048, 768, 8)}
-    for scheme in ("fp8_tensor", "fp8_token"):
+    for scheme in ("fp8_tensor", "fp8_token", "fp8_block"):
         for name, (E, H, I, k) in shapes.items():  # noqa: E741
             for tokens in (16, 128 if name != "mixtral" else 16):
                 cfg = select_config(tokens * k, E, H, I, scheme)
@@ -707,7 +737,7 @@ def test_decode_tiles_take_deep_k_steps_where_they_were_measured_faster():
         assert select_config(128, 256, 7168 + 128, 2048 + 128, scheme).gate_up.block_k == 128
         assert select_config(256, 8, 4096, 14336, scheme).block_m == 64  # Mixtral at 128 tokens
         assert select_config(256, 8, 4096, 14336, scheme).gate_up.block_k == 128
-    for scheme in ("none", "fp8_block", "nvfp4"):
+    for scheme in ("none", "nvfp4"):
         cfg = select_config(128, 256, 7168, 2048, scheme)
         assert cfg.gate_up.block_k <= 128 and cfg.down.block_k <= 128, (scheme, cfg)
     # Narrower where the widest would leave multiprocessors idle: two experts' down (Mixtral,
@@ -740,20 +770,21 @@ def test_fp8_down_tiles_follow_the_measured_choices():
 
 def test_h_is_quantized_in_gate_up_where_it_was_measured_faster():
     """``ExpertsConfig.h_quant`` as scripts/h_quant_study.py measured it (``configs._h_quant``):
-    fp8_block decode tiles 128 columns wide (Qwen3 and DeepSeek-V3 at 128 tokens, Mixtral at one
-    token) and Mixtral's prefill with its input laid out; the separate pass at Qwen3 and
-    DeepSeek-V3 prefill, on narrower tiles, and for every other scheme (fp8_token's row maxima:
-    the test below). Without quantize_h the
-    decode chain keeps PDL on the plan and gate_up only."""
-    gate_up_cases = [(1024, 128, 2048, 768), (1024, 256, 7168, 2048), (2, 8, 4096, 14336), (8192, 8, 4096, 14336),
-                     (32768, 8, 4096, 14336)]
+    fp8_block decode tiles 128 columns wide (Mixtral at one token; Qwen3 and DeepSeek-V3 at 128
+    tokens a K that 256 does not divide keeps them) and Mixtral's prefill with its input laid
+    out; the separate pass at Qwen3 and DeepSeek-V3 prefill, on narrower tiles (the 32-column
+    decode tiles with 256-column K steps among them), and for every other scheme (fp8_token's row
+    maxima: the test below). Without quantize_h the decode chain keeps PDL on the plan and
+    gate_up only."""
+    gate_up_cases = [(1024, 128, 2048 + 128, 768), (1024, 256, 7168 + 128, 2048), (2, 8, 4096, 14336),
+                     (8192, 8, 4096, 14336), (32768, 8, 4096, 14336)]
     for M, E, H, I in gate_up_cases:
         assert select_config(M, E, H, I, "fp8_block").h_quant == "gate_up", (M, E, H, I)
         for scheme in ("none", "fp8_tensor", "nvfp4"):
             assert select_config(M, E, H, I, scheme).h_quant == "pass", (M, E, H, I, scheme)
         assert select_config(M, E, H, I, "fp8_token").h_quant != "gate_up", (M, E, H, I)
     for M, E, H, I in [(32768, 128, 2048, 768), (131072, 128, 2048, 768), (32768, 256, 7168, 2048),
-                       (8, 256, 7168, 2048), (256, 8, 4096, 14336)]:
+                       (8, 256, 7168, 2048), (256, 8, 4096, 14336), (1024, 128, 2048, 768), (1024, 256, 7168, 2048)]:
         assert select_config(M, E, H, I, "fp8_block").h_quant == "pass", (M, E, H, I)
     assert select_config(1024, 128, 2048, 768, "fp8_block", pdl=True).pdl == "gate_up"
     # an intermediate size that is not a multiple of 128 keeps the pass

@@ -462,7 +462,7 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # the expert's weights again.
         block_m = 16 if 1.5 * r <= 16 else (32 if 1.5 * r <= 32 else 64)
         tiles = min(num_rows, num_experts)
-        deep = block_m == 16 and mode in (1, 2) and num_rows >= DEEP_K_MIN_ROWS
+        deep = block_m == 16 and mode in (1, 2, FP8_BLOCK) and num_rows >= DEEP_K_MIN_ROWS
         if deep and fp8_gate_up == "mma" and hidden % DEEP_K == 0:
             gate_up = _deep_k(inter, tiles, sms, True)
         else:

@@ -155,8 +155,12 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     W_PACK: tl.constexpr = 2 if QUANT == 4 and not W_VALUES else 1
     A_ZERO: tl.constexpr = 0 if A_PACK == 2 else 0.0
     W_ZERO: tl.constexpr = 0 if W_PACK == 2 else 0.0
-    offs_ka = tl.arange(0, BLOCK_K // A_PACK)
-    offs_kw = tl.arange(0, BLOCK_K // W_PACK)
+    # fp8_block scales each 128-column group of K, and every MMA's sum must stay inside one group:
+    # a wider K step runs as sub-steps of one group each, their tiles loaded apart (the same sums,
+    # added in the same order, as 128-column steps; the loop takes half as many iterations).
+    SUB_K: tl.constexpr = 128 if QUANT == 3 and BLOCK_K > 128 else BLOCK_K
+    offs_ka = tl.arange(0, SUB_K // A_PACK)
+    offs_kw = tl.arange(0, SUB_K // W_PACK)
     # With TMA the descriptor addresses the tile itself; 0 stands in for the unused pointers.
     if TMA_A:
         a_ptrs = 0
@@ -169,83 +173,85 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     w_row = w_expert.to(tl.int32) * N_w + pid_n * BLOCK_N
     a_row = p0
     if QUANT == 4:
-        offs_kq = tl.arange(0, BLOCK_K // 16)
+        offs_kq = tl.arange(0, SUB_K // 16)
         as_ptrs = a_scale_ptr + rows[:, None] * stride_asm + offs_kq[None, :] * stride_ask
         ws_ptrs = w_scale_ptr + w_expert * stride_wse + offs_wn[:, None] * stride_wsn + offs_kq[None, :] * stride_wsk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ka = k0 // A_PACK
-        kw = k0 // W_PACK
-        ka_ok = ka + offs_ka < K // A_PACK
-        kw_ok = kw + offs_kw < K // W_PACK
-        a = _load_tile(a_ptr, a_ptrs + ka * stride_ak, a_row, ka, row_ok, ka_ok, TMA_A, GATHER_A, EVEN_K, A_ZERO)
-        b = _load_tile(w_ptr, w_ptrs + kw * stride_wk, w_row, kw, n_ok, kw_ok, TMA_W, False, EVEN_K, W_ZERO)
-        if FUSE_ACT:
-            b_up = _load_tile(w_ptr, w_ptrs + (up_offset * stride_wn + kw * stride_wk), w_row + up_offset, kw,
-                              n_ok, kw_ok, TMA_W, False, EVEN_K, W_ZERO)
-        if QUANT == 4:
-            # Codes are decoded here to the fp16 values a decoded operand already holds.
-            kq = k0 // 16
-            kq_ok = kq + offs_kq < K // 16
-            if not A_VALUES:
-                a_s = _load_tile(a_scale_ptr, as_ptrs + kq * stride_ask, 0, 0, row_ok, kq_ok, False, True, EVEN_K,
-                                 0.0)
-                a = e2m1_scaled_f16(a, a_s, BLOCK_M, BLOCK_K)
-            if not W_VALUES:
-                w_s = _load_tile(w_scale_ptr, ws_ptrs + kq * stride_wsk, 0, 0, n_ok, kq_ok, False, False, EVEN_K, 0.0)
-                b = e2m1_scaled_f16(b, w_s, BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, tl.trans(b), acc)
+    for k_step in range(0, K, BLOCK_K):
+        for k_sub in tl.static_range(0, BLOCK_K, SUB_K):
+            k0 = k_step + k_sub
+            ka = k0 // A_PACK
+            kw = k0 // W_PACK
+            ka_ok = ka + offs_ka < K // A_PACK
+            kw_ok = kw + offs_kw < K // W_PACK
+            a = _load_tile(a_ptr, a_ptrs + ka * stride_ak, a_row, ka, row_ok, ka_ok, TMA_A, GATHER_A, EVEN_K, A_ZERO)
+            b = _load_tile(w_ptr, w_ptrs + kw * stride_wk, w_row, kw, n_ok, kw_ok, TMA_W, False, EVEN_K, W_ZERO)
             if FUSE_ACT:
+                b_up = _load_tile(w_ptr, w_ptrs + (up_offset * stride_wn + kw * stride_wk), w_row + up_offset, kw,
+                                  n_ok, kw_ok, TMA_W, False, EVEN_K, W_ZERO)
+            if QUANT == 4:
+                # Codes are decoded here to the fp16 values a decoded operand already holds.
+                kq = k0 // 16
+                kq_ok = kq + offs_kq < K // 16
+                if not A_VALUES:
+                    a_s = _load_tile(a_scale_ptr, as_ptrs + kq * stride_ask, 0, 0, row_ok, kq_ok, False, True, EVEN_K,
+                                     0.0)
+                    a = e2m1_scaled_f16(a, a_s, BLOCK_M, SUB_K)
                 if not W_VALUES:
-                    wu_s = _load_tile(w_scale_ptr, ws_ptrs + (up_offset * stride_wsn + kq * stride_wsk), 0, 0, n_ok,
-                                      kq_ok, False, False, EVEN_K, 0.0)
-                    b_up = e2m1_scaled_f16(b_up, wu_s, BLOCK_N, BLOCK_K)
-                acc_up = tl.dot(a, tl.trans(b_up), acc_up)
-        elif QUANT == 0:
-            acc = tl.dot(a, tl.trans(b), acc)
-            if FUSE_ACT:
-                acc_up = tl.dot(a, tl.trans(b_up), acc_up)
-        elif FP8_EXACT:
-            # e4m3 -> fp16 is exact and fp16 MMA accumulates in fp32; Hopper's fp8 MMA keeps about
-            # 14 bits while accumulating.
-            a = a.to(tl.float16)
-            if QUANT != 3:
-                acc = tl.dot(a, tl.trans(b.to(tl.float16)), acc)
+                    w_s = _load_tile(w_scale_ptr, ws_ptrs + kq * stride_wsk, 0, 0, n_ok, kq_ok, False, False, EVEN_K, 0.0)
+                    b = e2m1_scaled_f16(b, w_s, BLOCK_N, SUB_K)
+                acc = tl.dot(a, tl.trans(b), acc)
                 if FUSE_ACT:
-                    acc_up = tl.dot(a, tl.trans(b_up.to(tl.float16)), acc_up)
+                    if not W_VALUES:
+                        wu_s = _load_tile(w_scale_ptr, ws_ptrs + (up_offset * stride_wsn + kq * stride_wsk), 0, 0, n_ok,
+                                          kq_ok, False, False, EVEN_K, 0.0)
+                        b_up = e2m1_scaled_f16(b_up, wu_s, BLOCK_N, SUB_K)
+                    acc_up = tl.dot(a, tl.trans(b_up), acc_up)
+            elif QUANT == 0:
+                acc = tl.dot(a, tl.trans(b), acc)
+                if FUSE_ACT:
+                    acc_up = tl.dot(a, tl.trans(b_up), acc_up)
+            elif FP8_EXACT:
+                # e4m3 -> fp16 is exact and fp16 MMA accumulates in fp32; Hopper's fp8 MMA keeps about
+                # 14 bits while accumulating.
+                a = a.to(tl.float16)
+                if QUANT != 3:
+                    acc = tl.dot(a, tl.trans(b.to(tl.float16)), acc)
+                    if FUSE_ACT:
+                        acc_up = tl.dot(a, tl.trans(b_up.to(tl.float16)), acc_up)
+                else:
+                    kb = k0 // 128
+                    a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
+                    ws_base = w_scale_ptr + w_expert * stride_wse + kb * stride_wsk
+                    w_s = tl.load(ws_base + (offs_wn // 128) * stride_wsn)
+                    acc += tl.dot(a, tl.trans(b.to(tl.float16))) * a_s[:, None] * w_s[None, :]
+                    if FUSE_ACT:
+                        wu_s = tl.load(ws_base + ((offs_wn + up_offset) // 128) * stride_wsn)
+                        acc_up += tl.dot(a, tl.trans(b_up.to(tl.float16))) * a_s[:, None] * wu_s[None, :]
+            elif QUANT != 3 and FP8_ACC == 0:
+                acc += tl.dot(a, tl.trans(b))
+                if FUSE_ACT:
+                    acc_up += tl.dot(a, tl.trans(b_up))
+            elif QUANT != 3 and FP8_ACC == 1:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=SUB_K)
+                if FUSE_ACT:
+                    acc_up = tl.dot(a, tl.trans(b_up), acc_up, max_num_imprecise_acc=SUB_K)
+            elif QUANT != 3:
+                acc = tl.dot(a, tl.trans(b), acc)
+                if FUSE_ACT:
+                    acc_up = tl.dot(a, tl.trans(b_up), acc_up)
             else:
                 kb = k0 // 128
                 a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
                 ws_base = w_scale_ptr + w_expert * stride_wse + kb * stride_wsk
-                w_s = tl.load(ws_base + (offs_wn // 128) * stride_wsn)
-                acc += tl.dot(a, tl.trans(b.to(tl.float16))) * a_s[:, None] * w_s[None, :]
+                col0 = pid_n * BLOCK_N
+                acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * _block_w_scale(ws_base, offs_wn, col0, stride_wsn,
+                                                                               WS_SCALAR)
                 if FUSE_ACT:
-                    wu_s = tl.load(ws_base + ((offs_wn + up_offset) // 128) * stride_wsn)
-                    acc_up += tl.dot(a, tl.trans(b_up.to(tl.float16))) * a_s[:, None] * wu_s[None, :]
-        elif QUANT != 3 and FP8_ACC == 0:
-            acc += tl.dot(a, tl.trans(b))
-            if FUSE_ACT:
-                acc_up += tl.dot(a, tl.trans(b_up))
-        elif QUANT != 3 and FP8_ACC == 1:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-            if FUSE_ACT:
-                acc_up = tl.dot(a, tl.trans(b_up), acc_up, max_num_imprecise_acc=BLOCK_K)
-        elif QUANT != 3:
-            acc = tl.dot(a, tl.trans(b), acc)
-            if FUSE_ACT:
-                acc_up = tl.dot(a, tl.trans(b_up), acc_up)
-        else:
-            kb = k0 // 128
-            a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
-            ws_base = w_scale_ptr + w_expert * stride_wse + kb * stride_wsk
-            col0 = pid_n * BLOCK_N
-            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * _block_w_scale(ws_base, offs_wn, col0, stride_wsn,
-                                                                           WS_SCALAR)
-            if FUSE_ACT:
-                acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * _block_w_scale(
-                    ws_base, offs_wn + up_offset, col0 + up_offset, stride_wsn, WS_SCALAR)
+                    acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * _block_w_scale(
+                        ws_base, offs_wn + up_offset, col0 + up_offset, stride_wsn, WS_SCALAR)
 
     if QUANT == 1 or QUANT == 2:
         a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
@@ -508,11 +514,12 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     if w_mode == 4 and k % 16:
         raise ValueError(f"moe_gemm: nvfp4 needs K % 16 == 0, got K={k}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    if w_mode == 3 and 128 % bk:
-        # The kernel takes one scale group per K step (k0 // 128): a step across two groups
-        # would scale both halves with the first group's scales.
+    if w_mode == 3 and 128 % bk and (bk % 128 or k % bk):
+        # The kernel scales each 128-column sub-step with its group's scales (k0 // 128); a step
+        # wider than a group runs as whole groups, and only over a K it divides (a last partial
+        # step would read scales past K's groups).
         raise ValueError(f"moe_gemm: fp8_block scales each 128-column group of K; config.block_k={bk} must divide "
-                         f"128 (one group per K step)")
+                         f"128, or be a multiple of 128 that divides K={k}")
     # Stored columns per value: nvfp4 codes pack two per byte, decoded values one.
     a_pack = 2 if a_mode == 4 and not a_values else 1
     w_pack = 2 if w_mode == 4 and not w_values else 1
@@ -521,13 +528,14 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     tma_a = tma_w = False
     if config.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
+        sub_k = 128 if w_mode == 3 and bk > 128 else bk  # the kernel's SUB_K: the width of each tile it loads
         if _tma_ok(w_data):
-            w_arg = TensorDescriptor.from_tensor(w_data.view(e * n_w, k // w_pack), [bn, bk // w_pack])
+            w_arg = TensorDescriptor.from_tensor(w_data.view(e * n_w, k // w_pack), [bn, sub_k // w_pack])
             tma_w = True
         if not gather and _tma_ok(a_data):
-            a_arg = TensorDescriptor.from_tensor(a_data, [bm, bk // a_pack])
+            a_arg = TensorDescriptor.from_tensor(a_data, [bm, sub_k // a_pack])
             if config.half_tiles:
-                a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, bk // a_pack])
+                a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, sub_k // a_pack])
             tma_a = True
     ws_scalar = one_w_scale_per_tile(w_mode, bn, n, fused)
     if out_scale is not None:
