@@ -10,8 +10,8 @@ Regimes, by expected rows per active expert r = M / min(M, E):
   widest that still gives one program per multiprocessor (one token of Mixtral touches two
   experts: its down projection needs 32-column tiles to spread 2 x 4096 weight rows over 132
   SMs; measured best against 16 and 64), and the pipeline is as deep as shared memory allows.
-  The per-tensor and per-row fp8 schemes' 16-row tiles from 16 routed rows on instead take
-  256-column K steps in narrow tiles (``_deep_k``).
+  The fp8 schemes' 16- and 64-row tiles from 16 routed rows on instead take 256-column K
+  steps in narrower tiles (``_deep_k``).
 * mid (r <= 96, BLOCK_M 64): less padding per expert than 128-row tiles.
 * prefill (BLOCK_M 128): compute-bound tiles, 8 warps, grouped launch order so that a group of
   row tiles reuses one expert's weight tiles from L2; weights through TMA (the down GEMM's of
@@ -308,34 +308,43 @@ def quantize_h_programs(padded_rows: int, K: int) -> int:
     return padded_rows // QUANT_ROWS * triton.cdiv(K, column_span(padded_rows, K))
 
 
-# The per-tensor and per-row fp8 GEMMs (modes 1 and 2) on the MMA stream their weights in 16-row
-# tiles with 256-column K steps where K is a multiple of 256, from DEEP_K_MIN_ROWS routed rows on:
-# gate_up 32 columns wide at 4 stages, down 64 wide at 3 (each narrower where fewer programs than
-# multiprocessors would run). One GPU, the whole experts against the tiles of ``_streaming``, two
-# alternating rounds (scripts/decode_tile_study.py, 2026-12-05, an H100;
-# results/h100/decode_tile_study-2026-12-05-2950028): fp8_tensor at 16 tokens 0.939-0.953 of the
-# time at DeepSeek-V3, Mixtral and Qwen3, and 0.939-0.952 at 128 tokens (DeepSeek-V3, Qwen3). The
-# K step is what moves it: 256-column steps at the chosen 128-column width gave 0.957-0.976,
-# 128-column steps at 32 columns and 6 stages 0.985-0.996. fp8_block's scale groups are 128
-# columns (``moe_gemm`` refuses wider steps). One token's rows (2 and 8 routed rows measured) keep
-# the tiles of ``_streaming``: on one H200 (``scripts/bench_ab.py``, two alternating rounds of the
-# bench, results/h200/decode_tile_ab-2026-12-05-2950028) the deep-K tiles took 1.06-1.08x the time
-# at one DeepSeek-V3 token and 1.01-1.02x at one Mixtral token, and 0.93-0.97x at 16 and 128 tokens
+# The fp8 GEMMs on the MMA stream their weights in decode tiles with 256-column K steps where K
+# is a multiple of 256, from DEEP_K_MIN_ROWS routed rows on: at 16 rows gate_up 32 columns wide
+# at 4 stages and down 64 wide at 3, at 64 rows both 64 wide, gate_up at 2 stages and down at 3
+# (each narrower where fewer programs than multiprocessors would run). fp8_block's steps are two
+# 128-column sub-steps, one per scale group (``moe_gemm``), the same bits as 128-column steps.
+# Measured, the whole experts against the tiles of ``_streaming``, alternating rounds
+# (scripts/decode_tile_study.py):
+# - fp8_tensor, one H100, 2026-12-05 (results/h100/decode_tile_study-2026-12-05-2950028): 16-row
+#   tiles at 16 tokens 0.939-0.953 of the time at DeepSeek-V3, Mixtral and Qwen3, and 0.939-0.952
+#   at 128 tokens (DeepSeek-V3, Qwen3). The K step is what moves it: 256-column steps at the
+#   chosen 128-column width gave 0.957-0.976, 128-column steps at 32 columns and 6 stages
+#   0.985-0.996.
+# - The 64-row pair at Mixtral's 128 tokens, one H100 (results/h100/decode_tile_study-2026-12-05-
+#   904eb10-block): fp8_token 0.972, fp8_block 0.976 (each tile alone 0.982-0.989).
+# - fp8_block's 16-row tiles, one H100, the bench against the code before, two alternating rounds
+#   (scripts/bench_ab.py, results/h100/block_deep_k_ab-2026-12-05-904eb10): 0.954-0.958 at
+#   DeepSeek-V3's 16 and 128 tokens and Mixtral's 16, 0.985-0.986 at Qwen3's.
+# One token's rows (2 and 8 routed rows measured) keep the tiles of ``_streaming``: on one H200
+# (``scripts/bench_ab.py``, two alternating rounds of the bench,
+# results/h200/decode_tile_ab-2026-12-05-2950028) the deep-K tiles took 1.06-1.08x the time at one
+# DeepSeek-V3 token and 1.01-1.02x at one Mixtral token, and 0.93-0.97x at 16 and 128 tokens
 # (DeepSeek-V3 0.9554 -> 0.9022 ms at 16 tokens, Mixtral 0.380 -> 0.355, Qwen3 0.1378 -> 0.1340).
-# Between 9 and 31 routed rows nothing was measured; the threshold sits between the two.
+# From 16 routed rows on they gain as from 32 (results/h100/deep_k_ab-2026-12-05-6306923-few-tokens).
+# 32-row tiles were not measured and keep 128-column steps.
 DEEP_K = 256
 DEEP_K_MIN_ROWS = 16
-DEEP_K_GATE_UP_WIDTHS, DEEP_K_GATE_UP_STAGES = (32, 16), 4
-DEEP_K_DOWN_WIDTHS, DEEP_K_DOWN_STAGES = (64, 32, 16), 3
+# block_m -> ((gate_up widths, stages), (down widths, stages))
+DEEP_K_TILES = {16: (((32, 16), 4), ((64, 32, 16), 3)), 64: (((64, 32), 2), ((64, 32), 3))}
 
 
-def _deep_k(n: int, tiles: int, sms: int, fused: bool) -> GemmConfig:
-    """A 16-row weight-streaming tile with ``DEEP_K``-column K steps: the widest of its widths
-    giving at least one program per multiprocessor."""
-    widths = DEEP_K_GATE_UP_WIDTHS if fused else DEEP_K_DOWN_WIDTHS
+def _deep_k(block_m: int, n: int, tiles: int, sms: int, fused: bool) -> GemmConfig:
+    """A weight-streaming tile of ``block_m`` rows (a key of ``DEEP_K_TILES``) with
+    ``DEEP_K``-column K steps: the widest of its widths giving at least one program per
+    multiprocessor."""
+    widths, stages = DEEP_K_TILES[block_m][0 if fused else 1]
     block_n = next((w for w in widths if tiles * -(-n // w) >= sms), widths[-1])
-    stages = DEEP_K_GATE_UP_STAGES if fused else DEEP_K_DOWN_STAGES
-    return GemmConfig(16, block_n, DEEP_K, group_m=1, num_warps=4, num_stages=stages)
+    return GemmConfig(block_m, block_n, DEEP_K, group_m=1, num_warps=4, num_stages=stages)
 
 
 def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: int | None) -> GemmConfig:
@@ -462,13 +471,13 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # the expert's weights again.
         block_m = 16 if 1.5 * r <= 16 else (32 if 1.5 * r <= 32 else 64)
         tiles = min(num_rows, num_experts)
-        deep = block_m == 16 and mode in (1, 2, FP8_BLOCK) and num_rows >= DEEP_K_MIN_ROWS
+        deep = block_m in DEEP_K_TILES and mode in (1, 2, FP8_BLOCK) and num_rows >= DEEP_K_MIN_ROWS
         if deep and fp8_gate_up == "mma" and hidden % DEEP_K == 0:
-            gate_up = _deep_k(inter, tiles, sms, True)
+            gate_up = _deep_k(block_m, inter, tiles, sms, True)
         else:
             gate_up = _streaming(block_m, inter, tiles, sms, True, mode)
         if deep and inter % DEEP_K == 0:
-            down = _deep_k(hidden, tiles, sms, False)
+            down = _deep_k(block_m, hidden, tiles, sms, False)
         else:
             down = _streaming(block_m, hidden, tiles, sms, False, mode)
         return ExpertsConfig(gate_up, down, h_quant=_h_quant(mode, gate_up, inter, True))
