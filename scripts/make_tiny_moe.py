@@ -7,7 +7,8 @@
 Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense); the
 sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
 glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe, solar_open, glm_moe_dsa,
-hy_v3, mimo_v2_flash, flint, beam, laguna, axk2, sarvam_moe, sarvam_mla, dots3_note_text), whose router weights and
+hy_v3, mimo_v2_flash, flint, beam, laguna, axk2, sarvam_moe, sarvam_mla, dots3_note_text,
+minimax_m3_vl_text), whose router weights and
 selection biases are drawn at random (transformers starts some at zero, where every expert ties);
 the softmax-routed ones (``SOFTMAX_FAMILIES``; JetMoE's output bias and Gemma 4's router scales
 drawn at random, where transformers starts them at zero and one), also from ``AutoConfig.for_model``; gpt_oss
@@ -72,6 +73,9 @@ SIGMOID_FAMILIES = {
                                          qk_nope_head_dim=32, v_head_dim=32, head_dim=64, index_topk=16,
                                          index_head_dim=32, index_n_heads=2, sliding_window=16, pad_token_id=None,
                                          bos_token_id=None, eos_token_id=None),
+    "minimax_m3_vl_text": lambda i, e: dict(intermediate_size=i, num_local_experts=e, num_experts_per_tok=2,
+                                            shared_intermediate_size=i, dense_intermediate_size=2 * i, head_dim=64,
+                                            rotary_dim=32, bos_token_id=None, eos_token_id=None),
 }
 # The routers' (weight, selection bias) inside a block, where they are not gate.weight and
 # gate.e_score_correction_bias.
@@ -143,6 +147,10 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
         "lara_mini": dict(moe_intermediate_size=I, shared_expert_intermediate_size=I, num_experts=experts, **linear),
         "aria_text": dict(intermediate_size=I, moe_num_experts=experts, moe_topk=2, moe_num_shared_experts=1,
                           head_dim=head),
+        "qwen4_exp_text": dict(intermediate_size=2 * I, moe_intermediate_size=I, shared_expert_intermediate_size=I,
+                               num_experts=experts, hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1,
+                               indexer_head_dim=head, indexer_budget=16, indexer_compress_ratio=4,
+                               **dict(linear, layer_types=_alternating("linear_attention", "indexed_attention", L))),
     }[family]
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the small vocabulary
     return tf.AutoConfig.for_model(family, **{**common, "num_experts_per_tok": 2, **ids, **extra})
@@ -151,7 +159,7 @@ def _softmax_family(family: str, common: dict, moe_intermediate: int, experts: i
 SOFTMAX_FAMILIES = ("olmoe", "flex_olmo", "mellum", "minimax", "jamba", "qwen3_next", "qwen3_5_moe_text",
                     "deepseek_v2", "hunyuan_v1_moe", "ernie4_5_moe", "granitemoe", "granitemoeshared",
                     "granitemoehybrid", "phimoe", "lara_mini", "jetmoe", "gemma4_text",
-                    "granitemoe_swa", "aria_text")
+                    "granitemoe_swa", "aria_text", "qwen4_exp_text")
 
 
 def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):

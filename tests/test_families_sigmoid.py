@@ -3,7 +3,8 @@
 Tiny random models of GLM-4-MoE (grouped top-k), GLM-4-MoE-Lite, dots1 (grouped, no
 renormalization), EXAONE-MoE (two shared experts, the bias under the block in the checkpoint),
 DeepSeek-V3.2 (DeepSeek-V3's block beside its indexer attention),
-MiniMax-M2 (the bias on the block, every layer MoE), AFMoE (the bias on the block, a router
+MiniMax-M2 (the bias on the block, every layer MoE), MiniMax-M3's text model (the clamped SwiGLU
+in its experts and its shared expert, whose gate and up are one tensor), AFMoE (the bias on the block, a router
 wrapping a linear, route_scale) and Cohere2-MoE (top-k of the logits, then sigmoid or softmax
 over the selected; shared experts averaged with the routed ones) are built from transformers' own
 config classes and saved with ``save_pretrained``. Their router weights and selection biases are
@@ -121,6 +122,14 @@ CONFIGS: dict[str, dict] = {
                             shared_experts_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
                             n_shared_experts=1, index_topk=4, index_head_dim=16, index_n_heads=2,
                             mlp_layer_types=["dense", "sparse"], sliding_window=8),
+    # MiniMax-M3's text model: the clamped SwiGLU in the experts and in a shared expert whose gate
+    # and up are one tensor, a scale on the experts' sum, a dense first layer; the MoE layer's
+    # attention is block-sparse (its indexer keeps 2 of every query's 2-token blocks).
+    "minimax_m3_vl_text": dict(intermediate_size=16, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                               shared_intermediate_size=24, dense_intermediate_size=48, routed_scaling_factor=1.5,
+                               rotary_dim=4, mlp_layer_types=["dense", "sparse"],
+                               layer_types=["full_attention", "minimax_m3_sparse"], index_n_heads=2,
+                               index_head_dim=8, index_block_size=2, index_topk_blocks=2),
 }
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
@@ -528,7 +537,7 @@ def test_routing_fields_follow_the_config_class():
     assert list(_parse("kimi_linear").dense_layers) == [0]  # first_k_dense_replace: 1
     # the router's precision comes from the family, as its transformers router computes
     assert [_parse(t, n_routed_experts=16, num_experts=16, num_local_experts=16).moe.router_dtype for t in FAMILIES] == \
-        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 5
+        ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 5 + ["model"]
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):
@@ -588,6 +597,19 @@ def test_newer_readers_follow_their_config_classes():
         _parse("dots3_note_text", mlp_bias=True)
     with pytest.raises(ValueError, match=r"moe_layer_freq lists 2 layers, but num_hidden_layers=4"):
         _parse("dots3_note_text", moe_layer_freq=[1, 1])
+    m3 = _parse("minimax_m3_vl_text", shared_intermediate_size=24).moe
+    assert (m3.scoring, m3.renormalize, m3.use_correction_bias, m3.routed_scaling_factor, m3.shared_width,
+            m3.activation, m3.shared_expert_gate) == ("sigmoid", True, True, 2.0, 24, "swiglu_clamped", False)
+    assert list(_parse("minimax_m3_vl_text").dense_layers) == []  # every layer sparse by default
+    assert list(_parse("minimax_m3_vl_text", mlp_layer_types=["dense", "sparse", "dense", "sparse"])
+                .dense_layers) == [0, 2]
+    assert list(_parse("minimax_m3_vl_text", moe_layer_freq=[0, 1, 1, 0]).dense_layers) == [0, 3]  # the hub's list
+    with pytest.raises(ValueError, match=r"moe_layer_freq must be a list of num_hidden_layers=4 entries, each 0 "
+                                         r"\(dense\) or 1 \(MoE\), got \[1, 1\]"):
+        _parse("minimax_m3_vl_text", moe_layer_freq=[1, 1])
+    with pytest.raises(ValueError, match=r"swiglu_limit=10.0; moeshard's 'swiglu_clamped' activation computes "
+                                         r"limit=7.0 \(the value of every published MiniMax-M3\)"):
+        _parse("minimax_m3_vl_text", swiglu_limit=10.0)
     sixteen = dict(num_local_experts=16, num_experts=16)  # its default 8 groups need 8 experts at least
     assert list(_parse("bailing_hybrid", **sixteen).dense_layers) == [0, 1]  # first_k_dense_replace: 2
     assert list(_parse("bailing_hybrid", **sixteen,
@@ -653,17 +675,8 @@ def test_minimax_m2_fp8_block_checkpoint(tmp_path):
     model = tf.AutoModelForCausalLM.from_config(cfg)
     _randomize_routers(model, "minimax_m2", torch.Generator().manual_seed(12))
     model.save_pretrained(tmp_path)
-    stored = {}
-    for name, w in load_file(tmp_path / "model.safetensors").items():
-        if w.dim() == 2 and name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):
-            n, k = -(-w.shape[0] // 128) * 128, -(-w.shape[1] // 128) * 128  # whole tiles, the last one padded
-            padded = torch.zeros(n, k)
-            padded[:w.shape[0], :w.shape[1]] = w.abs()
-            scale = padded.reshape(n // 128, 128, k // 128, 128).amax(dim=(1, 3)) / 448.0
-            full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:w.shape[0], :w.shape[1]]
-            stored[name], stored[name[:-len("weight")] + "weight_scale_inv"] = (w / full).to(torch.float8_e4m3fn), scale
-        else:
-            stored[name] = w
+    stored = _fp8_block_tensors(load_file(tmp_path / "model.safetensors"),
+                                lambda name: name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")))
     save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
@@ -674,5 +687,125 @@ def test_minimax_m2_fp8_block_checkpoint(tmp_path):
     assert isinstance(block, MoEBlock) and block.quant.scheme == "fp8_block"
     assert block.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     assert torch.equal(block.e_score_correction_bias, stored["model.layers.1.block_sparse_moe.e_score_correction_bias"])
+    ids, logits = greedy(loaded, [PROMPTS[0]], NEW_TOKENS, 0, True)
+    assert len(ids[0]) == NEW_TOKENS and torch.isfinite(logits).all()
+
+
+def _fp8_block_tensors(tensors: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """``tensors`` with each weight ``names`` accepts (2-D, or fused experts [E, R, C]) stored as
+    fp8 e4m3 codes and a scale per 128 x 128 tile (the last tile padded), under the FP8 block
+    checkpoint's scale names (``weight_scale_inv``, ``<fused>_scale_inv``)."""
+    from moeshard.checkpoint.names import scale_name
+
+    stored = {}
+    for name, w in tensors.items():
+        if w.dim() not in (2, 3) or not names(name):
+            stored[name] = w
+            continue
+        *lead, r, c = w.shape
+        n, k = -(-r // 128) * 128, -(-c // 128) * 128
+        padded = torch.zeros(*lead, n, k)
+        padded[..., :r, :c] = w.abs()
+        scale = padded.reshape(*lead, n // 128, 128, k // 128, 128).amax(dim=(-3, -1)).clamp_min(1e-12) / 448.0
+        full = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :r, :c]
+        stored[name], stored[scale_name(name)] = (w / full).to(torch.float8_e4m3fn), scale
+    return stored
+
+
+def test_minimax_m3_hub_names_and_moe_layer_freq(models, tmp_path):
+    """The checkpoint MiniMax publishes names the block as Mixtral does (``block_sparse_moe.``,
+    ``experts.{e}.w1/w3/w2``), keeps the shared MLP's gate and up apart and the selection bias on
+    the block, and lists its MoE layers as ``moe_layer_freq``; transformers' save fuses the
+    shared gate_up and moves the bias to the router. Both read to the same block, and the hub
+    one's logits equal transformers' within fp32 1e-5 (the dense parts stay transformers')."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moeshard.checkpoint import load_moe_block
+    from moeshard.integrations.transformers import load_sharded_model
+
+    source = _model(models, "minimax_m3_vl_text")
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    moe, hub = "model.layers.1.mlp.", "model.layers.1.block_sparse_moe."
+    gate_up, down = tensors.pop(moe + "experts.gate_up_proj"), tensors.pop(moe + "experts.down_proj")
+    inter = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):
+        tensors[f"{hub}experts.{e}.w1.weight"] = gate_up[e, :inter].clone()
+        tensors[f"{hub}experts.{e}.w3.weight"] = gate_up[e, inter:].clone()
+        tensors[f"{hub}experts.{e}.w2.weight"] = down[e].clone()
+    shared_gate, shared_up = tensors.pop(moe + "shared_experts.gate_up_proj.weight").chunk(2)
+    tensors[hub + "shared_experts.gate_proj.weight"] = shared_gate.clone()
+    tensors[hub + "shared_experts.up_proj.weight"] = shared_up.clone()
+    tensors[hub + "shared_experts.down_proj.weight"] = tensors.pop(moe + "shared_experts.down_proj.weight")
+    tensors[hub + "gate.weight"] = tensors.pop(moe + "gate.weight")
+    tensors[hub + "e_score_correction_bias"] = tensors.pop(moe + "gate.e_score_correction_bias")
+    assert not [k for k in tensors if k.startswith(moe)]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.pop("mlp_layer_types") == ["dense", "sparse"]
+    config["moe_layer_freq"] = [0, 1]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    saved, published = load_moe_block(source, 1), load_moe_block(tmp_path, 1)
+    assert (saved.names.shared_fused, published.names.shared_fused) == (True, False)
+    assert published.names.correction_bias == hub + "e_score_correction_bias"
+    for field in ("gate", "correction_bias", "shared_gate", "shared_up", "shared_down"):
+        assert torch.equal(getattr(saved.weights, field), getattr(published.weights, field)), field
+    for a, b in ((saved.local_experts.gate_up, published.local_experts.gate_up),
+                 (saved.local_experts.down, published.local_experts.down)):
+        assert torch.equal(a, b)
+    ids = torch.tensor([list(PROMPTS[0])])
+    want = tf.AutoModelForCausalLM.from_pretrained(source).eval()(ids).logits
+    with torch.no_grad():
+        got = load_sharded_model(tmp_path)(ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def test_minimax_m3_fused_shared_gate_up_fp8_block_checkpoint(tmp_path):
+    """An FP8 block checkpoint of the transformers names: the shared MLP's fused gate_up [2S, H]
+    is stored as one fp8 tensor with its tile scales. With S a multiple of 128 it is kept as
+    stored for ``quant.shared = fp8_block`` (gate's tiles then up's, the layout the layer takes),
+    and in the model dtype it is dequantized whole and split into gate and up; generation runs."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moeshard.checkpoint import load_moe_block
+    from moeshard.checkpoint.dense import in_dtype
+    from moeshard.config import QuantConfig
+    from moeshard.integrations.transformers import MoEBlock, load_sharded_model
+    from moeshard.jobs.generate import greedy
+
+    cfg = tf.AutoConfig.for_model("minimax_m3_vl_text", **{
+        **SMALL, **CONFIGS["minimax_m3_vl_text"], "hidden_size": 128, "intermediate_size": 128,
+        "shared_intermediate_size": 128, "dense_intermediate_size": 128, "head_dim": 32, "rotary_dim": 16,
+        "index_head_dim": 32})
+    torch.manual_seed(13)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    _randomize_routers(model, "minimax_m3_vl_text", torch.Generator().manual_seed(14))
+    model.save_pretrained(tmp_path)
+    moe = "model.layers.1.mlp."
+    stored = _fp8_block_tensors(load_file(tmp_path / "model.safetensors"),
+                                lambda name: name.startswith((moe + "shared_experts.", moe + "experts.")))
+    assert stored[moe + "shared_experts.gate_up_proj.weight"].dtype == torch.float8_e4m3fn
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    block = load_moe_block(tmp_path, 1, quant=QuantConfig("fp8_block", shared="fp8_block"))
+    kept = block.shared_stored.gate_up
+    assert torch.equal(kept.data[0].view(torch.uint8),
+                       stored[moe + "shared_experts.gate_up_proj.weight"].view(torch.uint8))
+    assert torch.equal(kept.scale[0], stored[moe + "shared_experts.gate_up_proj.weight_scale_inv"])
+    whole = in_dtype(stored[moe + "shared_experts.gate_up_proj.weight"],
+                     stored[moe + "shared_experts.gate_up_proj.weight_scale_inv"], block.weights.shared_gate.dtype)
+    assert torch.equal(block.weights.shared_gate, whole[:128]) and torch.equal(block.weights.shared_up, whole[128:])
+    loaded = load_sharded_model(tmp_path)
+    assert isinstance(loaded.model.layers[1].mlp, MoEBlock)
     ids, logits = greedy(loaded, [PROMPTS[0]], NEW_TOKENS, 0, True)
     assert len(ids[0]) == NEW_TOKENS and torch.isfinite(logits).all()

@@ -72,6 +72,13 @@ CONFIGS = {
                        num_experts=4, num_experts_per_tok=2, **LINEAR_ATTENTION),
     "qwen3_5_moe_text": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                              num_experts=4, num_experts_per_tok=2, **LINEAR_ATTENTION),
+    # Qwen4-Exp: Qwen3.5's block without renormalization here, inside hyper-connections, beside a
+    # gated-delta-net layer and an indexed-attention layer (no per-layer n-gram embeddings).
+    "qwen4_exp_text": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, hc_count=2, hc_lowrank=8,
+                           layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2,
+                           indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4,
+                           **{k: v for k, v in LINEAR_ATTENTION.items() if k != "layer_types"}),
     "deepseek_v2": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
                         first_k_dense_replace=1, n_shared_experts=1, topk_method="group_limited_greedy", n_group=4,
                         topk_group=2, routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=16,
@@ -124,6 +131,7 @@ SAME_PATH_AS = {
     "minimax": "mixtral",  # Mixtral's descriptor under another model_type
     "qwen3_next": "qwen2_moe",  # Qwen2-MoE's descriptor, gated shared expert
     "qwen3_5_moe_text": "qwen2_moe",
+    "qwen4_exp_text": "qwen2_moe",  # norm_topk_prob false: qwen2_moe's own default
     "granitemoeshared": "granitemoe",  # the shared MLP beside the block is transformers'
     "granitemoehybrid": "granitemoe",
     "granitemoe_swa": "granitemoe",  # Granite's block, stored under the model's own names
@@ -493,6 +501,7 @@ def test_config_readers(models):
         "jamba": ("softmax", False, 0, False, [0], 4, 1),
         "qwen3_next": ("softmax", True, 24, True, [], 4, 1),
         "qwen3_5_moe_text": ("softmax", True, 24, True, [], 4, 1),
+        "qwen4_exp_text": ("softmax", False, 24, True, [], 4, 1),
         "deepseek_v2": ("group_limited_greedy", False, 16, False, [0], 8, 4),
         "hunyuan_v1_moe": ("softmax", True, 16, False, [], 4, 1),
         "ernie4_5_moe": ("softmax_bias", True, 16, False, [0], 4, 1),

@@ -134,6 +134,13 @@ def _merged_expert_tensors(plan) -> int:
     return (len(info.family.fused_names) - 2) * (info.num_layers - len(info.dense_layers))
 
 
+def _fused_shared_tensors(ref) -> int:
+    """How many shared MLPs transformers holds with gate and up in one tensor (MiniMax-M3's
+    ``shared_experts.gate_up_proj``): moeshard trains them as two, each compared."""
+    return sum(1 for name in ref.params if name.endswith(("shared_experts.gate_up_proj.weight",
+                                                           "shared_expert.gate_up_proj.weight")))
+
+
 @pytest.fixture(scope="module")
 def references(models):
     """plan -> (transformers' float32 run, its float64 run), once per (model, steps): the layout
@@ -181,8 +188,10 @@ def _check(plan, results, refs, tag: str) -> None:
     assert from_exact.max_abs_param_diff <= bound, (tag, from_exact.max_abs_param_diff, from_exact.param_diff_at, bound)
     # Every parameter transformers trains is compared on every rank (afmoe's expert_bias is a
     # parameter there that no step changes); DBRX's three expert tensors per block are compared as
-    # moeshard's two, gate_up and down, which hold every element of them.
-    held = len(ref.params) - _untrained_selection_biases(plan, ref) - _merged_expert_tensors(plan)
+    # moeshard's two, gate_up and down, which hold every element of them; a fused shared gate_up
+    # as moeshard's gate and up.
+    held = len(ref.params) - _untrained_selection_biases(plan, ref) - _merged_expert_tensors(plan) \
+        + _fused_shared_tensors(ref)
     assert c.params_compared == plan.parallel.world_size * held, (tag, c.params_compared, len(ref.params))
 
 

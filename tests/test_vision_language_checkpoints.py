@@ -1,5 +1,5 @@
-"""Vision-language checkpoints of a supported text family (Qwen3.5-MoE's ``qwen3_5_moe``, Llama 4's
-``llama4``): config.json holds the text model's config as ``text_config`` and the checkpoint keeps
+"""Vision-language checkpoints of a supported text family (Qwen3.5-MoE's ``qwen3_5_moe``, Qwen4-Exp's
+``qwen4_exp``, Llama 4's ``llama4``): config.json holds the text model's config as ``text_config`` and the checkpoint keeps
 the text model under a ``language_model`` part. transformers' ``AutoModelForCausalLM`` loads such a
 directory as the text causal LM; moeshard reads it the same way (``hf_config.text_model_config``,
 ``SafetensorsCheckpoint``'s causal-LM names), so the published checkpoints of these families load
@@ -33,6 +33,13 @@ MODELS = {
                          linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
                          linear_value_head_dim=8),
                     dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)),
+    "qwen4_exp": ("Qwen4ExpForConditionalGeneration", "Qwen4ExpConfig",
+                  dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                       num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=8,
+                       layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2, indexer_kv_heads=1,
+                       indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
+                  dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)),
     "llama4": ("Llama4ForConditionalGeneration", "Llama4Config",
                dict(intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1,
                     interleave_moe_layer_step=1, no_rope_layers=[1, 1]),
@@ -41,6 +48,7 @@ MODELS = {
 }
 # The stored name of a text-model tensor, per model type (the causal LM's is model.layers.0....).
 STORED_ROUTER = {"qwen3_5_moe": "model.language_model.layers.0.mlp.gate.weight",
+                 "qwen4_exp": "model.language_model.layers.0.mlp.gate.weight",
                  "llama4": "language_model.model.layers.0.feed_forward.router.weight"}
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3))
 

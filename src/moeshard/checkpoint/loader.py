@@ -111,27 +111,42 @@ class _SmallTensors:
         if not (self.fp8 and cfg.has_shared_experts and quant.shared == "fp8_block"):
             return None
         H, S = cfg.hidden_size, cfg.shared_width
-        (g, gs), (u, us), (d, ds) = (self.stored(n.shared(p), shape)
-                                     for p, shape in (("gate", (S, H)), ("up", (S, H)), ("down", (H, S))))
-        if gs is None or us is None or ds is None or S % FP8_BLOCK:
+        if S % FP8_BLOCK:
             return None
-        gate_up = QuantizedWeight("fp8_block", torch.cat([g, u]).unsqueeze(0), torch.cat([gs, us]).unsqueeze(0), None,
-                                  (1, 2 * S, H))
+        if n.shared_fused:  # already gate's rows then up's, and S a multiple of the tile
+            gu, gus = self.stored(n.shared("gate_up"), (2 * S, H))
+        else:
+            (g, gs), (u, us) = (self.stored(n.shared(p), (S, H)) for p in ("gate", "up"))
+            gu, gus = torch.cat([g, u]), None if gs is None or us is None else torch.cat([gs, us])
+        d, ds = self.stored(n.shared("down"), (H, S))
+        if gus is None or ds is None:
+            return None
+        gate_up = QuantizedWeight("fp8_block", gu.unsqueeze(0), gus.unsqueeze(0), None, (1, 2 * S, H))
         return ExpertWeights(gate_up, QuantizedWeight("fp8_block", d.unsqueeze(0), ds.unsqueeze(0), None, (1, H, S)),
                              "fp8_block")
+
+    def shared_gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared MLP's gate and up weights [S, H] in the model dtype, from one fused
+        ``gate_up_proj`` [2S, H] (dequantized whole, then split: its fp8 scale blocks may hold
+        rows of both) where the checkpoint stores them so."""
+        n, H, S = self.names, self.cfg.hidden_size, self.cfg.shared_width
+        if n.shared_fused:
+            gate_up = self.dense(n.shared("gate_up"), (2 * S, H))
+            return gate_up[:S].contiguous(), gate_up[S:].contiguous()
+        return self.dense(n.shared("gate"), (S, H)), self.dense(n.shared("up"), (S, H))
 
     def weights(self) -> MoEWeights:
         cfg, n = self.cfg, self.names
         E, H, S = cfg.num_experts, cfg.hidden_size, cfg.shared_width
-        shared = cfg.has_shared_experts
+        shared_gate, shared_up = self.shared_gate_up() if cfg.has_shared_experts else (None, None)
         return MoEWeights(
             gate=self.dense(n.router, (E, H)),
             gate_up=None,
             down=None,
             correction_bias=self.correction_bias() if cfg.use_correction_bias else None,
-            shared_gate=self.dense(n.shared("gate"), (S, H)) if shared else None,
-            shared_up=self.dense(n.shared("up"), (S, H)) if shared else None,
-            shared_down=self.dense(n.shared("down"), (H, S)) if shared else None,
+            shared_gate=shared_gate,
+            shared_up=shared_up,
+            shared_down=self.dense(n.shared("down"), (H, S)) if cfg.has_shared_experts else None,
             shared_expert_gate=self.dense(n.shared_expert_gate, (1, H)) if cfg.shared_expert_gate else None,
             gate_bias=self.dense(n.router_bias, (E,)) if cfg.routing_kind.router_bias else None,
         )

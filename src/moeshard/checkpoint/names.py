@@ -18,6 +18,8 @@ up rows of expert e [I, H]            P experts.{e}.up_proj.weight    (Mixtral w
 down of expert e [H, I]               P experts.{e}.down_proj.weight  (Mixtral w2)  P experts.down_proj [E, H, I]
 shared MLP [S, H], [S, H], [H, S]     P shared_experts.{gate,up,down}_proj.weight (DeepSeek-V3)
                                       P shared_expert.{gate,up,down}_proj.weight  (Qwen2-MoE)
+                                      P shared_experts.gate_up_proj.weight [2S, H], gate's rows first,
+                                      and down_proj.weight (MiniMax-M3)
 shared expert gate [1, H]             P shared_expert_gate.weight (Qwen2-MoE)
 ====================================  ==========================================  ==============
 
@@ -64,7 +66,8 @@ class BlockNames:
     module names (gate, up, down); shared_prefix: e.g. ``"shared_experts."`` or
     ``"shared_expert."`` (None without shared experts); family: where the router, expert and
     shared-gate names come from; bias: the selection bias's name after the prefix, the first of the
-    family's ``bias_names`` the checkpoint holds (None: the first of them)."""
+    family's ``bias_names`` the checkpoint holds (None: the first of them); shared_fused: the
+    shared MLP stores gate and up as one ``gate_up_proj`` [2S, H], gate's rows first."""
 
     prefix: str
     fused: bool
@@ -72,6 +75,7 @@ class BlockNames:
     shared_prefix: str | None
     family: ModelFamily = field(repr=False)
     bias: str | None = None
+    shared_fused: bool = False
 
     @property
     def router_module(self) -> str:
@@ -127,6 +131,8 @@ class BlockNames:
         return self.prefix + self.family.expert_tensor(f"{e}.{self.spelling[PROJECTIONS.index(projection)]}.weight")
 
     def shared(self, projection: str) -> str:
+        """The shared MLP's weight of ``projection``: "gate", "up", "down", or "gate_up" (where
+        ``shared_fused``)."""
         return f"{self.prefix}{self.shared_prefix}{projection}_proj.weight"
 
     @property
@@ -173,14 +179,15 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
             raise ValueError(f"layer {layer}: no routed-expert tensors found; looked for {tried} in {files} under "
                              f"{str(ckpt.model_dir)!r}")
         spelling = found[0]
-    shared_prefix = None
+    shared_prefix, shared_fused = None, False
     if model.moe.has_shared_experts:
-        present = [a for a in family.shared_prefixes if ckpt.has(f"{prefix}{a}gate_proj.weight")]
+        tried = [f"{prefix}{a}{p}_proj.weight" for p in ("gate", "gate_up") for a in family.shared_prefixes]
+        present = [name for name in tried if ckpt.has(name)]
         if not present:
-            tried = [f"{prefix}{a}gate_proj.weight" for a in family.shared_prefixes]
             raise ValueError(f"layer {layer}: the config has shared experts but none of {tried} is in {files}")
-        shared_prefix = present[0]
+        shared_fused = present[0].endswith("gate_up_proj.weight")
+        shared_prefix = present[0][len(prefix):-len("gate_up_proj.weight" if shared_fused else "gate_proj.weight")]
     bias = next((family.stored(b) for b in family.bias_names if ckpt.has(prefix + family.stored(b))), None) \
         if model.moe.use_correction_bias else None
     return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix, family=family,
-                      bias=bias)
+                      bias=bias, shared_fused=shared_fused)

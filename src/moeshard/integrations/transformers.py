@@ -399,6 +399,9 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily, num_experts:
     out = {}
     for key, t in state.items():
         shared = next((p for p in family.shared_prefixes if key.startswith(p)), None)
+        if shared and key[len(shared):] == "gate_up_proj.weight":  # MiniMax-M3: [2S, H], gate's rows first
+            out["shared_experts.gate_proj.weight"], out["shared_experts.up_proj.weight"] = t.chunk(2)
+            continue
         out["shared_experts." + key[len(shared):] if shared else renames.get(key, key)] = t
     if "gate.e_score_correction_bias" in out:  # ERNIE 4.5 holds it [1, E]
         out["gate.e_score_correction_bias"] = out["gate.e_score_correction_bias"].reshape(-1)

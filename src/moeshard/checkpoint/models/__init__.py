@@ -32,9 +32,10 @@ from moeshard.checkpoint.models import (
     mellum,  # noqa: F401
     minimax,  # noqa: F401
     minimax_m2,  # noqa: F401
+    minimax_m3,  # noqa: F401  minimax_m3_vl_text
     olmoe,  # noqa: F401
     phimoe,  # noqa: F401
-    qwen3_5_moe,  # noqa: F401
+    qwen3_5_moe,  # noqa: F401  qwen3_5_moe_text, qwen4_exp_text
     qwen3_next,  # noqa: F401
     refusals,  # noqa: F401
 )

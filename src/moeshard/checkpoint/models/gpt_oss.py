@@ -32,16 +32,23 @@ from moeshard.config import MoEConfig
 ACTIVATION = "swiglu_clamped"
 
 
-def _moe(f: ConfigFields) -> MoEConfig:
+def clamped_swiglu(f: ConfigFields, published: str) -> str:
+    """``ACTIVATION``, once config.json's ``swiglu_alpha`` and ``swiglu_limit`` are checked to be
+    its parameters (``published``: whose published models have them, for the refusal)."""
     params = get_activation(ACTIVATION).params
     for key, param in (("swiglu_alpha", "alpha"), ("swiglu_limit", "limit")):
         value = f.float(key, 0.0, 1e6)
         if value != params[param]:
             raise ValueError(f"{f.source}: {key}={value!r}; moeshard's {ACTIVATION!r} activation computes "
-                             f"{param}={params[param]} (the value of every published gpt-oss)")
+                             f"{param}={params[param]} (the value of every published {published})")
+    return ACTIVATION
+
+
+def _moe(f: ConfigFields) -> MoEConfig:
     return MoEConfig(num_experts=f.int("num_local_experts"), top_k=f.int("num_experts_per_tok"),
                      hidden_size=f.int("hidden_size"), intermediate_size=f.int("intermediate_size"),
-                     activation=ACTIVATION, scoring=f.family.routing, renormalize=False, expert_bias=True)
+                     activation=clamped_swiglu(f, "gpt-oss"), scoring=f.family.routing, renormalize=False,
+                     expert_bias=True)
 
 
 register_family(ModelFamily(
