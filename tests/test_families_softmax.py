@@ -484,8 +484,16 @@ def test_config_refusals_name_the_field(models, family, changes, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("model_type, part", [("longcat_flash", "zero-computation (identity) experts"),
-                                              ("doge", "rows of two embedding tables")])
+def _refusals():
+    from moeshard.checkpoint.models.refusals import REFUSALS
+
+    return sorted(REFUSALS.items())
+
+
+@pytest.mark.parametrize("model_type, part", [*[(t, r[:48]) for t, r in _refusals()],
+                                              ("longcat_flash", "zero-computation (identity) experts"),
+                                              ("doge", "rows of two embedding tables"),
+                                              ("inkling_text", "learned per-layer scale (gate.global_scale)")])
 def test_inexpressible_families_are_refused_naming_the_part(model_type, part):
     with pytest.raises(ValueError, match=f"config.json: model_type '{model_type}' is not supported: .*{re.escape(part)}"):
         parse_hf_config({"model_type": model_type}, "config.json")
