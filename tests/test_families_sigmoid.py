@@ -190,6 +190,8 @@ def models(tmp_path_factory) -> dict[str, str]:
     """model_type -> directory of its tiny random model (families this transformers has)."""
     root = tmp_path_factory.mktemp("tiny-sigmoid")
     out = {}
+    # Each model is seeded by its family's place in CONFIGS: a new family goes at the end, so that
+    # the others keep their random models (some bf16 cases sit near ties).
     for seed, model_type in enumerate(FAMILIES):
         cfg = _config(model_type)
         if cfg is None:

@@ -72,13 +72,6 @@ CONFIGS = {
                        num_experts=4, num_experts_per_tok=2, **LINEAR_ATTENTION),
     "qwen3_5_moe_text": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                              num_experts=4, num_experts_per_tok=2, **LINEAR_ATTENTION),
-    # Qwen4-Exp: Qwen3.5's block without renormalization here, inside hyper-connections, beside a
-    # gated-delta-net layer and an indexed-attention layer (no per-layer n-gram embeddings).
-    "qwen4_exp_text": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, hc_count=2, hc_lowrank=8,
-                           layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2,
-                           indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4,
-                           **{k: v for k, v in LINEAR_ATTENTION.items() if k != "layer_types"}),
     "deepseek_v2": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
                         first_k_dense_replace=1, n_shared_experts=1, topk_method="group_limited_greedy", n_group=4,
                         topk_group=2, routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=16,
@@ -111,6 +104,13 @@ CONFIGS = {
     "granitemoe_swa": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0),
     # Aria's text model: Granite's routing, experts stored transposed as fc1 / fc2, a shared MLP.
     "aria_text": dict(intermediate_size=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, head_dim=8),
+    # Qwen4-Exp: Qwen3.5's block without renormalization here, inside hyper-connections, beside a
+    # gated-delta-net layer and an indexed-attention layer (no per-layer n-gram embeddings).
+    "qwen4_exp_text": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, hc_count=2, hc_lowrank=8,
+                           layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2,
+                           indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4,
+                           **{k: v for k, v in LINEAR_ATTENTION.items() if k != "layer_types"}),
 }
 # SMALL's fields a config class takes under names of its own (in CONFIGS).
 OWN_NAMES = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
@@ -194,6 +194,8 @@ def models(tmp_path_factory) -> dict[str, str | None]:
     """model_type -> directory of its tiny random model (None: not in this transformers)."""
     root = tmp_path_factory.mktemp("softmax-families")
     out: dict[str, str | None] = {}
+    # Each model is seeded by its family's place in CONFIGS: a new family goes at the end, so that
+    # the others keep their random models (some bf16 cases sit near ties).
     for seed, name in enumerate(FAMILIES):
         cfg = _config(name)
         if cfg is None:
