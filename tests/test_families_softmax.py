@@ -48,6 +48,7 @@ from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.spawn import RankFailure, spawn
 
 tf = pytest.importorskip("transformers")
+from huggingface_hub.errors import StrictDataclassError  # noqa: E402 - a config class's own validation
 
 SPAWN_TIMEOUT_S = 300.0
 NEW_TOKENS = 6
@@ -140,10 +141,14 @@ SAME_PATH_AS = {
 
 
 def _config(model_type: str):
-    """transformers' config of the tiny model, or None where the installed transformers lacks the class."""
+    """transformers' config of the tiny model, or None where the installed transformers lacks the
+    class, or has one of another shape that refuses these arguments (transformers 5.17's
+    qwen4_exp_text has no indexed attention)."""
     try:
         small = {k: v for k, v in SMALL.items() if k not in OWN_NAMES.get(model_type, ())}
         return tf.AutoConfig.for_model(model_type, **{**small, **CONFIGS[model_type]})
+    except StrictDataclassError:
+        return None
     except ValueError as exc:
         if str(exc).startswith("Unrecognized model identifier"):
             return None
@@ -212,7 +217,8 @@ def models(tmp_path_factory) -> dict[str, str | None]:
 
 def _dir(models, family: str) -> str:
     if models[family] is None:
-        pytest.skip(f"transformers {tf.__version__} has no config class for model_type {family!r}")
+        pytest.skip(f"transformers {tf.__version__} has no config class for model_type {family!r} "
+                    f"that takes the tiny model's arguments")
     return models[family]
 
 

@@ -22,6 +22,7 @@ from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.spawn import spawn
 
 tf = pytest.importorskip("transformers")
+from huggingface_hub.errors import StrictDataclassError  # noqa: E402 - a config class's own validation
 
 TEXT = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -75,7 +76,10 @@ def models(tmp_path_factory) -> Built:
         if not (hasattr(tf, model_class) and hasattr(tf, config_class)):
             continue
         torch.manual_seed(seed)
-        config = getattr(tf, config_class)(text_config={**TEXT, **text}, vision_config=vision)
+        try:
+            config = getattr(tf, config_class)(text_config={**TEXT, **text}, vision_config=vision)
+        except StrictDataclassError:  # a config class of another shape (transformers 5.17's Qwen4-Exp)
+            continue
         getattr(tf, model_class)(config).eval().save_pretrained(root / model_type)
         out[model_type] = str(root / model_type)
     return Built(out)
