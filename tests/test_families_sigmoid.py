@@ -601,8 +601,10 @@ def test_newer_readers_follow_their_config_classes():
     assert list(_parse("dots3_note_text", mlp_layer_types=["sparse", "dense", "dense", "sparse"]).dense_layers) == [1, 2]
     with pytest.raises(ValueError, match=r"mlp_bias=true puts biases on the shared experts"):
         _parse("dots3_note_text", mlp_bias=True)
-    with pytest.raises(ValueError, match=r"moe_layer_freq lists 2 layers, but num_hidden_layers=4"):
-        _parse("dots3_note_text", moe_layer_freq=[1, 1])
+    for bad in ([1, 1], [1, 0, 2, 1], [True, False, True, True]):
+        with pytest.raises(ValueError, match=r"moe_layer_freq must be a list of num_hidden_layers=4 entries, each 0 "
+                                             r"\(dense\) or 1 \(MoE\), got "):
+            _parse("dots3_note_text", moe_layer_freq=bad)
     m3 = _parse("minimax_m3_vl_text", shared_intermediate_size=24).moe
     assert (m3.scoring, m3.renormalize, m3.use_correction_bias, m3.routed_scaling_factor, m3.shared_width,
             m3.activation, m3.shared_expert_gate) == ("sigmoid", True, True, 2.0, 24, "swiglu_clamped", False)

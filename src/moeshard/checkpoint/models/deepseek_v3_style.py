@@ -57,7 +57,7 @@ is refused.
 from __future__ import annotations
 
 from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, every_layer, register_family
-from moeshard.checkpoint.models.layer_types import listed_or_first_dense
+from moeshard.checkpoint.models.layer_types import listed_or_first_dense, moe_layer_list
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 
 # model_type -> config.json's names of its routed and shared expert counts.
@@ -106,9 +106,7 @@ def _first_k_then_freq(f: ConfigFields, num_layers: int, freq_lists: bool = Fals
         return listed_or_first_dense(f, num_layers, 0)
     first, freq = f.int("first_k_dense_replace", minimum=0), f.get("moe_layer_freq")
     if freq_lists and isinstance(freq, list):
-        if len(freq) != num_layers:
-            raise ValueError(f"{f.source}: moe_layer_freq lists {len(freq)} layers, but num_hidden_layers={num_layers}")
-        sparse = tuple(bool(v) for v in freq)  # as long as the config's own list
+        sparse = moe_layer_list(f, num_layers)
 
         def off_freq(layer: int) -> str | None:
             return None if sparse[layer] else f"moe_layer_freq[{layer}] is 0 (no mlp_layer_types)"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
 from moeshard.checkpoint.models.gpt_oss import clamped_swiglu
-from moeshard.checkpoint.models.layer_types import listed_or_first_dense
+from moeshard.checkpoint.models.layer_types import listed_or_first_dense, moe_layer_list
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 
 
@@ -52,14 +52,10 @@ def _moe(f: ConfigFields) -> MoEConfig:
 def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
     """``mlp_layer_types``'s "dense" layers; without it, the zeros of a per-layer
     ``moe_layer_freq`` list (the hub config's spelling); without either, none."""
-    freq = f.get("moe_layer_freq")
-    if freq is None or f.get("mlp_layer_types") is not None:
+    if f.get("moe_layer_freq") is None or f.get("mlp_layer_types") is not None:
         return listed_or_first_dense(f, num_layers, 0)
-    if not isinstance(freq, list) or len(freq) != num_layers or not all(v in (0, 1) for v in freq) \
-            or any(isinstance(v, bool) for v in freq):
-        raise ValueError(f"{f.source}: moe_layer_freq must be a list of num_hidden_layers={num_layers} entries, "
-                         f"each 0 (dense) or 1 (MoE), got {freq!r}")
-    return DenseLayers(num_layers, lambda layer: "moe_layer_freq[layer] is 0" if freq[layer] == 0 else None)
+    sparse = moe_layer_list(f, num_layers)
+    return DenseLayers(num_layers, lambda layer: None if sparse[layer] else "moe_layer_freq[layer] is 0")
 
 
 register_family(ModelFamily(

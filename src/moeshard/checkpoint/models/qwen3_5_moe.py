@@ -20,9 +20,8 @@ from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer,
 from moeshard.config import MoEConfig
 
 
-def _moe(f: ConfigFields) -> MoEConfig:
+def _moe(f: ConfigFields, renormalize: bool = True) -> MoEConfig:
     shared = f.int("shared_expert_intermediate_size")
-    renormalize = f.bool("norm_topk_prob") if f.family.model_type == "qwen4_exp_text" else True
     return MoEConfig(num_experts=f.int("num_experts"), top_k=f.int("num_experts_per_tok"),
                      hidden_size=f.int("hidden_size"), intermediate_size=f.int("moe_intermediate_size"),
                      activation=f.activation(), scoring=f.family.routing, renormalize=renormalize,
@@ -31,5 +30,6 @@ def _moe(f: ConfigFields) -> MoEConfig:
 
 register_family(ModelFamily("qwen3_5_moe_text", {"hidden_act": "silu"}, _moe, every_layer, formats=("bf16",),
                             router_dtype="model"))
-register_family(ModelFamily("qwen4_exp_text", {"hidden_act": "silu", "norm_topk_prob": True}, _moe, every_layer,
-                            formats=("bf16",), router_dtype="model"))
+register_family(ModelFamily("qwen4_exp_text", {"hidden_act": "silu", "norm_topk_prob": True},
+                            lambda f: _moe(f, f.bool("norm_topk_prob")), every_layer, formats=("bf16",),
+                            router_dtype="model"))
