@@ -10,8 +10,8 @@ Regimes, by expected rows per active expert r = M / min(M, E):
   widest that still gives one program per multiprocessor (one token of Mixtral touches two
   experts: its down projection needs 32-column tiles to spread 2 x 4096 weight rows over 132
   SMs; measured best against 16 and 64), and the pipeline is as deep as shared memory allows.
-  The fp8 schemes' 16- and 64-row tiles from 16 routed rows on instead take 256-column K
-  steps in narrower tiles (``_deep_k``).
+  The fp8 schemes' 16-row tiles from 16 routed rows on instead take 256-column K steps in
+  narrower tiles (``_deep_k``).
 * mid (r <= 96, BLOCK_M 64): less padding per expert than 128-row tiles.
 * prefill (BLOCK_M 128): compute-bound tiles, 8 warps, grouped launch order so that a group of
   row tiles reuses one expert's weight tiles from L2; weights through TMA (the down GEMM's of
@@ -308,11 +308,11 @@ def quantize_h_programs(padded_rows: int, K: int) -> int:
     return padded_rows // QUANT_ROWS * triton.cdiv(K, column_span(padded_rows, K))
 
 
-# The fp8 GEMMs on the MMA stream their weights in decode tiles with 256-column K steps where K
-# is a multiple of 256, from DEEP_K_MIN_ROWS routed rows on: at 16 rows gate_up 32 columns wide
-# at 4 stages and down 64 wide at 3, at 64 rows both 64 wide, gate_up at 2 stages and down at 3
-# (each narrower where fewer programs than multiprocessors would run). fp8_block's steps are two
-# 128-column sub-steps, one per scale group (``moe_gemm``), the same bits as 128-column steps.
+# The fp8 GEMMs on the MMA stream their weights in 16-row decode tiles with 256-column K steps
+# where K is a multiple of 256, from DEEP_K_MIN_ROWS routed rows on: gate_up 32 columns wide at 4
+# stages and down 64 wide at 3 (each narrower where fewer programs than multiprocessors would
+# run). fp8_block's steps are two 128-column sub-steps, one per scale group (``moe_gemm``), the
+# same bits as 128-column steps.
 # Measured, the whole experts against the tiles of ``_streaming``, alternating rounds
 # (scripts/decode_tile_study.py):
 # - fp8_tensor, one H100, 2026-12-05 (results/h100/decode_tile_study-2026-12-05-2950028): 16-row
@@ -320,11 +320,17 @@ def quantize_h_programs(padded_rows: int, K: int) -> int:
 #   at 128 tokens (DeepSeek-V3, Qwen3). The K step is what moves it: 256-column steps at the
 #   chosen 128-column width gave 0.957-0.976, 128-column steps at 32 columns and 6 stages
 #   0.985-0.996.
-# - The 64-row pair at Mixtral's 128 tokens, one H100 (results/h100/decode_tile_study-2026-12-05-
-#   904eb10-block): fp8_token 0.972, fp8_block 0.976 (each tile alone 0.982-0.989).
+# - 64-row tiles (Mixtral's 128 tokens) keep 128-column steps. Both 64 columns wide with 256-column
+#   steps (gate_up at 2 stages, down at 3) were faster on one H100 (the decode tile study,
+#   results/h100/decode_tile_study-2026-12-05-904eb10-block: fp8_token 0.972, fp8_block 0.976;
+#   the bench, results/h100/deep_k_ab-2026-12-05-50cce4d: 0.963-0.974) and slower on one H200,
+#   the bench against the code before, two alternating rounds (results/h200/deep_k_ab-2026-12-05-
+#   83c9047): fp8_tensor 1.044, fp8_token 1.052, fp8_block 1.086 of the time.
 # - fp8_block's 16-row tiles, one H100, the bench against the code before, two alternating rounds
 #   (scripts/bench_ab.py, results/h100/block_deep_k_ab-2026-12-05-904eb10): 0.954-0.958 at
-#   DeepSeek-V3's 16 and 128 tokens and Mixtral's 16, 0.985-0.986 at Qwen3's.
+#   DeepSeek-V3's 16 and 128 tokens and Mixtral's 16, 0.985-0.986 at Qwen3's; on one H200
+#   (results/h200/deep_k_ab-2026-12-05-83c9047) 0.972 and 0.988 at DeepSeek-V3's 16 and 128
+#   tokens, 0.970 at Mixtral's 16.
 # One token's rows (2 and 8 routed rows measured) keep the tiles of ``_streaming``: on one H200
 # (``scripts/bench_ab.py``, two alternating rounds of the bench,
 # results/h200/decode_tile_ab-2026-12-05-2950028) the deep-K tiles took 1.06-1.08x the time at one
@@ -335,7 +341,7 @@ def quantize_h_programs(padded_rows: int, K: int) -> int:
 DEEP_K = 256
 DEEP_K_MIN_ROWS = 16
 # block_m -> ((gate_up widths, stages), (down widths, stages))
-DEEP_K_TILES = {16: (((32, 16), 4), ((64, 32, 16), 3)), 64: (((64, 32), 2), ((64, 32), 3))}
+DEEP_K_TILES = {16: (((32, 16), 4), ((64, 32, 16), 3))}
 
 
 def _deep_k(block_m: int, n: int, tiles: int, sms: int, fused: bool) -> GemmConfig:
