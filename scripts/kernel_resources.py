@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, moe_gemm_kernel
+from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, k_sub_step, moe_gemm_kernel
 from moeshard.kernels.modes import one_w_scale_per_tile
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -73,7 +73,7 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
               # as moe_gemm sets it; N stands for any multiple of 128 (every model here)
               "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused), "HALF_TILES": half_tiles,
               "A_VALUES": False, "W_VALUES": False, "PDL": pdl, "DIRECT": direct,
-              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
+              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SUB_K": k_sub_step(quant, bk), "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})
     names = list(moe_gemm_kernel.arg_names)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}

@@ -550,6 +550,15 @@ def test_fp8_block_refuses_k_steps_it_cannot_scale_by_group(interpreted_kernels)
         assert h.any()
 
 
+def test_k_sub_step_keeps_each_fp8_block_product_inside_one_scale_group():
+    """The kernel's K sub-step, which also sizes its TMA blocks: fp8_block (mode 3) steps wider
+    than its 128-column scale groups run a group at a time; every other step runs whole."""
+    from moeshard.kernels.grouped_gemm import k_sub_step
+
+    assert [k_sub_step(3, bk) for bk in (32, 64, 128, 256, 512)] == [32, 64, 128, 128, 128]
+    assert [k_sub_step(mode, 256) for mode in (0, 1, 2, 4)] == [256, 256, 256, 256]
+
+
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_fp8_block_steps_of_whole_groups_give_the_bits_of_one_group_steps(interpreted_kernels, exact_interpreter, tma):
     """A 256- or 512-column fp8_block K step runs as 128-column sub-steps, each scaled by its own

@@ -119,14 +119,16 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
           GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
           EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
           FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
-          DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          SUB_K: tl.constexpr):
     """Computes and stores the BLOCK_M x BLOCK_N output tile whose rows are the padded positions
     [p0, p0 + BLOCK_M) of ``expert`` (its rows: [first, first + count)) and whose columns start
     at pid_n * BLOCK_N; ``w_expert`` is that expert's index in the weights given (``moe_gemm``'s
     expert window). DIRECT: a direct plan's tile, whose one row (count 1) is routed row
-    ``direct_row``. ``a_ptr`` is a TMA descriptor of [BLOCK_M, BLOCK_K / pack] blocks when
-    TMA_A, ``w_ptr`` one of [BLOCK_N, BLOCK_K / pack] blocks when TMA_W (pack: 2 for nvfp4 codes,
-    1 for an operand given as decoded values, A_VALUES / W_VALUES). The gate_up product and h are
+    ``direct_row``. Each K step of BLOCK_K columns loads and multiplies SUB_K columns at a time
+    (``k_sub_step``). ``a_ptr`` is a TMA descriptor of [BLOCK_M, SUB_K / pack] blocks when TMA_A,
+    ``w_ptr`` one of [BLOCK_N, SUB_K / pack] blocks when TMA_W (pack: 2 for nvfp4 codes, 1 for an
+    operand given as decoded values, A_VALUES / W_VALUES). The gate_up product and h are
     rounded to H_TY, the model dtype; with QUANT_OUT (gate_up, BLOCK_N = 128) h is stored as
     fp8_block values at ``out_ptr`` and their row scales at column pid_n of ``out_scale_ptr``."""
     offs_p = p0 + tl.arange(0, BLOCK_M)
@@ -155,10 +157,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     W_PACK: tl.constexpr = 2 if QUANT == 4 and not W_VALUES else 1
     A_ZERO: tl.constexpr = 0 if A_PACK == 2 else 0.0
     W_ZERO: tl.constexpr = 0 if W_PACK == 2 else 0.0
-    # fp8_block scales each 128-column group of K, and every MMA's sum must stay inside one group:
-    # a wider K step runs as sub-steps of one group each, their tiles loaded apart (the same sums,
-    # added in the same order, as 128-column steps; the loop takes half as many iterations).
-    SUB_K: tl.constexpr = 128 if QUANT == 3 and BLOCK_K > 128 else BLOCK_K
+    tl.static_assert(BLOCK_K % SUB_K == 0, "SUB_K divides BLOCK_K (k_sub_step)")
     offs_ka = tl.arange(0, SUB_K // A_PACK)
     offs_kw = tl.arange(0, SUB_K // W_PACK)
     # With TMA the descriptor addresses the tile itself; 0 stands in for the unused pointers.
@@ -324,7 +323,8 @@ def moe_gemm_kernel(
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
         A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr, DIRECT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+        GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
     pid = tl.program_id(0)
@@ -361,7 +361,7 @@ def moe_gemm_kernel(
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
                   stride_osm, QUANT, FUSE_ACT, ACT, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K,
                   TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M // 2, BLOCK_N,
-                  BLOCK_K)
+                  BLOCK_K, SUB_K)
             if not SCATTER_OUT:
                 # The skipped half holds padding only: store its zeros (quantized: zeros and the
                 # floor scale), as a whole tile would.
@@ -379,7 +379,7 @@ def moe_gemm_kernel(
           stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, stride_osm,
           QUANT, FUSE_ACT, ACT, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
-          FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M, BLOCK_N, BLOCK_K)
+          FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K)
 
 
 def _a_operand(a: torch.Tensor | QuantizedActivations | Nvfp4Values):
@@ -413,6 +413,15 @@ def _w_operand(w: torch.Tensor | QuantizedWeight | Nvfp4Values):
     if w.global_scale is not None:
         return w.data, w.scale, w.global_scale, w.scale.stride(), kernel_mode(w.scheme), False
     return w.data, w.scale, w.scale, scale_strides(w.scale, 3), kernel_mode(w.scheme), False
+
+
+def k_sub_step(mode: int, block_k: int) -> int:
+    """The columns of K that ``moe_gemm_kernel`` loads and multiplies at a time within a K step of
+    ``block_k`` (its SUB_K, and the width of its TMA blocks): the whole step, except that
+    fp8_block (mode 3) scales each 128-column group of K and every MMA's sum must stay inside one
+    group, so a wider step runs as 128-column sub-steps, their tiles loaded apart (the same sums,
+    added in the same order, as 128-column steps; the loop takes fewer iterations)."""
+    return 128 if mode == 3 and block_k > 128 else block_k
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -523,12 +532,12 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     # Stored columns per value: nvfp4 codes pack two per byte, decoded values one.
     a_pack = 2 if a_mode == 4 and not a_values else 1
     w_pack = 2 if w_mode == 4 and not w_values else 1
+    sub_k = k_sub_step(w_mode, bk)
     a_arg, w_arg = a_data, w_data
     a_half = a_data  # the half tiles' A: a descriptor of [BLOCK_M / 2, BLOCK_K] blocks under TMA
     tma_a = tma_w = False
     if config.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        sub_k = 128 if w_mode == 3 and bk > 128 else bk  # the kernel's SUB_K: the width of each tile it loads
         if _tma_ok(w_data):
             w_arg = TensorDescriptor.from_tensor(w_data.view(e * n_w, k // w_pack), [bn, sub_k // w_pack])
             tma_w = True
@@ -560,7 +569,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
         PDL=pdl_launch, DIRECT=plan.direct,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUB_K=sub_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),
     )
     return out
