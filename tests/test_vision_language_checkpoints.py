@@ -1,6 +1,7 @@
 """Vision-language checkpoints of a supported text family (Qwen3.5-MoE's ``qwen3_5_moe``, Qwen4-Exp's
-``qwen4_exp``, Llama 4's ``llama4``): config.json holds the text model's config as ``text_config`` and the checkpoint keeps
-the text model under a ``language_model`` part. transformers' ``AutoModelForCausalLM`` loads such a
+``qwen4_exp``, Llama 4's ``llama4``, dots3's ``dots3_note``): config.json holds the text model's config as
+``text_config``, and the checkpoint keeps the text model under a ``language_model`` part (dots3_note: under
+the causal LM's own names, beside its vision and audio encoders). transformers' ``AutoModelForCausalLM`` loads such a
 directory as the text causal LM; moeshard reads it the same way (``hf_config.text_model_config``,
 ``SafetensorsCheckpoint``'s causal-LM names), so the published checkpoints of these families load
 without re-saving. Each tiny model is transformers' own vision-language class, saved with
@@ -26,31 +27,49 @@ from huggingface_hub.errors import StrictDataclassError  # noqa: E402 - a config
 
 TEXT = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-# model_type -> (vision-language class, config class, text config beyond TEXT, vision config)
+# model_type -> (vision-language class, config class, text config beyond TEXT, the other parts' configs)
 MODELS = {
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig",
                     dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                          num_experts=4, num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
                          linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
                          linear_value_head_dim=8),
-                    dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)),
+                    dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                            out_hidden_size=32))),
     "qwen4_exp": ("Qwen4ExpForConditionalGeneration", "Qwen4ExpConfig",
                   dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                        num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=8,
                        layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2, indexer_kv_heads=1,
                        indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, linear_num_value_heads=4,
                        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
-                  dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)),
+                  dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                          out_hidden_size=32))),
     "llama4": ("Llama4ForConditionalGeneration", "Llama4Config",
                dict(intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1,
                     interleave_moe_layer_step=1, no_rope_layers=[1, 1]),
-               dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                    patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=32)),
+               dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       image_size=28, patch_size=14, vision_output_dim=16, projector_input_dim=16,
+                                       projector_output_dim=32))),
+    "dots3_note": ("Dots3NoteForConditionalGeneration", "Dots3NoteConfig",
+                   dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=8, head_dim=16, intermediate_size=48, moe_intermediate_size=16,
+                        shared_experts_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, index_topk=4, index_head_dim=16, index_n_heads=2,
+                        mlp_layer_types=["sparse", "sparse"], sliding_window=8),
+                   # Both encoders' adapters must end at the text model's width (the config refuses others).
+                   dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                           moe_intermediate_size=8, num_local_experts=2, mlp_layer_types=["dense"],
+                                           adapter_in_dim=16, adapter_out_dim=32, per_layer_config={}),
+                        audio_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                          num_key_value_heads=2, head_dim=8, downsample_hidden_size=8,
+                                          adapter_input_size=16, adapter_out_dim=32, conv_output_size=48,
+                                          feature_size=16))),
 }
 # The stored name of a text-model tensor, per model type (the causal LM's is model.layers.0....).
 STORED_ROUTER = {"qwen3_5_moe": "model.language_model.layers.0.mlp.gate.weight",
                  "qwen4_exp": "model.language_model.layers.0.mlp.gate.weight",
-                 "llama4": "language_model.model.layers.0.feed_forward.router.weight"}
+                 "llama4": "language_model.model.layers.0.feed_forward.router.weight",
+                 "dots3_note": "model.layers.0.mlp.gate.weight"}
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3))
 
 
@@ -72,12 +91,12 @@ def models(tmp_path_factory) -> Built:
     lacks is skipped here."""
     root = tmp_path_factory.mktemp("tiny-vl")
     out = {}
-    for seed, (model_type, (model_class, config_class, text, vision)) in enumerate(MODELS.items()):
+    for seed, (model_type, (model_class, config_class, text, parts)) in enumerate(MODELS.items()):
         if not (hasattr(tf, model_class) and hasattr(tf, config_class)):
             continue
         torch.manual_seed(seed)
         try:
-            config = getattr(tf, config_class)(text_config={**TEXT, **text}, vision_config=vision)
+            config = getattr(tf, config_class)(text_config={**TEXT, **text}, **parts)
         except StrictDataclassError:  # a config class of another shape (transformers 5.17's Qwen4-Exp)
             continue
         getattr(tf, model_class)(config).eval().save_pretrained(root / model_type)
@@ -93,7 +112,7 @@ def test_the_text_model_is_read_under_the_causal_lms_names(models, model_type):
     ckpt = SafetensorsCheckpoint(model_dir)
     names = ckpt.names()
     assert not any("language_model" in n for n in names)  # every text-model tensor under the causal LM's name
-    assert any(n.startswith(("model.visual.", "vision_model.")) for n in names)  # the vision tower keeps its own
+    assert any(n.startswith(("model.visual.", "vision_model.", "vision_encoder.")) for n in names)  # the vision tower's own
     router = STORED_ROUTER[model_type].replace("model.language_model.", "model.").replace("language_model.model.",
                                                                                            "model.")
     assert ckpt.stored_name(router) == STORED_ROUTER[model_type]
