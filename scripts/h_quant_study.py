@@ -42,8 +42,8 @@ def variants(M: int, E: int, H: int, I: int, scheme: str, sms: int, pdl: bool,  
         configs[f"h_{other}"] = dataclasses.replace(chosen, h_quant=other)
     elif chosen.gate_up.block_m == 64 and chosen.gate_up.block_n < 128 and I % 128 == 0:
         for stages in (3, 4):
-            # 128-column K steps: the tile measured before the 64-row deep-K tiles (a 256-column
-            # step at this width would not fit shared memory at 3 stages).
+            # 128-column K steps, as the chosen 64-row tiles take (a 256-column step at this
+            # width would not fit shared memory at 3 stages).
             wide = dataclasses.replace(chosen.gate_up, block_n=128, block_k=128, num_warps=8, num_stages=stages)
             configs[f"h_gate_up_w8_s{stages}"] = dataclasses.replace(chosen, gate_up=wide, h_quant="gate_up")
     return configs

@@ -534,7 +534,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     w_pack = 2 if w_mode == 4 and not w_values else 1
     sub_k = k_sub_step(w_mode, bk)
     a_arg, w_arg = a_data, w_data
-    a_half = a_data  # the half tiles' A: a descriptor of [BLOCK_M / 2, BLOCK_K] blocks under TMA
+    a_half = a_data  # the half tiles' A: a descriptor of [BLOCK_M / 2, SUB_K] blocks under TMA
     tma_a = tma_w = False
     if config.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
