@@ -56,7 +56,7 @@ def main() -> None:
     case = routed_case(make_model(args.model, device), args.tokens, args.scheme)
     chosen = select_config(case.M, case.E, case.H, case.I, args.scheme, multiprocessors(device.index),
                            pdl=pdl_supported(device), gluon=gluon_supported(device))
-    known = variants(chosen)
+    known = variants(chosen, args.scheme, case.I)
     names = [n for n in args.variants.split(",") if n] if args.variants else [n for n in DEFAULT if n in known]
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -29,9 +29,10 @@ import time
 import torch
 
 from moeshard.bench.study import routed_case, run_on_gpu, study_parser, time_variants
-from moeshard.kernels.configs import ExpertsConfig, GemmConfig, multiprocessors, select_config
+from moeshard.kernels.configs import ExpertsConfig, GemmConfig, h_quant_for, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts, gluon_supported
 from moeshard.kernels.pdl import supported as pdl_supported
+from moeshard.quant import get_scheme
 
 MODELS = ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")
 TOKENS = (16, 128)
@@ -56,31 +57,29 @@ def _tile(chosen: GemmConfig, shape: tuple[int, int, int]) -> GemmConfig:
     return dataclasses.replace(chosen, block_n=block_n, block_k=block_k, num_stages=stages, num_warps=4)
 
 
-def _config(chosen: ExpertsConfig, gate_up: GemmConfig | None, down: GemmConfig | None,
-            gate_up_quantizes_h: bool = False) -> ExpertsConfig:
-    """``chosen`` with either tile replaced. gate_up_quantizes_h: h may be quantized in the
-    gate_up epilogue (fp8_block over an intermediate size that 128 divides), which a 128-column
-    gate_up tile then does; otherwise a narrower tile leaves it to the pass."""
+def _config(chosen: ExpertsConfig, scheme: str, inter: int, gate_up: GemmConfig | None,
+            down: GemmConfig | None) -> ExpertsConfig:
+    """``chosen`` (for ``scheme`` over intermediate size ``inter``) with either tile replaced.
+    Where h is quantized in gate_up or in its own pass, the replaced gate_up tile decides it as
+    ``select_config`` does at decode (``h_quant_for``): fp8_block's 128-column tiles quantize it,
+    narrower ones leave it to the pass. fp8_token's row maxima stay where the chosen config has them."""
     g, d = gate_up or chosen.gate_up, down or chosen.down
     h_quant = chosen.h_quant
-    if gate_up_quantizes_h and h_quant in ("gate_up", "pass"):
-        h_quant = "gate_up" if g.block_n == 128 else "pass"
-    elif h_quant == "gate_up" and g.block_n != 128:
-        h_quant = "pass"
+    if h_quant in ("gate_up", "pass"):
+        h_quant = h_quant_for(get_scheme(scheme).kernel_mode, g, inter, where=True)
     return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant)
 
 
-def variants(chosen: ExpertsConfig, gate_up_quantizes_h: bool = False) -> dict[str, ExpertsConfig]:
-    """The chosen config (first) and its variants, named by what they replace (``_config``'s
-    gate_up_quantizes_h)."""
+def variants(chosen: ExpertsConfig, scheme: str, inter: int) -> dict[str, ExpertsConfig]:
+    """The chosen config (first) and its variants, named by what they replace (``_config``)."""
     bm = chosen.block_m
     out = {"chosen": chosen}
     named = [(f"g{n}x{k}s{s}", (n, k, s), None) for n, k, s in GATE_UP.get(bm, ())]
     named += [(f"d{n}x{k}s{s}", None, (n, k, s)) for n, k, s in DOWN.get(bm, ())]
     named += [(f"g{g[0]}x{g[1]}s{g[2]}+d{d[0]}x{d[1]}s{d[2]}", g, d) for g, d in PAIRS.get(bm, ())]
     for name, g, d in named:
-        cfg = _config(chosen, _tile(chosen.gate_up, g) if g else None, _tile(chosen.down, d) if d else None,
-                      gate_up_quantizes_h)
+        cfg = _config(chosen, scheme, inter, _tile(chosen.gate_up, g) if g else None,
+                      _tile(chosen.down, d) if d else None)
         if cfg != chosen:
             out[name] = cfg
     return out
@@ -103,7 +102,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     rec.update(rows=case.M, config=dataclasses.asdict(chosen), variants={}, errors={})
     calls: dict = {}
     reference = None
-    for key, cfg in variants(chosen, scheme == "fp8_block" and case.I % 128 == 0).items():
+    for key, cfg in variants(chosen, scheme, case.I).items():
         kernel = TritonExperts(case.cfg.activation, case.cfg.dtype, cfg)
         try:
             out = kernel(case.inp, case.experts)

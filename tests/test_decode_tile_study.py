@@ -30,7 +30,7 @@ def chosen(case: str, scheme: str):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_variants_keep_the_tile_height_and_replace_what_their_name_says(case, scheme):
     base = chosen(case, scheme)
-    out = decode_tile_study.variants(base)
+    out = decode_tile_study.variants(base, scheme, CASES[case][3])
     assert next(iter(out)) == "chosen" and out["chosen"] == base
     for name, cfg in out.items():
         assert cfg.block_m == base.block_m, name
@@ -53,31 +53,37 @@ def test_both_decode_heights_have_pairs_of_both_tiles(case):
     left out: the chosen tiles are timed as "chosen")."""
     base = chosen(case, "fp8_token")
     assert base.block_m == (64 if case == "mixtral-128" else 16)
-    out = decode_tile_study.variants(base)
+    out = decode_tile_study.variants(base, "fp8_token", CASES[case][3])
     pairs = decode_tile_study.PAIRS[base.block_m]
     assert len(pairs) >= 2
     for g, d in pairs:
         name = f"g{g[0]}x{g[1]}s{g[2]}+d{d[0]}x{d[1]}s{d[2]}"
-        same = decode_tile_study._config(base, decode_tile_study._tile(base.gate_up, g),
+        same = decode_tile_study._config(base, "fp8_token", CASES[case][3], decode_tile_study._tile(base.gate_up, g),
                                          decode_tile_study._tile(base.down, d)) == base
         assert (name in out) != same, (name, same)
 
 
-def test_fp8_block_keeps_h_quantized_in_the_gate_up_only_with_its_128_column_tiles():
-    """As select_config does: where the gate_up may quantize h, a 128-column gate_up tile does and
-    a narrower one leaves it to the pass, whichever the chosen tiles did."""
+def test_h_is_quantized_where_select_config_would_quantize_it_for_the_replaced_tiles():
+    """fp8_block over an intermediate size that 128 divides: a 128-column gate_up tile quantizes h
+    in its epilogue and a narrower one leaves it to the pass, whichever the chosen tiles did.
+    fp8_tensor keeps the pass and fp8_token its row maxima in gate_up, whatever the tiles."""
     for case in ("mixtral-16", "deepseek-16"):
         base = chosen(case, "fp8_block")
         wide = narrower = 0
-        for name, cfg in decode_tile_study.variants(base, gate_up_quantizes_h=True).items():
+        for name, cfg in decode_tile_study.variants(base, "fp8_block", CASES[case][3]).items():
             if name == "chosen":
                 continue
             assert cfg.h_quant == ("gate_up" if cfg.gate_up.block_n == 128 else "pass"), (case, name)
             wide += cfg.gate_up.block_n == 128
             narrower += cfg.gate_up.block_n != 128
         assert wide and narrower, case
-    # Without it, a tile that quantized h keeps doing so only at 128 columns.
     base = select_config(2, 8, 4096, 14336, "fp8_block", 132)  # one Mixtral token
     assert base.h_quant == "gate_up" and base.gate_up.block_n == 128
-    for name, cfg in decode_tile_study.variants(base).items():
+    for name, cfg in decode_tile_study.variants(base, "fp8_block", 14336).items():
         assert cfg.h_quant == ("gate_up" if cfg.gate_up.block_n == 128 else "pass"), name
+    for scheme, kept in (("fp8_tensor", "pass"), ("fp8_token", "row_max")):
+        for case in CASES:
+            base = chosen(case, scheme)
+            assert base.h_quant == kept, (case, scheme)
+            got = {cfg.h_quant for cfg in decode_tile_study.variants(base, scheme, CASES[case][3]).values()}
+            assert got == {kept}, (case, scheme, got)

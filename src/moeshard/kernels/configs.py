@@ -442,14 +442,14 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     # 1.04 at one Mixtral token. The whole chain at 4096 tokens took 0.99-1.05.
     quantized = get_scheme(scheme).quantized
     P = max_tiles(num_rows, num_experts, cfg.block_m) * cfg.block_m
-    # Where gate_up quantizes h (``_h_quant``) no quantize_h runs, and only the plan and gate_up
+    # Where gate_up quantizes h (``h_quant_for``) no quantize_h runs, and only the plan and gate_up
     # chain was measured.
     separate = quantized and cfg.h_quant != "gate_up"
     chain = "all" if separate and quantize_h_programs(P, inter) <= sms else "gate_up"
     return dataclasses.replace(cfg, pdl=chain)
 
 
-def _h_quant(mode: int | None, gate_up: GemmConfig, inter: int, where: bool) -> str:
+def h_quant_for(mode: int | None, gate_up: GemmConfig, inter: int, where: bool) -> str:
     """``ExpertsConfig.h_quant``: "gate_up" for fp8_block experts whose gate_up tile is 128 columns
     wide over an intermediate size that is a multiple of 128, where ``where`` says the shape gains
     from it, else "pass".
@@ -486,7 +486,7 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
             down = _deep_k(block_m, hidden, tiles, sms, False)
         else:
             down = _streaming(block_m, hidden, tiles, sms, False, mode)
-        return ExpertsConfig(gate_up, down, h_quant=_h_quant(mode, gate_up, inter, True))
+        return ExpertsConfig(gate_up, down, h_quant=h_quant_for(mode, gate_up, inter, True))
     if r <= 96:
         if mode == NVFP4:
             return ExpertsConfig(GemmConfig(64, 64, 64, 8, 4, 3), GemmConfig(64, 128, 64, 8, 4, 3))
@@ -544,7 +544,7 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         long_k = inter >= 8192
         gate_up = GemmConfig(128, 128, 128, 8, 8, 3, tma=True, half_tiles=half)
         return ExpertsConfig(gate_up, GemmConfig(64, 128, 128, 8, 4, 3 if long_k else 4, tma=not long_k),
-                             lay_out_a=lay_out, h_quant=_h_quant(mode, gate_up, inter, lay_out))
+                             lay_out_a=lay_out, h_quant=h_quant_for(mode, gate_up, inter, lay_out))
     if fp8:
         # Per-tensor / per-row scales: gate_up accumulates across K on the tensor cores without
         # promotion. Mixtral at 4096 tokens on one H200 (scripts/fp8_study.py, 2026-12-01): 1.74 ms
