@@ -181,12 +181,14 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
         spelling = found[0]
     shared_prefix, shared_fused = None, False
     if model.moe.has_shared_experts:
-        tried = [f"{prefix}{a}{p}_proj.weight" for p in ("gate", "gate_up") for a in family.shared_prefixes]
-        present = [name for name in tried if ckpt.has(name)]
-        if not present:
+        # (prefix, fused) candidates: separate gate and up projections first, then a fused gate_up.
+        options = [(a, fused_mlp) for fused_mlp in (False, True) for a in family.shared_prefixes]
+        first = lambda a, fused_mlp: f"{prefix}{a}{'gate_up' if fused_mlp else 'gate'}_proj.weight"  # noqa: E731
+        found_shared = next(((a, f) for a, f in options if ckpt.has(first(a, f))), None)
+        if found_shared is None:
+            tried = [first(a, f) for a, f in options]
             raise ValueError(f"layer {layer}: the config has shared experts but none of {tried} is in {files}")
-        shared_fused = present[0].endswith("gate_up_proj.weight")
-        shared_prefix = present[0][len(prefix):-len("gate_up_proj.weight" if shared_fused else "gate_proj.weight")]
+        shared_prefix, shared_fused = found_shared
     bias = next((family.stored(b) for b in family.bias_names if ckpt.has(prefix + family.stored(b))), None) \
         if model.moe.use_correction_bias else None
     return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix, family=family,
