@@ -2,16 +2,19 @@
 layout, its MoE blocks run by moeshard, each rank holding only its slices of the experts.
 
     moeshard train --model DIR --input-ids "3,17,42;5,6,7" --steps 4 --lr 0.05 --optimizer sgd|adamw \\
+                   [--lr-schedule linear --warmup-steps 1] [--max-grad-norm 1.0] [--micro-batches 2] \\
                    [--dp D --tp T --ep] [--backend B] [--dtype bf16] [--device cpu|cuda] [--compare] \\
                    [--output OUT.json]
 
 Every step trains on the whole batch (the prompts, split over the DP ranks as ``moeshard
 generate`` splits them): transformers' loss of the model and its config (the mean next-token
 cross entropy over every predicted token of the global batch, plus the load-balancing loss where
-the config turns it on), one backward, ``reduce_gradients``, one optimizer step on every rank.
-``--compare`` also trains the same model with transformers alone on one device (fp32, the same
-optimizer and steps) and reports the losses' relative differences, the gradient norm's, and the
-largest parameter difference after the last step. Ranks: ``dp * tp`` local processes (gloo on
+the config turns it on), one backward (one per micro-batch with ``--micro-batches``),
+``reduce_gradients``, clipping (``--max-grad-norm``), one optimizer step and one step of the
+learning-rate schedule on every rank. ``--compare`` also trains the same model with transformers
+alone on one device (fp32, the same micro-batches, optimizer, schedule, clipping and steps) and
+reports the losses' relative differences, the gradient norm's, and the largest parameter
+difference after the last step. Ranks: ``dp * tp`` local processes (gloo on
 cpu, NCCL on cuda, one GPU each), or, under torchrun, this process is one rank of torchrun's world.
 """
 
@@ -30,6 +33,7 @@ from moeshard.errors import NonFiniteOutput
 from moeshard.finite import json_text, nonfinite_fields, with_nulls
 from moeshard.jobs.train import (
     OPTIMIZERS,
+    SCHEDULES,
     TrainComparison,
     TrainPlan,
     TrainRankResult,
@@ -63,13 +67,24 @@ def add_parser(subparsers) -> None:
     src.add_argument("--input-file", metavar="PATH",
                      help="the batch from a file: JSON (a list of ids, or a list of lists) or one prompt per line")
     src.add_argument("--steps", type=int, default=4, metavar="N", help="optimizer steps, each on the whole batch (4)")
-    src.add_argument("--lr", type=float, default=5e-5, help="learning rate, constant (default 5e-5, the Trainer's)")
+    src.add_argument("--lr", type=float, default=5e-5, help="learning rate, the schedule's peak (default 5e-5, the "
+                                                                "Trainer's)")
     src.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                      help="sgd: torch.optim.SGD(lr), no momentum; adamw (default): torch.optim.AdamW(lr, "
                           "betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), transformers' TrainingArguments "
-                          "defaults (adam_beta1, adam_beta2, adam_epsilon, weight_decay). No learning-rate "
-                          "schedule and no gradient clipping (the Trainer's defaults decay the rate linearly and "
-                          "clip at max_grad_norm=1.0)")
+                          "defaults (adam_beta1, adam_beta2, adam_epsilon, weight_decay)")
+    src.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+                     help="the learning rate over the steps, as transformers.get_scheduler builds it: constant "
+                          "(default), constant_with_warmup, linear (decayed to 0 at the last step; the Trainer's "
+                          "default) or cosine")
+    src.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                     help="steps of linear warmup from 0 to --lr (schedules other than constant; default 0)")
+    src.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
+                     help="clip each step's gradients to this global norm, every parameter counted once (the "
+                          "Trainer's max_grad_norm, 1.0 by default there); default: no clipping")
+    src.add_argument("--micro-batches", type=int, default=1, metavar="M",
+                     help="split each DP rank's prompts into M micro-batches, accumulating their gradients "
+                          "before each step (default 1: the whole batch in one forward)")
     src.add_argument("--output", metavar="OUT", help="write the losses, the gradient norm (and the comparison) as JSON")
     src.add_argument("--compare", action="store_true",
                      help="also train with transformers alone on one device (fp32) and report the differences")
@@ -95,6 +110,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainSpec:
     if args.output is not None:
         check_output_path(args.output, "--output", reads=files_read(args.model, args.input_file))
     return TrainSpec(model_dir=args.model, prompts=prompts, steps=args.steps, lr=args.lr, optimizer=args.optimizer,
+                     schedule=args.lr_schedule, warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm,
+                     micro_batches=args.micro_batches,
                      parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant, dtype=args.dtype,
                      backend=args.backend, device=args.device, compare=args.compare,
                      prompts_from="--input-ids" if args.input_ids is not None else "--input-file")
@@ -126,14 +143,25 @@ def _figures(values) -> str:
     return "[" + ", ".join(f"{v:.6g}" for v in values) + "]"
 
 
+def _schedule(data: dict) -> str:
+    """The schedule and clipping in a few words: "linear, 2 warmup steps, clipped at 1"."""
+    words = [data["lr_schedule"]]
+    if data["warmup_steps"]:
+        words.append(f"{data['warmup_steps']} warmup step(s)")
+    words.append(f"clipped at {data['max_grad_norm']:g}" if data["max_grad_norm"] is not None else "no clipping")
+    return ", ".join(words)
+
+
 def _print(data: dict, nonfinite: int) -> None:
     """The summary of ``report``'s data (NaN figures print as nan); nonfinite: how many of them."""
     out = sys.stdout
     opt = data["optimizer"]
     print(f"moeshard train: {data['model_type']} {data['model']}", file=out)
     print(f"layout {data['layout']} ({data['world_size']} rank(s), {data['device']}), backend {data['backend']}, "
-          f"dtype {data['dtype']}, {opt['name']} lr {opt['lr']:g}, {data['steps']} step(s) on "
-          f"{len(data['prompts'])} prompt(s), {data['tokens']} predicted tokens"
+          f"dtype {data['dtype']}, {opt['name']} lr {opt['lr']:g} ({_schedule(data)}), {data['steps']} step(s) on "
+          f"{len(data['prompts'])} prompt(s)"
+          + (f" in {data['micro_batches']} micro-batches" if data["micro_batches"] > 1 else "")
+          + f", {data['tokens']} predicted tokens"
           + (f", load-balancing loss x {data['aux_loss_coef']:g}" if data["aux_loss_coef"] is not None else ""),
           file=out)
     for r in data["ranks"]:
@@ -144,7 +172,8 @@ def _print(data: dict, nonfinite: int) -> None:
     print(f"loss before each step: {_figures(data['losses'])}", file=out)
     if data["aux_losses"] is not None:
         print(f"  of which load-balancing loss (before the coefficient): {_figures(data['aux_losses'])}", file=out)
-    print(f"gradient norm at the last step: {data['grad_norm']:.6g}", file=out)
+    print(f"gradient norm at the last step: {data['grad_norm']:.6g}"
+          + (" (before clipping)" if data["max_grad_norm"] is not None else ""), file=out)
     c = data["comparison"]
     if c is not None:
         print(f"transformers alone (one device, float32): loss {_figures(c['transformers_losses'])}", file=out)

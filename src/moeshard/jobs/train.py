@@ -9,7 +9,8 @@ transformers model on every rank, then (on request) the same steps by transforme
                                    its DP rank's prompts -> TrainRankResult
     train_plans(plans)             ``spawn`` entry: several plans on one set of ranks
     reference_train(plan)          transformers alone (``from_pretrained``, fp32 or float64, every
-                                   expert, one device), the whole batch, the same optimizer and steps
+                                   expert, one device), the whole batch (the same micro-batches), the
+                                   same optimizer, schedule, clipping and steps
     compare_training(...)          losses, gradient norm and every trained parameter, moeshard
                                    against transformers; given transformers' float64 run too, the
                                    losses judged against the float32 rounding the model amplifies
@@ -22,10 +23,18 @@ padding and of a prompt's first token are -100, as transformers' labels ignore t
 (``moeshard.training.router_losses``), added where transformers' own loss adds it (the config's
 ``output_router_logits``, its ``router_aux_loss_coef``); transformers' own per-rank auxiliary loss
 stays off. The sum of the L_d is transformers' loss of the whole batch on one device. Then one
-backward, ``reduce_gradients``, ``grad_norm`` and one optimizer step on every rank: each rank
-steps its own parameters (its expert shards; its copies of everything else, identical on every
-rank after the reduction). The loss reported before step s is the sum over DP ranks of L_d
-(from each DP rank's TP rank 0) in the forward of step s, before its update.
+backward, ``reduce_gradients``, ``grad_norm`` (or ``clip_grad_norm_``), one optimizer step and
+one step of the learning-rate schedule on every rank: each rank steps its own parameters (its
+expert shards; its copies of everything else, identical on every rank after the reduction). The
+loss reported before step s is the sum over DP ranks of L_d (from each DP rank's TP rank 0) in
+the forward of step s, before its update.
+
+With M micro-batches each DP rank splits its prompts into M contiguous parts and runs a forward
+and a backward on each, the gradients accumulating, before the one reduction and step. A part's
+cross entropies are still a share of the global N, so they sum to the whole batch's; its
+load-balancing loss is over the global micro-batch (every DP rank's part m) and weighs 1/M, so
+the step's is the mean of its micro-batches'. transformers alone runs the same global
+micro-batches in the same order.
 
 Prompts and batches are ``moeshard generate``'s: prompt i goes to DP rank d by a contiguous
 split, a DP rank's prompts are one left-padded batch with an attention mask, and the positions
@@ -74,22 +83,33 @@ class Optimizer:
 
 
 # sgd: plain SGD, no momentum. adamw: the betas, epsilon and weight decay that transformers'
-# TrainingArguments default to (adam_beta1, adam_beta2, adam_epsilon, weight_decay); the Trainer's
-# linear learning-rate decay and its gradient clipping (max_grad_norm=1.0) are not applied.
+# TrainingArguments default to (adam_beta1, adam_beta2, adam_epsilon, weight_decay). The Trainer's
+# linear learning-rate decay and its gradient clipping (max_grad_norm=1.0) are options
+# (``TrainSpec.schedule``, ``max_grad_norm``), off by default.
 OPTIMIZERS = {
     "sgd": Optimizer("sgd", "SGD", {"momentum": 0.0}),
     "adamw": Optimizer("adamw", "AdamW", {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}),
 }
 MAX_STEPS = 100_000
+# Learning-rate schedules (``transformers.get_scheduler``'s names, the Trainer's ``lr_scheduler_type``):
+# constant (the default here), or the rate warmed up linearly over ``warmup_steps`` and then held
+# (constant_with_warmup), decayed linearly to 0 at the last step (linear, the Trainer's default),
+# or along a half cosine to 0 (cosine).
+SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 @dataclass(frozen=True)
 class TrainSpec:
     """What the user asked for. prompts: token ids, one tuple per prompt (the training batch);
     steps: optimizer steps, each on the whole batch; lr: the learning rate; optimizer: a key of
-    ``OPTIMIZERS``; quant/dtype/backend None: the checkpoint's quantization (refused unless
-    none) and dtype, the layout's default backend; compare: send every rank's trained parameters
-    back, to compare with transformers alone."""
+    ``OPTIMIZERS``; schedule: the learning rate's schedule over the steps (``SCHEDULES``), with
+    warmup_steps of linear warmup (the schedules that have one); max_grad_norm: None, or the
+    global gradient norm each step's gradients are clipped to (``training.clip_grad_norm_``, as
+    the Trainer's ``max_grad_norm``); micro_batches: the micro-batches each DP rank's prompts are
+    split into (contiguously), their gradients accumulated before the step (1: the whole batch in
+    one forward and backward); quant/dtype/backend None: the checkpoint's quantization (refused
+    unless none) and dtype, the layout's default backend; compare: send every rank's trained
+    parameters back, to compare with transformers alone."""
 
     model_dir: str
     prompts: tuple[tuple[int, ...], ...]
@@ -103,6 +123,10 @@ class TrainSpec:
     device: str = "cpu"
     compare: bool = False
     prompts_from: str = "--input-ids"
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float | None = None
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -116,6 +140,20 @@ class TrainSpec:
             raise ValueError(f"--lr: must be a finite number > 0, got {self.lr!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer: {self.optimizer!r} is not one of {sorted(OPTIMIZERS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--lr-schedule: {self.schedule!r} is not one of {list(SCHEDULES)}")
+        if not is_int(self.warmup_steps) or not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"--warmup-steps: must be an integer in [0, --steps={self.steps}], got "
+                             f"{self.warmup_steps!r}")
+        if self.warmup_steps and self.schedule == "constant":
+            raise ValueError(f"--warmup-steps {self.warmup_steps}: the constant schedule has no warmup; use "
+                             f"--lr-schedule constant_with_warmup, linear or cosine")
+        if self.max_grad_norm is not None and (
+                not isinstance(self.max_grad_norm, (int, float)) or isinstance(self.max_grad_norm, bool)
+                or not math.isfinite(self.max_grad_norm) or not self.max_grad_norm > 0):
+            raise ValueError(f"--max-grad-norm: must be a finite number > 0, got {self.max_grad_norm!r}")
+        if not is_int(self.micro_batches) or self.micro_batches < 1:
+            raise ValueError(f"--micro-batches: must be an integer >= 1, got {self.micro_batches!r}")
         if not self.prompts or any(not p for p in self.prompts):
             raise ValueError(f"{self.prompts_from}: no prompt given, or an empty one")
         for i, prompt in enumerate(self.prompts):
@@ -140,6 +178,19 @@ class TrainPlan:
     tokens: int
     aux_coef: float | None
 
+    def micro(self, dp_rank: int) -> tuple[tuple[int, ...], ...]:
+        """The prompt indices of DP rank ``dp_rank``'s micro-batches, in order: its prompts split
+        contiguously into ``spec.micro_batches`` (the first ones one longer where they do not
+        divide evenly)."""
+        mine = self.dp_prompts[dp_rank]
+        return tuple(tuple(mine[i] for i in part) for part in split_prompts(len(mine), self.spec.micro_batches))
+
+    def global_micro(self) -> tuple[tuple[int, ...], ...]:
+        """Micro-batch m of the whole batch: every DP rank's m-th micro-batch, in DP rank order
+        (what transformers alone trains on in the m-th forward of a step)."""
+        parts = [self.micro(d) for d in range(self.parallel.dp)]
+        return tuple(tuple(i for part in parts for i in part[m]) for m in range(self.spec.micro_batches))
+
     @property
     def parallel(self) -> ParallelConfig:
         return self.spec.parallel
@@ -157,6 +208,16 @@ class TrainPlan:
         """The rows of a DP rank's batch (its prompts, left-padded to its longest): what one MoE
         forward of a rank may see, for backends with fixed per-rank buffers."""
         return max(len(mine) * max(len(self.spec.prompts[i]) for i in mine) for mine in self.dp_prompts)
+
+
+def build_schedule(spec: TrainSpec, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning-rate schedule of ``spec`` over its steps, as the Trainer builds it
+    (``transformers.get_scheduler``); stepped once after each optimizer step."""
+    import transformers
+
+    schedule: torch.optim.lr_scheduler.LRScheduler = transformers.get_scheduler(
+        spec.schedule, optimizer, num_warmup_steps=spec.warmup_steps, num_training_steps=spec.steps)
+    return schedule
 
 
 def aux_loss_coef(model_dir: str) -> float | None:
@@ -190,6 +251,11 @@ def plan_train(spec: TrainSpec) -> TrainPlan:
     if is_int(positions) and longest > positions:
         raise ValueError(f"{spec.prompts_from}: the longest prompt has {longest} tokens, more than the model's "
                          f"max_position_embeddings={positions}")
+    fewest = min(len(mine) for mine in split_prompts(len(spec.prompts), p.dp))
+    if spec.micro_batches > fewest:
+        raise ValueError(f"--micro-batches {spec.micro_batches}: a DP rank of the {p.dp} has only {fewest} prompt(s) "
+                         f"of the {len(spec.prompts)} to split into micro-batches; give at most {fewest} micro-batches "
+                         f"or more prompts")
     tokens = sum(len(prompt) - 1 for prompt in spec.prompts)
     if tokens == 0:
         raise ValueError(f"{spec.prompts_from}: every prompt is one token long, so there is no next token to predict; give "
@@ -239,9 +305,10 @@ class Batch:
 @dataclass(frozen=True)
 class TrainRankResult:
     """One rank's report. prompts: the prompt indices it trained on (its DP rank's); losses[s]:
-    its L_d in the forward of step s (the same on the TP ranks of one DP rank); aux_losses[s]:
-    the load-balancing loss over the global batch at step s (None without one); grad_norm: the
-    norm of the last step's reduced gradients (every parameter counted once, the same on every
+    its L_d in the forward of step s (the same on the TP ranks of one DP rank; summed over its
+    micro-batches); aux_losses[s]: the load-balancing loss over the global batch at step s (the
+    mean of its micro-batches'; None without one); grad_norm: the norm of the last step's reduced
+    gradients, before any clipping (every parameter counted once, the same on every
     rank); experts: [start, stop) of its experts, intermediate: its [lo, hi) of I; params: with
     ``spec.compare``, its trained parameters after the last step (CPU fp32, by name; experts its
     shard), else None; shards: each MoE block's module name -> its ``ShardSpec``."""
@@ -266,7 +333,7 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     """Runs ``plan`` on this rank (groups None: the single-rank layout, no process group)."""
     from moeshard.integrations.transformers import expert_bytes
     from moeshard.layer import MoELayer
-    from moeshard.training import grad_norm, reduce_gradients
+    from moeshard.training import clip_grad_norm_, grad_norm, reduce_gradients
     from moeshard.training.router_losses import keep_router_logits, load_balancing_loss
 
     spec = plan.spec
@@ -277,8 +344,9 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     if plan.aux_coef is not None:
         keep_router_logits(model)
     mine = plan.dp_prompts[dp_rank]
-    batch = Batch.of([spec.prompts[i] for i in mine], plan.pad_token_id, device)
+    micro = [Batch.of([spec.prompts[i] for i in part], plan.pad_token_id, device) for part in plan.micro(dp_rank)]
     optimizer = plan.optimizer.build([q for q in model.parameters() if q.requires_grad], spec.lr)
+    schedule = build_schedule(spec, optimizer)
     losses: list[float] = []
     aux_losses: list[float] = []
     norm = torch.zeros(())
@@ -287,16 +355,25 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     t1 = time.perf_counter()
     for _ in range(spec.steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = batch.loss(model, plan.tokens)
-        if plan.aux_coef is not None:
-            aux = load_balancing_loss(model, groups, row_mask=batch.mask.reshape(-1))
-            loss = loss + plan.aux_coef * aux.share
-            aux_losses.append(float(aux.value))
-        loss.backward()
+        step_loss, step_aux = 0.0, 0.0
+        for batch in micro:  # gradients accumulate over the micro-batches; reduced once after them
+            loss = batch.loss(model, plan.tokens)
+            if plan.aux_coef is not None:
+                # The step's load-balancing loss is the mean of its micro-batches' (each over the
+                # global micro-batch), as the cross entropies sum to the whole batch's.
+                aux = load_balancing_loss(model, groups, row_mask=batch.mask.reshape(-1))
+                loss = loss + plan.aux_coef * aux.share / len(micro)
+                step_aux += float(aux.value) / len(micro)
+            loss.backward()
+            step_loss += float(loss.detach())
         reduce_gradients(model, groups)
-        norm = grad_norm(model, groups)
+        norm = (clip_grad_norm_(model, groups, spec.max_grad_norm) if spec.max_grad_norm is not None
+                else grad_norm(model, groups))
         optimizer.step()
-        losses.append(float(loss.detach()))
+        schedule.step()
+        losses.append(step_loss)
+        if plan.aux_coef is not None:
+            aux_losses.append(step_aux)
     synchronize(device)
     train_s = time.perf_counter() - t1
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
@@ -356,9 +433,11 @@ class TrainReference:
 def reference_train(plan: TrainPlan, device: str | torch.device | None = None,
                     dtype: torch.dtype = torch.float32) -> TrainReference:
     """The same steps with transformers alone (``from_pretrained`` in ``dtype``; every expert,
-    no moeshard) on one device: the whole batch (every prompt, left-padded to the longest), the
-    same labels and positions, transformers' own loss (``labels``, and its load-balancing loss
-    where the config turns it on), the same optimizer.
+    no moeshard) on one device: the whole batch (every prompt, left-padded to the longest; with
+    micro-batches, each global micro-batch so), the same labels and positions, transformers' own
+    loss (``labels`` as a share of the global token count, and its load-balancing loss where the
+    config turns it on, weighing 1/M with M micro-batches), the same optimizer, learning-rate
+    schedule (``build_schedule``) and clipping (``torch.nn.utils.clip_grad_norm_``).
 
     dtype: torch.float32 (the reference) or torch.float64 (near-exact arithmetic, against which
     float32 rounding is measured). A float64 run keeps the float32 casts transformers writes into
@@ -372,23 +451,39 @@ def reference_train(plan: TrainPlan, device: str | torch.device | None = None,
     model: nn.Module = load_transformers_model(plan.spec.model_dir, dtype)
     model = model.to(device).eval().requires_grad_(True)
     spec = plan.spec
-    batch = Batch.of(list(spec.prompts), plan.pad_token_id, device)
+    micro = [Batch.of([spec.prompts[i] for i in part], plan.pad_token_id, device) for part in plan.global_micro()]
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = plan.optimizer.build(params, spec.lr)
+    schedule = build_schedule(spec, optimizer)
     losses: list[float] = []
     aux_losses: list[float] = []
     norm = torch.zeros(())
     for _ in range(spec.steps):
         optimizer.zero_grad(set_to_none=True)
-        out = model(batch.ids, attention_mask=batch.mask, position_ids=batch.positions, labels=batch.labels,
-                    use_cache=False)
-        if getattr(out, "aux_loss", None) is not None:
-            aux_losses.append(float(out.aux_loss.detach()))
-        out.loss.backward()
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad.float()) for q in params
-                                                     if q.grad is not None]))
+        step_loss, step_aux, has_aux = 0.0, 0.0, False
+        for batch in micro:
+            out = model(batch.ids, attention_mask=batch.mask, position_ids=batch.positions, labels=batch.labels,
+                        num_items_in_batch=plan.tokens, use_cache=False)
+            loss = out.loss
+            if getattr(out, "aux_loss", None) is not None:
+                has_aux = True
+                step_aux += float(out.aux_loss.detach()) / len(micro)
+                if plan.aux_coef is not None and len(micro) > 1:
+                    # transformers adds coef x the micro-batch's whole auxiliary loss; the step's is
+                    # the mean over its micro-batches (``train_rank``).
+                    loss = loss - (1 - 1 / len(micro)) * plan.aux_coef * out.aux_loss
+            loss.backward()
+            step_loss += float(loss.detach())
+        if spec.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad.float()) for q in params
+                                                         if q.grad is not None]))
         optimizer.step()
-        losses.append(float(out.loss.detach()))
+        schedule.step()
+        losses.append(step_loss)
+        if has_aux:
+            aux_losses.append(step_aux)
     return TrainReference(losses=tuple(losses), aux_losses=tuple(aux_losses) if aux_losses else None,
                           grad_norm=float(norm),
                           params={name: q.detach().float().cpu() for name, q in model.named_parameters()},
@@ -555,5 +650,8 @@ def describe(plan: TrainPlan) -> dict:
             "quant": plan.quant.name, "dtype": dtype_name(plan.dtype), "steps": spec.steps,
             "optimizer": {"name": opt.name, "torch": f"torch.optim.{opt.cls}", "lr": spec.lr,
                           **{k: list(v) if isinstance(v, tuple) else v for k, v in opt.settings.items()}},
+            "lr_schedule": spec.schedule, "warmup_steps": spec.warmup_steps, "max_grad_norm": spec.max_grad_norm,
+            "micro_batches": spec.micro_batches,
+            "prompts_per_micro_batch": [[list(part) for part in plan.micro(d)] for d in range(plan.parallel.dp)],
             "tokens": plan.tokens, "aux_loss_coef": plan.aux_coef,
             "prompts_per_dp_rank": [list(d) for d in plan.dp_prompts]}
