@@ -18,9 +18,7 @@
 
 import pytest
 import torch
-
-from moeshard.harness.runner import RANK_MODULES
-from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld
+from forked_world import run_forked
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +27,7 @@ def world():
     harness uses (torch and moeshard imported once per test session, not once per rank)."""
     import backward_ranks
 
-    world = LocalWorld(2, timeout_s=300, preload=RANK_MODULES)
-    with world:
-        world.start(backward_ranks.all_checks, ())
-        for _ in world.events():
-            pass
-        world.stop(CLEAN_EXIT_WAIT_S if world.all_finished else 0.0)
-    failure = world.failure()
-    if failure is not None:
-        raise failure
-    return [world.results[rank] for rank in range(2)]
+    return run_forked(2, backward_ranks.all_checks)
 
 
 def test_gradcheck_of_every_custom_function(world):

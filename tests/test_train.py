@@ -31,7 +31,6 @@ import pytest
 import torch
 
 from moeshard.cli import main
-from moeshard.harness.runner import RANK_MODULES
 from moeshard.jobs.train import (
     TrainReference,
     TrainSpec,
@@ -43,13 +42,13 @@ from moeshard.jobs.train import (
     train_rank,
 )
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld
 from moeshard.tolerances import TRAIN_LOSS_RTOL
 
 tf = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
+from forked_world import run_forked  # noqa: E402 - a helper of these tests
 
 # family -> router_aux_loss_coef it is saved with (None: no load-balancing loss).
 FAMILIES = {"mixtral": 0.5, "qwen2_moe": 0.2, "qwen3_moe": None, "deepseek_v3": None}
@@ -136,20 +135,12 @@ def reference(models):
 
 
 def _run_world(ws: int, plans) -> list[list]:
-    """Every plan's per-rank results: in this process for one rank, else one world of ``ws``
-    ranks forked from the harness's fork server."""
+    """Every plan's per-rank results: in this process for one rank, else one forked world of
+    ``ws`` ranks."""
     if ws == 1:
         return [[train_rank(plan, None)] for plan in plans]
-    world = LocalWorld(ws, timeout_s=SPAWN_TIMEOUT_S, preload=RANK_MODULES)
-    with world:
-        world.start(train_plans, (plans,))
-        for _ in world.events():
-            pass
-        world.stop(CLEAN_EXIT_WAIT_S if world.all_finished else 0.0)
-    failure = world.failure()
-    if failure is not None:
-        raise failure
-    return [[world.results[r][i] for r in range(ws)] for i in range(len(plans))]
+    results = run_forked(ws, train_plans, (plans,), SPAWN_TIMEOUT_S)
+    return [[results[r][i] for r in range(ws)] for i in range(len(plans))]
 
 
 @pytest.fixture(scope="module")

@@ -22,16 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from moeshard.harness.runner import RANK_MODULES
 from moeshard.jobs.train import TrainSpec, compare_training, plan_train, reference_train, train_plans, train_rank
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld
 from moeshard.tolerances import TRAIN_LOSS_RTOL
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_tiny_moe  # noqa: E402 - a script of this repository
+from forked_world import run_forked  # noqa: E402 - a helper of these tests
 
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
 
@@ -83,19 +82,6 @@ def test_one_warmup_step_starts_the_rate_at_zero(models):
     assert constant.losses[1] < constant.losses[0]
 
 
-def _world(plans, ws: int = 2) -> list[list]:
-    world = LocalWorld(ws, timeout_s=300.0, preload=RANK_MODULES)
-    with world:
-        world.start(train_plans, (plans,))
-        for _ in world.events():
-            pass
-        world.stop(CLEAN_EXIT_WAIT_S if world.all_finished else 0.0)
-    failure = world.failure()
-    if failure is not None:
-        raise failure
-    return [[world.results[r][i] for r in range(ws)] for i in range(len(plans))]
-
-
 def test_schedule_clipping_and_micro_batches_equal_transformers_under_ep2_and_sp(models):
     settings = dict(schedule="linear", warmup_steps=1, max_grad_norm=0.05, micro_batches=2)
     layouts = (ParallelConfig(2, 1, True), ParallelConfig(1, 2, True))
@@ -103,7 +89,9 @@ def test_schedule_clipping_and_micro_batches_equal_transformers_under_ep2_and_sp
              for layout in layouts]
     assert plans[0].micro(0) == ((0,), (1,)) and plans[0].global_micro() == ((0, 2), (1, 3))
     assert plans[1].micro(0) == plans[1].global_micro() == ((0, 1), (2, 3))
-    for plan, results in zip(plans, _world(plans), strict=True):
+    ranks = run_forked(2, train_plans, (plans,))
+    for i, plan in enumerate(plans):
+        results = [ranks[r][i] for r in range(2)]
         # The micro-batches, and with them the load-balancing losses, follow the DP split.
         reference = reference_train(plan)
         assert reference.losses[1] == reference.losses[0] and reference.grad_norm > 0.05
@@ -123,5 +111,5 @@ def test_schedule_clipping_and_micro_batches_equal_transformers_under_ep2_and_sp
         assert whole.aux_losses is not None
         cross_entropy = whole.losses[0] - 0.5 * whole.aux_losses[0]
         assert reference.losses[0] - 0.5 * reference.aux_losses[0] == pytest.approx(cross_entropy, rel=1e-6)
-        ranks = sum(r.losses[0] for r in results if r.tp_rank == 0)
-        assert ranks - 0.5 * results[0].aux_losses[0] == pytest.approx(cross_entropy, rel=1e-6), tag
+        step0 = sum(r.losses[0] for r in results if r.tp_rank == 0)
+        assert step0 - 0.5 * results[0].aux_losses[0] == pytest.approx(cross_entropy, rel=1e-6), tag
