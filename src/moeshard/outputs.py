@@ -103,6 +103,58 @@ def _check_output_path(target: Path, flag: str, reads: Iterable[str | Path]) -> 
     return target
 
 
+def check_output_dir(path: str | Path, flag: str, reads: Iterable[str | Path] = ()) -> Path:
+    """The directory to create for ``flag``'s output, refused (ValueError naming the flag and the
+    path) when anything exists at the path (a directory is never written into or replaced: nothing
+    is overwritten), when its parent is missing or unwritable, or when it would lie inside a
+    directory in ``reads`` (the checkpoint the run reads)."""
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise ValueError(f"{flag}: expected a directory path, got {path!r}")
+    target = Path(path)
+    shown = repr(str(path))
+    try:
+        if target.name in ("", ".", ".."):
+            raise ValueError(f"{flag} {shown}: give the path of a directory to create")
+        if target.exists() or target.is_symlink():
+            raise ValueError(f"{flag} {shown}: exists; moeshard creates the directory and never writes into or "
+                             f"replaces one -- choose a new path")
+        parent = target.resolve().parent
+        for read in reads:
+            if parent == Path(read).resolve() or Path(read).resolve() in parent.parents:
+                raise ValueError(f"{flag} {shown}: lies inside {str(read)!r}, a directory this run reads -- choose "
+                                 f"a path outside it")
+        if not parent.is_dir():
+            raise ValueError(f"{flag} {shown}: directory {str(parent)!r} does not exist")
+        probe = tempfile.mkdtemp(dir=parent, prefix=_tmp_prefix(target), suffix=".probe")
+        os.rmdir(probe)
+    except OSError as exc:
+        raise ValueError(f"{flag} {shown}: cannot create a directory there: {_why(exc)}") from None
+    return target
+
+
+def atomic_write_dir(path: str | Path, write: Callable[[str], None]) -> None:
+    """Calls ``write(tmp)`` to fill a new temporary directory next to ``path``, then renames it to
+    ``path``, which must not exist (``check_output_dir``): readers see no directory or the whole
+    one. Raises ``OutputError`` naming the path if anything fails (the temporary directory is
+    removed; a directory that appeared at ``path`` meanwhile is left as it is)."""
+    import shutil
+
+    target = Path(path)
+    tmp = None
+    try:
+        tmp = tempfile.mkdtemp(dir=target.resolve().parent, prefix=_tmp_prefix(target), suffix=".tmp")
+        write(tmp)
+        if target.exists() or target.is_symlink():
+            raise FileExistsError(errno.EEXIST, "it appeared while the run wrote", str(target))
+        os.rename(tmp, target)
+        tmp = None
+    except OSError as exc:
+        raise OutputError(f"cannot write {str(path)!r}: {_why(exc)}") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _stat_input(path: object, flag: str, expected: str) -> tuple[Path, os.stat_result]:
     """(path, its stat) of an input the user named with ``flag``; ValueError when it is no path,
     does not exist or cannot be looked at."""

@@ -4,7 +4,7 @@ layout, its MoE blocks run by moeshard, each rank holding only its slices of the
     moeshard train --model DIR --input-ids "3,17,42;5,6,7" --steps 4 --lr 0.05 --optimizer sgd|adamw \\
                    [--lr-schedule linear --warmup-steps 1] [--max-grad-norm 1.0] [--micro-batches 2] \\
                    [--dp D --tp T --ep] [--backend B] [--dtype bf16] [--device cpu|cuda] [--compare] \\
-                   [--output OUT.json]
+                   [--output OUT.json] [--save DIR]
 
 Every step trains on the whole batch (the prompts, split over the DP ranks as ``moeshard
 generate`` splits them): transformers' loss of the model and its config (the mean next-token
@@ -14,7 +14,8 @@ the config turns it on), one backward (one per micro-batch with ``--micro-batche
 learning-rate schedule on every rank. ``--compare`` also trains the same model with transformers
 alone on one device (fp32, the same micro-batches, optimizer, schedule, clipping and steps) and
 reports the losses' relative differences, the gradient norm's, and the largest parameter
-difference after the last step. Ranks: ``dp * tp`` local processes (gloo on
+difference after the last step. ``--save`` writes the trained model as a Hugging Face checkpoint
+(``jobs.train_save``). Ranks: ``dp * tp`` local processes (gloo on
 cpu, NCCL on cuda, one GPU each), or, under torchrun, this process is one rank of torchrun's world.
 """
 
@@ -48,8 +49,9 @@ from moeshard.jobs.train import (
     train_plans,
     train_rank,
 )
+from moeshard.jobs.train_save import save_trained
 from moeshard.jobs.world import execute
-from moeshard.outputs import atomic_write_text, check_input_dir, check_output_path
+from moeshard.outputs import atomic_write_text, check_input_dir, check_output_dir, check_output_path
 from moeshard.parallel.config import ParallelConfig
 from moeshard.tolerances import TRAIN_ROUNDING_FACTOR
 
@@ -86,6 +88,9 @@ def add_parser(subparsers) -> None:
                      help="split each DP rank's prompts into M micro-batches, accumulating their gradients "
                           "before each step (default 1: the whole batch in one forward)")
     src.add_argument("--output", metavar="OUT", help="write the losses, the gradient norm (and the comparison) as JSON")
+    src.add_argument("--save", metavar="DIR",
+                     help="save the trained model to DIR (created; never an existing path) as a Hugging Face "
+                          "checkpoint, by transformers' save_pretrained, with the checkpoint's tokenizer files")
     src.add_argument("--compare", action="store_true",
                      help="also train with transformers alone on one device (fp32) and report the differences")
     add_allow_nonfinite(src, "losses or a gradient norm holding NaN/Inf (in --output a NaN figure is null, named "
@@ -109,9 +114,11 @@ def spec_from_args(args: argparse.Namespace) -> TrainSpec:
     check_input_dir(args.model, "--model")
     if args.output is not None:
         check_output_path(args.output, "--output", reads=files_read(args.model, args.input_file))
+    if args.save is not None:
+        check_output_dir(args.save, "--save", reads=[args.model])
     return TrainSpec(model_dir=args.model, prompts=prompts, steps=args.steps, lr=args.lr, optimizer=args.optimizer,
                      schedule=args.lr_schedule, warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm,
-                     micro_batches=args.micro_batches,
+                     micro_batches=args.micro_batches, save_dir=args.save,
                      parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant, dtype=args.dtype,
                      backend=args.backend, device=args.device, compare=args.compare,
                      prompts_from="--input-ids" if args.input_ids is not None else "--input-file")
@@ -232,12 +239,15 @@ def run(args: argparse.Namespace) -> int:
             # (Within the tolerance of the float32 run is within that bound too: train_bound.)
             exact = reference_train(plan, dtype=torch.float64)
             comparison = against_exact(comparison, plan, results, reference, exact)
-    light = [replace(r, params=None) for r in results]  # the parameters are compared, not reported
+    saved = save_trained(plan, results, plan.spec.save_dir) if plan.spec.save_dir is not None else None
+    light = [replace(r, params=None) for r in results]  # the parameters are compared or saved, not reported
     data = report(plan, light, comparison, time.perf_counter() - start)
     written = with_nulls(data)  # a NaN figure: null, named under "nonfinite"
     if args.output is not None:
         atomic_write_text(args.output, json_text(written))
     _print(data, len(written.get("nonfinite", [])))
+    if saved is not None:
+        print(f"saved the trained model ({saved} trained parameters) to {plan.spec.save_dir}")
     sys.stdout.flush()
     return exit_code(plan, comparison)
 

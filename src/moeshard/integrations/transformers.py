@@ -410,6 +410,17 @@ def _canonical(state: dict[str, torch.Tensor], family: ModelFamily, num_experts:
     return out
 
 
+def block_state(raw: dict[str, torch.Tensor], family: ModelFamily, num_experts: int) -> dict[str, torch.Tensor]:
+    """A transformers block's tensors by their names inside the block module that moeshard
+    replaces (``raw``) -> the same tensors under both the block's names and moeshard's
+    (``_canonical``: its names, in ``MoEWeights``' layout): what a moeshard block's parameter of
+    any name is, as transformers holds it. For an ``experts_only`` family the module moeshard
+    replaces is the experts module, whose names are put under ``family.experts`` first."""
+    if family.experts_only:
+        raw = {f"{family.experts}.{k}": v for k, v in raw.items()}
+    return {**raw, **_canonical(raw, family, num_experts)}
+
+
 def _router_names(family: ModelFamily) -> dict[str, Any]:
     return {"router_name": family.router, "router_weight": family.router_weight,
             "correction_bias": family.correction_bias, "router_bias": family.router_bias,

@@ -109,7 +109,8 @@ class TrainSpec:
     split into (contiguously), their gradients accumulated before the step (1: the whole batch in
     one forward and backward); quant/dtype/backend None: the checkpoint's quantization (refused
     unless none) and dtype, the layout's default backend; compare: send every rank's trained
-    parameters back, to compare with transformers alone."""
+    parameters back, to compare with transformers alone; save_dir: a new directory to save the
+    trained model to, as a Hugging Face checkpoint (``jobs.train_save``)."""
 
     model_dir: str
     prompts: tuple[tuple[int, ...], ...]
@@ -127,6 +128,12 @@ class TrainSpec:
     warmup_steps: int = 0
     max_grad_norm: float | None = None
     micro_batches: int = 1
+    save_dir: str | None = None
+
+    @property
+    def sends_parameters(self) -> bool:
+        """Whether the ranks send their trained parameters back: to compare them, or to save them."""
+        return self.compare or self.save_dir is not None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -310,7 +317,7 @@ class TrainRankResult:
     mean of its micro-batches'; None without one); grad_norm: the norm of the last step's reduced
     gradients, before any clipping (every parameter counted once, the same on every
     rank); experts: [start, stop) of its experts, intermediate: its [lo, hi) of I; params: with
-    ``spec.compare``, its trained parameters after the last step (CPU fp32, by name; experts its
+    ``spec.sends_parameters``, its trained parameters after the last step (CPU fp32, by name; experts its
     shard), else None; shards: each MoE block's module name -> its ``ShardSpec``."""
 
     rank: int
@@ -380,7 +387,7 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     s = next(iter(blocks.values())).shard
     width = plan.cfg.intermediate_size // s.tp_size
     params = None
-    if spec.compare:
+    if spec.sends_parameters:
         params = {name: q.detach().float().cpu() for name, q in model.named_parameters() if q.requires_grad}
     return TrainRankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, prompts=mine, losses=tuple(losses),
                            aux_losses=tuple(aux_losses) if plan.aux_coef is not None else None,
@@ -558,13 +565,11 @@ class _ReferenceParams:
         self.blocks: dict[str, dict[str, torch.Tensor]] = {}
 
     def _block(self, prefix: str) -> dict[str, torch.Tensor]:
-        from moeshard.integrations.transformers import _canonical
+        from moeshard.integrations.transformers import block_state
 
         if prefix not in self.blocks:
             raw = {k[len(prefix) + 1:]: v for k, v in self.params.items() if k.startswith(prefix + ".")}
-            if self.family.experts_only:  # moeshard's module is the layer's experts: under transformers' names
-                raw = {f"{self.family.experts}.{k}": v for k, v in raw.items()}
-            self.blocks[prefix] = {**raw, **_canonical(raw, self.family, self.plan.cfg.num_experts)}
+            self.blocks[prefix] = block_state(raw, self.family, self.plan.cfg.num_experts)
         return self.blocks[prefix]
 
     def of(self, name: str, shards: dict[str, ShardSpec]) -> torch.Tensor:
@@ -595,7 +600,7 @@ def compare_training(plan: TrainPlan, results: list[TrainRankResult], reference:
     if exact is not None:
         _check_exact("compare_training", reference, exact)
     if any(r.params is None for r in results):
-        raise ValueError("compare_training: the ranks sent no parameters (TrainSpec.compare was False)")
+        raise ValueError("compare_training: the ranks sent no parameters (TrainSpec.compare and save_dir were unset)")
     losses = global_losses(plan, results)
     rel = tuple(_rel(a, b) for a, b in zip(losses, reference.losses, strict=True))
     want = _ReferenceParams(plan, reference.params)
@@ -651,7 +656,7 @@ def describe(plan: TrainPlan) -> dict:
             "optimizer": {"name": opt.name, "torch": f"torch.optim.{opt.cls}", "lr": spec.lr,
                           **{k: list(v) if isinstance(v, tuple) else v for k, v in opt.settings.items()}},
             "lr_schedule": spec.schedule, "warmup_steps": spec.warmup_steps, "max_grad_norm": spec.max_grad_norm,
-            "micro_batches": spec.micro_batches,
+            "micro_batches": spec.micro_batches, "saved_to": spec.save_dir,
             "prompts_per_micro_batch": [[list(part) for part in plan.micro(d)] for d in range(plan.parallel.dp)],
             "tokens": plan.tokens, "aux_loss_coef": plan.aux_coef,
             "prompts_per_dp_rank": [list(d) for d in plan.dp_prompts]}

@@ -1,0 +1,141 @@
+"""``moeshard train --save``: the trained model as a checkpoint that transformers and moeshard read.
+
+The proof is exact: the saved checkpoint, read back by transformers' ``from_pretrained`` and cut
+as each rank holds it (moeshard's names and layout, the rank's experts and slice of I, the same
+rule ``--compare`` uses), equals every rank's trained parameters bit for bit. Families chosen for
+how they store their blocks: per-expert tensors that transformers fuses on load (Mixtral), a
+shared expert with its gate (Qwen2-MoE), a transposed interleaved gate_up (gpt-oss), stored names
+apart from the model's (Granite), the experts alone replaced (Gemma 4), a selection bias held
+[1, E] (ERNIE 4.5), a fused shared gate_up (MiniMax-M3); under EP2, SP and TP2 the experts come
+from two ranks. Then moeshard itself reads the saved model (``generate --compare``), a save that
+would miss an element is refused with nothing written, and so is every output path that would
+overwrite anything.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeshard.cli import main
+from moeshard.jobs.train import TrainSpec, _ReferenceParams, plan_train, train_plans, train_rank
+from moeshard.jobs.train_save import save_trained
+from moeshard.parallel.config import ParallelConfig
+
+tf = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import make_tiny_moe  # noqa: E402 - a script of this repository
+from forked_world import run_forked  # noqa: E402 - a helper of these tests
+
+PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
+ONE_RANK = ("mixtral", "qwen2_moe", "gpt_oss", "granitemoe", "gemma4_text", "ernie4_5_moe", "minimax_m3_vl_text")
+TWO_RANKS = {"dp2-tp1-ep": ("mixtral", ParallelConfig(2, 1, True)), "dp1-tp2-ep": ("qwen2_moe", ParallelConfig(1, 2, True)),
+             "dp1-tp2-noep": ("deepseek_v3", ParallelConfig(1, 2, False))}
+
+
+class _Models(dict):
+    """model_type -> directory of its tiny random float32 model, made when first asked for."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str) -> str:
+        if family not in tf.models.auto.configuration_auto.CONFIG_MAPPING:
+            pytest.skip(f"transformers {tf.__version__} has no config class for model_type {family!r}")
+        make_tiny_moe.make(str(self.root / family), family, hidden=32, moe_intermediate=16, experts=4, layers=2,
+                           vocab=64, dtype="float32", seed=zlib.crc32(family.encode()) % 1000)
+        self[family] = str(self.root / family)
+        return self[family]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> _Models:
+    return _Models(tmp_path_factory.mktemp("tiny-save"))
+
+
+def _plan(model_dir: str, parallel: ParallelConfig | None = None, save_dir: str | None = None):
+    return plan_train(TrainSpec(model_dir, PROMPTS, 2, 0.01, "sgd", parallel or ParallelConfig(), save_dir=save_dir))
+
+
+def _check_saved_exactly(plan, results, directory: Path, count: int) -> None:
+    """Every rank's every trained parameter is its part of the saved tensor, bit for bit; and the
+    save put in every parameter transformers has (moeshard trains them all)."""
+    saved = tf.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    params = {name: p.detach() for name, p in saved.named_parameters()}
+    assert count == len(params), (count, len(params))
+    want = _ReferenceParams(plan, params)
+    compared = 0
+    for r in results:
+        assert r.params
+        for name, got in r.params.items():
+            ref = want.of(name, r.shards)
+            assert torch.equal(got, ref), (plan.model_type, plan.parallel.name, r.rank, name)
+            compared += 1
+    assert compared == len(results) * len(results[0].params)
+
+
+@pytest.mark.parametrize("family", ONE_RANK)
+def test_the_saved_model_holds_what_one_rank_trained(models, tmp_path, family):
+    plan = _plan(models[family], save_dir=str(tmp_path / "saved"))
+    result = train_rank(plan, None)
+    count = save_trained(plan, [result], plan.spec.save_dir)
+    _check_saved_exactly(plan, [result], tmp_path / "saved", count)
+
+
+def test_the_saved_model_holds_what_two_ranks_trained(models, tmp_path):
+    plans = [_plan(models[family], parallel, str(tmp_path / layout)) for layout, (family, parallel) in TWO_RANKS.items()]
+    ranks = run_forked(2, train_plans, (plans,))
+    for i, plan in enumerate(plans):
+        results = [ranks[r][i] for r in range(2)]
+        assert not any(isinstance(r, dict) for r in results), results
+        count = save_trained(plan, results, plan.spec.save_dir)
+        _check_saved_exactly(plan, results, Path(plan.spec.save_dir), count)
+
+
+def test_moeshard_reads_the_saved_model(models, tmp_path, capsys):
+    saved = tmp_path / "saved"
+    argv = ["train", "--model", models["mixtral"], "--input-ids", "3,17,42;5,6,7", "--steps", "2", "--lr", "0.05",
+            "--optimizer", "sgd", "--save", str(saved)]
+    assert main(argv) == 0
+    assert "saved the trained model (" in capsys.readouterr().out
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+    assert main(["generate", "--model", str(saved), "--input-ids", "3,17,42;5,6", "--max-new-tokens", "2",
+                 "--compare"]) == 0
+    assert "same ids for 2 of 2 prompt(s)" in capsys.readouterr().out
+
+
+def test_an_element_no_rank_holds_is_refused_and_nothing_is_written(models, tmp_path):
+    plan = _plan(models["mixtral"], save_dir=str(tmp_path / "saved"))
+    result = train_rank(plan, None)
+    assert result.params is not None
+    expert = next(n for n in result.params if n.endswith("experts.down_proj"))
+    lost = replace(result, params={n: v for n, v in result.params.items() if n != expert})
+    with pytest.raises(RuntimeError, match=rf"^{expert}: (\d+) of its \1 elements are held by no rank's trained "
+                                           r"parameters; nothing saved$"):
+        save_trained(plan, [lost], plan.spec.save_dir)
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_never_overwrites_and_says_why(models, tmp_path, capsys):
+    model = models["mixtral"]
+    (tmp_path / "exists").mkdir()
+    (tmp_path / "afile").write_text("keep")
+    cases = {str(tmp_path / "exists"): "exists; moeshard creates the directory and never writes into or replaces one",
+             str(tmp_path / "afile"): "exists; moeshard creates the directory",
+             str(Path(model) / "inside"): "lies inside",
+             str(tmp_path / "missing" / "saved"): "does not exist"}
+    for path, message in cases.items():
+        assert main(["train", "--model", model, "--input-ids", "1,2", "--save", path]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("moeshard train: error: --save ") and message in err, err
+    assert (tmp_path / "afile").read_text() == "keep" and not any((tmp_path / "exists").iterdir())
+    assert not (Path(model) / "inside").exists()
