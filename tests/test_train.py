@@ -361,10 +361,11 @@ def test_torchrun_path_in_this_process(models, tmp_path, monkeypatch):
     out, batch = tmp_path / "train.json", tmp_path / "batch.json"
     batch.write_text(json.dumps([[3, 17, 42, 5], [1, 2, 3], [7, 8]]))
     argv = ["train", "--model", models["deepseek_v3"], "--input-file", str(batch), "--steps", "2", "--compare",
-            "--output", str(out)]
+            "--output", str(out), "--save", str(tmp_path / "saved")]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert data["comparison"]["within_tolerance"] is True and data["aux_loss_coef"] is None
+    assert data["saved_to"] == str(tmp_path / "saved") and (tmp_path / "saved" / "model.safetensors").is_file()
     assert [p["input_ids"] for p in data["prompts"]] == [[3, 17, 42, 5], [1, 2, 3], [7, 8]]
     assert not torch.distributed.is_initialized()
 
