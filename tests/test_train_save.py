@@ -7,9 +7,10 @@ how they store their blocks: per-expert tensors that transformers fuses on load 
 shared expert with its gate (Qwen2-MoE), a transposed interleaved gate_up (gpt-oss), stored names
 apart from the model's (Granite), the experts alone replaced (Gemma 4), a selection bias held
 [1, E] (ERNIE 4.5), a fused shared gate_up (MiniMax-M3); under EP2, SP and TP2 the experts come
-from two ranks. Then moeshard itself reads the saved model (``generate --compare``), a save that
-would miss an element is refused with nothing written, and so is every output path that would
-overwrite anything.
+from two ranks. Then moeshard itself reads the saved model (``generate --compare``); the library's
+``save_sharded_model`` writes what every rank of a 2-rank world holds, selection biases included;
+a save that would miss an element is refused with nothing written, and so is every output path
+that would overwrite anything.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from moeshard.checkpoint.writer import RankState, save_checkpoint
 from moeshard.cli import main
 from moeshard.jobs.train import TrainSpec, _ReferenceParams, plan_train, train_plans, train_rank
-from moeshard.jobs.train_save import save_trained
 from moeshard.parallel.config import ParallelConfig
 
 tf = pytest.importorskip("transformers")
@@ -65,6 +66,10 @@ def _plan(model_dir: str, parallel: ParallelConfig | None = None, save_dir: str 
     return plan_train(TrainSpec(model_dir, PROMPTS, 2, 0.01, "sgd", parallel or ParallelConfig(), save_dir=save_dir))
 
 
+def _state(result) -> RankState:
+    return RankState(result.rank, result.params, result.shards)
+
+
 def _check_saved_exactly(plan, results, directory: Path, count: int) -> None:
     """Every rank's every trained parameter is its part of the saved tensor, bit for bit; and the
     save put in every parameter transformers has (moeshard trains them all)."""
@@ -86,7 +91,7 @@ def _check_saved_exactly(plan, results, directory: Path, count: int) -> None:
 def test_the_saved_model_holds_what_one_rank_trained(models, tmp_path, family):
     plan = _plan(models[family], save_dir=str(tmp_path / "saved"))
     result = train_rank(plan, None)
-    count = save_trained(plan, [result], plan.spec.save_dir)
+    count = save_checkpoint(plan.spec.model_dir, plan.cfg, [_state(result)], plan.spec.save_dir)
     _check_saved_exactly(plan, [result], tmp_path / "saved", count)
 
 
@@ -96,7 +101,7 @@ def test_the_saved_model_holds_what_two_ranks_trained(models, tmp_path):
     for i, plan in enumerate(plans):
         results = [ranks[r][i] for r in range(2)]
         assert not any(isinstance(r, dict) for r in results), results
-        count = save_trained(plan, results, plan.spec.save_dir)
+        count = save_checkpoint(plan.spec.model_dir, plan.cfg, [_state(r) for r in results], plan.spec.save_dir)
         _check_saved_exactly(plan, results, Path(plan.spec.save_dir), count)
 
 
@@ -119,9 +124,9 @@ def test_an_element_no_rank_holds_is_refused_and_nothing_is_written(models, tmp_
     assert result.params is not None
     expert = next(n for n in result.params if n.endswith("experts.down_proj"))
     lost = replace(result, params={n: v for n, v in result.params.items() if n != expert})
-    with pytest.raises(RuntimeError, match=rf"^{expert}: (\d+) of its \1 elements are held by no rank's trained "
+    with pytest.raises(RuntimeError, match=rf"^{expert}: (\d+) of its \1 elements are held by no rank's "
                                            r"parameters; nothing saved$"):
-        save_trained(plan, [lost], plan.spec.save_dir)
+        save_checkpoint(plan.spec.model_dir, plan.cfg, [_state(lost)], plan.spec.save_dir)
     assert os.listdir(tmp_path) == []
 
 
@@ -139,3 +144,22 @@ def test_save_never_overwrites_and_says_why(models, tmp_path, capsys):
         assert len(err.splitlines()) == 1 and err.startswith("moeshard train: error: --save ") and message in err, err
     assert (tmp_path / "afile").read_text() == "keep" and not any((tmp_path / "exists").iterdir())
     assert not (Path(model) / "inside").exists()
+
+
+def test_a_sharded_model_saved_by_the_library_is_what_every_rank_holds(models, tmp_path):
+    """``save_sharded_model`` in a 2-rank SP world (DeepSeek-V3: experts split over the ranks, a
+    selection bias): every parameter moved on every rank, the biases moved too; the checkpoint
+    read back holds exactly those values."""
+    import save_ranks
+
+    model_dir, saved = models["deepseek_v3"], tmp_path / "saved"
+    ranks = run_forked(2, save_ranks.load_move_save, (model_dir, str(saved), 1, 2, True))
+    assert [r["written"] is not None for r in ranks] == [True, False]
+    plan = _plan(model_dir, ParallelConfig(1, 2, True))
+    results = [RankState(r["rank"], r["params"], r["shards"]) for r in ranks]
+    _check_saved_exactly(plan, results, saved, ranks[0]["written"])
+    reread = tf.AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32)
+    buffers = dict(reread.named_buffers())
+    assert ranks[0]["biases"] and all(torch.equal(buffers[n], b) for n, b in ranks[0]["biases"].items())
+    original = dict(tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    assert all(torch.equal(p, original[n] + 0.25) for n, p in reread.named_parameters())

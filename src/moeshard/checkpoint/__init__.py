@@ -1,4 +1,4 @@
-"""Real checkpoints: one layer's MoE block of a Hugging Face model, read per rank.
+"""Real checkpoints: one layer's MoE block of a Hugging Face model, read per rank (and written back).
 
 Modules, one concern each:
 
@@ -9,6 +9,8 @@ Modules, one concern each:
 * ``names``: ``BlockNames``, where a block's tensors are stored (hub per-expert or fused names).
 * ``experts``: ``ExpertReader``, this rank's routed experts, one expert at a time.
 * ``loader``: ``load_moe_block`` -> ``LoadedBlock`` and ``build_layer`` -> ``MoELayer``.
+* ``writer``: the other way, every rank's tensors of a sharded model back to a checkpoint that
+  transformers and this package read (``save_checkpoint``).
 
 ``moeshard run``'s job (plan, load, split tokens, forward, gather) uses these and lives in
 ``moeshard.jobs.run``.

@@ -15,7 +15,7 @@ learning-rate schedule on every rank. ``--compare`` also trains the same model w
 alone on one device (fp32, the same micro-batches, optimizer, schedule, clipping and steps) and
 reports the losses' relative differences, the gradient norm's, and the largest parameter
 difference after the last step. ``--save`` writes the trained model as a Hugging Face checkpoint
-(``jobs.train_save``). Ranks: ``dp * tp`` local processes (gloo on
+(``checkpoint.writer``). Ranks: ``dp * tp`` local processes (gloo on
 cpu, NCCL on cuda, one GPU each), or, under torchrun, this process is one rank of torchrun's world.
 """
 
@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import torch
 
+from moeshard.checkpoint.writer import RankState, save_checkpoint
 from moeshard.commands.args import add_allow_nonfinite, add_layout_arguments, timeout
 from moeshard.commands.generate import files_read, parse_prompts, read_prompts
 from moeshard.errors import NonFiniteOutput
@@ -49,7 +50,6 @@ from moeshard.jobs.train import (
     train_plans,
     train_rank,
 )
-from moeshard.jobs.train_save import save_trained
 from moeshard.jobs.world import execute
 from moeshard.outputs import atomic_write_text, check_input_dir, check_output_dir, check_output_path
 from moeshard.parallel.config import ParallelConfig
@@ -239,7 +239,10 @@ def run(args: argparse.Namespace) -> int:
             # (Within the tolerance of the float32 run is within that bound too: train_bound.)
             exact = reference_train(plan, dtype=torch.float64)
             comparison = against_exact(comparison, plan, results, reference, exact)
-    saved = save_trained(plan, results, plan.spec.save_dir) if plan.spec.save_dir is not None else None
+    saved = None
+    if plan.spec.save_dir is not None:
+        ranks = [RankState(r.rank, r.params or {}, r.shards) for r in results]
+        saved = save_checkpoint(plan.spec.model_dir, plan.cfg, ranks, plan.spec.save_dir)
     light = [replace(r, params=None) for r in results]  # the parameters are compared or saved, not reported
     data = report(plan, light, comparison, time.perf_counter() - start)
     written = with_nulls(data)  # a NaN figure: null, named under "nonfinite"

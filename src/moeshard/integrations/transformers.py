@@ -9,6 +9,9 @@
         reads the non-expert weights and, per MoE layer, only its slices of the experts
         (``moeshard.checkpoint.load_moe_block``), so a model too large for one device in full
         loads on several
+    save_sharded_model(model, groups, model_dir, directory)
+        back to a Hugging Face checkpoint (after training, say): rank 0 puts every rank's shard
+        of the experts where transformers holds it and saves with transformers' save_pretrained
 
 Both replace ``model.model.layers[L].mlp`` (the family's ``layers`` path and block attribute,
 ``families.ModelFamily``) of every MoE layer ``L`` (the layers the model family's config says
@@ -723,6 +726,55 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
                        device=device, max_tokens_per_rank=max_tokens_per_rank, shared_stored=block.shared_stored,
                        output_bias=biases.pop(index, None))
     return model.eval()
+
+
+def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_dir: str | Path,
+                       directory: str | Path) -> int | None:
+    """Saves a model of ``load_sharded_model`` or ``shard_moe_blocks`` (trained or not) as a Hugging
+    Face checkpoint in the new ``directory``, which transformers' ``from_pretrained`` and
+    ``load_sharded_model`` read: every rank's shard of the experts put back where transformers
+    holds it, every other tensor from the lowest rank (``checkpoint.writer``). model_dir: the
+    checkpoint the model was loaded from; its config, its other files (tokenizer) and the tensors
+    no rank holds come from it.
+
+    Collective when groups is given: every rank sends its parameters and floating-point buffers
+    (CPU fp32) to world rank 0 (one ``gather_object``), which writes. Returns on rank 0 the number
+    of parameters written, None on the others. Refused on every rank before the gather (ValueError):
+    a model without moeshard blocks, a ``directory`` that exists or lies inside ``model_dir``. A
+    failure to write on rank 0 is raised on every rank. Rank 0 holds the whole model once in
+    fp32 (the ranks' copies) and once in the model's dtype (transformers' model it saves)."""
+    import torch.distributed as dist
+
+    from moeshard.checkpoint.writer import RankState, save_checkpoint
+    from moeshard.outputs import check_output_dir
+
+    _, rank = _layout(groups)
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+    error: BaseException | None = None
+    try:
+        if not blocks:
+            raise ValueError(f"save_sharded_model: {type(model).__name__} has no moeshard MoE block (load it with "
+                             f"load_sharded_model or shard_moe_blocks)")
+        if rank == 0:
+            check_output_dir(directory, "save_sharded_model directory", reads=[model_dir])
+    except ValueError as exc:
+        error = exc
+    agree(groups, error, "save_sharded_model")
+    state = RankState(rank, {n: p.detach().float().cpu() for n, p in model.named_parameters()},
+                      {n: m.shard for n, m in blocks.items()},
+                      {n: b.detach().float().cpu() for n, b in model.named_buffers() if b.is_floating_point()})
+    gathered: list[Any] = [state]
+    if groups is not None:
+        gathered = [None] * groups.world_size
+        dist.gather_object(state, gathered if rank == 0 else None, dst=0)
+    written, error = None, None
+    if rank == 0:
+        try:
+            written = save_checkpoint(model_dir, next(iter(blocks.values())).cfg, gathered, directory)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it (agree)
+            error = exc
+    agree(groups, error, "save_sharded_model")
+    return written
 
 
 def _bias_as_transformers_holds_it(weights: MoEWeights, meta_block: nn.Module, family: ModelFamily) -> MoEWeights:

@@ -110,7 +110,7 @@ class TrainSpec:
     one forward and backward); quant/dtype/backend None: the checkpoint's quantization (refused
     unless none) and dtype, the layout's default backend; compare: send every rank's trained
     parameters back, to compare with transformers alone; save_dir: a new directory to save the
-    trained model to, as a Hugging Face checkpoint (``jobs.train_save``)."""
+    trained model to, as a Hugging Face checkpoint (``checkpoint.writer``)."""
 
     model_dir: str
     prompts: tuple[tuple[int, ...], ...]
