@@ -163,3 +163,20 @@ def test_a_sharded_model_saved_by_the_library_is_what_every_rank_holds(models, t
     assert ranks[0]["biases"] and all(torch.equal(buffers[n], b) for n, b in ranks[0]["biases"].items())
     original = dict(tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
     assert all(torch.equal(p, original[n] + 0.25) for n, p in reread.named_parameters())
+
+
+def test_the_library_refuses_what_it_cannot_write(models, tmp_path):
+    from moeshard.integrations.transformers import load_sharded_model, save_sharded_model
+
+    model_dir = models["mixtral"]
+    quantized = load_sharded_model(model_dir, None, quant="fp8_token", dtype="float32")
+    with pytest.raises(ValueError, match=r"^rank 0: save_sharded_model: the experts are quantized \(fp8_token\); only quant "
+                                         r"none is written"):
+        save_sharded_model(quantized, None, model_dir, tmp_path / "saved")
+    plain = tf.AutoModelForCausalLM.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match=r"^rank 0: save_sharded_model: MixtralForCausalLM has no moeshard MoE block"):
+        save_sharded_model(plain, None, model_dir, tmp_path / "saved")
+    (tmp_path / "saved").mkdir()
+    with pytest.raises(ValueError, match=r"^rank 0: save_sharded_model directory '.*saved': exists"):
+        save_sharded_model(load_sharded_model(model_dir, None, dtype="float32"), None, model_dir, tmp_path / "saved")
+    assert not any((tmp_path / "saved").iterdir())

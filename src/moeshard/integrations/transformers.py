@@ -740,7 +740,8 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
     Collective when groups is given: every rank sends its parameters and floating-point buffers
     (CPU fp32) to world rank 0 (one ``gather_object``), which writes. Returns on rank 0 the number
     of parameters written, None on the others. Refused on every rank before the gather (ValueError):
-    a model without moeshard blocks, a ``directory`` that exists or lies inside ``model_dir``. A
+    a model without moeshard blocks or with quantized experts, a ``directory`` that exists or lies
+    inside ``model_dir``. A
     failure to write on rank 0 is raised on every rank. Rank 0 holds the whole model once in
     fp32 (the ranks' copies) and once in the model's dtype (transformers' model it saves)."""
     import torch.distributed as dist
@@ -755,6 +756,10 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
         if not blocks:
             raise ValueError(f"save_sharded_model: {type(model).__name__} has no moeshard MoE block (load it with "
                              f"load_sharded_model or shard_moe_blocks)")
+        quantized = sorted({m.quant.scheme for m in blocks.values() if m.quant.scheme != "none"})
+        if quantized:
+            raise ValueError(f"save_sharded_model: the experts are quantized ({', '.join(quantized)}); only quant "
+                             f"none is written (a checkpoint of the model dtype)")
         if rank == 0:
             check_output_dir(directory, "save_sharded_model directory", reads=[model_dir])
     except ValueError as exc:
