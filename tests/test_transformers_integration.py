@@ -273,13 +273,11 @@ def _fp8_block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def test_fp8_block_checkpoint_whole_model(tmp_path):
-    """A DeepSeek-V3-style FP8 checkpoint: every projection stored as fp8 + weight_scale_inv. The
-    experts load as fp8_block as stored; the other fp8 weights (attention, dense MLP, shared
-    experts) are dequantized into the model dtype; generation runs."""
+def _write_fp8_deepseek(path: Path) -> tuple[dict, dict]:
+    """A tiny DeepSeek-V3 FP8 block checkpoint in ``path`` (one dense layer, one MoE layer, every
+    projection stored as fp8 + weight_scale_inv); returns (the stored tensors, each fp8 weight
+    dequantized in fp32 by the DeepSeek formula)."""
     from safetensors.torch import load_file, save_file
-
-    from moeshard.integrations.transformers import MoEBlock, load_sharded_model
 
     cfg = tf.DeepseekV3Config(vocab_size=64, hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
                               num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2,
@@ -287,9 +285,9 @@ def test_fp8_block_checkpoint_whole_model(tmp_path):
                               n_shared_experts=1, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
                               qk_nope_head_dim=16, v_head_dim=16, initializer_range=0.1)
     torch.manual_seed(5)
-    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     stored, dequantized = {}, {}
-    for name, w in load_file(tmp_path / "model.safetensors").items():
+    for name, w in load_file(path / "model.safetensors").items():
         if w.dim() == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")):
             q, s = _fp8_block_quantize(w)
             stored[name], stored[name.replace(".weight", ".weight_scale_inv")] = q, s
@@ -297,12 +295,21 @@ def test_fp8_block_checkpoint_whole_model(tmp_path):
             dequantized[name] = q.float() * full
         else:
             stored[name] = w
-    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
+    save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [128, 128]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(config))
+    return stored, dequantized
 
+
+def test_fp8_block_checkpoint_whole_model(tmp_path):
+    """A DeepSeek-V3-style FP8 checkpoint: every projection stored as fp8 + weight_scale_inv. The
+    experts load as fp8_block as stored; the other fp8 weights (attention, dense MLP, shared
+    experts) are dequantized into the model dtype; generation runs."""
+    from moeshard.integrations.transformers import MoEBlock, load_sharded_model
+
+    stored, dequantized = _write_fp8_deepseek(tmp_path)
     model = load_sharded_model(tmp_path)
     layers = model.model.layers
     assert isinstance(layers[1].mlp, MoEBlock) and layers[1].mlp.quant.scheme == "fp8_block"
@@ -325,6 +332,62 @@ def test_fp8_block_checkpoint_whole_model(tmp_path):
     assert len(ids[0]) == NEW_TOKENS and torch.isfinite(logits).all()
     used = shared.quantized.weights(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
     assert torch.equal(used.gate_up.scale[0], want)
+
+
+def test_fp8_block_checkpoint_loads_dequantized_with_quant_none(tmp_path):
+    """quant none from an FP8 block checkpoint (what training needs: no backward through fp8
+    experts): the routed experts are dequantized as they are read, each element the DeepSeek
+    formula's q * scale, whole and as a TP rank's slice of I (64 of 128 rows: a slice inside a
+    128-row tile, dequantized whole then cut); another scheme is still refused."""
+    from moeshard.checkpoint import load_moe_block
+    from moeshard.integrations.transformers import load_sharded_model
+
+    _, dequantized = _write_fp8_deepseek(tmp_path)
+    prefix = "model.layers.1.mlp.experts."
+    want_gu = torch.stack([torch.cat([dequantized[f"{prefix}{e}.gate_proj.weight"],
+                                      dequantized[f"{prefix}{e}.up_proj.weight"]]) for e in range(4)])
+    want_dn = torch.stack([dequantized[f"{prefix}{e}.down_proj.weight"] for e in range(4)])
+    model = load_sharded_model(tmp_path, quant="none")
+    block = model.model.layers[1].mlp
+    assert block.quant.scheme == "none" and block.experts.gate_up_proj.dtype == torch.float32
+    assert torch.equal(block.experts.gate_up_proj, want_gu) and torch.equal(block.experts.down_proj, want_dn)
+    half = load_moe_block(tmp_path, 1, parallel=ParallelConfig(1, 2, False), rank=1, quant="none")
+    assert torch.equal(half.local_experts.gate_up, torch.cat([want_gu[:, 64:128], want_gu[:, 192:256]], dim=1))
+    assert torch.equal(half.local_experts.down, want_dn[..., 64:128])
+    with pytest.raises(ValueError, match=r"loads only as quant 'fp8_block' \(as stored\) or 'none' \(dequantized\)"):
+        load_sharded_model(tmp_path, quant="fp8_token")
+
+
+def test_fp8_block_checkpoint_trains_with_quant_none(tmp_path, capsys):
+    """moeshard train from an FP8 block checkpoint: refused as stored (no backward through fp8
+    experts), trained with --quant none under EP2; --compare and --save need transformers to load
+    the checkpoint, which takes the accelerate package: without it both are refused before any
+    rank starts, naming why."""
+    import importlib.util
+
+    from moeshard.cli import main
+
+    _write_fp8_deepseek(tmp_path / "fp8")
+    argv = ["train", "--model", str(tmp_path / "fp8"), "--input-ids", "3,17,42;5,6,7", "--steps", "2", "--lr", "0.05",
+            "--optimizer", "sgd"]
+    assert main(argv) == 2
+    assert "quant 'fp8_block' has no backward" in capsys.readouterr().err
+    assert main([*argv, "--quant", "none", "--dp", "2", "--ep"]) == 0
+    losses = capsys.readouterr().out.split("loss before each step: [")[1].split("]")[0].split(", ")
+    assert float(losses[1]) < float(losses[0])
+    if importlib.util.find_spec("accelerate") is not None:
+        pytest.skip("accelerate is installed: transformers loads the checkpoint, nothing to refuse")
+    for extra, flag in ((["--compare"], "--compare"), (["--save", str(tmp_path / "saved")], "--save")):
+        assert main([*argv, "--quant", "none", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"moeshard train: error: {flag}: transformers loads an FP8 block checkpoint only with the "
+                       f"accelerate package, which this environment lacks (pip install accelerate); run without "
+                       f"{flag}"), err
+    assert main(["generate", "--model", str(tmp_path / "fp8"), "--input-ids", "3,17", "--max-new-tokens", "1",
+                 "--compare"]) == 2
+    assert "--compare: transformers loads an FP8 block checkpoint only with the accelerate package" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "saved").exists()
 
 
 # -- several ranks: one spawn per world size --------------------------------------------------

@@ -293,8 +293,10 @@ class ExpertReader:
         """This rank's ``ExpertWeights`` for ``quant`` and ``spec`` (validated here)."""
         spec.validate(self.cfg, quant)
         plan = ExpertPlan.of(self.cfg, quant, spec, self.fp8)
-        if self.fp8:
+        if self.fp8 and quant.quantized:
             experts = self._read_fp8(plan)
+        elif self.fp8:
+            experts = self._read_fp8_dequantized(plan)
         elif not quant.quantized:
             experts = self._read_plain(plan)
         else:
@@ -329,6 +331,30 @@ class ExpertReader:
         # (I not a multiple of 128) would not match the [E, ceil(2w/128), .] scale shape.
         gate_up = QuantizedWeight("fp8_block", gu_data, gu_scale, None, (E_l, 2 * w, H))
         return ExpertWeights(gate_up, QuantizedWeight("fp8_block", dn_data, dn_scale, None, (E_l, H, w)), "fp8_block")
+
+    def _read_fp8_dequantized(self, plan: ExpertPlan) -> ExpertWeights:
+        """quant none from an FP8 block checkpoint: each expert's fp8 bytes and tile scales read
+        whole (one expert at a time), dequantized as the dense weights are (``dense.in_dtype``:
+        w = q * scale per 128 x 128 tile in fp32, rounded once to the model dtype), and cut to the
+        kept slice of I (any TP slice: the tiles are whole when they are dequantized)."""
+        from moeshard.checkpoint.dense import in_dtype
+
+        (lo, hi), E_l, H, I = plan.keep, len(plan.experts), self.cfg.hidden_size, self.cfg.intermediate_size
+        dtype = self.cfg.dtype
+        gate_up = torch.empty(E_l, 2 * (hi - lo), H, dtype=dtype)
+        down = torch.empty(E_l, H, hi - lo, dtype=dtype)
+        gu_data = torch.empty(2 * I, H, dtype=torch.float8_e4m3fn)
+        dn_data = torch.empty(H, I, dtype=torch.float8_e4m3fn)
+        gu_scale = torch.empty(_blocks(2 * I) if self.names.fused else 2 * _blocks(I), _blocks(H))
+        dn_scale = torch.empty(_blocks(H), _blocks(I))
+        for i, e in enumerate(plan.experts):
+            self._into(e, 0, I, gu_data, dn_data, scales=False)
+            self._into(e, 0, I, gu_scale, dn_scale, scales=True)
+            self._check_scales(e, 0, I, gu_scale, dn_scale)
+            whole = in_dtype(gu_data, gu_scale, dtype)
+            gate_up[i] = torch.cat([whole[lo:hi], whole[I + lo:I + hi]])
+            down[i] = in_dtype(dn_data, dn_scale, dtype)[:, lo:hi]
+        return ExpertWeights(gate_up, down, "none")
 
     def _read_quantized(self, plan: ExpertPlan, quant: QuantConfig) -> ExpertWeights:
         """Each expert read into one scratch buffer in the model dtype, quantized, sliced to the

@@ -64,16 +64,18 @@ class LoadedBlock:
 
 def resolve_quant(model: HFMoEModel, quant: QuantConfig | str | None) -> QuantConfig:
     """The expert quantization: ``None`` means the checkpoint's own (fp8_block for an FP8 block
-    checkpoint, else none). An FP8 block checkpoint loads only as fp8_block: its weights are read
-    as stored, never dequantized and requantized into another scheme."""
+    checkpoint, else none). An FP8 block checkpoint loads as fp8_block (its weights read as
+    stored) or as none (dequantized to the model dtype as they are read: for training, or to run
+    in the model dtype), never requantized into another scheme."""
     if isinstance(quant, str):
         quant = QuantConfig(quant)
     stored = model.format.stored_scheme
     if quant is None:
         return QuantConfig(stored or "none")
-    if stored is not None and quant.scheme != stored:
+    if stored is not None and quant.scheme not in (stored, "none"):
         raise ValueError(f"quant {quant.scheme!r} was asked for, but {model.source} describes "
-                         f"{model.format.summary}, which loads only as quant {stored!r}")
+                         f"{model.format.summary}, which loads only as quant {stored!r} (as stored) or 'none' "
+                         f"(dequantized)")
     return quant
 
 

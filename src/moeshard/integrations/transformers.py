@@ -747,6 +747,7 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
     import torch.distributed as dist
 
     from moeshard.checkpoint.writer import RankState, save_checkpoint
+    from moeshard.jobs.generate import transformers_refusal
     from moeshard.outputs import check_output_dir
 
     _, rank = _layout(groups)
@@ -762,6 +763,9 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
                              f"none is written (a checkpoint of the model dtype)")
         if rank == 0:
             check_output_dir(directory, "save_sharded_model directory", reads=[model_dir])
+            unloadable = transformers_refusal(model_dir, "save_sharded_model")
+            if unloadable:
+                raise ValueError(unloadable)
     except ValueError as exc:
         error = exc
     agree(groups, error, "save_sharded_model")

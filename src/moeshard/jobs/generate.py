@@ -190,6 +190,9 @@ def plan_generate(spec: GenerateSpec) -> GeneratePlan:
     dtype = parse_dtype(spec.dtype) if spec.dtype is not None else (info.checkpoint_dtype or torch.float32)
     cfg = info.moe_config(dtype)
     backend = check_layout(cfg, quant, p, spec.backend, spec.device)
+    refusal = transformers_refusal(spec.model_dir) if spec.compare else None
+    if refusal:
+        raise ValueError(refusal)
     return GeneratePlan(spec=spec, model_type=info.model_type, cfg=cfg, quant=quant, backend=backend,
                         vocab_size=vocab, pad_token_id=pad, dp_prompts=split_prompts(len(spec.prompts), p.dp))
 
@@ -336,6 +339,18 @@ def generate_plans(plans: list[GeneratePlan]) -> list[GenerateRankResult | dict]
 
 
 Generation = tuple[list[tuple[int, ...]], torch.Tensor]  # (new ids per prompt, fp32 logits [steps, B, V])
+
+
+def transformers_refusal(model_dir: str | Path, flag: str = "--compare") -> str | None:
+    """Why transformers' ``from_pretrained`` cannot load ``model_dir`` here (what ``flag`` needs:
+    ``--compare``'s reference, ``--save``'s writer), or None: transformers reads an FP8 block
+    checkpoint only with the accelerate package installed."""
+    import importlib.util
+
+    if read_hf_config(model_dir).format.name == "fp8_block" and importlib.util.find_spec("accelerate") is None:
+        return (f"{flag}: transformers loads an FP8 block checkpoint only with the accelerate package, which this "
+                f"environment lacks (pip install accelerate); run without {flag}")
+    return None
 
 
 def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:

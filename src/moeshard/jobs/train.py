@@ -58,7 +58,14 @@ from moeshard.autograd.support import backward_refusal
 from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
-from moeshard.jobs.generate import PROMPT_SOURCES, check_prompts, load_transformers_model, padded_batch, split_prompts
+from moeshard.jobs.generate import (
+    PROMPT_SOURCES,
+    check_prompts,
+    load_transformers_model,
+    padded_batch,
+    split_prompts,
+    transformers_refusal,
+)
 from moeshard.jobs.world import RankPlace, each_plan, load_timed, synchronize
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
@@ -276,6 +283,10 @@ def plan_train(spec: TrainSpec) -> TrainPlan:
         where = (f"--backend {backend}" if not quant.quantized else f"--quant {quant.scheme}" if spec.quant is not None
                  else f"the checkpoint's quantization {quant.scheme}")
         raise ValueError(f"train: {where}: {refusal}")
+    for flag, wanted in (("--compare", spec.compare), ("--save", spec.save_dir is not None)):
+        unloadable = transformers_refusal(spec.model_dir, flag) if wanted else None
+        if unloadable:
+            raise ValueError(unloadable)
     return TrainPlan(spec=spec, model_type=info.model_type, cfg=cfg, quant=quant, backend=backend, pad_token_id=pad,
                      dp_prompts=split_prompts(len(spec.prompts), p.dp), tokens=tokens,
                      aux_coef=aux_loss_coef(spec.model_dir))
