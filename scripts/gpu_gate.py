@@ -15,8 +15,12 @@ Steps, each with its own time limit (the whole gate fits one 10-minute device ca
 5. ``moeshard generate --device cuda --compare`` of a tiny random Qwen3-MoE model (made by
    ``scripts/make_tiny_moe.py``) in float32: the same ids as transformers alone on the GPU and
    logits within the table (the command's exit code judges float32 runs);
-6. ``moeshard train --device cuda --compare`` of the same model in float32, three SGD steps: the
-   losses of transformers alone on the GPU within 1e-4 relative (the exit code judges it).
+6. ``moeshard train --device cuda --compare`` of the same model in float32, three SGD steps in two
+   micro-batches, clipped, on a linear schedule with one warmup step: the losses of transformers
+   alone on the GPU doing the same within 1e-4 relative (the exit code judges it); the trained
+   model saved (``--save``);
+7. ``moeshard generate --device cuda --compare`` of that saved model: moeshard and transformers
+   read it, the same ids.
 
 It writes ``DIR/summary.json`` (machine, software, commit, date, each step's command, exit code,
 wall time and counts; ``passed`` is true only if every step passed) and one log per step, then
@@ -129,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                    "not that tree's (a device machine gets the working tree, not always its history)")
     p.add_argument("--budget-s", type=float, default=540.0, help="time limit of the whole gate (default 540 s)")
     p.add_argument("--skip", default="", help="comma list of steps to leave out "
-                   "(gpu-tests, check, bench, bench-backward, generate, train)")
+                   "(gpu-tests, check, bench, bench-backward, generate, train; skipping train skips "
+                   "generate-trained)")
     args = p.parse_args(argv)
 
     import torch
@@ -184,12 +189,20 @@ def main(argv: list[str] | None = None) -> int:
             steps.append(run_step("train", [py, "-m", "moeshard", "train", "--model", str(tiny / "m"),
                                             "--input-ids", "3,17,42;5,6,7,8", "--steps", "3", "--lr", "0.05",
                                             "--optimizer", "sgd", "--device", "cuda", "--dtype", "float32",
+                                            "--micro-batches", "2", "--max-grad-norm", "1.0", "--lr-schedule",
+                                            "linear", "--warmup-steps", "1", "--save", str(tiny / "trained"),
                                             "--compare", "--output", str(out / "train.json")], out, budget.limit(90), env))
             result = _json(out / "train.json")
             if result is not None:
                 c = result.get("comparison") or {}
                 steps[-1]["result"] = {k: c.get(k) for k in ("max_loss_rel_diff", "within_tolerance",
                                                              "grad_norm_rel_diff")}
+            if steps[-1]["passed"]:
+                steps.append(run_step("generate-trained", [py, "-m", "moeshard", "generate", "--model",
+                                                           str(tiny / "trained"), "--input-ids", "3,17,42;5,6",
+                                                           "--max-new-tokens", "4", "--device", "cuda", "--compare",
+                                                           "--output", str(out / "generate-trained.json")],
+                                      out, budget.limit(60), env))
 
     summary = {
         "machine": machine, "gpus": gpus, "gpu_name": torch.cuda.get_device_name(0),
