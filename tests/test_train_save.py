@@ -113,6 +113,9 @@ def test_moeshard_reads_the_saved_model(models, tmp_path, capsys):
     assert "saved the trained model (" in capsys.readouterr().out
     assert sorted(p.name for p in saved.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert saved.stat().st_mode & 0o777 == 0o777 & ~umask  # as mkdir makes it, not mkdtemp's 0700
     assert main(["generate", "--model", str(saved), "--input-ids", "3,17,42;5,6", "--max-new-tokens", "2",
                  "--compare"]) == 0
     assert "same ids for 2 of 2 prompt(s)" in capsys.readouterr().out

@@ -10,6 +10,10 @@ file (a device such as ``/dev/full`` is never replaced by a file), and any file 
 with its own words. Every OS error on the way is a ValueError naming the flag, the path and the
 error: the command line prints it as one line (exit code 2).
 
+``check_output_dir`` and ``atomic_write_dir`` do the same for a directory of output (a saved
+checkpoint): the path must not exist, the directory is filled under a temporary name beside it
+and renamed into place whole.
+
 ``atomic_write`` writes to a temporary file with a unique name (``tempfile.mkstemp``) in the
 target's directory, flushes it to disk and renames it over the target (``os.replace``), so
 readers see the old file or the new one, never half of one; on any failure (disk full, Ctrl-C)
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterable
@@ -137,12 +142,11 @@ def atomic_write_dir(path: str | Path, write: Callable[[str], None]) -> None:
     ``path``, which must not exist (``check_output_dir``): readers see no directory or the whole
     one. Raises ``OutputError`` naming the path if anything fails (the temporary directory is
     removed; a directory that appeared at ``path`` meanwhile is left as it is)."""
-    import shutil
-
     target = Path(path)
     tmp = None
     try:
         tmp = tempfile.mkdtemp(dir=target.resolve().parent, prefix=_tmp_prefix(target), suffix=".tmp")
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the checkpoint from its group
         write(tmp)
         if target.exists() or target.is_symlink():
             raise FileExistsError(errno.EEXIST, "it appeared while the run wrote", str(target))
