@@ -48,8 +48,8 @@ def main() -> None:
     parser.add_argument("--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    from moeshard.checkpoint.hf_model import load_transformers_model
     from moeshard.integrations.transformers import load_sharded_model
-    from moeshard.jobs.generate import load_transformers_model
 
     def hf(dtype: torch.dtype, device: str) -> torch.nn.Module:
         return load_transformers_model(args.model_dir, dtype).to(device).eval()

@@ -220,8 +220,8 @@ def test_the_transformers_reference_holds_mxfp4_experts_in_the_asked_dtype(model
     them, is brought to the same bits."""
     from safetensors.torch import load_file
 
+    from moeshard.checkpoint.hf_model import _mxfp4_experts_in, load_transformers_model
     from moeshard.checkpoint.mxfp4 import dequantize_mxfp4
-    from moeshard.jobs.generate import _mxfp4_experts_in, load_transformers_model
 
     stored = load_file(Path(models["gpt_oss_mxfp4"]) / "model.safetensors")
     name = "model.layers.1.mlp.experts.down_proj"
@@ -244,7 +244,7 @@ def test_mxfp4_rank_reads_its_slice_as_transformers_dequantizes(models, layout):
     or EP whole experts) and biases, read from the MXFP4 checkpoint, equal the same slice of
     transformers' dequantized model; the down bias only on TP rank 0."""
     from moeshard.checkpoint import load_moe_block
-    from moeshard.jobs.generate import load_transformers_model
+    from moeshard.checkpoint.hf_model import load_transformers_model
 
     ref = load_transformers_model(models["gpt_oss_mxfp4"], torch.float32).eval()
     experts = ref.model.layers[1].mlp.experts  # transformers' dequantized [E, H, 2I] interleaved, [E, I, H]

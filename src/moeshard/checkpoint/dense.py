@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.checkpoint.experts import FLOAT_DTYPES, scale_dtypes
+from moeshard.checkpoint.experts import FLOAT_DTYPES, dequantize_fp8_block, scale_dtypes
 from moeshard.checkpoint.names import scale_name
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
 from moeshard.quant import FP8_BLOCK
-from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
 
 
 def read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -26,8 +25,7 @@ def in_dtype(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) ->
     128 x 128 block scales, a float tensor cast."""
     if scale is None:
         return t.to(dtype)
-    rows, cols = t.shape
-    return fp8_dequantize(t, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols))).to(dtype)
+    return dequantize_fp8_block(t, scale, dtype)
 
 
 def read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...],

@@ -54,9 +54,17 @@ from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, Weight
 from moeshard.quant import FP8_BLOCK, QuantizedWeight, from_wire, quantize_weight, to_wire
+from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
 from moeshard.sharding import ShardSpec
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 block checkpoint's e4m3 weight [R, C] with its block scales [ceil(R/128),
+    ceil(C/128)] in ``dtype``: w = q * scale per 128 x 128 tile, in fp32, rounded once."""
+    rows, cols = q.shape
+    return fp8_dequantize(q, expand_blocks(scale, (FP8_BLOCK, FP8_BLOCK), (rows, cols))).to(dtype)
 
 
 def scale_dtypes() -> tuple[torch.dtype, ...]:
@@ -334,11 +342,9 @@ class ExpertReader:
 
     def _read_fp8_dequantized(self, plan: ExpertPlan) -> ExpertWeights:
         """quant none from an FP8 block checkpoint: each expert's fp8 bytes and tile scales read
-        whole (one expert at a time), dequantized as the dense weights are (``dense.in_dtype``:
-        w = q * scale per 128 x 128 tile in fp32, rounded once to the model dtype), and cut to the
+        whole (one expert at a time), dequantized as the dense weights are
+        (``dequantize_fp8_block``), and cut to the
         kept slice of I (any TP slice: the tiles are whole when they are dequantized)."""
-        from moeshard.checkpoint.dense import in_dtype
-
         (lo, hi), E_l, H, I = plan.keep, len(plan.experts), self.cfg.hidden_size, self.cfg.intermediate_size
         dtype = self.cfg.dtype
         gate_up = torch.empty(E_l, 2 * (hi - lo), H, dtype=dtype)
@@ -351,9 +357,9 @@ class ExpertReader:
             self._into(e, 0, I, gu_data, dn_data, scales=False)
             self._into(e, 0, I, gu_scale, dn_scale, scales=True)
             self._check_scales(e, 0, I, gu_scale, dn_scale)
-            whole = in_dtype(gu_data, gu_scale, dtype)
+            whole = dequantize_fp8_block(gu_data, gu_scale, dtype)
             gate_up[i] = torch.cat([whole[lo:hi], whole[I + lo:I + hi]])
-            down[i] = in_dtype(dn_data, dn_scale, dtype)[:, lo:hi]
+            down[i] = dequantize_fp8_block(dn_data, dn_scale, dtype)[:, lo:hi]
         return ExpertWeights(gate_up, down, "none")
 
     def _read_quantized(self, plan: ExpertPlan, quant: QuantConfig) -> ExpertWeights:

@@ -13,7 +13,7 @@ moeshard's loader) read it.
 Outside the MoE blocks a tensor has transformers' name and every rank holds the same copy (a
 replicated parameter, kept equal by the gradient reduction), so the lowest rank's is taken.
 Inside a block moeshard's names and layout differ from the family's
-(``integrations.transformers.block_state``) and a rank holds its experts and its slice of I
+(``checkpoint.block_state``) and a rank holds its experts and its slice of I
 (``training.reference.shard_of_grad``). Rather than a second, inverse, rule per family and layout,
 each element is placed by the forward rules themselves: they are applied to a transformers block
 whose every element holds its own index (float64, exact below 2^53), which gives, for every
@@ -73,8 +73,8 @@ def _block_tensors(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState]
                    raw: dict[str, torch.Tensor], parameters: set[str]) -> dict[str, torch.Tensor]:
     """transformers' block tensors (``raw``: name inside the block -> its tensor as loaded;
     ``parameters``: which of them are parameters), each with the values the ranks hold of it."""
+    from moeshard.checkpoint.block_state import block_state
     from moeshard.checkpoint.hf_config import read_hf_config
-    from moeshard.integrations.transformers import block_state
     from moeshard.training.reference import shard_of_grad
 
     family = read_hf_config(model_dir).family
@@ -152,7 +152,7 @@ def save_checkpoint(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState
     files; returns how many of transformers' parameters were put in from the ranks. ``OutputError`` if
     it cannot be written; ``RuntimeError`` (nothing written) if an element of a block parameter has
     no rank."""
-    from moeshard.jobs.generate import load_transformers_model
+    from moeshard.checkpoint.hf_model import load_transformers_model
 
     model = load_transformers_model(str(model_dir), cfg.dtype)
     placed = placed_tensors(model_dir, cfg, ranks, model)

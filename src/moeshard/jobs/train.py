@@ -56,16 +56,10 @@ from torch import nn
 
 from moeshard.autograd.support import backward_refusal
 from moeshard.checkpoint.hf_config import read_hf_config
+from moeshard.checkpoint.hf_model import load_transformers_model, transformers_refusal
 from moeshard.checkpoint.loader import resolve_quant
 from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
-from moeshard.jobs.generate import (
-    PROMPT_SOURCES,
-    check_prompts,
-    load_transformers_model,
-    padded_batch,
-    split_prompts,
-    transformers_refusal,
-)
+from moeshard.jobs.generate import PROMPT_SOURCES, check_prompts, padded_batch, split_prompts
 from moeshard.jobs.world import RankPlace, each_plan, load_timed, synchronize
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
@@ -576,7 +570,7 @@ class _ReferenceParams:
         self.blocks: dict[str, dict[str, torch.Tensor]] = {}
 
     def _block(self, prefix: str) -> dict[str, torch.Tensor]:
-        from moeshard.integrations.transformers import block_state
+        from moeshard.checkpoint.block_state import block_state
 
         if prefix not in self.blocks:
             raw = {k[len(prefix) + 1:]: v for k, v in self.params.items() if k.startswith(prefix + ".")}
