@@ -11,6 +11,9 @@ Modules, one concern each:
 * ``loader``: ``load_moe_block`` -> ``LoadedBlock`` and ``build_layer`` -> ``MoELayer``.
 * ``writer``: the other way, every rank's tensors of a sharded model back to a checkpoint that
   transformers and this package read (``save_checkpoint``).
+* ``block_state``: a transformers block's tensors under moeshard's names and layout.
+* ``hf_model``: transformers' own model of a checkpoint (``load_transformers_model``), and why
+  transformers cannot load one here (``transformers_refusal``).
 
 ``moeshard run``'s job (plan, load, split tokens, forward, gather) uses these and lives in
 ``moeshard.jobs.run``.
