@@ -6,11 +6,13 @@ rule ``--compare`` uses), equals every rank's trained parameters bit for bit. Fa
 how they store their blocks: per-expert tensors that transformers fuses on load (Mixtral), a
 shared expert with its gate (Qwen2-MoE), a transposed interleaved gate_up (gpt-oss), stored names
 apart from the model's (Granite), the experts alone replaced (Gemma 4), a selection bias held
-[1, E] (ERNIE 4.5), a fused shared gate_up (MiniMax-M3); under EP2, SP and TP2 the experts come
-from two ranks. Then moeshard itself reads the saved model (``generate --compare``); the library's
-``save_sharded_model`` writes what every rank of a 2-rank world holds, selection biases included;
-a save that would miss an element is refused with nothing written, and so is every output path
-that would overwrite anything.
+[1, E] (ERNIE 4.5), a fused shared gate_up (MiniMax-M3), a selection bias that transformers
+holds as a parameter and moeshard as a buffer (AFMoE); every other family ``make_tiny_moe``
+builds in ``make test-slow``; under EP2, SP and TP2 the experts come from two ranks. Then
+moeshard itself reads the saved model (``generate --compare``); the library's
+``save_sharded_model`` writes what every rank of a 2-rank world holds, selection biases
+included; a save that would miss an element is refused with nothing written, and so is every
+output path that would overwrite anything.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import make_tiny_moe  # noqa: E402 - a script of this repository
 from forked_world import run_forked  # noqa: E402 - a helper of these tests
 
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
-ONE_RANK = ("mixtral", "qwen2_moe", "gpt_oss", "granitemoe", "gemma4_text", "ernie4_5_moe", "minimax_m3_vl_text")
+ONE_RANK = ("mixtral", "qwen2_moe", "gpt_oss", "granitemoe", "gemma4_text", "ernie4_5_moe", "minimax_m3_vl_text",
+            "afmoe")
 TWO_RANKS = {"dp2-tp1-ep": ("mixtral", ParallelConfig(2, 1, True)), "dp1-tp2-ep": ("qwen2_moe", ParallelConfig(1, 2, True)),
              "dp1-tp2-noep": ("deepseek_v3", ParallelConfig(1, 2, False))}
 
@@ -67,7 +70,7 @@ def _plan(model_dir: str, parallel: ParallelConfig | None = None, save_dir: str 
 
 
 def _state(result) -> RankState:
-    return RankState(result.rank, result.params, result.shards)
+    return RankState(result.rank, result.params, result.shards, result.buffers or {})
 
 
 def _check_saved_exactly(plan, results, directory: Path, count: int) -> None:
@@ -87,7 +90,12 @@ def _check_saved_exactly(plan, results, directory: Path, count: int) -> None:
     assert compared == len(results) * len(results[0].params)
 
 
-@pytest.mark.parametrize("family", ONE_RANK)
+# Every other family make_tiny_moe builds: make test-slow (about a second each).
+OTHERS = sorted((set(make_tiny_moe.SIGMOID_FAMILIES) | set(make_tiny_moe.SOFTMAX_FAMILIES) | set(make_tiny_moe.EXTRA)
+                 | {"qwen3_moe", "deepseek_v3"}) - set(ONE_RANK))
+
+
+@pytest.mark.parametrize("family", [*ONE_RANK, *(pytest.param(f, marks=pytest.mark.slow) for f in OTHERS)])
 def test_the_saved_model_holds_what_one_rank_trained(models, tmp_path, family):
     plan = _plan(models[family], save_dir=str(tmp_path / "saved"))
     result = train_rank(plan, None)

@@ -241,9 +241,9 @@ def run(args: argparse.Namespace) -> int:
             comparison = against_exact(comparison, plan, results, reference, exact)
     saved = None
     if plan.spec.save_dir is not None:
-        ranks = [RankState(r.rank, r.params or {}, r.shards) for r in results]
+        ranks = [RankState(r.rank, r.params or {}, r.shards, r.buffers or {}) for r in results]
         saved = save_checkpoint(plan.spec.model_dir, plan.cfg, ranks, plan.spec.save_dir)
-    light = [replace(r, params=None) for r in results]  # the parameters are compared or saved, not reported
+    light = [replace(r, params=None, buffers=None) for r in results]  # compared or saved, not reported
     data = report(plan, light, comparison, time.perf_counter() - start)
     written = with_nulls(data)  # a NaN figure: null, named under "nonfinite"
     if args.output is not None:

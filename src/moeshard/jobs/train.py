@@ -323,7 +323,9 @@ class TrainRankResult:
     gradients, before any clipping (every parameter counted once, the same on every
     rank); experts: [start, stop) of its experts, intermediate: its [lo, hi) of I; params: with
     ``spec.sends_parameters``, its trained parameters after the last step (CPU fp32, by name; experts its
-    shard), else None; shards: each MoE block's module name -> its ``ShardSpec``."""
+    shard), else None; shards: each MoE block's module name -> its ``ShardSpec``; buffers: with
+    ``spec.save_dir``, its floating-point buffers (CPU fp32, by name: a selection bias that
+    transformers holds as a parameter, AFMoE's ``expert_bias``, is one), else None."""
 
     rank: int
     dp_rank: int
@@ -339,6 +341,7 @@ class TrainRankResult:
     train_s: float
     params: dict[str, torch.Tensor] | None
     shards: dict[str, ShardSpec]
+    buffers: dict[str, torch.Tensor] | None = None
 
 
 def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResult:
@@ -394,12 +397,15 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     params = None
     if spec.sends_parameters:
         params = {name: q.detach().float().cpu() for name, q in model.named_parameters() if q.requires_grad}
+    buffers = None
+    if spec.save_dir is not None:
+        buffers = {name: b.detach().float().cpu() for name, b in model.named_buffers() if b.is_floating_point()}
     return TrainRankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, prompts=mine, losses=tuple(losses),
                            aux_losses=tuple(aux_losses) if plan.aux_coef is not None else None,
                            grad_norm=float(norm), experts=(s.expert_start, s.expert_stop),
                            intermediate=(s.tp_rank * width, (s.tp_rank + 1) * width), expert_bytes=expert_bytes(model),
                            load_s=load_s, train_s=train_s, params=params,
-                           shards={name: m.shard for name, m in blocks.items()})
+                           shards={name: m.shard for name, m in blocks.items()}, buffers=buffers)
 
 
 def train_plans(plans: list[TrainPlan]) -> list[TrainRankResult | dict]:
