@@ -78,6 +78,10 @@ def test_a_clipped_sgd_step_moves_the_parameters_by_lr_times_the_bound(models):
 def test_one_warmup_step_starts_the_rate_at_zero(models):
     _, run = _train(models, "qwen3_moe", steps=3, schedule="linear", warmup_steps=1)
     assert run.losses[1] == run.losses[0] and run.losses[2] < run.losses[1]
+    # The Trainer's linear schedule: lr x step / warmup during warmup, then down to 0 at the end.
+    assert run.learning_rates == pytest.approx((0.0, 0.05, 0.025), rel=1e-12)
+    _, cosine = _train(models, "qwen3_moe", steps=4, schedule="cosine", warmup_steps=1)
+    assert cosine.learning_rates == pytest.approx((0.0, 0.05, 0.05 * 0.75, 0.05 * 0.25), rel=1e-12)
     _, constant = _train(models, "qwen3_moe", steps=2)
     assert constant.losses[1] < constant.losses[0]
 

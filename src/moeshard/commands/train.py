@@ -135,6 +135,7 @@ def report(plan: TrainPlan, results: list[TrainRankResult], comparison: TrainCom
         "losses": global_losses(plan, results),
         "aux_losses": list(results[0].aux_losses) if results[0].aux_losses is not None else None,
         "grad_norm": results[0].grad_norm,
+        "learning_rates": list(results[0].learning_rates),
         "tp_loss_spread": tp_loss_spread(results),
         "prompts": [{"input_ids": list(p), "dp_rank": d} for d, mine in enumerate(plan.dp_prompts)
                     for p in (plan.spec.prompts[i] for i in mine)],
@@ -176,6 +177,8 @@ def _print(data: dict, nonfinite: int) -> None:
               f"{r['experts'][1] - 1}, I {r['intermediate'][0]}:{r['intermediate'][1]}, "
               f"{r['expert_bytes'] / 2**20:.2f} MiB of experts, load {r['load_s']:.2f} s, train {r['train_s']:.2f} s",
               file=out)
+    if data["lr_schedule"] != "constant":
+        print(f"learning rate of each step: {_figures(data['learning_rates'])}", file=out)
     print(f"loss before each step: {_figures(data['losses'])}", file=out)
     if data["aux_losses"] is not None:
         print(f"  of which load-balancing loss (before the coefficient): {_figures(data['aux_losses'])}", file=out)

@@ -325,7 +325,8 @@ class TrainRankResult:
     ``spec.sends_parameters``, its trained parameters after the last step (CPU fp32, by name; experts its
     shard), else None; shards: each MoE block's module name -> its ``ShardSpec``; buffers: with
     ``spec.save_dir``, its floating-point buffers (CPU fp32, by name: a selection bias that
-    transformers holds as a parameter, AFMoE's ``expert_bias``, is one), else None."""
+    transformers holds as a parameter, AFMoE's ``expert_bias``, is one), else None;
+    learning_rates[s]: the rate step s updated with (the schedule's value then)."""
 
     rank: int
     dp_rank: int
@@ -342,6 +343,7 @@ class TrainRankResult:
     params: dict[str, torch.Tensor] | None
     shards: dict[str, ShardSpec]
     buffers: dict[str, torch.Tensor] | None = None
+    learning_rates: tuple[float, ...] = ()
 
 
 def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResult:
@@ -364,12 +366,14 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     schedule = build_schedule(spec, optimizer)
     losses: list[float] = []
     aux_losses: list[float] = []
+    rates: list[float] = []
     norm = torch.zeros(())
     if groups is not None:
         dist.barrier()
     t1 = time.perf_counter()
     for _ in range(spec.steps):
         optimizer.zero_grad(set_to_none=True)
+        rates.append(float(optimizer.param_groups[0]["lr"]))
         step_loss, step_aux = 0.0, 0.0
         for batch in micro:  # gradients accumulate over the micro-batches; reduced once after them
             loss = batch.loss(model, plan.tokens)
@@ -401,6 +405,7 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     if spec.save_dir is not None:
         buffers = {name: b.detach().float().cpu() for name, b in model.named_buffers() if b.is_floating_point()}
     return TrainRankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, prompts=mine, losses=tuple(losses),
+                           learning_rates=tuple(rates),
                            aux_losses=tuple(aux_losses) if plan.aux_coef is not None else None,
                            grad_norm=float(norm), experts=(s.expert_start, s.expert_stop),
                            intermediate=(s.tp_rank * width, (s.tp_rank + 1) * width), expert_bytes=expert_bytes(model),
