@@ -273,13 +273,14 @@ def _fp8_block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def _write_fp8_deepseek(path: Path) -> tuple[dict, dict]:
+def _write_fp8_deepseek(path: Path, moe_intermediate: int = 128) -> tuple[dict, dict]:
     """A tiny DeepSeek-V3 FP8 block checkpoint in ``path`` (one dense layer, one MoE layer, every
     projection stored as fp8 + weight_scale_inv); returns (the stored tensors, each fp8 weight
     dequantized in fp32 by the DeepSeek formula)."""
     from safetensors.torch import load_file, save_file
 
-    cfg = tf.DeepseekV3Config(vocab_size=64, hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
+    cfg = tf.DeepseekV3Config(vocab_size=64, hidden_size=128, intermediate_size=128,
+                              moe_intermediate_size=moe_intermediate,
                               num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2,
                               num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
                               n_shared_experts=1, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
@@ -356,6 +357,33 @@ def test_fp8_block_checkpoint_loads_dequantized_with_quant_none(tmp_path):
     assert torch.equal(half.local_experts.down, want_dn[..., 64:128])
     with pytest.raises(ValueError, match=r"loads only as quant 'fp8_block' \(as stored\) or 'none' \(dequantized\)"):
         load_sharded_model(tmp_path, quant="fp8_token")
+
+
+@pytest.mark.parametrize("tp, rank, tiles", [(2, 1, (128, 256)), (4, 1, (0, 128)), (4, 2, (128, 256))])
+def test_a_tp_rank_reads_only_the_fp8_tiles_that_cover_its_slice(tmp_path, monkeypatch, tp, rank, tiles):
+    """I = 256 (two 128-row tiles): a TP rank dequantizes the tiles its slice of I lies in, not
+    the whole expert, and its slice is the DeepSeek formula's values."""
+    from moeshard.checkpoint import load_moe_block
+    from moeshard.checkpoint.experts import ExpertReader
+
+    _, dequantized = _write_fp8_deepseek(tmp_path, moe_intermediate=256)
+    read = set()
+    into = ExpertReader._into
+
+    def recording(self, e, lo, hi, *args, **kwargs):
+        read.add((lo, hi))
+        return into(self, e, lo, hi, *args, **kwargs)
+
+    monkeypatch.setattr(ExpertReader, "_into", recording)
+    block = load_moe_block(tmp_path, 1, parallel=ParallelConfig(1, tp, False), rank=rank, quant="none")
+    assert read == {tiles}
+    lo, hi = rank * 256 // tp, (rank + 1) * 256 // tp
+    prefix = "model.layers.1.mlp.experts."
+    for e in range(4):
+        want = torch.cat([dequantized[f"{prefix}{e}.gate_proj.weight"][lo:hi],
+                          dequantized[f"{prefix}{e}.up_proj.weight"][lo:hi]])
+        assert torch.equal(block.local_experts.gate_up[e], want), e
+        assert torch.equal(block.local_experts.down[e], dequantized[f"{prefix}{e}.down_proj.weight"][:, lo:hi]), e
 
 
 def test_fp8_block_checkpoint_trains_with_quant_none(tmp_path, capsys):

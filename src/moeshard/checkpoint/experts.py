@@ -341,25 +341,27 @@ class ExpertReader:
         return ExpertWeights(gate_up, QuantizedWeight("fp8_block", dn_data, dn_scale, None, (E_l, H, w)), "fp8_block")
 
     def _read_fp8_dequantized(self, plan: ExpertPlan) -> ExpertWeights:
-        """quant none from an FP8 block checkpoint: each expert's fp8 bytes and tile scales read
-        whole (one expert at a time), dequantized as the dense weights are
-        (``dequantize_fp8_block``), and cut to the
-        kept slice of I (any TP slice: the tiles are whole when they are dequantized)."""
+        """quant none from an FP8 block checkpoint: per expert, the fp8 bytes and scales of the
+        128-row tiles that cover the kept slice of I (the whole expert where I is not a multiple of
+        128: a tile may then straddle gate and up), dequantized as the dense weights are
+        (``dequantize_fp8_block``), then cut to the slice (any TP slice, a tile boundary or not)."""
         (lo, hi), E_l, H, I = plan.keep, len(plan.experts), self.cfg.hidden_size, self.cfg.intermediate_size
         dtype = self.cfg.dtype
+        a, b = (lo // FP8_BLOCK * FP8_BLOCK, min(I, _blocks(hi) * FP8_BLOCK)) if I % FP8_BLOCK == 0 else (0, I)
+        w = b - a
         gate_up = torch.empty(E_l, 2 * (hi - lo), H, dtype=dtype)
         down = torch.empty(E_l, H, hi - lo, dtype=dtype)
-        gu_data = torch.empty(2 * I, H, dtype=torch.float8_e4m3fn)
-        dn_data = torch.empty(H, I, dtype=torch.float8_e4m3fn)
-        gu_scale = torch.empty(_blocks(2 * I) if self.names.fused else 2 * _blocks(I), _blocks(H))
-        dn_scale = torch.empty(_blocks(H), _blocks(I))
+        gu_data = torch.empty(2 * w, H, dtype=torch.float8_e4m3fn)
+        dn_data = torch.empty(H, w, dtype=torch.float8_e4m3fn)
+        gu_scale = torch.empty(_blocks(2 * w) if (a, b) == (0, I) and self.names.fused else 2 * _blocks(w), _blocks(H))
+        dn_scale = torch.empty(_blocks(H), _blocks(w))
         for i, e in enumerate(plan.experts):
-            self._into(e, 0, I, gu_data, dn_data, scales=False)
-            self._into(e, 0, I, gu_scale, dn_scale, scales=True)
-            self._check_scales(e, 0, I, gu_scale, dn_scale)
-            whole = dequantize_fp8_block(gu_data, gu_scale, dtype)
-            gate_up[i] = torch.cat([whole[lo:hi], whole[I + lo:I + hi]])
-            down[i] = dequantize_fp8_block(dn_data, dn_scale, dtype)[:, lo:hi]
+            self._into(e, a, b, gu_data, dn_data, scales=False)
+            self._into(e, a, b, gu_scale, dn_scale, scales=True)
+            self._check_scales(e, a, b, gu_scale, dn_scale)
+            rows = dequantize_fp8_block(gu_data, gu_scale, dtype)  # gate rows [a, b), then up rows [a, b)
+            gate_up[i] = torch.cat([rows[lo - a:hi - a], rows[w + lo - a:w + hi - a]])
+            down[i] = dequantize_fp8_block(dn_data, dn_scale, dtype)[:, lo - a:hi - a]
         return ExpertWeights(gate_up, down, "none")
 
     def _read_quantized(self, plan: ExpertPlan, quant: QuantConfig) -> ExpertWeights:

@@ -36,6 +36,9 @@ from typing import Any, cast
 
 import torch
 
+from moeshard.checkpoint.block_state import block_state
+from moeshard.checkpoint.families import ModelFamily
+from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.config import MoEConfig
 from moeshard.outputs import atomic_write_dir
 from moeshard.sharding import ShardSpec
@@ -69,15 +72,12 @@ def _index_probe(raw: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return probe, start
 
 
-def _block_tensors(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState], prefix: str,
+def _block_tensors(family: ModelFamily, cfg: MoEConfig, ranks: list[RankState], prefix: str,
                    raw: dict[str, torch.Tensor], parameters: set[str]) -> dict[str, torch.Tensor]:
     """transformers' block tensors (``raw``: name inside the block -> its tensor as loaded;
     ``parameters``: which of them are parameters), each with the values the ranks hold of it."""
-    from moeshard.checkpoint.block_state import block_state
-    from moeshard.checkpoint.hf_config import read_hf_config
     from moeshard.training.reference import shard_of_grad
 
-    family = read_hf_config(model_dir).family
     probe, total = _index_probe(raw)
     where = block_state(probe, family, cfg.num_experts)
     flat = torch.cat([t.detach().reshape(-1).float() for t in raw.values()]) if raw else torch.zeros(0)
@@ -124,6 +124,7 @@ def placed_tensors(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState]
     params = dict(model.named_parameters())
     buffers = {n: b for n, b in model.named_buffers() if b.is_floating_point()}
     blocks = sorted(first.shards, key=len, reverse=True)
+    family = read_hf_config(model_dir).family
     held = {**first.buffers, **first.params}
     out: dict[str, torch.Tensor] = {}
     for name in {**buffers, **params}:
@@ -132,7 +133,7 @@ def placed_tensors(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState]
     for prefix in blocks:
         raw = {k[len(prefix) + 1:]: v for k, v in {**buffers, **params}.items() if k.startswith(prefix + ".")}
         inside = {k[len(prefix) + 1:] for k in params if k.startswith(prefix + ".")}
-        out.update({f"{prefix}.{k}": v for k, v in _block_tensors(model_dir, cfg, ranks, prefix, raw, inside).items()})
+        out.update({f"{prefix}.{k}": v for k, v in _block_tensors(family, cfg, ranks, prefix, raw, inside).items()})
     return out
 
 
