@@ -694,9 +694,9 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
     (CPU fp32) to world rank 0 (one ``gather_object``), which writes. Returns on rank 0 the number
     of parameters written, None on the others. Refused on every rank before the gather (ValueError):
     a model without moeshard blocks or with quantized experts, a ``directory`` that exists or lies
-    inside ``model_dir``. A
-    failure to write on rank 0 is raised on every rank. Rank 0 holds the whole model once in
-    fp32 (the ranks' copies) and once in the model's dtype (transformers' model it saves)."""
+    inside ``model_dir``, a checkpoint transformers cannot load here. A failure to write on rank 0
+    is raised on every rank. Rank 0 holds the whole model once in fp32 (the ranks' copies) and
+    once in the model's dtype (transformers' model it saves)."""
     import torch.distributed as dist
 
     from moeshard.checkpoint.hf_model import transformers_refusal

@@ -374,7 +374,7 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     for _ in range(spec.steps):
         optimizer.zero_grad(set_to_none=True)
         rates.append(float(optimizer.param_groups[0]["lr"]))
-        step_loss, step_aux = 0.0, 0.0
+        parts, aux_parts = [], []  # each micro-batch's loss and load-balancing loss, read once a step
         for batch in micro:  # gradients accumulate over the micro-batches; reduced once after them
             loss = batch.loss(model, plan.tokens)
             if plan.aux_coef is not None:
@@ -382,17 +382,17 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
                 # global micro-batch), as the cross entropies sum to the whole batch's.
                 aux = load_balancing_loss(model, groups, row_mask=batch.mask.reshape(-1))
                 loss = loss + plan.aux_coef * aux.share / len(micro)
-                step_aux += float(aux.value) / len(micro)
+                aux_parts.append(aux.value.detach().float().reshape(()))
             loss.backward()
-            step_loss += float(loss.detach())
+            parts.append(loss.detach().float().reshape(()))
         reduce_gradients(model, groups)
         norm = (clip_grad_norm_(model, groups, spec.max_grad_norm) if spec.max_grad_norm is not None
                 else grad_norm(model, groups))
         optimizer.step()
         schedule.step()
-        losses.append(step_loss)
+        losses.append(math.fsum(torch.stack(parts).tolist()))
         if plan.aux_coef is not None:
-            aux_losses.append(step_aux)
+            aux_losses.append(math.fsum(torch.stack(aux_parts).tolist()) / len(micro))
     synchronize(device)
     train_s = time.perf_counter() - t1
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
