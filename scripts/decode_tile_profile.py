@@ -31,7 +31,7 @@ from decode_tile_study import variants  # noqa: E402
 
 from moeshard.bench.study import routed_case  # noqa: E402
 from moeshard.bench.workload import make_model  # noqa: E402
-from moeshard.kernels.configs import multiprocessors, select_config  # noqa: E402
+from moeshard.kernels.configs import gpu_kind, multiprocessors, select_config  # noqa: E402
 from moeshard.kernels.experts import TritonExperts, gluon_supported  # noqa: E402
 from moeshard.kernels.pdl import supported as pdl_supported  # noqa: E402
 
@@ -55,7 +55,7 @@ def main() -> None:
     device = torch.device("cuda")
     case = routed_case(make_model(args.model, device), args.tokens, args.scheme)
     chosen = select_config(case.M, case.E, case.H, case.I, args.scheme, multiprocessors(device.index),
-                           pdl=pdl_supported(device), gluon=gluon_supported(device))
+                           pdl=pdl_supported(device), gluon=gluon_supported(device), gpu=gpu_kind(device.index))
     known = variants(chosen, args.scheme, case.I)
     names = [n for n in args.variants.split(",") if n] if args.variants else [n for n in DEFAULT if n in known]
     unknown = [n for n in names if n not in known]

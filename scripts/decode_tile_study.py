@@ -29,7 +29,7 @@ import time
 import torch
 
 from moeshard.bench.study import routed_case, run_on_gpu, study_parser, time_variants
-from moeshard.kernels.configs import ExpertsConfig, GemmConfig, h_quant_for, multiprocessors, select_config
+from moeshard.kernels.configs import ExpertsConfig, GemmConfig, gpu_kind, h_quant_for, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts, gluon_supported
 from moeshard.kernels.pdl import supported as pdl_supported
 from moeshard.quant import get_scheme
@@ -98,7 +98,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     case = routed_case(model, tokens, scheme)
     device = case.device
     chosen = select_config(case.M, case.E, case.H, case.I, scheme, multiprocessors(device.index),
-                           pdl=pdl_supported(device), gluon=gluon_supported(device))
+                           pdl=pdl_supported(device), gluon=gluon_supported(device), gpu=gpu_kind(device.index))
     rec.update(rows=case.M, config=dataclasses.asdict(chosen), variants={}, errors={})
     calls: dict = {}
     reference = None

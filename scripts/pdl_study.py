@@ -26,7 +26,7 @@ from moeshard.bench.timing import L2Flush, alternating_medians
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
-from moeshard.kernels.configs import ExpertsConfig, multiprocessors, select_config
+from moeshard.kernels.configs import ExpertsConfig, gpu_kind, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
@@ -65,7 +65,7 @@ def study(name: str, tokens: int, scheme: str, model, experts, flush, rounds: in
     x = hidden_states(model, tokens, tokens)
     inp, _ = routed_input(model, x, QuantConfig(scheme))
     M, E, H, I = inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    sel = select_config(M, E, H, I, scheme, multiprocessors(device.index), pdl=True)
+    sel = select_config(M, E, H, I, scheme, multiprocessors(device.index), pdl=True, gpu=gpu_kind(device.index))
     chains = {"serial": "off", "pdl_gate_up": "gate_up", "pdl": "all"}
     kernels = {k: TritonExperts(cfg.activation, cfg.dtype, dataclasses.replace(sel, pdl=c)) for k, c in chains.items()}
     calls = {k: (lambda kern=kern: kern(inp, experts)) for k, kern in kernels.items()}

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from moeshard.bench.study import bits_line, plan_made_ahead, routed_case, run_on_gpu, study_parser, time_variants
-from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.configs import gpu_kind, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts, gluon_supported
 from moeshard.kernels.pdl import supported as pdl_supported
 
@@ -35,7 +35,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     case = routed_case(model, tokens, scheme)
     device = case.device
     shipped = select_config(case.M, case.E, case.H, case.I, scheme, multiprocessors(device.index),
-                            pdl=pdl_supported(device), gluon=gluon_supported(device))
+                            pdl=pdl_supported(device), gluon=gluon_supported(device), gpu=gpu_kind(device.index))
     configs = {"shipped": shipped, "sorted": dataclasses.replace(shipped, direct=False),
                "pdl_off": dataclasses.replace(shipped, pdl="off")}
     kernels = {k: TritonExperts(case.cfg.activation, case.cfg.dtype, c) for k, c in configs.items()}

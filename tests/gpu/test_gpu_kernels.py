@@ -97,6 +97,25 @@ def test_triton_experts_match_reference(dtype, scheme, shape, fp8_gate_up):
     _check(y, ref, dtype, scheme, f"{scheme} {shape} {fp8_gate_up}")
 
 
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
+@pytest.mark.parametrize("gpu", ["h200", "h100"])
+def test_each_gpus_decode_tiles_match_reference(scheme, gpu):
+    """The decode tiles ``select_config`` takes for either GPU kind (``configs.GPU_KINDS``), run
+    on this GPU whatever it is: at 64-row tiles the H100's take 256-column K steps and the H200's
+    128-column ones, so both tables' tiles are computed wherever the suite runs."""
+    M, E, H, I = SHAPES["batch64"]  # noqa: E741
+    cfg = select_config(M, E, H, I, scheme, gpu=gpu)
+    assert cfg.block_m == 64 and cfg.gate_up.block_k == (256 if gpu == "h100" else 128), cfg
+    w = _weights(E, H, I, torch.bfloat16, scheme, seed=M)
+    x = torch.randn(M, H, device="cuda").to(torch.bfloat16)
+    xin = quantize_activations(x, scheme)
+    ids = _ids(M, E, seed=M + 1)
+    kernel = TritonExperts("silu", torch.bfloat16, cfg)
+    y = kernel(ExpertInput(xin, ids), w)
+    ref = expert_reference(xin, ids, w, "silu", torch.bfloat16, accumulation=kernel.accumulation(scheme))
+    _check(y, ref, torch.bfloat16, scheme, f"{scheme} batch64 {gpu}")
+
+
 @pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
 def test_one_token_direct_plan_gives_the_sorted_plans_bits(scheme):
     """One token's routed rows (``repeat`` equal to the rows) on the decode config

@@ -10,8 +10,8 @@ Regimes, by expected rows per active expert r = M / min(M, E):
   widest that still gives one program per multiprocessor (one token of Mixtral touches two
   experts: its down projection needs 32-column tiles to spread 2 x 4096 weight rows over 132
   SMs; measured best against 16 and 64), and the pipeline is as deep as shared memory allows.
-  The fp8 schemes' 16-row tiles from 16 routed rows on instead take 256-column K steps in
-  narrower tiles (``_deep_k``).
+  The fp8 schemes' 16-row tiles (and on an H100 the 64-row ones) from 16 routed rows on instead
+  take 256-column K steps in narrower tiles (``_deep_k``).
 * mid (r <= 96, BLOCK_M 64): less padding per expert than 128-row tiles.
 * prefill (BLOCK_M 128): compute-bound tiles, 8 warps, grouped launch order so that a group of
   row tiles reuses one expert's weight tiles from L2; weights through TMA (the down GEMM's of
@@ -310,9 +310,10 @@ def quantize_h_programs(padded_rows: int, K: int) -> int:
 
 # The fp8 GEMMs on the MMA stream their weights in 16-row decode tiles with 256-column K steps
 # where K is a multiple of 256, from DEEP_K_MIN_ROWS routed rows on: gate_up 32 columns wide at 4
-# stages and down 64 wide at 3 (each narrower where fewer programs than multiprocessors would
-# run). fp8_block's steps are two 128-column sub-steps, one per scale group (``moe_gemm``), the
-# same bits as 128-column steps.
+# stages and down 64 wide at 3; on an H100 also in 64-row tiles, both 64 wide, gate_up at 2
+# stages and down at 3 (each narrower where fewer programs than multiprocessors would run).
+# fp8_block's steps are two 128-column sub-steps, one per scale group (``moe_gemm``), the same
+# bits as 128-column steps.
 # Measured, the whole experts against the tiles of ``_streaming``, alternating rounds
 # (scripts/decode_tile_study.py):
 # - fp8_tensor, one H100, 2026-12-05 (results/h100/decode_tile_study-2026-12-05-2950028): 16-row
@@ -320,12 +321,13 @@ def quantize_h_programs(padded_rows: int, K: int) -> int:
 #   at 128 tokens (DeepSeek-V3, Qwen3). The K step is what moves it: 256-column steps at the
 #   chosen 128-column width gave 0.957-0.976, 128-column steps at 32 columns and 6 stages
 #   0.985-0.996.
-# - 64-row tiles (Mixtral's 128 tokens) keep 128-column steps. Both 64 columns wide with 256-column
-#   steps (gate_up at 2 stages, down at 3) were faster on one H100 (the decode tile study,
-#   results/h100/decode_tile_study-2026-12-05-904eb10-block: fp8_token 0.972, fp8_block 0.976;
-#   the bench, results/h100/deep_k_ab-2026-12-05-50cce4d: 0.963-0.974) and slower on one H200,
-#   the bench against the code before, two alternating rounds (results/h200/deep_k_ab-2026-12-05-
-#   83c9047): fp8_tensor 1.044, fp8_token 1.052, fp8_block 1.086 of the time.
+# - 64-row tiles (Mixtral's 128 tokens) take 256-column steps on an H100 only (``GPU_KINDS``).
+#   Both 64 columns wide with 256-column steps (gate_up at 2 stages, down at 3) were faster on one
+#   H100 80GB HBM3 (the decode tile study, results/h100/decode_tile_study-2026-12-05-904eb10-block:
+#   fp8_token 0.972, fp8_block 0.976; the bench, results/h100/deep_k_ab-2026-12-05-50cce4d:
+#   0.963-0.974) and slower on one H200, the bench against the code with 128-column steps, two
+#   alternating rounds (results/h200/deep_k_ab-2026-12-05-83c9047): fp8_tensor 1.044, fp8_token
+#   1.052, fp8_block 1.086 of the time.
 # - fp8_block's 16-row tiles, one H100, the bench against the code before, two alternating rounds
 #   (scripts/bench_ab.py, results/h100/block_deep_k_ab-2026-12-05-904eb10): 0.954-0.958 at
 #   DeepSeek-V3's 16 and 128 tokens and Mixtral's 16, 0.985-0.986 at Qwen3's; on one H200
@@ -340,15 +342,32 @@ def quantize_h_programs(padded_rows: int, K: int) -> int:
 # 32-row tiles were not measured and keep 128-column steps.
 DEEP_K = 256
 DEEP_K_MIN_ROWS = 16
-# block_m -> ((gate_up widths, stages), (down widths, stages))
-DEEP_K_TILES = {16: (((32, 16), 4), ((64, 32, 16), 3))}
+# Which GPU's measured decode tiles ``select_config`` takes (``gpu_kind``): "h200" for every GPU
+# but an H100 (the tiles were tuned on an H200), "h100" for an H100.
+GPU_KINDS = ("h200", "h100")
+# gpu kind -> block_m -> ((gate_up widths, stages), (down widths, stages))
+DeepKTiles = dict[int, tuple[tuple[tuple[int, ...], int], tuple[tuple[int, ...], int]]]
+DEEP_K_TILES: dict[str, DeepKTiles] = {
+    "h200": {16: (((32, 16), 4), ((64, 32, 16), 3))},
+    "h100": {16: (((32, 16), 4), ((64, 32, 16), 3)), 64: (((64, 32), 2), ((64, 32), 3))},
+}
 
 
-def _deep_k(block_m: int, n: int, tiles: int, sms: int, fused: bool) -> GemmConfig:
-    """A weight-streaming tile of ``block_m`` rows (a key of ``DEEP_K_TILES``) with
+@functools.cache
+def gpu_kind(device_index: int | None) -> str:
+    """``select_config``'s ``gpu`` for a CUDA device: "h100" where the name CUDA reports holds
+    "H100" (the 64-row decode tiles were measured on an H100 80GB HBM3; the H100's other forms
+    were not measured and take the same), else "h200", also where there is no CUDA device."""
+    if device_index is None or not torch.cuda.is_available():
+        return "h200"
+    return "h100" if "H100" in torch.cuda.get_device_properties(device_index).name else "h200"
+
+
+def _deep_k(block_m: int, n: int, tiles: int, sms: int, fused: bool, gpu: str) -> GemmConfig:
+    """A weight-streaming tile of ``block_m`` rows (a key of ``DEEP_K_TILES[gpu]``) with
     ``DEEP_K``-column K steps: the widest of its widths giving at least one program per
     multiprocessor."""
-    widths, stages = DEEP_K_TILES[block_m][0 if fused else 1]
+    widths, stages = DEEP_K_TILES[gpu][block_m][0 if fused else 1]
     block_n = next((w for w in widths if tiles * -(-n // w) >= sms), widths[-1])
     return GemmConfig(block_m, block_n, DEEP_K, group_m=1, num_warps=4, num_stages=stages)
 
@@ -376,12 +395,16 @@ def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: in
 
 
 def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str,
-                  sms: int = 132, fp8_gate_up: str = "mma", pdl: bool = False, gluon: bool = False) -> ExpertsConfig:
+                  sms: int = 132, fp8_gate_up: str = "mma", pdl: bool = False, gluon: bool = False,
+                  gpu: str = "h200") -> ExpertsConfig:
     """Tile shapes for M routed rows over E experts, hidden H, intermediate I (per rank),
     on a GPU with ``sms`` multiprocessors; fp8_gate_up as ``TritonExperts`` takes it; pdl:
     whether the GPU takes programmatic dependent launch (``moeshard.kernels.pdl.supported``);
-    gluon: whether it runs the Gluon GEMMs (``moeshard.kernels.persistent_down.supported``)."""
-    cfg = _tiles(num_rows, num_experts, hidden, inter, scheme, sms, fp8_gate_up)
+    gluon: whether it runs the Gluon GEMMs (``moeshard.kernels.persistent_down.supported``); gpu
+    (``GPU_KINDS``, ``gpu_kind``): whose measured decode tiles to take."""
+    if gpu not in GPU_KINDS:
+        raise ValueError(f"select_config: gpu={gpu!r} is not one of {list(GPU_KINDS)}")
+    cfg = _tiles(num_rows, num_experts, hidden, inter, scheme, sms, fp8_gate_up, gpu)
     per_row = get_scheme(scheme).kernel_mode in (1, 2)
     if gluon and per_row and cfg.gate_up == GemmConfig(128, 128, 128, 8, 8, 4, tma=True, fp8_acc="imprecise",
                                                        half_tiles=cfg.gate_up.half_tiles) \
@@ -468,7 +491,7 @@ def h_quant_for(mode: int | None, gate_up: GemmConfig, inter: int, where: bool) 
 
 
 def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str, sms: int,
-           fp8_gate_up: str) -> ExpertsConfig:
+           fp8_gate_up: str, gpu: str) -> ExpertsConfig:
     r = rows_per_expert(num_rows, num_experts)
     mode = get_scheme(scheme, "select_config").kernel_mode
     fp8 = mode in FP8
@@ -477,13 +500,13 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # the expert's weights again.
         block_m = 16 if 1.5 * r <= 16 else (32 if 1.5 * r <= 32 else 64)
         tiles = min(num_rows, num_experts)
-        deep = block_m in DEEP_K_TILES and mode in (1, 2, FP8_BLOCK) and num_rows >= DEEP_K_MIN_ROWS
+        deep = block_m in DEEP_K_TILES[gpu] and mode in (1, 2, FP8_BLOCK) and num_rows >= DEEP_K_MIN_ROWS
         if deep and fp8_gate_up == "mma" and hidden % DEEP_K == 0:
-            gate_up = _deep_k(block_m, inter, tiles, sms, True)
+            gate_up = _deep_k(block_m, inter, tiles, sms, True, gpu)
         else:
             gate_up = _streaming(block_m, inter, tiles, sms, True, mode)
         if deep and inter % DEEP_K == 0:
-            down = _deep_k(block_m, hidden, tiles, sms, False)
+            down = _deep_k(block_m, hidden, tiles, sms, False, gpu)
         else:
             down = _streaming(block_m, hidden, tiles, sms, False, mode)
         return ExpertsConfig(gate_up, down, h_quant=h_quant_for(mode, gate_up, inter, True))
@@ -526,7 +549,7 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # bf16's tiles. At one row tile per expert (DeepSeek-V3 at 4096 tokens) each weight tile
         # is decoded once in the GEMM anyway, and a pass over the weights would only add to it.
         if r > 128:
-            fp16 = _tiles(num_rows, num_experts, hidden, inter, "none", sms, fp8_gate_up)
+            fp16 = _tiles(num_rows, num_experts, hidden, inter, "none", sms, fp8_gate_up, gpu)
             return dataclasses.replace(fp16, decode_nvfp4="all",
                                        decode_experts=decode_window(num_experts, hidden, inter))
         return ExpertsConfig(NVFP4_GATE_UP, NVFP4_DOWN, decode_nvfp4="activations")

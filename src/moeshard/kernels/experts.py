@@ -34,7 +34,7 @@ from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeight
 from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels import pdl
 from moeshard.kernels.align import align_rows, direct_rows, max_tiles, split_tiles
-from moeshard.kernels.configs import FP8, ExpertsConfig, multiprocessors, select_config
+from moeshard.kernels.configs import FP8, ExpertsConfig, gpu_kind, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.layout import lay_out_rows
 from moeshard.kernels.nvfp4_values import Nvfp4Values, nvfp4_values
@@ -119,9 +119,9 @@ class TritonExperts(GroupedExperts):
             else:
                 x = quantize_activations(x, scheme, amax=amax_in)
         takes_pdl = pdl.supported(device)
-        cfg = self.config or select_config(M, E, H, I, scheme,
-                                           multiprocessors(device.index if device.type == "cuda" else None),
-                                           self.fp8_gate_up, pdl=takes_pdl, gluon=gluon_supported(device))
+        index = device.index if device.type == "cuda" else None
+        cfg = self.config or select_config(M, E, H, I, scheme, multiprocessors(index), self.fp8_gate_up,
+                                           pdl=takes_pdl, gluon=gluon_supported(device), gpu=gpu_kind(index))
         if self.config is None and cfg.gate_up.engine == "gluon":
             from moeshard.kernels.persistent_gate_up import input_refusal
 
