@@ -145,6 +145,7 @@ def test_save_never_overwrites_and_says_why(models, tmp_path, capsys):
     model = models["mixtral"]
     (tmp_path / "exists").mkdir()
     (tmp_path / "afile").write_text("keep")
+    capsys.readouterr()  # what the models fixture printed, if this test built it
     cases = {str(tmp_path / "exists"): "exists; moeshard creates the directory and never writes into or replaces one",
              str(tmp_path / "afile"): "exists; moeshard creates the directory",
              str(Path(model) / "inside"): "lies inside",
