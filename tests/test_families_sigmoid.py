@@ -5,8 +5,9 @@ renormalization), EXAONE-MoE (two shared experts, the bias under the block in th
 DeepSeek-V3.2 (DeepSeek-V3's block beside its indexer attention),
 MiniMax-M2 (the bias on the block, every layer MoE), MiniMax-M3's text model (the clamped SwiGLU
 in its experts and its shared expert, whose gate and up are one tensor), AFMoE (the bias on the block, a router
-wrapping a linear, route_scale) and Cohere2-MoE (top-k of the logits, then sigmoid or softmax
-over the selected; shared experts averaged with the routed ones) are built from transformers' own
+wrapping a linear, route_scale), Cohere2-MoE (top-k of the logits, then sigmoid or softmax
+over the selected; shared experts averaged with the routed ones) and Kolibri-1 (top-k of the
+logits plus a selection bias the checkpoint keeps outside the block) are built from transformers' own
 config classes and saved with ``save_pretrained``. Their router weights and selection biases are
 drawn at random (transformers initialises the biases, and AFMoE's router, to zero, where every
 expert ties), and the one-rank test checks that the bias changes some token's experts, so a
@@ -131,6 +132,10 @@ CONFIGS: dict[str, dict] = {
                                rotary_dim=4, mlp_layer_types=["dense", "sparse"],
                                layer_types=["full_attention", "minimax_m3_sparse"], index_n_heads=2,
                                index_head_dim=8, index_block_size=2, index_topk_blocks=2),
+    # Kolibri-1: top-k of the logits plus a selection bias, weighed by the sigmoid of the unbiased
+    # logits; the bias stored outside the block (moe.router.expert_bias), two norms renamed.
+    "kolibri1": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                     shared_expert_intermediate_size=24, head_dim=8, sliding_window=8),
 }
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
@@ -147,7 +152,7 @@ ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "lfm2_moe": ("gate.weight", "expert_bias")}
 # Selection biases drawn in [0, 0.3), or wider where that range moved no token's experts in the
 # tiny model (the one-rank test checks that the bias decides some token's experts).
-BIAS_RANGE = {"laguna": 1.0}
+BIAS_RANGE = {"laguna": 1.0, "kolibri1": 2.0}  # kolibri1: added to logits, not to scores in (0, 1)
 FAMILIES = tuple(CONFIGS)
 # Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2: routers
 # in the model dtype. (glm4_moe_lite routes in fp32 in both; its bf16 ids differ where transformers'

@@ -4,7 +4,7 @@ logits against transformers' own router module under autograd, one tiny router p
 The loss is <G, D> with D [T, E] the dense routing weights (each token's top-k weights at their
 experts, zero elsewhere), so the comparison does not depend on the order of a token's k
 choices; the gradients compared are those of the tokens x, the router weight and (gpt-oss) the
-router's bias. The correction bias (DeepSeek-V3, ERNIE 4.5) steers selection only and is a
+router's bias. The correction bias (DeepSeek-V3, ERNIE 4.5, Kolibri-1) steers selection only and is a
 buffer: no gradient reaches it on either side.
 
 Phi-3.5-MoE's ``sparsemixer`` is the family's eval-mode function (transformers in training mode
@@ -48,6 +48,9 @@ KINDS = {
     "topk_sigmoid": ("cohere2_moe", "Cohere2MoeTopKRouter", "Cohere2MoeConfig",
                      dict(num_experts=E, num_experts_per_tok=2, expert_selection_fn="sigmoid", norm_topk_prob=True),
                      dict(top_k=2, renormalize=True)),
+    "topk_sigmoid_biased": ("kolibri1", "Kolibri1TopKRouter", "Kolibri1Config",
+                            dict(num_experts=E, num_experts_per_tok=2, norm_topk_prob=True),
+                            dict(top_k=2, renormalize=True, use_correction_bias=True)),
     "softmax_bias": ("ernie4_5_moe", "Ernie4_5_MoeTopKRouter", "Ernie4_5_MoeConfig",
                      dict(moe_num_experts=E, moe_k=2), dict(top_k=2, use_correction_bias=True)),
     "sparsemixer": ("phimoe", "PhimoeTopKRouter", "PhimoeConfig",

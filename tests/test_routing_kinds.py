@@ -71,6 +71,32 @@ def test_config_refuses_what_a_kind_cannot_do():
     cfg(scoring="group_limited_greedy", n_group=4, topk_group=2)  # scored by its best one: one expert will do
 
 
+def test_topk_sigmoid_biased_selects_on_the_biased_logits_and_weighs_the_unbiased():
+    """Kolibri-1's routing: the selection bias is added to the logits (not to the sigmoid scores,
+    as DeepSeek-V3's sigmoid kind adds it), and the weights are the sigmoid of the chosen
+    experts' unbiased logits."""
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0]])
+    bias = torch.tensor([0.6, 0.0, 0.0, 0.0])
+    sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+    r = route(logits, cfg(scoring="topk_sigmoid_biased", use_correction_bias=True, renormalize=False), bias)
+    # biased logits [0.6, 2, -1, 1]: experts 1 and 3, weighed sigmoid(2) and sigmoid(1)
+    assert r.topk_ids.tolist() == [[1, 3]]
+    assert r.topk_weights[0].tolist() == pytest.approx([sig(2.0), sig(1.0)], rel=1e-6)
+    normed = route(logits, cfg(scoring="topk_sigmoid_biased", use_correction_bias=True, renormalize=True), bias)
+    assert normed.topk_weights[0].tolist() == pytest.approx([sig(2.0) / (sig(2.0) + sig(1.0)),
+                                                             sig(1.0) / (sig(2.0) + sig(1.0))], rel=1e-6)
+    # The same bias on the sigmoid scores [0.5, 0.88, 0.27, 0.73] picks experts 0 and 1 instead.
+    scores = route(logits, cfg(scoring="sigmoid", use_correction_bias=True, renormalize=False), bias)
+    assert scores.topk_ids.tolist() == [[0, 1]]
+    with pytest.raises(ValueError, match="cfg.use_correction_bias is True but no correction_bias was given"):
+        route(logits, cfg(scoring="topk_sigmoid_biased", use_correction_bias=True))
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        cfg(scoring="topk_sigmoid_biased", use_correction_bias=True, routed_scaling_factor=2.0)
+    with pytest.raises(ValueError, match="a selection bias \\(correction_bias=True\\) has no place in its rounds"):
+        register_routing(RoutingKind("bad", "softmax", "masked_rounds", None, True, False, False, 1e-20, False, "x",
+                                     mask_eps=0.01))
+
+
 def test_a_kind_added_as_data():
     """A router with a bias (gpt-oss's router linear): registered here, route requires the bias."""
     base = get_routing("topk_softmax")

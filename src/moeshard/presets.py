@@ -134,6 +134,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="sigmoid_bias_model",
                      use_correction_bias=True, router_dtype="model"),
            "sigmoid in the model dtype, selection bias, divided by the sum plus 1e-6", router_dtype="model"),
+    # The full size is the transformers Kolibri1Config default shape.
+    Preset("kolibri1",
+           MoEConfig(num_experts=384, top_k=6, hidden_size=2560, intermediate_size=512, scoring="topk_sigmoid_biased",
+                     use_correction_bias=True, renormalize=False, num_shared_experts=1, shared_intermediate_size=512),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, scoring="topk_sigmoid_biased",
+                     use_correction_bias=True, renormalize=False, num_shared_experts=1, shared_intermediate_size=64),
+           "top-k of the logits plus a selection bias, sigmoid of the unbiased selected logits, shared expert",
+           router_dtype="fp32"),
 )}
 
 

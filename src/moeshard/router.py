@@ -12,6 +12,8 @@ Shapes: T tokens, H hidden, E experts, K top_k, G groups (``n_group``).
   the experts' input (``weighted_rows``), not their output.
 * topk_sigmoid (Cohere2-MoE): the top K logits, weights their sigmoid; with ``renormalize``
   divided by their sum.
+* topk_sigmoid_biased (Kolibri-1): as topk_sigmoid, selecting on the logits plus the correction
+  bias; the weights are the sigmoid of the unbiased logits of the chosen experts.
 * softmax_bias (ERNIE 4.5): softmax; selection on p + correction bias, weights the unbiased p.
 * sparsemixer (Phi-3.5-MoE): K rounds on the logits (``_masked_rounds``).
 
@@ -231,8 +233,13 @@ def select_experts(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.
     elif logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     if kind.order == "topk_then_score":
-        # Select on the logits (the scores are monotone in them), score the K selected only.
-        ids = _topk_low_index_first(logits, cfg.top_k)
+        # Select on the logits (the scores are monotone in them), plus the selection bias where
+        # the kind has one (in fp32, as the layer holds it), then score the K selected only.
+        choice = logits
+        if cfg.use_correction_bias:
+            assert correction_bias is not None  # refused by _check_biases when missing
+            choice = logits.float() + correction_bias.float().view(1, -1)
+        ids = _topk_low_index_first(choice, cfg.top_k)
         weights = _score(logits.gather(1, ids), kind.scores)
     elif kind.order == "masked_rounds":
         ids, weights = _masked_rounds(logits, cfg.top_k, kind.mask_eps)

@@ -21,6 +21,8 @@ topk_sigmoid_input     top K of the logits; weights = sigmoid of the K selected 
                        the expert's *input*: expert(w * x), not w * expert(x) (Llama-4)
 topk_sigmoid           top K of the logits; weights = sigmoid of the K selected logits, optional
                        renormalization (Cohere2-MoE ``expert_selection_fn="sigmoid"``)
+topk_sigmoid_biased    top K of the logits + selection bias; weights = sigmoid of the K selected
+                       unbiased logits, optional renormalization (Kolibri-1)
 softmax_bias           p = softmax(logits); top K of p + correction bias (selection only), the
                        weights are p, renormalized with the floor 1e-12 (ERNIE 4.5
                        ``moe_statics.e_score_correction_bias``, ``moe_norm_min``)
@@ -76,7 +78,8 @@ class RoutingKind:
       ``order="topk_then_score"``, to the K selected logits [T, K]).
     order: ``ORDERS``.
     groups: None (``n_group`` must be 1) or how a group is scored (``GROUP_SCORES``).
-    correction_bias: ``use_correction_bias`` is allowed (a bias [E] added for selection only).
+    correction_bias: ``use_correction_bias`` is allowed (a bias [E] added for selection only: to
+      the scores with ``order="score_then_topk"``, to the logits with ``"topk_then_score"``).
     router_bias: the logits come from a router with a bias [E]; ``route`` requires it.
     scaling: ``routed_scaling_factor`` other than 1 is allowed.
     weight_floor: renormalization divides by ``max(sum of the K weights, weight_floor)``, or with
@@ -129,9 +132,12 @@ def register_routing(kind: RoutingKind) -> RoutingKind:
                                   ("groups", kind.groups, (None, *GROUP_SCORES))):
         if value not in allowed:
             raise ValueError(f"{where}: {field} {value!r} is not one of {list(allowed)}")
-    if kind.order != "score_then_topk" and (kind.groups is not None or kind.correction_bias):
-        raise ValueError(f"{where}: order {kind.order!r} selects on the logits alone; groups={kind.groups!r} and "
-                         f"correction_bias={kind.correction_bias} need scores over all experts")
+    if kind.order != "score_then_topk" and kind.groups is not None:
+        raise ValueError(f"{where}: order {kind.order!r} selects on the logits alone; groups={kind.groups!r} need "
+                         f"scores over all experts")
+    if kind.order == "masked_rounds" and kind.correction_bias:
+        raise ValueError(f"{where}: order 'masked_rounds' scores each pick among the logits near it; a selection "
+                         f"bias (correction_bias=True) has no place in its rounds")
     rounds = kind.order == "masked_rounds"
     if not (isinstance(kind.mask_eps, float) and (0 < kind.mask_eps < 1 if rounds else kind.mask_eps == 0)):
         raise ValueError(f"{where}: mask_eps must be a float in (0, 1) with order 'masked_rounds' and 0.0 otherwise, "
@@ -193,9 +199,16 @@ for _kind in (
 ):
     register_routing(_kind)
 
-# Cohere2-MoE with expert_selection_fn="sigmoid" (its "softmax" is topk_softmax).
-register_routing(RoutingKind("topk_sigmoid", "sigmoid", "topk_then_score", None, False, False, True, _FLOOR, False,
-                             "top-k of the logits, sigmoid of the selected, optional renormalization"))
+# Cohere2-MoE with expert_selection_fn="sigmoid" (its "softmax" is topk_softmax); Kolibri-1 selects
+# on its logits plus a selection bias and weighs by the sigmoid of the unbiased selected logits.
+for _kind in (
+    RoutingKind("topk_sigmoid", "sigmoid", "topk_then_score", None, False, False, True, _FLOOR, False,
+                "top-k of the logits, sigmoid of the selected, optional renormalization"),
+    RoutingKind("topk_sigmoid_biased", "sigmoid", "topk_then_score", None, True, False, False, _FLOOR, False,
+                "top-k of the logits plus a selection bias, sigmoid of the selected unbiased logits, optional "
+                "renormalization"),
+):
+    register_routing(_kind)
 
 # Routers that score in the model dtype: DBRX (``softmax(logits, dtype=logits.dtype)``, its
 # weights divided by their 1-norm, the sum for these non-negative weights), LFM2-MoE (sigmoid

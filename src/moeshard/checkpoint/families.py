@@ -255,6 +255,10 @@ class ModelFamily:
       calls the router as ``router(hidden_states, bias)``.
     bias_aliases: further checkpoint names of the selection bias, after the block prefix, tried
       after ``bias_module`` (EXAONE-MoE checkpoints keep it on the block: ``e_score_correction_bias``).
+    layer_bias_aliases: checkpoint names of the selection bias after the decoder layer's prefix
+      (``{layers}.{L}.``), tried after ``bias_names``, for a checkpoint that keeps it outside the
+      block (Kolibri-1: ``moe.router.expert_bias``, which transformers loads as the block's
+      ``gate.e_score_correction_bias``).
     experts: the routed experts' module name, or "" where the block holds their fused parameters
       itself (JetMoE's ``input_linear.weight``); fused_names: its (gate_up, down) fused parameters,
       or for a ``stacked`` layout its (gate, up, down) ones (dotted: DBRX's ``mlp.w1``);
@@ -311,6 +315,7 @@ class ModelFamily:
     correction_bias: str = "e_score_correction_bias"
     block_bias: str | None = None
     bias_aliases: tuple[str, ...] = ()
+    layer_bias_aliases: tuple[str, ...] = ()
     experts: str = "experts"
     fused_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
     fused_layout: str = "gate_up_rows"
@@ -399,6 +404,9 @@ class ModelFamily:
         if not all(isinstance(a, str) and a and not a.endswith(".") for a in self.bias_aliases):
             raise ValueError(f"{where}.bias_aliases: expected tensor names after the block prefix, got "
                              f"{list(self.bias_aliases)}")
+        if not all(isinstance(a, str) and a and not a.endswith(".") for a in self.layer_bias_aliases):
+            raise ValueError(f"{where}.layer_bias_aliases: expected tensor names after the decoder layer's prefix, "
+                             f"got {list(self.layer_bias_aliases)}")
 
     @property
     def bias_module(self) -> str:

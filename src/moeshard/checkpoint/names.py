@@ -65,8 +65,9 @@ class BlockNames:
     ``fused_names`` (``experts.gate_up_proj``/``experts.down_proj``); spelling: per-expert
     module names (gate, up, down); shared_prefix: e.g. ``"shared_experts."`` or
     ``"shared_expert."`` (None without shared experts); family: where the router, expert and
-    shared-gate names come from; bias: the selection bias's name after the prefix, the first of the
-    family's ``bias_names`` the checkpoint holds (None: the first of them); shared_fused: the
+    shared-gate names come from; bias: the selection bias's full checkpoint name, the first of the
+    family's ``bias_names`` (after the prefix) and then ``layer_bias_aliases`` (after the decoder
+    layer's prefix) the checkpoint holds (None: the first of ``bias_names``); shared_fused: the
     shared MLP stores gate and up as one ``gate_up_proj`` [2S, H], gate's rows first."""
 
     prefix: str
@@ -93,7 +94,7 @@ class BlockNames:
 
     @property
     def correction_bias(self) -> str:
-        return self.prefix + (self.bias or self.family.stored(self.family.bias_names[0]))
+        return self.bias or self.prefix + self.family.stored(self.family.bias_names[0])
 
     @property
     def router_bias(self) -> str:
@@ -189,7 +190,10 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
             tried = [first(a, f) for a, f in options]
             raise ValueError(f"layer {layer}: the config has shared experts but none of {tried} is in {files}")
         shared_prefix, shared_fused = found_shared
-    bias = next((family.stored(b) for b in family.bias_names if ckpt.has(prefix + family.stored(b))), None) \
-        if model.moe.use_correction_bias else None
+    bias = None
+    if model.moe.use_correction_bias:
+        candidates = [prefix + family.stored(b) for b in family.bias_names] + \
+            [family.layer_prefix(layer) + b for b in family.layer_bias_aliases]
+        bias = next((b for b in candidates if ckpt.has(b)), None)
     return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix, family=family,
                       bias=bias, shared_fused=shared_fused)

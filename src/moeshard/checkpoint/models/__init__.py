@@ -25,6 +25,7 @@ from moeshard.checkpoint.models import (
     jamba,  # noqa: F401
     jetmoe,  # noqa: F401
     kimi_linear,  # noqa: F401  kimi_linear, bailing_hybrid
+    kolibri1,  # noqa: F401
     laguna,  # noqa: F401
     lara_mini,  # noqa: F401
     lfm2_moe,  # noqa: F401

@@ -16,9 +16,6 @@ REFUSALS = {
                    "with softmax or sigmoid scores only",
     "hy_v4": "its routed experts clamp SwiGLU (silu(min(gate, swiglu_limit)) * clamp(up)) while its shared experts do "
              "not; moeshard's block runs one activation for both",
-    "kolibri1": "it selects on the logits plus a bias and weighs by the sigmoid of the unbiased selected logits, which "
-                "no routing kind does (the selection bias is added to scores), and its checkpoints keep that bias "
-                "outside the block (moe.router.expert_bias)",
     "axk1": "its block ends in an RMS norm of the routed and shared experts' sum (post_mlp_layernorm), which "
             "moeshard's block does not have",
     "nemotron_h": "its experts are not gated (up_proj, relu squared, down_proj) and may project into a latent space "
