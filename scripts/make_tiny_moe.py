@@ -8,7 +8,7 @@ Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense); th
 sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
 glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe, solar_open, glm_moe_dsa,
 hy_v3, mimo_v2_flash, flint, beam, laguna, axk2, sarvam_moe, sarvam_mla, dots3_note_text,
-minimax_m3_vl_text, kolibri1), whose router weights and
+minimax_m3_vl_text, kolibri1, hy_v4), whose router weights and
 selection biases are drawn at random (transformers starts some at zero, where every expert ties);
 the softmax-routed ones (``SOFTMAX_FAMILIES``; JetMoE's output bias and Gemma 4's router scales
 drawn at random, where transformers starts them at zero and one), also from ``AutoConfig.for_model``; gpt_oss
@@ -78,6 +78,10 @@ SIGMOID_FAMILIES = {
                                             rotary_dim=32, bos_token_id=None, eos_token_id=None),
     "kolibri1": lambda i, e: dict(num_experts=e, num_experts_per_tok=2, shared_expert_intermediate_size=i, head_dim=64,
                                   sliding_window=16),
+    "hy_v4": lambda i, e: dict(intermediate_size=2 * i, n_routed_experts=e, num_experts_per_tok=2, n_shared_experts=1,
+                               num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32,
+                               qk_nope_head_dim=32, v_head_dim=32, head_dim=64, index_topk=16, index_head_dim=32,
+                               index_n_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None),
 }
 # The routers' (weight, selection bias) inside a block, where they are not gate.weight and
 # gate.e_score_correction_bias.

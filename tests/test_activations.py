@@ -1,7 +1,8 @@
 """Activation kinds are a registry read by the config, the experts, the shared experts and the
 reference: hand-computed values of each built-in kind, refusals with their reason, and the kinds
-beyond silu and gelu (gpt-oss's clamped SwiGLU, without a Triton epilogue, and Gemma 4's
-tanh-approximate GELU) through the layer and the reference."""
+beyond silu and gelu (gpt-oss's and HY-V4's clamped SwiGLUs, without a Triton epilogue, and
+Gemma 4's tanh-approximate GELU) through the layer and the reference, and a shared MLP with an
+activation of its own."""
 
 import math
 
@@ -30,11 +31,15 @@ def test_builtin_kinds_by_hand():
                  for g, u in zip(gate[0].tolist(), up[0].tolist(), strict=True)]
     # clamped: gate min(., 7), up clamp(-7, 7), (u + 1) * g * sigmoid(1.702 g)
     clamped = [(2.0 + 1) * -1.0 * _sigmoid(-1.702), (-7.0 + 1) * 0.5 * _sigmoid(0.851), (3.0 + 1) * 7.0 * _sigmoid(7 * 1.702)]
-    gate_up = torch.cat([gate, up], dim=1)
-    for name, want in (("silu", silu), ("gelu", gelu), ("gelu_tanh", gelu_tanh), ("swiglu_clamped", clamped)):
-        got = activate(gate_up, name, torch.float32)[0].tolist()
+    # silu_clamped (HY-V4): silu(min(gate, 10)) * clamp(up, -10, 10); gate 12 and up -11 pass the limit
+    silu_clamped = [-1.0 * _sigmoid(-1.0) * 2.0, 10.0 * _sigmoid(10.0) * -10.0]
+    for name, want, (g, u) in (("silu", silu, (gate, up)), ("gelu", gelu, (gate, up)),
+                               ("gelu_tanh", gelu_tanh, (gate, up)), ("swiglu_clamped", clamped, (gate, up)),
+                               ("silu_clamped", silu_clamped, (torch.tensor([[-1.0, 12.0]]), torch.tensor([[2.0, -11.0]])))):
+        got = activate(torch.cat([g, u], dim=1), name, torch.float32)[0].tolist()
         assert got == pytest.approx(want, rel=1e-6), name
     assert dict(get_activation("swiglu_clamped").params) == {"alpha": 1.702, "limit": 7.0}
+    assert dict(get_activation("silu_clamped").params) == {"limit": 10.0}
 
 
 def test_config_and_registry_refuse_with_the_values():
@@ -58,7 +63,30 @@ def test_a_kind_without_a_kernel_mode_is_refused_by_triton_with_its_reason():
         TritonExperts("swiglu_clamped", torch.bfloat16)
 
 
-@pytest.mark.parametrize("activation", ["swiglu_clamped", "gelu_tanh"])
+def test_shared_experts_run_their_own_activation():
+    """``MoEConfig.shared_activation`` (HY-V4: the routed experts clamp, the shared MLP does not):
+    the layer and the reference run it in the shared MLP only, and it changes the output where the
+    shared products pass the routed activation's limit; a name not registered, or one without
+    shared experts, is refused naming the field."""
+    base = dict(num_experts=4, top_k=2, hidden_size=16, intermediate_size=32, activation="silu_clamped",
+                num_shared_experts=1, shared_intermediate_size=16)
+    cfg = MoEConfig(**base, shared_activation="silu")
+    torch.manual_seed(0)
+    w = MoEWeights.random(cfg)
+    x = torch.randn(12, 16) * 40  # large enough that many gate and up products pass the limit of 10
+    layer = MoELayer.from_state_dict(w.state_dict(), cfg)
+    out = layer(x)
+    assert compare(out, reference_forward(x, w, cfg), cfg.dtype, "none")[3]
+    same = MoEConfig(**base)  # the shared MLP clamped too
+    assert not torch.allclose(out, MoELayer.from_state_dict(w.state_dict(), same)(x))
+    assert not compare(out, reference_forward(x, w, same), cfg.dtype, "none")[3]
+    with pytest.raises(ValueError, match=r"MoEConfig.shared_activation: 'relu' is not one of"):
+        MoEConfig(**base, shared_activation="relu")
+    with pytest.raises(ValueError, match=r"MoEConfig.shared_activation: 'silu' needs num_shared_experts > 0"):
+        MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=32, shared_activation="silu")
+
+
+@pytest.mark.parametrize("activation", ["swiglu_clamped", "gelu_tanh", "silu_clamped"])
 def test_kinds_beyond_silu_and_gelu_through_layer_and_reference(activation):
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=32, activation=activation,
                     num_shared_experts=1, shared_intermediate_size=16)

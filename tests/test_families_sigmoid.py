@@ -7,7 +7,8 @@ MiniMax-M2 (the bias on the block, every layer MoE), MiniMax-M3's text model (th
 in its experts and its shared expert, whose gate and up are one tensor), AFMoE (the bias on the block, a router
 wrapping a linear, route_scale), Cohere2-MoE (top-k of the logits, then sigmoid or softmax
 over the selected; shared experts averaged with the routed ones) and Kolibri-1 (top-k of the
-logits plus a selection bias the checkpoint keeps outside the block) are built from transformers' own
+logits plus a selection bias the checkpoint keeps outside the block) and HY-V4 (routed experts
+that clamp their SwiGLU beside a shared MLP that does not) are built from transformers' own
 config classes and saved with ``save_pretrained``. Their router weights and selection biases are
 drawn at random (transformers initialises the biases, and AFMoE's router, to zero, where every
 expert ties), and the one-rank test checks that the bias changes some token's experts, so a
@@ -136,7 +137,19 @@ CONFIGS: dict[str, dict] = {
     # logits; the bias stored outside the block (moe.router.expert_bias), two norms renamed.
     "kolibri1": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                      shared_expert_intermediate_size=24, head_dim=8, sliding_window=8),
+    # HY-V4: DeepSeek-V3's routing, routed experts clamping their SwiGLU at swiglu_limit while the
+    # shared MLP does not (its gate_up scaled below so that the clamps bite), hyper-connections and
+    # indexed attention under the hub's names.
+    "hy_v4": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                  n_shared_experts=1, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                  v_head_dim=8, head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2,
+                  mlp_layer_types=["dense", "sparse"], num_key_value_heads=4),
 }
+# The routed experts' gate_up and the shared MLP's gate and up scaled up, so that a clamping
+# activation's limit is reached by a good share of the products (HY-V4 clamps its routed experts'
+# at 10: at this scale about a third of them pass it), and a block that clamped the shared MLP's
+# too would be seen.
+GATE_UP_SCALE = {"hy_v4": 20.0}
 # Families whose block takes the path of another family here (the same reader or descriptor
 # fields: routing kind, names, shared experts): their layout cases run in make test-slow.
 SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam": "glm4_moe", "mimo_v2_flash": "glm4_moe",
@@ -206,6 +219,14 @@ def models(tmp_path_factory) -> dict[str, str]:
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(cfg).eval()
         _randomize_routers(model, model_type, torch.Generator().manual_seed(100 + seed))
+        if model_type in GATE_UP_SCALE:
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    block = _block(layer)
+                    if hasattr(block, "experts"):
+                        for name in ("experts.gate_up_proj", "shared_experts.gate_proj.weight",
+                                     "shared_experts.up_proj.weight"):
+                            block.get_parameter(name).mul_(GATE_UP_SCALE[model_type])
         model.save_pretrained(root / model_type)
         out[model_type] = str(root / model_type)
     return out
@@ -540,6 +561,15 @@ def test_routing_fields_follow_the_config_class():
     assert (plain.use_correction_bias, plain.renormalize) == (False, False)
     assert list(_parse("lfm2_moe").dense_layers) == [0, 1]  # num_dense_layers: 2
     assert list(_parse("lfm2_moe", num_dense_layers=1).dense_layers) == [0]
+    hy = _parse("hy_v4", n_shared_experts=2, hidden_act="gelu").moe
+    assert (hy.scoring, hy.activation, hy.shared_act, hy.routed_scaling_factor, hy.renormalize, hy.shared_width,
+            hy.use_correction_bias) == ("sigmoid", "silu_clamped", "gelu", 2.827, True, 32, True)
+    assert list(_parse("hy_v4").dense_layers) == [0]
+    with pytest.raises(ValueError, match=r"swiglu_limit=7.0; moeshard's 'silu_clamped' activation clamps at 10.0"):
+        _parse("hy_v4", swiglu_limit=7.0)
+    kolibri = _parse("kolibri1").moe
+    assert (kolibri.scoring, kolibri.renormalize, kolibri.use_correction_bias, kolibri.shared_width) == \
+        ("topk_sigmoid_biased", False, True, 16)
     # config.json's own (the hub's) spellings of the routing fields
     kimi = _parse("kimi_linear", num_local_experts=None, num_experts_per_tok=None, n_shared_experts=None, num_experts=8,
                   num_experts_per_token=2, moe_renormalize=False, num_expert_group=2, num_shared_experts=2).moe
@@ -549,7 +579,7 @@ def test_routing_fields_follow_the_config_class():
     # the router's precision comes from the family, as its transformers router computes
     assert [_parse(t, n_routed_experts=16, num_experts=16, num_local_experts=16).moe.router_dtype for t in FAMILIES] == \
         ["fp32"] * 5 + ["model"] * 3 + ["fp32"] + ["model"] + ["fp32"] * 6 + ["model"] + ["fp32"] * 5 + ["model"] + \
-        ["fp32"]
+        ["fp32"] * 2
     with pytest.raises(ValueError, match=r"dots1/config.json: missing field 'n_shared_experts'"):
         _parse("dots1", n_shared_experts=None)
     with pytest.raises(ValueError, match=r"route_scale must be a finite number in \(0, 1000\], got 0"):

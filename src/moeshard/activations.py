@@ -15,6 +15,8 @@ gelu_tanh       2           gelu_tanh(gate) * up, GELU's tanh approximation (Gem
                             ``gelu_pytorch_tanh``)
 swiglu_clamped  none        g = min(gate, limit); u = clamp(up, -limit, limit);        alpha 1.702
                             (u + 1) * g * sigmoid(alpha * g)  (gpt-oss)                 limit 7.0
+silu_clamped    none        silu(min(gate, limit)) * clamp(up, -limit, limit)           limit 10.0
+                            (HY-V4's routed experts)
 ==============  ==========  ==========================================================  =========
 
 A kind without a ``kernel_mode`` runs on the portable experts; the Triton kernels refuse it
@@ -133,6 +135,11 @@ def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: f
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _clamped_silu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    # HY-V4's routed experts: plain SwiGLU on clamped products.
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
 for _kind in (
     ActivationKind("silu", _silu_glu, 0, "SwiGLU: silu(gate) * up"),
     ActivationKind("gelu", _gelu_glu, 1, "GELU-GLU: gelu(gate) * up (exact erf)"),
@@ -140,5 +147,7 @@ for _kind in (
                    "gpt-oss SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)",
                    {"alpha": 1.702, "limit": 7.0}),
     ActivationKind("gelu_tanh", _gelu_tanh_glu, 2, "GELU-GLU with GELU's tanh approximation"),
+    ActivationKind("silu_clamped", _clamped_silu, None,
+                   "SwiGLU on clamped products: silu(min(gate, limit)) * clamp(up, -limit, limit)", {"limit": 10.0}),
 ):
     register_activation(_kind)

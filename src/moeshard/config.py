@@ -95,7 +95,8 @@ class MoEConfig:
     MLP of width ``num_shared_experts * shared_intermediate_size`` (DeepSeek-V3, Qwen2-MoE), optionally
     multiplied by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE), then by ``shared_scale``
     (Cohere2-MoE's "average" combination, (routed + shared) / 2: ``shared_scale=0.5`` with
-    ``routed_scaling_factor=0.5``).
+    ``routed_scaling_factor=0.5``). They run ``shared_activation`` where it is given (HY-V4: the
+    routed experts clamp their SwiGLU, the shared ones do not), else ``activation``.
     Router precision: ``router_dtype`` (``ROUTER_DTYPES``) says where the logits are computed:
     ``"fp32"`` (the default) or ``"model"`` (in the model dtype, rounded to it, as the family's
     router does); selection and weights are computed in fp32 from those logits, except for a
@@ -128,6 +129,7 @@ class MoEConfig:
     dtype: torch.dtype = torch.float32
     expert_bias: bool = False
     router_dtype: str = "fp32"
+    shared_activation: str | None = None
 
     def __post_init__(self) -> None:
         owner = "MoEConfig"
@@ -138,6 +140,10 @@ class MoEConfig:
         for name in ("use_correction_bias", "shared_expert_gate", "expert_bias"):
             boolean(owner, name, getattr(self, name))
         get_activation(self.activation, f"{owner}.activation")
+        if self.shared_activation is not None:
+            get_activation(self.shared_activation, f"{owner}.shared_activation")
+            if not self.num_shared_experts:
+                raise ValueError(f"{owner}.shared_activation: {self.shared_activation!r} needs num_shared_experts > 0")
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"{owner}.router_dtype: {self.router_dtype!r} is not one of {list(ROUTER_DTYPES)}")
         kind = get_routing(self.scoring, f"{owner}.scoring")
@@ -196,6 +202,16 @@ class MoEConfig:
     def activation_kind(self) -> ActivationKind:
         """The descriptor of ``activation`` (``moeshard.activations``)."""
         return get_activation(self.activation, "MoEConfig.activation")
+
+    @property
+    def shared_act(self) -> str:
+        """The shared experts' activation: ``shared_activation``, else ``activation``."""
+        return self.shared_activation or self.activation
+
+    @property
+    def shared_activation_kind(self) -> ActivationKind:
+        """The descriptor of ``shared_act`` (``moeshard.activations``)."""
+        return get_activation(self.shared_act, "MoEConfig.shared_activation")
 
     @property
     def has_shared_experts(self) -> bool:

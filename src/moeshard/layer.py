@@ -232,9 +232,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer (rank {rank}): shared_stored ({shared_stored.scheme}) given, but "
                              f"quant.shared is 'none' (the shared experts run in {cfg.dtype})")
         if quant.shared != "none":
-            shared_quantized = QuantizedSharedMLP(quant.shared, select_kernel(cfg.activation, cfg.dtype, self.device,
+            shared_quantized = QuantizedSharedMLP(quant.shared, select_kernel(cfg.shared_act, cfg.dtype, self.device,
                                                                               quant.shared), shared_stored)
-        self.shared_experts = (SharedExperts(weights, cfg.activation, shared_quantized) if cfg.has_shared_experts
+        self.shared_experts = (SharedExperts(weights, cfg.shared_act, shared_quantized) if cfg.has_shared_experts
                                else None)
         self.shared_expert_gate = None
         if cfg.shared_expert_gate:

@@ -142,6 +142,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                      use_correction_bias=True, renormalize=False, num_shared_experts=1, shared_intermediate_size=64),
            "top-k of the logits plus a selection bias, sigmoid of the unbiased selected logits, shared expert",
            router_dtype="fp32"),
+    # The full size is the transformers HYV4Config default shape.
+    Preset("hy-v4",
+           MoEConfig(num_experts=256, top_k=8, hidden_size=2816, intermediate_size=768, activation="silu_clamped",
+                     scoring="sigmoid", routed_scaling_factor=2.827, use_correction_bias=True, num_shared_experts=1,
+                     shared_intermediate_size=768, shared_activation="silu"),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, activation="silu_clamped",
+                     scoring="sigmoid", routed_scaling_factor=2.827, use_correction_bias=True, num_shared_experts=1,
+                     shared_intermediate_size=64, shared_activation="silu"),
+           "sigmoid, selection bias, routed experts' SwiGLU clamped at 10, a shared expert's not", router_dtype="fp32"),
 )}
 
 

@@ -374,7 +374,7 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
         sw = {name: getattr(weights, name).to(dtype=dtype).to(x.device, torch.float64)
               for name in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, name) is not None}
         if quant.shared == "none":
-            shared = cfg.activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
+            shared = cfg.shared_activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
             shared_slack = None
         else:
             shared, shared_slack = _quantized_shared(x, sw, cfg, quant.shared, accumulation, with_slack)
@@ -399,6 +399,6 @@ def _quantized_shared(x: torch.Tensor, sw: dict[str, torch.Tensor], cfg: MoEConf
     gate_up = dequantized(torch.cat([sw["shared_gate"], sw["shared_up"]]))
     down = dequantized(sw["shared_down"])
     abs_weights = ([gate_up.abs()], [down.abs()]) if with_slack else None
-    [(y, s)] = expert_rows_batched([_fake_quant(x, scheme, None)], [gate_up], [down], cfg.activation, cfg.dtype,
+    [(y, s)] = expert_rows_batched([_fake_quant(x, scheme, None)], [gate_up], [down], cfg.shared_act, cfg.dtype,
                                    scheme, 1, accumulation, with_slack, abs_weights, None)
     return y, s

@@ -134,7 +134,7 @@ class BlockNames:
     def shared(self, projection: str) -> str:
         """The shared MLP's weight of ``projection``: "gate", "up", "down", or "gate_up" (where
         ``shared_fused``)."""
-        return f"{self.prefix}{self.shared_prefix}{projection}_proj.weight"
+        return self.stored(f"{self.shared_prefix}{projection}_proj.weight")
 
     @property
     def shared_expert_gate(self) -> str:
@@ -184,7 +184,7 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
     if model.moe.has_shared_experts:
         # (prefix, fused) candidates: separate gate and up projections first, then a fused gate_up.
         options = [(a, fused_mlp) for fused_mlp in (False, True) for a in family.shared_prefixes]
-        first = lambda a, fused_mlp: f"{prefix}{a}{'gate_up' if fused_mlp else 'gate'}_proj.weight"  # noqa: E731
+        first = lambda a, fused_mlp: prefix + family.stored(f"{a}{'gate_up' if fused_mlp else 'gate'}_proj.weight")  # noqa: E731
         found_shared = next(((a, f) for a, f in options if ckpt.has(first(a, f))), None)
         if found_shared is None:
             tried = [first(a, f) for a, f in options]

@@ -153,7 +153,7 @@ class _Domain:
             x64 = self.x.double()
             sw = {n: getattr(weights, n).to(dtype=cfg.dtype).double() for n in
                   ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, n) is not None}
-            shared = cfg.activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
+            shared = cfg.shared_activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
             if "shared_expert_gate" in sw:
                 shared = torch.sigmoid(x64 @ sw["shared_expert_gate"].T) * shared
             self.shared = shared

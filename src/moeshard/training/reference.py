@@ -101,7 +101,7 @@ def _expert(rows: torch.Tensor, e: int, leaves: dict[str, torch.Tensor], cfg: Mo
 def _shared(x64: torch.Tensor, leaves: dict[str, torch.Tensor], cfg: MoEConfig) -> torch.Tensor:
     """fp64 [N, H]: the shared experts as ``SharedExperts`` and the layer round them (model-dtype
     linears and activation, each op rounds), times their gate and ``shared_scale``."""
-    dtype, act = cfg.dtype, cfg.activation_kind
+    dtype, act = cfg.dtype, cfg.shared_activation_kind
     gate = _rounded(x64 @ leaves["shared_experts.gate_proj.weight"].T, dtype)
     up = _rounded(x64 @ leaves["shared_experts.up_proj.weight"].T, dtype)
     shared = _rounded(_rounded_activation(act, gate, up, dtype) @ leaves["shared_experts.down_proj.weight"].T, dtype)

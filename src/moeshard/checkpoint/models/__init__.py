@@ -22,6 +22,7 @@ from moeshard.checkpoint.models import (
     gpt_oss,  # noqa: F401
     granite,  # noqa: F401
     hunyuan,  # noqa: F401
+    hy_v4,  # noqa: F401
     jamba,  # noqa: F401
     jetmoe,  # noqa: F401
     kimi_linear,  # noqa: F401  kimi_linear, bailing_hybrid

@@ -14,8 +14,6 @@ REFUSALS = {
     "deepseek_v4": "its first layers route by token id (hash routing through gate.tid2eid), its scores are "
                    "sqrt(softplus(logits)) and its experts clamp SwiGLU at swiglu_limit; moeshard routes on logits "
                    "with softmax or sigmoid scores only",
-    "hy_v4": "its routed experts clamp SwiGLU (silu(min(gate, swiglu_limit)) * clamp(up)) while its shared experts do "
-             "not; moeshard's block runs one activation for both",
     "axk1": "its block ends in an RMS norm of the routed and shared experts' sum (post_mlp_layernorm), which "
             "moeshard's block does not have",
     "nemotron_h": "its experts are not gated (up_proj, relu squared, down_proj) and may project into a latent space "
