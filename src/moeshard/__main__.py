@@ -1,5 +1,5 @@
-from moeshard.cli import main
+from moeshard.cli import entry
 
 # Guarded: spawned ranks re-import the main module and must not run the CLI again.
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry())

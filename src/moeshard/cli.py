@@ -81,6 +81,23 @@ def _silence(stream: object) -> None:
             os.close(devnull)
 
 
+def entry() -> int:
+    """The ``moeshard`` command (and ``python -m moeshard``): ``main``'s exit code. Where a torchrun
+    rendezvous that ``init_from_env`` gave up on is still inside torch's C++ store client, the
+    process ends here, its output flushed, instead of finalizing the interpreter around that
+    thread: when the client then fails, it aborts the process (SIGABRT, exit 134), which lost
+    the exit code and added a C++ backtrace after the one error line in 3 of 8 runs against an
+    unreachable MASTER_PORT on a loaded 2-core machine."""
+    code = main()
+    from moeshard.parallel.torchrun import rendezvous_pending
+
+    if rendezvous_pending():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from moeshard.parallel.spawn import RankFailure  # after parsing: --help stays fast

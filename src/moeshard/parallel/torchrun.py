@@ -108,6 +108,15 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     return device
 
 
+RENDEZVOUS_THREAD = "moeshard-rendezvous"
+
+
+def rendezvous_pending() -> bool:
+    """Whether a rendezvous that ``init_from_env`` gave up on (``TimedOut``, a signal) is still
+    running on its helper thread, inside torch's C++ store client."""
+    return any(t.name == RENDEZVOUS_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 def _bounded(join: Callable[[], None], timeout_s: float, late: str) -> None:
     """Runs ``join()`` on a daemon thread and waits for it at most ``timeout_s`` seconds: its
     exception is raised here, ``TimedOut(late)`` if it has not returned by then. The wait is
@@ -123,7 +132,7 @@ def _bounded(join: Callable[[], None], timeout_s: float, late: str) -> None:
         finally:
             done.set()
 
-    threading.Thread(target=run, name="moeshard-rendezvous", daemon=True).start()
+    threading.Thread(target=run, name=RENDEZVOUS_THREAD, daemon=True).start()
     if not done.wait(timeout_s):
         raise TimedOut(late)
     if raised:
