@@ -565,7 +565,8 @@ def test_routing_fields_follow_the_config_class():
     assert (hy.scoring, hy.activation, hy.shared_act, hy.routed_scaling_factor, hy.renormalize, hy.shared_width,
             hy.use_correction_bias) == ("sigmoid", "silu_clamped", "gelu", 2.827, True, 32, True)
     assert list(_parse("hy_v4").dense_layers) == [0]
-    with pytest.raises(ValueError, match=r"swiglu_limit=7.0; moeshard's 'silu_clamped' activation clamps at 10.0"):
+    with pytest.raises(ValueError, match=r"swiglu_limit=7.0; moeshard's 'silu_clamped' activation computes limit=10.0 "
+                                         r"\(transformers' HYV4Config default\)"):
         _parse("hy_v4", swiglu_limit=7.0)
     kolibri = _parse("kolibri1").moe
     assert (kolibri.scoring, kolibri.renormalize, kolibri.use_correction_bias, kolibri.shared_width) == \

@@ -128,6 +128,18 @@ class ConfigFields:
         raise ValueError(f"{self.source}: hidden_act={name!r} is not supported; expected one of "
                          f"{list(self.family.hidden_acts)}")
 
+    def fixed_activation(self, kind: str, fields: Mapping[str, str], why: str) -> str:
+        """``kind``, an activation whose parameters are fixed in its registry entry, once each
+        config.json field of ``fields`` (field -> the kind's parameter) is checked to hold that
+        parameter's value (``why``: where the value comes from, for the refusal)."""
+        params = get_activation(kind).params
+        for key, param in fields.items():
+            value = self.float(key, 0.0, 1e6)
+            if value != params[param]:
+                raise ValueError(f"{self.source}: {key}={value!r}; moeshard's {kind!r} activation computes "
+                                 f"{param}={params[param]} ({why})")
+        return kind
+
 
 # -- checkpoint formats ------------------------------------------------------------------------
 FP8_CHECKPOINT_BLOCK = (128, 128)

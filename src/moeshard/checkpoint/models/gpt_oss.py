@@ -25,7 +25,6 @@ block; the block returns ``(output, router scores)``.
 
 from __future__ import annotations
 
-from moeshard.activations import get_activation
 from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
 
@@ -35,13 +34,8 @@ ACTIVATION = "swiglu_clamped"
 def clamped_swiglu(f: ConfigFields, published: str) -> str:
     """``ACTIVATION``, once config.json's ``swiglu_alpha`` and ``swiglu_limit`` are checked to be
     its parameters (``published``: whose published models have them, for the refusal)."""
-    params = get_activation(ACTIVATION).params
-    for key, param in (("swiglu_alpha", "alpha"), ("swiglu_limit", "limit")):
-        value = f.float(key, 0.0, 1e6)
-        if value != params[param]:
-            raise ValueError(f"{f.source}: {key}={value!r}; moeshard's {ACTIVATION!r} activation computes "
-                             f"{param}={params[param]} (the value of every published {published})")
-    return ACTIVATION
+    return f.fixed_activation(ACTIVATION, {"swiglu_alpha": "alpha", "swiglu_limit": "limit"},
+                              f"the value of every published {published}")
 
 
 def _moe(f: ConfigFields) -> MoEConfig:

@@ -21,7 +21,6 @@ the routed experts are stored fused.
 
 from __future__ import annotations
 
-from moeshard.activations import get_activation
 from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
 from moeshard.checkpoint.models.layer_types import listed_or_first_dense
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
@@ -30,14 +29,11 @@ ACTIVATION = "silu_clamped"
 
 
 def _moe(f: ConfigFields) -> MoEConfig:
-    limit, want = f.float("swiglu_limit", 0.0, 1e6), get_activation(ACTIVATION).params["limit"]
-    if limit != want:
-        raise ValueError(f"{f.source}: swiglu_limit={limit!r}; moeshard's {ACTIVATION!r} activation clamps at "
-                         f"{want} (the transformers config's default)")
+    activation = f.fixed_activation(ACTIVATION, {"swiglu_limit": "limit"}, "transformers' HYV4Config default")
     shared = f.int("n_shared_experts", minimum=0)
     return MoEConfig(num_experts=f.int("n_routed_experts"), top_k=f.int("num_experts_per_tok"),
                      hidden_size=f.int("hidden_size"), intermediate_size=f.int("moe_intermediate_size"),
-                     activation=ACTIVATION, shared_activation=f.activation() if shared else None,
+                     activation=activation, shared_activation=f.activation() if shared else None,
                      scoring=f.family.routing, renormalize=f.bool("norm_topk_prob"),
                      routed_scaling_factor=f.float("routed_scaling_factor", 0.0, MAX_ROUTED_SCALING),
                      n_group=f.int("n_group"), topk_group=f.int("topk_group"), use_correction_bias=True,
