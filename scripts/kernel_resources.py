@@ -31,15 +31,20 @@ from moeshard.kernels.modes import one_w_scale_per_tile
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SM90 = GPUTarget("cuda", 90, 32)
 POINTERS = ("a_ptr", "a_half_ptr", "a_scale_ptr", "a_global_ptr", "w_ptr", "w_scale_ptr", "w_global_ptr", "out_ptr",
-            "out_scale_ptr", "amax_ptr", "sorted_rows_ptr", "tile_expert_ptr", "start_ptr", "count_ptr")
+            "out_scale_ptr", "amax_ptr", "bias_ptr", "sorted_rows_ptr", "tile_expert_ptr", "start_ptr", "count_ptr")
 INTS = ("num_tiles", "expert_lo", "expert_hi", "N", "K", "N_w", "up_offset", "a_row_div", "stride_am", "stride_ak",
         "stride_asm", "stride_ask", "stride_ag", "stride_we", "stride_wn", "stride_wk", "stride_wse", "stride_wsn",
-        "stride_wsk", "stride_om", "stride_on", "stride_osm")
-# (name, quant mode, a/w element, fused gate_up; with h quantized as gate_up stores it)
-PROBLEMS = (("bf16 gate_up", 0, "bf16", True), ("bf16 down", 0, "bf16", False),
-            ("fp8_tensor gate_up", 1, "fp8e4nv", True), ("fp8_tensor down", 1, "fp8e4nv", False),
-            ("fp8_block gate_up", 3, "fp8e4nv", True), ("fp8_block down", 3, "fp8e4nv", False),
-            ("fp8_block gate_up, h quantized", 3, "fp8e4nv", True, True))
+        "stride_wsk", "stride_om", "stride_on", "stride_osm", "stride_be")
+# (name, quant mode, a/w element, fused gate_up, compile_gemm's other options: quant_out, h
+# quantized as gate_up stores it; act, bias: gpt-oss's clamped SwiGLU (mode 3) and expert biases)
+CLAMPED_BIASED = {"act": 3, "bias": True}
+PROBLEMS = (("bf16 gate_up", 0, "bf16", True, {}), ("bf16 down", 0, "bf16", False, {}),
+            ("fp8_tensor gate_up", 1, "fp8e4nv", True, {}), ("fp8_tensor down", 1, "fp8e4nv", False, {}),
+            ("fp8_block gate_up", 3, "fp8e4nv", True, {}), ("fp8_block down", 3, "fp8e4nv", False, {}),
+            ("fp8_block gate_up, h quantized", 3, "fp8e4nv", True, {"quant_out": True}),
+            ("bf16 gate_up, clamped, biased", 0, "bf16", True, CLAMPED_BIASED),
+            ("fp8_tensor gate_up, clamped, biased", 1, "fp8e4nv", True, CLAMPED_BIASED),
+            ("fp8_tensor down, biased", 1, "fp8e4nv", False, {"bias": True}))
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4),
          (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 4), (128, 128, 64, 8, 4),
@@ -47,12 +52,14 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
 
 
 def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
-                 pdl: bool = False, quant_out: bool = False, track_amax: int = 0, direct: bool = False):
+                 pdl: bool = False, quant_out: bool = False, track_amax: int = 0, direct: bool = False,
+                 act: int = 0, bias: bool = False):
     """``moe_gemm_kernel`` compiled for sm_90a (a Triton ``CompiledKernel``) with the given
     constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); quant_out: gate_up
     stores h as fp8_block values and scales (``moe_gemm``'s out_scale); track_amax: 1 per-expert
     amax, 2 per-position row maxima (``moe_gemm``'s amax, row_amax), 0 neither; direct: on a
-    direct plan (``align.direct_rows``: the tiles' experts are the int64 expert ids)."""
+    direct plan (``align.direct_rows``: the tiles' experts are the int64 expert ids); act: the
+    activation's kernel mode, with gpt-oss's constants for mode 3; bias: expert biases."""
     bm, bn, bk, warps, stages = tile
     sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*fp8e4nv" if quant_out else "*bf16"
@@ -66,7 +73,9 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
     # and strides that are multiples of 16 carry that divisibility (vectorised, aligned loads).
     unit = {"stride_ak": 1, "stride_wk": 1, "stride_on": 1, "stride_ask": 1}
     aligned = [*POINTERS, "N", "K", "N_w", "up_offset", "stride_am", "stride_we", "stride_wn", "stride_om"]
-    consts = {**unit, "QUANT": quant, "FUSE_ACT": fused, "ACT": 0, "QUANT_OUT": quant_out, "H_TY": tl.bfloat16,
+    consts = {**unit, "QUANT": quant, "FUSE_ACT": fused, "ACT": act, "ACT_ALPHA": 1.702 if act == 3 else 0.0,
+              "ACT_LIMIT": 7.0 if act == 3 else 0.0, "BIAS": bias,
+              "QUANT_OUT": quant_out, "H_TY": tl.bfloat16,
               "GATHER_A": fused, "SCATTER_OUT": not fused,
               "TRACK_AMAX": track_amax, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
@@ -89,9 +98,8 @@ def cuobjdump(kernel, flag: str) -> str:
         return subprocess.run([str(BIN / "cuobjdump"), flag, str(cubin)], capture_output=True, text=True).stdout
 
 
-def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
-                quant_out: bool = False) -> dict:
-    kernel = compile_gemm(quant, elt, fused, tile, fp8_acc, half_tiles, quant_out=quant_out)
+def compile_one(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, **options) -> dict:
+    kernel = compile_gemm(quant, elt, fused, tile, fp8_acc, **options)
     usage = cuobjdump(kernel, "--dump-resource-usage")
     sass = cuobjdump(kernel, "--dump-sass")
     regs = re.search(r"REG:(\d+)", usage)
@@ -107,13 +115,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
-    for name, quant, elt, fused, *quant_out in PROBLEMS:
+    for name, quant, elt, fused, options in PROBLEMS:
         for tile in TILES:
-            if quant_out and tile[1] != 128:
+            if options.get("quant_out") and tile[1] != 128:
                 continue  # h is quantized in 128-column tiles only
             for fp8_acc in (("split", "promote", "imprecise") if quant == 1 else ("split",)):
                 try:
-                    r = compile_one(quant, elt, fused, tile, fp8_acc, quant_out=bool(quant_out))
+                    r = compile_one(quant, elt, fused, tile, fp8_acc, **options)
                 except Exception as exc:  # a tile the compiler refuses is a finding too
                     r = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
                 rows.append({"gemm": name, "tile": "x".join(map(str, tile[:3])), "warps": tile[3], "stages": tile[4],

@@ -1,7 +1,7 @@
 """Activation kinds are a registry read by the config, the experts, the shared experts and the
 reference: hand-computed values of each built-in kind, refusals with their reason, and the kinds
-beyond silu and gelu (gpt-oss's and HY-V4's clamped SwiGLUs, without a Triton epilogue, and
-Gemma 4's tanh-approximate GELU) through the layer and the reference, and a shared MLP with an
+beyond silu and gelu (gpt-oss's and HY-V4's clamped SwiGLUs and Gemma 4's tanh-approximate
+GELU) through the layer and the reference, and a shared MLP with an
 activation of its own."""
 
 import math
@@ -53,14 +53,26 @@ def test_config_and_registry_refuse_with_the_values():
 
 
 def test_a_kind_without_a_kernel_mode_is_refused_by_triton_with_its_reason():
-    reason = get_activation("swiglu_clamped").kernel_refusal()
-    assert reason is not None and "no Triton epilogue" in reason and get_activation("silu").kernel_refusal() is None
+    """Every built-in kind has a Triton epilogue; a kind registered without one runs on the
+    portable experts, and the Triton experts refuse it naming why."""
+    from moeshard.activations import unregister_activation
+    from moeshard.kernel_choice import select_kernel
+
+    assert all(get_activation(name).kernel_refusal() is None for name in activation_names())
+    register_activation(ActivationKind("portable_only", get_activation("silu").act, None, "a kind without a mode"))
     try:
-        from moeshard.kernels.experts import TritonExperts
-    except ImportError:
-        return
-    with pytest.raises(ValueError, match="TritonExperts: activation 'swiglu_clamped'.*no Triton epilogue"):
-        TritonExperts("swiglu_clamped", torch.bfloat16)
+        reason = get_activation("portable_only").kernel_refusal()
+        assert reason is not None and "no Triton epilogue" in reason
+        assert type(select_kernel("portable_only", torch.bfloat16, torch.device("cpu"), "none")).__name__ == \
+            "GroupedExperts"
+        try:
+            from moeshard.kernels.experts import TritonExperts
+        except ImportError:
+            return
+        with pytest.raises(ValueError, match="TritonExperts: activation 'portable_only'.*no Triton epilogue"):
+            TritonExperts("portable_only", torch.bfloat16)
+    finally:
+        unregister_activation("portable_only")
 
 
 def test_shared_experts_run_their_own_activation():

@@ -1,8 +1,9 @@
 """The parts gpt-oss and Llama-4 added to the layer, computed by hand: a router with a bias,
 sigmoid weights applied to the expert's input, expert biases (under TP added once, under EP
-and load-balancing replicas held with their expert), the fused layouts a checkpoint may store,
-and the Triton kernels' refusal of biases. The layer and the reference are both checked
-against the hand computation, and against what a dropped bias or misplaced weight would give."""
+and load-balancing replicas held with their expert), the fused layouts a checkpoint may store.
+The layer and the reference are both checked against the hand computation, and against what a
+dropped bias or misplaced weight would give. The Triton kernels' epilogues add the biases too:
+tests/test_kernel_epilogues.py."""
 
 import math
 
@@ -14,7 +15,6 @@ from moeshard.config import MoEConfig, QuantConfig
 from moeshard.eplb.placement import Placement
 from moeshard.experts.base import ExpertInput
 from moeshard.experts.grouped import GroupedExperts
-from moeshard.kernels.experts import TritonExperts
 from moeshard.layer import MoELayer
 from moeshard.parallel.config import ParallelConfig
 from moeshard.reference import reference_forward
@@ -198,20 +198,6 @@ def test_weights_refuse_missing_biases_naming_them():
             MoEWeights.from_state_dict({k: v for k, v in state.items() if k != key}, c)
     with pytest.raises(ValueError, match="MoEWeights.gate_bias: given, but the config has no use for it"):
         MoEWeights(**{**MoEWeights.random(cfg()).__dict__, "gate_bias": torch.zeros(4)}).validate(cfg())
-
-
-def test_triton_experts_refuse_biases_instead_of_dropping_them():
-    """The Triton epilogues add no bias: TritonExperts refuses such weights (before any launch),
-    and the layer picks the portable experts for a config with biases."""
-    c = cfg(expert_bias=True, dtype=torch.bfloat16)
-    w = MoEWeights.random(c)
-    experts = shard_experts(w.gate_up, w.down, c, QuantConfig(), ShardSpec(0, 4), w.gate_up_bias, w.down_bias)
-    with pytest.raises(ValueError, match="the experts have biases .* which the Triton GEMM epilogues do not add"):
-        TritonExperts("silu", torch.bfloat16)(ExpertInput(torch.zeros(2, 8, dtype=torch.bfloat16),
-                                                          torch.zeros(2, dtype=torch.int64)), experts)
-    from moeshard.kernel_choice import BIAS_REFUSAL, kernel_choice
-    assert "do not add" in BIAS_REFUSAL
-    assert kernel_choice(torch.bfloat16, "cpu", "none", expert_bias=True)[0] == "grouped"
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

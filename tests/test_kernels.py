@@ -992,19 +992,27 @@ def test_strided_expert_ids_are_read_as_their_values(interpreted_kernels, exact_
 
 
 @pytest.mark.parametrize("activation, dtype", [("silu", torch.bfloat16), ("gelu", torch.float32),
-                                               ("gelu_tanh", torch.float32)])
+                                               ("gelu_tanh", torch.float32), ("swiglu_clamped", torch.bfloat16),
+                                               ("swiglu_clamped", torch.float32), ("silu_clamped", torch.bfloat16)])
 def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_kernels, exact_interpreter,
                                                                  activation, dtype):
     """The one-pass gated activation of the experts' training forward (``kernels/glu.py``) and
     its backward against ``experts.base.activate`` and autograd through it: the same fp32
     arithmetic rounded once, so equal up to fp32 rounding of the transcendental functions (at
     most one unit in the last place of the rounded result). 37 rows and I = 300 leave partial
-    row and column blocks."""
+    row and column blocks. The clamped kinds' products reach past their limit (a third or so of
+    them), and some sit exactly on it, where torch's clamp passes the gradient."""
+    from moeshard.activations import get_activation
     from moeshard.experts.base import activate
 
     glu = interpreted_kernels.glu
     gen = torch.Generator().manual_seed(11)
-    gate_up = (torch.randn(37, 600, generator=gen) * 3).to(dtype)
+    limit = get_activation(activation).params.get("limit")
+    gate_up = (torch.randn(37, 600, generator=gen) * (limit if limit else 3)).to(dtype)
+    if limit:
+        gate_up[0, :8] = torch.tensor([limit, -limit] * 4)  # gate on the bounds
+        gate_up[0, 300:308] = torch.tensor([limit, -limit] * 4)  # up on the bounds
+        assert float((gate_up[:, :300] > limit).float().mean()) > 0.1
     grad_h = torch.randn(37, 300, generator=gen).to(dtype)
     ref_in = gate_up.clone().requires_grad_(True)
     ref_h = activate(ref_in, activation, dtype)
@@ -1019,9 +1027,13 @@ def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_ke
     torch.testing.assert_close(grad, ref_grad, rtol=rtol, atol=rtol * float(ref_grad.abs().max()))
     h = glu.GatedActivation.apply(gate_up.clone().requires_grad_(True), activation, dtype)
     assert h.requires_grad
-    with pytest.raises(ValueError, match="swiglu_clamped"):
-        glu.glu_forward(gate_up, "swiglu_clamped", dtype)
-    from moeshard.activations import KERNEL_MODES
+    from moeshard.activations import KERNEL_MODES, ActivationKind, register_activation, unregister_activation
+    register_activation(ActivationKind("portable_only", get_activation("silu").act, None, "a kind without a mode"))
+    try:
+        with pytest.raises(ValueError, match="'portable_only' has no kernel mode"):
+            glu.glu_forward(gate_up, "portable_only", dtype)
+    finally:
+        unregister_activation("portable_only")
     assert glu.MODES == KERNEL_MODES  # a new epilogue mode needs its training forward and derivative here
     with pytest.raises(ValueError, match=r"grad_h must be \[37, 300\]"):
         glu.glu_backward(gate_up, grad_h[:, :299], activation)

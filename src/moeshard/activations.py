@@ -13,18 +13,20 @@ silu            0           silu(gate) * up (SwiGLU: Mixtral, Qwen, DeepSeek)
 gelu            1           gelu(gate) * up (exact erf GELU-GLU)
 gelu_tanh       2           gelu_tanh(gate) * up, GELU's tanh approximation (Gemma 4's
                             ``gelu_pytorch_tanh``)
-swiglu_clamped  none        g = min(gate, limit); u = clamp(up, -limit, limit);        alpha 1.702
+swiglu_clamped  3           g = min(gate, limit); u = clamp(up, -limit, limit);        alpha 1.702
                             (u + 1) * g * sigmoid(alpha * g)  (gpt-oss)                 limit 7.0
-silu_clamped    none        silu(min(gate, limit)) * clamp(up, -limit, limit)           limit 10.0
+silu_clamped    4           silu(min(gate, limit)) * clamp(up, -limit, limit)           limit 10.0
                             (HY-V4's routed experts)
 ==============  ==========  ==========================================================  =========
 
 A kind without a ``kernel_mode`` runs on the portable experts; the Triton kernels refuse it
 with the reason (``kernel_refusal``). A new kind is one ``register_activation`` entry (its
 function and parameters as data); a Triton epilogue for it is a change to
-``kernels/grouped_gemm.py`` and the Gluon gate_up's ``_act_mul``
-(``kernels/persistent_gate_up.py``) plus its ``kernel_mode`` here, and the same mode's forward
-and derivative in ``kernels/glu.py`` (the training forward on CUDA).
+``kernels/grouped_gemm.py``'s ``_act_mul`` plus its ``kernel_mode`` and parameter names here
+(``KERNEL_PARAMS``: the kernels take those parameters as compile-time constants), and the same
+mode's forward and derivative in ``kernels/glu.py`` (the training forward on CUDA). The Gluon
+gate_up (``kernels/persistent_gate_up.py``) computes modes ``GLUON_ACT_MODES`` of
+``kernels/modes.py``; the experts run the others on the Triton gate_up.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ import torch.nn.functional as F
 
 from moeshard.registry import Registry
 
-# Modes of the Triton gate_up epilogue (``ACT`` of ``kernels.grouped_gemm._moe_gemm``).
-KERNEL_MODES = (0, 1, 2)
+# Modes of the Triton gate_up epilogue (``ACT`` of ``kernels.grouped_gemm._act_mul``), each with
+# the parameter names its formula takes (passed to the kernels as ``ACT_ALPHA`` / ``ACT_LIMIT``).
+KERNEL_PARAMS: Mapping[int, tuple[str, ...]] = MappingProxyType({
+    0: (), 1: (), 2: (), 3: ("alpha", "limit"), 4: ("limit",)})
+KERNEL_MODES = tuple(KERNEL_PARAMS)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,9 @@ def register_activation(kind: ActivationKind) -> ActivationKind:
         raise ValueError(f"{where}: act must be callable, got {kind.act!r}")
     if kind.kernel_mode is not None:
         taken = {k.kernel_mode: k.name for k in _REGISTRY.values() if k.kernel_mode is not None}
+        if kind.kernel_mode in KERNEL_MODES and sorted(kind.params) != sorted(KERNEL_PARAMS[kind.kernel_mode]):
+            raise ValueError(f"{where}: kernel_mode {kind.kernel_mode} computes with parameters "
+                             f"{list(KERNEL_PARAMS[kind.kernel_mode])}, the kind has {sorted(kind.params)}")
         if kind.kernel_mode not in KERNEL_MODES or kind.kernel_mode in taken:
             raise ValueError(f"{where}: kernel_mode {kind.kernel_mode!r} is not a free mode of {KERNEL_MODES} "
                              f"(taken: {taken})")
@@ -143,11 +151,11 @@ def _clamped_silu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.T
 for _kind in (
     ActivationKind("silu", _silu_glu, 0, "SwiGLU: silu(gate) * up"),
     ActivationKind("gelu", _gelu_glu, 1, "GELU-GLU: gelu(gate) * up (exact erf)"),
-    ActivationKind("swiglu_clamped", _clamped_swiglu, None,
+    ActivationKind("swiglu_clamped", _clamped_swiglu, 3,
                    "gpt-oss SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)",
                    {"alpha": 1.702, "limit": 7.0}),
     ActivationKind("gelu_tanh", _gelu_tanh_glu, 2, "GELU-GLU with GELU's tanh approximation"),
-    ActivationKind("silu_clamped", _clamped_silu, None,
+    ActivationKind("silu_clamped", _clamped_silu, 4,
                    "SwiGLU on clamped products: silu(min(gate, limit)) * clamp(up, -limit, limit)", {"limit": 10.0}),
 ):
     register_activation(_kind)

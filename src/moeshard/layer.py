@@ -207,8 +207,7 @@ class MoELayer(nn.Module):
         self.placement = self._check_placement(placement, cfg, parallel, rank)
         self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
         self.device = torch.device(device) if device is not None else (groups.device if groups else torch.device("cpu"))
-        self.kernel: ExpertKernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme,
-                                                  cfg.expert_bias)
+        self.kernel: ExpertKernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme)
         ok, reason = support(backend, quant, parallel, device=self.device.type,
                              has_side_group=groups is not None and groups.side_group is not None,
                              kernel_layouts=self.kernel.layouts, has_max_tokens=max_tokens_per_rank is not None)

@@ -97,6 +97,47 @@ def test_triton_experts_match_reference(dtype, scheme, shape, fp8_gate_up):
     _check(y, ref, dtype, scheme, f"{scheme} {shape} {fp8_gate_up}")
 
 
+@pytest.mark.parametrize("activation", ["swiglu_clamped", "silu_clamped"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape", ["decode", "batch64", "prefill"])
+def test_biased_clamped_experts_match_reference(activation, scheme, shape):
+    """gpt-oss's experts (biases, ``swiglu_clamped``) and HY-V4's (``silu_clamped``; here with
+    biases too) on the Triton kernels: the gate_up weights scaled so that about a third of the
+    products pass the limit, biases of the products' size. At prefill the fp8 schemes take the
+    Triton GEMMs where unbiased ``silu`` experts would take the Gluon ones."""
+    from moeshard.activations import get_activation
+
+    M, E, H, I = SHAPES[shape]
+    limit = get_activation(activation).params["limit"]
+    gen = torch.Generator(device="cuda").manual_seed(M + 5)
+    gu = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * (limit / H**0.5)).to(torch.bfloat16)
+    dn = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).to(torch.bfloat16)
+    b13 = (torch.randn(E, 2 * I, device="cuda", generator=gen) * limit / 2).to(torch.bfloat16)
+    b2 = torch.randn(E, H, device="cuda", generator=gen).to(torch.bfloat16)
+    w = ExpertWeights(gu, dn, "none", b13, b2) if scheme == "none" else \
+        ExpertWeights(quantize_weight(gu, scheme), quantize_weight(dn, scheme), scheme, b13, b2)
+    x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = _ids(M, E, seed=M + 1)
+    xin = quantize_activations(x, scheme) if scheme != "none" else x
+    kernel = select_kernel(activation, torch.bfloat16, torch.device("cuda"), scheme)
+    assert type(kernel).__name__ == "TritonExperts"
+    y = kernel(ExpertInput(xin, ids), w)
+    ref = expert_reference(xin, ids, w, activation, torch.bfloat16, accumulation=kernel.accumulation(scheme))
+    _check(y, ref, torch.bfloat16, scheme, f"{activation} {scheme} {shape}")
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-120b", "hy-v4"])
+@pytest.mark.parametrize("scheme", ["none", "fp8_token"])
+def test_biased_and_clamped_layers_match_reference(preset, scheme):
+    """gpt-oss's and HY-V4's layers on the Triton experts, against the reference."""
+    cfg, weights, layer = _layer(preset, scheme)
+    assert type(layer.kernel).__name__ == "TritonExperts"
+    for T in (1, 300):
+        x = (torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)) * 4).to(cfg.dtype)
+        ref = reference_forward(x, weights, cfg, QuantConfig(scheme), accumulation=layer.accumulation)
+        _check(layer(x.cuda()).cpu(), ref, cfg.dtype, scheme, f"layer {preset} {scheme} T={T}")
+
+
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
 @pytest.mark.parametrize("gpu", ["h200", "h100"])
 def test_each_gpus_decode_tiles_match_reference(scheme, gpu):
@@ -1185,19 +1226,22 @@ def test_select_kernel():
     assert select_config(131072, 256, 7168, 2048, "none").block_m == 128
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swiglu_clamped", "silu_clamped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_training_forward_of_grouped_experts_matches_the_torch_path(activation, dtype):
     """A CUDA forward that carries gradients runs the one-pass gated activation and its
     backward (``kernels/glu.py``) and gathers a token's K rows through ``RepeatedRows``: its
     output and its gradients of x and both weights equal the same pipeline on the CPU (plain
     torch ops), within the rounding of the model dtype."""
+    from moeshard.activations import get_activation
     from moeshard.experts import GroupedExperts
 
     gen = torch.Generator().manual_seed(3)
     T, K, E, H, I = 300, 4, 8, 256, 384
     x = torch.randn(T, H, generator=gen).to(dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(dtype)
+    # The clamped kinds' products reach past their limit (about a third of them).
+    scale = get_activation(activation).params.get("limit", 1.0)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) * (scale / H**0.5)).to(dtype)
     w2 = (torch.randn(E, H, I, generator=gen) / I**0.5).to(dtype)
     ids = torch.randint(0, E, (T * K,), generator=gen)
     g = torch.randn(T * K, H, generator=gen).to(dtype)

@@ -10,6 +10,9 @@
     decoded to fp16 values once, ``kernels.nvfp4_values``, instead of in every GEMM program; the
     weights a window of ``decode_experts`` experts at a time, each GEMM launched per window)
 
+Expert biases (``ExpertWeights.gate_up_bias`` / ``down_bias``, gpt-oss) are added in the GEMMs'
+epilogues, to the products rounded to the model dtype, as ``GroupedExperts`` adds them.
+
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
 rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized
 (two fewer when the tile plan is one program, at most 64 routed rows; three fewer for one
@@ -37,6 +40,7 @@ from moeshard.kernels.align import align_rows, direct_rows, max_tiles, split_til
 from moeshard.kernels.configs import FP8, ExpertsConfig, gpu_kind, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.layout import lay_out_rows
+from moeshard.kernels.modes import GLUON_ACT_MODES
 from moeshard.kernels.nvfp4_values import Nvfp4Values, nvfp4_values
 from moeshard.kernels.quant import quantize_h
 from moeshard.kernels.quant_rows import MODES as ROW_MODES
@@ -88,10 +92,6 @@ class TritonExperts(GroupedExperts):
     def __call__(self, inp: ExpertInput, weights: ExpertWeights) -> torch.Tensor:
         """Returns [M, H] in ``out_dtype``: each routed row (x[m // inp.repeat]) through its
         expert, unweighted, in input order."""
-        if weights.has_bias:
-            # Never drop them: the caller must run these weights on the portable experts.
-            raise ValueError("TritonExperts: the experts have biases (gate_up_bias / down_bias), which the Triton "
-                             "GEMM epilogues do not add; run them on GroupedExperts (select_kernel does)")
         spec = get_scheme(weights.scheme, "ExpertWeights.scheme")
         scheme = spec.name
         ids = inp.expert_ids
@@ -120,8 +120,12 @@ class TritonExperts(GroupedExperts):
                 x = quantize_activations(x, scheme, amax=amax_in)
         takes_pdl = pdl.supported(device)
         index = device.index if device.type == "cuda" else None
+        # The Gluon gate_up computes neither biases nor every activation mode: such experts take
+        # the tiles chosen for the Triton GEMMs, as on a GPU without Gluon.
+        gluon = (gluon_supported(device) and not weights.has_bias
+                 and get_activation(self.activation).kernel_mode in GLUON_ACT_MODES)
         cfg = self.config or select_config(M, E, H, I, scheme, multiprocessors(index), self.fp8_gate_up,
-                                           pdl=takes_pdl, gluon=gluon_supported(device), gpu=gpu_kind(index))
+                                           pdl=takes_pdl, gluon=gluon, gpu=gpu_kind(index))
         if self.config is None and cfg.gate_up.engine == "gluon":
             from moeshard.kernels.persistent_gate_up import input_refusal
 
@@ -178,7 +182,8 @@ class TritonExperts(GroupedExperts):
             w_gate_up = weights.gate_up if window is None else _decoded(weights.gate_up, window)
             moe_gemm(a, w_gate_up, plan, h, cfg.gate_up, activation=self.activation, gather=gather, amax=amax,
                      fp8_exact=self.fp8_gate_up == "exact", a_row_div=a_row_div, pdl_launch=front, experts=window,
-                     out_scale=h_scale, h_dtype=self.out_dtype if h_scale is not None else None, row_amax=row_amax)
+                     out_scale=h_scale, h_dtype=self.out_dtype if h_scale is not None else None, row_amax=row_amax,
+                     bias=weights.gate_up_bias)
             del w_gate_up
         if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
             amax = inp.amax_reduce(amax)
@@ -191,7 +196,7 @@ class TritonExperts(GroupedExperts):
         for window in _windows(E, cfg.decode_experts) if decode_w else (None,):
             w_down = weights.down if window is None else _decoded(weights.down, window)
             moe_gemm(h_in, w_down, down_plan, y, cfg.down, activation=None, gather=False, pdl_launch=back,
-                     experts=window)
+                     experts=window, bias=weights.down_bias)
             del w_down
         return y
 

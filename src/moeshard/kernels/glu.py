@@ -10,8 +10,10 @@ the 3.0 ms that the experts' forward + backward spend, ``scripts/backward_profil
 * ``glu_backward``: one read of gate_up and dL/dh, one write of dL/d(gate_up) [M, 2I] in
   gate_up's dtype: d_up = dh * act(gate), d_gate = dh * up * act'(gate), in fp32.
 
-The kinds with a Triton epilogue (``kernel_mode`` 0: silu, 1: exact-erf gelu) run here; the
-others keep the torch path. ``GatedActivation`` is the autograd Function the portable experts
+The kinds with a Triton epilogue (``kernel_mode``: 0 silu, 1 exact-erf gelu, 2 tanh-approximate
+gelu, 3 gpt-oss's clamped SwiGLU, 4 SwiGLU on clamped products) run here; the others keep the
+torch path. A clamp passes the gradient where its input lies within the bounds, ends included
+(torch.clamp's backward), and none elsewhere. ``GatedActivation`` is the autograd Function the portable experts
 use for a CUDA forward that carries gradients.
 """
 
@@ -22,36 +24,32 @@ import triton
 import triton.language as tl
 
 from moeshard.activations import get_activation
-from moeshard.kernels.grouped_gemm import _gelu_mul, _gelu_tanh_mul, _silu_mul
+from moeshard.kernels.grouped_gemm import _act_mul
+from moeshard.kernels.modes import act_constants
 
-# The kernel modes computed here: 0 silu, 1 exact-erf gelu, 2 tanh-approximate gelu
-# (activations.KERNEL_MODES).
-MODES = (0, 1, 2)
+# The kernel modes computed here (activations.KERNEL_MODES): 0 silu, 1 exact-erf gelu, 2
+# tanh-approximate gelu, 3 gpt-oss's clamped SwiGLU, 4 SwiGLU on clamped products.
+MODES = (0, 1, 2, 3, 4)
 ROWS = 8  # rows per program
 COLS = 256  # columns of h per program
 
 
 @triton.jit
-def _glu_fwd_kernel(gu_ptr, h_ptr, M, I, stride_gu, stride_h, ACT: tl.constexpr, ROWS: tl.constexpr,
-                    COLS: tl.constexpr):
+def _glu_fwd_kernel(gu_ptr, h_ptr, M, I, stride_gu, stride_h, ACT: tl.constexpr, ALPHA: tl.constexpr,
+                    LIMIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     ok = (rows < M)[:, None] & (cols < I)[None, :]
     gate_ptrs = gu_ptr + rows[:, None] * stride_gu + cols[None, :]
     gate = tl.load(gate_ptrs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + I, mask=ok, other=0.0).to(tl.float32)
-    if ACT == 0:
-        h = _silu_mul(gate, up)
-    elif ACT == 1:
-        h = _gelu_mul(gate, up)
-    else:
-        h = _gelu_tanh_mul(gate, up)
+    h = _act_mul(gate, up, ACT, ALPHA, LIMIT)
     tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _glu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, M, I, stride_gu, stride_dh, stride_dgu, ACT: tl.constexpr,
-                    ROWS: tl.constexpr, COLS: tl.constexpr):
+                    ALPHA: tl.constexpr, LIMIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     ok = (rows < M)[:, None] & (cols < I)[None, :]
@@ -59,10 +57,27 @@ def _glu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, M, I, stride_gu, stride_dh, stride_
     g = tl.load(gate_ptrs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gate_ptrs + I, mask=ok, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    if ACT == 0:
+    # h = a(g) * v(u): d_gate = dh * v * a'(g), d_up = dh * a(g) * v'(u), with v(u) = u (modes
+    # 0-2), clamp(u) + 1 (3) or clamp(u) (4); a clamped input takes an exact zero (a select, as
+    # torch's, not a product that an inf would turn into NaN).
+    CLAMPS: tl.constexpr = ACT >= 3
+    if CLAMPS:
+        g_in = g <= LIMIT
+        u_in = (u >= -LIMIT) & (u <= LIMIT)
+        g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(tl.maximum(u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                       propagate_nan=tl.PropagateNan.ALL)
+        if ACT == 3:
+            u = u + 1.0
+    if ACT == 0 or ACT == 4:
         s = 1.0 / (1.0 + tl.exp(-g))
         a = g * s
         da = s * (1.0 + g * (1.0 - s))
+    elif ACT == 3:
+        # a = g sigmoid(alpha g): da = s + alpha g s (1 - s)
+        s = 1.0 / (1.0 + tl.exp(-(g * ALPHA)))
+        a = g * s
+        da = s + ALPHA * g * s * (1.0 - s)
     elif ACT == 1:
         cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
         a = g * cdf
@@ -74,8 +89,13 @@ def _glu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, M, I, stride_gu, stride_dh, stride_
         a = 0.5 * g * (1.0 + t)
         da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
     out = dgu_ptr + rows[:, None] * stride_dgu + cols[None, :]
-    tl.store(out, (dh * u * da).to(dgu_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + I, (dh * a).to(dgu_ptr.dtype.element_ty), mask=ok)
+    d_gate = dh * u * da
+    d_up = dh * a
+    if CLAMPS:
+        d_gate = tl.where(g_in, d_gate, 0.0)
+        d_up = tl.where(u_in, d_up, 0.0)
+    tl.store(out, d_gate.to(dgu_ptr.dtype.element_ty), mask=ok)
+    tl.store(out + I, d_up.to(dgu_ptr.dtype.element_ty), mask=ok)
 
 
 def kernel_mode_of(activation: str) -> int | None:
@@ -108,8 +128,9 @@ def glu_forward(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype) 
         raise ValueError(f"glu_forward: activation {activation!r} has no kernel mode; use experts.base.activate")
     h = torch.empty(M, I, dtype=out_dtype, device=gate_up.device)
     if M and I:
-        _glu_fwd_kernel[_grid(M, I)](gate_up, h, M, I, gate_up.stride(0), h.stride(0), ACT=mode, ROWS=ROWS,
-                                     COLS=COLS, num_warps=4)
+        alpha, limit = act_constants(activation)
+        _glu_fwd_kernel[_grid(M, I)](gate_up, h, M, I, gate_up.stride(0), h.stride(0), ACT=mode, ALPHA=alpha,
+                                     LIMIT=limit, ROWS=ROWS, COLS=COLS, num_warps=4)
     return h
 
 
@@ -124,9 +145,10 @@ def glu_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, activation: str) -
         raise ValueError(f"glu_backward: grad_h must be [{M}, {I}] with unit column stride, got "
                          f"{list(grad_h.shape)} strides {grad_h.stride()}")
     dgu = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+    alpha, limit = act_constants(activation)
     if M and I:
         _glu_bwd_kernel[_grid(M, I)](gate_up, grad_h, dgu, M, I, gate_up.stride(0), grad_h.stride(0), dgu.stride(0),
-                                     ACT=mode, ROWS=ROWS, COLS=COLS, num_warps=4)
+                                     ACT=mode, ALPHA=alpha, LIMIT=limit, ROWS=ROWS, COLS=COLS, num_warps=4)
     return dgu
 
 

@@ -49,7 +49,7 @@ import triton.language as tl
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
-from moeshard.kernels.modes import act_mode, amax_mode, kernel_mode, one_w_scale_per_tile, scale_strides
+from moeshard.kernels.modes import act_constants, act_mode, amax_mode, kernel_mode, one_w_scale_per_tile, scale_strides
 from moeshard.kernels.nvfp4_values import Nvfp4Values, e2m1_scaled_f16
 from moeshard.kernels.quant import _fp8_group
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedActivations, QuantizedWeight
@@ -77,6 +77,42 @@ def _gelu_tanh_mul(gate, up):
     # overflow to inf gives exactly -1 (and its underflow +1).
     z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
     return 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0)) * up
+
+
+@triton.jit
+def _swiglu_clamped_mul(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    # NaN stays NaN through the clamps, as torch.clamp keeps it.
+    g = tl.minimum(gate, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.minimum(tl.maximum(up, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return (u + 1.0) * (g * (1.0 / (1.0 + tl.exp(-(g * ALPHA)))))
+
+
+@triton.jit
+def _silu_clamped_mul(gate, up, LIMIT: tl.constexpr):
+    g = tl.minimum(gate, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.minimum(tl.maximum(up, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return _silu_mul(g, u)
+
+
+@triton.jit
+def _act_mul(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """h = act(gate, up) in fp32 for the activation's kernel mode (``activations.KERNEL_PARAMS``):
+    0 silu, 1 exact-erf gelu, 2 tanh-approximate gelu, 3 gpt-oss's clamped SwiGLU (ALPHA,
+    LIMIT), 4 SwiGLU on clamped products (LIMIT)."""
+    if ACT == 0:
+        h = _silu_mul(gate, up)
+    elif ACT == 1:
+        h = _gelu_mul(gate, up)
+    elif ACT == 2:
+        h = _gelu_tanh_mul(gate, up)
+    elif ACT == 3:
+        h = _swiglu_clamped_mul(gate, up, ALPHA, LIMIT)
+    else:
+        tl.static_assert(ACT == 4, "an activation mode the epilogue does not compute")
+        h = _silu_clamped_mul(gate, up, LIMIT)
+    return h
 
 
 @triton.jit
@@ -110,12 +146,12 @@ def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
 
 @triton.jit
 def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr, amax_ptr,
-          sorted_rows_ptr, p0, expert, w_expert, first, count, direct_row, pid_n, N, K, N_w, up_offset, a_row_div,
-          stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+          bias_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, direct_row, pid_n, N, K, N_w, up_offset,
+          a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
-          stride_om, stride_on, stride_osm,
-          QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, QUANT_OUT: tl.constexpr,
-          H_TY: tl.constexpr,
+          stride_om, stride_on, stride_osm, stride_be,
+          QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, ACT_ALPHA: tl.constexpr,
+          ACT_LIMIT: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
           GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
           EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
           FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
@@ -130,7 +166,11 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     ``w_ptr`` one of [BLOCK_N, SUB_K / pack] blocks when TMA_W (pack: 2 for nvfp4 codes, 1 for an
     operand given as decoded values, A_VALUES / W_VALUES). The gate_up product and h are
     rounded to H_TY, the model dtype; with QUANT_OUT (gate_up, BLOCK_N = 128) h is stored as
-    fp8_block values at ``out_ptr`` and their row scales at column pid_n of ``out_scale_ptr``."""
+    fp8_block values at ``out_ptr`` and their row scales at column pid_n of ``out_scale_ptr``.
+    BIAS: ``bias_ptr`` is the experts' bias [E, N_w] (row ``expert``, stride ``stride_be``; of
+    the plan's experts, not the window's), added in fp32 to the product rounded to the model
+    dtype and rounded again: before the activation (gate_up: gate columns, then up columns
+    ``up_offset`` on) or to the output (down)."""
     offs_p = p0 + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
@@ -266,20 +306,27 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
             acc_up = acc_up / denom
 
     out_ty = out_ptr.dtype.element_ty
+    if BIAS:
+        b_ptrs = bias_ptr + expert * stride_be + offs_wn
     if FUSE_ACT:
-        # The reference rounds the gate_up product to the model dtype before the activation,
-        # and the activation's fp32 result to the model dtype again.
+        # The reference rounds the gate_up product to the model dtype before the activation
+        # (a bias is added to that, and the sum rounded again, as a model adding its bias after
+        # the matmul does), and the activation's fp32 result to the model dtype again.
         gate = acc.to(H_TY).to(tl.float32)
         up = acc_up.to(H_TY).to(tl.float32)
-        if ACT == 0:
-            h = _silu_mul(gate, up)
-        elif ACT == 1:
-            h = _gelu_mul(gate, up)
-        else:
-            h = _gelu_tanh_mul(gate, up)
+        if BIAS:
+            gate = (gate + tl.load(b_ptrs).to(tl.float32)[None, :]).to(H_TY).to(tl.float32)
+            up = (up + tl.load(b_ptrs + up_offset).to(tl.float32)[None, :]).to(H_TY).to(tl.float32)
+        h = _act_mul(gate, up, ACT, ACT_ALPHA, ACT_LIMIT)
+        if BIAS:
+            # Padding rows (A loaded as zeros) would hold act(bias): they stay exact zeros, as
+            # without a bias (act(0, 0) is 0 for every mode).
+            h = tl.where(row_ok[:, None], h, 0.0)
         result = h.to(H_TY)
     else:
         result = acc.to(out_ty)
+        if BIAS:
+            result = (result.to(tl.float32) + tl.load(b_ptrs).to(tl.float32)[None, :]).to(out_ty)
     if TRACK_AMAX == 1:
         seen = tl.where(row_ok[:, None] & n_ok[None, :], tl.abs(result.to(tl.float32)), 0.0)
         tl.atomic_max(amax_ptr + expert, tl.max(tl.max(seen, axis=1), axis=0), sem="relaxed")
@@ -311,14 +358,14 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
 def moe_gemm_kernel(
         a_ptr, a_half_ptr, a_scale_ptr, a_global_ptr,
         w_ptr, w_scale_ptr, w_global_ptr,
-        out_ptr, out_scale_ptr, amax_ptr,
+        out_ptr, out_scale_ptr, amax_ptr, bias_ptr,
         sorted_rows_ptr, tile_expert_ptr, start_ptr, count_ptr,
         num_tiles, expert_lo, expert_hi, N, K, N_w, up_offset, a_row_div,
         stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
         stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
-        stride_om, stride_on, stride_osm,
-        QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, QUANT_OUT: tl.constexpr,
-        H_TY: tl.constexpr,
+        stride_om, stride_on, stride_osm, stride_be,
+        QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, ACT_ALPHA: tl.constexpr,
+        ACT_LIMIT: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
@@ -356,10 +403,11 @@ def moe_gemm_kernel(
     if HALF_TILES:
         if count - (p0 - first) <= BLOCK_M // 2:
             _tile(a_half_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr,
-                  amax_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w, up_offset,
-                  a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+                  amax_ptr, bias_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w,
+                  up_offset, a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
-                  stride_osm, QUANT, FUSE_ACT, ACT, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K,
+                  stride_osm, stride_be, QUANT, FUSE_ACT, ACT, ACT_ALPHA, ACT_LIMIT, BIAS, QUANT_OUT, H_TY,
+                  GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K,
                   TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M // 2, BLOCK_N,
                   BLOCK_K, SUB_K)
             if not SCATTER_OUT:
@@ -375,11 +423,12 @@ def moe_gemm_kernel(
                     tl.store(out_scale_ptr + offs_z * stride_osm + pid_n, floor)
             return
     _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr, amax_ptr,
-          sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w, up_offset, a_row_div,
-          stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
+          bias_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w, up_offset,
+          a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, stride_osm,
-          QUANT, FUSE_ACT, ACT, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT,
-          FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K)
+          stride_be, QUANT, FUSE_ACT, ACT, ACT_ALPHA, ACT_LIMIT, BIAS, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT,
+          TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M,
+          BLOCK_N, BLOCK_K, SUB_K)
 
 
 def _a_operand(a: torch.Tensor | QuantizedActivations | Nvfp4Values):
@@ -436,7 +485,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
              amax: torch.Tensor | None = None, fp8_exact: bool = False, a_row_div: int = 1,
              fp8_acc: str | None = None, pdl_launch: bool = False,
              experts: tuple[int, int] | None = None, out_scale: torch.Tensor | None = None,
-             h_dtype: torch.dtype | None = None, row_amax: torch.Tensor | None = None) -> torch.Tensor:
+             h_dtype: torch.dtype | None = None, row_amax: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -483,13 +533,17 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
        ``out`` is then fp8 e4m3 [P, N_w / 2] and ``out_scale`` fp32 [P, N_w / 256], the scale of
        each row's 128-column group. Needs 128-column tiles (one group per tile), N_w / 2 a
        multiple of 128, no amax, and ``h_dtype``, the model dtype h is rounded to first.
+    bias: None, or the experts' bias [E, N_w] (all E experts of the plan, whatever the window;
+       the model dtype, rows of unit column stride): gate_up's [gate | up] bias, added to each
+       product rounded to the model dtype, before the activation; down's, added to its rounded
+       output (``ExpertWeights.gate_up_bias`` / ``down_bias``). Padding positions take none.
     """
     if row_amax is not None:
         _check_row_amax(row_amax, plan, activation, amax, out_scale)
     if config.engine == "gluon":
         return _gluon(a, w, plan, out, config, activation=activation, gather=gather, amax=amax,
                       fp8_exact=fp8_exact, a_row_div=a_row_div, fp8_acc=fp8_acc, pdl_launch=pdl_launch,
-                      experts=experts, out_scale=out_scale, row_amax=row_amax)
+                      experts=experts, out_scale=out_scale, row_amax=row_amax, bias=bias)
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if config.block_m != plan.block_m:
         # Tiles of another height would index the plan's tiles at the wrong positions.
@@ -520,6 +574,11 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     n = n_w // 2 if fused else n_w
     if fused and n_w % 2:
         raise ValueError(f"moe_gemm: fused gate_up needs an even number of weight rows, got {n_w}")
+    if bias is not None and (tuple(bias.shape) != (num_experts, n_w) or bias.stride(1) != 1
+                             or not bias.is_floating_point() or bias.device != out.device):
+        raise ValueError(f"moe_gemm: bias must be a float [E={num_experts}, N_w={n_w}] tensor with unit column stride "
+                         f"on {out.device}; got {bias.dtype} {list(bias.shape)} strides {bias.stride()} on "
+                         f"{bias.device}")
     if w_mode == 4 and k % 16:
         raise ValueError(f"moe_gemm: nvfp4 needs K % 16 == 0, got K={k}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -554,17 +613,19 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
             raise ValueError(f"moe_gemm: h_dtype={h_dtype} differs from out's {out.dtype}; it rounds h for out_scale")
         h_ty = H_TYPES.get(out.dtype, tl.float32)
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
+    act_alpha, act_limit = act_constants(activation)
     moe_gemm_kernel[grid](
         a_arg, a_half if tma_a else a_arg, a_scale, a_global, w_arg, w_scale, w_global,
         out, out_scale if out_scale is not None else out,
         amax if amax is not None else row_amax if row_amax is not None else out,
-        plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
+        bias if bias is not None else out, plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
         plan.max_tiles, lo, hi, n, k, n_w, n if fused else 0, a_row_div,
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
         out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         QUANT=w_mode, FUSE_ACT=fused, ACT=act_mode(activation),  # fused
-        QUANT_OUT=out_scale is not None, H_TY=h_ty,
+        ACT_ALPHA=act_alpha, ACT_LIMIT=act_limit, BIAS=bias is not None, QUANT_OUT=out_scale is not None, H_TY=h_ty,
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax_mode(amax, row_amax), EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
@@ -617,7 +678,7 @@ def _check_quantized_out(out: torch.Tensor, out_scale: torch.Tensor, h_dtype: to
 def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, activation: str | None,
            gather: bool, amax: torch.Tensor | None, fp8_exact: bool, a_row_div: int, fp8_acc: str | None,
            pdl_launch: bool, experts: tuple[int, int] | None, out_scale: torch.Tensor | None,
-           row_amax: torch.Tensor | None) -> torch.Tensor:
+           row_amax: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """``moe_gemm`` with ``config.engine == "gluon"``: the gate_up GEMM of
     ``kernels.persistent_gate_up`` (rows gathered) or the down GEMM of ``kernels.persistent_down``
     (``kernels.persistent_block_down`` for fp8_block; at padded positions), which take fewer of
@@ -625,7 +686,7 @@ def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, a
     gate_up = activation is not None
     given = {"gather": gather != gate_up, "fp8_exact": fp8_exact, "fp8_acc": fp8_acc not in (None, config.fp8_acc),
              "pdl_launch": pdl_launch, "experts": experts is not None, "out_scale": out_scale is not None,
-             "a direct plan": plan.direct}
+             "a direct plan": plan.direct, "bias": bias is not None}
     if not gate_up:
         given.update({"amax": amax is not None, "a_row_div": a_row_div != 1})
     if any(given.values()):

@@ -33,6 +33,21 @@ def act_mode(activation: str | None) -> int:
     return kind.kernel_mode
 
 
+def act_constants(activation: str | None) -> tuple[float, float]:
+    """The epilogue's ``(ACT_ALPHA, ACT_LIMIT)``: the kind's ``alpha`` and ``limit`` parameters
+    where its mode takes them (``activations.KERNEL_PARAMS``), else 0.0 (no kind's formula reads
+    a constant it does not take). Compile-time constants: a kind's values never change."""
+    if activation is None:
+        return 0.0, 0.0
+    params = get_activation(activation, "moe_gemm: activation").params
+    return float(params.get("alpha", 0.0)), float(params.get("limit", 0.0))
+
+
+# The activation modes the Gluon gate_up (``persistent_gate_up._act_mul``) computes; the experts
+# run the others on the Triton gate_up (``TritonExperts``), and the Gluon kernel refuses them.
+GLUON_ACT_MODES = (0, 1, 2)
+
+
 def amax_mode(amax: torch.Tensor | None, row_amax: torch.Tensor | None) -> int:
     """The gate_up epilogue's ``TRACK_AMAX``: 1 max-reduces |h| per expert into amax [E], 2 per
     position into row_amax [P] (fp8_token's row maxima), 0 neither."""

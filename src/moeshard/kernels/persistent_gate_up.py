@@ -92,7 +92,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import GemmConfig, multiprocessors
-from moeshard.kernels.modes import act_mode, amax_mode, kernel_mode, one_w_scale_per_tile, scale_strides
+from moeshard.kernels.modes import GLUON_ACT_MODES, act_mode, amax_mode, kernel_mode, one_w_scale_per_tile, scale_strides
 from moeshard.kernels.persistent_down import _TMA_LOAD, _grouped, _tiles_in_use, operands_refusal
 from moeshard.quant import QuantizedActivations, QuantizedWeight
 
@@ -501,6 +501,10 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     refusal = operands_refusal(out.device, x, w, "gate_up", GATE_UP_SCHEMES)
     if refusal:
         raise ValueError(f"{where}: {refusal}")
+    mode = act_mode(activation)
+    if mode not in GLUON_ACT_MODES:
+        raise ValueError(f"{where}: computes the activation modes {GLUON_ACT_MODES}; {activation!r} has mode {mode} "
+                         f"(the Triton gate_up computes it)")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if (bm, bk) != (128, 128) or bn not in (64, 128):
         raise ValueError(f"{where}: computes 128 x 128 x 128 and 128 x 64 x 128 tiles, got {bm} x {bn} x {bk}")
@@ -555,7 +559,7 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
             plan.tile_expert, plan.start, plan.count, torch.zeros(1, dtype=torch.int32, device=out.device),
             plan.start.shape[0], n, k, a_row_div, x.data.stride(0),
             stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, out.stride(0),
-            ACT=act_mode(activation), TRACK_AMAX=amax_mode(amax, row_amax), BLOCK_SCALES=block_scales,
+            ACT=mode, TRACK_AMAX=amax_mode(amax, row_amax), BLOCK_SCALES=block_scales,
             W_COL_SCALES=stride_wsn != 0, BLOCK_M=bm, BLOCK_K=bk,
             STAGES=config.num_stages, GROUP_M=config.group_m, num_warps=PARTITION_WARPS.value,
             maxnreg=_MAXNREG)
