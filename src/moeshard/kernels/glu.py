@@ -13,8 +13,8 @@ the 3.0 ms that the experts' forward + backward spend, ``scripts/backward_profil
 The kinds with a Triton epilogue (``kernel_mode``: 0 silu, 1 exact-erf gelu, 2 tanh-approximate
 gelu, 3 gpt-oss's clamped SwiGLU, 4 SwiGLU on clamped products) run here; the others keep the
 torch path. A clamp passes the gradient where its input lies within the bounds, ends included
-(torch.clamp's backward), and none elsewhere. ``GatedActivation`` is the autograd Function the portable experts
-use for a CUDA forward that carries gradients.
+(torch.clamp's backward), and none elsewhere. ``GatedActivation`` is the autograd Function the
+portable experts use for a CUDA forward that carries gradients.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from moeshard.activations import get_activation
-from moeshard.kernels.grouped_gemm import _act_mul
+from moeshard.kernels.grouped_gemm import _act_mul, _clamp_products
 from moeshard.kernels.modes import act_constants
 
 # The kernel modes computed here (activations.KERNEL_MODES): 0 silu, 1 exact-erf gelu, 2
@@ -64,9 +64,7 @@ def _glu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, M, I, stride_gu, stride_dh, stride_
     if CLAMPS:
         g_in = g <= LIMIT
         u_in = (u >= -LIMIT) & (u <= LIMIT)
-        g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
-        u = tl.minimum(tl.maximum(u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
-                       propagate_nan=tl.PropagateNan.ALL)
+        g, u = _clamp_products(g, u, LIMIT)
         if ACT == 3:
             u = u + 1.0
     if ACT == 0 or ACT == 4:

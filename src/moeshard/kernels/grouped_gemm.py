@@ -80,19 +80,23 @@ def _gelu_tanh_mul(gate, up):
 
 
 @triton.jit
-def _swiglu_clamped_mul(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    # NaN stays NaN through the clamps, as torch.clamp keeps it.
+def _clamp_products(gate, up, LIMIT: tl.constexpr):
+    """(min(gate, LIMIT), clamp(up, -LIMIT, LIMIT)); NaN stays NaN, as torch.clamp keeps it."""
     g = tl.minimum(gate, LIMIT, propagate_nan=tl.PropagateNan.ALL)
     u = tl.minimum(tl.maximum(up, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
                    propagate_nan=tl.PropagateNan.ALL)
+    return g, u
+
+
+@triton.jit
+def _swiglu_clamped_mul(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    g, u = _clamp_products(gate, up, LIMIT)
     return (u + 1.0) * (g * (1.0 / (1.0 + tl.exp(-(g * ALPHA)))))
 
 
 @triton.jit
 def _silu_clamped_mul(gate, up, LIMIT: tl.constexpr):
-    g = tl.minimum(gate, LIMIT, propagate_nan=tl.PropagateNan.ALL)
-    u = tl.minimum(tl.maximum(up, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
-                   propagate_nan=tl.PropagateNan.ALL)
+    g, u = _clamp_products(gate, up, LIMIT)
     return _silu_mul(g, u)
 
 
