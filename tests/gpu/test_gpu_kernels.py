@@ -129,11 +129,14 @@ def test_biased_clamped_experts_match_reference(activation, scheme, shape):
 @pytest.mark.parametrize("preset", ["gpt-oss-120b", "hy-v4"])
 @pytest.mark.parametrize("scheme", ["none", "fp8_token"])
 def test_biased_and_clamped_layers_match_reference(preset, scheme):
-    """gpt-oss's and HY-V4's layers on the Triton experts, against the reference."""
+    """gpt-oss's and HY-V4's layers on the Triton experts, against the reference, at the inputs
+    of ``test_layer_matches_reference`` (the clamps and biases at large products are the experts
+    tests' above: at four times these inputs the CPU layer on the portable experts misses the
+    bf16 bound too, where large expert outputs cancel to a small sum)."""
     cfg, weights, layer = _layer(preset, scheme)
     assert type(layer.kernel).__name__ == "TritonExperts"
     for T in (1, 300):
-        x = (torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)) * 4).to(cfg.dtype)
+        x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to(cfg.dtype)
         ref = reference_forward(x, weights, cfg, QuantConfig(scheme), accumulation=layer.accumulation)
         _check(layer(x.cuda()).cpu(), ref, cfg.dtype, scheme, f"layer {preset} {scheme} T={T}")
 
