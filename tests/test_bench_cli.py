@@ -158,3 +158,27 @@ def test_study_rounds_alternate_between_the_timed_callables(monkeypatch):
     assert order == ["a", "b", "a", "b", "a", "b"]
     assert rounds == {"a": [5.0, 3.0, 4.0], "b": [1.0, 2.0, 9.0]}
     assert medians == {"a": 4.0, "b": 2.0}
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-120b", "qwen3-30b-a3b"])
+def test_bench_models_carry_every_weight_the_layer_needs(preset):
+    """The bench's model (router, its bias, the experts' biases where the preset has them) gives
+    the layer built from its shell and local experts the output of the layer built from the same
+    weights whole: nothing the family computes is left out of what the bench times."""
+    import dataclasses
+
+    import torch
+
+    from moeshard.bench.workload import experts_for, hidden_states, make_model
+    from moeshard.config import QuantConfig
+    from moeshard.layer import MoELayer
+
+    m = make_model(preset, torch.device("cpu"), size="small")
+    assert (m.shell.gate_bias is not None) == m.cfg.routing_kind.router_bias
+    assert (m.gate_up_bias is not None) == (m.down_bias is not None) == m.cfg.expert_bias
+    whole = dataclasses.replace(m.shell, gate_up=m.gate_up, down=m.down, gate_up_bias=m.gate_up_bias,
+                                down_bias=m.down_bias)
+    x = hidden_states(m, 9, seed=2)
+    for scheme in ("none", "fp8_token"):
+        split = MoELayer(m.cfg, QuantConfig(scheme), weights=m.shell, local_experts=experts_for(m, scheme))
+        assert torch.equal(split(x), MoELayer(m.cfg, QuantConfig(scheme), weights=whole)(x)), scheme

@@ -41,8 +41,10 @@ def check_choices(models: tuple[str, ...], quants: tuple[str, ...]) -> None:
 class ModelOnDevice:
     """One preset's block at full size on the GPU, in bf16.
 
-    shell: router, correction bias and shared experts (``gate_up`` / ``down`` are None);
-    gate_up: [E, 2I, H]; down: [E, H, I].
+    shell: router (with its bias where the routing kind has one), correction bias and shared
+    experts (``gate_up`` / ``down`` are None);
+    gate_up: [E, 2I, H]; down: [E, H, I]; gate_up_bias [E, 2I] and down_bias [E, H]: the experts'
+    biases where ``cfg.expert_bias`` (gpt-oss), else None.
     """
 
     name: str
@@ -50,6 +52,8 @@ class ModelOnDevice:
     shell: MoEWeights
     gate_up: torch.Tensor
     down: torch.Tensor
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 def _randn(shape: tuple[int, ...], std: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -79,9 +83,14 @@ def make_model(name: str, device: torch.device, seed: int = 0, size: str = "full
         shared_up=_randn((S, H), 1 / H**0.5, gen, device) if shared else None,
         shared_down=_randn((H, S), 1 / S**0.5, gen, device) if shared else None,
         shared_expert_gate=_randn((1, H), 1 / H**0.5, gen, device) if cfg.shared_expert_gate else None,
+        gate_bias=_randn((E,), 0.5, gen, device) if cfg.routing_kind.router_bias else None,
     )
-    return ModelOnDevice(name, cfg, shell, _randn((E, 2 * I, H), 1 / H**0.5, gen, device),
-                         _randn((E, H, I), 1 / I**0.5, gen, device))
+    gate_up, down = _randn((E, 2 * I, H), 1 / H**0.5, gen, device), _randn((E, H, I), 1 / I**0.5, gen, device)
+    if not cfg.expert_bias:
+        return ModelOnDevice(name, cfg, shell, gate_up, down)
+    # Biases of the products' scale (as MoEWeights.random's).
+    return ModelOnDevice(name, cfg, shell, gate_up, down, _randn((E, 2 * I), 0.5, gen, device),
+                         _randn((E, H), 0.5, gen, device))
 
 
 def _quantize_chunked(w: torch.Tensor, scheme: str) -> QuantizedWeight:
@@ -94,9 +103,11 @@ def _quantize_chunked(w: torch.Tensor, scheme: str) -> QuantizedWeight:
 
 def experts_for(model: ModelOnDevice, scheme: str) -> ExpertWeights:
     """The routed experts in ``scheme`` (bf16 tensors for "none", shared with ``model``)."""
+    biases = (model.gate_up_bias, model.down_bias)  # never quantized
     if scheme == "none":
-        return ExpertWeights(model.gate_up, model.down)
-    return ExpertWeights(_quantize_chunked(model.gate_up, scheme), _quantize_chunked(model.down, scheme), scheme)
+        return ExpertWeights(model.gate_up, model.down, "none", *biases)
+    return ExpertWeights(_quantize_chunked(model.gate_up, scheme), _quantize_chunked(model.down, scheme), scheme,
+                         *biases)
 
 
 def hidden_states(model: ModelOnDevice, tokens: int, seed: int) -> torch.Tensor:
@@ -110,7 +121,7 @@ def routed_input(model: ModelOnDevice, x: torch.Tensor, quant: QuantConfig) -> t
     dispatch by the backend itself, as in ``MoELayer``), with the routing that produced them. As
     in the layer, the input's x holds T rows with ``repeat = K`` (M = T * K routed rows)."""
     cfg = model.cfg
-    routing = route_tokens(x, model.shell.gate, cfg, model.shell.correction_bias)
+    routing = route_tokens(x, model.shell.gate, cfg, model.shell.correction_bias, model.shell.gate_bias)
     return LocalBackend(BackendContext(cfg, quant)).dispatch(x, routing).input, routing
 
 
