@@ -154,6 +154,13 @@ def test_moe_gemm_refuses_options_of_the_triton_kernel_for_the_gluon_engine():
                  fp8_exact=True, experts=(0, 2))
     with pytest.raises(ValueError, match="needs a CUDA device of compute capability 9.x, got cpu"):
         moe_gemm(x, w, plan, h_out, GemmConfig(**GLUON_GATE_UP_TILE), activation="silu", gather=True)
+    # The clamped activations and expert biases are the Triton kernel's alone (TritonExperts takes
+    # the Triton tiles for them).
+    with pytest.raises(ValueError, match=r"computes the activation modes \(0, 1, 2\); 'swiglu_clamped' has mode 3"):
+        moe_gemm(x, w, plan, h_out, GemmConfig(**GLUON_GATE_UP_TILE), activation="swiglu_clamped", gather=True)
+    with pytest.raises(ValueError, match=r"does not take \['bias'\]"):
+        moe_gemm(x, w, plan, h_out, GemmConfig(**GLUON_GATE_UP_TILE), activation="silu", gather=True,
+                 bias=torch.zeros(E, 2 * I))
     h = quantize_activations(torch.randn(plan.padded_rows, I), "fp8_token")
     down = quantize_weight(torch.randn(E, H, I), "fp8_token")
     with pytest.raises(ValueError, match="needs a CUDA device of compute capability 9.x, got cpu"):

@@ -498,13 +498,13 @@ def persistent_gate_up(x: QuantizedActivations, w: QuantizedWeight, plan: RowAli
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     where = "moe_gemm (engine 'gluon', gate_up)"
-    refusal = operands_refusal(out.device, x, w, "gate_up", GATE_UP_SCHEMES)
-    if refusal:
-        raise ValueError(f"{where}: {refusal}")
     mode = act_mode(activation)
     if mode not in GLUON_ACT_MODES:
         raise ValueError(f"{where}: computes the activation modes {GLUON_ACT_MODES}; {activation!r} has mode {mode} "
                          f"(the Triton gate_up computes it)")
+    refusal = operands_refusal(out.device, x, w, "gate_up", GATE_UP_SCHEMES)
+    if refusal:
+        raise ValueError(f"{where}: {refusal}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if (bm, bk) != (128, 128) or bn not in (64, 128):
         raise ValueError(f"{where}: computes 128 x 128 x 128 and 128 x 64 x 128 tiles, got {bm} x {bn} x {bk}")
