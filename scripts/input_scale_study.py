@@ -8,14 +8,17 @@ Each preset's small block (``MoEWeights.random``, seed 0) runs as ``MoELayer`` o
 ``reference_forward``; printed per case: whether ``compare`` passes, the largest error and the
 largest ratio of error to bound. A second line per case ("y rounded") evaluates the reference
 with each routed expert's output rounded to the model dtype before the combine, as the layer
-rounds it, to show how much of a miss that one rounding explains. Nothing is changed in the
-package: the variant wraps ``reference.expert_rows_batched`` for this process only.
+rounds it, to show how much of a miss that one rounding explains. Presets with shared experts
+run a third time without them ("no shared experts": the same routed weights, the shared MLP
+removed from config and weights), the variant that takes that stage away. Nothing is changed in
+the package: the rounding variant wraps ``reference.expert_rows_batched`` for this process only.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 
 import torch
 
@@ -55,15 +58,22 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.presets.split(","):
         cfg = PRESETS[name].config("small", dtype)
         weights = MoEWeights.random(cfg, generator=torch.Generator().manual_seed(0))
-        layer = MoELayer(cfg, QuantConfig("none"), weights=weights)
+        variants = [("as is", cfg, weights, contextlib.nullcontext), ("y rounded", cfg, weights, routed_outputs_rounded)]
+        if cfg.has_shared_experts:
+            bare = dataclasses.replace(cfg, num_shared_experts=0, shared_intermediate_size=0, shared_activation=None,
+                                       shared_expert_gate=False)
+            kept = dataclasses.replace(weights, shared_gate=None, shared_up=None, shared_down=None,
+                                       shared_expert_gate=None)
+            variants.append(("no shared experts", bare, kept, contextlib.nullcontext))
         for tokens in (int(t) for t in args.tokens.split(",")):
             for scale in (float(s) for s in args.scales.split(",")):
                 x = (torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)) * scale)
                 x = x.to(dtype)
-                out = layer(x)
-                for what, ctx in (("as is", contextlib.nullcontext()), ("y rounded", routed_outputs_rounded())):
-                    with ctx:
-                        ref = reference.reference_forward(x, weights, cfg, QuantConfig("none"),
+                for what, c_cfg, c_weights, ctx in variants:
+                    layer = MoELayer(c_cfg, QuantConfig("none"), weights=c_weights)
+                    out = layer(x)
+                    with ctx():
+                        ref = reference.reference_forward(x, c_weights, c_cfg, QuantConfig("none"),
                                                           accumulation=layer.accumulation)
                     c = compare_rows(out, ref, dtype, "none")
                     print(f"{name}, T={tokens}, x{scale:g}, {what}: {'passed' if c.ok else 'MISSED'}, "
