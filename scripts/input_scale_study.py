@@ -65,12 +65,12 @@ def main(argv: list[str] | None = None) -> None:
             kept = dataclasses.replace(weights, shared_gate=None, shared_up=None, shared_down=None,
                                        shared_expert_gate=None)
             variants.append(("no shared experts", bare, kept, contextlib.nullcontext))
+        layers = [MoELayer(c_cfg, QuantConfig("none"), weights=c_weights) for _, c_cfg, c_weights, _ in variants]
         for tokens in (int(t) for t in args.tokens.split(",")):
             for scale in (float(s) for s in args.scales.split(",")):
                 x = (torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)) * scale)
                 x = x.to(dtype)
-                for what, c_cfg, c_weights, ctx in variants:
-                    layer = MoELayer(c_cfg, QuantConfig("none"), weights=c_weights)
+                for (what, c_cfg, c_weights, ctx), layer in zip(variants, layers, strict=True):
                     out = layer(x)
                     with ctx():
                         ref = reference.reference_forward(x, c_weights, c_cfg, QuantConfig("none"),

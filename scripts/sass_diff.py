@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -81,8 +82,11 @@ print(json.dumps({"configs": chosen, "sass": sass}))
 def _compiled(tree: Path, gpu: str, timeout_s: float) -> dict:
     """The tile choices and SASS opcode sequences of the code at ``tree`` (its own process)."""
     args = json.dumps([MODELS, TOKENS, SCHEMES, MODES, gpu])
+    # The child's sys.path starts at the tree; nothing of the caller's may come first or switch
+    # Triton to its interpreter.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(tree), args], capture_output=True, text=True,
-                          timeout=timeout_s, env={"TRITON_DEFAULT_FP_FUSION": "1", "PATH": "/usr/bin:/bin"})
+                          timeout=timeout_s, env={**env, "TRITON_DEFAULT_FP_FUSION": "1"})
     if proc.returncode != 0:
         raise SystemExit(f"sass_diff: compiling the code at {tree} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.splitlines()[-1])

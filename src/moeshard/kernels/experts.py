@@ -82,6 +82,8 @@ class TritonExperts(GroupedExperts):
         super().__init__(activation, out_dtype)
         self.config = config
         self.fp8_gate_up = fp8_gate_up
+        # The Gluon gate_up computes only some activation modes (and no biases).
+        self._gluon_activation = get_activation(activation).kernel_mode in GLUON_ACT_MODES
 
     layouts: tuple[str, ...] = (FLAT, EXPERT_BLOCKS)  # padding rows (id -1) are never placed in a tile
 
@@ -122,8 +124,7 @@ class TritonExperts(GroupedExperts):
         index = device.index if device.type == "cuda" else None
         # The Gluon gate_up computes neither biases nor every activation mode: such experts take
         # the tiles chosen for the Triton GEMMs, as on a GPU without Gluon.
-        gluon = (gluon_supported(device) and not weights.has_bias
-                 and get_activation(self.activation).kernel_mode in GLUON_ACT_MODES)
+        gluon = self._gluon_activation and not weights.has_bias and gluon_supported(device)
         cfg = self.config or select_config(M, E, H, I, scheme, multiprocessors(index), self.fp8_gate_up,
                                            pdl=takes_pdl, gluon=gluon, gpu=gpu_kind(index))
         if self.config is None and cfg.gate_up.engine == "gluon":
