@@ -5,7 +5,10 @@
   any boundary gets only the down GEMM's accumulation term;
 * property: a result computed with gate_up sums that differ from the exact ones within the
   accumulation contract (as a correct kernel's do) passes ``compare``, also where flips of fp8 /
-  nvfp4 buckets make it fail the table alone; a real bug (one expert scaled by 1 + 2^-5) fails.
+  nvfp4 buckets make it fail the table alone; a real bug (one expert scaled by 1 + 2^-5) fails;
+* output roundings by hand (TP slices whose partial outputs cancel, a bias added after the
+  product rounds), and on the layer: every preset within the bound at eight times the usual
+  inputs, a shared expert off by a few percent outside it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from moeshard.tolerances import compare
 
 BF16 = torch.bfloat16
 U = ACCUMULATION["fp32"]
+R = 2.0**-8  # bf16's unit roundoff
 
 
 def _one_unit(gate: float, up: float, down: float):
@@ -35,19 +39,26 @@ def _h(gate: float, up: float) -> float:
     return float(activate(torch.tensor([[gate, up]], dtype=BF16), "silu", BF16).double())
 
 
+def _with_output_rounding(y: float, before: float) -> float:
+    """The slack ``before`` plus what rounding the output y to bf16 may add: u (|y| + before)."""
+    return before + R * (abs(y) + before)
+
+
 def test_a_sum_halfway_between_bf16_values_may_round_either_way():
     halfway = 1 + 2**-8  # between the bf16 neighbours 1 and 1 + 2^-7
     y, slack = _one_unit(halfway, 1.0, 3.0)
     lo, hi = _h(1.0, 1.0), _h(1 + 2**-7, 1.0)
     assert float(y) == 3.0 * lo  # round half to even: the gate becomes 1.0
-    assert float(slack) == pytest.approx(3.0 * abs(hi - lo) + U * 3.0 * abs(lo), rel=1e-12)
+    doubt = 3.0 * abs(hi - lo) + U * 3.0 * abs(lo)
+    assert float(slack) == pytest.approx(_with_output_rounding(3.0 * lo, doubt), rel=1e-12)
     assert 3.0 * abs(hi - lo) > 0.02  # a whole bf16 step of h: more than the table's bf16 atol
 
 
-def test_a_sum_away_from_boundaries_gets_only_the_accumulation_term():
+def test_a_sum_away_from_boundaries_gets_the_accumulation_and_the_output_rounding():
     y, slack = _one_unit(1.25, 1.0, 3.0)
-    assert float(slack) == pytest.approx(U * 3.0 * abs(_h(1.25, 1.0)), rel=1e-12)
-    assert float(slack) < 2e-5  # against a whole bf16 step of y (~0.02)
+    h = _h(1.25, 1.0)
+    assert float(slack) == pytest.approx(_with_output_rounding(3.0 * h, U * 3.0 * abs(h)), rel=1e-12)
+    assert float(slack) < 3.0 * h * 2**-7  # under a whole bf16 step of y
 
 
 def _layer_like(x, w13, w2, scheme: str, noise: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -207,3 +218,83 @@ def test_reference_forward_refuses_bad_arguments_naming_them(change, message):
     with pytest.raises(ValueError) as info:
         reference_forward(x, w, cfg, **kwargs)
     assert message in str(info.value)
+
+
+def test_each_tp_slice_rounds_its_partial_output():
+    """Two TP slices whose partial outputs cancel: the sum is 0, but each slice rounds its own
+    partial output (a TP rank's), so the slack keeps u (|p_0| + |p_1|)."""
+    x = torch.ones(1, 1, dtype=torch.float64)
+    w13 = torch.tensor([[1.25], [1.25], [1.0], [1.0]], dtype=torch.float64)  # gate rows, then up rows
+    w2 = torch.tensor([[3.0, -3.0]], dtype=torch.float64)
+    h = _h(1.25, 1.0)
+    accumulated = U * 2 * 3.0 * h
+    whole_y, whole = expert_rows(x, w13, w2, "silu", BF16, "none", shards=1)
+    sliced_y, sliced = expert_rows(x, w13, w2, "silu", BF16, "none", shards=2)
+    assert float(whole_y) == float(sliced_y) == 0.0
+    assert float(whole) == pytest.approx(_with_output_rounding(0.0, accumulated), rel=1e-12)
+    assert float(sliced) == pytest.approx(accumulated + R * (2 * 3.0 * h + accumulated), rel=1e-12)
+
+
+def test_a_biased_output_rounds_twice():
+    """The product rounds, then the sum with the bias: u (|p| + s) and u (|p + b| + s + that)."""
+    from moeshard.reference import expert_rows_batched
+
+    x = torch.ones(1, 1, dtype=torch.float64)
+    w13 = torch.tensor([[1.25], [1.0]], dtype=torch.float64)
+    w2 = torch.tensor([[3.0]], dtype=torch.float64)
+    b13, b2 = torch.zeros(2, dtype=torch.float64), torch.tensor([-5.0], dtype=torch.float64)
+    [(y, slack)] = expert_rows_batched([x], [w13], [w2], "silu", BF16, "none", biases=([b13], [b2]))
+    p = 3.0 * _h(1.25, 1.0)
+    accumulated = U * p
+    first = R * (p + accumulated)
+    assert float(y) == pytest.approx(p - 5.0, rel=1e-15)
+    assert float(slack) == pytest.approx(accumulated + first + R * (abs(p - 5.0) + accumulated + first), rel=1e-12)
+
+
+def _layer_and_inputs(preset: str, scale: float):
+    from moeshard.config import QuantConfig
+    from moeshard.layer import MoELayer
+    from moeshard.presets import PRESETS
+    from moeshard.weights import MoEWeights
+
+    cfg = PRESETS[preset].config("small", BF16)
+    weights = MoEWeights.random(cfg, generator=torch.Generator().manual_seed(0))
+    x = (torch.randn(300, cfg.hidden_size, generator=torch.Generator().manual_seed(1)) * scale).to(BF16)
+    return MoELayer(cfg, QuantConfig("none"), weights=weights), cfg, weights, x
+
+
+def _presets() -> list[str]:
+    from moeshard.presets import PRESETS
+    return list(PRESETS)
+
+
+@pytest.mark.parametrize("preset", _presets())
+def test_a_correct_layer_passes_at_eight_times_the_usual_inputs(preset):
+    """Larger inputs make the routed outputs larger than their cancelling sum: before the
+    output roundings were priced, correct layers failed at twice the usual scale (DeepSeek-V3,
+    HY-V4) and at four times (Mixtral, gpt-oss). scripts/input_scale_study.py shows the range."""
+    from moeshard.reference import reference_forward
+    from moeshard.tolerances import compare_rows
+
+    layer, cfg, weights, x = _layer_and_inputs(preset, 8.0)
+    c = compare_rows(layer(x), reference_forward(x, weights, cfg, accumulation=layer.accumulation), BF16, "none")
+    assert c.ok, c
+
+
+@pytest.mark.parametrize("preset", [p for p in _presets() if p in (
+    "qwen2-57b-a14b", "deepseek-v3", "cohere2-moe", "llama4-scout", "hy-v4")])
+@pytest.mark.parametrize(("scale", "fault"), [(1.0, 2**-4), (8.0, 2**-6)])
+def test_a_wrong_shared_expert_fails(preset, scale, fault):
+    """Planted fault: the shared experts' contribution times 1 + ``fault``. The rounding terms
+    of the shared MLP, its gate and its scale must not cover it. At the usual scale, where the
+    table's atol (0.02) is large against outputs of 0.1 to 1, 2^-5 stays within 0.97 of the
+    bound for the gated and the halved shared experts (Qwen2, Cohere2; 1.2-1.7 without the
+    rounding terms) and 2^-4 fails; at eight times the scale 2^-6 fails."""
+    from moeshard.reference import reference_forward
+    from moeshard.tolerances import compare_rows
+
+    layer, cfg, weights, x = _layer_and_inputs(preset, scale)
+    correct = layer._shared
+    layer._shared = lambda rows: correct(rows) * (1 + fault)
+    c = compare_rows(layer(x), reference_forward(x, weights, cfg, accumulation=layer.accumulation), BF16, "none")
+    assert not c.ok, c

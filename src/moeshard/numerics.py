@@ -28,6 +28,12 @@ ACCUMULATION: dict[str, float] = {
 }
 
 
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u of a float dtype: rounding to nearest moves any value v by at most u |v| (bf16 2^-8,
+    fp16 2^-11, fp32 2^-24). The reference prices the layer's model-dtype roundings with it."""
+    return torch.finfo(dtype).eps / 2
+
+
 @dataclass(frozen=True)
 class Reference:
     """What a correct layer returns, and how far ambiguous roundings let it stray.

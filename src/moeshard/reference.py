@@ -31,6 +31,19 @@ and reports ``slack = sum_k w_k * (max |q_candidate - q| @ |W2|^T + accumulation
 nonzero only where a rounding is in doubt, plus the down GEMM's own accumulation error.
 ``moeshard.tolerances.compare`` adds it to the table's bound.
 
+Output roundings. The layer rounds every routed expert's output to the model dtype (each TP
+slice's partial output on its rank, a biased one again after its bias is added), and computes
+the unquantized shared MLP in the model dtype: its gate and up products, each operation of its
+activation, its output, the shared gate's linear, sigmoid and product, and ``shared_scale``'s
+product all round. The reference's values round where the result is determined (h, as above;
+the shared MLP's activation runs on the rounded products in the model dtype, as the layer runs
+it) and prices the rest: a rounding moves a value v by at most u |v| (``unit_roundoff``), so
+each rounded output adds u times its magnitude (plus the slack it already has) to the slack,
+carried through the combine weights, the gate (sigmoid is 1/4-Lipschitz) and the scale. The
+table's rtol is relative to the final sum, which cancellation between experts can make far
+smaller than the terms whose roundings it has to cover; without these terms inputs of twice
+the usual scale already failed correct layers.
+
 Cost. The GEMMs run per expert (fp64, on that expert's rows); the activation and every
 quantization of h (the value and the slack's four candidates, for every expert and TP slice)
 run as one batch over all routed rows (``expert_rows_batched``), each element computed exactly as
@@ -47,16 +60,17 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.activations import get_activation
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, activate
-from moeshard.numerics import ACCUMULATION, Reference
+from moeshard.numerics import ACCUMULATION, Reference, unit_roundoff
 from moeshard.quant import QuantizedActivations, QuantizedWeight, fake_quantize_activations, get_scheme, quantize_weight
 from moeshard.router import route_tokens, weighted_rows
 from moeshard.validate import boolean, finite_float, size
 from moeshard.weights import MoEWeights
 
 __all__ = ["DequantizedExperts", "Reference", "expert_reference", "expert_rows", "expert_rows_batched",
-           "reference_forward"]
+           "reference_forward", "shared_reference"]
 
 
 def _per_tensor(scheme: str) -> bool:
@@ -117,14 +131,20 @@ def _fake_quant(x: torch.Tensor, scheme: str, amax: torch.Tensor | None,
 
 
 def _activated(gate_up: torch.Tensor, activation: str, dtype: torch.dtype,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, in_model_dtype: bool = False) -> torch.Tensor:
     """fp64 gate_up sums [R, 2I] -> h = act(gate) * up [R, I] in ``dtype``, each factor rounded
     to ``dtype`` first, as the layer's GEMM epilogue rounds them; bias: fp64 [R, 2I] (each row
     its expert's gate_up bias, model-dtype values) added in fp32 to the rounded product and
-    rounded again, as the portable experts add it."""
+    rounded again, as the portable experts add it. The activation is computed in fp32 and
+    rounded once (the experts' ``activate``), or with ``in_model_dtype`` by the kind itself on
+    the model-dtype factors, each of its operations rounding, as the unquantized shared MLP
+    computes it."""
     g = gate_up.to(dtype)
     if bias is not None:
         g = (g.float() + bias.float()).to(dtype)
+    if in_model_dtype:
+        gate, up = g.chunk(2, dim=-1)
+        return get_activation(activation)(gate, up).to(dtype)
     return activate(g, activation, dtype)
 
 
@@ -162,8 +182,8 @@ def _quantized_candidates(values: list[torch.Tensor], scales: list[torch.Tensor]
 def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: list[torch.Tensor], activation: str,
                         dtype: torch.dtype, scheme: str, shards: int = 1, accumulation: float = ACCUMULATION["fp32"],
                         with_slack: bool = True, abs_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-                        biases: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
-                        ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                        biases: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None,
+                        in_model_dtype: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """``expert_rows`` for several experts at once: (y, slack) of ``xs[g]`` through expert
     (``w13s[g]``, ``w2s[g]``) for each g. The GEMMs run per expert; the activation and the
     quantizations of h (the value and the slack's four candidates, every expert and TP slice)
@@ -171,7 +191,13 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
     compute it for one expert. ``with_slack=False`` skips the slack (returns None for it);
     ``abs_weights``: ``(|w13s|, |w2s|)`` when the caller keeps them; ``biases``: the experts'
     ``(gate_up biases fp64 [2I], down biases fp64 [H] or None)``, or None without biases (a TP
-    slice's gate_up bias with its slice, a down bias where the slice adds it)."""
+    slice's gate_up bias with its slice, a down bias where the slice adds it; with ``shards``
+    > 1, the first slice adds it); ``in_model_dtype``: the activation computed in the model
+    dtype (``_activated``).
+
+    The slack includes the rounding of each output to the model dtype: every TP slice's
+    partial output rounds on its own (``shards``), and a biased one rounds again after its
+    bias is added (see the module's "Output roundings")."""
     counts = [x.shape[0] for x in xs]
     M = sum(counts)
     if M == 0:
@@ -186,7 +212,7 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
     def down(hq_g: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor:
         return hq_g @ w2.T if b2 is None else hq_g @ w2.T + b2
 
-    h = _activated(exact, activation, dtype, b13)
+    h = _activated(exact, activation, dtype, b13, in_model_dtype)
     if not with_slack:
         hq = _quantized_candidates([h], [h], group, len(xs), scheme, shards)[0] if scheme != "none" else h.double()
         return [(down(y, w2, b2), None) for y, w2, b2 in zip(hq.split(counts), w2s, b2s, strict=True)]
@@ -202,7 +228,7 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
         shifts.append(exact + shift)
     # fp32 holds every model-dtype value exactly, and every quantizer computes in fp32.
     stacked = torch.stack([h, *_activated(torch.cat(shifts), activation, dtype,
-                                          None if b13 is None else b13.repeat(4, 1)).split(M)]).float()
+                                          None if b13 is None else b13.repeat(4, 1), in_model_dtype).split(M)]).float()
     lo, hi = stacked.amin(dim=0), stacked.amax(dim=0)
     if scheme == "none":
         # Unquantized h has no scales whose groups could flip: its candidates are lo and hi alone.
@@ -218,8 +244,31 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
         doubt = torch.stack(candidates).sub_(hq).abs_().amax(dim=0)
     out = []
     for hq_g, doubt_g, w2, w2_abs, b2 in zip(hq.split(counts), doubt.split(counts), w2s, w2s_abs, b2s, strict=True):
-        out.append((down(hq_g, w2, b2), doubt_g @ w2_abs.T + accumulation * (hq_g.abs() @ w2_abs.T)))
+        y = down(hq_g, w2, b2)
+        slack = doubt_g @ w2_abs.T + accumulation * (hq_g.abs() @ w2_abs.T)
+        out.append((y, slack + _output_rounding(hq_g, w2, b2, y, slack, shards, unit_roundoff(dtype))))
     return out
+
+
+def _output_rounding(hq: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, y: torch.Tensor,
+                     slack: torch.Tensor, shards: int, u: float) -> torch.Tensor:
+    """What rounding its output to the model dtype may move one expert's rows by: fp64 [R, H].
+
+    hq: fp64 [R, I] h as the down GEMM reads it; w2: fp64 [H, I]; b2: fp64 [H] or None; y:
+    fp64 [R, H] the reference's output (bias included); slack: fp64 [R, H] how far the
+    kernel's own sum may be from it; u: the model dtype's unit roundoff. Each of ``shards``
+    column slices of I rounds its partial sum p_s (TP ranks), the first slice's again after
+    adding the bias: at most u (sum_s |p_s| + slack), plus u (|p_0 + b2| + slack + that)."""
+    if shards == 1:
+        first = y if b2 is None else y - b2
+        partial = first.abs()
+    else:
+        parts = [hq_s @ w2_s.T for hq_s, w2_s in zip(hq.chunk(shards, dim=1), w2.chunk(shards, dim=1), strict=True)]
+        first, partial = parts[0], torch.stack(parts).abs().sum(dim=0)
+    rounding = u * (partial + slack)
+    if b2 is not None:
+        rounding = rounding + u * ((first + b2).abs() + slack + rounding)
+    return rounding
 
 
 def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str, dtype: torch.dtype,
@@ -369,23 +418,49 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
     if cfg.routing_kind.weights_on_input:  # a token's K rows, summed
         out, slack = out.view(T, cfg.top_k, H).sum(dim=1), slack.view(T, cfg.top_k, H).sum(dim=1)
     if cfg.has_shared_experts:
-        x64 = x.double()
-        # rounded to the model dtype first, as the layer holds them
-        sw = {name: getattr(weights, name).to(dtype=dtype).to(x.device, torch.float64)
-              for name in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, name) is not None}
-        if quant.shared == "none":
-            shared = cfg.shared_activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
-            shared_slack = None
-        else:
-            shared, shared_slack = _quantized_shared(x, sw, cfg, quant.shared, accumulation, with_slack)
-        if "shared_expert_gate" in sw:
-            shared_gate = torch.sigmoid(x64 @ sw["shared_expert_gate"].T)
-            shared = shared_gate * shared
-            shared_slack = None if shared_slack is None else shared_gate * shared_slack
-        out += shared * cfg.shared_scale
-        if shared_slack is not None:
-            slack += shared_slack * cfg.shared_scale
+        shared = shared_reference(x, weights, cfg, quant.shared, accumulation, with_slack)
+        out += shared.out
+        slack += shared.slack
     return Reference(out, slack)
+
+
+def shared_reference(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, scheme: str = "none",
+                     accumulation: float = ACCUMULATION["fp32"], with_slack: bool = True) -> Reference:
+    """The shared experts' contribution to the layer's output, as the layer computes it, and its
+    slack: x [T, H] in ``cfg.dtype`` -> ``Reference`` of fp64 [T, H] on x's device.
+
+    weights: full weights holding the shared MLP (and ``shared_expert_gate`` when configured);
+    scheme: ``QuantConfig.shared``; accumulation: the accumulation error of the expert kernel
+    that runs quantized shared experts. Unquantized, the MLP runs on torch's model-dtype matmul
+    (fp32 accumulators, ``ACCUMULATION["fp32"]``) and its activation in the model dtype
+    (``_activated``'s ``in_model_dtype``). The gate's and ``shared_scale``'s model-dtype
+    operations are priced in the slack (see the module's "Output roundings")."""
+    dtype = cfg.dtype
+    x64 = x.double()
+    # rounded to the model dtype first, as the layer holds them
+    sw = {name: getattr(weights, name).to(dtype=dtype).to(x.device, torch.float64)
+          for name in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, name) is not None}
+    if scheme == "none":
+        gate_up = torch.cat([sw["shared_gate"], sw["shared_up"]])
+        [(y, s)] = expert_rows_batched([x64], [gate_up], [sw["shared_down"]], cfg.shared_act, dtype, "none", 1,
+                                       ACCUMULATION["fp32"], with_slack, in_model_dtype=True)
+    else:
+        y, s = _quantized_shared(x, sw, cfg, scheme, accumulation, with_slack)
+    slack = torch.zeros_like(y) if s is None else s
+    u = unit_roundoff(dtype)
+    if "shared_expert_gate" in sw:
+        # z = x @ w_gate (a model-dtype linear), sigmoid(z), sigmoid(z) * y: each rounds.
+        z = x64 @ sw["shared_expert_gate"].T
+        dz = u * z.abs() + (1 + u) * ACCUMULATION["fp32"] * (x64.abs() @ sw["shared_expert_gate"].abs().T)
+        sigma = torch.sigmoid(z)
+        dsigma = 0.25 * dz + u * (sigma + 0.25 * dz)  # sigmoid is 1/4-Lipschitz, then rounds
+        reach = y.abs() + slack
+        slack = dsigma * reach + sigma * slack + u * (sigma + dsigma) * reach
+        y = sigma * y
+    if cfg.shared_scale != 1.0:  # the layer multiplies in the model dtype
+        slack = cfg.shared_scale * slack + u * cfg.shared_scale * (y.abs() + slack)
+        y = y * cfg.shared_scale
+    return Reference(y, slack if with_slack else torch.zeros_like(y))
 
 
 def _quantized_shared(x: torch.Tensor, sw: dict[str, torch.Tensor], cfg: MoEConfig, scheme: str, accumulation: float,

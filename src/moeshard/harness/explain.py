@@ -14,7 +14,7 @@ each rank's values are compared, stage by stage in pipeline order (``STAGES``):
                within the table's bound plus the reference's slack for that row
     combine    the weighted sums over top-k (a TP slice's part), same bound with the slack
     tp_reduce  the sums after the TP all-reduce (TP without EP)
-    shared     the shared experts' contribution, within the table's bound
+    shared     the shared experts' contribution (gate and scale included), same bound with its slack
     output     the returned rows, as the check compares them
 
 A routing kind with the weight on the expert's input (``weights_on_input``) is explained for
@@ -37,7 +37,7 @@ from moeshard.harness.cases import Case
 from moeshard.harness.inputs import CaseData, case_tokens_of
 from moeshard.parallel.sequence import SequenceChunk
 from moeshard.quant import quantize_activations, to_wire
-from moeshard.reference import _fake_quant, expert_rows_batched
+from moeshard.reference import _fake_quant, expert_rows_batched, shared_reference
 from moeshard.router import route_tokens, weighted_rows
 from moeshard.sharding import shard_spec
 from moeshard.stages import STAGES
@@ -150,13 +150,7 @@ class _Domain:
         self.combine_slack = [(s * wk.abs()).sum(dim=1) for s in self.slack]
         self.shared = None
         if cfg.has_shared_experts:
-            x64 = self.x.double()
-            sw = {n: getattr(weights, n).to(dtype=cfg.dtype).double() for n in
-                  ("shared_gate", "shared_up", "shared_down", "shared_expert_gate") if getattr(weights, n) is not None}
-            shared = cfg.shared_activation_kind(x64 @ sw["shared_gate"].T, x64 @ sw["shared_up"].T) @ sw["shared_down"].T
-            if "shared_expert_gate" in sw:
-                shared = torch.sigmoid(x64 @ sw["shared_expert_gate"].T) * shared
-            self.shared = shared
+            self.shared = shared_reference(self.x, weights, cfg, case.quant.shared, accumulation)
 
 
 class _Rank:
@@ -386,14 +380,15 @@ def explain_case(case: Case, outputs: list, accumulation: float, data: CaseData 
             found["tp_reduce"] += _numeric(case, "tp_reduce", r, rec["tp_reduce"]["out"], full,
                                            _total(dom.combine_slack)[r.rows], r.rows, near=near)
         if "shared" in rec and dom.shared is not None:
-            found["shared"] += _numeric(case, "shared", r, rec["shared"]["out"], dom.shared[r.rows], None, r.rows,
-                                        near=near)
+            found["shared"] += _numeric(case, "shared", r, rec["shared"]["out"], dom.shared.out[r.rows],
+                                        dom.shared.slack[r.rows], r.rows, near=near)
         if "output" in rec:
             d = p.dp_rank(o.rank)
             rows = list(range(dom.offset[d], dom.offset[d] + case.tokens[d]))
-            ref = _total(dom.combine)[rows] + (dom.shared[rows] if dom.shared is not None else 0)
-            found["output"] += _numeric(case, "output", r, rec["output"]["out"], ref, _total(dom.combine_slack)[rows],
-                                        rows)
+            ref, slack = _total(dom.combine)[rows], _total(dom.combine_slack)[rows]
+            if dom.shared is not None:
+                ref, slack = ref + dom.shared.out[rows], slack + dom.shared.slack[rows]
+            found["output"] += _numeric(case, "output", r, rec["output"]["out"], ref, slack, rows)
     wrong = {s: dict(collections.Counter(f.rank for f in fs)) for s, fs in found.items() if fs}
     stage = next((s for s in STAGES if found[s]), None)
     if stage is None:
