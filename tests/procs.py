@@ -75,6 +75,17 @@ def ranks_of(pgid: int) -> list[int]:
     return sorted(pid for pid in live_in_group(pgid) if _is_rank(pid))
 
 
+def has_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped. A spawned rank imports torch while it
+    unpickles its process object, which the parent writes, whole, just after starting it: from
+    then on the rank no longer reads from its parent, and a parent killed then leaves it no
+    half-read pipe (killed earlier, the rank's ``spawn_main`` dies on an EOFError traceback)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def wait_for(predicate, timeout_s: float, poll_s: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -64,7 +64,13 @@ def test_check_rank_killed_mid_run_respawns_reports_and_exits_1(tmp_path):
 
 def _start_and_wait_for_ranks(argv: list[str], ranks: int, timeout_s: float = 120) -> procs.subprocess.Popen:
     proc = procs.start(argv)
-    if not procs.wait_for(lambda: len(procs.ranks_of(proc.pid)) >= ranks or proc.poll() is not None, timeout_s):
+    def started() -> bool:
+        running = procs.ranks_of(proc.pid)
+        return len(running) >= ranks and all(procs.has_torch(pid) for pid in running)
+
+    # Each rank past its start-up (torch imported), so that a signal tests the command, not the
+    # multiprocessing start-up it interrupts.
+    if not procs.wait_for(lambda: started() or proc.poll() is not None, timeout_s):
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"the {ranks} ranks did not start within {timeout_s} s")
     assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
