@@ -41,8 +41,7 @@ from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
 from moeshard.jobs.world import RankPlace, each_plan, load_timed, synchronize
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
-from moeshard.tolerances import compare as tolerance_compare
-from moeshard.tolerances import tolerance
+from moeshard.tolerances import logits_tolerance
 from moeshard.validate import is_int
 
 # The options prompts come from, named in the refusals of what they hold.
@@ -384,7 +383,7 @@ class GenerateComparison:
     differs (None if none). step_max_abs[s]: max |logits - transformers' logits| over every
     prompt still on the same context at step s (every prompt up to and including its first
     differing step; after it the contexts differ), None once no prompt is; within_tolerance:
-    every compared logit within ``moeshard.tolerances`` for the model dtype (atol, rtol); None
+    every compared logit within ``moeshard.tolerances.LOGITS`` for the model dtype (atol, rtol); None
     for a quantized run, whose difference is the quantization error against the unquantized
     model (reported, not judged by the tolerance table, which bounds parallel error).
     dtype_noise[s] (when a more precise reference was given: float32 for bf16 / fp16 runs,
@@ -427,10 +426,13 @@ def _prompt_diffs(ids, logits, ref_ids, ref_logits, dtype: torch.dtype):
     steps = len(ref_ids)
     diff = [s for s in range(steps) if ids[s] != ref_ids[s]]
     last = diff[0] if diff else steps - 1
+    atol, rtol = logits_tolerance(dtype)
     errs = []
     for s in range(last + 1):
-        err, _, _, good = tolerance_compare(logits[s], ref_logits[s], dtype, "none")
-        errs.append((err, good))
+        got, want = logits[s].double(), ref_logits[s].double().to(logits[s].device)
+        gap = (got - want).abs()
+        good = bool(torch.isfinite(got).all()) and bool(torch.all(gap <= atol + rtol * want.abs()))
+        errs.append((float(gap.max()) if gap.numel() else 0.0, good))
     return (diff[0] if diff else None), errs
 
 
@@ -469,7 +471,7 @@ def compare_generations(plan: GeneratePlan, results: list[GenerateRankResult], r
                 f32_ids, f32_logits = fp32_reference[r.dp_rank]
                 _fold(noise, _prompt_diffs(ref_ids[row], ref_logits[:, row], f32_ids[row], f32_logits[:, row],
                                            plan.dtype)[1])
-    atol, rtol = tolerance(plan.dtype, "none")
+    atol, rtol = logits_tolerance(plan.dtype)
     noise_dtype = within_noise = None
     if noise is not None:
         noise_dtype = "float64" if plan.dtype == torch.float32 else "float32"
