@@ -451,16 +451,18 @@ def shared_reference(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, schem
     if "shared_expert_gate" in sw:
         # z = x @ w_gate (a model-dtype linear), sigmoid(z), sigmoid(z) * y: each rounds.
         z = x64 @ sw["shared_expert_gate"].T
-        dz = u * z.abs() + (1 + u) * ACCUMULATION["fp32"] * (x64.abs() @ sw["shared_expert_gate"].abs().T)
         sigma = torch.sigmoid(z)
-        dsigma = 0.25 * dz + u * (sigma + 0.25 * dz)  # sigmoid is 1/4-Lipschitz, then rounds
-        reach = y.abs() + slack
-        slack = dsigma * reach + sigma * slack + u * (sigma + dsigma) * reach
+        if with_slack:
+            dz = u * z.abs() + (1 + u) * ACCUMULATION["fp32"] * (x64.abs() @ sw["shared_expert_gate"].abs().T)
+            dsigma = 0.25 * dz + u * (sigma + 0.25 * dz)  # sigmoid is 1/4-Lipschitz, then rounds
+            reach = y.abs() + slack
+            slack = dsigma * reach + sigma * slack + u * (sigma + dsigma) * reach
         y = sigma * y
     if cfg.shared_scale != 1.0:  # the layer multiplies in the model dtype
-        slack = cfg.shared_scale * slack + u * cfg.shared_scale * (y.abs() + slack)
+        if with_slack:
+            slack = cfg.shared_scale * slack + u * cfg.shared_scale * (y.abs() + slack)
         y = y * cfg.shared_scale
-    return Reference(y, slack if with_slack else torch.zeros_like(y))
+    return Reference(y, slack)
 
 
 def _quantized_shared(x: torch.Tensor, sw: dict[str, torch.Tensor], cfg: MoEConfig, scheme: str, accumulation: float,
