@@ -50,7 +50,10 @@ def _worker(dp: int, tp: int, ep: bool, scale: float) -> dict[str, float]:
     return ratios
 
 
-@pytest.mark.parametrize(("dp", "tp", "ep"), [(1, 2, False), (1, 4, False), (2, 1, True), (2, 2, True)])
+@pytest.mark.parametrize(("dp", "tp", "ep"), [
+    (1, 2, False), (2, 1, True),
+    # four ranks each: `make test-slow`
+    pytest.param(1, 4, False, marks=pytest.mark.slow), pytest.param(2, 2, True, marks=pytest.mark.slow)])
 def test_a_correct_layer_stays_within_the_bound_at_large_inputs_on_every_rank(dp, tp, ep):
     per_rank = spawn(_worker, dp * tp, args=(dp, tp, ep, 8.0), timeout_s=240, preload=("moeshard.layer",))
     worst = {name: max(r[name] for r in per_rank) for name in PRESETS}
