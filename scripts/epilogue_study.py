@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from moeshard.bench.timing import L2Flush, graph_median_ms
+from moeshard.bench.timing import L2Flush
 from moeshard.bench.workload import experts_for, hidden_states, make_model, routed_input
 from moeshard.config import QuantConfig
 from moeshard.experts.base import ExpertWeights
@@ -32,25 +32,16 @@ from moeshard.kernels import pdl
 from moeshard.kernels.configs import GemmConfig, gpu_kind, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 
+# fp8_study's timing (a variant that fails is recorded, not fatal) and output check; this
+# script's folder is on sys.path when it runs as a script.
+from fp8_study import _ms, _rel  # isort: skip
+
 # gate_up tiles of 128 rows (the plan's height, which the chosen down tile divides), each run at
 # the chosen tile's accumulation mode and half-tile setting.
 # 128 x 64 tiles hold half the accumulator, where the clamped and biased epilogue spills at
 # 128 x 128 x 128 (scripts/kernel_resources.py).
 TILES = (GemmConfig(128, 128, 64, 8, 8, 4, tma=True), GemmConfig(128, 64, 128, 8, 8, 4, tma=True),
          GemmConfig(128, 64, 128, 8, 4, 3, tma=True))
-
-
-def _ms(fn, flush: L2Flush, reps: int) -> float | str:
-    try:
-        return graph_median_ms(fn, reps=reps, flush=flush)
-    except Exception as exc:  # a variant that does not compile or launch is a finding, not the end
-        torch.cuda.synchronize()
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _name(c: GemmConfig) -> str:
