@@ -196,6 +196,38 @@ class ScalesReversedInDispatch(MoELayer):
             _with_backend(self, _ScalesReversedOnRank0(self.backend.ctx))
 
 
+class MisScalesFirstSlotOnRank1(MoELayer):
+    """Rank 1's first expert slot (under load balancing, one copy of an expert that may have
+    others) computes a down projection 3% too large."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if dist.get_rank() == 1 and self.quant.scheme == "none":
+            with torch.no_grad():
+                self.experts.down_proj[0] *= 1.03
+
+
+class _UnroutesLastRowOnRank1(All2AllBackend):
+    def dispatch(self, x, routing):
+        d = super().dispatch(x, routing)
+        ids = d.input.expert_ids
+        if self.groups.rank != 1 or ids.shape[0] == 0:
+            return d
+        ids = ids.clone()
+        ids[-1] = -1  # a padding row: no expert computes it, and its pair reaches no expert
+        return replace(d, input=replace(d.input, expert_ids=ids))
+
+
+class UnroutesLastRowOnRank1(MoELayer):
+    """all2all whose rank 1 turns the last row it receives into padding: that (token, top-k
+    slot) reaches no rank's experts."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.backend, All2AllBackend):
+            _with_backend(self, _UnroutesLastRowOnRank1(self.backend.ctx))
+
+
 class SharedTwiceUnderSP(MoELayer):
     """Under SP, the shared experts' contribution is added twice."""
 

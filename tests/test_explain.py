@@ -193,18 +193,48 @@ def test_a_size_mismatch_caught_by_the_size_checks_is_diffed_too():
                for line in o.explanation), o.explanation
 
 
-def test_a_load_balancing_case_is_explained_around_dispatch_and_experts():
-    """Under a placement which rank computes a (token, k) depends on the replicas: --explain
-    compares routing, payload, combine and output, says that it skips the two stages, and the
-    numbers are the same with and without recording."""
+def _load_balancing_case():
     (case,) = [c for c in generate(MatrixOptions(world_sizes=(2,), eplb="default"))
                if c.eplb is not None and c.backend == "all2all" and not c.skipped]
     assert case.eplb.redundant_per_rank == 1  # replicas on both ranks
+    return case
+
+
+def test_a_load_balancing_case_is_explained_at_every_stage():
+    """Under a placement which rank computes a (token, k) depends on the replicas: --explain
+    matches each pair to whichever rank received it, compares every stage, and the numbers are
+    the same with and without recording."""
+    case = _load_balancing_case()
     plain, explained = Runner().run([case])[0], Runner(explain="all").run([case])[0]
     assert plain.status == explained.status == "pass", (plain.reason, explained.reason)
-    assert explained.explanation[0] == "every stage within its bound on every rank", explained.explanation
-    compared = explained.explanation[1]
-    assert compared.startswith("stages compared: routing, payload") and "dispatch" not in compared
-    assert "combine" in compared and "output" in compared
-    assert "dispatch and experts not compared under load balancing" in explained.explanation[2]
+    assert explained.explanation == ["every stage within its bound on every rank",
+                                     "stages compared: routing, payload, dispatch, experts, combine, output"], \
+        explained.explanation
     assert [r.max_abs_err for r in plain.ranks] == [r.max_abs_err for r in explained.ranks]
+
+
+def _unquantized_load_balancing_case():
+    """A placement with a replica on each rank, float32, 16 tokens on each DP rank."""
+    (case,) = [c for c in generate(MatrixOptions(world_sizes=(2,), eplb="full", quants=("none",), dtypes=("float32",),
+                                                 tokens_per_rank=(16, 16), backends=("all2all",),
+                                                 presets=("mixtral-8x7b",)))
+               if c.eplb is not None and c.eplb.redundant_per_rank == 1 and c.eplb.skew == "zipf"]
+    return case
+
+
+def test_a_mis_scaled_replica_is_named_by_expert_and_rank():
+    """Planted fault: one slot's copy of an expert 3% off on rank 1, under load balancing."""
+    case = _unquantized_load_balancing_case()
+    o = _explained(faults.MisScalesFirstSlotOnRank1, case)
+    first = o.stages.first
+    assert o.status == "fail" and (first.stage, first.rank) == ("experts", 1), o.explanation
+    assert set(o.stages.wrong["experts"]) == {1}  # the other copies of that expert are right
+    assert first.expert is not None and f"expert {first.expert} is off" in o.explanation[0], o.explanation
+
+
+def test_a_row_no_replica_receives_is_named_missing_under_load_balancing():
+    case = _unquantized_load_balancing_case()
+    o = _explained(faults.UnroutesLastRowOnRank1, case)
+    first = o.stages.first
+    assert o.status == "fail" and first.stage == "dispatch" and first.kind == "missing", o.explanation
+    assert first.token is not None and first.slot is not None

@@ -8,7 +8,10 @@ each rank's values are compared, stage by stage in pipeline order (``STAGES``):
     payload    the quantized rows and scales byte for byte (quantization is deterministic)
     dispatch   every row a rank receives is some token's payload, with that token's scales, for
                an expert the token chose, each (token, top-k slot) exactly once; which token a
-               row carries is found from its bytes, so no backend has to say
+               row carries is found from its bytes, so no backend has to say. Under load
+               balancing the placement decides which replica of an expert gets a row: each
+               (token, top-k slot) must reach exactly one rank holding its expert, checked over
+               all ranks of the domain
     experts    each received row through its expert (a TP rank: its slice of the intermediate
                dimension, with its slice of the expert biases and, TP rank 0, the down bias),
                within the table's bound plus the reference's slack for that row
@@ -266,9 +269,13 @@ def _key(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
 
 
-def _dispatch(case: Case, r: _Rank, rec: dict, matched: dict) -> list[Finding]:
+def _dispatch(case: Case, r: _Rank, rec: dict, matched: dict, claimed: dict | None = None) -> list[Finding]:
     """Which (token, slot) each received row carries, from its bytes; records the match of
-    every row in ``matched`` (row -> (n, slot) or None) for the experts stage."""
+    every row in ``matched`` (row -> (n, slot) or None) for the experts stage. claimed: under
+    load balancing, the domain's (n, slot) -> the rank that received it, filled across ranks
+    (which rank gets a pair is the placement's choice, so a pair no rank received is reported
+    once all ranks are matched: ``_unclaimed``); None otherwise (each rank's pairs are those
+    of its own experts)."""
     dom, K = r.domain, case.moe_config().top_k
     repeat = rec["repeat"]
     rows = rec["rows"].repeat_interleave(repeat, dim=0) if repeat > 1 else rec["rows"]
@@ -284,8 +291,10 @@ def _dispatch(case: Case, r: _Rank, rec: dict, matched: dict) -> list[Finding]:
         for n in range(dom.scales.shape[0]):
             by_scale[_key(dom.scales[n])].append(n)
     mine = set(r.rows)
+    experts = range(case.moe_config().num_experts) if claimed is not None else r.experts
     expected = {(n, k) for n in range(dom.ids.shape[0]) for k in range(K)
-                if int(dom.ids[n, k]) in r.experts and (case.parallel.enable_ep or n in mine)}
+                if int(dom.ids[n, k]) in experts and (case.parallel.enable_ep or n in mine)}
+    taken = claimed if claimed is not None else {}
     out = []
     for m in range(ids.shape[0]):
         local = int(ids[m])
@@ -294,7 +303,7 @@ def _dispatch(case: Case, r: _Rank, rec: dict, matched: dict) -> list[Finding]:
         e = local + rec["first_expert"]
         candidates = by_data.get(_key(rows[m]), [])
         slot_of = [(n, k) for n in candidates for k in range(K) if int(dom.ids[n, k]) == e and (n, k) in expected]
-        free = [nk for nk in slot_of if nk not in matched.values()]
+        free = [nk for nk in slot_of if nk not in matched.values() and nk not in taken]
         if not candidates:
             matched[m] = None
             out.append(Finding("dispatch", r.rank, "data", expert=e, expected="a token's payload",
@@ -304,12 +313,16 @@ def _dispatch(case: Case, r: _Rank, rec: dict, matched: dict) -> list[Finding]:
             matched[m] = None
             n = candidates[0]
             kind = "twice" if slot_of else "expert"
+            other = next((taken[nk] for nk in slot_of if nk in taken), None)
             out.append(_finding(case, "dispatch", r.rank, kind, dom, n, expert=e, source_rank=_source_rank(case, dom, n),
                                 expected=f"experts {dom.ids[n].tolist()}" if kind == "expert" else "once",
-                                got=f"a row for expert {e}" if kind == "expert" else "a second row"))
+                                got=f"a row for expert {e}" if kind == "expert" else
+                                "a second row" if other is None else f"a second row (rank {other} received it too)"))
             continue
         n, k = free[0]
         matched[m] = (n, k)
+        if claimed is not None:
+            claimed[(n, k)] = r.rank
         if dom.scales is not None and scales is not None and not _same(scales[m:m + 1], dom.scales[n:n + 1]):
             owner = [o for o in by_scale.get(_key(scales[m]), []) if o != n]
             got = f"scales {_fmt(scales[m])}" + (f" (those of token {dom.local[owner[0]]} of DP rank {dom.dp[owner[0]]})"
@@ -317,10 +330,25 @@ def _dispatch(case: Case, r: _Rank, rec: dict, matched: dict) -> list[Finding]:
             out.append(_finding(case, "dispatch", r.rank, "scales", dom, n, expert=e, slot=k,
                                 source_rank=_source_rank(case, dom, n), expected=f"scales {_fmt(dom.scales[n])}",
                                 got=got))
-    for n, k in sorted(expected - {v for v in matched.values() if v is not None}):
-        e = int(dom.ids[n, k])
-        out.append(_finding(case, "dispatch", r.rank, "missing", dom, n, expert=e, slot=k,
-                            source_rank=_source_rank(case, dom, n), expected="a row", got="none"))
+    if claimed is None:
+        for n, k in sorted(expected - {v for v in matched.values() if v is not None}):
+            e = int(dom.ids[n, k])
+            out.append(_finding(case, "dispatch", r.rank, "missing", dom, n, expert=e, slot=k,
+                                source_rank=_source_rank(case, dom, n), expected="a row", got="none"))
+    return out
+
+
+def _unclaimed(case: Case, dom: _Domain, claimed: dict) -> list[Finding]:
+    """Load balancing: the domain's (token, slot) pairs that no rank received, each reported on
+    the rank that routed the token (no one rank was due to receive it)."""
+    K = case.moe_config().top_k
+    out = []
+    for n in range(dom.ids.shape[0]):
+        for k in range(K):
+            if (n, k) not in claimed:
+                source = _source_rank(case, dom, n)
+                out.append(_finding(case, "dispatch", source, "missing", dom, n, expert=int(dom.ids[n, k]), slot=k,
+                                    source_rank=source, expected="a row on a rank holding its expert", got="none"))
     return out
 
 
@@ -355,6 +383,8 @@ def explain_case(case: Case, outputs: list, accumulation: float, data: CaseData 
         [_Domain(case, data, xs, [d], accumulation) for d in range(p.dp)]
     found: dict[str, list[Finding]] = {s: [] for s in STAGES}
     near: dict[str, Finding] = {}
+    # Under load balancing, the pairs each domain's ranks received (``_dispatch``'s claimed).
+    claimed: list[dict] | None = [{} for _ in domains] if case.eplb is not None else None
     for o in sorted(outputs, key=lambda o: o.rank):
         rec = o.stages or {}
         dom_index = 0 if p.enable_ep else p.dp_rank(o.rank)
@@ -365,11 +395,10 @@ def explain_case(case: Case, outputs: list, accumulation: float, data: CaseData 
         if "payload" in rec:
             found["payload"] += _payload(case, r, rec["payload"])
         matched: dict = {}
-        # Under load balancing, which rank computes a (token, k) depends on the placement (and
-        # the rebalance): dispatch and experts are not compared, the stages around them are.
-        if "dispatch" in rec and case.eplb is None:
-            found["dispatch"] += _dispatch(case, r, rec["dispatch"], matched)
-        if "experts" in rec and case.eplb is None:
+        if "dispatch" in rec:
+            found["dispatch"] += _dispatch(case, r, rec["dispatch"], matched,
+                                           None if claimed is None else claimed[dom_index])
+        if "experts" in rec:
             found["experts"] += _experts(case, r, rec["experts"], matched, near)
         if "combine" in rec:
             found["combine"] += _numeric(case, "combine", r, rec["combine"]["out"],
@@ -389,24 +418,22 @@ def explain_case(case: Case, outputs: list, accumulation: float, data: CaseData 
             if dom.shared is not None:
                 ref, slack = ref + dom.shared.out[rows], slack + dom.shared.slack[rows]
             found["output"] += _numeric(case, "output", r, rec["output"]["out"], ref, slack, rows)
+    if claimed is not None and all("dispatch" in (o.stages or {}) for o in outputs):
+        for dom, pairs in zip(domains, claimed, strict=True):
+            found["dispatch"] += _unclaimed(case, dom, pairs)
     wrong = {s: dict(collections.Counter(f.rank for f in fs)) for s, fs in found.items() if fs}
     stage = next((s for s in STAGES if found[s]), None)
     if stage is None:
         recorded = sorted({s for o in outputs for s in (o.stages or {})}, key=STAGES.index)
-        if case.eplb is not None:
-            recorded = [s for s in recorded if s not in ("dispatch", "experts")]
         return StageReport(None, {}, "every stage within its bound on every rank",
-                           [f"stages compared: {', '.join(recorded)}"]
-                           + (["dispatch and experts not compared under load balancing (the placement decides "
-                               "which rank computes a row)"] if case.eplb is not None else []))
+                           [f"stages compared: {', '.join(recorded)}"])
     first_rank = min(f.rank for f in found[stage])
     on_rank = [f for f in found[stage] if f.rank == first_rank]
     headline, first = _headline(stage, first_rank, on_rank)
     lines = [_detail(first)]
     lines.append(f"rows out of bound at stage {stage}: "
                  + ", ".join(f"rank {r} {n}" for r, n in sorted(wrong[stage].items())))
-    earlier = [s + _near(near.get(s)) for s in STAGES[:STAGES.index(stage)] if any(s in (o.stages or {}) for o in outputs)
-               and not (case.eplb is not None and s in ("dispatch", "experts"))]
+    earlier = [s + _near(near.get(s)) for s in STAGES[:STAGES.index(stage)] if any(s in (o.stages or {}) for o in outputs)]
     if earlier:
         lines.append(f"within bounds before it: {', '.join(earlier)}")
     later = [f"{s} ({sum(wrong[s].values())} rows)" for s in STAGES[STAGES.index(stage) + 1:] if s in wrong]
