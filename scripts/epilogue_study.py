@@ -4,7 +4,8 @@ which gate_up tile suits them (one GPU).
 For each model with such experts (gpt-oss-120b: biases and ``swiglu_clamped``; hy-v4:
 ``silu_clamped``), each scheme and token count: ``TritonExperts`` on the tiles it chooses for
 them (``select_config`` with the Gluon gate_up off, as it runs experts the Gluon kernel does not
-compute), then with the gate_up tile replaced by each of a few 128-row variants. Every variant
+compute), then with the gate_up tile replaced by each of a few 128-row variants. Any other preset
+runs too: its Triton tiles are what a GPU without the Gluon GEMMs runs. Every variant
 is timed twice on the same weights and rows: as the model computes (its activation, its biases)
 and with the plain epilogue (``silu``, no biases), the variant that removes the epilogue's extra
 work and so measures it. Each model-epilogue variant's output is checked against the chosen
@@ -40,8 +41,8 @@ from fp8_study import _ms, _rel  # isort: skip
 # the chosen tile's accumulation mode and half-tile setting.
 # 128 x 64 tiles hold half the accumulator, where the clamped and biased epilogue spills at
 # 128 x 128 x 128 (scripts/kernel_resources.py).
-TILES = (GemmConfig(128, 128, 64, 8, 8, 4, tma=True), GemmConfig(128, 64, 128, 8, 8, 4, tma=True),
-         GemmConfig(128, 64, 128, 8, 4, 3, tma=True))
+TILES = (GemmConfig(128, 128, 128, 8, 8, 3, tma=True), GemmConfig(128, 128, 64, 8, 8, 4, tma=True),
+         GemmConfig(128, 64, 128, 8, 8, 4, tma=True), GemmConfig(128, 64, 128, 8, 4, 3, tma=True))
 
 
 def _name(c: GemmConfig) -> str:
@@ -64,7 +65,10 @@ def study(model, scheme: str, tokens: int, flush: L2Flush, reps: int, log) -> di
                                                     half_tiles=chosen.gate_up.half_tiles)
                                 for t in TILES if t.block_m == chosen.gate_up.block_m]
     for tile in dict.fromkeys(tiles):  # the chosen tile first, each once
-        config = dataclasses.replace(chosen, gate_up=tile)
+        # A tile narrower than the 128-column block scale cannot quantize h in its epilogue.
+        config = dataclasses.replace(chosen, gate_up=tile,
+                                     h_quant="pass" if chosen.h_quant == "gate_up" and tile.block_n != 128
+                                     else chosen.h_quant)
         as_model = TritonExperts(cfg.activation, cfg.dtype, config=config)
         bare = TritonExperts("silu", cfg.dtype, config=config)
         try:
@@ -76,7 +80,8 @@ def study(model, scheme: str, tokens: int, flush: L2Flush, reps: int, log) -> di
             continue
         if reference is None:
             reference = y.clone()
-        v = {"gate_up": tile.as_dict(), "model_ms": _ms(lambda m=as_model: m(inp, experts), flush, reps),
+        v = {"gate_up": tile.as_dict(), "h_quant": config.h_quant,
+             "model_ms": _ms(lambda m=as_model: m(inp, experts), flush, reps),
              "plain_ms": _ms(lambda b=bare: b(inp, plain), flush, reps), "rel_diff": _rel(y, reference)}
         rec["variants"].append(v)
         log(f"  {_name(tile)}{' (chosen)' if tile == chosen.gate_up else ''}: model {v['model_ms']} plain "
