@@ -44,7 +44,10 @@ PROBLEMS = (("bf16 gate_up", 0, "bf16", True, {}), ("bf16 down", 0, "bf16", Fals
             ("fp8_block gate_up, h quantized", 3, "fp8e4nv", True, {"quant_out": True}),
             ("bf16 gate_up, clamped, biased", 0, "bf16", True, CLAMPED_BIASED),
             ("fp8_tensor gate_up, clamped, biased", 1, "fp8e4nv", True, CLAMPED_BIASED),
-            ("fp8_tensor down, biased", 1, "fp8e4nv", False, {"bias": True}))
+            ("fp8_tensor down, biased", 1, "fp8e4nv", False, {"bias": True}),
+            # gpt-oss's intermediate size (2880, not a multiple of 128): a vector of weight scales
+            ("fp8_block gate_up, N 2880", 3, "fp8e4nv", True, {"n": 2880}),
+            ("fp8_block gate_up, N 2880, clamped, biased", 3, "fp8e4nv", True, {**CLAMPED_BIASED, "n": 2880}))
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4),
          (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 4), (128, 128, 64, 8, 4),
@@ -53,13 +56,14 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
 
 def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
                  pdl: bool = False, quant_out: bool = False, track_amax: int = 0, direct: bool = False,
-                 act: int = 0, bias: bool = False):
+                 act: int = 0, bias: bool = False, n: int = 128):
     """``moe_gemm_kernel`` compiled for sm_90a (a Triton ``CompiledKernel``) with the given
     constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); quant_out: gate_up
     stores h as fp8_block values and scales (``moe_gemm``'s out_scale); track_amax: 1 per-expert
     amax, 2 per-position row maxima (``moe_gemm``'s amax, row_amax), 0 neither; direct: on a
     direct plan (``align.direct_rows``: the tiles' experts are the int64 expert ids); act: the
-    activation's kernel mode, with gpt-oss's constants for mode 3; bias: expert biases."""
+    activation's kernel mode, with gpt-oss's constants for mode 3; bias: expert biases; n: the
+    GEMM's N, which decides fp8_block's scalar weight scale (128 stands for any multiple of it)."""
     bm, bn, bk, warps, stages = tile
     sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*fp8e4nv" if quant_out else "*bf16"
@@ -79,8 +83,8 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
               "GATHER_A": fused, "SCATTER_OUT": not fused,
               "TRACK_AMAX": track_amax, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
-              # as moe_gemm sets it; N stands for any multiple of 128 (every model here)
-              "WS_SCALAR": one_w_scale_per_tile(quant, bn, 128, fused), "HALF_TILES": half_tiles,
+              # as moe_gemm sets it
+              "WS_SCALAR": one_w_scale_per_tile(quant, bn, n, fused), "HALF_TILES": half_tiles,
               "A_VALUES": False, "W_VALUES": False, "PDL": pdl, "DIRECT": direct,
               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SUB_K": k_sub_step(quant, bk), "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})

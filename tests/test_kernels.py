@@ -234,16 +234,17 @@ def _blocky_fp8_block_problem(M, E, H, I, seed):  # noqa: E741
     return quantize_activations(x, "fp8_block"), ids, w
 
 
-@pytest.mark.parametrize("block_n,block_k", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("block_n,block_k,inter", [(64, 64, 256), (128, 128, 256), (64, 128, 192)])
 def test_fp8_block_tiles_inside_one_scale_block_match_reference(interpreted_kernels, exact_interpreter, block_n,
-                                                                 block_k):
+                                                                 block_k, inter):
     """fp8_block tiles of at most 128 columns aligned to their width read one weight scale per K
-    step (a scalar, not a [BLOCK_N] vector) when N is a multiple of 128. The weights' 128 x 128
-    blocks differ in magnitude by up to 2^9, so a scale taken from the wrong block (the
-    neighbouring column block, gate's block for up, or a BLOCK_K = 64 step's wrong K block)
-    is far outside the tolerance."""
+    step (a scalar, not a [BLOCK_N] vector) when N is a multiple of 128; where the intermediate
+    size is not (192 here, as gpt-oss's 2880), up's columns start inside a weight block and the
+    fused gate_up tile reads a vector of scales. The weights' 128 x 128 blocks differ in
+    magnitude by up to 2^9, so a scale taken from the wrong block (the neighbouring column block,
+    gate's block for up, or a BLOCK_K = 64 step's wrong K block) is far outside the tolerance."""
     TritonExperts, GemmConfig, ExpertsConfig = _experts_api(interpreted_kernels)
-    xq, ids, w = _blocky_fp8_block_problem(37, 3, 256, 256, seed=5)
+    xq, ids, w = _blocky_fp8_block_problem(37, 3, 256, inter, seed=5)
     gemm = GemmConfig(16, block_n, block_k, group_m=2)
     y = TritonExperts("silu", torch.bfloat16, ExpertsConfig(gemm, gemm))(ExpertInput(xq, ids), w)
     err, atol, rtol, ok = compare(y, expert_reference(xq, ids, w, "silu", torch.bfloat16), torch.bfloat16,
@@ -795,6 +796,25 @@ def test_fp8_down_tiles_follow_the_measured_choices():
     assert (exact.down.block_m, exact.down.block_n) == (64, 128)
     block = select_config(32768, 256, 7168, 2048, "fp8_block")
     assert (block.down.fp8_acc, block.down.block_m, block.gate_up.block_n) == ("split", 64, 128)
+
+
+def test_fp8_block_gate_up_narrows_where_weight_scales_straddle_blocks():
+    """fp8_block's Triton prefill gate_up: 128 x 128 x 128 where the intermediate size is a
+    multiple of 128 (one weight scale per tile and K step), 128 x 64 x 128 with 8 warps and 4
+    stages where it is not (gpt-oss's 2880: the wider tile's vector of scales spills, and it ran
+    1.5x slower on one H100). Decode tiles and the other schemes are unchanged by it."""
+    from moeshard.kernels.modes import one_w_scale_per_tile
+
+    for M, E, H, I in [(16384, 128, 2880, 2880), (65536, 128, 2880, 2880), (32768, 8, 4096, 14400)]:
+        gate_up = select_config(M, E, H, I, "fp8_block").gate_up
+        assert (gate_up.block_m, gate_up.block_n, gate_up.block_k, gate_up.num_warps, gate_up.num_stages) == \
+            (128, 64, 128, 8, 4), (M, E, H, I)
+        assert not one_w_scale_per_tile(3, 128, I, True)
+        assert select_config(M, E, H, I, "fp8_token").gate_up.block_n == 128, (M, E, H, I)
+    for M, E, H, I in [(32768, 256, 7168, 2048), (8192, 8, 4096, 14336), (32768, 128, 2048, 768)]:
+        gate_up = select_config(M, E, H, I, "fp8_block").gate_up
+        assert (gate_up.block_n, gate_up.num_stages) == (128, 3), (M, E, H, I)
+    assert select_config(64, 128, 2880, 2880, "fp8_block").gate_up.block_m < 128  # decode keeps its tiles
 
 
 def test_h_is_quantized_in_gate_up_where_it_was_measured_faster():
