@@ -11,6 +11,9 @@ every column span from 128 columns to whole rows (one program per row block), th
 ``column_span`` picks marked, each result checked equal bit for bit to the whole-row one.
 
     PYTHONPATH=src python3 scripts/fp8_study.py --json results/h200/fp8_study.json
+
+Stages run as ``moe_gemm`` runs them, without expert biases; ``--models`` takes any preset (at
+``--tokens``, 4096 if not given).
 """
 
 from __future__ import annotations
@@ -230,9 +233,13 @@ def main() -> None:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    for name, token_counts in CASES:
-        if args.models and name not in args.models.split(","):
-            continue
+    cases = list(CASES)
+    if args.models:  # any other preset too, at the token counts --tokens names
+        wanted = args.models.split(",")
+        cases = [c for c in cases if c[0] in wanted]
+        cases += [(m, tuple(int(t) for t in (args.tokens or "4096").split(","))) for m in wanted
+                  if m not in dict(CASES)]
+    for name, token_counts in cases:
         model = make_model(name, device)
         if args.tokens:
             token_counts = tuple(t for t in token_counts if str(t) in args.tokens.split(","))
