@@ -2,16 +2,17 @@
 which gate_up tile suits them (one GPU).
 
 For each model with such experts (gpt-oss-120b: biases and ``swiglu_clamped``; hy-v4:
-``silu_clamped``), each scheme and token count: ``TritonExperts`` on the tiles it chooses for
-them (``select_config`` with the Gluon gate_up off, as it runs experts the Gluon kernel does not
-compute), then with the gate_up tile replaced by each of a few 128-row variants. Any other preset
-runs too: its Triton tiles are what a GPU without the Gluon GEMMs runs. Every variant
-is timed twice on the same weights and rows: as the model computes (its activation, its biases)
-and with the plain epilogue (``silu``, no biases), the variant that removes the epilogue's extra
-work and so measures it. Each model-epilogue variant's output is checked against the chosen
-tiles' (largest difference relative to the output's largest value), so that a fast wrong
-variant cannot pass unseen. Times are CUDA-graph medians with an L2 flush before every
-repetition (``moeshard.bench.timing``), on the bench's workload (``moeshard.bench.workload``).
+``silu_clamped``), each scheme and token count: ``TritonExperts`` on the tiles it chooses for them
+(``select_config`` with the Gluon gate_up off, as it runs experts the Gluon kernel does not
+compute), then with the gate_up tile replaced by each of a few variants (its half tiles switched,
+and tiles of 128 or 64 rows). Any other preset runs too: its Triton tiles are what a GPU without
+the Gluon GEMMs runs. Every variant is timed twice on the same weights and rows: as the model
+computes (its activation, its biases) and with the plain epilogue (``silu``, no biases), the
+variant that removes the epilogue's extra work and so measures it. Each model-epilogue variant's
+output is checked against the chosen tiles' (largest difference relative to the output's largest
+value), so that a fast wrong variant cannot pass unseen. Times are CUDA-graph medians with an L2
+flush before every repetition (``moeshard.bench.timing``), on the bench's workload
+(``moeshard.bench.workload``).
 
     PYTHONPATH=src python3 scripts/epilogue_study.py --json OUT.json [--models gpt-oss-120b,hy-v4]
         [--schemes none,fp8_tensor,fp8_token,fp8_block] [--tokens 4096]
@@ -42,11 +43,13 @@ from fp8_study import _ms, _rel  # isort: skip
 # 128 x 64 tiles hold half the accumulator, where the clamped and biased epilogue spills at
 # 128 x 128 x 128 (scripts/kernel_resources.py).
 TILES = (GemmConfig(128, 128, 128, 8, 8, 3, tma=True), GemmConfig(128, 128, 64, 8, 8, 4, tma=True),
-         GemmConfig(128, 64, 128, 8, 8, 4, tma=True), GemmConfig(128, 64, 128, 8, 4, 3, tma=True))
+         GemmConfig(128, 64, 128, 8, 8, 4, tma=True), GemmConfig(128, 64, 128, 8, 4, 3, tma=True),
+         GemmConfig(64, 128, 128, 8, 8, 3, tma=True))
 
 
 def _name(c: GemmConfig) -> str:
-    return f"{c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages} tma={c.tma}"
+    return (f"{c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages} tma={c.tma} "
+            f"half={c.half_tiles}")
 
 
 def study(model, scheme: str, tokens: int, flush: L2Flush, reps: int, log) -> dict:
@@ -61,9 +64,11 @@ def study(model, scheme: str, tokens: int, flush: L2Flush, reps: int, log) -> di
     rec: dict = {"tokens": tokens, "scheme": scheme, "rows": M, "activation": cfg.activation,
                  "biases": experts.has_bias, "chosen": chosen.gate_up.as_dict(), "variants": []}
     reference = None
-    tiles = [chosen.gate_up] + [dataclasses.replace(t, fp8_acc=chosen.gate_up.fp8_acc,
-                                                    half_tiles=chosen.gate_up.half_tiles)
-                                for t in TILES if t.block_m == chosen.gate_up.block_m]
+    # Every variant's rows are a multiple of the chosen down tile's (which then runs on the
+    # variant's plan); the chosen tile runs with its half tiles switched too.
+    tiles = [chosen.gate_up, dataclasses.replace(chosen.gate_up, half_tiles=not chosen.gate_up.half_tiles)] + \
+        [dataclasses.replace(t, fp8_acc=chosen.gate_up.fp8_acc, half_tiles=chosen.gate_up.half_tiles)
+         for t in TILES if t.block_m % chosen.down.block_m == 0]
     for tile in dict.fromkeys(tiles):  # the chosen tile first, each once
         # A tile narrower than the 128-column block scale cannot quantize h in its epilogue.
         config = dataclasses.replace(chosen, gate_up=tile,

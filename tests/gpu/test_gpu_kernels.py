@@ -49,10 +49,12 @@ def _seeded():
 
 SCHEMES = ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"]
 # (rows M, experts E, hidden H, intermediate I): decode (BLOCK_M 16), small batches (streaming
-# tiles of 32 and 64 rows), mid (64), prefill (128), and an intermediate size that is not a
-# multiple of any tile.
+# tiles of 32 and 64 rows), mid (64), prefill (128), an intermediate size that is not a
+# multiple of any tile, and prefill at sizes that are not multiples of 128 (as gpt-oss's 2880:
+# fp8_block's tiles carry a vector of weight scales, and K ends in half a block).
 SHAPES = {"decode": (24, 64, 512, 256), "batch32": (128, 8, 512, 512), "batch64": (256, 8, 512, 512),
-          "mid": (1600, 16, 512, 384), "prefill": (6144, 8, 1024, 1536), "odd": (999, 12, 256, 336)}
+          "mid": (1600, 16, 512, 384), "prefill": (6144, 8, 1024, 1536), "odd": (999, 12, 256, 336),
+          "prefill_odd": (6144, 8, 960, 1472)}
 
 
 def _weights(E: int, H: int, I: int, dtype: torch.dtype, scheme: str, seed: int) -> ExpertWeights:
@@ -99,7 +101,7 @@ def test_triton_experts_match_reference(dtype, scheme, shape, fp8_gate_up):
 
 @pytest.mark.parametrize("activation", ["swiglu_clamped", "silu_clamped"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("shape", ["decode", "batch64", "prefill"])
+@pytest.mark.parametrize("shape", ["decode", "batch64", "prefill", "prefill_odd"])
 def test_biased_clamped_experts_match_reference(activation, scheme, shape):
     """gpt-oss's experts (biases, ``swiglu_clamped``) and HY-V4's (``silu_clamped``; here with
     biases too) on the Triton kernels: the gate_up weights scaled so that about a third of the

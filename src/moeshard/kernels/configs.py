@@ -565,19 +565,22 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # pointer loads; 16384 tokens 5.64-5.70 against 5.76-5.91; Qwen3 768: 0.205-0.207 against
         # 0.217, 0.691-0.697 against 0.721-0.735), 3 of pointer loads at Mixtral's 14336 (1.22
         # against 1.27-1.31 ms; 16384 tokens 4.87-4.88 against 4.94-5.08).
-        # Where the intermediate size is not a multiple of 128 (gpt-oss's 2880), a 128-column tile
-        # straddles two weight blocks and carries a vector of weight scales
+        # Where the intermediate size is not a multiple of 128 (gpt-oss's 2880), up's columns start
+        # inside a weight block and every tile carries a vector of weight scales
         # (``modes.one_w_scale_per_tile``): the 128 x 128 x 128 tile then spills (242 local loads,
-        # 254 stores; scripts/kernel_resources.py) where 128 x 64 x 128 fits in 254 registers.
-        # One H100 (scripts/epilogue_study.py, 2026-12-06, Gluon off): gpt-oss-120b's experts
-        # 2.35 / 7.73 ms against 3.49 / 12.37 at 4096 / 16384 tokens; at the presets whose
-        # intermediate size is a multiple of 128 the 128 x 128 x 128 tile stays fastest (Mixtral
-        # 3.83 against 4.66, DeepSeek-V3 5.81 against 6.19, Qwen3 0.614 against 0.708 at 4096).
+        # 254 stores; scripts/kernel_resources.py), and 64 x 128 x 128 with 8 warps fits in 255
+        # registers. One H100, gpt-oss-120b at 4096 / 16384 tokens, Gluon off: the whole experts
+        # call 2.35 / 7.73 ms on 128 x 64 x 128 (8 warps, 4 stages) against 3.49 / 12.37 on
+        # 128 x 128 x 128 (scripts/epilogue_study.py); gate_up alone 1.49 / 4.40 ms on 64 x 128 x
+        # 128 against 1.60 / 5.28 on 128 x 64 x 128 (scripts/fp8_study.py --down-sweep). At the
+        # presets whose intermediate size is a multiple of 128 the 128 x 128 x 128 tile stays
+        # fastest (whole call, 4096 tokens: Mixtral 3.83 against 4.66 ms on 128 x 64 x 128,
+        # DeepSeek-V3 5.81 against 6.19, Qwen3 0.614 against 0.708).
         long_k = inter >= 8192
         if one_w_scale_per_tile(FP8_BLOCK, 128, inter, True):
             gate_up = GemmConfig(128, 128, 128, 8, 8, 3, tma=True, half_tiles=half)
         else:
-            gate_up = GemmConfig(128, 64, 128, 8, 8, 4, tma=True, half_tiles=half)
+            gate_up = GemmConfig(64, 128, 128, 8, 8, 3, tma=True, half_tiles=half)
         return ExpertsConfig(gate_up, GemmConfig(64, 128, 128, 8, 4, 3 if long_k else 4, tma=not long_k),
                              lay_out_a=lay_out, h_quant=h_quant_for(mode, gate_up, inter, lay_out))
     if fp8:
