@@ -802,8 +802,8 @@ def test_fp8_block_gate_up_narrows_where_weight_scales_straddle_blocks():
     """fp8_block's Triton prefill gate_up: 128 x 128 x 128 where the intermediate size is a
     multiple of 128 (one weight scale per tile and K step), 64 x 128 x 128 with 8 warps and 3
     stages where it is not (gpt-oss's 2880: the taller tile's vector of scales spills, and it ran
-    1.5x slower on one H100), with the down tile on the same 64-row plan. Decode tiles and the
-    other schemes are unchanged by it."""
+    1.5x slower on one H100), with the down tile on the same 64-row plan and no half tiles (whose
+    32 rows would sum in another order). Decode tiles and the other schemes are unchanged by it."""
     from moeshard.kernels.modes import one_w_scale_per_tile
 
     for M, E, H, I in [(16384, 128, 2880, 2880), (65536, 128, 2880, 2880), (32768, 8, 4096, 14400)]:
@@ -811,7 +811,7 @@ def test_fp8_block_gate_up_narrows_where_weight_scales_straddle_blocks():
         gate_up = cfg.gate_up
         assert (gate_up.block_m, gate_up.block_n, gate_up.block_k, gate_up.num_warps, gate_up.num_stages) == \
             (64, 128, 128, 8, 3), (M, E, H, I)
-        assert cfg.block_m == cfg.down.block_m == 64, (M, E, H, I)
+        assert cfg.block_m == cfg.down.block_m == 64 and not gate_up.half_tiles, (M, E, H, I)
         assert not one_w_scale_per_tile(3, 128, I, True)
         assert select_config(M, E, H, I, "fp8_token").gate_up.block_n == 128, (M, E, H, I)
     for M, E, H, I in [(32768, 256, 7168, 2048), (8192, 8, 4096, 14336), (32768, 128, 2048, 768)]:

@@ -575,12 +575,14 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
         # 128 against 1.60 / 5.28 on 128 x 64 x 128 (scripts/fp8_study.py --down-sweep). At the
         # presets whose intermediate size is a multiple of 128 the 128 x 128 x 128 tile stays
         # fastest (whole call, 4096 tokens: Mixtral 3.83 against 4.66 ms on 128 x 64 x 128,
-        # DeepSeek-V3 5.81 against 6.19, Qwen3 0.614 against 0.708).
+        # DeepSeek-V3 5.81 against 6.19, Qwen3 0.614 against 0.708). No half tiles on it: a 32-row
+        # half sums in another order than the 64-row wgmma (gpt-oss's y moved by 8.6e-3 of its
+        # largest value) and gained nothing (2.185 against 2.177 ms at 4096 tokens).
         long_k = inter >= 8192
         if one_w_scale_per_tile(FP8_BLOCK, 128, inter, True):
             gate_up = GemmConfig(128, 128, 128, 8, 8, 3, tma=True, half_tiles=half)
         else:
-            gate_up = GemmConfig(64, 128, 128, 8, 8, 3, tma=True, half_tiles=half)
+            gate_up = GemmConfig(64, 128, 128, 8, 8, 3, tma=True)
         return ExpertsConfig(gate_up, GemmConfig(64, 128, 128, 8, 4, 3 if long_k else 4, tma=not long_k),
                              lay_out_a=lay_out, h_quant=h_quant_for(mode, gate_up, inter, lay_out))
     if fp8:
