@@ -16,7 +16,8 @@ drawn at random, where transformers starts them at zero and one), also from ``Au
 expert, MoE on every second layer), lfm2_moe (short-convolution and attention layers, the
 first layer dense, its router and expert bias drawn at random as the sigmoid families' are),
 dbrx (its experts as three stacked tensors), kimi_linear and bailing_hybrid (Kimi delta attention
-and MLA layers in turn, their routers drawn at random too).
+and MLA layers in turn, their routers drawn at random too), deepseek_v4 (its first layer routed
+by token id; its routers, token table and selection biases drawn at random).
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -271,9 +272,41 @@ def _dbrx(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: 
                                                    moe_top_k=2))
 
 
+def _deepseek_v4(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # The first layer routes by token id, the rest on their scores; compressed sparse (with its
+    # indexer) and heavily compressed attention in turn.
+    kinds = ("compressed_sparse_attention", "heavily_compressed_attention")
+    return tf.AutoConfig.for_model("deepseek_v4", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=1, head_dim=64, q_lora_rank=64,
+                                   qk_rope_head_dim=16, moe_intermediate_size=moe_intermediate,
+                                   n_routed_experts=experts, num_experts_per_tok=2, o_groups=2, o_lora_rank=32,
+                                   index_n_heads=2, index_head_dim=32, index_topk=4, sliding_window=8, hc_mult=2,
+                                   max_position_embeddings=512, mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
+                                   layer_types=[kinds[i % 2] for i in range(layers)])
+
+
+def _randomize_deepseek_v4(model, generator) -> None:
+    """DeepSeek-V4's routers: weights at std 2/sqrt(H), each token's table row K distinct experts,
+    selection biases in [0, 0.3) (transformers starts the tables and biases at zero)."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=generator) * 2 / gate.weight.shape[1] ** 0.5)
+            if hasattr(gate, "tid2eid"):
+                rows, k = gate.tid2eid.shape
+                gate.tid2eid.copy_(torch.stack([torch.randperm(gate.num_experts, generator=generator)[:k]
+                                                for _ in range(rows)]))
+            else:
+                gate.e_score_correction_bias.copy_(torch.rand(gate.num_experts, generator=generator) * 0.3)
+
+
 # Families built from transformers' config class by model type (AutoConfig.for_model).
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
-         "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid}
+         "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid")
 
@@ -308,6 +341,8 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
         if family == "jetmoe":  # and so does JetMoE's bias on the block's output
             for layer in model.model.layers:
                 layer.mlp.bias.normal_(0.0, 0.5)
+        if family == "deepseek_v4":  # and DeepSeek-V4's token tables and selection biases (zeros)
+            _randomize_deepseek_v4(model, torch.Generator().manual_seed(seed + 1))
         if family == "gemma4_text":  # and Gemma 4's router scales (ones)
             for layer in model.model.layers:
                 layer.router.scale.normal_(1.0, 0.3)

@@ -20,6 +20,10 @@ def test_families_json_lists_the_registry(capsys):
     gemma = next(r for r in rows["supported"] if r["model_type"] == "gemma4_text")
     assert (gemma["routed_by"], gemma["block"]) == ("transformers' router in the decoder layer",
                                                     ["model.layers.{L}.experts"])
+    deepseek_v4 = next(r for r in rows["supported"] if r["model_type"] == "deepseek_v4")
+    assert (deepseek_v4["routed_by"], deepseek_v4["block"]) == ("transformers' router in the block",
+                                                                ["model.layers.{L}.mlp.experts",
+                                                                 "model.layers.{L}.ffn.experts"])
     assert dbrx["routed_by"] == "moeshard"
     assert not set(FAMILIES) & set(REFUSED)
 
@@ -30,5 +34,5 @@ def test_families_tables_print_each_model_type_and_the_reasons_whole(capsys):
     assert f"model families moeshard reads ({len(FAMILIES)})" in out and f"model types refused ({len(REFUSED)})" in out
     for model_type in (*FAMILIES, *REFUSED):
         assert model_type in out
-    assert "softmax (given by the layer)" in out
+    assert "softmax (transformers routes)" in out
     assert "embedding tables [num_experts, hidden_size]" in out  # rich markup would have eaten the brackets

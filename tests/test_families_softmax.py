@@ -386,7 +386,7 @@ def test_run_refuses_a_family_that_routes_in_its_decoder_layer(models, capsys):
     from moeshard.cli import main
 
     assert main(["run", "--model", _dir(models, "gemma4_text"), "--layer", "0", "--tokens", "4"]) == 2
-    assert "model_type 'gemma4_text' routes in its decoder layer" in capsys.readouterr().err
+    assert "model_type 'gemma4_text' routes with transformers' router" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", BF16_FAMILIES)

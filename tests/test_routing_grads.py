@@ -20,6 +20,7 @@ import torch
 
 from moeshard.config import MoEConfig
 from moeshard.router import route_tokens
+from moeshard.routing import get_routing, register_routing, unregister_routing
 
 tf = pytest.importorskip("transformers")
 
@@ -150,7 +151,13 @@ MODEL_DTYPE_KINDS = {
                            dict(top_k=2, use_correction_bias=True, routed_scaling_factor=1.5)),
     "softmax_model": ("dbrx", "DbrxConfig", dict(d_model=H, ffn_config=dict(moe_num_experts=E, moe_top_k=2)),
                       dict(top_k=2, renormalize=True)),
+    "sqrtsoftplus_bias_model": ("deepseek_v4", "DeepseekV4Config",
+                                dict(n_routed_experts=E, num_experts_per_tok=2, routed_scaling_factor=1.5),
+                                dict(top_k=2, use_correction_bias=True, routed_scaling_factor=1.5)),
 }
+# Each model-dtype kind's fp32 counterpart (the same steps with the scores in fp32), for the bf16
+# test; None where no registered kind is one (a probe kind is registered for the test's duration).
+WIDE = {"softmax_model": "softmax", "sigmoid_bias_model": "sigmoid", "sqrtsoftplus_bias_model": None}
 
 
 def _model_dtype_routing(kind: str, g: torch.Generator, dtype: torch.dtype = torch.float32):
@@ -169,6 +176,16 @@ def _model_dtype_routing(kind: str, g: torch.Generator, dtype: torch.dtype = tor
 
         def run(x):
             _, w, ids = router(x, bias)
+            return ids, w
+    elif module == "deepseek_v4":
+        router = modeling.DeepseekV4TopKRouter(config).eval()
+        router.weight.data = router.weight.data.to(dtype)  # the selection bias stays fp32, as loaded
+        with torch.no_grad():
+            router.e_score_correction_bias.copy_(torch.rand(E, generator=g) / 4)
+        bias, weight = router.e_score_correction_bias, router.weight
+
+        def run(x):
+            _, w, ids = router(x)
             return ids, w
     else:
         ffn = modeling.DbrxFFN(config).eval().to(dtype)
@@ -225,9 +242,16 @@ def test_model_dtype_kinds_in_bf16_are_the_familys_routing_bit_for_bit(kind):
         r = route_tokens(x, weight, cfg, bias)
     assert w.dtype == torch.bfloat16
     assert torch.equal(_dense(r.topk_ids, r.topk_weights), _dense(ids, w.float())), kind
-    wide = replace(cfg, scoring={"softmax_model": "softmax", "sigmoid_bias_model": "sigmoid"}[kind])
-    with torch.no_grad():
-        fp32 = route_tokens(x, weight, wide, bias)
+    probe = WIDE[kind] is None
+    if probe:
+        register_routing(replace(get_routing(kind), name="fp32_probe", score_dtype="fp32"))
+    try:
+        wide = replace(cfg, scoring="fp32_probe" if probe else WIDE[kind])
+        with torch.no_grad():
+            fp32 = route_tokens(x, weight, wide, bias)
+    finally:
+        if probe:
+            unregister_routing("fp32_probe")
     assert not torch.equal(_dense(fp32.topk_ids, fp32.topk_weights), _dense(ids, w.float())), kind
 
 

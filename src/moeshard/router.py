@@ -155,6 +155,8 @@ def _group_mask(choice_scores: torch.Tensor, cfg: MoEConfig, group_score: str) -
 
 
 def _score(values: torch.Tensor, scores: str) -> torch.Tensor:
+    if scores == "sqrt_softplus":
+        return F.softplus(values).sqrt()  # torch's softplus: x itself above x = 20
     return values.softmax(dim=-1) if scores == "softmax" else values.sigmoid()
 
 

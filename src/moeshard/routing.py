@@ -35,6 +35,10 @@ softmax_model          as softmax, every step in the model dtype (DBRX: ``softma
 sigmoid_bias_model     s = sigmoid(logits) in the model dtype; top K of s + selection bias (the
                        sum in fp32), the weights are s; optionally divided by their sum plus
                        1e-6; routed scaling; every other step in the model dtype (LFM2-MoE)
+sqrtsoftplus_bias_     s = sqrt(softplus(logits)) in the model dtype; top K of s + selection bias
+model                  (the sum in fp32); the weights are s divided by their sum plus 1e-20;
+                       routed scaling; every step but the selection in the model dtype
+                       (DeepSeek-V4's learned routers)
 =====================  ==========================================================================
 
 ``router_bias``: the router is a linear with a bias, ``route`` needs the bias and adds it to the
@@ -56,7 +60,7 @@ from dataclasses import dataclass
 
 from moeshard.registry import Registry
 
-SCORES = ("softmax", "sigmoid")
+SCORES = ("softmax", "sigmoid", "sqrt_softplus")
 # score_then_topk: select on the scores of all E experts; topk_then_score: select on the logits,
 # then score the K selected among themselves; masked_rounds: K rounds, each selecting the best
 # remaining logit and scoring it among the remaining logits near it (``mask_eps``).
@@ -74,7 +78,8 @@ class RoutingKind:
     """One routing kind.
 
     name: the ``MoEConfig.scoring`` value.
-    scores: "softmax" | "sigmoid", applied to the fp32 logits [T, E] (or, with
+    scores: ``SCORES`` ("softmax" | "sigmoid" | "sqrt_softplus": sqrt(softplus(x))), applied to the
+      fp32 logits [T, E] (or, with
       ``order="topk_then_score"``, to the K selected logits [T, K]).
     order: ``ORDERS``.
     groups: None (``n_group`` must be 1) or how a group is scored (``GROUP_SCORES``).
@@ -221,3 +226,11 @@ for _kind in (
                 score_dtype="model", floor_added=True),
 ):
     register_routing(_kind)
+
+# DeepSeek-V4's learned routers: ``sqrtsoftplus`` scores of model-dtype logits, a selection bias
+# added in fp32, the weights always divided by their sum plus 1e-20 (``weights.sum() + 1e-20``,
+# whatever ``norm_topk_prob``) and scaled, in the model dtype.
+register_routing(RoutingKind("sqrtsoftplus_bias_model", "sqrt_softplus", "score_then_topk", None, True, False, True,
+                             _FLOOR, False, "sqrt(softplus) in the model dtype, selection bias, renormalized by the "
+                             "sum plus 1e-20, routed scaling", renormalize="always", score_dtype="model",
+                             floor_added=True))

@@ -15,8 +15,13 @@ from moeshard.quant import FP8_BLOCK
 def read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                fp8: bool) -> torch.Tensor:
     """Tensor ``name`` of ``shape`` in ``dtype``. A float tensor of the checkpoint, or with ``fp8``
-    (an FP8 block checkpoint) an e4m3 2-D weight and its block scales; ValueError naming the
-    tensor, the file and what is wrong (shape, dtype, NaN/Inf) otherwise."""
+    (an FP8 block checkpoint) an e4m3 2-D weight and its block scales; for an integer ``dtype``
+    (a lookup table: DeepSeek-V4's ``gate.tid2eid``) a tensor stored in exactly that dtype, never
+    cast. ValueError naming the tensor, the file and what is wrong (shape, dtype, NaN/Inf)
+    otherwise."""
+    if not dtype.is_floating_point:
+        ckpt.expect(name, shape, (dtype,))
+        return ckpt.read(name)
     return in_dtype(*read_stored(ckpt, name, shape, fp8), dtype)
 
 

@@ -296,14 +296,16 @@ class ModelFamily:
       stored name endings whose tensors, concatenated along dim 0 in that order, make it};
       ``dense_split`` {stored name ending: the model name endings that are its consecutive row
       ranges along dim 0, in order} (``dense_sources``, ``dense_split_of``).
-    experts_only: transformers' decoder layer routes its tokens itself and hands its experts
-      module the routing, ``experts(rows [T, H], top_k_index [T, K], top_k_weights [T, K])``
+    experts_only: transformers routes the tokens itself and hands its experts module the routing,
+      ``experts(rows [T, H], top_k_index [T, K], top_k_weights [T, K])``: its decoder layer
       (Gemma 4: the router reads the residual stream through its own norm and scales, the experts
-      another norm of it). moeshard then replaces only that module (``MoEExperts``), taking the
-      routing as given; ``block_prefixes`` is ``("",)``: the decoder layer holds ``router`` and
-      ``experts``, and the router stays transformers' (read as any dense tensor). ``moe``'s routing
-      kind describes the router's selection; ``moeshard run``, which routes one block alone,
-      refuses such a family.
+      another norm of it; ``block_prefixes`` ``("",)``, the decoder layer holds ``router`` and
+      ``experts``) or its block (DeepSeek-V4: some layers route by token id, which the block
+      alone is given; ``block_prefixes`` as any family's). moeshard then replaces only that
+      module (``MoEExperts``), taking the routing as given; the router, and whatever else the
+      block holds (shared experts), stay transformers' and are read as dense tensors. ``moe``'s
+      routing kind describes the router's selection; ``moeshard run``, which routes one block
+      alone, refuses such a family.
     output_bias: None, or the name of a learned bias [H] the block adds to every row of its output
       (JetMoE's ``bias``). moeshard's block adds it to the layer's output rows, whole (after a
       sequence-parallel gather), as transformers' block does; it is a parameter of the block, not
@@ -368,13 +370,12 @@ class ModelFamily:
         if unknown or not self.formats:
             raise ValueError(f"{where}.formats: {list(self.formats)} must be a non-empty list of "
                              f"{list(CHECKPOINT_FORMATS)}")
-        if self.experts_only and (self.block_prefixes != ("",) or not self.experts):
-            raise ValueError(f"{where}: experts_only needs block_prefixes ('',) (the decoder layer holds the router "
-                             f"and the experts) and an experts module name, got {self.block_prefixes!r} and "
-                             f"{self.experts!r}")
+        if self.experts_only and not self.experts:
+            raise ValueError(f"{where}: experts_only needs an experts module name (the module moeshard replaces), "
+                             f"got {self.experts!r}")
         for name in ("block_prefixes", "shared_prefixes"):
-            if name == "block_prefixes" and self.experts_only:
-                continue
+            if name == "block_prefixes" and self.experts_only and self.block_prefixes == ("",):
+                continue  # the decoder layer holds the router and the experts
             bad = [p for p in getattr(self, name) if not (isinstance(p, str) and p.endswith(".") and len(p) > 1)]
             if bad or not getattr(self, name):
                 raise ValueError(f"{where}.{name}: every entry must be a module name ending in '.', got "

@@ -25,12 +25,13 @@ def families_json() -> dict[str, list[dict]]:
     supported = []
     for f in registry.FAMILIES.values():
         kind = get_routing(f.routing)
-        # An experts_only family's decoder layer routes with transformers' router: moeshard runs
-        # its experts on that routing, and the block is the layer's experts module.
+        # An experts_only family routes with transformers' router (in its decoder layer, or in its
+        # block): moeshard runs its experts on that routing, and the "block" is the experts module.
+        where = "decoder layer" if f.block_prefixes == ("",) else "block"
         supported.append({"model_type": f.model_type, "routing": f.routing, "routing_summary": kind.summary,
-                          "routed_by": "transformers' router in the decoder layer" if f.experts_only else "moeshard",
+                          "routed_by": f"transformers' router in the {where}" if f.experts_only else "moeshard",
                           "scores_in": kind.score_dtype, "router_logits_in": f.router_dtype,
-                          "block": [f"{f.layers}.{{L}}.{f.experts}" if f.experts_only else f"{f.layers}.{{L}}.{p}"
+                          "block": [f"{f.layers}.{{L}}.{p}{f.experts}" if f.experts_only else f"{f.layers}.{{L}}.{p}"
                                     for p in f.block_prefixes],
                           "fused_layout": f.fused_layout, "formats": list(f.formats)})
     refused = [{"model_type": t, "reason": why} for t, why in sorted(registry.REFUSED.items())]
@@ -49,7 +50,7 @@ def run(args) -> int:
     for col in ("model_type", "routing", "router logits", "scores", "block", "fused layout", "formats"):
         table.add_column(col)
     for r in rows["supported"]:
-        routing = r["routing"] if r["routed_by"] == "moeshard" else f"{r['routing']} (given by the layer)"
+        routing = r["routing"] if r["routed_by"] == "moeshard" else f"{r['routing']} (transformers routes)"
         table.add_row(r["model_type"], routing, r["router_logits_in"], r["scores_in"],
                       escape(" or ".join(r["block"])), r["fused_layout"], ", ".join(r["formats"]))
     console = wide_console()

@@ -1,9 +1,11 @@
-"""``MoEExperts``: a transformers experts module run by moeshard on the routing its decoder layer
-computed, for a family whose layer routes itself (``ModelFamily.experts_only``: Gemma 4).
+"""``MoEExperts``: a transformers experts module run by moeshard on the routing transformers
+computed, for a family whose decoder layer or block routes itself (``ModelFamily.experts_only``:
+Gemma 4, DeepSeek-V4).
 
-Such a layer calls ``experts(rows [T, H], top_k_index [T, K], top_k_weights [T, K])``; its
-router reads an input the experts do not (Gemma 4's router normalizes and scales the residual
-stream, its experts get another norm of it), so moeshard cannot route the experts' rows itself.
+Such a layer or block calls ``experts(rows [T, H], top_k_index [T, K], top_k_weights [T, K])``;
+its router reads an input the experts do not (Gemma 4's router normalizes and scales the residual
+stream, its experts get another norm of it; DeepSeek-V4's first layers pick experts by token id),
+so moeshard cannot route the experts' rows itself.
 ``MoEExperts`` takes the ids and weights as given and runs everything after the router: dispatch
 under the layout, the experts, the combine. Under sequence parallelism each TP rank takes its
 chunk of the rows, ids and weights; with autograd the weights' chunk is cut by ``shard_rows``,
@@ -33,13 +35,13 @@ class MoEExperts(MoELayer):
     rank all three are the same tensors (the decoder layer runs replicated there). The output is
     the weighted sum of the K experts' outputs, in the model dtype. ``weights`` as ``MoELayer``'s:
     their router weight is the transformers router's (checked for its shape, not used; the router
-    stays transformers', on the decoder layer). layer: the decoder layer index (for messages).
+    stays transformers', on the decoder layer or block). layer: the decoder layer index (for messages).
     Other arguments as ``MoELayer``.
     """
 
     def __init__(self, cfg: MoEConfig, *, layer: int | None = None, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
-        del self.gate  # transformers' router, on the decoder layer, routes
+        del self.gate  # transformers' router, on the decoder layer or block, routes
         self.layer_index = layer
         self._given: tuple[torch.Tensor, torch.Tensor] | None = None
 

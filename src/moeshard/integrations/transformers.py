@@ -272,6 +272,20 @@ def _block_attribute(layer: nn.Module, family: ModelFamily) -> str:
     return family.block_attributes[-1]
 
 
+def _block_of(layer: nn.Module, family: ModelFamily) -> nn.Module | None:
+    """The decoder layer's MoE block: the layer itself where the family's block prefix is ""
+    (Gemma 4's layer holds its router and experts), else the attribute that holds it."""
+    return layer if family.block_prefixes == ("",) else getattr(layer, _block_attribute(layer, family), None)
+
+
+def _replaced_name(layer: nn.Module, family: ModelFamily) -> str:
+    """The module moeshard replaces, relative to the decoder layer: the block (``mlp``), or for an
+    ``experts_only`` family the block's experts module (``experts``, ``mlp.experts``)."""
+    if not family.experts_only:
+        return _block_attribute(layer, family)
+    return family.experts if family.block_prefixes == ("",) else f"{_block_attribute(layer, family)}.{family.experts}"
+
+
 def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     """layer index -> the transformers MoE block (``layers[L].mlp``: the family's ``layers`` and
     block attribute) of every MoE layer, in order.
@@ -279,7 +293,8 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     Refuses a model whose MoE layers do not hold a block with the family's router and experts,
     and a model whose blocks are already ``MoEBlock``s. For a family whose decoder layer routes
     itself (``experts_only``, Gemma 4) the "block" is the decoder layer, which holds the router
-    and the experts; an experts module already an ``MoEExperts`` is refused the same way."""
+    and the experts (DeepSeek-V4's block routes itself and holds them); an experts module already
+    an ``MoEExperts`` is refused the same way."""
     info = moe_model_info(model)
     family = info.family
     layers = _decoder_layers(model, family)
@@ -290,7 +305,7 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     for index, layer in enumerate(layers):
         if index in info.dense_layers:
             continue
-        block = layer if family.experts_only else getattr(layer, _block_attribute(layer, family), None)
+        block = _block_of(layer, family)
         done = getattr(block, family.experts, None) if family.experts_only else block
         if isinstance(done, MoELayer):
             raise ValueError(f"{type(model).__name__}: layer {index}'s MoE block is already a moeshard "
@@ -300,7 +315,8 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
         held = block is not None and (getattr(block, experts, None) is not None if family.experts
                                       else _tensor_at(block, experts) is not None)
         if block is None or not isinstance(getattr(block, family.router, None), nn.Module) or not held:
-            at = "the decoder layer" if family.experts_only else " or ".join("." + a for a in family.block_attributes)
+            at = "the decoder layer" if family.block_prefixes == ("",) else \
+                " or ".join("." + a for a in family.block_attributes)
             raise ValueError(f"{type(model).__name__}: layer {index} should hold an MoE block with a router "
                              f"({family.router}) and experts ({experts}) at {at}, found {type(block).__name__}")
         blocks[index] = block
@@ -428,7 +444,7 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
             # A transformers block may hold tensors the layer does not read (its own buffers): the
             # families' parity with transformers, not strictness, proves what is read.
             held = block.state_dict()
-            if family.experts_only:  # the decoder layer: only its router's and experts' tensors
+            if family.experts_only:  # only its router's and experts' tensors (not the shared experts')
                 held = {k: v for k, v in held.items() if k.startswith((family.router + ".", family.experts + "."))}
             state = canonical_state(held, family, cfg.num_experts)
             bias = _tensor_at(block, family.output_bias) if family.output_bias is not None else None
@@ -454,7 +470,9 @@ def _replace_block(decoder_layer: nn.Module, family: ModelFamily, router: nn.Mod
     place of the block, or for an ``experts_only`` family an ``MoEExperts`` in place of its
     experts (the router stays where it is). kwargs: ``MoELayer``'s, and ``layer``."""
     if family.experts_only:
-        setattr(decoder_layer, family.experts, MoEExperts(cfg, **kwargs))
+        block = _block_of(decoder_layer, family)
+        assert block is not None  # find_moe_blocks found it
+        setattr(block, family.experts, MoEExperts(cfg, **kwargs))
         return
     assert router is not None  # every block family's router is loaded with its block
     setattr(decoder_layer, _block_attribute(decoder_layer, family),
@@ -648,9 +666,9 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         family = info.family
         layers = _decoder_layers(model, family)
         # Module names in the transformers model: the family's layers path and block attribute (for
-        # an experts_only family its experts module: its router loads as a dense tensor).
-        prefixes = {index: f"{family.layer_prefix(index)}"
-                           f"{family.experts if family.experts_only else _block_attribute(layers[index], family)}."
+        # an experts_only family its experts module: its router and the rest of the block load as dense
+        # tensors).
+        prefixes = {index: f"{family.layer_prefix(index)}{_replaced_name(layers[index], family)}."
                     for index in find_moe_blocks(model)}
         fp8 = info.format.stored_scheme == "fp8_block"
         for index, prefix in prefixes.items():

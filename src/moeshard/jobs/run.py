@@ -216,9 +216,10 @@ def plan_run(spec: RunSpec) -> RunPlan:
         assert spec.layer is not None  # RunSpec refuses a model directory without a layer
         model = read_hf_config(spec.model_dir)
         if model.family.experts_only:
-            raise ValueError(f"{spec.model_dir}: model_type {model.model_type!r} routes in its decoder layer, on an input "
-                             f"its experts do not take (its router's own norm and scales), which moeshard run does not "
-                             f"compute for one block alone; run the whole model with moeshard generate or train")
+            raise ValueError(f"{spec.model_dir}: model_type {model.model_type!r} routes with transformers' router, on "
+                             f"inputs its experts do not take (Gemma 4's router norm and scales, DeepSeek-V4's token "
+                             f"ids), which moeshard run does not compute for one block alone; run the whole model "
+                             f"with moeshard generate or train")
         model.check_layer(spec.layer)
         quant = resolve_quant(model, spec.quant)
         base_cfg = model.moe_config()

@@ -11,9 +11,6 @@ REFUSALS = {
                      "row through scaled by its weight; moeshard's experts are gated MLPs only",
     "zaya": "its router is an MLP over a projection of the hidden states that carries state from the previous "
             "layer and routes to an extra skip class (ZayaRouter), not a linear router",
-    "deepseek_v4": "its first layers route by token id (hash routing through gate.tid2eid), its scores are "
-                   "sqrt(softplus(logits)) and its experts clamp SwiGLU at swiglu_limit; moeshard routes on logits "
-                   "with softmax or sigmoid scores only",
     "axk1": "its block ends in an RMS norm of the routed and shared experts' sum (post_mlp_layernorm), which "
             "moeshard's block does not have",
     "nemotron_h": "its experts are not gated (up_proj, relu squared, down_proj) and may project into a latent space "
