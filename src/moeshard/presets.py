@@ -6,8 +6,8 @@ and ``medium``: 4x the hidden size, 2x the intermediate sizes and up to 2x the e
 ``small``, for the longer CPU runs (``moeshard check --full``). Each computes its router logits
 as its family does (``MoEConfig.router_dtype``): in the model dtype, except the DeepSeek-V3,
 DeepSeek-V2 and ERNIE 4.5 presets, whose routers transformers runs in fp32; the matrix's bfloat16
-cases therefore cover both. DBRX and LFM2-MoE also score in the model dtype (their routing kinds'
-``score_dtype``).
+cases therefore cover both. DBRX, LFM2-MoE and DeepSeek-V4 also score in the model dtype (their
+routing kinds' ``score_dtype``).
 """
 
 from __future__ import annotations
@@ -151,6 +151,19 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                      scoring="sigmoid", routed_scaling_factor=2.827, use_correction_bias=True, num_shared_experts=1,
                      shared_intermediate_size=64, shared_activation="silu"),
            "sigmoid, selection bias, routed experts' SwiGLU clamped at 10, a shared expert's not", router_dtype="fp32"),
+    # The full size is the transformers DeepseekV4Config default shape; its learned layers' routing
+    # (the first layers' token-id routing is transformers', given to the experts).
+    Preset("deepseek-v4",
+           MoEConfig(num_experts=256, top_k=6, hidden_size=4096, intermediate_size=2048, activation="silu_clamped",
+                     scoring="sqrtsoftplus_bias_model", routed_scaling_factor=1.5, use_correction_bias=True,
+                     num_shared_experts=1, shared_intermediate_size=2048, shared_activation="silu_clamped",
+                     router_dtype="model"),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, activation="silu_clamped",
+                     scoring="sqrtsoftplus_bias_model", routed_scaling_factor=1.5, use_correction_bias=True,
+                     num_shared_experts=1, shared_intermediate_size=64, shared_activation="silu_clamped",
+                     router_dtype="model"),
+           "sqrt(softplus) in the model dtype, selection bias, renormalized, clamped SwiGLU in every expert",
+           router_dtype="model"),
 )}
 
 
