@@ -8,8 +8,9 @@ Families: mixtral, qwen2_moe, qwen3_moe, deepseek_v3 (its first layer dense); th
 sigmoid-scored ones built through ``AutoConfig.for_model`` (``SIGMOID_FAMILIES``: glm4_moe,
 glm4_moe_lite, dots1, exaone_moe, deepseek_v32, minimax_m2, afmoe, cohere2_moe, solar_open, glm_moe_dsa,
 hy_v3, mimo_v2_flash, flint, beam, laguna, axk2, sarvam_moe, sarvam_mla, dots3_note_text,
-minimax_m3_vl_text, kolibri1, hy_v4), whose router weights and
-selection biases are drawn at random (transformers starts some at zero, where every expert ties);
+minimax_m3_vl_text, kolibri1, hy_v4, axk1), whose router weights and selection biases are drawn
+at random (transformers starts some at zero, where every expert ties; A.X-K1's block output norm,
+ones, is drawn too);
 the softmax-routed ones (``SOFTMAX_FAMILIES``; JetMoE's output bias and Gemma 4's router scales
 drawn at random, where transformers starts them at zero and one), also from ``AutoConfig.for_model``; gpt_oss
 (random expert biases: transformers initialises them to zero), llama4_text (top-1, a shared
@@ -83,6 +84,9 @@ SIGMOID_FAMILIES = {
                                num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32,
                                qk_nope_head_dim=32, v_head_dim=32, head_dim=64, index_topk=16, index_head_dim=32,
                                index_n_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    "axk1": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                              first_k_dense_replace=0, num_key_value_heads=4, q_lora_rank=64,
+                              kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32),
 }
 # The routers' (weight, selection bias) inside a block, where they are not gate.weight and
 # gate.e_score_correction_bias.
@@ -341,6 +345,10 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
         if family == "jetmoe":  # and so does JetMoE's bias on the block's output
             for layer in model.model.layers:
                 layer.mlp.bias.normal_(0.0, 0.5)
+        if family == "axk1":  # and A.X-K1's norm of the block's output (ones)
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "post_mlp_layernorm"):
+                    layer.mlp.post_mlp_layernorm.weight.uniform_(0.5, 1.5)
         if family == "deepseek_v4":  # and DeepSeek-V4's token tables and selection biases (zeros)
             _randomize_deepseek_v4(model, torch.Generator().manual_seed(seed + 1))
         if family == "gemma4_text":  # and Gemma 4's router scales (ones)

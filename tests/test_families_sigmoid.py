@@ -3,7 +3,8 @@
 Tiny random models of GLM-4-MoE (grouped top-k), GLM-4-MoE-Lite, dots1 (grouped, no
 renormalization), EXAONE-MoE (two shared experts, the bias under the block in the checkpoint),
 DeepSeek-V3.2 (DeepSeek-V3's block beside its indexer attention),
-MiniMax-M2 (the bias on the block, every layer MoE), MiniMax-M3's text model (the clamped SwiGLU
+MiniMax-M2 (the bias on the block, every layer MoE), A.X-K1 (DeepSeek-V3's block ending in a norm of
+its output), MiniMax-M3's text model (the clamped SwiGLU
 in its experts and its shared expert, whose gate and up are one tensor), AFMoE (the bias on the block, a router
 wrapping a linear, route_scale), Cohere2-MoE (top-k of the logits, then sigmoid or softmax
 over the selected; shared experts averaged with the routed ones) and Kolibri-1 (top-k of the
@@ -144,7 +145,14 @@ CONFIGS: dict[str, dict] = {
                   n_shared_experts=1, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
                   v_head_dim=8, head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2,
                   mlp_layer_types=["dense", "sparse"], num_key_value_heads=4),
+    # A.X-K1: DeepSeek-V3's block ending in an RMS norm of its output (post_mlp_layernorm, drawn at
+    # random below: transformers starts it at ones), stored under the decoder layer.
+    "axk1": dict(MLA, q_lora_rank=16, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+                 num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                 mlp_layer_types=["dense", "sparse"]),
 }
+# A norm the block applies to its output, drawn in [0.5, 1.5) (transformers starts it at ones).
+OUTPUT_NORMS = {"axk1": "post_mlp_layernorm.weight"}
 # The routed experts' gate_up and the shared MLP's gate and up scaled up, so that a clamping
 # activation's limit is reached by a good share of the products (HY-V4 clamps its routed experts'
 # at 10: at this scale about a third of them pass it), and a block that clamped the shared MLP's
@@ -165,7 +173,7 @@ ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "lfm2_moe": ("gate.weight", "expert_bias")}
 # Selection biases drawn in [0, 0.3), or wider where that range moved no token's experts in the
 # tiny model (the one-rank test checks that the bias decides some token's experts).
-BIAS_RANGE = {"laguna": 1.0, "kolibri1": 2.0}  # kolibri1: added to logits, not to scores in (0, 1)
+BIAS_RANGE = {"laguna": 1.0, "kolibri1": 2.0, "axk1": 1.0}  # kolibri1: added to logits, not to scores in (0, 1)
 FAMILIES = tuple(CONFIGS)
 # Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2: routers
 # in the model dtype. (glm4_moe_lite routes in fp32 in both; its bf16 ids differ where transformers'
@@ -219,6 +227,13 @@ def models(tmp_path_factory) -> dict[str, str]:
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(cfg).eval()
         _randomize_routers(model, model_type, torch.Generator().manual_seed(100 + seed))
+        if model_type in OUTPUT_NORMS:
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    block = _block(layer)
+                    if hasattr(block, "experts"):
+                        norm = block.get_parameter(OUTPUT_NORMS[model_type])
+                        norm.copy_(torch.rand(norm.shape, generator=torch.Generator().manual_seed(seed)) + 0.5)
         if model_type in GATE_UP_SCALE:
             with torch.no_grad():
                 for layer in model.model.layers:
@@ -701,6 +716,13 @@ def test_family_descriptor_refuses_bad_router_names():
     with pytest.raises(ValueError, match=r"ModelFamily\('afmoe'\).router_dtype: 'bfloat16' is not one of "
                                          r"\['fp32', 'model'\]"):
         replace(base, router_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"ModelFamily\('axk1'\).output_norm: expected None or a module name of the "
+                                         r"block, got 'norm.weight'"):
+        replace(FAMILIES["axk1"], output_norm="norm.weight")
+    with pytest.raises(ValueError, match=r"output_norm needs moeshard's block in place of transformers'"):
+        replace(FAMILIES["deepseek_v4"], output_norm="post_mlp_layernorm")
+    with pytest.raises(ValueError, match=r"experts_only needs an experts module name"):
+        replace(FAMILIES["deepseek_v4"], experts="")
 
 
 def test_minimax_m2_fp8_block_checkpoint(tmp_path):

@@ -239,11 +239,14 @@ def test_family_trains_as_transformers_under_ep2(models, ep2, references, family
 OUTSIDE_THE_LAYER = {"jetmoe": (".mlp.bias",),
                      "gemma4_text": (".router.proj.weight", ".router.scale", ".router.per_expert_scale"),
                      # DeepSeek-V4's routers, on the block (the first layer's by token id)
-                     "deepseek_v4": (".mlp.gate.weight",)}
+                     "deepseek_v4": (".mlp.gate.weight",),
+                     # A.X-K1's norm of the block's output, applied to whole rows as JetMoE's bias
+                     "axk1": (".mlp.post_mlp_layernorm.weight",)}
 
 
-# deepseek_v4 takes gemma4_text's path (given routing, cut under SP): make test-slow.
-@pytest.mark.parametrize("family", [pytest.param(f, marks=(pytest.mark.slow,) if f == "deepseek_v4" else ())
+# deepseek_v4 takes gemma4_text's path (given routing, cut under SP), axk1 jetmoe's (whole rows
+# after the gather): make test-slow.
+@pytest.mark.parametrize("family", [pytest.param(f, marks=(pytest.mark.slow,) if f in ("deepseek_v4", "axk1") else ())
                                     for f in sorted(OUTSIDE_THE_LAYER)])
 def test_parameters_outside_the_layer_train_as_transformers_under_sp_and_tp(models, references, family):
     """Under SP (dp1-tp2-ep) and TP2 (dp1-tp2-noep) the losses, gradient norm and parameters are

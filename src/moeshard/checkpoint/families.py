@@ -310,6 +310,12 @@ class ModelFamily:
       (JetMoE's ``bias``). moeshard's block adds it to the layer's output rows, whole (after a
       sequence-parallel gather), as transformers' block does; it is a parameter of the block, not
       of the layer, and its gradient is reduced as any replicated parameter's outside the layer.
+    output_norm: None, or the name of a module the block applies to its output last (A.X-K1's
+      ``post_mlp_layernorm``: an RMS norm of the routed and shared experts' sum). moeshard's block
+      keeps transformers' module under that name and applies it to the layer's output rows, whole
+      (after a sequence-parallel gather); its parameters are replicated parameters outside the
+      layer. The checkpoint may hold them under the block or under the decoder layer (A.X-K1's hub
+      and transformers' saves: ``model.layers.{L}.post_mlp_layernorm.weight``); both are read.
     stored_names: block-relative tensor names as the transformers model holds them -> as the
       checkpoint stores them, where the two differ (Granite's ``router.weight`` is stored
       ``router.layer.weight``, its ``experts.gate_up_proj`` ``input_linear.weight``); the
@@ -344,6 +350,7 @@ class ModelFamily:
     stored_names: Mapping[str, str] = field(default_factory=dict)
     router_input: str = "rows"
     output_bias: str | None = None
+    output_norm: str | None = None
     experts_only: bool = False
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -411,6 +418,12 @@ class ModelFamily:
         if self.output_bias is not None and not (isinstance(self.output_bias, str) and self.output_bias.isidentifier()):
             raise ValueError(f"{where}.output_bias: expected None or a parameter name of the block, got "
                              f"{self.output_bias!r}")
+        if self.output_norm is not None and not (isinstance(self.output_norm, str) and self.output_norm.isidentifier()):
+            raise ValueError(f"{where}.output_norm: expected None or a module name of the block, got "
+                             f"{self.output_norm!r}")
+        if self.output_norm is not None and self.experts_only:
+            raise ValueError(f"{where}: output_norm needs moeshard's block in place of transformers' (experts_only "
+                             f"keeps transformers' block, which applies its own norm)")
         if not (isinstance(self.experts, str) and all(p.isidentifier() for p in self.experts.split(".") if self.experts)):
             raise ValueError(f"{where}.experts: expected a module name or '' (the block holds the experts), got "
                              f"{self.experts!r}")

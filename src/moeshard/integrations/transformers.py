@@ -119,15 +119,20 @@ class MoEBlock(MoELayer):
     (``ModelFamily.output_bias``, JetMoE's ``bias``); output_bias: its value [H] in the model dtype,
     the same on every rank, held as a parameter under that name and added to the layer's output
     rows (after a sequence-parallel gather, so each rank adds it to whole rows): its gradient is a
-    replicated parameter's outside the layer (``gradient_roles``). layer: the decoder layer index
-    (for messages). Other arguments as ``MoELayer``.
+    replicated parameter's outside the layer (``gradient_roles``). output_norm_name, output_norm:
+    None, or the name and transformers' module of a norm the block applies to its output last
+    (``ModelFamily.output_norm``, A.X-K1's ``post_mlp_layernorm``), registered under that name and
+    applied after the output bias to whole rows (after a sequence-parallel gather): its parameters
+    are replicated parameters outside the layer too. layer: the decoder layer index (for
+    messages). Other arguments as ``MoELayer``.
     """
 
     def __init__(self, router: nn.Module, cfg: MoEConfig, *, layer: int | None = None, router_name: str = "gate",
                  router_weight: str = "weight", correction_bias: str = "e_score_correction_bias",
                  router_bias: str = "bias", block_bias: str | None = None,
                  returns_router_output: int | None = None, router_input: str = "rows",
-                 output_bias_name: str | None = None, output_bias: torch.Tensor | None = None, **kwargs: Any) -> None:
+                 output_bias_name: str | None = None, output_bias: torch.Tensor | None = None,
+                 output_norm_name: str | None = None, output_norm: nn.Module | None = None, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         weight = _tensor_at(router, router_weight)
         if weight is None or tuple(weight.shape) != (cfg.num_experts, cfg.hidden_size):
@@ -161,6 +166,16 @@ class MoEBlock(MoELayer):
                                  f"the layer's own attribute of that name")
             self.register_parameter(output_bias_name, nn.Parameter(output_bias.detach().to(self.device),
                                                                    requires_grad=output_bias.requires_grad))
+        self.output_norm_name = output_norm_name
+        if (output_norm_name is None) != (output_norm is None):
+            raise ValueError(f"MoEBlock (layer {layer}): output_norm_name={output_norm_name!r} and output_norm "
+                             f"({'None' if output_norm is None else 'given'}) go together")
+        if output_norm_name is not None:
+            assert output_norm is not None  # checked just above
+            if hasattr(self, output_norm_name):
+                raise ValueError(f"MoEBlock (layer {layer}): output_norm_name={output_norm_name!r} is taken by "
+                                 f"the layer's own attribute of that name")
+            self.add_module(output_norm_name, output_norm.to(self.device))
         # transformers' router stands in for MoELayer's Gate, under the family's router name.
         if router_name != "gate":
             del self.gate
@@ -207,17 +222,24 @@ class MoEBlock(MoELayer):
         out = super().forward(x).reshape(shape)
         if self.output_bias_name is not None:
             out = out + getattr(self, self.output_bias_name)
+        if self.output_norm_name is not None:
+            out = getattr(self, self.output_norm_name)(out)
         if self.returns_router_output is not None:
             return out, router_out[self.returns_router_output]
         return out
 
     def gradient_roles(self) -> dict[str, GradRole]:
-        """``MoELayer.gradient_roles``, with the block's output bias as a replicated parameter
-        outside the layer: every rank adds it to whole rows (after any sequence-parallel
-        gather), so the TP ranks of a DP rank hold the same gradient and only DP ranks sum."""
+        """``MoELayer.gradient_roles``, with the block's output bias and output norm's parameters
+        as replicated parameters outside the layer: every rank applies them to whole rows (after
+        any sequence-parallel gather), so the TP ranks of a DP rank hold the same gradient and
+        only DP ranks sum."""
         roles = super().gradient_roles()
+        rank = self.groups.rank if self.groups is not None else 0
         if self.output_bias_name is not None:
-            roles[self.output_bias_name] = replicated_role(self.groups.rank if self.groups is not None else 0)
+            roles[self.output_bias_name] = replicated_role(rank)
+        if self.output_norm_name is not None:
+            for local, _ in getattr(self, self.output_norm_name).named_parameters():
+                roles[f"{self.output_norm_name}.{local}"] = replicated_role(rank)
         return roles
 
     def extra_repr(self) -> str:
@@ -397,7 +419,8 @@ def _router_names(family: ModelFamily) -> dict[str, Any]:
     return {"router_name": family.router, "router_weight": family.router_weight,
             "correction_bias": family.correction_bias, "router_bias": family.router_bias,
             "block_bias": family.block_bias, "returns_router_output": family.returns_router_output,
-            "router_input": family.router_input, "output_bias_name": family.output_bias}
+            "router_input": family.router_input, "output_bias_name": family.output_bias,
+            "output_norm_name": family.output_norm}
 
 
 def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, quant: QuantConfig | str | None = None,
@@ -415,7 +438,7 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
     parallel, rank = _layout(groups)
     name = type(model).__name__
     error: Exception | None = None
-    work: list[tuple[int, nn.Module, MoEWeights, torch.Tensor | None]] = []
+    work: list[tuple[int, nn.Module, MoEWeights, torch.Tensor | None, nn.Module | None]] = []
     cfg: MoEConfig | None = None
     device: torch.device | None = None
     try:
@@ -450,7 +473,10 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
             bias = _tensor_at(block, family.output_bias) if family.output_bias is not None else None
             if family.output_bias is not None and bias is None:
                 raise ValueError(f"{name}: layer {index}'s block has no output bias {family.output_bias!r}")
-            work.append((index, router, MoEWeights.from_state_dict(state, cfg, strict=False), bias))
+            norm = getattr(block, family.output_norm, None) if family.output_norm is not None else None
+            if family.output_norm is not None and not isinstance(norm, nn.Module):
+                raise ValueError(f"{name}: layer {index}'s block has no output norm module {family.output_norm!r}")
+            work.append((index, router, MoEWeights.from_state_dict(state, cfg, strict=False), bias, norm))
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to prepare the model")
@@ -458,14 +484,15 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
     family = moe_model_info(model).family
     layers = _decoder_layers(model, family)
     while work:
-        index, router, weights, bias = work.pop(0)  # out of work: the full experts go with the old block
+        index, router, weights, bias, norm = work.pop(0)  # out of work: the full experts go with the old block
         _replace_block(layers[index], family, router, cfg, layer=index, quant=quant, groups=groups, backend=backend,
-                       weights=weights, device=device, output_bias=bias)
+                       weights=weights, device=device, output_bias=bias, output_norm=norm)
     return model
 
 
 def _replace_block(decoder_layer: nn.Module, family: ModelFamily, router: nn.Module | None, cfg: MoEConfig, *,
-                   output_bias: torch.Tensor | None = None, **kwargs: Any) -> None:
+                   output_bias: torch.Tensor | None = None, output_norm: nn.Module | None = None,
+                   **kwargs: Any) -> None:
     """Puts moeshard's module in the decoder layer: an ``MoEBlock`` (with transformers' router) in
     place of the block, or for an ``experts_only`` family an ``MoEExperts`` in place of its
     experts (the router stays where it is). kwargs: ``MoELayer``'s, and ``layer``."""
@@ -476,7 +503,7 @@ def _replace_block(decoder_layer: nn.Module, family: ModelFamily, router: nn.Mod
         return
     assert router is not None  # every block family's router is loaded with its block
     setattr(decoder_layer, _block_attribute(decoder_layer, family),
-            MoEBlock(router, cfg, output_bias=output_bias, **kwargs, **_router_names(family)))
+            MoEBlock(router, cfg, output_bias=output_bias, output_norm=output_norm, **kwargs, **_router_names(family)))
 
 
 # -- from a checkpoint directory --------------------------------------------------------------
@@ -544,6 +571,21 @@ def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, nam
             stored = names.correction_bias  # the name this checkpoint keeps the bias under (EXAONE-MoE: the block's)
         _set(router, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8).to(device))
     return router
+
+
+def _load_output_norm(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, layer: int, names: BlockNames,
+                      device: torch.device, fp8: bool) -> nn.Module:
+    """The block's output norm (``ModelFamily.output_norm``) with its tensors read from the
+    checkpoint, under the block's prefix or, as A.X-K1's hub and transformers' saves keep it,
+    under the decoder layer's."""
+    family = names.family
+    assert family.output_norm is not None  # asked for only then
+    norm = model.get_submodule(prefix + family.output_norm)
+    for local, t in list(norm.named_parameters()) + list(norm.named_buffers()):
+        candidates = [f"{names.prefix}{family.output_norm}.{local}", f"{family.layer_prefix(layer)}{family.output_norm}.{local}"]
+        stored = next((c for c in candidates if ckpt.has(c)), candidates[0])
+        _set(norm, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8).to(device))
+    return norm
 
 
 def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple[str, ...], device: torch.device,
@@ -651,7 +693,7 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
     if device is None:
         device = groups.device if groups is not None else "cpu"
     device = torch.device(device)
-    error, model, blocks, routers, biases = None, None, {}, {}, {}
+    error, model, blocks, routers, biases, norms = None, None, {}, {}, {}, {}
     cfg = quant_cfg = None
     try:
         from moeshard.checkpoint.loader import load_moe_block
@@ -679,6 +721,8 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
                 held = model.get_parameter(prefix + family.output_bias)  # the meta model's: shape and dtype
                 biases[index] = read_dense(ckpt, blocks[index].names.prefix + family.output_bias, tuple(held.shape),
                                            held.dtype, fp8).to(device).requires_grad_(held.requires_grad)
+            if family.output_norm is not None:
+                norms[index] = _load_output_norm(model, ckpt, prefix, index, blocks[index].names, device, fp8)
         _load_dense(model, ckpt, tuple(prefixes.values()), device, fp8, family)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
@@ -695,7 +739,7 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         _replace_block(layers[index], family, routers.pop(index, None), block.cfg, layer=index, quant=block.quant,
                        groups=groups, backend=backend, weights=weights, local_experts=block.local_experts,
                        device=device, max_tokens_per_rank=max_tokens_per_rank, shared_stored=block.shared_stored,
-                       output_bias=biases.pop(index, None))
+                       output_bias=biases.pop(index, None), output_norm=norms.pop(index, None))
     return model.eval()
 
 

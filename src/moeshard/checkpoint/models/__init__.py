@@ -15,7 +15,7 @@ from moeshard.checkpoint.models import (
     deepseek_routed,  # noqa: F401  mimo_v2_flash, beam
     deepseek_v2,  # noqa: F401
     deepseek_v3_style,  # noqa: F401  glm4_moe, glm4_moe_lite, dots1, exaone_moe, deepseek_v32, glm_moe_dsa, solar_open,
-    # axk2, sarvam_moe, sarvam_mla, dots3_note_text
+    # axk2, sarvam_moe, sarvam_mla, dots3_note_text, axk1
     deepseek_v4,  # noqa: F401
     ernie,  # noqa: F401
     flint,  # noqa: F401

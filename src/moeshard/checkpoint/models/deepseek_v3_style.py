@@ -1,6 +1,8 @@
 """Families whose blocks are DeepSeek-V3's: GLM-4-MoE, GLM-4-MoE-Lite, dots1, EXAONE-MoE,
 DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``; their attention, with its indexer, stays
-transformers'), Solar Open, A.X-K2 (whose gated norms and attention stay transformers'), and
+transformers'), Solar Open, A.X-K2 (whose gated norms and attention stay transformers'), A.X-K1
+(whose block ends in an RMS norm of its output, ``post_mlp_layernorm``: ``ModelFamily.output_norm``,
+which the hub and transformers' saves keep under the decoder layer), and
 Sarvam's two: ``sarvam_moe`` and ``sarvam_mla``, which transformers builds as GLM-4-MoE and as
 DeepSeek-V3.
 
@@ -33,6 +35,9 @@ sarvam_mla     n_routed_experts / n_shared_experts  True            2.5    L < f
 dots3_note_    n_routed_experts / n_shared_experts  True            1.0    mlp_layer_types, else
 text                                                                       L < first_k_dense_replace (1)
                                                                            or moe_layer_freq says dense
+axk1           n_routed_experts / n_shared_experts  True            2.5    mlp_layer_types, else
+                                                                           L < first_k_dense_replace (1)
+                                                                           or L % moe_layer_freq != 0
 =============  ===================================  ==============  =====  =============================
 
 (``n_group`` and ``topk_group`` default to 1 everywhere but DeepSeek-V3.2, 8 and 4; these are the
@@ -64,11 +69,11 @@ from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 _EXPERTS = {"glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts", "dots1": "n_routed_experts",
             "exaone_moe": "num_experts", "deepseek_v32": "n_routed_experts", "glm_moe_dsa": "n_routed_experts",
             "solar_open": "n_routed_experts", "axk2": "n_routed_experts", "sarvam_moe": "n_routed_experts",
-            "sarvam_mla": "n_routed_experts", "dots3_note_text": "n_routed_experts"}
+            "sarvam_mla": "n_routed_experts", "dots3_note_text": "n_routed_experts", "axk1": "n_routed_experts"}
 _SHARED = {"glm4_moe": "n_shared_experts", "glm4_moe_lite": "n_shared_experts", "dots1": "n_shared_experts",
            "exaone_moe": "num_shared_experts", "deepseek_v32": "n_shared_experts", "glm_moe_dsa": "n_shared_experts",
            "solar_open": "n_shared_experts", "axk2": "n_shared_experts", "sarvam_moe": "n_shared_experts",
-           "sarvam_mla": "n_shared_experts", "dots3_note_text": "n_shared_experts"}
+           "sarvam_mla": "n_shared_experts", "dots3_note_text": "n_shared_experts", "axk1": "n_shared_experts"}
 
 
 # model_type -> the field of one shared expert's width, where it is not moe_intermediate_size.
@@ -168,6 +173,12 @@ for _family in (
                          "first_k_dense_replace": 1, "moe_layer_freq": 1, "mlp_layer_types": None},
                 _moe, _axk2_dense, routing="sigmoid", router_dtype="fp32",
                 dense_renames=(("mlp.fc1", "W_down"), ("mlp.fc2", "W_up"), ("self_attn.q_gate_proj.", "self_attn.q_b_proj."))),
+    # A.X-K1: DeepSeek-V3's block ending in an RMS norm of the routed and shared experts' sum.
+    ModelFamily("axk1", {**_ROUTER, "n_group": 8, "topk_group": 4, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                         "norm_topk_prob": True,
+                         "first_k_dense_replace": 1, "moe_layer_freq": 1, "mlp_layer_types": None},
+                _moe, _axk2_dense, routing="sigmoid", router_dtype="fp32", output_norm="post_mlp_layernorm",
+                formats=("bf16",)),
     ModelFamily("sarvam_moe", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
                                "first_k_dense_replace": 1},
                 _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32", bias_aliases=("gate.expert_bias",),
