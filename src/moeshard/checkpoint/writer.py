@@ -30,6 +30,7 @@ checkpoint, in ``cfg.dtype``). Tokenizer and other files of the checkpoint that
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -147,10 +148,12 @@ def _copy_other_files(source: Path, target: Path) -> None:
             shutil.copy2(path, target / path.name)
 
 
-def save_checkpoint(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState], directory: str | Path) -> int:
+def save_checkpoint(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState], directory: str | Path,
+                    also: Callable[[str], None] | None = None) -> int:
     """Writes the model the ranks hold to the new ``directory`` as transformers' ``save_pretrained``
     does (safetensors, config.json in ``cfg.dtype``, generation config), with ``model_dir``'s other
-    files; returns how many of transformers' parameters were put in from the ranks. ``OutputError`` if
+    files, and whatever ``also(tmp)`` writes into the directory before it appears (the optimizer
+    state); returns how many of transformers' parameters were put in from the ranks. ``OutputError`` if
     it cannot be written; ``RuntimeError`` (nothing written) if an element of a block parameter has
     no rank."""
     from moeshard.checkpoint.hf_model import load_transformers_model
@@ -165,6 +168,8 @@ def save_checkpoint(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState
     def write(tmp: str) -> None:
         cast(Any, model).save_pretrained(tmp)  # a transformers PreTrainedModel, typed as the nn.Module it is
         _copy_other_files(Path(model_dir), Path(tmp))
+        if also is not None:
+            also(tmp)
 
     atomic_write_dir(directory, write)
     params = dict(model.named_parameters())

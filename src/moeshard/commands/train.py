@@ -4,7 +4,7 @@ layout, its MoE blocks run by moeshard, each rank holding only its slices of the
     moeshard train --model DIR --input-ids "3,17,42;5,6,7" --steps 4 --lr 0.05 --optimizer sgd|adamw \\
                    [--lr-schedule linear --warmup-steps 1] [--max-grad-norm 1.0] [--micro-batches 2] \\
                    [--dp D --tp T --ep] [--backend B] [--dtype bf16] [--device cpu|cuda] [--compare] \\
-                   [--output OUT.json] [--save DIR]
+                   [--output OUT.json] [--save DIR] [--resume]
 
 Every step trains on the whole batch (the prompts, split over the DP ranks as ``moeshard
 generate`` splits them): transformers' loss of the model and its config (the mean next-token
@@ -15,8 +15,11 @@ learning-rate schedule on every rank. ``--compare`` also trains the same model w
 alone on one device (fp32, the same micro-batches, optimizer, schedule, clipping and steps) and
 reports the losses' relative differences, the gradient norm's, and the largest parameter
 difference after the last step. ``--save`` writes the trained model as a Hugging Face checkpoint
-(``checkpoint.writer``). Ranks: ``dp * tp`` local processes (gloo on
-cpu, NCCL on cuda, one GPU each), or, under torchrun, this process is one rank of torchrun's world.
+(``checkpoint.writer``) with every rank's optimizer state beside it (``DIR/optimizer/``,
+``training.optimizer_state``); ``--resume`` trains such a directory on from that state (the same
+layout, backend, optimizer and dtype), its learning-rate schedule from the step it reached.
+Ranks: ``dp * tp`` local processes (gloo on cpu, NCCL on cuda, one GPU each), or, under
+torchrun, this process is one rank of torchrun's world.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from moeshard.checkpoint.writer import RankState, save_checkpoint
 from moeshard.commands.args import add_allow_nonfinite, add_layout_arguments, timeout
 from moeshard.commands.generate import files_read, parse_prompts, read_prompts
+from moeshard.config import dtype_name
 from moeshard.errors import NonFiniteOutput
 from moeshard.finite import json_text, nonfinite_fields, with_nulls
 from moeshard.jobs.train import (
@@ -54,6 +58,8 @@ from moeshard.jobs.world import execute
 from moeshard.outputs import atomic_write_text, check_input_dir, check_output_dir, check_output_path
 from moeshard.parallel.config import ParallelConfig
 from moeshard.tolerances import TRAIN_ROUNDING_FACTOR
+from moeshard.training import optimizer_state
+from moeshard.training.optimizer_state import OptimizerMeta
 
 
 def add_parser(subparsers) -> None:
@@ -90,7 +96,11 @@ def add_parser(subparsers) -> None:
     src.add_argument("--output", metavar="OUT", help="write the losses, the gradient norm (and the comparison) as JSON")
     src.add_argument("--save", metavar="DIR",
                      help="save the trained model to DIR (created; never an existing path) as a Hugging Face "
-                          "checkpoint, by transformers' save_pretrained, with the checkpoint's tokenizer files")
+                          "checkpoint, by transformers' save_pretrained, with the checkpoint's tokenizer files and "
+                          "every rank's optimizer state (DIR/optimizer/)")
+    src.add_argument("--resume", action="store_true",
+                     help="go on from the optimizer state saved in --model by a --save of the same layout, backend, "
+                          "optimizer and dtype (the schedule from the step it reached)")
     src.add_argument("--compare", action="store_true",
                      help="also train with transformers alone on one device (fp32) and report the differences")
     add_allow_nonfinite(src, "losses or a gradient norm holding NaN/Inf (in --output a NaN figure is null, named "
@@ -118,7 +128,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainSpec:
         check_output_dir(args.save, "--save", reads=[args.model])
     return TrainSpec(model_dir=args.model, prompts=prompts, steps=args.steps, lr=args.lr, optimizer=args.optimizer,
                      schedule=args.lr_schedule, warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm,
-                     micro_batches=args.micro_batches, save_dir=args.save,
+                     micro_batches=args.micro_batches, save_dir=args.save, resume=args.resume,
                      parallel=ParallelConfig(args.dp, args.tp, args.ep), quant=args.quant, dtype=args.dtype,
                      backend=args.backend, device=args.device, compare=args.compare,
                      prompts_from="--input-ids" if args.input_ids is not None else "--input-file")
@@ -157,6 +167,8 @@ def _schedule(data: dict) -> str:
     if data["warmup_steps"]:
         words.append(f"{data['warmup_steps']} warmup step(s)")
     words.append(f"clipped at {data['max_grad_norm']:g}" if data["max_grad_norm"] is not None else "no clipping")
+    if data.get("resumed_after_step") is not None:
+        words.append(f"resumed after step {data['resumed_after_step']}")
     return ", ".join(words)
 
 
@@ -245,8 +257,13 @@ def run(args: argparse.Namespace) -> int:
     saved = None
     if plan.spec.save_dir is not None:
         ranks = [RankState(r.rank, r.params or {}, r.shards, r.buffers or {}) for r in results]
-        saved = save_checkpoint(plan.spec.model_dir, plan.cfg, ranks, plan.spec.save_dir)
-    light = [replace(r, params=None, buffers=None) for r in results]  # compared or saved, not reported
+        p = plan.parallel
+        meta = OptimizerMeta(layout=p.name, world_size=p.world_size, backend=plan.backend, optimizer=plan.spec.optimizer,
+                             steps_done=plan.steps_before + plan.spec.steps, dtype=dtype_name(plan.dtype))
+        states = {r.rank: r.optimizer_state or {} for r in results}
+        saved = save_checkpoint(plan.spec.model_dir, plan.cfg, ranks, plan.spec.save_dir,
+                                also=lambda tmp: optimizer_state.write(tmp, meta, states))
+    light = [replace(r, params=None, buffers=None, optimizer_state=None) for r in results]  # not reported
     data = report(plan, light, comparison, time.perf_counter() - start)
     written = with_nulls(data)  # a NaN figure: null, named under "nonfinite"
     if args.output is not None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -65,6 +66,7 @@ from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.sharding import ShardSpec
 from moeshard.tolerances import TRAIN_LOSS_RTOL, train_bound
+from moeshard.training import optimizer_state
 from moeshard.validate import is_int
 
 IGNORE = -100  # transformers' ignore_index: a label that is no token to predict
@@ -111,7 +113,10 @@ class TrainSpec:
     one forward and backward); quant/dtype/backend None: the checkpoint's quantization (refused
     unless none) and dtype, the layout's default backend; compare: send every rank's trained
     parameters back, to compare with transformers alone; save_dir: a new directory to save the
-    trained model to, as a Hugging Face checkpoint (``checkpoint.writer``)."""
+    trained model to, as a Hugging Face checkpoint (``checkpoint.writer``), with every rank's
+    optimizer state beside it (``training.optimizer_state``); resume: go on from the optimizer
+    state saved with ``model_dir`` (by a run of the same layout, backend, optimizer and dtype),
+    its learning-rate schedule at the step it reached."""
 
     model_dir: str
     prompts: tuple[tuple[int, ...], ...]
@@ -130,6 +135,7 @@ class TrainSpec:
     max_grad_norm: float | None = None
     micro_batches: int = 1
     save_dir: str | None = None
+    resume: bool = False
 
     @property
     def sends_parameters(self) -> bool:
@@ -150,7 +156,8 @@ class TrainSpec:
             raise ValueError(f"--optimizer: {self.optimizer!r} is not one of {sorted(OPTIMIZERS)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--lr-schedule: {self.schedule!r} is not one of {list(SCHEDULES)}")
-        if not is_int(self.warmup_steps) or not 0 <= self.warmup_steps <= self.steps:
+        # A resumed run's schedule spans the steps already taken too: plan_train checks its bound.
+        if not is_int(self.warmup_steps) or not 0 <= self.warmup_steps <= (MAX_STEPS if self.resume else self.steps):
             raise ValueError(f"--warmup-steps: must be an integer in [0, --steps={self.steps}], got "
                              f"{self.warmup_steps!r}")
         if self.warmup_steps and self.schedule == "constant":
@@ -174,7 +181,8 @@ class TrainSpec:
 class TrainPlan:
     """A checked, resolved run; every rank executes the same plan. dp_prompts[d]: indices of the
     prompts DP rank d trains on; tokens: N, the predicted tokens of the global batch; aux_coef:
-    the load-balancing loss's coefficient, None where transformers' loss has none."""
+    the load-balancing loss's coefficient, None where transformers' loss has none; steps_before:
+    the optimizer steps the resumed state has taken (0 without ``spec.resume``)."""
 
     spec: TrainSpec
     model_type: str
@@ -185,6 +193,7 @@ class TrainPlan:
     dp_prompts: tuple[tuple[int, ...], ...]
     tokens: int
     aux_coef: float | None
+    steps_before: int = 0
 
     def micro(self, dp_rank: int) -> tuple[tuple[int, ...], ...]:
         """The prompt indices of DP rank ``dp_rank``'s micro-batches, in order: its prompts split
@@ -218,13 +227,21 @@ class TrainPlan:
         return max(len(mine) * max(len(self.spec.prompts[i]) for i in mine) for mine in self.dp_prompts)
 
 
-def build_schedule(spec: TrainSpec, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+def build_schedule(spec: TrainSpec, optimizer: torch.optim.Optimizer,
+                   steps_before: int = 0) -> torch.optim.lr_scheduler.LRScheduler:
     """The learning-rate schedule of ``spec`` over its steps, as the Trainer builds it
-    (``transformers.get_scheduler``); stepped once after each optimizer step."""
+    (``transformers.get_scheduler``); stepped once after each optimizer step. A resumed run
+    (``steps_before`` steps taken) schedules over ``steps_before + spec.steps`` steps and starts
+    at step ``steps_before``."""
     import transformers
 
     schedule: torch.optim.lr_scheduler.LRScheduler = transformers.get_scheduler(
-        spec.schedule, optimizer, num_warmup_steps=spec.warmup_steps, num_training_steps=spec.steps)
+        spec.schedule, optimizer, num_warmup_steps=spec.warmup_steps, num_training_steps=steps_before + spec.steps)
+    with warnings.catch_warnings():
+        # Stepping the schedule to the resumed step before any optimizer step is the point here.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+        for _ in range(steps_before):
+            schedule.step()
     return schedule
 
 
@@ -281,9 +298,36 @@ def plan_train(spec: TrainSpec) -> TrainPlan:
         unloadable = transformers_refusal(spec.model_dir, flag) if wanted else None
         if unloadable:
             raise ValueError(unloadable)
+    steps_before = _resumed_steps(spec, backend, dtype)
     return TrainPlan(spec=spec, model_type=info.model_type, cfg=cfg, quant=quant, backend=backend, pad_token_id=pad,
                      dp_prompts=split_prompts(len(spec.prompts), p.dp), tokens=tokens,
-                     aux_coef=aux_loss_coef(spec.model_dir))
+                     aux_coef=aux_loss_coef(spec.model_dir), steps_before=steps_before)
+
+
+def _resumed_steps(spec: TrainSpec, backend: str, dtype: torch.dtype) -> int:
+    """The steps the optimizer state ``--resume`` goes on from has taken (0 without it), once the
+    state is checked to be this run's: saved by the same layout, backend, optimizer and dtype."""
+    from moeshard.training.optimizer_state import SUBDIR, read_meta
+
+    if not spec.resume:
+        return 0
+    if spec.compare:
+        raise ValueError("--resume with --compare: transformers alone would train from a fresh optimizer state, not "
+                         "the saved one, so the two would not be the same training; compare without --resume")
+    meta = read_meta(spec.model_dir)
+    if meta is None:
+        raise ValueError(f"--resume: {spec.model_dir} holds no optimizer state ({SUBDIR}/ with meta.json); a "
+                         f"moeshard train --save directory does")
+    p = spec.parallel
+    refusal = meta.refusal(p.name, p.world_size, backend, spec.optimizer, dtype_name(dtype))
+    if refusal:
+        raise ValueError(f"--resume: the optimizer state in {spec.model_dir} was saved by another run: {refusal}; "
+                         f"resume with the saving run's settings")
+    total = meta.steps_done + spec.steps
+    if spec.warmup_steps > total:
+        raise ValueError(f"--warmup-steps: must be an integer in [0, {total}] (the {meta.steps_done} step(s) taken "
+                         f"plus --steps={spec.steps}), got {spec.warmup_steps}")
+    return meta.steps_done
 
 
 # -- the batch --------------------------------------------------------------------------------
@@ -326,7 +370,9 @@ class TrainRankResult:
     shard), else None; shards: each MoE block's module name -> its ``ShardSpec``; buffers: with
     ``spec.save_dir``, its floating-point buffers (CPU fp32, by name: a selection bias that
     transformers holds as a parameter, AFMoE's ``expert_bias``, is one), else None;
-    learning_rates[s]: the rate step s updated with (the schedule's value then)."""
+    learning_rates[s]: the rate step s updated with (the schedule's value then); optimizer_state:
+    with ``spec.save_dir``, its optimizer state after the last step
+    (``optimizer_state.rank_state``), else None."""
 
     rank: int
     dp_rank: int
@@ -344,6 +390,7 @@ class TrainRankResult:
     shards: dict[str, ShardSpec]
     buffers: dict[str, torch.Tensor] | None = None
     learning_rates: tuple[float, ...] = ()
+    optimizer_state: dict[str, torch.Tensor] | None = None
 
 
 def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResult:
@@ -363,7 +410,9 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     mine = plan.dp_prompts[dp_rank]
     micro = [Batch.of([spec.prompts[i] for i in part], plan.pad_token_id, device) for part in plan.micro(dp_rank)]
     optimizer = plan.optimizer.build([q for q in model.parameters() if q.requires_grad], spec.lr)
-    schedule = build_schedule(spec, optimizer)
+    if spec.resume:
+        optimizer_state.load_rank_state(optimizer, model, spec.model_dir, rank)
+    schedule = build_schedule(spec, optimizer, plan.steps_before)
     losses: list[float] = []
     aux_losses: list[float] = []
     rates: list[float] = []
@@ -401,16 +450,18 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     params = None
     if spec.sends_parameters:
         params = {name: q.detach().float().cpu() for name, q in model.named_parameters() if q.requires_grad}
-    buffers = None
+    buffers = state = None
     if spec.save_dir is not None:
         buffers = {name: b.detach().float().cpu() for name, b in model.named_buffers() if b.is_floating_point()}
+        state = optimizer_state.rank_state(optimizer, model)
     return TrainRankResult(rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, prompts=mine, losses=tuple(losses),
                            learning_rates=tuple(rates),
                            aux_losses=tuple(aux_losses) if plan.aux_coef is not None else None,
                            grad_norm=float(norm), experts=(s.expert_start, s.expert_stop),
                            intermediate=(s.tp_rank * width, (s.tp_rank + 1) * width), expert_bytes=expert_bytes(model),
                            load_s=load_s, train_s=train_s, params=params,
-                           shards={name: m.shard for name, m in blocks.items()}, buffers=buffers)
+                           shards={name: m.shard for name, m in blocks.items()}, buffers=buffers,
+                           optimizer_state=state)
 
 
 def train_plans(plans: list[TrainPlan]) -> list[TrainRankResult | dict]:
@@ -673,6 +724,7 @@ def describe(plan: TrainPlan) -> dict:
                           **{k: list(v) if isinstance(v, tuple) else v for k, v in opt.settings.items()}},
             "lr_schedule": spec.schedule, "warmup_steps": spec.warmup_steps, "max_grad_norm": spec.max_grad_norm,
             "micro_batches": spec.micro_batches, "saved_to": spec.save_dir,
+            "resumed_after_step": plan.steps_before if spec.resume else None,
             "prompts_per_micro_batch": [[list(part) for part in plan.micro(d)] for d in range(plan.parallel.dp)],
             "tokens": plan.tokens, "aux_loss_coef": plan.aux_coef,
             "prompts_per_dp_rank": [list(d) for d in plan.dp_prompts]}
