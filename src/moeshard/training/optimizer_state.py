@@ -120,8 +120,8 @@ def load_rank_state(optimizer: torch.optim.Optimizer, model: nn.Module, director
     if by_param and missing:
         raise ValueError(f"{where}: no state for {len(missing)} trained parameter(s), e.g. {missing[:3]}")
     # Every parameter's state has the same fields (AdamW: step, exp_avg, exp_avg_sq).
-    fields = set().union(*(set(f) for f in by_param.values())) if by_param else set()
-    short = {name: sorted(fields - set(f)) for name, f in by_param.items() if set(f) != fields}
+    every: set[str] = set().union(*(set(f) for f in by_param.values())) if by_param else set()
+    short = {name: sorted(every - set(f)) for name, f in by_param.items() if set(f) != every}
     if short:
         name, lacking = next(iter(short.items()))
         raise ValueError(f"{where}: the state of {len(short)} parameter(s) lacks fields the others have, e.g. "
@@ -131,12 +131,12 @@ def load_rank_state(optimizer: torch.optim.Optimizer, model: nn.Module, director
     state: dict[int, dict[str, torch.Tensor]] = {}
     for index, p in enumerate(order):
         name = names[id(p)]
-        fields = by_param.get(name, {})
-        for field, value in fields.items():
+        held = by_param.get(name, {})
+        for field, value in held.items():
             if value.dim() and (tuple(value.shape) != tuple(p.shape)):
                 raise ValueError(f"{where}: {name}/{field} is {list(value.shape)}, the parameter "
                                  f"{list(p.shape)} (saved by another layout or model?)")
-        if fields:
-            state[index] = {f: v.to(p.device) if v.dim() else v for f, v in fields.items()}
+        if held:
+            state[index] = dict(held)  # load_state_dict puts each on its parameter's device and dtype
     current = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
