@@ -10,8 +10,8 @@ expert ties), and its experts' gate_up scaled so that the clamped SwiGLU's limit
 
 At one rank the logits and loss equal transformers' within fp32 1e-5, loaded from the checkpoint
 (which transformers writes under the hub's names) and sharded in memory; the hash layer's experts
-receive exactly ``tid2eid[input_ids]``. Greedy ids and logits equal transformers' under EP2
-(dp2-tp1-ep), SP (dp1-tp2-ep) and TP2 (dp1-tp2-noep), and dp2-tp2-ep in make test-slow. The
+receive exactly ``tid2eid[input_ids]``. Greedy ids and logits equal transformers' under SP
+(dp1-tp2-ep), and in make test-slow under EP2 (dp2-tp1-ep), TP2 (dp1-tp2-noep) and dp2-tp2-ep. The
 routing kind that describes the learned layers, ``sqrtsoftplus_bias_model``, picks the experts of
 transformers' router with its weights bit for bit in bfloat16 and float32. Skipped where the
 installed transformers has no DeepSeek-V4.
@@ -184,37 +184,41 @@ def test_run_refuses_it(model_dir, capsys):
 
 
 # -- several ranks ----------------------------------------------------------------------------
-LAYOUTS = {2: (ParallelConfig(2, 1, True), ParallelConfig(1, 2, True), ParallelConfig(1, 2, False)),
-           4: (ParallelConfig(2, 2, True),)}
+# One spawn per group. make test runs SP (its given routing cut into each TP rank's chunk, the
+# path Gemma 4's decoder layer takes too); EP2, TP2 and dp2-tp2-ep run in make test-slow.
+GROUPS = {"sp": (ParallelConfig(1, 2, True),), "two": (ParallelConfig(2, 1, True), ParallelConfig(1, 2, False)),
+          "four": (ParallelConfig(2, 2, True),)}
 
 
 @pytest.fixture(scope="module")
 def world(model_dir):
     cache: dict = {}
 
-    def get(ws: int):
-        if ws not in cache:
-            plans = [_plan(model_dir, layout) for layout in LAYOUTS[ws]]
+    def get(group: str):
+        if group not in cache:
+            plans = [_plan(model_dir, layout) for layout in GROUPS[group]]
+            ws = plans[0].parallel.world_size
             try:
                 per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
                                  preload=("moeshard.jobs.generate",))
             except RankFailure as failure:
-                cache[ws] = failure
+                cache[group] = failure
             else:
-                cache[ws] = {plan.parallel.name: (plan, [per_rank[r][i] for r in range(ws)])
-                             for i, plan in enumerate(plans)}
-        if isinstance(cache[ws], RankFailure):
-            pytest.fail(f"the {ws}-rank run failed:\n{cache[ws]}")
-        return cache[ws]
+                cache[group] = {plan.parallel.name: (plan, [per_rank[r][i] for r in range(ws)])
+                                for i, plan in enumerate(plans)}
+        if isinstance(cache[group], RankFailure):
+            pytest.fail(f"the {group} run failed:\n{cache[group]}")
+        return cache[group]
 
     return get
 
 
-@pytest.mark.parametrize("ws, layout", [
-    pytest.param(ws, layout.name, id=layout.name, marks=[pytest.mark.slow] if ws == 4 else [])
-    for ws, layouts in LAYOUTS.items() for layout in layouts])
-def test_layout_generates_what_transformers_generates(model_dir, world, ws, layout):
-    plan, results = world(ws)[layout]
+@pytest.mark.parametrize("group, layout", [
+    pytest.param(group, layout.name, id=layout.name, marks=[] if group == "sp" else [pytest.mark.slow])
+    for group, layouts in GROUPS.items() for layout in layouts])
+def test_layout_generates_what_transformers_generates(model_dir, world, group, layout):
+    plan, results = world(group)[layout]
+    ws = plan.parallel.world_size
     for r in results:
         assert not isinstance(r, dict), f"rank raised: {r}"
     c = compare_generations(plan, results, reference_generate(plan))

@@ -119,7 +119,9 @@ def test_moeshard_reads_the_saved_model(models, tmp_path, capsys):
             "--optimizer", "sgd", "--save", str(saved)]
     assert main(argv) == 0
     assert "saved the trained model (" in capsys.readouterr().out
-    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                       "optimizer"]
+    assert sorted(p.name for p in (saved / "optimizer").iterdir()) == ["meta.json", "rank-00000.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
     umask = os.umask(0)
     os.umask(umask)
