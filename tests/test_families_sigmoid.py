@@ -725,6 +725,27 @@ def test_family_descriptor_refuses_bad_router_names():
         replace(FAMILIES["deepseek_v4"], experts="")
 
 
+def test_block_refuses_an_output_part_without_its_module_or_under_a_taken_name():
+    """``MoEBlock``'s output bias and output norm: a name without its value (or the reverse) and a
+    name the layer already uses are refused, naming the part and the layer."""
+    from torch import nn
+
+    from moeshard.config import MoEConfig
+    from moeshard.integrations.transformers import MoEBlock
+
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=4)
+    router = nn.Linear(8, 4, bias=False)
+    with pytest.raises(ValueError, match=r"MoEBlock \(layer 3\): output_norm_name='post_mlp_layernorm' and "
+                                         r"output_norm \(None\) go together"):
+        MoEBlock(router, cfg, layer=3, output_norm_name="post_mlp_layernorm")
+    with pytest.raises(ValueError, match=r"output_norm_name='experts' is taken by the layer's own attribute"):
+        MoEBlock(router, cfg, layer=3, output_norm_name="experts", output_norm=nn.LayerNorm(8))
+    with pytest.raises(ValueError, match=r"output_bias_name=None and output_bias \(given\) go together"):
+        MoEBlock(router, cfg, layer=3, output_bias=torch.zeros(8))
+    block = MoEBlock(router, cfg, layer=3, output_norm_name="post_mlp_layernorm", output_norm=nn.LayerNorm(8))
+    assert block.gradient_roles()["post_mlp_layernorm.weight"].kind == "replicated"
+
+
 def test_minimax_m2_fp8_block_checkpoint(tmp_path):
     """MiniMax-M2 ships FP8 block checkpoints (w1/w3/w2 per expert, weight_scale_inv per 128 x 128
     tile, router and bias unquantized): the experts load as fp8_block as stored, the bias from the

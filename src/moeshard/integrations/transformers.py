@@ -152,34 +152,34 @@ class MoEBlock(MoELayer):
                                  f"needs the bias in weights")
             self.register_buffer(block_bias, bias)
         self.output_bias_name = output_bias_name
-        if (output_bias_name is None) != (output_bias is None):
-            raise ValueError(f"MoEBlock (layer {layer}): output_bias_name={output_bias_name!r} and output_bias "
-                             f"({'None' if output_bias is None else 'given'}) go together")
-        if output_bias_name is not None:
-            assert output_bias is not None  # checked just above
+        if self._output_part(layer, "output_bias", output_bias_name, output_bias):
+            assert output_bias_name is not None and output_bias is not None  # _output_part checked both
             if tuple(output_bias.shape) != (cfg.hidden_size,) or output_bias.dtype != cfg.dtype:
                 raise ValueError(f"MoEBlock (layer {layer}): the block's output bias {output_bias_name!r} must be "
                                  f"[hidden_size={cfg.hidden_size}] in {cfg.dtype}, got {list(output_bias.shape)} "
                                  f"in {output_bias.dtype}")
-            if hasattr(self, output_bias_name):
-                raise ValueError(f"MoEBlock (layer {layer}): output_bias_name={output_bias_name!r} is taken by "
-                                 f"the layer's own attribute of that name")
             self.register_parameter(output_bias_name, nn.Parameter(output_bias.detach().to(self.device),
                                                                    requires_grad=output_bias.requires_grad))
         self.output_norm_name = output_norm_name
-        if (output_norm_name is None) != (output_norm is None):
-            raise ValueError(f"MoEBlock (layer {layer}): output_norm_name={output_norm_name!r} and output_norm "
-                             f"({'None' if output_norm is None else 'given'}) go together")
-        if output_norm_name is not None:
-            assert output_norm is not None  # checked just above
-            if hasattr(self, output_norm_name):
-                raise ValueError(f"MoEBlock (layer {layer}): output_norm_name={output_norm_name!r} is taken by "
-                                 f"the layer's own attribute of that name")
+        if self._output_part(layer, "output_norm", output_norm_name, output_norm):
+            assert output_norm_name is not None and output_norm is not None  # _output_part checked both
             self.add_module(output_norm_name, output_norm.to(self.device))
         # transformers' router stands in for MoELayer's Gate, under the family's router name.
         if router_name != "gate":
             del self.gate
         self.add_module(router_name, router.to(self.device))
+
+    def _output_part(self, layer: int | None, what: str, name: str | None, value: object) -> bool:
+        """Whether the block holds a part applied to its output (``what``: output_bias or
+        output_norm) under ``name``: ValueError where the name and the value do not come together,
+        or the name is the layer's own attribute."""
+        if (name is None) != (value is None):
+            raise ValueError(f"MoEBlock (layer {layer}): {what}_name={name!r} and {what} "
+                             f"({'None' if value is None else 'given'}) go together")
+        if name is not None and hasattr(self, name):
+            raise ValueError(f"MoEBlock (layer {layer}): {what}_name={name!r} is taken by the layer's own attribute "
+                             f"of that name")
+        return name is not None
 
     @property
     def hf_router(self) -> nn.Module:
