@@ -120,3 +120,41 @@ def test_a_state_that_does_not_fit_the_model_is_refused_naming_the_rank(model_di
     assert main(base) != 0
     err = capsys.readouterr().err
     assert f"rank 0: optimizer state {path}: {name} is [3, 5]" in err
+
+
+def test_each_rank_saves_and_reads_back_its_own_state(tmp_path):
+    """``save_rank_state`` for a training loop of one's own: each rank (here two, each with its own
+    shard, in one process: the files are all there is to it) writes its state and rank 0 the
+    meta; ``load_rank_state`` gives a fresh optimizer the same state, and its next step the same
+    parameters; a second save over them is refused."""
+    from moeshard.training.optimizer_state import OptimizerMeta, load_rank_state, read_meta, save_rank_state
+
+    meta = OptimizerMeta(layout="dp2-tp1-ep", world_size=2, backend="all2all", optimizer="adamw", steps_done=1,
+                         dtype="float32")
+
+    def rank_model(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(4, 3 + rank)  # each rank its own shard's shape
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    trained = {}
+    for rank in range(2):
+        model, opt = rank_model(rank)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        save_rank_state(tmp_path, meta, rank, opt, model)
+        trained[rank] = (model, opt)
+    assert read_meta(tmp_path) == meta
+    for rank in range(2):
+        model, opt = trained[rank]
+        copy, fresh = rank_model(rank)
+        copy.load_state_dict(model.state_dict())
+        load_rank_state(fresh, copy, tmp_path, rank)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(9))
+        for m, o in ((model, opt), (copy, fresh)):
+            o.zero_grad()
+            m(x).sum().backward()
+            o.step()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), copy.parameters(), strict=True))
+    with pytest.raises(FileExistsError, match="rank 1: optimizer state .* exists; it is never written over"):
+        save_rank_state(tmp_path, meta, 1, trained[1][1], trained[1][0])

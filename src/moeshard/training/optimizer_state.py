@@ -2,7 +2,9 @@
 
 Each rank holds the optimizer state of its own parameters: an expert shard's moments are that
 shard's, a replicated parameter's are the same on every rank that holds it. So the state is saved
-per rank, under the checkpoint directory, and read back by the same rank of the same layout:
+per rank, under the checkpoint directory (by ``moeshard train --save``: ``write``, inside the
+model's atomic write; in a loop of one's own: ``save_rank_state`` on every rank), and read back
+by the same rank of the same layout (``load_rank_state``):
 
     DIR/optimizer/meta.json                    ``OptimizerMeta``: layout, optimizer, steps done
     DIR/optimizer/rank-00000.safetensors       rank 0's state: "<parameter name>/<state key>"
@@ -92,11 +94,37 @@ def write(directory: str | Path, meta: OptimizerMeta, states: dict[int, dict[str
     checkpoint directory; its ``optimizer`` folder must not exist: nothing is overwritten)."""
     if sorted(states) != list(range(meta.world_size)):
         raise ValueError(f"optimizer state: ranks {sorted(states)} given, expected 0..{meta.world_size - 1}")
-    folder = Path(directory) / SUBDIR
-    folder.mkdir()
+    (Path(directory) / SUBDIR).mkdir()
     for rank, state in states.items():
-        save_file(state, str(folder / rank_file(rank)), metadata={"rank": str(rank), "layout": meta.layout})
-    (folder / META).write_text(json.dumps(asdict(meta), indent=1) + "\n")
+        _write_rank(directory, meta, rank, state)
+    _write_meta(directory, meta)
+
+
+def save_rank_state(directory: str | Path, meta: OptimizerMeta, rank: int, optimizer: torch.optim.Optimizer,
+                    model: nn.Module) -> None:
+    """For a training loop of one's own: this rank writes its own state under ``directory`` (a
+    checkpoint ``save_sharded_model`` wrote), rank 0 the meta too; every rank of ``meta``'s layout
+    calls it, after that save, and ``load_rank_state`` reads it back. Refuses to write over a
+    rank's file or a meta that exists (FileExistsError)."""
+    if not 0 <= rank < meta.world_size:
+        raise ValueError(f"optimizer state: rank {rank} outside the {meta.world_size} rank(s) of {meta.layout}")
+    (Path(directory) / SUBDIR).mkdir(exist_ok=True)
+    _write_rank(directory, meta, rank, rank_state(optimizer, model))
+    if rank == 0:
+        _write_meta(directory, meta)
+
+
+def _write_rank(directory: str | Path, meta: OptimizerMeta, rank: int, state: dict[str, torch.Tensor]) -> None:
+    path = Path(directory) / SUBDIR / rank_file(rank)
+    if path.exists():
+        raise FileExistsError(f"rank {rank}: optimizer state {path} exists; it is never written over")
+    save_file(state, str(path), metadata={"rank": str(rank), "layout": meta.layout})
+
+
+def _write_meta(directory: str | Path, meta: OptimizerMeta) -> None:
+    path = Path(directory) / SUBDIR / META
+    with open(path, "x") as f:  # "x": never over an existing meta
+        f.write(json.dumps(asdict(meta), indent=1) + "\n")
 
 
 def load_rank_state(optimizer: torch.optim.Optimizer, model: nn.Module, directory: str | Path, rank: int) -> None:
