@@ -314,9 +314,10 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
 
     Refuses a model whose MoE layers do not hold a block with the family's router and experts,
     and a model whose blocks are already ``MoEBlock``s. For a family whose decoder layer routes
-    itself (``experts_only``, Gemma 4) the "block" is the decoder layer, which holds the router
-    and the experts (DeepSeek-V4's block routes itself and holds them); an experts module already
-    an ``MoEExperts`` is refused the same way."""
+    itself (``experts_only`` with the block prefix "", Gemma 4) the "block" is the decoder layer,
+    which holds the router and the experts; for DeepSeek-V4 (``experts_only`` under ``mlp``) it is
+    the block, which routes itself. An experts module already an ``MoEExperts`` is refused the
+    same way."""
     info = moe_model_info(model)
     family = info.family
     layers = _decoder_layers(model, family)
