@@ -86,7 +86,8 @@ SIGMOID_FAMILIES = {
                                index_n_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "axk1": lambda i, e: dict(n_routed_experts=e, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
                               first_k_dense_replace=0, num_key_value_heads=4, q_lora_rank=64,
-                              kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32),
+                              kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+                              bos_token_id=None, eos_token_id=None, pad_token_id=None),
 }
 # The routers' (weight, selection bias) inside a block, where they are not gate.weight and
 # gate.e_score_correction_bias.
