@@ -175,6 +175,25 @@ def test_config_fields_moeshard_cannot_describe_are_refused(fields, message):
         parse_hf_config({**base, **fields}, "deepseek_v4/config.json")
 
 
+def test_training_with_transformers_load_balancing_loss_is_refused(tmp_path, capsys):
+    """moeshard train adds the load-balancing loss over the global batch from moeshard's own
+    routers; DeepSeek-V4's are transformers', so a config that turns the loss on is refused
+    before any rank starts, naming the field (without it the model trains: test_train_families)."""
+    import sys
+    from pathlib import Path
+
+    from moeshard.cli import main
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import make_tiny_moe
+
+    _config()  # skipped where transformers has no DeepSeek-V4
+    make_tiny_moe.make(str(tmp_path / "m"), "deepseek_v4", hidden=64, moe_intermediate=32, experts=4, vocab=64,
+                       router_aux_loss_coef=0.01)
+    assert main(["train", "--model", str(tmp_path / "m"), "--input-ids", "3,17,42;5,6,7", "--steps", "1"]) == 2
+    assert "output_router_logits true" in capsys.readouterr().err
+
+
 def test_run_refuses_it(model_dir, capsys):
     """``moeshard run`` routes one block alone, without token ids: refused, exit 2."""
     from moeshard.cli import main

@@ -298,10 +298,16 @@ def plan_train(spec: TrainSpec) -> TrainPlan:
         unloadable = transformers_refusal(spec.model_dir, flag) if wanted else None
         if unloadable:
             raise ValueError(unloadable)
+    aux_coef = aux_loss_coef(spec.model_dir)
+    if aux_coef is not None and info.family.experts_only:
+        raise ValueError(f"{spec.model_dir}: config.json turns the load-balancing loss on (output_router_logits true), "
+                         f"which moeshard train computes over the global batch from moeshard's routers; model_type "
+                         f"{info.model_type!r} routes with transformers' routers (moeshard runs only its experts), so "
+                         f"train it with output_router_logits false")
     steps_before = _resumed_steps(spec, backend, dtype)
     return TrainPlan(spec=spec, model_type=info.model_type, cfg=cfg, quant=quant, backend=backend, pad_token_id=pad,
                      dp_prompts=split_prompts(len(spec.prompts), p.dp), tokens=tokens,
-                     aux_coef=aux_loss_coef(spec.model_dir), steps_before=steps_before)
+                     aux_coef=aux_coef, steps_before=steps_before)
 
 
 def _resumed_steps(spec: TrainSpec, backend: str, dtype: torch.dtype) -> int:
