@@ -165,7 +165,11 @@ SAME_PATH_AS = {"solar_open": "glm4_moe", "glm_moe_dsa": "deepseek_v32", "beam":
                 "axk2": "deepseek_v32",  # axk2: its renames are outside the block, read at (1,1) in make test
                 "sarvam_moe": "glm4_moe",  # and so are sarvam_moe's
                 "bailing_hybrid": "kimi_linear",  # kimi_linear's reader and block, Ling's names outside the block
-                "sarvam_mla": "glm4_moe", "dots3_note_text": "glm4_moe"}
+                "sarvam_mla": "glm4_moe", "dots3_note_text": "glm4_moe",
+                # axk1: DeepSeek-V3's block; its norm on whole rows after the gather is the path of
+                # jetmoe's output bias (test_families_softmax), its step under SP and TP2 in
+                # test_train_families
+                "axk1": "deepseek_v32"}
 # Where each family's router weight and selection bias live in a block.
 ROUTER_PARAMS = {"afmoe": ("router.gate.weight", "expert_bias"),
                  "minimax_m2": ("gate.weight", "e_score_correction_bias"),
