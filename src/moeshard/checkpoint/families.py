@@ -381,7 +381,7 @@ class ModelFamily:
             raise ValueError(f"{where}: experts_only needs an experts module name (the module moeshard replaces), "
                              f"got {self.experts!r}")
         for name in ("block_prefixes", "shared_prefixes"):
-            if name == "block_prefixes" and self.experts_only and self.block_prefixes == ("",):
+            if name == "block_prefixes" and self.experts_only and self.block_is_layer:
                 continue  # the decoder layer holds the router and the experts
             bad = [p for p in getattr(self, name) if not (isinstance(p, str) and p.endswith(".") and len(p) > 1)]
             if bad or not getattr(self, name):
@@ -444,6 +444,12 @@ class ModelFamily:
     def bias_names(self) -> tuple[str, ...]:
         """The selection bias's checkpoint names after the block prefix, in the order tried."""
         return (self.bias_module, *self.bias_aliases)
+
+    @property
+    def block_is_layer(self) -> bool:
+        """Whether the decoder layer itself holds the router and the experts (block prefix "",
+        Gemma 4), rather than a block module inside it."""
+        return self.block_prefixes == ("",)
 
     @property
     def block_attributes(self) -> tuple[str, ...]:

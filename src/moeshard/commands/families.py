@@ -27,7 +27,7 @@ def families_json() -> dict[str, list[dict]]:
         kind = get_routing(f.routing)
         # An experts_only family routes with transformers' router (in its decoder layer, or in its
         # block): moeshard runs its experts on that routing, and the "block" is the experts module.
-        where = "decoder layer" if f.block_prefixes == ("",) else "block"
+        where = "decoder layer" if f.block_is_layer else "block"
         supported.append({"model_type": f.model_type, "routing": f.routing, "routing_summary": kind.summary,
                           "routed_by": f"transformers' router in the {where}" if f.experts_only else "moeshard",
                           "scores_in": kind.score_dtype, "router_logits_in": f.router_dtype,

@@ -297,7 +297,7 @@ def _block_attribute(layer: nn.Module, family: ModelFamily) -> str:
 def _block_of(layer: nn.Module, family: ModelFamily) -> nn.Module | None:
     """The decoder layer's MoE block: the layer itself where the family's block prefix is ""
     (Gemma 4's layer holds its router and experts), else the attribute that holds it."""
-    return layer if family.block_prefixes == ("",) else getattr(layer, _block_attribute(layer, family), None)
+    return layer if family.block_is_layer else getattr(layer, _block_attribute(layer, family), None)
 
 
 def _replaced_name(layer: nn.Module, family: ModelFamily) -> str:
@@ -305,7 +305,7 @@ def _replaced_name(layer: nn.Module, family: ModelFamily) -> str:
     ``experts_only`` family the block's experts module (``experts``, ``mlp.experts``)."""
     if not family.experts_only:
         return _block_attribute(layer, family)
-    return family.experts if family.block_prefixes == ("",) else f"{_block_attribute(layer, family)}.{family.experts}"
+    return family.experts if family.block_is_layer else f"{_block_attribute(layer, family)}.{family.experts}"
 
 
 def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
@@ -338,7 +338,7 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
         held = block is not None and (getattr(block, experts, None) is not None if family.experts
                                       else _tensor_at(block, experts) is not None)
         if block is None or not isinstance(getattr(block, family.router, None), nn.Module) or not held:
-            at = "the decoder layer" if family.block_prefixes == ("",) else \
+            at = "the decoder layer" if family.block_is_layer else \
                 " or ".join("." + a for a in family.block_attributes)
             raise ValueError(f"{type(model).__name__}: layer {index} should hold an MoE block with a router "
                              f"({family.router}) and experts ({experts}) at {at}, found {type(block).__name__}")
