@@ -202,6 +202,27 @@ def test_run_refuses_it(model_dir, capsys):
     assert "model_type 'deepseek_v4' routes with transformers' router" in capsys.readouterr().err
 
 
+def test_a_transformers_whose_norm_returns_float32_is_refused_below_float32(model_dir, monkeypatch, capsys):
+    """transformers 5.17 keeps DeepSeek-V4's norms in float32 and returns their float32 output into
+    the attention's bfloat16 projections, so neither it nor moeshard's model runs in bfloat16 there
+    (the GPU machine's transformers). That norm planted here: the model is refused in bfloat16
+    before any rank starts, naming the dtype and transformers, and still built in float32."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as theirs
+
+    from moeshard.checkpoint.hf_config import read_hf_config
+    from moeshard.cli import main
+
+    info = read_hf_config(model_dir)
+    assert info.moe_config(torch.bfloat16).dtype == torch.bfloat16  # the installed transformers runs it
+    monkeypatch.setattr(theirs.DeepseekV4RMSNorm, "forward", lambda self, x: self.weight * x.float())
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16: transformers \S+ cannot run DeepSeek-V4"):
+        info.moe_config(torch.bfloat16)
+    assert info.moe_config(torch.float32).dtype == torch.float32
+    assert main(["generate", "--model", model_dir, "--input-ids", "3,17,42", "--dtype", "bfloat16",
+                 "--max-new-tokens", "1"]) == 2
+    assert "returns torch.float32 rows to the attention's torch.bfloat16 projections" in capsys.readouterr().err
+
+
 # -- several ranks ----------------------------------------------------------------------------
 # One spawn per group. make test runs SP (its given routing cut into each TP rank's chunk, the
 # path Gemma 4's decoder layer takes too); EP2, TP2 and dp2-tp2-ep run in make test-slow.

@@ -2,7 +2,8 @@
 handed to moeshard's experts, the tanh-approximate GELU epilogue of the Triton kernels), JetMoE
 (the bias on the block's output), DeepSeek-V4 (its blocks' routing, the first layer's by token id,
 handed to moeshard's experts; the clamped SwiGLU epilogue) and A.X-K1 (the norm of the block's
-output). A family the installed transformers lacks is skipped. A tiny random model from
+output). A family the installed transformers lacks, or cannot run in bfloat16 (then moeshard's
+refusal is checked), is skipped. A tiny random model from
 ``scripts/make_tiny_moe.py`` loaded by ``load_sharded_model`` on the GPU in bfloat16, whose
 experts run on the Triton kernels, against transformers on the GPU: its logits are as far from
 transformers' float32 logits as transformers' own bfloat16 logits are (twice that, plus one bf16
@@ -25,6 +26,7 @@ IDS = [[3, 17, 42, 5, 9, 1, 2, 3, 60, 61, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18
 
 @pytest.mark.parametrize("family", ["gemma4_text", "jetmoe", "deepseek_v4", "axk1"])
 def test_family_in_bfloat16_on_cuda_is_as_close_to_float32_as_transformers(tmp_path, family):
+    from moeshard.checkpoint.hf_config import read_hf_config
     from moeshard.experts import GroupedExperts
     from moeshard.integrations.transformers import load_sharded_model
     from moeshard.layer import MoELayer
@@ -33,6 +35,12 @@ def test_family_in_bfloat16_on_cuda_is_as_close_to_float32_as_transformers(tmp_p
         make_tiny_moe.make(str(tmp_path), family, dtype="float32", seed=3)
     except ValueError as exc:
         pytest.skip(f"transformers {tf.__version__}: {exc}")
+    try:
+        read_hf_config(tmp_path).moe_config(torch.bfloat16)
+    except ValueError as exc:  # transformers 5.17's DeepSeek-V4 cannot run in bfloat16: refused, not run
+        with pytest.raises(ValueError, match="cannot run"):
+            load_sharded_model(tmp_path, dtype="bfloat16", device="cuda")
+        pytest.skip(str(exc))
     ids = torch.tensor(IDS, device="cuda")
     with torch.no_grad():
         exact = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).cuda().eval()(ids).logits

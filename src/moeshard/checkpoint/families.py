@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from moeshard.activations import get_activation
 from moeshard.checkpoint.fused import LAYOUTS, fused_layout
 from moeshard.config import MAX_ROUTED_SCALING, ROUTER_DTYPES, MoEConfig
@@ -316,6 +318,11 @@ class ModelFamily:
       (after a sequence-parallel gather); its parameters are replicated parameters outside the
       layer. The checkpoint may hold them under the block or under the decoder layer (A.X-K1's hub
       and transformers' saves: ``model.layers.{L}.post_mlp_layernorm.weight``); both are read.
+    dtype_check: None, or a probe of the installed transformers: ``dtype_check(dtype)`` raises
+      ValueError, naming the dtype, the transformers version and what fails, when transformers'
+      own modules of this family (those moeshard leaves to it) cannot run in that model dtype
+      (transformers 5.17's DeepSeek-V4 norms return float32 into bfloat16 projections). Every
+      model built from a checkpoint asks it (``HFMoEModel.moe_config``), before any rank starts.
     stored_names: block-relative tensor names as the transformers model holds them -> as the
       checkpoint stores them, where the two differ (Granite's ``router.weight`` is stored
       ``router.layer.weight``, its ``experts.gate_up_proj`` ``input_linear.weight``); the
@@ -355,6 +362,7 @@ class ModelFamily:
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    dtype_check: Callable[[torch.dtype], None] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
@@ -410,6 +418,8 @@ class ModelFamily:
             if not all(isinstance(k, str) and k and isinstance(v, tuple) and len(v) > 1
                        and all(isinstance(p, str) and p for p in v) for k, v in entries.items()):
                 raise ValueError(f"{where}.{name}: expected {what}, got {dict(entries)}")
+        if self.dtype_check is not None and not callable(self.dtype_check):
+            raise ValueError(f"{where}.dtype_check: expected None or a callable(dtype), got {self.dtype_check!r}")
         if self.router_input not in ROUTER_INPUTS:
             raise ValueError(f"{where}.router_input: {self.router_input!r} is not one of {list(ROUTER_INPUTS)}")
         if self.block_bias is not None and not (isinstance(self.block_bias, str) and self.block_bias.isidentifier()):

@@ -77,8 +77,13 @@ class HFMoEModel:
         return CHECKPOINT_FORMATS[self.checkpoint_format]
 
     def moe_config(self, dtype: torch.dtype | None = None) -> MoEConfig:
-        """The block's ``MoEConfig`` in ``dtype`` (default: the checkpoint's dtype, else fp32)."""
-        return replace(self.moe, dtype=dtype or self.checkpoint_dtype or torch.float32)
+        """The block's ``MoEConfig`` in ``dtype`` (default: the checkpoint's dtype, else fp32).
+        Raises ValueError when the installed transformers cannot run the family's own modules in
+        that dtype (``ModelFamily.dtype_check``)."""
+        cfg = replace(self.moe, dtype=dtype or self.checkpoint_dtype or torch.float32)
+        if self.family.dtype_check is not None:
+            self.family.dtype_check(cfg.dtype)
+        return cfg
 
     def check_layer(self, layer: int) -> None:
         """Raises ValueError unless ``layer`` exists and has an MoE block (says why not)."""

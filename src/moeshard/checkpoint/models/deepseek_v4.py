@@ -23,6 +23,8 @@ the attention's and the hyper-connections' tensors renamed (``DENSE_RENAMES``).
 
 from __future__ import annotations
 
+import torch
+
 from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 
@@ -49,6 +51,26 @@ def _moe(f: ConfigFields) -> MoEConfig:
                      activation=activation, scoring=SCORING[scoring], renormalize=True,
                      routed_scaling_factor=f.float("routed_scaling_factor", 0.0, MAX_ROUTED_SCALING),
                      router_dtype=f.family.router_dtype)
+
+
+def _dtype_check(dtype: torch.dtype) -> None:
+    """Refuses a model dtype the installed transformers cannot run DeepSeek-V4's own modules in.
+
+    transformers keeps the family's norms in float32 (``_keep_in_fp32_modules_strict``); a
+    ``DeepseekV4RMSNorm`` that multiplies by its float32 weight without casting back (transformers
+    5.17) hands float32 rows to the attention's bfloat16 projections, which fail. Probed on the norm
+    itself rather than by version: one row of two."""
+    if dtype == torch.float32:
+        return
+    import transformers
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+
+    got = DeepseekV4RMSNorm(2)(torch.ones(1, 2, dtype=dtype)).dtype
+    if got != dtype:
+        raise ValueError(f"dtype={dtype}: transformers {transformers.__version__} cannot run DeepSeek-V4 in {dtype}: "
+                         f"its DeepseekV4RMSNorm, kept in float32, returns {got} rows to the attention's {dtype} "
+                         f"projections, which then fail; load the model in float32, or install a transformers "
+                         f"whose norm returns the input's dtype (5.24 does)")
 
 
 # What transformers' save_pretrained writes under the hub's names (its conversion mapping, run
@@ -80,4 +102,4 @@ register_family(ModelFamily(
                     "routed_scaling_factor": 1.5, "mlp_layer_types": None},
     _moe, every_layer, routing=ROUTING, router_dtype="model", experts_only=True, formats=("bf16",),
     # The block is the model's ``mlp``, stored under the hub's ``ffn``.
-    block_prefixes=("mlp.", "ffn."), dense_renames=DENSE_RENAMES))
+    block_prefixes=("mlp.", "ffn."), dense_renames=DENSE_RENAMES, dtype_check=_dtype_check))
