@@ -113,7 +113,8 @@ def test_the_layer_passes_its_kernels_accumulation_on():
 @pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
 def test_batched_reference_is_the_loop_over_experts_bit_for_bit(scheme):
     """reference_forward batches every expert, TP slice and slack candidate into one quantization
-    pass; each element must be what a loop over experts and slices computes, bit for bit."""
+    pass; each element must be what a loop over experts and slices computes, bit for bit: each
+    slice's h quantized alone, times its columns of the down weight, the slices' products summed."""
     from moeshard.config import MoEConfig, QuantConfig
     from moeshard.reference import DequantizedExperts, reference_forward
     from moeshard.router import route_tokens
@@ -145,7 +146,9 @@ def test_batched_reference_is_the_loop_over_experts_bit_for_bit(scheme):
         for cols in h.split(256, dim=1):
             amax = cols.abs().amax().float() if per_tensor else None
             slices.append(cols.double() if scheme == "none" else fake_quantize_activations(cols, scheme, amax=amax).double())
-        assert torch.equal(y, torch.cat(slices, dim=1) @ w2.T)
+        # each TP slice's partial output, summed: what the ranks' all-reduce adds
+        assert torch.equal(y, torch.stack([c @ w2_s.T for c, w2_s in zip(slices, w2.chunk(shards, dim=1),
+                                                                        strict=True)]).sum(dim=0))
         weight = routing.topk_weights[tok, k].double().unsqueeze(1)
         out[tok] += y * weight
         slack[tok] += s * weight.abs()
@@ -298,3 +301,17 @@ def test_a_wrong_shared_expert_fails(preset, scale, fault):
     layer._shared = lambda rows: correct(rows) * (1 + fault)
     c = compare_rows(layer(x), reference_forward(x, weights, cfg, accumulation=layer.accumulation), BF16, "none")
     assert not c.ok, c
+
+
+def test_within_checks_every_element_against_atol_plus_rtol_times_the_reference():
+    """Hand-computed: |2 - 2.1| = 0.1 is over atol 0.05 alone, within 0.05 + 0.05 * 2.1 = 0.155;
+    a NaN never passes; an empty pair passes; slack widens the bound by element."""
+    from moeshard.tolerances import within
+
+    out, ref = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.1])
+    assert not within(out, ref, 0.05, 0.0).ok
+    c = within(out, ref, 0.05, 0.05)
+    assert c.ok and abs(c.max_abs_err - 0.1) < 1e-6 and abs(c.err_to_bound - 0.1 / 0.155) < 1e-6
+    assert within(out, ref, 0.05, 0.0, slack=torch.tensor([0.0, 0.06])).ok
+    assert not within(torch.tensor([1.0, float("nan")]), ref, 1.0, 1.0).ok
+    assert within(torch.empty(0), torch.empty(0), 0.0, 0.0).ok

@@ -195,9 +195,10 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
     > 1, the first slice adds it); ``in_model_dtype``: the activation computed in the model
     dtype (``_activated``).
 
-    The slack includes the rounding of each output to the model dtype: every TP slice's
-    partial output rounds on its own (``shards``), and a biased one rounds again after its
-    bias is added (see the module's "Output roundings")."""
+    y is the sum of the TP slices' partial outputs (``_down_parts``), each computed once. The
+    slack includes the rounding of each output to the model dtype: every TP slice's partial
+    output rounds on its own (``shards``), and a biased one rounds again after its bias is added
+    (see the module's "Output roundings")."""
     counts = [x.shape[0] for x in xs]
     M = sum(counts)
     if M == 0:
@@ -209,13 +210,14 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
     b13 = None if biases is None else torch.cat([b.expand(n, -1) for b, n in zip(biases[0], counts, strict=True)])
     b2s = [None] * len(xs) if biases is None else biases[1]
 
-    def down(hq_g: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor:
-        return hq_g @ w2.T if b2 is None else hq_g @ w2.T + b2
+    def down(parts: list[torch.Tensor], b2: torch.Tensor | None) -> torch.Tensor:
+        y = parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
+        return y if b2 is None else y + b2
 
     h = _activated(exact, activation, dtype, b13, in_model_dtype)
     if not with_slack:
         hq = _quantized_candidates([h], [h], group, len(xs), scheme, shards)[0] if scheme != "none" else h.double()
-        return [(down(y, w2, b2), None) for y, w2, b2 in zip(hq.split(counts), w2s, b2s, strict=True)]
+        return [(down(_down_parts(y, w2, shards), b2), None) for y, w2, b2 in zip(hq.split(counts), w2s, b2s, strict=True)]
     w13s_abs = [w.abs() for w in w13s] if abs_weights is None else abs_weights[0]
     w2s_abs = [w.abs() for w in w2s] if abs_weights is None else abs_weights[1]
     delta = accumulation * torch.cat([x.abs() @ w13_abs.T for x, w13_abs in zip(xs, w13s_abs, strict=True)])
@@ -244,27 +246,33 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
         doubt = torch.stack(candidates).sub_(hq).abs_().amax(dim=0)
     out = []
     for hq_g, doubt_g, w2, w2_abs, b2 in zip(hq.split(counts), doubt.split(counts), w2s, w2s_abs, b2s, strict=True):
-        y = down(hq_g, w2, b2)
+        parts = _down_parts(hq_g, w2, shards)
         slack = doubt_g @ w2_abs.T + accumulation * (hq_g.abs() @ w2_abs.T)
-        out.append((y, slack + _output_rounding(hq_g, w2, b2, y, slack, shards, unit_roundoff(dtype))))
+        out.append((down(parts, b2), slack + _output_rounding(parts, b2, slack, unit_roundoff(dtype))))
     return out
 
 
-def _output_rounding(hq: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, y: torch.Tensor,
-                     slack: torch.Tensor, shards: int, u: float) -> torch.Tensor:
+def _down_parts(hq: torch.Tensor, w2: torch.Tensor, shards: int) -> list[torch.Tensor]:
+    """The down GEMM's partial outputs, one per TP slice: ``shards`` fp64 [R, H].
+
+    hq: fp64 [R, I] h as the down GEMM reads it; w2: fp64 [H, I]. Slice s multiplies the s-th
+    of ``shards`` column chunks of I (a TP rank's); their sum is the whole product."""
+    if shards == 1:
+        return [hq @ w2.T]
+    return [hq_s @ w2_s.T for hq_s, w2_s in zip(hq.chunk(shards, dim=1), w2.chunk(shards, dim=1), strict=True)]
+
+
+def _output_rounding(parts: list[torch.Tensor], b2: torch.Tensor | None, slack: torch.Tensor,
+                     u: float) -> torch.Tensor:
     """What rounding its output to the model dtype may move one expert's rows by: fp64 [R, H].
 
-    hq: fp64 [R, I] h as the down GEMM reads it; w2: fp64 [H, I]; b2: fp64 [H] or None; y:
-    fp64 [R, H] the reference's output (bias included); slack: fp64 [R, H] how far the
-    kernel's own sum may be from it; u: the model dtype's unit roundoff. Each of ``shards``
-    column slices of I rounds its partial sum p_s (TP ranks), the first slice's again after
-    adding the bias: at most u (sum_s |p_s| + slack), plus u (|p_0 + b2| + slack + that)."""
-    if shards == 1:
-        first = y if b2 is None else y - b2
-        partial = first.abs()
-    else:
-        parts = [hq_s @ w2_s.T for hq_s, w2_s in zip(hq.chunk(shards, dim=1), w2.chunk(shards, dim=1), strict=True)]
-        first, partial = parts[0], torch.stack(parts).abs().sum(dim=0)
+    parts: the TP slices' partial sums p_s (``_down_parts``), fp64 [R, H] each; b2: fp64 [H] or
+    None; slack: fp64 [R, H] how far the kernel's own sum may be from the reference's; u: the
+    model dtype's unit roundoff. Each slice rounds its partial sum (TP ranks), the first slice's
+    again after adding the bias: at most u (sum_s |p_s| + slack), plus u (|p_0 + b2| + slack +
+    that)."""
+    first = parts[0]
+    partial = first.abs() if len(parts) == 1 else torch.stack(parts).abs().sum(dim=0)
     rounding = u * (partial + slack)
     if b2 is not None:
         rounding = rounding + u * ((first + b2).abs() + slack + rounding)

@@ -143,6 +143,14 @@ def compare_rows(out: torch.Tensor, ref: Reference | torch.Tensor, dtype: torch.
     expected, slack = (ref.out, ref.slack) if isinstance(ref, Reference) else (ref, None)
     if out.shape != expected.shape:
         raise ValueError(f"compare: output shape {tuple(out.shape)} != reference shape {tuple(expected.shape)}")
+    return within(out, expected, atol, rtol, slack)
+
+
+def within(out: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float,
+           slack: torch.Tensor | None = None) -> Comparison:
+    """Every element of ``out`` against ``expected`` (same shape, any float dtype, any device:
+    compared in float64 on ``out``'s): ``|out - expected| <= atol + rtol |expected| (+ slack)``.
+    NaN or Inf in ``out`` never passes; an empty pair passes with error 0."""
     if out.numel() == 0:
         return Comparison(0.0, atol, rtol, True, 0.0)
     expected = expected.double().to(out.device)

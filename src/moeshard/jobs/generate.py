@@ -41,7 +41,7 @@ from moeshard.config import MoEConfig, QuantConfig, dtype_name, parse_dtype
 from moeshard.jobs.world import RankPlace, each_plan, load_timed, synchronize
 from moeshard.parallel.config import ParallelConfig
 from moeshard.parallel.groups import ParallelGroups
-from moeshard.tolerances import logits_tolerance
+from moeshard.tolerances import logits_tolerance, within
 from moeshard.validate import is_int
 
 # The options prompts come from, named in the refusals of what they hold.
@@ -429,10 +429,8 @@ def _prompt_diffs(ids, logits, ref_ids, ref_logits, dtype: torch.dtype):
     atol, rtol = logits_tolerance(dtype)
     errs = []
     for s in range(last + 1):
-        got, want = logits[s].double(), ref_logits[s].double().to(logits[s].device)
-        gap = (got - want).abs()
-        good = bool(torch.isfinite(got).all()) and bool(torch.all(gap <= atol + rtol * want.abs()))
-        errs.append((float(gap.max()) if gap.numel() else 0.0, good))
+        c = within(logits[s], ref_logits[s], atol, rtol)
+        errs.append((c.max_abs_err, c.ok))
     return (diff[0] if diff else None), errs
 
 
