@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moeshard.kernels.grouped_gemm import FP8_ACC_MODES, k_sub_step, moe_gemm_kernel
-from moeshard.kernels.modes import w_scale_mode
+from moeshard.kernels.modes import one_w_scale_per_tile
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SM90 = GPUTarget("cuda", 90, 32)
@@ -56,7 +56,7 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
 
 def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
                  pdl: bool = False, quant_out: bool = False, track_amax: int = 0, direct: bool = False,
-                 act: int = 0, bias: bool = False, n: int = 128, ws_mode: int | None = None):
+                 act: int = 0, bias: bool = False, n: int = 128):
     """``moe_gemm_kernel`` compiled for sm_90a (a Triton ``CompiledKernel``) with the given
     constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); quant_out: gate_up
     stores h as fp8_block values and scales (``moe_gemm``'s out_scale); track_amax: 1 per-expert
@@ -84,7 +84,7 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
               "TRACK_AMAX": track_amax, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
               # as moe_gemm sets it
-              "WS_MODE": w_scale_mode(quant, bn, n, fused) if ws_mode is None else ws_mode, "HALF_TILES": half_tiles,
+              "WS_SCALAR": one_w_scale_per_tile(quant, bn, n, fused), "HALF_TILES": half_tiles,
               "A_VALUES": False, "W_VALUES": False, "PDL": pdl, "DIRECT": direct,
               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SUB_K": k_sub_step(quant, bk), "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})

@@ -49,7 +49,7 @@ import triton.language as tl
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
-from moeshard.kernels.modes import act_constants, act_mode, amax_mode, kernel_mode, scale_strides, w_scale_mode
+from moeshard.kernels.modes import act_constants, act_mode, amax_mode, kernel_mode, one_w_scale_per_tile, scale_strides
 from moeshard.kernels.nvfp4_values import Nvfp4Values, e2m1_scaled_f16
 from moeshard.kernels.quant import _fp8_group
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedActivations, QuantizedWeight
@@ -138,19 +138,12 @@ def _load_tile(ptr, ptrs, row, col, rows_ok, cols_ok, TMA: tl.constexpr, MASK_RO
 
 
 @triton.jit
-def _block_w_scale(ws_base, cols, first_col, last_col, stride_wsn, WS_MODE: tl.constexpr):
-    """fp8_block weight scales of one K step for a tile's weight rows ``cols`` [BLOCK_N], which
-    start at ``first_col``; ``last_col``: the last row that exists (the tile's others are masked).
-    ``WS_MODE`` (``modes.w_scale_mode``): 1, one scalar, that of ``first_col``'s 128-row block,
-    when the whole tile lies in it; 2, the tile spans at most two blocks: two scalars, each column
-    taking its block's; 0, a [BLOCK_N] row of each column's block scale."""
-    if WS_MODE == 1:
+def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
+    """fp8_block weight scales of one K step for a tile's weight rows ``cols`` [BLOCK_N]: one
+    scalar, that of ``first_col``'s 128-row block, when the whole tile lies in it (``moe_gemm``'s
+    ws_scalar), else a [1, BLOCK_N] row of each column's block scale."""
+    if SCALAR:
         return tl.load(ws_base + (first_col // 128) * stride_wsn)
-    elif WS_MODE == 2:
-        lo = first_col // 128
-        s_lo = tl.load(ws_base + lo * stride_wsn)
-        s_hi = tl.load(ws_base + (tl.minimum(first_col + 127, last_col) // 128) * stride_wsn)
-        return tl.where(cols // 128 == lo, s_lo, s_hi)[None, :]
     else:
         return tl.load(ws_base + (cols // 128) * stride_wsn)[None, :]
 
@@ -165,7 +158,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
           ACT_LIMIT: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
           GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
           EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
-          FP8_ACC: tl.constexpr, WS_MODE: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
+          FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
           DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           SUB_K: tl.constexpr):
     """Computes and stores the BLOCK_M x BLOCK_N output tile whose rows are the padded positions
@@ -297,11 +290,11 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
                 a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
                 ws_base = w_scale_ptr + w_expert * stride_wse + kb * stride_wsk
                 col0 = pid_n * BLOCK_N
-                acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * _block_w_scale(ws_base, offs_wn, col0, N - 1,
-                                                                               stride_wsn, WS_MODE)
+                acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * _block_w_scale(ws_base, offs_wn, col0, stride_wsn,
+                                                                               WS_SCALAR)
                 if FUSE_ACT:
                     acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * _block_w_scale(
-                        ws_base, offs_wn + up_offset, col0 + up_offset, up_offset + N - 1, stride_wsn, WS_MODE)
+                        ws_base, offs_wn + up_offset, col0 + up_offset, stride_wsn, WS_SCALAR)
 
     if QUANT == 1 or QUANT == 2:
         a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
@@ -379,7 +372,7 @@ def moe_gemm_kernel(
         ACT_LIMIT: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
-        FP8_ACC: tl.constexpr, WS_MODE: tl.constexpr, HALF_TILES: tl.constexpr,
+        FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
         A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr, DIRECT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
         GROUP_M: tl.constexpr):
@@ -419,7 +412,7 @@ def moe_gemm_kernel(
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
                   stride_osm, stride_be, QUANT, FUSE_ACT, ACT, ACT_ALPHA, ACT_LIMIT, BIAS, QUANT_OUT, H_TY,
                   GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K,
-                  TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_MODE, A_VALUES, W_VALUES, DIRECT, BLOCK_M // 2, BLOCK_N,
+                  TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M // 2, BLOCK_N,
                   BLOCK_K, SUB_K)
             if not SCATTER_OUT:
                 # The skipped half holds padding only: store its zeros (quantized: zeros and the
@@ -438,7 +431,7 @@ def moe_gemm_kernel(
           a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, stride_osm,
           stride_be, QUANT, FUSE_ACT, ACT, ACT_ALPHA, ACT_LIMIT, BIAS, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT,
-          TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_MODE, A_VALUES, W_VALUES, DIRECT, BLOCK_M,
+          TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M,
           BLOCK_N, BLOCK_K, SUB_K)
 
 
@@ -616,7 +609,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
             if config.half_tiles:
                 a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, sub_k // a_pack])
             tma_a = True
-    ws_mode = w_scale_mode(w_mode, bn, n, fused)
+    ws_scalar = one_w_scale_per_tile(w_mode, bn, n, fused)
     if out_scale is not None:
         h_ty = H_TYPES[_check_quantized_out(out, out_scale, h_dtype, plan, n, w_mode, bn, fused, amax)]
     else:
@@ -639,7 +632,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         ACT_ALPHA=act_alpha, ACT_LIMIT=act_limit, BIAS=bias is not None, QUANT_OUT=out_scale is not None, H_TY=h_ty,
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax_mode(amax, row_amax), EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
-        WS_MODE=ws_mode, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
+        WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
         PDL=pdl_launch, DIRECT=plan.direct,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUB_K=sub_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),

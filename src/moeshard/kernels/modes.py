@@ -71,15 +71,3 @@ def one_w_scale_per_tile(mode: int, block_n: int, n: int, fused: bool) -> bool:
     the 8-warp 128 x 64 x 128 fused gate_up tile needs 180 with the scalar and spills at 255 with
     the vector (scripts/kernel_resources.py). The products are the same in either form."""
     return mode == 3 and block_n <= 128 and 128 % block_n == 0 and (not fused or n % 128 == 0)
-
-
-def w_scale_mode(mode: int, block_n: int, n: int, fused: bool) -> int:
-    """How a tile of ``block_n`` columns reads fp8_block's weight scales each K step (the grouped
-    GEMM's ``WS_MODE``): 1, one scalar (``one_w_scale_per_tile``); 2, two scalars, each column
-    taking its block's: the fused gate_up's tiles where N is not a multiple of 128, gate's
-    columns in one block and up's (starting N later, inside a block) in at most two, so every
-    tile of at most 128 columns dividing 128 spans two blocks at most; 0, a [BLOCK_N] vector of
-    each column's block scale. The products are the same in every form."""
-    if one_w_scale_per_tile(mode, block_n, n, fused):
-        return 1
-    return 2 if mode == 3 and fused and block_n <= 128 and 128 % block_n == 0 else 0
