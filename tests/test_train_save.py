@@ -26,10 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.checkpoint.writer import RankState, save_checkpoint
 from moeshard.cli import main
-from moeshard.jobs.train import TrainSpec, _ReferenceParams, plan_train, train_plans, train_rank
+from moeshard.jobs.train import TrainSpec, plan_train, train_plans, train_rank
 from moeshard.parallel.config import ParallelConfig
+from moeshard.training.rank_parts import RankParts
 
 tf = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +81,7 @@ def _check_saved_exactly(plan, results, directory: Path, count: int) -> None:
     saved = tf.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
     params = {name: p.detach() for name, p in saved.named_parameters()}
     assert count == len(params), (count, len(params))
-    want = _ReferenceParams(plan, params)
+    want = RankParts(read_hf_config(plan.spec.model_dir).family, plan.cfg, params)
     compared = 0
     for r in results:
         assert r.params
@@ -121,7 +123,7 @@ def test_moeshard_reads_the_saved_model(models, tmp_path, capsys):
     assert "saved the trained model (" in capsys.readouterr().out
     assert sorted(p.name for p in saved.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
                                                        "optimizer"]
-    assert sorted(p.name for p in (saved / "optimizer").iterdir()) == ["meta.json", "rank-00000.safetensors"]
+    assert sorted(p.name for p in (saved / "optimizer").iterdir()) == ["meta.json", "state.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
     umask = os.umask(0)
     os.umask(umask)

@@ -149,13 +149,13 @@ def _copy_other_files(source: Path, target: Path) -> None:
 
 
 def save_checkpoint(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState], directory: str | Path,
-                    also: Callable[[str], None] | None = None) -> int:
+                    also: Callable[[str, torch.nn.Module], None] | None = None) -> int:
     """Writes the model the ranks hold to the new ``directory`` as transformers' ``save_pretrained``
     does (safetensors, config.json in ``cfg.dtype``, generation config), with ``model_dir``'s other
-    files, and whatever ``also(tmp)`` writes into the directory before it appears (the optimizer
-    state); returns how many of transformers' parameters were put in from the ranks. ``OutputError`` if
-    it cannot be written; ``RuntimeError`` (nothing written) if an element of a block parameter has
-    no rank."""
+    files, and whatever ``also(tmp, model)`` writes into the directory before it appears (the
+    optimizer state; ``model``: transformers' model the ranks' tensors were put into); returns how
+    many of transformers' parameters were put in from the ranks. ``OutputError`` if it cannot be
+    written; ``RuntimeError`` (nothing written) if an element of a block parameter has no rank."""
     from moeshard.checkpoint.hf_model import load_transformers_model
 
     model = load_transformers_model(str(model_dir), cfg.dtype)
@@ -169,7 +169,7 @@ def save_checkpoint(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState
         cast(Any, model).save_pretrained(tmp)  # a transformers PreTrainedModel, typed as the nn.Module it is
         _copy_other_files(Path(model_dir), Path(tmp))
         if also is not None:
-            also(tmp)
+            also(tmp, model)
 
     atomic_write_dir(directory, write)
     params = dict(model.named_parameters())

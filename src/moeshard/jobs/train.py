@@ -67,6 +67,7 @@ from moeshard.parallel.groups import ParallelGroups
 from moeshard.sharding import ShardSpec
 from moeshard.tolerances import TRAIN_LOSS_RTOL, train_bound
 from moeshard.training import optimizer_state
+from moeshard.training.rank_parts import RankParts
 from moeshard.validate import is_int
 
 IGNORE = -100  # transformers' ignore_index: a label that is no token to predict
@@ -312,7 +313,9 @@ def plan_train(spec: TrainSpec) -> TrainPlan:
 
 def _resumed_steps(spec: TrainSpec, backend: str, dtype: torch.dtype) -> int:
     """The steps the optimizer state ``--resume`` goes on from has taken (0 without it), once the
-    state is checked to be this run's: saved by the same layout, backend, optimizer and dtype."""
+    state is checked to be this run's: saved by the same optimizer (a per-rank state, which a loop
+    of one's own writes, by the same layout, backend and dtype too; ``moeshard train --save``'s
+    whole state goes on under any layout)."""
     from moeshard.training.optimizer_state import SUBDIR, read_meta
 
     if not spec.resume:
@@ -417,7 +420,13 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     micro = [Batch.of([spec.prompts[i] for i in part], plan.pad_token_id, device) for part in plan.micro(dp_rank)]
     optimizer = plan.optimizer.build([q for q in model.parameters() if q.requires_grad], spec.lr)
     if spec.resume:
-        optimizer_state.load_rank_state(optimizer, model, spec.model_dir, rank)
+        meta = optimizer_state.read_meta(spec.model_dir)
+        if meta is not None and meta.whole:  # whole tensors: this rank takes its part, whatever layout saved them
+            shards = {name: m.shard for name, m in model.named_modules() if isinstance(m, MoELayer)}
+            optimizer_state.load_whole_state(optimizer, model, spec.model_dir, rank, shards,
+                                             read_hf_config(spec.model_dir).family, plan.cfg)
+        else:
+            optimizer_state.load_rank_state(optimizer, model, spec.model_dir, rank)
     schedule = build_schedule(spec, optimizer, plan.steps_before)
     losses: list[float] = []
     aux_losses: list[float] = []
@@ -626,35 +635,6 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b != 0 else math.inf
 
 
-class _ReferenceParams:
-    """transformers' trained parameters as each rank holds them: outside the MoE blocks by name;
-    in a block, under moeshard's names (``MoEWeights``' canonical ones and layout, the router's
-    own) and, for the routed experts, the slice of a rank's ``ShardSpec`` (its experts; under TP
-    its slice of I)."""
-
-    def __init__(self, plan: TrainPlan, params: dict[str, torch.Tensor]) -> None:
-        self.plan, self.params = plan, params
-        self.family = read_hf_config(plan.spec.model_dir).family
-        self.blocks: dict[str, dict[str, torch.Tensor]] = {}
-
-    def _block(self, prefix: str) -> dict[str, torch.Tensor]:
-        from moeshard.checkpoint.block_state import block_state
-
-        if prefix not in self.blocks:
-            raw = {k[len(prefix) + 1:]: v for k, v in self.params.items() if k.startswith(prefix + ".")}
-            self.blocks[prefix] = block_state(raw, self.family, self.plan.cfg.num_experts)
-        return self.blocks[prefix]
-
-    def of(self, name: str, shards: dict[str, ShardSpec]) -> torch.Tensor:
-        from moeshard.training.reference import shard_of_grad
-
-        prefix = next((b for b in shards if name.startswith(b + ".")), None)
-        if prefix is None:
-            return self.params[name]
-        local = name[len(prefix) + 1:]
-        return shard_of_grad(local, self._block(prefix)[local], shards[prefix], self.plan.cfg)
-
-
 def compare_training(plan: TrainPlan, results: list[TrainRankResult], reference: TrainReference,
                      exact: TrainReference | None = None) -> TrainComparison:
     """Compares the losses before every step (the sum of the DP ranks' shares), the last step's
@@ -676,7 +656,7 @@ def compare_training(plan: TrainPlan, results: list[TrainRankResult], reference:
         raise ValueError("compare_training: the ranks sent no parameters (TrainSpec.compare and save_dir were unset)")
     losses = global_losses(plan, results)
     rel = tuple(_rel(a, b) for a, b in zip(losses, reference.losses, strict=True))
-    want = _ReferenceParams(plan, reference.params)
+    want = RankParts(read_hf_config(plan.spec.model_dir).family, plan.cfg, reference.params)
     worst, at, count = 0.0, "", 0
     for r in results:
         assert r.params is not None  # checked above

@@ -1,20 +1,29 @@
 """An optimizer's state, saved beside a trained checkpoint and read back to go on training.
 
 Each rank holds the optimizer state of its own parameters: an expert shard's moments are that
-shard's, a replicated parameter's are the same on every rank that holds it. So the state is saved
-per rank, under the checkpoint directory (by ``moeshard train --save``: ``write``, inside the
-model's atomic write; in a loop of one's own: ``save_rank_state`` on every rank), and read back
-by the same rank of the same layout (``load_rank_state``):
+shard's, a replicated parameter's are the same on every rank that holds it. Two forms:
 
-    DIR/optimizer/meta.json                    ``OptimizerMeta``: layout, optimizer, steps done
-    DIR/optimizer/rank-00000.safetensors       rank 0's state: "<parameter name>/<state key>"
+- **Whole** (``moeshard train --save``: ``whole_state`` and ``write_whole``, inside the model's
+  atomic write). Every moment is put back into the whole tensor of transformers' parameter it
+  belongs to, as the model's own parameters are (``checkpoint.writer.placed_tensors``), and read
+  back by any layout (``load_whole_state``: ``training.rank_parts``):
 
-A state tensor keeps its dtype (AdamW's ``step`` is a 0-d fp32 tensor, its moments the
-parameter's dtype). The parameter names are those of the sharded model (``load_sharded_model``),
-the same on every run of one layout; a state whose names, shapes or layout differ from the run
-reading it is refused before any step, naming the rank and the tensor. The hyperparameters
-(learning rate, betas, ...) are not read back: the run's own flags give them, as they gave them
-to the run that saved.
+      DIR/optimizer/meta.json            ``OptimizerMeta`` (format 2): the saving layout, optimizer,
+                                         steps done, and each per-parameter scalar (AdamW's step)
+      DIR/optimizer/state.safetensors    "<transformers parameter name>/<state key>", fp32, whole
+
+- **Per rank** (a loop of one's own: ``save_rank_state`` on every rank; format 1), read back by the
+  same rank of the same layout (``load_rank_state``):
+
+      DIR/optimizer/meta.json            ``OptimizerMeta`` (format 1)
+      DIR/optimizer/rank-00000.safetensors   rank 0's state: "<parameter name>/<state key>"
+
+A per-rank state tensor keeps its dtype (AdamW's ``step`` is a 0-d fp32 tensor, its moments the
+parameter's dtype); whole moments are fp32, which holds every bf16 and fp16 value exactly, and
+``Optimizer.load_state_dict`` casts them to the parameter's dtype. A state whose names, shapes or
+layout do not fit the run reading it is refused before any step, naming the rank and the tensor.
+The hyperparameters (learning rate, betas, ...) are not read back: the run's own flags give them,
+as they gave them to the run that saved.
 """
 
 from __future__ import annotations
@@ -27,9 +36,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from moeshard.checkpoint.families import ModelFamily
+from moeshard.checkpoint.writer import RankState
+from moeshard.config import MoEConfig
+from moeshard.sharding import ShardSpec
+
 SUBDIR = "optimizer"
 META = "meta.json"
-FORMAT = 1
+WHOLE = "state.safetensors"
+FORMAT = 1  # per rank
+FORMAT_WHOLE = 2  # whole tensors, any layout
+FORMATS = (FORMAT, FORMAT_WHOLE)
 
 
 def rank_file(rank: int) -> str:
@@ -38,10 +55,12 @@ def rank_file(rank: int) -> str:
 
 @dataclass(frozen=True)
 class OptimizerMeta:
-    """What a saved optimizer state belongs to. layout: ``ParallelConfig.name`` (dp2-tp1-ep);
-    world_size: its ranks; backend: the dispatch backend; optimizer: ``moeshard train``'s name
-    (adamw, sgd); steps_done: optimizer steps taken since the model was first trained from a
-    checkpoint without state (a resumed run adds its own); dtype: the model dtype's name."""
+    """What a saved optimizer state belongs to. layout: ``ParallelConfig.name`` (dp2-tp1-ep) of the
+    run that saved it; world_size: its ranks; backend: the dispatch backend; optimizer:
+    ``moeshard train``'s name (adamw, sgd); steps_done: optimizer steps taken since the model was
+    first trained from a checkpoint without state (a resumed run adds its own); dtype: the model
+    dtype's name; scalars: (whole form) each 0-d state entry, the same for every parameter
+    (AdamW's ``step``); format: ``FORMAT`` (per rank) or ``FORMAT_WHOLE``."""
 
     layout: str
     world_size: int
@@ -50,17 +69,24 @@ class OptimizerMeta:
     steps_done: int
     dtype: str
     format: int = FORMAT
+    scalars: dict[str, float] | None = None
+
+    @property
+    def whole(self) -> bool:
+        return self.format == FORMAT_WHOLE
 
     def refusal(self, layout: str, world_size: int, backend: str, optimizer: str, dtype: str) -> str:
-        """Why a run of these settings cannot go on from this state ("" when it can)."""
-        wanted = {"layout": layout, "world size": world_size, "backend": backend, "optimizer": optimizer,
-                  "dtype": dtype}
-        saved = {"layout": self.layout, "world size": self.world_size, "backend": self.backend,
-                 "optimizer": self.optimizer, "dtype": self.dtype}
-        differ = [f"{k} {saved[k]!r} (this run: {wanted[k]!r})" for k in wanted if saved[k] != wanted[k]]
-        if self.format != FORMAT:
-            differ.insert(0, f"format {self.format} (this moeshard reads {FORMAT})")
-        return "; ".join(differ)
+        """Why a run of these settings cannot go on from this state ("" when it can): another
+        optimizer, or for a per-rank state another layout, world size, backend or dtype."""
+        if self.format not in FORMATS:
+            return f"format {self.format} (this moeshard reads {list(FORMATS)})"
+        wanted: dict[str, object] = {"optimizer": optimizer}
+        saved: dict[str, object] = {"optimizer": self.optimizer}
+        if not self.whole:
+            wanted = {"layout": layout, "world size": world_size, "backend": backend, **wanted, "dtype": dtype}
+            saved = {"layout": self.layout, "world size": self.world_size, "backend": self.backend, **saved,
+                     "dtype": self.dtype}
+        return "; ".join(f"{k} {saved[k]!r} (this run: {wanted[k]!r})" for k in wanted if saved[k] != wanted[k])
 
 
 def read_meta(directory: str | Path) -> OptimizerMeta | None:
@@ -87,17 +113,6 @@ def rank_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, 
             if isinstance(value, torch.Tensor):
                 out[f"{name}/{key}"] = value.detach().cpu().contiguous()
     return out
-
-
-def write(directory: str | Path, meta: OptimizerMeta, states: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Writes every rank's state (``states[rank]``) and ``meta`` under ``directory`` (an existing
-    checkpoint directory; its ``optimizer`` folder must not exist: nothing is overwritten)."""
-    if sorted(states) != list(range(meta.world_size)):
-        raise ValueError(f"optimizer state: ranks {sorted(states)} given, expected 0..{meta.world_size - 1}")
-    (Path(directory) / SUBDIR).mkdir()
-    for rank, state in states.items():
-        _write_rank(directory, meta, rank, state)
-    _write_meta(directory, meta)
 
 
 def save_rank_state(directory: str | Path, meta: OptimizerMeta, rank: int, optimizer: torch.optim.Optimizer,
@@ -166,5 +181,103 @@ def load_rank_state(optimizer: torch.optim.Optimizer, model: nn.Module, director
                                  f"{list(p.shape)} (saved by another layout or model?)")
         if held:
             state[index] = dict(held)  # load_state_dict puts each on its parameter's device and dtype
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def whole_state(model_dir: str | Path, cfg: MoEConfig, model: nn.Module, ranks: list[RankState],
+                states: dict[int, dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Every rank's state (``states[rank]``, ``rank_state``'s form; ``ranks``: their tensors'
+    ``RankState``, for the shards) as whole tensors under transformers' parameter names
+    (``model``: transformers' model of ``model_dir``), and the 0-d entries.
+
+    Returns ("<transformers parameter>/<state key>" -> fp32 CPU tensor of that parameter's shape,
+    {state key: its value}). ValueError, naming them, where a 0-d entry differs between
+    parameters (it is saved once) or a trained parameter has no state (every rank's parameters
+    take a step each step, so each holds state after the first)."""
+    from moeshard.checkpoint.writer import placed_tensors
+
+    scalars: dict[str, tuple[float, str]] = {}
+    fields: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    if not any(states[r.rank] for r in ranks):
+        return {}, {}  # an optimizer without state (SGD without momentum)
+    for r in ranks:
+        state = states[r.rank]
+        held = {key.rpartition("/")[0] for key in state}
+        missing = [name for name in r.params if name not in held]
+        if missing:
+            raise ValueError(f"rank {r.rank}: no optimizer state for {len(missing)} trained parameter(s), e.g. "
+                             f"{missing[:3]}; the whole state needs every parameter's")
+        for key, value in state.items():
+            name, _, field_name = key.rpartition("/")
+            if value.dim() == 0:
+                seen = scalars.setdefault(field_name, (float(value), key))
+                if float(value) != seen[0]:
+                    raise ValueError(f"optimizer state: {key} is {float(value)}, {seen[1]} {seen[0]}; a whole state "
+                                     f"keeps one {field_name!r} for every parameter")
+            else:
+                fields.setdefault(field_name, {}).setdefault(r.rank, {})[name] = value
+    params = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = {}
+    for field_name, by_rank in fields.items():
+        parts = [RankState(r.rank, by_rank.get(r.rank, {}), r.shards) for r in ranks]
+        for name, value in placed_tensors(model_dir, cfg, parts, model).items():
+            if name in params:  # not the buffers it keeps as read
+                tensors[f"{name}/{field_name}"] = value.float().contiguous()
+    return tensors, {k: v for k, (v, _) in scalars.items()}
+
+
+def write_whole(directory: str | Path, meta: OptimizerMeta, tensors: dict[str, torch.Tensor]) -> None:
+    """Writes a whole state (``whole_state``'s tensors; ``meta`` in ``FORMAT_WHOLE`` with its
+    scalars) under ``directory`` (an existing checkpoint directory; its ``optimizer`` folder must
+    not exist: nothing is overwritten)."""
+    if not meta.whole or meta.scalars is None:
+        raise ValueError(f"optimizer state: a whole state's meta has format {FORMAT_WHOLE} and its scalars, got "
+                         f"format {meta.format}, scalars {meta.scalars}")
+    (Path(directory) / SUBDIR).mkdir()
+    save_file(tensors, str(Path(directory) / SUBDIR / WHOLE), metadata={"layout": meta.layout})
+    _write_meta(directory, meta)
+
+
+def load_whole_state(optimizer: torch.optim.Optimizer, model: nn.Module, directory: str | Path, rank: int,
+                     shards: dict[str, ShardSpec], family: ModelFamily, cfg: MoEConfig) -> None:
+    """Puts this rank's part of the whole state under ``directory`` into ``optimizer`` (built over
+    ``model``'s trained parameters, before any step), whatever layout saved it; shards: the rank's
+    MoE blocks' module names -> their ``ShardSpec``. ValueError naming the rank and the tensor
+    for a state that does not fit: a trained parameter it has no moments of, a tensor of no
+    parameter, a shape apart from the parameter's part."""
+    from moeshard.training.rank_parts import RankParts
+
+    path = Path(directory) / SUBDIR / WHOLE
+    where = f"rank {rank}: optimizer state {path}"
+    meta = read_meta(directory)
+    if meta is None or not meta.whole or meta.scalars is None or not path.is_file():
+        raise ValueError(f"{where} is missing, or its meta.json is not a whole state's")
+    saved = load_file(str(path))
+    by_field: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in saved.items():
+        name, _, field_name = key.rpartition("/")
+        by_field.setdefault(field_name, {})[name] = value
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    names = {id(p): name for name, p in params.items()}
+    parts = {field_name: RankParts(family, cfg, whole) for field_name, whole in by_field.items()}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, p in enumerate(q for group in optimizer.param_groups for q in group["params"]):
+        name = names[id(p)]
+        held: dict[str, torch.Tensor] = {k: torch.tensor(v) for k, v in meta.scalars.items()}
+        for field_name, rank_parts in parts.items():
+            try:
+                part = rank_parts.of(name, shards)
+            except KeyError:
+                raise ValueError(f"{where}: no {field_name!r} for the trained parameter {name!r}") from None
+            except (IndexError, RuntimeError, ValueError) as exc:  # a block's tensors of other shapes
+                raise ValueError(f"{where}: {name}/{field_name}: this rank's part cannot be cut from the saved "
+                                 f"tensors ({exc}; saved for another model?)") from None
+            if tuple(part.shape) != tuple(p.shape):
+                raise ValueError(f"{where}: {name}/{field_name} is {list(part.shape)} of this rank, the parameter "
+                                 f"{list(p.shape)} (saved for another model?)")
+            held[field_name] = part.clone()
+        if held:
+            state[index] = held  # load_state_dict puts each on its parameter's device and dtype
     current = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
