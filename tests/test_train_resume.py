@@ -51,6 +51,19 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
+def _fresh_third_step(tmp_path: Path, layout: list[str]) -> dict[str, torch.Tensor]:
+    """The model of one step of a fresh AdamW, at the whole rate, from the two-step model in
+    ``tmp_path / "two"`` (its files without the optimizer state)."""
+    fresh = tmp_path / "fresh-start"
+    fresh.mkdir()
+    for path in (tmp_path / "two").iterdir():
+        if path.is_file():
+            (fresh / path.name).write_bytes(path.read_bytes())
+    _train(str(fresh), 1, layout, tmp_path / "fresh", tmp_path / "fresh.json", "--lr-schedule", "constant",
+           "--warmup-steps", "0")
+    return _weights(tmp_path / "fresh")
+
+
 # EP2 spawns two ranks four times (about 15 s on two cores): make test-slow.
 @pytest.mark.parametrize("layout", [pytest.param([], id="dp1-tp1-noep"),
                                     pytest.param(["--dp", "2", "--ep"], id="dp2-tp1-ep", marks=pytest.mark.slow)])
@@ -77,14 +90,7 @@ def test_two_steps_and_a_resumed_one_are_three_steps(model_dir, tmp_path, layout
 
     # Without the moments (a fresh AdamW from the same two-step model, at the same whole rate) the
     # third step differs.
-    fresh = tmp_path / "fresh-start"
-    fresh.mkdir()
-    for path in (tmp_path / "two").iterdir():
-        if path.is_file():
-            (fresh / path.name).write_bytes(path.read_bytes())
-    _train(str(fresh), 1, layout, tmp_path / "fresh", tmp_path / "fresh.json", "--lr-schedule", "constant",
-           "--warmup-steps", "0")
-    other = _weights(tmp_path / "fresh")
+    other = _fresh_third_step(tmp_path, layout)
     assert not all(torch.equal(want[k], other[k]) for k in want)
 
 
@@ -128,14 +134,8 @@ def test_a_whole_state_goes_on_under_another_layout(model_dir, tmp_path, saved, 
     _train(model_dir, 3, saved, tmp_path / "three", tmp_path / "three.json")
     _train(model_dir, 2, saved, tmp_path / "two", tmp_path / "two.json")
     _train(str(tmp_path / "two"), 1, resumed, tmp_path / "resumed", tmp_path / "resumed.json", "--resume")
-    fresh = tmp_path / "fresh-start"
-    fresh.mkdir()
-    for path in (tmp_path / "two").iterdir():
-        if path.is_file():
-            (fresh / path.name).write_bytes(path.read_bytes())
-    _train(str(fresh), 1, resumed, tmp_path / "fresh", tmp_path / "fresh.json", "--lr-schedule", "constant",
-           "--warmup-steps", "0")
-    want, got, other = (_weights(tmp_path / d) for d in ("three", "resumed", "fresh"))
+    other = _fresh_third_step(tmp_path, resumed)
+    want, got = _weights(tmp_path / "three"), _weights(tmp_path / "resumed")
     off = max(float((want[k] - got[k]).abs().max()) for k in want)
     fresh_off = max(float((want[k] - other[k]).abs().max()) for k in want)
     assert off <= 1e-5 and fresh_off > 1000 * max(off, 1e-7), (off, fresh_off)
