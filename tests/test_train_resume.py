@@ -127,14 +127,14 @@ def test_resume_refuses_no_state_compare_another_optimizer_and_a_per_rank_state_
 def test_a_whole_state_goes_on_under_another_layout(model_dir, tmp_path, saved, resumed):
     """Two steps saved by one layout and a third resumed by another give the saving layout's
     three-step model, up to the third step's float32 sums in another order (the experts' moments
-    cut by another rule: TP2's halves of I, EP2's experts); a fresh AdamW's third step lands a
-    thousand times further off. (Against another layout's three steps the first two differ too,
+    cut by another rule: TP2's halves of I, EP2's experts); a fresh AdamW's third step (on the
+    saving layout) lands a thousand times further off. (Against another layout's three steps the first two differ too,
     and AdamW's first steps magnify rounding: an element whose gradient is nearly zero moves by
     nearly the whole rate.)"""
     _train(model_dir, 3, saved, tmp_path / "three", tmp_path / "three.json")
     _train(model_dir, 2, saved, tmp_path / "two", tmp_path / "two.json")
     _train(str(tmp_path / "two"), 1, resumed, tmp_path / "resumed", tmp_path / "resumed.json", "--resume")
-    other = _fresh_third_step(tmp_path, resumed)
+    other = _fresh_third_step(tmp_path, saved)  # the moments' weight, measured on the cheaper layout
     want, got = _weights(tmp_path / "three"), _weights(tmp_path / "resumed")
     off = max(float((want[k] - got[k]).abs().max()) for k in want)
     fresh_off = max(float((want[k] - other[k]).abs().max()) for k in want)
