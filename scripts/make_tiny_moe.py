@@ -321,12 +321,21 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
          router_aux_loss_coef: float | None = None) -> int:
     """Saves the model to ``directory``; returns its parameter count. router_aux_loss_coef: also
     turn transformers' load-balancing loss on (``output_router_logits``) with this coefficient,
-    for families whose config has one (what ``moeshard train`` then adds to the loss)."""
+    for families whose config has one (what ``moeshard train`` then adds to the loss). ValueError
+    where the installed transformers cannot build the family's config."""
     import torch
     import transformers as tf
 
+    try:
+        from huggingface_hub.errors import StrictDataclassError as ConfigError
+    except ImportError:  # a huggingface_hub before strict config classes
+        ConfigError = ValueError
+
     torch.manual_seed(seed)
-    cfg = build(family, hidden, moe_intermediate, experts, layers, vocab)
+    try:
+        cfg = build(family, hidden, moe_intermediate, experts, layers, vocab)
+    except ConfigError as exc:  # a config class's validation (not a ValueError): a field this transformers lacks
+        raise ValueError(f"transformers {tf.__version__} cannot build the tiny {family} config: {exc}") from exc
     if router_aux_loss_coef is not None:
         if not hasattr(cfg, "router_aux_loss_coef"):
             raise SystemExit(f"--router-aux-loss-coef: the {family} config has no router_aux_loss_coef (transformers "

@@ -56,8 +56,11 @@ class _Models(dict):
     def __missing__(self, family: str) -> str:
         if family not in tf.models.auto.configuration_auto.CONFIG_MAPPING:
             pytest.skip(f"transformers {tf.__version__} has no config class for model_type {family!r}")
-        make_tiny_moe.make(str(self.root / family), family, hidden=32, moe_intermediate=16, experts=4, layers=2,
-                           vocab=64, dtype="float32", seed=zlib.crc32(family.encode()) % 1000)
+        try:
+            make_tiny_moe.make(str(self.root / family), family, hidden=32, moe_intermediate=16, experts=4, layers=2,
+                               vocab=64, dtype="float32", seed=zlib.crc32(family.encode()) % 1000)
+        except ValueError as exc:  # transformers 5.17's Qwen4-Exp has no indexed attention layers
+            pytest.skip(f"transformers {tf.__version__} cannot build the tiny {family!r} model: {exc}")
         self[family] = str(self.root / family)
         return self[family]
 
