@@ -20,7 +20,10 @@ Steps, each with its own time limit (the whole gate fits one 10-minute device ca
    alone on the GPU doing the same within 1e-4 relative (the exit code judges it); the trained
    model saved (``--save``);
 7. ``moeshard generate --device cuda --compare`` of that saved model: moeshard and transformers
-   read it, the same ids.
+   read it, the same ids;
+8. two AdamW steps of the tiny model saved with their optimizer state, and a third resumed from
+   it (``--resume``), on the GPU: the whole state written and each moment cut out again on CUDA
+   (the exit codes judge them; the CPU tests prove the resumed model).
 
 It writes ``DIR/summary.json`` (machine, software, commit, date, each step's command, exit code,
 wall time and counts; ``passed`` is true only if every step passed) and one log per step, then
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=540.0, help="time limit of the whole gate (default 540 s)")
     p.add_argument("--skip", default="", help="comma list of steps to leave out "
                    "(gpu-tests, check, bench, bench-backward, generate, train; skipping train skips "
-                   "generate-trained)")
+                   "generate-trained, train-adamw and train-resume)")
     args = p.parse_args(argv)
 
     import torch
@@ -202,6 +205,16 @@ def main(argv: list[str] | None = None) -> int:
                                                            str(tiny / "trained"), "--input-ids", "3,17,42;5,6",
                                                            "--max-new-tokens", "4", "--device", "cuda", "--compare",
                                                            "--output", str(out / "generate-trained.json")],
+                                      out, budget.limit(60), env))
+            adamw = ["--input-ids", "3,17,42;5,6,7,8", "--lr", "0.01", "--optimizer", "adamw", "--device", "cuda",
+                     "--dtype", "float32"]
+            steps.append(run_step("train-adamw", [py, "-m", "moeshard", "train", "--model", str(tiny / "m"),
+                                                  "--steps", "2", *adamw, "--save", str(tiny / "adamw"),
+                                                  "--output", str(out / "train-adamw.json")], out, budget.limit(60), env))
+            if steps[-1]["passed"]:
+                steps.append(run_step("train-resume", [py, "-m", "moeshard", "train", "--model", str(tiny / "adamw"),
+                                                       "--steps", "1", *adamw, "--resume", "--save",
+                                                       str(tiny / "resumed"), "--output", str(out / "train-resume.json")],
                                       out, budget.limit(60), env))
 
     summary = {
