@@ -199,3 +199,29 @@ def test_the_library_refuses_what_it_cannot_write(models, tmp_path):
     with pytest.raises(ValueError, match=r"^rank 0: save_sharded_model directory '.*saved': exists"):
         save_sharded_model(load_sharded_model(model_dir, None, dtype="float32"), None, model_dir, tmp_path / "saved")
     assert not any((tmp_path / "saved").iterdir())
+
+
+def test_a_loop_of_ones_own_saves_its_optimizer_state_whole_for_any_layout(models, tmp_path):
+    """``save_sharded_model(..., optimizer=)`` in a 2-rank TP world (Qwen2-MoE: every expert cut in
+    halves of I) writes the AdamW state whole; each rank's ``load_sharded_optimizer`` gives back
+    its own moments and step bit for bit, and one process reading it at (1,1) and saving it again
+    writes the same tensors bit for bit."""
+    import save_ranks
+    from safetensors.torch import load_file
+
+    from moeshard.integrations.transformers import load_sharded_model, save_sharded_model
+    from moeshard.training.optimizer_state import load_sharded_optimizer
+
+    model_dir, saved = models["qwen2_moe"], tmp_path / "saved"
+    ranks = run_forked(2, save_ranks.step_and_save, (model_dir, str(saved), 1, 2, False))
+    assert [(r["same"], r["steps_done"], r["layout"]) for r in ranks] == [(True, 1, "dp1-tp2-noep")] * 2
+    assert ranks[0]["fields"] == ["exp_avg", "exp_avg_sq", "step"]
+    model = load_sharded_model(saved, None, dtype="float32")
+    model.requires_grad_(True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    assert load_sharded_optimizer(optimizer, model, saved).optimizer == "adamw"
+    save_sharded_model(model, None, saved, tmp_path / "again", optimizer=optimizer, steps_done=1)
+    want, got = (load_file(str(d / "optimizer" / "state.safetensors")) for d in (saved, tmp_path / "again"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    with pytest.raises(ValueError, match="load_sharded_optimizer: .* holds no whole optimizer state"):
+        load_sharded_optimizer(optimizer, model, model_dir)

@@ -259,15 +259,10 @@ def run(args: argparse.Namespace) -> int:
         ranks = [RankState(r.rank, r.params or {}, r.shards, r.buffers or {}) for r in results]
         p = plan.parallel
         states = {r.rank: r.optimizer_state or {} for r in results}
-
-        def write_state(tmp: str, model: torch.nn.Module) -> None:
-            tensors, scalars = optimizer_state.whole_state(plan.spec.model_dir, plan.cfg, model, ranks, states)
-            meta = OptimizerMeta(layout=p.name, world_size=p.world_size, backend=plan.backend,
-                                 optimizer=plan.spec.optimizer, steps_done=plan.steps_before + plan.spec.steps,
-                                 dtype=dtype_name(plan.dtype), format=optimizer_state.FORMAT_WHOLE, scalars=scalars)
-            optimizer_state.write_whole(tmp, meta, tensors)
-
-        saved = save_checkpoint(plan.spec.model_dir, plan.cfg, ranks, plan.spec.save_dir, also=write_state)
+        meta = OptimizerMeta(layout=p.name, world_size=p.world_size, backend=plan.backend, optimizer=plan.spec.optimizer,
+                             steps_done=plan.steps_before + plan.spec.steps, dtype=dtype_name(plan.dtype))
+        saved = save_checkpoint(plan.spec.model_dir, plan.cfg, ranks, plan.spec.save_dir,
+                                also=optimizer_state.whole_writer(plan.spec.model_dir, plan.cfg, ranks, states, meta))
     light = [replace(r, params=None, buffers=None, optimizer_state=None) for r in results]  # not reported
     data = report(plan, light, comparison, time.perf_counter() - start)
     written = with_nulls(data)  # a NaN figure: null, named under "nonfinite"

@@ -745,7 +745,8 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
 
 
 def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_dir: str | Path,
-                       directory: str | Path) -> int | None:
+                       directory: str | Path, optimizer: torch.optim.Optimizer | None = None,
+                       steps_done: int = 0) -> int | None:
     """Saves a model of ``load_sharded_model`` or ``shard_moe_blocks`` (trained or not) as a Hugging
     Face checkpoint in the new ``directory``, which transformers' ``from_pretrained`` and
     ``load_sharded_model`` read: every rank's shard of the experts put back where transformers
@@ -759,12 +760,20 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
     a model without moeshard blocks or with quantized experts, a ``directory`` that exists or lies
     inside ``model_dir``, a checkpoint transformers cannot load here. A failure to write on rank 0
     is raised on every rank. Rank 0 holds the whole model once in fp32 (the ranks' copies) and
-    once in the model's dtype (transformers' model it saves)."""
+    once in the model's dtype (transformers' model it saves).
+
+    optimizer: also save this optimizer's state (over ``model``'s parameters), whole, under
+    ``directory/optimizer/`` in the same write (``training.optimizer_state``: every moment put back
+    into its transformers parameter's tensor), with ``steps_done``, the steps it has taken; any
+    layout reads it back (``optimizer_state.load_sharded_optimizer``, ``moeshard train --resume``
+    for AdamW and SGD)."""
     import torch.distributed as dist
 
     from moeshard.checkpoint.hf_model import transformers_refusal
     from moeshard.checkpoint.writer import RankState, save_checkpoint
+    from moeshard.config import dtype_name
     from moeshard.outputs import check_output_dir
+    from moeshard.training import optimizer_state
 
     _, rank = _layout(groups)
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
@@ -777,6 +786,8 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
         if quantized:
             raise ValueError(f"save_sharded_model: the experts are quantized ({', '.join(quantized)}); only quant "
                              f"none is written (a checkpoint of the model dtype)")
+        if optimizer is not None and not (isinstance(steps_done, int) and steps_done >= 0):
+            raise ValueError(f"save_sharded_model: steps_done must be an integer >= 0, got {steps_done!r}")
         if rank == 0:
             check_output_dir(directory, "save_sharded_model directory", reads=[model_dir])
             unloadable = transformers_refusal(model_dir, "save_sharded_model")
@@ -788,14 +799,31 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
     state = RankState(rank, {n: p.detach().float().cpu() for n, p in model.named_parameters()},
                       {n: m.shard for n, m in blocks.items()},
                       {n: b.detach().float().cpu() for n, b in model.named_buffers() if b.is_floating_point()})
-    gathered: list[Any] = [state]
+    held: tuple[dict[str, torch.Tensor], set[str]] | None = None
+    if optimizer is not None:  # its state, and which parameters it steps
+        ids = {id(q) for group in optimizer.param_groups for q in group["params"]}
+        held = (optimizer_state.rank_state(optimizer, model), {n for n, q in model.named_parameters() if id(q) in ids})
+    mine = (state, held)
+    gathered: list[Any] = [mine]
     if groups is not None:
         gathered = [None] * groups.world_size
-        dist.gather_object(state, gathered if rank == 0 else None, dst=0)
+        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     written, error = None, None
     if rank == 0:
         try:
-            written = save_checkpoint(model_dir, next(iter(blocks.values())).cfg, gathered, directory)
+            layer = next(iter(blocks.values()))
+            ranks = [g[0] for g in gathered]
+            also = None
+            if optimizer is not None:
+                meta = optimizer_state.OptimizerMeta(
+                    layout=layer.parallel.name, world_size=layer.parallel.world_size, backend=layer.backend_name,
+                    optimizer=type(optimizer).__name__.lower(), steps_done=steps_done, dtype=dtype_name(layer.cfg.dtype),
+                    format=optimizer_state.FORMAT_WHOLE)
+                stepped = [RankState(r.rank, {n: t for n, t in r.params.items() if n in h[1]}, r.shards)
+                           for r, h in gathered]
+                also = optimizer_state.whole_writer(model_dir, layer.cfg, stepped, {r.rank: h[0] for r, h in gathered},
+                                                    meta)
+            written = save_checkpoint(model_dir, layer.cfg, ranks, directory, also=also)
         except Exception as exc:  # noqa: BLE001 - every rank learns of it (agree)
             error = exc
     agree(groups, error, "save_sharded_model")

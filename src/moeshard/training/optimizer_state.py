@@ -12,8 +12,11 @@ shard's, a replicated parameter's are the same on every rank that holds it. Two 
                                          steps done, and each per-parameter scalar (AdamW's step)
       DIR/optimizer/state.safetensors    "<transformers parameter name>/<state key>", fp32, whole
 
-- **Per rank** (a loop of one's own: ``save_rank_state`` on every rank; format 1), read back by the
-  same rank of the same layout (``load_rank_state``):
+  A loop of one's own writes it with ``save_sharded_model(..., optimizer=)`` and reads it with
+  ``load_sharded_optimizer``.
+
+- **Per rank** (``save_rank_state`` on every rank; format 1), read back by the same rank of the
+  same layout (``load_rank_state``):
 
       DIR/optimizer/meta.json            ``OptimizerMeta`` (format 1)
       DIR/optimizer/rank-00000.safetensors   rank 0's state: "<parameter name>/<state key>"
@@ -29,7 +32,8 @@ as they gave them to the run that saved.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -187,9 +191,10 @@ def load_rank_state(optimizer: torch.optim.Optimizer, model: nn.Module, director
 
 def whole_state(model_dir: str | Path, cfg: MoEConfig, model: nn.Module, ranks: list[RankState],
                 states: dict[int, dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Every rank's state (``states[rank]``, ``rank_state``'s form; ``ranks``: their tensors'
-    ``RankState``, for the shards) as whole tensors under transformers' parameter names
-    (``model``: transformers' model of ``model_dir``), and the 0-d entries.
+    """Every rank's state (``states[rank]``, ``rank_state``'s form; ``ranks``: each rank's
+    ``RankState``, whose params name the parameters the optimizer steps and whose shards place
+    them) as whole tensors under transformers' parameter names (``model``: transformers' model of
+    ``model_dir``), and the 0-d entries.
 
     Returns ("<transformers parameter>/<state key>" -> fp32 CPU tensor of that parameter's shape,
     {state key: its value}). ValueError, naming them, where a 0-d entry differs between
@@ -281,3 +286,41 @@ def load_whole_state(optimizer: torch.optim.Optimizer, model: nn.Module, directo
             state[index] = held  # load_state_dict puts each on its parameter's device and dtype
     current = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def whole_writer(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState],
+                 states: dict[int, dict[str, torch.Tensor]], meta: OptimizerMeta) -> Callable[[str, nn.Module], None]:
+    """What ``save_checkpoint(..., also=)`` calls to write the whole state beside the model:
+    ``whole_state`` of the ranks' ``states`` into transformers' ``model`` it was given, under
+    ``meta`` (its scalars filled in)."""
+
+    def write(directory: str, model: nn.Module) -> None:
+        tensors, scalars = whole_state(model_dir, cfg, model, ranks, states)
+        write_whole(directory, replace(meta, format=FORMAT_WHOLE, scalars=scalars), tensors)
+
+    return write
+
+
+def load_sharded_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, directory: str | Path) -> OptimizerMeta:
+    """For a training loop of one's own: puts this rank's part of the whole state that
+    ``save_sharded_model(..., optimizer=)`` (or ``moeshard train --save``) wrote under
+    ``directory`` into ``optimizer`` (built over ``model``'s trained parameters, before any step;
+    ``model``: a model of ``load_sharded_model(directory, groups)`` under any layout). Returns the
+    state's ``OptimizerMeta`` (``steps_done``: where to start the schedule). Rank-local, no
+    collective; ValueError naming the rank and the tensor for a state that does not fit."""
+    from moeshard.checkpoint.hf_config import read_hf_config
+    from moeshard.layer import MoELayer
+
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+    if not blocks:
+        raise ValueError(f"load_sharded_optimizer: {type(model).__name__} has no moeshard MoE block (load it with "
+                         f"load_sharded_model)")
+    layer = next(iter(blocks.values()))
+    meta = read_meta(directory)
+    if meta is None or not meta.whole:
+        raise ValueError(f"load_sharded_optimizer: {directory} holds no whole optimizer state ({SUBDIR}/{WHOLE} and "
+                         f"its meta.json, as save_sharded_model(..., optimizer=) writes)")
+    rank = layer.groups.rank if layer.groups is not None else 0
+    load_whole_state(optimizer, model, directory, rank, {n: m.shard for n, m in blocks.items()},
+                     read_hf_config(directory).family, layer.cfg)
+    return meta
