@@ -313,9 +313,8 @@ def plan_train(spec: TrainSpec) -> TrainPlan:
 
 def _resumed_steps(spec: TrainSpec, backend: str, dtype: torch.dtype) -> int:
     """The steps the optimizer state ``--resume`` goes on from has taken (0 without it), once the
-    state is checked to be this run's: saved by the same optimizer (a per-rank state, which a loop
-    of one's own writes, by the same layout, backend and dtype too; ``moeshard train --save``'s
-    whole state goes on under any layout)."""
+    state is checked to be this run's: saved by the same optimizer (a whole state goes on under any
+    layout; a per-rank one, ``save_rank_state``'s, only under the same layout, backend and dtype)."""
     from moeshard.training.optimizer_state import SUBDIR, read_meta
 
     if not spec.resume:
@@ -422,9 +421,7 @@ def train_rank(plan: TrainPlan, groups: ParallelGroups | None) -> TrainRankResul
     if spec.resume:
         meta = optimizer_state.read_meta(spec.model_dir)
         if meta is not None and meta.whole:  # whole tensors: this rank takes its part, whatever layout saved them
-            shards = {name: m.shard for name, m in model.named_modules() if isinstance(m, MoELayer)}
-            optimizer_state.load_whole_state(optimizer, model, spec.model_dir, rank, shards,
-                                             read_hf_config(spec.model_dir).family, plan.cfg)
+            optimizer_state.load_sharded_optimizer(optimizer, model, spec.model_dir)
         else:
             optimizer_state.load_rank_state(optimizer, model, spec.model_dir, rank)
     schedule = build_schedule(spec, optimizer, plan.steps_before)
