@@ -195,6 +195,14 @@ def test_the_library_refuses_what_it_cannot_write(models, tmp_path):
     plain = tf.AutoModelForCausalLM.from_pretrained(model_dir)
     with pytest.raises(ValueError, match=r"^rank 0: save_sharded_model: MixtralForCausalLM has no moeshard MoE block"):
         save_sharded_model(plain, None, model_dir, tmp_path / "saved")
+    model = load_sharded_model(model_dir, None, dtype="float32")
+    with pytest.raises(ValueError, match=r"^rank 0: save_sharded_model: the optimizer steps 1 tensor\(s\) that are no "
+                                         r"parameters of the model"):
+        save_sharded_model(model, None, model_dir, tmp_path / "saved",
+                           optimizer=torch.optim.AdamW([*model.parameters(), torch.nn.Parameter(torch.zeros(2))]))
+    with pytest.raises(ValueError, match=r"^rank 0: save_sharded_model: steps_done must be an integer >= 0, got -1"):
+        save_sharded_model(model, None, model_dir, tmp_path / "saved", optimizer=torch.optim.SGD(model.parameters()),
+                           steps_done=-1)
     (tmp_path / "saved").mkdir()
     with pytest.raises(ValueError, match=r"^rank 0: save_sharded_model directory '.*saved': exists"):
         save_sharded_model(load_sharded_model(model_dir, None, dtype="float32"), None, model_dir, tmp_path / "saved")

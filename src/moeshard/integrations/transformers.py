@@ -788,6 +788,12 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
                              f"none is written (a checkpoint of the model dtype)")
         if optimizer is not None and not (isinstance(steps_done, int) and steps_done >= 0):
             raise ValueError(f"save_sharded_model: steps_done must be an integer >= 0, got {steps_done!r}")
+        if optimizer is not None:
+            known = {id(q) for q in model.parameters()}
+            stray = sum(1 for group in optimizer.param_groups for q in group["params"] if id(q) not in known)
+            if stray:
+                raise ValueError(f"save_sharded_model: the optimizer steps {stray} tensor(s) that are no parameters of "
+                                 f"the model; its state is saved by the model's parameter names")
         if rank == 0:
             check_output_dir(directory, "save_sharded_model directory", reads=[model_dir])
             unloadable = transformers_refusal(model_dir, "save_sharded_model")
