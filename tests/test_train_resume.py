@@ -133,7 +133,9 @@ def test_a_whole_state_goes_on_under_another_layout(model_dir, tmp_path, saved, 
     nearly the whole rate.)"""
     _train(model_dir, 3, saved, tmp_path / "three", tmp_path / "three.json")
     _train(model_dir, 2, saved, tmp_path / "two", tmp_path / "two.json")
-    _train(str(tmp_path / "two"), 1, resumed, tmp_path / "resumed", tmp_path / "resumed.json", "--resume")
+    report = _train(str(tmp_path / "two"), 1, resumed, tmp_path / "resumed", tmp_path / "resumed.json", "--resume")
+    assert (report["resumed_after_step"], report["resumed_from_layout"]) == \
+        (2, "dp2-tp1-ep" if saved else "dp1-tp1-noep")
     other = _fresh_third_step(tmp_path, saved)  # the moments' weight, measured on the cheaper layout
     want, got = _weights(tmp_path / "three"), _weights(tmp_path / "resumed")
     off = max(float((want[k] - got[k]).abs().max()) for k in want)

@@ -168,7 +168,7 @@ def _schedule(data: dict) -> str:
         words.append(f"{data['warmup_steps']} warmup step(s)")
     words.append(f"clipped at {data['max_grad_norm']:g}" if data["max_grad_norm"] is not None else "no clipping")
     if data.get("resumed_after_step") is not None:
-        words.append(f"resumed after step {data['resumed_after_step']}")
+        words.append(f"resumed after step {data['resumed_after_step']} of a {data['resumed_from_layout']} run")
     return ", ".join(words)
 
 

@@ -183,7 +183,8 @@ class TrainPlan:
     """A checked, resolved run; every rank executes the same plan. dp_prompts[d]: indices of the
     prompts DP rank d trains on; tokens: N, the predicted tokens of the global batch; aux_coef:
     the load-balancing loss's coefficient, None where transformers' loss has none; steps_before:
-    the optimizer steps the resumed state has taken (0 without ``spec.resume``)."""
+    the optimizer steps the resumed state has taken (0 without ``spec.resume``); resumed_layout:
+    the layout that saved that state (None without ``spec.resume``)."""
 
     spec: TrainSpec
     model_type: str
@@ -195,6 +196,7 @@ class TrainPlan:
     tokens: int
     aux_coef: float | None
     steps_before: int = 0
+    resumed_layout: str | None = None
 
     def micro(self, dp_rank: int) -> tuple[tuple[int, ...], ...]:
         """The prompt indices of DP rank ``dp_rank``'s micro-batches, in order: its prompts split
@@ -305,20 +307,21 @@ def plan_train(spec: TrainSpec) -> TrainPlan:
                          f"which moeshard train computes over the global batch from moeshard's routers; model_type "
                          f"{info.model_type!r} routes with transformers' routers (moeshard runs only its experts), so "
                          f"train it with output_router_logits false")
-    steps_before = _resumed_steps(spec, backend, dtype)
+    steps_before, resumed_layout = _resumed(spec, backend, dtype)
     return TrainPlan(spec=spec, model_type=info.model_type, cfg=cfg, quant=quant, backend=backend, pad_token_id=pad,
                      dp_prompts=split_prompts(len(spec.prompts), p.dp), tokens=tokens,
-                     aux_coef=aux_coef, steps_before=steps_before)
+                     aux_coef=aux_coef, steps_before=steps_before, resumed_layout=resumed_layout)
 
 
-def _resumed_steps(spec: TrainSpec, backend: str, dtype: torch.dtype) -> int:
-    """The steps the optimizer state ``--resume`` goes on from has taken (0 without it), once the
-    state is checked to be this run's: saved by the same optimizer (a whole state goes on under any
-    layout; a per-rank one, ``save_rank_state``'s, only under the same layout, backend and dtype)."""
+def _resumed(spec: TrainSpec, backend: str, dtype: torch.dtype) -> tuple[int, str | None]:
+    """The steps the optimizer state ``--resume`` goes on from has taken and the layout that saved
+    it ((0, None) without it), once the state is checked to be this run's: saved by the same
+    optimizer (a whole state goes on under any layout; a per-rank one, ``save_rank_state``'s, only
+    under the same layout, backend and dtype)."""
     from moeshard.training.optimizer_state import SUBDIR, read_meta
 
     if not spec.resume:
-        return 0
+        return 0, None
     if spec.compare:
         raise ValueError("--resume with --compare: transformers alone would train from a fresh optimizer state, not "
                          "the saved one, so the two would not be the same training; compare without --resume")
@@ -335,7 +338,7 @@ def _resumed_steps(spec: TrainSpec, backend: str, dtype: torch.dtype) -> int:
     if spec.warmup_steps > total:
         raise ValueError(f"--warmup-steps: must be an integer in [0, {total}] (the {meta.steps_done} step(s) taken "
                          f"plus --steps={spec.steps}), got {spec.warmup_steps}")
-    return meta.steps_done
+    return meta.steps_done, meta.layout
 
 
 # -- the batch --------------------------------------------------------------------------------
@@ -708,6 +711,7 @@ def describe(plan: TrainPlan) -> dict:
             "lr_schedule": spec.schedule, "warmup_steps": spec.warmup_steps, "max_grad_norm": spec.max_grad_norm,
             "micro_batches": spec.micro_batches, "saved_to": spec.save_dir,
             "resumed_after_step": plan.steps_before if spec.resume else None,
+            "resumed_from_layout": plan.resumed_layout,
             "prompts_per_micro_batch": [[list(part) for part in plan.micro(d)] for d in range(plan.parallel.dp)],
             "tokens": plan.tokens, "aux_loss_coef": plan.aux_coef,
             "prompts_per_dp_rank": [list(d) for d in plan.dp_prompts]}
