@@ -74,9 +74,10 @@ def _index_probe(raw: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
 
 
 def _block_tensors(family: ModelFamily, cfg: MoEConfig, ranks: list[RankState], prefix: str,
-                   raw: dict[str, torch.Tensor], parameters: set[str]) -> dict[str, torch.Tensor]:
+                   raw: dict[str, torch.Tensor], parameters: set[str], absent_ok: bool = False) -> dict[str, torch.Tensor]:
     """transformers' block tensors (``raw``: name inside the block -> its tensor as loaded;
-    ``parameters``: which of them are parameters), each with the values the ranks hold of it."""
+    ``parameters``: which of them are parameters), each with the values the ranks hold of it;
+    absent_ok: a parameter no rank gives any element of is left out instead of refused."""
     from moeshard.training.reference import shard_of_grad
 
     probe, total = _index_probe(raw)
@@ -107,6 +108,8 @@ def _block_tensors(family: ModelFamily, cfg: MoEConfig, ranks: list[RankState], 
     for name, t in raw.items():
         part = slice(start, start + t.numel())
         start += t.numel()
+        if absent_ok and name in parameters and not bool(given[part].any()):
+            continue
         if name in parameters and not bool(given[part].all()):
             missing = int((~given[part]).sum())
             raise RuntimeError(f"{prefix}.{name}: {missing} of its {t.numel()} elements are held by no rank's "
@@ -116,9 +119,11 @@ def _block_tensors(family: ModelFamily, cfg: MoEConfig, ranks: list[RankState], 
 
 
 def placed_tensors(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState],
-                   model: torch.nn.Module) -> dict[str, torch.Tensor]:
+                   model: torch.nn.Module, absent_ok: bool = False) -> dict[str, torch.Tensor]:
     """transformers' tensor name -> its value (CPU fp32, whole) for every parameter and
-    floating-point buffer of ``model`` (transformers' model of ``model_dir``) that the ranks hold."""
+    floating-point buffer of ``model`` (transformers' model of ``model_dir``) that the ranks hold.
+    A block parameter the ranks give part of is refused (RuntimeError); one they give nothing of
+    too, unless ``absent_ok`` (an optimizer's state, which a parameter without gradients lacks)."""
     if not ranks:
         raise ValueError("placed_tensors: no rank's tensors given")
     first = min(ranks, key=lambda r: r.rank)
@@ -134,7 +139,8 @@ def placed_tensors(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState]
     for prefix in blocks:
         raw = {k[len(prefix) + 1:]: v for k, v in {**buffers, **params}.items() if k.startswith(prefix + ".")}
         inside = {k[len(prefix) + 1:] for k in params if k.startswith(prefix + ".")}
-        out.update({f"{prefix}.{k}": v for k, v in _block_tensors(family, cfg, ranks, prefix, raw, inside).items()})
+        out.update({f"{prefix}.{k}": v
+                    for k, v in _block_tensors(family, cfg, ranks, prefix, raw, inside, absent_ok).items()})
     return out
 
 

@@ -805,11 +805,7 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
     state = RankState(rank, {n: p.detach().float().cpu() for n, p in model.named_parameters()},
                       {n: m.shard for n, m in blocks.items()},
                       {n: b.detach().float().cpu() for n, b in model.named_buffers() if b.is_floating_point()})
-    held: tuple[dict[str, torch.Tensor], set[str]] | None = None
-    if optimizer is not None:  # its state, and which parameters it steps
-        ids = {id(q) for group in optimizer.param_groups for q in group["params"]}
-        held = (optimizer_state.rank_state(optimizer, model), {n for n, q in model.named_parameters() if id(q) in ids})
-    mine = (state, held)
+    mine = (state, None if optimizer is None else optimizer_state.rank_state(optimizer, model))
     gathered: list[Any] = [mine]
     if groups is not None:
         gathered = [None] * groups.world_size
@@ -825,10 +821,7 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
                     layout=layer.parallel.name, world_size=layer.parallel.world_size, backend=layer.backend_name,
                     optimizer=type(optimizer).__name__.lower(), steps_done=steps_done, dtype=dtype_name(layer.cfg.dtype),
                     format=optimizer_state.FORMAT_WHOLE)
-                stepped = [RankState(r.rank, {n: t for n, t in r.params.items() if n in h[1]}, r.shards)
-                           for r, h in gathered]
-                also = optimizer_state.whole_writer(model_dir, layer.cfg, stepped, {r.rank: h[0] for r, h in gathered},
-                                                    meta)
+                also = optimizer_state.whole_writer(model_dir, layer.cfg, ranks, {r.rank: h for r, h in gathered}, meta)
             written = save_checkpoint(model_dir, layer.cfg, ranks, directory, also=also)
         except Exception as exc:  # noqa: BLE001 - every rank learns of it (agree)
             error = exc

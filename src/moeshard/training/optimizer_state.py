@@ -9,7 +9,8 @@ shard's, a replicated parameter's are the same on every rank that holds it. Two 
   back by any layout (``load_whole_state``: ``training.rank_parts``):
 
       DIR/optimizer/meta.json            ``OptimizerMeta`` (format 2): the saving layout, optimizer,
-                                         steps done, and each per-parameter scalar (AdamW's step)
+                                         steps done, the 0-d entries (AdamW's step) by parameter
+                                         or block, the parameters without state
       DIR/optimizer/state.safetensors    "<transformers parameter name>/<state key>", fp32, whole
 
   A loop of one's own writes it with ``save_sharded_model(..., optimizer=)`` and reads it with
@@ -63,8 +64,10 @@ class OptimizerMeta:
     run that saved it; world_size: its ranks; backend: the dispatch backend; optimizer:
     ``moeshard train``'s name (adamw, sgd); steps_done: optimizer steps taken since the model was
     first trained from a checkpoint without state (a resumed run adds its own); dtype: the model
-    dtype's name; scalars: (whole form) each 0-d state entry, the same for every parameter
-    (AdamW's ``step``); format: ``FORMAT`` (per rank) or ``FORMAT_WHOLE``."""
+    dtype's name; scalars: (whole form) each 0-d state entry (AdamW's ``step``) by where it holds:
+    a transformers parameter outside the MoE blocks, or a block's module name (one value for all
+    its parameters, on every rank); stateless: (whole form) transformers' parameters without state, which no
+    step gave a gradient; format: ``FORMAT`` (per rank) or ``FORMAT_WHOLE``."""
 
     layout: str
     world_size: int
@@ -73,7 +76,8 @@ class OptimizerMeta:
     steps_done: int
     dtype: str
     format: int = FORMAT
-    scalars: dict[str, float] | None = None
+    scalars: dict[str, dict[str, float]] | None = None
+    stateless: list[str] | None = None
 
     @property
     def whole(self) -> bool:
@@ -190,46 +194,45 @@ def load_rank_state(optimizer: torch.optim.Optimizer, model: nn.Module, director
 
 
 def whole_state(model_dir: str | Path, cfg: MoEConfig, model: nn.Module, ranks: list[RankState],
-                states: dict[int, dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                states: dict[int, dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor],
+                                                                     dict[str, dict[str, float]], list[str]]:
     """Every rank's state (``states[rank]``, ``rank_state``'s form; ``ranks``: each rank's
-    ``RankState``, whose params name the parameters the optimizer steps and whose shards place
-    them) as whole tensors under transformers' parameter names (``model``: transformers' model of
-    ``model_dir``), and the 0-d entries.
+    ``RankState``, whose shards place the moments) as whole tensors under transformers' parameter
+    names (``model``: transformers' model of ``model_dir``), and the 0-d entries.
 
     Returns ("<transformers parameter>/<state key>" -> fp32 CPU tensor of that parameter's shape,
-    {state key: its value}). ValueError, naming them, where a 0-d entry differs between
-    parameters (it is saved once) or a trained parameter has no state (every rank's parameters
-    take a step each step, so each holds state after the first)."""
+    {state key: {a parameter outside the blocks, or a block's module name: its value}}, the
+    transformers parameters without state: those no step gave a gradient, which an optimizer such
+    as AdamW leaves without state until one does). A parameter that had gradients at fewer steps
+    keeps its own count. ValueError, naming them, where a 0-d entry differs between the
+    parameters of one block or the copies of one parameter (it is saved once for them);
+    RuntimeError where the ranks hold state for part of a block parameter only."""
     from moeshard.checkpoint.writer import placed_tensors
 
-    scalars: dict[str, tuple[float, str]] = {}
+    scalars: dict[str, dict[str, tuple[float, str]]] = {}
     fields: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     if not any(states[r.rank] for r in ranks):
-        return {}, {}  # an optimizer without state (SGD without momentum)
+        return {}, {}, []  # an optimizer without state (SGD without momentum)
     for r in ranks:
-        state = states[r.rank]
-        held = {key.rpartition("/")[0] for key in state}
-        missing = [name for name in r.params if name not in held]
-        if missing:
-            raise ValueError(f"rank {r.rank}: no optimizer state for {len(missing)} trained parameter(s), e.g. "
-                             f"{missing[:3]}; the whole state needs every parameter's")
-        for key, value in state.items():
+        for key, value in states[r.rank].items():
             name, _, field_name = key.rpartition("/")
             if value.dim() == 0:
-                seen = scalars.setdefault(field_name, (float(value), key))
+                where = next((b for b in r.shards if name.startswith(b + ".")), name)
+                seen = scalars.setdefault(field_name, {}).setdefault(where, (float(value), f"rank {r.rank}'s {key}"))
                 if float(value) != seen[0]:
-                    raise ValueError(f"optimizer state: {key} is {float(value)}, {seen[1]} {seen[0]}; a whole state "
-                                     f"keeps one {field_name!r} for every parameter")
+                    raise ValueError(f"optimizer state: rank {r.rank}'s {key} is {float(value)}, {seen[1]} {seen[0]}; "
+                                     f"a whole state keeps one {field_name!r} for {where}")
             else:
                 fields.setdefault(field_name, {}).setdefault(r.rank, {})[name] = value
     params = dict(model.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
     for field_name, by_rank in fields.items():
         parts = [RankState(r.rank, by_rank.get(r.rank, {}), r.shards) for r in ranks]
-        for name, value in placed_tensors(model_dir, cfg, parts, model).items():
+        for name, value in placed_tensors(model_dir, cfg, parts, model, absent_ok=True).items():
             if name in params:  # not the buffers it keeps as read
                 tensors[f"{name}/{field_name}"] = value.float().contiguous()
-    return tensors, {k: v for k, (v, _) in scalars.items()}
+    stateless = sorted(name for name in params if not any(f"{name}/{f}" in tensors for f in fields))
+    return tensors, {f: {w: v for w, (v, _) in by.items()} for f, by in scalars.items()}, stateless
 
 
 def write_whole(directory: str | Path, meta: OptimizerMeta, tensors: dict[str, torch.Tensor]) -> None:
@@ -266,14 +269,17 @@ def load_whole_state(optimizer: torch.optim.Optimizer, model: nn.Module, directo
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     names = {id(p): name for name, p in params.items()}
     parts = {field_name: RankParts(family, cfg, whole) for field_name, whole in by_field.items()}
+    stateless = set(meta.stateless or ())
     state: dict[int, dict[str, torch.Tensor]] = {}
     for index, p in enumerate(q for group in optimizer.param_groups for q in group["params"]):
         name = names[id(p)]
-        held: dict[str, torch.Tensor] = {k: torch.tensor(v) for k, v in meta.scalars.items()}
+        held: dict[str, torch.Tensor] = {}
         for field_name, rank_parts in parts.items():
             try:
                 part = rank_parts.of(name, shards)
             except KeyError:
+                if name in stateless:
+                    continue  # the saving run never stepped it: no state, as then
                 raise ValueError(f"{where}: no {field_name!r} for the trained parameter {name!r}") from None
             except (IndexError, RuntimeError, ValueError) as exc:  # a block's tensors of other shapes
                 raise ValueError(f"{where}: {name}/{field_name}: this rank's part cannot be cut from the saved "
@@ -282,8 +288,12 @@ def load_whole_state(optimizer: torch.optim.Optimizer, model: nn.Module, directo
                 raise ValueError(f"{where}: {name}/{field_name} is {list(part.shape)} of this rank, the parameter "
                                  f"{list(p.shape)} (saved for another model?)")
             held[field_name] = part.clone()
-        if held:
-            state[index] = held  # load_state_dict puts each on its parameter's device and dtype
+        if held:  # load_state_dict puts each on its parameter's device and dtype
+            holder = next((b for b in shards if name.startswith(b + ".")), name)
+            lacking = [f for f, by in meta.scalars.items() if holder not in by]
+            if lacking:
+                raise ValueError(f"{where}: no {lacking} for the trained parameter {name!r} (kept for {holder!r})")
+            state[index] = {**{f: torch.tensor(by[holder]) for f, by in meta.scalars.items()}, **held}
     current = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
@@ -295,8 +305,8 @@ def whole_writer(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState],
     ``meta`` (its scalars filled in)."""
 
     def write(directory: str, model: nn.Module) -> None:
-        tensors, scalars = whole_state(model_dir, cfg, model, ranks, states)
-        write_whole(directory, replace(meta, format=FORMAT_WHOLE, scalars=scalars), tensors)
+        tensors, scalars, stateless = whole_state(model_dir, cfg, model, ranks, states)
+        write_whole(directory, replace(meta, format=FORMAT_WHOLE, scalars=scalars, stateless=stateless), tensors)
 
     return write
 
