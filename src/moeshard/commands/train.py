@@ -15,9 +15,9 @@ learning-rate schedule on every rank. ``--compare`` also trains the same model w
 alone on one device (fp32, the same micro-batches, optimizer, schedule, clipping and steps) and
 reports the losses' relative differences, the gradient norm's, and the largest parameter
 difference after the last step. ``--save`` writes the trained model as a Hugging Face checkpoint
-(``checkpoint.writer``) with every rank's optimizer state beside it (``DIR/optimizer/``,
-``training.optimizer_state``); ``--resume`` trains such a directory on from that state (the same
-layout, backend, optimizer and dtype), its learning-rate schedule from the step it reached.
+(``checkpoint.writer``) with the optimizer state beside it, whole (``DIR/optimizer/``,
+``training.optimizer_state``); ``--resume`` trains such a directory on from that state under any
+layout (the same optimizer), its learning-rate schedule from the step it reached.
 Ranks: ``dp * tp`` local processes (gloo on cpu, NCCL on cuda, one GPU each), or, under
 torchrun, this process is one rank of torchrun's world.
 """
@@ -97,10 +97,10 @@ def add_parser(subparsers) -> None:
     src.add_argument("--save", metavar="DIR",
                      help="save the trained model to DIR (created; never an existing path) as a Hugging Face "
                           "checkpoint, by transformers' save_pretrained, with the checkpoint's tokenizer files and "
-                          "every rank's optimizer state (DIR/optimizer/)")
+                          "the optimizer state, whole (DIR/optimizer/)")
     src.add_argument("--resume", action="store_true",
-                     help="go on from the optimizer state saved in --model by a --save of the same layout, backend, "
-                          "optimizer and dtype (the schedule from the step it reached)")
+                     help="go on from the optimizer state a --save wrote with --model, under any layout, with the same "
+                          "optimizer (the schedule from the step it reached)")
     src.add_argument("--compare", action="store_true",
                      help="also train with transformers alone on one device (fp32) and report the differences")
     add_allow_nonfinite(src, "losses or a gradient norm holding NaN/Inf (in --output a NaN figure is null, named "

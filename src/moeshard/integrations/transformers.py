@@ -786,9 +786,9 @@ def save_sharded_model(model: nn.Module, groups: ParallelGroups | None, model_di
         if quantized:
             raise ValueError(f"save_sharded_model: the experts are quantized ({', '.join(quantized)}); only quant "
                              f"none is written (a checkpoint of the model dtype)")
-        if optimizer is not None and not (isinstance(steps_done, int) and steps_done >= 0):
-            raise ValueError(f"save_sharded_model: steps_done must be an integer >= 0, got {steps_done!r}")
         if optimizer is not None:
+            if not (isinstance(steps_done, int) and steps_done >= 0):
+                raise ValueError(f"save_sharded_model: steps_done must be an integer >= 0, got {steps_done!r}")
             known = {id(q) for q in model.parameters()}
             stray = sum(1 for group in optimizer.param_groups for q in group["params"] if id(q) not in known)
             if stray:

@@ -114,10 +114,10 @@ class TrainSpec:
     one forward and backward); quant/dtype/backend None: the checkpoint's quantization (refused
     unless none) and dtype, the layout's default backend; compare: send every rank's trained
     parameters back, to compare with transformers alone; save_dir: a new directory to save the
-    trained model to, as a Hugging Face checkpoint (``checkpoint.writer``), with every rank's
-    optimizer state beside it (``training.optimizer_state``); resume: go on from the optimizer
-    state saved with ``model_dir`` (by a run of the same layout, backend, optimizer and dtype),
-    its learning-rate schedule at the step it reached."""
+    trained model to, as a Hugging Face checkpoint (``checkpoint.writer``), with the optimizer
+    state beside it, whole (``training.optimizer_state``); resume: go on from the optimizer state
+    saved with ``model_dir`` (by a run of the same optimizer, under any layout), its
+    learning-rate schedule at the step it reached."""
 
     model_dir: str
     prompts: tuple[tuple[int, ...], ...]

@@ -45,6 +45,7 @@ from moeshard.checkpoint.families import ModelFamily
 from moeshard.checkpoint.writer import RankState
 from moeshard.config import MoEConfig
 from moeshard.sharding import ShardSpec
+from moeshard.training.rank_parts import RankParts, block_of
 
 SUBDIR = "optimizer"
 META = "meta.json"
@@ -217,7 +218,7 @@ def whole_state(model_dir: str | Path, cfg: MoEConfig, model: nn.Module, ranks: 
         for key, value in states[r.rank].items():
             name, _, field_name = key.rpartition("/")
             if value.dim() == 0:
-                where = next((b for b in r.shards if name.startswith(b + ".")), name)
+                where = block_of(name, r.shards) or name
                 seen = scalars.setdefault(field_name, {}).setdefault(where, (float(value), f"rank {r.rank}'s {key}"))
                 if float(value) != seen[0]:
                     raise ValueError(f"optimizer state: rank {r.rank}'s {key} is {float(value)}, {seen[1]} {seen[0]}; "
@@ -254,8 +255,6 @@ def load_whole_state(optimizer: torch.optim.Optimizer, model: nn.Module, directo
     MoE blocks' module names -> their ``ShardSpec``. ValueError naming the rank and the tensor
     for a state that does not fit: a trained parameter it has no moments of, a tensor of no
     parameter, a shape apart from the parameter's part."""
-    from moeshard.training.rank_parts import RankParts
-
     path = Path(directory) / SUBDIR / WHOLE
     where = f"rank {rank}: optimizer state {path}"
     meta = read_meta(directory)
@@ -289,7 +288,7 @@ def load_whole_state(optimizer: torch.optim.Optimizer, model: nn.Module, directo
                                  f"{list(p.shape)} (saved for another model?)")
             held[field_name] = part.clone()
         if held:  # load_state_dict puts each on its parameter's device and dtype
-            holder = next((b for b in shards if name.startswith(b + ".")), name)
+            holder = block_of(name, shards) or name
             lacking = [f for f, by in meta.scalars.items() if holder not in by]
             if lacking:
                 raise ValueError(f"{where}: no {lacking} for the trained parameter {name!r} (kept for {holder!r})")

@@ -11,11 +11,19 @@ into whole tensors.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from moeshard.checkpoint.families import ModelFamily
 from moeshard.config import MoEConfig
 from moeshard.sharding import ShardSpec
+
+
+def block_of(name: str, blocks: Iterable[str]) -> str | None:
+    """The MoE block (its module name, one of ``blocks``) that holds the rank's parameter ``name``,
+    None for a parameter outside every block."""
+    return next((b for b in blocks if name.startswith(b + ".")), None)
 
 
 class RankParts:
@@ -41,7 +49,7 @@ class RankParts:
         the whole tensors do not give."""
         from moeshard.training.reference import shard_of_grad
 
-        prefix = next((b for b in shards if name.startswith(b + ".")), None)
+        prefix = block_of(name, shards)
         if prefix is None:
             return self.whole[name]
         local = name[len(prefix) + 1:]
