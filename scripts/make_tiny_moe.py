@@ -18,7 +18,8 @@ expert, MoE on every second layer), lfm2_moe (short-convolution and attention la
 first layer dense, its router and expert bias drawn at random as the sigmoid families' are),
 dbrx (its experts as three stacked tensors), kimi_linear and bailing_hybrid (Kimi delta attention
 and MLA layers in turn, their routers drawn at random too), deepseek_v4 (its first layer routed
-by token id; its routers, token table and selection biases drawn at random).
+by token id; its routers, token table and selection biases drawn at random), zaya (its MLP
+router drawn so that some tokens pick the skip class).
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -309,9 +310,40 @@ def _randomize_deepseek_v4(model, generator) -> None:
                 gate.e_score_correction_bias.copy_(torch.rand(gate.num_experts, generator=generator) * 0.3)
 
 
+def _zaya(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # top-1: the only choice ZAYA's config takes (each token one expert, or the skip class).
+    return tf.AutoConfig.for_model("zaya", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                                   moe_intermediate_size=moe_intermediate, num_experts=experts, num_experts_per_tok=1,
+                                   router_hidden_size=hidden // 2, initializer_range=0.2, max_position_embeddings=512,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _randomize_zaya(model, generator) -> None:
+    """ZAYA's router: its output projection at std 10 / sqrt(fan-in), so that its probabilities vary
+    by token (init leaves them about uniform); the experts' balancing biases in [-1.01, -0.99), as
+    the skip class's -1 (transformers starts the experts' at zero, so that no token of a random
+    router would skip; its loading sets the skip class's to -1 whatever the checkpoint holds);
+    the router state's scales in [0.5, 1.5) (ones)."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            out = gate.router_mlp.out_proj.weight
+            out.copy_(torch.randn(out.shape, generator=generator) * 10 / out.shape[1] ** 0.5)
+            experts = gate.balancing_biases.shape[0] - 1
+            gate.balancing_biases[:experts] = torch.rand(experts, generator=generator) * 0.02 - 1.01
+            if hasattr(gate, "router_states_scale"):
+                gate.router_states_scale.copy_(torch.rand(gate.router_states_scale.shape, generator=generator) + 0.5)
+
+
 # Families built from transformers' config class by model type (AutoConfig.for_model).
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
-         "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4}
+         "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4,
+         "zaya": _zaya}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid")
 
@@ -361,6 +393,8 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
                     layer.mlp.post_mlp_layernorm.weight.uniform_(0.5, 1.5)
         if family == "deepseek_v4":  # and DeepSeek-V4's token tables and selection biases (zeros)
             _randomize_deepseek_v4(model, torch.Generator().manual_seed(seed + 1))
+        if family == "zaya":  # and ZAYA's balancing biases and router state scales
+            _randomize_zaya(model, torch.Generator().manual_seed(seed + 1))
         if family == "gemma4_text":  # and Gemma 4's router scales (ones)
             for layer in model.model.layers:
                 layer.router.scale.normal_(1.0, 0.3)

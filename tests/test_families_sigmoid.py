@@ -727,6 +727,8 @@ def test_family_descriptor_refuses_bad_router_names():
         replace(FAMILIES["deepseek_v4"], output_norm="post_mlp_layernorm")
     with pytest.raises(ValueError, match=r"experts_only needs an experts module name"):
         replace(FAMILIES["deepseek_v4"], experts="")
+    with pytest.raises(ValueError, match=r"ModelFamily\('afmoe'\): linear_router=False needs experts_only=True"):
+        replace(base, linear_router=False)
 
 
 def test_block_refuses_an_output_part_without_its_module_or_under_a_taken_name():

@@ -112,6 +112,9 @@ CONFIGS = {
                            layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2,
                            indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4,
                            **{k: v for k, v in LINEAR_ATTENTION.items() if k != "layer_types"}),
+    # ZAYA: the block routes itself with an MLP router that carries state from layer to layer and
+    # has a skip class; top-1, the only choice its config takes.
+    "zaya": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1, head_dim=8, router_hidden_size=16),
 }
 # SMALL's fields a config class takes under names of its own (in CONFIGS).
 OWN_NAMES = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
@@ -190,8 +193,25 @@ def _random_router_scales(model) -> None:
             layer.router.per_expert_scale.copy_(0.5 + torch.rand(layer.router.per_expert_scale.shape, generator=g))
 
 
+def _skipping_router(model) -> None:
+    """ZAYA: the router's output projection at std 10 / sqrt(fan-in), so that its probabilities vary
+    by token (init leaves them about uniform), the experts' balancing biases in [-1.01, -0.99),
+    as the skip class's fixed -1 (init gives zeros, so that no token would skip), and the router
+    state's scale away from ones."""
+    g = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
+        out = gate.router_mlp.out_proj.weight
+        with torch.no_grad():
+            out.copy_(torch.randn(out.shape, generator=g) * 10 / out.shape[1] ** 0.5)
+            experts = gate.balancing_biases.shape[0] - 1
+            gate.balancing_biases[:experts] = torch.rand(experts, generator=g) * 0.02 - 1.01
+            if hasattr(gate, "router_states_scale"):
+                gate.router_states_scale.copy_(0.5 + torch.rand(gate.router_states_scale.shape, generator=g))
+
+
 PREPARE = {"ernie4_5_moe": _random_selection_bias, "phimoe": _close_router_rows, "jetmoe": _random_output_bias,
-           "gemma4_text": _random_router_scales}
+           "gemma4_text": _random_router_scales, "zaya": _skipping_router}
 
 
 @pytest.fixture(scope="module")
@@ -345,25 +365,40 @@ def test_bf16_router_is_transformers_router(models, family):
     assert (parity.fp32_logits_differ > 0) == (DESCRIPTORS[family].router_dtype == "model"), parity
 
 
-def test_given_routing_reaches_the_experts(models):
-    """Gemma 4 in bfloat16: its decoder layers keep transformers' router, and moeshard's experts
-    get exactly the ids and weights it returned, for every row, in every MoE layer; the layer's
-    output is the weighted sum of those experts (transformers' own experts on the same routing,
-    within bf16's tolerance of one rounding)."""
+# family -> (the module that holds the router and the experts, relative to the decoder layer; the
+# router's class): the families whose transformers router routes (``experts_only``).
+GIVEN_ROUTING = {"gemma4_text": ("", "Gemma4TextRouter"), "zaya": ("mlp", "ZayaRouter")}
+
+
+@pytest.mark.parametrize("family", GIVEN_ROUTING)
+def test_given_routing_reaches_the_experts(models, family):
+    """In bfloat16 the decoder layers (Gemma 4) or blocks (ZAYA) keep transformers' router, and
+    moeshard's experts get exactly the ids and weights it returned, for every row, in every MoE
+    layer; the layer's output is the weighted sum of those experts (transformers' own experts on
+    the same routing, within bf16's tolerance of one rounding). ZAYA's MLP router has no [E, H]
+    weight, so the layer holds no router of its own; some of its rows pick the skip class, which
+    reaches the experts as expert 0 with weight 0."""
     from moeshard.integrations.given_routing import MoEExperts
     from moeshard.integrations.transformers import load_sharded_model
 
-    model = load_sharded_model(_dir(models, "gemma4_text"), dtype="bfloat16")
-    plain = tf.AutoModelForCausalLM.from_pretrained(_dir(models, "gemma4_text"), dtype=torch.bfloat16).eval()
+    holder, router_class = GIVEN_ROUTING[family]
+    model = load_sharded_model(_dir(models, family), dtype="bfloat16")
+    plain = tf.AutoModelForCausalLM.from_pretrained(_dir(models, family), dtype=torch.bfloat16).eval()
+
+    def parts(layer):
+        block = layer.get_submodule(holder)
+        return (block.gate if family == "zaya" else block.router), block.experts
+
     routed, handed, theirs = {}, {}, {}
     hooks = []
     for index, layer in enumerate(model.model.layers):
-        assert isinstance(layer.experts, MoEExperts) and type(layer.router).__name__ == "Gemma4TextRouter"
-        hooks.append(layer.router.register_forward_hook(lambda _m, _a, out, i=index: routed.__setitem__(i, out)))
-        hooks.append(layer.experts.register_forward_hook(
-            lambda _m, args, out, i=index: handed.__setitem__(i, (args, out))))
+        router, experts = parts(layer)
+        assert isinstance(experts, MoEExperts) and type(router).__name__ == router_class
+        assert not hasattr(experts, "gate")  # the router is transformers'; the layer holds none
+        hooks.append(router.register_forward_hook(lambda _m, _a, out, i=index: routed.__setitem__(i, out)))
+        hooks.append(experts.register_forward_hook(lambda _m, args, out, i=index: handed.__setitem__(i, (args, out))))
     for index, layer in enumerate(plain.model.layers):
-        hooks.append(layer.experts.register_forward_hook(
+        hooks.append(parts(layer)[1].register_forward_hook(
             lambda m, args, out, i=index: theirs.__setitem__(i, (m, out))))
     ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
     with torch.no_grad():
@@ -378,6 +413,9 @@ def test_given_routing_reaches_the_experts(models):
         with torch.no_grad():  # transformers' experts on moeshard's inputs: the same sum, rounded per expert
             want = experts(rows, top_ids, weights)
         assert torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2), (out - want).abs().max()
+    if family == "zaya":
+        skipped = sum(int(((w == 0) & (i == 0)).sum()) for (_rows, i, w), _out in handed.values())
+        assert 0 < skipped < sum(i.numel() for (_rows, i, _w), _out in handed.values()), skipped
 
 
 def test_run_refuses_a_family_that_routes_in_its_decoder_layer(models, capsys):
@@ -531,6 +569,7 @@ def test_config_readers(models):
         "dbrx": ("softmax_model", True, 0, False, [], 4, 1),
         "lara_mini": ("softmax", True, 24, False, [], 4, 1),
         "aria_text": ("topk_softmax", False, 16, False, [], 4, 1),
+        "zaya": ("softmax", False, 0, False, [], 4, 1),
     }
     assert set(want) == set(FAMILIES)
     for family, (scoring, renorm, shared, gated, dense, experts, groups) in want.items():

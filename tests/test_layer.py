@@ -224,6 +224,33 @@ def test_bad_weights_are_refused():
         MoELayer.from_state_dict(sd, cfg)
 
 
+def test_a_layer_given_its_routing_needs_no_router_and_one_that_routes_refuses_to_go_without():
+    """``MoEExperts`` takes its ids and weights from transformers' router (ZAYA's is an MLP, with no
+    [E, H] weight), so its weights may hold no router, and it holds none itself; ``MoELayer``
+    routes, so weights without a router are refused by name, as is routing from them."""
+    from dataclasses import replace
+
+    from moeshard.integrations.given_routing import MoEExperts
+
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    full = MoEWeights.random(cfg, generator=torch.Generator().manual_seed(0))
+    bare = replace(full, gate=None)
+    bare.validate(cfg, router=False)
+    with pytest.raises(ValueError, match=r"MoEWeights.gate: missing; expected shape \(8, 128\)"):
+        MoELayer(cfg, weights=bare)
+    with pytest.raises(ValueError, match=r"MoEWeights.gate: missing; these weights take their routing as given"):
+        bare.router_weight  # noqa: B018 - the property raises
+    with pytest.raises(ValueError, match=r"MoEWeights.gate: expected shape \(8, 128\), got \(9, 128\)"):
+        MoEExperts(cfg, weights=replace(full, gate=torch.zeros(9, cfg.hidden_size)))
+    experts, routed = MoEExperts(cfg, weights=bare), MoEExperts(cfg, weights=full)
+    assert not hasattr(experts, "gate") and not hasattr(routed, "gate")
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[0, 3], [1, 2], [7, 0], [4, 5], [0, 0]])
+    weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(experts(x, ids, weights), routed(x, ids, weights))
+
+
 def test_unsupported_backend_is_refused_with_reason():
     cfg = PRESETS["mixtral-8x7b"].config("small")
     with pytest.raises(ValueError, match="all2all needs expert parallelism"):

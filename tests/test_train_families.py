@@ -241,12 +241,15 @@ OUTSIDE_THE_LAYER = {"jetmoe": (".mlp.bias",),
                      # DeepSeek-V4's routers, on the block (the first layer's by token id)
                      "deepseek_v4": (".mlp.gate.weight",),
                      # A.X-K1's norm of the block's output, applied to whole rows as JetMoE's bias
-                     "axk1": (".mlp.post_mlp_layernorm.weight",)}
+                     "axk1": (".mlp.post_mlp_layernorm.weight",),
+                     # ZAYA's MLP router, on the block (no [E, H] weight: the layer holds no router)
+                     "zaya": (".mlp.gate.down_proj.weight", ".mlp.gate.router_mlp.out_proj.weight")}
 
 
-# deepseek_v4 takes gemma4_text's path (given routing, cut under SP), axk1 jetmoe's (whole rows
-# after the gather): make test-slow.
-@pytest.mark.parametrize("family", [pytest.param(f, marks=(pytest.mark.slow,) if f in ("deepseek_v4", "axk1") else ())
+# deepseek_v4 and zaya take gemma4_text's path (given routing, cut under SP), axk1 jetmoe's (whole
+# rows after the gather): make test-slow.
+@pytest.mark.parametrize("family", [pytest.param(f, marks=(pytest.mark.slow,) if f in ("deepseek_v4", "axk1", "zaya")
+                                                 else ())
                                     for f in sorted(OUTSIDE_THE_LAYER)])
 def test_parameters_outside_the_layer_train_as_transformers_under_sp_and_tp(models, references, family):
     """Under SP (dp1-tp2-ep) and TP2 (dp1-tp2-noep) the losses, gradient norm and parameters are

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import ClassVar, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -160,6 +160,11 @@ class MoELayer(nn.Module):
     number of times; token counts may differ per DP rank.
     """
 
+    # False for a subclass that takes its routing as given (``MoEExperts``): then the layer holds
+    # no router, and ``weights`` may hold none.
+    routes_itself: ClassVar[bool] = True
+    gate: Gate
+
     # Buffers registered in __init__, declared so that type checkers see tensors, not Module attributes.
     replica_table: torch.Tensor
     replica_count: torch.Tensor
@@ -214,7 +219,7 @@ class MoELayer(nn.Module):
         if not ok:
             raise ValueError(f"MoELayer (rank {rank}): backend {backend!r}: {reason}")
         weights = weights if weights is not None else MoEWeights.random(cfg)
-        weights.validate(cfg, routed=local_experts is None)
+        weights.validate(cfg, routed=local_experts is None, router=self.routes_itself)
         weights = weights.to(dtype=cfg.dtype)
         self.shard = shard_spec(self.parallel, rank, cfg.num_experts, self.placement)
         self.shard.validate(cfg, quant)
@@ -223,7 +228,8 @@ class MoELayer(nn.Module):
             local_experts = shard_experts(weights.gate_up, weights.down, cfg, quant, self.shard, weights.gate_up_bias,
                                           weights.down_bias)
         self._check_local_experts(local_experts, rank)
-        self.gate = Gate(weights)
+        if self.routes_itself:
+            self.gate = Gate(weights)
         self.experts = RoutedExperts(local_experts)
         quant.check_model(cfg, f"MoELayer (rank {rank})")
         shared_quantized = None

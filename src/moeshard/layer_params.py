@@ -20,7 +20,7 @@ class Gate(nn.Module):
 
     def __init__(self, weights: MoEWeights) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weights.gate.clone(), requires_grad=False)
+        self.weight = nn.Parameter(weights.router_weight.clone(), requires_grad=False)
         if weights.correction_bias is not None:
             self.register_buffer("e_score_correction_bias", weights.correction_bias.float().clone())
         else:

@@ -389,7 +389,7 @@ def reference_forward(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, quan
     T, H = x.shape
     bias = None if weights.correction_bias is None else weights.correction_bias.to(x.device)
     router_bias = None if weights.gate_bias is None else weights.gate_bias.to(x.device)
-    routing = route_tokens(x, weights.gate.to(x.device), cfg, bias, router_bias)
+    routing = route_tokens(x, weights.router_weight.to(x.device), cfg, bias, router_bias)
     tokens = x  # the rows the experts see: the tokens, or with weights on the input one row per (token, k)
     if cfg.routing_kind.weights_on_input:
         tokens, routing = weighted_rows(x, routing, dtype)

@@ -33,13 +33,16 @@ from moeshard.config import MoEConfig
 SHARED_ALIASES = ("shared_experts.", "shared_expert.")
 # The routed experts' tensors: sharded per rank, so a layer given its shard elsewhere has none here.
 ROUTED = ("gate_up", "down", "gate_up_bias", "down_bias")
+# The router's tensors: a layer that takes its routing as given (``MoEExperts``) reads none of them.
+ROUTER = ("gate", "correction_bias", "gate_bias")
 
 
 @dataclass(frozen=True)
 class MoEWeights:
-    """Every tensor of one MoE block, unsharded, in one dtype (see the module table for shapes)."""
+    """Every tensor of one MoE block, unsharded, in one dtype (see the module table for shapes).
+    ``gate`` is None only for a layer that does not route (``validate(router=False)``)."""
 
-    gate: torch.Tensor
+    gate: torch.Tensor | None
     gate_up: torch.Tensor | None
     down: torch.Tensor | None
     correction_bias: torch.Tensor | None = None
@@ -68,14 +71,24 @@ class MoEWeights:
             "down_bias": (E, H) if cfg.expert_bias else None,
         }
 
-    def validate(self, cfg: MoEConfig, routed: bool = True) -> None:
+    @property
+    def router_weight(self) -> torch.Tensor:
+        """``gate`` [E, H], for a computation that routes; ValueError where these weights hold none
+        (a given-routing layer's: ``validate(router=False)``)."""
+        if self.gate is None:
+            raise ValueError("MoEWeights.gate: missing; these weights take their routing as given (no router "
+                             "weight), and routing needs the router [E, H]")
+        return self.gate
+
+    def validate(self, cfg: MoEConfig, routed: bool = True, router: bool = True) -> None:
         """Raises ValueError naming the tensor, the expected and the actual shape.
 
         routed=False: the routed experts (``gate_up``, ``down`` and their biases) are supplied
-        elsewhere, already sharded, and may be None here."""
+        elsewhere, already sharded, and may be None here. router=False: the routing is given
+        (``MoEExperts``), so the router's tensors (``ROUTER``) may be None; any given is checked."""
         for name, shape in self.expected_shapes(cfg).items():
             value = getattr(self, name)
-            if not routed and name in ROUTED and value is None:
+            if value is None and ((not routed and name in ROUTED) or (not router and name in ROUTER)):
                 continue
             if shape is None:
                 if value is not None:
@@ -99,7 +112,7 @@ class MoEWeights:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                keep = f.name in ("gate", "correction_bias", "gate_bias")
+                keep = f.name in ROUTER
                 value = value.to(device=device, dtype=None if keep else dtype)
             moved[f.name] = value
         return MoEWeights(**moved)
@@ -137,11 +150,12 @@ class MoEWeights:
 
     @staticmethod
     def from_state_dict(state: dict[str, torch.Tensor], cfg: MoEConfig, prefix: str = "",
-                        strict: bool = True) -> MoEWeights:
+                        strict: bool = True, router: bool = True) -> MoEWeights:
         """Reads the canonical names (module table) under ``prefix``; validates shapes. strict: a
         tensor under ``prefix`` that ``cfg`` reads no use for (a shared expert with
         ``num_shared_experts=0``, a router bias its routing kind has none of, a misspelt name) is
-        refused, naming it, rather than dropped (``load_state_dict`` refuses it as well)."""
+        refused, naming it, rather than dropped (``load_state_dict`` refuses it as well).
+        router=False: the routing is given, the router's tensors are neither required nor read."""
         read: set[str] = set()
 
         def get(name: str, required: bool) -> torch.Tensor | None:
@@ -163,18 +177,16 @@ class MoEWeights:
             raise ValueError(f"state dict: missing tensor {prefix + SHARED_ALIASES[0] + name!r} "
                              f"(or {prefix + SHARED_ALIASES[1] + name!r})")
 
-        gate = get("gate.weight", True)
-        assert gate is not None  # required=True raises instead of returning None
         weights = MoEWeights(
-            gate=gate,
+            gate=get("gate.weight", True) if router else None,
             gate_up=get("experts.gate_up_proj", True),
             down=get("experts.down_proj", True),
-            correction_bias=get("gate.e_score_correction_bias", cfg.use_correction_bias) if cfg.use_correction_bias else None,
+            correction_bias=get("gate.e_score_correction_bias", True) if router and cfg.use_correction_bias else None,
             shared_gate=shared("gate_proj.weight"),
             shared_up=shared("up_proj.weight"),
             shared_down=shared("down_proj.weight"),
             shared_expert_gate=get("shared_expert_gate.weight", True) if cfg.shared_expert_gate else None,
-            gate_bias=get("gate.bias", True) if cfg.routing_kind.router_bias else None,
+            gate_bias=get("gate.bias", True) if router and cfg.routing_kind.router_bias else None,
             gate_up_bias=get("experts.gate_up_proj_bias", True) if cfg.expert_bias else None,
             down_bias=get("experts.down_proj_bias", True) if cfg.expert_bias else None,
         )
@@ -184,7 +196,7 @@ class MoEWeights:
                              f"config reads none of them (num_shared_experts={cfg.num_shared_experts}, "
                              f"shared_expert_gate={cfg.shared_expert_gate}, use_correction_bias="
                              f"{cfg.use_correction_bias}, scoring={cfg.scoring!r}, expert_bias={cfg.expert_bias})")
-        weights.validate(cfg)
+        weights.validate(cfg, router=router)
         return weights
 
     def state_dict(self) -> dict[str, torch.Tensor]:

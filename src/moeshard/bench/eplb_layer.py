@@ -117,7 +117,7 @@ def _weights(opts: LayerOptions, device: torch.device) -> tuple:
         weights = MoEWeights.random(cfg, torch.Generator().manual_seed(opts.seed))
     g = torch.Generator().manual_seed(opts.seed * 7919 + 3)
     u = torch.randn(cfg.hidden_size, generator=g)
-    weights = replace(weights, gate=skew_gate(weights.gate, u, skew_bias(cfg.num_experts, opts.skew, g)))
+    weights = replace(weights, gate=skew_gate(weights.router_weight, u, skew_bias(cfg.num_experts, opts.skew, g)))
     return cfg, weights, u
 
 

@@ -121,7 +121,7 @@ def routed_input(model: ModelOnDevice, x: torch.Tensor, quant: QuantConfig) -> t
     dispatch by the backend itself, as in ``MoELayer``), with the routing that produced them. As
     in the layer, the input's x holds T rows with ``repeat = K`` (M = T * K routed rows)."""
     cfg = model.cfg
-    routing = route_tokens(x, model.shell.gate, cfg, model.shell.correction_bias, model.shell.gate_bias)
+    routing = route_tokens(x, model.shell.router_weight, cfg, model.shell.correction_bias, model.shell.gate_bias)
     return LocalBackend(BackendContext(cfg, quant)).dispatch(x, routing).input, routing
 
 

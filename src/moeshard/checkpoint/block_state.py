@@ -27,7 +27,7 @@ def canonical_state(state: dict[str, torch.Tensor], family: ModelFamily, num_exp
     if all(name in state for name in fused):
         state["experts.gate_up_proj"], state["experts.down_proj"] = layout.canonical_tensors(
             [state.pop(name) for name in fused], num_experts)
-    renames = {family.router_tensor: "gate.weight",
+    renames = {**({family.router_tensor: "gate.weight"} if family.linear_router else {}),
                family.bias_module: "gate.e_score_correction_bias",
                f"{family.router}.{family.router_bias}": "gate.bias",
                family.expert_tensor(family.expert_biases[0]): "experts.gate_up_proj_bias",

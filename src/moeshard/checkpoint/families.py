@@ -252,7 +252,8 @@ class ModelFamily:
       (``model.layers``: tensors ``model.layers.{L}.*``, module ``model.model.layers``).
     block_prefixes: where layer L's block lives, after ``{layers}.{L}.``, in the order tried, in
       the checkpoint; without the dot, the decoder layer's attribute in the transformers model.
-    router: the router's module name in the block (its weight [E, H] is ``{router}.{router_weight}``).
+    router: the router's module name in the block (its weight [E, H] is ``{router}.{router_weight}``;
+      see ``linear_router``).
     router_dtype: the precision of the family's router logits (``config.ROUTER_DTYPES``), as its
       transformers router computes them: ``"model"`` for ``F.linear(hidden_states, weight)`` in
       the model dtype (Mixtral, Qwen, most families), ``"fp32"`` for a router transformers keeps
@@ -260,6 +261,11 @@ class ModelFamily:
       it into the block's ``MoEConfig.router_dtype``.
     router_weight: the weight's name inside the router module (``weight``; AFMoE's router wraps
       a linear: ``gate.weight``; Hunyuan's router holds an fp32 linear: ``wg.weight``).
+    linear_router: the router weight is a linear [E, H] over the block's input, which moeshard
+      reads (True, every family that moeshard routes). False: it is some other tensor of a
+      router moeshard never computes (ZAYA's MLP router ends in ``router_mlp.out_proj.weight``
+      [E + 1, router_hidden_size]); it only locates the block in a checkpoint. Only for an
+      ``experts_only`` family, whose router transformers runs.
     correction_bias: the router's selection-bias parameter [E] (``{router}.{correction_bias}``;
       dotted like ``router_weight``: ERNIE 4.5's ``moe_statics.e_score_correction_bias``).
     router_bias: the router linear's bias parameter [E] (``{router}.{router_bias}``), read when the
@@ -359,6 +365,7 @@ class ModelFamily:
     output_bias: str | None = None
     output_norm: str | None = None
     experts_only: bool = False
+    linear_router: bool = True
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -431,6 +438,9 @@ class ModelFamily:
         if self.output_norm is not None and not (isinstance(self.output_norm, str) and self.output_norm.isidentifier()):
             raise ValueError(f"{where}.output_norm: expected None or a module name of the block, got "
                              f"{self.output_norm!r}")
+        if not self.linear_router and not self.experts_only:
+            raise ValueError(f"{where}: linear_router=False needs experts_only=True (moeshard routes every other "
+                             f"family itself, with the router's [E, H] weight)")
         if self.output_norm is not None and self.experts_only:
             raise ValueError(f"{where}: output_norm needs moeshard's block in place of transformers' (experts_only "
                              f"keeps transformers' block, which applies its own norm)")

@@ -142,7 +142,7 @@ class _SmallTensors:
         E, H, S = cfg.num_experts, cfg.hidden_size, cfg.shared_width
         shared_gate, shared_up = self.shared_gate_up() if cfg.has_shared_experts else (None, None)
         return MoEWeights(
-            gate=self.dense(n.router, (E, H)),
+            gate=self.dense(n.router, (E, H)) if n.family.linear_router else None,
             gate_up=None,
             down=None,
             correction_bias=self.correction_bias() if cfg.use_correction_bias else None,
@@ -177,12 +177,14 @@ def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfi
     ckpt = SafetensorsCheckpoint(model_dir)
     names = resolve_block_names(ckpt, model, layer)
     # The router's header shape [E, H] first: it ties the config's expert count to what the files
-    # hold before anything loops over experts (a config may claim 10^9 of them).
-    ckpt.expect(names.router, (cfg.num_experts, cfg.hidden_size))
+    # hold before anything loops over experts (a config may claim 10^9 of them). A router that is
+    # not such a linear (``linear_router=False``) is transformers' to run and moeshard's to skip.
+    if model.family.linear_router:
+        ckpt.expect(names.router, (cfg.num_experts, cfg.hidden_size))
     experts = ExpertReader(ckpt, names, cfg, model.format)  # checks every expert tensor's shape
     small = _SmallTensors(ckpt, names, cfg, model.format.stored_scheme == "fp8_block")
     weights = small.weights()
-    weights.validate(cfg, routed=False)
+    weights.validate(cfg, routed=False, router=model.family.linear_router)
     local = experts.read(quant, spec)
     return LoadedBlock(model=model, layer=layer, cfg=cfg, quant=quant, parallel=parallel, rank=rank, spec=spec,
                        names=names, weights=weights, local_experts=local, placement=placement,

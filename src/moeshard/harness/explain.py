@@ -103,7 +103,7 @@ class _Domain:
         self.local = [t for d in dps for t in range(case.tokens[d])]
         self.offset = {d: sum(case.tokens[e] for e in dps[:i]) for i, d in enumerate(dps)}
         bias = None if weights.correction_bias is None else weights.correction_bias
-        r = route_tokens(self.x, weights.gate, cfg, bias, weights.gate_bias)
+        r = route_tokens(self.x, weights.router_weight, cfg, bias, weights.gate_bias)
         self.ids, self.weights = r.topk_ids, r.topk_weights
         combine_weights = r.topk_weights
         # The rows the experts see: the tokens, or with weights on the input x * w (top-1: one row

@@ -38,7 +38,7 @@ def case_weights(cfg: MoEConfig, seed: int, skew: str = "") -> MoEWeights:
     if not skew:
         return weights
     u, bias = _skew(cfg, seed, skew)
-    return dataclasses.replace(weights, gate=skew_gate(weights.gate, u, bias))
+    return dataclasses.replace(weights, gate=skew_gate(weights.router_weight, u, bias))
 
 
 def case_tokens(cfg: MoEConfig, seed: int, tokens: tuple[int, ...], skew: str = "",

@@ -1,11 +1,12 @@
 """``MoEExperts``: a transformers experts module run by moeshard on the routing transformers
 computed, for a family whose decoder layer or block routes itself (``ModelFamily.experts_only``:
-Gemma 4, DeepSeek-V4).
+Gemma 4, DeepSeek-V4, ZAYA).
 
 Such a layer or block calls ``experts(rows [T, H], top_k_index [T, K], top_k_weights [T, K])``;
 its router reads an input the experts do not (Gemma 4's router normalizes and scales the residual
-stream, its experts get another norm of it; DeepSeek-V4's first layers pick experts by token id),
-so moeshard cannot route the experts' rows itself.
+stream, its experts get another norm of it; DeepSeek-V4's first layers pick experts by token id;
+ZAYA's MLP router adds the previous layer's router state), so moeshard cannot route the experts'
+rows itself. The layer holds no router (``routes_itself`` False): ZAYA's has no [E, H] weight.
 ``MoEExperts`` takes the ids and weights as given and runs everything after the router: dispatch
 under the layout, the experts, the combine. Under sequence parallelism each TP rank takes its
 chunk of the rows, ids and weights; with autograd the weights' chunk is cut by ``shard_rows``,
@@ -33,15 +34,16 @@ class MoEExperts(MoELayer):
     logical expert ids in [0, E) (not checked on the device: that would synchronize); top_k_weights:
     the combine weights (any float dtype, used in fp32), differentiable. On the TP ranks of one DP
     rank all three are the same tensors (the decoder layer runs replicated there). The output is
-    the weighted sum of the K experts' outputs, in the model dtype. ``weights`` as ``MoELayer``'s:
-    their router weight is the transformers router's (checked for its shape, not used; the router
-    stays transformers', on the decoder layer or block). layer: the decoder layer index (for messages).
-    Other arguments as ``MoELayer``.
+    the weighted sum of the K experts' outputs, in the model dtype. ``weights`` as ``MoELayer``'s,
+    but the router's tensors may be None: the router stays transformers', on the decoder layer or
+    block (any router tensor given is checked for its shape, not used, nor held). layer: the
+    decoder layer index (for messages). Other arguments as ``MoELayer``.
     """
+
+    routes_itself = False
 
     def __init__(self, cfg: MoEConfig, *, layer: int | None = None, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
-        del self.gate  # transformers' router, on the decoder layer or block, routes
         self.layer_index = layer
         self._given: tuple[torch.Tensor, torch.Tensor] | None = None
 

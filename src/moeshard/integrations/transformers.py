@@ -477,7 +477,8 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
             norm = getattr(block, family.output_norm, None) if family.output_norm is not None else None
             if family.output_norm is not None and not isinstance(norm, nn.Module):
                 raise ValueError(f"{name}: layer {index}'s block has no output norm module {family.output_norm!r}")
-            work.append((index, router, MoEWeights.from_state_dict(state, cfg, strict=False), bias, norm))
+            weights = MoEWeights.from_state_dict(state, cfg, strict=False, router=family.linear_router)
+            work.append((index, router, weights, bias, norm))
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to prepare the model")

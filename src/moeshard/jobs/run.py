@@ -218,8 +218,8 @@ def plan_run(spec: RunSpec) -> RunPlan:
         if model.family.experts_only:
             raise ValueError(f"{spec.model_dir}: model_type {model.model_type!r} routes with transformers' router, on "
                              f"inputs its experts do not take (Gemma 4's router norm and scales, DeepSeek-V4's token "
-                             f"ids), which moeshard run does not compute for one block alone; run the whole model "
-                             f"with moeshard generate or train")
+                             f"ids, ZAYA's router state from the layer before), which moeshard run does not compute "
+                             f"for one block alone; run the whole model with moeshard generate or train")
         model.check_layer(spec.layer)
         quant = resolve_quant(model, spec.quant)
         base_cfg = model.moe_config()

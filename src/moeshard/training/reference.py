@@ -148,7 +148,7 @@ def reference_grads(x: torch.Tensor, upstream: torch.Tensor, weights: MoEWeights
     x64 = x.cpu().double().requires_grad_()
     bias = None if held.correction_bias is None else held.correction_bias.float()
     # The router bias is inside the product, as the layer's router_logits adds it.
-    routing = select_experts(_logits(x, x64, held.gate, leaves["gate.weight"], cfg, held.gate_bias,
+    routing = select_experts(_logits(x, x64, held.router_weight, leaves["gate.weight"], cfg, held.gate_bias,
                                      leaves.get("gate.bias")), cfg, bias)
     dtype = cfg.dtype
     N, K = routing.topk_ids.shape

@@ -41,4 +41,5 @@ from moeshard.checkpoint.models import (
     qwen3_5_moe,  # noqa: F401  qwen3_5_moe_text, qwen4_exp_text
     qwen3_next,  # noqa: F401
     refusals,  # noqa: F401
+    zaya,  # noqa: F401
 )
