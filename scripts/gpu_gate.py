@@ -21,9 +21,10 @@ Steps, each with its own time limit (the whole gate fits one 10-minute device ca
    model saved (``--save``);
 7. ``moeshard generate --device cuda --compare`` of that saved model: moeshard and transformers
    read it, the same ids;
-8. two AdamW steps of the tiny model saved with their optimizer state, and a third resumed from
-   it (``--resume``), on the GPU: the whole state written and each moment cut out again on CUDA
-   (the exit codes judge them; the CPU tests prove the resumed model).
+8. two AdamW steps of the tiny model saved with their optimizer state, a third resumed from it
+   (``--resume``), and three steps in one run, on the GPU: the resumed model within 1e-4 of the
+   three-step one (``scripts/checkpoint_diff.py``; a third step from a fresh AdamW would be about
+   1e-2 away).
 
 It writes ``DIR/summary.json`` (machine, software, commit, date, each step's command, exit code,
 wall time and counts; ``passed`` is true only if every step passed) and one log per step, then
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=540.0, help="time limit of the whole gate (default 540 s)")
     p.add_argument("--skip", default="", help="comma list of steps to leave out "
                    "(gpu-tests, check, bench, bench-backward, generate, train; skipping train skips "
-                   "generate-trained, train-adamw and train-resume)")
+                   "generate-trained and the AdamW save, resume and comparison steps)")
     args = p.parse_args(argv)
 
     import torch
@@ -216,6 +217,18 @@ def main(argv: list[str] | None = None) -> int:
                                                        "--steps", "1", *adamw, "--resume", "--save",
                                                        str(tiny / "resumed"), "--output", str(out / "train-resume.json")],
                                       out, budget.limit(60), env))
+            if steps[-1]["passed"] and steps[-1]["name"] == "train-resume":
+                steps.append(run_step("train-adamw-three", [py, "-m", "moeshard", "train", "--model", str(tiny / "m"),
+                                                            "--steps", "3", *adamw, "--save", str(tiny / "three"),
+                                                            "--output", str(out / "train-adamw-three.json")],
+                                      out, budget.limit(60), env))
+                if steps[-1]["passed"]:
+                    # Resumed after two steps, the model is the three-step run's: the moments came back.
+                    # A fresh AdamW for the third step moves it by about lr (1e-2): far beyond 1e-4.
+                    steps.append(run_step("resume-equals-three", [py, "scripts/checkpoint_diff.py", str(tiny / "resumed"),
+                                                                  str(tiny / "three"), "--atol", "1e-4", "--json",
+                                                                  str(out / "resume-equals-three.json")],
+                                          out, budget.limit(30), env))
 
     summary = {
         "machine": machine, "gpus": gpus, "gpu_name": torch.cuda.get_device_name(0),
