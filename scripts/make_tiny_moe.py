@@ -19,7 +19,8 @@ first layer dense, its router and expert bias drawn at random as the sigmoid fam
 dbrx (its experts as three stacked tensors), kimi_linear and bailing_hybrid (Kimi delta attention
 and MLA layers in turn, their routers drawn at random too), deepseek_v4 (its first layer routed
 by token id; its routers, token table and selection biases drawn at random), zaya (its MLP
-router drawn so that some tokens pick the skip class).
+router drawn so that some tokens pick the skip class), longcat_flash (half as many
+zero-computation experts as routed ones).
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -321,6 +322,19 @@ def _zaya(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: 
                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def _longcat_flash(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # Half as many zero-computation experts as routed ones; MLA attention with a key and value per
+    # head; num_layers counts decoder layers (two attention sublayers each).
+    return tf.AutoConfig.for_model("longcat_flash", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+                                   num_attention_heads=4, n_routed_experts=experts, zero_expert_num=experts // 2,
+                                   moe_topk=2, expert_ffn_hidden_size=moe_intermediate, ffn_hidden_size=2 * moe_intermediate,
+                                   q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                                   v_head_dim=32, head_dim=32, initializer_range=0.2, max_position_embeddings=512,
+                                   routed_scaling_factor=2.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def _randomize_zaya(model, generator) -> None:
     """ZAYA's router: its output projection at std 10 / sqrt(fan-in), so that its probabilities vary
     by token (init leaves them about uniform); the experts' balancing biases in [-1.01, -0.99), as
@@ -343,7 +357,7 @@ def _randomize_zaya(model, generator) -> None:
 # Families built from transformers' config class by model type (AutoConfig.for_model).
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
          "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4,
-         "zaya": _zaya}
+         "zaya": _zaya, "longcat_flash": _longcat_flash}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid")
 

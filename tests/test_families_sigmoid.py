@@ -729,6 +729,9 @@ def test_family_descriptor_refuses_bad_router_names():
         replace(FAMILIES["deepseek_v4"], experts="")
     with pytest.raises(ValueError, match=r"ModelFamily\('afmoe'\): linear_router=False needs experts_only=True"):
         replace(base, linear_router=False)
+    with pytest.raises(ValueError, match=r"ModelFamily\('gemma4_text'\).identity_experts: 'zero_expert_num' needs a "
+                                         r"config field name, experts_only=True and linear_router=False"):
+        replace(FAMILIES["gemma4_text"], identity_experts="zero_expert_num")
 
 
 def test_block_refuses_an_output_part_without_its_module_or_under_a_taken_name():

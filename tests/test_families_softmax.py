@@ -115,9 +115,15 @@ CONFIGS = {
     # ZAYA: the block routes itself with an MLP router that carries state from layer to layer and
     # has a skip class; top-1, the only choice its config takes.
     "zaya": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1, head_dim=8, router_hidden_size=16),
+    # LongCat-Flash: two zero-computation experts beside the four routed ones, picked by the block's
+    # own router; MLA attention, two sublayers per decoder layer (num_layers counts decoder layers).
+    "longcat_flash": dict(num_layers=2, n_routed_experts=4, zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=16,
+                          ffn_hidden_size=32, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                          v_head_dim=8, head_dim=8, routed_scaling_factor=2.0),
 }
 # SMALL's fields a config class takes under names of its own (in CONFIGS).
-OWN_NAMES = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
+OWN_NAMES = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"),
+             "longcat_flash": ("num_hidden_layers", "num_key_value_heads")}  # MLA: a key and value per head
 FAMILIES = tuple(CONFIGS)
 # Families whose bf16 greedy ids are compared with transformers' at (1,1) and under EP2 (routers in
 # the model dtype; the others' bf16 ids differ where two next-token logits tie or are one bf16 step
@@ -367,7 +373,8 @@ def test_bf16_router_is_transformers_router(models, family):
 
 # family -> (the module that holds the router and the experts, relative to the decoder layer; the
 # router's class): the families whose transformers router routes (``experts_only``).
-GIVEN_ROUTING = {"gemma4_text": ("", "Gemma4TextRouter"), "zaya": ("mlp", "ZayaRouter")}
+GIVEN_ROUTING = {"gemma4_text": ("", "Gemma4TextRouter"), "zaya": ("mlp", "ZayaRouter"),
+                 "longcat_flash": ("mlp", "LongcatFlashTopkRouter")}
 
 
 @pytest.mark.parametrize("family", GIVEN_ROUTING)
@@ -377,7 +384,8 @@ def test_given_routing_reaches_the_experts(models, family):
     layer; the layer's output is the weighted sum of those experts (transformers' own experts on
     the same routing, within bf16's tolerance of one rounding). ZAYA's MLP router has no [E, H]
     weight, so the layer holds no router of its own; some of its rows pick the skip class, which
-    reaches the experts as expert 0 with weight 0."""
+    reaches the experts as expert 0 with weight 0. LongCat-Flash's router picks some rows'
+    zero-computation experts (ids E and up), whose term the experts add."""
     from moeshard.integrations.given_routing import MoEExperts
     from moeshard.integrations.transformers import load_sharded_model
 
@@ -413,9 +421,13 @@ def test_given_routing_reaches_the_experts(models, family):
         with torch.no_grad():  # transformers' experts on moeshard's inputs: the same sum, rounded per expert
             want = experts(rows, top_ids, weights)
         assert torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2), (out - want).abs().max()
+    picks = sum(i.numel() for (_rows, i, _w), _out in handed.values())
     if family == "zaya":
         skipped = sum(int(((w == 0) & (i == 0)).sum()) for (_rows, i, w), _out in handed.values())
-        assert 0 < skipped < sum(i.numel() for (_rows, i, _w), _out in handed.values()), skipped
+        assert 0 < skipped < picks, skipped
+    if family == "longcat_flash":  # ids past the routed experts pick a zero-computation one
+        identity = sum(int((i >= model.config.n_routed_experts).sum()) for (_rows, i, _w), _out in handed.values())
+        assert 0 < identity < picks, identity
 
 
 def test_run_refuses_a_family_that_routes_in_its_decoder_layer(models, capsys):
@@ -537,7 +549,6 @@ def _refusals():
 
 
 @pytest.mark.parametrize("model_type, part", [*[(t, r[:48]) for t, r in _refusals()],
-                                              ("longcat_flash", "zero-computation (identity) experts"),
                                               ("doge", "rows of two embedding tables"),
                                               ("inkling_text", "learned per-layer scale (gate.global_scale)")])
 def test_inexpressible_families_are_refused_naming_the_part(model_type, part):
@@ -570,6 +581,7 @@ def test_config_readers(models):
         "lara_mini": ("softmax", True, 24, False, [], 4, 1),
         "aria_text": ("topk_softmax", False, 16, False, [], 4, 1),
         "zaya": ("softmax", False, 0, False, [], 4, 1),
+        "longcat_flash": ("softmax", False, 0, False, [], 4, 1),
     }
     assert set(want) == set(FAMILIES)
     for family, (scoring, renorm, shared, gated, dense, experts, groups) in want.items():

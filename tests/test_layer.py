@@ -251,6 +251,26 @@ def test_a_layer_given_its_routing_needs_no_router_and_one_that_routes_refuses_t
         assert torch.equal(experts(x, ids, weights), routed(x, ids, weights))
 
 
+def test_zero_computation_experts_pass_the_row_through_scaled_by_their_weight():
+    """LongCat-Flash's router picks among E routed and Z zero-computation experts: ids E .. E + Z - 1
+    add weight * row (hand-computed here), the routed picks what the layer computes for them."""
+    from moeshard.integrations.given_routing import MoEExperts
+
+    cfg = PRESETS["mixtral-8x7b"].config("small")  # E = 8
+    weights = MoEWeights.random(cfg, generator=torch.Generator().manual_seed(0))
+    with_identity, plain = MoEExperts(cfg, weights=weights, identity_experts=2), MoEExperts(cfg, weights=weights)
+    x = torch.randn(4, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[0, 8], [9, 8], [3, 5], [9, 1]])
+    w = torch.tensor([[0.5, 0.25], [1.5, 2.0], [0.75, 0.125], [0.5, 1.0]])
+    with torch.no_grad():
+        got = with_identity(x, ids, w)
+        routed_only = plain(x, ids.masked_fill(ids >= 8, 0), w.masked_fill(ids >= 8, 0))
+    through = torch.tensor([[0.25], [3.5], [0.0], [0.5]])  # each row's zero-computation weights, summed
+    torch.testing.assert_close(got, routed_only + x * through, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"identity_experts must be an int >= 0, got -1"):
+        MoEExperts(cfg, weights=weights, identity_experts=-1)
+
+
 def test_unsupported_backend_is_refused_with_reason():
     cfg = PRESETS["mixtral-8x7b"].config("small")
     with pytest.raises(ValueError, match="all2all needs expert parallelism"):

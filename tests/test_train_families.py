@@ -243,12 +243,16 @@ OUTSIDE_THE_LAYER = {"jetmoe": (".mlp.bias",),
                      # A.X-K1's norm of the block's output, applied to whole rows as JetMoE's bias
                      "axk1": (".mlp.post_mlp_layernorm.weight",),
                      # ZAYA's MLP router, on the block (no [E, H] weight: the layer holds no router)
-                     "zaya": (".mlp.gate.down_proj.weight", ".mlp.gate.router_mlp.out_proj.weight")}
+                     "zaya": (".mlp.gate.down_proj.weight", ".mlp.gate.router_mlp.out_proj.weight"),
+                     # LongCat-Flash's router [E + Z, H]: its zero-computation picks' weights reach it
+                     # through the row terms the experts module adds
+                     "longcat_flash": (".mlp.router.classifier.weight",)}
 
 
-# deepseek_v4 and zaya take gemma4_text's path (given routing, cut under SP), axk1 jetmoe's (whole
+# deepseek_v4, zaya and longcat_flash take gemma4_text's path (given routing, cut under SP), axk1 jetmoe's (whole
 # rows after the gather): make test-slow.
-@pytest.mark.parametrize("family", [pytest.param(f, marks=(pytest.mark.slow,) if f in ("deepseek_v4", "axk1", "zaya")
+@pytest.mark.parametrize("family", [pytest.param(f, marks=(pytest.mark.slow,) if f in ("deepseek_v4", "axk1", "zaya",
+                                                                                        "longcat_flash")
                                                  else ())
                                     for f in sorted(OUTSIDE_THE_LAYER)])
 def test_parameters_outside_the_layer_train_as_transformers_under_sp_and_tp(models, references, family):

@@ -24,6 +24,9 @@ def canonical_state(state: dict[str, torch.Tensor], family: ModelFamily, num_exp
         stored = family.stored_names.get(name)
         if name not in state and stored in state:
             state[name] = state.pop(stored)
+    if family.identity_experts is not None and fused[0] in state:
+        # transformers holds gate_up rows for the zero-computation experts too (LongCat-Flash), never used.
+        state[fused[0]] = state[fused[0]][:num_experts]
     if all(name in state for name in fused):
         state["experts.gate_up_proj"], state["experts.down_proj"] = layout.canonical_tensors(
             [state.pop(name) for name in fused], num_experts)
@@ -45,6 +48,17 @@ def canonical_state(state: dict[str, torch.Tensor], family: ModelFamily, num_exp
     if "experts.gate_up_proj_bias" in out:
         out["experts.gate_up_proj_bias"] = layout.canonical_bias(out["experts.gate_up_proj_bias"])
     return out
+
+
+def unused_rows(raw: dict[str, torch.Tensor], family: ModelFamily, num_experts: int) -> list[torch.Tensor]:
+    """The parts of transformers' tensors (``raw``, named as ``block_state`` takes them) that no
+    moeshard layer holds, because transformers never uses them: the gate_up rows past the E routed
+    experts that LongCat-Flash's experts module keeps for its zero-computation experts. Empty for
+    every other family."""
+    if family.identity_experts is None:
+        return []
+    name = family.fused_names[0] if family.experts_only else family.expert_tensor(family.fused_names[0])
+    return [raw[name][num_experts:]] if name in raw else []
 
 
 def block_state(raw: dict[str, torch.Tensor], family: ModelFamily, num_experts: int) -> dict[str, torch.Tensor]:

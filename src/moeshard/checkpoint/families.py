@@ -56,7 +56,7 @@ W1_W3_W2 = ("w1", "w3", "w2")
 # Other spellings of a field: transformers 5 writes num_local_experts where older configs (and the
 # hub) have num_experts / n_routed_experts.
 _ALIASES: dict[str, tuple[str, ...]] = {
-    "num_hidden_layers": ("n_layers",),  # DBRX
+    "num_hidden_layers": ("n_layers", "num_layers"),  # DBRX, LongCat-Flash (its decoder layers)
     "hidden_act": ("activation_function", "hidden_activation"),  # JetMoE, Gemma 4
     "num_local_experts": ("num_experts",),
     "num_experts": ("num_local_experts",),
@@ -261,6 +261,11 @@ class ModelFamily:
       it into the block's ``MoEConfig.router_dtype``.
     router_weight: the weight's name inside the router module (``weight``; AFMoE's router wraps
       a linear: ``gate.weight``; Hunyuan's router holds an fp32 linear: ``wg.weight``).
+    identity_experts: None, or the config field that counts zero-computation experts (LongCat-Flash's
+      ``zero_expert_num``, Z): the router picks among E + Z, and a pick of id E .. E + Z - 1 passes
+      the row through scaled by its weight (``MoEExperts(identity_experts=Z)``); transformers'
+      experts module may hold gate_up rows for them, never used. Only for an ``experts_only``
+      family without a linear router (its router is [E + Z, H]).
     linear_router: the router weight is a linear [E, H] over the block's input, which moeshard
       reads (True, every family that moeshard routes). False: it is some other tensor of a
       router moeshard never computes (ZAYA's MLP router ends in ``router_mlp.out_proj.weight``
@@ -366,6 +371,7 @@ class ModelFamily:
     output_norm: str | None = None
     experts_only: bool = False
     linear_router: bool = True
+    identity_experts: str | None = None
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -438,6 +444,10 @@ class ModelFamily:
         if self.output_norm is not None and not (isinstance(self.output_norm, str) and self.output_norm.isidentifier()):
             raise ValueError(f"{where}.output_norm: expected None or a module name of the block, got "
                              f"{self.output_norm!r}")
+        if self.identity_experts is not None and (self.linear_router or not self.experts_only
+                                                  or not self.identity_experts.isidentifier()):
+            raise ValueError(f"{where}.identity_experts: {self.identity_experts!r} needs a config field name, "
+                             f"experts_only=True and linear_router=False (transformers' router picks them)")
         if not self.linear_router and not self.experts_only:
             raise ValueError(f"{where}: linear_router=False needs experts_only=True (moeshard routes every other "
                              f"family itself, with the router's [E, H] weight)")

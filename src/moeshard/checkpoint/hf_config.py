@@ -56,6 +56,8 @@ class HFMoEModel:
       checkpoint_format: the name of its ``families.CHECKPOINT_FORMATS`` entry (``bf16``, or
         ``fp8_block`` for FP8 weights with 128 x 128 block scales ``weight_scale_inv``).
       source: the config file, for messages.
+      identity_experts: Z, the zero-computation experts the family's router may pick beside the
+        E routed ones (``ModelFamily.identity_experts``; 0 for every other family).
     """
 
     model_type: str
@@ -65,6 +67,7 @@ class HFMoEModel:
     checkpoint_dtype: torch.dtype | None
     checkpoint_format: str
     source: str
+    identity_experts: int = 0
 
     @property
     def family(self) -> ModelFamily:
@@ -148,9 +151,11 @@ def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEMo
         if str(exc).startswith(source):
             raise
         raise ValueError(f"{source}: the MoE block it describes is invalid: {exc}") from None
+    identity = f.int(family.identity_experts, minimum=0) if family.identity_experts is not None else 0
     return HFMoEModel(model_type=family.model_type, num_layers=num_layers, moe=moe,
                       dense_layers=family.dense_layers(f, num_layers), checkpoint_dtype=_checkpoint_dtype(raw, source),
-                      checkpoint_format=checkpoint_format(raw, family, source).name, source=source)
+                      checkpoint_format=checkpoint_format(raw, family, source).name, source=source,
+                      identity_experts=identity)
 
 
 def read_hf_config(model_dir: str | Path) -> HFMoEModel:

@@ -37,7 +37,7 @@ from typing import Any, cast
 
 import torch
 
-from moeshard.checkpoint.block_state import block_state
+from moeshard.checkpoint.block_state import block_state, unused_rows
 from moeshard.checkpoint.families import ModelFamily
 from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.config import MoEConfig
@@ -74,16 +74,24 @@ def _index_probe(raw: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
 
 
 def _block_tensors(family: ModelFamily, cfg: MoEConfig, ranks: list[RankState], prefix: str,
-                   raw: dict[str, torch.Tensor], parameters: set[str], absent_ok: bool = False) -> dict[str, torch.Tensor]:
+                   raw: dict[str, torch.Tensor], parameters: set[str], absent_ok: bool = False,
+                   unused: float | None = None) -> dict[str, torch.Tensor]:
     """transformers' block tensors (``raw``: name inside the block -> its tensor as loaded;
     ``parameters``: which of them are parameters), each with the values the ranks hold of it;
-    absent_ok: a parameter no rank gives any element of is left out instead of refused."""
+    absent_ok: a parameter no rank gives any element of is left out instead of refused; unused:
+    the value of the elements transformers holds but never uses (``block_state.unused_rows``),
+    None: as loaded."""
     from moeshard.training.reference import shard_of_grad
 
     probe, total = _index_probe(raw)
     where = block_state(probe, family, cfg.num_experts)
     flat = torch.cat([t.detach().reshape(-1).float() for t in raw.values()]) if raw else torch.zeros(0)
     given = torch.zeros(total, dtype=torch.bool)
+    for rows in unused_rows(probe, family, cfg.num_experts):
+        index = rows.reshape(-1).long()
+        given[index] = True
+        if unused is not None:
+            flat[index] = unused
     for r in ranks:
         spec = r.shards[prefix]
         held = [(name, value, True) for name, value in r.params.items()]
@@ -119,11 +127,13 @@ def _block_tensors(family: ModelFamily, cfg: MoEConfig, ranks: list[RankState], 
 
 
 def placed_tensors(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState],
-                   model: torch.nn.Module, absent_ok: bool = False) -> dict[str, torch.Tensor]:
+                   model: torch.nn.Module, absent_ok: bool = False, unused: float | None = None) -> dict[str, torch.Tensor]:
     """transformers' tensor name -> its value (CPU fp32, whole) for every parameter and
     floating-point buffer of ``model`` (transformers' model of ``model_dir``) that the ranks hold.
     A block parameter the ranks give part of is refused (RuntimeError); one they give nothing of
-    too, unless ``absent_ok`` (an optimizer's state, which a parameter without gradients lacks)."""
+    too, unless ``absent_ok`` (an optimizer's state, which a parameter without gradients lacks).
+    Elements transformers holds but never uses (LongCat-Flash's gate_up rows of its
+    zero-computation experts) keep ``model``'s values, or take ``unused``."""
     if not ranks:
         raise ValueError("placed_tensors: no rank's tensors given")
     first = min(ranks, key=lambda r: r.rank)
@@ -140,7 +150,7 @@ def placed_tensors(model_dir: str | Path, cfg: MoEConfig, ranks: list[RankState]
         raw = {k[len(prefix) + 1:]: v for k, v in {**buffers, **params}.items() if k.startswith(prefix + ".")}
         inside = {k[len(prefix) + 1:] for k in params if k.startswith(prefix + ".")}
         out.update({f"{prefix}.{k}": v
-                    for k, v in _block_tensors(family, cfg, ranks, prefix, raw, inside, absent_ok).items()})
+                    for k, v in _block_tensors(family, cfg, ranks, prefix, raw, inside, absent_ok, unused).items()})
     return out
 
 

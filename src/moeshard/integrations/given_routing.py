@@ -25,26 +25,37 @@ from moeshard.config import MoEConfig
 from moeshard.layer import MoELayer, eager_under_compile
 from moeshard.parallel.sequence import SequenceChunk
 from moeshard.router import Routing
+from moeshard.validate import is_int
 
 
 class MoEExperts(MoELayer):
     """``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
 
     hidden_states: the rows the experts take, in the model dtype (T may be 0); top_k_index: int64
-    logical expert ids in [0, E) (not checked on the device: that would synchronize); top_k_weights:
+    logical expert ids in [0, E + identity_experts) (not checked on the device: that would
+    synchronize); top_k_weights:
     the combine weights (any float dtype, used in fp32), differentiable. On the TP ranks of one DP
     rank all three are the same tensors (the decoder layer runs replicated there). The output is
     the weighted sum of the K experts' outputs, in the model dtype. ``weights`` as ``MoELayer``'s,
     but the router's tensors may be None: the router stays transformers', on the decoder layer or
     block (any router tensor given is checked for its shape, not used, nor held). layer: the
-    decoder layer index (for messages). Other arguments as ``MoELayer``.
+    decoder layer index (for messages). identity_experts: Z zero-computation experts beside the E
+    routed ones (LongCat-Flash): ids E .. E + Z - 1 pass the row through, scaled by its weight.
+    Such picks go on to the layer as expert 0 with weight 0 (the dispatch has no empty pick), so
+    they cost expert 0 a row each and count in its load; the rows' own term is added after the
+    layer, to whole rows, the same on every TP rank. Other arguments as ``MoELayer``.
     """
 
     routes_itself = False
 
-    def __init__(self, cfg: MoEConfig, *, layer: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, cfg: MoEConfig, *, layer: int | None = None, identity_experts: int = 0,
+                 **kwargs: Any) -> None:
+        if not is_int(identity_experts) or identity_experts < 0:
+            raise ValueError(f"MoEExperts (layer {layer}): identity_experts must be an int >= 0, got "
+                             f"{identity_experts!r}")
         super().__init__(cfg, **kwargs)
         self.layer_index = layer
+        self.identity_experts = identity_experts
         self._given: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,  # type: ignore[override]
@@ -67,11 +78,21 @@ class MoEExperts(MoELayer):
                                  f"{'integer' if integer else 'floating point'}, got {got}")
             if t.device != hidden_states.device:
                 raise ValueError(f"{where}: {name} is on {t.device}, hidden_states on {hidden_states.device}")
+        identity = None
+        if self.identity_experts:
+            # A zero-computation pick adds weight * row; the layer sees it as expert 0 with weight 0.
+            picked = top_k_index >= self.cfg.num_experts
+            identity = (top_k_weights * picked).sum(-1, keepdim=True)
+            top_k_index = top_k_index.masked_fill(picked, 0)
+            top_k_weights = top_k_weights.masked_fill(picked, 0)
         self._given = (top_k_index.long(), top_k_weights)
         try:
-            return self._forward(hidden_states)
+            out = self._forward(hidden_states)
         finally:
             self._given = None
+        if identity is None:
+            return out
+        return (out.float() + hidden_states.float() * identity.float()).to(out.dtype)
 
     def _needs_grad(self, x: torch.Tensor) -> str | None:
         assert self._given is not None  # set by forward

@@ -229,7 +229,8 @@ def whole_state(model_dir: str | Path, cfg: MoEConfig, model: nn.Module, ranks: 
     tensors: dict[str, torch.Tensor] = {}
     for field_name, by_rank in fields.items():
         parts = [RankState(r.rank, by_rank.get(r.rank, {}), r.shards) for r in ranks]
-        for name, value in placed_tensors(model_dir, cfg, parts, model, absent_ok=True).items():
+        # Rows transformers never uses (zero-computation experts' gate_up) hold no moment: zeros.
+        for name, value in placed_tensors(model_dir, cfg, parts, model, absent_ok=True, unused=0.0).items():
             if name in params:  # not the buffers it keeps as read
                 tensors[f"{name}/{field_name}"] = value.float().contiguous()
     stateless = sorted(name for name in params if not any(f"{name}/{f}" in tensors for f in fields))

@@ -32,6 +32,7 @@ from moeshard.checkpoint.models import (
     lara_mini,  # noqa: F401
     lfm2_moe,  # noqa: F401
     llama4,  # noqa: F401
+    longcat_flash,  # noqa: F401
     mellum,  # noqa: F401
     minimax,  # noqa: F401
     minimax_m2,  # noqa: F401

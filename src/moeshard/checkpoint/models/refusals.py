@@ -7,8 +7,6 @@ from __future__ import annotations
 from moeshard.checkpoint.families import refuse_family
 
 REFUSALS = {
-    "longcat_flash": "its router also picks zero-computation (identity) experts (zero_expert_num), which pass the "
-                     "row through scaled by its weight; moeshard's experts are gated MLPs only",
     "nemotron_h": "its experts are not gated (up_proj, relu squared, down_proj) and may project into a latent space "
                   "around them (moe_latent_size); moeshard's experts are gated MLPs",
     "doge": "its experts are rows of two embedding tables [num_experts, hidden_size] chosen by two sub-key top-ks "
