@@ -416,7 +416,11 @@ def test_given_routing_reaches_the_experts(models, family):
         hook.remove()
     assert sorted(handed) == sorted(routed) == list(range(len(model.model.layers))), (sorted(handed), sorted(routed))
     for index, ((rows, top_ids, weights), out) in handed.items():
-        assert torch.equal(top_ids, routed[index][2]) and torch.equal(weights, routed[index][1])
+        # The router's ids and weights, wherever its output tuple keeps them (LongCat-Flash's router
+        # returns (weights, ids) under transformers 5.17, (logits, weights, ids) under 5.24).
+        ids_out = next(t for t in routed[index] if not t.is_floating_point())
+        weights_out = next(t for t in routed[index] if t.is_floating_point() and t.shape == ids_out.shape)
+        assert torch.equal(top_ids, ids_out) and torch.equal(weights, weights_out)
         experts = theirs[index][0]
         with torch.no_grad():  # transformers' experts on moeshard's inputs: the same sum, rounded per expert
             want = experts(rows, top_ids, weights)
@@ -554,6 +558,19 @@ def _refusals():
 def test_inexpressible_families_are_refused_naming_the_part(model_type, part):
     with pytest.raises(ValueError, match=f"config.json: model_type '{model_type}' is not supported: .*{re.escape(part)}"):
         parse_hf_config({"model_type": model_type}, "config.json")
+
+
+def test_longcat_flash_counts_decoder_layers_and_zero_computation_experts():
+    """LongCat-Flash's ``num_layers`` counts its decoder layers; transformers 5.17 also writes
+    ``num_hidden_layers``, twice that (two attention sublayers a layer), which is not read;
+    ``zero_expert_num`` is the Z its router picks beside the E routed experts (0: none)."""
+    raw = dict(model_type="longcat_flash", hidden_size=32, num_layers=3, num_hidden_layers=6, n_routed_experts=4,
+               zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=16)
+    info = parse_hf_config(raw, "config.json")
+    assert (info.num_layers, info.identity_experts, info.moe.num_experts, info.moe.top_k) == (3, 2, 4, 2)
+    assert parse_hf_config({**raw, "zero_expert_num": None}, "config.json").identity_experts == 0
+    with pytest.raises(ValueError, match=r"config.json: zero_expert_num must be an integer >= 0, got -1"):
+        parse_hf_config({**raw, "zero_expert_num": -1}, "config.json")
 
 
 def test_config_readers(models):

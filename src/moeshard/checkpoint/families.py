@@ -56,7 +56,7 @@ W1_W3_W2 = ("w1", "w3", "w2")
 # Other spellings of a field: transformers 5 writes num_local_experts where older configs (and the
 # hub) have num_experts / n_routed_experts.
 _ALIASES: dict[str, tuple[str, ...]] = {
-    "num_hidden_layers": ("n_layers", "num_layers"),  # DBRX, LongCat-Flash (its decoder layers)
+    "num_hidden_layers": ("n_layers",),  # DBRX
     "hidden_act": ("activation_function", "hidden_activation"),  # JetMoE, Gemma 4
     "num_local_experts": ("num_experts",),
     "num_experts": ("num_local_experts",),
@@ -261,6 +261,9 @@ class ModelFamily:
       it into the block's ``MoEConfig.router_dtype``.
     router_weight: the weight's name inside the router module (``weight``; AFMoE's router wraps
       a linear: ``gate.weight``; Hunyuan's router holds an fp32 linear: ``wg.weight``).
+    layer_count: the config field that counts the decoder layers (``num_hidden_layers``;
+      LongCat-Flash's ``num_layers``, where transformers 5.17 also writes ``num_hidden_layers`` as
+      twice that, its attention sublayers).
     identity_experts: None, or the config field that counts zero-computation experts (LongCat-Flash's
       ``zero_expert_num``, Z): the router picks among E + Z, and a pick of id E .. E + Z - 1 passes
       the row through scaled by its weight (``MoEExperts(identity_experts=Z)``); transformers'
@@ -372,6 +375,7 @@ class ModelFamily:
     experts_only: bool = False
     linear_router: bool = True
     identity_experts: str | None = None
+    layer_count: str = "num_hidden_layers"
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -444,6 +448,8 @@ class ModelFamily:
         if self.output_norm is not None and not (isinstance(self.output_norm, str) and self.output_norm.isidentifier()):
             raise ValueError(f"{where}.output_norm: expected None or a module name of the block, got "
                              f"{self.output_norm!r}")
+        if not (isinstance(self.layer_count, str) and self.layer_count.isidentifier()):
+            raise ValueError(f"{where}.layer_count: expected a config field name, got {self.layer_count!r}")
         if self.identity_experts is not None and (self.linear_router or not self.experts_only
                                                   or not self.identity_experts.isidentifier()):
             raise ValueError(f"{where}.identity_experts: {self.identity_experts!r} needs a config field name, "

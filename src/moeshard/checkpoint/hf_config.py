@@ -46,7 +46,7 @@ class HFMoEModel:
 
     Fields:
       model_type: one of ``SUPPORTED_MODEL_TYPES`` (the keys of ``families.FAMILIES``).
-      num_layers: ``num_hidden_layers``; layers are ``0 .. num_layers - 1``.
+      num_layers: ``num_hidden_layers`` (the family's ``layer_count``); layers are ``0 .. num_layers - 1``.
       moe: the shape and routing of every MoE block of the model (dtype: ``checkpoint_dtype`` or
         fp32 when the config names none).
       dense_layers: layer index -> why that layer has no MoE block (a dense MLP instead); a
@@ -144,7 +144,7 @@ def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEMo
     raw, source = text_model_config(raw, source)
     family = model_family(raw.get("model_type"), source)
     f = family.fields(raw, source)
-    num_layers = f.int("num_hidden_layers")
+    num_layers = f.int(family.layer_count)
     try:
         moe = replace(family.moe(f), router_dtype=family.router_dtype)
     except ValueError as exc:

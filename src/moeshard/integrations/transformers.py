@@ -323,7 +323,7 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     layers = _decoder_layers(model, family)
     if len(layers) != info.num_layers:
         raise ValueError(f"{type(model).__name__}: {len(layers)} decoder layers, but its config says "
-                         f"num_hidden_layers={info.num_layers}")
+                         f"{info.family.layer_count}={info.num_layers}")
     blocks: dict[int, nn.Module] = {}
     for index, layer in enumerate(layers):
         if index in info.dense_layers:

@@ -15,7 +15,8 @@ moeshard takes the router's ids and weights as given and replaces only ``mlp.exp
 router, the dense MLPs and the MLA attention stay transformers'. The routing kind below describes
 the selection among the routed experts (softmax, not renormalized), not the scaling, the
 correction bias or the zero-computation experts, which transformers' router applies.
-``num_layers`` counts the decoder layers (``num_hidden_layers``'s alias).
+``num_layers`` counts the decoder layers (``layer_count``: transformers 5.17 also writes
+``num_hidden_layers``, twice that, its attention sublayers).
 """
 
 from __future__ import annotations
@@ -33,4 +34,4 @@ def _moe(f: ConfigFields) -> MoEConfig:
 register_family(ModelFamily("longcat_flash", {"hidden_act": "silu", "zero_expert_num": 0}, _moe, every_layer,
                             routing="softmax", router="router", router_weight="classifier.weight",
                             linear_router=False, identity_experts="zero_expert_num", experts_only=True,
-                            formats=("bf16",), router_dtype="fp32"))
+                            formats=("bf16",), router_dtype="fp32", layer_count="num_layers"))
