@@ -20,7 +20,7 @@ dbrx (its experts as three stacked tensors), kimi_linear and bailing_hybrid (Kim
 and MLA layers in turn, their routers drawn at random too), deepseek_v4 (its first layer routed
 by token id; its routers, token table and selection biases drawn at random), zaya (its MLP
 router drawn so that some tokens pick the skip class), longcat_flash (half as many
-zero-computation experts as routed ones).
+zero-computation experts as routed ones), inkling_text (one shared expert, which its router weighs).
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -335,6 +335,20 @@ def _longcat_flash(hidden: int, moe_intermediate: int, experts: int, layers: int
                                    routed_scaling_factor=2.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def _inkling_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # Full and sliding attention with relative logits; one shared expert, weighed by the router.
+    head = hidden // 4
+    return tf.AutoConfig.for_model("inkling_text", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=head,
+                                   swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=head,
+                                   sliding_window_size=8, d_rel=4, rel_extent=16, intermediate_size=2 * moe_intermediate,
+                                   moe_intermediate_size=moe_intermediate, n_routed_experts=experts,
+                                   num_experts_per_tok=2, n_shared_experts=1, initializer_range=0.2,
+                                   max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def _randomize_zaya(model, generator) -> None:
     """ZAYA's router: its output projection at std 10 / sqrt(fan-in), so that its probabilities vary
     by token (init leaves them about uniform); the experts' balancing biases in [-1.01, -0.99), as
@@ -357,7 +371,7 @@ def _randomize_zaya(model, generator) -> None:
 # Families built from transformers' config class by model type (AutoConfig.for_model).
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
          "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4,
-         "zaya": _zaya, "longcat_flash": _longcat_flash}
+         "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid")
 

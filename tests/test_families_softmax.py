@@ -19,9 +19,11 @@ router rows are close to each other, so that sparsemixer's window often holds mo
 picked expert and its masked softmax matters, JetMoE's bias on the block's output is random
 (zeros) and so are Gemma 4's router scales (ones).
 
-Gemma 4's decoder layer routes itself; its router is transformers' own, so instead of router
-parity its test follows the ids and weights from that router into moeshard's experts, and
-``moeshard run``, which routes one block alone, refuses it.
+Gemma 4's decoder layer routes itself, and so do the blocks of ZAYA (an MLP router with a skip
+class), LongCat-Flash (zero-computation experts) and Inkling's text model (sigmoid-routed, its
+router weighing the shared experts too); their routers are transformers' own, so instead of
+router parity their test follows the ids and weights from that router into moeshard's experts,
+and ``moeshard run``, which routes one block alone, refuses Gemma 4.
 """
 
 from __future__ import annotations
@@ -120,6 +122,12 @@ CONFIGS = {
     "longcat_flash": dict(num_layers=2, n_routed_experts=4, zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=16,
                           ffn_hidden_size=32, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                           v_head_dim=8, head_dim=8, routed_scaling_factor=2.0),
+    # Inkling's text model: its router weighs the shared expert per token too (the block routes
+    # itself); full and sliding attention with relative logits, short convolutions, a dense layer 0.
+    "inkling_text": dict(head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+                         sliding_window_size=8, d_rel=4, rel_extent=16, intermediate_size=48, moe_intermediate_size=16,
+                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                         mlp_layer_types=["dense", "sparse"]),
 }
 # SMALL's fields a config class takes under names of its own (in CONFIGS).
 OWN_NAMES = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"),
@@ -374,7 +382,7 @@ def test_bf16_router_is_transformers_router(models, family):
 # family -> (the module that holds the router and the experts, relative to the decoder layer; the
 # router's class): the families whose transformers router routes (``experts_only``).
 GIVEN_ROUTING = {"gemma4_text": ("", "Gemma4TextRouter"), "zaya": ("mlp", "ZayaRouter"),
-                 "longcat_flash": ("mlp", "LongcatFlashTopkRouter")}
+                 "longcat_flash": ("mlp", "LongcatFlashTopkRouter"), "inkling_text": ("mlp", "InklingTopkRouter")}
 
 
 @pytest.mark.parametrize("family", GIVEN_ROUTING)
@@ -395,18 +403,19 @@ def test_given_routing_reaches_the_experts(models, family):
 
     def parts(layer):
         block = layer.get_submodule(holder)
-        return (block.gate if family == "zaya" else block.router), block.experts
+        return (block.gate if family in ("zaya", "inkling_text") else block.router), block.experts
 
+    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.get_submodule(holder), "experts")]
     routed, handed, theirs = {}, {}, {}
     hooks = []
-    for index, layer in enumerate(model.model.layers):
-        router, experts = parts(layer)
+    for index in moe:
+        router, experts = parts(model.model.layers[index])
         assert isinstance(experts, MoEExperts) and type(router).__name__ == router_class
         assert not hasattr(experts, "gate")  # the router is transformers'; the layer holds none
         hooks.append(router.register_forward_hook(lambda _m, _a, out, i=index: routed.__setitem__(i, out)))
         hooks.append(experts.register_forward_hook(lambda _m, args, out, i=index: handed.__setitem__(i, (args, out))))
-    for index, layer in enumerate(plain.model.layers):
-        hooks.append(parts(layer)[1].register_forward_hook(
+    for index in moe:
+        hooks.append(parts(plain.model.layers[index])[1].register_forward_hook(
             lambda m, args, out, i=index: theirs.__setitem__(i, (m, out))))
     ids = torch.tensor([list(PROMPTS[0]), [1, 2, 3, 4, 5]])
     with torch.no_grad():
@@ -414,7 +423,7 @@ def test_given_routing_reaches_the_experts(models, family):
         plain(ids)
     for hook in hooks:
         hook.remove()
-    assert sorted(handed) == sorted(routed) == list(range(len(model.model.layers))), (sorted(handed), sorted(routed))
+    assert moe and sorted(handed) == sorted(routed) == moe, (sorted(handed), sorted(routed), moe)
     for index, ((rows, top_ids, weights), out) in handed.items():
         # The router's ids and weights, wherever its output tuple keeps them (LongCat-Flash's router
         # returns (weights, ids) under transformers 5.17, (logits, weights, ids) under 5.24).
@@ -553,8 +562,7 @@ def _refusals():
 
 
 @pytest.mark.parametrize("model_type, part", [*[(t, r[:48]) for t, r in _refusals()],
-                                              ("doge", "rows of two embedding tables"),
-                                              ("inkling_text", "learned per-layer scale (gate.global_scale)")])
+                                              ("doge", "rows of two embedding tables")])
 def test_inexpressible_families_are_refused_naming_the_part(model_type, part):
     with pytest.raises(ValueError, match=f"config.json: model_type '{model_type}' is not supported: .*{re.escape(part)}"):
         parse_hf_config({"model_type": model_type}, "config.json")
@@ -599,6 +607,7 @@ def test_config_readers(models):
         "aria_text": ("topk_softmax", False, 16, False, [], 4, 1),
         "zaya": ("softmax", False, 0, False, [], 4, 1),
         "longcat_flash": ("softmax", False, 0, False, [], 4, 1),
+        "inkling_text": ("sigmoid", True, 0, False, [0], 4, 1),
     }
     assert set(want) == set(FAMILIES)
     for family, (scoring, renorm, shared, gated, dense, experts, groups) in want.items():

@@ -246,13 +246,16 @@ OUTSIDE_THE_LAYER = {"jetmoe": (".mlp.bias",),
                      "zaya": (".mlp.gate.down_proj.weight", ".mlp.gate.router_mlp.out_proj.weight"),
                      # LongCat-Flash's router [E + Z, H]: its zero-computation picks' weights reach it
                      # through the row terms the experts module adds
-                     "longcat_flash": (".mlp.router.classifier.weight",)}
+                     "longcat_flash": (".mlp.router.classifier.weight",),
+                     # Inkling's router, which weighs the routed experts (given to moeshard's) and the
+                     # shared ones (transformers', on whole rows) in one normalization
+                     "inkling_text": (".mlp.gate.weight", ".mlp.gate.global_scale")}
 
 
-# deepseek_v4, zaya and longcat_flash take gemma4_text's path (given routing, cut under SP), axk1 jetmoe's (whole
+# deepseek_v4, zaya, longcat_flash and inkling_text take gemma4_text's path (given routing, cut under SP), axk1 jetmoe's (whole
 # rows after the gather): make test-slow.
 @pytest.mark.parametrize("family", [pytest.param(f, marks=(pytest.mark.slow,) if f in ("deepseek_v4", "axk1", "zaya",
-                                                                                        "longcat_flash")
+                                                                                        "longcat_flash", "inkling_text")
                                                  else ())
                                     for f in sorted(OUTSIDE_THE_LAYER)])
 def test_parameters_outside_the_layer_train_as_transformers_under_sp_and_tp(models, references, family):

@@ -24,6 +24,7 @@ from moeshard.checkpoint.models import (
     granite,  # noqa: F401
     hunyuan,  # noqa: F401
     hy_v4,  # noqa: F401
+    inkling,  # noqa: F401  inkling_text
     jamba,  # noqa: F401
     jetmoe,  # noqa: F401
     kimi_linear,  # noqa: F401  kimi_linear, bailing_hybrid
