@@ -434,6 +434,10 @@ def test_given_routing_reaches_the_experts(models, family):
         with torch.no_grad():  # transformers' experts on moeshard's inputs: the same sum, rounded per expert
             want = experts(rows, top_ids, weights)
         assert torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2), (out - want).abs().max()
+        # A pick of weight 0 (a skip, a zero-computation expert) counts in no expert's load.
+        layer_experts = parts(model.model.layers[index])[1]
+        real = (weights != 0) & (top_ids < layer_experts.cfg.num_experts)
+        assert int(layer_experts.expert_loads().sum()) == int(real.sum()), (index, layer_experts.expert_loads())
     picks = sum(i.numel() for (_rows, i, _w), _out in handed.values())
     if family == "zaya":
         skipped = sum(int(((w == 0) & (i == 0)).sum()) for (_rows, i, w), _out in handed.values())

@@ -423,7 +423,7 @@ class MoELayer(nn.Module):
             rec.record("routing", topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, first_token=first_row)
             if grad:
                 rec.record_grad("topk_weights", routing.topk_weights)
-        self.loads.record(routing.topk_ids)
+        self.loads.record(self.load_ids(routing))
         if self.keep_router_logits:
             if routing.logits is None:
                 raise ValueError(f"MoELayer: keep_router_logits is set but {type(self).__name__}.route returned no "
@@ -635,6 +635,11 @@ class MoELayer(nn.Module):
         return {name: layer_role(name, self.parallel, rank) for name, _ in self.named_parameters()}
 
     # -- expert-parallel load balancing -----------------------------------------------------
+    def load_ids(self, routing: Routing) -> torch.Tensor:
+        """The logical ids [R, K] the load counter counts for ``routing``: all of them; -1 for a
+        copy that counts nowhere (``MoEExperts``: a given pick of weight 0)."""
+        return routing.topk_ids
+
     def expert_loads(self, all_reduce: bool = True) -> torch.Tensor:
         """int64 [E] on the layer's device: routed copies (token, k) per logical expert over the
         last ``load_window`` forwards. all_reduce: summed over the EP group (EP on; under SP each

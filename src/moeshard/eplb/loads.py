@@ -42,7 +42,8 @@ class LoadCounter(nn.Module):
 
     @torch.no_grad()
     def record(self, topk_ids: torch.Tensor) -> None:
-        """topk_ids: int64 [T, K] logical expert ids of this forward's routed copies (T may be 0)."""
+        """topk_ids: int64 [T, K] logical expert ids of this forward's routed copies (T may be 0);
+        an id of -1 is a copy that counts nowhere (a given pick of weight 0: ``MoEExperts``)."""
         ids = topk_ids.reshape(-1)
         if ids.is_cuda and triton_importable()[0]:
             from moeshard.kernels.loads import record_counts
@@ -50,7 +51,8 @@ class LoadCounter(nn.Module):
             record_counts(ids, self.ring, self.step, self.pending)  # one launch: counts, then the row
             return
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
-        counts.scatter_add_(0, ids, torch.ones_like(ids))
+        counted = ids >= 0
+        counts.scatter_add_(0, ids.clamp(min=0), counted.to(torch.int64))
         self.ring.index_copy_(0, torch.remainder(self.step, self.window), counts.unsqueeze(0))
         self.step.add_(1)
 

@@ -42,8 +42,8 @@ class MoEExperts(MoELayer):
     decoder layer index (for messages). identity_experts: Z zero-computation experts beside the E
     routed ones (LongCat-Flash): ids E .. E + Z - 1 pass the row through, scaled by its weight.
     Such picks go on to the layer as expert 0 with weight 0 (the dispatch has no empty pick), so
-    they cost expert 0 a row each and count in its load; the rows' own term is added after the
-    layer, to whole rows, the same on every TP rank. Other arguments as ``MoELayer``.
+    they cost expert 0 a row each, but count in no expert's load (``load_ids``); the rows' own
+    term is added after the layer, to whole rows, the same on every TP rank. Other arguments as ``MoELayer``.
     """
 
     routes_itself = False
@@ -117,6 +117,12 @@ class MoEExperts(MoELayer):
         else:
             mine = weights[rows].float()
         return Routing(ids[rows], mine)
+
+    def load_ids(self, routing: Routing) -> torch.Tensor:
+        """The ids the load counter counts: a pick of weight exactly 0 contributes nothing and
+        counts nowhere (-1): ZAYA's skip class and LongCat-Flash's zero-computation picks reach
+        the layer as expert 0 with weight 0, which would otherwise count as expert 0's load."""
+        return routing.topk_ids.masked_fill(routing.topk_weights == 0, -1)
 
     def extra_repr(self) -> str:
         s = self.shard
