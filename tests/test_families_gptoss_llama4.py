@@ -25,19 +25,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from generate_worlds import GenerateWorlds
 from router_parity import bf16_router_parity
 
 from moeshard.jobs.generate import (
     GenerateSpec,
     by_prompt,
     compare_generations,
-    generate_plans,
     generate_rank,
     plan_generate,
     reference_generate,
 )
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import RankFailure, spawn
 
 tf = pytest.importorskip("transformers")
 
@@ -294,25 +293,12 @@ WORLD_CASES = {
 def world(models):
     """world size -> {(layout name, family): (plan, per-rank results)}, every case of that size
     in one spawn."""
-    cache: dict[int, object] = {}
 
-    def get(ws: int):
-        if ws not in cache:
-            keys = [(layout.name, family) for layout, families in WORLD_CASES[ws] for family in families]
-            plans = [_plan(models, family, ParallelConfig.parse(layout)) for layout, family in keys]
-            try:
-                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
-                                 preload=("moeshard.jobs.generate",))
-            except RankFailure as failure:
-                cache[ws] = failure
-            else:
-                cache[ws] = {key: (plan, [per_rank[r][i] for r in range(ws)])
-                             for i, (key, plan) in enumerate(zip(keys, plans, strict=True))}
-        if isinstance(cache[ws], RankFailure):
-            pytest.fail(f"the {ws}-rank run failed:\n{cache[ws]}")
-        return cache[ws]
+    def cases(ws: int):
+        keys = [(layout.name, family) for layout, families in WORLD_CASES[ws] for family in families]
+        return keys, [_plan(models, family, ParallelConfig.parse(layout)) for layout, family in keys]
 
-    return get
+    return GenerateWorlds(cases, SPAWN_TIMEOUT_S)
 
 
 def _world_params():

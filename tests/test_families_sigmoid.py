@@ -30,18 +30,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from generate_worlds import GenerateWorlds
 from router_parity import bf16_router_parity, swapped_logits
 
 from moeshard.jobs.generate import (
     GenerateSpec,
     compare_generations,
-    generate_plans,
     generate_rank,
     plan_generate,
     reference_generate,
 )
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import RankFailure, spawn
 
 tf = pytest.importorskip("transformers")
 from huggingface_hub.errors import StrictDataclassError  # noqa: E402 - a config class's own validation
@@ -364,29 +363,18 @@ def world(models):
     """world size -> {(layout name, dtype, model_type): (plan, per-rank results)}: every family
     this transformers has, under every layout of that world size, in float32 (and in the 2-rank
     world ``BF16_FAMILIES`` under EP2 in bfloat16), in one spawn."""
-    cache = {}
 
-    def get(ws: int, slow: bool = False):
-        if (ws, slow) not in cache:
-            keys = [(layout, "float32", model_type) for layout in WORLD_LAYOUTS[ws] for model_type in FAMILIES
-                    if model_type in models and (model_type in SAME_PATH_AS) == slow]
-            if ws == BF16_EP2.world_size and not slow:
-                keys += [(BF16_EP2, "bfloat16", model_type) for model_type in BF16_FAMILIES if model_type in models]
-            plans = [_plan(models[model_type], layout, dtype) for layout, dtype, model_type in keys]
-            try:
-                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
-                                 preload=("moeshard.jobs.generate",))
-            except RankFailure as failure:
-                cache[ws, slow] = failure
-            else:
-                cache[ws, slow] = {(layout.name, dtype, model_type): (plan, [per_rank[r][i] for r in range(ws)])
-                                   for i, ((layout, dtype, model_type), plan) in enumerate(zip(keys, plans,
-                                                                                               strict=True))}
-        if isinstance(cache[ws, slow], RankFailure):
-            pytest.fail(f"the {ws}-rank run failed:\n{cache[ws, slow]}")
-        return cache[ws, slow]
+    def cases(key: tuple[int, bool]):
+        ws, slow = key
+        keys = [(layout, "float32", model_type) for layout in WORLD_LAYOUTS[ws] for model_type in FAMILIES
+                if model_type in models and (model_type in SAME_PATH_AS) == slow]
+        if ws == BF16_EP2.world_size and not slow:
+            keys += [(BF16_EP2, "bfloat16", model_type) for model_type in BF16_FAMILIES if model_type in models]
+        return ([(layout.name, dtype, model_type) for layout, dtype, model_type in keys],
+                [_plan(models[model_type], layout, dtype) for layout, dtype, model_type in keys])
 
-    return get
+    worlds = GenerateWorlds(cases, SPAWN_TIMEOUT_S)
+    return lambda ws, slow=False: worlds((ws, slow))
 
 
 def _layout_params():

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from generate_worlds import GenerateWorlds
 from router_parity import bf16_router_parity, swapped_logits
 
 from moeshard.checkpoint.families import FAMILIES as DESCRIPTORS
@@ -41,13 +42,11 @@ from moeshard.checkpoint.hf_config import parse_hf_config
 from moeshard.jobs.generate import (
     GenerateSpec,
     compare_generations,
-    generate_plans,
     generate_rank,
     plan_generate,
     reference_generate,
 )
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import RankFailure, spawn
 
 tf = pytest.importorskip("transformers")
 from huggingface_hub.errors import StrictDataclassError  # noqa: E402 - a config class's own validation
@@ -472,29 +471,18 @@ def world(models):
     """(world size, slow) -> {(layout name, dtype, family): (plan, per-rank results)} for the
     families present whose layout cases are (slow) or are not (fast) in ``SAME_PATH_AS``, in
     float32; the fast 2-rank world also runs ``BF16_FAMILIES`` under EP2 in bfloat16."""
-    cache: dict[tuple[int, bool], object] = {}
 
-    def get(ws: int, slow: bool):
-        if (ws, slow) not in cache:
-            cases = [(layout, "float32", f) for layout in LAYOUTS[ws] for f in FAMILIES
-                     if models[f] is not None and (f in SAME_PATH_AS) == slow]
-            if ws == BF16_EP2.world_size and not slow:
-                cases += [(BF16_EP2, "bfloat16", f) for f in BF16_FAMILIES if models[f] is not None]
-            keys = [(layout.name, dtype, f) for layout, dtype, f in cases]
-            plans = [_plan(models[f], layout, dtype) for layout, dtype, f in cases]
-            try:
-                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
-                                 preload=("moeshard.jobs.generate",))
-            except RankFailure as failure:
-                cache[ws, slow] = failure
-            else:
-                cache[ws, slow] = {key: (plan, [per_rank[r][i] for r in range(ws)])
-                                   for i, (key, plan) in enumerate(zip(keys, plans, strict=True))}
-        if isinstance(cache[ws, slow], RankFailure):
-            pytest.fail(f"the {ws}-rank run failed:\n{cache[ws, slow]}")
-        return cache[ws, slow]
+    def cases(key: tuple[int, bool]):
+        ws, slow = key
+        cases = [(layout, "float32", f) for layout in LAYOUTS[ws] for f in FAMILIES
+                 if models[f] is not None and (f in SAME_PATH_AS) == slow]
+        if ws == BF16_EP2.world_size and not slow:
+            cases += [(BF16_EP2, "bfloat16", f) for f in BF16_FAMILIES if models[f] is not None]
+        return ([(layout.name, dtype, f) for layout, dtype, f in cases],
+                [_plan(models[f], layout, dtype) for layout, dtype, f in cases])
 
-    return get
+    worlds = GenerateWorlds(cases, SPAWN_TIMEOUT_S)
+    return lambda ws, slow: worlds((ws, slow))
 
 
 def _layout_params():

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from generate_worlds import GenerateWorlds
 
 from moeshard.jobs.generate import (
     GenerateSpec,
     compare_generations,
-    generate_plans,
     plan_generate,
     reference_generate,
 )
 from moeshard.parallel.config import ParallelConfig
-from moeshard.parallel.spawn import RankFailure, spawn
 
 tf = pytest.importorskip("transformers")
 
@@ -236,25 +235,10 @@ GROUPS = {"sp": (ParallelConfig(1, 2, True),), "two": (ParallelConfig(2, 1, True
 
 @pytest.fixture(scope="module")
 def world(model_dir):
-    cache: dict = {}
+    def cases(group: str):
+        return [layout.name for layout in GROUPS[group]], [_plan(model_dir, layout) for layout in GROUPS[group]]
 
-    def get(group: str):
-        if group not in cache:
-            plans = [_plan(model_dir, layout) for layout in GROUPS[group]]
-            ws = plans[0].parallel.world_size
-            try:
-                per_rank = spawn(generate_plans, ws, args=(plans,), timeout_s=SPAWN_TIMEOUT_S,
-                                 preload=("moeshard.jobs.generate",))
-            except RankFailure as failure:
-                cache[group] = failure
-            else:
-                cache[group] = {plan.parallel.name: (plan, [per_rank[r][i] for r in range(ws)])
-                                for i, plan in enumerate(plans)}
-        if isinstance(cache[group], RankFailure):
-            pytest.fail(f"the {group} run failed:\n{cache[group]}")
-        return cache[group]
-
-    return get
+    return GenerateWorlds(cases, SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("group, layout", [
