@@ -1,12 +1,14 @@
 """``MoEExperts``: a transformers experts module run by moeshard on the routing transformers
 computed, for a family whose decoder layer or block routes itself (``ModelFamily.experts_only``:
-Gemma 4, DeepSeek-V4, ZAYA).
+Gemma 4, DeepSeek-V4, ZAYA, LongCat-Flash, Inkling's text model).
 
 Such a layer or block calls ``experts(rows [T, H], top_k_index [T, K], top_k_weights [T, K])``;
 its router reads an input the experts do not (Gemma 4's router normalizes and scales the residual
 stream, its experts get another norm of it; DeepSeek-V4's first layers pick experts by token id;
-ZAYA's MLP router adds the previous layer's router state), so moeshard cannot route the experts'
-rows itself. The layer holds no router (``routes_itself`` False): ZAYA's has no [E, H] weight.
+ZAYA's MLP router adds the previous layer's router state; LongCat-Flash's and Inkling's routers
+also score experts that are not the routed ones: zero-computation experts, the shared experts),
+so moeshard cannot route the experts' rows itself. The layer holds no router (``routes_itself``
+False): none of these three has an [E, H] weight.
 ``MoEExperts`` takes the ids and weights as given and runs everything after the router: dispatch
 under the layout, the experts, the combine. Under sequence parallelism each TP rank takes its
 chunk of the rows, ids and weights; with autograd the weights' chunk is cut by ``shard_rows``,
