@@ -383,9 +383,10 @@ def test_bf16_router_is_transformers_router(models, family):
 
 
 # family -> (the module that holds the router and the experts, relative to the decoder layer; the
-# router's class): the families whose transformers router routes (``experts_only``).
-GIVEN_ROUTING = {"gemma4_text": ("", "Gemma4TextRouter"), "zaya": ("mlp", "ZayaRouter"),
-                 "longcat_flash": ("mlp", "LongcatFlashTopkRouter"), "inkling_text": ("mlp", "InklingTopkRouter")}
+# router's attribute there; its class): the families whose transformers router routes (``experts_only``).
+GIVEN_ROUTING = {"gemma4_text": ("", "router", "Gemma4TextRouter"), "zaya": ("mlp", "gate", "ZayaRouter"),
+                 "longcat_flash": ("mlp", "router", "LongcatFlashTopkRouter"),
+                 "inkling_text": ("mlp", "gate", "InklingTopkRouter")}
 
 
 @pytest.mark.parametrize("family", GIVEN_ROUTING)
@@ -400,13 +401,13 @@ def test_given_routing_reaches_the_experts(models, family):
     from moeshard.integrations.given_routing import MoEExperts
     from moeshard.integrations.transformers import load_sharded_model
 
-    holder, router_class = GIVEN_ROUTING[family]
+    holder, router_name, router_class = GIVEN_ROUTING[family]
     model = load_sharded_model(_dir(models, family), dtype="bfloat16")
     plain = tf.AutoModelForCausalLM.from_pretrained(_dir(models, family), dtype=torch.bfloat16).eval()
 
     def parts(layer):
         block = layer.get_submodule(holder)
-        return (block.gate if family in ("zaya", "inkling_text") else block.router), block.experts
+        return getattr(block, router_name), block.experts
 
     moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.get_submodule(holder), "experts")]
     routed, handed, theirs = {}, {}, {}

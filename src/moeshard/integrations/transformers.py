@@ -483,7 +483,8 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
         error = exc
     agree(groups, error, "to prepare the model")
     assert cfg is not None and device is not None  # agree raised unless this rank prepared every block
-    family, identity = moe_model_info(model).family, moe_model_info(model).identity_experts
+    info = moe_model_info(model)
+    family, identity = info.family, info.identity_experts
     layers = _decoder_layers(model, family)
     while work:
         index, router, weights, bias, norm = work.pop(0)  # out of work: the full experts go with the old block
