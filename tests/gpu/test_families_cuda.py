@@ -1,10 +1,12 @@
 """Families with parts of their own on the GPU's inference path: Gemma 4 (the decoder layer's routing
 handed to moeshard's experts, the tanh-approximate GELU epilogue of the Triton kernels), JetMoE
 (the bias on the block's output), DeepSeek-V4 (its blocks' routing, the first layer's by token id,
-handed to moeshard's experts; the clamped SwiGLU epilogue) and A.X-K1 (the norm of the block's
-output). A family the installed transformers lacks, or cannot run in bfloat16 (then moeshard's
-refusal is checked), is skipped. A tiny random model from
-``scripts/make_tiny_moe.py`` loaded by ``load_sharded_model`` on the GPU in bfloat16, whose
+handed to moeshard's experts; the clamped SwiGLU epilogue), A.X-K1 (the norm of the block's
+output), ZAYA (its MLP router's picks, a skip among them, handed to experts without a router),
+LongCat-Flash (its zero-computation picks added after the layer) and Inkling's text model (routed
+experts normalized with its shared ones, their picks handed over). A family the installed
+transformers lacks, or cannot run in bfloat16 (then moeshard's refusal is checked), is skipped. A
+tiny random model from ``scripts/make_tiny_moe.py`` loaded by ``load_sharded_model`` on the GPU in bfloat16, whose
 experts run on the Triton kernels, against transformers on the GPU: its logits are as far from
 transformers' float32 logits as transformers' own bfloat16 logits are (twice that, plus one bf16
 step of the logits' scale), so a wrong epilogue, routing or bias fails (the CPU proofs in float32
@@ -24,7 +26,8 @@ import make_tiny_moe  # noqa: E402 - a script of this repository
 IDS = [[3, 17, 42, 5, 9, 1, 2, 3, 60, 61, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
-@pytest.mark.parametrize("family", ["gemma4_text", "jetmoe", "deepseek_v4", "axk1"])
+@pytest.mark.parametrize("family", ["gemma4_text", "jetmoe", "deepseek_v4", "axk1", "zaya", "longcat_flash",
+                                    "inkling_text"])
 def test_family_in_bfloat16_on_cuda_is_as_close_to_float32_as_transformers(tmp_path, family):
     from moeshard.checkpoint.hf_config import read_hf_config
     from moeshard.experts import GroupedExperts
