@@ -267,7 +267,7 @@ def test_zero_computation_experts_pass_the_row_through_scaled_by_their_weight():
         routed_only = plain(x, ids.masked_fill(ids >= 8, 0), w.masked_fill(ids >= 8, 0))
     through = torch.tensor([[0.25], [3.5], [0.0], [0.5]])  # each row's zero-computation weights, summed
     torch.testing.assert_close(got, routed_only + x * through, rtol=1e-6, atol=1e-6)
-    # Those picks reach the layer as expert 0 with weight 0, and count in no expert's load.
+    # Those picks reach the layer as empty picks (id -1), and count in no expert's load.
     assert with_identity.expert_loads().tolist() == [1, 1, 0, 1, 0, 1, 0, 0]
     with pytest.raises(ValueError, match=r"identity_experts must be an int >= 0, got -1"):
         MoEExperts(cfg, weights=weights, identity_experts=-1)

@@ -140,7 +140,10 @@ class MoELayer(nn.Module):
     load_window: forwards over which ``expert_loads`` counts tokens per logical expert;
     shared_stored: the shared MLP quantized with ``quant.shared`` as one expert (gate_up [1, 2S,
     H], down [1, H, S]), as an fp8 checkpoint stores it (``LoadedBlock.shared_stored``): run as
-    stored while ``weights``' shared tensors are its dequantization (``QuantizedSharedMLP``).
+    stored while ``weights``' shared tensors are its dequantization (``QuantizedSharedMLP``);
+    empty_picks: the routing may hold empty picks (id -1, ``Routing.empty_picks``), as
+    ``MoEExperts`` gives for zero-computation experts; a layer that routes itself gives none.
+    Backends with fixed-capacity buffers size them for these picks too.
 
     With a placement the router's logical ids become slot ids right after routing
     (``physical_ids``: deterministic, identical on every rank that sees a token); the backend is
@@ -175,7 +178,7 @@ class MoELayer(nn.Module):
                  local_experts: ExpertWeights | None = None, device=None,
                  max_tokens_per_rank: int | None = None, placement: Placement | None = None,
                  load_window: int = 64, recorder: StageRecorder | None = None,
-                 shared_stored: ExpertWeights | None = None) -> None:
+                 shared_stored: ExpertWeights | None = None, empty_picks: bool = False) -> None:
         super().__init__()
         quant = quant or QuantConfig()
         parallel = groups.config if groups is not None else ParallelConfig()
@@ -198,6 +201,7 @@ class MoELayer(nn.Module):
                 "max_tokens_per_rank": (max_tokens_per_rank or 0) if max_ok else -1,
                 "placement": placement_code(placement) if placement_ok else -1,
                 "load_window": load_window if is_int(load_window) else -1,
+                "empty_picks": int(bool(empty_picks)),
                 # Every other field of the config, each as a digest of its value: a rank with
                 # another activation, routing or scale would otherwise run without an error and
                 # give its peers a mixed result.
@@ -265,7 +269,7 @@ class MoELayer(nn.Module):
             backend_cfg = dataclasses.replace(backend_cfg, top_k=1)
             routed_max = None if routed_max is None else routed_max * cfg.top_k
         self.backend: DispatchBackend = BACKENDS[backend].factory(
-            BackendContext(backend_cfg, quant, groups, routed_max, recorder))
+            BackendContext(backend_cfg, quant, groups, routed_max, recorder, bool(empty_picks)))
         # A backend lacking what its registry entry declares is refused here, at build time; the
         # forward reads both again from self.backend (``_final_combine``, ``_payload_backend``).
         _final_combiner(self.backend, BACKENDS[backend].combine_final)
@@ -387,10 +391,13 @@ class MoELayer(nn.Module):
         """topk_ids: int64 [T, K] logical ids of T consecutive tokens of this rank's DP batch, the
         first at row ``first_row`` -> int64 [T, K] physical slot ids (``moeshard.eplb.placement``:
         a function of the token's row, its DP rank, k and the expert; the same on every rank).
-        The ids themselves without a placement. No host synchronisation."""
+        The ids themselves without a placement; an empty pick (-1) stays -1. No host
+        synchronisation."""
         if self.placement.is_identity:
             return topk_ids
-        return choose_replicas(topk_ids, self.replica_table, self.replica_count, first_row, self._dp_rank)
+        slots = choose_replicas(topk_ids.clamp(min=0), self.replica_table, self.replica_count, first_row,
+                                self._dp_rank)
+        return torch.where(topk_ids < 0, topk_ids, slots)
 
     def _replica_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """fp32 [S] per-slot amax of h -> the amax of each slot's logical expert over all its
@@ -429,7 +436,8 @@ class MoELayer(nn.Module):
                 raise ValueError(f"MoELayer: keep_router_logits is set but {type(self).__name__}.route returned no "
                                  f"logits (build its Routing with moeshard.router.route)")
             self.router_logits = (routing.logits.float(), first_row)  # fp32 (a model-dtype router's widened)
-        routing = Routing(self.physical_ids(routing.topk_ids, first_row), routing.topk_weights)
+        routing = Routing(self.physical_ids(routing.topk_ids, first_row), routing.topk_weights,
+                          empty_picks=routing.empty_picks)
         T = x.shape[0]
         if self.cfg.routing_kind.weights_on_input:
             x, routing = weighted_rows(x, routing, self.cfg.dtype)
@@ -439,7 +447,7 @@ class MoELayer(nn.Module):
             # This rank's experts compute one slice of I from x and the weights whole: their
             # gradients of both are partial sums over TP.
             x, weights = tp_copy(x, routing.topk_weights, group=self.groups.tp_group, trace=self.groups.trace)
-            routing = Routing(routing.topk_ids, weights)
+            routing = Routing(routing.topk_ids, weights, empty_picks=routing.empty_picks)
         if join_payload is not None:
             payload_backend = self._payload_backend()
             assert payload_backend is not None  # _start_payload starts one only for such a backend
@@ -455,6 +463,11 @@ class MoELayer(nn.Module):
         if grad and type(kernel) is not GroupedExperts:  # the Triton kernels are forward only
             kernel = GroupedExperts(self.cfg.activation, self.cfg.dtype)
         y = kernel(inp, self.experts.weights)
+        if routing.empty_picks:
+            # No expert computed the rows of empty picks (id -1, as padding): their output rows are
+            # unspecified, and the combine weighs every pair's row, so they become exact zeros
+            # (0 * an unwritten NaN would be NaN), which also leaves their weights no gradient.
+            y = y.masked_fill((inp.expert_ids < 0).unsqueeze(1), 0)
         if rec is not None:
             rec.record("experts", y=y)
         if grad:

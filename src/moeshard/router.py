@@ -60,11 +60,15 @@ class Routing:
     [T, E] the logits they were computed from (router bias included), which the training
     losses read (``moeshard.training.router_losses``), or None: fp32, or the model dtype where
     the router rounded them to it (``router_dtype="model"``) and the softmax or sigmoid routing
-    read them as they are (``_routing_in_kernel``); their fp32 widening is the same values."""
+    read them as they are (``_routing_in_kernel``); their fp32 widening is the same values.
+    empty_picks: True where topk_ids may hold -1, a pick of no expert (a routing given to
+    ``MoEExperts`` with zero-computation experts): no expert computes it, it adds nothing to its
+    token's output, and its weight, which must be 0, gets no gradient from the layer."""
 
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     logits: torch.Tensor | None = None
+    empty_picks: bool = False
 
 
 def _topk_low_index_first(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -341,4 +345,4 @@ def weighted_rows(x: torch.Tensor, routing: Routing, dtype: torch.dtype) -> tupl
     w = routing.topk_weights.to(dtype).float()
     rows = (x.float().unsqueeze(1) * w.unsqueeze(-1)).to(dtype).reshape(T * K, x.shape[1])
     ones = torch.ones(T * K, 1, dtype=torch.float32, device=x.device)
-    return rows, Routing(routing.topk_ids.reshape(T * K, 1), ones)
+    return rows, Routing(routing.topk_ids.reshape(T * K, 1), ones, empty_picks=routing.empty_picks)

@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, acc_dtype, combine_rows, pair_rows_backward
+from moeshard.dispatch.base import (
+    BackendContext,
+    Dispatched,
+    RowBackend,
+    acc_dtype,
+    combine_rows,
+    pair_destinations,
+    pair_rows_backward,
+)
 from moeshard.dispatch.packing import SlotLayout, pack, unpack
 from moeshard.parallel.collectives import all_to_allv, exchange_counts
 from moeshard.parallel.groups import ParallelGroups
@@ -52,6 +60,7 @@ class All2AllBackend(RowBackend):
         groups = self.groups = self.ep_groups()
         self.ep_size = groups.config.ep_size
         self.experts_per_rank = ctx.cfg.num_experts // self.ep_size
+        self.ep_rank = groups.index_in("ep")
 
     def _counts(self, dest: torch.Tensor) -> tuple[list[int], list[int]]:
         send = torch.bincount(dest, minlength=self.ep_size)
@@ -69,12 +78,12 @@ class All2AllBackend(RowBackend):
         p = self.payload(x)
         T, K = routing.topk_ids.shape
         ids = routing.topk_ids.reshape(-1)
-        dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")
+        dest, local = pair_destinations(ids, self.experts_per_rank, self.ep_rank, routing.empty_picks)
         order = torch.argsort(dest, stable=True)
         layout = SlotLayout.of(p)
         slots = torch.empty(T * K, layout.row, dtype=torch.uint8, device=x.device)
         pack(slots, torch.arange(T * K, device=x.device), p, torch.div(order, K, rounding_mode="floor"),
-             ids[order] - dest[order] * self.experts_per_rank, layout)
+             local[order], layout)
         send, recv = self._counts(dest)
         rows, scale, expert_ids = unpack(self._exchange(slots, send, recv), p, layout)
         row_of_pair = torch.empty_like(order)

@@ -61,7 +61,8 @@ class BackendContext:
     ``ParallelGroups`` (None for a layer outside any world); max_tokens: the most rows this rank
     routes in one forward (``MoELayer(max_tokens_per_rank=...)``, divided over the TP ranks under
     SP), or None when the layer was given no bound; recorder: the layer's ``StageRecorder``, or
-    None unless ``moeshard check --explain`` records the stages.
+    None unless ``moeshard check --explain`` records the stages; empty_picks: the routing may
+    hold empty picks (``Routing.empty_picks``; ``MoELayer(empty_picks=...)``).
     """
 
     cfg: MoEConfig
@@ -69,6 +70,7 @@ class BackendContext:
     groups: ParallelGroups | None = None
     max_tokens: int | None = None
     recorder: StageRecorder | None = None
+    empty_picks: bool = False
 
 
 class DispatchBackend(Protocol):
@@ -168,6 +170,22 @@ def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """Where combine sums and where its backward accumulates: fp32, or fp64 when a tensor is
     fp64 (the finite-difference checks run the backends in fp64; model dtypes never are)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def pair_destinations(ids: torch.Tensor, experts_per_rank: int, own_rank: int,
+                      empty_picks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: int64 [N] global expert (slot) ids of N routed pairs -> (dest int64 [N]: the EP rank
+    that holds each pair's expert, local int64 [N]: its index there). With ``empty_picks``, a
+    pair of id -1 (``Routing.empty_picks``) stays on this rank (``own_rank``, its index in the EP
+    group) as a padding row, local id -1: no expert computes it and no bytes cross a link, while
+    the backend's bookkeeping (every pair has a row to come back from) stays as it is."""
+    dest = torch.div(ids, experts_per_rank, rounding_mode="floor")
+    local = ids - dest * experts_per_rank
+    if empty_picks:
+        empty = ids < 0
+        dest = torch.where(empty, own_rank, dest)
+        local = torch.where(empty, -1, local)
+    return dest, local
 
 
 def combine_rows(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

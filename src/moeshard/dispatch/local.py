@@ -59,7 +59,8 @@ class LocalBackend(RowBackend):
         """The routed rows of ``dispatch`` from the payload p. Both public methods call this, not
         each other, so a check that wraps one of them sees only the layer's calls of it."""
         K = routing.topk_ids.shape[1]
-        inp = p.expert_input(p.rows, p.row_scale, routing.topk_ids.reshape(-1), repeat=K, padded=False)
+        inp = p.expert_input(p.rows, p.row_scale, routing.topk_ids.reshape(-1), repeat=K,
+                             padded=routing.empty_picks)
         w = routing.topk_weights
         return Dispatched(inp, LocalState(w.to(acc_dtype(w)).contiguous()))
 

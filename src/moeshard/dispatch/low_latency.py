@@ -30,7 +30,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, acc_dtype, combine_rows, pair_rows_backward
+from moeshard.dispatch.base import (
+    BackendContext,
+    Dispatched,
+    RowBackend,
+    acc_dtype,
+    combine_rows,
+    pair_destinations,
+    pair_rows_backward,
+)
 from moeshard.dispatch.packing import SlotLayout, pack, unpack
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.trace import traced
@@ -63,8 +71,11 @@ class LowLatencyBackend(RowBackend):
         self.peers = groups.config.ep_size
         self.experts_per_rank = cfg.num_experts // self.peers
         self.top_k, self.hidden = cfg.top_k, cfg.hidden_size
-        # A token's K experts are distinct, and at most E_l of them live on one peer.
-        self.capacity = max_tokens * min(cfg.top_k, self.experts_per_rank)
+        # A token's K experts are distinct, and at most E_l of them live on one peer; its empty
+        # picks stay on this rank (``pair_destinations``), so with them this rank's block may
+        # take all K of a token's pairs.
+        self.capacity = max_tokens * (cfg.top_k if ctx.empty_picks else min(cfg.top_k, self.experts_per_rank))
+        self.ep_rank = groups.index_in("ep")
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, name: str, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -78,11 +89,11 @@ class LowLatencyBackend(RowBackend):
         """(slot int64 [T*K], local expert id int32 [T*K]): pair i goes to row slot[i] of the
         P*C send rows, the position among the pairs for the same peer, in (token, k) order."""
         ids = routing.topk_ids.reshape(-1)
-        dest = torch.div(ids, self.experts_per_rank, rounding_mode="floor")
+        dest, local = pair_destinations(ids, self.experts_per_rank, self.ep_rank, routing.empty_picks)
         # (not F.one_hot: on CUDA it checks the values' range, a host synchronisation)
         onehot = (dest.unsqueeze(1) == torch.arange(self.peers, device=dest.device)).long()
         pos = (onehot.cumsum(0) - onehot).gather(1, dest.unsqueeze(1)).squeeze(1)
-        return dest * self.capacity + pos, (ids - dest * self.experts_per_rank).to(torch.int32)
+        return dest * self.capacity + pos, local.to(torch.int32)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         T, K = routing.topk_ids.shape

@@ -43,9 +43,10 @@ class MoEExperts(MoELayer):
     block (any router tensor given is checked for its shape, not used, nor held). layer: the
     decoder layer index (for messages). identity_experts: Z zero-computation experts beside the E
     routed ones (LongCat-Flash): ids E .. E + Z - 1 pass the row through, scaled by its weight.
-    Such picks go on to the layer as expert 0 with weight 0 (the dispatch has no empty pick), so
-    they cost expert 0 a row each, but count in no expert's load (``load_ids``); the rows' own
-    term is added after the layer, to whole rows, the same on every TP rank. Other arguments as ``MoELayer``.
+    Such picks go on to the layer as empty picks (id -1, weight 0: ``Routing.empty_picks``),
+    which no expert computes, no link carries and no expert's load counts; the rows' own term is
+    added after the layer, to whole rows, the same on every TP rank. Other arguments as
+    ``MoELayer``.
     """
 
     routes_itself = False
@@ -55,7 +56,7 @@ class MoEExperts(MoELayer):
         if not is_int(identity_experts) or identity_experts < 0:
             raise ValueError(f"MoEExperts (layer {layer}): identity_experts must be an int >= 0, got "
                              f"{identity_experts!r}")
-        super().__init__(cfg, **kwargs)
+        super().__init__(cfg, empty_picks=identity_experts > 0, **kwargs)
         self.layer_index = layer
         self.identity_experts = identity_experts
         self._given: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -82,10 +83,10 @@ class MoEExperts(MoELayer):
                 raise ValueError(f"{where}: {name} is on {t.device}, hidden_states on {hidden_states.device}")
         identity = None
         if self.identity_experts:
-            # A zero-computation pick adds weight * row; the layer sees it as expert 0 with weight 0.
+            # A zero-computation pick adds weight * row; the layer sees it as an empty pick.
             picked = top_k_index >= self.cfg.num_experts
             identity = (top_k_weights * picked).sum(-1, keepdim=True)
-            top_k_index = top_k_index.masked_fill(picked, 0)
+            top_k_index = top_k_index.masked_fill(picked, -1)
             top_k_weights = top_k_weights.masked_fill(picked, 0)
         self._given = (top_k_index.long(), top_k_weights)
         try:
@@ -108,8 +109,9 @@ class MoEExperts(MoELayer):
         assert self._given is not None  # set by forward
         ids, weights = self._given
         p = self.parallel
+        empty = self.identity_experts > 0
         if not p.is_sequence_parallel:
-            return Routing(ids, weights.float())
+            return Routing(ids, weights.float(), empty_picks=empty)
         assert self.groups is not None  # sequence parallelism needs tp > 1, hence groups
         chunk = SequenceChunk.of(ids.shape[0], p.tp_rank(self.groups.rank), p.tp)
         rows = slice(chunk.start, chunk.start + chunk.real)
@@ -118,12 +120,13 @@ class MoEExperts(MoELayer):
                               trace=self.groups.trace)
         else:
             mine = weights[rows].float()
-        return Routing(ids[rows], mine)
+        return Routing(ids[rows], mine, empty_picks=empty)
 
     def load_ids(self, routing: Routing) -> torch.Tensor:
         """The ids the load counter counts: a pick of weight exactly 0 contributes nothing and
-        counts nowhere (-1): ZAYA's skip class and LongCat-Flash's zero-computation picks reach
-        the layer as expert 0 with weight 0, which would otherwise count as expert 0's load."""
+        counts nowhere (-1): ZAYA's skip class reaches the layer as expert 0 with weight 0, which
+        would otherwise count as expert 0's load (LongCat-Flash's zero-computation picks are
+        empty picks, -1 already)."""
         return routing.topk_ids.masked_fill(routing.topk_weights == 0, -1)
 
     def extra_repr(self) -> str:
