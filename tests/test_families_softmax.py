@@ -397,7 +397,9 @@ def test_given_routing_reaches_the_experts(models, family):
     the same routing, within bf16's tolerance of one rounding). ZAYA's MLP router has no [E, H]
     weight, so the layer holds no router of its own; some of its rows pick the skip class, which
     reaches the experts as expert 0 with weight 0. LongCat-Flash's router picks some rows'
-    zero-computation experts (ids E and up), whose term the experts add."""
+    zero-computation experts (ids E and up), whose term the experts add. Both kinds of pick go
+    through the layer as empty picks: the experts' kernel is handed the routed picks only, the
+    others as padding rows (id -1)."""
     from moeshard.integrations.given_routing import MoEExperts
     from moeshard.integrations.transformers import load_sharded_model
 
@@ -410,7 +412,7 @@ def test_given_routing_reaches_the_experts(models, family):
         return getattr(block, router_name), block.experts
 
     moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.get_submodule(holder), "experts")]
-    routed, handed, theirs = {}, {}, {}
+    routed, handed, theirs, kernel_ids = {}, {}, {}, {}
     hooks = []
     for index in moe:
         router, experts = parts(model.model.layers[index])
@@ -418,6 +420,7 @@ def test_given_routing_reaches_the_experts(models, family):
         assert not hasattr(experts, "gate")  # the router is transformers'; the layer holds none
         hooks.append(router.register_forward_hook(lambda _m, _a, out, i=index: routed.__setitem__(i, out)))
         hooks.append(experts.register_forward_hook(lambda _m, args, out, i=index: handed.__setitem__(i, (args, out))))
+        experts.kernel = _recording(experts.kernel, kernel_ids.setdefault(index, []))
     for index in moe:
         hooks.append(parts(plain.model.layers[index])[1].register_forward_hook(
             lambda m, args, out, i=index: theirs.__setitem__(i, (m, out))))
@@ -442,6 +445,9 @@ def test_given_routing_reaches_the_experts(models, family):
         layer_experts = parts(model.model.layers[index])[1]
         real = (weights != 0) & (top_ids < layer_experts.cfg.num_experts)
         assert int(layer_experts.expert_loads().sum()) == int(real.sum()), (index, layer_experts.expert_loads())
+        if family in ("zaya", "longcat_flash"):  # the others' picks all reach an expert
+            (seen,) = kernel_ids[index]
+            assert torch.equal(seen, torch.where(real, top_ids, -1).reshape(-1)), index
     picks = sum(i.numel() for (_rows, i, _w), _out in handed.values())
     if family == "zaya":
         skipped = sum(int(((w == 0) & (i == 0)).sum()) for (_rows, i, w), _out in handed.values())
@@ -449,6 +455,16 @@ def test_given_routing_reaches_the_experts(models, family):
     if family == "longcat_flash":  # ids past the routed experts pick a zero-computation one
         identity = sum(int((i >= model.config.n_routed_experts).sum()) for (_rows, i, _w), _out in handed.values())
         assert 0 < identity < picks, identity
+
+
+def _recording(kernel, seen: list):
+    """``kernel`` (the layer's experts) keeping each call's expert ids [M] in ``seen``."""
+
+    def run(inp, weights):
+        seen.append(inp.expert_ids.clone())
+        return kernel(inp, weights)
+
+    return run
 
 
 def test_run_refuses_a_family_that_routes_in_its_decoder_layer(models, capsys):

@@ -269,6 +269,10 @@ class ModelFamily:
       the row through scaled by its weight (``MoEExperts(identity_experts=Z)``); transformers'
       experts module may hold gate_up rows for them, never used. Only for an ``experts_only``
       family without a linear router (its router is [E + Z, H]).
+    zero_weight_skips: the family's router marks a pick that skips the experts as expert 0 with
+      weight exactly 0 (ZAYA's skip class, set by a masked fill, so that weight has no gradient):
+      ``MoEExperts(zero_weight_skips=True)`` takes every given pick of weight 0 as an empty pick
+      (``Routing.empty_picks``), which no expert computes. Only for an ``experts_only`` family.
     linear_router: the router weight is a linear [E, H] over the block's input, which moeshard
       reads (True, every family that moeshard routes). False: it is some other tensor of a
       router moeshard never computes (ZAYA's MLP router ends in ``router_mlp.out_proj.weight``
@@ -375,6 +379,7 @@ class ModelFamily:
     experts_only: bool = False
     linear_router: bool = True
     identity_experts: str | None = None
+    zero_weight_skips: bool = False
     layer_count: str = "num_hidden_layers"
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -454,6 +459,9 @@ class ModelFamily:
                                                   or not self.identity_experts.isidentifier()):
             raise ValueError(f"{where}.identity_experts: {self.identity_experts!r} needs a config field name, "
                              f"experts_only=True and linear_router=False (transformers' router picks them)")
+        if not isinstance(self.zero_weight_skips, bool) or (self.zero_weight_skips and not self.experts_only):
+            raise ValueError(f"{where}.zero_weight_skips: {self.zero_weight_skips!r} must be a bool, True only with "
+                             f"experts_only=True (transformers' router marks the skips)")
         if not self.linear_router and not self.experts_only:
             raise ValueError(f"{where}: linear_router=False needs experts_only=True (moeshard routes every other "
                              f"family itself, with the router's [E, H] weight)")

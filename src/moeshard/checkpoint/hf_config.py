@@ -58,6 +58,8 @@ class HFMoEModel:
       source: the config file, for messages.
       identity_experts: Z, the zero-computation experts the family's router may pick beside the
         E routed ones (``ModelFamily.identity_experts``; 0 for every other family).
+      zero_weight_skips: the family's router marks skips as picks of weight 0
+        (``ModelFamily.zero_weight_skips``).
     """
 
     model_type: str
@@ -68,6 +70,7 @@ class HFMoEModel:
     checkpoint_format: str
     source: str
     identity_experts: int = 0
+    zero_weight_skips: bool = False
 
     @property
     def family(self) -> ModelFamily:
@@ -155,7 +158,7 @@ def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEMo
     return HFMoEModel(model_type=family.model_type, num_layers=num_layers, moe=moe,
                       dense_layers=family.dense_layers(f, num_layers), checkpoint_dtype=_checkpoint_dtype(raw, source),
                       checkpoint_format=checkpoint_format(raw, family, source).name, source=source,
-                      identity_experts=identity)
+                      identity_experts=identity, zero_weight_skips=family.zero_weight_skips)
 
 
 def read_hf_config(model_dir: str | Path) -> HFMoEModel:

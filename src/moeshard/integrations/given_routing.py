@@ -41,7 +41,10 @@ class MoEExperts(MoELayer):
     the weighted sum of the K experts' outputs, in the model dtype. ``weights`` as ``MoELayer``'s,
     but the router's tensors may be None: the router stays transformers', on the decoder layer or
     block (any router tensor given is checked for its shape, not used, nor held). layer: the
-    decoder layer index (for messages). identity_experts: Z zero-computation experts beside the E
+    decoder layer index (for messages). zero_weight_skips: a given pick of weight exactly 0 is a
+    skip (ZAYA's skip class, which its router gives as expert 0 with weight 0 by a masked fill,
+    so that weight has no gradient) and goes on as an empty pick; a pick of weight 0 of any other
+    family is computed as given. identity_experts: Z zero-computation experts beside the E
     routed ones (LongCat-Flash): ids E .. E + Z - 1 pass the row through, scaled by its weight.
     Such picks go on to the layer as empty picks (id -1, weight 0: ``Routing.empty_picks``),
     which no expert computes, no link carries and no expert's load counts; the rows' own term is
@@ -52,13 +55,16 @@ class MoEExperts(MoELayer):
     routes_itself = False
 
     def __init__(self, cfg: MoEConfig, *, layer: int | None = None, identity_experts: int = 0,
-                 **kwargs: Any) -> None:
+                 zero_weight_skips: bool = False, **kwargs: Any) -> None:
         if not is_int(identity_experts) or identity_experts < 0:
             raise ValueError(f"MoEExperts (layer {layer}): identity_experts must be an int >= 0, got "
                              f"{identity_experts!r}")
-        super().__init__(cfg, empty_picks=identity_experts > 0, **kwargs)
+        if not isinstance(zero_weight_skips, bool):
+            raise ValueError(f"MoEExperts (layer {layer}): zero_weight_skips must be a bool, got {zero_weight_skips!r}")
+        super().__init__(cfg, empty_picks=identity_experts > 0 or zero_weight_skips, **kwargs)
         self.layer_index = layer
         self.identity_experts = identity_experts
+        self.zero_weight_skips = zero_weight_skips
         self._given: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,  # type: ignore[override]
@@ -88,6 +94,9 @@ class MoEExperts(MoELayer):
             identity = (top_k_weights * picked).sum(-1, keepdim=True)
             top_k_index = top_k_index.masked_fill(picked, -1)
             top_k_weights = top_k_weights.masked_fill(picked, 0)
+        if self.zero_weight_skips:
+            # A skip (ZAYA's skip class) comes as expert 0 with weight 0: an empty pick.
+            top_k_index = top_k_index.masked_fill(top_k_weights == 0, -1)
         self._given = (top_k_index.long(), top_k_weights)
         try:
             out = self._forward(hidden_states)
@@ -109,7 +118,7 @@ class MoEExperts(MoELayer):
         assert self._given is not None  # set by forward
         ids, weights = self._given
         p = self.parallel
-        empty = self.identity_experts > 0
+        empty = self.identity_experts > 0 or self.zero_weight_skips
         if not p.is_sequence_parallel:
             return Routing(ids, weights.float(), empty_picks=empty)
         assert self.groups is not None  # sequence parallelism needs tp > 1, hence groups
@@ -124,9 +133,8 @@ class MoEExperts(MoELayer):
 
     def load_ids(self, routing: Routing) -> torch.Tensor:
         """The ids the load counter counts: a pick of weight exactly 0 contributes nothing and
-        counts nowhere (-1): ZAYA's skip class reaches the layer as expert 0 with weight 0, which
-        would otherwise count as expert 0's load (LongCat-Flash's zero-computation picks are
-        empty picks, -1 already)."""
+        counts nowhere (-1), an empty pick (-1) neither; without ``zero_weight_skips`` a skip
+        given as expert 0 with weight 0 would otherwise count as expert 0's load."""
         return routing.topk_ids.masked_fill(routing.topk_weights == 0, -1)
 
     def extra_repr(self) -> str:

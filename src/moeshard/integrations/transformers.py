@@ -484,27 +484,29 @@ def shard_moe_blocks(model: nn.Module, groups: ParallelGroups | None = None, *, 
     agree(groups, error, "to prepare the model")
     assert cfg is not None and device is not None  # agree raised unless this rank prepared every block
     info = moe_model_info(model)
-    family, identity = info.family, info.identity_experts
+    family, identity, skips = info.family, info.identity_experts, info.zero_weight_skips
     layers = _decoder_layers(model, family)
     while work:
         index, router, weights, bias, norm = work.pop(0)  # out of work: the full experts go with the old block
         _replace_block(layers[index], family, router, cfg, layer=index, quant=quant, groups=groups, backend=backend,
                        weights=weights, device=device, output_bias=bias, output_norm=norm,
-                       identity_experts=identity)
+                       identity_experts=identity, zero_weight_skips=skips)
     return model
 
 
 def _replace_block(decoder_layer: nn.Module, family: ModelFamily, router: nn.Module | None, cfg: MoEConfig, *,
                    output_bias: torch.Tensor | None = None, output_norm: nn.Module | None = None,
-                   identity_experts: int = 0, **kwargs: Any) -> None:
+                   identity_experts: int = 0, zero_weight_skips: bool = False, **kwargs: Any) -> None:
     """Puts moeshard's module in the decoder layer: an ``MoEBlock`` (with transformers' router) in
     place of the block, or for an ``experts_only`` family an ``MoEExperts`` in place of its
-    experts (the router stays where it is; ``identity_experts``: its zero-computation experts).
+    experts (the router stays where it is; ``identity_experts``: its zero-computation experts;
+    ``zero_weight_skips``: its router's skips are picks of weight 0).
     kwargs: ``MoELayer``'s, and ``layer``."""
     if family.experts_only:
         block = _block_of(decoder_layer, family)
         assert block is not None  # find_moe_blocks found it
-        setattr(block, family.experts, MoEExperts(cfg, identity_experts=identity_experts, **kwargs))
+        setattr(block, family.experts, MoEExperts(cfg, identity_experts=identity_experts,
+                                                  zero_weight_skips=zero_weight_skips, **kwargs))
         return
     assert router is not None  # every block family's router is loaded with its block
     setattr(decoder_layer, _block_attribute(decoder_layer, family),
@@ -745,7 +747,8 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
                        groups=groups, backend=backend, weights=weights, local_experts=block.local_experts,
                        device=device, max_tokens_per_rank=max_tokens_per_rank, shared_stored=block.shared_stored,
                        output_bias=biases.pop(index, None), output_norm=norms.pop(index, None),
-                       identity_experts=block.model.identity_experts)
+                       identity_experts=block.model.identity_experts,
+                       zero_weight_skips=block.model.zero_weight_skips)
     return model.eval()
 
 

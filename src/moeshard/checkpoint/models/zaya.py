@@ -9,7 +9,8 @@ rows to ``router_hidden_size`` (``gate.down_proj``), adds the previous layer's r
 MLP (``gate.router_mlp``: a norm, two GELU linears, ``out_proj`` [E + 1, router_hidden_size]).
 Softmax over E + 1 classes, the last a skip class; the top ``num_experts_per_tok`` of the
 probabilities plus fixed balancing biases; each weight the chosen class's probability (not
-renormalized). A pick of the skip class reaches the experts as expert 0 with weight 0.
+renormalized). A pick of the skip class reaches the experts as expert 0 with weight 0, set by a
+masked fill (``zero_weight_skips``: moeshard runs it as an empty pick, computed by no expert).
 
 So moeshard takes the router's ids and weights as given (``MoEExperts``) and replaces only
 ``mlp.experts``; the router and its state stay transformers' and load as dense tensors. The
@@ -31,4 +32,4 @@ def _moe(f: ConfigFields) -> MoEConfig:
 
 register_family(ModelFamily("zaya", {"hidden_act": "silu"}, _moe, every_layer, routing="softmax",
                             router_weight="router_mlp.out_proj.weight", linear_router=False, experts_only=True,
-                            formats=("bf16",), router_dtype="model"))
+                            zero_weight_skips=True, formats=("bf16",), router_dtype="model"))

@@ -1,0 +1,42 @@
+"""Empty picks on the Triton kernels: a routing given with zero-computation picks (id -1 in the
+layer, ``Routing.empty_picks``) leaves their output rows unwritten by the kernels, and the layer
+zeroes them before the combine. The memory the kernels' output takes is filled with NaN first,
+so an unzeroed row would show; the output is the definition of tests/test_empty_picks.py within
+bfloat16's rounding (the CPU proof in float32 is that file)."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_empty_picks import E, K, Z, _definition, _inputs  # noqa: E402 - the CPU test's definition
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8_token"])
+def test_empty_picks_on_the_triton_kernels_give_the_definition(scheme):
+    from moeshard.config import QuantConfig
+    from moeshard.experts import GroupedExperts
+    from moeshard.integrations.given_routing import MoEExperts
+    from moeshard.presets import PRESETS
+    from moeshard.weights import MoEWeights
+
+    cfg = dataclasses.replace(PRESETS["mixtral-8x7b"].config("small", torch.bfloat16), top_k=K)
+    full = MoEWeights.random(cfg, generator=torch.Generator().manual_seed(0))
+    layer = MoEExperts(cfg, quant=QuantConfig(scheme), weights=full, identity_experts=Z, device="cuda")
+    assert type(layer.kernel) is not GroupedExperts  # the Triton kernels
+    x, ids, weights = _inputs(0, cfg.hidden_size)
+    x = x.to(torch.bfloat16)
+    poison = torch.full((64 << 20,), float("nan"), device="cuda")  # the allocator hands this memory on
+    del poison
+    with torch.no_grad():
+        got = layer(x.cuda(), ids.cuda(), weights.cuda()).float().cpu()
+    want = _definition(x.float(), ids, weights, full.gate_up.to(torch.bfloat16).float(),
+                       full.down.to(torch.bfloat16).float())
+    assert got.isfinite().all()
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=(2**-6 if scheme == "none" else 2**-4) * scale)
+    assert E == cfg.num_experts
