@@ -467,7 +467,9 @@ class MoELayer(nn.Module):
             # No expert computed the rows of empty picks (id -1, as padding): their output rows are
             # unspecified, and the combine weighs every pair's row, so they become exact zeros
             # (0 * an unwritten NaN would be NaN), which also leaves their weights no gradient.
-            y = y.masked_fill((inp.expert_ids < 0).unsqueeze(1), 0)
+            # Without autograd y is the kernel's own new tensor, zeroed in place.
+            empty = (inp.expert_ids < 0).unsqueeze(1)
+            y = y.masked_fill(empty, 0) if grad else y.masked_fill_(empty, 0)
         if rec is not None:
             rec.record("experts", y=y)
         if grad:
