@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -170,3 +171,15 @@ def test_every_layout_and_ep_backend_gives_the_definition():
     definition's for its DP rank's tokens, the loads the routed picks only."""
     per_rank = spawn(_worker, 2, args=(LAYOUTS,), timeout_s=240, preload=("moeshard.layer",))
     assert per_rank == [[], []], per_rank
+
+
+def test_a_flag_that_is_not_a_bool_is_refused_by_name():
+    from moeshard.integrations.given_routing import MoEExperts
+    from moeshard.layer import MoELayer
+    from moeshard.presets import PRESETS
+
+    cfg = PRESETS["mixtral-8x7b"].config("small")
+    with pytest.raises(ValueError, match=r"MoELayer \(rank 0\): empty_picks must be a bool, got 'yes'"):
+        MoELayer(cfg, empty_picks="yes")
+    with pytest.raises(ValueError, match=r"MoEExperts \(layer 3\): zero_weight_skips must be a bool, got 1"):
+        MoEExperts(cfg, layer=3, zero_weight_skips=1)

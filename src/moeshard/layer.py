@@ -201,7 +201,7 @@ class MoELayer(nn.Module):
                 "max_tokens_per_rank": (max_tokens_per_rank or 0) if max_ok else -1,
                 "placement": placement_code(placement) if placement_ok else -1,
                 "load_window": load_window if is_int(load_window) else -1,
-                "empty_picks": int(bool(empty_picks)),
+                "empty_picks": int(empty_picks) if isinstance(empty_picks, bool) else -1,
                 # Every other field of the config, each as a digest of its value: a rank with
                 # another activation, routing or scale would otherwise run without an error and
                 # give its peers a mixed result.
@@ -212,6 +212,8 @@ class MoELayer(nn.Module):
                              f"got {max_tokens_per_rank!r}")
         if not is_int(load_window) or load_window < 1:
             raise ValueError(f"MoELayer (rank {rank}): load_window must be an int >= 1, got {load_window!r}")
+        if not isinstance(empty_picks, bool):
+            raise ValueError(f"MoELayer (rank {rank}): empty_picks must be a bool, got {empty_picks!r}")
         parallel.validate(parallel.world_size, cfg, rank)
         self.placement = self._check_placement(placement, cfg, parallel, rank)
         self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
@@ -269,7 +271,7 @@ class MoELayer(nn.Module):
             backend_cfg = dataclasses.replace(backend_cfg, top_k=1)
             routed_max = None if routed_max is None else routed_max * cfg.top_k
         self.backend: DispatchBackend = BACKENDS[backend].factory(
-            BackendContext(backend_cfg, quant, groups, routed_max, recorder, bool(empty_picks)))
+            BackendContext(backend_cfg, quant, groups, routed_max, recorder, empty_picks))
         # A backend lacking what its registry entry declares is refused here, at build time; the
         # forward reads both again from self.backend (``_final_combine``, ``_payload_backend``).
         _final_combiner(self.backend, BACKENDS[backend].combine_final)
