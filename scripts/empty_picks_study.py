@@ -1,7 +1,7 @@
 """What empty picks save: LongCat-Flash's block on one GPU, its zero-computation picks run as empty
 picks (id -1, no expert computes them) against the way they ran before, as expert 0 with weight 0.
 
-    PYTHONPATH=src python3 scripts/empty_picks_study.py [--experts 512] [--tokens 16,128,4096,16384] \\
+    PYTHONPATH=src python3 scripts/empty_picks_study.py [--experts 256] [--tokens 16,128,4096,16384] \\
         [--rounds 2] [--reps 10] [--json OUT.json]
 
 The block is LongCat-Flash's shape (H 6144, expert I 2048, top-12 of E routed and E / 2
@@ -50,7 +50,8 @@ def picks(tokens: int, experts: int, zero: int, gen: torch.Generator, device: to
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--experts", type=int, default=256,
+                   help="routed experts (LongCat-Flash has 512; three copies of theirs fit an H200, not an H100)")
     p.add_argument("--tokens", default="16,128,4096,16384")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reps", type=int, default=10)
