@@ -20,6 +20,8 @@ BENCH = ["--backward", "--device", "cpu", "--size", "small", "--models", "qwen3-
          "--prefill-tokens", "16", "--reps", "1"]
 
 
+# Four CPU benches (about 14 s on two cores) of a study tool: make test-slow.
+@pytest.mark.slow
 def test_two_rounds_alternate_and_the_summary_holds_every_round(tmp_path, capsys):
     base = tmp_path / "base" / "src"
     shutil.copytree(ROOT / "src" / "moeshard", base / "moeshard", ignore=shutil.ignore_patterns("__pycache__"))

@@ -109,6 +109,8 @@ def test_every_decode_layer_study_variant_is_built(model):
                 assert torch.equal(y, out), name
 
 
+# A study's variant through the interpreter (about 5 s each on two cores): make test-slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token"])
 def test_plan_made_ahead_is_the_call_without_its_plan(interpreted_kernels, scheme):
     """``bench.study.plan_made_ahead`` (the studies' variant that times the experts without their
