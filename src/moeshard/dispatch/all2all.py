@@ -23,16 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.dispatch.base import (
-    BackendContext,
-    Dispatched,
-    RowBackend,
-    acc_dtype,
-    combine_rows,
-    pair_destinations,
-    pair_rows_backward,
-)
-from moeshard.dispatch.packing import SlotLayout, pack, unpack
+from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, acc_dtype, combine_rows, pair_rows_backward
+from moeshard.dispatch.packing import SlotLayout, pack, pair_destinations, unpack
 from moeshard.parallel.collectives import all_to_allv, exchange_counts
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.router import Routing

@@ -172,22 +172,6 @@ def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def pair_destinations(ids: torch.Tensor, experts_per_rank: int, own_rank: int,
-                      empty_picks: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids: int64 [N] global expert (slot) ids of N routed pairs -> (dest int64 [N]: the EP rank
-    that holds each pair's expert, local int64 [N]: its index there). With ``empty_picks``, a
-    pair of id -1 (``Routing.empty_picks``) stays on this rank (``own_rank``, its index in the EP
-    group) as a padding row, local id -1: no expert computes it and no bytes cross a link, while
-    the backend's bookkeeping (every pair has a row to come back from) stays as it is."""
-    dest = torch.div(ids, experts_per_rank, rounding_mode="floor")
-    local = ids - dest * experts_per_rank
-    if empty_picks:
-        empty = ids < 0
-        dest = torch.where(empty, own_rank, dest)
-        local = torch.where(empty, -1, local)
-    return dest, local
-
-
 def combine_rows(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """fp32 [T, H] (fp64 for fp64 inputs, ``acc_dtype``): ``out[t] = sum_k weights[t, k] *
     y[rows[t, k]]``, summed over k in order (deterministic), in one pass on CUDA

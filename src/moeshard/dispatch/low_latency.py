@@ -30,16 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeshard.dispatch.base import (
-    BackendContext,
-    Dispatched,
-    RowBackend,
-    acc_dtype,
-    combine_rows,
-    pair_destinations,
-    pair_rows_backward,
-)
-from moeshard.dispatch.packing import SlotLayout, pack, unpack
+from moeshard.dispatch.base import BackendContext, Dispatched, RowBackend, acc_dtype, combine_rows, pair_rows_backward
+from moeshard.dispatch.packing import SlotLayout, pack, pair_destinations, unpack
 from moeshard.parallel.groups import ParallelGroups
 from moeshard.parallel.trace import traced
 from moeshard.router import Routing

@@ -5,6 +5,7 @@ bytes), its row scales and its int32 local expert id into one uint8 slot of a se
 dispatch is one collective instead of three, and ``unpack`` views the received buffer as the
 experts' rows, scales and ids without copying. Every section of a slot starts on a 16-byte
 boundary, so the views are aligned for vector loads (and for Hopper's TMA).
+``pair_destinations`` says which EP rank each pair's slot goes to, and its expert id there.
 """
 
 from __future__ import annotations
@@ -72,3 +73,19 @@ def unpack(recv: torch.Tensor, payload: Payload, layout: SlotLayout) -> tuple[to
     if payload.row_scale is not None:
         scale = recv[:, layout.scale_at:layout.scale_at + layout.scale].view(payload.row_scale.dtype)
     return rows, scale, layout.ids(recv).long()
+
+
+def pair_destinations(ids: torch.Tensor, experts_per_rank: int, own_rank: int,
+                      empty_picks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: int64 [N] global expert (slot) ids of N routed pairs -> (dest int64 [N]: the EP rank
+    that holds each pair's expert, local int64 [N]: its index there). With ``empty_picks``, a
+    pair of id -1 (``Routing.empty_picks``) stays on this rank (``own_rank``, its index in the EP
+    group) as a padding row, local id -1: no expert computes it and no bytes cross a link, while
+    the backend's bookkeeping (every pair has a row to come back from) stays as it is."""
+    dest = torch.div(ids, experts_per_rank, rounding_mode="floor")
+    local = ids - dest * experts_per_rank
+    if empty_picks:
+        empty = ids < 0
+        dest = torch.where(empty, own_rank, dest)
+        local = torch.where(empty, -1, local)
+    return dest, local
