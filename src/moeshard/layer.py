@@ -217,6 +217,7 @@ class MoELayer(nn.Module):
         parallel.validate(parallel.world_size, cfg, rank)
         self.placement = self._check_placement(placement, cfg, parallel, rank)
         self.cfg, self.quant, self.groups, self.parallel, self.backend_name = cfg, quant, groups, parallel, backend
+        self.empty_picks = empty_picks
         self.device = torch.device(device) if device is not None else (groups.device if groups else torch.device("cpu"))
         self.kernel: ExpertKernel = select_kernel(cfg.activation, cfg.dtype, self.device, quant.scheme)
         ok, reason = support(backend, quant, parallel, device=self.device.type,

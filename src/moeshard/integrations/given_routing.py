@@ -118,9 +118,8 @@ class MoEExperts(MoELayer):
         assert self._given is not None  # set by forward
         ids, weights = self._given
         p = self.parallel
-        empty = self.identity_experts > 0 or self.zero_weight_skips
         if not p.is_sequence_parallel:
-            return Routing(ids, weights.float(), empty_picks=empty)
+            return Routing(ids, weights.float(), empty_picks=self.empty_picks)
         assert self.groups is not None  # sequence parallelism needs tp > 1, hence groups
         chunk = SequenceChunk.of(ids.shape[0], p.tp_rank(self.groups.rank), p.tp)
         rows = slice(chunk.start, chunk.start + chunk.real)
@@ -129,7 +128,7 @@ class MoEExperts(MoELayer):
                               trace=self.groups.trace)
         else:
             mine = weights[rows].float()
-        return Routing(ids[rows], mine, empty_picks=empty)
+        return Routing(ids[rows], mine, empty_picks=self.empty_picks)
 
     def load_ids(self, routing: Routing) -> torch.Tensor:
         """The ids the load counter counts: a pick of weight exactly 0 contributes nothing and
