@@ -71,7 +71,9 @@ def test_an_empty_pick_is_computed_by_no_expert_and_adds_nothing():
     """One rank, float32: the layer's output and the gradients of its rows, of the given weights
     and of the experts equal the definition, and the experts are handed no row of an empty pick
     but as padding (id -1). A kernel that leaves those rows NaN, as the Triton kernels leave them
-    unwritten, still gives the definition: the layer zeroes them before the combine."""
+    unwritten, still gives the definition: the local backend's combine skips them
+    (``BackendSpec.combine_skips_empty``), and the layer hands them on unzeroed, saving a pass
+    over the experts' output; a backend without the flag gets them zeroed by the layer."""
     from moeshard.integrations.given_routing import MoEExperts
     from moeshard.presets import PRESETS
     from moeshard.weights import MoEWeights
@@ -95,11 +97,35 @@ def test_an_empty_pick_is_computed_by_no_expert_and_adds_nothing():
         return y.masked_fill((inp.expert_ids < 0).unsqueeze(1), float("nan"))
 
     layer.kernel = poisoning  # forward only, as the Triton kernels (a backward runs the portable experts)
+    combined = []
+    combine_final = layer.backend.combine_final
+
+    def watching(y, *args):
+        combined.append(int(y.isnan().any(dim=1).sum()))
+        return combine_final(y, *args)
+
+    layer.backend.combine_final = watching  # the layer reads the method at each forward
     with torch.no_grad():
         poisoned = layer(x, ids, weights)
-    layer.kernel = kernel
+    del layer.backend.combine_final
     assert torch.equal(seen[0], torch.where(routed, ids, -1).reshape(-1))  # local: token-major pairs
+    assert combined == [int((~routed).sum())]  # the empty picks' rows reached the combine as the kernel left them
     torch.testing.assert_close(poisoned, out, rtol=0, atol=0)
+
+    from moeshard.dispatch.registry import BACKENDS
+    spec = BACKENDS["local"]
+    BACKENDS["local"] = dataclasses.replace(spec, combine_skips_empty=False)
+    combined.clear()
+    try:
+        layer.backend.combine_final = watching
+        with torch.no_grad():
+            zeroed = layer(x, ids, weights)
+    finally:
+        BACKENDS["local"] = spec
+        del layer.backend.combine_final
+    layer.kernel = kernel
+    assert combined == [0]  # a combine that weighs every row gets them as zeros
+    torch.testing.assert_close(zeroed, out, rtol=0, atol=0)
 
     xr, wr = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
     gate_up = full.gate_up.clone().requires_grad_(True)

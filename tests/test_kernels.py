@@ -613,6 +613,38 @@ def test_combine_topk(interpreted_kernels):
     assert (combine_topk(padded, w, rows).double() - ref).abs().max() < 1e-5
 
 
+def test_combine_topk_skips_empty_picks(interpreted_kernels, exact_interpreter):
+    """Given the pairs' expert ids, a pair of id -1 (an empty pick) adds nothing: its row, which no
+    expert wrote (NaN here), and its weight (nonzero here) are ignored, in token-major and gathered
+    order, with and without the addend; the local backend's combine off CUDA does the same."""
+    combine_topk = interpreted_kernels.combine.combine_topk
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(12, 40, generator=g).to(torch.bfloat16)
+    w = torch.rand(4, 3, generator=g) + 0.5
+    ids = torch.tensor([[2, -1, 0], [-1, -1, -1], [1, 3, 2], [-1, 0, 3]])
+    empty = (ids < 0).reshape(-1)
+    poisoned = y.masked_fill(empty.unsqueeze(1), float("nan"))
+    ref = (y.masked_fill(empty.unsqueeze(1), 0).view(4, 3, 40).double() * w.double()[..., None]).sum(1)
+    got = combine_topk(poisoned, w, pair_ids=ids)
+    assert (got.double() - ref).abs().max() < 1e-5 and got[1].eq(0).all()
+    rows = torch.tensor([[7, 0, 3], [11, 2, 5], [1, 9, 4], [6, 10, 8]])
+    padded = torch.full((14, 40), float("nan"), dtype=torch.bfloat16)
+    padded[rows.reshape(-1)] = poisoned
+    assert (combine_topk(padded, w, rows, pair_ids=ids).double() - ref).abs().max() < 1e-5
+    shared = torch.randn(4, 40, generator=g).to(torch.bfloat16)
+    with_shared = combine_topk(poisoned, w, addend=shared, out_dtype=torch.bfloat16, pair_ids=ids)
+    assert torch.equal(with_shared, torch.add(got, shared, out=torch.empty_like(shared)))
+    with pytest.raises(ValueError, match=r"pair_ids must be a contiguous \[4, 3\] index"):
+        combine_topk(y, w, pair_ids=ids[:, :2])
+    from moeshard.dispatch.base import Dispatched
+    from moeshard.dispatch.local import LocalState
+    backend = LocalBackend(BackendContext(MoEConfig(num_experts=4, top_k=3, hidden_size=40, intermediate_size=8,
+                                                    dtype=torch.bfloat16), QuantConfig(), empty_picks=True))
+    d = Dispatched(None, LocalState(w, ids))
+    assert (backend.combine(poisoned, d).double() - ref).abs().max() < 1e-5
+    assert torch.equal(backend.combine_final(poisoned, d, shared, torch.bfloat16), with_shared)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_combine_topk_adds_and_rounds_as_the_layer_did(interpreted_kernels, exact_interpreter, dtype):
     """The combine that finishes the layer's sum: the top-k sum plus the shared experts' rows in

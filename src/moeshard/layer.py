@@ -466,10 +466,12 @@ class MoELayer(nn.Module):
         if grad and type(kernel) is not GroupedExperts:  # the Triton kernels are forward only
             kernel = GroupedExperts(self.cfg.activation, self.cfg.dtype)
         y = kernel(inp, self.experts.weights)
-        if routing.empty_picks:
+        if routing.empty_picks and (grad or rec is not None or not BACKENDS[self.backend.name].combine_skips_empty):
             # No expert computed the rows of empty picks (id -1, as padding): their output rows are
-            # unspecified, and the combine weighs every pair's row, so they become exact zeros
-            # (0 * an unwritten NaN would be NaN), which also leaves their weights no gradient.
+            # unspecified. A combine that weighs every pair's row needs them as exact zeros (0 * an
+            # unwritten NaN would be NaN), and so do the backward (their weights get no gradient)
+            # and the recorded stage; a forward through a combine that skips them
+            # (``BackendSpec.combine_skips_empty``) saves this pass over y.
             # Without autograd y is the kernel's own new tensor, zeroed in place.
             empty = (inp.expert_ids < 0).unsqueeze(1)
             y = y.masked_fill(empty, 0) if grad else y.masked_fill_(empty, 0)

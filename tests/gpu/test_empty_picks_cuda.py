@@ -1,7 +1,7 @@
 """Empty picks on the Triton kernels: a routing given with zero-computation picks (id -1 in the
-layer, ``Routing.empty_picks``) leaves their output rows unwritten by the kernels, and the layer
-zeroes them before the combine. The memory the kernels' output takes is filled with NaN first,
-so an unzeroed row would show; the output is the definition of tests/test_empty_picks.py within
+layer, ``Routing.empty_picks``) leaves their output rows unwritten by the kernels, and the local
+backend's Triton combine skips them (the layer no longer zeroes them). The memory the kernels'
+output takes is filled with NaN first, so a row read would show; the output is the definition of tests/test_empty_picks.py within
 bfloat16's rounding (the CPU proof in float32 is that file)."""
 
 import dataclasses

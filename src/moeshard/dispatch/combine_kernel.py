@@ -6,7 +6,9 @@ come back in another order (each pair's row in the received buffer). One pass re
 once and writes out once (the generic ``index_add_`` path materialises ``y.float() * w`` first
 and accumulates with atomics). The sum runs over k in order, so the result is deterministic. It
 may also add a [T, H] addend (the shared experts) and round to the model dtype as it stores, so
-that neither the fp32 sum nor a separate cast pass reaches memory.
+that neither the fp32 sum nor a separate cast pass reaches memory. Given the pairs' expert ids,
+it skips the empty picks (id -1, ``Routing.empty_picks``): their rows, which no expert wrote, are
+not read, and they add exactly nothing.
 
 ``combine_topk_backward`` is the backward of the token-major combine in one pass as well: per
 token it reads dL/d(out) and its K rows once and writes both gradients (the torch path,
@@ -24,8 +26,9 @@ BLOCK_H = 1024
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, rows_ptr, add_ptr, out_ptr, H, stride_y, stride_w, stride_a, stride_o,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, GATHER: tl.constexpr, ADD: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, rows_ptr, ids_ptr, add_ptr, out_ptr, H, stride_y, stride_w, stride_a, stride_o,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, GATHER: tl.constexpr, SKIP: tl.constexpr,
+                    ADD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -36,7 +39,12 @@ def _combine_kernel(y_ptr, w_ptr, rows_ptr, add_ptr, out_ptr, H, stride_y, strid
             row = tl.load(rows_ptr + t * TOP_K + k)
         else:
             row = t * TOP_K + k
-        y = tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0)
+        if SKIP:  # an empty pick: its row is not read and its term is an exact zero
+            picked = tl.load(ids_ptr + t * TOP_K + k) >= 0
+            y = tl.load(y_ptr + row * stride_y + cols, mask=cols < tl.where(picked, H, 0), other=0.0)
+            weight = tl.where(picked, weight, 0.0)
+        else:
+            y = tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0)
         acc += weight * y.to(tl.float32)
     if ADD:  # after the K terms, as the layer adds the shared experts to the finished sum
         acc += tl.load(add_ptr + t * stride_a + cols, mask=ok, other=0.0).to(tl.float32)
@@ -45,11 +53,13 @@ def _combine_kernel(y_ptr, w_ptr, rows_ptr, add_ptr, out_ptr, H, stride_y, strid
 
 
 def combine_topk(y: torch.Tensor, topk_weights: torch.Tensor, rows: torch.Tensor | None = None, *,
-                 addend: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 addend: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                 pair_ids: torch.Tensor | None = None) -> torch.Tensor:
     """y: [R, H] any float dtype; topk_weights: fp32 [T, K]; rows: int64 [T, K] row of y of each
     (token, k) pair, or None for token-major rows (R = T * K, pair (t, k) at row t * K + k);
-    addend: [T, H] (any float dtype) added in fp32 after the K terms, or None -> [T, H] in
-    out_dtype, the fp32 sum rounded once."""
+    addend: [T, H] (any float dtype) added in fp32 after the K terms, or None; pair_ids: integer
+    [T, K] expert id of each pair, or None: a pair of id < 0 (an empty pick) adds nothing, whatever
+    its row of y and its weight hold -> [T, H] in out_dtype, the fp32 sum rounded once."""
     T, K = topk_weights.shape
     H = y.shape[1]
     out = torch.empty(T, H, dtype=out_dtype, device=y.device)
@@ -61,11 +71,14 @@ def combine_topk(y: torch.Tensor, topk_weights: torch.Tensor, rows: torch.Tensor
         raise ValueError(f"combine_topk: rows must be a contiguous [{T}, {K}] index, got {list(rows.shape)}")
     if addend is not None and (tuple(addend.shape) != (T, H) or addend.stride(1) != 1):
         raise ValueError(f"combine_topk: addend must be [{T}, {H}] with contiguous rows, got {list(addend.shape)}")
+    if pair_ids is not None and (tuple(pair_ids.shape) != (T, K) or not pair_ids.is_contiguous()):
+        raise ValueError(f"combine_topk: pair_ids must be a contiguous [{T}, {K}] index, got {list(pair_ids.shape)}")
     _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, topk_weights, rows if rows is not None else topk_weights,
+                                                  pair_ids if pair_ids is not None else topk_weights,
                                                   addend if addend is not None else out, out, H, y.stride(0),
                                                   topk_weights.stride(0), addend.stride(0) if addend is not None else 0,
                                                   out.stride(0), TOP_K=K, BLOCK_H=BLOCK_H, GATHER=rows is not None,
-                                                  ADD=addend is not None, num_warps=4)
+                                                  SKIP=pair_ids is not None, ADD=addend is not None, num_warps=4)
     return out
 
 

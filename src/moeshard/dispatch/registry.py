@@ -49,6 +49,10 @@ class BackendSpec:
     payload_first: it has ``dispatch_payload`` (``dispatch.base.PayloadFirstBackend``: dispatch
     from the payload of x made beforehand; its payload needs neither the routing nor a
     collective), so the layer's forward on CUDA makes the payload on a side stream while it routes.
+    combine_skips_empty: its combine (and ``combine_final``) adds nothing for a pair of id -1 (an
+    empty pick, ``Routing.empty_picks``) whatever the experts' output row of that pair holds, so
+    the layer's forward hands it those rows as the experts left them; for any other backend the
+    layer first zeroes them in a pass over the experts' output.
     """
 
     name: str
@@ -64,6 +68,7 @@ class BackendSpec:
     backward: bool = False
     combine_final: bool = False
     payload_first: bool = False
+    combine_skips_empty: bool = False
 
     def supported_quants(self) -> tuple[str, ...]:
         return scheme_names() if self.quants is None else self.quants
@@ -115,7 +120,7 @@ def unregister_backend(name: str) -> None:
 for _spec in (
     BackendSpec("local", "no_ep", FLAT, True, (),
                 "no expert parallelism: each rank computes all (TP-sliced) experts for its tokens", _local,
-                graph_safe=True, backward=True, combine_final=True, payload_first=True),
+                graph_safe=True, backward=True, combine_final=True, payload_first=True, combine_skips_empty=True),
     BackendSpec("allgather_reducescatter", "ep", FLAT, True, (),
                 "all-gather tokens+routing over EP, local experts, reduce-scatter back (uneven)", _agrs,
                 backward=True),
