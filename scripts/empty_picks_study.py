@@ -12,16 +12,22 @@ kernels, captured in a CUDA graph, the bench's L2 flush before each repetition, 
 rounds (``moeshard.bench.timing.alternating_medians``):
 
 - ``empty``: ``MoEExperts(identity_experts=E / 2)``, the layer as it is;
+- ``zeroed``: the same layer with the local backend's ``combine_skips_empty`` off while it is
+  captured, so the layer zeroes the empty picks' rows of the experts' output in a pass of its own
+  before the combine (what that flag saves);
 - ``expert0``: the same weights in ``MoEExperts()``, given each zero-computation pick as expert 0
   with weight 0, and the zero-computation term added after it, as the layer did before empty picks.
 
-Both give the same output (checked first, within one bf16 step of the output's scale). Prints a table of median ms and the ratio
-expert0 / empty; ``--json`` writes it with the device and the command.
+All give the same output (checked first, within one bf16 step of the output's scale). Prints a
+table of median ms and the ratios expert0 / empty and zeroed / empty; ``--json`` writes it with the
+device and the command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -35,6 +41,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from moeshard.bench.timing import L2Flush, alternating_medians  # noqa: E402
 from moeshard.bench.workload import _randn  # noqa: E402
 from moeshard.config import MoEConfig  # noqa: E402
+from moeshard.dispatch.registry import BACKENDS  # noqa: E402
 from moeshard.integrations.given_routing import MoEExperts  # noqa: E402
 from moeshard.weights import MoEWeights  # noqa: E402
 
@@ -46,6 +53,18 @@ def picks(tokens: int, experts: int, zero: int, gen: torch.Generator, device: to
     ids = torch.rand(tokens, experts + zero, generator=gen, device=device).argsort(dim=1)[:, :K]
     weights = torch.rand(tokens, K, generator=gen, device=device) * 0.5 + 0.05
     return ids, weights
+
+
+@contextlib.contextmanager
+def zeroing_layer():
+    """The local backend declared without ``combine_skips_empty`` inside the block: a forward run
+    (or captured) there zeroes the empty picks' rows in the layer before the combine."""
+    spec = BACKENDS["local"]
+    BACKENDS["local"] = dataclasses.replace(spec, combine_skips_empty=False)
+    try:
+        yield
+    finally:
+        BACKENDS["local"] = spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         def run_empty(x=x, ids=ids, w=w):
             return empty(x, ids, w)
 
+        def run_zeroed(x=x, ids=ids, w=w):
+            with zeroing_layer():
+                return empty(x, ids, w)
+
         def run_expert0(x=x, ids0=ids0, w0=w0, through=through):
             out = plain(x, ids0, w0)
             return (out.float() + x.float() * through).to(out.dtype)
@@ -92,14 +115,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"tokens {tokens}: the variants differ by {(a - b).abs().max():.3g} (scale {scale:.3g})",
                       file=sys.stderr)
                 return 1
-            per_round, median = alternating_medians({"empty": run_empty, "expert0": run_expert0},
-                                                    rounds=args.rounds, reps=args.reps, flush=flush)
+            if not torch.equal(run_zeroed(), run_empty()):
+                print(f"tokens {tokens}: zeroing the empty picks' rows in the layer changed the output",
+                      file=sys.stderr)
+                return 1
+            per_round, median = alternating_medians(
+                {"empty": run_empty, "zeroed": run_zeroed, "expert0": run_expert0},
+                rounds=args.rounds, reps=args.reps, flush=flush)
         row = {"tokens": tokens, "zero_fraction": float(zero.float().mean()), "empty_ms": median["empty"],
-               "expert0_ms": median["expert0"], "expert0_over_empty": median["expert0"] / median["empty"],
-               "rounds": per_round}
+               "zeroed_ms": median["zeroed"], "expert0_ms": median["expert0"],
+               "expert0_over_empty": median["expert0"] / median["empty"],
+               "zeroed_over_empty": median["zeroed"] / median["empty"], "rounds": per_round}
         rows.append(row)
         print(f"tokens {tokens:6d}  zero picks {row['zero_fraction']:.3f}  empty {row['empty_ms']:.3f} ms  "
-              f"expert0 {row['expert0_ms']:.3f} ms  expert0/empty {row['expert0_over_empty']:.3f}", flush=True)
+              f"zeroed {row['zeroed_ms']:.3f} ms  expert0 {row['expert0_ms']:.3f} ms  "
+              f"expert0/empty {row['expert0_over_empty']:.3f}  zeroed/empty {row['zeroed_over_empty']:.3f}",
+              flush=True)
     if args.json:
         out = {"command": "python3 scripts/empty_picks_study.py " + " ".join(sys.argv[1:] if argv is None else argv),
                "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
