@@ -187,6 +187,16 @@ def _worker(layouts) -> list[str]:
             total //= tp  # the TP ranks of a DP rank route the same tokens
         if not torch.equal(loads, total):
             failures.append(f"{name}: loads {loads.tolist()}, routed picks {total.tolist()}")
+        # Forward: a kernel that leaves the empty picks' rows NaN (as the Triton kernels leave them
+        # unwritten); every built-in backend's combine skips them, so the layer hands them on.
+        kernel = layer.kernel
+        layer.kernel = lambda inp, w, kernel=kernel: kernel(inp, w).masked_fill((inp.expert_ids < 0).unsqueeze(1),
+                                                                                float("nan"))
+        with torch.no_grad():
+            poisoned = layer(x, ids, weights)
+        if not torch.allclose(poisoned, want.detach(), rtol=1e-5, atol=1e-5):
+            failures.append(f"{name} rank {dist.get_rank()}: the output with the empty picks' rows NaN off by "
+                            f"{(poisoned - want).abs().max():.3g}")
         del layer, groups
     return failures
 
@@ -194,7 +204,8 @@ def _worker(layouts) -> list[str]:
 def test_every_layout_and_ep_backend_gives_the_definition():
     """Two ranks: TP, SP (EP with TP), and EP on each backend, with replicas too (forward only:
     a placement with replicas has no backward); each rank's output and gradients as the
-    definition's for its DP rank's tokens, the loads the routed picks only."""
+    definition's for its DP rank's tokens, also where the experts leave the empty picks' rows
+    NaN; the loads the routed picks only."""
     per_rank = spawn(_worker, 2, args=(LAYOUTS,), timeout_s=240, preload=("moeshard.layer",))
     assert per_rank == [[], []], per_rank
 

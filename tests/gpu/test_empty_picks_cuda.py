@@ -40,3 +40,23 @@ def test_empty_picks_on_the_triton_kernels_give_the_definition(scheme):
     scale = float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=(2**-6 if scheme == "none" else 2**-4) * scale)
     assert E == cfg.num_experts
+
+
+def test_the_gathering_combine_skips_empty_picks_on_cuda():
+    """The EP backends' combine (``combine_rows``, the Triton kernel with gathered rows) adds
+    nothing for a pair of id -1: its row holds NaN here, its weight is nonzero, and the sum equals
+    the CPU path's, which zeroes such rows."""
+    from moeshard.dispatch.base import combine_rows
+
+    g = torch.Generator().manual_seed(2)
+    T, Kp, H = 9, 4, 300
+    ids = torch.randint(-1, 6, (T, Kp), generator=g)
+    ids[0] = -1
+    rows = torch.randperm(T * Kp + 5, generator=g)[:T * Kp].view(T, Kp)
+    y = torch.randn(T * Kp + 5, H, generator=g).to(torch.bfloat16)
+    y[rows[ids < 0]] = float("nan")
+    w = torch.rand(T, Kp, generator=g) + 0.5
+    want = combine_rows(y, rows, w, ids)
+    got = combine_rows(y.cuda(), rows.cuda(), w.cuda(), ids.cuda()).cpu()
+    assert want.isfinite().all() and got[0].eq(0).all()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)

@@ -33,12 +33,15 @@ from moeshard.router import Routing
 @dataclass(frozen=True)
 class All2AllState:
     """row_of_pair: int64 [T, K] the row of each (token, k) pair in send order (where its
-    result comes back); weights: fp32 [T, K]; send/recv: rows per EP rank."""
+    result comes back); weights: fp32 [T, K]; send/recv: rows per EP rank; pair_ids: int64
+    [T, K] the pairs' expert ids where the routing may hold empty picks (whose rows combine
+    skips), else None."""
 
     row_of_pair: torch.Tensor
     weights: torch.Tensor
     send: list[int]
     recv: list[int]
+    pair_ids: torch.Tensor | None = None
 
 
 class All2AllBackend(RowBackend):
@@ -80,19 +83,20 @@ class All2AllBackend(RowBackend):
         rows, scale, expert_ids = unpack(self._exchange(slots, send, recv), p, layout)
         row_of_pair = torch.empty_like(order)
         row_of_pair[order] = torch.arange(T * K, device=x.device)
-        state = All2AllState(row_of_pair.view(T, K), routing.topk_weights, send, recv)
+        state = All2AllState(row_of_pair.view(T, K), routing.topk_weights, send, recv,
+                             routing.topk_ids if routing.empty_picks else None)
         return Dispatched(p.expert_input(rows, scale, expert_ids), state)
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         s = dispatched.state
-        return combine_rows(self._exchange(y, s.recv, s.send), s.row_of_pair, s.weights)
+        return combine_rows(self._exchange(y, s.recv, s.send), s.row_of_pair, s.weights, s.pair_ids)
 
     # -- backward (moeshard.autograd.routed) ----------------------------------------------------
     def combine_for_backward(self, y: torch.Tensor, dispatched: Dispatched) -> tuple[torch.Tensor, torch.Tensor]:
         """(combine's output, the rows it weighed [T*K, H] in (token, k) order)."""
         s = dispatched.state
         back = self._exchange(y, s.recv, s.send)
-        return combine_rows(back, s.row_of_pair, s.weights), back[s.row_of_pair.reshape(-1)]
+        return combine_rows(back, s.row_of_pair, s.weights, s.pair_ids), back[s.row_of_pair.reshape(-1)]
 
     def combine_backward(self, grad_out: torch.Tensor, y: torch.Tensor, dispatched: Dispatched,
                          picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

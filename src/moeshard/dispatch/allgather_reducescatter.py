@@ -4,7 +4,9 @@
               keep the (token, k) pairs whose expert lives here.
     combine:  weighted sum into a [T_group, H] fp32 partial, reduce-scatter back (uneven).
 
-Simple and robust; traffic grows with the EP size since every token visits every rank.
+Simple and robust; traffic grows with the EP size since every token visits every rank. An empty
+pick (id -1, ``Routing.empty_picks``) is no rank's expert, so no rank keeps it: the experts never
+see it and combine has no row of it (``BackendSpec.combine_skips_empty``).
 
 Backward: each collective answered by its adjoint. combine: all-gather the output's gradient
 (every rank needs it for the rows it computed), the weighted rows' gradients, and the top-k

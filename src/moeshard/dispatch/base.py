@@ -172,20 +172,27 @@ def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def combine_rows(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_rows(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                 pair_ids: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [T, H] (fp64 for fp64 inputs, ``acc_dtype``): ``out[t] = sum_k weights[t, k] *
     y[rows[t, k]]``, summed over k in order (deterministic), in one pass on CUDA
     (``moeshard.dispatch.combine_kernel``).
 
     y: [R, H] expert outputs (rows not named in ``rows`` are never read, so they may hold
-    anything); rows: int64 [T, K]; weights: fp32 [T, K].
+    anything); rows: int64 [T, K]; weights: fp32 [T, K]; pair_ids: integer [T, K] the pairs'
+    expert ids, or None: a pair of id -1 (an empty pick, ``Routing.empty_picks``) adds nothing,
+    whatever its row holds (no expert wrote it).
     """
     if y.is_cuda and triton_importable()[0]:
         from moeshard.dispatch.combine_kernel import combine_topk
-        return combine_topk(y, weights.float().contiguous(), rows.contiguous())
+        return combine_topk(y, weights.float().contiguous(), rows.contiguous(),
+                            pair_ids=None if pair_ids is None else pair_ids.contiguous())
     T, K = rows.shape
     acc = acc_dtype(y, weights)
-    return (y[rows.reshape(-1)].view(T, K, y.shape[1]).to(acc) * weights.to(acc).unsqueeze(-1)).sum(dim=1)
+    picked = y[rows.reshape(-1)]
+    if pair_ids is not None:
+        picked = picked.masked_fill((pair_ids.reshape(-1) < 0).unsqueeze(1), 0)
+    return (picked.view(T, K, y.shape[1]).to(acc) * weights.to(acc).unsqueeze(-1)).sum(dim=1)
 
 
 def pair_rows_backward(grad_out: torch.Tensor, picked: torch.Tensor,

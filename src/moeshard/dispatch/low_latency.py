@@ -39,10 +39,13 @@ from moeshard.router import Routing
 
 @dataclass(frozen=True)
 class LowLatencyState:
-    """slot: int64 [T, K] slot of each (token, k) pair in the P*C rows; weights: fp32 [T, K]."""
+    """slot: int64 [T, K] slot of each (token, k) pair in the P*C rows; weights: fp32 [T, K];
+    pair_ids: int64 [T, K] the pairs' expert ids where the routing may hold empty picks (whose
+    rows combine skips), else None."""
 
     slot: torch.Tensor
     weights: torch.Tensor
+    pair_ids: torch.Tensor | None = None
 
 
 class LowLatencyBackend(RowBackend):
@@ -103,12 +106,14 @@ class LowLatencyBackend(RowBackend):
         with traced(self.groups.trace, "all_to_all", "ep", send, sizes, sizes):
             dist.all_to_all_single(recv, send, group=self.groups.ep_group)
         rows, scale, expert_ids = unpack(recv, p, layout)
-        return Dispatched(p.expert_input(rows, scale, expert_ids), LowLatencyState(slot.view(T, K), routing.topk_weights))
+        return Dispatched(p.expert_input(rows, scale, expert_ids),
+                          LowLatencyState(slot.view(T, K), routing.topk_weights,
+                                          routing.topk_ids if routing.empty_picks else None))
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """y: [P*C, H] (padding rows unspecified) -> fp32 [T, H]."""
         s = dispatched.state
-        return combine_rows(self._exchange("back", y), s.slot, s.weights)
+        return combine_rows(self._exchange("back", y), s.slot, s.weights, s.pair_ids)
 
     def _exchange(self, buffer: str | None, rows: torch.Tensor) -> torch.Tensor:
         """rows [P*C, W]: block j to peer j, by one equal-split all-to-all into the kept buffer
@@ -125,7 +130,7 @@ class LowLatencyBackend(RowBackend):
         """(combine's output, the rows it weighed [T*K, H] in (token, k) order, copied out of the buffer)."""
         s = dispatched.state
         back = self._exchange("back", y)
-        return combine_rows(back, s.slot, s.weights), back[s.slot.reshape(-1)]
+        return combine_rows(back, s.slot, s.weights, s.pair_ids), back[s.slot.reshape(-1)]
 
     def combine_backward(self, grad_out: torch.Tensor, y: torch.Tensor, dispatched: Dispatched,
                          picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

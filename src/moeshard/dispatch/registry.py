@@ -123,13 +123,14 @@ for _spec in (
                 graph_safe=True, backward=True, combine_final=True, payload_first=True, combine_skips_empty=True),
     BackendSpec("allgather_reducescatter", "ep", FLAT, True, (),
                 "all-gather tokens+routing over EP, local experts, reduce-scatter back (uneven)", _agrs,
-                backward=True),
+                backward=True, combine_skips_empty=True),
     BackendSpec("all2all", "ep", FLAT, True, ("cuda",),
-                "exchange counts, uneven all-to-all of routed copies only, reverse", _a2a, backward=True),
+                "exchange counts, uneven all-to-all of routed copies only, reverse", _a2a, backward=True,
+                combine_skips_empty=True),
     BackendSpec("low_latency", "ep", FLAT, True, (),
                 "fixed-capacity buffers, one packed equal-split all-to-all each way; no host sync "
                 "(CUDA-graph capturable); needs max_tokens_per_rank", _low_latency,
-                needs_max_tokens=True, graph_safe=True, backward=True),
+                needs_max_tokens=True, graph_safe=True, backward=True, combine_skips_empty=True),
 ):
     register_backend(_spec)
 
