@@ -1,4 +1,4 @@
-"""Whether two codes run the same grouped-GEMM kernels on one GPU, without a GPU.
+"""Whether two codes run the same grouped-GEMM and combine kernels on one GPU, without a GPU.
 
     python scripts/sass_diff.py --base-src DIR [--new-src .] [--gpu h200] [--out FILE]
 
@@ -8,13 +8,15 @@ For each shape the fp8 target benches time (``moeshard bench``'s three models at
 two choices must be equal. Then every Triton GEMM variant those choices launch
 (``moe_gemm_kernel``: gate_up and down, with the half tiles, the row maxima, h quantized in
 gate_up, programmatic dependent launch as chosen) is compiled for Hopper (sm_90a) by each code's
-own ``scripts/kernel_resources.compile_gemm``, and their SASS (``cuobjdump --dump-sass``) is
-compared: the same opcodes in the same order, or the same opcodes with a few in another order (a
-kernel argument added shifts the parameters' constant-bank offsets, and the scheduler may then
-order a few uniform loads differently), or different instructions. Each code runs in its own process with
-``sys.path`` at its ``src`` and ``scripts`` (``git archive BASE src scripts | tar -x -C DIR``
-makes a base tree). The Gluon GEMMs (``engine="gluon"``) are not compiled here: the choices name
-them, and their kernels' source is compared by the caller (git diff).
+own ``scripts/kernel_resources.compile_gemm``, and so is the layer's top-k combine
+(``dispatch/combine_kernel.py``: each model's top-k, the fp32 sum and the final bf16 one with the
+shared experts' addend). Their SASS (``cuobjdump --dump-sass``) is compared: the same opcodes in
+the same order, or the same opcodes with a few in another order (a kernel argument added shifts
+the parameters' constant-bank offsets, and the scheduler may then order a few uniform loads
+differently), or different instructions. Each code runs in its own process with ``sys.path`` at
+its ``src`` and ``scripts`` (``git archive BASE src scripts | tar -x -C DIR`` makes a base tree).
+The Gluon GEMMs (``engine="gluon"``) are not compiled here: the choices name them, and their
+kernels' source is compared by the caller (git diff).
 
 Use: a change that is not meant to move the timed kernels shows the same choices and the same
 instructions, so the last GPU measurements stand for it. The installed Triton compiles both
@@ -75,6 +77,31 @@ for key, (q, elt, fused, tile, acc, opts) in variants.items():
     kernel = kr.compile_gemm(q, elt, fused, tile, acc, **opts)
     text = kr.cuobjdump(kernel, "--dump-sass")
     sass[key] = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
+# The layer's top-k combine (dispatch/combine_kernel.py), as the local backend launches it: the
+# fp32 sum, and the final combine that adds the shared experts and rounds to bf16. A code whose
+# kernel takes the pairs' ids (empty picks) runs it here without them (SKIP off), as for any
+# routing that holds none.
+import triton
+from triton.compiler import ASTSource
+from moeshard.dispatch import combine_kernel as ck
+names = list(ck._combine_kernel.arg_names)
+for K in sorted({m[3] for m in models.values()}):
+    for add, out in ((False, "fp32"), (True, "bf16")):
+        sig = {"y_ptr": "*bf16", "w_ptr": "*fp32", "rows_ptr": "*fp32", "add_ptr": "*bf16" if add else f"*{out}",
+               "out_ptr": f"*{out}", "H": "i32", "stride_y": "i32", "stride_w": "i32", "stride_a": "i32",
+               "stride_o": "i32"}
+        consts = {"TOP_K": K, "BLOCK_H": ck.BLOCK_H, "GATHER": False, "ADD": add}
+        if "ids_ptr" in names:
+            sig["ids_ptr"] = "*fp32"
+            consts["SKIP"] = False
+        sig.update({k: "constexpr" for k in consts})
+        aligned = ["y_ptr", "w_ptr", "out_ptr", "add_ptr", "H", "stride_y", "stride_o", "stride_a"]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        kernel = triton.compile(ASTSource(fn=ck._combine_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                                target=kr.SM90, options={"num_warps": 4})
+        text = kr.cuobjdump(kernel, "--dump-sass")
+        sass[f"combine K={K} add={add} out={out}"] = re.findall(
+            r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
 print(json.dumps({"configs": chosen, "sass": sass}))
 '''
 
