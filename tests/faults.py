@@ -355,3 +355,17 @@ class ThreeWrongBackwards(SummedSPGatherBackward, MissingDPReduction, DoubledExp
     SP gather under SP, the missing DP reduction wherever a gradient is summed over 'dp' (EP off,
     or the router under EP with dp > 1), the doubled expert gradient under EP. One world then
     runs one case per fault; each case's report names the first wrong stage of its backward."""
+
+
+class UnsquaredRelu(MoELayer):
+    """Ungated experts that compute relu(up) where the kind says relu(up)^2 (an activation
+    mistaken for its neighbour)."""
+
+    def __init__(self, *args, **kwargs):
+        from moeshard.activations import ActivationKind, activation_names, register_activation
+
+        super().__init__(*args, **kwargs)
+        if "relu_unsquared" not in activation_names():
+            register_activation(ActivationKind("relu_unsquared", torch.relu, None, "relu(up), a planted fault",
+                                               gated=False))
+        self.kernel.activation = "relu_unsquared"

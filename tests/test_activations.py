@@ -53,12 +53,16 @@ def test_config_and_registry_refuse_with_the_values():
 
 
 def test_a_kind_without_a_kernel_mode_is_refused_by_triton_with_its_reason():
-    """Every built-in kind has a Triton epilogue; a kind registered without one runs on the
-    portable experts, and the Triton experts refuse it naming why."""
+    """Every built-in gated kind has a Triton epilogue (the ungated relu2 has none: the gate_up
+    kernels compute act(gate) * up); a kind registered without one runs on the portable experts,
+    and the Triton experts refuse it naming why."""
     from moeshard.activations import unregister_activation
     from moeshard.kernel_choice import select_kernel
 
-    assert all(get_activation(name).kernel_refusal() is None for name in activation_names())
+    assert all(get_activation(name).kernel_refusal() is None for name in activation_names()
+               if get_activation(name).gated)
+    assert "no Triton epilogue" in get_activation("relu2").kernel_refusal()
+    assert type(select_kernel("relu2", torch.bfloat16, torch.device("cpu"), "none")).__name__ == "GroupedExperts"
     register_activation(ActivationKind("portable_only", get_activation("silu").act, None, "a kind without a mode"))
     try:
         reason = get_activation("portable_only").kernel_refusal()
@@ -108,3 +112,29 @@ def test_kinds_beyond_silu_and_gelu_through_layer_and_reference(activation):
     layer = MoELayer.from_state_dict(w.state_dict(), cfg)
     ok = compare(layer(x), reference_forward(x, w, cfg), cfg.dtype, "none")[3]
     assert ok
+
+
+def test_ungated_relu2_by_hand_and_its_refusals():
+    """relu2 (Nemotron-H): h = relu(up)^2 on up products alone; the experts' first weight holds
+    I rows, not 2I. Refused by name: calling it as a GLU, an ungated kind with a Triton mode, and
+    ungated shared experts (the shared MLP is a gated one)."""
+    kind = get_activation("relu2")
+    assert not kind.gated and kind.products == 1 and get_activation("silu").products == 2
+    up = torch.tensor([[-2.0, 0.0, 0.5, 3.0]])
+    assert activate(up, "relu2", torch.float32)[0].tolist() == [0.0, 0.0, 0.25, 9.0]
+    with pytest.raises(TypeError, match="'relu2' is ungated: call apply"):
+        kind(up, up)
+    with pytest.raises(ValueError, match="an ungated kind has no Triton epilogue yet.*got 3"):
+        register_activation(ActivationKind("relu2_mode", kind.act, 3, "copy", {"alpha": 1.0, "limit": 1.0},
+                                           gated=False))
+    with pytest.raises(ValueError, match="gated must be True or False, got 1"):
+        register_activation(ActivationKind("half_gated", kind.act, None, "copy", gated=1))
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, activation="relu2")
+    assert cfg.gate_up_size == 16 and MoEWeights.random(cfg).gate_up.shape == (4, 16, 8)
+    with pytest.raises(ValueError, match=r"MoEConfig.activation: 'relu2' is ungated, but the shared experts "
+                                         r"\(num_shared_experts=1\) are gated MLPs"):
+        MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, activation="relu2",
+                  num_shared_experts=1, shared_intermediate_size=8)
+    ok = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, activation="relu2",
+                   num_shared_experts=1, shared_intermediate_size=8, shared_activation="silu")
+    assert ok.shared_act == "silu"

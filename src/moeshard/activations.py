@@ -1,8 +1,12 @@
 """Activation kinds: how an expert turns its gate and up products into h, one descriptor each.
 
-An expert computes ``h = act(gate, up)`` on its gate rows ``[M, I]`` and up rows ``[M, I]``
-(``gate_up[:, :I]`` and ``gate_up[:, I:]`` in moeshard's layout, whatever layout the checkpoint
-stored them in). Every stage reads the kind from this registry: ``MoEConfig.activation``
+A gated kind (a GLU) computes ``h = act(gate, up)`` on its gate rows' products ``[M, I]`` and up
+rows' products ``[M, I]`` (``gate_up[:, :I]`` and ``gate_up[:, I:]`` in moeshard's layout,
+whatever layout the checkpoint stored them in): the experts' first weight is ``[E, 2I, H]``. An
+ungated kind (``gated=False``: a plain MLP, Nemotron-H's ``relu2``) computes ``h = act(up)`` on
+``[M, I]`` products of an up weight alone: the experts' first weight is ``[E, I, H]``, still
+called gate_up, and ``ActivationKind.products`` (2 or 1) says how many rows it holds per column of
+h. Every stage reads the kind from this registry: ``MoEConfig.activation``
 validates against it, ``experts.base.activate`` (the portable experts and the reference), the
 shared experts, the harness's explanation and the Triton kernels (``kernel_mode``) look it up.
 
@@ -17,6 +21,7 @@ swiglu_clamped  3           g = min(gate, limit); u = clamp(up, -limit, limit); 
                             (u + 1) * g * sigmoid(alpha * g)  (gpt-oss)                 limit 7.0
 silu_clamped    4           silu(min(gate, limit)) * clamp(up, -limit, limit)           limit 10.0
                             (HY-V4's routed experts)
+relu2           -           relu(up)^2, ungated (Nemotron-H)
 ==============  ==========  ==========================================================  =========
 
 A kind without a ``kernel_mode`` runs on the portable experts; the Triton kernels refuse it
@@ -52,13 +57,14 @@ class ActivationKind:
     """One activation kind.
 
     name: the ``MoEConfig.activation`` value.
-    act: ``act(gate, up, **params) -> h``: gate and up are tensors of one shape ``[..., I]`` and
-      one float dtype, h has that shape and dtype. The experts call it on fp32 values (then
+    act: gated, ``act(gate, up, **params) -> h``: gate and up are tensors of one shape ``[..., I]``
+      and one float dtype, h has that shape and dtype; ungated, ``act(up, **params) -> h``. The experts call it on fp32 values (then
       round h to the model dtype); the shared experts on model-dtype values, the reference on
       fp64. It must be elementwise, so that TP slices of I compute the same h as the whole.
     kernel_mode: the Triton epilogue's mode for it (``KERNEL_MODES``), or None: portable only.
     summary: one line for listings.
     params: the constants ``act`` takes as keyword arguments (e.g. ``alpha``, ``limit``).
+    gated: True for a GLU (gate and up rows), False for a plain MLP (up rows alone).
     """
 
     name: str
@@ -66,12 +72,28 @@ class ActivationKind:
     kernel_mode: int | None
     summary: str
     params: Mapping[str, float] = field(default_factory=dict)
+    gated: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
 
+    @property
+    def products(self) -> int:
+        """Rows of the experts' first weight per column of h: 2 (gate and up) gated, 1 ungated."""
+        return 2 if self.gated else 1
+
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """h = act(gate, up) with this kind's parameters; shapes and dtype as ``act``."""
+        """h = act(gate, up) of a gated kind with its parameters; shapes and dtype as ``act``."""
+        if not self.gated:
+            raise TypeError(f"activation {self.name!r} is ungated: call apply(up) with the up products alone")
+        return self.act(gate, up, **self.params)
+
+    def apply(self, products: torch.Tensor) -> torch.Tensor:
+        """products [..., products * I] (gated: gate's columns [0, I), up's [I, 2I); ungated: up's)
+        -> h [..., I] in their dtype."""
+        if not self.gated:
+            return self.act(products, **self.params)
+        gate, up = products.chunk(2, dim=-1)
         return self.act(gate, up, **self.params)
 
     def kernel_refusal(self) -> str | None:
@@ -94,6 +116,11 @@ def register_activation(kind: ActivationKind) -> ActivationKind:
         raise ValueError(f"{where}: an activation of that name is registered already")
     if not callable(kind.act):
         raise ValueError(f"{where}: act must be callable, got {kind.act!r}")
+    if not isinstance(kind.gated, bool):
+        raise ValueError(f"{where}: gated must be True or False, got {kind.gated!r}")
+    if not kind.gated and kind.kernel_mode is not None:
+        raise ValueError(f"{where}: an ungated kind has no Triton epilogue yet (the gate_up kernels compute "
+                         f"act(gate) * up); kernel_mode must be None, got {kind.kernel_mode!r}")
     if kind.kernel_mode is not None:
         taken = {k.kernel_mode: k.name for k in _REGISTRY.values() if k.kernel_mode is not None}
         if kind.kernel_mode in KERNEL_MODES and sorted(kind.params) != sorted(KERNEL_PARAMS[kind.kernel_mode]):
@@ -148,6 +175,10 @@ def _clamped_silu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.T
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def _relu_squared(up: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(up))
+
+
 for _kind in (
     ActivationKind("silu", _silu_glu, 0, "SwiGLU: silu(gate) * up"),
     ActivationKind("gelu", _gelu_glu, 1, "GELU-GLU: gelu(gate) * up (exact erf)"),
@@ -157,5 +188,6 @@ for _kind in (
     ActivationKind("gelu_tanh", _gelu_tanh_glu, 2, "GELU-GLU with GELU's tanh approximation"),
     ActivationKind("silu_clamped", _clamped_silu, 4,
                    "SwiGLU on clamped products: silu(min(gate, limit)) * clamp(up, -limit, limit)", {"limit": 10.0}),
+    ActivationKind("relu2", _relu_squared, None, "relu(up)^2, an ungated MLP (Nemotron-H)", gated=False),
 ):
     register_activation(_kind)

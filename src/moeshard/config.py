@@ -102,8 +102,8 @@ class MoEConfig:
     router does); selection and weights are computed in fp32 from those logits, except for a
     routing kind with ``score_dtype="model"``, which computes them in ``dtype`` and needs
     ``router_dtype="model"``.
-    Expert biases: ``expert_bias`` gives every routed expert a gate_up bias [2I] and a down bias
-    [H] (gpt-oss), added to its projections' outputs (``moeshard.weights``).
+    Expert biases: ``expert_bias`` gives every routed expert a gate_up bias [2I] (``gate_up_size``)
+    and a down bias [H] (gpt-oss), added to its projections' outputs (``moeshard.weights``).
 
     Every field is type-checked: sizes and counts are ints (not bools) in ``[1, MAX_DIM]``
     (``num_shared_experts`` and ``shared_intermediate_size`` may be 0), flags are real bools,
@@ -144,6 +144,11 @@ class MoEConfig:
             get_activation(self.shared_activation, f"{owner}.shared_activation")
             if not self.num_shared_experts:
                 raise ValueError(f"{owner}.shared_activation: {self.shared_activation!r} needs num_shared_experts > 0")
+        if self.num_shared_experts and not get_activation(self.shared_activation or self.activation).gated:
+            field = "shared_activation" if self.shared_activation is not None else "activation"
+            raise ValueError(f"{owner}.{field}: {self.shared_activation or self.activation!r} is ungated, but the shared "
+                             f"experts (num_shared_experts={self.num_shared_experts}) are gated MLPs (gate_proj, "
+                             f"up_proj); give shared_activation a gated kind")
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"{owner}.router_dtype: {self.router_dtype!r} is not one of {list(ROUTER_DTYPES)}")
         kind = get_routing(self.scoring, f"{owner}.scoring")
@@ -202,6 +207,12 @@ class MoEConfig:
     def activation_kind(self) -> ActivationKind:
         """The descriptor of ``activation`` (``moeshard.activations``)."""
         return get_activation(self.activation, "MoEConfig.activation")
+
+    @property
+    def gate_up_size(self) -> int:
+        """Rows of each routed expert's first weight: 2 * intermediate_size (gate and up rows) for a
+        gated activation, intermediate_size (up rows) for an ungated one (``ActivationKind.products``)."""
+        return self.activation_kind.products * self.intermediate_size
 
     @property
     def shared_act(self) -> str:

@@ -329,8 +329,9 @@ class MoELayer(nn.Module):
     def _check_local_experts(self, experts: ExpertWeights, rank: int) -> None:
         s, cfg = self.shard, self.cfg
         E_l, I_l = s.expert_stop - s.expert_start, cfg.intermediate_size // s.tp_size
-        want = {"gate_up": (E_l, 2 * I_l, cfg.hidden_size), "down": (E_l, cfg.hidden_size, I_l),
-                "gate_up_bias": (E_l, 2 * I_l) if cfg.expert_bias else None,
+        P = cfg.activation_kind.products  # gate and up rows, or up rows alone (ungated)
+        want = {"gate_up": (E_l, P * I_l, cfg.hidden_size), "down": (E_l, cfg.hidden_size, I_l),
+                "gate_up_bias": (E_l, P * I_l) if cfg.expert_bias else None,
                 # Added once to the TP-reduced sum: TP rank 0 holds it.
                 "down_bias": (E_l, cfg.hidden_size) if cfg.expert_bias and s.tp_rank == 0 else None}
         for name, shape in want.items():

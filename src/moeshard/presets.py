@@ -164,6 +164,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                      router_dtype="model"),
            "sqrt(softplus) in the model dtype, selection bias, renormalized, clamped SwiGLU in every expert",
            router_dtype="model"),
+    # The full size is the published Nemotron-3-Nano-30B-A3B's routed experts; its shared expert,
+    # ungated too, stays transformers' in the model (``MoEExperts``), so the preset has none.
+    Preset("nemotron-3-nano",
+           MoEConfig(num_experts=128, top_k=6, hidden_size=2688, intermediate_size=1856, activation="relu2",
+                     scoring="sigmoid", routed_scaling_factor=2.5, use_correction_bias=True),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, activation="relu2",
+                     scoring="sigmoid", routed_scaling_factor=2.5, use_correction_bias=True),
+           "sigmoid, selection bias, renormalized, routed scaling, ungated relu^2 experts", router_dtype="fp32"),
 )}
 
 

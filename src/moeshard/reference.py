@@ -143,8 +143,7 @@ def _activated(gate_up: torch.Tensor, activation: str, dtype: torch.dtype,
     if bias is not None:
         g = (g.float() + bias.float()).to(dtype)
     if in_model_dtype:
-        gate, up = g.chunk(2, dim=-1)
-        return get_activation(activation)(gate, up).to(dtype)
+        return get_activation(activation).apply(g).to(dtype)
     return activate(g, activation, dtype)
 
 
@@ -223,14 +222,18 @@ def expert_rows_batched(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: l
     delta = accumulation * torch.cat([x.abs() @ w13_abs.T for x, w13_abs in zip(xs, w13s_abs, strict=True)])
     I = w2s[0].shape[1]
     shifts = []
-    for gate_sign, up_sign in ((-1, -1), (-1, 1), (1, -1), (1, 1)):
+    # The corners of the error box: gate and up each shifted by -+ delta; an ungated kind's up
+    # products alone by -+ delta (relu2 is monotone, so its extremes lie at the two ends).
+    corners = ((-1, -1), (-1, 1), (1, -1), (1, 1)) if get_activation(activation).gated else ((-1, -1), (1, 1))
+    for gate_sign, up_sign in corners:
         shift = delta.clone()
         shift[:, :I] *= gate_sign
         shift[:, I:] *= up_sign
         shifts.append(exact + shift)
     # fp32 holds every model-dtype value exactly, and every quantizer computes in fp32.
     stacked = torch.stack([h, *_activated(torch.cat(shifts), activation, dtype,
-                                          None if b13 is None else b13.repeat(4, 1), in_model_dtype).split(M)]).float()
+                                          None if b13 is None else b13.repeat(len(corners), 1),
+                                          in_model_dtype).split(M)]).float()
     lo, hi = stacked.amin(dim=0), stacked.amax(dim=0)
     if scheme == "none":
         # Unquantized h has no scales whose groups could flip: its candidates are lo and hi alone.
@@ -284,7 +287,7 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation
     """One expert's rows with the layer's roundings, and their slack.
 
     x: fp64 [R, H] the rows as the expert sees them (dequantized); w13: fp64 [2I, H] gate and up
-    rows; w2: fp64 [H, I]; shards: TP slices of I quantized separately; accumulation: relative
+    rows ([I, H] up rows for an ungated activation); w2: fp64 [H, I]; shards: TP slices of I quantized separately; accumulation: relative
     accumulation error of the kernel's sums, as a fraction of sum |a| |b| (``ACCUMULATION``).
     Returns (y, slack), both fp64 [R, H], unweighted.
 

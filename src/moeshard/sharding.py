@@ -2,8 +2,8 @@
 
 Expert parallelism keeps whole experts: rank with EP index j holds experts
 [j * E / ep, (j + 1) * E / ep). Tensor parallelism (EP off) slices the intermediate dimension:
-TP rank r keeps gate rows [r I/tp, (r+1) I/tp), the same up rows (offset by I), and the same
-columns of down. Weights are quantized per expert before slicing, so every TP shard carries the
+TP rank r keeps gate rows [r I/tp, (r+1) I/tp), the same up rows (offset by I; an ungated
+activation's experts hold up rows alone), and the same columns of down. Weights are quantized per expert before slicing, so every TP shard carries the
 scales of the full expert (a per-expert fp8 scale or nvfp4 global scale is shared by the shards)
 and ``shard.dequantize()`` equals a slice of ``full.dequantize()``.
 
@@ -130,7 +130,7 @@ def _check_biases(gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | N
                   experts: int) -> None:
     """ValueError unless the biases are given exactly when ``cfg.expert_bias``, with the shapes
     [experts, 2I] and [experts, H]."""
-    want = {"gate_up_bias": (experts, 2 * cfg.intermediate_size), "down_bias": (experts, cfg.hidden_size)}
+    want = {"gate_up_bias": (experts, cfg.gate_up_size), "down_bias": (experts, cfg.hidden_size)}
     for name, t in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
         if (t is not None) != cfg.expert_bias:
             raise ValueError(f"shard_experts: {name} was {'not ' if t is None else ''}given, but "
@@ -212,16 +212,17 @@ def _tp_slice(experts: ExpertWeights, cfg: MoEConfig, spec: ShardSpec) -> Expert
     gu, dn = experts.gate_up, experts.down
     gu_bias, dn_bias = experts.gate_up_bias, experts.down_bias
     if spec.tp_size > 1:
-        I = cfg.intermediate_size
+        I, gated = cfg.intermediate_size, cfg.activation_kind.gated
         w = I // spec.tp_size
         lo, hi = spec.tp_rank * w, (spec.tp_rank + 1) * w
-        gu = _cat_rows(_slice_rows(gu, lo, hi), _slice_rows(gu, I + lo, I + hi))
+        # Gated: the slice's gate rows, then its up rows; ungated: its up rows alone.
+        gu = _cat_rows(_slice_rows(gu, lo, hi), _slice_rows(gu, I + lo, I + hi)) if gated else _slice_rows(gu, lo, hi)
         dn = _slice_cols(dn, lo, hi)
         if experts.scheme == "none":
             assert isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor)  # scheme "none" holds tensors
             gu, dn = gu.contiguous(), dn.contiguous()
         if gu_bias is not None:
-            gu_bias = torch.cat([gu_bias[:, lo:hi], gu_bias[:, I + lo:I + hi]], dim=1)
+            gu_bias = torch.cat([gu_bias[:, lo:hi], gu_bias[:, I + lo:I + hi]], dim=1) if gated else gu_bias[:, lo:hi]
         # The TP ranks' outputs are partial sums that are all-reduced: the down bias is added once.
         dn_bias = dn_bias if spec.tp_rank == 0 else None
     return ExpertWeights(gu, dn, experts.scheme, gu_bias, dn_bias)

@@ -9,7 +9,8 @@ name                                shape            meaning
 gate.weight                         [E, H]           router
 gate.e_score_correction_bias        [E]              DeepSeek-V3 selection bias (optional)
 gate.bias                           [E]              router bias (a kind with ``router_bias``: gpt-oss)
-experts.gate_up_proj                [E, 2I, H]       rows [0, I) gate, rows [I, 2I) up
+experts.gate_up_proj                [E, 2I, H]       rows [0, I) gate, rows [I, 2I) up; an ungated
+                                                     activation's up rows alone, [E, I, H]
 experts.down_proj                   [E, H, I]
 experts.gate_up_proj_bias           [E, 2I]          expert biases (``expert_bias``: gpt-oss), added
 experts.down_proj_bias              [E, H]           to gate_up's and down's outputs; [0, I) gate
@@ -59,7 +60,7 @@ class MoEWeights:
         shared = cfg.has_shared_experts
         return {
             "gate": (E, H),
-            "gate_up": (E, 2 * I, H),
+            "gate_up": (E, cfg.gate_up_size, H),
             "down": (E, H, I),
             "correction_bias": (E,) if cfg.use_correction_bias else None,
             "shared_gate": (S, H) if shared else None,
@@ -67,7 +68,7 @@ class MoEWeights:
             "shared_down": (H, S) if shared else None,
             "shared_expert_gate": (1, H) if cfg.shared_expert_gate else None,
             "gate_bias": (E,) if cfg.routing_kind.router_bias else None,
-            "gate_up_bias": (E, 2 * I) if cfg.expert_bias else None,
+            "gate_up_bias": (E, cfg.gate_up_size) if cfg.expert_bias else None,
             "down_bias": (E, H) if cfg.expert_bias else None,
         }
 
@@ -136,7 +137,7 @@ class MoEWeights:
         bias = (lambda *shape: (torch.randn(*shape, generator=generator) * 0.5).to(dtype)) if cfg.expert_bias else None
         return MoEWeights(
             gate=(rnd(E, H, fan_in=H).float() * 2).to(dtype),
-            gate_up=rnd(E, 2 * I, H, fan_in=H),
+            gate_up=rnd(E, cfg.gate_up_size, H, fan_in=H),
             down=rnd(E, H, I, fan_in=I),
             correction_bias=(torch.rand(E, generator=generator) * 0.1) if cfg.use_correction_bias else None,
             shared_gate=rnd(S, H, fan_in=H) if shared else None,
@@ -144,7 +145,7 @@ class MoEWeights:
             shared_down=rnd(H, S, fan_in=S) if shared else None,
             shared_expert_gate=rnd(1, H, fan_in=H) if cfg.shared_expert_gate else None,
             gate_bias=(torch.randn(E, generator=generator) * 0.5).to(dtype) if cfg.routing_kind.router_bias else None,
-            gate_up_bias=bias(E, 2 * I) if bias else None,
+            gate_up_bias=bias(E, cfg.gate_up_size) if bias else None,
             down_bias=bias(E, H) if bias else None,
         )
 

@@ -33,26 +33,25 @@ LAYOUTS = (FLAT, EXPERT_BLOCKS)
 
 
 def activate(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """gate_up: [M, 2 I] (gate rows' products in columns [0, I), up's in [I, 2I)) -> h =
-    act(gate, up) of the registered kind ``activation`` (``moeshard.activations``), computed in
-    fp32, rounded to ``out_dtype``: [M, I].
+    """gate_up: [M, 2 I] (gate rows' products in columns [0, I), up's in [I, 2I)), or for an
+    ungated kind [M, I] (up's) -> h = act(gate, up) (ungated: act(up)) of the registered kind
+    ``activation`` (``moeshard.activations``), computed in fp32, rounded to ``out_dtype``: [M, I].
 
     The one definition of the activation: the portable experts, the reference and (in
     registers) the Triton GEMM epilogue compute exactly this."""
-    kind = get_activation(activation)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return kind(gate, up).to(out_dtype)
+    return get_activation(activation).apply(gate_up.float()).to(out_dtype)
 
 
 @dataclass(frozen=True)
 class ExpertWeights:
     """This rank's routed experts.
 
-    gate_up: [E_l, 2 * I_l, H]; rows [0, I_l) are this rank's gate slice, [I_l, 2 I_l) its up slice.
+    gate_up: [E_l, 2 * I_l, H]; rows [0, I_l) are this rank's gate slice, [I_l, 2 I_l) its up slice;
+      for an ungated activation (``ActivationKind.gated`` False) [E_l, I_l, H], its up slice alone.
     down:    [E_l, H, I_l].
     Both are model-dtype tensors (scheme "none") or ``QuantizedWeight`` of ``scheme``.
-    gate_up_bias: None, or the model-dtype bias [E_l, 2 I_l] of gate_up's outputs (gate slice,
-      then up slice, as gate_up's rows), added to the rounded product before the activation.
+    gate_up_bias: None, or the model-dtype bias [E_l, 2 I_l] ([E_l, I_l] ungated) of gate_up's
+      outputs (gate slice, then up slice, as gate_up's rows), added to the rounded product before the activation.
     down_bias: None, or the model-dtype bias [E_l, H] of down's output. Under tensor parallelism
       only TP rank 0 holds it (the ranks' partial sums are all-reduced: it is added once).
     Biases are never quantized, whatever the scheme.

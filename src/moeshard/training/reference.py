@@ -82,11 +82,11 @@ def _expert(rows: torch.Tensor, e: int, leaves: dict[str, torch.Tensor], cfg: Mo
     ``GroupedExperts`` rounds: the GEMM outputs, the gate_up bias added to the rounded product
     and rounded again, h (computed in fp32: exact here), each TP slice's down product on its own
     and the down bias added once, to TP rank 0's (the slice whose rank holds it)."""
-    dtype, I, act = cfg.dtype, cfg.intermediate_size, cfg.activation_kind
+    dtype, act = cfg.dtype, cfg.activation_kind
     gate_up = _rounded(rows @ leaves["experts.gate_up_proj"][e].T, dtype)
     if "experts.gate_up_proj_bias" in leaves:
         gate_up = _rounded(gate_up + leaves["experts.gate_up_proj_bias"][e], dtype)
-    h = _rounded(act(gate_up[:, :I], gate_up[:, I:]), dtype)
+    h = _rounded(act.apply(gate_up), dtype)  # gate and up columns, or up's alone (ungated)
     down = leaves["experts.down_proj"][e]
     parts = []
     for s, (h_s, d_s) in enumerate(zip(h.chunk(intermediate_shards, dim=1), down.chunk(intermediate_shards, dim=1),
@@ -193,8 +193,10 @@ def shard_of_grad(name: str, full: torch.Tensor, spec: ShardSpec, cfg: MoEConfig
         I = cfg.intermediate_size
         w = I // spec.tp_size
         lo, hi = spec.tp_rank * w, (spec.tp_rank + 1) * w
-        if name.startswith("experts.gate_up"):
+        if name.startswith("experts.gate_up") and cfg.activation_kind.gated:
             part = torch.cat([part[:, lo:hi], part[:, I + lo:I + hi]], dim=1)
+        elif name.startswith("experts.gate_up"):  # an ungated kind's up rows alone
+            part = part[:, lo:hi]
         elif name.startswith("experts.down") and part.dim() == 3:
             part = part[..., lo:hi]
     return part
