@@ -20,7 +20,9 @@ dbrx (its experts as three stacked tensors), kimi_linear and bailing_hybrid (Kim
 and MLA layers in turn, their routers drawn at random too), deepseek_v4 (its first layer routed
 by token id; its routers, token table and selection biases drawn at random), zaya (its MLP
 router drawn so that some tokens pick the skip class), longcat_flash (half as many
-zero-computation experts as routed ones), inkling_text (one shared expert, which its router weighs).
+zero-computation experts as routed ones), inkling_text (one shared expert, which its router weighs),
+nemotron_h (Mamba-2 and attention layers in turn before MoE layers of ungated relu^2 experts in a
+latent space of half the hidden size; ``--layers`` counts the MoE layers).
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -368,10 +370,27 @@ def _randomize_zaya(model, generator) -> None:
                 gate.router_states_scale.copy_(torch.rand(gate.router_states_scale.shape, generator=generator) + 0.5)
 
 
+def _nemotron_h(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # ``layers`` MoE layers, each after a Mamba-2 or an attention layer in turn; ungated relu^2
+    # experts in a latent space of half the hidden size; DeepSeek-V3's sigmoid routing.
+    types = [t for i in range(layers) for t in (("linear_attention", "full_attention")[i % 2], "moe")]
+    head = hidden // 4
+    return tf.AutoConfig.for_model("nemotron_h", vocab_size=vocab, hidden_size=hidden, layers_block_type=types,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=head,
+                                   intermediate_size=2 * moe_intermediate, mamba_num_heads=4, mamba_head_dim=head,
+                                   ssm_state_size=16, n_groups=2, chunk_size=16, n_routed_experts=experts,
+                                   num_experts_per_tok=2, moe_intermediate_size=moe_intermediate,
+                                   moe_shared_expert_intermediate_size=moe_intermediate, moe_latent_size=hidden // 2,
+                                   routed_scaling_factor=2.0, initializer_range=0.2, max_position_embeddings=512,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 # Families built from transformers' config class by model type (AutoConfig.for_model).
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
          "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4,
-         "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text}
+         "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text, "nemotron_h": _nemotron_h}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid")
 

@@ -127,6 +127,12 @@ CONFIGS = {
                          sliding_window_size=8, d_rel=4, rel_extent=16, intermediate_size=48, moe_intermediate_size=16,
                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                          mlp_layer_types=["dense", "sparse"]),
+    # Nemotron-H: Mamba-2, attention and two MoE layers, whose ungated relu^2 experts work in a latent
+    # space of 16 columns (the block projects its rows in and out); DeepSeek-V3's sigmoid routing.
+    "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"], intermediate_size=48,
+                       head_dim=8, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=8,
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       moe_shared_expert_intermediate_size=24, moe_latent_size=16, routed_scaling_factor=2.0),
 }
 # SMALL's fields a config class takes under names of its own (in CONFIGS).
 OWN_NAMES = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"),
@@ -386,7 +392,8 @@ def test_bf16_router_is_transformers_router(models, family):
 # router's attribute there; its class): the families whose transformers router routes (``experts_only``).
 GIVEN_ROUTING = {"gemma4_text": ("", "router", "Gemma4TextRouter"), "zaya": ("mlp", "gate", "ZayaRouter"),
                  "longcat_flash": ("mlp", "router", "LongcatFlashTopkRouter"),
-                 "inkling_text": ("mlp", "gate", "InklingTopkRouter")}
+                 "inkling_text": ("mlp", "gate", "InklingTopkRouter"),
+                 "nemotron_h": ("mixer", "gate", "NemotronHTopkRouter")}
 
 
 @pytest.mark.parametrize("family", GIVEN_ROUTING)

@@ -6,7 +6,8 @@ Shapes: E experts, H hidden, I intermediate size, [lo, hi) this rank's slice of 
 What is read, per local expert (a ``ShardSpec`` says which experts and which slice of I):
 
 * unquantized or ``fp8_block`` from a full-precision checkpoint: exactly the kept slice, gate rows
-  [lo, hi), up rows [lo, hi) (fused: [I + lo, I + hi)), down columns [lo, hi). ``fp8_block``
+  [lo, hi), up rows [lo, hi) (fused: [I + lo, I + hi)), down columns [lo, hi); ungated experts
+  (``ActivationKind.gated`` False, read from full-precision checkpoints only) hold no gate rows. ``fp8_block``
   scales cover 128 x 128 tiles and a TP slice boundary is a tile boundary (``ShardSpec`` checks
   it), so quantizing the slice gives bit for bit the shard of the quantized full expert.
 * schemes whose scales span the whole expert (``QuantScheme.whole_expert_scale``: ``fp8_tensor``,
@@ -156,11 +157,24 @@ class ExpertReader:
         if (self.mxfp4 or cfg.expert_bias) and self.layout.stacked:
             what = "an MXFP4 checkpoint" if self.mxfp4 else "experts with biases"
             raise ValueError(f"{names.fused_gate_up}: {what} in fused layout 'stacked' is not read")
+        if (self.fp8 or self.mxfp4) and not cfg.activation_kind.gated:
+            raise ValueError(f"{names.prefix}{names.family.experts}: ungated experts ({cfg.activation}) are read from a "
+                             f"full-precision checkpoint only, not from {fmt.summary}")
         if (self.mxfp4 or cfg.expert_bias) and not names.fused:
             what = "an MXFP4 checkpoint" if self.mxfp4 else "experts with biases"
             raise ValueError(f"{names.prefix}{names.family.experts}: {what} must be stored as fused tensors "
                              f"({names.fused_gate_up}, ...); per-expert tensors are not read for it")
         self._check_shapes()
+
+    @property
+    def products(self) -> int:
+        """gate_up rows per column of I: 2 (gate and up), 1 for ungated experts (up alone)."""
+        return self.cfg.activation_kind.products
+
+    @property
+    def projections(self) -> int:
+        """Stored weights per expert: 3 (gate, up, down), 2 for ungated experts (up, down)."""
+        return 1 + self.products
 
     # -- validation, from headers only ----------------------------------------------------
     def _check_shapes(self) -> None:
@@ -178,20 +192,20 @@ class ExpertReader:
             scales = {scale_name(n.fused_gate_up): (E, _blocks(2 * I), _blocks(H)),
                       scale_name(n.fused_down): (E, _blocks(H), _blocks(I))}
         else:
-            per_expert = 3 * E * (2 if self.fp8 else 1)
+            per_expert = self.projections * E * (2 if self.fp8 else 1)
             if per_expert > len(self.ckpt):
                 raise ValueError(f"the config's num_experts={E} needs {per_expert} per-expert tensors for "
                                  f"{n.prefix}experts.*, but the checkpoint under {str(self.ckpt.model_dir)!r} "
                                  f"holds {len(self.ckpt)} tensors in all")
             want, scales = {}, {}
             for e in range(E):
-                for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+                for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))[3 - self.projections:]:
                     want[n.expert(e, proj)] = shape
                     scales[scale_name(n.expert(e, proj))] = (_blocks(shape[0]), _blocks(shape[1]))
         for name, shape in want.items():
             self.ckpt.expect(name, shape, weight_dtypes)
         if self.cfg.expert_bias:
-            self.ckpt.expect(n.fused_gate_up_bias, (E, 2 * I), FLOAT_DTYPES)
+            self.ckpt.expect(n.fused_gate_up_bias, (E, self.cfg.gate_up_size), FLOAT_DTYPES)
             self.ckpt.expect(n.fused_down_bias, (E, H), FLOAT_DTYPES)
         if self.fp8:
             for name, shape in scales.items():
@@ -231,8 +245,8 @@ class ExpertReader:
             else:
                 gate_up = [(name(n.fused_gate_up), (e, rows(lo, hi))), (name(n.fused_gate_up), (e, rows(I + lo, I + hi)))]
             return gate_up + [(name(n.fused_down), (e, slice(None), rows(lo, hi)))]
-        return [(name(n.expert(e, "gate")), (rows(lo, hi),)), (name(n.expert(e, "up")), (rows(lo, hi),)),
-                (name(n.expert(e, "down")), (slice(None), rows(lo, hi)))]
+        up = [(name(n.expert(e, "up")), (rows(lo, hi),)), (name(n.expert(e, "down")), (slice(None), rows(lo, hi)))]
+        return up if self.projections == 2 else [(name(n.expert(e, "gate")), (rows(lo, hi),))] + up
 
     def _into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor, scales: bool) -> None:
         """Reads expert e's gate/up rows and down columns [lo, hi) (or their scale tiles) straight
@@ -283,7 +297,7 @@ class ExpertReader:
         if not self.cfg.expert_bias:
             return None, None
         (lo, hi), n, I, dtype = plan.keep, self.names, self.cfg.intermediate_size, self.cfg.dtype
-        gate_up = torch.empty(len(plan.experts), 2 * (hi - lo), dtype=dtype)
+        gate_up = torch.empty(len(plan.experts), self.products * (hi - lo), dtype=dtype)
         down = torch.empty(len(plan.experts), self.cfg.hidden_size, dtype=dtype) if spec.tp_rank == 0 else None
         for i, e in enumerate(plan.experts):
             parts = self.ckpt.read_many([(n.fused_gate_up_bias, index) for index in self.layout.bias_reads(e, lo, hi, I)])
@@ -315,7 +329,7 @@ class ExpertReader:
     def _read_plain(self, plan: ExpertPlan) -> ExpertWeights:
         """Model-dtype slices, copied from the file straight into the rank's tensors."""
         (lo, hi), E_l, H = plan.keep, len(plan.experts), self.cfg.hidden_size
-        gate_up = torch.empty(E_l, 2 * (hi - lo), H, dtype=self.cfg.dtype)
+        gate_up = torch.empty(E_l, self.products * (hi - lo), H, dtype=self.cfg.dtype)
         down = torch.empty(E_l, H, hi - lo, dtype=self.cfg.dtype)
         for i, e in enumerate(plan.experts):
             self._into(e, lo, hi, gate_up[i], down[i], scales=False)
@@ -369,7 +383,7 @@ class ExpertReader:
         kept part when the read covered the whole expert, and stacked."""
         I, H = self.cfg.intermediate_size, self.cfg.hidden_size
         (klo, khi), (rlo, rhi) = plan.keep, plan.read
-        scratch_gu = torch.empty(1, 2 * (rhi - rlo), H, dtype=self.cfg.dtype)
+        scratch_gu = torch.empty(1, self.products * (rhi - rlo), H, dtype=self.cfg.dtype)
         scratch_dn = torch.empty(1, H, rhi - rlo, dtype=self.cfg.dtype)
         gate_ups, downs = _Stack(len(plan.experts)), _Stack(len(plan.experts))
         for i, e in enumerate(plan.experts):
@@ -377,7 +391,7 @@ class ExpertReader:
             gu, dn = quantize_weight(scratch_gu, quant.scheme), quantize_weight(scratch_dn, quant.scheme)
             if (rlo, rhi) != (klo, khi):
                 # Whole expert read for a whole-expert scale: keep this rank's slice only.
-                gu = QuantizedWeight.cat_out([gu.slice_out(klo, khi), gu.slice_out(I + klo, I + khi)])
+                gu = QuantizedWeight.cat_out([gu.slice_out(klo, khi), gu.slice_out(I + klo, I + khi)][:self.products])
                 dn = dn.slice_in(klo, khi)
             gate_ups.put(i, gu)
             downs.put(i, dn)

@@ -120,15 +120,31 @@ class ConfigFields:
             raise ValueError(f"{self.source}: {key} must be a list of integers >= 0, got {value!r}")
         return tuple(value)
 
-    def activation(self) -> str:
-        """The activation kind ``hidden_act`` maps to under the family's ``hidden_acts``."""
-        name = self.get("hidden_act")
+    def activation(self, key: str = "hidden_act") -> str:
+        """The activation kind the field ``key`` (``hidden_act``; Nemotron-H's ``mlp_hidden_act``)
+        maps to under the family's ``hidden_acts``."""
+        name = self.get(key)
         if isinstance(name, str):
             for pattern, kind in self.family.hidden_acts.items():
                 if fnmatch.fnmatchcase(name, pattern):
                     return kind
-        raise ValueError(f"{self.source}: hidden_act={name!r} is not supported; expected one of "
+        raise ValueError(f"{self.source}: {key}={name!r} is not supported; expected one of "
                          f"{list(self.family.hidden_acts)}")
+
+    def layer_types(self, *, listed: str, pattern: str, codes: Mapping[str, str], known: tuple[str, ...]) -> tuple[str, ...]:
+        """Each layer's type: the list field ``listed`` (entries of ``known``), else the string field
+        ``pattern``, one character a layer, read through ``codes`` (Nemotron-H's
+        ``layers_block_type`` or ``hybrid_override_pattern``)."""
+        value = self.raw.get(listed)
+        if value is not None:
+            if not isinstance(value, list) or not value or not all(v in known for v in value):
+                raise ValueError(f"{self.source}: {listed} must be a non-empty list of {list(known)}, got {value!r}")
+            return tuple(value)
+        value = self.raw.get(pattern)
+        if not isinstance(value, str) or not value or not all(c in codes for c in value):
+            raise ValueError(f"{self.source}: expected {listed} (a list of {list(known)}) or {pattern} (a string of "
+                             f"{list(codes)}), got {listed}={self.raw.get(listed)!r}, {pattern}={value!r}")
+        return tuple(codes[c] for c in value)
 
     def fixed_activation(self, kind: str, fields: Mapping[str, str], why: str) -> str:
         """``kind``, an activation whose parameters are fixed in its registry entry, once each
@@ -263,7 +279,11 @@ class ModelFamily:
       a linear: ``gate.weight``; Hunyuan's router holds an fp32 linear: ``wg.weight``).
     layer_count: the config field that counts the decoder layers (``num_hidden_layers``;
       LongCat-Flash's ``num_layers``, where transformers 5.17 also writes ``num_hidden_layers`` as
-      twice that, its attention sublayers).
+      twice that, its attention sublayers), or ``config.json -> count`` where no field holds it
+      (Nemotron-H: the length of its per-layer type list).
+    model_layers: None, or the decoder layers' module path in the transformers causal LM where it
+      differs from the checkpoint's ``layers`` (Nemotron-H: ``model.layers`` in the model,
+      ``backbone.layers`` as transformers saves and the hub stores it).
     identity_experts: None, or the config field that counts zero-computation experts (LongCat-Flash's
       ``zero_expert_num``, Z): the router picks among E + Z, and a pick of id E .. E + Z - 1 passes
       the row through scaled by its weight (``MoEExperts(identity_experts=Z)``); transformers'
@@ -380,7 +400,8 @@ class ModelFamily:
     linear_router: bool = True
     identity_experts: str | None = None
     zero_weight_skips: bool = False
-    layer_count: str = "num_hidden_layers"
+    layer_count: str | Callable[[ConfigFields], int] = "num_hidden_layers"
+    model_layers: str | None = None
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -453,8 +474,16 @@ class ModelFamily:
         if self.output_norm is not None and not (isinstance(self.output_norm, str) and self.output_norm.isidentifier()):
             raise ValueError(f"{where}.output_norm: expected None or a module name of the block, got "
                              f"{self.output_norm!r}")
-        if not (isinstance(self.layer_count, str) and self.layer_count.isidentifier()):
-            raise ValueError(f"{where}.layer_count: expected a config field name, got {self.layer_count!r}")
+        if not (callable(self.layer_count) or (isinstance(self.layer_count, str) and self.layer_count.isidentifier())):
+            raise ValueError(f"{where}.layer_count: expected a config field name or a callable, got {self.layer_count!r}")
+        if self.model_layers is not None and not (isinstance(self.model_layers, str) and all(
+                p.isidentifier() for p in self.model_layers.split("."))):
+            raise ValueError(f"{where}.model_layers: expected None or a dotted module path, got {self.model_layers!r}")
+        gated = {get_activation(kind).gated for kind in self.hidden_acts.values()}
+        if gated != {layout.gated}:
+            raise ValueError(f"{where}.fused_layout: {self.fused_layout!r} holds {'gate and up' if layout.gated else 'up'} "
+                             f"rows, but its activations {sorted(set(self.hidden_acts.values()))} are "
+                             f"{' and '.join('gated' if g else 'ungated' for g in sorted(gated, reverse=True))}")
         if self.identity_experts is not None and (self.linear_router or not self.experts_only
                                                   or not self.identity_experts.isidentifier()):
             raise ValueError(f"{where}.identity_experts: {self.identity_experts!r} needs a config field name, "
@@ -545,8 +574,17 @@ class ModelFamily:
         return f"{self.router}.{self.correction_bias}"
 
     def layer_prefix(self, layer: int) -> str:
-        """``model.layers.{layer}.``: where the decoder layer's tensors are named."""
+        """``model.layers.{layer}.``: where the decoder layer's tensors are named in the checkpoint."""
         return f"{self.layers}.{layer}."
+
+    def model_layer_prefix(self, layer: int) -> str:
+        """Where the decoder layer's tensors are named in the transformers causal LM (``model_layers``,
+        else ``layers``)."""
+        return f"{self.model_layers or self.layers}.{layer}."
+
+    def count_layers(self, f: ConfigFields) -> int:
+        """The decoder layers ``config.json`` describes (``layer_count``)."""
+        return f.int(self.layer_count) if isinstance(self.layer_count, str) else self.layer_count(f)
 
     def fields(self, raw: dict[str, Any], source: str) -> ConfigFields:
         return ConfigFields(raw, self, source)

@@ -15,6 +15,8 @@ transposed_interleaved  [E, H, 2I], column 2i gate, 2i+1   [E, I, H]        gpt-
 stacked                 gate [E*I, H] and up [E*I, H],     [E*I, H]         DBRX (w1, v1, w2)
                         two tensors, expert e's rows        (transposed)
                         [e*I, (e+1)*I)
+up_rows                 [E, I, H], up rows alone           [E, H, I]        Nemotron-H (ungated
+                        (an ungated activation)                             relu2 experts)
 ======================  =================================  ===============  ========================
 
 A gate_up bias [E, 2I] follows the layout's gate/up order (interleaved or gate first); a down
@@ -38,12 +40,19 @@ class FusedLayout:
     and [E, H, I] (``x @ W.T``); interleaved: gate and up alternate along the 2I axis (2i gate,
     2i + 1 up), else gate [0, I) then up [I, 2I); stacked: gate, up and down are three tensors
     [E * I, H], expert e's rows [e * I, (e + 1) * I) (down's row i is column i of its [H, I]
-    down), DBRX's ``w1``, ``v1``, ``w2``."""
+    down), DBRX's ``w1``, ``v1``, ``w2``; gated False: the experts are ungated, gate_up holds up
+    rows alone ([E, I, H]; ``products`` 1), for an ungated activation (``ActivationKind.gated``)."""
 
     name: str
     transposed: bool
     interleaved: bool
     stacked: bool = False
+    gated: bool = True
+
+    @property
+    def products(self) -> int:
+        """Rows of gate_up per column of I: 2 (gate and up), 1 for an ungated layout (up alone)."""
+        return 2 if self.gated else 1
 
     @property
     def tensors(self) -> int:
@@ -62,13 +71,15 @@ class FusedLayout:
         return [(0, index) for index in self.gate_up_reads(e, lo, hi, I)] + [(1, self.down_read(e, lo, hi))]
 
     def expert_rows(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reads of ``expert_reads`` -> (gate_up [2w, H], gate rows then up; down [H, w])."""
+        """The reads of ``expert_reads`` -> (gate_up [2w, H], gate rows then up (ungated: [w, H]);
+        down [H, w])."""
         if self.stacked:
             return torch.cat(parts[:2], dim=0), parts[2].transpose(0, 1)
         return self.gate_up_rows(parts[:-1]), self.down_rows(parts[-1])
 
     def canonical_tensors(self, stored: list[torch.Tensor], E: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``tensors`` whole stored tensors of E experts -> (gate_up [E, 2I, H], down [E, H, I])."""
+        """The ``tensors`` whole stored tensors of E experts -> (gate_up [E, 2I, H] (ungated
+        [E, I, H]), down [E, H, I])."""
         if self.stacked:
             gate, up, down = (t.reshape(E, -1, t.shape[-1]) for t in stored)
             return torch.cat([gate, up], dim=1), down.transpose(1, 2)
@@ -78,17 +89,22 @@ class FusedLayout:
     def rows(self) -> FusedLayout:
         """The same gate/up order with gate_up [E, 2I, ...] and down [E, H, I] (block-quantized
         formats store the reduction axis last whatever the model's layout)."""
+        if not self.gated:
+            return self
         return LAYOUTS[{False: "gate_up_rows", True: "interleaved"}[self.interleaved]]
 
     def shapes(self, E: int, H: int, I: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """The stored (gate_up, down) shapes."""
-        return ((E, H, 2 * I), (E, I, H)) if self.transposed else ((E, 2 * I, H), (E, H, I))
+        P = self.products
+        return ((E, H, P * I), (E, I, H)) if self.transposed else ((E, P * I, H), (E, H, I))
 
     def gate_up_reads(self, e: int, lo: int, hi: int, I: int) -> list[tuple]:
         """Indices into the stored gate_up for expert e's gate and up of [lo, hi) of I: one read
-        (interleaved, or the whole expert) or two (gate part, up part)."""
+        (interleaved, ungated, or the whole expert) or two (gate part, up part)."""
         if self.interleaved:
             spans = [slice(2 * lo, 2 * hi)]
+        elif not self.gated:
+            spans = [slice(lo, hi)]
         elif (lo, hi) == (0, I):
             spans = [slice(0, 2 * I)]
         else:
@@ -128,6 +144,8 @@ class FusedLayout:
         """Indices into the stored gate_up bias [E, 2I] for expert e's [lo, hi) of I."""
         if self.interleaved:
             return [(e, slice(2 * lo, 2 * hi))]
+        if not self.gated:
+            return [(e, slice(lo, hi))]
         return [(e, slice(lo, hi)), (e, slice(I + lo, I + hi))]
 
     def bias_rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -141,6 +159,7 @@ LAYOUTS: dict[str, FusedLayout] = {layout.name: layout for layout in (
     FusedLayout("transposed", transposed=True, interleaved=False),
     FusedLayout("transposed_interleaved", transposed=True, interleaved=True),
     FusedLayout("stacked", transposed=False, interleaved=False, stacked=True),
+    FusedLayout("up_rows", transposed=False, interleaved=False, gated=False),
 )}
 
 

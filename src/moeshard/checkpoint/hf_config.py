@@ -147,7 +147,7 @@ def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEMo
     raw, source = text_model_config(raw, source)
     family = model_family(raw.get("model_type"), source)
     f = family.fields(raw, source)
-    num_layers = f.int(family.layer_count)
+    num_layers = family.count_layers(f)
     try:
         moe = replace(family.moe(f), router_dtype=family.router_dtype)
     except ValueError as exc:

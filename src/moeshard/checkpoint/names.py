@@ -161,7 +161,9 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
     stored = lambda name: ckpt.has(name) or ckpt.has(mxfp4_names(name)[0])  # noqa: E731
     fused = stored(probe.fused_gate_up)
     spelling = family.expert_spellings[0]
-    firsts = [prefix + family.expert_tensor(f"0.{s[0]}.weight") for s in family.expert_spellings]
+    # Expert 0's first stored projection: its gate, or its up for ungated experts.
+    first_projection = PROJECTIONS.index("gate" if model.moe.activation_kind.gated else "up")
+    firsts = [prefix + family.expert_tensor(f"0.{s[first_projection]}.weight") for s in family.expert_spellings]
     both = [name for name in firsts if ckpt.has(name)]
     if fused and both:
         # Two copies of the same experts and nothing to say which is meant (transformers refuses

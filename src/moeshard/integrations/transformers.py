@@ -273,7 +273,7 @@ def moe_model_info(model: nn.Module) -> HFMoEModel:
 def _decoder_layers(model: nn.Module, family: ModelFamily) -> nn.ModuleList:
     """The decoder layers at the family's ``layers`` path (``model.layers``) of a causal LM, or at
     that path less its first part in the bare decoder (``layers``)."""
-    path = family.layers
+    path = family.model_layers or family.layers
     tried = [path, path.partition(".")[2]]
     for where in [t for t in tried if t]:
         try:
@@ -323,7 +323,8 @@ def find_moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
     layers = _decoder_layers(model, family)
     if len(layers) != info.num_layers:
         raise ValueError(f"{type(model).__name__}: {len(layers)} decoder layers, but its config says "
-                         f"{info.family.layer_count}={info.num_layers}")
+                         f"{info.family.layer_count if isinstance(info.family.layer_count, str) else 'its layer types'}"
+                         f"={info.num_layers}")
     blocks: dict[int, nn.Module] = {}
     for index, layer in enumerate(layers):
         if index in info.dense_layers:
@@ -717,7 +718,7 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         # Module names in the transformers model: the family's layers path and block attribute (for
         # an experts_only family its experts module: its router and the rest of the block load as dense
         # tensors).
-        prefixes = {index: f"{family.layer_prefix(index)}{_replaced_name(layers[index], family)}."
+        prefixes = {index: f"{family.model_layer_prefix(index)}{_replaced_name(layers[index], family)}."
                     for index in find_moe_blocks(model)}
         fp8 = info.format.stored_scheme == "fp8_block"
         for index, prefix in prefixes.items():

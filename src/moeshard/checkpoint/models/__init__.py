@@ -38,6 +38,7 @@ from moeshard.checkpoint.models import (
     minimax,  # noqa: F401
     minimax_m2,  # noqa: F401
     minimax_m3,  # noqa: F401  minimax_m3_vl_text
+    nemotron_h,  # noqa: F401
     olmoe,  # noqa: F401
     phimoe,  # noqa: F401
     qwen3_5_moe,  # noqa: F401  qwen3_5_moe_text, qwen4_exp_text
