@@ -601,6 +601,30 @@ def test_longcat_flash_counts_decoder_layers_and_zero_computation_experts():
         parse_hf_config({**raw, "zero_expert_num": -1}, "config.json")
 
 
+def test_nemotron_h_reads_its_layer_types_latent_width_and_ungated_experts(models):
+    """Nemotron-H: the layers' types from ``layers_block_type`` (transformers' saves), or the hub's
+    ``hybrid_override_pattern``, one character a layer, which counts them too; the experts' width
+    the latent size where the block projects into one, else the hidden size; relu2, ungated; a
+    malformed type list or pattern refused naming the field."""
+    raw = _raw(models, "nemotron_h")
+    info = parse_hf_config(raw, "config.json")
+    assert (info.num_layers, list(info.dense_layers)) == (4, [0, 2])
+    assert (info.moe.hidden_size, info.moe.intermediate_size, info.moe.activation) == (16, 16, "relu2")
+    assert info.moe.gate_up_size == 16 and info.moe.routed_scaling_factor == 2.0
+    hub = {k: v for k, v in raw.items() if k != "layers_block_type"}
+    hub.update(hybrid_override_pattern="M*EME-E", moe_latent_size=None, num_hidden_layers=7)
+    info = parse_hf_config(hub, "config.json")
+    assert (info.num_layers, list(info.dense_layers)) == (7, [0, 1, 3, 5])
+    assert info.moe.hidden_size == raw["hidden_size"]
+    assert "layer type is 'attention'" in info.dense_layers[1]
+    with pytest.raises(ValueError, match=r"layers_block_type must be a non-empty list of \['mamba'.*got \['moe', 'conv'\]"):
+        parse_hf_config({**raw, "layers_block_type": ["moe", "conv"]}, "config.json")
+    with pytest.raises(ValueError, match=r"expected layers_block_type .* or hybrid_override_pattern .*'MEX'"):
+        parse_hf_config({**hub, "hybrid_override_pattern": "MEX"}, "config.json")
+    with pytest.raises(ValueError, match=r"mlp_hidden_act='silu' is not supported; expected one of \['relu2'\]"):
+        parse_hf_config({**raw, "mlp_hidden_act": "silu"}, "config.json")
+
+
 def test_config_readers(models):
     """What each reader makes of its config: routing kinds, shared experts, dense layers."""
     want = {  # model_type -> (scoring, renormalize, shared width, gated, dense layers, E, n_group)
@@ -628,6 +652,7 @@ def test_config_readers(models):
         "zaya": ("softmax", False, 0, False, [], 4, 1),
         "longcat_flash": ("softmax", False, 0, False, [], 4, 1),
         "inkling_text": ("sigmoid", True, 0, False, [0], 4, 1),
+        "nemotron_h": ("sigmoid", True, 0, False, [0, 2], 4, 1),
     }
     assert set(want) == set(FAMILIES)
     for family, (scoring, renorm, shared, gated, dense, experts, groups) in want.items():
