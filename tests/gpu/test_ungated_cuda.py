@@ -1,0 +1,50 @@
+"""Ungated experts (relu2, Nemotron-H) on CUDA: the layer picks the portable experts
+(``torch._grouped_mm`` for bf16; the Triton kernels have no ungated epilogue) and matches the
+fp64 reference within the tolerance table for every scheme; its gradients on CUDA equal the CPU
+layer's on the same weights and rows within bf16's rounding."""
+
+import pytest
+import torch
+
+from moeshard.config import QuantConfig
+from moeshard.experts import GroupedExperts
+from moeshard.layer import MoELayer
+from moeshard.presets import PRESETS
+from moeshard.reference import reference_forward
+from moeshard.tolerances import compare
+from moeshard.weights import MoEWeights
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PRESET = "nemotron-3-nano"
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"])
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+def test_ungated_layer_on_cuda_matches_the_reference(scheme, tokens):
+    cfg = PRESETS[PRESET].config("small", torch.bfloat16)
+    w = MoEWeights.random(cfg, torch.Generator().manual_seed(0))
+    layer = MoELayer(cfg, QuantConfig(scheme), weights=w, device="cuda")
+    assert type(layer.kernel) is GroupedExperts
+    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        out = layer(x.cuda()).cpu()
+    err, atol, rtol, ok = compare(out, reference_forward(x, w, cfg, QuantConfig(scheme)), cfg.dtype, scheme)
+    assert ok, f"max error {err} over atol={atol} rtol={rtol}"
+
+
+def test_ungated_gradients_on_cuda_equal_the_cpu_layers():
+    cfg = PRESETS[PRESET].config("small", torch.bfloat16)
+    w = MoEWeights.random(cfg, torch.Generator().manual_seed(2))
+    x = torch.randn(96, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    grads = []
+    for device in ("cpu", "cuda"):
+        layer = MoELayer(cfg, weights=w, device=device).requires_grad_(True)
+        xg = x.to(device).clone().requires_grad_(True)
+        layer(xg).float().pow(2).sum().backward()
+        grads.append({"x": xg.grad.float().cpu(), **{n: p.grad.float().cpu() for n, p in layer.named_parameters()
+                                                      if p.grad is not None}})
+    cpu, cuda = grads
+    assert cpu.keys() == cuda.keys() and "experts.gate_up_proj" in cpu
+    for name in cpu:
+        scale = cpu[name].abs().max().clamp_min(1e-6)
+        assert (cuda[name] - cpu[name]).abs().max() <= 0.05 * scale, name
