@@ -203,11 +203,13 @@ def test_weights_refuse_missing_biases_naming_them():
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_fused_layouts_read_back_moeshards_layout(name):
     """Each stored layout, built here from moeshard's [E, 2I, H] / [E, H, I] by its definition,
-    converts back whole and slice by slice (a TP half of I), biases too where the layout has them."""
+    converts back whole and slice by slice (a TP half of I), biases too where the layout has them.
+    The ungated ``up_rows`` holds [E, I, H] up rows alone, stored as moeshard holds them."""
     layout = LAYOUTS[name]
     E, H, I = 3, 5, 4
-    gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
-    bias = torch.randn(E, 2 * I)
+    P = layout.products
+    gate_up, down = torch.randn(E, P * I, H), torch.randn(E, H, I)
+    bias = torch.randn(E, P * I)
     gate, up = gate_up[:, :I], gate_up[:, I:]
     if layout.stacked:  # DBRX: gate, up and down^T, each expert's I rows one after another
         stored = [gate.reshape(E * I, H), up.reshape(E * I, H), down.transpose(1, 2).reshape(E * I, H)]
@@ -223,7 +225,7 @@ def test_fused_layouts_read_back_moeshards_layout(name):
         for e in range(E):
             gu_rows, dn_rows = layout.expert_rows([stored[which][index]
                                                    for which, index in layout.expert_reads(e, lo, hi, I)])
-            assert torch.equal(gu_rows, torch.cat([gate_up[e, lo:hi], gate_up[e, I + lo:I + hi]]))
+            assert torch.equal(gu_rows, torch.cat([gate_up[e, lo:hi], gate_up[e, I + lo:I + hi]][:P]))
             assert torch.equal(dn_rows, down[e, :, lo:hi])
     if layout.stacked:
         return
