@@ -21,15 +21,17 @@ swiglu_clamped  3           g = min(gate, limit); u = clamp(up, -limit, limit); 
                             (u + 1) * g * sigmoid(alpha * g)  (gpt-oss)                 limit 7.0
 silu_clamped    4           silu(min(gate, limit)) * clamp(up, -limit, limit)           limit 10.0
                             (HY-V4's routed experts)
-relu2           -           relu(up)^2, ungated (Nemotron-H)
+relu2           5           relu(up)^2, ungated (Nemotron-H)
 ==============  ==========  ==========================================================  =========
 
 A kind without a ``kernel_mode`` runs on the portable experts; the Triton kernels refuse it
 with the reason (``kernel_refusal``). A new kind is one ``register_activation`` entry (its
 function and parameters as data); a Triton epilogue for it is a change to
-``kernels/grouped_gemm.py``'s ``_act_mul`` plus its ``kernel_mode`` and parameter names here
-(``KERNEL_PARAMS``: the kernels take those parameters as compile-time constants), and the same
-mode's forward and derivative in ``kernels/glu.py`` (the training forward on CUDA). The Gluon
+``kernels/grouped_gemm.py``'s ``_act_mul`` (an ungated kind's: ``_act_one``, a mode from
+``FIRST_UNGATED_MODE`` on) plus its ``kernel_mode`` and parameter names here (``KERNEL_PARAMS``:
+the kernels take those parameters as compile-time constants), and for a gated kind the same
+mode's forward and derivative in ``kernels/glu.py`` (the training forward on CUDA; an ungated
+kind's runs as torch ops). The Gluon
 gate_up (``kernels/persistent_gate_up.py``) computes modes ``GLUON_ACT_MODES`` of
 ``kernels/modes.py``; the experts run the others on the Triton gate_up.
 """
@@ -45,11 +47,16 @@ import torch.nn.functional as F
 
 from moeshard.registry import Registry
 
-# Modes of the Triton gate_up epilogue (``ACT`` of ``kernels.grouped_gemm._act_mul``), each with
-# the parameter names its formula takes (passed to the kernels as ``ACT_ALPHA`` / ``ACT_LIMIT``).
+# Modes of the Triton gate_up epilogue (``ACT`` of ``kernels.grouped_gemm._act_mul``, and for an
+# ungated kind ``_act_one``), each with the parameter names its formula takes (passed to the
+# kernels as ``ACT_ALPHA`` / ``ACT_LIMIT``).
 KERNEL_PARAMS: Mapping[int, tuple[str, ...]] = MappingProxyType({
-    0: (), 1: (), 2: (), 3: ("alpha", "limit"), 4: ("limit",)})
+    0: (), 1: (), 2: (), 3: ("alpha", "limit"), 4: ("limit",), 5: ()})
 KERNEL_MODES = tuple(KERNEL_PARAMS)
+# The modes of ungated kinds (h = act(up) from one product; the kernels then load no up tile):
+# from this mode on, every mode is ungated.
+FIRST_UNGATED_MODE = 5
+UNGATED_KERNEL_MODES = tuple(m for m in KERNEL_MODES if m >= FIRST_UNGATED_MODE)
 
 
 @dataclass(frozen=True)
@@ -118,9 +125,11 @@ def register_activation(kind: ActivationKind) -> ActivationKind:
         raise ValueError(f"{where}: act must be callable, got {kind.act!r}")
     if not isinstance(kind.gated, bool):
         raise ValueError(f"{where}: gated must be True or False, got {kind.gated!r}")
-    if not kind.gated and kind.kernel_mode is not None:
-        raise ValueError(f"{where}: an ungated kind has no Triton epilogue yet (the gate_up kernels compute "
-                         f"act(gate) * up); kernel_mode must be None, got {kind.kernel_mode!r}")
+    if kind.kernel_mode is not None and (kind.kernel_mode in UNGATED_KERNEL_MODES) == kind.gated:
+        want = "an ungated mode of " + str(list(UNGATED_KERNEL_MODES)) if not kind.gated else \
+            "a gated mode (below " + str(FIRST_UNGATED_MODE) + ")"
+        raise ValueError(f"{where}: a {'gated' if kind.gated else 'ungated'} kind needs {want} or None, got "
+                         f"kernel_mode {kind.kernel_mode!r}")
     if kind.kernel_mode is not None:
         taken = {k.kernel_mode: k.name for k in _REGISTRY.values() if k.kernel_mode is not None}
         if kind.kernel_mode in KERNEL_MODES and sorted(kind.params) != sorted(KERNEL_PARAMS[kind.kernel_mode]):
@@ -188,6 +197,6 @@ for _kind in (
     ActivationKind("gelu_tanh", _gelu_tanh_glu, 2, "GELU-GLU with GELU's tanh approximation"),
     ActivationKind("silu_clamped", _clamped_silu, 4,
                    "SwiGLU on clamped products: silu(min(gate, limit)) * clamp(up, -limit, limit)", {"limit": 10.0}),
-    ActivationKind("relu2", _relu_squared, None, "relu(up)^2, an ungated MLP (Nemotron-H)", gated=False),
+    ActivationKind("relu2", _relu_squared, 5, "relu(up)^2, an ungated MLP (Nemotron-H)", gated=False),
 ):
     register_activation(_kind)

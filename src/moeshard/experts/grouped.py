@@ -187,11 +187,13 @@ class GroupedExperts:
         return (out.float() + torch.where(padding.unsqueeze(1), 0.0, bias.float()[rows])).to(self.out_dtype)
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """h [M, I] in ``out_dtype`` from gate_up [M, 2I]: ``activate``; a CUDA forward that
-        carries gradients, of a kind with a kernel mode, runs the one-pass Triton activation and
-        its one-pass backward (``kernels/glu.py``; the same values up to the last bit of fp32)."""
+        """h [M, I] in ``out_dtype`` from gate_up [M, 2I] ([M, I] ungated): ``activate``; a CUDA
+        forward that carries gradients, of a gated kind with a kernel mode, runs the one-pass Triton
+        activation and its one-pass backward (``kernels/glu.py``; the same values up to the last
+        bit of fp32). An ungated kind's (one elementwise op of one product) stays torch's."""
+        kind = get_activation(self.activation)
         if (gate_up.is_cuda and gate_up.requires_grad and torch.is_grad_enabled()
-                and get_activation(self.activation).kernel_mode is not None and triton_importable()[0]):
+                and kind.gated and kind.kernel_mode is not None and triton_importable()[0]):
             from moeshard.kernels.glu import GatedActivation
             return GatedActivation.apply(gate_up, self.activation, self.out_dtype)
         return activate(gate_up, self.activation, self.out_dtype)

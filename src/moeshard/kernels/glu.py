@@ -98,8 +98,11 @@ def _glu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, M, I, stride_gu, stride_dh, stride_
 
 def kernel_mode_of(activation: str) -> int | None:
     """The kind's mode here (its ``kernel_mode``, one of ``MODES``), or None: the torch path
-    computes it. A kernel mode this file does not compute is an error, never another mode's math."""
-    mode = get_activation(activation, "glu: activation").kernel_mode
+    computes it (every ungated kind). A kernel mode this file does not compute is an error, never another mode's math."""
+    kind = get_activation(activation, "glu: activation")
+    mode = kind.kernel_mode
+    if not kind.gated:  # h = act(up): no gate to differentiate against; torch's ops compute it
+        return None
     if mode is not None and mode not in MODES:
         raise ValueError(f"glu: activation {activation!r} has kernel_mode {mode}, which kernels/glu.py does not "
                          f"compute (modes {MODES}); add its forward and derivative there")

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeshard.activations import get_activation
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
@@ -120,6 +121,15 @@ def _act_mul(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constex
 
 
 @triton.jit
+def _act_one(up, ACT: tl.constexpr):
+    """h = act(up) in fp32 for an ungated kind's mode (``activations.UNGATED_KERNEL_MODES``):
+    5 relu(up)^2 (NaN stays NaN, as torch.relu keeps it)."""
+    tl.static_assert(ACT == 5, "an ungated activation mode the epilogue does not compute")
+    r = tl.maximum(up, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return r * r
+
+
+@triton.jit
 def _load_tile(ptr, ptrs, row, col, rows_ok, cols_ok, TMA: tl.constexpr, MASK_ROWS: tl.constexpr,
                EVEN_K: tl.constexpr, ZERO: tl.constexpr):
     """One [R, C] operand tile: through a TMA descriptor at (row, col) (out-of-bounds parts read
@@ -175,6 +185,9 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     the plan's experts, not the window's), added in fp32 to the product rounded to the model
     dtype and rounded again: before the activation (gate_up: gate columns, then up columns
     ``up_offset`` on) or to the output (down)."""
+    # A gated kind's gate_up loads and multiplies an up tile beside the gate tile; an ungated
+    # kind's (modes from activations.FIRST_UNGATED_MODE on) has its one product in acc.
+    UP: tl.constexpr = FUSE_ACT and ACT < 5
     offs_p = p0 + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
@@ -221,7 +234,8 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         ws_ptrs = w_scale_ptr + w_expert * stride_wse + offs_wn[:, None] * stride_wsn + offs_kq[None, :] * stride_wsk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if UP:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_step in range(0, K, BLOCK_K):
         for k_sub in tl.static_range(0, BLOCK_K, SUB_K):
             k0 = k_step + k_sub
@@ -231,7 +245,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
             kw_ok = kw + offs_kw < K // W_PACK
             a = _load_tile(a_ptr, a_ptrs + ka * stride_ak, a_row, ka, row_ok, ka_ok, TMA_A, GATHER_A, EVEN_K, A_ZERO)
             b = _load_tile(w_ptr, w_ptrs + kw * stride_wk, w_row, kw, n_ok, kw_ok, TMA_W, False, EVEN_K, W_ZERO)
-            if FUSE_ACT:
+            if UP:
                 b_up = _load_tile(w_ptr, w_ptrs + (up_offset * stride_wn + kw * stride_wk), w_row + up_offset, kw,
                                   n_ok, kw_ok, TMA_W, False, EVEN_K, W_ZERO)
             if QUANT == 4:
@@ -246,7 +260,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
                     w_s = _load_tile(w_scale_ptr, ws_ptrs + kq * stride_wsk, 0, 0, n_ok, kq_ok, False, False, EVEN_K, 0.0)
                     b = e2m1_scaled_f16(b, w_s, BLOCK_N, SUB_K)
                 acc = tl.dot(a, tl.trans(b), acc)
-                if FUSE_ACT:
+                if UP:
                     if not W_VALUES:
                         wu_s = _load_tile(w_scale_ptr, ws_ptrs + (up_offset * stride_wsn + kq * stride_wsk), 0, 0, n_ok,
                                           kq_ok, False, False, EVEN_K, 0.0)
@@ -254,7 +268,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
                     acc_up = tl.dot(a, tl.trans(b_up), acc_up)
             elif QUANT == 0:
                 acc = tl.dot(a, tl.trans(b), acc)
-                if FUSE_ACT:
+                if UP:
                     acc_up = tl.dot(a, tl.trans(b_up), acc_up)
             elif FP8_EXACT:
                 # e4m3 -> fp16 is exact and fp16 MMA accumulates in fp32; Hopper's fp8 MMA keeps about
@@ -262,7 +276,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
                 a = a.to(tl.float16)
                 if QUANT != 3:
                     acc = tl.dot(a, tl.trans(b.to(tl.float16)), acc)
-                    if FUSE_ACT:
+                    if UP:
                         acc_up = tl.dot(a, tl.trans(b_up.to(tl.float16)), acc_up)
                 else:
                     kb = k0 // 128
@@ -270,20 +284,20 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
                     ws_base = w_scale_ptr + w_expert * stride_wse + kb * stride_wsk
                     w_s = tl.load(ws_base + (offs_wn // 128) * stride_wsn)
                     acc += tl.dot(a, tl.trans(b.to(tl.float16))) * a_s[:, None] * w_s[None, :]
-                    if FUSE_ACT:
+                    if UP:
                         wu_s = tl.load(ws_base + ((offs_wn + up_offset) // 128) * stride_wsn)
                         acc_up += tl.dot(a, tl.trans(b_up.to(tl.float16))) * a_s[:, None] * wu_s[None, :]
             elif QUANT != 3 and FP8_ACC == 0:
                 acc += tl.dot(a, tl.trans(b))
-                if FUSE_ACT:
+                if UP:
                     acc_up += tl.dot(a, tl.trans(b_up))
             elif QUANT != 3 and FP8_ACC == 1:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=SUB_K)
-                if FUSE_ACT:
+                if UP:
                     acc_up = tl.dot(a, tl.trans(b_up), acc_up, max_num_imprecise_acc=SUB_K)
             elif QUANT != 3:
                 acc = tl.dot(a, tl.trans(b), acc)
-                if FUSE_ACT:
+                if UP:
                     acc_up = tl.dot(a, tl.trans(b_up), acc_up)
             else:
                 kb = k0 // 128
@@ -292,7 +306,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
                 col0 = pid_n * BLOCK_N
                 acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * _block_w_scale(ws_base, offs_wn, col0, stride_wsn,
                                                                                WS_SCALAR)
-                if FUSE_ACT:
+                if UP:
                     acc_up += tl.dot(a, tl.trans(b_up)) * a_s[:, None] * _block_w_scale(
                         ws_base, offs_wn + up_offset, col0 + up_offset, stride_wsn, WS_SCALAR)
 
@@ -300,13 +314,13 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
         ws_base = w_scale_ptr + w_expert * stride_wse
         acc = acc * a_s[:, None] * tl.load(ws_base + offs_wn * stride_wsn)[None, :]
-        if FUSE_ACT:
+        if UP:
             acc_up = acc_up * a_s[:, None] * tl.load(ws_base + (offs_wn + up_offset) * stride_wsn)[None, :]
     elif QUANT == 4:
         a_g = tl.load(a_global_ptr + rows * stride_ag, mask=row_ok, other=1.0)
         denom = a_g[:, None] * tl.load(w_global_ptr + w_expert)
         acc = acc / denom
-        if FUSE_ACT:
+        if UP:
             acc_up = acc_up / denom
 
     out_ty = out_ptr.dtype.element_ty
@@ -315,13 +329,18 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     if FUSE_ACT:
         # The reference rounds the gate_up product to the model dtype before the activation
         # (a bias is added to that, and the sum rounded again, as a model adding its bias after
-        # the matmul does), and the activation's fp32 result to the model dtype again.
+        # the matmul does), and the activation's fp32 result to the model dtype again. An
+        # ungated kind's one product is in acc (named gate here).
         gate = acc.to(H_TY).to(tl.float32)
-        up = acc_up.to(H_TY).to(tl.float32)
         if BIAS:
             gate = (gate + tl.load(b_ptrs).to(tl.float32)[None, :]).to(H_TY).to(tl.float32)
-            up = (up + tl.load(b_ptrs + up_offset).to(tl.float32)[None, :]).to(H_TY).to(tl.float32)
-        h = _act_mul(gate, up, ACT, ACT_ALPHA, ACT_LIMIT)
+        if UP:
+            up = acc_up.to(H_TY).to(tl.float32)
+            if BIAS:
+                up = (up + tl.load(b_ptrs + up_offset).to(tl.float32)[None, :]).to(H_TY).to(tl.float32)
+            h = _act_mul(gate, up, ACT, ACT_ALPHA, ACT_LIMIT)
+        else:
+            h = _act_one(gate, ACT)
         if BIAS:
             # Padding rows (A loaded as zeros) would hold act(bias): they stay exact zeros, as
             # without a bias (act(0, 0) is 0 for every mode).
@@ -575,8 +594,11 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
     if not (0 <= lo < hi <= num_experts) or hi - lo != e:
         raise ValueError(f"moe_gemm: experts={experts!r} must be a window 0 <= lo < hi <= E={num_experts} of the "
                          f"plan's experts, with hi - lo equal to the {e} experts of w")
-    n = n_w // 2 if fused else n_w
-    if fused and n_w % 2:
+    # A gated kind's gate_up holds gate rows then up rows (2 per column of h); an ungated one's up rows.
+    products = get_activation(activation, "moe_gemm: activation").products if fused else 1
+    gated = products == 2
+    n = n_w // products
+    if fused and n_w % products:
         raise ValueError(f"moe_gemm: fused gate_up needs an even number of weight rows, got {n_w}")
     if bias is not None and (tuple(bias.shape) != (num_experts, n_w) or bias.stride(1) != 1
                              or not bias.is_floating_point() or bias.device != out.device):
@@ -609,7 +631,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
             if config.half_tiles:
                 a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, sub_k // a_pack])
             tma_a = True
-    ws_scalar = one_w_scale_per_tile(w_mode, bn, n, fused)
+    ws_scalar = one_w_scale_per_tile(w_mode, bn, n, gated)
     if out_scale is not None:
         h_ty = H_TYPES[_check_quantized_out(out, out_scale, h_dtype, plan, n, w_mode, bn, fused, amax)]
     else:
@@ -623,7 +645,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         out, out_scale if out_scale is not None else out,
         amax if amax is not None else row_amax if row_amax is not None else out,
         bias if bias is not None else out, plan.sorted_rows, plan.tile_expert, plan.start, plan.count,
-        plan.max_tiles, lo, hi, n, k, n_w, n if fused else 0, a_row_div,
+        plan.max_tiles, lo, hi, n, k, n_w, n if gated else 0, a_row_div,
         a_data.stride(0), a_data.stride(1), s_am, s_ak, s_ag,
         w_data.stride(0), w_data.stride(1), w_data.stride(2), s_we, s_wn, s_wk,
         out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0,
