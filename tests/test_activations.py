@@ -53,16 +53,12 @@ def test_config_and_registry_refuse_with_the_values():
 
 
 def test_a_kind_without_a_kernel_mode_is_refused_by_triton_with_its_reason():
-    """Every built-in gated kind has a Triton epilogue (the ungated relu2 has none: the gate_up
-    kernels compute act(gate) * up); a kind registered without one runs on the portable experts,
-    and the Triton experts refuse it naming why."""
+    """Every built-in kind has a Triton epilogue (the ungated relu2 an ungated mode); a kind
+    registered without one runs on the portable experts, and the Triton experts refuse it naming why."""
     from moeshard.activations import unregister_activation
     from moeshard.kernel_choice import select_kernel
 
-    assert all(get_activation(name).kernel_refusal() is None for name in activation_names()
-               if get_activation(name).gated)
-    assert "no Triton epilogue" in get_activation("relu2").kernel_refusal()
-    assert type(select_kernel("relu2", torch.bfloat16, torch.device("cpu"), "none")).__name__ == "GroupedExperts"
+    assert all(get_activation(name).kernel_refusal() is None for name in activation_names())
     register_activation(ActivationKind("portable_only", get_activation("silu").act, None, "a kind without a mode"))
     try:
         reason = get_activation("portable_only").kernel_refusal()
@@ -116,17 +112,19 @@ def test_kinds_beyond_silu_and_gelu_through_layer_and_reference(activation):
 
 def test_ungated_relu2_by_hand_and_its_refusals():
     """relu2 (Nemotron-H): h = relu(up)^2 on up products alone; the experts' first weight holds
-    I rows, not 2I. Refused by name: calling it as a GLU, an ungated kind with a Triton mode, and
-    ungated shared experts (the shared MLP is a gated one)."""
+    I rows, not 2I. Refused by name: calling it as a GLU, an ungated kind with a gated kernel mode
+    (or a gated kind with an ungated one), and ungated shared experts (the shared MLP is a gated one)."""
     kind = get_activation("relu2")
     assert not kind.gated and kind.products == 1 and get_activation("silu").products == 2
     up = torch.tensor([[-2.0, 0.0, 0.5, 3.0]])
     assert activate(up, "relu2", torch.float32)[0].tolist() == [0.0, 0.0, 0.25, 9.0]
     with pytest.raises(TypeError, match="'relu2' is ungated: call apply"):
         kind(up, up)
-    with pytest.raises(ValueError, match="an ungated kind has no Triton epilogue yet.*got 3"):
+    with pytest.raises(ValueError, match=r"an ungated kind needs an ungated mode of \[5\] or None, got kernel_mode 3"):
         register_activation(ActivationKind("relu2_mode", kind.act, 3, "copy", {"alpha": 1.0, "limit": 1.0},
                                            gated=False))
+    with pytest.raises(ValueError, match=r"a gated kind needs a gated mode \(below 5\) or None, got kernel_mode 5"):
+        register_activation(ActivationKind("glu_mode5", get_activation("silu").act, 5, "copy"))
     with pytest.raises(ValueError, match="gated must be True or False, got 1"):
         register_activation(ActivationKind("half_gated", kind.act, None, "copy", gated=1))
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, activation="relu2")

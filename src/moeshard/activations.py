@@ -64,8 +64,9 @@ class ActivationKind:
     """One activation kind.
 
     name: the ``MoEConfig.activation`` value.
-    act: gated, ``act(gate, up, **params) -> h``: gate and up are tensors of one shape ``[..., I]``
-      and one float dtype, h has that shape and dtype; ungated, ``act(up, **params) -> h``. The experts call it on fp32 values (then
+    act: gated, ``act(gate, up, **params) -> h``: gate and up are tensors of one shape
+      ``[..., I]`` and one float dtype, h has that shape and dtype; ungated,
+      ``act(up, **params) -> h``. The experts call it on fp32 values (then
       round h to the model dtype); the shared experts on model-dtype values, the reference on
       fp64. It must be elementwise, so that TP slices of I compute the same h as the whole.
     kernel_mode: the Triton epilogue's mode for it (``KERNEL_MODES``), or None: portable only.
@@ -128,7 +129,7 @@ def register_activation(kind: ActivationKind) -> ActivationKind:
     if kind.kernel_mode is not None and (kind.kernel_mode in UNGATED_KERNEL_MODES) == kind.gated:
         want = "an ungated mode of " + str(list(UNGATED_KERNEL_MODES)) if not kind.gated else \
             "a gated mode (below " + str(FIRST_UNGATED_MODE) + ")"
-        raise ValueError(f"{where}: a {'gated' if kind.gated else 'ungated'} kind needs {want} or None, got "
+        raise ValueError(f"{where}: {'a gated' if kind.gated else 'an ungated'} kind needs {want} or None, got "
                          f"kernel_mode {kind.kernel_mode!r}")
     if kind.kernel_mode is not None:
         taken = {k.kernel_mode: k.name for k in _REGISTRY.values() if k.kernel_mode is not None}

@@ -286,13 +286,14 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation
                 scheme: str, shards: int = 1, accumulation: float = ACCUMULATION["fp32"]) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert's rows with the layer's roundings, and their slack.
 
-    x: fp64 [R, H] the rows as the expert sees them (dequantized); w13: fp64 [2I, H] gate and up
-    rows ([I, H] up rows for an ungated activation); w2: fp64 [H, I]; shards: TP slices of I quantized separately; accumulation: relative
-    accumulation error of the kernel's sums, as a fraction of sum |a| |b| (``ACCUMULATION``).
+    x: fp64 [R, H] the rows as the expert sees them (dequantized); w13: fp64 [2I, H] gate and
+    up rows ([I, H] up rows for an ungated activation); w2: fp64 [H, I]; shards: TP slices of I
+    quantized separately; accumulation: relative accumulation error of the kernel's sums, as a
+    fraction of sum |a| |b| (``ACCUMULATION``).
     Returns (y, slack), both fp64 [R, H], unweighted.
 
     The candidates of h: the four corners of the error box (gate and up each shifted by -+
-    delta). Every element may take any value between their smallest and largest (lo, hi), and
+    delta; an ungated kind's two ends, up shifted by -+ delta). Every element may take any value between their smallest and largest (lo, hi), and
     every scale group any amax between the one its smallest-magnitude candidates give and the
     one its largest give; quantizing lo and hi with each of those two sets of scales gives the
     extreme outcomes of every element's rounding (rounding is monotone in value / scale).

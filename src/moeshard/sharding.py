@@ -3,9 +3,10 @@
 Expert parallelism keeps whole experts: rank with EP index j holds experts
 [j * E / ep, (j + 1) * E / ep). Tensor parallelism (EP off) slices the intermediate dimension:
 TP rank r keeps gate rows [r I/tp, (r+1) I/tp), the same up rows (offset by I; an ungated
-activation's experts hold up rows alone), and the same columns of down. Weights are quantized per expert before slicing, so every TP shard carries the
-scales of the full expert (a per-expert fp8 scale or nvfp4 global scale is shared by the shards)
-and ``shard.dequantize()`` equals a slice of ``full.dequantize()``.
+activation's experts hold up rows alone), and the same columns of down. Weights are quantized
+per expert before slicing, so every TP shard carries the scales of the full expert (a
+per-expert fp8 scale or nvfp4 global scale is shared by the shards) and
+``shard.dequantize()`` equals a slice of ``full.dequantize()``.
 
 Expert biases (``MoEConfig.expert_bias``) go with their expert: under EP (and a placement's
 replicas) a slot holds its expert's biases; under TP the gate_up bias is sliced as gate_up's

@@ -595,7 +595,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         raise ValueError(f"moe_gemm: experts={experts!r} must be a window 0 <= lo < hi <= E={num_experts} of the "
                          f"plan's experts, with hi - lo equal to the {e} experts of w")
     # A gated kind's gate_up holds gate rows then up rows (2 per column of h); an ungated one's up rows.
-    products = get_activation(activation, "moe_gemm: activation").products if fused else 1
+    products = get_activation(activation, "moe_gemm: activation").products if activation is not None else 1
     gated = products == 2
     n = n_w // products
     if fused and n_w % products:
