@@ -294,9 +294,10 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation
 
     The candidates of h: the four corners of the error box (gate and up each shifted by -+
     delta; an ungated kind's two ends, up shifted by -+ delta). Every element may take any value
-    between their smallest and largest (lo, hi), and every scale group any amax between the one its smallest-magnitude candidates give and the
-    one its largest give; quantizing lo and hi with each of those two sets of scales gives the
-    extreme outcomes of every element's rounding (rounding is monotone in value / scale).
+    between their smallest and largest (lo, hi), and every scale group any amax between the one
+    its smallest-magnitude candidates give and the one its largest give; quantizing lo and hi
+    with each of those two sets of scales gives the extreme outcomes of every element's rounding
+    (rounding is monotone in value / scale).
     """
     y, slack = expert_rows_batched([x], [w13], [w2], activation, dtype, scheme, shards, accumulation)[0]
     assert slack is not None  # with_slack defaults to True, so the slack is computed

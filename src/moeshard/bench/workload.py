@@ -85,11 +85,12 @@ def make_model(name: str, device: torch.device, seed: int = 0, size: str = "full
         shared_expert_gate=_randn((1, H), 1 / H**0.5, gen, device) if cfg.shared_expert_gate else None,
         gate_bias=_randn((E,), 0.5, gen, device) if cfg.routing_kind.router_bias else None,
     )
-    gate_up, down = _randn((E, 2 * I, H), 1 / H**0.5, gen, device), _randn((E, H, I), 1 / I**0.5, gen, device)
+    P = cfg.gate_up_size  # 2I gate and up rows, or I up rows for an ungated activation
+    gate_up, down = _randn((E, P, H), 1 / H**0.5, gen, device), _randn((E, H, I), 1 / I**0.5, gen, device)
     if not cfg.expert_bias:
         return ModelOnDevice(name, cfg, shell, gate_up, down)
     # Biases of the products' scale (as MoEWeights.random's).
-    return ModelOnDevice(name, cfg, shell, gate_up, down, _randn((E, 2 * I), 0.5, gen, device),
+    return ModelOnDevice(name, cfg, shell, gate_up, down, _randn((E, P), 0.5, gen, device),
                          _randn((E, H), 0.5, gen, device))
 
 
@@ -126,8 +127,9 @@ def routed_input(model: ModelOnDevice, x: torch.Tensor, quant: QuantConfig) -> t
 
 
 def expert_flops(rows: int, cfg: MoEConfig) -> int:
-    """Multiply-adds x 2 of the routed experts: gate_up [M, H] x [H, 2I] and down [M, I] x [I, H]."""
-    return 6 * rows * cfg.hidden_size * cfg.intermediate_size
+    """Multiply-adds x 2 of the routed experts: gate_up [M, H] x [H, 2I] ([H, I] ungated) and down
+    [M, I] x [I, H]."""
+    return 2 * (cfg.activation_kind.products + 1) * rows * cfg.hidden_size * cfg.intermediate_size
 
 
 def layer_flops(tokens: int, cfg: MoEConfig) -> int:
