@@ -1085,14 +1085,23 @@ def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_ke
     torch.testing.assert_close(grad, ref_grad, rtol=rtol, atol=rtol * float(ref_grad.abs().max()))
     h = glu.GatedActivation.apply(gate_up.clone().requires_grad_(True), activation, dtype)
     assert h.requires_grad
-    from moeshard.activations import KERNEL_MODES, ActivationKind, register_activation, unregister_activation
+    from moeshard.activations import (
+        KERNEL_MODES,
+        UNGATED_KERNEL_MODES,
+        ActivationKind,
+        register_activation,
+        unregister_activation,
+    )
     register_activation(ActivationKind("portable_only", get_activation("silu").act, None, "a kind without a mode"))
     try:
         with pytest.raises(ValueError, match="'portable_only' has no kernel mode"):
             glu.glu_forward(gate_up, "portable_only", dtype)
     finally:
         unregister_activation("portable_only")
-    assert glu.MODES == KERNEL_MODES  # a new epilogue mode needs its training forward and derivative here
+    # A new gated epilogue mode needs its training forward and derivative here; an ungated kind's
+    # (h = act(up), one elementwise op) trains through torch's.
+    assert glu.MODES == tuple(m for m in KERNEL_MODES if m not in UNGATED_KERNEL_MODES)
+    assert glu.kernel_mode_of("relu2") is None
     with pytest.raises(ValueError, match=r"grad_h must be \[37, 300\]"):
         glu.glu_backward(gate_up, grad_h[:, :299], activation)
 
