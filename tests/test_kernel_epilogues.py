@@ -1,8 +1,9 @@
 """The Triton GEMM epilogues' expert biases and clamped activations, through Triton's interpreter.
 
 gpt-oss's experts carry a gate_up and a down bias and clamp both products (``swiglu_clamped``);
-HY-V4's clamp them too (``silu_clamped``). The Triton experts add the biases in the GEMMs'
-epilogues and compute both activations there, so these models run on the fused kernels. Each
+HY-V4's clamp them too (``silu_clamped``); Nemotron-H's are ungated (``relu2``: one up product,
+its gate_up [E, I, H]; run here with biases too). The Triton experts add the biases in the GEMMs'
+epilogues and compute the activations there, so these models run on the fused kernels. Each
 test runs the interpreted kernels (the ``interpreted_kernels`` fixture, tests/conftest.py) against
 the reference or against the kernels' own path without the option under test; the gate_up
 weights are scaled so that about a third of the products pass the activation's limit, and the
@@ -32,9 +33,10 @@ def _problem(M, E, H, I, scheme, activation, bias, seed, dtype=torch.bfloat16):
     x = torch.randn(M, H, generator=gen).to(dtype)
     ids = torch.randint(0, E, (M,), generator=gen)
     ids[: M // 4] = E - 1  # one expert with several tiles, and likely an expert with none
-    gu = (torch.randn(E, 2 * I, H, generator=gen) * (limit / H**0.5)).to(dtype)
+    P = get_activation(activation).products  # gate and up rows, or up rows alone (relu2)
+    gu = (torch.randn(E, P * I, H, generator=gen) * (limit / H**0.5)).to(dtype)
     dn = (torch.randn(E, H, I, generator=gen) / I**0.5).to(dtype)
-    b13 = (torch.randn(E, 2 * I, generator=gen) * limit / 2).to(dtype) if bias else None
+    b13 = (torch.randn(E, P * I, generator=gen) * limit / 2).to(dtype) if bias else None
     b2 = torch.randn(E, H, generator=gen).to(dtype) if bias else None
     if scheme == "none":
         return x, ids, ExpertWeights(gu, dn, "none", b13, b2)
@@ -59,7 +61,7 @@ def test_the_problem_reaches_past_the_limits():
 
 CASES = ([("swiglu_clamped", True, s) for s in SCHEMES] + [("silu_clamped", True, "none"),
          ("silu_clamped", False, "fp8_block"), ("silu_clamped", True, "fp8_token"), ("silu", True, "fp8_tensor"),
-         ("gelu", True, "none")])
+         ("gelu", True, "none")] + [("relu2", True, s) for s in SCHEMES] + [("relu2", False, "fp8_token")])
 
 
 @pytest.mark.parametrize("activation,bias,scheme", CASES)
@@ -81,32 +83,36 @@ def test_experts_with_biases_and_clamped_activations_match_reference(interpreted
     ("nvfp4", {"decode_nvfp4": "all", "decode_experts": 3}),  # weights decoded a window of experts at a time
     ("none", {"direct": True}),  # one token's rows, a tile each
 ])
-def test_biased_clamped_experts_on_every_experts_path(interpreted_kernels, exact_interpreter, scheme, options):
-    """gpt-oss's experts (biases, ``swiglu_clamped``) through the experts' other paths: the bias
-    is read by the plan's expert index whatever window of weights a launch holds."""
+@pytest.mark.parametrize("activation", ["swiglu_clamped", "relu2"])
+def test_biased_experts_on_every_experts_path(interpreted_kernels, exact_interpreter, scheme, options, activation):
+    """gpt-oss's experts (biases, ``swiglu_clamped``) and Nemotron-H's ungated ones (``relu2``,
+    biases added here too) through the experts' other paths: the bias is read by the plan's
+    expert index whatever window of weights a launch holds."""
     k = interpreted_kernels
     direct = options.get("direct", False)
     E, H, I = 8, 128, 256
-    x, ids, w = _problem(1 if direct else 45, E, H, I, scheme, "swiglu_clamped", True, seed=3)
+    x, ids, w = _problem(1 if direct else 45, E, H, I, scheme, activation, True, seed=3)
     repeat = 1
     if direct:  # one token (scheme none: a model-dtype row) routed to four distinct experts
         ids, repeat = torch.tensor([6, 1, 3, 0]), 4
     inner = 128 if options.get("h_quant") == "gate_up" else 64
     gemm = k.configs.GemmConfig(16, inner, 128 if scheme == "fp8_block" else 64, group_m=2)
     cfg = k.configs.ExpertsConfig(gemm, gemm, **options)
-    y = k.experts.TritonExperts("swiglu_clamped", torch.bfloat16, cfg)(ExpertInput(x, ids, repeat=repeat), w)
-    _reference_ok(y, x.expand(repeat, H) if direct else x, ids, w, "swiglu_clamped", scheme)
+    y = k.experts.TritonExperts(activation, torch.bfloat16, cfg)(ExpertInput(x, ids, repeat=repeat), w)
+    _reference_ok(y, x.expand(repeat, H) if direct else x, ids, w, activation, scheme)
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_biased_gate_up_keeps_padding_rows_zero_and_half_tiles_equal(interpreted_kernels, exact_interpreter, tma):
-    """Padding positions of a live tile hold h = 0 with a bias too (the next stage reads whole
-    tiles), and half tiles give the whole tiles' bits: experts of 40 (a tile and a half tile),
-    30, 3 and 17 rows and an empty one."""
-    k = interpreted_kernels
-    M, E, H, I = 90, 5, 64, 96
-    x, _, w = _problem(M, E, H, I, "fp8_tensor", "swiglu_clamped", True, seed=13)
-    ids = torch.tensor([0] * 40 + [1] * 30 + [2] * 3 + [3] * 17)[torch.randperm(M, generator=torch.Generator().manual_seed(1))]
+# Rows of 4 experts (and an empty fifth): a tile and a half tile (40), 30, 3 and 17 rows.
+PADDED_EXPERTS = [0] * 40 + [1] * 30 + [2] * 3 + [3] * 17
+
+
+def gate_up_whole_and_half_tiles(k, x, w, activation: str, tma: bool, I: int) -> dict:
+    """The gate_up GEMM over ``PADDED_EXPERTS`` (rows shuffled) in 32-row tiles, whole and half
+    (``GemmConfig.half_tiles``), with the experts' gate_up bias and a per-expert amax: checks that
+    the padding positions of live tiles hold h = 0 and no live position NaN (h's memory starts as
+    NaN); returns {half: (plan, h, amax, live positions)}, for the caller's further checks."""
+    E = 5
+    ids = torch.tensor(PADDED_EXPERTS)[torch.randperm(len(PADDED_EXPERTS), generator=torch.Generator().manual_seed(1))]
     plan = k.align.align_rows(ids, E, 32)
     live = (plan.tile_expert >= 0).repeat_interleave(32)
     padding = live.clone()
@@ -118,16 +124,30 @@ def test_biased_gate_up_keeps_padding_rows_zero_and_half_tiles_equal(interpreted
         gemm = k.configs.GemmConfig(32, 64, 32, group_m=2, tma=tma, half_tiles=half)
         h = torch.full((plan.padded_rows, I), float("nan"), dtype=torch.bfloat16)
         amax = torch.zeros(E)
-        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation="swiglu_clamped", gather=True, amax=amax,
+        k.grouped_gemm.moe_gemm(x, w.gate_up, plan, h, gemm, activation=activation, gather=True, amax=amax,
                                 bias=w.gate_up_bias)
+        assert (h[padding] == 0).all() and not h[live].isnan().any()
+        outs[half] = (plan, h, amax, live)
+    (_, h0, a0, _), (_, h1, a1, _) = outs[False], outs[True]
+    assert torch.equal(h0[live], h1[live]) and torch.equal(a0, a1)
+    return outs
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_biased_gate_up_keeps_padding_rows_zero_and_half_tiles_equal(interpreted_kernels, exact_interpreter, tma):
+    """Padding positions of a live tile hold h = 0 with a bias too (the next stage reads whole
+    tiles), and half tiles give the whole tiles' bits, in gate_up and in the down GEMM after it."""
+    k = interpreted_kernels
+    M, E, H, I = len(PADDED_EXPERTS), 5, 64, 96
+    x, _, w = _problem(M, E, H, I, "fp8_tensor", "swiglu_clamped", True, seed=13)
+    ys = []
+    for half, (plan, h, amax, _) in gate_up_whole_and_half_tiles(k, x, w, "swiglu_clamped", tma, I).items():
+        gemm = k.configs.GemmConfig(32, 64, 32, group_m=2, tma=tma, half_tiles=half)
         h_q = k.quant.quantize_h(h, "fp8_tensor", plan, amax)
         y = torch.full((M, H), float("nan"), dtype=torch.bfloat16)
         k.grouped_gemm.moe_gemm(h_q, w.down, plan, y, gemm, activation=None, gather=False, bias=w.down_bias)
-        outs[half] = (h, amax, y)
-        assert (h[padding] == 0).all() and not h[live].isnan().any()
-    (h0, a0, y0), (h1, a1, y1) = outs[False], outs[True]
-    assert torch.equal(h0[live], h1[live]) and torch.equal(a0, a1)
-    assert not y1.isnan().any() and torch.equal(y0, y1)
+        ys.append(y)
+    assert not ys[1].isnan().any() and torch.equal(ys[0], ys[1])
 
 
 def test_tp_shards_add_the_down_bias_once(interpreted_kernels, exact_interpreter):

@@ -60,10 +60,10 @@ def test_ungated_gradients_on_cuda_equal_the_cpu_layers():
 @pytest.mark.parametrize("rows", [1, 45, 2048])
 def test_ungated_triton_experts_with_biases_match_the_reference(scheme, rows):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from test_ungated_kernels import ACT, _problem, _reference_ok
+    from test_kernel_epilogues import _problem, _reference_ok
 
     E, H, I = 8, 256, 512
-    x, ids, w = _problem(rows, E, H, I, scheme, True, seed=5)
+    x, ids, w = _problem(rows, E, H, I, scheme, "relu2", True, seed=5)
     wc = ExpertWeights(*(t if isinstance(t, torch.Tensor) else t.to("cuda") for t in (w.gate_up, w.down)), scheme,
                        w.gate_up_bias.cuda(), w.down_bias.cuda())
     if isinstance(x, torch.Tensor):
@@ -71,5 +71,5 @@ def test_ungated_triton_experts_with_biases_match_the_reference(scheme, rows):
     else:  # the same quantized rows, moved
         xc = dataclasses.replace(x, **{f.name: getattr(x, f.name).cuda() for f in dataclasses.fields(x)
                                        if isinstance(getattr(x, f.name), torch.Tensor)})
-    y = TritonExperts(ACT, torch.bfloat16)(ExpertInput(xc, ids.cuda()), wc)
-    _reference_ok(y.cpu(), x, ids, w, scheme)
+    y = TritonExperts("relu2", torch.bfloat16)(ExpertInput(xc, ids.cuda()), wc)
+    _reference_ok(y.cpu(), x, ids, w, "relu2", scheme)
