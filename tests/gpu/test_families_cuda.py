@@ -3,8 +3,9 @@ handed to moeshard's experts, the tanh-approximate GELU epilogue of the Triton k
 (the bias on the block's output), DeepSeek-V4 (its blocks' routing, the first layer's by token id,
 handed to moeshard's experts; the clamped SwiGLU epilogue), A.X-K1 (the norm of the block's
 output), ZAYA (its MLP router's picks, a skip among them, handed to experts without a router),
-LongCat-Flash (its zero-computation picks added after the layer) and Inkling's text model (routed
-experts normalized with its shared ones, their picks handed over). A family the installed
+LongCat-Flash (its zero-computation picks added after the layer), Inkling's text model (routed
+experts normalized with its shared ones, their picks handed over) and Nemotron-H (ungated relu2
+experts in a latent space, the Triton gate_up's ungated epilogue, beside Mamba-2 layers). A family the installed
 transformers lacks, or cannot run in bfloat16 (then moeshard's refusal is checked), is skipped. A
 tiny random model from ``scripts/make_tiny_moe.py`` loaded by ``load_sharded_model`` on the GPU in bfloat16, whose
 experts run on the Triton kernels, against transformers on the GPU: its logits are as far from
@@ -27,7 +28,7 @@ IDS = [[3, 17, 42, 5, 9, 1, 2, 3, 60, 61, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "jetmoe", "deepseek_v4", "axk1", "zaya", "longcat_flash",
-                                    "inkling_text"])
+                                    "inkling_text", "nemotron_h"])
 def test_family_in_bfloat16_on_cuda_is_as_close_to_float32_as_transformers(tmp_path, family):
     from moeshard.checkpoint.hf_config import read_hf_config
     from moeshard.experts import GroupedExperts
