@@ -64,7 +64,7 @@ def test_ungated_triton_experts_with_biases_match_the_reference(scheme, rows):
 
     E, H, I = 8, 256, 512
     x, ids, w = _problem(rows, E, H, I, scheme, "relu2", True, seed=5)
-    wc = ExpertWeights(*(t if isinstance(t, torch.Tensor) else t.to("cuda") for t in (w.gate_up, w.down)), scheme,
+    wc = ExpertWeights(*(t.cuda() if isinstance(t, torch.Tensor) else t.to("cuda") for t in (w.gate_up, w.down)), scheme,
                        w.gate_up_bias.cuda(), w.down_bias.cuda())
     if isinstance(x, torch.Tensor):
         xc = x.cuda()
