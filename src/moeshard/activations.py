@@ -96,6 +96,12 @@ class ActivationKind:
             raise TypeError(f"activation {self.name!r} is ungated: call apply(up) with the up products alone")
         return self.act(gate, up, **self.params)
 
+    def gate_up_rows(self, lo: int, hi: int, I: int) -> tuple[slice, ...]:
+        """The rows of an expert's gate_up [products * I, H] (and its bias) that produce columns
+        [lo, hi) of h: its gate rows, then its up rows (I later); an ungated kind's up rows alone.
+        A TP slice of I keeps these rows, in this order."""
+        return (slice(lo, hi), slice(I + lo, I + hi))[:self.products]
+
     def apply(self, products: torch.Tensor) -> torch.Tensor:
         """products [..., products * I] (gated: gate's columns [0, I), up's [I, 2I); ungated: up's)
         -> h [..., I] in their dtype."""

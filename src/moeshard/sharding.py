@@ -99,13 +99,15 @@ def _slice_cols(w: Weight, start: int, stop: int) -> Weight:
     return w.slice_in(start, stop) if isinstance(w, QuantizedWeight) else w[..., start:stop]
 
 
-def _cat_rows(a: Weight, b: Weight) -> Weight:
-    if isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight):
-        return QuantizedWeight.cat_out([a, b])
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return torch.cat([a, b], dim=1)
-    raise TypeError(f"_cat_rows: both parts must be tensors or both QuantizedWeight, got {type(a).__name__} "
-                    f"and {type(b).__name__}")
+def _cat_rows(parts: list[Weight]) -> Weight:
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat_out(cast(list[QuantizedWeight], parts))
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(cast(list[torch.Tensor], parts), dim=1)
+    raise TypeError(f"_cat_rows: the parts must be all tensors or all QuantizedWeight, got "
+                    f"{[type(p).__name__ for p in parts]}")
 
 
 # Experts converted and quantized per step: bounds the fp32 temporaries of quantization (and, under
@@ -213,17 +215,17 @@ def _tp_slice(experts: ExpertWeights, cfg: MoEConfig, spec: ShardSpec) -> Expert
     gu, dn = experts.gate_up, experts.down
     gu_bias, dn_bias = experts.gate_up_bias, experts.down_bias
     if spec.tp_size > 1:
-        I, gated = cfg.intermediate_size, cfg.activation_kind.gated
+        I = cfg.intermediate_size
         w = I // spec.tp_size
         lo, hi = spec.tp_rank * w, (spec.tp_rank + 1) * w
-        # Gated: the slice's gate rows, then its up rows; ungated: its up rows alone.
-        gu = _cat_rows(_slice_rows(gu, lo, hi), _slice_rows(gu, I + lo, I + hi)) if gated else _slice_rows(gu, lo, hi)
+        rows = cfg.activation_kind.gate_up_rows(lo, hi, I)
+        gu = _cat_rows([_slice_rows(gu, r.start, r.stop) for r in rows])
         dn = _slice_cols(dn, lo, hi)
         if experts.scheme == "none":
             assert isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor)  # scheme "none" holds tensors
             gu, dn = gu.contiguous(), dn.contiguous()
         if gu_bias is not None:
-            gu_bias = torch.cat([gu_bias[:, lo:hi], gu_bias[:, I + lo:I + hi]], dim=1) if gated else gu_bias[:, lo:hi]
+            gu_bias = torch.cat([gu_bias[:, r] for r in rows], dim=1)
         # The TP ranks' outputs are partial sums that are all-reduced: the down bias is added once.
         dn_bias = dn_bias if spec.tp_rank == 0 else None
     return ExpertWeights(gu, dn, experts.scheme, gu_bias, dn_bias)

@@ -391,7 +391,8 @@ class ExpertReader:
             gu, dn = quantize_weight(scratch_gu, quant.scheme), quantize_weight(scratch_dn, quant.scheme)
             if (rlo, rhi) != (klo, khi):
                 # Whole expert read for a whole-expert scale: keep this rank's slice only.
-                gu = QuantizedWeight.cat_out([gu.slice_out(klo, khi), gu.slice_out(I + klo, I + khi)][:self.products])
+                gu = QuantizedWeight.cat_out([gu.slice_out(r.start, r.stop)
+                                              for r in self.cfg.activation_kind.gate_up_rows(klo, khi, I)])
                 dn = dn.slice_in(klo, khi)
             gate_ups.put(i, gu)
             downs.put(i, dn)

@@ -193,10 +193,8 @@ def shard_of_grad(name: str, full: torch.Tensor, spec: ShardSpec, cfg: MoEConfig
         I = cfg.intermediate_size
         w = I // spec.tp_size
         lo, hi = spec.tp_rank * w, (spec.tp_rank + 1) * w
-        if name.startswith("experts.gate_up") and cfg.activation_kind.gated:
-            part = torch.cat([part[:, lo:hi], part[:, I + lo:I + hi]], dim=1)
-        elif name.startswith("experts.gate_up"):  # an ungated kind's up rows alone
-            part = part[:, lo:hi]
+        if name.startswith("experts.gate_up"):
+            part = torch.cat([part[:, r] for r in cfg.activation_kind.gate_up_rows(lo, hi, I)], dim=1)
         elif name.startswith("experts.down") and part.dim() == 3:
             part = part[..., lo:hi]
     return part
