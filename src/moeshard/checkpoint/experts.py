@@ -50,8 +50,8 @@ from moeshard.checkpoint.families import CheckpointFormat
 from moeshard.checkpoint.fused import fused_layout
 from moeshard.checkpoint.mxfp4 import BLOCK as MX_BLOCK
 from moeshard.checkpoint.mxfp4 import dequantize_mxfp4
-from moeshard.checkpoint.names import BlockNames, mxfp4_names, scale_name
-from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
+from moeshard.checkpoint.names import BlockNames, mxfp4_names, row_scale_name, scale_name
+from moeshard.checkpoint.reader import SafetensorsCheckpoint, TensorInfo, check_finite
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, Weight
 from moeshard.quant import FP8_BLOCK, QuantizedWeight, from_wire, quantize_weight, to_wire
@@ -59,6 +59,7 @@ from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
 from moeshard.sharding import ShardSpec
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+ROW_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -73,6 +74,32 @@ def scale_dtypes() -> tuple[torch.dtype, ...]:
     (2.7+), UE8M0. Looked up when needed, so that importing this module works on older torch."""
     e8m0 = getattr(torch, "float8_e8m0fnu", None)
     return (torch.float32, torch.bfloat16) + ((e8m0,) if e8m0 is not None else ())
+
+
+def check_row_scale(ckpt: SafetensorsCheckpoint, name: str, rows: int) -> TensorInfo:
+    """The header of e4m3 weight ``name``'s ``weight_scale`` (a weight of ``rows`` output rows):
+    ValueError naming the tensor unless it is one value (shape [] or [1]) or one per row ([rows] or
+    [rows, 1]) in fp32, bf16 or fp16."""
+    sname = row_scale_name(name)
+    info = ckpt.info(sname)
+    if info.dtype not in ROW_SCALE_DTYPES or tuple(info.shape) not in ((), (1,), (rows,), (rows, 1)):
+        raise ValueError(f"tensor {sname!r} in {str(info.file)!r} has shape {list(info.shape)} and dtype {info.dtype}; "
+                         f"the scale of a weight of {rows} rows is one value ([] or [1]) or one per row ([{rows}] or "
+                         f"[{rows}, 1]) in {[str(d) for d in ROW_SCALE_DTYPES]}")
+    return info
+
+
+def read_row_scale(ckpt: SafetensorsCheckpoint, name: str, rows: int) -> torch.Tensor:
+    """The ``weight_scale`` of e4m3 weight ``name`` (``rows`` output rows) as fp32 [rows, 1], each
+    stored value expanded to the rows it scales; ValueError naming the tensor unless its header
+    passes ``check_row_scale`` and every value is finite and > 0."""
+    info = check_row_scale(ckpt, name, rows)
+    sname = row_scale_name(name)
+    scale = ckpt.read(sname).float().reshape(-1, 1).expand(rows, 1).contiguous()
+    check_finite(scale, sname, info.file)
+    if not bool((scale > 0).all()):
+        raise ValueError(f"tensor {sname!r} in {str(info.file)!r}: a scale is <= 0 (min {scale.min().item()!r})")
+    return scale
 
 
 def _blocks(n: int) -> int:
@@ -144,13 +171,17 @@ class ExpertReader:
     """Reads the routed experts of one block (names, cfg) from ``ckpt`` for one rank's plan."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fmt: CheckpointFormat) -> None:
-        if fmt.stored_scheme not in (None, "fp8_block") or (fmt.dequantized and fmt.name != "mxfp4"):
+        if (fmt.stored_scheme is not None and fmt.fp8_scales is None) or (fmt.dequantized and fmt.name != "mxfp4"):
             raise ValueError(f"checkpoint format {fmt.name!r} ({fmt.summary}): its experts are not read yet "
-                             f"(readable: full precision, fp8_block and mxfp4)")
+                             f"(readable: full precision, fp8 with block or per-tensor / per-row scales, and mxfp4)")
         self.ckpt, self.names, self.cfg, self.format = ckpt, names, cfg, fmt
-        self.fp8 = fmt.stored_scheme == "fp8_block"
+        self.fp8 = fmt.fp8_scales == "block"
+        self.row_fp8 = fmt.fp8_scales == "row"
         self.mxfp4 = fmt.name == "mxfp4"
         self.layout = fused_layout(names.fused_layout)
+        if self.row_fp8 and names.fused:
+            raise ValueError(f"{names.fused_gate_up}: {fmt.summary} is read with per-expert tensors "
+                             f"({names.prefix}{names.family.experts}.<e>.<projection>.weight) only, not fused ones")
         if self.fp8 and names.fused and self.layout.name != "gate_up_rows":
             raise ValueError(f"{names.fused_gate_up}: an fp8 checkpoint is read with fused layout 'gate_up_rows' "
                              f"only, its family's is {self.layout.name!r}")
@@ -179,7 +210,7 @@ class ExpertReader:
     # -- validation, from headers only ----------------------------------------------------
     def _check_shapes(self) -> None:
         E, H, I = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.intermediate_size
-        weight_dtypes = (torch.float8_e4m3fn,) if self.fp8 else FLOAT_DTYPES
+        weight_dtypes = (torch.float8_e4m3fn,) if self.fp8 or self.row_fp8 else FLOAT_DTYPES
         n = self.names
         want: dict[str, tuple[int, ...]]
         scales: dict[str, tuple[int, ...]]
@@ -192,7 +223,7 @@ class ExpertReader:
             scales = {scale_name(n.fused_gate_up): (E, _blocks(2 * I), _blocks(H)),
                       scale_name(n.fused_down): (E, _blocks(H), _blocks(I))}
         else:
-            per_expert = self.projections * E * (2 if self.fp8 else 1)
+            per_expert = self.projections * E * (2 if self.fp8 or self.row_fp8 else 1)
             if per_expert > len(self.ckpt):
                 raise ValueError(f"the config's num_experts={E} needs {per_expert} per-expert tensors for "
                                  f"{n.prefix}experts.*, but the checkpoint under {str(self.ckpt.model_dir)!r} "
@@ -207,6 +238,9 @@ class ExpertReader:
         if self.cfg.expert_bias:
             self.ckpt.expect(n.fused_gate_up_bias, (E, self.cfg.gate_up_size), FLOAT_DTYPES)
             self.ckpt.expect(n.fused_down_bias, (E, H), FLOAT_DTYPES)
+        if self.row_fp8:
+            for name, shape in want.items():
+                check_row_scale(self.ckpt, name, shape[0])
         if self.fp8:
             for name, shape in scales.items():
                 self.ckpt.expect(name, shape, scale_dtypes())
@@ -314,8 +348,10 @@ class ExpertReader:
     def read(self, quant: QuantConfig, spec: ShardSpec) -> ExpertWeights:
         """This rank's ``ExpertWeights`` for ``quant`` and ``spec`` (validated here)."""
         spec.validate(self.cfg, quant)
-        plan = ExpertPlan.of(self.cfg, quant, spec, self.fp8)
-        if self.fp8 and quant.quantized:
+        plan = ExpertPlan.of(self.cfg, quant, spec, self.fp8 or self.row_fp8)
+        if self.row_fp8:
+            experts = self._read_row_fp8(plan, quant.scheme)
+        elif self.fp8 and quant.quantized:
             experts = self._read_fp8(plan)
         elif self.fp8:
             experts = self._read_fp8_dequantized(plan)
@@ -377,6 +413,54 @@ class ExpertReader:
             gate_up[i] = torch.cat([rows[lo - a:hi - a], rows[w + lo - a:w + hi - a]])
             down[i] = dequantize_fp8_block(dn_data, dn_scale, dtype)[:, lo - a:hi - a]
         return ExpertWeights(gate_up, down, "none")
+
+    def _row_scales(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's fp32 scales of a checkpoint with per-tensor or per-row scales: gate_up rows
+        [products * I] (gate's then up's) and down rows [H], each stored scale expanded to its rows."""
+        I, H = self.cfg.intermediate_size, self.cfg.hidden_size
+        projections = ("gate", "up")[2 - self.products:]
+        gate_up = torch.cat([read_row_scale(self.ckpt, self.names.expert(e, p), I)[:, 0] for p in projections])
+        return gate_up, read_row_scale(self.ckpt, self.names.expert(e, "down"), H)[:, 0]
+
+    def _one_scale(self, e: int, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8_tensor's scale of expert e's gate_up and of its down ([] each), which the stored per-row
+        scales give without requantizing only where each weight's are one value; ValueError naming the
+        tensors and the values otherwise (gate's and up's differ, or a weight is scaled per row)."""
+        for what, scales, projections in (("gate_up", gate_up, ("gate", "up")[2 - self.products:]),
+                                          ("down", down, ("down",))):
+            if not bool((scales == scales[0]).all()):
+                names = [row_scale_name(self.names.expert(e, p)) for p in projections]
+                raise ValueError(f"quant 'fp8_tensor' takes one scale for expert {e}'s {what}, but its stored scales "
+                                 f"{names} hold {len(torch.unique(scales))} values ({scales.min().item():.6g} to "
+                                 f"{scales.max().item():.6g}); load this checkpoint as 'fp8_token' (a scale per row, "
+                                 f"as stored) or 'none'")
+        return gate_up[0], down[0]
+
+    def _read_row_fp8(self, plan: ExpertPlan, scheme: str) -> ExpertWeights:
+        """An fp8 checkpoint with per-tensor or per-row scales: the e4m3 bytes of the kept slice and
+        the stored scales of its rows, as fp8_token (a scale per output row; down's span all of I and
+        are the stored ones on every TP rank), as fp8_tensor (``_one_scale``), or dequantized in fp32
+        and rounded once to the model dtype (``none``), as the dense weights are."""
+        (lo, hi), E_l, H, I = plan.keep, len(plan.experts), self.cfg.hidden_size, self.cfg.intermediate_size
+        w, P = hi - lo, self.products
+        gu_data = torch.empty(E_l, P * w, H, dtype=torch.float8_e4m3fn)
+        dn_data = torch.empty(E_l, H, w, dtype=torch.float8_e4m3fn)
+        gu_scale, dn_scale = torch.empty(E_l, P * w), torch.empty(E_l, H)
+        tensor_scales = torch.empty(2, E_l)
+        for i, e in enumerate(plan.experts):
+            self._into(e, lo, hi, gu_data[i], dn_data[i], scales=False)
+            gate_up, down = self._row_scales(e)
+            if scheme == "fp8_tensor":
+                tensor_scales[0, i], tensor_scales[1, i] = self._one_scale(e, gate_up, down)
+            gu_scale[i] = torch.cat([gate_up[p * I + lo:p * I + hi] for p in range(P)])
+            dn_scale[i] = down
+        if scheme == "none":
+            return ExpertWeights(fp8_dequantize(gu_data, gu_scale[:, :, None]).to(self.cfg.dtype),
+                                 fp8_dequantize(dn_data, dn_scale[:, :, None]).to(self.cfg.dtype), "none")
+        if scheme == "fp8_tensor":
+            gu_scale, dn_scale = tensor_scales[0].clone(), tensor_scales[1].clone()
+        return ExpertWeights(QuantizedWeight(scheme, gu_data, gu_scale, None, (E_l, P * w, H)),
+                             QuantizedWeight(scheme, dn_data, dn_scale, None, (E_l, H, w)), scheme)
 
     def _read_quantized(self, plan: ExpertPlan, quant: QuantConfig) -> ExpertWeights:
         """Each expert read into one scratch buffer in the model dtype, quantized, sliced to the

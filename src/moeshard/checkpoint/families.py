@@ -44,6 +44,12 @@ from typing import Any
 import torch
 
 from moeshard.activations import get_activation
+from moeshard.checkpoint.formats import (  # noqa: F401 - re-exported: the formats a family names
+    CHECKPOINT_FORMATS,
+    FP8_CHECKPOINT_BLOCK,
+    CheckpointFormat,
+    checkpoint_format,
+)
 from moeshard.checkpoint.fused import LAYOUTS, fused_layout
 from moeshard.config import MAX_ROUTED_SCALING, ROUTER_DTYPES, MoEConfig
 from moeshard.routing import get_routing
@@ -157,80 +163,6 @@ class ConfigFields:
                 raise ValueError(f"{self.source}: {key}={value!r}; moeshard's {kind!r} activation computes "
                                  f"{param}={params[param]} ({why})")
         return kind
-
-
-# -- checkpoint formats ------------------------------------------------------------------------
-FP8_CHECKPOINT_BLOCK = (128, 128)
-
-
-def _is_full_precision(q: Any, source: str) -> bool:
-    return q is None
-
-
-def _is_fp8_block(q: Any, source: str) -> bool:
-    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
-        return False
-    block = q.get("weight_block_size")
-    if not isinstance(block, list) or tuple(block) != FP8_CHECKPOINT_BLOCK or not all(is_int(b) for b in block):
-        raise ValueError(f"{source}: fp8 quantization_config has weight_block_size={block!r}; moeshard's fp8_block "
-                         f"needs {list(FP8_CHECKPOINT_BLOCK)} (per-tensor FP8 checkpoints are not supported)")
-    scheme = q.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise ValueError(f"{source}: fp8 quantization_config has activation_scheme={scheme!r}; only 'dynamic' "
-                         f"is supported (moeshard quantizes activations per token and 128 columns)")
-    return True
-
-
-def _is_mxfp4(q: Any, source: str) -> bool:
-    return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
-
-
-@dataclass(frozen=True)
-class CheckpointFormat:
-    """How a checkpoint stores its weights.
-
-    name: ``bf16`` (full precision: fp32 / bf16 / fp16 tensors) or a quantized format.
-    stored_scheme: None for full precision (the experts load as any requested scheme), else the
-      moeshard scheme the stored experts are read as, without requantizing (``fp8_block``).
-    detect: ``(quantization_config or None, source) -> bool``: whether config.json describes
-      this format; raises ValueError (naming the field and value) for a near miss.
-    summary: one line for messages, with its article ("an FP8 block checkpoint (...)").
-    dequantized: the routed experts are stored in a quantized form that the reader dequantizes
-      to the model dtype as it reads them (``mxfp4``); they then load as any requested scheme,
-      as a full-precision checkpoint's do (``stored_scheme`` None).
-    """
-
-    name: str
-    stored_scheme: str | None
-    detect: Callable[[Any, str], bool]
-    summary: str
-    dequantized: bool = False
-
-
-CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
-    CheckpointFormat("bf16", None, _is_full_precision,
-                     "a full-precision checkpoint (fp32 / bf16 / fp16 tensors, no quantization_config)"),
-    CheckpointFormat("fp8_block", "fp8_block", _is_fp8_block,
-                     "an FP8 block checkpoint (DeepSeek-V3 style: float8_e4m3fn weight + weight_scale_inv per "
-                     "128 x 128 block; quantization_config quant_method 'fp8', weight_block_size [128, 128], "
-                     "dynamic activations)"),
-    CheckpointFormat("mxfp4", None, _is_mxfp4,
-                     "an MXFP4 checkpoint (gpt-oss style: routed experts as <name>_blocks, two e2m1 values a byte, "
-                     "and <name>_scales, one e8m0 exponent per 32 values; quantization_config quant_method "
-                     "'mxfp4'); its experts are dequantized to the model dtype as they are read", dequantized=True),
-)}
-
-
-def checkpoint_format(raw: dict[str, Any], family: ModelFamily, source: str) -> CheckpointFormat:
-    """The format ``raw``'s ``quantization_config`` describes, among those ``family`` ships."""
-    q = raw.get("quantization_config")
-    for name in family.formats:
-        if CHECKPOINT_FORMATS[name].detect(q, source):
-            return CHECKPOINT_FORMATS[name]
-    method = q.get("quant_method") if isinstance(q, dict) else q
-    raise ValueError(f"{source}: quantization_config with quant_method={method!r} is not supported for model_type "
-                     f"{family.model_type!r}; its formats: "
-                     + "; ".join(f"{n}: {CHECKPOINT_FORMATS[n].summary}" for n in family.formats))
 
 
 # -- the family descriptor ---------------------------------------------------------------------
@@ -711,14 +643,17 @@ def _deepseek_v3_moe(f: ConfigFields) -> MoEConfig:
                      num_shared_experts=shared, shared_intermediate_size=I if shared else 0)
 
 
+# The FP8 checkpoints published for these families: block scales (Qwen's own), ModelOpt's
+# (NVIDIA's) and compressed-tensors' (per-channel, as Red Hat's FP8-dynamic releases).
+_FP8_FORMATS = ("bf16", "fp8_block", "modelopt_fp8", "compressed_fp8")
 _QWEN_DEFAULTS = {"hidden_act": "silu", "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     # Mixtral on the hub keeps its block under block_sparse_moe; transformers 5 writes mlp.
     ModelFamily("mixtral", {"hidden_act": "silu"}, _mixtral_moe, every_layer,
-                block_prefixes=("block_sparse_moe.", "mlp."), router_dtype="model"),
-    ModelFamily("qwen2_moe", _QWEN_DEFAULTS, _qwen2_moe, qwen_dense_layers, router_dtype="model"),
-    ModelFamily("qwen3_moe", _QWEN_DEFAULTS, _qwen3_moe, qwen_dense_layers, router_dtype="model"),
+                block_prefixes=("block_sparse_moe.", "mlp."), router_dtype="model", formats=_FP8_FORMATS),
+    ModelFamily("qwen2_moe", _QWEN_DEFAULTS, _qwen2_moe, qwen_dense_layers, router_dtype="model", formats=_FP8_FORMATS),
+    ModelFamily("qwen3_moe", _QWEN_DEFAULTS, _qwen3_moe, qwen_dense_layers, router_dtype="model", formats=_FP8_FORMATS),
     ModelFamily("deepseek_v3", {"hidden_act": "silu", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                                 "norm_topk_prob": True, "first_k_dense_replace": 3, "moe_layer_freq": 1,
                                 "scoring_func": "sigmoid", "topk_method": "noaux_tc"},

@@ -7,8 +7,11 @@ families of ``moeshard.checkpoint.families`` (mixtral, qwen2_moe, qwen3_moe, dee
 A ``quantization_config`` is matched against the checkpoint formats the family ships
 (``families.CHECKPOINT_FORMATS``): DeepSeek-V3-style FP8 block checkpoints
 (``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic activations), which load as
-moeshard's ``fp8_block``, and gpt-oss MXFP4 checkpoints (``quant_method: mxfp4``), whose experts
-are dequantized to the model dtype as they are read.
+moeshard's ``fp8_block``; ModelOpt and compressed-tensors FP8 checkpoints (per-tensor or per-row
+``weight_scale``), which load as ``fp8_token`` (``checkpoint.formats``); and gpt-oss MXFP4
+checkpoints (``quant_method: mxfp4``), whose experts are dequantized to the model dtype as they are
+read. An older ModelOpt export states its quantization only in ``hf_quant_config.json``, read
+where config.json has no ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -167,9 +170,28 @@ def read_hf_config(model_dir: str | Path) -> HFMoEModel:
     path = model_dir / "config.json"
     if not os.path.lexists(path):
         raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
-    check_input_file(path, "model directory's config.json")
+    raw = _read_json(path)
+    legacy = model_dir / "hf_quant_config.json"
+    if isinstance(raw, dict) and "quantization_config" not in raw and os.path.lexists(legacy):
+        raw = {**raw, "quantization_config": modelopt_quantization(_read_json(legacy), str(legacy))}
+    return parse_hf_config(raw, str(path))
+
+
+def _read_json(path: Path) -> Any:
+    check_input_file(path, f"model directory's {path.name}")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: cannot be read as JSON: {exc}") from None
-    return parse_hf_config(raw, str(path))
+
+
+def modelopt_quantization(raw: Any, source: str) -> dict[str, Any]:
+    """The ``quantization_config`` that an older ModelOpt export states only in its
+    hf_quant_config.json (``{"producer": ..., "quantization": {"quant_algo": ..., ...}}``), as
+    config.json states it in newer exports: its ``quantization`` object with quant_method
+    ``modelopt``. ValueError naming the field when it has no such object."""
+    quantization = raw.get("quantization") if isinstance(raw, dict) else None
+    if not isinstance(quantization, dict):
+        raise ValueError(f"{source}: expected an object with a 'quantization' object (ModelOpt's export), got "
+                         f"{str(raw)[:80]!r}")
+    return {"quant_method": "modelopt", **quantization}

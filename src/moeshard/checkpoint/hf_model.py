@@ -4,11 +4,20 @@ a checkpoint here."""
 
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 
 import torch
 
+from moeshard.checkpoint.dense import read_dense
 from moeshard.checkpoint.hf_config import read_hf_config
+from moeshard.checkpoint.names import row_scale_name
+from moeshard.checkpoint.reader import SafetensorsCheckpoint
+
+# Static activation and KV-cache scales of ModelOpt and compressed-tensors checkpoints: calibration
+# data for kernels that quantize with them, not weights of transformers' modules.
+STATIC_SCALES = ("input_scale", "output_scale", "k_scale", "v_scale")
 
 
 def transformers_refusal(model_dir: str | Path, flag: str = "--compare") -> str | None:
@@ -29,6 +38,8 @@ def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Modu
     whose stub mypy does not bind as a method."""
     import transformers
 
+    if read_hf_config(model_dir).format.fp8_scales == "row":
+        return _from_dequantized_copy(model_dir, dtype)
     if dtype != torch.float64:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:
@@ -40,6 +51,40 @@ def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Modu
     if read_hf_config(model_dir).checkpoint_format == "mxfp4":
         _mxfp4_experts_in(model, dtype)
     return model
+
+
+def _from_dequantized_copy(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' model of a checkpoint with per-tensor or per-row fp8 scales (ModelOpt,
+    compressed-tensors), which transformers does not load itself (no ModelOpt reader; the
+    compressed-tensors one needs that package): every e4m3 weight dequantized, w = q * scale in
+    fp32 rounded once to ``dtype`` (as moeshard reads them, ``dense.read_dense``), written with the
+    other tensors under their stored names and config.json without its quantization_config into
+    a temporary directory, and loaded from there with ``from_pretrained``, whose own renaming
+    then applies. Holds the model twice in host memory and once on disk while it loads."""
+    import transformers
+    from safetensors.torch import save_file
+
+    source = Path(model_dir)
+    ckpt = SafetensorsCheckpoint(source)
+    names = ckpt.names()
+    fp8 = [n for n in names if ckpt.info(n).dtype == torch.float8_e4m3fn]
+    skip = {row_scale_name(n) for n in fp8} | {n for n in names if n.rsplit(".", 1)[-1] in STATIC_SCALES}
+    tensors = {}
+    for name in names:
+        if name in skip:
+            continue
+        info = ckpt.info(name)
+        value = read_dense(ckpt, name, info.shape, dtype, "row") if name in fp8 else ckpt.read(name)
+        tensors[ckpt.stored_name(name)] = value
+    config = json.loads((source / "config.json").read_text())
+    config.pop("quantization_config", None)
+    with tempfile.TemporaryDirectory(prefix="moeshard-dequantized-") as tmp:
+        save_file(tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        if (source / "generation_config.json").is_file():
+            (Path(tmp) / "generation_config.json").write_text((source / "generation_config.json").read_text())
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
 
 
 def _mxfp4_experts_in(model: torch.nn.Module, dtype: torch.dtype) -> None:

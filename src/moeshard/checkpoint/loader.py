@@ -63,34 +63,35 @@ class LoadedBlock:
 
 
 def resolve_quant(model: HFMoEModel, quant: QuantConfig | str | None) -> QuantConfig:
-    """The expert quantization: ``None`` means the checkpoint's own (fp8_block for an FP8 block
-    checkpoint, else none). An FP8 block checkpoint loads as fp8_block (its weights read as
-    stored) or as none (dequantized to the model dtype as they are read: for training, or to run
-    in the model dtype), never requantized into another scheme."""
+    """The expert quantization: ``None`` means the checkpoint's own (``CheckpointFormat.stored_scheme``:
+    fp8_block for an FP8 block checkpoint, fp8_token for one with per-tensor or per-row scales, else
+    none). A quantized checkpoint loads as one of its ``stored_schemes`` (its weights read as stored)
+    or as none (dequantized to the model dtype as they are read: for training, or to run in the
+    model dtype), never requantized into another scheme."""
     if isinstance(quant, str):
         quant = QuantConfig(quant)
-    stored = model.format.stored_scheme
+    stored = model.format.stored_schemes
     if quant is None:
-        return QuantConfig(stored or "none")
-    if stored is not None and quant.scheme not in (stored, "none"):
+        return QuantConfig(stored[0] if stored else "none")
+    if stored and quant.scheme not in (*stored, "none"):
         raise ValueError(f"quant {quant.scheme!r} was asked for, but {model.source} describes "
-                         f"{model.format.summary}, which loads only as quant {stored!r} (as stored) or 'none' "
-                         f"(dequantized)")
+                         f"{model.format.summary}, which loads only as quant {' or '.join(map(repr, stored))} "
+                         f"(as stored) or 'none' (dequantized)")
     return quant
 
 
 class _SmallTensors:
     """Router, correction bias and shared experts: read whole, checked, in the model dtype."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fp8: bool) -> None:
-        self.ckpt, self.names, self.cfg, self.fp8 = ckpt, names, cfg, fp8
+    def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fp8_scales: str | None) -> None:
+        self.ckpt, self.names, self.cfg, self.fp8_scales = ckpt, names, cfg, fp8_scales
         self._read: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def stored(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A tensor as stored, read once (``read_stored``): the shared MLP's serve both its
         model-dtype weights and ``shared_stored``."""
         if name not in self._read:
-            self._read[name] = read_stored(self.ckpt, name, shape, self.fp8)
+            self._read[name] = read_stored(self.ckpt, name, shape, self.fp8_scales)
         return self._read[name]
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -110,7 +111,7 @@ class _SmallTensors:
         all three are stored in fp8; None otherwise, and where S is not a multiple of 128 (a
         128-row tile would then hold gate and up rows, which no stored scale describes)."""
         cfg, n = self.cfg, self.names
-        if not (self.fp8 and cfg.has_shared_experts and quant.shared == "fp8_block"):
+        if not (self.fp8_scales == "block" and cfg.has_shared_experts and quant.shared == "fp8_block"):
             return None
         H, S = cfg.hidden_size, cfg.shared_width
         if S % FP8_BLOCK:
@@ -182,7 +183,7 @@ def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfi
     if model.family.linear_router:
         ckpt.expect(names.router, (cfg.num_experts, cfg.hidden_size))
     experts = ExpertReader(ckpt, names, cfg, model.format)  # checks every expert tensor's shape
-    small = _SmallTensors(ckpt, names, cfg, model.format.stored_scheme == "fp8_block")
+    small = _SmallTensors(ckpt, names, cfg, model.format.fp8_scales)
     weights = small.weights()
     weights.validate(cfg, routed=False, router=model.family.linear_router)
     local = experts.read(quant, spec)

@@ -57,6 +57,14 @@ def scale_name(weight_name: str) -> str:
     return weight_name + "_scale_inv"
 
 
+def row_scale_name(weight_name: str) -> str:
+    """The per-tensor or per-row scale tensor (``weight_scale``) that belongs to ``weight_name`` in
+    a ModelOpt or compressed-tensors FP8 checkpoint."""
+    if weight_name.endswith(".weight"):
+        return weight_name[: -len("weight")] + "weight_scale"
+    return weight_name + "_scale"
+
+
 @dataclass(frozen=True)
 class BlockNames:
     """Tensor names of one block, from its family's descriptor (``families.ModelFamily``).

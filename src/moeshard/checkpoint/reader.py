@@ -291,7 +291,10 @@ class SafetensorsCheckpoint:
                     name, index = requests[i]
                     try:
                         sl = f.get_slice(self.stored_name(name))
-                        view = sl[index] if index else sl[:]
+                        if index or sl.get_shape():
+                            view = sl[index] if index else sl[:]
+                        else:  # a 0-dim tensor (a per-tensor scale), which a slice cannot take
+                            view = f.get_tensor(self.stored_name(name))
                     except SafetensorError as exc:
                         raise ValueError(f"tensor {name!r} in {str(path)!r} cannot be read: {exc}") from None
                     target = dtype if dtype is not None and view.is_floating_point() and view.element_size() > 1 else None
@@ -315,7 +318,10 @@ class SafetensorsCheckpoint:
                     (name, index), dst = requests[i], destinations[i]
                     try:
                         sl = f.get_slice(self.stored_name(name))
-                        view = sl[index] if index else sl[:]
+                        if index or sl.get_shape():
+                            view = sl[index] if index else sl[:]
+                        else:  # a 0-dim tensor (a per-tensor scale), which a slice cannot take
+                            view = f.get_tensor(self.stored_name(name))
                     except SafetensorError as exc:
                         raise ValueError(f"tensor {name!r} in {str(path)!r} cannot be read: {exc}") from None
                     if tuple(view.shape) != tuple(dst.shape):

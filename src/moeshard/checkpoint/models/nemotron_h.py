@@ -18,7 +18,12 @@ attention layers stay transformers'. transformers holds the experts fused (``up_
 ``down_proj`` [E, H, I]; the ``up_rows`` layout) under ``model.layers``; the hub and
 transformers' own saves store them per expert (``experts.{e}.up_proj.weight``, ``down_proj``)
 under ``backbone.layers``, and every other tensor under ``backbone.`` where the model has
-``model.`` (``dense_renames``). Full-precision checkpoints only.
+``model.`` (``dense_renames``).
+
+Checkpoints: full precision, and the FP8 ones NVIDIA publishes (ModelOpt: e4m3 experts, shared
+expert and Mamba projections with one scale per tensor, attention left in bf16), whose experts
+load as fp8_tensor or fp8_token as stored and whose other e4m3 weights are dequantized for
+transformers' modules (``checkpoint.formats``). NVFP4 checkpoints are refused by name.
 """
 
 from __future__ import annotations
@@ -57,5 +62,6 @@ register_family(ModelFamily(
                    "routed_scaling_factor": 1.0, "moe_latent_size": None},
     _moe, _dense_layers, routing="sigmoid", layers="backbone.layers", model_layers="model.layers",
     block_prefixes=("mixer.",), fused_names=("up_proj", "down_proj"), fused_layout="up_rows",
-    hidden_acts={"relu2": "relu2"}, linear_router=False, experts_only=True, formats=("bf16",), router_dtype="fp32",
+    hidden_acts={"relu2": "relu2"}, linear_router=False, experts_only=True,
+    formats=("bf16", "modelopt_fp8", "compressed_fp8"), router_dtype="fp32",
     layer_count=lambda f: len(_types(f)), dense_renames=(("model.", "backbone."),)))
