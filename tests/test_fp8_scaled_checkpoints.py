@@ -439,3 +439,23 @@ def test_a_legacy_hf_quant_config_without_its_quantization_object_is_refused(ckp
     (bad / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}}))
     with pytest.raises(ValueError, match=r"hf_quant_config\.json: expected an object with a 'quantization' object"):
         read_hf_config(bad)
+
+
+@pytest.mark.parametrize("cid", ["nemotron_h-modelopt_legacy-per_tensor", "qwen3_moe-compressed-per_row"])
+def test_a_model_read_dequantized_saves_as_full_precision(ckpts, tmp_path, cid):
+    """``--quant none`` (how training takes it), saved: a model-dtype checkpoint without the source's
+    quantization (its config nor an hf_quant_config.json), which reads back to the same logits."""
+    from moeshard.integrations.transformers import load_sharded_model, save_sharded_model
+
+    fp8_dir = ckpts[cid][0]
+    model = load_sharded_model(fp8_dir, quant="none", dtype="float32")
+    save_sharded_model(model, None, fp8_dir, tmp_path / "saved")
+    saved = tmp_path / "saved"
+    assert read_hf_config(saved).checkpoint_format == "bf16"
+    assert not (saved / "hf_quant_config.json").exists()
+    assert "quantization_config" not in json.loads((saved / "config.json").read_text())
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+        after = load_sharded_model(saved, dtype="float32")(ids).logits
+    assert torch.equal(before, after)

@@ -47,6 +47,9 @@ from moeshard.sharding import ShardSpec
 # Files of a checkpoint that hold its weights: never copied, ``save_pretrained`` writes the new ones.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# What describes the source's weights rather than the written ones: an older ModelOpt export's
+# quantization (the writer saves the model dtype, without a quantization_config).
+WEIGHT_DESCRIPTIONS = ("hf_quant_config.json",)
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,8 @@ def _copy_other_files(source: Path, target: Path) -> None:
     """Files of the checkpoint (tokenizer, chat template, ...) that are no weights and that
     ``save_pretrained`` did not write."""
     for path in sorted(source.iterdir()):
-        if not path.is_file() or path.name in WEIGHT_INDEXES or path.name.endswith(WEIGHT_SUFFIXES):
+        if (not path.is_file() or path.name in WEIGHT_INDEXES + WEIGHT_DESCRIPTIONS
+                or path.name.endswith(WEIGHT_SUFFIXES)):
             continue
         if not (target / path.name).exists():
             shutil.copy2(path, target / path.name)
