@@ -85,6 +85,8 @@ CASES = {
     "qwen2_moe-modelopt-per_row": Case("qwen2_moe", "modelopt", True),
     "nemotron_h-modelopt_legacy-per_tensor": Case("nemotron_h", "modelopt_legacy", False, skip_attention=True,
                                                   sizes=(256, 128, 8)),
+    "qwen3_next-compressed-per_row": Case("qwen3_next", "compressed", True),
+    "glm4_moe-compressed-per_row": Case("glm4_moe", "compressed", True),
 }
 
 

@@ -149,8 +149,10 @@ _ROUTER = {"hidden_act": "silu", "n_group": 1, "topk_group": 1}
 # their logits in fp32: router_dtype "fp32".
 
 for _family in (
+    # GLM-4.5/4.6's FP8 releases are compressed-tensors checkpoints (per-channel weights).
     ModelFamily("glm4_moe", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
-                             "first_k_dense_replace": 1}, _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32"),
+                             "first_k_dense_replace": 1}, _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32",
+                formats=("bf16", "fp8_block", "compressed_fp8")),
     ModelFamily("glm4_moe_lite", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
                                   "norm_topk_prob": True, "mlp_layer_types": None},
                 _moe, _glm4_moe_lite_dense, routing="sigmoid", router_dtype="fp32"),
