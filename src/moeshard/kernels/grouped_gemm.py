@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeshard.activations import get_activation
+from moeshard.activations import FIRST_UNGATED_MODE, get_activation
 from moeshard.kernels import pdl
 from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
@@ -59,6 +59,7 @@ FP8_ACC_MODES = {name: i for i, name in enumerate(FP8_ACCUMULATIONS)}  # the ker
 # The model dtypes h is rounded to (the kernel's H_TY).
 H_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_FIRST_UNGATED = tl.constexpr(FIRST_UNGATED_MODE)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
@@ -187,7 +188,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     ``up_offset`` on) or to the output (down)."""
     # A gated kind's gate_up loads and multiplies an up tile beside the gate tile; an ungated
     # kind's (modes from activations.FIRST_UNGATED_MODE on) has its one product in acc.
-    UP: tl.constexpr = FUSE_ACT and ACT < 5
+    UP: tl.constexpr = FUSE_ACT and ACT < _FIRST_UNGATED
     offs_p = p0 + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
