@@ -387,10 +387,29 @@ def _nemotron_h(hidden: int, moe_intermediate: int, experts: int, layers: int, v
                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def _qwen3_vl_moe_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # The whole vision-language model (transformers builds no causal LM of its text model), with a
+    # one-block vision tower; the text model's second layer dense (``mlp_only_layers``).
+    head = hidden // 4
+    half = head // 2  # the rotary sections (temporal, height, width) cover half the head, as Qwen3-VL's 24/20/20
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=head, moe_intermediate_size=moe_intermediate,
+                num_experts=experts, num_experts_per_tok=2, mlp_only_layers=[1] if layers > 2 else [],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]},
+                max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return tf.AutoConfig.for_model("qwen3_vl_moe", text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 # Families built from transformers' config class by model type (AutoConfig.for_model).
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
          "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4,
-         "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text, "nemotron_h": _nemotron_h}
+         "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text, "nemotron_h": _nemotron_h,
+         "qwen3_vl_moe_text": _qwen3_vl_moe_text}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid")
 
@@ -420,7 +439,9 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
             raise SystemExit(f"--router-aux-loss-coef: the {family} config has no router_aux_loss_coef (transformers "
                              f"computes no load-balancing loss for it)")
         cfg.output_router_logits, cfg.router_aux_loss_coef = True, router_aux_loss_coef
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
+    from moeshard.checkpoint.hf_model import model_class  # a vision-language model has no causal LM class
+
+    model = model_class(cfg).from_config(cfg, dtype=getattr(torch, dtype)).eval()
     if family in RANDOM_ROUTERS:
         randomize_routers(model, family, 2 / hidden**0.5)
     with torch.no_grad():  # a router left at zero (ERNIE 4.5's by transformers 5.17) routes every token on ties

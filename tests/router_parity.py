@@ -64,7 +64,9 @@ def bf16_router_parity(tf, model_dir: str) -> RouterParity:
     from moeshard.integrations.transformers import MoEBlock, find_moe_blocks, load_sharded_model, moe_model_info
     from moeshard.router import router_logits
 
-    plain = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    from moeshard.checkpoint.hf_model import model_class
+
+    plain = model_class(tf.AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     info = moe_model_info(plain)
     family = info.family
     seen: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []

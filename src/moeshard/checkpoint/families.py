@@ -247,6 +247,10 @@ class ModelFamily:
       itself (JetMoE's ``input_linear.weight``); fused_names: its (gate_up, down) fused parameters,
       or for a ``stacked`` layout its (gate, up, down) ones (dotted: DBRX's ``mlp.w1``);
       fused_layout: how the fused gate_up holds gate and up (``FUSED_LAYOUTS``, ``checkpoint.fused``);
+      stored_fused_layouts: further layouts a checkpoint may store the fused experts in, told apart
+      by the stored gate_up's shape (``fused_layout`` wins where both fit, as transformers' loader,
+      which transposes only a shape that does not fit, decides): Qwen3-VL-MoE's published
+      checkpoints hold them ``transposed`` while transformers holds and saves ``gate_up_rows``;
       expert_biases: its (gate_up [E, 2I], down [E, H]) bias parameters, read when the config has
       ``expert_bias`` (gpt-oss); the gate_up bias follows ``fused_layout``'s gate/up order.
     expert_spellings: per-expert (gate, up, down) module names, in the order tried.
@@ -316,6 +320,7 @@ class ModelFamily:
     experts: str = "experts"
     fused_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
     fused_layout: str = "gate_up_rows"
+    stored_fused_layouts: tuple[str, ...] = ()
     expert_spellings: tuple[tuple[str, str, str], ...] = (GATE_UP_DOWN, W1_W3_W2)
     shared_prefixes: tuple[str, ...] = ("shared_experts.", "shared_expert.")
     shared_expert_gate: str = "shared_expert_gate"
@@ -371,6 +376,11 @@ class ModelFamily:
                 raise ValueError(f"{where}.{name}: every entry must be a module name ending in '.', got "
                                  f"{list(getattr(self, name))}")
         layout = fused_layout(self.fused_layout)
+        others = [fused_layout(n) if n in FUSED_LAYOUTS else None for n in self.stored_fused_layouts]
+        if any(o is None or o.tensors != layout.tensors or o.gated != layout.gated for o in others):
+            raise ValueError(f"{where}.stored_fused_layouts: {list(self.stored_fused_layouts)} must be fused layouts "
+                             f"({list(FUSED_LAYOUTS)}) of as many tensors as {self.fused_layout!r}, holding the same "
+                             f"products")
         if len(self.fused_names) != layout.tensors or not all(
                 isinstance(n, str) and n and all(p.isidentifier() for p in n.split(".")) for n in self.fused_names):
             want = "(gate, up, down)" if layout.stacked else "(gate_up, down)"

@@ -20,6 +20,19 @@ from moeshard.checkpoint.reader import SafetensorsCheckpoint
 STATIC_SCALES = ("input_scale", "output_scale", "k_scale", "v_scale")
 
 
+def model_class(config):
+    """transformers' auto class that builds the whole model of ``config`` (a ``PretrainedConfig``):
+    its causal LM or, for a vision-language model with none (Qwen3-VL-MoE, GLM-4.5V), its
+    image-text-to-text model, which takes text alone as well. Anything else: the causal LM's
+    class, whose error names the config."""
+    import transformers
+
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping:
+            return auto
+    return transformers.AutoModelForCausalLM
+
+
 def transformers_refusal(model_dir: str | Path, flag: str = "--compare") -> str | None:
     """Why transformers' ``from_pretrained`` cannot load ``model_dir`` here (what ``flag`` needs:
     ``--compare``'s reference, ``--save``'s writer), or None: transformers reads an FP8 block
@@ -33,21 +46,22 @@ def transformers_refusal(model_dir: str | Path, flag: str = "--compare") -> str 
 
 
 def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' causal LM from ``model_dir`` in ``dtype`` (``from_pretrained``), on the CPU.
+    """transformers' model of ``model_dir`` (``model_class``: its causal LM, or a vision-language
+    model's image-text-to-text one) in ``dtype`` (``from_pretrained``), on the CPU.
     Typed as the nn.Module it is: transformers wraps PreTrainedModel.to with functools.wraps,
     whose stub mypy does not bind as a method."""
     import transformers
 
     if read_hf_config(model_dir).format.fp8_scales == "row":
         return _from_dequantized_copy(model_dir, dtype)
+    auto = model_class(transformers.AutoConfig.from_pretrained(model_dir))
     if dtype != torch.float64:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = auto.from_pretrained(model_dir, dtype=dtype)
     else:
         try:  # torch._grouped_mm takes no float64: loop over the experts
-            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                                      experts_implementation="eager")
+            model = auto.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
         except ValueError:  # a model without an experts implementation to choose
-            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            model = auto.from_pretrained(model_dir, dtype=dtype)
     if read_hf_config(model_dir).checkpoint_format == "mxfp4":
         _mxfp4_experts_in(model, dtype)
     return model
@@ -84,7 +98,7 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         if (source / "generation_config.json").is_file():
             (Path(tmp) / "generation_config.json").write_text((source / "generation_config.json").read_text())
-        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+        return model_class(transformers.AutoConfig.from_pretrained(tmp)).from_pretrained(tmp, dtype=dtype)
 
 
 def _mxfp4_experts_in(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeshard.checkpoint.families import ModelFamily
+from moeshard.checkpoint.fused import fused_layout
 from moeshard.checkpoint.hf_config import HFMoEModel
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
 
@@ -76,7 +77,9 @@ class BlockNames:
     shared-gate names come from; bias: the selection bias's full checkpoint name, the first of the
     family's ``bias_names`` (after the prefix) and then ``layer_bias_aliases`` (after the decoder
     layer's prefix) the checkpoint holds (None: the first of ``bias_names``); shared_fused: the
-    shared MLP stores gate and up as one ``gate_up_proj`` [2S, H], gate's rows first."""
+    shared MLP stores gate and up as one ``gate_up_proj`` [2S, H], gate's rows first; layout: the
+    fused layout the checkpoint stores the experts in, where it is one of the family's
+    ``stored_fused_layouts`` (None: the family's ``fused_layout``)."""
 
     prefix: str
     fused: bool
@@ -85,6 +88,7 @@ class BlockNames:
     family: ModelFamily = field(repr=False)
     bias: str | None = None
     shared_fused: bool = False
+    layout: str | None = None
 
     @property
     def router_module(self) -> str:
@@ -110,7 +114,7 @@ class BlockNames:
 
     @property
     def fused_layout(self) -> str:
-        return self.family.fused_layout
+        return self.layout or self.family.fused_layout
 
     @property
     def fused_gate_up_bias(self) -> str:
@@ -179,10 +183,12 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
         raise ValueError(f"layer {layer}: the checkpoint holds the routed experts twice, fused "
                          f"({probe.fused_gate_up}) and per expert ({both[0]}, ...); keep one of the two "
                          f"under {str(ckpt.model_dir)!r}")
+    layout = None
     if fused:
         if not stored(probe.fused_down):
             raise ValueError(f"layer {layer}: {probe.fused_gate_up} is present but {probe.fused_down} "
                              f"is missing; looked in {files}")
+        layout = _stored_layout(ckpt, probe, model)
     else:
         found = [s for s, name in zip(family.expert_spellings, firsts, strict=True) if ckpt.has(name)]
         if not found:
@@ -206,4 +212,19 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
             [family.layer_prefix(layer) + b for b in family.layer_bias_aliases]
         bias = next((b for b in candidates if ckpt.has(b)), None)
     return BlockNames(prefix=prefix, fused=fused, spelling=spelling, shared_prefix=shared_prefix, family=family,
-                      bias=bias, shared_fused=shared_fused)
+                      bias=bias, shared_fused=shared_fused, layout=layout)
+
+
+def _stored_layout(ckpt: SafetensorsCheckpoint, probe: BlockNames, model: HFMoEModel) -> str | None:
+    """Which of the family's ``stored_fused_layouts`` the stored fused gate_up's shape says, or None
+    (the family's ``fused_layout``) where it fits that one or the family has no others; a shape
+    that fits none is the expert reader's to refuse, naming both."""
+    family = probe.family
+    if not family.stored_fused_layouts or not ckpt.has(probe.fused_gate_up):
+        return None
+    cfg = model.moe
+    shape = ckpt.info(probe.fused_gate_up).shape
+    for name in (family.fused_layout, *family.stored_fused_layouts):
+        if fused_layout(name).stored_shapes(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size)[0] == shape:
+            return None if name == family.fused_layout else name
+    return None

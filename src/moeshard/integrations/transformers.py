@@ -535,9 +535,11 @@ def _build_on_meta(model_dir: Path, dtype: torch.dtype):
     """transformers' model of ``model_dir``'s config.json on the meta device (nothing allocated)."""
     import transformers
 
+    from moeshard.checkpoint.hf_model import model_class
+
     config = transformers.AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = model_class(config).from_config(config, dtype=dtype)
     _hold_as_loaded(model, dtype)
     if (model_dir / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(str(model_dir))

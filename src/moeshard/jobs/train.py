@@ -261,7 +261,9 @@ def aux_loss_coef(model_dir: str) -> float | None:
     coef = getattr(config, "router_aux_loss_coef", None)
     if getattr(config, "output_router_logits", False) is not True or coef is None:
         return None
-    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    from moeshard.checkpoint.hf_model import model_class
+
+    cls = model_class(config)._model_mapping[type(config)]
     if not hasattr(importlib.import_module(cls.__module__), "load_balancing_loss_func"):
         return None
     return float(coef)

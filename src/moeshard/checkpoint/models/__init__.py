@@ -43,6 +43,7 @@ from moeshard.checkpoint.models import (
     phimoe,  # noqa: F401
     qwen3_5_moe,  # noqa: F401  qwen3_5_moe_text, qwen4_exp_text
     qwen3_next,  # noqa: F401
+    qwen3_vl_moe,  # noqa: F401  qwen3_vl_moe_text
     refusals,  # noqa: F401
     zaya,  # noqa: F401
 )
