@@ -61,10 +61,9 @@ def _transformers_choice(output) -> tuple[torch.Tensor, torch.Tensor | None]:
 def bf16_router_parity(tf, model_dir: str) -> RouterParity:
     """Runs ``IDS`` through transformers' model (``from_pretrained`` in bfloat16) and routes each
     MoE block's router input with the block ``load_sharded_model`` builds for that layer."""
+    from moeshard.checkpoint.hf_model import model_class
     from moeshard.integrations.transformers import MoEBlock, find_moe_blocks, load_sharded_model, moe_model_info
     from moeshard.router import router_logits
-
-    from moeshard.checkpoint.hf_model import model_class
 
     plain = model_class(tf.AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     info = moe_model_info(plain)
