@@ -106,7 +106,8 @@ def randomize_routers(model, family: str, std: float) -> None:
 
     weight_name, bias_name = ROUTER_PARAMS.get(family, ("gate.weight", "gate.e_score_correction_bias"))
     with torch.no_grad():
-        for layer in model.model.layers:
+        text = getattr(model.model, "language_model", model.model)  # a vision-language model's text model
+        for layer in text.layers:
             block = getattr(layer, "mlp", None) or layer.feed_forward  # LFM2-MoE's is feed_forward
             if not hasattr(block, "experts"):
                 continue
@@ -405,13 +406,31 @@ def _qwen3_vl_moe_text(hidden: int, moe_intermediate: int, experts: int, layers:
     return tf.AutoConfig.for_model("qwen3_vl_moe", text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
+def _glm4v_moe_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # The whole vision-language model (no causal LM of its text model), a one-block vision tower;
+    # the first text layer dense (``first_k_dense_replace``), DeepSeek-style sigmoid routing.
+    head = hidden // 4
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=head, moe_intermediate_size=moe_intermediate,
+                n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                first_k_dense_replace=1, routed_scaling_factor=1.5, max_position_embeddings=512,
+                initializer_range=0.2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "mrope_section": [head // 16, head // 16, head // 8],
+                                                        "partial_rotary_factor": 0.5})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, patch_size=4,
+                  image_size=16, spatial_merge_size=2, temporal_patch_size=2)
+    return tf.AutoConfig.for_model("glm4v_moe", text_config=text, vision_config=vision)
+
+
 # Families built from transformers' config class by model type (AutoConfig.for_model).
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
          "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4,
          "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text, "nemotron_h": _nemotron_h,
-         "qwen3_vl_moe_text": _qwen3_vl_moe_text}
+         "qwen3_vl_moe_text": _qwen3_vl_moe_text, "glm4v_moe_text": _glm4v_moe_text}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
-RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid")
+RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid", "glm4v_moe_text")
 
 
 def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,

@@ -1,13 +1,14 @@
 """Vision-language MoE models whose text model transformers builds no causal LM of: Qwen3-VL-MoE
-(``qwen3_vl_moe``, whose ``text_config`` is a ``qwen3_vl_moe_text``). moeshard runs the whole
-image-text-to-text model (``hf_model.model_class``) with its text model's MoE blocks replaced;
-the vision tower stays transformers'.
+(``qwen3_vl_moe``, whose ``text_config`` is a ``qwen3_vl_moe_text``) and GLM-4.5V (``glm4v_moe``,
+``glm4v_moe_text``). moeshard runs the whole image-text-to-text model (``hf_model.model_class``)
+with its text model's MoE blocks replaced; the vision tower stays transformers'.
 
-transformers is the oracle, on a tiny random model saved by transformers (its experts as it holds
-them, ``gate_up_rows``) and the same weights as the published checkpoints store them (transposed):
-fp32 logits at (1,1) within 1e-5 and greedy ids and logits under EP2, TP2 and SP; the model
-transformers loaded, with its blocks swapped in memory; the router's bf16 logits bit for bit; the
-config read as its text model; a stored gate_up of neither layout refused by name.
+transformers is the oracle, on tiny random models saved by transformers (Qwen3-VL-MoE's experts as
+it holds them, ``gate_up_rows``; GLM-4.5V's per expert, as published) and Qwen3-VL-MoE's weights as
+its published checkpoints store them (transposed): fp32 logits at (1,1) within 1e-5 and greedy ids
+and logits under EP2, TP2 and SP; the model transformers loaded, with its blocks swapped in
+memory; the router's bf16 logits bit for bit; the config read as its text model; a stored gate_up
+of neither layout refused by name.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
 
-FAMILY = "qwen3_vl_moe_text"
+QWEN, GLM = "qwen3_vl_moe_text", "glm4v_moe_text"
+# checkpoint -> its family; "-hub": the published layout where transformers saves another.
+CHECKPOINTS = {"qwen-save": QWEN, "qwen-hub": QWEN, "glm-save": GLM}
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
 NEW_TOKENS = 3
 SPAWN_TIMEOUT_S = 300
@@ -44,16 +47,18 @@ H, I = 64, 48  # 2I != H, so the two stored layouts differ in shape
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """"save": transformers' own save; "hub": the same tensors with the experts transposed, as the
-    published checkpoints store them."""
+    """CHECKPOINTS' directories: transformers' own saves, and Qwen3-VL-MoE's same tensors with the
+    experts transposed, as its published checkpoints store them."""
     root = tmp_path_factory.mktemp("vl-moe")
-    make_tiny_moe.make(str(root / "save"), FAMILY, hidden=H, moe_intermediate=I, experts=8, layers=3, seed=4)
-    shutil.copytree(root / "save", root / "hub")
-    tensors = load_file(root / "hub" / "model.safetensors")
+    for seed, (name, family) in enumerate(CHECKPOINTS.items()):
+        if not name.endswith("-hub"):
+            make_tiny_moe.make(str(root / name), family, hidden=H, moe_intermediate=I, experts=8, layers=3, seed=seed)
+    shutil.copytree(root / "qwen-save", root / "qwen-hub")
+    tensors = load_file(root / "qwen-hub" / "model.safetensors")
     for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
         tensors[name] = tensors[name].transpose(1, 2).contiguous()
-    save_file(tensors, str(root / "hub" / "model.safetensors"), metadata={"format": "pt"})
-    return {"save": root / "save", "hub": root / "hub"}
+    save_file(tensors, str(root / "qwen-hub" / "model.safetensors"), metadata={"format": "pt"})
+    return {name: root / name for name in CHECKPOINTS}
 
 
 def _plan(model_dir: Path, layout: ParallelConfig | None = None, dtype: str = "float32"):
@@ -61,26 +66,29 @@ def _plan(model_dir: Path, layout: ParallelConfig | None = None, dtype: str = "f
                                       compare=True))
 
 
-def test_the_config_is_read_as_its_text_model(models):
-    info = read_hf_config(models["save"])
-    assert info.model_type == FAMILY and info.num_layers == 3
-    assert 1 in info.dense_layers and 0 not in info.dense_layers  # mlp_only_layers [1]
+@pytest.mark.parametrize("name, dense, renormalize, shared", [("qwen-save", 1, True, 0), ("glm-save", 0, True, 1)])
+def test_the_config_is_read_as_its_text_model(models, name, dense, renormalize, shared):
+    """Qwen3-VL-MoE: layer 1 dense (``mlp_only_layers``), always renormalized (its text config has
+    no norm_topk_prob); GLM-4.5V: layer 0 dense (``first_k_dense_replace``), a shared expert."""
+    info = read_hf_config(models[name])
+    assert info.model_type == CHECKPOINTS[name] and info.num_layers == 3
+    assert [layer for layer in range(3) if layer in info.dense_layers] == [dense]
     cfg = info.moe
     assert (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size) == (8, 2, H, I)
-    assert cfg.renormalize  # its router always renormalizes: the text config has no norm_topk_prob
+    assert cfg.renormalize == renormalize and cfg.num_shared_experts == shared
 
 
 def test_both_stored_layouts_read_the_same_experts(models):
-    save, hub = (load_moe_block(models[k], 0).local_experts for k in ("save", "hub"))
+    save, hub = (load_moe_block(models[k], 0).local_experts for k in ("qwen-save", "qwen-hub"))
     assert torch.equal(save.gate_up, hub.gate_up) and torch.equal(save.down, hub.down)
-    assert load_moe_block(models["hub"], 0).names.fused_layout == "transposed"
-    assert load_moe_block(models["save"], 0).names.fused_layout == "gate_up_rows"
+    assert load_moe_block(models["qwen-hub"], 0).names.fused_layout == "transposed"
+    assert load_moe_block(models["qwen-save"], 0).names.fused_layout == "gate_up_rows"
 
 
-@pytest.mark.parametrize("which", ["save", "hub"])
+@pytest.mark.parametrize("which", CHECKPOINTS)
 def test_one_rank_logits_equal_transformers(models, which):
     plan = _plan(models[which])
-    assert plan.model_type == FAMILY
+    assert plan.model_type == CHECKPOINTS[which]
     c = compare_generations(plan, [generate_rank(plan, None)], reference_generate(plan))
     assert all(c.same_ids), f"ids differ at steps {c.first_difference}"
     assert c.within_tolerance, f"logits off by {c.step_max_abs}"
@@ -96,7 +104,7 @@ def world(models):
     return lambda: worlds(2)
 
 
-@pytest.mark.parametrize("which", ["save", "hub"])
+@pytest.mark.parametrize("which", CHECKPOINTS)
 @pytest.mark.parametrize("layout", [layout.name for layout in LAYOUTS])
 def test_layout_generates_what_transformers_generates(models, world, layout, which):
     plan, results = world()[(layout, which)]
@@ -107,28 +115,30 @@ def test_layout_generates_what_transformers_generates(models, world, layout, whi
     assert c.within_tolerance, f"{layout}: logits off by {c.step_max_abs}"
 
 
-def test_the_loaded_model_with_its_blocks_swapped_in_memory(models):
-    model = load_transformers_model(str(models["hub"]), torch.float32).eval()
+@pytest.mark.parametrize("which, blocks, cls", [("qwen-hub", 2, "Qwen3VLMoeForConditionalGeneration"),
+                                                ("glm-save", 2, "Glm4vMoeForConditionalGeneration")])
+def test_the_loaded_model_with_its_blocks_swapped_in_memory(models, which, blocks, cls):
+    model = load_transformers_model(str(models[which]), torch.float32).eval()
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         before = model(ids).logits
         shard_moe_blocks(model, None)
         after = model(ids).logits
-    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
-    assert len(blocks) == 2  # layers 0 and 2; layer 1 is dense
-    assert type(model).__name__ == "Qwen3VLMoeForConditionalGeneration"
+    assert len([m for m in model.modules() if isinstance(m, MoEBlock)]) == blocks  # one of three layers is dense
+    assert type(model).__name__ == cls
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_router_is_transformers_router(models):
-    parity = bf16_router_parity(tf, str(models["save"]))
+@pytest.mark.parametrize("which, router_dtype", [("qwen-save", "model"), ("glm-save", "fp32")])
+def test_bf16_router_is_transformers_router(models, which, router_dtype):
+    parity = bf16_router_parity(tf, str(models[which]))
     assert parity.logits_differ == parity.ids_differ == parity.biases_differ == 0, parity
-    assert parity.fp32_logits_differ > 0, parity  # its router computes in the model dtype
+    assert (parity.fp32_logits_differ > 0) == (router_dtype == "model"), parity
 
 
 def test_a_stored_gate_up_of_neither_layout_is_refused(models, tmp_path):
     bad = tmp_path / "bad"
-    shutil.copytree(models["hub"], bad)
+    shutil.copytree(models["qwen-hub"], bad)
     tensors = load_file(bad / "model.safetensors")
     name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
     tensors[name] = tensors[name][:, :, :-2].contiguous()

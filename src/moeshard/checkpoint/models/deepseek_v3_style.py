@@ -4,7 +4,13 @@ transformers'), Solar Open, A.X-K2 (whose gated norms and attention stay transfo
 (whose block ends in an RMS norm of its output, ``post_mlp_layernorm``: ``ModelFamily.output_norm``,
 which the hub and transformers' saves keep under the decoder layer), and
 Sarvam's two: ``sarvam_moe`` and ``sarvam_mla``, which transformers builds as GLM-4-MoE and as
-DeepSeek-V3.
+DeepSeek-V3, and GLM-4.5V's text model (``glm4v_moe_text``, the ``text_config`` of the
+vision-language ``glm4v_moe``), GLM-4-MoE's block in a model transformers builds only whole: its
+image-text-to-text class runs (``hf_model.model_class``), the decoder layers at
+``model.language_model.layers`` (``model_layers``), the vision tower transformers'; the checkpoint's
+text model, under ``model.language_model.``, is named as a causal LM's by ``SafetensorsCheckpoint``
+(``dense_renames`` maps the model's names onto those), its experts per expert as GLM-4.5V publishes
+them or fused as transformers saves them.
 
 Their transformers router is DeepSeek-V3's ``noaux_tc`` (routing kind ``sigmoid``):
 s = sigmoid(fp32 logits), selection on s + ``e_score_correction_bias`` within the ``topk_group``
@@ -17,6 +23,8 @@ reads neither ``scoring_func`` nor ``topk_method`` for these model types, so nei
 model_type     experts / shared experts fields      norm_topk_prob  scale  dense layers
 =============  ===================================  ==============  =====  =============================
 glm4_moe       n_routed_experts / n_shared_experts  True            1.0    L < first_k_dense_replace (1)
+glm4v_moe_     n_routed_experts / n_shared_experts  True            1.0    L < first_k_dense_replace (1)
+text
 glm4_moe_lite  n_routed_experts / n_shared_experts  True            1.8    mlp_layer_types, else layer 0
 dots1          n_routed_experts / n_shared_experts  False           1.0    L < first_k_dense_replace (0)
 exaone_moe     num_experts / num_shared_experts     True            2.5    mlp_layer_types, else
@@ -66,11 +74,13 @@ from moeshard.checkpoint.models.layer_types import listed_or_first_dense, moe_la
 from moeshard.config import MAX_ROUTED_SCALING, MoEConfig
 
 # model_type -> config.json's names of its routed and shared expert counts.
-_EXPERTS = {"glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts", "dots1": "n_routed_experts",
+_EXPERTS = {"glm4_moe": "n_routed_experts", "glm4v_moe_text": "n_routed_experts", "glm4_moe_lite": "n_routed_experts",
+            "dots1": "n_routed_experts",
             "exaone_moe": "num_experts", "deepseek_v32": "n_routed_experts", "glm_moe_dsa": "n_routed_experts",
             "solar_open": "n_routed_experts", "axk2": "n_routed_experts", "sarvam_moe": "n_routed_experts",
             "sarvam_mla": "n_routed_experts", "dots3_note_text": "n_routed_experts", "axk1": "n_routed_experts"}
-_SHARED = {"glm4_moe": "n_shared_experts", "glm4_moe_lite": "n_shared_experts", "dots1": "n_shared_experts",
+_SHARED = {"glm4_moe": "n_shared_experts", "glm4v_moe_text": "n_shared_experts", "glm4_moe_lite": "n_shared_experts",
+           "dots1": "n_shared_experts",
            "exaone_moe": "num_shared_experts", "deepseek_v32": "n_shared_experts", "glm_moe_dsa": "n_shared_experts",
            "solar_open": "n_shared_experts", "axk2": "n_shared_experts", "sarvam_moe": "n_shared_experts",
            "sarvam_mla": "n_shared_experts", "dots3_note_text": "n_shared_experts", "axk1": "n_shared_experts"}
@@ -153,6 +163,10 @@ for _family in (
     ModelFamily("glm4_moe", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
                              "first_k_dense_replace": 1}, _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32",
                 formats=("bf16", "fp8_block", "compressed_fp8")),
+    ModelFamily("glm4v_moe_text", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                                   "norm_topk_prob": True, "first_k_dense_replace": 1},
+                _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32", model_layers="model.language_model.layers",
+                dense_renames=(("model.language_model.", "model."),), formats=("bf16",)),
     ModelFamily("glm4_moe_lite", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
                                   "norm_topk_prob": True, "mlp_layer_types": None},
                 _moe, _glm4_moe_lite_dense, routing="sigmoid", router_dtype="fp32"),
