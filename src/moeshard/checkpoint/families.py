@@ -48,7 +48,6 @@ from moeshard.checkpoint.formats import (  # noqa: F401 - re-exported: the forma
     CHECKPOINT_FORMATS,
     FP8_CHECKPOINT_BLOCK,
     CheckpointFormat,
-    checkpoint_format,
 )
 from moeshard.checkpoint.fused import LAYOUTS, fused_layout
 from moeshard.config import MAX_ROUTED_SCALING, ROUTER_DTYPES, MoEConfig
@@ -163,6 +162,18 @@ class ConfigFields:
                 raise ValueError(f"{self.source}: {key}={value!r}; moeshard's {kind!r} activation computes "
                                  f"{param}={params[param]} ({why})")
         return kind
+
+
+def checkpoint_format(raw: dict[str, Any], family: ModelFamily, source: str) -> CheckpointFormat:
+    """The format ``raw``'s ``quantization_config`` describes, among those ``family`` ships."""
+    q = raw.get("quantization_config")
+    for name in family.formats:
+        if CHECKPOINT_FORMATS[name].detect(q, source):
+            return CHECKPOINT_FORMATS[name]
+    method = q.get("quant_method") if isinstance(q, dict) else q
+    raise ValueError(f"{source}: quantization_config with quant_method={method!r} is not supported for model_type "
+                     f"{family.model_type!r}; its formats: "
+                     + "; ".join(f"{n}: {CHECKPOINT_FORMATS[n].summary}" for n in family.formats))
 
 
 # -- the family descriptor ---------------------------------------------------------------------

@@ -30,12 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moeshard.validate import is_int
-
-if TYPE_CHECKING:
-    from moeshard.checkpoint.families import ModelFamily
 
 FP8_CHECKPOINT_BLOCK = (128, 128)
 # ModelOpt's quant_algo values whose weights are e4m3 with one scale per tensor (FP8) or per
@@ -194,15 +191,3 @@ CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
                      "and <name>_scales, one e8m0 exponent per 32 values; quantization_config quant_method "
                      "'mxfp4'); its experts are dequantized to the model dtype as they are read", dequantized=True),
 )}
-
-
-def checkpoint_format(raw: dict[str, Any], family: ModelFamily, source: str) -> CheckpointFormat:
-    """The format ``raw``'s ``quantization_config`` describes, among those ``family`` ships."""
-    q = raw.get("quantization_config")
-    for name in family.formats:
-        if CHECKPOINT_FORMATS[name].detect(q, source):
-            return CHECKPOINT_FORMATS[name]
-    method = q.get("quant_method") if isinstance(q, dict) else q
-    raise ValueError(f"{source}: quantization_config with quant_method={method!r} is not supported for model_type "
-                     f"{family.model_type!r}; its formats: "
-                     + "; ".join(f"{n}: {CHECKPOINT_FORMATS[n].summary}" for n in family.formats))
