@@ -31,6 +31,11 @@ What is read, per local expert (a ``ShardSpec`` says which experts and which sli
   scale tiles that cover it, gate tiles then up tiles -- the layout ``QuantizedWeight.cat_out``
   gives, written in place so no expert is held twice (it needs the gate part to end on a tile
   boundary, I % 128 == 0, as ``cat_out`` does). Nothing goes through full precision.
+* an FP8 checkpoint with per-tensor or per-row scales (ModelOpt, compressed-tensors: ``weight``
+  float8_e4m3fn + ``weight_scale`` of shape [] / [1] / [N] / [N, 1], w ~= q * scale; per-expert
+  tensors only): the fp8 bytes of the kept slice and each kept row's stored scale, as fp8_token
+  (the down rows' scales span all of I and are the stored ones on every TP rank, so no rank
+  requantizes), as fp8_tensor where one scale covers each expert weight, or dequantized for none.
 
 Each expert's reads open and close the files (see ``reader``). Unquantized and FP8-checkpoint
 slices are copied from the file mapping straight into the rank's tensors, allocated once for
@@ -201,6 +206,11 @@ class ExpertReader:
     def products(self) -> int:
         """gate_up rows per column of I: 2 (gate and up), 1 for ungated experts (up alone)."""
         return self.cfg.activation_kind.products
+
+    @property
+    def gate_up_projections(self) -> tuple[str, ...]:
+        """The stored projections of gate_up, in its row order: (gate, up), or (up,) ungated."""
+        return ("gate", "up")[2 - self.products:]
 
     @property
     def projections(self) -> int:
@@ -418,15 +428,15 @@ class ExpertReader:
         """Expert e's fp32 scales of a checkpoint with per-tensor or per-row scales: gate_up rows
         [products * I] (gate's then up's) and down rows [H], each stored scale expanded to its rows."""
         I, H = self.cfg.intermediate_size, self.cfg.hidden_size
-        projections = ("gate", "up")[2 - self.products:]
-        gate_up = torch.cat([read_row_scale(self.ckpt, self.names.expert(e, p), I)[:, 0] for p in projections])
+        gate_up = torch.cat([read_row_scale(self.ckpt, self.names.expert(e, p), I)[:, 0]
+                             for p in self.gate_up_projections])
         return gate_up, read_row_scale(self.ckpt, self.names.expert(e, "down"), H)[:, 0]
 
     def _one_scale(self, e: int, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8_tensor's scale of expert e's gate_up and of its down ([] each), which the stored per-row
         scales give without requantizing only where each weight's are one value; ValueError naming the
         tensors and the values otherwise (gate's and up's differ, or a weight is scaled per row)."""
-        for what, scales, projections in (("gate_up", gate_up, ("gate", "up")[2 - self.products:]),
+        for what, scales, projections in (("gate_up", gate_up, self.gate_up_projections),
                                           ("down", down, ("down",))):
             if not bool((scales == scales[0]).all()):
                 names = [row_scale_name(self.names.expert(e, p)) for p in projections]
