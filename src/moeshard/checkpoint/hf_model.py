@@ -50,21 +50,27 @@ def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Modu
     model's image-text-to-text one) in ``dtype`` (``from_pretrained``), on the CPU.
     Typed as the nn.Module it is: transformers wraps PreTrainedModel.to with functools.wraps,
     whose stub mypy does not bind as a method."""
-    import transformers
 
     if read_hf_config(model_dir).format.fp8_scales == "row":
         return _from_dequantized_copy(model_dir, dtype)
-    auto = model_class(transformers.AutoConfig.from_pretrained(model_dir))
-    if dtype != torch.float64:
-        model = auto.from_pretrained(model_dir, dtype=dtype)
-    else:
-        try:  # torch._grouped_mm takes no float64: loop over the experts
-            model = auto.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
-        except ValueError:  # a model without an experts implementation to choose
-            model = auto.from_pretrained(model_dir, dtype=dtype)
+    model = _from_pretrained(model_dir, dtype)
     if read_hf_config(model_dir).checkpoint_format == "mxfp4":
         _mxfp4_experts_in(model, dtype)
     return model
+
+
+def _from_pretrained(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``from_pretrained`` of ``model_class``'s class, with the experts looped over in float64
+    (``torch._grouped_mm`` takes no float64)."""
+    import transformers
+
+    auto = model_class(transformers.AutoConfig.from_pretrained(model_dir))
+    if dtype != torch.float64:
+        return auto.from_pretrained(model_dir, dtype=dtype)
+    try:
+        return auto.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
+    except ValueError:  # a model without an experts implementation to choose
+        return auto.from_pretrained(model_dir, dtype=dtype)
 
 
 def _from_dequantized_copy(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -75,7 +81,6 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
     other tensors under their stored names and config.json without its quantization_config into
     a temporary directory, and loaded from there with ``from_pretrained``, whose own renaming
     then applies. Holds the model twice in host memory and once on disk while it loads."""
-    import transformers
     from safetensors.torch import save_file
 
     source = Path(model_dir)
@@ -98,7 +103,7 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         if (source / "generation_config.json").is_file():
             (Path(tmp) / "generation_config.json").write_text((source / "generation_config.json").read_text())
-        return model_class(transformers.AutoConfig.from_pretrained(tmp)).from_pretrained(tmp, dtype=dtype)
+        return _from_pretrained(tmp, dtype)
 
 
 def _mxfp4_experts_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
