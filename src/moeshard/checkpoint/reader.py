@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -289,18 +289,22 @@ class SafetensorsCheckpoint:
             with self._open(path) as f:
                 for i in which:
                     name, index = requests[i]
-                    try:
-                        sl = f.get_slice(self.stored_name(name))
-                        if index or sl.get_shape():
-                            view = sl[index] if index else sl[:]
-                        else:  # a 0-dim tensor (a per-tensor scale), which a slice cannot take
-                            view = f.get_tensor(self.stored_name(name))
-                    except SafetensorError as exc:
-                        raise ValueError(f"tensor {name!r} in {str(path)!r} cannot be read: {exc}") from None
+                    view = self._view(f, name, index, path)
                     target = dtype if dtype is not None and view.is_floating_point() and view.element_size() > 1 else None
                     out[i] = _owned_copy(view, target)
                     del view
         return out  # type: ignore[return-value]
+
+    def _view(self, f: Any, name: str, index: Index, path: Path) -> torch.Tensor:
+        """``tensor[index]`` of ``name`` from the open file ``f`` (a mapped view; a 0-dim tensor,
+        such as a per-tensor scale, which a slice cannot take, read whole)."""
+        try:
+            sl = f.get_slice(self.stored_name(name))
+            if index:
+                return sl[index]
+            return sl[:] if sl.get_shape() else f.get_tensor(self.stored_name(name))
+        except SafetensorError as exc:
+            raise ValueError(f"tensor {name!r} in {str(path)!r} cannot be read: {exc}") from None
 
     def read_into(self, requests: Sequence[tuple[str, Index]], destinations: Sequence[torch.Tensor]) -> None:
         """Copies ``tensor[index]`` of each request straight into the matching destination (a
@@ -316,14 +320,7 @@ class SafetensorsCheckpoint:
             with self._open(path) as f:
                 for i in which:
                     (name, index), dst = requests[i], destinations[i]
-                    try:
-                        sl = f.get_slice(self.stored_name(name))
-                        if index or sl.get_shape():
-                            view = sl[index] if index else sl[:]
-                        else:  # a 0-dim tensor (a per-tensor scale), which a slice cannot take
-                            view = f.get_tensor(self.stored_name(name))
-                    except SafetensorError as exc:
-                        raise ValueError(f"tensor {name!r} in {str(path)!r} cannot be read: {exc}") from None
+                    view = self._view(f, name, index, path)
                     if tuple(view.shape) != tuple(dst.shape):
                         raise ValueError(f"tensor {name!r} in {str(path)!r}: slice {index} has shape {list(view.shape)}, "
                                          f"the destination {list(dst.shape)}")
