@@ -888,7 +888,8 @@ def test_minimax_m3_fused_shared_gate_up_fp8_block_checkpoint(tmp_path):
                        stored[moe + "shared_experts.gate_up_proj.weight"].view(torch.uint8))
     assert torch.equal(kept.scale[0], stored[moe + "shared_experts.gate_up_proj.weight_scale_inv"])
     whole = in_dtype(stored[moe + "shared_experts.gate_up_proj.weight"],
-                     stored[moe + "shared_experts.gate_up_proj.weight_scale_inv"], block.weights.shared_gate.dtype)
+                     stored[moe + "shared_experts.gate_up_proj.weight_scale_inv"], block.weights.shared_gate.dtype,
+                     "block")
     assert torch.equal(block.weights.shared_gate, whole[:128]) and torch.equal(block.weights.shared_up, whole[128:])
     loaded = load_sharded_model(tmp_path)
     assert isinstance(loaded.model.layers[1].mlp, MoEBlock)

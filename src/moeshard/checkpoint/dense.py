@@ -26,17 +26,16 @@ def read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], d
     if not dtype.is_floating_point:
         ckpt.expect(name, shape, (dtype,))
         return ckpt.read(name)
-    return in_dtype(*read_stored(ckpt, name, shape, fp8_scales), dtype)
+    return in_dtype(*read_stored(ckpt, name, shape, fp8_scales), dtype, fp8_scales)
 
 
-def in_dtype(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def in_dtype(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, fp8_scales: str | None) -> torch.Tensor:
     """A tensor as ``read_stored`` gives it, in ``dtype``: a float tensor cast, or an e4m3 weight
-    [R, C] dequantized in fp32 and rounded once: with row scales [R, 1], or with 128 x 128 block
-    scales. (A block scale of shape [R, 1] occurs only for R = 1 and C <= 128, where one tile is
-    the one row, so the two readings agree.)"""
+    [R, C] dequantized in fp32 and rounded once, with its scales as ``fp8_scales`` says: "row"
+    [R, 1], "block" one per 128 x 128 tile."""
     if scale is None:
         return t.to(dtype)
-    if tuple(scale.shape) == (t.shape[0], 1):
+    if fp8_scales == "row":
         return fp8_dequantize(t, scale).to(dtype)
     return dequantize_fp8_block(t, scale, dtype)
 

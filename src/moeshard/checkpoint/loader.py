@@ -96,7 +96,7 @@ class _SmallTensors:
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """A weight in ``dtype`` (default the model dtype); see ``read_dense``."""
-        return in_dtype(*self.stored(name, shape), dtype or self.cfg.dtype)
+        return in_dtype(*self.stored(name, shape), dtype or self.cfg.dtype, self.fp8_scales)
 
     def correction_bias(self) -> torch.Tensor:
         """fp32 [E]: the bias decides routing, so it stays fp32 as the layer keeps it. Stored [E],
