@@ -22,7 +22,9 @@ by token id; its routers, token table and selection biases drawn at random), zay
 router drawn so that some tokens pick the skip class), longcat_flash (half as many
 zero-computation experts as routed ones), inkling_text (one shared expert, which its router weighs),
 nemotron_h (Mamba-2 and attention layers in turn before MoE layers of ungated relu^2 experts in a
-latent space of half the hidden size; ``--layers`` counts the MoE layers).
+latent space of half the hidden size; ``--layers`` counts the MoE layers). The vision-language ones
+(``VISION_LANGUAGE``: aria, minimax_m3_vl) hold a text family's model as their ``text_config``,
+beside a one-layer vision tower.
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -179,7 +181,8 @@ SOFTMAX_FAMILIES = ("olmoe", "flex_olmo", "mellum", "minimax", "jamba", "qwen3_n
                     "granitemoe_swa", "aria_text", "qwen4_exp_text")
 
 
-def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int,
+          text_config: dict | None = None):
     import transformers as tf
 
     sizes = dict(intermediate_size=2 * moe_intermediate, moe_intermediate_size=moe_intermediate)
@@ -208,8 +211,15 @@ def build(family: str, hidden: int, moe_intermediate: int, experts: int, layers:
         return _softmax_family(family, common, moe_intermediate, experts)
     if family in EXTRA:
         return EXTRA[family](hidden, moe_intermediate, experts, layers, vocab)
+    if text_config and family not in VISION_LANGUAGE:
+        raise ValueError(f"text_config is for the vision-language families {list(VISION_LANGUAGE)}, not {family!r}")
+    if family in VISION_LANGUAGE:
+        text_family, text_extra, extra = VISION_LANGUAGE[family]
+        text = {**build(text_family, hidden, moe_intermediate, experts, layers, vocab).to_dict(), **text_extra(layers),
+                **(text_config or {})}
+        return tf.AutoConfig.for_model(family, text_config=text, **extra(hidden))
     raise SystemExit(f"unknown family {family!r}; choose mixtral, qwen2_moe, qwen3_moe, deepseek_v3, "
-                     f"{', '.join([*SIGMOID_FAMILIES, *SOFTMAX_FAMILIES, *EXTRA])}")
+                     f"{', '.join([*SIGMOID_FAMILIES, *SOFTMAX_FAMILIES, *EXTRA, *VISION_LANGUAGE])}")
 
 
 def _gpt_oss(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
@@ -429,14 +439,32 @@ EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe
          "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4,
          "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text, "nemotron_h": _nemotron_h,
          "qwen3_vl_moe_text": _qwen3_vl_moe_text, "glm4v_moe_text": _glm4v_moe_text}
+# Vision-language families whose config.json holds a text family's config as ``text_config``:
+# model_type -> (that text family, its config's further arguments given the layer count, the whole
+# model's other arguments given the hidden size: a one-layer vision tower and its projector).
+_TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                    patch_size=14)
+VISION_LANGUAGE = {
+    "aria": ("aria_text", lambda layers: {},
+             lambda hidden: dict(vision_config=_TINY_VISION, projector_patch_to_query_dict={4: 4})),
+    # MiniMax-M3: the first layer dense. Its attention is full: the block-sparse layers'
+    # ("minimax_m3_sparse") blocks count from the padded row's start, so a prompt's output depends on
+    # the padding in front of it, and DP ranks pad their own prompts (text_config can ask for them).
+    "minimax_m3_vl": ("minimax_m3_vl_text",
+                      lambda layers: dict(mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+                                          layer_types=["full_attention"] * layers,
+                                          index_n_heads=2, index_head_dim=16, index_block_size=2, index_topk_blocks=2),
+                      lambda hidden: dict(vision_config=_TINY_VISION, projector_hidden_size=hidden)),
+}
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid", "glm4v_moe_text")
 
 
 def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,
          layers: int = 2, vocab: int = 256, dtype: str = "float32", seed: int = 0,
-         router_aux_loss_coef: float | None = None) -> int:
-    """Saves the model to ``directory``; returns its parameter count. router_aux_loss_coef: also
+         router_aux_loss_coef: float | None = None, text_config: dict | None = None) -> int:
+    """Saves the model to ``directory``; returns its parameter count. text_config: further fields
+    of a vision-language family's text config (``VISION_LANGUAGE``). router_aux_loss_coef: also
     turn transformers' load-balancing loss on (``output_router_logits``) with this coefficient,
     for families whose config has one (what ``moeshard train`` then adds to the loss). ValueError
     where the installed transformers cannot build the family's config."""
@@ -450,7 +478,7 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
 
     torch.manual_seed(seed)
     try:
-        cfg = build(family, hidden, moe_intermediate, experts, layers, vocab)
+        cfg = build(family, hidden, moe_intermediate, experts, layers, vocab, text_config or {})
     except ConfigError as exc:  # a config class's validation (not a ValueError): a field this transformers lacks
         raise ValueError(f"transformers {tf.__version__} cannot build the tiny {family} config: {exc}") from exc
     if router_aux_loss_coef is not None:
@@ -461,8 +489,9 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
     from moeshard.checkpoint.hf_model import model_class  # a vision-language model has no causal LM class
 
     model = model_class(cfg).from_config(cfg, dtype=getattr(torch, dtype)).eval()
-    if family in RANDOM_ROUTERS:
-        randomize_routers(model, family, 2 / hidden**0.5)
+    text_family = VISION_LANGUAGE[family][0] if family in VISION_LANGUAGE else family
+    if text_family in RANDOM_ROUTERS:
+        randomize_routers(model, text_family, 2 / hidden**0.5)
     with torch.no_grad():  # a router left at zero (ERNIE 4.5's by transformers 5.17) routes every token on ties
         for name, p in model.named_parameters():
             if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and not p.any():

@@ -1,20 +1,26 @@
 """Vision-language MoE models whose text model transformers builds no causal LM of: Qwen3-VL-MoE
 (``qwen3_vl_moe``, whose ``text_config`` is a ``qwen3_vl_moe_text``) and GLM-4.5V (``glm4v_moe``,
-``glm4v_moe_text``). moeshard runs the whole image-text-to-text model (``hf_model.model_class``)
-with its text model's MoE blocks replaced; the vision tower stays transformers'.
+``glm4v_moe_text``); and those whose text model is a causal LM of its own, a family moeshard reads
+too, while the vision-language model is another (``ModelFamily.text_config``): Aria (``aria``,
+holding an ``aria_text``) and MiniMax-M3 (``minimax_m3_vl``, holding a ``minimax_m3_vl_text``).
+moeshard runs the whole image-text-to-text model (``hf_model.model_class``) with its text model's
+MoE blocks replaced; the vision tower stays transformers'.
 
 transformers is the oracle, on tiny random models saved by transformers (Qwen3-VL-MoE's experts as
-it holds them, ``gate_up_rows``; GLM-4.5V's per expert, as published) and Qwen3-VL-MoE's weights as
-its published checkpoints store them (transposed): fp32 logits at (1,1) within 1e-5 and greedy ids
-and logits under EP2, TP2 and SP; the model transformers loaded, with its blocks swapped in
-memory; the router's bf16 logits bit for bit; the config read as its text model; a stored gate_up
-of neither layout refused by name.
+it holds them, ``gate_up_rows``; GLM-4.5V's per expert, as published; Aria and MiniMax-M3 as
+released, which is how transformers saves them) and on the same weights under other names:
+Qwen3-VL-MoE's experts as its published checkpoints store them (transposed), and MiniMax-M3's
+tensors under the whole model's own names (``-model``). fp32 logits at (1,1) within
+1e-5 and greedy ids and logits under EP2, TP2 and SP; the model transformers loaded, with its
+blocks swapped in memory; the router's bf16 logits bit for bit; the config read as its text
+model; a stored gate_up of neither layout refused by name.
 """
 
 from __future__ import annotations
 
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +31,8 @@ from router_parity import bf16_router_parity
 from safetensors.torch import load_file, save_file
 
 from moeshard.checkpoint import load_moe_block, read_hf_config
+from moeshard.checkpoint.families import FAMILIES
+from moeshard.checkpoint.hf_config import parse_hf_config
 from moeshard.checkpoint.hf_model import load_transformers_model
 from moeshard.integrations.transformers import MoEBlock, shard_moe_blocks
 from moeshard.jobs.generate import GenerateSpec, compare_generations, generate_rank, plan_generate, reference_generate
@@ -34,9 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
 
-QWEN, GLM = "qwen3_vl_moe_text", "glm4v_moe_text"
-# checkpoint -> its family; "-hub": the published layout where transformers saves another.
-CHECKPOINTS = {"qwen-save": QWEN, "qwen-hub": QWEN, "glm-save": GLM}
+QWEN, GLM, ARIA, M3 = "qwen3_vl_moe_text", "glm4v_moe_text", "aria", "minimax_m3_vl"
+# checkpoint -> its family; "-hub": the published layout where transformers saves another;
+# "-model": the same tensors under the names the whole transformers model gives them.
+CHECKPOINTS = {"qwen-save": QWEN, "qwen-hub": QWEN, "glm-save": GLM, "aria-save": ARIA, "m3-save": M3, "m3-model": M3}
+# MiniMax-M3 with its block-sparse attention (the indexer's tensors, renamed in its checkpoints) in
+# two layers: generate's reference pads each DP rank's prompts as that rank does.
+TEXT_CONFIG = {M3: {"layer_types": ["minimax_m3_sparse", "full_attention", "minimax_m3_sparse"]}}
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
 NEW_TOKENS = 3
 SPAWN_TIMEOUT_S = 300
@@ -51,13 +63,19 @@ def models(tmp_path_factory) -> dict[str, Path]:
     experts transposed, as its published checkpoints store them."""
     root = tmp_path_factory.mktemp("vl-moe")
     for seed, (name, family) in enumerate(CHECKPOINTS.items()):
-        if not name.endswith("-hub"):
-            make_tiny_moe.make(str(root / name), family, hidden=H, moe_intermediate=I, experts=8, layers=3, seed=seed)
+        if name.endswith("-save"):
+            make_tiny_moe.make(str(root / name), family, hidden=H, moe_intermediate=I, experts=8, layers=3, seed=seed,
+                               text_config=TEXT_CONFIG.get(family))
     shutil.copytree(root / "qwen-save", root / "qwen-hub")
     tensors = load_file(root / "qwen-hub" / "model.safetensors")
     for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
         tensors[name] = tensors[name].transpose(1, 2).contiguous()
     save_file(tensors, str(root / "qwen-hub" / "model.safetensors"), metadata={"format": "pt"})
+    model = load_transformers_model(str(root / "m3-save"), torch.float32)
+    shutil.copytree(root / "m3-save", root / "m3-model")
+    held = {n: t.contiguous() for n, t in model.state_dict().items()}
+    assert any(n.startswith("model.language_model.layers.") for n in held)
+    save_file(held, str(root / "m3-model" / "model.safetensors"), metadata={"format": "pt"})
     return {name: root / name for name in CHECKPOINTS}
 
 
@@ -66,16 +84,58 @@ def _plan(model_dir: Path, layout: ParallelConfig | None = None, dtype: str = "f
                                       compare=True))
 
 
-@pytest.mark.parametrize("name, dense, renormalize, shared", [("qwen-save", 1, True, 0), ("glm-save", 0, True, 1)])
+@pytest.mark.parametrize("name, dense, renormalize, shared", [("qwen-save", [1], True, 0), ("glm-save", [0], True, 1),
+                                                         ("aria-save", [], False, 1), ("m3-save", [0], True, 1)])
 def test_the_config_is_read_as_its_text_model(models, name, dense, renormalize, shared):
     """Qwen3-VL-MoE: layer 1 dense (``mlp_only_layers``), always renormalized (its text config has
-    no norm_topk_prob); GLM-4.5V: layer 0 dense (``first_k_dense_replace``), a shared expert."""
+    no norm_topk_prob); GLM-4.5V: layer 0 dense (``first_k_dense_replace``), a shared expert;
+    Aria: every layer MoE, softmax over the chosen, a shared expert; MiniMax-M3: layer 0 dense
+    (``mlp_layer_types``), a shared expert. Aria and MiniMax-M3 keep the whole model's type."""
     info = read_hf_config(models[name])
     assert info.model_type == CHECKPOINTS[name] and info.num_layers == 3
-    assert [layer for layer in range(3) if layer in info.dense_layers] == [dense]
+    assert info.source.endswith("config.json: text_config")
+    assert [layer for layer in range(3) if layer in info.dense_layers] == dense
     cfg = info.moe
     assert (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size) == (8, 2, H, I)
     assert cfg.renormalize == renormalize and cfg.num_shared_experts == shared
+
+
+def test_a_vision_language_family_without_a_text_config_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"^config\.json: model_type 'aria' holds its text model's fields in "
+                                         r"text_config, which must be an object; got NoneType$"):
+        parse_hf_config({"model_type": "aria", "hidden_size": 64})
+
+
+def test_a_text_config_family_needs_the_whole_models_layers():
+    with pytest.raises(ValueError, match=r"ModelFamily\('aria'\)\.text_config: expected a bool, and model_layers"):
+        replace(FAMILIES["aria"], model_layers=None)
+
+
+def test_the_whole_models_names_map_onto_the_checkpoints():
+    """Hand-checked: the text model's tensors under the causal LM's ``model.`` (``text_model``),
+    then the release's names (``dense_renames``) or parts (``dense_concat``), each only where
+    the checkpoint lacks the name before it."""
+    m3 = FAMILIES[M3]
+    held = {"model.layers.0.self_attn.index_q_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "patch_merge_mlp.linear_1.weight",
+            "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", "model.vision_tower.pre_layrnorm.weight"}
+    sources = {name: m3.dense_sources(name, held.__contains__) for name in (
+        "model.language_model.layers.0.self_attn.indexer.q_proj.weight", "model.language_model.layers.0.mlp.gate_up_proj.weight",
+        "model.language_model.norm.weight", "model.multi_modal_projector.merge_linear_1.weight",
+        "model.vision_tower.layers.0.mlp.fc1.weight", "model.vision_tower.pre_layrnorm.weight", "lm_head.weight")}
+    assert sources == {
+        "model.language_model.layers.0.self_attn.indexer.q_proj.weight": ("model.layers.0.self_attn.index_q_proj.weight",),
+        "model.language_model.layers.0.mlp.gate_up_proj.weight": ("model.layers.0.mlp.gate_proj.weight",
+                                                                  "model.layers.0.mlp.up_proj.weight"),
+        "model.language_model.norm.weight": ("model.norm.weight",),
+        "model.multi_modal_projector.merge_linear_1.weight": ("patch_merge_mlp.linear_1.weight",),
+        "model.vision_tower.layers.0.mlp.fc1.weight": ("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",),
+        "model.vision_tower.pre_layrnorm.weight": ("model.vision_tower.pre_layrnorm.weight",),  # held as the model names it
+        "lm_head.weight": ("lm_head.weight",),
+    }
+    fused = m3.dense_sources("model.language_model.layers.0.mlp.gate_up_proj.weight",
+                             {"model.layers.0.mlp.gate_up_proj.weight"}.__contains__)
+    assert fused == ("model.layers.0.mlp.gate_up_proj.weight",)  # a checkpoint of the model's own names
 
 
 def test_both_stored_layouts_read_the_same_experts(models):
@@ -83,6 +143,19 @@ def test_both_stored_layouts_read_the_same_experts(models):
     assert torch.equal(save.gate_up, hub.gate_up) and torch.equal(save.down, hub.down)
     assert load_moe_block(models["qwen-hub"], 0).names.fused_layout == "transposed"
     assert load_moe_block(models["qwen-save"], 0).names.fused_layout == "gate_up_rows"
+
+
+def test_both_namings_read_the_same_block(models):
+    """MiniMax-M3 as released (per-expert ``w1`` / ``w3`` / ``w2`` under ``block_sparse_moe``, the
+    shared expert's gate and up apart) and under the whole model's names (fused, under ``mlp``):
+    the same experts, router, selection bias and shared expert."""
+    released, held = (load_moe_block(models[f"m3-{k}"], 1) for k in ("save", "model"))
+    assert torch.equal(released.local_experts.gate_up, held.local_experts.gate_up)
+    assert torch.equal(released.local_experts.down, held.local_experts.down)
+    for name in ("gate", "correction_bias", "shared_gate", "shared_up", "shared_down"):
+        a, b = getattr(released.weights, name), getattr(held.weights, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert released.weights.shared_gate is not None
 
 
 @pytest.mark.parametrize("which", CHECKPOINTS)
@@ -96,7 +169,7 @@ def test_one_rank_logits_equal_transformers(models, which):
 
 # make test runs EP2 and TP2 on the published layouts; make test-slow SP and transformers' own save.
 FAST = {("dp2-tp1-ep", "qwen-hub"), ("dp1-tp2-noep", "qwen-hub"), ("dp2-tp1-ep", "glm-save"),
-        ("dp1-tp2-noep", "glm-save")}
+        ("dp1-tp2-noep", "glm-save"), ("dp2-tp1-ep", "aria-save"), ("dp1-tp2-noep", "m3-save")}
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +196,9 @@ def test_layout_generates_what_transformers_generates(models, world, layout, whi
 
 
 @pytest.mark.parametrize("which, blocks, cls", [("qwen-hub", 2, "Qwen3VLMoeForConditionalGeneration"),
-                                                ("glm-save", 2, "Glm4vMoeForConditionalGeneration")])
+                                                ("glm-save", 2, "Glm4vMoeForConditionalGeneration"),
+                                                ("aria-save", 3, "AriaForConditionalGeneration"),
+                                                ("m3-model", 2, "MiniMaxM3SparseForConditionalGeneration")])
 def test_the_loaded_model_with_its_blocks_swapped_in_memory(models, which, blocks, cls):
     model = load_transformers_model(str(models[which]), torch.float32).eval()
     ids = torch.tensor([PROMPTS[0]])
@@ -136,7 +211,8 @@ def test_the_loaded_model_with_its_blocks_swapped_in_memory(models, which, block
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("which, router_dtype", [("qwen-save", "model"), ("glm-save", "fp32")])
+@pytest.mark.parametrize("which, router_dtype", [("qwen-save", "model"), ("glm-save", "fp32"), ("aria-save", "model"),
+                                                 ("m3-save", "model")])
 def test_bf16_router_is_transformers_router(models, which, router_dtype):
     parity = bf16_router_parity(tf, str(models[which]))
     assert parity.logits_differ == parity.ids_differ == parity.biases_differ == 0, parity

@@ -227,6 +227,17 @@ class ModelFamily:
     model_layers: None, or the decoder layers' module path in the transformers causal LM where it
       differs from the checkpoint's ``layers`` (Nemotron-H: ``model.layers`` in the model,
       ``backbone.layers`` as transformers saves and the hub stores it).
+    text_model: None, or the text model's module path in the whole vision-language model
+      transformers builds (``model.language_model``), whose tensors the checkpoint holds, as
+      ``SafetensorsCheckpoint`` names them, as a causal LM's under ``model.``
+      (``checkpoint_name``); ``dense_renames``, ``dense_concat`` and ``dense_split`` then apply
+      to that name.
+    text_config: the family is a vision-language model whose config.json holds its text model's
+      fields in ``text_config`` (``model_type`` names the whole model: Aria's ``aria``, whose
+      ``text_config`` is an ``aria_text``, a family of its own as the causal LM transformers also
+      builds). Its fields are read there (``hf_config.text_model_config``); the model transformers
+      builds is the whole one (``hf_model.model_class``), with its decoder layers at
+      ``model_layers``.
     identity_experts: None, or the config field that counts zero-computation experts (LongCat-Flash's
       ``zero_expert_num``, Z): the router picks among E + Z, and a pick of id E .. E + Z - 1 passes
       the row through scaled by its weight (``MoEExperts(identity_experts=Z)``); transformers'
@@ -350,6 +361,8 @@ class ModelFamily:
     zero_weight_skips: bool = False
     layer_count: str | Callable[[ConfigFields], int] = "num_hidden_layers"
     model_layers: str | None = None
+    text_model: str | None = None
+    text_config: bool = False
     dense_renames: tuple[tuple[str, str], ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -432,6 +445,13 @@ class ModelFamily:
         if self.model_layers is not None and not (isinstance(self.model_layers, str) and all(
                 p.isidentifier() for p in self.model_layers.split("."))):
             raise ValueError(f"{where}.model_layers: expected None or a dotted module path, got {self.model_layers!r}")
+        if self.text_model is not None and not (isinstance(self.text_model, str) and all(
+                p.isidentifier() for p in self.text_model.split("."))):
+            raise ValueError(f"{where}.text_model: expected None or a dotted module path, got {self.text_model!r}")
+        if not isinstance(self.text_config, bool) or (self.text_config and self.model_layers is None):
+            raise ValueError(f"{where}.text_config: expected a bool, and model_layers (the whole model's decoder "
+                             f"layers) where true; got text_config={self.text_config!r}, "
+                             f"model_layers={self.model_layers!r}")
         gated = {get_activation(kind).gated for kind in self.hidden_acts.values()}
         if gated != {layout.gated}:
             raise ValueError(f"{where}.fused_layout: {self.fused_layout!r} holds {'gate and up' if layout.gated else 'up'} "
@@ -486,6 +506,14 @@ class ModelFamily:
         """The checkpoint's name of the block-relative tensor ``name`` (see ``stored_names``)."""
         return self.stored_names.get(name, name)
 
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name (as ``SafetensorsCheckpoint`` gives it) of the model's tensor
+        ``name`` before any dense rename: a tensor of the text model (``text_model``) under the
+        causal LM's ``model.``, any other as it is."""
+        if self.text_model is not None and name.startswith(self.text_model + "."):
+            return "model." + name[len(self.text_model) + 1:]
+        return name
+
     def dense_split_of(self, name: str) -> tuple[str, tuple[str, ...]] | None:
         """(the stored tensor, the model tensors that are its row ranges, in order) where the model's
         tensor ``name`` is one of a ``dense_split`` entry's parts, else None."""
@@ -493,21 +521,24 @@ class ModelFamily:
             for part in parts:
                 if name.endswith(part):
                     prefix = name[: len(name) - len(part)]
-                    return prefix + stored_ending, tuple(prefix + p for p in parts)
+                    return self.checkpoint_name(prefix + stored_ending), tuple(prefix + p for p in parts)
         return None
 
     def dense_sources(self, name: str, stored: Callable[[str], bool]) -> tuple[str, ...]:
-        """The checkpoint's tensors that make the model's tensor ``name`` outside the MoE blocks:
-        the parts ``dense_concat`` lists (concatenated along dim 0), or one tensor: ``name`` itself
-        where the checkpoint holds it (``stored``), else ``name`` with the first of
+        """The checkpoint's tensors that make the model's tensor ``name`` outside the MoE blocks,
+        named from its ``checkpoint_name`` n: n itself where the checkpoint holds it (``stored``);
+        else the parts ``dense_concat`` lists (concatenated along dim 0); else n with the first of
         ``dense_renames`` whose stored name it holds (else with the first that applies, for the
         message)."""
+        name = self.checkpoint_name(name)
+        if stored(name):
+            return (name,)
         for ending, parts in self.dense_concat.items():
             if name.endswith(ending):
                 return tuple(name[: len(name) - len(ending)] + part for part in parts)
         renamed = [name.replace(model_part, stored_part, 1) for model_part, stored_part in self.dense_renames
                    if model_part in name]
-        if stored(name) or not renamed:
+        if not renamed:
             return (name,)
         return (next((r for r in renamed if stored(r)), renamed[0]),)
 

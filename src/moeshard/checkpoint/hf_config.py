@@ -129,18 +129,27 @@ _WHOLE_CHECKPOINT = ("dtype", "torch_dtype", "quantization_config")
 
 
 def text_model_config(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
-    """``(raw, source)``, or for a vision-language config.json whose own model type is no family and
-    whose ``text_config`` is one (Qwen3.5-MoE's ``qwen3_5_moe`` holds a ``qwen3_5_moe_text``, Llama
-    4's ``llama4`` a ``llama4_text``) that text config, named ``<source>: text_config``: the model
-    transformers' ``AutoModelForCausalLM`` builds from it, whose tensors ``SafetensorsCheckpoint``
-    names as that model does."""
+    """``(raw, source)``, or, named ``<source>: text_config``, the fields of a vision-language
+    config.json's ``text_config`` with what the whole checkpoint declares (``_WHOLE_CHECKPOINT``):
+    - where the config's own model type is no family and its ``text_config``'s is (Qwen3.5-MoE's
+      ``qwen3_5_moe`` holds a ``qwen3_5_moe_text``, Llama 4's ``llama4`` a ``llama4_text``): that
+      text family, the model transformers' ``AutoModelForCausalLM`` builds from it, whose tensors
+      ``SafetensorsCheckpoint`` names as that model does;
+    - where the config's own model type is a family that reads its ``text_config``
+      (``ModelFamily.text_config``, Aria's ``aria``): that family, the whole model."""
     def known(model_type: Any) -> bool:  # a malformed model_type (a dict, a list) is model_family's to refuse
         return isinstance(model_type, str) and model_type in FAMILIES
 
-    text = raw.get("text_config")
-    if known(raw.get("model_type")) or not isinstance(text, dict) or not known(text.get("model_type")):
+    top, text = raw.get("model_type"), raw.get("text_config")
+    whole = {k: raw[k] for k in _WHOLE_CHECKPOINT if k in raw}
+    if isinstance(top, str) and known(top) and FAMILIES[top].text_config:
+        if not isinstance(text, dict):
+            raise ValueError(f"{source}: model_type {top!r} holds its text model's fields in text_config, which must "
+                             f"be an object; got {type(text).__name__}")
+        return {**whole, **text, "model_type": top}, f"{source}: text_config"
+    if known(top) or not isinstance(text, dict) or not known(text.get("model_type")):
         return raw, source
-    return {**{k: raw[k] for k in _WHOLE_CHECKPOINT if k in raw}, **text}, f"{source}: text_config"
+    return {**whole, **text}, f"{source}: text_config"
 
 
 def parse_hf_config(raw: dict[str, Any], source: str = "config.json") -> HFMoEModel:

@@ -7,11 +7,21 @@ The routed experts are stored transposed, as ``grouped_mm`` takes them: ``expert
 [E, I, H] (``experts.down_proj``), fused layout ``transposed``. transformers runs the routed experts
 with SiLU whatever ``hidden_act`` says and the shared experts with ``hidden_act``; moeshard's block
 runs one activation for both, so another ``hidden_act`` is refused, as are biases on the shared
-experts (``mlp_bias``). The vision-language ``aria`` checkpoint is not read: transformers'
-``AutoModelForCausalLM`` does not load it either.
+experts (``mlp_bias``).
+
+The vision-language ``aria`` (Aria, Aria-Chat) is a family of its own (``text_config``): its
+config.json holds this text model in ``text_config``, and transformers builds the whole
+image-text-to-text model, whose decoder layers sit at ``model.language_model.layers`` and whose
+vision tower and projector, transformers', sit at ``model.vision_tower`` and
+``model.multi_modal_projector``. Its checkpoints, the published ones and transformers' own saves
+alike, keep the text model under ``language_model.model.`` (which ``SafetensorsCheckpoint`` names
+as the causal LM's ``model.``: ``text_model``), ``language_model.lm_head.`` and the other two
+without ``model.`` (``dense_renames``).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from moeshard.checkpoint.families import ConfigFields, ModelFamily, every_layer, register_family
 from moeshard.config import MoEConfig
@@ -34,6 +44,11 @@ def _moe(f: ConfigFields) -> MoEConfig:
 
 
 # The transformers-5 defaults of AriaTextConfig's fields read here.
-register_family(ModelFamily("aria_text", {"hidden_act": "silu", "mlp_bias": False, "moe_num_shared_experts": 2},
-                            _moe, every_layer, routing="topk_softmax", router="router", fused_layout="transposed",
-                            stored_names=_STORED, formats=("bf16",), router_dtype="model"))
+ARIA_TEXT = ModelFamily("aria_text", {"hidden_act": "silu", "mlp_bias": False, "moe_num_shared_experts": 2},
+                        _moe, every_layer, routing="topk_softmax", router="router", fused_layout="transposed",
+                        stored_names=_STORED, formats=("bf16",), router_dtype="model")
+register_family(ARIA_TEXT)
+register_family(replace(ARIA_TEXT, model_type="aria", text_config=True, model_layers="model.language_model.layers",
+                        text_model="model.language_model",
+                        dense_renames=(("model.vision_tower.", "vision_tower."),
+                                       ("model.multi_modal_projector.", "multi_modal_projector."))))

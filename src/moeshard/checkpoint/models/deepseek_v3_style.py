@@ -9,7 +9,7 @@ vision-language ``glm4v_moe``), GLM-4-MoE's block in a model transformers builds
 image-text-to-text class runs (``hf_model.model_class``), the decoder layers at
 ``model.language_model.layers`` (``model_layers``), the vision tower transformers'; the checkpoint's
 text model, under ``model.language_model.``, is named as a causal LM's by ``SafetensorsCheckpoint``
-(``dense_renames`` maps the model's names onto those), its experts per expert as GLM-4.5V publishes
+(``text_model`` maps the model's names onto those), its experts per expert as GLM-4.5V publishes
 them or fused as transformers saves them.
 
 Their transformers router is DeepSeek-V3's ``noaux_tc`` (routing kind ``sigmoid``):
@@ -166,7 +166,7 @@ for _family in (
     ModelFamily("glm4v_moe_text", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
                                    "norm_topk_prob": True, "first_k_dense_replace": 1},
                 _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32", model_layers="model.language_model.layers",
-                dense_renames=(("model.language_model.", "model."),), formats=("bf16",)),
+                text_model="model.language_model", formats=("bf16",)),
     ModelFamily("glm4_moe_lite", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
                                   "norm_topk_prob": True, "mlp_layer_types": None},
                 _moe, _glm4_moe_lite_dense, routing="sigmoid", router_dtype="fp32"),

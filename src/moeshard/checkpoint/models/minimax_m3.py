@@ -27,12 +27,22 @@ The checkpoint MiniMax publishes keeps the block under ``block_sparse_moe.`` wit
 bias on the block (``block_sparse_moe.e_score_correction_bias``); transformers holds it under
 ``mlp.`` with the bias on ``gate``. Both are read. ``hidden_act`` is not what the MLPs compute
 (transformers sets it to silu whatever config.json says), so it is not read. The attention, its
-block-sparse indexer and the dense MLPs stay transformers'. The published checkpoint is the
-vision-language ``minimax_m3_vl``, which transformers' ``AutoModelForCausalLM`` does not build,
-so that wrapper is not read.
+block-sparse indexer and the dense MLPs stay transformers'.
+
+The published checkpoint is the vision-language ``minimax_m3_vl``, a family of its own
+(``text_config``): config.json holds this text model in ``text_config``, and transformers builds
+the whole image-text-to-text model, its decoder layers at ``model.language_model.layers``. The
+checkpoint, published or saved by transformers, keeps the text model under ``language_model.model.``
+(which ``SafetensorsCheckpoint`` names as the causal LM's ``model.``: ``text_model``), the
+indexer's tensors as ``self_attn.index_q_proj`` (transformers' ``self_attn.indexer.q_proj``), the
+dense MLPs' gate and up apart (transformers' fused ``mlp.gate_up_proj``: ``dense_concat``), and the
+vision tower and projector under the names of the release (``dense_renames``); transformers' own
+model names are read as well.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
 from moeshard.checkpoint.models.gpt_oss import clamped_swiglu
@@ -58,9 +68,22 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
     return DenseLayers(num_layers, lambda layer: None if sparse[layer] else "moe_layer_freq[layer] is 0")
 
 
-register_family(ModelFamily(
+MINIMAX_M3_TEXT = ModelFamily(
     "minimax_m3_vl_text", {"swiglu_alpha": 1.702, "swiglu_limit": 7.0, "routed_scaling_factor": 2.0,
                            "shared_intermediate_size": 3072, "intermediate_size": 3072, "num_local_experts": 128,
                            "num_experts_per_tok": 4, "mlp_layer_types": None, "moe_layer_freq": None},
     _moe, _dense_layers, routing="sigmoid", block_prefixes=("block_sparse_moe.", "mlp."),
-    bias_aliases=("e_score_correction_bias",), router_dtype="model"))
+    bias_aliases=("e_score_correction_bias",), router_dtype="model")
+register_family(MINIMAX_M3_TEXT)
+
+# (the whole model's name part, as the release stores it)
+_VL_RENAMES = (*((f".self_attn.indexer.{t}.", f".self_attn.index_{t}.") for t in ("q_proj", "k_proj", "q_norm", "k_norm")),
+               ("model.vision_tower.embeddings.proj.", "vision_tower.vision_model.embeddings.patch_embedding."),
+               ("model.vision_tower.layers.", "vision_tower.vision_model.encoder.layers."),
+               ("model.vision_tower.", "vision_tower.vision_model."),
+               ("model.multi_modal_projector.merge_linear_", "patch_merge_mlp.linear_"),
+               ("model.multi_modal_projector.", "multi_modal_projector."))
+register_family(replace(MINIMAX_M3_TEXT, model_type="minimax_m3_vl", text_config=True,
+                        model_layers="model.language_model.layers", text_model="model.language_model",
+                        dense_renames=_VL_RENAMES,
+                        dense_concat={".mlp.gate_up_proj.weight": (".mlp.gate_proj.weight", ".mlp.up_proj.weight")}))

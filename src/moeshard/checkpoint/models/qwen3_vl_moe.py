@@ -8,7 +8,7 @@ transformers builds no causal LM of it: the whole model is its image-text-to-tex
 (``ModelFamily.model_layers``) beside the vision tower (``model.visual``, transformers'), and which
 generates from text alone as well (``hf_model.model_class``). The checkpoint stores the text model
 under ``model.language_model.``, which ``SafetensorsCheckpoint`` names as a causal LM's
-(``model.``; ``dense_renames`` maps the model's names onto those), and the routed experts fused:
+(``model.``; ``text_model`` maps the model's names onto those), and the routed experts fused:
 the published checkpoints transposed (``gate_up_proj`` [E, H, 2I] with gate columns first,
 ``down_proj`` [E, I, H]: ``stored_fused_layouts`` ``transposed``), transformers' own saves as it
 holds them (``gate_up_rows``); the stored shape tells which. Full-precision checkpoints only.
@@ -23,4 +23,4 @@ from moeshard.checkpoint.families import FAMILIES, register_family
 _QWEN3 = FAMILIES["qwen3_moe"]
 register_family(replace(_QWEN3, model_type="qwen3_vl_moe_text", defaults={**_QWEN3.defaults, "norm_topk_prob": True},
                         model_layers="model.language_model.layers", stored_fused_layouts=("transposed",),
-                        dense_renames=(("model.language_model.", "model."),), formats=("bf16",)))
+                        text_model="model.language_model", formats=("bf16",)))
