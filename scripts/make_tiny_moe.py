@@ -24,7 +24,9 @@ zero-computation experts as routed ones), inkling_text (one shared expert, which
 nemotron_h (Mamba-2 and attention layers in turn before MoE layers of ungated relu^2 experts in a
 latent space of half the hidden size; ``--layers`` counts the MoE layers). The vision-language ones
 (``VISION_LANGUAGE``: aria, minimax_m3_vl) hold a text family's model as their ``text_config``,
-beside a one-layer vision tower.
+beside a one-layer vision tower; qwen3_vl_moe_text, glm4v_moe_text, glm5_next_text and
+hy_v4_vl_text are built as their whole vision-language models (transformers builds no causal LM of
+them).
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -434,11 +436,67 @@ def _glm4v_moe_text(hidden: int, moe_intermediate: int, experts: int, layers: in
     return tf.AutoConfig.for_model("glm4v_moe", text_config=text, vision_config=vision)
 
 
+def _glm5_next_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # The whole vision-language model (no causal LM of its text model), a one-block vision tower;
+    # the first text layer dense, linear attention (its convolution stored as three) then the
+    # indexed attention in the last layer (its indexer keeping every position: index_topk covers the
+    # prompts), hyper-connections, DeepSeek-style sigmoid routing.
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=moe_intermediate,
+                n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=0, qk_nope_head_dim=16,
+                v_head_dim=16, index_topk=32, index_head_dim=16, index_n_heads=2, index_kpool=4, linear_head_dim=16,
+                linear_num_heads=4, hc_mult=2, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+                layer_types=["linear_attention"] * (layers - 1) + ["indexed_attention"], pad_token_id=0,
+                max_position_embeddings=512, initializer_range=0.2)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=hidden,
+                  projection_intermediate_size=64, patch_size=14, image_size=28)
+    return tf.AutoConfig.for_model("glm5_next", text_config=text, vision_config=vision, image_token_id=vocab - 6,
+                                   video_token_id=vocab - 5, image_start_token_id=vocab - 4,
+                                   image_end_token_id=vocab - 3, video_start_token_id=vocab - 2,
+                                   video_end_token_id=vocab - 1)
+
+
+def _hy_v4_vl_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # The whole vision-language model (no causal LM of its text model), a one-block vision tower;
+    # HY-V4's text model (its first layer dense) with multimodal rotary sections.
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate, num_hidden_layers=layers,
+                num_attention_heads=4, moe_intermediate_size=moe_intermediate, n_shared_experts=1,
+                n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32,
+                kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=32,
+                index_head_dim=16, index_n_heads=2, hc_mult=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                max_position_embeddings=512, initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    vision = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1,
+                  out_hidden_size=hidden, patch_size=16, max_image_size=64)
+    return tf.AutoConfig.for_model("hy_v4_vl", text_config=text, vision_config=vision, image_token_id=vocab - 2,
+                                   video_token_id=vocab - 1)
+
+
+def _mistral4(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # DeepSeek-V3's MLA and block (its first layer dense), the softmax router's groups: 4 of them,
+    # the best 2 kept.
+    return tf.AutoConfig.for_model("mistral4", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate,
+                                   moe_intermediate_size=moe_intermediate, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=4, n_routed_experts=experts,
+                                   n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                   first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                   qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=1.5,
+                                   max_position_embeddings=512, pad_token_id=0, initializer_range=0.2)
+
+
 # Families built from transformers' config class by model type (AutoConfig.for_model).
 EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe, "dbrx": _dbrx,
          "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4,
          "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text, "nemotron_h": _nemotron_h,
-         "qwen3_vl_moe_text": _qwen3_vl_moe_text, "glm4v_moe_text": _glm4v_moe_text}
+         "qwen3_vl_moe_text": _qwen3_vl_moe_text, "glm4v_moe_text": _glm4v_moe_text, "glm5_next_text": _glm5_next_text,
+         "hy_v4_vl_text": _hy_v4_vl_text, "mistral4": _mistral4}
 # Vision-language families whose config.json holds a text family's config as ``text_config``:
 # model_type -> (that text family, its config's further arguments given the layer count, the whole
 # model's other arguments given the hidden size: a one-layer vision tower and its projector).
@@ -457,7 +515,8 @@ VISION_LANGUAGE = {
                       lambda hidden: dict(vision_config=_TINY_VISION, projector_hidden_size=hidden)),
 }
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
-RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid", "glm4v_moe_text")
+RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid", "glm4v_moe_text", "glm5_next_text",
+                  "hy_v4_vl_text")
 
 
 def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,

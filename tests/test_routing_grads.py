@@ -151,13 +151,18 @@ MODEL_DTYPE_KINDS = {
                            dict(top_k=2, use_correction_bias=True, routed_scaling_factor=1.5)),
     "softmax_model": ("dbrx", "DbrxConfig", dict(d_model=H, ffn_config=dict(moe_num_experts=E, moe_top_k=2)),
                       dict(top_k=2, renormalize=True)),
+    "softmax_group_model": ("mistral4", "Mistral4Config",
+                            dict(n_routed_experts=E, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                 routed_scaling_factor=1.5, norm_topk_prob=True),
+                            dict(top_k=2, n_group=4, topk_group=2, routed_scaling_factor=1.5, renormalize=True)),
     "sqrtsoftplus_bias_model": ("deepseek_v4", "DeepseekV4Config",
                                 dict(n_routed_experts=E, num_experts_per_tok=2, routed_scaling_factor=1.5),
                                 dict(top_k=2, use_correction_bias=True, routed_scaling_factor=1.5)),
 }
 # Each model-dtype kind's fp32 counterpart (the same steps with the scores in fp32), for the bf16
 # test; None where no registered kind is one (a probe kind is registered for the test's duration).
-WIDE = {"softmax_model": "softmax", "sigmoid_bias_model": "sigmoid", "sqrtsoftplus_bias_model": None}
+WIDE = {"softmax_model": "softmax", "sigmoid_bias_model": "sigmoid", "sqrtsoftplus_bias_model": None,
+        "softmax_group_model": None}
 
 
 def _model_dtype_routing(kind: str, g: torch.Generator, dtype: torch.dtype = torch.float32):
@@ -176,6 +181,13 @@ def _model_dtype_routing(kind: str, g: torch.Generator, dtype: torch.dtype = tor
 
         def run(x):
             _, w, ids = router(x, bias)
+            return ids, w
+    elif module == "mistral4":
+        router = modeling.Mistral4TopkRouter(config).eval().to(dtype)
+        bias, weight = None, router.weight
+
+        def run(x):
+            _, w, ids = router(x)
             return ids, w
     elif module == "deepseek_v4":
         router = modeling.DeepseekV4TopKRouter(config).eval()
@@ -202,7 +214,8 @@ def _model_dtype_routing(kind: str, g: torch.Generator, dtype: torch.dtype = tor
 @pytest.mark.parametrize("kind", list(MODEL_DTYPE_KINDS))
 def test_model_dtype_kinds_have_the_gradient_of_transformers_routing(kind):
     """fp32 (the model dtype here): the same routes, weights and gradients of x and the router
-    weight as the family's own routing, with its +1e-6 (LFM2-MoE) and its 1-norm (DBRX)."""
+    weight as the family's own routing, with its +1e-6 (LFM2-MoE), its 1-norm (DBRX) and its groups
+    (Mistral Small 4)."""
     g = torch.Generator().manual_seed(200 + len(kind))
     weight, bias, run = _model_dtype_routing(kind, g)
     cfg = MoEConfig(num_experts=E, hidden_size=H, intermediate_size=8, scoring=kind, router_dtype="model",

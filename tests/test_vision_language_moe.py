@@ -2,7 +2,9 @@
 (``qwen3_vl_moe``, whose ``text_config`` is a ``qwen3_vl_moe_text``) and GLM-4.5V (``glm4v_moe``,
 ``glm4v_moe_text``); and those whose text model is a causal LM of its own, a family moeshard reads
 too, while the vision-language model is another (``ModelFamily.text_config``): Aria (``aria``,
-holding an ``aria_text``) and MiniMax-M3 (``minimax_m3_vl``, holding a ``minimax_m3_vl_text``).
+holding an ``aria_text``) and MiniMax-M3 (``minimax_m3_vl``, holding a ``minimax_m3_vl_text``); GLM-5.3-Flash (``glm5_next``,
+``glm5_next_text``) and HY-V4-VL (``hy_v4_vl``, ``hy_v4_vl_text``), which clamp their SwiGLU, built
+and again with their routed and shared gate and up weights scaled so that the clamps bite.
 moeshard runs the whole image-text-to-text model (``hf_model.model_class``) with its text model's
 MoE blocks replaced; the vision tower stays transformers'.
 
@@ -42,10 +44,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
 
-QWEN, GLM, ARIA, M3 = "qwen3_vl_moe_text", "glm4v_moe_text", "aria", "minimax_m3_vl"
+QWEN, GLM, ARIA, M3, GLM5, HY = ("qwen3_vl_moe_text", "glm4v_moe_text", "aria", "minimax_m3_vl", "glm5_next_text",
+                                 "hy_v4_vl_text")
 # checkpoint -> its family; "-hub": the published layout where transformers saves another;
 # "-model": the same tensors under the names the whole transformers model gives them.
-CHECKPOINTS = {"qwen-save": QWEN, "qwen-hub": QWEN, "glm-save": GLM, "aria-save": ARIA, "m3-save": M3, "m3-model": M3}
+CHECKPOINTS = {"qwen-save": QWEN, "qwen-hub": QWEN, "glm-save": GLM, "aria-save": ARIA, "m3-save": M3, "m3-model": M3,
+               "glm5-save": GLM5, "hy-save": HY, "glm5-clamp": GLM5, "hy-clamp": HY}
+# GLM-5.3-Flash and HY-V4-VL clamp their SwiGLU at 10 (GLM-5.3-Flash's shared MLP too, HY-V4-VL's
+# not): "-clamp" is "-save" with the routed and shared gate and up weights scaled up so that the
+# clamps bite. Judged on one rank, whose sums are transformers' own order: these models' later
+# layers (linear attention, hyper-connections) grow a rounding difference, and with weights this
+# large the EP2 layout's other order of the experts' sum came out 1.4e-5 from transformers' logits.
+CLAMP_SCALE = 8.0
+LAYOUT_CHECKPOINTS = [name for name in CHECKPOINTS if not name.endswith("-clamp")]
 # MiniMax-M3 with its block-sparse attention (the indexer's tensors, renamed in its checkpoints) in
 # two layers: generate's reference pads each DP rank's prompts as that rank does.
 TEXT_CONFIG = {M3: {"layer_types": ["minimax_m3_sparse", "full_attention", "minimax_m3_sparse"]}}
@@ -71,6 +82,13 @@ def models(tmp_path_factory) -> dict[str, Path]:
     for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
         tensors[name] = tensors[name].transpose(1, 2).contiguous()
     save_file(tensors, str(root / "qwen-hub" / "model.safetensors"), metadata={"format": "pt"})
+    for name in [name for name in CHECKPOINTS if name.endswith("-clamp")]:
+        shutil.copytree(root / name.replace("-clamp", "-save"), root / name)
+        tensors = load_file(root / name / "model.safetensors")
+        for t in [t for t in tensors if ".mlp." in t and t.endswith(
+                ("gate_proj.weight", "up_proj.weight", "experts.gate_up_proj", "linear_gate.weight"))]:
+            tensors[t] = tensors[t] * CLAMP_SCALE
+        save_file(tensors, str(root / name / "model.safetensors"), metadata={"format": "pt"})
     model = load_transformers_model(str(root / "m3-save"), torch.float32)
     shutil.copytree(root / "m3-save", root / "m3-model")
     held = {n: t.contiguous() for n, t in model.state_dict().items()}
@@ -85,12 +103,14 @@ def _plan(model_dir: Path, layout: ParallelConfig | None = None, dtype: str = "f
 
 
 @pytest.mark.parametrize("name, dense, renormalize, shared", [("qwen-save", [1], True, 0), ("glm-save", [0], True, 1),
-                                                         ("aria-save", [], False, 1), ("m3-save", [0], True, 1)])
+                                                         ("aria-save", [], False, 1), ("m3-save", [0], True, 1),
+                                                         ("glm5-save", [0], True, 1), ("hy-save", [0], True, 1)])
 def test_the_config_is_read_as_its_text_model(models, name, dense, renormalize, shared):
     """Qwen3-VL-MoE: layer 1 dense (``mlp_only_layers``), always renormalized (its text config has
     no norm_topk_prob); GLM-4.5V: layer 0 dense (``first_k_dense_replace``), a shared expert;
-    Aria: every layer MoE, softmax over the chosen, a shared expert; MiniMax-M3: layer 0 dense
-    (``mlp_layer_types``), a shared expert. Aria and MiniMax-M3 keep the whole model's type."""
+    Aria: every layer MoE, softmax over the chosen, a shared expert; MiniMax-M3, GLM-5.3-Flash:
+    layer 0 dense (``mlp_layer_types``), a shared expert; HY-V4-VL: layer 0 dense (its default),
+    a shared expert. Aria and MiniMax-M3 keep the whole model's type."""
     info = read_hf_config(models[name])
     assert info.model_type == CHECKPOINTS[name] and info.num_layers == 3
     assert info.source.endswith("config.json: text_config")
@@ -169,13 +189,15 @@ def test_one_rank_logits_equal_transformers(models, which):
 
 # make test runs EP2 and TP2 on the published layouts; make test-slow SP and transformers' own save.
 FAST = {("dp2-tp1-ep", "qwen-hub"), ("dp1-tp2-noep", "qwen-hub"), ("dp2-tp1-ep", "glm-save"),
-        ("dp1-tp2-noep", "glm-save"), ("dp2-tp1-ep", "aria-save"), ("dp1-tp2-noep", "m3-save")}
+        ("dp1-tp2-noep", "glm-save"), ("dp2-tp1-ep", "aria-save"), ("dp1-tp2-noep", "m3-save"),
+        ("dp1-tp2-noep", "glm5-save"), ("dp2-tp1-ep", "hy-save")}
 
 
 @pytest.fixture(scope="module")
 def world(models):
     def cases(slow: bool):
-        chosen = [(layout, which) for layout in LAYOUTS for which in models if ((layout.name, which) in FAST) != slow]
+        chosen = [(layout, which) for layout in LAYOUTS for which in LAYOUT_CHECKPOINTS
+                  if ((layout.name, which) in FAST) != slow]
         return ([(layout.name, which) for layout, which in chosen],
                 [_plan(models[which], layout) for layout, which in chosen])
 
@@ -185,7 +207,7 @@ def world(models):
 
 @pytest.mark.parametrize("layout, which", [
     pytest.param(layout.name, which, marks=() if (layout.name, which) in FAST else (pytest.mark.slow,))
-    for layout in LAYOUTS for which in CHECKPOINTS])
+    for layout in LAYOUTS for which in LAYOUT_CHECKPOINTS])
 def test_layout_generates_what_transformers_generates(models, world, layout, which):
     plan, results = world((layout, which) not in FAST)[(layout, which)]
     for r in results:
@@ -198,7 +220,9 @@ def test_layout_generates_what_transformers_generates(models, world, layout, whi
 @pytest.mark.parametrize("which, blocks, cls", [("qwen-hub", 2, "Qwen3VLMoeForConditionalGeneration"),
                                                 ("glm-save", 2, "Glm4vMoeForConditionalGeneration"),
                                                 ("aria-save", 3, "AriaForConditionalGeneration"),
-                                                ("m3-model", 2, "MiniMaxM3SparseForConditionalGeneration")])
+                                                ("m3-model", 2, "MiniMaxM3SparseForConditionalGeneration"),
+                                                ("glm5-save", 2, "Glm5NextForConditionalGeneration"),
+                                                ("hy-save", 2, "HYV4VLForConditionalGeneration")])
 def test_the_loaded_model_with_its_blocks_swapped_in_memory(models, which, blocks, cls):
     model = load_transformers_model(str(models[which]), torch.float32).eval()
     ids = torch.tensor([PROMPTS[0]])
@@ -212,11 +236,28 @@ def test_the_loaded_model_with_its_blocks_swapped_in_memory(models, which, block
 
 
 @pytest.mark.parametrize("which, router_dtype", [("qwen-save", "model"), ("glm-save", "fp32"), ("aria-save", "model"),
-                                                 ("m3-save", "model")])
+                                                 ("m3-save", "model"), ("glm5-save", "fp32"), ("hy-save", "fp32")])
 def test_bf16_router_is_transformers_router(models, which, router_dtype):
     parity = bf16_router_parity(tf, str(models[which]))
     assert parity.logits_differ == parity.ids_differ == parity.biases_differ == 0, parity
     assert (parity.fp32_logits_differ > 0) == (router_dtype == "model"), parity
+
+
+@pytest.mark.parametrize("which, field, activation", [("glm5-clamp", "shared_activation", "silu"),
+                                                      ("glm5-clamp", "activation", "silu"),
+                                                      ("hy-clamp", "activation", "silu"),
+                                                      ("hy-clamp", "shared_activation", "silu_clamped")])
+def test_the_clamps_bite(models, monkeypatch, which, field, activation):
+    """Planted fault: the family read with the other activation for its routed or its shared
+    experts (GLM-5.3-Flash's shared MLP unclamped, HY-V4-VL's clamped) no longer gives
+    transformers' logits, so the checkpoints' scale makes each clamp matter."""
+    family = FAMILIES[CHECKPOINTS[which]]
+    monkeypatch.setitem(FAMILIES, family.model_type,
+                        replace(family, moe=lambda f: replace(family.moe(f), **{field: activation})))
+    plan = _plan(models[which])
+    c = compare_generations(plan, [generate_rank(plan, None)], reference_generate(plan))
+    seen = [d for d in c.step_max_abs if d is not None]  # none past a step whose ids differ
+    assert not all(c.same_ids) or max(seen) > 1e-3, c
 
 
 def test_a_stored_gate_up_of_neither_layout_is_refused(models, tmp_path):

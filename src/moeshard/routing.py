@@ -32,6 +32,9 @@ sparsemixer            K rounds on the logits s: the best remaining expert i (lo
                        eval: sparsemixer without its training-time sampling)
 softmax_model          as softmax, every step in the model dtype (DBRX: ``softmax(logits,
                        dtype=logits.dtype)``, top K, divided by their sum, the 1-norm)
+softmax_group_model    as softmax_model, with DeepSeek-V3's group top-k (groups scored by their best
+                       two, the best ``topk_group`` kept), the weights divided by their sum plus
+                       1e-20 and routed scaling, every step in the model dtype (Mistral Small 4)
 sigmoid_bias_model     s = sigmoid(logits) in the model dtype; top K of s + selection bias (the
                        sum in fp32), the weights are s; optionally divided by their sum plus
                        1e-6; routed scaling; every other step in the model dtype (LFM2-MoE)
@@ -216,11 +219,15 @@ for _kind in (
     register_routing(_kind)
 
 # Routers that score in the model dtype: DBRX (``softmax(logits, dtype=logits.dtype)``, its
-# weights divided by their 1-norm, the sum for these non-negative weights), LFM2-MoE (sigmoid
+# weights divided by their 1-norm, the sum for these non-negative weights), Mistral Small 4
+# (softmax, group top-k, divided by ``sum + 1e-20``, ``routed_scaling_factor``), LFM2-MoE (sigmoid
 # scores, an expert bias for selection, divided by ``sum + 1e-6``, ``routed_scaling_factor``).
 for _kind in (
     RoutingKind("softmax_model", "softmax", "score_then_topk", None, False, False, False, _FLOOR, False,
                 "softmax in the model dtype, top-k, optional renormalization", score_dtype="model"),
+    RoutingKind("softmax_group_model", "softmax", "score_then_topk", "top2_sum", False, False, True, 1e-20, False,
+                "softmax in the model dtype, group top-k by best two, renormalized by the sum plus 1e-20, routed "
+                "scaling", score_dtype="model", floor_added=True),
     RoutingKind("sigmoid_bias_model", "sigmoid", "score_then_topk", None, True, False, True, 1e-6, False,
                 "sigmoid in the model dtype, selection bias, renormalized by the sum plus 1e-6, routed scaling",
                 score_dtype="model", floor_added=True),

@@ -527,9 +527,9 @@ class ModelFamily:
     def dense_sources(self, name: str, stored: Callable[[str], bool]) -> tuple[str, ...]:
         """The checkpoint's tensors that make the model's tensor ``name`` outside the MoE blocks,
         named from its ``checkpoint_name`` n: n itself where the checkpoint holds it (``stored``);
-        else the parts ``dense_concat`` lists (concatenated along dim 0); else n with the first of
-        ``dense_renames`` whose stored name it holds (else with the first that applies, for the
-        message)."""
+        else the parts ``dense_concat`` lists (concatenated along dim 0); else the first the
+        checkpoint holds of n with each rename of ``dense_renames`` that applies, then n with all of
+        them applied in order (else n with the first that applies, for the message)."""
         name = self.checkpoint_name(name)
         if stored(name):
             return (name,)
@@ -540,6 +540,11 @@ class ModelFamily:
                    if model_part in name]
         if not renamed:
             return (name,)
+        if len(renamed) > 1:  # every rename that applies, in order (a vision tower's prefix and an inner name)
+            composed = name
+            for model_part, stored_part in self.dense_renames:
+                composed = composed.replace(model_part, stored_part, 1)
+            renamed.append(composed)
         return (next((r for r in renamed if stored(r)), renamed[0]),)
 
     def expert_tensor(self, name: str) -> str:

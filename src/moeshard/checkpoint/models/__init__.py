@@ -9,7 +9,7 @@ family is known wherever ``FAMILIES`` is read. A new module is one import line b
 
 from moeshard.checkpoint.models import (
     afmoe,  # noqa: F401  afmoe, hy_v3
-    aria,  # noqa: F401
+    aria,  # noqa: F401  aria_text, aria
     cohere2_moe,  # noqa: F401
     dbrx,  # noqa: F401
     deepseek_routed,  # noqa: F401  mimo_v2_flash, beam
@@ -20,10 +20,11 @@ from moeshard.checkpoint.models import (
     ernie,  # noqa: F401
     flint,  # noqa: F401
     gemma4,  # noqa: F401
+    glm5_next,  # noqa: F401  glm5_next_text
     gpt_oss,  # noqa: F401
     granite,  # noqa: F401
     hunyuan,  # noqa: F401
-    hy_v4,  # noqa: F401
+    hy_v4,  # noqa: F401  hy_v4, hy_v4_vl_text
     inkling,  # noqa: F401  inkling_text
     jamba,  # noqa: F401
     jetmoe,  # noqa: F401
@@ -37,7 +38,8 @@ from moeshard.checkpoint.models import (
     mellum,  # noqa: F401
     minimax,  # noqa: F401
     minimax_m2,  # noqa: F401
-    minimax_m3,  # noqa: F401  minimax_m3_vl_text
+    minimax_m3,  # noqa: F401  minimax_m3_vl_text, minimax_m3_vl
+    mistral4,  # noqa: F401
     nemotron_h,  # noqa: F401
     olmoe,  # noqa: F401
     phimoe,  # noqa: F401

@@ -17,9 +17,21 @@ the hub's names for those (``hc_pre.hc_attn_layer.hc_fn`` for the model's ``attn
 ``learnable_sink_param`` for ``sinks``, ``linear_gate`` for every ``gate_proj``, the shared
 MLP's included: ``dense_renames``, ``stored_names``), which transformers' own saves write too;
 the routed experts are stored fused.
+
+HY-V4-VL's text model (``hy_v4_vl_text``, the ``text_config`` of the vision-language ``hy_v4_vl``)
+is HY-V4's block exactly, in a model transformers builds only as image-text-to-text
+(``hf_model.model_class``; decoder layers at ``model.language_model.layers``). Its checkpoints
+(the release and transformers' saves alike) keep the text model as a causal LM's, ``model.layers.*``
+(``text_model`` maps the model's names onto those), the head's tensors as
+``hc_head.hc_pre.hc_head_fn`` (read beside the text model's spelling), and the vision tower under
+``vit.`` with the release's inner names (``input_layernorm`` for the model's ``layer_norm1``, the
+patch merger as ``perceive``), each tower tensor renamed by every rename that applies
+(``ModelFamily.dense_sources``).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from moeshard.checkpoint.families import ConfigFields, DenseLayers, ModelFamily, register_family
 from moeshard.checkpoint.models.layer_types import listed_or_first_dense
@@ -49,11 +61,25 @@ _HYPER = tuple((f"{model}.{part}", f"hc_pre.{stored}.hc_{part}")
                for part in ("fn", "base", "scale"))
 _HEAD = tuple((f"hc_head.hc_{part}", f"hc_pre.hc_head.hc_head_{part}") for part in ("fn", "base", "scale"))
 
-register_family(ModelFamily(
+HY_V4 = ModelFamily(
     "hy_v4", {"hidden_act": "silu", "swiglu_limit": 10.0, "n_shared_experts": 1, "routed_scaling_factor": 2.827,
               "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "mlp_layer_types": None},
     _moe, _dense_layers, routing="sigmoid", router_dtype="fp32",
     stored_names={"shared_experts.gate_proj.weight": "shared_experts.linear_gate.weight"},
     dense_renames=(*_HYPER, *_HEAD, ("self_attn.sinks", "self_attn.learnable_sink_param"),
                    ("self_attn.gate_proj", "self_attn.linear_gate"), ("mlp.gate_proj", "mlp.linear_gate")),
-    formats=("bf16",)))
+    formats=("bf16",))
+register_family(HY_V4)
+
+# HY-V4-VL's head and vision tower as its checkpoints name them; the tower's prefix last, so that
+# an inner rename composes with it.
+_VL_HEAD = tuple((f"hc_head.hc_{part}", f"hc_head.hc_pre.hc_head_{part}") for part in ("fn", "base", "scale"))
+_VISION = (("model.vision_tower.patch_merger.before_rms.", "vit.perceive.norm."),
+           ("model.vision_tower.patch_merger.proj_conv.", "vit.perceive.proj.0."),
+           ("model.vision_tower.patch_merger.proj_out.", "vit.perceive.proj.2."),
+           ("model.vision_tower.patch_merger.", "vit.perceive."),
+           (".layer_norm1.", ".input_layernorm."), (".layer_norm2.", ".post_attention_layernorm."),
+           (".mlp.fc1.", ".mlp.dense_h_to_4h."), (".mlp.fc2.", ".mlp.dense_4h_to_h."),
+           ("model.vision_tower.", "vit."))
+register_family(replace(HY_V4, model_type="hy_v4_vl_text", model_layers="model.language_model.layers",
+                        text_model="model.language_model", dense_renames=(*HY_V4.dense_renames, *_VL_HEAD, *_VISION)))

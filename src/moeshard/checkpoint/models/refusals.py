@@ -9,6 +9,22 @@ from moeshard.checkpoint.families import refuse_family
 REFUSALS = {
     "doge": "its experts are rows of two embedding tables [num_experts, hidden_size] chosen by two sub-key top-ks "
             "(DogeCDMoE), not gated MLP experts",
+    "glm5_next": "this config.json holds GLM-5.3-Flash's text fields at its top level, with no text_config: a "
+                 "text-only checkpoint, without the vision tower of the model transformers builds from it; a "
+                 "config.json with a text_config (model_type glm5_next_text) is read",
+    "ernie4_5_vl_moe": "each block holds two sets of experts, for text and for vision tokens, with their own routers "
+                       "and widths, chosen per token by its modality, where moeshard's block has one",
+    "mistral_large4": "its checkpoints, transformers' own saves too, keep Mistral's tensor names (layers.N.experts.E.w1, "
+                      "attention.wq, tok_embeddings), the block's tensors directly under the decoder layer, which "
+                      "moeshard's reader does not map onto the model's",
+    "muse_spark": "each expert's output passes through its own RMS norm (post_expert_norm) before it is weighted, a "
+                  "stage moeshard's experts do not have",
+    "qwen3_omni_moe": "transformers' whole Qwen3-Omni model has no forward of its own (its thinker and talker, two "
+                      "MoE stacks, run through generate), and its text model sits two configs deep "
+                      "(thinker_config.text_config)",
+    "step3p7": "its layers clamp their SwiGLU each at their own limits (swiglu_limits, swiglu_limits_shared: "
+               "min(silu(gate), limit)) while moeshard's block runs one activation in every layer, and its "
+               "checkpoints keep the routed experts as separate gate, up and down tensors [E, I, H] under moe.",
 }
 for _model_type, _reason in REFUSALS.items():
     refuse_family(_model_type, _reason)
