@@ -383,6 +383,44 @@ def _randomize_zaya(model, generator) -> None:
                 gate.router_states_scale.copy_(torch.rand(gate.router_states_scale.shape, generator=generator) + 0.5)
 
 
+def _inkling2(loop: bool):
+    def config(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+        import transformers as tf
+
+        # Sliding-window and hybrid attention layers in turn, the block residuals over two layers
+        # (one in the loop model, whose middle layers run twice); the unembedding padded by 8 rows.
+        head = hidden // 4
+        common = dict(vocab_size=vocab, unpadded_vocab_size=vocab - 8, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head, swa_num_attention_heads=4,
+                      swa_num_key_value_heads=2, swa_head_dim=head, sliding_window_size=8, d_rel=4, rel_extent=16,
+                      moe_intermediate_size=moe_intermediate, n_routed_experts=experts, num_experts_per_tok=2,
+                      max_position_embeddings=512, initializer_range=0.2, eos_token_id=None, pad_token_id=None,
+                      bos_token_id=None, layer_types=_alternating("hybrid_sliding", "hybrid", layers)[::-1])
+        if not loop:
+            return tf.AutoConfig.for_model("inkling2_text", n_layers_per_attn_res_block=2, **common)
+        return tf.AutoConfig.for_model("inkling2_loop_text", n_layers_per_attn_res_block=1, loop_layer_index_start=1,
+                                       loop_layer_index_end=max(2, layers - 1), loop_num_passes=2, loop_gate_rank=8,
+                                       **common)
+
+    return config
+
+
+def _randomize_inkling2(model, generator) -> None:
+    """Inkling 2: the block residuals' queries and the short convolutions' static weights drawn at
+    std 0.02 (transformers starts them at zero), the experts' gate_up at std 0.5 and down at 0.02, so
+    that the soft caps (4 on the gate, 25 on up) bite."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ("query" in name or "static" in name) and not p.any():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+            elif name.endswith("experts.gate_up_proj"):
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+            elif name.endswith("experts.down_proj"):
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+
+
 def _nemotron_h(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
     import transformers as tf
 
@@ -496,7 +534,8 @@ EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe
          "kimi_linear": _kimi_linear, "bailing_hybrid": _bailing_hybrid, "deepseek_v4": _deepseek_v4,
          "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text, "nemotron_h": _nemotron_h,
          "qwen3_vl_moe_text": _qwen3_vl_moe_text, "glm4v_moe_text": _glm4v_moe_text, "glm5_next_text": _glm5_next_text,
-         "hy_v4_vl_text": _hy_v4_vl_text, "mistral4": _mistral4}
+         "hy_v4_vl_text": _hy_v4_vl_text, "mistral4": _mistral4, "inkling2_text": _inkling2(False),
+         "inkling2_loop_text": _inkling2(True)}
 # Vision-language families whose config.json holds a text family's config as ``text_config``:
 # model_type -> (that text family, its config's further arguments given the layer count, the whole
 # model's other arguments given the hidden size: a one-layer vision tower and its projector).
@@ -516,7 +555,7 @@ VISION_LANGUAGE = {
 }
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid", "glm4v_moe_text", "glm5_next_text",
-                  "hy_v4_vl_text")
+                  "hy_v4_vl_text", "inkling2_text", "inkling2_loop_text")
 
 
 def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,
@@ -570,6 +609,8 @@ def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_inter
             _randomize_deepseek_v4(model, torch.Generator().manual_seed(seed + 1))
         if family == "zaya":  # and ZAYA's balancing biases and router state scales
             _randomize_zaya(model, torch.Generator().manual_seed(seed + 1))
+        if family in ("inkling2_text", "inkling2_loop_text"):  # and Inkling 2's residual queries and experts
+            _randomize_inkling2(model, torch.Generator().manual_seed(seed + 1))
         if family == "gemma4_text":  # and Gemma 4's router scales (ones)
             for layer in model.model.layers:
                 layer.router.scale.normal_(1.0, 0.3)

@@ -33,7 +33,12 @@ def test_builtin_kinds_by_hand():
     clamped = [(2.0 + 1) * -1.0 * _sigmoid(-1.702), (-7.0 + 1) * 0.5 * _sigmoid(0.851), (3.0 + 1) * 7.0 * _sigmoid(7 * 1.702)]
     # silu_clamped (HY-V4): silu(min(gate, 10)) * clamp(up, -10, 10); gate 12 and up -11 pass the limit
     silu_clamped = [-1.0 * _sigmoid(-1.0) * 2.0, 10.0 * _sigmoid(10.0) * -10.0]
+    # swiglu_softcapped (Inkling 2): 4 tanh(g / 4) * sigmoid(g) * 25 tanh(u / 25); gate 9 near its cap
+    softcapped = [4 * math.tanh(g / 4) * _sigmoid(g) * 25 * math.tanh(u / 25)
+                  for g, u in zip(gate[0].tolist(), up[0].tolist(), strict=True)]
+    assert softcapped[2] < 4 * _sigmoid(9.0) * 3.0  # the cap bites: below 4 * sigmoid(9) * 3
     for name, want, (g, u) in (("silu", silu, (gate, up)), ("gelu", gelu, (gate, up)),
+                               ("swiglu_softcapped", softcapped, (gate, up)),
                                ("gelu_tanh", gelu_tanh, (gate, up)), ("swiglu_clamped", clamped, (gate, up)),
                                ("silu_clamped", silu_clamped, (torch.tensor([[-1.0, 12.0]]), torch.tensor([[2.0, -11.0]])))):
         got = activate(torch.cat([g, u], dim=1), name, torch.float32)[0].tolist()
@@ -53,12 +58,14 @@ def test_config_and_registry_refuse_with_the_values():
 
 
 def test_a_kind_without_a_kernel_mode_is_refused_by_triton_with_its_reason():
-    """Every built-in kind has a Triton epilogue (the ungated relu2 an ungated mode); a kind
-    registered without one runs on the portable experts, and the Triton experts refuse it naming why."""
+    """Every built-in kind but Inkling 2's soft-capped SwiGLU has a Triton epilogue (the ungated
+    relu2 an ungated mode); a kind registered without one runs on the portable experts, and the
+    Triton experts refuse it naming why."""
     from moeshard.activations import unregister_activation
     from moeshard.kernel_choice import select_kernel
 
-    assert all(get_activation(name).kernel_refusal() is None for name in activation_names())
+    assert [name for name in activation_names() if get_activation(name).kernel_refusal() is not None] == \
+        ["swiglu_softcapped"]
     register_activation(ActivationKind("portable_only", get_activation("silu").act, None, "a kind without a mode"))
     try:
         reason = get_activation("portable_only").kernel_refusal()

@@ -135,7 +135,8 @@ def test_tensors_outside_the_blocks_stored_under_other_names():
                                                                               "layers.0.attn.k_conv.weight")
     assert fam.dense_sources("norm.weight", held.__contains__) == ("norm.weight",)
     with pytest.raises(ValueError, match=r"ModelFamily\('toy_mixtral'\).dense_renames: expected \(model part, stored "
-                                         r"part\) pairs of names, got \[\('attn.gate.',\)\]"):
+                                         r"part\) pairs of names, or \(re.Pattern, template or function of the match\), "
+                                         r"got \[\('attn.gate.',\)\]"):
         replace(TOY, dense_renames=(("attn.gate.",),))
     with pytest.raises(ValueError, match=r"ModelFamily\('toy_mixtral'\).dense_concat: expected \{model name ending: "
                                          r"two or more stored name endings\}"):

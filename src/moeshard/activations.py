@@ -22,6 +22,8 @@ swiglu_clamped  3           g = min(gate, limit); u = clamp(up, -limit, limit); 
 silu_clamped    4           silu(min(gate, limit)) * clamp(up, -limit, limit)           limit 10.0
                             (HY-V4's routed experts)
 relu2           5           relu(up)^2, ungated (Nemotron-H)
+swiglu_         -           c_g tanh(gate / c_g) * sigmoid(gate) * c_u tanh(up / c_u)  gate_cap 4
+softcapped                  (Inkling 2; portable experts only)                         up_cap 25
 ==============  ==========  ==========================================================  =========
 
 A kind without a ``kernel_mode`` runs on the portable experts; the Triton kernels refuse it
@@ -191,6 +193,11 @@ def _clamped_silu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.T
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def _softcapped_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
+    # Inkling 2: the sigmoid sees the raw gate; the caps bound the two linear factors.
+    return (torch.tanh(gate / gate_cap) * gate_cap) * torch.sigmoid(gate) * (torch.tanh(up / up_cap) * up_cap)
+
+
 def _relu_squared(up: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(up))
 
@@ -205,5 +212,8 @@ for _kind in (
     ActivationKind("silu_clamped", _clamped_silu, 4,
                    "SwiGLU on clamped products: silu(min(gate, limit)) * clamp(up, -limit, limit)", {"limit": 10.0}),
     ActivationKind("relu2", _relu_squared, 5, "relu(up)^2, an ungated MLP (Nemotron-H)", gated=False),
+    ActivationKind("swiglu_softcapped", _softcapped_swiglu, None,
+                   "soft-capped SwiGLU: gate_cap tanh(gate / gate_cap) * sigmoid(gate) * up_cap tanh(up / up_cap)",
+                   {"gate_cap": 4.0, "up_cap": 25.0}),
 ):
     register_activation(_kind)

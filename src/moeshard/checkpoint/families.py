@@ -36,6 +36,7 @@ import builtins
 import fnmatch
 import itertools
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -192,6 +193,10 @@ ROUTER_INPUTS = ("rows", "block")
 HIDDEN_ACTS = {"silu": "silu", "swish": "silu", "gelu*": "gelu"}
 
 
+# (model name part or pattern, stored part, or for a pattern a re.sub template or a function of the match)
+DenseRename = tuple[str | re.Pattern[str], str | Callable[[re.Match[str]], str]]
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """What moeshard knows about one ``model_type``.
@@ -273,6 +278,11 @@ class ModelFamily:
       by the stored gate_up's shape (``fused_layout`` wins where both fit, as transformers' loader,
       which transposes only a shape that does not fit, decides): Qwen3-VL-MoE's published
       checkpoints hold them ``transposed`` while transformers holds and saves ``gate_up_rows``;
+      checkpoint_fused_layout: None, or the layout every checkpoint stores the fused experts in
+      where it differs from ``fused_layout`` (the transformers model's) though the shapes are the
+      same, so that no shape tells them apart (Inkling 2: ``w13_weight`` interleaved, gate row 2i
+      and up row 2i + 1, while transformers holds ``gate_up_proj`` gate rows first); the checkpoint
+      reader reads that layout, the model in memory stays ``fused_layout``;
       expert_biases: its (gate_up [E, 2I], down [E, H]) bias parameters, read when the config has
       ``expert_bias`` (gpt-oss); the gate_up bias follows ``fused_layout``'s gate/up order.
     expert_spellings: per-expert (gate, up, down) module names, in the order tried.
@@ -290,10 +300,18 @@ class ModelFamily:
     dense_renames, dense_concat, dense_split: how the checkpoint stores a tensor outside the MoE
       blocks that transformers renames, stacks or splits as it loads (Kimi-Linear's and
       LaraMini's linear attention): ``dense_renames`` (model part, stored part) pairs, each
-      replacing the first in a model tensor's name; ``dense_concat`` {model name ending: the
+      replacing the first in a model tensor's name (a model part may be a compiled ``re.Pattern``,
+      its stored part then a ``re.sub`` template or a function of the match: a layer index the
+      checkpoint shifts, Inkling 2's ``attn_res.attn_queries.{L - 1}`` for
+      ``layers.{L}.attention_input.query``); ``dense_concat`` {model name ending: the
       stored name endings whose tensors, concatenated along dim 0 in that order, make it};
       ``dense_split`` {stored name ending: the model name endings that are its consecutive row
-      ranges along dim 0, in order} (``dense_sources``, ``dense_split_of``).
+      ranges along dim 0, in order} (``dense_sources``, ``dense_split_of``); ``dense_convert``
+      {model name: (stored names, convert)}: the stored tensors, each read whole in its stored
+      shape, make the model's tensor of shape ``shape`` as ``convert(tensors, shape)`` (Inkling 2's
+      unembedding padded to ``vocab_size``, of which ``lm_head`` is the first rows; Inkling 2 Loop's
+      message queries, two stored tensors whose rows the model holds in another order)
+      (``dense_convert_of``).
     experts_only: transformers routes the tokens itself and hands its experts module the routing,
       ``experts(rows [T, H], top_k_index [T, K], top_k_weights [T, K])``: its decoder layer
       (Gemma 4: the router reads the residual stream through its own norm and scales, the experts
@@ -343,6 +361,7 @@ class ModelFamily:
     fused_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
     fused_layout: str = "gate_up_rows"
     stored_fused_layouts: tuple[str, ...] = ()
+    checkpoint_fused_layout: str | None = None
     expert_spellings: tuple[tuple[str, str, str], ...] = (GATE_UP_DOWN, W1_W3_W2)
     shared_prefixes: tuple[str, ...] = ("shared_experts.", "shared_expert.")
     shared_expert_gate: str = "shared_expert_gate"
@@ -363,9 +382,11 @@ class ModelFamily:
     model_layers: str | None = None
     text_model: str | None = None
     text_config: bool = False
-    dense_renames: tuple[tuple[str, str], ...] = ()
+    dense_renames: tuple[DenseRename, ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    dense_convert: Mapping[str, tuple[tuple[str, ...], Callable[[list[torch.Tensor], tuple[int, ...]], torch.Tensor]]] = \
+        field(default_factory=dict)
     dtype_check: Callable[[torch.dtype], None] | None = None
 
     def __post_init__(self) -> None:
@@ -374,6 +395,7 @@ class ModelFamily:
         object.__setattr__(self, "stored_names", MappingProxyType(dict(self.stored_names)))
         object.__setattr__(self, "dense_concat", MappingProxyType(dict(self.dense_concat)))
         object.__setattr__(self, "dense_split", MappingProxyType(dict(self.dense_split)))
+        object.__setattr__(self, "dense_convert", MappingProxyType(dict(self.dense_convert)))
         where = f"ModelFamily({self.model_type!r})"
         routing = get_routing(self.routing, f"{where}.routing")
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
@@ -401,6 +423,16 @@ class ModelFamily:
                                  f"{list(getattr(self, name))}")
         layout = fused_layout(self.fused_layout)
         others = [fused_layout(n) if n in FUSED_LAYOUTS else None for n in self.stored_fused_layouts]
+        if self.checkpoint_fused_layout is not None:
+            if self.stored_fused_layouts:
+                raise ValueError(f"{where}: checkpoint_fused_layout and stored_fused_layouts exclude each other (one "
+                                 f"layout every checkpoint stores, or layouts told apart by shape)")
+            others.append(fused_layout(self.checkpoint_fused_layout) if self.checkpoint_fused_layout in FUSED_LAYOUTS
+                          else None)
+            stored = fused_layout(self.checkpoint_fused_layout) if others[-1] is not None else None
+            if stored is not None and stored.transposed != layout.transposed:
+                raise ValueError(f"{where}.checkpoint_fused_layout: {self.checkpoint_fused_layout!r} stores other shapes "
+                                 f"than {self.fused_layout!r}; list it in stored_fused_layouts (told apart by shape)")
         if any(o is None or o.tensors != layout.tensors or o.gated != layout.gated for o in others):
             raise ValueError(f"{where}.stored_fused_layouts: {list(self.stored_fused_layouts)} must be fused layouts "
                              f"({list(FUSED_LAYOUTS)}) of as many tensors as {self.fused_layout!r}, holding the same "
@@ -417,10 +449,17 @@ class ModelFamily:
         odd = {k: v for k, v in self.stored_names.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)}
         if odd:
             raise ValueError(f"{where}.stored_names: every entry must map a tensor name to a tensor name, got {odd}")
-        if not all(isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(p, str) and p for p in pair)
-                   for pair in self.dense_renames):
-            raise ValueError(f"{where}.dense_renames: expected (model part, stored part) pairs of names, got "
-                             f"{list(self.dense_renames)}")
+        if not all(isinstance(pair, tuple) and len(pair) == 2 and (
+                all(isinstance(p, str) and p for p in pair)
+                or (isinstance(pair[0], re.Pattern) and (isinstance(pair[1], str) or callable(pair[1]))))
+                for pair in self.dense_renames):
+            raise ValueError(f"{where}.dense_renames: expected (model part, stored part) pairs of names, or "
+                             f"(re.Pattern, template or function of the match), got {list(self.dense_renames)}")
+        if not all(isinstance(k, str) and k and isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], tuple)
+                   and v[0] and all(isinstance(p, str) and p for p in v[0]) and callable(v[1])
+                   for k, v in self.dense_convert.items()):
+            raise ValueError(f"{where}.dense_convert: expected {{model name: (stored names, convert(tensors, shape))}}, "
+                             f"got {dict(self.dense_convert)}")
         for name, what in (("dense_concat", "{model name ending: two or more stored name endings}"),
                            ("dense_split", "{stored name ending: two or more model name endings}")):
             entries = getattr(self, name)
@@ -536,16 +575,21 @@ class ModelFamily:
         for ending, parts in self.dense_concat.items():
             if name.endswith(ending):
                 return tuple(name[: len(name) - len(ending)] + part for part in parts)
-        renamed = [name.replace(model_part, stored_part, 1) for model_part, stored_part in self.dense_renames
-                   if model_part in name]
+        renamed = [_rename(name, model_part, stored_part) for model_part, stored_part in self.dense_renames
+                   if _applies(name, model_part)]
         if not renamed:
             return (name,)
         if len(renamed) > 1:  # every rename that applies, in order (a vision tower's prefix and an inner name)
             composed = name
             for model_part, stored_part in self.dense_renames:
-                composed = composed.replace(model_part, stored_part, 1)
+                composed = _rename(composed, model_part, stored_part)
             renamed.append(composed)
         return (next((r for r in renamed if stored(r)), renamed[0]),)
+
+    def dense_convert_of(self, name: str) -> tuple[tuple[str, ...], Callable[..., torch.Tensor]] | None:
+        """(the stored tensors, convert) that make the model's tensor ``name`` (``dense_convert``),
+        else None."""
+        return self.dense_convert.get(self.checkpoint_name(name))
 
     def expert_tensor(self, name: str) -> str:
         """The block-relative name of the routed experts' tensor ``name`` (``experts.gate_up_proj``;
@@ -577,6 +621,18 @@ class ModelFamily:
 
     def fields(self, raw: dict[str, Any], source: str) -> ConfigFields:
         return ConfigFields(raw, self, source)
+
+
+def _applies(name: str, model_part: str | re.Pattern[str]) -> bool:
+    return model_part.search(name) is not None if isinstance(model_part, re.Pattern) else model_part in name
+
+
+def _rename(name: str, model_part: str | re.Pattern[str], stored_part: str | Callable[[re.Match[str]], str]) -> str:
+    """``name`` with the first occurrence of ``model_part`` replaced (a pattern: ``re.sub`` once)."""
+    if isinstance(model_part, re.Pattern):
+        return model_part.sub(stored_part, name, count=1)
+    assert isinstance(stored_part, str)  # __post_init__ allows a function only with a pattern
+    return name.replace(model_part, stored_part, 1)
 
 
 # -- dense layers ------------------------------------------------------------------------------

@@ -220,6 +220,8 @@ def _stored_layout(ckpt: SafetensorsCheckpoint, probe: BlockNames, model: HFMoEM
     (the family's ``fused_layout``) where it fits that one or the family has no others; a shape
     that fits none is the expert reader's to refuse, naming both."""
     family = probe.family
+    if family.checkpoint_fused_layout is not None:  # the same shapes as fused_layout: no shape tells them apart
+        return family.checkpoint_fused_layout
     if not family.stored_fused_layouts or not ckpt.has(probe.fused_gate_up):
         return None
     cfg = model.moe

@@ -63,6 +63,7 @@ the global batch, and under SP it would reach the router once per TP rank: train
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -613,6 +614,10 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
     for name, t in tensors:
         if name.startswith(skip) or not _is_meta(t):
             continue
+        convert = family.dense_convert_of(name)
+        if convert is not None:
+            _set(model, name, _read_converted(ckpt, name, convert, tuple(t.shape), t.dtype, fp8_scales).to(device))
+            continue
         split = family.dense_split_of(name)
         if split is not None:
             _set(model, name, _read_split(ckpt, name, split, shapes, t.dtype, fp8_scales, split_read).to(device))
@@ -659,6 +664,22 @@ def _read_sources(ckpt: SafetensorsCheckpoint, name: str, sources: tuple[str, ..
                          f"({list(sources)})")
     part = (shape[0] // len(sources), *shape[1:])
     return torch.cat([read_dense(ckpt, source, part, dtype, fp8_scales) for source in sources])
+
+
+def _read_converted(ckpt: SafetensorsCheckpoint, name: str, convert: tuple[tuple[str, ...], Callable[..., torch.Tensor]],
+                    shape: tuple[int, ...], dtype: torch.dtype, fp8_scales: str | None) -> torch.Tensor:
+    """The model's tensor ``name`` of ``shape``: ``convert``'s function of its stored tensors, each
+    read whole in its stored shape (``ModelFamily.dense_convert``)."""
+    sources, fn = convert
+    missing = [s for s in sources if not ckpt.has(s)]
+    if missing:
+        raise ValueError(f"{ckpt.model_dir}: {name} is made from {list(sources)}; missing {missing}")
+    parts = [read_dense(ckpt, s, tuple(ckpt.info(s).shape), dtype, fp8_scales) for s in sources]
+    out = fn(parts, shape)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{name}: {list(sources)} of shapes {[list(p.shape) for p in parts]} make shape "
+                         f"{list(out.shape)}, the model holds {list(shape)}")
+    return out.contiguous()
 
 
 def _read_split(ckpt: SafetensorsCheckpoint, name: str, split: tuple[str, tuple[str, ...]],

@@ -26,6 +26,7 @@ from moeshard.checkpoint.models import (
     hunyuan,  # noqa: F401
     hy_v4,  # noqa: F401  hy_v4, hy_v4_vl_text
     inkling,  # noqa: F401  inkling_text
+    inkling2,  # noqa: F401  inkling2_text, inkling2_loop_text
     jamba,  # noqa: F401
     jetmoe,  # noqa: F401
     kimi_linear,  # noqa: F401  kimi_linear, bailing_hybrid
