@@ -462,12 +462,14 @@ def _glm4v_moe_text(hidden: int, moe_intermediate: int, experts: int, layers: in
     # The whole vision-language model (no causal LM of its text model), a one-block vision tower;
     # the first text layer dense (``first_k_dense_replace``), DeepSeek-style sigmoid routing.
     head = hidden // 4
+    half = head // 4  # the rotary half of a head rotating half its dims: its sections sum to it
+    sections = [half // 4, half // 4, half - 2 * (half // 4)]
     text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=head, moe_intermediate_size=moe_intermediate,
                 n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                 first_k_dense_replace=1, routed_scaling_factor=1.5, max_position_embeddings=512,
                 initializer_range=0.2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                        "mrope_section": [head // 16, head // 16, head // 8],
+                                                        "mrope_section": sections,
                                                         "partial_rotary_factor": 0.5})
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, patch_size=4,
                   image_size=16, spatial_merge_size=2, temporal_patch_size=2)
@@ -518,12 +520,14 @@ def _hy_v4_vl_text(hidden: int, moe_intermediate: int, experts: int, layers: int
 def _mistral4(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
     import transformers as tf
 
-    # DeepSeek-V3's MLA and block (its first layer dense), the softmax router's groups: 4 of them,
-    # the best 2 kept.
+    # DeepSeek-V3's MLA and block (its first layer dense), the softmax router's groups: up to 4 of
+    # two or more experts each, the best half kept.
+    groups = max(1, min(4, experts // 2))
     return tf.AutoConfig.for_model("mistral4", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate,
                                    moe_intermediate_size=moe_intermediate, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=experts,
-                                   n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                   n_shared_experts=1, num_experts_per_tok=2, n_group=groups,
+                                   topk_group=max(1, groups // 2),
                                    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                                    qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=1.5,
                                    max_position_embeddings=512, pad_token_id=0, initializer_range=0.2)

@@ -81,7 +81,10 @@ def _state(result) -> RankState:
 def _check_saved_exactly(plan, results, directory: Path, count: int) -> None:
     """Every rank's every trained parameter is its part of the saved tensor, bit for bit; and the
     save put in every parameter transformers has (moeshard trains them all)."""
-    saved = tf.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    from moeshard.checkpoint.hf_model import model_class  # a vision-language model has no causal LM class
+
+    saved = model_class(tf.AutoConfig.from_pretrained(str(directory))).from_pretrained(str(directory),
+                                                                                      dtype=torch.float32)
     params = {name: p.detach() for name, p in saved.named_parameters()}
     assert count == len(params), (count, len(params))
     want = RankParts(read_hf_config(plan.spec.model_dir).family, plan.cfg, params)
@@ -97,7 +100,7 @@ def _check_saved_exactly(plan, results, directory: Path, count: int) -> None:
 
 # Every other family make_tiny_moe builds: make test-slow (about a second each).
 OTHERS = sorted((set(make_tiny_moe.SIGMOID_FAMILIES) | set(make_tiny_moe.SOFTMAX_FAMILIES) | set(make_tiny_moe.EXTRA)
-                 | {"qwen3_moe", "deepseek_v3"}) - set(ONE_RANK))
+                 | set(make_tiny_moe.VISION_LANGUAGE) | {"qwen3_moe", "deepseek_v3"}) - set(ONE_RANK))
 
 
 @pytest.mark.parametrize("family", [*ONE_RANK, *(pytest.param(f, marks=pytest.mark.slow) for f in OTHERS)])
