@@ -26,6 +26,9 @@ def test_families_json_lists_the_registry(capsys):
                                                                  "model.layers.{L}.ffn.experts"])
     assert dbrx["routed_by"] == "moeshard"
     assert not set(FAMILIES) & set(REFUSED)
+    stored = {r["model_type"]: r["stored_fused_layouts"] for r in rows["supported"]}
+    assert (stored["dbrx"], stored["inkling2_text"], stored["qwen3_vl_moe_text"]) == (
+        ["stacked"], ["interleaved"], ["gate_up_rows", "transposed"])
 
 
 def test_families_tables_print_each_model_type_and_the_reasons_whole(capsys):
@@ -35,4 +38,5 @@ def test_families_tables_print_each_model_type_and_the_reasons_whole(capsys):
     for model_type in (*FAMILIES, *REFUSED):
         assert model_type in out
     assert "softmax (transformers routes)" in out
+    assert "gate_up_rows, stored interleaved" in out  # Inkling 2's checkpoints
     assert "embedding tables [num_experts, hidden_size]" in out  # rich markup would have eaten the brackets

@@ -33,9 +33,20 @@ def families_json() -> dict[str, list[dict]]:
                           "scores_in": kind.score_dtype, "router_logits_in": f.router_dtype,
                           "block": [f"{f.layers}.{{L}}.{p}{f.experts}" if f.experts_only else f"{f.layers}.{{L}}.{p}"
                                     for p in f.block_prefixes],
-                          "fused_layout": f.fused_layout, "formats": list(f.formats)})
+                          "fused_layout": f.fused_layout,
+                          # the layouts its checkpoints hold the fused experts in
+                          "stored_fused_layouts": [f.checkpoint_fused_layout] if f.checkpoint_fused_layout
+                          else [f.fused_layout, *f.stored_fused_layouts],
+                          "formats": list(f.formats)})
     refused = [{"model_type": t, "reason": why} for t, why in sorted(registry.REFUSED.items())]
     return {"supported": supported, "refused": refused}
+
+
+def _layouts(row: dict) -> str:
+    """The model's fused layout, and the checkpoints' where they differ ("gate_up_rows, stored
+    interleaved")."""
+    stored = row["stored_fused_layouts"]
+    return row["fused_layout"] if stored == [row["fused_layout"]] else f"{row['fused_layout']}, stored {' or '.join(stored)}"
 
 
 def run(args) -> int:
@@ -52,7 +63,7 @@ def run(args) -> int:
     for r in rows["supported"]:
         routing = r["routing"] if r["routed_by"] == "moeshard" else f"{r['routing']} (transformers routes)"
         table.add_row(r["model_type"], routing, r["router_logits_in"], r["scores_in"],
-                      escape(" or ".join(r["block"])), r["fused_layout"], ", ".join(r["formats"]))
+                      escape(" or ".join(r["block"])), _layouts(r), ", ".join(r["formats"]))
     console = wide_console()
     console.print(table)
     refused = Table(title=f"model types refused ({len(rows['refused'])})", header_style="bold")
