@@ -229,6 +229,29 @@ def test_experts_load_as_stored_bytes_and_scales(ckpts, cid):
         assert torch.equal(plain.down[e], dq.float() * ds[:, None])
 
 
+def test_a_blocks_scales_are_read_in_one_pass(ckpts, monkeypatch):
+    """A large per-row checkpoint holds three scale tensors per expert per layer: they are read
+    with one opening of each file for the whole block, not one per scale (the experts' bytes are
+    read expert by expert, to bound the memory a rank holds)."""
+    from moeshard.checkpoint.reader import SafetensorsCheckpoint
+
+    fp8_dir, _ = ckpts["qwen3_moe-compressed-per_row"]
+    layer = _moe_layer(fp8_dir)
+    scale_reads: list[int] = []
+    many = SafetensorsCheckpoint.read_many
+
+    def counted(self, requests, dtype=None):
+        if all(name.endswith("weight_scale") for name, _ in requests):
+            scale_reads.append(len(requests))
+        return many(self, requests, dtype)
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "read_many", counted)
+    block = load_moe_block(fp8_dir, layer)
+    experts = block.cfg.num_experts
+    assert 3 * experts in scale_reads, scale_reads  # gate, up and down of every expert at once
+    assert scale_reads.count(1) <= 3, scale_reads  # none one by one, but the shared expert's
+
+
 @pytest.mark.parametrize("cid", CASES)
 def test_each_rank_reads_its_slice_of_the_stored_experts(ckpts, cid):
     """TP2: rank r's gate/up rows and down columns of I, with the stored scales (down's span all of

@@ -46,7 +46,7 @@ peaks near this rank's share plus one expert, whatever the file size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,16 +95,26 @@ def check_row_scale(ckpt: SafetensorsCheckpoint, name: str, rows: int) -> Tensor
 
 
 def read_row_scale(ckpt: SafetensorsCheckpoint, name: str, rows: int) -> torch.Tensor:
-    """The ``weight_scale`` of e4m3 weight ``name`` (``rows`` output rows) as fp32 [rows, 1], each
-    stored value expanded to the rows it scales; ValueError naming the tensor unless its header
-    passes ``check_row_scale`` and every value is finite and > 0."""
-    info = check_row_scale(ckpt, name, rows)
-    sname = row_scale_name(name)
-    scale = ckpt.read(sname).float().reshape(-1, 1).expand(rows, 1).contiguous()
-    check_finite(scale, sname, info.file)
-    if not bool((scale > 0).all()):
-        raise ValueError(f"tensor {sname!r} in {str(info.file)!r}: a scale is <= 0 (min {scale.min().item()!r})")
-    return scale
+    """The ``weight_scale`` of e4m3 weight ``name`` (``rows`` output rows) as fp32 [rows, 1]; see
+    ``read_row_scales``."""
+    return read_row_scales(ckpt, [(name, rows)])[0]
+
+
+def read_row_scales(ckpt: SafetensorsCheckpoint, weights: Sequence[tuple[str, int]]) -> list[torch.Tensor]:
+    """The ``weight_scale`` of each e4m3 weight ``(name, rows)`` as fp32 [rows, 1], each stored value
+    expanded to the rows it scales, read in one pass (each file opened once); ValueError naming the
+    tensor unless its header passes ``check_row_scale`` and every value is finite and > 0."""
+    infos = [check_row_scale(ckpt, name, rows) for name, rows in weights]
+    stored = ckpt.read_many([(row_scale_name(name), ()) for name, _ in weights])
+    out = []
+    for (name, rows), info, raw in zip(weights, infos, stored, strict=True):
+        sname = row_scale_name(name)
+        scale = raw.float().reshape(-1, 1).expand(rows, 1).contiguous()
+        check_finite(scale, sname, info.file)
+        if not bool((scale > 0).all()):
+            raise ValueError(f"tensor {sname!r} in {str(info.file)!r}: a scale is <= 0 (min {scale.min().item()!r})")
+        out.append(scale)
+    return out
 
 
 def _blocks(n: int) -> int:
@@ -424,13 +434,16 @@ class ExpertReader:
             down[i] = dequantize_fp8_block(dn_data, dn_scale, dtype)[:, lo - a:hi - a]
         return ExpertWeights(gate_up, down, "none")
 
-    def _row_scales(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's fp32 scales of a checkpoint with per-tensor or per-row scales: gate_up rows
-        [products * I] (gate's then up's) and down rows [H], each stored scale expanded to its rows."""
-        I, H = self.cfg.intermediate_size, self.cfg.hidden_size
-        gate_up = torch.cat([read_row_scale(self.ckpt, self.names.expert(e, p), I)[:, 0]
-                             for p in self.gate_up_projections])
-        return gate_up, read_row_scale(self.ckpt, self.names.expert(e, "down"), H)[:, 0]
+    def _row_scales(self, experts: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each expert's fp32 scales of a checkpoint with per-tensor or per-row scales: gate_up rows
+        [products * I] (gate's then up's) and down rows [H], each stored scale expanded to its rows;
+        every scale of ``experts`` read in one pass."""
+        I, H, P = self.cfg.intermediate_size, self.cfg.hidden_size, len(self.gate_up_projections)
+        weights = [(self.names.expert(e, p), I) for e in experts for p in self.gate_up_projections]
+        weights += [(self.names.expert(e, "down"), H) for e in experts]
+        scales = [t[:, 0] for t in read_row_scales(self.ckpt, weights)]
+        downs = scales[P * len(experts):]
+        return [(torch.cat(scales[P * i:P * (i + 1)]), downs[i]) for i in range(len(experts))]
 
     def _one_scale(self, e: int, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8_tensor's scale of expert e's gate_up and of its down ([] each), which the stored per-row
@@ -457,9 +470,8 @@ class ExpertReader:
         dn_data = torch.empty(E_l, H, w, dtype=torch.float8_e4m3fn)
         gu_scale, dn_scale = torch.empty(E_l, P * w), torch.empty(E_l, H)
         tensor_scales = torch.empty(2, E_l)
-        for i, e in enumerate(plan.experts):
+        for i, (e, (gate_up, down)) in enumerate(zip(plan.experts, self._row_scales(plan.experts), strict=True)):
             self._into(e, lo, hi, gu_data[i], dn_data[i], scales=False)
-            gate_up, down = self._row_scales(e)
             if scheme == "fp8_tensor":
                 tensor_scales[0, i], tensor_scales[1, i] = self._one_scale(e, gate_up, down)
             gu_scale[i] = torch.cat([gate_up[p * I + lo:p * I + hi] for p in range(P)])
