@@ -489,7 +489,7 @@ def _glm5_next_text(hidden: int, moe_intermediate: int, experts: int, layers: in
                 routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=0, qk_nope_head_dim=16,
                 v_head_dim=16, index_topk=32, index_head_dim=16, index_n_heads=2, index_kpool=4, linear_head_dim=16,
                 linear_num_heads=4, hc_mult=2, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
-                layer_types=["linear_attention"] * (layers - 1) + ["indexed_attention"], pad_token_id=0,
+                layer_types=["linear_attention"] * (layers - 1) + ["full_attention"], pad_token_id=0,
                 max_position_embeddings=512, initializer_range=0.2)
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=hidden,
                   projection_intermediate_size=64, patch_size=14, image_size=28)

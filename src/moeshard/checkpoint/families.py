@@ -566,25 +566,32 @@ class ModelFamily:
     def dense_sources(self, name: str, stored: Callable[[str], bool]) -> tuple[str, ...]:
         """The checkpoint's tensors that make the model's tensor ``name`` outside the MoE blocks,
         named from its ``checkpoint_name`` n: n itself where the checkpoint holds it (``stored``);
-        else the parts ``dense_concat`` lists (concatenated along dim 0); else the first the
-        checkpoint holds of n with each rename of ``dense_renames`` that applies, then n with all of
-        them applied in order (else n with the first that applies, for the message)."""
+        else the parts ``dense_concat`` lists (concatenated along dim 0), each as ``_stored_as``
+        finds it; else n as ``_stored_as`` finds it."""
         name = self.checkpoint_name(name)
         if stored(name):
             return (name,)
         for ending, parts in self.dense_concat.items():
             if name.endswith(ending):
-                return tuple(name[: len(name) - len(ending)] + part for part in parts)
+                return tuple(self._stored_as(name[: len(name) - len(ending)] + part, stored) for part in parts)
+        return (self._stored_as(name, stored),)
+
+    def _stored_as(self, name: str, stored: Callable[[str], bool]) -> str:
+        """``name`` where the checkpoint holds it, else the first the checkpoint holds of ``name``
+        with each rename of ``dense_renames`` that applies, then with all of them applied in order
+        (else ``name`` with the first that applies, or ``name``, for the message)."""
+        if stored(name):
+            return name
         renamed = [_rename(name, model_part, stored_part) for model_part, stored_part in self.dense_renames
                    if _applies(name, model_part)]
         if not renamed:
-            return (name,)
+            return name
         if len(renamed) > 1:  # every rename that applies, in order (a vision tower's prefix and an inner name)
             composed = name
             for model_part, stored_part in self.dense_renames:
                 composed = _rename(composed, model_part, stored_part)
             renamed.append(composed)
-        return (next((r for r in renamed if stored(r)), renamed[0]),)
+        return next((r for r in renamed if stored(r)), renamed[0])
 
     def dense_convert_of(self, name: str) -> tuple[tuple[str, ...], Callable[..., torch.Tensor]] | None:
         """(the stored tensors, convert) that make the model's tensor ``name`` (``dense_convert``),

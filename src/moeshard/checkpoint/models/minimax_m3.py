@@ -37,7 +37,8 @@ checkpoint, published or saved by transformers, keeps the text model under ``lan
 indexer's tensors as ``self_attn.index_q_proj`` (transformers' ``self_attn.indexer.q_proj``), the
 dense MLPs' gate and up apart (transformers' fused ``mlp.gate_up_proj``: ``dense_concat``), and the
 vision tower and projector under the names of the release (``dense_renames``); transformers' own
-model names are read as well.
+model names are read as well, and so are transformers 5.17's saves, which hold the dense layers' and
+the vision tower's MLPs under ``block_sparse_moe.`` too.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ _VL_RENAMES = (*((f".self_attn.indexer.{t}.", f".self_attn.index_{t}.") for t in
                ("model.vision_tower.layers.", "vision_tower.vision_model.encoder.layers."),
                ("model.vision_tower.", "vision_tower.vision_model."),
                ("model.multi_modal_projector.merge_linear_", "patch_merge_mlp.linear_"),
-               ("model.multi_modal_projector.", "multi_modal_projector."))
+               ("model.multi_modal_projector.", "multi_modal_projector."),
+               # transformers 5.17's saves: its rename of the block's mlp. reached the dense layers' and
+               # the tower's MLPs too
+               (".mlp.", ".block_sparse_moe."))
 register_family(replace(MINIMAX_M3_TEXT, model_type="minimax_m3_vl", text_config=True,
                         model_layers="model.language_model.layers", text_model="model.language_model",
                         dense_renames=_VL_RENAMES,
