@@ -155,8 +155,10 @@ def test_a_vision_language_family_without_a_text_config_is_refused_by_name():
 
 
 def test_a_text_config_family_needs_the_whole_models_layers():
-    with pytest.raises(ValueError, match=r"ModelFamily\('aria'\)\.text_config: expected a bool, and model_layers"):
-        replace(FAMILIES["aria"], model_layers=None)
+    assert FAMILIES["aria"].model_layers == "model.language_model.layers"  # the text model's, by default
+    with pytest.raises(ValueError, match=r"ModelFamily\('aria'\)\.text_config: expected a bool, and model_layers or "
+                                         r"text_model"):
+        replace(FAMILIES["aria"], model_layers=None, text_model=None)
 
 
 def test_the_whole_models_names_map_onto_the_checkpoints():

@@ -231,7 +231,8 @@ class ModelFamily:
       (Nemotron-H: the length of its per-layer type list).
     model_layers: None, or the decoder layers' module path in the transformers causal LM where it
       differs from the checkpoint's ``layers`` (Nemotron-H: ``model.layers`` in the model,
-      ``backbone.layers`` as transformers saves and the hub stores it).
+      ``backbone.layers`` as transformers saves and the hub stores it); with ``text_model`` and no
+      ``model_layers``, ``{text_model}.layers``.
     text_model: None, or the text model's module path in the whole vision-language model
       transformers builds (``model.language_model``), whose tensors the checkpoint holds, as
       ``SafetensorsCheckpoint`` names them, as a causal LM's under ``model.``
@@ -396,6 +397,8 @@ class ModelFamily:
         object.__setattr__(self, "dense_concat", MappingProxyType(dict(self.dense_concat)))
         object.__setattr__(self, "dense_split", MappingProxyType(dict(self.dense_split)))
         object.__setattr__(self, "dense_convert", MappingProxyType(dict(self.dense_convert)))
+        if self.model_layers is None and isinstance(self.text_model, str):  # the text model's decoder layers
+            object.__setattr__(self, "model_layers", f"{self.text_model}.layers")
         where = f"ModelFamily({self.model_type!r})"
         routing = get_routing(self.routing, f"{where}.routing")
         if not isinstance(self.router_dtype, str) or self.router_dtype not in ROUTER_DTYPES:
@@ -488,8 +491,8 @@ class ModelFamily:
                 p.isidentifier() for p in self.text_model.split("."))):
             raise ValueError(f"{where}.text_model: expected None or a dotted module path, got {self.text_model!r}")
         if not isinstance(self.text_config, bool) or (self.text_config and self.model_layers is None):
-            raise ValueError(f"{where}.text_config: expected a bool, and model_layers (the whole model's decoder "
-                             f"layers) where true; got text_config={self.text_config!r}, "
+            raise ValueError(f"{where}.text_config: expected a bool, and model_layers or text_model (the whole "
+                             f"model's decoder layers) where true; got text_config={self.text_config!r}, "
                              f"model_layers={self.model_layers!r}")
         gated = {get_activation(kind).gated for kind in self.hidden_acts.values()}
         if gated != {layout.gated}:

@@ -48,7 +48,6 @@ ARIA_TEXT = ModelFamily("aria_text", {"hidden_act": "silu", "mlp_bias": False, "
                         _moe, every_layer, routing="topk_softmax", router="router", fused_layout="transposed",
                         stored_names=_STORED, formats=("bf16",), router_dtype="model")
 register_family(ARIA_TEXT)
-register_family(replace(ARIA_TEXT, model_type="aria", text_config=True, model_layers="model.language_model.layers",
-                        text_model="model.language_model",
+register_family(replace(ARIA_TEXT, model_type="aria", text_config=True, text_model="model.language_model",
                         dense_renames=(("model.vision_tower.", "vision_tower."),
                                        ("model.multi_modal_projector.", "multi_modal_projector."))))

@@ -165,7 +165,7 @@ for _family in (
                 formats=("bf16", "fp8_block", "compressed_fp8")),
     ModelFamily("glm4v_moe_text", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
                                    "norm_topk_prob": True, "first_k_dense_replace": 1},
-                _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32", model_layers="model.language_model.layers",
+                _moe, _first_k_dense, routing="sigmoid", router_dtype="fp32",
                 text_model="model.language_model", formats=("bf16",)),
     ModelFamily("glm4_moe_lite", {**_ROUTER, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
                                   "norm_topk_prob": True, "mlp_layer_types": None},

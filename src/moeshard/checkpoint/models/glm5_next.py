@@ -71,7 +71,7 @@ register_family(ModelFamily(
                        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
                        "mlp_layer_types": None},
     _moe, _dense_layers, routing="sigmoid", router_dtype="fp32",
-    model_layers="model.language_model.layers", text_model="model.language_model",
+    text_model="model.language_model",
     dense_renames=(*_HYPER, (".self_attn.forget_gate.", ".self_attn.")),
     dense_concat={".self_attn.conv1d.weight": tuple(f".self_attn.{p}_conv1d.weight" for p in "qkv")},
     formats=("bf16",)))

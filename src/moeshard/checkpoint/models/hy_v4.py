@@ -81,5 +81,5 @@ _VISION = (("model.vision_tower.patch_merger.before_rms.", "vit.perceive.norm.")
            (".layer_norm1.", ".input_layernorm."), (".layer_norm2.", ".post_attention_layernorm."),
            (".mlp.fc1.", ".mlp.dense_h_to_4h."), (".mlp.fc2.", ".mlp.dense_4h_to_h."),
            ("model.vision_tower.", "vit."))
-register_family(replace(HY_V4, model_type="hy_v4_vl_text", model_layers="model.language_model.layers",
+register_family(replace(HY_V4, model_type="hy_v4_vl_text",
                         text_model="model.language_model", dense_renames=(*HY_V4.dense_renames, *_VL_HEAD, *_VISION)))

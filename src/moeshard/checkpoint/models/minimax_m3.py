@@ -88,6 +88,6 @@ _VL_RENAMES = (*((f".self_attn.indexer.{t}.", f".self_attn.index_{t}.") for t in
                # the tower's MLPs too
                (".mlp.", ".block_sparse_moe."))
 register_family(replace(MINIMAX_M3_TEXT, model_type="minimax_m3_vl", text_config=True,
-                        model_layers="model.language_model.layers", text_model="model.language_model",
+                        text_model="model.language_model",
                         dense_renames=_VL_RENAMES,
                         dense_concat={".mlp.gate_up_proj.weight": (".mlp.gate_proj.weight", ".mlp.up_proj.weight")}))

@@ -22,5 +22,5 @@ from moeshard.checkpoint.families import FAMILIES, register_family
 
 _QWEN3 = FAMILIES["qwen3_moe"]
 register_family(replace(_QWEN3, model_type="qwen3_vl_moe_text", defaults={**_QWEN3.defaults, "norm_topk_prob": True},
-                        model_layers="model.language_model.layers", stored_fused_layouts=("transposed",),
+                        stored_fused_layouts=("transposed",),
                         text_model="model.language_model", formats=("bf16",)))
