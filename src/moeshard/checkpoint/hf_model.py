@@ -51,10 +51,11 @@ def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Modu
     Typed as the nn.Module it is: transformers wraps PreTrainedModel.to with functools.wraps,
     whose stub mypy does not bind as a method."""
 
-    if read_hf_config(model_dir).format.fp8_scales == "row":
+    info = read_hf_config(model_dir)
+    if info.format.fp8_scales == "row":
         return _from_dequantized_copy(model_dir, dtype)
     model = _from_pretrained(model_dir, dtype)
-    if read_hf_config(model_dir).checkpoint_format == "mxfp4":
+    if info.checkpoint_format == "mxfp4":
         _mxfp4_experts_in(model, dtype)
     return model
 

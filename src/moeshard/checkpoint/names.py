@@ -78,8 +78,9 @@ class BlockNames:
     family's ``bias_names`` (after the prefix) and then ``layer_bias_aliases`` (after the decoder
     layer's prefix) the checkpoint holds (None: the first of ``bias_names``); shared_fused: the
     shared MLP stores gate and up as one ``gate_up_proj`` [2S, H], gate's rows first; layout: the
-    fused layout the checkpoint stores the experts in, where it is one of the family's
-    ``stored_fused_layouts`` (None: the family's ``fused_layout``)."""
+    fused layout the checkpoint stores the experts in, where it is the family's
+    ``checkpoint_fused_layout`` or one of its ``stored_fused_layouts`` (None: the family's
+    ``fused_layout``)."""
 
     prefix: str
     fused: bool
@@ -216,9 +217,9 @@ def resolve_block_names(ckpt: SafetensorsCheckpoint, model: HFMoEModel, layer: i
 
 
 def _stored_layout(ckpt: SafetensorsCheckpoint, probe: BlockNames, model: HFMoEModel) -> str | None:
-    """Which of the family's ``stored_fused_layouts`` the stored fused gate_up's shape says, or None
-    (the family's ``fused_layout``) where it fits that one or the family has no others; a shape
-    that fits none is the expert reader's to refuse, naming both."""
+    """The family's ``checkpoint_fused_layout``, else which of its ``stored_fused_layouts`` the stored
+    fused gate_up's shape says, or None (the family's ``fused_layout``) where it fits that one or the
+    family has no others; a shape that fits none is the expert reader's to refuse, naming both."""
     family = probe.family
     if family.checkpoint_fused_layout is not None:  # the same shapes as fused_layout: no shape tells them apart
         return family.checkpoint_fused_layout
