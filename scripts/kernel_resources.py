@@ -77,8 +77,8 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
     # and strides that are multiples of 16 carry that divisibility (vectorised, aligned loads).
     unit = {"stride_ak": 1, "stride_wk": 1, "stride_on": 1, "stride_ask": 1}
     aligned = [*POINTERS, "N", "K", "N_w", "up_offset", "stride_am", "stride_we", "stride_wn", "stride_om"]
-    consts = {**unit, "QUANT": quant, "FUSE_ACT": fused, "ACT": act, "ACT_ALPHA": 1.702 if act == 3 else 0.0,
-              "ACT_LIMIT": 7.0 if act == 3 else 0.0, "BIAS": bias,
+    consts = {**unit, "QUANT": quant, "FUSE_ACT": fused, "ACT": act, "ACT_P0": 1.702 if act == 3 else 0.0,
+              "ACT_P1": 7.0 if act == 3 else 0.0, "BIAS": bias,
               "QUANT_OUT": quant_out, "H_TY": tl.bfloat16,
               "GATHER_A": fused, "SCATTER_OUT": not fused,
               "TRACK_AMAX": track_amax, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,

@@ -58,14 +58,13 @@ def test_config_and_registry_refuse_with_the_values():
 
 
 def test_a_kind_without_a_kernel_mode_is_refused_by_triton_with_its_reason():
-    """Every built-in kind but Inkling 2's soft-capped SwiGLU has a Triton epilogue (the ungated
-    relu2 an ungated mode); a kind registered without one runs on the portable experts, and the
-    Triton experts refuse it naming why."""
+    """Every built-in kind has a Triton epilogue (the ungated relu2 an ungated mode); a kind
+    registered without one runs on the portable experts, and the Triton experts refuse it naming
+    why."""
     from moeshard.activations import unregister_activation
     from moeshard.kernel_choice import select_kernel
 
-    assert [name for name in activation_names() if get_activation(name).kernel_refusal() is not None] == \
-        ["swiglu_softcapped"]
+    assert [name for name in activation_names() if get_activation(name).kernel_refusal() is not None] == []
     register_activation(ActivationKind("portable_only", get_activation("silu").act, None, "a kind without a mode"))
     try:
         reason = get_activation("portable_only").kernel_refusal()
@@ -127,11 +126,11 @@ def test_ungated_relu2_by_hand_and_its_refusals():
     assert activate(up, "relu2", torch.float32)[0].tolist() == [0.0, 0.0, 0.25, 9.0]
     with pytest.raises(TypeError, match="'relu2' is ungated: call apply"):
         kind(up, up)
-    with pytest.raises(ValueError, match=r"an ungated kind needs an ungated mode of \[5\] or None, got kernel_mode 3"):
+    with pytest.raises(ValueError, match=r"an ungated kind needs an ungated mode of \[32\] or None, got kernel_mode 3"):
         register_activation(ActivationKind("relu2_mode", kind.act, 3, "copy", {"alpha": 1.0, "limit": 1.0},
                                            gated=False))
-    with pytest.raises(ValueError, match=r"a gated kind needs a gated mode \(below 5\) or None, got kernel_mode 5"):
-        register_activation(ActivationKind("glu_mode5", get_activation("silu").act, 5, "copy"))
+    with pytest.raises(ValueError, match=r"a gated kind needs a gated mode \(below 32\) or None, got kernel_mode 32"):
+        register_activation(ActivationKind("glu_mode32", get_activation("silu").act, 32, "copy"))
     with pytest.raises(ValueError, match="gated must be True or False, got 1"):
         register_activation(ActivationKind("half_gated", kind.act, None, "copy", gated=1))
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, activation="relu2")

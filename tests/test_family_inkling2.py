@@ -1,6 +1,6 @@
 """Inkling 2's text models (``inkling2_text``, ``inkling2_loop_text``): DeepSeek-V3's sigmoid
-routing in one group, experts with a soft-capped SwiGLU (activation ``swiglu_softcapped``, on the
-portable experts), checkpoints under the release's names with the experts interleaved
+routing in one group, experts with a soft-capped SwiGLU (activation ``swiglu_softcapped``; on CUDA the Triton
+gate_up's epilogue computes it), checkpoints under the release's names with the experts interleaved
 (``checkpoint_fused_layout``), and, in the loop model, middle layers run twice per forward.
 
 transformers is the oracle, on tiny random models it saved (``make_tiny_moe``: its save writes the
@@ -81,6 +81,19 @@ def test_the_config_is_read(models, family):
             cfg.routed_scaling_factor, cfg.num_shared_experts) == ("sigmoid", "fp32", "swiglu_softcapped", True, True,
                                                                    8.0, 0)
     assert (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size) == (8, 2, H, I)
+
+
+def test_the_preset_is_transformers_default_model():
+    """``moeshard bench --models inkling-2`` times the experts of the model transformers'
+    Inkling2TextConfig describes by default."""
+    from moeshard.presets import PRESETS
+
+    if not hasattr(tf, "Inkling2TextConfig"):
+        pytest.skip(f"transformers {tf.__version__} has no Inkling 2")
+    default = tf.Inkling2TextConfig()
+    raw = {k: v for k, v in default.to_dict().items() if not k.startswith("_")}
+    raw["model_type"] = TEXT
+    assert parse_hf_config(raw, "config.json").moe == PRESETS["inkling-2"].full
 
 
 def test_another_softcap_is_refused_naming_it():

@@ -1,7 +1,8 @@
 """The Triton GEMM epilogues' expert biases and clamped activations, through Triton's interpreter.
 
 gpt-oss's experts carry a gate_up and a down bias and clamp both products (``swiglu_clamped``);
-HY-V4's clamp them too (``silu_clamped``); Nemotron-H's are ungated (``relu2``: one up product,
+HY-V4's clamp them too (``silu_clamped``); Inkling 2's soft-cap both (``swiglu_softcapped``:
+tanh caps of 4 on the gate and 25 on the up products); Nemotron-H's are ungated (``relu2``: one up product,
 its gate_up [E, I, H]; run here with biases too). The Triton experts add the biases in the GEMMs'
 epilogues and compute the activations there, so these models run on the fused kernels. Each
 test runs the interpreted kernels (the ``interpreted_kernels`` fixture, tests/conftest.py) against
@@ -27,9 +28,10 @@ SCHEMES = ["none", "fp8_tensor", "fp8_token", "fp8_block", "nvfp4"]
 
 def _problem(M, E, H, I, scheme, activation, bias, seed, dtype=torch.bfloat16):
     """x [M, H] (quantized for a quantized scheme), expert ids [M] and ``ExpertWeights`` whose
-    gate_up products reach past the activation's limit (limit 3 for the unclamped kinds)."""
+    gate_up products reach past the activation's limit (the up cap for a soft-capped kind, 3 for
+    the unclamped kinds)."""
     gen = torch.Generator().manual_seed(seed)
-    limit = get_activation(activation).params.get("limit", 3.0)
+    limit = _reach(activation)
     x = torch.randn(M, H, generator=gen).to(dtype)
     ids = torch.randint(0, E, (M,), generator=gen)
     ids[: M // 4] = E - 1  # one expert with several tiles, and likely an expert with none
@@ -44,6 +46,12 @@ def _problem(M, E, H, I, scheme, activation, bias, seed, dtype=torch.bfloat16):
     return quantize_activations(x, scheme), ids, w
 
 
+def _reach(activation: str) -> float:
+    """The product size a problem reaches: the activation's limit, or its up cap."""
+    params = get_activation(activation).params
+    return params.get("limit", params.get("up_cap", 3.0))
+
+
 def _reference_ok(y, x, ids, w, activation, scheme):
     err, atol, rtol, ok = compare(y, expert_reference(x, ids, w, activation, torch.bfloat16), torch.bfloat16, scheme)
     assert ok, f"max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
@@ -51,17 +59,17 @@ def _reference_ok(y, x, ids, w, activation, scheme):
 
 def test_the_problem_reaches_past_the_limits():
     """The premise of every case here: a third or so of the gate_up products (the up half too)
-    pass the activation's limit, so a kernel without the clamp differs."""
-    for activation in ("swiglu_clamped", "silu_clamped"):
+    pass the activation's limit (or its up cap), so a kernel without the clamp or the cap differs."""
+    for activation in ("swiglu_clamped", "silu_clamped", "swiglu_softcapped"):
         x, _, w = _problem(45, 4, 64, 96, "none", activation, True, seed=7)
         products = x.float() @ w.gate_up.float().flatten(0, 1).T
-        limit = get_activation(activation).params["limit"]
-        assert 0.15 < float((products.abs() > limit).float().mean()) < 0.6, activation
+        assert 0.15 < float((products.abs() > _reach(activation)).float().mean()) < 0.6, activation
 
 
 CASES = ([("swiglu_clamped", True, s) for s in SCHEMES] + [("silu_clamped", True, "none"),
          ("silu_clamped", False, "fp8_block"), ("silu_clamped", True, "fp8_token"), ("silu", True, "fp8_tensor"),
-         ("gelu", True, "none")] + [("relu2", True, s) for s in SCHEMES] + [("relu2", False, "fp8_token")])
+         ("gelu", True, "none"), ("swiglu_softcapped", False, "none"), ("swiglu_softcapped", True, "fp8_tensor"),
+         ("swiglu_softcapped", False, "fp8_block")] + [("relu2", True, s) for s in SCHEMES] + [("relu2", False, "fp8_token")])
 
 
 @pytest.mark.parametrize("activation,bias,scheme", CASES)
@@ -212,13 +220,16 @@ def test_moe_gemm_refuses_a_bias_it_cannot_add(interpreted_kernels):
 
 
 def test_the_kernel_constants_come_from_the_registry():
-    """The epilogue reads each clamped kind's parameters from its descriptor; a kind that claims a
+    """The epilogue reads each clamped or capped kind's parameters from its descriptor; a kind that claims a
     mode without that mode's parameters is refused at registration, naming them."""
-    from moeshard.activations import ActivationKind, register_activation
+    from moeshard.activations import KERNEL_PARAMS, ActivationKind, register_activation
     from moeshard.kernels.modes import act_constants
 
+    assert all(len(names) <= 2 for names in KERNEL_PARAMS.values())  # the kernels take two: ACT_P0, ACT_P1
+
     assert act_constants("swiglu_clamped") == (1.702, 7.0)
-    assert act_constants("silu_clamped") == (0.0, 10.0)
+    assert act_constants("silu_clamped") == (10.0, 0.0)  # the mode's parameters in KERNEL_PARAMS order
+    assert act_constants("swiglu_softcapped") == (4.0, 25.0)
     assert act_constants("silu") == (0.0, 0.0) and act_constants(None) == (0.0, 0.0)
     with pytest.raises(ValueError, match=r"kernel_mode 3 computes with parameters \['alpha', 'limit'\], the kind has "
                                          r"\['limit'\]"):

@@ -1051,7 +1051,9 @@ def test_strided_expert_ids_are_read_as_their_values(interpreted_kernels, exact_
 
 @pytest.mark.parametrize("activation, dtype", [("silu", torch.bfloat16), ("gelu", torch.float32),
                                                ("gelu_tanh", torch.float32), ("swiglu_clamped", torch.bfloat16),
-                                               ("swiglu_clamped", torch.float32), ("silu_clamped", torch.bfloat16)])
+                                               ("swiglu_clamped", torch.float32), ("silu_clamped", torch.bfloat16),
+                                               ("swiglu_softcapped", torch.float32),
+                                               ("swiglu_softcapped", torch.bfloat16)])
 def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_kernels, exact_interpreter,
                                                                  activation, dtype):
     """The one-pass gated activation of the experts' training forward (``kernels/glu.py``) and
@@ -1059,7 +1061,9 @@ def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_ke
     arithmetic rounded once, so equal up to fp32 rounding of the transcendental functions (at
     most one unit in the last place of the rounded result). 37 rows and I = 300 leave partial
     row and column blocks. The clamped kinds' products reach past their limit (a third or so of
-    them), and some sit exactly on it, where torch's clamp passes the gradient."""
+    them), and some sit exactly on it, where torch's clamp passes the gradient. The soft-capped
+    kind's up products reach past its up cap (and its gate products past the gate cap), and many
+    of both sit where tanh's argument is under 0.25, the kernels' polynomial branch."""
     from moeshard.activations import get_activation
     from moeshard.experts.base import activate
 
@@ -1071,6 +1075,12 @@ def test_glu_forward_and_backward_match_autograd_through_activate(interpreted_ke
         gate_up[0, :8] = torch.tensor([limit, -limit] * 4)  # gate on the bounds
         gate_up[0, 300:308] = torch.tensor([limit, -limit] * 4)  # up on the bounds
         assert float((gate_up[:, :300] > limit).float().mean()) > 0.1
+    caps = get_activation(activation).params
+    if "up_cap" in caps:
+        gate_up[:, 300:] *= 10
+        for part, cap in ((gate_up[:, :300], caps["gate_cap"]), (gate_up[:, 300:], caps["up_cap"])):
+            assert float((part.abs() > cap).float().mean()) > 0.1
+            assert float((part.abs() < cap / 4).float().mean()) > 0.1
     grad_h = torch.randn(37, 300, generator=gen).to(dtype)
     ref_in = gate_up.clone().requires_grad_(True)
     ref_h = activate(ref_in, activation, dtype)

@@ -21,9 +21,9 @@ swiglu_clamped  3           g = min(gate, limit); u = clamp(up, -limit, limit); 
                             (u + 1) * g * sigmoid(alpha * g)  (gpt-oss)                 limit 7.0
 silu_clamped    4           silu(min(gate, limit)) * clamp(up, -limit, limit)           limit 10.0
                             (HY-V4's routed experts)
-relu2           5           relu(up)^2, ungated (Nemotron-H)
-swiglu_         -           c_g tanh(gate / c_g) * sigmoid(gate) * c_u tanh(up / c_u)  gate_cap 4
-softcapped                  (Inkling 2; portable experts only)                         up_cap 25
+swiglu_         5           c_g tanh(gate / c_g) * sigmoid(gate) * c_u tanh(up / c_u)  gate_cap 4
+softcapped                  (Inkling 2)                                                 up_cap 25
+relu2           32          relu(up)^2, ungated (Nemotron-H)
 ==============  ==========  ==========================================================  =========
 
 A kind without a ``kernel_mode`` runs on the portable experts; the Triton kernels refuse it
@@ -31,7 +31,8 @@ with the reason (``kernel_refusal``). A new kind is one ``register_activation`` 
 function and parameters as data); a Triton epilogue for it is a change to
 ``kernels/grouped_gemm.py``'s ``_act_mul`` (an ungated kind's: ``_act_one``, a mode from
 ``FIRST_UNGATED_MODE`` on) plus its ``kernel_mode`` and parameter names here (``KERNEL_PARAMS``:
-the kernels take those parameters as compile-time constants), and for a gated kind the same
+the kernels take those parameters as compile-time constants, ``ACT_P0`` and ``ACT_P1`` in that
+order), and for a gated kind the same
 mode's forward and derivative in ``kernels/glu.py`` (the training forward on CUDA; an ungated
 kind's runs as torch ops). The Gluon
 gate_up (``kernels/persistent_gate_up.py``) computes modes ``GLUON_ACT_MODES`` of
@@ -50,14 +51,15 @@ import torch.nn.functional as F
 from moeshard.registry import Registry
 
 # Modes of the Triton gate_up epilogue (``ACT`` of ``kernels.grouped_gemm._act_mul``, and for an
-# ungated kind ``_act_one``), each with the parameter names its formula takes (passed to the
-# kernels as ``ACT_ALPHA`` / ``ACT_LIMIT``).
+# ungated kind ``_act_one``), each with the parameter names its formula takes, in the order the
+# kernels receive them (``ACT_P0``, ``ACT_P1``: ``kernels.modes.act_constants``).
 KERNEL_PARAMS: Mapping[int, tuple[str, ...]] = MappingProxyType({
-    0: (), 1: (), 2: (), 3: ("alpha", "limit"), 4: ("limit",), 5: ()})
+    0: (), 1: (), 2: (), 3: ("alpha", "limit"), 4: ("limit",), 5: ("gate_cap", "up_cap"), 32: ()})
 KERNEL_MODES = tuple(KERNEL_PARAMS)
 # The modes of ungated kinds (h = act(up) from one product; the kernels then load no up tile):
-# from this mode on, every mode is ungated.
-FIRST_UNGATED_MODE = 5
+# from this mode on, every mode is ungated, so that a new gated mode takes the next free number
+# below it and no mode is ever renumbered.
+FIRST_UNGATED_MODE = 32
 UNGATED_KERNEL_MODES = tuple(m for m in KERNEL_MODES if m >= FIRST_UNGATED_MODE)
 
 
@@ -211,8 +213,8 @@ for _kind in (
     ActivationKind("gelu_tanh", _gelu_tanh_glu, 2, "GELU-GLU with GELU's tanh approximation"),
     ActivationKind("silu_clamped", _clamped_silu, 4,
                    "SwiGLU on clamped products: silu(min(gate, limit)) * clamp(up, -limit, limit)", {"limit": 10.0}),
-    ActivationKind("relu2", _relu_squared, 5, "relu(up)^2, an ungated MLP (Nemotron-H)", gated=False),
-    ActivationKind("swiglu_softcapped", _softcapped_swiglu, None,
+    ActivationKind("relu2", _relu_squared, 32, "relu(up)^2, an ungated MLP (Nemotron-H)", gated=False),
+    ActivationKind("swiglu_softcapped", _softcapped_swiglu, 5,
                    "soft-capped SwiGLU: gate_cap tanh(gate / gate_cap) * sigmoid(gate) * up_cap tanh(up / up_cap)",
                    {"gate_cap": 4.0, "up_cap": 25.0}),
 ):

@@ -172,6 +172,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, activation="relu2",
                      scoring="sigmoid", routed_scaling_factor=2.5, use_correction_bias=True),
            "sigmoid, selection bias, renormalized, routed scaling, ungated relu^2 experts", router_dtype="fp32"),
+    # The full size is the transformers Inkling2TextConfig default shape (no shared experts).
+    Preset("inkling-2",
+           MoEConfig(num_experts=384, top_k=8, hidden_size=4608, intermediate_size=2304, activation="swiglu_softcapped",
+                     scoring="sigmoid", routed_scaling_factor=8.0, use_correction_bias=True),
+           MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=512, activation="swiglu_softcapped",
+                     scoring="sigmoid", routed_scaling_factor=8.0, use_correction_bias=True),
+           "sigmoid, selection bias, renormalized, routed scaling 8, soft-capped SwiGLU", router_dtype="fp32"),
 )}
 
 

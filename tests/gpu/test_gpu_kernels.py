@@ -99,18 +99,20 @@ def test_triton_experts_match_reference(dtype, scheme, shape, fp8_gate_up):
     _check(y, ref, dtype, scheme, f"{scheme} {shape} {fp8_gate_up}")
 
 
-@pytest.mark.parametrize("activation", ["swiglu_clamped", "silu_clamped"])
+@pytest.mark.parametrize("activation", ["swiglu_clamped", "silu_clamped", "swiglu_softcapped"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("shape", ["decode", "batch64", "prefill", "prefill_odd"])
 def test_biased_clamped_experts_match_reference(activation, scheme, shape):
-    """gpt-oss's experts (biases, ``swiglu_clamped``) and HY-V4's (``silu_clamped``; here with
-    biases too) on the Triton kernels: the gate_up weights scaled so that about a third of the
-    products pass the limit, biases of the products' size. At prefill the fp8 schemes take the
-    Triton GEMMs where unbiased ``silu`` experts would take the Gluon ones."""
+    """gpt-oss's experts (biases, ``swiglu_clamped``), HY-V4's (``silu_clamped``) and Inkling
+    2's (``swiglu_softcapped``), the last two here with biases too, on the Triton kernels: the
+    gate_up weights scaled so that about a third of the products pass the limit (the up cap),
+    biases of the products' size. At prefill the fp8 schemes take the Triton GEMMs where unbiased
+    ``silu`` experts would take the Gluon ones."""
     from moeshard.activations import get_activation
 
     M, E, H, I = SHAPES[shape]
-    limit = get_activation(activation).params["limit"]
+    params = get_activation(activation).params
+    limit = params.get("limit", params.get("up_cap"))
     gen = torch.Generator(device="cuda").manual_seed(M + 5)
     gu = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * (limit / H**0.5)).to(torch.bfloat16)
     dn = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).to(torch.bfloat16)
@@ -1300,3 +1302,32 @@ def test_fp32_router_on_tensor_cores_is_at_least_as_close_to_exact(dtype):
     assert ours.dtype == torch.float32 and err <= err_fp32, (err, err_fp32)
     assert _tensor_core_chunk(x.requires_grad_(True), w) is None
     assert _tensor_core_chunk(x.detach(), w.float()) is None and _tensor_core_chunk(x.detach()[:, :100], w[:, :100]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_glu_kernels_of_every_gated_mode_match_autograd_through_activate(dtype):
+    """The training forward's one-pass activation and its backward (``kernels/glu.py``), compiled,
+    for every gated kind with a kernel mode, against ``activate`` and autograd through it on the
+    GPU: equal up to fp32 rounding of the transcendental functions. The products reach past each
+    kind's limit or up cap, so a clamp or a cap left out fails; the interpreter runs the same
+    comparison on the CPU (tests/test_kernels.py)."""
+    from moeshard.activations import activation_names, get_activation
+    from moeshard.experts.base import activate
+    from moeshard.kernels.glu import glu_backward, glu_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for name in activation_names():
+        kind = get_activation(name)
+        if not kind.gated or kind.kernel_mode is None:
+            continue
+        reach = kind.params.get("limit", kind.params.get("up_cap", 3.0))
+        gate_up = (torch.randn(301, 2 * 1000, device="cuda", generator=gen) * reach).to(dtype)
+        grad_h = torch.randn(301, 1000, device="cuda", generator=gen).to(dtype)
+        ref_in = gate_up.clone().requires_grad_(True)
+        ref_h = activate(ref_in, name, dtype)
+        (ref_grad,) = torch.autograd.grad(ref_h, ref_in, grad_h)
+        rtol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(glu_forward(gate_up, name, dtype), ref_h.detach(), rtol=rtol,
+                                   atol=rtol * float(ref_h.detach().abs().max()), msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(glu_backward(gate_up, grad_h, name), ref_grad, rtol=rtol,
+                                   atol=rtol * float(ref_grad.abs().max()), msg=lambda m, n=name: f"{n}: {m}")

@@ -103,10 +103,34 @@ def _silu_clamped_mul(gate, up, LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _act_mul(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """h = act(gate, up) in fp32 for the activation's kernel mode (``activations.KERNEL_PARAMS``):
-    0 silu, 1 exact-erf gelu, 2 tanh-approximate gelu, 3 gpt-oss's clamped SwiGLU (ALPHA,
-    LIMIT), 4 SwiGLU on clamped products (LIMIT)."""
+def _tanh(z):
+    """tanh(z) in fp32 from exp alone (Triton has no tanh of its own): (1 - e) / (1 + e) with
+    e = exp(-2|z|), the sign restored; below |z| = 0.25, where 1 - e would cancel (a soft cap
+    multiplies by tanh, so its relative error counts), its odd Taylor polynomial to z^11, whose
+    truncation is under 1e-9 relative there. tanh(+-inf) = +-1, NaN stays NaN."""
+    a = tl.abs(z)
+    e = tl.exp(-2.0 * a)
+    far = (1.0 - e) / (1.0 + e)
+    z2 = a * a
+    near = a * (1.0 + z2 * (-0.3333333333333333 + z2 * (0.13333333333333333 + z2 * (
+        -0.05396825396825397 + z2 * (0.021869488536155203 + z2 * -0.008863235529902197)))))
+    t = tl.where(a < 0.25, near, far)
+    return tl.where(z < 0.0, -t, t)
+
+
+@triton.jit
+def _swiglu_softcapped_mul(gate, up, GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr):
+    # Inkling 2: the sigmoid sees the raw gate; the caps bound the two linear factors.
+    capped_gate = GATE_CAP * _tanh(gate / GATE_CAP)
+    return capped_gate * (1.0 / (1.0 + tl.exp(-gate))) * (UP_CAP * _tanh(up / UP_CAP))
+
+
+@triton.jit
+def _act_mul(gate, up, ACT: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr):
+    """h = act(gate, up) in fp32 for the activation's kernel mode, with its parameters P0, P1 in
+    ``activations.KERNEL_PARAMS`` order: 0 silu, 1 exact-erf gelu, 2 tanh-approximate gelu, 3
+    gpt-oss's clamped SwiGLU (alpha, limit), 4 SwiGLU on clamped products (limit), 5 Inkling 2's
+    soft-capped SwiGLU (gate_cap, up_cap)."""
     if ACT == 0:
         h = _silu_mul(gate, up)
     elif ACT == 1:
@@ -114,18 +138,20 @@ def _act_mul(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constex
     elif ACT == 2:
         h = _gelu_tanh_mul(gate, up)
     elif ACT == 3:
-        h = _swiglu_clamped_mul(gate, up, ALPHA, LIMIT)
+        h = _swiglu_clamped_mul(gate, up, P0, P1)
+    elif ACT == 4:
+        h = _silu_clamped_mul(gate, up, P0)
     else:
-        tl.static_assert(ACT == 4, "an activation mode the epilogue does not compute")
-        h = _silu_clamped_mul(gate, up, LIMIT)
+        tl.static_assert(ACT == 5, "an activation mode the epilogue does not compute")
+        h = _swiglu_softcapped_mul(gate, up, P0, P1)
     return h
 
 
 @triton.jit
 def _act_one(up, ACT: tl.constexpr):
     """h = act(up) in fp32 for an ungated kind's mode (``activations.UNGATED_KERNEL_MODES``):
-    5 relu(up)^2 (NaN stays NaN, as torch.relu keeps it)."""
-    tl.static_assert(ACT == 5, "an ungated activation mode the epilogue does not compute")
+    32 relu(up)^2 (NaN stays NaN, as torch.relu keeps it)."""
+    tl.static_assert(ACT == 32, "an ungated activation mode the epilogue does not compute")
     r = tl.maximum(up, 0.0, propagate_nan=tl.PropagateNan.ALL)
     return r * r
 
@@ -165,8 +191,8 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
           a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
           stride_om, stride_on, stride_osm, stride_be,
-          QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, ACT_ALPHA: tl.constexpr,
-          ACT_LIMIT: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
+          QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, ACT_P0: tl.constexpr,
+          ACT_P1: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
           GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
           EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
           FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
@@ -339,7 +365,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
             up = acc_up.to(H_TY).to(tl.float32)
             if BIAS:
                 up = (up + tl.load(b_ptrs + up_offset).to(tl.float32)[None, :]).to(H_TY).to(tl.float32)
-            h = _act_mul(gate, up, ACT, ACT_ALPHA, ACT_LIMIT)
+            h = _act_mul(gate, up, ACT, ACT_P0, ACT_P1)
         else:
             h = _act_one(gate, ACT)
         if BIAS:
@@ -388,8 +414,8 @@ def moe_gemm_kernel(
         stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
         stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
         stride_om, stride_on, stride_osm, stride_be,
-        QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, ACT_ALPHA: tl.constexpr,
-        ACT_LIMIT: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
+        QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, ACT_P0: tl.constexpr,
+        ACT_P1: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
@@ -430,7 +456,7 @@ def moe_gemm_kernel(
                   amax_ptr, bias_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w,
                   up_offset, a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
-                  stride_osm, stride_be, QUANT, FUSE_ACT, ACT, ACT_ALPHA, ACT_LIMIT, BIAS, QUANT_OUT, H_TY,
+                  stride_osm, stride_be, QUANT, FUSE_ACT, ACT, ACT_P0, ACT_P1, BIAS, QUANT_OUT, H_TY,
                   GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K,
                   TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M // 2, BLOCK_N,
                   BLOCK_K, SUB_K)
@@ -450,7 +476,7 @@ def moe_gemm_kernel(
           bias_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w, up_offset,
           a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, stride_osm,
-          stride_be, QUANT, FUSE_ACT, ACT, ACT_ALPHA, ACT_LIMIT, BIAS, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT,
+          stride_be, QUANT, FUSE_ACT, ACT, ACT_P0, ACT_P1, BIAS, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT,
           TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M,
           BLOCK_N, BLOCK_K, SUB_K)
 
@@ -640,7 +666,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
             raise ValueError(f"moe_gemm: h_dtype={h_dtype} differs from out's {out.dtype}; it rounds h for out_scale")
         h_ty = H_TYPES.get(out.dtype, tl.float32)
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
-    act_alpha, act_limit = act_constants(activation)
+    act_p0, act_p1 = act_constants(activation)
     moe_gemm_kernel[grid](
         a_arg, a_half if tma_a else a_arg, a_scale, a_global, w_arg, w_scale, w_global,
         out, out_scale if out_scale is not None else out,
@@ -652,7 +678,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0,
         bias.stride(0) if bias is not None else 0,
         QUANT=w_mode, FUSE_ACT=fused, ACT=act_mode(activation),  # fused
-        ACT_ALPHA=act_alpha, ACT_LIMIT=act_limit, BIAS=bias is not None, QUANT_OUT=out_scale is not None, H_TY=h_ty,
+        ACT_P0=act_p0, ACT_P1=act_p1, BIAS=bias is not None, QUANT_OUT=out_scale is not None, H_TY=h_ty,
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax_mode(amax, row_amax), EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.activations import get_activation
+from moeshard.activations import KERNEL_PARAMS, get_activation
 from moeshard.quant import get_scheme
 
 
@@ -34,13 +34,16 @@ def act_mode(activation: str | None) -> int:
 
 
 def act_constants(activation: str | None) -> tuple[float, float]:
-    """The epilogue's ``(ACT_ALPHA, ACT_LIMIT)``: the kind's ``alpha`` and ``limit`` parameters
-    where its mode takes them (``activations.KERNEL_PARAMS``), else 0.0 (no kind's formula reads
-    a constant it does not take). Compile-time constants: a kind's values never change."""
+    """The epilogue's ``(ACT_P0, ACT_P1)``: the kind's parameters in the order its mode takes them
+    (``activations.KERNEL_PARAMS``: gpt-oss's ``alpha, limit``, HY-V4's ``limit``, Inkling 2's
+    ``gate_cap, up_cap``), 0.0 where the mode takes fewer than two. Compile-time constants: a
+    kind's values never change."""
     if activation is None:
         return 0.0, 0.0
-    params = get_activation(activation, "moe_gemm: activation").params
-    return float(params.get("alpha", 0.0)), float(params.get("limit", 0.0))
+    kind = get_activation(activation, "moe_gemm: activation")
+    names = KERNEL_PARAMS.get(kind.kernel_mode, ()) if kind.kernel_mode is not None else ()
+    values = [float(kind.params[name]) for name in names] + [0.0, 0.0]
+    return values[0], values[1]
 
 
 # The activation modes the Gluon gate_up (``persistent_gate_up._act_mul``) computes; the experts
