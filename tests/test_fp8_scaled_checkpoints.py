@@ -487,3 +487,43 @@ def test_a_model_read_dequantized_saves_as_full_precision(ckpts, tmp_path, cid):
         before = model(ids).logits
         after = load_sharded_model(saved, dtype="float32")(ids).logits
     assert torch.equal(before, after)
+
+
+def test_the_dequantized_copy_is_written_one_stored_file_at_a_time(ckpts, tmp_path, monkeypatch):
+    """transformers' model of a per-row checkpoint (``--compare``'s reference) comes from a
+    dequantized copy written one shard per stored file, so host memory never holds the whole copy
+    at once: the checkpoint split into two files (a weight's row scale in the other file than the
+    weight) gives two shards, each of one file's tensors, and the same model bit for bit as the
+    single-file checkpoint."""
+    import safetensors.torch
+
+    from moeshard.checkpoint.hf_model import load_transformers_model
+
+    single = ckpts["qwen3_moe-compressed-per_row"][0]
+    tensors = load_file(single / "model.safetensors")
+    names = sorted(tensors)
+    first = set(names[: len(names) // 2])
+    weight = next(n for n in names if n.endswith(".weight") and tensors[n].dtype == torch.float8_e4m3fn
+                  and n in first and n[: -len("weight")] + "weight_scale" not in first)
+    split = tmp_path / "split"
+    split.mkdir()
+    parts = {"a.safetensors": {n: tensors[n] for n in names if n in first},
+             "b.safetensors": {n: tensors[n] for n in names if n not in first}}
+    for file, part in parts.items():
+        save_file(part, str(split / file), metadata={"format": "pt"})
+    (split / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in parts.items() for n in part}}))
+    for extra in single.iterdir():
+        if extra.name != "model.safetensors":
+            shutil.copy(extra, split / extra.name)
+    assert weight in parts["a.safetensors"] and weight[: -len("weight")] + "weight_scale" in parts["b.safetensors"]
+
+    written: list[set[str]] = []
+    save = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda t, *a, **k: (written.append(set(t)), save(t, *a, **k)))
+    got = load_transformers_model(str(split), torch.float32).state_dict()
+    assert len(written) == 2 and all(w <= set(parts["a.safetensors"]) or w <= set(parts["b.safetensors"])
+                                     for w in written), [sorted(w)[:3] for w in written]
+    monkeypatch.undo()
+    want = load_transformers_model(str(single), torch.float32).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

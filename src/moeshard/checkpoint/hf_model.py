@@ -81,26 +81,34 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
     fp32 rounded once to ``dtype`` (as moeshard reads them, ``dense.read_dense``), written with the
     other tensors under their stored names and config.json without its quantization_config into
     a temporary directory, and loaded from there with ``from_pretrained``, whose own renaming
-    then applies. Holds the model twice in host memory and once on disk while it loads."""
+    then applies.
+
+    The copy is written one stored file at a time (a shard of the copy per file of the checkpoint,
+    with its ``model.safetensors.index.json``), so host memory holds one file's tensors while it is
+    written, then the model once while it loads; the disk holds the whole copy until then."""
     from safetensors.torch import save_file
 
     source = Path(model_dir)
     ckpt = SafetensorsCheckpoint(source)
     names = ckpt.names()
-    fp8 = [n for n in names if ckpt.info(n).dtype == torch.float8_e4m3fn]
+    fp8 = {n for n in names if ckpt.info(n).dtype == torch.float8_e4m3fn}
     skip = {row_scale_name(n) for n in fp8} | {n for n in names if n.rsplit(".", 1)[-1] in STATIC_SCALES}
-    tensors = {}
+    by_file: dict[Path, list[str]] = {}
     for name in names:
-        if name in skip:
-            continue
-        info = ckpt.info(name)
-        value = read_dense(ckpt, name, info.shape, dtype, "row") if name in fp8 else ckpt.read(name)
-        tensors[ckpt.stored_name(name)] = value
+        if name not in skip:
+            by_file.setdefault(ckpt.info(name).file, []).append(name)
     config = json.loads((source / "config.json").read_text())
     config.pop("quantization_config", None)
     with tempfile.TemporaryDirectory(prefix="moeshard-dequantized-") as tmp:
-        save_file(tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
+        weight_map: dict[str, str] = {}
+        for i, (_, group) in enumerate(sorted(by_file.items())):
+            shard = f"model-{i + 1:05d}-of-{len(by_file):05d}.safetensors"
+            tensors = {ckpt.stored_name(name): read_dense(ckpt, name, ckpt.info(name).shape, dtype, "row")
+                       if name in fp8 else ckpt.read(name) for name in group}
+            save_file(tensors, str(Path(tmp) / shard), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, shard))
+            del tensors
+        (Path(tmp) / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         if (source / "generation_config.json").is_file():
             (Path(tmp) / "generation_config.json").write_text((source / "generation_config.json").read_text())
