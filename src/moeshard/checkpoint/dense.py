@@ -1,14 +1,16 @@
 """Reading one non-expert tensor whole (router, correction bias, shared experts, and the rest of a
 whole model's weights), checked, in a given dtype. In an fp8 checkpoint an e4m3 weight is
 dequantized with its scales, since these run in the model dtype: ``weight_scale_inv`` per 128 x 128
-tile (``CheckpointFormat.fp8_scales`` "block"), or ``weight_scale`` per tensor or per output row
-("row")."""
+tile (``CheckpointFormat.fp8_scales`` "block"), ``weight_scale`` per tensor or per output row
+("row"), or an E8M0 exponent per 32 values of a row ("mx", ``checkpoint.mxfp8``)."""
 
 from __future__ import annotations
 
 import torch
 
 from moeshard.checkpoint.experts import FLOAT_DTYPES, dequantize_fp8_block, read_row_scale, scale_dtypes
+from moeshard.checkpoint.mxfp8 import BLOCK as MX_BLOCK
+from moeshard.checkpoint.mxfp8 import dequantize_mxfp8, scale_names
 from moeshard.checkpoint.names import scale_name
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
 from moeshard.quant import FP8_BLOCK
@@ -32,9 +34,11 @@ def read_dense(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], d
 def in_dtype(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, fp8_scales: str | None) -> torch.Tensor:
     """A tensor as ``read_stored`` gives it, in ``dtype``: a float tensor cast, or an e4m3 weight
     [R, C] dequantized in fp32 and rounded once, with its scales as ``fp8_scales`` says: "row"
-    [R, 1], "block" one per 128 x 128 tile."""
+    [R, 1], "block" one per 128 x 128 tile, "mx" [..., C / 32] exponent bytes."""
     if scale is None:
         return t.to(dtype)
+    if fp8_scales == "mx":
+        return dequantize_mxfp8(t, scale, dtype)
     if fp8_scales == "row":
         return fp8_dequantize(t, scale).to(dtype)
     return dequantize_fp8_block(t, scale, dtype)
@@ -44,13 +48,17 @@ def read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...],
                 fp8_scales: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Tensor ``name`` of ``shape`` as stored, checked as ``read_dense`` checks it: (the float
     tensor, None), or for an e4m3 weight of an fp8 checkpoint (``fp8_scales`` "block" or "row") the
-    e4m3 [R, C] codes and their fp32 scales: [ceil(R/128), ceil(C/128)] block scales, or [R, 1]."""
+    e4m3 [R, C] codes and their fp32 scales: [ceil(R/128), ceil(C/128)] block scales, or [R, 1];
+    of an MXFP8 checkpoint ("mx") the e4m3 [..., C] codes (any number of dimensions: fused experts
+    too) and their uint8 exponents [..., C / 32]."""
     allowed = FLOAT_DTYPES + ((torch.float8_e4m3fn,) if fp8_scales else ())
     info = ckpt.expect(name, shape, allowed)
     t = ckpt.read(name)
     check_finite(t, name, info.file)
     if t.dtype != torch.float8_e4m3fn:
         return t, None
+    if fp8_scales == "mx":
+        return t, _mx_scale(ckpt, name, shape)
     if len(shape) != 2:
         raise ValueError(f"tensor {name!r} in {str(info.file)!r}: an fp8 weight with its scales must be 2-D, "
                          f"got shape {list(shape)}")
@@ -61,3 +69,18 @@ def read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...],
     scale = ckpt.read(sname).float()
     check_finite(scale, sname, sinfo.file)
     return t, scale
+
+
+def _mx_scale(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The uint8 exponents [..., C / 32] of MXFP8 weight ``name`` of ``shape`` [..., C], under the
+    first of its ``scale_names`` the checkpoint holds; ValueError naming both otherwise."""
+    if not shape or shape[-1] % MX_BLOCK:
+        raise ValueError(f"tensor {name!r}: an MXFP8 weight's last dimension must be a multiple of {MX_BLOCK}, got "
+                         f"shape {list(shape)}")
+    names = scale_names(name)
+    stored = next((n for n in names if ckpt.has(n)), None)
+    if stored is None:
+        raise ValueError(f"tensor {name!r} is float8_e4m3fn, but its MXFP8 scale is missing (looked for "
+                         f"{list(names)} under {str(ckpt.model_dir)!r})")
+    ckpt.expect(stored, (*shape[:-1], shape[-1] // MX_BLOCK), (torch.uint8,))
+    return ckpt.read(stored)

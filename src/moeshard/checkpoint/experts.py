@@ -21,8 +21,9 @@ What is read, per local expert (a ``ShardSpec`` says which experts and which sli
 * a fused layout other than ``gate_up_rows`` (``checkpoint.fused``: interleaved gate/up,
   transposed ``[E, H, 2I]`` / ``[E, I, H]``, or DBRX's three stacked ``[E * I, H]`` tensors): the
   same slices of the stored tensors, converted into moeshard's layout one expert at a time.
-* an MXFP4 checkpoint (gpt-oss: ``<name>_blocks`` / ``<name>_scales``, ``checkpoint.mxfp4``): the
-  blocks and scales of the kept slice (down: the 32-column blocks that cover it), dequantized to
+* an MXFP4 checkpoint (gpt-oss: ``<name>_blocks`` / ``<name>_scales``, ``checkpoint.mxfp4``) or
+  an MXFP8 one (Inkling 2: e4m3 ``<name>`` / E8M0 ``<name>_scale``, ``checkpoint.mxfp8``): the
+  values and scales of the kept slice (down: the 32-column blocks that cover it), dequantized to
   the model dtype; then as a full-precision checkpoint (any scheme, the slice or whole expert).
 * expert biases (``MoEConfig.expert_bias``): the gate_up bias of the kept slice (gate, then up),
   and the down bias on TP rank 0 only (``sharding``: added once to the TP-reduced sum).
@@ -55,6 +56,8 @@ from moeshard.checkpoint.families import CheckpointFormat
 from moeshard.checkpoint.fused import fused_layout
 from moeshard.checkpoint.mxfp4 import BLOCK as MX_BLOCK
 from moeshard.checkpoint.mxfp4 import dequantize_mxfp4
+from moeshard.checkpoint.mxfp8 import dequantize_mxfp8
+from moeshard.checkpoint.mxfp8 import scale_names as mxfp8_scale_names
 from moeshard.checkpoint.names import BlockNames, mxfp4_names, row_scale_name, scale_name
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, TensorInfo, check_finite
 from moeshard.config import MoEConfig, QuantConfig
@@ -186,28 +189,33 @@ class ExpertReader:
     """Reads the routed experts of one block (names, cfg) from ``ckpt`` for one rank's plan."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fmt: CheckpointFormat) -> None:
-        if (fmt.stored_scheme is not None and fmt.fp8_scales is None) or (fmt.dequantized and fmt.name != "mxfp4"):
+        if (fmt.stored_scheme is not None and fmt.fp8_scales is None) or (fmt.dequantized and
+                                                                          fmt.name not in ("mxfp4", "mxfp8")):
             raise ValueError(f"checkpoint format {fmt.name!r} ({fmt.summary}): its experts are not read yet "
-                             f"(readable: full precision, fp8 with block or per-tensor / per-row scales, and mxfp4)")
+                             f"(readable: full precision, fp8 with block or per-tensor / per-row scales, mxfp4 "
+                             f"and mxfp8)")
         self.ckpt, self.names, self.cfg, self.format = ckpt, names, cfg, fmt
         self.fp8 = fmt.fp8_scales == "block"
         self.row_fp8 = fmt.fp8_scales == "row"
         self.mxfp4 = fmt.name == "mxfp4"
+        self.mxfp8 = fmt.fp8_scales == "mx"
+        self.mx = self.mxfp4 or self.mxfp8  # fused values with one exponent byte per 32, dequantized
         self.layout = fused_layout(names.fused_layout)
+        mx = f"an {fmt.name.upper()} checkpoint"
         if self.row_fp8 and names.fused:
             raise ValueError(f"{names.fused_gate_up}: {fmt.summary} is read with per-expert tensors "
                              f"({names.prefix}{names.family.experts}.<e>.<projection>.weight) only, not fused ones")
         if self.fp8 and names.fused and self.layout.name != "gate_up_rows":
             raise ValueError(f"{names.fused_gate_up}: an fp8 checkpoint is read with fused layout 'gate_up_rows' "
                              f"only, its family's is {self.layout.name!r}")
-        if (self.mxfp4 or cfg.expert_bias) and self.layout.stacked:
-            what = "an MXFP4 checkpoint" if self.mxfp4 else "experts with biases"
+        if (self.mx or cfg.expert_bias) and self.layout.stacked:
+            what = mx if self.mx else "experts with biases"
             raise ValueError(f"{names.fused_gate_up}: {what} in fused layout 'stacked' is not read")
-        if (self.fp8 or self.mxfp4) and not cfg.activation_kind.gated:
+        if (self.fp8 or self.mx) and not cfg.activation_kind.gated:
             raise ValueError(f"{names.prefix}{names.family.experts}: ungated experts ({cfg.activation}) are read from a "
                              f"full-precision checkpoint only, not from {fmt.summary}")
-        if (self.mxfp4 or cfg.expert_bias) and not names.fused:
-            what = "an MXFP4 checkpoint" if self.mxfp4 else "experts with biases"
+        if (self.mx or cfg.expert_bias) and not names.fused:
+            what = mx if self.mx else "experts with biases"
             raise ValueError(f"{names.prefix}{names.family.experts}: {what} must be stored as fused tensors "
                              f"({names.fused_gate_up}, ...); per-expert tensors are not read for it")
         self._check_shapes()
@@ -235,8 +243,8 @@ class ExpertReader:
         want: dict[str, tuple[int, ...]]
         scales: dict[str, tuple[int, ...]]
         shape: tuple[int, ...]  # a 2-d per-expert shape below, then any shape of want / scales
-        if self.mxfp4:
-            self._check_mxfp4_shapes()
+        if self.mx:
+            self._check_mx_shapes()
             want, scales = {}, {}
         elif n.fused:
             want = dict(zip(n.fused_tensors, self.layout.stored_shapes(E, H, I), strict=True))
@@ -269,15 +277,32 @@ class ExpertReader:
                                  f"per-expert gate and up tiles cannot be fused into one fp8_block weight "
                                  f"without requantizing")
 
-    def _check_mxfp4_shapes(self) -> None:
+    def _check_mx_shapes(self) -> None:
         E, H, I, n = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.intermediate_size, self.names
         for what, k in (("hidden_size", H), ("intermediate_size", I)):
             if k % MX_BLOCK:
-                raise ValueError(f"MXFP4 checkpoint: {what}={k} is not a multiple of its {MX_BLOCK}-value blocks")
+                raise ValueError(f"{self.format.name.upper()} checkpoint: {what}={k} is not a multiple of its "
+                                 f"{MX_BLOCK}-value blocks")
         for name, (rows, cols) in ((n.fused_gate_up, (2 * I, H)), (n.fused_down, (H, I))):
-            blocks, scales = mxfp4_names(name)
-            self.ckpt.expect(blocks, (E, rows, cols // MX_BLOCK, MX_BLOCK // 2), (torch.uint8,))
+            values, scales = self._mx_names(name)
+            if self.mxfp4:
+                self.ckpt.expect(values, (E, rows, cols // MX_BLOCK, MX_BLOCK // 2), (torch.uint8,))
+            else:
+                self.ckpt.expect(values, (E, rows, cols), (torch.float8_e4m3fn,))
             self.ckpt.expect(scales, (E, rows, cols // MX_BLOCK), (torch.uint8,))
+
+    def _mx_names(self, fused_name: str) -> tuple[str, str]:
+        """(values, scales) of a fused parameter in an MX checkpoint: MXFP4's ``_blocks`` and
+        ``_scales``; MXFP8's e4m3 tensor itself and the first of its scale names stored (the
+        release's, when neither is: the shape check then names it missing)."""
+        if self.mxfp4:
+            return mxfp4_names(fused_name)
+        candidates = mxfp8_scale_names(fused_name)
+        return fused_name, next((c for c in candidates if self.ckpt.has(c)), candidates[0])
+
+    def _mx_dequantize(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+        """[..., K] in ``dtype`` from the values and exponents read (MXFP4: [..., K / 32, 16] bytes)."""
+        return dequantize_mxfp4(values, scales, dtype) if self.mxfp4 else dequantize_mxfp8(values, scales, dtype, name)
 
     # -- one expert -----------------------------------------------------------------------
     def _requests(self, e: int, lo: int, hi: int, scales: bool) -> list[tuple[str, tuple]]:
@@ -305,8 +330,8 @@ class ExpertReader:
     def _into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor, scales: bool) -> None:
         """Reads expert e's gate/up rows and down columns [lo, hi) (or their scale tiles) straight
         into ``gate_up`` [2 rows, K] (gate half first, then up) and ``down`` [H, cols]."""
-        if self.mxfp4:
-            self._mxfp4_into(e, lo, hi, gate_up, down)
+        if self.mx:
+            self._mx_into(e, lo, hi, gate_up, down)
             return
         if self.names.fused and self.layout.name != "gate_up_rows":
             self._converted_into(e, lo, hi, gate_up, down)
@@ -328,22 +353,24 @@ class ExpertReader:
         self._place(gate_up, gate_up_rows, n.fused_gate_up)
         self._place(down, down_rows, n.fused_down)
 
-    def _mxfp4_into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """MXFP4 blocks and scales of the slice, dequantized: gate_up rows (the family's gate/up
-        order, blocks along H) and the 32-column blocks of down that cover [lo, hi)."""
+    def _mx_into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """MX values and scales of the slice, dequantized: gate_up rows (the family's gate/up order,
+        blocks along H) and the 32-column blocks of down that cover [lo, hi)."""
         n, rows, I, dtype = self.names, self.layout.rows, self.cfg.intermediate_size, gate_up.dtype
-        gu_blocks, gu_scales = mxfp4_names(n.fused_gate_up)
+        gu_values, gu_scales = self._mx_names(n.fused_gate_up)
         parts = []
         for index in rows.gate_up_reads(e, lo, hi, I):
-            blocks, scales = self.ckpt.read_many([(gu_blocks, index), (gu_scales, index)])
-            parts.append(dequantize_mxfp4(blocks, scales, dtype))
-        self._place(gate_up, rows.gate_up_rows(parts), gu_blocks)
+            values, scales = self.ckpt.read_many([(gu_values, index), (gu_scales, index)])
+            parts.append(self._mx_dequantize(values, scales, dtype, gu_values))
+        self._place(gate_up, rows.gate_up_rows(parts), gu_values)
         first, last = lo // MX_BLOCK, -(-hi // MX_BLOCK)
-        dn_blocks, dn_scales = mxfp4_names(n.fused_down)
-        index = (e, slice(None), slice(first, last))
-        blocks, scales = self.ckpt.read_many([(dn_blocks, index), (dn_scales, index)])
-        self._place(down, dequantize_mxfp4(blocks, scales, dtype)[:, lo - first * MX_BLOCK:hi - first * MX_BLOCK],
-                    dn_blocks)
+        dn_values, dn_scales = self._mx_names(n.fused_down)
+        # MXFP4's blocks are indexed by block, MXFP8's values by column.
+        columns = slice(first, last) if self.mxfp4 else slice(first * MX_BLOCK, last * MX_BLOCK)
+        values, scales = self.ckpt.read_many([(dn_values, (e, slice(None), columns)),
+                                              (dn_scales, (e, slice(None), slice(first, last)))])
+        whole = self._mx_dequantize(values, scales, dtype, dn_values)
+        self._place(down, whole[:, lo - first * MX_BLOCK:hi - first * MX_BLOCK], dn_values)
 
     def _read_biases(self, plan: ExpertPlan, spec: ShardSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(gate_up bias [E_l, 2w] of the kept slice, gate then up; down bias [E_l, H] on TP rank 0,

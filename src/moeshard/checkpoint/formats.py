@@ -16,6 +16,8 @@ compressed_fp8  e4m3 ``weight`` + ``weight_scale`` per tensor    as modelopt_fp8
                 ``float-quantized``, 8-bit float weights)
 mxfp4           e2m1 ``<name>_blocks`` + e8m0 ``<name>_scales``  any scheme, from the dequantized values
                 (gpt-oss)
+mxfp8           e4m3 ``<name>`` + e8m0 ``<name>_scale``, one     any scheme, from the dequantized values
+                per 32 values along the input axis (Inkling 2)
 ==============  ===============================================  ==========================================
 
 In every fp8 format w = q * scale. Only the weights' storage is read: the static activation scales
@@ -35,6 +37,7 @@ from typing import Any
 from moeshard.validate import is_int
 
 FP8_CHECKPOINT_BLOCK = (128, 128)
+MXFP8_BLOCK = (1, 32)
 # ModelOpt's quant_algo values whose weights are e4m3 with one scale per tensor (FP8) or per
 # output row (FP8_PER_CHANNEL_PER_TOKEN).
 MODELOPT_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
@@ -60,6 +63,22 @@ def _is_fp8_block(q: Any, source: str) -> bool:
 
 def _is_mxfp4(q: Any, source: str) -> bool:
     return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
+
+
+def _is_mxfp8(q: Any, source: str) -> bool:
+    """quant_method ``mxfp8`` (transformers' FineGrainedFP8 with E8M0 scales): e4m3 weights with one
+    exponent byte per [1, 32] block. Another block, scale format or expert dtype is refused by name."""
+    if not isinstance(q, dict) or q.get("quant_method") != "mxfp8":
+        return False
+    block = q.get("weight_block_size", list(MXFP8_BLOCK))
+    if not isinstance(block, (list, tuple)) or tuple(block) != MXFP8_BLOCK:
+        raise ValueError(f"{source}: mxfp8 quantization_config has weight_block_size={block!r}; MXFP8 scales cover "
+                         f"{list(MXFP8_BLOCK)} blocks")
+    for key, want in (("scale_fmt", "ue8m0"), ("expert_dtype", "fp8"), ("activation_scheme", "dynamic")):
+        if q.get(key, want) != want:
+            raise ValueError(f"{source}: mxfp8 quantization_config has {key}={q.get(key)!r}; moeshard reads "
+                             f"{key}={want!r} only")
+    return True
 
 
 def _is_modelopt_fp8(q: Any, source: str) -> bool:
@@ -147,7 +166,9 @@ class CheckpointFormat:
       as a full-precision checkpoint's do (``stored_scheme`` None).
     fp8_scales: how its e4m3 weights' scales are stored: ``"block"`` (``weight_scale_inv``
       [ceil(R/128), ceil(C/128)], one per 128 x 128 tile), ``"row"`` (``weight_scale`` of shape
-      [] or [1]: one for the tensor, or [R] / [R, 1]: one per output row), None (no e4m3 weights).
+      [] or [1]: one for the tensor, or [R] / [R, 1]: one per output row), ``"mx"`` (uint8 E8M0
+      exponents [..., C / 32], one per 32 values of a row: ``checkpoint.mxfp8``), None (no e4m3
+      weights).
     also_stored_as: further schemes the stored experts are read as without requantizing, where
       their scales allow it (``fp8_tensor`` from ``"row"`` scales: one scale for each expert
       weight, the gate's equal to the up's); the reader refuses, naming the tensors, where not.
@@ -190,4 +211,9 @@ CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
                      "an MXFP4 checkpoint (gpt-oss style: routed experts as <name>_blocks, two e2m1 values a byte, "
                      "and <name>_scales, one e8m0 exponent per 32 values; quantization_config quant_method "
                      "'mxfp4'); its experts are dequantized to the model dtype as they are read", dequantized=True),
+    CheckpointFormat("mxfp8", None, _is_mxfp8,
+                     "an MXFP8 checkpoint (Inkling 2 style: float8_e4m3fn weights with one E8M0 exponent byte per "
+                     "32 values of a row, <name>_scale; quantization_config quant_method 'mxfp8', weight_block_size "
+                     "[1, 32], scale_fmt 'ue8m0'); its weights are dequantized to the model dtype as they are read",
+                     dequantized=True, fp8_scales="mx"),
 )}

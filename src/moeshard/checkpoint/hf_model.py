@@ -12,6 +12,7 @@ import torch
 
 from moeshard.checkpoint.dense import read_dense
 from moeshard.checkpoint.hf_config import read_hf_config
+from moeshard.checkpoint.mxfp8 import scale_names as mxfp8_scale_names
 from moeshard.checkpoint.names import row_scale_name
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
 
@@ -52,8 +53,8 @@ def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Modu
     whose stub mypy does not bind as a method."""
 
     info = read_hf_config(model_dir)
-    if info.format.fp8_scales == "row":
-        return _from_dequantized_copy(model_dir, dtype)
+    if info.format.fp8_scales in ("row", "mx"):
+        return _from_dequantized_copy(model_dir, dtype, info.format.fp8_scales)
     model = _from_pretrained(model_dir, dtype)
     if info.checkpoint_format == "mxfp4":
         _mxfp4_experts_in(model, dtype)
@@ -74,11 +75,12 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
         return auto.from_pretrained(model_dir, dtype=dtype)
 
 
-def _from_dequantized_copy(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fp8_scales: str) -> torch.nn.Module:
     """transformers' model of a checkpoint with per-tensor or per-row fp8 scales (ModelOpt,
-    compressed-tensors), which transformers does not load itself (no ModelOpt reader; the
-    compressed-tensors one needs that package): every e4m3 weight dequantized, w = q * scale in
-    fp32 rounded once to ``dtype`` (as moeshard reads them, ``dense.read_dense``), written with the
+    compressed-tensors; ``fp8_scales`` "row") or MXFP8 ones ("mx"), which transformers does not
+    load itself here (no ModelOpt reader; the compressed-tensors one needs that package, its MXFP8
+    one accelerate): every e4m3 weight dequantized, w = q * scale in fp32 rounded once to
+    ``dtype`` (as moeshard reads them, ``dense.read_dense``), written with the
     other tensors under their stored names and config.json without its quantization_config into
     a temporary directory, and loaded from there with ``from_pretrained``, whose own renaming
     then applies.
@@ -92,7 +94,8 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
     ckpt = SafetensorsCheckpoint(source)
     names = ckpt.names()
     fp8 = {n for n in names if ckpt.info(n).dtype == torch.float8_e4m3fn}
-    skip = {row_scale_name(n) for n in fp8} | {n for n in names if n.rsplit(".", 1)[-1] in STATIC_SCALES}
+    scales = {row_scale_name(n) for n in fp8} if fp8_scales == "row" else {s for n in fp8 for s in mxfp8_scale_names(n)}
+    skip = scales | {n for n in names if n.rsplit(".", 1)[-1] in STATIC_SCALES}
     by_file: dict[Path, list[str]] = {}
     for name in names:
         if name not in skip:
@@ -103,7 +106,7 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
         weight_map: dict[str, str] = {}
         for i, (_, group) in enumerate(sorted(by_file.items())):
             shard = f"model-{i + 1:05d}-of-{len(by_file):05d}.safetensors"
-            tensors = {ckpt.stored_name(name): read_dense(ckpt, name, ckpt.info(name).shape, dtype, "row")
+            tensors = {ckpt.stored_name(name): read_dense(ckpt, name, ckpt.info(name).shape, dtype, fp8_scales)
                        if name in fp8 else ckpt.read(name) for name in group}
             save_file(tensors, str(Path(tmp) / shard), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, shard))

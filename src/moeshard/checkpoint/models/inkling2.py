@@ -90,7 +90,7 @@ INKLING2 = ModelFamily(
     bias_aliases=("gate.bias",), checkpoint_fused_layout="interleaved",
     stored_names={"experts.gate_up_proj": "experts.w13_weight", "experts.down_proj": "experts.w2_weight"},
     dense_renames=_RENAMES, dense_convert={"lm_head.weight": (("model.llm.unembed.weight",), _unpad)},
-    formats=("bf16",))
+    formats=("bf16", "mxfp8"))
 register_family(INKLING2)
 
 # The loop model's message gates: their inner names first, then the gate's module (composed in order).
