@@ -385,7 +385,7 @@ def _raw(ckpts, cid: str) -> dict:
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"quant_algo": "NVFP4"}, r"quant_method 'modelopt' has quant_algo 'NVFP4'; moeshard reads \['FP8', "),
+    ({"quant_algo": "W4A8_AWQ"}, r"quant_method 'modelopt' has quant_algo 'W4A8_AWQ'; moeshard reads \['FP8', "),
     ({"quant_algo": "MIXED_PRECISION", "quantized_layers": {"model.layers.0.mlp": {"quant_algo": "NVFP4"}}},
      r"quantized_layers\['model.layers.0.mlp'\] has quant_algo 'NVFP4' \(1 such layers\)"),
     ({"quant_algo": "MIXED_PRECISION"}, r"MIXED_PRECISION' needs a non-empty quantized_layers object, got None"),

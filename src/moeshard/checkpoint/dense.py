@@ -2,7 +2,9 @@
 whole model's weights), checked, in a given dtype. In an fp8 checkpoint an e4m3 weight is
 dequantized with its scales, since these run in the model dtype: ``weight_scale_inv`` per 128 x 128
 tile (``CheckpointFormat.fp8_scales`` "block"), ``weight_scale`` per tensor or per output row
-("row"), or an E8M0 exponent per 32 values of a row ("mx", ``checkpoint.mxfp8``)."""
+("row"), or an E8M0 exponent per 32 values of a row ("mx", ``checkpoint.mxfp8``); in an NVFP4
+checkpoint ("nvfp4", ``checkpoint.nvfp4_modelopt``) a uint8 weight of e2m1 pairs with its e4m3
+and global scales."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from moeshard.checkpoint.experts import FLOAT_DTYPES, dequantize_fp8_block, read
 from moeshard.checkpoint.mxfp8 import BLOCK as MX_BLOCK
 from moeshard.checkpoint.mxfp8 import dequantize_mxfp8, scale_names
 from moeshard.checkpoint.names import scale_name
+from moeshard.checkpoint.nvfp4_modelopt import read_nvfp4
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
 from moeshard.quant import FP8_BLOCK
 from moeshard.quant.fp8 import fp8_dequantize
@@ -50,7 +53,11 @@ def read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...],
     tensor, None), or for an e4m3 weight of an fp8 checkpoint (``fp8_scales`` "block" or "row") the
     e4m3 [R, C] codes and their fp32 scales: [ceil(R/128), ceil(C/128)] block scales, or [R, 1];
     of an MXFP8 checkpoint ("mx") the e4m3 [..., C] codes (any number of dimensions: fused experts
-    too) and their uint8 exponents [..., C / 32]."""
+    too) and their uint8 exponents [..., C / 32]; of an NVFP4 checkpoint ("nvfp4") a uint8 weight
+    [R, C / 2] already dequantized, in fp32 (what rounding to the model dtype then makes is the
+    one rounding ``dequantize_nvfp4`` does), and None."""
+    if fp8_scales == "nvfp4" and len(shape) == 2 and ckpt.has(name) and ckpt.info(name).dtype == torch.uint8:
+        return read_nvfp4(ckpt, name, shape, torch.float32), None
     allowed = FLOAT_DTYPES + ((torch.float8_e4m3fn,) if fp8_scales else ())
     info = ckpt.expect(name, shape, allowed)
     t = ckpt.read(name)
@@ -84,3 +91,4 @@ def _mx_scale(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...]) ->
                          f"{list(names)} under {str(ckpt.model_dir)!r})")
     ckpt.expect(stored, (*shape[:-1], shape[-1] // MX_BLOCK), (torch.uint8,))
     return ckpt.read(stored)
+

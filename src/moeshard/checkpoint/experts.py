@@ -21,6 +21,10 @@ What is read, per local expert (a ``ShardSpec`` says which experts and which sli
 * a fused layout other than ``gate_up_rows`` (``checkpoint.fused``: interleaved gate/up,
   transposed ``[E, H, 2I]`` / ``[E, I, H]``, or DBRX's three stacked ``[E * I, H]`` tensors): the
   same slices of the stored tensors, converted into moeshard's layout one expert at a time.
+* an NVFP4 checkpoint (NVIDIA ModelOpt: per-expert uint8 ``weight`` of e2m1 pairs, e4m3
+  ``weight_scale`` per 16 values, fp32 ``weight_scale_2``; ``checkpoint.nvfp4_modelopt``): the
+  gate and up rows of the kept slice, and the 16-column groups of down that cover it,
+  dequantized to the model dtype; then as a full-precision checkpoint.
 * an MXFP4 checkpoint (gpt-oss: ``<name>_blocks`` / ``<name>_scales``, ``checkpoint.mxfp4``) or
   an MXFP8 one (Inkling 2: e4m3 ``<name>`` / E8M0 ``<name>_scale``, ``checkpoint.mxfp8``): the
   values and scales of the kept slice (down: the 32-column blocks that cover it), dequantized to
@@ -59,6 +63,8 @@ from moeshard.checkpoint.mxfp4 import dequantize_mxfp4
 from moeshard.checkpoint.mxfp8 import dequantize_mxfp8
 from moeshard.checkpoint.mxfp8 import scale_names as mxfp8_scale_names
 from moeshard.checkpoint.names import BlockNames, mxfp4_names, row_scale_name, scale_name
+from moeshard.checkpoint.nvfp4_modelopt import GROUP as NVFP4_GROUP
+from moeshard.checkpoint.nvfp4_modelopt import read_nvfp4
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, TensorInfo, check_finite
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, Weight
@@ -67,6 +73,8 @@ from moeshard.quant.fp8 import expand_blocks, fp8_dequantize
 from moeshard.sharding import ShardSpec
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# The formats whose experts are dequantized to the model dtype as they are read.
+DEQUANTIZED_READ = ("mxfp4", "mxfp8", "modelopt_nvfp4")
 ROW_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -190,19 +198,20 @@ class ExpertReader:
 
     def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fmt: CheckpointFormat) -> None:
         if (fmt.stored_scheme is not None and fmt.fp8_scales is None) or (fmt.dequantized and
-                                                                          fmt.name not in ("mxfp4", "mxfp8")):
+                                                                          fmt.name not in DEQUANTIZED_READ):
             raise ValueError(f"checkpoint format {fmt.name!r} ({fmt.summary}): its experts are not read yet "
-                             f"(readable: full precision, fp8 with block or per-tensor / per-row scales, mxfp4 "
-                             f"and mxfp8)")
+                             f"(readable: full precision, fp8 with block or per-tensor / per-row scales, and "
+                             f"{', '.join(DEQUANTIZED_READ)})")
         self.ckpt, self.names, self.cfg, self.format = ckpt, names, cfg, fmt
         self.fp8 = fmt.fp8_scales == "block"
         self.row_fp8 = fmt.fp8_scales == "row"
         self.mxfp4 = fmt.name == "mxfp4"
         self.mxfp8 = fmt.fp8_scales == "mx"
         self.mx = self.mxfp4 or self.mxfp8  # fused values with one exponent byte per 32, dequantized
+        self.nvfp4 = fmt.fp8_scales == "nvfp4"  # per-expert e2m1 weights, dequantized
         self.layout = fused_layout(names.fused_layout)
         mx = f"an {fmt.name.upper()} checkpoint"
-        if self.row_fp8 and names.fused:
+        if (self.row_fp8 or self.nvfp4) and names.fused:
             raise ValueError(f"{names.fused_gate_up}: {fmt.summary} is read with per-expert tensors "
                              f"({names.prefix}{names.family.experts}.<e>.<projection>.weight) only, not fused ones")
         if self.fp8 and names.fused and self.layout.name != "gate_up_rows":
@@ -245,6 +254,9 @@ class ExpertReader:
         shape: tuple[int, ...]  # a 2-d per-expert shape below, then any shape of want / scales
         if self.mx:
             self._check_mx_shapes()
+            want, scales = {}, {}
+        elif self.nvfp4:
+            self._check_nvfp4_shapes()
             want, scales = {}, {}
         elif n.fused:
             want = dict(zip(n.fused_tensors, self.layout.stored_shapes(E, H, I), strict=True))
@@ -291,6 +303,21 @@ class ExpertReader:
                 self.ckpt.expect(values, (E, rows, cols), (torch.float8_e4m3fn,))
             self.ckpt.expect(scales, (E, rows, cols // MX_BLOCK), (torch.uint8,))
 
+    def _check_nvfp4_shapes(self) -> None:
+        E, H, I, n = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.intermediate_size, self.names
+        for what, k in (("hidden_size", H), ("intermediate_size", I)):
+            if k % NVFP4_GROUP:
+                raise ValueError(f"NVFP4 checkpoint: {what}={k} is not a multiple of its {NVFP4_GROUP}-value groups")
+        if 3 * self.projections * E > len(self.ckpt):
+            raise ValueError(f"the config's num_experts={E} needs {3 * self.projections * E} per-expert tensors for "
+                             f"{n.prefix}experts.* (each weight with its two scales), but the checkpoint under "
+                             f"{str(self.ckpt.model_dir)!r} holds {len(self.ckpt)} tensors in all")
+        for e in range(E):
+            for proj, (rows, cols) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))[3 - self.projections:]:
+                name = n.expert(e, proj)
+                self.ckpt.expect(name, (rows, cols // 2), (torch.uint8,))
+                self.ckpt.expect(name + "_scale", (rows, cols // NVFP4_GROUP), (torch.float8_e4m3fn,))
+
     def _mx_names(self, fused_name: str) -> tuple[str, str]:
         """(values, scales) of a fused parameter in an MX checkpoint: MXFP4's ``_blocks`` and
         ``_scales``; MXFP8's e4m3 tensor itself and the first of its scale names stored (the
@@ -333,6 +360,9 @@ class ExpertReader:
         if self.mx:
             self._mx_into(e, lo, hi, gate_up, down)
             return
+        if self.nvfp4:
+            self._nvfp4_into(e, lo, hi, gate_up, down)
+            return
         if self.names.fused and self.layout.name != "gate_up_rows":
             self._converted_into(e, lo, hi, gate_up, down)
             return
@@ -371,6 +401,17 @@ class ExpertReader:
                                               (dn_scales, (e, slice(None), slice(first, last)))])
         whole = self._mx_dequantize(values, scales, dtype, dn_values)
         self._place(down, whole[:, lo - first * MX_BLOCK:hi - first * MX_BLOCK], dn_values)
+
+    def _nvfp4_into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """NVFP4 per-expert weights of the slice, dequantized: the gate rows [lo, hi), then the up rows
+        (ungated: the up rows alone), and the 16-column groups of down that cover [lo, hi)."""
+        n, H, I, dtype = self.names, self.cfg.hidden_size, self.cfg.intermediate_size, gate_up.dtype
+        rows = [read_nvfp4(self.ckpt, n.expert(e, p), (I, H), dtype, (slice(lo, hi), slice(None)))
+                for p in self.gate_up_projections]
+        self._place(gate_up, torch.cat(rows), n.expert(e, self.gate_up_projections[0]))
+        first, last = lo // NVFP4_GROUP * NVFP4_GROUP, -(-hi // NVFP4_GROUP) * NVFP4_GROUP
+        covered = read_nvfp4(self.ckpt, n.expert(e, "down"), (H, I), dtype, (slice(None), slice(first, last)))
+        self._place(down, covered[:, lo - first:hi - first], n.expert(e, "down"))
 
     def _read_biases(self, plan: ExpertPlan, spec: ShardSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(gate_up bias [E_l, 2w] of the kept slice, gate then up; down bias [E_l, H] on TP rank 0,

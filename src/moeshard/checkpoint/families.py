@@ -768,7 +768,7 @@ def _deepseek_v3_moe(f: ConfigFields) -> MoEConfig:
 
 # The FP8 checkpoints published for these families: block scales (Qwen's own), ModelOpt's
 # (NVIDIA's) and compressed-tensors' (per-channel, as Red Hat's FP8-dynamic releases).
-_FP8_FORMATS = ("bf16", "fp8_block", "modelopt_fp8", "compressed_fp8")
+_FP8_FORMATS = ("bf16", "fp8_block", "modelopt_fp8", "compressed_fp8", "modelopt_nvfp4")
 _QWEN_DEFAULTS = {"hidden_act": "silu", "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
@@ -780,7 +780,8 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     ModelFamily("deepseek_v3", {"hidden_act": "silu", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                                 "norm_topk_prob": True, "first_k_dense_replace": 3, "moe_layer_freq": 1,
                                 "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
-                _deepseek_v3_moe, _deepseek_dense_layers, routing="sigmoid", router_dtype="fp32"),
+                _deepseek_v3_moe, _deepseek_dense_layers, routing="sigmoid", router_dtype="fp32",
+                formats=("bf16", "fp8_block", "modelopt_nvfp4")),
 )}
 
 

@@ -14,6 +14,9 @@ modelopt_fp8    e4m3 ``weight`` + fp32 ``weight_scale``, one     fp8_token as st
 compressed_fp8  e4m3 ``weight`` + ``weight_scale`` per tensor    as modelopt_fp8
                 or per output row (compressed-tensors
                 ``float-quantized``, 8-bit float weights)
+modelopt_nvfp4  e2m1 ``weight`` two a byte + e4m3                any scheme, from the dequantized values
+                ``weight_scale`` per 16 values + fp32
+                ``weight_scale_2`` (NVIDIA ModelOpt ``NVFP4``)
 mxfp4           e2m1 ``<name>_blocks`` + e8m0 ``<name>_scales``  any scheme, from the dequantized values
                 (gpt-oss)
 mxfp8           e4m3 ``<name>`` + e8m0 ``<name>_scale``, one     any scheme, from the dequantized values
@@ -41,6 +44,7 @@ MXFP8_BLOCK = (1, 32)
 # ModelOpt's quant_algo values whose weights are e4m3 with one scale per tensor (FP8) or per
 # output row (FP8_PER_CHANNEL_PER_TOKEN).
 MODELOPT_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+NVFP4_GROUP = 16
 
 
 def _is_full_precision(q: Any, source: str) -> bool:
@@ -83,11 +87,14 @@ def _is_mxfp8(q: Any, source: str) -> bool:
 
 def _is_modelopt_fp8(q: Any, source: str) -> bool:
     """ModelOpt's export: ``quant_algo`` FP8 (or FP8_PER_CHANNEL_PER_TOKEN), or MIXED_PRECISION whose
-    ``quantized_layers`` are all such; any other algorithm (NVFP4, W4A8, ...) is refused by name."""
+    ``quantized_layers`` are all such; NVFP4 is another format's (``_is_modelopt_nvfp4``); any other
+    algorithm (W4A8, the integer ones, ...) is refused by name."""
     if not isinstance(q, dict) or q.get("quant_method") != "modelopt":
         return False
     algo = q.get("quant_algo")
     name = algo.upper() if isinstance(algo, str) else algo
+    if name == "NVFP4":
+        return False
     if name in MODELOPT_FP8_ALGOS:
         return True
     if name == "MIXED_PRECISION":
@@ -104,7 +111,20 @@ def _is_modelopt_fp8(q: Any, source: str) -> bool:
                              f"{list(MODELOPT_FP8_ALGOS)} only")
         return True
     raise ValueError(f"{source}: quantization_config quant_method 'modelopt' has quant_algo {algo!r}; moeshard reads "
-                     f"{list(MODELOPT_FP8_ALGOS)} (and MIXED_PRECISION of those), not NVFP4 or the integer formats")
+                     f"{list(MODELOPT_FP8_ALGOS)} (and MIXED_PRECISION of those) and 'NVFP4', not the integer formats")
+
+
+def _is_modelopt_nvfp4(q: Any, source: str) -> bool:
+    """ModelOpt's export with ``quant_algo`` NVFP4: e2m1 weights, an e4m3 scale per 16 values and a
+    global fp32 scale per weight. Another group size is refused by name."""
+    if not isinstance(q, dict) or q.get("quant_method") != "modelopt" or \
+            str(q.get("quant_algo", "")).upper() != "NVFP4":
+        return False
+    group = q.get("group_size", NVFP4_GROUP)
+    if group != NVFP4_GROUP:
+        raise ValueError(f"{source}: quantization_config quant_algo 'NVFP4' has group_size={group!r}; NVFP4 scales "
+                         f"cover {NVFP4_GROUP} values")
+    return True
 
 
 def _check_scheme(group: str, what: str, spec: Any, strategies: tuple[str, ...], source: str) -> None:
@@ -167,8 +187,9 @@ class CheckpointFormat:
     fp8_scales: how its e4m3 weights' scales are stored: ``"block"`` (``weight_scale_inv``
       [ceil(R/128), ceil(C/128)], one per 128 x 128 tile), ``"row"`` (``weight_scale`` of shape
       [] or [1]: one for the tensor, or [R] / [R, 1]: one per output row), ``"mx"`` (uint8 E8M0
-      exponents [..., C / 32], one per 32 values of a row: ``checkpoint.mxfp8``), None (no e4m3
-      weights).
+      exponents [..., C / 32], one per 32 values of a row: ``checkpoint.mxfp8``), ``"nvfp4"``
+      (the weights are uint8 e2m1 pairs, their scales e4m3 ``weight_scale`` [R, C / 16] and fp32
+      ``weight_scale_2``: ``checkpoint.nvfp4_modelopt``), None (no e4m3 weights).
     also_stored_as: further schemes the stored experts are read as without requantizing, where
       their scales allow it (``fp8_tensor`` from ``"row"`` scales: one scale for each expert
       weight, the gate's equal to the up's); the reader refuses, naming the tensors, where not.
@@ -207,6 +228,11 @@ CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
                      "a compressed-tensors FP8 checkpoint (quantization_config quant_method 'compressed-tensors', "
                      f"format 'float-quantized', 8-bit float weights; {_PER_ROW})",
                      fp8_scales="row", also_stored_as=("fp8_tensor",)),
+    CheckpointFormat("modelopt_nvfp4", None, _is_modelopt_nvfp4,
+                     "an NVIDIA ModelOpt NVFP4 checkpoint (quantization_config quant_method 'modelopt', quant_algo "
+                     "NVFP4, group_size 16: uint8 weight, two e2m1 values a byte, float8_e4m3fn weight_scale per 16 "
+                     "values and fp32 weight_scale_2; per-expert tensors); its weights are dequantized to the model "
+                     "dtype as they are read", dequantized=True, fp8_scales="nvfp4"),
     CheckpointFormat("mxfp4", None, _is_mxfp4,
                      "an MXFP4 checkpoint (gpt-oss style: routed experts as <name>_blocks, two e2m1 values a byte, "
                      "and <name>_scales, one e8m0 exponent per 32 values; quantization_config quant_method "

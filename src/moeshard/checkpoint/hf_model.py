@@ -14,6 +14,8 @@ from moeshard.checkpoint.dense import read_dense
 from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.checkpoint.mxfp8 import scale_names as mxfp8_scale_names
 from moeshard.checkpoint.names import row_scale_name
+from moeshard.checkpoint.nvfp4_modelopt import read_nvfp4
+from moeshard.checkpoint.nvfp4_modelopt import scale_names as nvfp4_scale_names
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
 
 # Static activation and KV-cache scales of ModelOpt and compressed-tensors checkpoints: calibration
@@ -53,7 +55,7 @@ def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Modu
     whose stub mypy does not bind as a method."""
 
     info = read_hf_config(model_dir)
-    if info.format.fp8_scales in ("row", "mx"):
+    if info.format.fp8_scales in ("row", "mx", "nvfp4"):
         return _from_dequantized_copy(model_dir, dtype, info.format.fp8_scales)
     model = _from_pretrained(model_dir, dtype)
     if info.checkpoint_format == "mxfp4":
@@ -77,10 +79,11 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
 
 def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fp8_scales: str) -> torch.nn.Module:
     """transformers' model of a checkpoint with per-tensor or per-row fp8 scales (ModelOpt,
-    compressed-tensors; ``fp8_scales`` "row") or MXFP8 ones ("mx"), which transformers does not
-    load itself here (no ModelOpt reader; the compressed-tensors one needs that package, its MXFP8
-    one accelerate): every e4m3 weight dequantized, w = q * scale in fp32 rounded once to
-    ``dtype`` (as moeshard reads them, ``dense.read_dense``), written with the
+    compressed-tensors; ``fp8_scales`` "row"), MXFP8 ones ("mx") or ModelOpt's NVFP4 weights
+    ("nvfp4"), which transformers does not load itself here (no ModelOpt reader; the
+    compressed-tensors one needs that package, its MXFP8 one accelerate): every quantized weight
+    dequantized in fp32 and rounded once to ``dtype`` (as moeshard reads them,
+    ``dense.read_dense``), written with the
     other tensors under their stored names and config.json without its quantization_config into
     a temporary directory, and loaded from there with ``from_pretrained``, whose own renaming
     then applies.
@@ -93,8 +96,13 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fp8_scales: str) 
     source = Path(model_dir)
     ckpt = SafetensorsCheckpoint(source)
     names = ckpt.names()
-    fp8 = {n for n in names if ckpt.info(n).dtype == torch.float8_e4m3fn}
-    scales = {row_scale_name(n) for n in fp8} if fp8_scales == "row" else {s for n in fp8 for s in mxfp8_scale_names(n)}
+    if fp8_scales == "nvfp4":  # uint8 e2m1 pairs, each beside its global scale
+        quantized = {n for n in names if ckpt.info(n).dtype == torch.uint8 and ckpt.has(nvfp4_scale_names(n)[1])}
+        scales = {s for n in quantized for s in nvfp4_scale_names(n)}
+    else:
+        quantized = {n for n in names if ckpt.info(n).dtype == torch.float8_e4m3fn}
+        scale_names = (lambda n: (row_scale_name(n),)) if fp8_scales == "row" else mxfp8_scale_names
+        scales = {s for n in quantized for s in scale_names(n)}
     skip = scales | {n for n in names if n.rsplit(".", 1)[-1] in STATIC_SCALES}
     by_file: dict[Path, list[str]] = {}
     for name in names:
@@ -106,8 +114,8 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fp8_scales: str) 
         weight_map: dict[str, str] = {}
         for i, (_, group) in enumerate(sorted(by_file.items())):
             shard = f"model-{i + 1:05d}-of-{len(by_file):05d}.safetensors"
-            tensors = {ckpt.stored_name(name): read_dense(ckpt, name, ckpt.info(name).shape, dtype, fp8_scales)
-                       if name in fp8 else ckpt.read(name) for name in group}
+            tensors = {ckpt.stored_name(name): _dequantized(ckpt, name, dtype, fp8_scales)
+                       if name in quantized else ckpt.read(name) for name in group}
             save_file(tensors, str(Path(tmp) / shard), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, shard))
             del tensors
@@ -116,6 +124,15 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fp8_scales: str) 
         if (source / "generation_config.json").is_file():
             (Path(tmp) / "generation_config.json").write_text((source / "generation_config.json").read_text())
         return _from_pretrained(tmp, dtype)
+
+
+def _dequantized(ckpt: SafetensorsCheckpoint, name: str, dtype: torch.dtype, fp8_scales: str) -> torch.Tensor:
+    """Quantized weight ``name`` in ``dtype``: an NVFP4 one of the model's shape [R, 2 * (stored
+    columns)], another of its stored shape."""
+    shape = ckpt.info(name).shape
+    if fp8_scales == "nvfp4":
+        return read_nvfp4(ckpt, name, (shape[0], 2 * shape[1]), dtype)
+    return read_dense(ckpt, name, shape, dtype, fp8_scales)
 
 
 def _mxfp4_experts_in(model: torch.nn.Module, dtype: torch.dtype) -> None:

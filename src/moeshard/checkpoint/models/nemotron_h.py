@@ -23,7 +23,8 @@ under ``backbone.layers``, and every other tensor under ``backbone.`` where the 
 Checkpoints: full precision, and the FP8 ones NVIDIA publishes (ModelOpt: e4m3 experts, shared
 expert and Mamba projections with one scale per tensor, attention left in bf16), whose experts
 load as fp8_tensor or fp8_token as stored and whose other e4m3 weights are dequantized for
-transformers' modules (``checkpoint.formats``). NVFP4 checkpoints are refused by name.
+transformers' modules (``checkpoint.formats``), and ModelOpt's NVFP4 ones, every NVFP4 weight
+dequantized to the model dtype as it is read.
 """
 
 from __future__ import annotations
@@ -63,5 +64,5 @@ register_family(ModelFamily(
     _moe, _dense_layers, routing="sigmoid", layers="backbone.layers", model_layers="model.layers",
     block_prefixes=("mixer.",), fused_names=("up_proj", "down_proj"), fused_layout="up_rows",
     hidden_acts={"relu2": "relu2"}, linear_router=False, experts_only=True,
-    formats=("bf16", "modelopt_fp8", "compressed_fp8"), router_dtype="fp32",
+    formats=("bf16", "modelopt_fp8", "compressed_fp8", "modelopt_nvfp4"), router_dtype="fp32",
     layer_count=lambda f: len(_types(f)), dense_renames=(("model.", "backbone."),)))
