@@ -64,7 +64,7 @@ from moeshard.checkpoint.mxfp8 import dequantize_mxfp8
 from moeshard.checkpoint.mxfp8 import scale_names as mxfp8_scale_names
 from moeshard.checkpoint.names import BlockNames, mxfp4_names, row_scale_name, scale_name
 from moeshard.checkpoint.nvfp4_modelopt import GROUP as NVFP4_GROUP
-from moeshard.checkpoint.nvfp4_modelopt import read_nvfp4
+from moeshard.checkpoint.nvfp4_modelopt import check_nvfp4, read_nvfp4
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, TensorInfo, check_finite
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, Weight
@@ -313,10 +313,8 @@ class ExpertReader:
                              f"{n.prefix}experts.* (each weight with its two scales), but the checkpoint under "
                              f"{str(self.ckpt.model_dir)!r} holds {len(self.ckpt)} tensors in all")
         for e in range(E):
-            for proj, (rows, cols) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))[3 - self.projections:]:
-                name = n.expert(e, proj)
-                self.ckpt.expect(name, (rows, cols // 2), (torch.uint8,))
-                self.ckpt.expect(name + "_scale", (rows, cols // NVFP4_GROUP), (torch.float8_e4m3fn,))
+            for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))[3 - self.projections:]:
+                check_nvfp4(self.ckpt, n.expert(e, proj), shape)
 
     def _mx_names(self, fused_name: str) -> tuple[str, str]:
         """(values, scales) of a fused parameter in an MX checkpoint: MXFP4's ``_blocks`` and

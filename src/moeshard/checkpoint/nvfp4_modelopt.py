@@ -54,12 +54,10 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: to
     return ((values.unflatten(-1, (-1, GROUP)) * s.unsqueeze(-1)).flatten(-2) * g).to(dtype)
 
 
-def read_nvfp4(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-               index: tuple[slice, slice] | None = None) -> torch.Tensor:
-    """NVFP4 weight ``name`` of the model's ``shape`` [R, C], dequantized to ``dtype``: the stored
-    uint8 [R, C / 2] with its ``weight_scale`` [R, C / 16] and ``weight_scale_2``; with ``index``
-    (rows, 16-aligned columns of the model's weight) only that part. ValueError naming the tensor
-    when one of them is missing or misshapen."""
+def check_nvfp4(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...]) -> None:
+    """From the headers alone: NVFP4 weight ``name`` of the model's ``shape`` [R, C] is stored as
+    uint8 [R, C / 2] with its ``weight_scale`` e4m3 [R, C / 16] and one float ``weight_scale_2``;
+    ValueError naming the tensor that is missing or misshapen otherwise."""
     rows, cols = shape
     if cols % GROUP:
         raise ValueError(f"tensor {name!r}: an NVFP4 weight's columns must be a multiple of {GROUP}, got shape "
@@ -71,11 +69,18 @@ def read_nvfp4(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], d
     if info.shape not in ((), (1,)) or not info.dtype.is_floating_point:
         raise ValueError(f"tensor {global_name!r} in {str(info.file)!r}: an NVFP4 global scale must be one float, got "
                          f"{info.dtype} {list(info.shape)}")
+
+
+def read_nvfp4(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               index: tuple[slice, slice] | None = None) -> torch.Tensor:
+    """NVFP4 weight ``name`` of the model's ``shape`` [R, C], dequantized to ``dtype``: the stored
+    uint8 [R, C / 2] with its ``weight_scale`` [R, C / 16] and ``weight_scale_2`` (``check_nvfp4``);
+    with ``index`` (rows, columns of the model's weight on 16-value groups) only that part."""
+    check_nvfp4(ckpt, name, shape)
+    group, global_name = scale_names(name)
     r, c = index or (slice(None), slice(None))
-    lo, hi, _ = c.indices(cols)
-    if lo % GROUP or (hi % GROUP and hi != cols):
-        raise ValueError(f"read_nvfp4({name!r}): columns [{lo}, {hi}) do not start and end on {GROUP}-value "
-                         f"groups")
-    packed, scale = ckpt.read_many([(name, (r, slice(lo // 2, hi // 2))),
-                                    (group, (r, slice(lo // GROUP, -(-hi // GROUP))))])
+    lo, hi, _ = c.indices(shape[1])
+    if lo % GROUP or hi % GROUP:
+        raise ValueError(f"read_nvfp4({name!r}): columns [{lo}, {hi}) do not start and end on {GROUP}-value groups")
+    packed, scale = ckpt.read_many([(name, (r, slice(lo // 2, hi // 2))), (group, (r, slice(lo // GROUP, hi // GROUP)))])
     return dequantize_nvfp4(packed, scale, ckpt.read(global_name).float(), dtype, name)
