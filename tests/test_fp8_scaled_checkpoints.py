@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from generate_worlds import GenerateWorlds
+from quantized_checkpoints import assert_saves_as_full_precision, oracle_generations, save_beside, tiny_pairs
 from safetensors.torch import load_file, save_file
 
 from moeshard.checkpoint import load_moe_block, read_hf_config
@@ -52,7 +53,6 @@ from moeshard.tolerances import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
 
 E4M3_MAX = 448.0
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
@@ -127,35 +127,20 @@ def _write(src: Path, fp8_dir: Path, oracle_dir: Path, case: Case) -> None:
         fp8[stem + "input_scale"] = torch.tensor(0.02)  # static activation scale: not used by moeshard
         oracle[name] = (q.float() * scale).to(tensors[name].dtype)
     config = json.loads((src / "config.json").read_text())
-    for directory, values in ((fp8_dir, fp8), (oracle_dir, oracle)):
-        directory.mkdir(parents=True)
-        save_file(values, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        for extra in src.iterdir():
-            if extra.name not in ("model.safetensors", "config.json"):
-                shutil.copy(extra, directory / extra.name)
-    (oracle_dir / "config.json").write_text(json.dumps(config))
+    save_beside(src, oracle_dir, oracle, config)
     q = _quantization_config(case)
-    if case.fmt == "modelopt_legacy":
+    legacy = case.fmt == "modelopt_legacy"
+    save_beside(src, fp8_dir, fp8, config if legacy else {**config, "quantization_config": q})
+    if legacy:
         (fp8_dir / "hf_quant_config.json").write_text(json.dumps(
             {"producer": {"name": "modelopt", "version": "0.29.0"},
              "quantization": {k: v for k, v in q.items() if k != "quant_method"}}))
-    else:
-        config["quantization_config"] = q
-    (fp8_dir / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """case -> (its FP8 checkpoint, its oracle)."""
-    root = tmp_path_factory.mktemp("fp8-scaled")
-    out = {}
-    for i, (cid, case) in enumerate(CASES.items()):
-        hidden, inter, experts = case.sizes
-        src = root / f"{cid}-src"
-        make_tiny_moe.make(str(src), case.family, hidden=hidden, moe_intermediate=inter, experts=experts, seed=i + 3)
-        _write(src, root / cid, root / f"{cid}-oracle", case)
-        out[cid] = (root / cid, root / f"{cid}-oracle")
-    return out
+    return tiny_pairs(tmp_path_factory.mktemp("fp8-scaled"), CASES, _write, seed=3)
 
 
 def _moe_layer(model_dir: Path) -> int:
@@ -329,14 +314,8 @@ def _plan(model_dir: Path, layout: ParallelConfig | None = None, quant: str | No
 @pytest.fixture(scope="module")
 def oracle(ckpts):
     """case -> transformers' own generation on the oracle, per DP size."""
-    cache: dict[tuple[str, int], list] = {}
-
-    def get(cid: str, dp: int = 1):
-        if (cid, dp) not in cache:
-            cache[cid, dp] = reference_generate(_plan(ckpts[cid][1], ParallelConfig(dp, 1, False)))
-        return cache[cid, dp]
-
-    return get
+    get = oracle_generations(_plan)
+    return lambda cid, dp=1: get(ckpts[cid][1], dp)
 
 
 @pytest.mark.parametrize("cid", CASES)
@@ -473,20 +452,7 @@ def test_a_legacy_hf_quant_config_without_its_quantization_object_is_refused(ckp
 def test_a_model_read_dequantized_saves_as_full_precision(ckpts, tmp_path, cid):
     """``--quant none`` (how training takes it), saved: a model-dtype checkpoint without the source's
     quantization (its config nor an hf_quant_config.json), which reads back to the same logits."""
-    from moeshard.integrations.transformers import load_sharded_model, save_sharded_model
-
-    fp8_dir = ckpts[cid][0]
-    model = load_sharded_model(fp8_dir, quant="none", dtype="float32")
-    save_sharded_model(model, None, fp8_dir, tmp_path / "saved")
-    saved = tmp_path / "saved"
-    assert read_hf_config(saved).checkpoint_format == "bf16"
-    assert not (saved / "hf_quant_config.json").exists()
-    assert "quantization_config" not in json.loads((saved / "config.json").read_text())
-    ids = torch.tensor([PROMPTS[0]])
-    with torch.no_grad():
-        before = model(ids).logits
-        after = load_sharded_model(saved, dtype="float32")(ids).logits
-    assert torch.equal(before, after)
+    assert_saves_as_full_precision(ckpts[cid][0], tmp_path / "saved", PROMPTS[0])
 
 
 def test_the_dequantized_copy_is_written_one_stored_file_at_a_time(ckpts, tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ import pytest
 import torch
 import transformers as tf
 from generate_worlds import GenerateWorlds
+from quantized_checkpoints import assert_saves_as_full_precision, oracle_generations, save_beside
 from safetensors.torch import load_file, save_file
 
 from moeshard.checkpoint import read_hf_config
@@ -84,14 +85,8 @@ def ckpts(tmp_path_factory) -> tuple[Path, Path]:
         oracle[name] = dequantize_mxfp8(q, s, tensors[name].dtype)
     out = root / "mxfp8", root / "oracle"
     config = json.loads((src / "config.json").read_text())
-    for directory, values in zip(out, (mx, oracle), strict=True):
-        directory.mkdir()
-        save_file(values, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        for extra in src.iterdir():
-            if extra.name not in ("model.safetensors", "config.json"):
-                shutil.copy(extra, directory / extra.name)
-    (out[1] / "config.json").write_text(json.dumps(config))
-    (out[0] / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION}))
+    save_beside(src, out[0], mx, {**config, "quantization_config": QUANTIZATION})
+    save_beside(src, out[1], oracle, config)
     return out
 
 
@@ -162,14 +157,8 @@ def _judge(plan, results, oracle, tag: str) -> None:
 @pytest.fixture(scope="module")
 def oracles(ckpts):
     """DP size -> transformers' own generation on the oracle (each DP rank its share of prompts)."""
-    cache: dict[int, list] = {}
-
-    def get(dp: int = 1):
-        if dp not in cache:
-            cache[dp] = reference_generate(_plan(ckpts[1], ParallelConfig(dp, 1, False)))
-        return cache[dp]
-
-    return get
+    get = oracle_generations(_plan)
+    return lambda dp=1: get(ckpts[1], dp)
 
 
 def test_the_checkpoint_is_read_as_mxfp8(ckpts):
@@ -241,15 +230,4 @@ def test_a_missing_or_misshapen_scale_is_refused_naming_it(ckpts, tmp_path, edit
 def test_a_model_read_dequantized_saves_as_full_precision(ckpts, tmp_path):
     """Training's save of a model read from an MXFP8 checkpoint: a model-dtype checkpoint without
     the source's quantization_config, which reads back to the same logits."""
-    from moeshard.integrations.transformers import load_sharded_model, save_sharded_model
-
-    model = load_sharded_model(ckpts[0], dtype="float32")
-    save_sharded_model(model, None, ckpts[0], tmp_path / "saved")
-    saved = tmp_path / "saved"
-    assert read_hf_config(saved).checkpoint_format == "bf16"
-    assert "quantization_config" not in json.loads((saved / "config.json").read_text())
-    ids = torch.tensor([PROMPTS[0]])
-    with torch.no_grad():
-        before = model(ids).logits
-        after = load_sharded_model(saved, dtype="float32")(ids).logits
-    assert torch.equal(before, after)
+    assert_saves_as_full_precision(ckpts[0], tmp_path / "saved", PROMPTS[0])

@@ -27,12 +27,12 @@ import dataclasses
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from generate_worlds import GenerateWorlds
+from quantized_checkpoints import oracle_generations, save_beside, tiny_pairs
 from safetensors.torch import load_file, save_file
 
 from moeshard.checkpoint import load_moe_block, read_hf_config
@@ -42,10 +42,6 @@ from moeshard.checkpoint.nvfp4_modelopt import dequantize_nvfp4
 from moeshard.config import QuantConfig
 from moeshard.jobs.generate import GenerateSpec, compare_generations, generate_rank, plan_generate, reference_generate
 from moeshard.parallel.config import ParallelConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
 
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10), (11, 12))
 NEW_TOKENS = 3
@@ -104,33 +100,18 @@ def _write(src: Path, dst: Path, oracle_dir: Path, case: Case) -> None:
         oracle[name] = ((values.unflatten(-1, (-1, 16)) * s.float().unsqueeze(-1)).flatten(-2) * g).to(
             tensors[name].dtype)
     config = json.loads((src / "config.json").read_text())
-    for directory, values in ((dst, nv), (oracle_dir, oracle)):
-        directory.mkdir(parents=True)
-        save_file(values, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        for extra in src.iterdir():
-            if extra.name not in ("model.safetensors", "config.json"):
-                shutil.copy(extra, directory / extra.name)
-    (oracle_dir / "config.json").write_text(json.dumps(config))
+    save_beside(src, oracle_dir, oracle, config)
+    save_beside(src, dst, nv, config if case.legacy else {**config, "quantization_config": {"quant_method": "modelopt",
+                                                                                              **QUANTIZATION}})
     if case.legacy:
         (dst / "hf_quant_config.json").write_text(json.dumps(
             {"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": QUANTIZATION}))
-    else:
-        config["quantization_config"] = {"quant_method": "modelopt", **QUANTIZATION}
-    (dst / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """case -> (its NVFP4 checkpoint, its oracle)."""
-    root = tmp_path_factory.mktemp("nvfp4")
-    out = {}
-    for i, (cid, case) in enumerate(CASES.items()):
-        hidden, inter, experts = case.sizes
-        src = root / f"{cid}-src"
-        make_tiny_moe.make(str(src), case.family, hidden=hidden, moe_intermediate=inter, experts=experts, seed=i + 7)
-        _write(src, root / cid, root / f"{cid}-oracle", case)
-        out[cid] = (root / cid, root / f"{cid}-oracle")
-    return out
+    return tiny_pairs(tmp_path_factory.mktemp("nvfp4"), CASES, _write, seed=7)
 
 
 def _plan(model_dir: Path, layout: ParallelConfig | None = None, quant: str = "none"):
@@ -141,14 +122,8 @@ def _plan(model_dir: Path, layout: ParallelConfig | None = None, quant: str = "n
 @pytest.fixture(scope="module")
 def oracles(ckpts):
     """(case, DP size) -> transformers' own generation on the oracle."""
-    cache: dict[tuple[str, int], list] = {}
-
-    def get(cid: str, dp: int = 1):
-        if (cid, dp) not in cache:
-            cache[cid, dp] = reference_generate(_plan(ckpts[cid][1], ParallelConfig(dp, 1, False)))
-        return cache[cid, dp]
-
-    return get
+    get = oracle_generations(_plan)
+    return lambda cid, dp=1: get(ckpts[cid][1], dp)
 
 
 def _judge(plan, results, oracle, tag: str) -> None:
