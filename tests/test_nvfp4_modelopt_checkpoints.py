@@ -18,7 +18,8 @@ Proved:
   DeepSeek-V3 and Nemotron-H (ungated experts);
 - moeshard's own ``--compare`` model of an NVFP4 checkpoint is transformers on those very values;
 - the experts read as any scheme: ``fp8_token`` quantizes the dequantized weights;
-- planted faults: the nibbles swapped, and the global scale left out; a missing scale named.
+- planted faults: the nibbles swapped, and the global scale left out; a missing scale named;
+- training's save of a model read from it is a full-precision checkpoint with the same logits.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from generate_worlds import GenerateWorlds
-from quantized_checkpoints import oracle_generations, save_beside, tiny_pairs
+from quantized_checkpoints import assert_saves_as_full_precision, oracle_generations, save_beside, tiny_pairs
 from safetensors.torch import load_file, save_file
 
 from moeshard.checkpoint import load_moe_block, read_hf_config
@@ -250,3 +251,11 @@ def test_a_missing_global_scale_is_refused_naming_it(ckpts, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=re.escape(name) + r"' is missing"):
         load_moe_block(bad, layer)
+
+
+@pytest.mark.parametrize("cid", ["qwen3_moe", "nemotron_h-legacy"])
+def test_a_model_read_dequantized_saves_as_full_precision(ckpts, tmp_path, cid):
+    """Training's save of a model read from an NVFP4 checkpoint: a model-dtype checkpoint without the
+    source's quantization (its config nor an hf_quant_config.json), which reads back to the same
+    logits."""
+    assert_saves_as_full_precision(ckpts[cid][0], tmp_path / "saved", PROMPTS[0])
