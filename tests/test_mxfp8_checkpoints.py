@@ -14,7 +14,8 @@ rank reads and cuts a partial block. Proved:
   expert dtype;
 - greedy ids and logits at (1,1), EP2 and TP2 against transformers on the oracle;
 - moeshard's own ``--compare`` model of the MXFP8 checkpoint is transformers on those very values;
-- planted faults: the exponents read one off, and the experts read without the interleave.
+- planted faults: the exponents read one off, and the experts read without the interleave;
+- scales under transformers' own ``_scale_inv`` names, and the loop model's checkpoint.
 """
 
 from __future__ import annotations
@@ -67,27 +68,34 @@ def _quantized(name: str) -> bool:
     return name.endswith(("mlp.experts.w13_weight", "mlp.experts.w2_weight")) or name.endswith("attn.wq_du.weight")
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> tuple[Path, Path]:
-    """(the MXFP8 checkpoint, its oracle)."""
-    if FAMILY not in tf.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {tf.__version__} has no Inkling 2")
-    root = tmp_path_factory.mktemp("mxfp8")
-    src = root / "src"
-    make_tiny_moe.make(str(src), FAMILY, hidden=H, moe_intermediate=I, experts=8, layers=LAYERS, seed=5)
+def _write(src: Path, out: tuple[Path, Path], layers: int) -> tuple[Path, Path]:
+    """The MXFP8 checkpoint of the tiny model ``src`` and its oracle, at ``out``."""
     tensors = load_file(src / "model.safetensors")
     chosen = [n for n in tensors if _quantized(n)]
-    assert len(chosen) == 3 * LAYERS, chosen
+    assert len(chosen) == 3 * layers, chosen
     mx, oracle = dict(tensors), dict(tensors)
     for name in chosen:
         q, s = quantize_mxfp8(tensors[name])
         mx[name], mx[name + "_scale"] = q, s
         oracle[name] = dequantize_mxfp8(q, s, tensors[name].dtype)
-    out = root / "mxfp8", root / "oracle"
     config = json.loads((src / "config.json").read_text())
     save_beside(src, out[0], mx, {**config, "quantization_config": QUANTIZATION})
     save_beside(src, out[1], oracle, config)
     return out
+
+
+def _skip_without_inkling2() -> None:
+    if FAMILY not in tf.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {tf.__version__} has no Inkling 2")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> tuple[Path, Path]:
+    """(the MXFP8 checkpoint, its oracle)."""
+    _skip_without_inkling2()
+    root = tmp_path_factory.mktemp("mxfp8")
+    make_tiny_moe.make(str(root / "src"), FAMILY, hidden=H, moe_intermediate=I, experts=8, layers=LAYERS, seed=5)
+    return _write(root / "src", (root / "mxfp8", root / "oracle"), LAYERS)
 
 
 def _plan(model_dir: Path, layout: ParallelConfig | None = None):
@@ -231,3 +239,31 @@ def test_a_model_read_dequantized_saves_as_full_precision(ckpts, tmp_path):
     """Training's save of a model read from an MXFP8 checkpoint: a model-dtype checkpoint without
     the source's quantization_config, which reads back to the same logits."""
     assert_saves_as_full_precision(ckpts[0], tmp_path / "saved", PROMPTS[0])
+
+
+def test_scales_under_transformers_own_names_are_read_too(ckpts, oracles, tmp_path):
+    """transformers' FineGrainedFP8 names a scale ``<name>_scale_inv``: the same checkpoint with
+    every scale so named reads to the same model."""
+    tensors = load_file(ckpts[0] / "model.safetensors")
+    renamed = {(n + "_inv" if n.endswith("_scale") else n): t for n, t in tensors.items()}
+    assert sum(n.endswith("_scale_inv") for n in renamed) == 3 * LAYERS
+    other = tmp_path / "scale_inv"
+    shutil.copytree(ckpts[0], other)
+    save_file(renamed, str(other / "model.safetensors"), metadata={"format": "pt"})
+    plan = _plan(other)
+    _judge(plan, [generate_rank(plan, None)], oracles(), "_scale_inv")
+
+
+def test_the_loop_model_reads_mxfp8_too(tmp_path):
+    """Inkling 2's loop model (``inkling2_loop_text``) shares the format: (1,1) against transformers
+    on its oracle."""
+    _skip_without_inkling2()
+    loop, layers = "inkling2_loop_text", 4
+    make_tiny_moe.make(str(tmp_path / "src"), loop, hidden=H, moe_intermediate=I, experts=8, layers=layers, seed=6)
+    mx, oracle = _write(tmp_path / "src", (tmp_path / "mxfp8", tmp_path / "oracle"), layers)
+    assert read_hf_config(mx).checkpoint_format == "mxfp8"
+    plan = _plan(mx)
+    c = compare_generations(plan, [generate_rank(plan, None)], reference_generate(_plan(oracle)),
+                            reference_generate(_plan(oracle), dtype=torch.float64))
+    assert all(c.same_ids), f"ids differ at steps {c.first_difference}"
+    assert c.within_tolerance or c.within_noise, f"logits off by {c.step_max_abs}, its rounding {c.dtype_noise}"

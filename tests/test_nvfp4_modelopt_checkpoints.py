@@ -19,7 +19,8 @@ Proved:
 - moeshard's own ``--compare`` model of an NVFP4 checkpoint is transformers on those very values;
 - the experts read as any scheme: ``fp8_token`` quantizes the dequantized weights;
 - planted faults: the nibbles swapped, and the global scale left out; a missing scale named;
-- training's save of a model read from it is a full-precision checkpoint with the same logits.
+- training's save of a model read from it is a full-precision checkpoint with the same logits;
+- fused NVFP4 experts refused by name.
 """
 
 from __future__ import annotations
@@ -259,3 +260,24 @@ def test_a_model_read_dequantized_saves_as_full_precision(ckpts, tmp_path, cid):
     source's quantization (its config nor an hf_quant_config.json), which reads back to the same
     logits."""
     assert_saves_as_full_precision(ckpts[cid][0], tmp_path / "saved", PROMPTS[0])
+
+
+def test_fused_nvfp4_experts_are_refused_naming_them(ckpts, tmp_path):
+    """ModelOpt quantizes each expert's linear layers; NVFP4 experts stored fused are refused by
+    name, before any data is read."""
+    nv = ckpts["qwen3_moe"][0]
+    layer = _moe_layer(nv)
+    tensors = load_file(nv / "model.safetensors")
+    prefix = f"model.layers.{layer}.mlp.experts."
+    E = CASES["qwen3_moe"].sizes[2]
+    fused = {prefix + "gate_up_proj": torch.stack([torch.cat([tensors[f"{prefix}{e}.gate_proj.weight"],
+                                                              tensors[f"{prefix}{e}.up_proj.weight"]])
+                                                   for e in range(E)]),
+             prefix + "down_proj": torch.stack([tensors[f"{prefix}{e}.down_proj.weight"] for e in range(E)])}
+    kept = {n: t for n, t in tensors.items() if not n.startswith(prefix)}
+    bad = tmp_path / "fused"
+    shutil.copytree(nv, bad)
+    save_file({**kept, **fused}, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(prefix + "gate_up_proj") + r": an NVIDIA ModelOpt NVFP4 checkpoint .* is "
+                                         r"read with per-expert tensors"):
+        load_moe_block(bad, layer)
