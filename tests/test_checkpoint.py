@@ -829,3 +829,23 @@ def test_error_huge_expert_count_is_refused_from_the_headers(tmp_path, fused):
     _expect_error(r"tensor 'model.layers.0.mlp.gate.weight' .* has shape \[4, 16\], expected \[1000000000, 16\]",
                   load_moe_block, path, 0)
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"weight_block_size": [1, 128]}, r"weight_block_size=\[1, 128\]; moeshard's fp8_block needs \[128, 128\]"),
+    ({"activation_scheme": "static"}, r"activation_scheme='static'; only 'dynamic' is supported"),
+    ({"expert_dtype": "fp4"}, r"expert_dtype='fp4'; moeshard reads FP8 block checkpoints whose experts are fp8 too"),
+])
+def test_fp8_block_configs_moeshard_does_not_read_are_refused_naming_the_field(change, message):
+    """An FP8 block quantization_config moeshard cannot read is refused from config.json alone, the
+    field and its value named: another block, static activation scales, or FP4 experts (the E8M0
+    scales of DeepSeek-V4's style are read where the experts are fp8)."""
+    from moeshard.checkpoint.hf_config import parse_hf_config
+
+    q = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+    raw = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 64, "moe_intermediate_size": 32,
+           "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+           "intermediate_size": 128}
+    assert parse_hf_config({**raw, "quantization_config": q}, "config.json").checkpoint_format == "fp8_block"
+    with pytest.raises(ValueError, match=message):
+        parse_hf_config({**raw, "quantization_config": {**q, **change}}, "config.json")

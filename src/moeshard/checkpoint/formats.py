@@ -62,6 +62,11 @@ def _is_fp8_block(q: Any, source: str) -> bool:
     if scheme != "dynamic":
         raise ValueError(f"{source}: fp8 quantization_config has activation_scheme={scheme!r}; only 'dynamic' "
                          f"is supported (moeshard quantizes activations per token and 128 columns)")
+    experts = q.get("expert_dtype", "fp8")
+    if experts != "fp8":
+        raise ValueError(f"{source}: fp8 quantization_config has expert_dtype={experts!r}; moeshard reads FP8 block "
+                         f"checkpoints whose experts are fp8 too, not e2m1 experts with per-32 E8M0 scales "
+                         f"(DeepSeek-V4 style)")
     return True
 
 
