@@ -12,7 +12,7 @@ import torch
 
 from moeshard.checkpoint.experts import FLOAT_DTYPES, dequantize_fp8_block, read_row_scale, scale_dtypes
 from moeshard.checkpoint.mxfp8 import BLOCK as MX_BLOCK
-from moeshard.checkpoint.mxfp8 import dequantize_mxfp8, scale_names
+from moeshard.checkpoint.mxfp8 import dequantize_mxfp8, scale_names, stored_scale_name
 from moeshard.checkpoint.names import scale_name
 from moeshard.checkpoint.nvfp4_modelopt import read_nvfp4
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
@@ -84,11 +84,10 @@ def _mx_scale(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...]) ->
     if not shape or shape[-1] % MX_BLOCK:
         raise ValueError(f"tensor {name!r}: an MXFP8 weight's last dimension must be a multiple of {MX_BLOCK}, got "
                          f"shape {list(shape)}")
-    names = scale_names(name)
-    stored = next((n for n in names if ckpt.has(n)), None)
+    stored = stored_scale_name(ckpt.has, name)
     if stored is None:
         raise ValueError(f"tensor {name!r} is float8_e4m3fn, but its MXFP8 scale is missing (looked for "
-                         f"{list(names)} under {str(ckpt.model_dir)!r})")
+                         f"{list(scale_names(name))} under {str(ckpt.model_dir)!r})")
     ckpt.expect(stored, (*shape[:-1], shape[-1] // MX_BLOCK), (torch.uint8,))
     return ckpt.read(stored)
 

@@ -60,7 +60,7 @@ from moeshard.checkpoint.families import CheckpointFormat
 from moeshard.checkpoint.fused import fused_layout
 from moeshard.checkpoint.mxfp4 import BLOCK as MX_BLOCK
 from moeshard.checkpoint.mxfp4 import dequantize_mxfp4
-from moeshard.checkpoint.mxfp8 import dequantize_mxfp8
+from moeshard.checkpoint.mxfp8 import dequantize_mxfp8, stored_scale_name
 from moeshard.checkpoint.mxfp8 import scale_names as mxfp8_scale_names
 from moeshard.checkpoint.names import BlockNames, mxfp4_names, row_scale_name, scale_name
 from moeshard.checkpoint.nvfp4_modelopt import GROUP as NVFP4_GROUP
@@ -322,8 +322,7 @@ class ExpertReader:
         release's, when neither is: the shape check then names it missing)."""
         if self.mxfp4:
             return mxfp4_names(fused_name)
-        candidates = mxfp8_scale_names(fused_name)
-        return fused_name, next((c for c in candidates if self.ckpt.has(c)), candidates[0])
+        return fused_name, stored_scale_name(self.ckpt.has, fused_name) or mxfp8_scale_names(fused_name)[0]
 
     def _mx_dequantize(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
         """[..., K] in ``dtype`` from the values and exponents read (MXFP4: [..., K / 32, 16] bytes)."""

@@ -20,6 +20,8 @@ model dtype once, which is exact in bf16 too wherever it is in bf16's normal ran
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moeshard.checkpoint.mxfp4 import SCALE_BIAS
@@ -32,6 +34,11 @@ def scale_names(weight_name: str) -> tuple[str, str]:
     """The names an MXFP8 weight's scale may be stored under, the release's spelling first:
     ``<name>_scale``, ``<name>_scale_inv``."""
     return weight_name + "_scale", weight_name + "_scale_inv"
+
+
+def stored_scale_name(has: Callable[[str], bool], weight_name: str) -> str | None:
+    """The first of ``scale_names(weight_name)`` the checkpoint holds (``has``), or None."""
+    return next((n for n in scale_names(weight_name) if has(n)), None)
 
 
 def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str = "") -> torch.Tensor:
