@@ -834,12 +834,14 @@ def test_error_huge_expert_count_is_refused_from_the_headers(tmp_path, fused):
 @pytest.mark.parametrize("change, message", [
     ({"weight_block_size": [1, 128]}, r"weight_block_size=\[1, 128\]; moeshard's fp8_block needs \[128, 128\]"),
     ({"activation_scheme": "static"}, r"activation_scheme='static'; only 'dynamic' is supported"),
-    ({"expert_dtype": "fp4"}, r"expert_dtype='fp4'; moeshard reads FP8 block checkpoints whose experts are fp8 too"),
+    ({"expert_dtype": "fp4"}, r"expert_dtype='fp4'; this family reads FP8 block checkpoints whose experts are fp8 too, "
+                              r"not .* \(the format 'fp8_block_mxfp4', DeepSeek-V4's\)"),
 ])
 def test_fp8_block_configs_moeshard_does_not_read_are_refused_naming_the_field(change, message):
     """An FP8 block quantization_config moeshard cannot read is refused from config.json alone, the
     field and its value named: another block, static activation scales, or FP4 experts (the E8M0
-    scales of DeepSeek-V4's style are read where the experts are fp8)."""
+    scales of DeepSeek-V4's style are read where the experts are fp8; its FP4 experts by DeepSeek-V4's
+    family alone: tests/test_fp8_block_mxfp4_checkpoints.py)."""
     from moeshard.checkpoint.hf_config import parse_hf_config
 
     q = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}

@@ -1,7 +1,7 @@
 """Reading one non-expert tensor whole (router, correction bias, shared experts, and the rest of a
 whole model's weights), checked, in a given dtype. In an fp8 checkpoint an e4m3 weight is
-dequantized with its scales, since these run in the model dtype: ``weight_scale_inv`` per 128 x 128
-tile (``CheckpointFormat.fp8_scales`` "block"), ``weight_scale`` per tensor or per output row
+dequantized with its scales, since these run in the model dtype: ``weight_scale_inv`` (DeepSeek-V4:
+``scale``) per 128 x 128 tile (``CheckpointFormat.fp8_scales`` "block"), ``weight_scale`` per tensor or per output row
 ("row"), or an E8M0 exponent per 32 values of a row ("mx", ``checkpoint.mxfp8``); in an NVFP4
 checkpoint ("nvfp4", ``checkpoint.nvfp4_modelopt``) a uint8 weight of e2m1 pairs with its e4m3
 and global scales."""
@@ -13,7 +13,7 @@ import torch
 from moeshard.checkpoint.experts import FLOAT_DTYPES, dequantize_fp8_block, read_row_scale, scale_dtypes
 from moeshard.checkpoint.mxfp8 import BLOCK as MX_BLOCK
 from moeshard.checkpoint.mxfp8 import dequantize_mxfp8, scale_names, stored_scale_name
-from moeshard.checkpoint.names import scale_name
+from moeshard.checkpoint.names import stored_block_scale_name
 from moeshard.checkpoint.nvfp4_modelopt import read_nvfp4
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, check_finite
 from moeshard.quant import FP8_BLOCK
@@ -71,7 +71,7 @@ def read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...],
                          f"got shape {list(shape)}")
     if fp8_scales == "row":
         return t, read_row_scale(ckpt, name, shape[0])
-    sname = scale_name(name)
+    sname = stored_block_scale_name(ckpt.has, name)
     sinfo = ckpt.expect(sname, tuple(-(-n // FP8_BLOCK) for n in shape), scale_dtypes())
     scale = ckpt.read(sname).float()
     check_finite(scale, sname, sinfo.file)

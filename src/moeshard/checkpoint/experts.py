@@ -22,9 +22,11 @@ What is read, per local expert (a ``ShardSpec`` says which experts and which sli
   transposed ``[E, H, 2I]`` / ``[E, I, H]``, or DBRX's three stacked ``[E * I, H]`` tensors): the
   same slices of the stored tensors, converted into moeshard's layout one expert at a time.
 * an NVFP4 checkpoint (NVIDIA ModelOpt: per-expert uint8 ``weight`` of e2m1 pairs, e4m3
-  ``weight_scale`` per 16 values, fp32 ``weight_scale_2``; ``checkpoint.nvfp4_modelopt``): the
-  gate and up rows of the kept slice, and the 16-column groups of down that cover it,
-  dequantized to the model dtype; then as a full-precision checkpoint.
+  ``weight_scale`` per 16 values, fp32 ``weight_scale_2``; ``checkpoint.nvfp4_modelopt``) or an
+  FP8 block checkpoint with FP4 experts (DeepSeek-V4: per-expert int8 ``weight`` of e2m1 pairs,
+  E8M0 ``scale`` per 32 values; ``checkpoint.fp8_block_mxfp4``): the gate and up rows of the kept
+  slice, and the 16- or 32-column groups of down that cover it, dequantized to the model dtype;
+  then as a full-precision checkpoint (``PACKED_EXPERTS``).
 * an MXFP4 checkpoint (gpt-oss: ``<name>_blocks`` / ``<name>_scales``, ``checkpoint.mxfp4``) or
   an MXFP8 one (Inkling 2: e4m3 ``<name>`` / E8M0 ``<name>_scale``, ``checkpoint.mxfp8``): the
   values and scales of the kept slice (down: the 32-column blocks that cover it), dequantized to
@@ -57,12 +59,13 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.checkpoint.families import CheckpointFormat
+from moeshard.checkpoint.fp8_block_mxfp4 import check_fp4, read_fp4
 from moeshard.checkpoint.fused import fused_layout
 from moeshard.checkpoint.mxfp4 import BLOCK as MX_BLOCK
 from moeshard.checkpoint.mxfp4 import dequantize_mxfp4
 from moeshard.checkpoint.mxfp8 import dequantize_mxfp8, stored_scale_name
 from moeshard.checkpoint.mxfp8 import scale_names as mxfp8_scale_names
-from moeshard.checkpoint.names import BlockNames, mxfp4_names, row_scale_name, scale_name
+from moeshard.checkpoint.names import BlockNames, mxfp4_names, row_scale_name, stored_block_scale_name
 from moeshard.checkpoint.nvfp4_modelopt import GROUP as NVFP4_GROUP
 from moeshard.checkpoint.nvfp4_modelopt import check_nvfp4, read_nvfp4
 from moeshard.checkpoint.reader import SafetensorsCheckpoint, TensorInfo, check_finite
@@ -74,8 +77,27 @@ from moeshard.sharding import ShardSpec
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # The formats whose experts are dequantized to the model dtype as they are read.
-DEQUANTIZED_READ = ("mxfp4", "mxfp8", "modelopt_nvfp4")
+DEQUANTIZED_READ = ("mxfp4", "mxfp8", "modelopt_nvfp4", "fp8_block_mxfp4")
 ROW_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """A format whose routed experts are stored per expert as packed e2m1 codes with their scales,
+    dequantized as they are read. label: its name in messages; check(ckpt, name, shape) and
+    read(ckpt, name, shape, dtype, (rows, columns)): its module's header check and read of one
+    weight of the model's shape [R, C]; group: the columns one scale covers (a read's column
+    slice starts and ends on groups); tensors: how many the checkpoint stores per weight."""
+
+    label: str
+    check: Callable[[SafetensorsCheckpoint, str, tuple[int, ...]], None]
+    read: Callable[..., torch.Tensor]
+    group: int
+    tensors: int
+
+
+PACKED_EXPERTS = {"modelopt_nvfp4": PackedExperts("NVFP4", check_nvfp4, read_nvfp4, NVFP4_GROUP, 3),
+                  "fp8_block_mxfp4": PackedExperts("FP4-expert", check_fp4, read_fp4, MX_BLOCK, 2)}
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -203,15 +225,15 @@ class ExpertReader:
                              f"(readable: full precision, fp8 with block or per-tensor / per-row scales, and "
                              f"{', '.join(DEQUANTIZED_READ)})")
         self.ckpt, self.names, self.cfg, self.format = ckpt, names, cfg, fmt
-        self.fp8 = fmt.fp8_scales == "block"
+        self.packed = PACKED_EXPERTS.get(fmt.name)  # per-expert e2m1 weights, dequantized
+        self.fp8 = fmt.fp8_scales == "block" and self.packed is None  # e4m3 experts with block scales
         self.row_fp8 = fmt.fp8_scales == "row"
         self.mxfp4 = fmt.name == "mxfp4"
         self.mxfp8 = fmt.fp8_scales == "mx"
         self.mx = self.mxfp4 or self.mxfp8  # fused values with one exponent byte per 32, dequantized
-        self.nvfp4 = fmt.fp8_scales == "nvfp4"  # per-expert e2m1 weights, dequantized
         self.layout = fused_layout(names.fused_layout)
         mx = f"an {fmt.name.upper()} checkpoint"
-        if (self.row_fp8 or self.nvfp4) and names.fused:
+        if (self.row_fp8 or self.packed) and names.fused:
             raise ValueError(f"{names.fused_gate_up}: {fmt.summary} is read with per-expert tensors "
                              f"({names.prefix}{names.family.experts}.<e>.<projection>.weight) only, not fused ones")
         if self.fp8 and names.fused and self.layout.name != "gate_up_rows":
@@ -255,13 +277,13 @@ class ExpertReader:
         if self.mx:
             self._check_mx_shapes()
             want, scales = {}, {}
-        elif self.nvfp4:
-            self._check_nvfp4_shapes()
+        elif self.packed:
+            self._check_packed_shapes(self.packed)
             want, scales = {}, {}
         elif n.fused:
             want = dict(zip(n.fused_tensors, self.layout.stored_shapes(E, H, I), strict=True))
-            scales = {scale_name(n.fused_gate_up): (E, _blocks(2 * I), _blocks(H)),
-                      scale_name(n.fused_down): (E, _blocks(H), _blocks(I))}
+            scales = {self._block_scale(n.fused_gate_up): (E, _blocks(2 * I), _blocks(H)),
+                      self._block_scale(n.fused_down): (E, _blocks(H), _blocks(I))}
         else:
             per_expert = self.projections * E * (2 if self.fp8 or self.row_fp8 else 1)
             if per_expert > len(self.ckpt):
@@ -272,7 +294,7 @@ class ExpertReader:
             for e in range(E):
                 for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))[3 - self.projections:]:
                     want[n.expert(e, proj)] = shape
-                    scales[scale_name(n.expert(e, proj))] = (_blocks(shape[0]), _blocks(shape[1]))
+                    scales[self._block_scale(n.expert(e, proj))] = (_blocks(shape[0]), _blocks(shape[1]))
         for name, shape in want.items():
             self.ckpt.expect(name, shape, weight_dtypes)
         if self.cfg.expert_bias:
@@ -303,18 +325,20 @@ class ExpertReader:
                 self.ckpt.expect(values, (E, rows, cols), (torch.float8_e4m3fn,))
             self.ckpt.expect(scales, (E, rows, cols // MX_BLOCK), (torch.uint8,))
 
-    def _check_nvfp4_shapes(self) -> None:
+    def _check_packed_shapes(self, packed: PackedExperts) -> None:
         E, H, I, n = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.intermediate_size, self.names
         for what, k in (("hidden_size", H), ("intermediate_size", I)):
-            if k % NVFP4_GROUP:
-                raise ValueError(f"NVFP4 checkpoint: {what}={k} is not a multiple of its {NVFP4_GROUP}-value groups")
-        if 3 * self.projections * E > len(self.ckpt):
-            raise ValueError(f"the config's num_experts={E} needs {3 * self.projections * E} per-expert tensors for "
-                             f"{n.prefix}experts.* (each weight with its two scales), but the checkpoint under "
-                             f"{str(self.ckpt.model_dir)!r} holds {len(self.ckpt)} tensors in all")
+            if k % packed.group:
+                raise ValueError(f"{packed.label} checkpoint: {what}={k} is not a multiple of its {packed.group}-value "
+                                 f"groups")
+        count = packed.tensors * self.projections * E
+        if count > len(self.ckpt):
+            raise ValueError(f"the config's num_experts={E} needs {count} per-expert tensors for {n.prefix}experts.* "
+                             f"(each weight with its scales), but the checkpoint under {str(self.ckpt.model_dir)!r} "
+                             f"holds {len(self.ckpt)} tensors in all")
         for e in range(E):
             for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))[3 - self.projections:]:
-                check_nvfp4(self.ckpt, n.expert(e, proj), shape)
+                packed.check(self.ckpt, n.expert(e, proj), shape)
 
     def _mx_names(self, fused_name: str) -> tuple[str, str]:
         """(values, scales) of a fused parameter in an MX checkpoint: MXFP4's ``_blocks`` and
@@ -328,6 +352,10 @@ class ExpertReader:
         """[..., K] in ``dtype`` from the values and exponents read (MXFP4: [..., K / 32, 16] bytes)."""
         return dequantize_mxfp4(values, scales, dtype) if self.mxfp4 else dequantize_mxfp8(values, scales, dtype, name)
 
+    def _block_scale(self, weight_name: str) -> str:
+        """The stored block scale of e4m3 weight ``weight_name`` (``names.stored_block_scale_name``)."""
+        return stored_block_scale_name(self.ckpt.has, weight_name)
+
     # -- one expert -----------------------------------------------------------------------
     def _requests(self, e: int, lo: int, hi: int, scales: bool) -> list[tuple[str, tuple]]:
         """(name, index) of gate rows, up rows, down columns [lo, hi) of expert e (or of their
@@ -335,7 +363,7 @@ class ExpertReader:
         I, n = self.cfg.intermediate_size, self.names
         name: Callable[[str], str]
         if scales:
-            name = scale_name
+            name = self._block_scale
             rows = lambda a, b: slice(a // FP8_BLOCK, _blocks(b))  # noqa: E731
         else:
             name = lambda s: s  # noqa: E731
@@ -357,8 +385,8 @@ class ExpertReader:
         if self.mx:
             self._mx_into(e, lo, hi, gate_up, down)
             return
-        if self.nvfp4:
-            self._nvfp4_into(e, lo, hi, gate_up, down)
+        if self.packed:
+            self._packed_into(self.packed, e, lo, hi, gate_up, down)
             return
         if self.names.fused and self.layout.name != "gate_up_rows":
             self._converted_into(e, lo, hi, gate_up, down)
@@ -399,15 +427,16 @@ class ExpertReader:
         whole = self._mx_dequantize(values, scales, dtype, dn_values)
         self._place(down, whole[:, lo - first * MX_BLOCK:hi - first * MX_BLOCK], dn_values)
 
-    def _nvfp4_into(self, e: int, lo: int, hi: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """NVFP4 per-expert weights of the slice, dequantized: the gate rows [lo, hi), then the up rows
-        (ungated: the up rows alone), and the 16-column groups of down that cover [lo, hi)."""
-        n, H, I, dtype = self.names, self.cfg.hidden_size, self.cfg.intermediate_size, gate_up.dtype
-        rows = [read_nvfp4(self.ckpt, n.expert(e, p), (I, H), dtype, (slice(lo, hi), slice(None)))
+    def _packed_into(self, packed: PackedExperts, e: int, lo: int, hi: int, gate_up: torch.Tensor,
+                     down: torch.Tensor) -> None:
+        """Packed per-expert weights of the slice, dequantized: the gate rows [lo, hi), then the up
+        rows (ungated: the up rows alone), and the column groups of down that cover [lo, hi)."""
+        n, H, I, dtype, g = self.names, self.cfg.hidden_size, self.cfg.intermediate_size, gate_up.dtype, packed.group
+        rows = [packed.read(self.ckpt, n.expert(e, p), (I, H), dtype, (slice(lo, hi), slice(None)))
                 for p in self.gate_up_projections]
         self._place(gate_up, torch.cat(rows), n.expert(e, self.gate_up_projections[0]))
-        first, last = lo // NVFP4_GROUP * NVFP4_GROUP, -(-hi // NVFP4_GROUP) * NVFP4_GROUP
-        covered = read_nvfp4(self.ckpt, n.expert(e, "down"), (H, I), dtype, (slice(None), slice(first, last)))
+        first, last = lo // g * g, -(-hi // g) * g
+        covered = packed.read(self.ckpt, n.expert(e, "down"), (H, I), dtype, (slice(None), slice(first, last)))
         self._place(down, covered[:, lo - first:hi - first], n.expert(e, "down"))
 
     def _read_biases(self, plan: ExpertPlan, spec: ShardSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -21,6 +21,10 @@ mxfp4           e2m1 ``<name>_blocks`` + e8m0 ``<name>_scales``  any scheme, fro
                 (gpt-oss)
 mxfp8           e4m3 ``<name>`` + e8m0 ``<name>_scale``, one     any scheme, from the dequantized values
                 per 32 values along the input axis (Inkling 2)
+fp8_block_      dense: e4m3 ``weight`` + e8m0 ``scale`` per      any scheme, from the dequantized values
+mxfp4           128 x 128 tile; experts: e2m1 ``weight`` two a
+                byte + e8m0 ``scale`` per 32 values
+                (DeepSeek-V4)
 ==============  ===============================================  ==========================================
 
 In every fp8 format w = q * scale. Only the weights' storage is read: the static activation scales
@@ -51,9 +55,9 @@ def _is_full_precision(q: Any, source: str) -> bool:
     return q is None
 
 
-def _is_fp8_block(q: Any, source: str) -> bool:
-    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
-        return False
+def _check_fp8_block(q: dict, source: str) -> None:
+    """quant_method ``fp8``'s block size and activation scheme, as moeshard reads them; ValueError
+    naming the field otherwise."""
     block = q.get("weight_block_size")
     if not isinstance(block, list) or tuple(block) != FP8_CHECKPOINT_BLOCK or not all(is_int(b) for b in block):
         raise ValueError(f"{source}: fp8 quantization_config has weight_block_size={block!r}; moeshard's fp8_block "
@@ -62,11 +66,30 @@ def _is_fp8_block(q: Any, source: str) -> bool:
     if scheme != "dynamic":
         raise ValueError(f"{source}: fp8 quantization_config has activation_scheme={scheme!r}; only 'dynamic' "
                          f"is supported (moeshard quantizes activations per token and 128 columns)")
+
+
+def _is_fp8_block(q: Any, source: str) -> bool:
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return False
+    _check_fp8_block(q, source)
     experts = q.get("expert_dtype", "fp8")
     if experts != "fp8":
-        raise ValueError(f"{source}: fp8 quantization_config has expert_dtype={experts!r}; moeshard reads FP8 block "
-                         f"checkpoints whose experts are fp8 too, not e2m1 experts with per-32 E8M0 scales "
-                         f"(DeepSeek-V4 style)")
+        raise ValueError(f"{source}: fp8 quantization_config has expert_dtype={experts!r}; this family reads FP8 block "
+                         f"checkpoints whose experts are fp8 too, not e2m1 experts with per-32 E8M0 scales (the "
+                         f"format 'fp8_block_mxfp4', DeepSeek-V4's)")
+    return True
+
+
+def _is_fp8_block_mxfp4(q: Any, source: str) -> bool:
+    """quant_method ``fp8`` with expert_dtype ``fp4`` (DeepSeek-V4's release): FP8 block dense
+    weights with UE8M0 scales, FP4 experts with an E8M0 exponent per 32 values. Another block,
+    activation scheme or scale format is refused by name."""
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or q.get("expert_dtype") != "fp4":
+        return False
+    _check_fp8_block(q, source)
+    if q.get("scale_fmt") != "ue8m0":
+        raise ValueError(f"{source}: fp8 quantization_config with expert_dtype='fp4' has scale_fmt="
+                         f"{q.get('scale_fmt')!r}; moeshard reads FP4 experts with scale_fmt='ue8m0' (E8M0 exponents) only")
     return True
 
 
@@ -189,12 +212,14 @@ class CheckpointFormat:
     dequantized: the routed experts are stored in a quantized form that the reader dequantizes
       to the model dtype as it reads them (``mxfp4``); they then load as any requested scheme,
       as a full-precision checkpoint's do (``stored_scheme`` None).
-    fp8_scales: how its e4m3 weights' scales are stored: ``"block"`` (``weight_scale_inv``
-      [ceil(R/128), ceil(C/128)], one per 128 x 128 tile), ``"row"`` (``weight_scale`` of shape
-      [] or [1]: one for the tensor, or [R] / [R, 1]: one per output row), ``"mx"`` (uint8 E8M0
-      exponents [..., C / 32], one per 32 values of a row: ``checkpoint.mxfp8``), ``"nvfp4"``
-      (the weights are uint8 e2m1 pairs, their scales e4m3 ``weight_scale`` [R, C / 16] and fp32
-      ``weight_scale_2``: ``checkpoint.nvfp4_modelopt``), None (no e4m3 weights).
+    fp8_scales: how its e4m3 weights' scales are stored: ``"block"`` (``weight_scale_inv``, or
+      DeepSeek-V4's ``scale``, [ceil(R/128), ceil(C/128)], one per 128 x 128 tile; the dense
+      weights of ``fp8_block_mxfp4`` too, whose experts ``checkpoint.fp8_block_mxfp4`` reads),
+      ``"row"`` (``weight_scale`` of shape [] or [1]: one for the tensor, or [R] / [R, 1]: one
+      per output row), ``"mx"`` (uint8 E8M0 exponents [..., C / 32], one per 32 values of a
+      row: ``checkpoint.mxfp8``), ``"nvfp4"`` (the weights are uint8 e2m1 pairs, their scales
+      e4m3 ``weight_scale`` [R, C / 16] and fp32 ``weight_scale_2``:
+      ``checkpoint.nvfp4_modelopt``), None (no e4m3 weights).
     also_stored_as: further schemes the stored experts are read as without requantizing, where
       their scales allow it (``fp8_tensor`` from ``"row"`` scales: one scale for each expert
       weight, the gate's equal to the up's); the reader refuses, naming the tensors, where not.
@@ -247,4 +272,10 @@ CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
                      "32 values of a row, <name>_scale; quantization_config quant_method 'mxfp8', weight_block_size "
                      "[1, 32], scale_fmt 'ue8m0'); its weights are dequantized to the model dtype as they are read",
                      dequantized=True, fp8_scales="mx"),
+    CheckpointFormat("fp8_block_mxfp4", None, _is_fp8_block_mxfp4,
+                     "an FP8 block checkpoint with FP4 experts (DeepSeek-V4 style: float8_e4m3fn dense weights with a "
+                     "UE8M0 scale per 128 x 128 block, <module>.scale; routed experts per expert as int8 weights, two "
+                     "e2m1 values a byte, with a UE8M0 scale per 32 values of a row; quantization_config quant_method "
+                     "'fp8', weight_block_size [128, 128], scale_fmt 'ue8m0', expert_dtype 'fp4'); its weights are "
+                     "dequantized to the model dtype as they are read", dequantized=True, fp8_scales="block"),
 )}

@@ -11,9 +11,11 @@ from pathlib import Path
 import torch
 
 from moeshard.checkpoint.dense import read_dense
+from moeshard.checkpoint.formats import CheckpointFormat
+from moeshard.checkpoint.fp8_block_mxfp4 import PACKED_DTYPES, read_fp4
 from moeshard.checkpoint.hf_config import read_hf_config
 from moeshard.checkpoint.mxfp8 import scale_names as mxfp8_scale_names
-from moeshard.checkpoint.names import row_scale_name
+from moeshard.checkpoint.names import block_scale_names, row_scale_name
 from moeshard.checkpoint.nvfp4_modelopt import read_nvfp4
 from moeshard.checkpoint.nvfp4_modelopt import scale_names as nvfp4_scale_names
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
@@ -55,8 +57,8 @@ def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Modu
     whose stub mypy does not bind as a method."""
 
     info = read_hf_config(model_dir)
-    if info.format.fp8_scales in ("row", "mx", "nvfp4"):
-        return _from_dequantized_copy(model_dir, dtype, info.format.fp8_scales)
+    if info.format.fp8_scales in ("row", "mx", "nvfp4") or info.format.name == "fp8_block_mxfp4":
+        return _from_dequantized_copy(model_dir, dtype, info.format)
     model = _from_pretrained(model_dir, dtype)
     if info.checkpoint_format == "mxfp4":
         _mxfp4_experts_in(model, dtype)
@@ -77,11 +79,12 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
         return auto.from_pretrained(model_dir, dtype=dtype)
 
 
-def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fp8_scales: str) -> torch.nn.Module:
+def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fmt: CheckpointFormat) -> torch.nn.Module:
     """transformers' model of a checkpoint with per-tensor or per-row fp8 scales (ModelOpt,
-    compressed-tensors; ``fp8_scales`` "row"), MXFP8 ones ("mx") or ModelOpt's NVFP4 weights
-    ("nvfp4"), which transformers does not load itself here (no ModelOpt reader; the
-    compressed-tensors one needs that package, its MXFP8 one accelerate): every quantized weight
+    compressed-tensors; ``fmt.fp8_scales`` "row"), MXFP8 ones ("mx"), ModelOpt's NVFP4 weights
+    ("nvfp4") or DeepSeek-V4's FP8 block weights and FP4 experts (``fp8_block_mxfp4``), which
+    transformers does not load itself here (no ModelOpt reader; the compressed-tensors one needs
+    that package, its MXFP8 and FP4 ones accelerate, and its FP4 experts a GPU): every quantized weight
     dequantized in fp32 and rounded once to ``dtype`` (as moeshard reads them,
     ``dense.read_dense``), written with the
     other tensors under their stored names and config.json without its quantization_config into
@@ -96,13 +99,7 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fp8_scales: str) 
     source = Path(model_dir)
     ckpt = SafetensorsCheckpoint(source)
     names = ckpt.names()
-    if fp8_scales == "nvfp4":  # uint8 e2m1 pairs, each beside its global scale
-        quantized = {n for n in names if ckpt.info(n).dtype == torch.uint8 and ckpt.has(nvfp4_scale_names(n)[1])}
-        scales = {s for n in quantized for s in nvfp4_scale_names(n)}
-    else:
-        quantized = {n for n in names if ckpt.info(n).dtype == torch.float8_e4m3fn}
-        scale_names = (lambda n: (row_scale_name(n),)) if fp8_scales == "row" else mxfp8_scale_names
-        scales = {s for n in quantized for s in scale_names(n)}
+    quantized, scales = _quantized_tensors(ckpt, fmt)
     skip = scales | {n for n in names if n.rsplit(".", 1)[-1] in STATIC_SCALES}
     by_file: dict[Path, list[str]] = {}
     for name in names:
@@ -114,7 +111,7 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fp8_scales: str) 
         weight_map: dict[str, str] = {}
         for i, (_, group) in enumerate(sorted(by_file.items())):
             shard = f"model-{i + 1:05d}-of-{len(by_file):05d}.safetensors"
-            tensors = {ckpt.stored_name(name): _dequantized(ckpt, name, dtype, fp8_scales)
+            tensors = {ckpt.stored_name(name): _dequantized(ckpt, name, dtype, fmt)
                        if name in quantized else ckpt.read(name) for name in group}
             save_file(tensors, str(Path(tmp) / shard), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, shard))
@@ -126,13 +123,33 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fp8_scales: str) 
         return _from_pretrained(tmp, dtype)
 
 
-def _dequantized(ckpt: SafetensorsCheckpoint, name: str, dtype: torch.dtype, fp8_scales: str) -> torch.Tensor:
-    """Quantized weight ``name`` in ``dtype``: an NVFP4 one of the model's shape [R, 2 * (stored
-    columns)], another of its stored shape."""
-    shape = ckpt.info(name).shape
-    if fp8_scales == "nvfp4":
+def _quantized_tensors(ckpt: SafetensorsCheckpoint, fmt: CheckpointFormat) -> tuple[set[str], set[str]]:
+    """(the quantized weights, the names of their scales) of ``ckpt`` as ``fmt`` stores them: uint8
+    NVFP4 weights, each beside its global scale; e4m3 weights; FP4 experts, int8 / uint8 beside a
+    block scale."""
+    names = ckpt.names()
+    if fmt.fp8_scales == "nvfp4":  # uint8 e2m1 pairs, each beside its global scale
+        quantized = {n for n in names if ckpt.info(n).dtype == torch.uint8 and ckpt.has(nvfp4_scale_names(n)[1])}
+        return quantized, {s for n in quantized for s in nvfp4_scale_names(n)}
+    quantized = {n for n in names if ckpt.info(n).dtype == torch.float8_e4m3fn}
+    if fmt.name == "fp8_block_mxfp4":
+        quantized |= {n for n in names if ckpt.info(n).dtype in PACKED_DTYPES
+                      and any(ckpt.has(s) for s in block_scale_names(n))}
+    scale_names = {"row": lambda n: (row_scale_name(n),), "mx": mxfp8_scale_names,
+                   "block": block_scale_names}[fmt.fp8_scales or ""]
+    return quantized, {s for n in quantized for s in scale_names(n)}
+
+
+def _dequantized(ckpt: SafetensorsCheckpoint, name: str, dtype: torch.dtype, fmt: CheckpointFormat) -> torch.Tensor:
+    """Quantized weight ``name`` in ``dtype``: an NVFP4 one or an FP4 expert of the model's shape
+    [R, 2 * (stored columns)], another of its stored shape."""
+    info = ckpt.info(name)
+    shape = info.shape
+    if fmt.fp8_scales == "nvfp4":
         return read_nvfp4(ckpt, name, (shape[0], 2 * shape[1]), dtype)
-    return read_dense(ckpt, name, shape, dtype, fp8_scales)
+    if info.dtype in PACKED_DTYPES:
+        return read_fp4(ckpt, name, (shape[0], 2 * shape[1]), dtype)
+    return read_dense(ckpt, name, shape, dtype, fmt.fp8_scales)
 
 
 def _mxfp4_experts_in(model: torch.nn.Module, dtype: torch.dtype) -> None:

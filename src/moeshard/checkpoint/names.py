@@ -28,7 +28,8 @@ checkpoint stores it under (Granite: ``router.weight`` is ``router.layer.weight`
 ``experts.gate_up_proj`` is ``input_linear.weight``); every name above goes through it.
 
 FP8 checkpoints add a block scale next to each quantized weight: ``<module>.weight_scale_inv`` for a
-``<module>.weight``, ``<name>_scale_inv`` for a fused parameter. MXFP4 checkpoints (gpt-oss) store a
+``<module>.weight`` (DeepSeek-V4's release: ``<module>.scale``; ``block_scale_names``),
+``<name>_scale_inv`` for a fused parameter. MXFP4 checkpoints (gpt-oss) store a
 fused parameter ``<name>`` as ``<name>_blocks`` and ``<name>_scales`` instead (``mxfp4_names``).
 A router bias (gpt-oss) is ``P router.bias``; expert biases ``P experts.gate_up_proj_bias`` [E, 2I]
 and ``P experts.down_proj_bias`` [E, H] (the family's ``router_bias`` and ``expert_biases``).
@@ -36,6 +37,7 @@ and ``P experts.down_proj_bias`` [E, H] (the family's ``router_bias`` and ``expe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moeshard.checkpoint.families import ModelFamily
@@ -52,10 +54,24 @@ def mxfp4_names(fused_name: str) -> tuple[str, str]:
 
 
 def scale_name(weight_name: str) -> str:
-    """The FP8 block-scale tensor that belongs to ``weight_name``."""
+    """The FP8 block-scale tensor that belongs to ``weight_name``, as transformers names it."""
     if weight_name.endswith(".weight"):
         return weight_name[: -len("weight")] + "weight_scale_inv"
     return weight_name + "_scale_inv"
+
+
+def block_scale_names(weight_name: str) -> tuple[str, ...]:
+    """The names an FP8 weight's scale may be stored under: ``scale_name``'s, then for a
+    ``<module>.weight`` DeepSeek-V4's ``<module>.scale`` (which transformers renames as it loads)."""
+    if weight_name.endswith(".weight"):
+        return scale_name(weight_name), weight_name[: -len("weight")] + "scale"
+    return (scale_name(weight_name),)
+
+
+def stored_block_scale_name(has: Callable[[str], bool], weight_name: str) -> str:
+    """The first of ``block_scale_names(weight_name)`` the checkpoint holds (``has``); where none
+    is, ``scale_name``'s, so that reading it names the missing tensor."""
+    return next((n for n in block_scale_names(weight_name) if has(n)), scale_name(weight_name))
 
 
 def row_scale_name(weight_name: str) -> str:

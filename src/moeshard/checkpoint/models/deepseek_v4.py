@@ -18,7 +18,10 @@ The routed experts compute silu(min(gate, swiglu_limit)) * clamp(up, -swiglu_lim
 is an MoE layer. The hyper-connections, the compressed and indexed attention and the
 multi-token-prediction layers stay transformers'. Checkpoints as transformers saves them (bf16),
 which is under the hub's names: the block ``ffn``, the experts ``experts.{e}.w1`` / ``w3`` / ``w2``,
-the attention's and the hyper-connections' tensors renamed (``DENSE_RENAMES``).
+the attention's and the hyper-connections' tensors renamed (``DENSE_RENAMES``). The FP8 release
+(``fp8_block_mxfp4``: FP8 dense weights with a UE8M0 scale per 128 x 128 block under
+``<module>.scale``, FP4 experts with one per 32 values; ``checkpoint.fp8_block_mxfp4``) is
+dequantized as it is read; with FP8 experts (``expert_dtype`` fp8) it is an FP8 block checkpoint.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ DENSE_RENAMES = (*((f".self_attn.{a}", f".attn.{b}") for a, b in _ATTENTION),
 register_family(ModelFamily(
     "deepseek_v4", {"hidden_act": "silu", "swiglu_limit": 10.0, "scoring_func": "sqrtsoftplus",
                     "routed_scaling_factor": 1.5, "mlp_layer_types": None},
-    _moe, every_layer, routing=ROUTING, router_dtype="model", experts_only=True, formats=("bf16",),
+    _moe, every_layer, routing=ROUTING, router_dtype="model", experts_only=True,
+    formats=("bf16", "fp8_block_mxfp4", "fp8_block"),
     # The block is the model's ``mlp``, stored under the hub's ``ffn``.
     block_prefixes=("mlp.", "ffn."), dense_renames=DENSE_RENAMES, dtype_check=_dtype_check))
