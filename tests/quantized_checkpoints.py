@@ -1,8 +1,9 @@
 """What the tests of quantized checkpoint formats share (FP8 with a scale per tensor or row, MXFP8,
-ModelOpt NVFP4): each writes a quantized checkpoint of a tiny random model beside an oracle, a
-full-precision checkpoint of the values the quantized one dequantizes to, which transformers loads
-itself; and each checks that training's save of a model read from it is a full-precision
-checkpoint."""
+ModelOpt NVFP4, DeepSeek-V4's FP8 release): each writes a quantized checkpoint of a tiny random
+model beside an oracle, a full-precision checkpoint of the values the quantized one dequantizes to,
+which transformers loads itself; each judges moeshard's generation on the quantized checkpoint,
+at one rank and under the two-rank ``LAYOUTS``, against transformers' on the oracle; and each
+checks that training's save of a model read from it is a full-precision checkpoint."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save_file
+
+from moeshard.parallel.config import ParallelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -64,6 +68,73 @@ def assert_saves_as_full_precision(model_dir: Path, saved: Path, prompt: Sequenc
         before = model(ids).logits
         after = load_sharded_model(saved, dtype="float32")(ids).logits
     assert torch.equal(before, after)
+
+
+# The layouts each format is judged under besides (1,1): the experts split between two ranks, and
+# every expert's intermediate size cut in two.
+LAYOUTS = {"dp2-tp1-ep": ParallelConfig(2, 1, True), "dp1-tp2-noep": ParallelConfig(1, 2, False)}
+
+
+class AgainstTransformers:
+    """The whole tiny model read from a quantized checkpoint against transformers on its oracle: at
+    (1,1), where moeshard's own ``--compare`` model must also be transformers on the oracle's
+    values bit for bit, and under each of ``LAYOUTS``. A test module subclasses it as a ``Test``
+    class, giving ``plan(model_dir, layout)`` (its ``GeneratePlan``); its module provides the
+    fixtures ``ckpts`` ((checkpoint, oracle)) and ``oracles`` (DP size -> transformers' generation on
+    the oracle)."""
+
+    spawn_timeout_s = 300.0
+
+    @staticmethod
+    def plan(model_dir: Path, layout: ParallelConfig | None = None) -> Any:
+        raise NotImplementedError("a test class of AgainstTransformers gives plan(model_dir, layout)")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def world(cls, ckpts):
+        return layouts_world(lambda layout: cls.plan(ckpts[0], layout), cls.spawn_timeout_s)
+
+    def test_one_rank_equals_transformers_on_the_dequantized_weights(self, ckpts, oracles):
+        from moeshard.jobs.generate import generate_rank
+
+        plan = self.plan(ckpts[0])
+        judge(plan, [generate_rank(plan, None)], oracles(), "(1,1)")
+        assert_compare_model_is_the_oracle(plan, oracles())
+
+    @pytest.mark.parametrize("layout", list(LAYOUTS))
+    def test_layout_equals_transformers_on_the_dequantized_weights(self, world, oracles, layout):
+        judge(*world(layout), oracles(LAYOUTS[layout].dp), layout)
+
+
+def layouts_world(plan_of: Callable[[ParallelConfig], Any], timeout_s: float) -> Callable[[str], tuple[Any, list]]:
+    """layout name -> (its plan, the ranks' results): the plans ``plan_of(layout)`` of every
+    ``LAYOUTS`` entry, run together in one spawned world (each rank runs both), the first time one
+    is asked for."""
+    from generate_worlds import GenerateWorlds
+
+    world = GenerateWorlds(lambda _: (list(LAYOUTS), [plan_of(layout) for layout in LAYOUTS.values()]), timeout_s)
+    return lambda layout: world("layouts")[layout]
+
+
+def judge(plan, results: Sequence, oracle: list, tag: str) -> None:
+    """The ranks' ``results`` of ``plan`` give transformers' greedy ids on ``oracle`` (its
+    generation) and logits within the plan's tolerance; ``tag`` names the case in the failure."""
+    from moeshard.jobs.generate import compare_generations
+
+    for r in results:
+        assert not isinstance(r, dict), f"{tag}: rank raised: {r}"
+    c = compare_generations(plan, list(results), oracle)
+    assert all(c.same_ids), f"{tag}: ids differ at steps {c.first_difference}"
+    assert c.within_tolerance, f"{tag}: logits off by {c.step_max_abs}"
+
+
+def assert_compare_model_is_the_oracle(plan, oracle: list) -> None:
+    """moeshard's own ``--compare`` model of ``plan``'s quantized checkpoint (``reference_generate``)
+    is transformers on the oracle's values: the same ids and logits, bit for bit."""
+    from moeshard.jobs.generate import reference_generate
+
+    for (ids, logits), (want_ids, want_logits) in zip(reference_generate(plan), oracle, strict=True):
+        assert ids == want_ids and all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True))
 
 
 def oracle_generations(plan: Callable[[Path, Any], Any]) -> Callable[[Path, int], list]:

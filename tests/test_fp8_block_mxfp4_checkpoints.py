@@ -35,15 +35,20 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-from generate_worlds import GenerateWorlds
-from quantized_checkpoints import assert_saves_as_full_precision, oracle_generations, save_beside
+from quantized_checkpoints import (
+    AgainstTransformers,
+    assert_saves_as_full_precision,
+    judge,
+    oracle_generations,
+    save_beside,
+)
 from safetensors.torch import load_file, save_file
 
 from moeshard.checkpoint import read_hf_config
 from moeshard.checkpoint.fp8_block_mxfp4 import dequantize_fp4
 from moeshard.checkpoint.hf_config import parse_hf_config
 from moeshard.checkpoint.mxfp4 import E2M1
-from moeshard.jobs.generate import GenerateSpec, compare_generations, generate_rank, plan_generate, reference_generate
+from moeshard.jobs.generate import GenerateSpec, compare_generations, generate_rank, plan_generate
 from moeshard.parallel.config import ParallelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +58,6 @@ import make_tiny_moe  # noqa: E402 - a script of this repository, importable onc
 FAMILY = "deepseek_v4"
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10))
 NEW_TOKENS = 3
-SPAWN_TIMEOUT_S = 300
 H, I, E, LAYERS = 64, 96, 4, 2
 QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
                 "activation_scheme": "dynamic", "expert_dtype": "fp4"}
@@ -209,12 +213,6 @@ def test_other_configs_are_refused_naming_the_field(field, value, message):
 
 
 # -- whole model against transformers -----------------------------------------------------------
-def _judge(plan, results, oracle, tag: str) -> None:
-    c = compare_generations(plan, results, oracle)
-    assert all(c.same_ids), f"{tag}: ids differ at steps {c.first_difference}"
-    assert c.within_tolerance, f"{tag}: logits off by {c.step_max_abs}"
-
-
 @pytest.fixture(scope="module")
 def oracles(ckpts):
     """DP size -> transformers' own generation on the oracle (each DP rank its share of prompts)."""
@@ -227,31 +225,8 @@ def test_the_checkpoint_is_read_as_fp8_block_mxfp4(ckpts):
     assert (info.model_type, info.checkpoint_format, info.moe.intermediate_size) == (FAMILY, "fp8_block_mxfp4", I)
 
 
-def test_one_rank_equals_transformers_on_the_dequantized_weights(ckpts, oracles):
-    plan = _plan(ckpts[0])
-    _judge(plan, [generate_rank(plan, None)], oracles(), "(1,1)")
-    # moeshard's own --compare model of the release is transformers on those very values.
-    for (ids, logits), (want_ids, want_logits) in zip(reference_generate(plan), oracles(), strict=True):
-        assert ids == want_ids and all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True))
-
-
-LAYOUTS = {"dp2-tp1-ep": ParallelConfig(2, 1, True), "dp1-tp2-noep": ParallelConfig(1, 2, False)}
-
-
-@pytest.fixture(scope="module")
-def world(ckpts):
-    def cases(_):
-        return list(LAYOUTS), [_plan(ckpts[0], layout) for layout in LAYOUTS.values()]
-
-    return GenerateWorlds(cases, SPAWN_TIMEOUT_S)
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_equals_transformers_on_the_dequantized_weights(world, oracles, layout):
-    plan, results = world("layouts")[layout]
-    for r in results:
-        assert not isinstance(r, dict), f"rank raised: {r}"
-    _judge(plan, results, oracles(LAYOUTS[layout].dp), layout)
+class TestReleaseAgainstTransformers(AgainstTransformers):
+    plan = staticmethod(_plan)
 
 
 @pytest.mark.parametrize("fault", ["exponent", "nibbles"])
@@ -310,7 +285,7 @@ def test_scales_under_transformers_names_and_as_bytes_are_read_too(ckpts, oracle
                 else scale
 
     plan = _plan(_edited(ckpts, tmp_path, change))
-    _judge(plan, [generate_rank(plan, None)], oracles(), "weight_scale_inv, uint8")
+    judge(plan, [generate_rank(plan, None)], oracles(), "weight_scale_inv, uint8")
 
 
 def test_fp8_experts_read_as_fp8_block_as_stored(tmp_path):

@@ -29,8 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-from generate_worlds import GenerateWorlds
-from quantized_checkpoints import assert_saves_as_full_precision, oracle_generations, save_beside
+from quantized_checkpoints import (
+    AgainstTransformers,
+    assert_saves_as_full_precision,
+    judge,
+    oracle_generations,
+    save_beside,
+)
 from safetensors.torch import load_file, save_file
 
 from moeshard.checkpoint import read_hf_config
@@ -47,7 +52,6 @@ import make_tiny_moe  # noqa: E402 - a script of this repository, importable onc
 FAMILY = "inkling2_text"
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10))
 NEW_TOKENS = 3
-SPAWN_TIMEOUT_S = 300
 H, I, LAYERS = 64, 96, 2
 QUANTIZATION = {"quant_method": "mxfp8", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
                 "activation_scheme": "dynamic"}
@@ -156,12 +160,6 @@ def test_a_family_without_the_format_refuses_it():
 
 
 # -- whole model against transformers -----------------------------------------------------------
-def _judge(plan, results, oracle, tag: str) -> None:
-    c = compare_generations(plan, results, oracle)
-    assert all(c.same_ids), f"{tag}: ids differ at steps {c.first_difference}"
-    assert c.within_tolerance, f"{tag}: logits off by {c.step_max_abs}"
-
-
 @pytest.fixture(scope="module")
 def oracles(ckpts):
     """DP size -> transformers' own generation on the oracle (each DP rank its share of prompts)."""
@@ -174,31 +172,8 @@ def test_the_checkpoint_is_read_as_mxfp8(ckpts):
     assert (info.model_type, info.checkpoint_format, info.moe.intermediate_size) == (FAMILY, "mxfp8", I)
 
 
-def test_one_rank_equals_transformers_on_the_dequantized_weights(ckpts, oracles):
-    plan = _plan(ckpts[0])
-    _judge(plan, [generate_rank(plan, None)], oracles(), "(1,1)")
-    # moeshard's own --compare model of the MXFP8 checkpoint is transformers on those very values.
-    for (ids, logits), (want_ids, want_logits) in zip(reference_generate(plan), oracles(), strict=True):
-        assert ids == want_ids and all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True))
-
-
-LAYOUTS = {"dp2-tp1-ep": ParallelConfig(2, 1, True), "dp1-tp2-noep": ParallelConfig(1, 2, False)}
-
-
-@pytest.fixture(scope="module")
-def world(ckpts):
-    def cases(_):
-        return list(LAYOUTS), [_plan(ckpts[0], layout) for layout in LAYOUTS.values()]
-
-    return GenerateWorlds(cases, SPAWN_TIMEOUT_S)
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_equals_transformers_on_the_dequantized_weights(world, oracles, layout):
-    plan, results = world("layouts")[layout]
-    for r in results:
-        assert not isinstance(r, dict), f"rank raised: {r}"
-    _judge(plan, results, oracles(LAYOUTS[layout].dp), layout)
+class TestMXFP8AgainstTransformers(AgainstTransformers):
+    plan = staticmethod(_plan)
 
 
 @pytest.mark.parametrize("fault", ["exponent", "interleave"])
@@ -251,7 +226,7 @@ def test_scales_under_transformers_own_names_are_read_too(ckpts, oracles, tmp_pa
     shutil.copytree(ckpts[0], other)
     save_file(renamed, str(other / "model.safetensors"), metadata={"format": "pt"})
     plan = _plan(other)
-    _judge(plan, [generate_rank(plan, None)], oracles(), "_scale_inv")
+    judge(plan, [generate_rank(plan, None)], oracles(), "_scale_inv")
 
 
 def test_the_loop_model_reads_mxfp8_too(tmp_path):
