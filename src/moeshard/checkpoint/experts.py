@@ -219,17 +219,17 @@ class ExpertReader:
     """Reads the routed experts of one block (names, cfg) from ``ckpt`` for one rank's plan."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fmt: CheckpointFormat) -> None:
-        if (fmt.stored_scheme is not None and fmt.fp8_scales is None) or (fmt.dequantized and
+        if (fmt.stored_scheme is not None and fmt.weight_scales is None) or (fmt.dequantized and
                                                                           fmt.name not in DEQUANTIZED_READ):
             raise ValueError(f"checkpoint format {fmt.name!r} ({fmt.summary}): its experts are not read yet "
                              f"(readable: full precision, fp8 with block or per-tensor / per-row scales, and "
                              f"{', '.join(DEQUANTIZED_READ)})")
         self.ckpt, self.names, self.cfg, self.format = ckpt, names, cfg, fmt
         self.packed = PACKED_EXPERTS.get(fmt.name)  # per-expert e2m1 weights, dequantized
-        self.fp8 = fmt.fp8_scales == "block" and self.packed is None  # e4m3 experts with block scales
-        self.row_fp8 = fmt.fp8_scales == "row"
+        self.fp8 = fmt.weight_scales == "block" and self.packed is None  # e4m3 experts with block scales
+        self.row_fp8 = fmt.weight_scales == "row"
         self.mxfp4 = fmt.name == "mxfp4"
-        self.mxfp8 = fmt.fp8_scales == "mx"
+        self.mxfp8 = fmt.weight_scales == "mx"
         self.mx = self.mxfp4 or self.mxfp8  # fused values with one exponent byte per 32, dequantized
         self.layout = fused_layout(names.fused_layout)
         mx = f"an {fmt.name.upper()} checkpoint"

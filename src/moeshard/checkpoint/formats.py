@@ -212,7 +212,7 @@ class CheckpointFormat:
     dequantized: the routed experts are stored in a quantized form that the reader dequantizes
       to the model dtype as it reads them (``mxfp4``); they then load as any requested scheme,
       as a full-precision checkpoint's do (``stored_scheme`` None).
-    fp8_scales: how its e4m3 weights' scales are stored: ``"block"`` (``weight_scale_inv``, or
+    weight_scales: how its quantized weights' scales are stored: ``"block"`` (``weight_scale_inv``, or
       DeepSeek-V4's ``scale``, [ceil(R/128), ceil(C/128)], one per 128 x 128 tile; the dense
       weights of ``fp8_block_mxfp4`` too, whose experts ``checkpoint.fp8_block_mxfp4`` reads),
       ``"row"`` (``weight_scale`` of shape [] or [1]: one for the tensor, or [R] / [R, 1]: one
@@ -230,7 +230,7 @@ class CheckpointFormat:
     detect: Callable[[Any, str], bool]
     summary: str
     dequantized: bool = False
-    fp8_scales: str | None = None
+    weight_scales: str | None = None
     also_stored_as: tuple[str, ...] = ()
 
     @property
@@ -249,20 +249,20 @@ CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
     CheckpointFormat("fp8_block", "fp8_block", _is_fp8_block,
                      "an FP8 block checkpoint (DeepSeek-V3 style: float8_e4m3fn weight + weight_scale_inv per "
                      "128 x 128 block; quantization_config quant_method 'fp8', weight_block_size [128, 128], "
-                     "dynamic activations)", fp8_scales="block"),
+                     "dynamic activations)", weight_scales="block"),
     CheckpointFormat("modelopt_fp8", "fp8_token", _is_modelopt_fp8,
                      "an NVIDIA ModelOpt FP8 checkpoint (quantization_config quant_method 'modelopt', quant_algo "
                      f"{' or '.join(MODELOPT_FP8_ALGOS)}; {_PER_ROW})",
-                     fp8_scales="row", also_stored_as=("fp8_tensor",)),
+                     weight_scales="row", also_stored_as=("fp8_tensor",)),
     CheckpointFormat("compressed_fp8", "fp8_token", _is_compressed_fp8,
                      "a compressed-tensors FP8 checkpoint (quantization_config quant_method 'compressed-tensors', "
                      f"format 'float-quantized', 8-bit float weights; {_PER_ROW})",
-                     fp8_scales="row", also_stored_as=("fp8_tensor",)),
+                     weight_scales="row", also_stored_as=("fp8_tensor",)),
     CheckpointFormat("modelopt_nvfp4", None, _is_modelopt_nvfp4,
                      "an NVIDIA ModelOpt NVFP4 checkpoint (quantization_config quant_method 'modelopt', quant_algo "
                      "NVFP4, group_size 16: uint8 weight, two e2m1 values a byte, float8_e4m3fn weight_scale per 16 "
                      "values and fp32 weight_scale_2; per-expert tensors); its weights are dequantized to the model "
-                     "dtype as they are read", dequantized=True, fp8_scales="nvfp4"),
+                     "dtype as they are read", dequantized=True, weight_scales="nvfp4"),
     CheckpointFormat("mxfp4", None, _is_mxfp4,
                      "an MXFP4 checkpoint (gpt-oss style: routed experts as <name>_blocks, two e2m1 values a byte, "
                      "and <name>_scales, one e8m0 exponent per 32 values; quantization_config quant_method "
@@ -271,11 +271,11 @@ CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {fmt.name: fmt for fmt in (
                      "an MXFP8 checkpoint (Inkling 2 style: float8_e4m3fn weights with one E8M0 exponent byte per "
                      "32 values of a row, <name>_scale; quantization_config quant_method 'mxfp8', weight_block_size "
                      "[1, 32], scale_fmt 'ue8m0'); its weights are dequantized to the model dtype as they are read",
-                     dequantized=True, fp8_scales="mx"),
+                     dequantized=True, weight_scales="mx"),
     CheckpointFormat("fp8_block_mxfp4", None, _is_fp8_block_mxfp4,
                      "an FP8 block checkpoint with FP4 experts (DeepSeek-V4 style: float8_e4m3fn dense weights with a "
                      "UE8M0 scale per 128 x 128 block, <module>.scale; routed experts per expert as int8 weights, two "
                      "e2m1 values a byte, with a UE8M0 scale per 32 values of a row; quantization_config quant_method "
                      "'fp8', weight_block_size [128, 128], scale_fmt 'ue8m0', expert_dtype 'fp4'); its weights are "
-                     "dequantized to the model dtype as they are read", dequantized=True, fp8_scales="block"),
+                     "dequantized to the model dtype as they are read", dequantized=True, weight_scales="block"),
 )}

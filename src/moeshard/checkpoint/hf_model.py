@@ -57,7 +57,7 @@ def load_transformers_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Modu
     whose stub mypy does not bind as a method."""
 
     info = read_hf_config(model_dir)
-    if info.format.fp8_scales in ("row", "mx", "nvfp4") or info.format.name == "fp8_block_mxfp4":
+    if info.format.weight_scales in ("row", "mx", "nvfp4") or info.format.name == "fp8_block_mxfp4":
         return _from_dequantized_copy(model_dir, dtype, info.format)
     model = _from_pretrained(model_dir, dtype)
     if info.checkpoint_format == "mxfp4":
@@ -81,7 +81,7 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
 
 def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fmt: CheckpointFormat) -> torch.nn.Module:
     """transformers' model of a checkpoint with per-tensor or per-row fp8 scales (ModelOpt,
-    compressed-tensors; ``fmt.fp8_scales`` "row"), MXFP8 ones ("mx"), ModelOpt's NVFP4 weights
+    compressed-tensors; ``fmt.weight_scales`` "row"), MXFP8 ones ("mx"), ModelOpt's NVFP4 weights
     ("nvfp4") or DeepSeek-V4's FP8 block weights and FP4 experts (``fp8_block_mxfp4``), which
     transformers does not load itself here (no ModelOpt reader; the compressed-tensors one needs
     that package, its MXFP8 and FP4 ones accelerate, and its FP4 experts a GPU): every quantized weight
@@ -128,7 +128,7 @@ def _quantized_tensors(ckpt: SafetensorsCheckpoint, fmt: CheckpointFormat) -> tu
     NVFP4 weights, each beside its global scale; e4m3 weights; FP4 experts, int8 / uint8 beside a
     block scale."""
     names = ckpt.names()
-    if fmt.fp8_scales == "nvfp4":  # uint8 e2m1 pairs, each beside its global scale
+    if fmt.weight_scales == "nvfp4":  # uint8 e2m1 pairs, each beside its global scale
         quantized = {n for n in names if ckpt.info(n).dtype == torch.uint8 and ckpt.has(nvfp4_scale_names(n)[1])}
         return quantized, {s for n in quantized for s in nvfp4_scale_names(n)}
     quantized = {n for n in names if ckpt.info(n).dtype == torch.float8_e4m3fn}
@@ -136,7 +136,7 @@ def _quantized_tensors(ckpt: SafetensorsCheckpoint, fmt: CheckpointFormat) -> tu
         quantized |= {n for n in names if ckpt.info(n).dtype in PACKED_DTYPES
                       and any(ckpt.has(s) for s in block_scale_names(n))}
     scale_names = {"row": lambda n: (row_scale_name(n),), "mx": mxfp8_scale_names,
-                   "block": block_scale_names}[fmt.fp8_scales or ""]
+                   "block": block_scale_names}[fmt.weight_scales or ""]
     return quantized, {s for n in quantized for s in scale_names(n)}
 
 
@@ -145,11 +145,11 @@ def _dequantized(ckpt: SafetensorsCheckpoint, name: str, dtype: torch.dtype, fmt
     [R, 2 * (stored columns)], another of its stored shape."""
     info = ckpt.info(name)
     shape = info.shape
-    if fmt.fp8_scales == "nvfp4":
+    if fmt.weight_scales == "nvfp4":
         return read_nvfp4(ckpt, name, (shape[0], 2 * shape[1]), dtype)
     if info.dtype in PACKED_DTYPES:
         return read_fp4(ckpt, name, (shape[0], 2 * shape[1]), dtype)
-    return read_dense(ckpt, name, shape, dtype, fmt.fp8_scales)
+    return read_dense(ckpt, name, shape, dtype, fmt.weight_scales)
 
 
 def _mxfp4_experts_in(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -83,20 +83,20 @@ def resolve_quant(model: HFMoEModel, quant: QuantConfig | str | None) -> QuantCo
 class _SmallTensors:
     """Router, correction bias and shared experts: read whole, checked, in the model dtype."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, fp8_scales: str | None) -> None:
-        self.ckpt, self.names, self.cfg, self.fp8_scales = ckpt, names, cfg, fp8_scales
+    def __init__(self, ckpt: SafetensorsCheckpoint, names: BlockNames, cfg: MoEConfig, weight_scales: str | None) -> None:
+        self.ckpt, self.names, self.cfg, self.weight_scales = ckpt, names, cfg, weight_scales
         self._read: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def stored(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A tensor as stored, read once (``read_stored``): the shared MLP's serve both its
         model-dtype weights and ``shared_stored``."""
         if name not in self._read:
-            self._read[name] = read_stored(self.ckpt, name, shape, self.fp8_scales)
+            self._read[name] = read_stored(self.ckpt, name, shape, self.weight_scales)
         return self._read[name]
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """A weight in ``dtype`` (default the model dtype); see ``read_dense``."""
-        return in_dtype(*self.stored(name, shape), dtype or self.cfg.dtype, self.fp8_scales)
+        return in_dtype(*self.stored(name, shape), dtype or self.cfg.dtype, self.weight_scales)
 
     def correction_bias(self) -> torch.Tensor:
         """fp32 [E]: the bias decides routing, so it stays fp32 as the layer keeps it. Stored [E],
@@ -111,7 +111,7 @@ class _SmallTensors:
         all three are stored in fp8; None otherwise, and where S is not a multiple of 128 (a
         128-row tile would then hold gate and up rows, which no stored scale describes)."""
         cfg, n = self.cfg, self.names
-        if not (self.fp8_scales == "block" and cfg.has_shared_experts and quant.shared == "fp8_block"):
+        if not (self.weight_scales == "block" and cfg.has_shared_experts and quant.shared == "fp8_block"):
             return None
         H, S = cfg.hidden_size, cfg.shared_width
         if S % FP8_BLOCK:
@@ -183,7 +183,7 @@ def load_moe_block(model_dir: str | Path, layer: int, *, parallel: ParallelConfi
     if model.family.linear_router:
         ckpt.expect(names.router, (cfg.num_experts, cfg.hidden_size))
     experts = ExpertReader(ckpt, names, cfg, model.format)  # checks every expert tensor's shape
-    small = _SmallTensors(ckpt, names, cfg, model.format.fp8_scales)
+    small = _SmallTensors(ckpt, names, cfg, model.format.weight_scales)
     weights = small.weights()
     weights.validate(cfg, routed=False, router=model.family.linear_router)
     local = experts.read(quant, spec)

@@ -570,7 +570,7 @@ def _hold_as_loaded(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, names: BlockNames,
-                 device: torch.device, fp8_scales: str | None) -> nn.Module:
+                 device: torch.device, weight_scales: str | None) -> nn.Module:
     """The block's transformers router with its weight (and bias) read from the checkpoint, in
     the dtypes transformers gave them (DeepSeek-V3 keeps its router in fp32)."""
     router = model.get_submodule(prefix + names.router_module)
@@ -580,12 +580,12 @@ def _load_router(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, nam
         stored = names.stored(f"{names.router_module}.{local}")
         if f"{names.router_module}.{local}" == names.family.bias_module:
             stored = names.correction_bias  # the name this checkpoint keeps the bias under (EXAONE-MoE: the block's)
-        _set(router, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8_scales).to(device))
+        _set(router, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, weight_scales).to(device))
     return router
 
 
 def _load_output_norm(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str, layer: int, names: BlockNames,
-                      device: torch.device, fp8_scales: str | None) -> nn.Module:
+                      device: torch.device, weight_scales: str | None) -> nn.Module:
     """The block's output norm (``ModelFamily.output_norm``) with its tensors read from the
     checkpoint, under the block's prefix or, as A.X-K1's hub and transformers' saves keep it,
     under the decoder layer's."""
@@ -595,12 +595,12 @@ def _load_output_norm(model: nn.Module, ckpt: SafetensorsCheckpoint, prefix: str
     for local, t in list(norm.named_parameters()) + list(norm.named_buffers()):
         candidates = [f"{names.prefix}{family.output_norm}.{local}", f"{family.layer_prefix(layer)}{family.output_norm}.{local}"]
         stored = next((c for c in candidates if ckpt.has(c)), candidates[0])
-        _set(norm, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, fp8_scales).to(device))
+        _set(norm, local, read_dense(ckpt, stored, tuple(t.shape), t.dtype, weight_scales).to(device))
     return norm
 
 
 def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple[str, ...], device: torch.device,
-                fp8_scales: str | None, family: ModelFamily) -> None:
+                weight_scales: str | None, family: ModelFamily) -> None:
     """Every parameter and persistent buffer outside the MoE blocks (``skip`` prefixes), read
     under its own name (or as the family stores it: ``ModelFamily.dense_sources``); tied weights
     (``lm_head`` with ``tie_word_embeddings``) are tied after; non-persistent buffers (rotary
@@ -616,16 +616,16 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
             continue
         convert = family.dense_convert_of(name)
         if convert is not None:
-            _set(model, name, _read_converted(ckpt, name, convert, tuple(t.shape), t.dtype, fp8_scales).to(device))
+            _set(model, name, _read_converted(ckpt, name, convert, tuple(t.shape), t.dtype, weight_scales).to(device))
             continue
         split = family.dense_split_of(name)
         if split is not None:
-            _set(model, name, _read_split(ckpt, name, split, shapes, t.dtype, fp8_scales, split_read).to(device))
+            _set(model, name, _read_split(ckpt, name, split, shapes, t.dtype, weight_scales, split_read).to(device))
             continue
         sources = family.dense_sources(name, ckpt.has)
         if not ckpt.has(sources[0]) and name in tied:
             continue
-        _set(model, name, _read_sources(ckpt, name, sources, tuple(t.shape), t.dtype, fp8_scales).to(device))
+        _set(model, name, _read_sources(ckpt, name, sources, tuple(t.shape), t.dtype, weight_scales).to(device))
     model.tie_weights()
     for name, buffer in list(model.named_buffers()):
         if name in persistent or not _is_meta(buffer):
@@ -654,27 +654,27 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
 
 
 def _read_sources(ckpt: SafetensorsCheckpoint, name: str, sources: tuple[str, ...], shape: tuple[int, ...],
-                  dtype: torch.dtype, fp8_scales: str | None) -> torch.Tensor:
+                  dtype: torch.dtype, weight_scales: str | None) -> torch.Tensor:
     """The model's tensor ``name`` of ``shape`` from its checkpoint ``sources``: one tensor, or
     equal parts along dim 0 concatenated (``ModelFamily.dense_concat``)."""
     if len(sources) == 1:
-        return read_dense(ckpt, sources[0], shape, dtype, fp8_scales)
+        return read_dense(ckpt, sources[0], shape, dtype, weight_scales)
     if not shape or shape[0] % len(sources):
         raise ValueError(f"{name}: its shape {list(shape)} does not split into {len(sources)} equal parts along dim 0 "
                          f"({list(sources)})")
     part = (shape[0] // len(sources), *shape[1:])
-    return torch.cat([read_dense(ckpt, source, part, dtype, fp8_scales) for source in sources])
+    return torch.cat([read_dense(ckpt, source, part, dtype, weight_scales) for source in sources])
 
 
 def _read_converted(ckpt: SafetensorsCheckpoint, name: str, convert: tuple[tuple[str, ...], Callable[..., torch.Tensor]],
-                    shape: tuple[int, ...], dtype: torch.dtype, fp8_scales: str | None) -> torch.Tensor:
+                    shape: tuple[int, ...], dtype: torch.dtype, weight_scales: str | None) -> torch.Tensor:
     """The model's tensor ``name`` of ``shape``: ``convert``'s function of its stored tensors, each
     read whole in its stored shape (``ModelFamily.dense_convert``)."""
     sources, fn = convert
     missing = [s for s in sources if not ckpt.has(s)]
     if missing:
         raise ValueError(f"{ckpt.model_dir}: {name} is made from {list(sources)}; missing {missing}")
-    parts = [read_dense(ckpt, s, tuple(ckpt.info(s).shape), dtype, fp8_scales) for s in sources]
+    parts = [read_dense(ckpt, s, tuple(ckpt.info(s).shape), dtype, weight_scales) for s in sources]
     out = fn(parts, shape)
     if tuple(out.shape) != shape:
         raise ValueError(f"{name}: {list(sources)} of shapes {[list(p.shape) for p in parts]} make shape "
@@ -683,7 +683,7 @@ def _read_converted(ckpt: SafetensorsCheckpoint, name: str, convert: tuple[tuple
 
 
 def _read_split(ckpt: SafetensorsCheckpoint, name: str, split: tuple[str, tuple[str, ...]],
-                shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, fp8_scales: str | None,
+                shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, weight_scales: str | None,
                 held: dict[str, tuple[torch.Tensor, set[str]]]) -> torch.Tensor:
     """The model's tensor ``name``: its rows of the stored tensor ``split[0]``, whose consecutive row
     ranges along dim 0 are the model tensors ``split[1]``, in order (``ModelFamily.dense_split``).
@@ -694,7 +694,7 @@ def _read_split(ckpt: SafetensorsCheckpoint, name: str, split: tuple[str, tuple[
         raise ValueError(f"{name}: the model has no {missing}, which {stored!r} also holds")
     rows = [shapes[p][0] for p in parts]
     if stored not in held:
-        held[stored] = (read_dense(ckpt, stored, (sum(rows), *shapes[name][1:]), dtype, fp8_scales), set(parts))
+        held[stored] = (read_dense(ckpt, stored, (sum(rows), *shapes[name][1:]), dtype, weight_scales), set(parts))
     whole, left = held[stored]
     left.discard(name)
     if not left:
@@ -743,18 +743,18 @@ def load_sharded_model(model_dir: str | Path, groups: ParallelGroups | None = No
         # tensors).
         prefixes = {index: f"{family.model_layer_prefix(index)}{_replaced_name(layers[index], family)}."
                     for index in find_moe_blocks(model)}
-        fp8_scales = info.format.fp8_scales
+        weight_scales = info.format.weight_scales
         for index, prefix in prefixes.items():
             blocks[index] = load_moe_block(model_dir, index, parallel=parallel, rank=rank, quant=quant_cfg, dtype=dtype)
             if not family.experts_only:
-                routers[index] = _load_router(model, ckpt, prefix, blocks[index].names, device, fp8_scales)
+                routers[index] = _load_router(model, ckpt, prefix, blocks[index].names, device, weight_scales)
             if family.output_bias is not None:
                 held = model.get_parameter(prefix + family.output_bias)  # the meta model's: shape and dtype
                 biases[index] = read_dense(ckpt, blocks[index].names.prefix + family.output_bias, tuple(held.shape),
-                                           held.dtype, fp8_scales).to(device).requires_grad_(held.requires_grad)
+                                           held.dtype, weight_scales).to(device).requires_grad_(held.requires_grad)
             if family.output_norm is not None:
-                norms[index] = _load_output_norm(model, ckpt, prefix, index, blocks[index].names, device, fp8_scales)
-        _load_dense(model, ckpt, tuple(prefixes.values()), device, fp8_scales, family)
+                norms[index] = _load_output_norm(model, ckpt, prefix, index, blocks[index].names, device, weight_scales)
+        _load_dense(model, ckpt, tuple(prefixes.values()), device, weight_scales, family)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see agree)
         error = exc
     agree(groups, error, "to load")
