@@ -12,6 +12,7 @@ from moeshard.checkpoint.models import (
     aria,  # noqa: F401  aria_text, aria
     cohere2_moe,  # noqa: F401
     dbrx,  # noqa: F401
+    deepseek_ocr2,  # noqa: F401  deepseek_ocr2_text
     deepseek_routed,  # noqa: F401  mimo_v2_flash, beam
     deepseek_v2,  # noqa: F401
     deepseek_v3_style,  # noqa: F401  glm4_moe, glm4_moe_lite, dots1, exaone_moe, deepseek_v32, glm_moe_dsa, solar_open,
