@@ -25,6 +25,24 @@ REFUSALS = {
     "step3p7": "its layers clamp their SwiGLU each at their own limits (swiglu_limits, swiglu_limits_shared: "
                "min(silu(gate), limit)) while moeshard's block runs one activation in every layer, and its "
                "checkpoints keep the routed experts as separate gate, up and down tensors [E, I, H] under moe.",
+    "nllb-moe": "an encoder-decoder translation model whose top-2 routers send tokens to their experts only up to "
+                "each expert's capacity (expert_capacity, second_expert_policy), dropping the rest; moeshard's "
+                "block computes every pick, in decoder-only causal LMs and image-text-to-text models",
+    "switch_transformers": "an encoder-decoder model whose top-1 routers send tokens to their experts only up to "
+                           "each expert's capacity (expert_capacity), dropping the rest; moeshard's block computes "
+                           "every pick, in decoder-only causal LMs and image-text-to-text models",
+    "openai_privacy_filter": "a bidirectional token classifier (OpenAIPrivacyFilterForTokenClassification), not a "
+                             "causal LM or an image-text-to-text model, which are what moeshard loads and generates "
+                             "with",
 }
+# Model types transformers builds with another's config class, or parts of another's model: refused
+# for that one's reason.
+for _alias, (_of, _how) in {
+    "step3p5": ("step3p7", "transformers builds it as Step-3.7 (Step3p7TextConfig)"),
+    "qwen3_omni_moe_thinker": ("qwen3_omni_moe", "a part of Qwen3-Omni"),
+    "qwen3_omni_moe_text": ("qwen3_omni_moe", "a part of Qwen3-Omni"),
+    "qwen3_omni_moe_talker_text": ("qwen3_omni_moe", "a part of Qwen3-Omni"),
+}.items():
+    REFUSALS[_alias] = f"{_how}: {REFUSALS[_of]}"
 for _model_type, _reason in REFUSALS.items():
     refuse_family(_model_type, _reason)
