@@ -12,12 +12,16 @@ microseconds. This study times, for each model, token count and scheme:
   ``write`` (the bench's), ``read`` (a reduction over the same buffer: L2 is left full of clean
   lines, as after a layer that only read its weights) and ``none`` (the weights may stay in L2:
   a floor, not a figure);
-* a read of the same number of bytes as the call's weights (``torch.sum`` over a buffer of that
-  size) under each flush: what streaming those bytes costs with nothing else to do;
+* a read of the same number of bytes as the call's weights under each flush: what streaming those
+  bytes costs with nothing else to do, as ``torch.sum`` over a buffer of that size and as a
+  purpose-built Triton reader (``read_stream``: wide loads, a checksum per program so that
+  nothing is elided) at several grid sizes and load widths, the fastest of which is kept as
+  ``read_fastest`` and every one listed under ``read_sweep``;
 * the GPU time of each kernel inside the graphed call under the ``write`` flush (the CUDA
   profiler), so that the call's time splits into kernels and the gaps between them.
 
     PYTHONPATH=src python3 scripts/decode_study.py --json results/h200/decode_study.json
+    PYTHONPATH=src python3 scripts/decode_study.py --cases deepseek-v3:1,mixtral-8x7b:1 --schemes fp8_tensor
 
 ``--ncu MODEL:SCHEME:TOKENS`` instead runs that call eagerly a few times without flushes, for
 ``ncu`` to profile its kernels.
@@ -31,6 +35,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from moeshard.bench.study import plan_made_ahead
 from moeshard.bench.timing import L2Flush, graph_median_ms, graphed
@@ -45,6 +51,30 @@ from moeshard.quant import get_scheme
 
 CASES = (("deepseek-v3", (1, 16)), ("qwen3-30b-a3b", (1,)), ("mixtral-8x7b", (1,)))
 SCHEMES = ("none", "fp8_tensor", "fp8_block")
+# The Triton reader's variants: (programs per multiprocessor, int32 elements a program loads per step).
+READ_SWEEP = tuple((per_sm, block) for per_sm in (1, 2, 4, 8, 16) for block in (2048, 4096, 8192))
+
+
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p sums src[p * CHUNK : (p + 1) * CHUNK] (int32, wrapping) into out[p]."""
+    start = tl.program_id(0).to(tl.int64) * CHUNK
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        acc += tl.load(src_ptr + idx, mask=idx < n, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+def read_stream(src: torch.Tensor, programs: int, block: int):
+    """A call that streams the int32 tensor ``src`` once with ``programs`` programs, each reading a
+    contiguous chunk ``block`` elements a step (8 warps: 16-byte loads), and writes one checksum per
+    program."""
+    n = src.numel()
+    chunk = triton.cdiv(triton.cdiv(n, programs), block) * block
+    grid = triton.cdiv(n, chunk)
+    out = torch.empty(grid, dtype=torch.int32, device=src.device)
+    return lambda: _read_kernel[(grid,)](src, out, n, CHUNK=chunk, BLOCK=block, num_warps=8)
 
 
 class ReadFlush:
@@ -142,6 +172,9 @@ def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, 
     device = model.gate_up.device
     stream = torch.empty(int(call.weight_bytes) // 4, dtype=torch.float32, device=device).uniform_()
     stream_out = torch.empty((), dtype=torch.float32, device=device)
+    sms = multiprocessors(device.index)
+    readers = {f"{per_sm}x{block}": read_stream(stream.view(torch.int32), per_sm * sms, block)
+               for per_sm, block in READ_SWEEP}
     stages = {"experts": call.experts_call, "experts_plan_ahead": call.experts_plan_ahead,
               "align": call.align, "gate_up": call.gate_up, "down": call.down,
               "read_weight_bytes": lambda: torch.sum(stream, dim=0, out=stream_out)}
@@ -150,10 +183,17 @@ def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, 
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": call.rows, "active": call.active,
            "weight_bytes": call.weight_bytes,
            "config": {"gate_up": call.sel.gate_up.as_dict(), "down": call.sel.down.as_dict()}, "ms": {}}
+    rec["read_sweep"] = {}
     for flush_name, flush in flushes.items():
         rec["ms"][flush_name] = {stage: _ms(fn, flush, reps) for stage, fn in stages.items()}
+        sweep = {key: _ms(fn, flush, reps) for key, fn in readers.items()}
+        rec["read_sweep"][flush_name] = sweep
+        best = min(sweep, key=sweep.__getitem__)
+        rec["ms"][flush_name]["read_fastest"] = sweep[best]
+        rec["ms"][flush_name]["read_fastest_variant"] = best
         log(f"{name} T={tokens} {scheme} flush={flush_name}: " +
-            " ".join(f"{k} {1e3 * v:.1f}us" for k, v in rec["ms"][flush_name].items()))
+            " ".join(f"{k} {1e3 * v:.1f}us" if isinstance(v, float) else f"{k} {v}"
+                     for k, v in rec["ms"][flush_name].items()))
     rec["kernels_us_write_flush"] = _kernel_us(call.experts_call, flushes["write"], reps)
     log("   kernels (write flush): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in rec["kernels_us_write_flush"]))
     return rec
@@ -172,7 +212,16 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--ncu", default=None, help="MODEL:SCHEME:TOKENS: run that call eagerly for ncu, then stop")
+    ap.add_argument("--cases", default=None, help="MODEL:TOKENS[,...] instead of the default cases")
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes (default: %(default)s)")
     args = ap.parse_args()
+    cases: dict[str, list[int]] = {}
+    for item in args.cases.split(",") if args.cases else [f"{m}:{t}" for m, ts in CASES for t in ts]:
+        model_name, _, tokens = item.partition(":")
+        if not tokens.isdigit():
+            ap.error(f"--cases: {item!r} is not MODEL:TOKENS")
+        cases.setdefault(model_name, []).append(int(tokens))
+    schemes = args.schemes.split(",")
     device = torch.device("cuda", 0)
 
     def log(line: str) -> None:
@@ -187,10 +236,10 @@ def main() -> None:
         return
     flushes = _flushes(device)
     out = [empty_call(device, flushes, args.reps, log)]
-    for name, token_counts in CASES:
+    for name, token_counts in cases.items():
         model = make_model(name, device)
         for tokens in token_counts:
-            for scheme in SCHEMES:
+            for scheme in schemes:
                 out.append(study(name, tokens, scheme, model, flushes, args.reps, log))
                 if args.json:
                     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
