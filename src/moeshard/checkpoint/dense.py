@@ -1,10 +1,10 @@
 """Reading one non-expert tensor whole (router, correction bias, shared experts, and the rest of a
 whole model's weights), checked, in a given dtype. In an fp8 checkpoint an e4m3 weight is
 dequantized with its scales, since these run in the model dtype: ``weight_scale_inv`` (DeepSeek-V4:
-``scale``) per 128 x 128 tile (``CheckpointFormat.weight_scales`` "block"), ``weight_scale`` per tensor or per output row
-("row"), or an E8M0 exponent per 32 values of a row ("mx", ``checkpoint.mxfp8``); in an NVFP4
-checkpoint ("nvfp4", ``checkpoint.nvfp4_modelopt``) a uint8 weight of e2m1 pairs with its e4m3
-and global scales."""
+``scale``) per 128 x 128 tile (``CheckpointFormat.weight_scales`` "block"), ``weight_scale`` per
+tensor or per output row ("row"), or an E8M0 exponent per 32 values of a row ("mx",
+``checkpoint.mxfp8``); in an NVFP4 checkpoint ("nvfp4", ``checkpoint.nvfp4_modelopt``) a uint8
+weight of e2m1 pairs with its e4m3 and global scales."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def _from_dequantized_copy(model_dir: str, dtype: torch.dtype, fmt: CheckpointFo
     compressed-tensors; ``fmt.weight_scales`` "row"), MXFP8 ones ("mx"), ModelOpt's NVFP4 weights
     ("nvfp4") or DeepSeek-V4's FP8 block weights and FP4 experts (``fp8_block_mxfp4``), which
     transformers does not load itself here (no ModelOpt reader; the compressed-tensors one needs
-    that package, its MXFP8 and FP4 ones accelerate, and its FP4 experts a GPU): every quantized weight
+    that package, its MXFP8 and FP8 ones accelerate): every quantized weight
     dequantized in fp32 and rounded once to ``dtype`` (as moeshard reads them,
     ``dense.read_dense``), written with the
     other tensors under their stored names and config.json without its quantization_config into
