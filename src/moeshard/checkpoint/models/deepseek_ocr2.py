@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from moeshard.checkpoint.families import FAMILIES, ConfigFields, DenseLayers, DenseRename, register_family
-from moeshard.checkpoint.models import deepseek_v2  # noqa: F401 - registers the block this family reuses
+from moeshard.checkpoint.families import ConfigFields, DenseLayers, DenseRename, register_family
+from moeshard.checkpoint.models.deepseek_v2 import FAMILY as DEEPSEEK_V2
 from moeshard.checkpoint.models.layer_types import mlp_layer_types
 
 _SAM, _STORED_SAM = "model.vision_tower.sam_encoder.", "model.sam_model."
@@ -52,8 +52,7 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
     return DenseLayers(num_layers, lambda layer: "mlp_layer_types[layer] is 'dense'" if types[layer] == "dense" else None)
 
 
-_V2 = FAMILIES["deepseek_v2"]
-register_family(replace(_V2, model_type="deepseek_ocr2_text",
+register_family(replace(DEEPSEEK_V2, model_type="deepseek_ocr2_text",
                         defaults={"hidden_act": "silu", "topk_method": "greedy", "routed_scaling_factor": 1.0,
                                   "n_shared_experts": 2, "mlp_layer_types": None},
                         dense_layers=_dense_layers, text_model="model.language_model", dense_renames=DENSE_RENAMES,

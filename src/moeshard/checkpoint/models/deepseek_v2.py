@@ -35,6 +35,7 @@ def first_k_dense(f: ConfigFields, num_layers: int) -> DenseLayers:
     return DenseLayers(num_layers, lambda layer: f"layer < first_k_dense_replace={first}" if layer < first else None)
 
 
-register_family(ModelFamily("deepseek_v2", {"hidden_act": "silu", "topk_method": "greedy", "routed_scaling_factor": 1.0,
-                                            "first_k_dense_replace": 0, "n_shared_experts": 2},
-                            _moe, first_k_dense, formats=("bf16",), router_dtype="fp32"))
+FAMILY = register_family(ModelFamily("deepseek_v2", {"hidden_act": "silu", "topk_method": "greedy",
+                                                     "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+                                                     "n_shared_experts": 2},
+                                     _moe, first_k_dense, formats=("bf16",), router_dtype="fp32"))
