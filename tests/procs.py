@@ -21,13 +21,13 @@ def start(argv: list[str], *, code: str | None = None, env: dict[str, str] | Non
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE)]), **(env or {}))
     cmd = [sys.executable, "-c", code, *argv] if code is not None else [sys.executable, "-m", "moeshard", *argv]
     return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=_default_sigint)
+                            start_new_session=True, preexec_fn=default_sigint)
 
 
-def _default_sigint() -> None:
+def default_sigint() -> None:
     """A test suite started in the background of a shell (``make test &``) inherits SIGINT
     ignored, and Python then keeps ignoring it: the command under test must see Ctrl-C as a
-    terminal user's command would."""
+    terminal user's command would. Give it as ``preexec_fn`` to any command a test signals."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import faults
+import procs
 import pytest
 import torch
 from rich.console import Console
@@ -430,9 +431,11 @@ def test_a_signal_while_the_rendezvous_waits_ends_the_run_at_once(signum, code, 
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent / "src"),
                                                             os.environ.get("PYTHONPATH", "")]),
                    RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # SIGINT at its default in the command, as a terminal's would be, even where the suite runs
+        # in the background of a shell, which starts it with SIGINT ignored.
         proc = subprocess.Popen([sys.executable, "-m", "moeshard", "run", "--random", "mixtral-8x7b", "--dp", "2",
                                  "--ep", "--timeout", "120"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=procs.default_sigint)
         try:
             assert accepted.wait(60), "the rank never reached the rendezvous"
             start = time.monotonic()
