@@ -9,7 +9,8 @@ experts per token) and selection bias (transformers initialises them to zeros, w
 expert ties), and its experts' gate_up scaled so that the clamped SwiGLU's limit is reached.
 
 At one rank the logits and loss equal transformers' within fp32 1e-5, loaded from the checkpoint
-(which transformers writes under the hub's names) and sharded in memory; the hash layer's experts
+(which transformers writes under the hub's names; the release's flat names read to the same
+model) and sharded in memory; the hash layer's experts
 receive exactly ``tid2eid[input_ids]``. Greedy ids and logits equal transformers' under SP
 (dp1-tp2-ep), and in make test-slow under EP2 (dp2-tp1-ep), TP2 (dp1-tp2-noep) and dp2-tp2-ep. The
 routing kind that describes the learned layers, ``sqrtsoftplus_bias_model``, picks the experts of
@@ -127,6 +128,30 @@ def test_the_hash_layer_hands_the_token_table_to_the_experts(model_dir):
     rows = handed[1][0]
     unbiased = torch.nn.functional.softplus(torch.nn.functional.linear(rows, gate.weight)).sqrt().topk(K).indices
     assert not torch.equal(unbiased.sort().values, handed[1][1].sort().values)
+
+
+def test_the_releases_flat_names_read_to_the_same_model(model_dir, tmp_path):
+    """DeepSeek-V4's release keeps its tensors in a flat namespace (``layers.{L}.``, ``embed.weight``,
+    ``norm.weight``, ``head.weight``, ``hc_head_fn``), which transformers reads as it reads its own
+    saves: the same tensors so named give moeshard's model the same logits, bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moeshard.integrations.transformers import load_sharded_model
+
+    saved = load_file(f"{model_dir}/model.safetensors")
+    renames = (("model.layers.", "layers."), ("model.embed_tokens.", "embed."), ("model.norm.", "norm."),
+               ("model.hc_head.hc_", "hc_head_"))
+    released = {next((new + n[len(old):] for old, new in renames if n.startswith(old)), n): t for n, t in saved.items()}
+    assert sorted(n for n in released if not n.startswith("layers.")) == [
+        "embed.weight", "hc_head_base", "hc_head_fn", "hc_head_scale", "head.weight", "norm.weight"]
+    flat = tmp_path / "flat"
+    shutil.copytree(model_dir, flat)
+    save_file(released, str(flat / "model.safetensors"), metadata={"format": "pt"})
+    ids = torch.tensor([list(PROMPTS[0])])
+    with torch.no_grad():
+        assert torch.equal(load_sharded_model(str(flat))(ids).logits, load_sharded_model(model_dir)(ids).logits)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -3,10 +3,11 @@ scale_fmt ``ue8m0``, expert_dtype ``fp4``): FP8 dense weights with a UE8M0 scale
 and FP4 routed experts with one per 32 values, all dequantized to the model dtype as they are read
 (``checkpoint.fp8_block_mxfp4``, format ``fp8_block_mxfp4``).
 
-The checkpoint is written from a tiny random DeepSeek-V4 model (``make_tiny_moe``, under the hub's
-names) by this test's own quantizer: every routed expert's ``w1`` / ``w3`` / ``w2`` as int8 e2m1
-pairs with float8_e8m0fnu exponents under ``<module>.scale``, and the shared experts' and two
-attention projections as e4m3 with a UE8M0 block scale, beside an oracle holding the values they
+The checkpoint is written from a tiny random DeepSeek-V4 model (``make_tiny_moe``) by this test's
+own quantizer, under the release's flat names (``layers.{L}.ffn.experts.{e}.w1.weight``,
+``embed.weight``, ``head.weight``, ``hc_head_fn``): every routed expert's ``w1`` / ``w3`` / ``w2``
+as int8 e2m1 pairs with float8_e8m0fnu exponents under ``<module>.scale``, and the shared experts'
+and three attention projections as e4m3 with a UE8M0 block scale, beside an oracle holding the values they
 dequantize to as full-precision tensors, which transformers loads itself. The intermediate size
 (96) leaves TP2's slices (48 columns) inside 32-column blocks of down, so a rank reads and cuts a
 partial block. Proved:
@@ -63,9 +64,10 @@ QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128,
                 "activation_scheme": "dynamic", "expert_dtype": "fp4"}
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 E8M0 = torch.float8_e8m0fnu
-# The dense weights the test quantizes to FP8: the shared experts and two attention projections.
+# The dense weights the test quantizes to FP8: the shared experts and three attention projections
+# (wo_a: the grouped output projection, one weight [o_groups * o_lora_rank, ...]).
 DENSE = ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight",
-         "attn.wq_a.weight", "attn.wo_b.weight")
+         "attn.wq_a.weight", "attn.wo_a.weight", "attn.wo_b.weight")
 
 
 def _power_of_two_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
@@ -108,9 +110,19 @@ def _expert(name: str) -> bool:
     return ".ffn.experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight"))
 
 
+# transformers' saves -> the release's flat namespace (its decoder layers, embedding, norm and head).
+FLAT = (("model.layers.", "layers."), ("model.embed_tokens.", "embed."), ("model.norm.", "norm."),
+        ("model.hc_head.hc_", "hc_head_"))
+
+
+def flat(name: str) -> str:
+    """The release's name of the tensor transformers saves as ``name``."""
+    return next((stored + name[len(saved):] for saved, stored in FLAT if name.startswith(saved)), name)
+
+
 def _write(src: Path, out: tuple[Path, Path], experts: str = "fp4") -> tuple[Path, Path]:
-    """The release of the tiny model ``src`` (its experts FP4, or FP8 with block scales) and its
-    oracle, at ``out``."""
+    """The release of the tiny model ``src`` (its experts FP4, or FP8 with block scales), under the
+    release's flat names, and its oracle, as transformers saved it, at ``out``."""
     tensors = load_file(src / "model.safetensors")
     routed = [n for n in tensors if _expert(n)]
     dense = [n for n in tensors if n.endswith(DENSE)]
@@ -125,7 +137,8 @@ def _write(src: Path, out: tuple[Path, Path], experts: str = "fp4") -> tuple[Pat
             release[name], release[scale] = quantize_fp8_block(tensors[name])
             oracle[name] = dequantize_fp8_block(release[name], release[scale], tensors[name].dtype)
     config = json.loads((src / "config.json").read_text())
-    save_beside(src, out[0], release, {**config, "quantization_config": {**QUANTIZATION, "expert_dtype": experts}})
+    save_beside(src, out[0], {flat(name): t for name, t in release.items()},
+                {**config, "quantization_config": {**QUANTIZATION, "expert_dtype": experts}})
     save_beside(src, out[1], oracle, config)
     return out
 
@@ -262,12 +275,12 @@ def _edited(ckpts, tmp_path: Path, edit) -> Path:
 def test_a_missing_or_misshapen_scale_is_refused_naming_it(ckpts, tmp_path, edit, message):
     def change(tensors):
         if edit == "drop":
-            del tensors["model.layers.1.ffn.experts.1.w3.scale"]
+            del tensors["layers.1.ffn.experts.1.w3.scale"]
         elif edit == "shape":
-            name = "model.layers.0.ffn.experts.0.w2.scale"
+            name = "layers.0.ffn.experts.0.w2.scale"
             tensors[name] = tensors[name][:, :1].contiguous()
         else:
-            del tensors["model.layers.0.attn.wq_a.scale"]
+            del tensors["layers.0.attn.wq_a.scale"]
 
     broken = _edited(ckpts, tmp_path, change)
     with pytest.raises(ValueError, match=message):
@@ -308,7 +321,7 @@ def test_fp8_experts_read_as_fp8_block_as_stored(tmp_path):
     stored = load_file(release / "model.safetensors")
     weights = ExpertReader(ckpt, resolve_block_names(ckpt, info, 1), info.moe_config(), info.format).read(
         QuantConfig("fp8_block"), ShardSpec(0, E))
-    prefix = "model.layers.1.ffn.experts.2."
+    prefix = "layers.1.ffn.experts.2."
     codes = torch.cat([stored[prefix + "w1.weight"], stored[prefix + "w3.weight"]])
     assert torch.equal(weights.gate_up.data[2].view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(weights.down.scale[2], stored[prefix + "w2.scale"].float())

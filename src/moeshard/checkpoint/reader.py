@@ -87,9 +87,11 @@ def _owned_copy(view: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 # A vision-language checkpoint keeps its text model under a ``language_model`` part (Qwen3.5-MoE:
 # ``model.language_model.layers.*``, Llama 4: ``language_model.model.layers.*`` and
 # ``language_model.lm_head.*``); transformers' causal LM of it reads those tensors without that part.
-# (stored prefix, the causal LM's prefix)
+# DeepSeek-V4's release keeps its decoder layers in a flat namespace (``layers.{L}.*``), which
+# transformers' causal LM reads as ``model.layers.{L}.*`` (the release's other top-level names are
+# its family's ``dense_renames``). (stored prefix, the causal LM's prefix)
 TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                       ("language_model.lm_head.", "lm_head."))
+                       ("language_model.lm_head.", "lm_head."), ("layers.", "model.layers."))
 
 
 def text_model_name(stored: str) -> str:
@@ -107,11 +109,12 @@ class SafetensorsCheckpoint:
     ``model_dir``: the directory. Construction reads only ``model.safetensors.index.json`` or, without
     one, the headers of the ``*.safetensors`` files; no tensor data.
 
-    Names are the causal LM's: in a vision-language checkpoint, whose text model is stored under a
-    ``language_model`` part (``TEXT_MODEL_PREFIXES``) and which holds no ``model.layers.*``, each
-    text-model tensor is known by the name transformers' causal LM gives it (``model.layers.0...``
-    for ``model.language_model.layers.0...``), as transformers' ``AutoModelForCausalLM`` loads it;
-    the vision tower's tensors keep their names and are read by nothing.
+    Names are the causal LM's: in a checkpoint that holds no ``model.layers.*`` (a vision-language
+    one, whose text model is stored under a ``language_model`` part, or one whose decoder layers are
+    ``layers.*``: ``TEXT_MODEL_PREFIXES``), each text-model tensor is known by the name transformers'
+    causal LM gives it (``model.layers.0...`` for ``model.language_model.layers.0...`` or
+    ``layers.0...``), as transformers' ``AutoModelForCausalLM`` loads it; the vision tower's tensors
+    keep their names and are read by nothing.
     """
 
     def __init__(self, model_dir: str | Path) -> None:

@@ -18,7 +18,9 @@ The routed experts compute silu(min(gate, swiglu_limit)) * clamp(up, -swiglu_lim
 is an MoE layer. The hyper-connections, the compressed and indexed attention and the
 multi-token-prediction layers stay transformers'. Checkpoints as transformers saves them (bf16),
 which is under the hub's names: the block ``ffn``, the experts ``experts.{e}.w1`` / ``w3`` / ``w2``,
-the attention's and the hyper-connections' tensors renamed (``DENSE_RENAMES``). The FP8 release
+the attention's and the hyper-connections' tensors renamed (``DENSE_RENAMES``); the release itself
+also keeps its decoder layers and top-level tensors in a flat namespace (``layers.{L}.``,
+``embed.weight``, ``norm.weight``, ``head.weight``, ``hc_head_fn``), which transformers reads too. The FP8 release
 (``fp8_block_mxfp4``: FP8 dense weights with a UE8M0 scale per 128 x 128 block under
 ``<module>.scale``, FP4 experts with one per 32 values; ``checkpoint.fp8_block_mxfp4``) is
 dequantized as it is read; with FP8 experts (``expert_dtype`` fp8) it is an FP8 block checkpoint.
@@ -96,9 +98,12 @@ _BLOCK = (("gate.e_score_correction_bias", "gate.bias"), ("gate.tid2eid", "gate.
           ("shared_experts.down_proj.weight", "shared_experts.w2.weight"))
 _LAYER = (("input_layernorm.weight", "attn_norm.weight"), ("post_attention_layernorm.weight", "ffn_norm.weight"),
           *((f"{part}_hc.{leaf}", f"hc_{part}_{leaf}") for part in ("attn", "ffn") for leaf in ("fn", "base", "scale")))
+# The release's flat top-level names (its decoder layers ``layers.{L}.*``: ``reader.TEXT_MODEL_PREFIXES``).
+_TOP = (("model.embed_tokens.weight", "embed.weight"), ("model.norm.weight", "norm.weight"),
+        *((f"model.hc_head.hc_{leaf}", f"hc_head_{leaf}") for leaf in ("fn", "base", "scale")))
 DENSE_RENAMES = (*((f".self_attn.{a}", f".attn.{b}") for a, b in _ATTENTION),
                  *((f".mlp.{a}", f".ffn.{b}") for a, b in _BLOCK),
-                 *((f".{a}", f".{b}") for a, b in _LAYER), ("lm_head.weight", "head.weight"))
+                 *((f".{a}", f".{b}") for a, b in _LAYER), ("lm_head.weight", "head.weight"), *_TOP)
 
 register_family(ModelFamily(
     "deepseek_v4", {"hidden_act": "silu", "swiglu_limit": 10.0, "scoring_func": "sqrtsoftplus",
