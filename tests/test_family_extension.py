@@ -151,20 +151,21 @@ def test_a_stored_tensor_split_into_model_tensors(tmp_path):
 
     fam = replace(TOY, dense_split={"attn.in_proj.weight": ("attn.in_qkv.weight", "attn.in_z.weight",
                                                             "attn.in_a.weight")})
-    assert fam.dense_split_of("layers.3.attn.in_z.weight") == (
-        "layers.3.attn.in_proj.weight", ("layers.3.attn.in_qkv.weight", "layers.3.attn.in_z.weight",
-                                         "layers.3.attn.in_a.weight"))
-    assert fam.dense_split_of("layers.3.attn.out.weight") is None
+    assert fam.dense_split_of("model.layers.3.attn.in_z.weight") == (
+        "model.layers.3.attn.in_proj.weight", ("model.layers.3.attn.in_qkv.weight", "model.layers.3.attn.in_z.weight",
+                                         "model.layers.3.attn.in_a.weight"))
+    assert fam.dense_split_of("model.layers.3.attn.out.weight") is None
     fused = torch.arange(9 * 2, dtype=torch.float32).reshape(9, 2)
-    save_file({"layers.3.attn.in_proj.weight": fused}, str(tmp_path / "model.safetensors"))
+    save_file({"model.layers.3.attn.in_proj.weight": fused}, str(tmp_path / "model.safetensors"))
     ckpt = SafetensorsCheckpoint(tmp_path)
-    shapes = {"layers.3.attn.in_qkv.weight": (6, 2), "layers.3.attn.in_z.weight": (2, 2), "layers.3.attn.in_a.weight": (1, 2)}
-    split = fam.dense_split_of("layers.3.attn.in_z.weight")
+    shapes = {"model.layers.3.attn.in_qkv.weight": (6, 2), "model.layers.3.attn.in_z.weight": (2, 2),
+              "model.layers.3.attn.in_a.weight": (1, 2)}
+    split = fam.dense_split_of("model.layers.3.attn.in_z.weight")
     assert split is not None
     held: dict = {}
     got = {n: _read_split(ckpt, n, split, shapes, torch.float32, False, held) for n in shapes}
-    assert torch.equal(torch.cat(list(got.values())), fused) and torch.equal(got["layers.3.attn.in_z.weight"], fused[6:8])
+    assert torch.equal(torch.cat(list(got.values())), fused) and torch.equal(got["model.layers.3.attn.in_z.weight"], fused[6:8])
     assert not held  # dropped once every part was taken
     with pytest.raises(ValueError, match=r"has shape \[9, 2\], expected \[10, 2\]"):
-        _read_split(ckpt, "layers.3.attn.in_z.weight", split, {**shapes, "layers.3.attn.in_a.weight": (2, 2)},
+        _read_split(ckpt, "model.layers.3.attn.in_z.weight", split, {**shapes, "model.layers.3.attn.in_a.weight": (2, 2)},
                     torch.float32, False, {})

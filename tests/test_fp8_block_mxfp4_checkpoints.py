@@ -212,6 +212,14 @@ def test_the_format_is_read_from_the_config():
     assert info.checkpoint_format == "fp8_block_mxfp4" and info.format.dequantized and info.format.stored_schemes == ()
     # With FP8 experts the same release is an FP8 block checkpoint, read as stored.
     assert parse_hf_config(_raw(expert_dtype="fp8"), "config.json").checkpoint_format == "fp8_block"
+    # The release states expert_dtype at the top level, outside quantization_config, as transformers
+    # also reads it; a value inside quantization_config wins.
+    q = {k: v for k, v in QUANTIZATION.items() if k != "expert_dtype"}
+    top = {**_raw(), "quantization_config": q, "expert_dtype": "fp4"}
+    assert parse_hf_config(top, "config.json").checkpoint_format == "fp8_block_mxfp4"
+    assert parse_hf_config({**top, "expert_dtype": "fp8"}, "config.json").checkpoint_format == "fp8_block"
+    assert parse_hf_config({**top, "quantization_config": {**q, "expert_dtype": "fp8"}},
+                           "config.json").checkpoint_format == "fp8_block"
 
 
 @pytest.mark.parametrize("field, value, message", [

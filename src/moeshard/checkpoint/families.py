@@ -166,8 +166,11 @@ class ConfigFields:
 
 
 def checkpoint_format(raw: dict[str, Any], family: ModelFamily, source: str) -> CheckpointFormat:
-    """The format ``raw``'s ``quantization_config`` describes, among those ``family`` ships."""
+    """The format ``raw``'s ``quantization_config`` describes, among those ``family`` ships (with the
+    family's ``quantization_fields`` moved into it)."""
     q = raw.get("quantization_config")
+    if isinstance(q, dict):
+        q = {**{k: raw[k] for k in family.quantization_fields if k in raw}, **q}
     for name in family.formats:
         if CHECKPOINT_FORMATS[name].detect(q, source):
             return CHECKPOINT_FORMATS[name]
@@ -291,6 +294,9 @@ class ModelFamily:
       shared_expert_gate: the shared expert's sigmoid gate module [1, H].
     hidden_acts: ``hidden_act`` patterns (fnmatch) -> activation kind (``moeshard.activations``).
     formats: the checkpoint formats (``CHECKPOINT_FORMATS``) it ships, full precision first.
+    quantization_fields: config.json's top-level fields that belong to its ``quantization_config``,
+      read there where that object lacks them, as transformers' config class moves them
+      (DeepSeek-V4's release states ``expert_dtype`` at the top level).
     returns_router_output: None (the block returns its output), or i: the transformers block
       returns ``(output, router(x)[i])`` (gpt-oss: its router's scores; Llama-4: its logits), and
       so does moeshard's block in its place.
@@ -368,6 +374,7 @@ class ModelFamily:
     shared_expert_gate: str = "shared_expert_gate"
     hidden_acts: Mapping[str, str] = field(default_factory=lambda: dict(HIDDEN_ACTS))
     formats: tuple[str, ...] = ("bf16", "fp8_block")
+    quantization_fields: tuple[str, ...] = ()
     router_bias: str = "bias"
     expert_biases: tuple[str, str] = ("gate_up_proj_bias", "down_proj_bias")
     returns_router_output: int | None = None
@@ -414,6 +421,10 @@ class ModelFamily:
         if unknown or not self.formats:
             raise ValueError(f"{where}.formats: {list(self.formats)} must be a non-empty list of "
                              f"{list(CHECKPOINT_FORMATS)}")
+        if not isinstance(self.quantization_fields, tuple) or \
+                not all(isinstance(k, str) and k for k in self.quantization_fields):
+            raise ValueError(f"{where}.quantization_fields: expected a tuple of config.json field names, got "
+                             f"{self.quantization_fields!r}")
         if self.experts_only and not self.experts:
             raise ValueError(f"{where}: experts_only needs an experts module name (the module moeshard replaces), "
                              f"got {self.experts!r}")

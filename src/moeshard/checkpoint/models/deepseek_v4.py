@@ -24,6 +24,8 @@ also keeps its decoder layers and top-level tensors in a flat namespace (``layer
 (``fp8_block_mxfp4``: FP8 dense weights with a UE8M0 scale per 128 x 128 block under
 ``<module>.scale``, FP4 experts with one per 32 values; ``checkpoint.fp8_block_mxfp4``) is
 dequantized as it is read; with FP8 experts (``expert_dtype`` fp8) it is an FP8 block checkpoint.
+The release states ``expert_dtype`` at config.json's top level, which transformers (and moeshard:
+``quantization_fields``) reads as part of its ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -109,6 +111,6 @@ register_family(ModelFamily(
     "deepseek_v4", {"hidden_act": "silu", "swiglu_limit": 10.0, "scoring_func": "sqrtsoftplus",
                     "routed_scaling_factor": 1.5, "mlp_layer_types": None},
     _moe, every_layer, routing=ROUTING, router_dtype="model", experts_only=True,
-    formats=("bf16", "fp8_block_mxfp4", "fp8_block"),
+    formats=("bf16", "fp8_block_mxfp4", "fp8_block"), quantization_fields=("expert_dtype",),
     # The block is the model's ``mlp``, stored under the hub's ``ffn``.
     block_prefixes=("mlp.", "ffn."), dense_renames=DENSE_RENAMES, dtype_check=_dtype_check))
