@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 
 from moeshard.checkpoint.mxfp4 import BLOCK, dequantize_mxfp4
+from moeshard.checkpoint.mxfp8 import NAN_SCALE
 from moeshard.checkpoint.names import block_scale_names
 from moeshard.checkpoint.reader import SafetensorsCheckpoint
 
-NAN_SCALE = 255  # E8M0's NaN
 PACKED_DTYPES = (torch.int8, torch.uint8)
 
 
