@@ -21,8 +21,8 @@ partial block. Proved:
 - planted faults: the exponents read one off, and the nibbles of a byte swapped;
 - a missing or misshapen scale named; scales under transformers' ``weight_scale_inv``, and the
   experts' as uint8 bytes, read too;
-- the same release with FP8 experts (expert_dtype ``fp8``, UE8M0 block scales under ``.scale``)
-  read as ``fp8_block`` as stored;
+- the same release with FP8 experts (expert_dtype ``fp8``, UE8M0 or fp32 block scales under
+  ``.scale``) read as ``fp8_block`` as stored;
 - training's save of a model read from it is a full-precision checkpoint.
 """
 
@@ -120,9 +120,11 @@ def flat(name: str) -> str:
     return next((stored + name[len(saved):] for saved, stored in FLAT if name.startswith(saved)), name)
 
 
-def _write(src: Path, out: tuple[Path, Path], experts: str = "fp4") -> tuple[Path, Path]:
+def _write(src: Path, out: tuple[Path, Path], experts: str = "fp4",
+           block_scales: torch.dtype = E8M0) -> tuple[Path, Path]:
     """The release of the tiny model ``src`` (its experts FP4, or FP8 with block scales), under the
-    release's flat names, and its oracle, as transformers saved it, at ``out``."""
+    release's flat names, its 128 x 128 block scales stored as ``block_scales`` (UE8M0; -Base
+    releases: fp32), and its oracle, as transformers saved it, at ``out``."""
     tensors = load_file(src / "model.safetensors")
     routed = [n for n in tensors if _expert(n)]
     dense = [n for n in tensors if n.endswith(DENSE)]
@@ -134,7 +136,8 @@ def _write(src: Path, out: tuple[Path, Path], experts: str = "fp4") -> tuple[Pat
             release[name], release[scale] = quantize_fp4(tensors[name])
             oracle[name] = dequantize_fp4(release[name], release[scale], tensors[name].dtype)
         else:
-            release[name], release[scale] = quantize_fp8_block(tensors[name])
+            release[name], exponents = quantize_fp8_block(tensors[name])
+            release[scale] = exponents.to(block_scales)  # powers of two: exact in fp32
             oracle[name] = dequantize_fp8_block(release[name], release[scale], tensors[name].dtype)
     config = json.loads((src / "config.json").read_text())
     save_beside(src, out[0], {flat(name): t for name, t in release.items()},
@@ -309,11 +312,13 @@ def test_scales_under_transformers_names_and_as_bytes_are_read_too(ckpts, oracle
     judge(plan, [generate_rank(plan, None)], oracles(), "weight_scale_inv, uint8")
 
 
-def test_fp8_experts_read_as_fp8_block_as_stored(tmp_path):
-    """expert_dtype ``fp8``: an FP8 block checkpoint whose UE8M0 block scales are stored under
-    ``.scale``. As ``fp8_block`` the experts are the stored e4m3 codes and scales, not requantized;
-    as ``none`` the model's logits equal transformers' on the dequantized values (transformers
-    itself reads this format only with the accelerate package)."""
+@pytest.mark.parametrize("block_scales", [E8M0, torch.float32], ids=["ue8m0", "fp32"])
+def test_fp8_experts_read_as_fp8_block_as_stored(tmp_path, block_scales):
+    """expert_dtype ``fp8``: an FP8 block checkpoint whose block scales (UE8M0, or fp32 as
+    DeepSeek-V4-Flash-Base stores them) are stored under ``.scale``. As ``fp8_block`` the experts
+    are the stored e4m3 codes and scales, not requantized; as ``none`` the model's logits equal
+    transformers' on the dequantized values (transformers itself reads this format only with the
+    accelerate package)."""
     from moeshard.checkpoint.experts import ExpertReader
     from moeshard.checkpoint.names import resolve_block_names
     from moeshard.checkpoint.reader import SafetensorsCheckpoint
@@ -322,7 +327,8 @@ def test_fp8_experts_read_as_fp8_block_as_stored(tmp_path):
     from moeshard.sharding import ShardSpec
 
     # I = 128: per-expert gate and up tiles join into one fp8_block weight on a tile boundary.
-    release, oracle = _write(_tiny(tmp_path, inter=128), (tmp_path / "fp8", tmp_path / "fp8-oracle"), experts="fp8")
+    release, oracle = _write(_tiny(tmp_path, inter=128), (tmp_path / "fp8", tmp_path / "fp8-oracle"), experts="fp8",
+                             block_scales=block_scales)
     info = read_hf_config(release)
     assert info.checkpoint_format == "fp8_block"
     ckpt = SafetensorsCheckpoint(release)
