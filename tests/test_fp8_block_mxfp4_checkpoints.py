@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
-from quantized_checkpoints import (
+from quantized_checkpoints import (  # make_tiny_moe: a script of this repository, which it puts on the path
     AgainstTransformers,
     assert_saves_as_full_precision,
     judge,
+    make_tiny_moe,
     oracle_generations,
     save_beside,
 )
@@ -51,10 +51,6 @@ from moeshard.checkpoint.hf_config import parse_hf_config
 from moeshard.checkpoint.mxfp4 import E2M1
 from moeshard.jobs.generate import GenerateSpec, compare_generations, generate_rank, plan_generate
 from moeshard.parallel.config import ParallelConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
 
 FAMILY = "deepseek_v4"
 PROMPTS = ((3, 17, 42, 5, 9), (1, 2, 3), (7, 8, 9, 10))
