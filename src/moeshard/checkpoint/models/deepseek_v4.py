@@ -20,9 +20,9 @@ multi-token-prediction layers stay transformers'. Checkpoints as transformers sa
 which is under the hub's names: the block ``ffn``, the experts ``experts.{e}.w1`` / ``w3`` / ``w2``,
 the attention's and the hyper-connections' tensors renamed (``DENSE_RENAMES``); the release itself
 also keeps its decoder layers and top-level tensors in a flat namespace (``layers.{L}.``,
-``embed.weight``, ``norm.weight``, ``head.weight``, ``hc_head_fn``), which transformers reads too. The FP8 release
-(``fp8_block_mxfp4``: FP8 dense weights with a UE8M0 scale per 128 x 128 block under
-``<module>.scale``, FP4 experts with one per 32 values; ``checkpoint.fp8_block_mxfp4``) is
+``embed.weight``, ``norm.weight``, ``head.weight``, ``hc_head_fn``), which transformers reads too.
+The FP8 release (``fp8_block_mxfp4``: FP8 dense weights with a UE8M0 scale per 128 x 128 block
+under ``<module>.scale``, FP4 experts with one per 32 values; ``checkpoint.fp8_block_mxfp4``) is
 dequantized as it is read; with FP8 experts (``expert_dtype`` fp8) it is an FP8 block checkpoint.
 The release states ``expert_dtype`` at config.json's top level, which transformers (and moeshard:
 ``quantization_fields``) reads as part of its ``quantization_config``.
