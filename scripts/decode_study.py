@@ -67,14 +67,14 @@ def _read_kernel(src_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def read_stream(src: torch.Tensor, programs: int, block: int):
-    """A call that streams the int32 tensor ``src`` once with ``programs`` programs, each reading a
-    contiguous chunk ``block`` elements a step (8 warps: 16-byte loads), and writes one checksum per
-    program."""
+    """(a call that streams the int32 tensor ``src`` once with at most ``programs`` programs, each
+    reading a contiguous chunk ``block`` elements a step (8 warps: 16-byte loads), the int32 [grid]
+    it writes one checksum per program into)."""
     n = src.numel()
     chunk = triton.cdiv(triton.cdiv(n, programs), block) * block
     grid = triton.cdiv(n, chunk)
     out = torch.empty(grid, dtype=torch.int32, device=src.device)
-    return lambda: _read_kernel[(grid,)](src, out, n, CHUNK=chunk, BLOCK=block, num_warps=8)
+    return (lambda: _read_kernel[(grid,)](src, out, n, CHUNK=chunk, BLOCK=block, num_warps=8)), out
 
 
 class ReadFlush:
@@ -173,7 +173,7 @@ def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, 
     stream = torch.empty(int(call.weight_bytes) // 4, dtype=torch.float32, device=device).uniform_()
     stream_out = torch.empty((), dtype=torch.float32, device=device)
     sms = multiprocessors(device.index)
-    readers = {f"{per_sm}x{block}": read_stream(stream.view(torch.int32), per_sm * sms, block)
+    readers = {f"{per_sm}x{block}": read_stream(stream.view(torch.int32), per_sm * sms, block)[0]
                for per_sm, block in READ_SWEEP}
     stages = {"experts": call.experts_call, "experts_plan_ahead": call.experts_plan_ahead,
               "align": call.align, "gate_up": call.gate_up, "down": call.down,
