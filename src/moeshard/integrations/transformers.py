@@ -63,10 +63,11 @@ the global batch, and under SP it would reach the router once per TP rank: train
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -618,7 +619,7 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
         if convert is not None:
             _set(model, name, _read_converted(ckpt, name, convert, tuple(t.shape), t.dtype, weight_scales).to(device))
             continue
-        split = family.dense_split_of(name)
+        split = family.dense_split_of(name, ckpt.has)
         if split is not None:
             _set(model, name, _read_split(ckpt, name, split, shapes, t.dtype, weight_scales, split_read).to(device))
             continue
@@ -632,25 +633,41 @@ def _load_dense(model: PreTrainedModel, ckpt: SafetensorsCheckpoint, skip: tuple
             continue
         owner = name.rpartition(".")[0]
         module = model.get_submodule(owner) if owner else model
-        for leaf, b in list(module._buffers.items()):
-            if _is_meta(b):
-                module._buffers[leaf] = torch.empty_like(b, device=device)
         # transformers' own initialisation of e.g. rotary inv_freq, or Gemma's embedding scale. It
-        # initialises the module's parameters too: they stand aside as meta tensors meanwhile, so
-        # that the values read from the checkpoint stay.
-        loaded = {leaf: p for leaf, p in module._parameters.items() if p is not None}
-        for leaf, p in loaded.items():
-            module._parameters[leaf] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-        try:
+        # initialises the module's parameters too, and those of the modules inside it (a vision
+        # embedding's position table beside its position ids): every tensor that holds a value in
+        # that subtree (read from the checkpoint) stands aside as a meta tensor meanwhile, so that
+        # it stays; the module's buffers still to be computed are allocated after, so they do not.
+        with _loaded_standing_aside(module):
+            for leaf, b in list(module._buffers.items()):
+                if _is_meta(b):
+                    module._buffers[leaf] = torch.empty_like(b, device=device)
             with torch.no_grad():
                 model._init_weights(module)
-        finally:
-            module._parameters.update(loaded)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if _is_meta(t) and not n.startswith(skip)]
     if left:
         raise ValueError(f"{ckpt.model_dir}: no value for {left[:6]}{' ...' if len(left) > 6 else ''} (not in the "
                          f"checkpoint)")
+
+
+@contextlib.contextmanager
+def _loaded_standing_aside(module: nn.Module):
+    """Within: every parameter and buffer of ``module`` and the modules inside it that holds a value
+    (not a meta tensor) is replaced by a meta tensor of its shape; after: each is put back."""
+    held: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for sub in module.modules():
+        for slots in (cast(dict[str, Any], sub._parameters), cast(dict[str, Any], sub._buffers)):
+            for leaf, t in list(slots.items()):
+                if t is not None and not t.is_meta:
+                    held.append((slots, leaf, t))
+                    meta = torch.empty_like(t, device="meta")
+                    slots[leaf] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    try:
+        yield
+    finally:
+        for slots, leaf, t in held:
+            slots[leaf] = t
 
 
 def _read_sources(ckpt: SafetensorsCheckpoint, name: str, sources: tuple[str, ...], shape: tuple[int, ...],
