@@ -24,9 +24,9 @@ zero-computation experts as routed ones), inkling_text (one shared expert, which
 nemotron_h (Mamba-2 and attention layers in turn before MoE layers of ungated relu^2 experts in a
 latent space of half the hidden size; ``--layers`` counts the MoE layers). The vision-language ones
 (``VISION_LANGUAGE``: aria, minimax_m3_vl) hold a text family's model as their ``text_config``,
-beside a one-layer vision tower; qwen3_vl_moe_text, glm4v_moe_text, glm5_next_text, hy_v4_vl_text
-and deepseek_ocr2_text are built as their whole vision-language models (transformers builds no
-causal LM of them).
+beside a one-layer vision tower; qwen3_vl_moe_text, glm4v_moe_text, glm5_next_text, hy_v4_vl_text,
+deepseek_ocr2_text and unlimited_ocr_text are built as their whole vision-language models
+(transformers builds no causal LM of them).
 The defaults keep every size a multiple of 128, so ``--quant fp8_block`` also runs under
 ``--tp 2`` without EP (the intermediate slice of a TP rank must hold whole 128-wide blocks).
 ``--router-aux-loss-coef`` turns transformers' load-balancing loss on (``output_router_logits``),
@@ -495,6 +495,25 @@ def _deepseek_ocr2_text(hidden: int, moe_intermediate: int, experts: int, layers
     return tf.AutoConfig.for_model("deepseek_ocr2", text_config=text, vision_config=vision, image_token_id=vocab - 1)
 
 
+def _unlimited_ocr_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # As deepseek_ocr2_text, with Unlimited OCR's vision tower (a one-block SAM encoder and a
+    # one-layer CLIP-style encoder, whose attention stores q, k and v as one qkv_proj) and its
+    # text attention over a sliding window of 8 tokens plus the prompt's.
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=moe_intermediate,
+                n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1, topk_method="group_limited_greedy",
+                n_group=2, topk_group=1, routed_scaling_factor=1.5, max_position_embeddings=512,
+                mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), initializer_range=0.2, sliding_window=8)
+    vision = dict(sam_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=64, patch_size=16, window_size=2, global_attn_indexes=[0],
+                                  downsample_channels=[16, 32], mlp_dim=64),
+                  encoder_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=28, patch_size=14))
+    return tf.AutoConfig.for_model("unlimited_ocr", text_config=text, vision_config=vision, image_token_id=vocab - 1)
+
+
 def _glm5_next_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
     import transformers as tf
 
@@ -558,7 +577,7 @@ EXTRA = {"gpt_oss": _gpt_oss, "llama4_text": _llama4_text, "lfm2_moe": _lfm2_moe
          "zaya": _zaya, "longcat_flash": _longcat_flash, "inkling_text": _inkling_text, "nemotron_h": _nemotron_h,
          "qwen3_vl_moe_text": _qwen3_vl_moe_text, "glm4v_moe_text": _glm4v_moe_text, "glm5_next_text": _glm5_next_text,
          "hy_v4_vl_text": _hy_v4_vl_text, "mistral4": _mistral4, "inkling2_text": _inkling2(False),
-         "deepseek_ocr2_text": _deepseek_ocr2_text,
+         "deepseek_ocr2_text": _deepseek_ocr2_text, "unlimited_ocr_text": _unlimited_ocr_text,
          "inkling2_loop_text": _inkling2(True)}
 # Vision-language families whose config.json holds a text family's config as ``text_config``:
 # model_type -> (that text family, its config's further arguments given the layer count, the whole
@@ -579,7 +598,8 @@ VISION_LANGUAGE = {
 }
 # Families whose router weights and selection biases are drawn at random (see the module docstring).
 RANDOM_ROUTERS = (*SIGMOID_FAMILIES, "lfm2_moe", "kimi_linear", "bailing_hybrid", "glm4v_moe_text", "glm5_next_text",
-                  "hy_v4_vl_text", "inkling2_text", "inkling2_loop_text", "deepseek_ocr2_text")
+                  "hy_v4_vl_text", "inkling2_text", "inkling2_loop_text", "deepseek_ocr2_text",
+                  "unlimited_ocr_text")
 
 
 def make(directory: str, family: str = "qwen3_moe", hidden: int = 256, moe_intermediate: int = 256, experts: int = 8,

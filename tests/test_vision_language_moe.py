@@ -1,12 +1,14 @@
 """Vision-language MoE models whose text model transformers builds no causal LM of: Qwen3-VL-MoE
 (``qwen3_vl_moe``, whose ``text_config`` is a ``qwen3_vl_moe_text``), GLM-4.5V (``glm4v_moe``,
-``glm4v_moe_text``) and DeepSeek-OCR 2 (``deepseek_ocr2``, ``deepseek_ocr2_text``: DeepSeek-V2's
-block, its SAM and Qwen2 vision encoders under the release's names); and those whose text model
-is a causal LM of its own, a family moeshard reads too, while the vision-language model is another
-(``ModelFamily.text_config``): Aria (``aria``, holding an ``aria_text``) and MiniMax-M3
-(``minimax_m3_vl``, holding a ``minimax_m3_vl_text``); GLM-5.3-Flash (``glm5_next``,
-``glm5_next_text``) and HY-V4-VL (``hy_v4_vl``, ``hy_v4_vl_text``), which clamp their SwiGLU, built
-and again with their routed and shared gate and up weights scaled so that the clamps bite.
+``glm4v_moe_text``), DeepSeek-OCR 2 (``deepseek_ocr2``, ``deepseek_ocr2_text``: DeepSeek-V2's
+block, its SAM and Qwen2 vision encoders under the release's names) and Unlimited OCR
+(``unlimited_ocr``, ``unlimited_ocr_text``: the same block, its vision encoder's q, k and v stored
+as one tensor); and those whose text model is a causal LM of its own, a family moeshard reads
+too, while the vision-language model is another (``ModelFamily.text_config``): Aria (``aria``,
+holding an ``aria_text``) and MiniMax-M3 (``minimax_m3_vl``, holding a ``minimax_m3_vl_text``);
+GLM-5.3-Flash (``glm5_next``, ``glm5_next_text``) and HY-V4-VL (``hy_v4_vl``, ``hy_v4_vl_text``),
+which clamp their SwiGLU, built and again with their routed and shared gate and up weights scaled
+so that the clamps bite.
 moeshard runs the whole image-text-to-text model (``hf_model.model_class``) with its text model's
 MoE blocks replaced; the vision tower stays transformers'.
 
@@ -46,12 +48,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_tiny_moe  # noqa: E402 - a script of this repository, importable once its directory is on the path
 
-QWEN, GLM, ARIA, M3, GLM5, HY, OCR2 = ("qwen3_vl_moe_text", "glm4v_moe_text", "aria", "minimax_m3_vl", "glm5_next_text",
-                                       "hy_v4_vl_text", "deepseek_ocr2_text")
+QWEN, GLM, ARIA, M3, GLM5, HY, OCR2, UOCR = ("qwen3_vl_moe_text", "glm4v_moe_text", "aria", "minimax_m3_vl",
+                                             "glm5_next_text", "hy_v4_vl_text", "deepseek_ocr2_text", "unlimited_ocr_text")
 # checkpoint -> its family; "-hub": the published layout where transformers saves another;
 # "-model": the same tensors under the names the whole transformers model gives them.
 CHECKPOINTS = {"qwen-save": QWEN, "qwen-hub": QWEN, "glm-save": GLM, "aria-save": ARIA, "m3-save": M3, "m3-model": M3,
-               "glm5-save": GLM5, "hy-save": HY, "glm5-clamp": GLM5, "hy-clamp": HY, "ocr2-save": OCR2}
+               "glm5-save": GLM5, "hy-save": HY, "glm5-clamp": GLM5, "hy-clamp": HY, "ocr2-save": OCR2,
+               "uocr-save": UOCR}
 # GLM-5.3-Flash and HY-V4-VL clamp their SwiGLU at 10 (GLM-5.3-Flash's shared MLP too, HY-V4-VL's
 # not): "-clamp" is "-save" with the routed and shared gate and up weights scaled up so that the
 # clamps bite. Judged on one rank, whose sums are transformers' own order: these models' later
@@ -72,7 +75,7 @@ H, I = 64, 48  # 2I != H, so the two stored layouts differ in shape
 
 # family -> the whole model's type, which the installed transformers must know (5.17 has no HY-V4-VL).
 WHOLE = {QWEN: "qwen3_vl_moe", GLM: "glm4v_moe", ARIA: ARIA, M3: M3, GLM5: "glm5_next", HY: "hy_v4_vl",
-         OCR2: "deepseek_ocr2"}
+         OCR2: "deepseek_ocr2", UOCR: "unlimited_ocr"}
 
 
 class _Checkpoints(dict):
@@ -136,14 +139,15 @@ def _plan(model_dir: Path, layout: ParallelConfig | None = None, dtype: str = "f
 @pytest.mark.parametrize("name, dense, renormalize, shared", [("qwen-save", [1], True, 0), ("glm-save", [0], True, 1),
                                                          ("aria-save", [], False, 1), ("m3-save", [0], True, 1),
                                                          ("glm5-save", [0], True, 1), ("hy-save", [0], True, 1),
-                                                         ("ocr2-save", [0], False, 1)])
+                                                         ("ocr2-save", [0], False, 1), ("uocr-save", [0], False, 1)])
 def test_the_config_is_read_as_its_text_model(models, name, dense, renormalize, shared):
     """Qwen3-VL-MoE: layer 1 dense (``mlp_only_layers``), always renormalized (its text config has
     no norm_topk_prob); GLM-4.5V: layer 0 dense (``first_k_dense_replace``), a shared expert;
     Aria: every layer MoE, softmax over the chosen, a shared expert; MiniMax-M3, GLM-5.3-Flash:
     layer 0 dense (``mlp_layer_types``), a shared expert; HY-V4-VL: layer 0 dense (its default),
     a shared expert; DeepSeek-OCR 2: layer 0 dense (``mlp_layer_types``), never renormalized
-    (DeepSeek-V2's block), a shared expert. Aria and MiniMax-M3 keep the whole model's type."""
+    (DeepSeek-V2's block), a shared expert, and Unlimited OCR alike. Aria and MiniMax-M3 keep the
+    whole model's type."""
     info = read_hf_config(models[name])
     assert info.model_type == CHECKPOINTS[name] and info.num_layers == 3
     assert info.source.endswith("config.json: text_config")
@@ -225,7 +229,8 @@ def test_one_rank_logits_equal_transformers(models, which):
 # make test runs EP2 and TP2 on the published layouts; make test-slow SP and transformers' own save.
 FAST = {("dp2-tp1-ep", "qwen-hub"), ("dp1-tp2-noep", "qwen-hub"), ("dp2-tp1-ep", "glm-save"),
         ("dp1-tp2-noep", "glm-save"), ("dp2-tp1-ep", "aria-save"), ("dp1-tp2-noep", "m3-save"),
-        ("dp1-tp2-noep", "glm5-save"), ("dp2-tp1-ep", "hy-save"), ("dp1-tp2-noep", "ocr2-save")}
+        ("dp1-tp2-noep", "glm5-save"), ("dp2-tp1-ep", "hy-save"), ("dp1-tp2-noep", "ocr2-save"),
+        ("dp2-tp1-ep", "uocr-save")}
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +264,8 @@ def test_layout_generates_what_transformers_generates(models, world, layout, whi
                                                 ("m3-model", 2, "MiniMaxM3SparseForConditionalGeneration"),
                                                 ("glm5-save", 2, "Glm5NextForConditionalGeneration"),
                                                 ("hy-save", 2, "HYV4VLForConditionalGeneration"),
-                                                ("ocr2-save", 2, "DeepseekOcr2ForConditionalGeneration")])
+                                                ("ocr2-save", 2, "DeepseekOcr2ForConditionalGeneration"),
+                                                ("uocr-save", 2, "UnlimitedOcrForConditionalGeneration")])
 def test_the_loaded_model_with_its_blocks_swapped_in_memory(models, which, blocks, cls):
     model = load_transformers_model(str(models[which]), torch.float32).eval()
     ids = torch.tensor([PROMPTS[0]])
@@ -272,9 +278,27 @@ def test_the_loaded_model_with_its_blocks_swapped_in_memory(models, which, block
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("which", ["ocr2-save", "uocr-save"])
+def test_the_vision_tower_is_read_as_transformers_reads_it(models, which):
+    """Text-only logits do not depend on the vision tower, so they cannot prove its renames and
+    splits: every tensor of the model outside the text model, as moeshard loads it, equals the one
+    transformers loads (the SAM encoder under the release's names; Unlimited OCR's vision
+    attention split from its stored qkv_proj)."""
+    from moeshard.integrations.transformers import load_sharded_model
+
+    ours = load_sharded_model(str(models[which])).state_dict()
+    theirs = load_transformers_model(str(models[which]), torch.float32).state_dict()
+    vision = [n for n in theirs if not n.startswith(("model.language_model.", "lm_head."))]
+    assert any(".vision_tower.sam_encoder.layers." in n for n in vision)
+    if which == "uocr-save":
+        assert any(n.endswith("encoder.layers.0.self_attn.k_proj.weight") for n in vision)
+    for name in vision:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
 @pytest.mark.parametrize("which, router_dtype", [("qwen-save", "model"), ("glm-save", "fp32"), ("aria-save", "model"),
                                                  ("m3-save", "model"), ("glm5-save", "fp32"), ("hy-save", "fp32"),
-                                                 ("ocr2-save", "fp32")])
+                                                 ("ocr2-save", "fp32"), ("uocr-save", "fp32")])
 def test_bf16_router_is_transformers_router(models, which, router_dtype):
     parity = bf16_router_parity(tf, str(models[which]))
     assert parity.logits_differ == parity.ids_differ == parity.biases_differ == 0, parity

@@ -313,7 +313,8 @@ class ModelFamily:
       ``layers.{L}.attention_input.query``); ``dense_concat`` {model name ending: the
       stored name endings whose tensors, concatenated along dim 0 in that order, make it};
       ``dense_split`` {stored name ending: the model name endings that are its consecutive row
-      ranges along dim 0, in order} (``dense_sources``, ``dense_split_of``); ``dense_convert``
+      ranges along dim 0, in order; taken only where the checkpoint lacks the model's tensor
+      itself, and renamed as ``dense_renames`` say} (``dense_sources``, ``dense_split_of``); ``dense_convert``
       {model name: (stored names, convert)}: the stored tensors, each read whole in its stored
       shape, make the model's tensor of shape ``shape`` as ``convert(tensors, shape)`` (Inkling 2's
       unembedding padded to ``vocab_size``, of which ``lm_head`` is the first rows; Inkling 2 Loop's
@@ -567,14 +568,23 @@ class ModelFamily:
             return "model." + name[len(self.text_model) + 1:]
         return name
 
-    def dense_split_of(self, name: str) -> tuple[str, tuple[str, ...]] | None:
+    def dense_split_of(self, name: str, stored: Callable[[str], bool] | None = None) -> tuple[str, tuple[str, ...]] | None:
         """(the stored tensor, the model tensors that are its row ranges, in order) where the model's
-        tensor ``name`` is one of a ``dense_split`` entry's parts, else None."""
+        tensor ``name`` is one of a ``dense_split`` entry's parts, else None. Given what the
+        checkpoint holds (``stored``): None where it holds ``name`` itself (under its own name or
+        as ``dense_renames`` rename it: a part's ending may also end tensors stored apart, Unlimited
+        OCR's text attention beside its vision encoder's fused one), and the stored tensor named as
+        the checkpoint holds it (``dense_renames`` applied)."""
         for stored_ending, parts in self.dense_split.items():
             for part in parts:
                 if name.endswith(part):
                     prefix = name[: len(name) - len(part)]
-                    return self.checkpoint_name(prefix + stored_ending), tuple(prefix + p for p in parts)
+                    whole = self.checkpoint_name(prefix + stored_ending)
+                    if stored is not None:
+                        if stored(self._stored_as(self.checkpoint_name(name), stored)):
+                            return None
+                        whole = self._stored_as(whole, stored)
+                    return whole, tuple(prefix + p for p in parts)
         return None
 
     def dense_sources(self, name: str, stored: Callable[[str], bool]) -> tuple[str, ...]:

@@ -49,5 +49,6 @@ from moeshard.checkpoint.models import (
     qwen3_next,  # noqa: F401
     qwen3_vl_moe,  # noqa: F401  qwen3_vl_moe_text
     refusals,  # noqa: F401
+    unlimited_ocr,  # noqa: F401  unlimited_ocr_text
     zaya,  # noqa: F401
 )

@@ -27,14 +27,19 @@ from moeshard.checkpoint.models.deepseek_v2 import FAMILY as DEEPSEEK_V2
 from moeshard.checkpoint.models.layer_types import mlp_layer_types
 
 _SAM, _STORED_SAM = "model.vision_tower.sam_encoder.", "model.sam_model."
-# (model part, stored part): the model's vision-tower names -> the release's, each a whole part.
-DENSE_RENAMES: tuple[DenseRename, ...] = (
+# (model part, stored part): the SAM encoder's names in the model -> the release's, each a whole
+# part (Unlimited OCR's release stores it the same way).
+SAM_RENAMES: tuple[DenseRename, ...] = (
     *((f"{_SAM}{a}", f"{_STORED_SAM}{b}") for a, b in (
         ("neck.conv1.", "neck.0."), ("neck.layer_norm1.", "neck.1."), ("neck.conv2.", "neck.2."),
         ("neck.layer_norm2.", "neck.3."), ("proj.conv1.", "net_2."), ("proj.conv2.", "net_3."),
         ("patch_embed.projection.", "patch_embed.proj."), ("pos_embed", "pos_embed"))),
     (re.compile(re.escape(_SAM) + r"layers\.(\d+)\.layer_norm([12])\."), _STORED_SAM + r"blocks.\1.norm\2."),
     (f"{_SAM}layers.", f"{_STORED_SAM}blocks."),
+)
+# ... and the rest of the vision tower, the projector and the view separator.
+DENSE_RENAMES: tuple[DenseRename, ...] = (
+    *SAM_RENAMES,
     ("model.vision_tower.vision_encoder.", "model.qwen2_model.model.model."),
     ("model.vision_tower.query_768_resolution.", "model.qwen2_model.query_768."),
     ("model.vision_tower.query_1024_resolution.", "model.qwen2_model.query_1024."),
@@ -52,8 +57,8 @@ def _dense_layers(f: ConfigFields, num_layers: int) -> DenseLayers:
     return DenseLayers(num_layers, lambda layer: "mlp_layer_types[layer] is 'dense'" if types[layer] == "dense" else None)
 
 
-register_family(replace(DEEPSEEK_V2, model_type="deepseek_ocr2_text",
-                        defaults={"hidden_act": "silu", "topk_method": "greedy", "routed_scaling_factor": 1.0,
-                                  "n_shared_experts": 2, "mlp_layer_types": None},
-                        dense_layers=_dense_layers, text_model="model.language_model", dense_renames=DENSE_RENAMES,
-                        formats=("bf16",)))
+FAMILY = register_family(replace(DEEPSEEK_V2, model_type="deepseek_ocr2_text",
+                                 defaults={"hidden_act": "silu", "topk_method": "greedy", "routed_scaling_factor": 1.0,
+                                           "n_shared_experts": 2, "mlp_layer_types": None},
+                                 dense_layers=_dense_layers, text_model="model.language_model",
+                                 dense_renames=DENSE_RENAMES, formats=("bf16",)))
