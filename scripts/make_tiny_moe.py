@@ -476,41 +476,42 @@ def _glm4v_moe_text(hidden: int, moe_intermediate: int, experts: int, layers: in
     return tf.AutoConfig.for_model("glm4v_moe", text_config=text, vision_config=vision)
 
 
-def _deepseek_ocr2_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
-    import transformers as tf
-
-    # The whole vision-language model (no causal LM of its text model): a one-block SAM encoder and
-    # a one-layer Qwen2 encoder; the first text layer dense (``mlp_layer_types``), DeepSeek-V2's
-    # group-limited greedy routing over an fp32 softmax, scaled, one shared expert.
-    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate, num_hidden_layers=layers,
+def _ocr_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int) -> dict:
+    """The OCR models' text config: the first layer dense (``mlp_layer_types``), DeepSeek-V2's
+    group-limited greedy routing over an fp32 softmax, scaled, one shared expert."""
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=moe_intermediate,
                 n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1, topk_method="group_limited_greedy",
                 n_group=2, topk_group=1, routed_scaling_factor=1.5, max_position_embeddings=512,
                 mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), initializer_range=0.2)
-    vision = dict(sam_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2,
-                                  image_size=64, patch_size=16, window_size=2, global_attn_indexes=[0],
-                                  downsample_channels=[16, 32]),
-                  encoder_config=dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2))
-    return tf.AutoConfig.for_model("deepseek_ocr2", text_config=text, vision_config=vision, image_token_id=vocab - 1)
+
+
+# A one-block SAM encoder, as both OCR models' vision towers start.
+_TINY_SAM = dict(hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                 patch_size=16, window_size=2, global_attn_indexes=[0], downsample_channels=[16, 32], mlp_dim=64)
+
+
+def _deepseek_ocr2_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
+    import transformers as tf
+
+    # The whole vision-language model (no causal LM of its text model): the SAM encoder and a
+    # one-layer Qwen2 encoder.
+    vision = dict(sam_config=_TINY_SAM, encoder_config=dict(vocab_size=16, hidden_size=32, intermediate_size=64,
+                                                            num_hidden_layers=1, num_attention_heads=2,
+                                                            num_key_value_heads=2))
+    return tf.AutoConfig.for_model("deepseek_ocr2", text_config=_ocr_text(hidden, moe_intermediate, experts, layers, vocab),
+                                   vision_config=vision, image_token_id=vocab - 1)
 
 
 def _unlimited_ocr_text(hidden: int, moe_intermediate: int, experts: int, layers: int, vocab: int):
     import transformers as tf
 
-    # As deepseek_ocr2_text, with Unlimited OCR's vision tower (a one-block SAM encoder and a
-    # one-layer CLIP-style encoder, whose attention stores q, k and v as one qkv_proj) and its
-    # text attention over a sliding window of 8 tokens plus the prompt's.
-    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate, num_hidden_layers=layers,
-                num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=moe_intermediate,
-                n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1, topk_method="group_limited_greedy",
-                n_group=2, topk_group=1, routed_scaling_factor=1.5, max_position_embeddings=512,
-                mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), initializer_range=0.2, sliding_window=8)
-    vision = dict(sam_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2,
-                                  image_size=64, patch_size=16, window_size=2, global_attn_indexes=[0],
-                                  downsample_channels=[16, 32], mlp_dim=64),
-                  encoder_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                      image_size=28, patch_size=14))
+    # As deepseek_ocr2_text, with Unlimited OCR's one-layer CLIP-style encoder (its attention stores
+    # q, k and v as one qkv_proj) and its text attention over a sliding window of 8 tokens plus the
+    # prompt's.
+    text = {**_ocr_text(hidden, moe_intermediate, experts, layers, vocab), "sliding_window": 8}
+    vision = dict(sam_config=_TINY_SAM, encoder_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                            num_attention_heads=2, image_size=28, patch_size=14))
     return tf.AutoConfig.for_model("unlimited_ocr", text_config=text, vision_config=vision, image_token_id=vocab - 1)
 
 
