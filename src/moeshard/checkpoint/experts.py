@@ -68,7 +68,7 @@ from moeshard.checkpoint.mxfp8 import scale_names as mxfp8_scale_names
 from moeshard.checkpoint.names import BlockNames, mxfp4_names, row_scale_name, stored_block_scale_name
 from moeshard.checkpoint.nvfp4_modelopt import GROUP as NVFP4_GROUP
 from moeshard.checkpoint.nvfp4_modelopt import check_nvfp4, read_nvfp4
-from moeshard.checkpoint.reader import SafetensorsCheckpoint, TensorInfo, check_finite
+from moeshard.checkpoint.reader import SafetensorsCheckpoint, TensorInfo, check_finite, torch_dtype
 from moeshard.config import MoEConfig, QuantConfig
 from moeshard.experts.base import ExpertWeights, Weight
 from moeshard.quant import FP8_BLOCK, QuantizedWeight, from_wire, quantize_weight, to_wire
@@ -110,7 +110,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
 def scale_dtypes() -> tuple[torch.dtype, ...]:
     """Dtypes an fp8 checkpoint's block scales may have: fp32, bf16 and, where this torch has it
     (2.7+), UE8M0. Looked up when needed, so that importing this module works on older torch."""
-    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    e8m0 = torch_dtype("F8_E8M0")
     return (torch.float32, torch.bfloat16) + ((e8m0,) if e8m0 is not None else ())
 
 

@@ -23,8 +23,8 @@ import torch
 
 from moeshard.checkpoint.mxfp4 import BLOCK, dequantize_mxfp4
 from moeshard.checkpoint.mxfp8 import NAN_SCALE
-from moeshard.checkpoint.names import block_scale_names
-from moeshard.checkpoint.reader import SafetensorsCheckpoint
+from moeshard.checkpoint.names import block_scale_names, stored_block_scale_name
+from moeshard.checkpoint.reader import SafetensorsCheckpoint, torch_dtype
 
 PACKED_DTYPES = (torch.int8, torch.uint8)
 
@@ -32,7 +32,7 @@ PACKED_DTYPES = (torch.int8, torch.uint8)
 def exponent_dtypes() -> tuple[torch.dtype, ...]:
     """How the experts' exponents may be stored: uint8 bytes and, where this torch has it (2.7+),
     float8_e8m0fnu. Looked up when needed, so that importing this module works on older torch."""
-    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    e8m0 = torch_dtype("F8_E8M0")
     return (torch.uint8,) + ((e8m0,) if e8m0 is not None else ())
 
 
@@ -61,8 +61,7 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 def scale_of(ckpt: SafetensorsCheckpoint, name: str) -> str:
     """The scale tensor of expert weight ``name`` the checkpoint holds (transformers'
     ``weight_scale_inv`` or the release's ``.scale``); the release's where it holds neither."""
-    names = block_scale_names(name)
-    return next((n for n in names if ckpt.has(n)), names[-1])
+    return stored_block_scale_name(ckpt.has, name, missing=block_scale_names(name)[-1])
 
 
 def check_fp4(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...]) -> None:

@@ -68,10 +68,10 @@ def block_scale_names(weight_name: str) -> tuple[str, ...]:
     return (scale_name(weight_name),)
 
 
-def stored_block_scale_name(has: Callable[[str], bool], weight_name: str) -> str:
+def stored_block_scale_name(has: Callable[[str], bool], weight_name: str, missing: str | None = None) -> str:
     """The first of ``block_scale_names(weight_name)`` the checkpoint holds (``has``); where none
-    is, ``scale_name``'s, so that reading it names the missing tensor."""
-    return next((n for n in block_scale_names(weight_name) if has(n)), scale_name(weight_name))
+    is, ``missing`` (default ``scale_name``'s), so that reading it names the missing tensor."""
+    return next((n for n in block_scale_names(weight_name) if has(n)), missing or scale_name(weight_name))
 
 
 def row_scale_name(weight_name: str) -> str:
