@@ -24,6 +24,7 @@ model; a stored gate_up of neither layout refused by name.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from dataclasses import replace
@@ -51,17 +52,19 @@ import make_tiny_moe  # noqa: E402 - a script of this repository, importable onc
 QWEN, GLM, ARIA, M3, GLM5, HY, OCR2, UOCR = ("qwen3_vl_moe_text", "glm4v_moe_text", "aria", "minimax_m3_vl",
                                              "glm5_next_text", "hy_v4_vl_text", "deepseek_ocr2_text", "unlimited_ocr_text")
 # checkpoint -> its family; "-hub": the published layout where transformers saves another;
-# "-model": the same tensors under the names the whole transformers model gives them.
+# "-model": the same tensors under the names the whole transformers model gives them; "-release":
+# the same checkpoint with its config.json as the original release writes it (the text model's
+# fields under language_config, its sliding_window at the top level).
 CHECKPOINTS = {"qwen-save": QWEN, "qwen-hub": QWEN, "glm-save": GLM, "aria-save": ARIA, "m3-save": M3, "m3-model": M3,
                "glm5-save": GLM5, "hy-save": HY, "glm5-clamp": GLM5, "hy-clamp": HY, "ocr2-save": OCR2,
-               "uocr-save": UOCR}
+               "uocr-save": UOCR, "uocr-release": UOCR}
 # GLM-5.3-Flash and HY-V4-VL clamp their SwiGLU at 10 (GLM-5.3-Flash's shared MLP too, HY-V4-VL's
 # not): "-clamp" is "-save" with the routed and shared gate and up weights scaled up so that the
 # clamps bite. Judged on one rank, whose sums are transformers' own order: these models' later
 # layers (linear attention, hyper-connections) grow a rounding difference, and with weights this
 # large the EP2 layout's other order of the experts' sum came out 1.4e-5 from transformers' logits.
 CLAMP_SCALE = 8.0
-LAYOUT_CHECKPOINTS = [name for name in CHECKPOINTS if not name.endswith("-clamp")]
+LAYOUT_CHECKPOINTS = [name for name in CHECKPOINTS if not name.endswith(("-clamp", "-release"))]
 # MiniMax-M3 with its block-sparse attention (the indexer's tensors, renamed in its checkpoints) in
 # two layers: generate's reference pads each DP rank's prompts as that rank does.
 TEXT_CONFIG = {M3: {"layer_types": ["minimax_m3_sparse", "full_attention", "minimax_m3_sparse"]}}
@@ -104,6 +107,12 @@ class _Checkpoints(dict):
             for t in [t for t in tensors if t.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
                 tensors[t] = tensors[t].transpose(1, 2).contiguous()
             save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        elif name.endswith("-release"):
+            raw = json.loads((path / "config.json").read_text())
+            text = raw.pop("text_config")
+            raw["language_config"] = {**text, "sliding_window": None, "model_type": "deepseek_v2"}
+            raw["sliding_window"] = text["sliding_window"]
+            (path / "config.json").write_text(json.dumps(raw, indent=2))
         elif name.endswith("-clamp"):
             tensors = load_file(path / "model.safetensors")
             for t in [t for t in tensors if ".mlp." in t and t.endswith(
@@ -139,18 +148,19 @@ def _plan(model_dir: Path, layout: ParallelConfig | None = None, dtype: str = "f
 @pytest.mark.parametrize("name, dense, renormalize, shared", [("qwen-save", [1], True, 0), ("glm-save", [0], True, 1),
                                                          ("aria-save", [], False, 1), ("m3-save", [0], True, 1),
                                                          ("glm5-save", [0], True, 1), ("hy-save", [0], True, 1),
-                                                         ("ocr2-save", [0], False, 1), ("uocr-save", [0], False, 1)])
+                                                         ("ocr2-save", [0], False, 1), ("uocr-save", [0], False, 1),
+                                                         ("uocr-release", [0], False, 1)])
 def test_the_config_is_read_as_its_text_model(models, name, dense, renormalize, shared):
     """Qwen3-VL-MoE: layer 1 dense (``mlp_only_layers``), always renormalized (its text config has
     no norm_topk_prob); GLM-4.5V: layer 0 dense (``first_k_dense_replace``), a shared expert;
     Aria: every layer MoE, softmax over the chosen, a shared expert; MiniMax-M3, GLM-5.3-Flash:
     layer 0 dense (``mlp_layer_types``), a shared expert; HY-V4-VL: layer 0 dense (its default),
     a shared expert; DeepSeek-OCR 2: layer 0 dense (``mlp_layer_types``), never renormalized
-    (DeepSeek-V2's block), a shared expert, and Unlimited OCR alike. Aria and MiniMax-M3 keep the
-    whole model's type."""
+    (DeepSeek-V2's block), a shared expert, and Unlimited OCR alike, also from the original
+    release's ``language_config``. Aria and MiniMax-M3 keep the whole model's type."""
     info = read_hf_config(models[name])
     assert info.model_type == CHECKPOINTS[name] and info.num_layers == 3
-    assert info.source.endswith("config.json: text_config")
+    assert info.source.endswith("config.json: language_config" if name.endswith("-release") else "config.json: text_config")
     assert [layer for layer in range(3) if layer in info.dense_layers] == dense
     cfg = info.moe
     assert (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size) == (8, 2, H, I)
@@ -161,6 +171,26 @@ def test_a_vision_language_family_without_a_text_config_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^config\.json: model_type 'aria' holds its text model's fields in "
                                          r"text_config, which must be an object; got NoneType$"):
         parse_hf_config({"model_type": "aria", "hidden_size": 64})
+
+
+def test_the_release_config_is_read_as_transformers_reads_it(models):
+    """Unlimited OCR's original config.json: the text model's fields under ``language_config`` (its
+    ``model_type`` there is not the text family's, which transformers' config class ignores; the
+    ``sliding_window`` at the top level, where transformers' config class finds it); a
+    ``text_config`` beside it wins, as in transformers; without either the error names the key."""
+    release = json.loads((models["uocr-release"] / "config.json").read_text())
+    save = json.loads((models["uocr-save"] / "config.json").read_text())
+    assert parse_hf_config(release).moe == parse_hf_config(save).moe
+    assert tf.AutoConfig.for_model(**release).text_config.sliding_window == save["text_config"]["sliding_window"]
+    both = {**release, "text_config": save["text_config"], "language_config": {"hidden_size": 8}}
+    assert parse_hf_config(both).moe == parse_hf_config(save).moe
+    del release["language_config"]
+    with pytest.raises(ValueError, match=r"^config\.json: model_type 'unlimited_ocr' without a text_config holds its "
+                                         r"text model's fields in language_config, which must be an object; got "
+                                         r"NoneType$"):
+        parse_hf_config(release)
+    with pytest.raises(ValueError, match=r"release_text_config: expected None or \(whole model_type"):
+        replace(FAMILIES[UOCR], release_text_config=("unlimited_ocr", ("language_config",)))
 
 
 def test_a_text_config_family_needs_the_whole_models_layers():

@@ -247,6 +247,11 @@ class ModelFamily:
       builds). Its fields are read there (``hf_config.text_model_config``); the model transformers
       builds is the whole one (``hf_model.model_class``), with its decoder layers at
       ``model_layers``.
+    release_text_config: None, or ``(whole, key)``: a release's config.json of model type ``whole``
+      (a vision-language model) that holds this text family's fields under ``key`` instead of
+      ``text_config`` (Unlimited OCR's original ``unlimited_ocr``: ``language_config``), which
+      transformers' config class moves into its text config. ``hf_config.text_model_config``
+      reads it as this family, as transformers does, whatever model type ``key`` names.
     identity_experts: None, or the config field that counts zero-computation experts (LongCat-Flash's
       ``zero_expert_num``, Z): the router picks among E + Z, and a pick of id E .. E + Z - 1 passes
       the row through scaled by its weight (``MoEExperts(identity_experts=Z)``); transformers'
@@ -391,6 +396,7 @@ class ModelFamily:
     model_layers: str | None = None
     text_model: str | None = None
     text_config: bool = False
+    release_text_config: tuple[str, str] | None = None
     dense_renames: tuple[DenseRename, ...] = ()
     dense_concat: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     dense_split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -422,6 +428,10 @@ class ModelFamily:
         if unknown or not self.formats:
             raise ValueError(f"{where}.formats: {list(self.formats)} must be a non-empty list of "
                              f"{list(CHECKPOINT_FORMATS)}")
+        r = self.release_text_config
+        if r is not None and not (isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, str) and x for x in r)):
+            raise ValueError(f"{where}.release_text_config: expected None or (whole model_type, config.json key), "
+                             f"got {r!r}")
         if not isinstance(self.quantization_fields, tuple) or \
                 not all(isinstance(k, str) and k for k in self.quantization_fields):
             raise ValueError(f"{where}.quantization_fields: expected a tuple of config.json field names, got "

@@ -136,12 +136,23 @@ def text_model_config(raw: dict[str, Any], source: str) -> tuple[dict[str, Any],
       text family, the model transformers' ``AutoModelForCausalLM`` builds from it, whose tensors
       ``SafetensorsCheckpoint`` names as that model does;
     - where the config's own model type is a family that reads its ``text_config``
-      (``ModelFamily.text_config``, Aria's ``aria``): that family, the whole model."""
+      (``ModelFamily.text_config``, Aria's ``aria``): that family, the whole model;
+    - named ``<source>: <key>``, where a release holds a text family's fields under another key
+      and has no ``text_config`` (``ModelFamily.release_text_config``, Unlimited OCR's
+      ``language_config``): that family."""
     def known(model_type: Any) -> bool:  # a malformed model_type (a dict, a list) is model_family's to refuse
         return isinstance(model_type, str) and model_type in FAMILIES
 
     top, text = raw.get("model_type"), raw.get("text_config")
     whole = {k: raw[k] for k in _WHOLE_CHECKPOINT if k in raw}
+    release = next((f for f in FAMILIES.values() if f.release_text_config and f.release_text_config[0] == top), None)
+    if release is not None and text is None and release.release_text_config is not None:
+        _, key = release.release_text_config
+        held = raw.get(key)
+        if not isinstance(held, dict):
+            raise ValueError(f"{source}: model_type {top!r} without a text_config holds its text model's fields in "
+                             f"{key}, which must be an object; got {type(held).__name__}")
+        return {**whole, **held, "model_type": release.model_type}, f"{source}: {key}"
     if isinstance(top, str) and known(top) and FAMILIES[top].text_config:
         if not isinstance(text, dict):
             raise ValueError(f"{source}: model_type {top!r} holds its text model's fields in text_config, which must "

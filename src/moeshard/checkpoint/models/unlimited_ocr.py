@@ -13,8 +13,9 @@ the SAM encoder as DeepSeek-OCR 2's release does, the CLIP-style encoder under
 ``model.vision_model.transformer.`` with each attention's q, k and v rows in one ``qkv_proj``
 (``dense_split``; the text attention's are stored apart, and are read as such), the projector and
 the view separator under the release's names (``DENSE_RENAMES``). Full-precision checkpoints
-only; a config.json that holds its text model as ``language_config`` (the original release's, which
-transformers' config class moves into ``text_config``) is not read.
+only. The original release's config.json holds the text model in ``language_config`` (its
+``sliding_window`` at the top level, which the attention, transformers', reads there); it is read
+as this family, as transformers' config class reads it (``release_text_config``).
 """
 
 from __future__ import annotations
@@ -46,4 +47,5 @@ register_family(replace(DEEPSEEK_OCR2, model_type="unlimited_ocr_text",
                         defaults={"hidden_act": "silu", "topk_method": "greedy", "routed_scaling_factor": 1.0,
                                   "n_shared_experts": 2, "n_group": 1, "topk_group": 1, "mlp_layer_types": None,
                                   "first_k_dense_replace": 1},
-                        dense_layers=_dense_layers, dense_renames=DENSE_RENAMES, dense_split=DENSE_SPLIT))
+                        dense_layers=_dense_layers, dense_renames=DENSE_RENAMES, dense_split=DENSE_SPLIT,
+                        release_text_config=("unlimited_ocr", "language_config")))
