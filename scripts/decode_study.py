@@ -16,7 +16,9 @@ microseconds. This study times, for each model, token count and scheme:
   bytes costs with nothing else to do, as ``torch.sum`` over a buffer of that size and as a
   purpose-built Triton reader (``read_stream``: wide loads, a checksum per program so that
   nothing is elided) at several grid sizes and load widths, the fastest of which is kept as
-  ``read_fastest`` and every one listed under ``read_sweep``;
+  ``read_fastest`` and every one listed under ``read_sweep``; that reader also reads the gate_up
+  GEMM's share of the bytes and the down GEMM's alone (``read_gate_up_bytes``,
+  ``read_down_bytes``), the floors of those kernels timed alone;
 * the GPU time of each kernel inside the graphed call under the ``write`` flush (the CUDA
   profiler), so that the call's time splits into kernels and the gaps between them.
 
@@ -40,7 +42,7 @@ import triton.language as tl
 
 from moeshard.bench.study import plan_made_ahead
 from moeshard.bench.timing import L2Flush, graph_median_ms, graphed
-from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, routed_input
+from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, projection_bytes, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
 from moeshard.kernels.configs import multiprocessors, select_config
@@ -145,6 +147,8 @@ class Call:
         self.kernel = TritonExperts(cfg.activation, cfg.dtype)
         active = int((torch.bincount(self.inp.expert_ids, minlength=E) > 0).sum())
         self.weight_bytes = bytes_per_expert(self.experts) * active
+        # Each GEMM's share of them (data, scales and global scales of that projection).
+        self.gate_up_bytes = active * projection_bytes(self.experts.gate_up) / E
         self.rows, self.active = M, active
         # The same call with the plan made before it (what the plan costs inside the chain).
         self.experts_plan_ahead = plan_made_ahead(self.experts_call)
@@ -191,6 +195,13 @@ def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, 
         best = min(sweep, key=sweep.__getitem__)
         rec["ms"][flush_name]["read_fastest"] = sweep[best]
         rec["ms"][flush_name]["read_fastest_variant"] = best
+        # Each GEMM's bytes alone through the fastest reader: the floor each kernel timed alone
+        # (gate_up, down above) is held to, the flush's cost included.
+        per_sm, block = (int(v) for v in best.split("x"))
+        ints = stream.view(torch.int32)
+        split = int(call.gate_up_bytes) // 4
+        for part, src in (("gate_up", ints[:split]), ("down", ints[split:])):
+            rec["ms"][flush_name][f"read_{part}_bytes"] = _ms(read_stream(src, per_sm * sms, block)[0], flush, reps)
         log(f"{name} T={tokens} {scheme} flush={flush_name}: " +
             " ".join(f"{k} {1e3 * v:.1f}us" if isinstance(v, float) else f"{k} {v}"
                      for k, v in rec["ms"][flush_name].items()))

@@ -48,3 +48,34 @@ def test_a_reader_that_skips_an_element_is_caught():
     sums = torch.empty(1, dtype=torch.int32)
     decode_study._read_kernel[(1,)](src, sums, src.numel() - 1, CHUNK=10_240, BLOCK=2048, num_warps=8)
     assert _wrapped_sum(sums) != _wrapped_sum(src)
+
+
+def test_each_gemms_share_is_read_once():
+    """The study reads the gate_up GEMM's bytes and the down GEMM's alone as two views of one
+    buffer, the second starting inside it: together they read every element once."""
+    src = torch.randint(-2**31, 2**31 - 1, (30_011,), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    split = 20_007
+    parts = []
+    for view in (src[:split], src[split:]):
+        call, sums = decode_study.read_stream(view, 4, 2048)
+        call()
+        assert _wrapped_sum(sums) == _wrapped_sum(view)
+        parts.append(_wrapped_sum(sums))
+    assert _wrapped_sum(torch.tensor(parts)) == _wrapped_sum(src)
+
+
+def test_a_projections_bytes_count_its_scales():
+    """Hand-counted: fp8_token [2, 6, 4] values (48 bytes) and one fp32 scale per expert and row
+    (2 x 6 x 4 bytes); fp8_tensor [2, 4, 3] values (24 bytes) and one fp32 scale per expert (8); a
+    bf16 [2, 6, 4] tensor 96. The two GEMMs' shares add up to what one expert reads, times E."""
+    from moeshard.bench.workload import bytes_per_expert, projection_bytes
+    from moeshard.experts.base import ExpertWeights
+    from moeshard.quant import quantize_weight
+
+    gate_up = quantize_weight(torch.randn(2, 6, 4), "fp8_token")
+    down = quantize_weight(torch.randn(2, 4, 3), "fp8_token")
+    assert projection_bytes(gate_up) == 48 + 48
+    assert projection_bytes(quantize_weight(torch.randn(2, 4, 3), "fp8_tensor")) == 24 + 8
+    assert projection_bytes(torch.zeros(2, 6, 4, dtype=torch.bfloat16)) == 96
+    experts = ExpertWeights(gate_up=gate_up, down=down, scheme="fp8_token")
+    assert bytes_per_expert(experts) == (projection_bytes(gate_up) + projection_bytes(down)) / 2 == (96 + 56) / 2

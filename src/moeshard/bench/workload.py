@@ -140,13 +140,16 @@ def layer_flops(tokens: int, cfg: MoEConfig) -> int:
     return flops
 
 
+def projection_bytes(w: torch.Tensor | QuantizedWeight) -> int:
+    """Bytes of one projection of every expert (gate_up or down): its data, scales and global
+    scales."""
+    tensors = (w.data, w.scale, w.global_scale) if isinstance(w, QuantizedWeight) else (w,)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def bytes_per_expert(experts: ExpertWeights) -> float:
     """Weight bytes one expert's GEMMs read: data, scales and global scales of both projections."""
-    total = 0
-    for w in (experts.gate_up, experts.down):
-        tensors = (w.data, w.scale, w.global_scale) if isinstance(w, QuantizedWeight) else (w,)
-        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    return total / experts.num_experts
+    return (projection_bytes(experts.gate_up) + projection_bytes(experts.down)) / experts.num_experts
 
 
 def active_experts(expert_ids: torch.Tensor, num_experts: int) -> int:
