@@ -145,14 +145,15 @@ def text_model_config(raw: dict[str, Any], source: str) -> tuple[dict[str, Any],
 
     top, text = raw.get("model_type"), raw.get("text_config")
     whole = {k: raw[k] for k in _WHOLE_CHECKPOINT if k in raw}
-    release = next((f for f in FAMILIES.values() if f.release_text_config and f.release_text_config[0] == top), None)
-    if release is not None and text is None and release.release_text_config is not None:
-        _, key = release.release_text_config
+    release = next(((f.model_type, f.release_text_config[1]) for f in FAMILIES.values()
+                    if f.release_text_config is not None and f.release_text_config[0] == top), None)
+    if release is not None and text is None:
+        family, key = release
         held = raw.get(key)
         if not isinstance(held, dict):
             raise ValueError(f"{source}: model_type {top!r} without a text_config holds its text model's fields in "
                              f"{key}, which must be an object; got {type(held).__name__}")
-        return {**whole, **held, "model_type": release.model_type}, f"{source}: {key}"
+        return {**whole, **held, "model_type": family}, f"{source}: {key}"
     if isinstance(top, str) and known(top) and FAMILIES[top].text_config:
         if not isinstance(text, dict):
             raise ValueError(f"{source}: model_type {top!r} holds its text model's fields in text_config, which must "

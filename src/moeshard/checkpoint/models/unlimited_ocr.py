@@ -13,9 +13,9 @@ the SAM encoder as DeepSeek-OCR 2's release does, the CLIP-style encoder under
 ``model.vision_model.transformer.`` with each attention's q, k and v rows in one ``qkv_proj``
 (``dense_split``; the text attention's are stored apart, and are read as such), the projector and
 the view separator under the release's names (``DENSE_RENAMES``). Full-precision checkpoints
-only. The original release's config.json holds the text model in ``language_config`` (its
-``sliding_window`` at the top level, which the attention, transformers', reads there); it is read
-as this family, as transformers' config class reads it (``release_text_config``).
+only. The original release's config.json holds the text model in ``language_config`` (and its
+``sliding_window`` at the top level, for transformers' config class, which builds the attention);
+it is read as this family, as transformers reads it (``release_text_config``).
 """
 
 from __future__ import annotations
