@@ -15,7 +15,9 @@ tensor cores then accumulate 256 products per fp32 step instead of 128, and h's 
 can flip; fp8_block's wider steps are 128-column sub-steps, one per scale group, so the same
 bits). fp8_block's h is quantized in the gate_up epilogue by 128-column gate_up tiles, as
 ``select_config`` does where the intermediate size is a multiple of 128, and in its own pass
-after narrower ones. A variant that is refused, or fails to compile or launch, is recorded with
+after narrower ones. Where the chosen config runs one token on the direct plan, one variant moves
+h's quantization: to the down GEMM's loads (``ExpertsConfig.quantize_in_down``) or back to where
+``h_quant`` puts it (the same bits either way). A variant that is refused, or fails to compile or launch, is recorded with
 its error.
 
     PYTHONPATH=src python3 scripts/decode_tile_study.py --json results/h200/decode_tile_study.json
@@ -29,7 +31,7 @@ import time
 import torch
 
 from moeshard.bench.study import routed_case, run_on_gpu, study_parser, time_variants
-from moeshard.kernels.configs import ExpertsConfig, GemmConfig, gpu_kind, h_quant_for, multiprocessors, select_config
+from moeshard.kernels.configs import FP8, ExpertsConfig, GemmConfig, gpu_kind, h_quant_for, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts, gluon_supported
 from moeshard.kernels.pdl import supported as pdl_supported
 from moeshard.quant import get_scheme
@@ -82,6 +84,10 @@ def variants(chosen: ExpertsConfig, scheme: str, inter: int) -> dict[str, Expert
                       _tile(chosen.down, d) if d else None)
         if cfg != chosen:
             out[name] = cfg
+    if chosen.direct and get_scheme(scheme).kernel_mode in FP8:
+        # Where one token's h is quantized: by the down GEMM as it loads it, or as h_quant says.
+        other = not chosen.quantize_in_down
+        out["h_in_down" if other else "h_by_h_quant"] = dataclasses.replace(chosen, quantize_in_down=other)
     return out
 
 
@@ -114,6 +120,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
             reference = out
         rec["variants"][key] = {"gate_up": list(dataclasses.astuple(cfg.gate_up)[:6]),
                                 "down": list(dataclasses.astuple(cfg.down)[:6]), "h_quant": cfg.h_quant,
+                                "quantize_in_down": cfg.quantize_in_down,
                                 "same_bits": bool(torch.equal(out, reference)), "rel_diff": _rel(out, reference)}
         calls[key] = lambda kernel=kernel: kernel(case.inp, case.experts)
     time_variants(rec, calls, flush, args)

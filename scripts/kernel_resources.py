@@ -47,7 +47,12 @@ PROBLEMS = (("bf16 gate_up", 0, "bf16", True, {}), ("bf16 down", 0, "bf16", Fals
             ("fp8_tensor down, biased", 1, "fp8e4nv", False, {"bias": True}),
             # gpt-oss's intermediate size (2880, not a multiple of 128): a vector of weight scales
             ("fp8_block gate_up, N 2880", 3, "fp8e4nv", True, {"n": 2880}),
-            ("fp8_block gate_up, N 2880, clamped, biased", 3, "fp8e4nv", True, {**CLAMPED_BIASED, "n": 2880}))
+            ("fp8_block gate_up, N 2880, clamped, biased", 3, "fp8e4nv", True, {**CLAMPED_BIASED, "n": 2880}),
+            # one token's down GEMM on the direct plan, quantizing h's one row as it loads it
+            ("fp8_tensor down, direct", 1, "fp8e4nv", False, {"direct": True}),
+            ("fp8_tensor down, direct, h quantized", 1, "fp8e4nv", False, {"direct": True, "quant_a": True}),
+            ("fp8_token down, direct, h quantized", 2, "fp8e4nv", False, {"direct": True, "quant_a": True}),
+            ("fp8_block down, direct, h quantized", 3, "fp8e4nv", False, {"direct": True, "quant_a": True}))
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4),
          (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 4), (128, 128, 64, 8, 4),
@@ -56,22 +61,26 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
 
 def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
                  pdl: bool = False, quant_out: bool = False, track_amax: int = 0, direct: bool = False,
-                 act: int = 0, bias: bool = False, n: int = 128):
+                 act: int = 0, bias: bool = False, n: int = 128, quant_a: bool = False):
     """``moe_gemm_kernel`` compiled for sm_90a (a Triton ``CompiledKernel``) with the given
     constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); quant_out: gate_up
     stores h as fp8_block values and scales (``moe_gemm``'s out_scale); track_amax: 1 per-expert
     amax, 2 per-position row maxima (``moe_gemm``'s amax, row_amax), 0 neither; direct: on a
     direct plan (``align.direct_rows``: the tiles' experts are the int64 expert ids); act: the
     activation's kernel mode, with gpt-oss's constants for mode 3; bias: expert biases; n: the
-    GEMM's N, which decides fp8_block's scalar weight scale (128 stands for any multiple of it)."""
+    GEMM's N, which decides fp8_block's scalar weight scale (128 stands for any multiple of it);
+    quant_a: the down GEMM of a direct plan reads h in bf16 and quantizes it as it loads it
+    (``moe_gemm``'s quantize_a)."""
     bm, bn, bk, warps, stages = tile
     sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*fp8e4nv" if quant_out else "*bf16"
     sig["sorted_rows_ptr"] = sig["tile_expert_ptr"] = sig["start_ptr"] = sig["count_ptr"] = "*i32"
     if direct:  # a direct plan hands the int64 expert ids as both (sorted_rows unread)
         sig["tile_expert_ptr"] = sig["sorted_rows_ptr"] = "*i64"
-    if quant in (1, 3):
+    if quant in (1, 2, 3):
         sig["a_ptr"] = sig["a_half_ptr"] = sig["w_ptr"] = "*fp8e4nv"
+    if quant_a:
+        sig["a_ptr"] = sig["a_half_ptr"] = "*bf16"
     sig.update({name: "i32" for name in INTS})
     # As at run time: unit strides are specialised to the constant 1, and pointers and the sizes
     # and strides that are multiples of 16 carry that divisibility (vectorised, aligned loads).
@@ -79,7 +88,7 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
     aligned = [*POINTERS, "N", "K", "N_w", "up_offset", "stride_am", "stride_we", "stride_wn", "stride_om"]
     consts = {**unit, "QUANT": quant, "FUSE_ACT": fused, "ACT": act, "ACT_P0": 1.702 if act == 3 else 0.0,
               "ACT_P1": 7.0 if act == 3 else 0.0, "BIAS": bias,
-              "QUANT_OUT": quant_out, "H_TY": tl.bfloat16,
+              "QUANT_OUT": quant_out, "QUANT_A": quant_a, "H_TY": tl.bfloat16,
               "GATHER_A": fused, "SCATTER_OUT": not fused,
               "TRACK_AMAX": track_amax, "EVEN_K": True, "TMA_A": False, "TMA_W": False, "FP8_EXACT": False,
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],

@@ -65,8 +65,12 @@ for model, (E, H, I, K) in models.items():
                     continue
                 opts = {"half_tiles": g.half_tiles, "pdl": cfg.pdl == "all" or (fused and cfg.pdl != "off"),
                         "direct": cfg.direct and T == 1}  # one token's rows: the direct plan
+                # ... where the down GEMM may quantize h as it loads it (codes that have the option)
+                in_down = getattr(cfg, "quantize_in_down", False) and T == 1 and q in (1, 2, 3)
+                if in_down and not fused:
+                    opts["quant_a"] = True
                 if fused:
-                    opts["quant_out"] = cfg.h_quant == "gate_up"
+                    opts["quant_out"] = cfg.h_quant == "gate_up" and not in_down
                     opts["track_amax"] = 2 if cfg.h_quant == "row_max" else (1 if scheme == "fp8_tensor" else 0)
                 tile = (g.block_m, g.block_n, g.block_k, g.num_warps, g.num_stages)
                 key = f"{elt} {'gate_up' if fused else 'down'} {tile} {g.fp8_acc} {sorted(opts.items())}"

@@ -73,6 +73,18 @@ def test_one_token_on_the_direct_plan_is_the_sorted_plans_bits(interpreted_kerne
             got = k.experts.TritonExperts("silu", torch.bfloat16, dataclasses.replace(config, direct=True))(inp, w)
         assert torch.equal(got[written], want[written]), (scheme, ids, name)
         assert want[written].abs().sum() > 0
+        if scheme in ("fp8_tensor", "fp8_token", "fp8_block"):
+            # h quantized by the down GEMM as it loads each tile's one row: no quantize_h runs.
+            # fp8_block's down then steps over whole 128-column scale groups (K = I = 128 here).
+            if scheme == "fp8_block":
+                config = dataclasses.replace(config, down=dataclasses.replace(config.down, block_k=128))
+                want = k.experts.TritonExperts("silu", torch.bfloat16, config)(inp, w)
+            in_down = dataclasses.replace(config, direct=True, quantize_in_down=True)
+            with monkeypatch.context() as m:
+                m.setattr(k.experts, "quantize_h", lambda *a, **kw: pytest.fail("quantize_h ran"))
+                m.setattr(torch, "empty", _poisoned_empty(torch.empty))
+                got = k.experts.TritonExperts("silu", torch.bfloat16, in_down)(inp, w)
+            assert torch.equal(got[written], want[written]), (scheme, ids, name, "quantize_in_down")
 
 
 def test_more_tokens_keep_the_sorted_plan(interpreted_kernels, monkeypatch):
@@ -111,12 +123,47 @@ def test_decode_configs_take_the_direct_plan(interpreted_kernels):
     for rows, E_, H_, I_ in ((8, 256, 7168, 2048), (2, 8, 4096, 14336), (8, 128, 2048, 768)):
         for scheme in SCHEMES:
             assert select(rows, E_, H_, I_, scheme).direct, (rows, E_, scheme)
+            # ... and the fp8 schemes' one token quantizes h in the down GEMM's loads
+            assert select(rows, E_, H_, I_, scheme).quantize_in_down == (scheme.startswith("fp8")), (rows, scheme)
     for scheme in SCHEMES:  # prefill, on either engine
         assert not select(8 * 4096, 256, 7168, 2048, scheme).direct, scheme
         assert not select(8 * 4096, 256, 7168, 2048, scheme, gluon=True).direct, scheme
     # A decode config given a laid-out input: the refusal says where direct came from.
     chosen = select(8, 256, 7168, 2048, "fp8_tensor")
     with pytest.raises(ValueError, match=r"select_config sets direct=True for decode sizes: "
-                                         r"replace\(config, direct=False, ...\)"):
+                                         r"replace\(config, direct=False, quantize_in_down=False, ...\)"):
         dataclasses.replace(chosen, lay_out_a=True)
-    assert dataclasses.replace(chosen, lay_out_a=True, direct=False).lay_out_a
+    assert dataclasses.replace(chosen, lay_out_a=True, direct=False, quantize_in_down=False).lay_out_a
+
+
+def test_quantize_in_down_refusals(interpreted_kernels):
+    """h quantized as the down GEMM loads it: only of a direct plan's fp8 down GEMM, with the
+    scales each scheme needs; every other call is refused by name before any launch."""
+    k = interpreted_kernels
+    GemmConfig, ExpertsConfig = k.configs.GemmConfig, k.configs.ExpertsConfig
+    with pytest.raises(ValueError, match="quantize_in_down .* needs direct=True and decode_nvfp4='off', got direct=False"):
+        ExpertsConfig(GemmConfig(16, 32, 128), GemmConfig(16, 32, 128), quantize_in_down=True)
+    moe_gemm = k.grouped_gemm.moe_gemm
+    ids = torch.tensor([3, 1])
+    direct, sorted_plan = k.align.direct_rows(ids, E, 16), k.align.align_rows(ids, E, 16)
+    tile = GemmConfig(16, 32, 128)
+    out = torch.empty(2, H, dtype=torch.bfloat16)
+    h = torch.zeros(direct.padded_rows, I, dtype=torch.bfloat16)
+    down = {s: _weights(s).down for s in ("fp8_tensor", "fp8_token", "fp8_block", "none")}
+    amax = torch.zeros(E)
+    with pytest.raises(ValueError, match="direct plan; got down, gather=False, direct plan: False"):
+        moe_gemm(torch.zeros(sorted_plan.padded_rows, I, dtype=torch.bfloat16), down["fp8_tensor"], sorted_plan, out,
+                 tile, activation=None, gather=False, quantize_a=True, a_amax=amax)
+    with pytest.raises(ValueError, match="weights 'none'"):
+        moe_gemm(h, down["none"], direct, out, tile, activation=None, gather=False, quantize_a=True)
+    with pytest.raises(ValueError, match=r"fp8_tensor needs a_amax, the contiguous float32 \[6\] per-expert amax"):
+        moe_gemm(h, down["fp8_tensor"], direct, out, tile, activation=None, gather=False, quantize_a=True)
+    with pytest.raises(ValueError, match=r"fp8_token needs a_amax, the contiguous float32 \[32\] row maxima"):
+        moe_gemm(h, down["fp8_token"], direct, out, tile, activation=None, gather=False, quantize_a=True, a_amax=amax)
+    with pytest.raises(ValueError, match="fp8_block scales each 128-column group by its own amax"):
+        moe_gemm(h, down["fp8_block"], direct, out, tile, activation=None, gather=False, quantize_a=True, a_amax=amax)
+    with pytest.raises(ValueError, match="config.block_k=64 must be a multiple of 128"):
+        moe_gemm(h, down["fp8_block"], direct, out, GemmConfig(16, 32, 64), activation=None, gather=False,
+                 quantize_a=True)
+    with pytest.raises(ValueError, match="a_amax .* needs quantize_a=True"):
+        moe_gemm(h, down["fp8_tensor"], direct, out, tile, activation=None, gather=False, a_amax=amax)

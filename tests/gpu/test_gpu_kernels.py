@@ -171,7 +171,8 @@ def test_one_token_direct_plan_gives_the_sorted_plans_bits(scheme):
     ``select_config`` picks, which takes the direct plan (``ExpertsConfig.direct``: a tile per row,
     no plan kernel, the ids int64), against the same config on the sorted plan: the same bits,
     for DeepSeek-V3's and Mixtral's one-token shapes (8 of 256 experts, 2 of 8), eager and in a
-    replayed CUDA graph, and a padding row (-1) left out on both."""
+    replayed CUDA graph, and a padding row (-1) left out on both. The fp8 schemes' direct config
+    quantizes h in the down GEMM's loads (``quantize_in_down``), the sorted plan in quantize_h."""
     import dataclasses
 
     for E, H, I, ids in ((256, 1024, 512, [200, 3, 17, 255, 0, 128, 64, 9]), (8, 512, 1792, [5, 2]),
@@ -183,7 +184,8 @@ def test_one_token_direct_plan_gives_the_sorted_plans_bits(scheme):
         inp = ExpertInput(x, expert_ids, repeat=K)
         direct = select_config(K, E, H, I, scheme, pdl=True)
         assert direct.direct, direct
-        sorted_plan = TritonExperts("silu", torch.bfloat16, dataclasses.replace(direct, direct=False))
+        sorted_plan = TritonExperts("silu", torch.bfloat16,
+                                    dataclasses.replace(direct, direct=False, quantize_in_down=False))
         kernel = TritonExperts("silu", torch.bfloat16, direct)
         want, got = sorted_plan(inp, w), kernel(inp, w)
         live = expert_ids >= 0

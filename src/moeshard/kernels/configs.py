@@ -171,7 +171,11 @@ class ExpertsConfig:
     token's choices (``ExpertInput.repeat`` equal to its rows, which top-k routing gives distinct
     experts) runs on ``align.direct_rows``' plan, one tile per row in input order, instead of
     ``align_rows``': the same bits, and no plan kernel for the GEMM to wait on (both GEMMs on
-    the Triton engine, one tile height, the input not laid out)."""
+    the Triton engine, one tile height, the input not laid out). quantize_in_down (with direct;
+    fp8_tensor, fp8_token and fp8_block experts): on the direct plan, h stays in the model dtype
+    and the down GEMM quantizes each tile's one row as it loads it (``moe_gemm``'s
+    ``quantize_a``; the same bits), in place of ``h_quant``'s way, which calls on the sorted plan
+    keep."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -181,6 +185,7 @@ class ExpertsConfig:
     decode_experts: int = 0
     h_quant: str = "pass"
     direct: bool = False
+    quantize_in_down: bool = False
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHAINS:
@@ -211,7 +216,11 @@ class ExpertsConfig:
             raise ValueError(f"ExpertsConfig.direct runs both Triton GEMMs on one direct plan; got block_m "
                              f"{self.gate_up.block_m} / {self.down.block_m}, engines {self.gate_up.engine!r} / "
                              f"{self.down.engine!r}, lay_out_a={self.lay_out_a} (select_config sets direct=True "
-                             f"for decode sizes: replace(config, direct=False, ...) to change these)")
+                             f"for decode sizes: replace(config, direct=False, quantize_in_down=False, ...) to change these)")
+        if self.quantize_in_down and (not self.direct or self.decode_nvfp4 != "off"):
+            raise ValueError(f"ExpertsConfig.quantize_in_down quantizes h in the down GEMM of the direct plan; it needs "
+                             f"direct=True and decode_nvfp4='off', got direct={self.direct}, "
+                             f"decode_nvfp4={self.decode_nvfp4!r}")
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
         # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
         if self.gate_up.block_m % self.down.block_m:
@@ -454,6 +463,10 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # call (scripts/decode_study.py, the bench's L2 flush): 112 and 110 us against 123 us
         # (fp8_tensor, fp8_block), though the plan kernel itself runs 3 us.
         cfg = dataclasses.replace(cfg, direct=True)
+        if get_scheme(scheme).kernel_mode in FP8:
+            # On the direct plan the down GEMM quantizes h's one row per tile as it loads it
+            # (``ExpertsConfig.quantize_in_down``): no quantize_h launch between the GEMMs.
+            cfg = dataclasses.replace(cfg, quantize_in_down=True)
     if not pdl or not decode:
         return cfg
     # Decode only, and quantize_h with the down GEMM only while quantize_h's grid fits in one wave

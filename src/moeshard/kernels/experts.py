@@ -6,6 +6,8 @@
         positions first, ``kernels.layout``)--> h [P, I]
     h --quantize_h (scheme; per-expert amax, or fp8_token's row maxima, from the GEMM epilogue)--> h_q [P, I]
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
+    (one token's fp8 rows on the direct plan, ``ExpertsConfig.quantize_in_down``: no quantize_h;
+    the down GEMM reads h and quantizes each tile's one row as it loads it, the same bits)
     (nvfp4 at prefill, ``ExpertsConfig.decode_nvfp4``: x, h_q and where chosen the weights are
     decoded to fp16 values once, ``kernels.nvfp4_values``, instead of in every GEMM program; the
     weights a window of ``decode_experts`` experts at a time, each GEMM launched per window)
@@ -16,7 +18,8 @@ epilogues, to the products rounded to the model dtype, as ``GroupedExperts`` add
 Padding rows (expert id -1) are never placed in a tile: nothing computes them and their output
 rows are left unwritten. Five launches for bf16/fp16 (histogram, plan, scatter, two GEMMs), six when quantized
 (two fewer when the tile plan is one program, at most 64 routed rows; three fewer for one
-token's rows, ``ExpertsConfig.direct``: a tile per row, no plan kernel); no host
+token's rows, ``ExpertsConfig.direct``: a tile per row, no plan kernel; and there, with
+``quantize_in_down``, no quantize_h); no host
 sync, no sort, no gather or unpermute pass over rows (and, with ``repeat``, no copy of a token per
 routed row: the gate_up GEMM reads row m // repeat). Numerics are the reference's: the gate_up product is
 rounded to the model dtype, h = act(gate) * up in fp32 rounded to the model dtype, then h is
@@ -37,7 +40,7 @@ from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeight
 from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels import pdl
 from moeshard.kernels.align import align_rows, direct_rows, max_tiles, split_tiles
-from moeshard.kernels.configs import FP8, ExpertsConfig, gpu_kind, multiprocessors, select_config
+from moeshard.kernels.configs import FP8, FP8_TOKEN, ExpertsConfig, gpu_kind, multiprocessors, select_config
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.layout import lay_out_rows
 from moeshard.kernels.modes import GLUON_ACT_MODES
@@ -152,11 +155,16 @@ class TritonExperts(GroupedExperts):
         # One token's choices (distinct experts under top-k): a tile per row, no plan kernel. The
         # buffers the plan kernel would zero are zeroed here.
         direct = cfg.direct and inp.repeat == M
+        # On the direct plan the down GEMM may quantize h's one row per tile as it loads it.
+        in_down = direct and cfg.quantize_in_down and spec.kernel_mode in FP8
+        h_quant = "down" if in_down else cfg.h_quant
         new = torch.zeros if direct else torch.empty
         amax = new(E, dtype=torch.float32, device=device) if per_tensor else None
-        # fp8_token's row maxima from the gate_up epilogue: quantize_h then reads h once.
+        # fp8_token's row maxima from the gate_up epilogue: quantize_h (or the down GEMM) then
+        # reads h once.
         positions = M * cfg.block_m if direct else max_tiles(M, E, cfg.block_m) * cfg.block_m
-        row_amax = new(positions, dtype=torch.float32, device=device) if cfg.h_quant == "row_max" else None
+        row_maxima = h_quant == "row_max" or (in_down and spec.kernel_mode == FP8_TOKEN)
+        row_amax = new(positions, dtype=torch.float32, device=device) if row_maxima else None
         if direct:
             plan = direct_rows(ids, E, cfg.block_m)
         else:
@@ -166,7 +174,7 @@ class TritonExperts(GroupedExperts):
         # overlap quantize_h's end.
         down_plan = split_tiles(plan, cfg.down.block_m)
         stored_q: QuantizedActivations | None = None
-        if cfg.h_quant == "gate_up":  # gate_up stores h quantized (the values and scales quantize_h gives)
+        if h_quant == "gate_up":  # gate_up stores h quantized (the values and scales quantize_h gives)
             stored_q = QuantizedActivations(
                 scheme, torch.empty(plan.padded_rows, I, dtype=FP8_DTYPE, device=device),
                 torch.empty(plan.padded_rows, I // 128, dtype=torch.float32, device=device), None)
@@ -190,6 +198,8 @@ class TritonExperts(GroupedExperts):
             amax = inp.amax_reduce(amax)
         if stored_q is not None:
             h_q: torch.Tensor | QuantizedActivations = stored_q
+        elif in_down:
+            h_q = h
         else:
             h_q = quantize_h(h, scheme, plan, amax, pdl_launch=back, row_amax=row_amax) if scheme != "none" else h
         h_in = _decoded(h_q) if decode_a else h_q
@@ -197,7 +207,8 @@ class TritonExperts(GroupedExperts):
         for window in _windows(E, cfg.decode_experts) if decode_w else (None,):
             w_down = weights.down if window is None else _decoded(weights.down, window)
             moe_gemm(h_in, w_down, down_plan, y, cfg.down, activation=None, gather=False, pdl_launch=back,
-                     experts=window, bias=weights.down_bias)
+                     experts=window, bias=weights.down_bias, quantize_a=in_down,
+                     a_amax=(amax if per_tensor else row_amax) if in_down else None)
             del w_down
         return y
 

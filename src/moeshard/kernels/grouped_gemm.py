@@ -17,6 +17,8 @@ each):
   read h twice).
 * down (``SCATTER_OUT``): A is h at the padded positions; results go straight to the original
   routed row order, row ``sorted_rows[p]`` of the [M, N] output (no separate unpermute pass).
+  On a direct plan (one tile per routed row) only each tile's row 0 is read, and with
+  ``QUANT_A`` that row is read as model-dtype h and quantized as it is loaded.
 
 Schemes (``QUANT`` is the scheme's ``kernel_mode``, ``moeshard.quant.schemes.KERNEL_MODES``):
 
@@ -52,7 +54,7 @@ from moeshard.kernels.align import RowAlignment
 from moeshard.kernels.configs import FP8_ACCUMULATIONS, GemmConfig
 from moeshard.kernels.modes import act_constants, act_mode, amax_mode, kernel_mode, one_w_scale_per_tile, scale_strides
 from moeshard.kernels.nvfp4_values import Nvfp4Values, e2m1_scaled_f16
-from moeshard.kernels.quant import _fp8_group
+from moeshard.kernels.quant import _fp8, _fp8_group
 from moeshard.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedActivations, QuantizedWeight
 
 FP8_ACC_MODES = {name: i for i, name in enumerate(FP8_ACCUMULATIONS)}  # the kernel's FP8_ACC
@@ -186,13 +188,49 @@ def _block_w_scale(ws_base, cols, first_col, stride_wsn, SCALAR: tl.constexpr):
 
 
 @triton.jit
+def _block_a_scale(a_scale_ptr, rows, kb, stride_asm, stride_ask, row_ok, row_scale, QUANT_A: tl.constexpr):
+    """fp8_block's A scales [BLOCK_M] of 128-column group kb: loaded, or (QUANT_A) the one row's
+    ``row_scale`` just computed; 0 for rows of padding, whose products are never stored."""
+    if QUANT_A:
+        return tl.where(row_ok, row_scale, 0.0)
+    else:
+        return tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
+
+
+@triton.jit
+def _direct_row_fp8(a_ptr, p0, ka, offs_ka, ka_ok, stride_am, stride_ak, scale, QUANT: tl.constexpr,
+                    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, SUB_K: tl.constexpr):
+    """A direct tile's A operand from model-dtype h (``moe_gemm(quantize_a=True)``): columns
+    [ka, ka + SUB_K) of the tile's one row (position p0), quantized as ``quant.quantize_h``
+    quantizes them, as row 0 of an e4m3 [BLOCK_M, SUB_K] tile whose other rows are zeros; and
+    that row's scale: ``scale`` (fp8_tensor's per-expert, fp8_token's per-row), or for fp8_block
+    (QUANT 3, SUB_K = 128: one scale group) the group's own. Only the one row is read and divided:
+    the tile's padding rows would cost 15 of every 16 correctly rounded divisions."""
+    ptrs = a_ptr + p0 * stride_am + (ka + offs_ka) * stride_ak
+    if EVEN_K:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=ka_ok, other=0.0).to(tl.float32)
+    if QUANT == 3:
+        q, group_scale = _fp8_group(x[None, :], _AMAX_FLOOR, _FP8_MAX)
+        row_scale = tl.max(group_scale, axis=0)  # the one row's
+    else:
+        q = _fp8(x, scale, _FP8_MAX)[None, :]
+        row_scale = scale
+    first = (tl.arange(0, BLOCK_M) == 0)[:, None]
+    bits = tl.where(first, q.to(tl.uint8, bitcast=True), tl.zeros((BLOCK_M, SUB_K), dtype=tl.uint8))
+    return bits.to(tl.float8e4nv, bitcast=True), row_scale
+
+
+@triton.jit
 def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr, amax_ptr,
           bias_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, direct_row, pid_n, N, K, N_w, up_offset,
           a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
           stride_om, stride_on, stride_osm, stride_be,
           QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, ACT_P0: tl.constexpr,
-          ACT_P1: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
+          ACT_P1: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, QUANT_A: tl.constexpr,
+          H_TY: tl.constexpr,
           GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
           EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
           FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, A_VALUES: tl.constexpr, W_VALUES: tl.constexpr,
@@ -208,6 +246,10 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     operand given as decoded values, A_VALUES / W_VALUES). The gate_up product and h are
     rounded to H_TY, the model dtype; with QUANT_OUT (gate_up, BLOCK_N = 128) h is stored as
     fp8_block values at ``out_ptr`` and their row scales at column pid_n of ``out_scale_ptr``.
+    QUANT_A (down, DIRECT): A is h in the model dtype, its one row quantized as it is loaded
+    (``_direct_row_fp8``), bit for bit as ``quant.quantize_h`` would quantize it, with the scale
+    from ``a_scale_ptr``: fp8_tensor's amax [E] (row ``expert``), fp8_token's row maxima [P]
+    (position p0), or none for fp8_block (each 128-column group's own).
     BIAS: ``bias_ptr`` is the experts' bias [E, N_w] (row ``expert``, stride ``stride_be``; of
     the plan's experts, not the window's), added in fp32 to the product rounded to the model
     dtype and rounded again: before the activation (gate_up: gate columns, then up columns
@@ -215,6 +257,9 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     # A gated kind's gate_up loads and multiplies an up tile beside the gate tile; an ungated
     # kind's (modes from activations.FIRST_UNGATED_MODE on) has its one product in acc.
     UP: tl.constexpr = FUSE_ACT and ACT < _FIRST_UNGATED
+    # A direct tile's padding rows are not read: its one row is row 0, and the GEMM's A at padded
+    # positions holds zeros below it (the down GEMM would read 16 times the bytes of its one row).
+    MASK_A_ROWS: tl.constexpr = GATHER_A or DIRECT
     offs_p = p0 + tl.arange(0, BLOCK_M)
     row_ok = offs_p - first < count
     if GATHER_A or SCATTER_OUT:
@@ -260,6 +305,17 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         as_ptrs = a_scale_ptr + rows[:, None] * stride_asm + offs_kq[None, :] * stride_ask
         ws_ptrs = w_scale_ptr + w_expert * stride_wse + offs_wn[:, None] * stride_wsn + offs_kq[None, :] * stride_wsk
 
+    if QUANT_A:
+        tl.static_assert(DIRECT and not GATHER_A and not TMA_A and not FUSE_ACT and QUANT >= 1 and QUANT <= 3,
+                         "QUANT_A quantizes the one row of a direct fp8 down tile")
+        tl.static_assert(QUANT != 3 or SUB_K == 128, "fp8_block's row is quantized one 128-column group at a time")
+        if QUANT == 3:
+            a_scale_q = 0.0  # each 128-column group's scale is its own (_direct_row_fp8)
+        else:
+            a_amax = tl.load(a_scale_ptr + (expert if QUANT == 1 else p0))
+            a_amax = tl.maximum(a_amax, _AMAX_FLOOR)
+            a_scale_q = tl.math.div_rn(a_amax, tl.zeros_like(a_amax) + _FP8_MAX)
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if UP:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -270,7 +326,13 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
             kw = k0 // W_PACK
             ka_ok = ka + offs_ka < K // A_PACK
             kw_ok = kw + offs_kw < K // W_PACK
-            a = _load_tile(a_ptr, a_ptrs + ka * stride_ak, a_row, ka, row_ok, ka_ok, TMA_A, GATHER_A, EVEN_K, A_ZERO)
+            if QUANT_A:
+                a, a_row_scale = _direct_row_fp8(a_ptr, p0, ka, offs_ka, ka_ok, stride_am, stride_ak, a_scale_q,
+                                                 QUANT, EVEN_K, BLOCK_M, SUB_K)
+            else:
+                a = _load_tile(a_ptr, a_ptrs + ka * stride_ak, a_row, ka, row_ok, ka_ok, TMA_A, MASK_A_ROWS, EVEN_K,
+                               A_ZERO)
+                a_row_scale = 0.0  # fp8_block's A scales are loaded (_block_a_scale)
             b = _load_tile(w_ptr, w_ptrs + kw * stride_wk, w_row, kw, n_ok, kw_ok, TMA_W, False, EVEN_K, W_ZERO)
             if UP:
                 b_up = _load_tile(w_ptr, w_ptrs + (up_offset * stride_wn + kw * stride_wk), w_row + up_offset, kw,
@@ -307,7 +369,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
                         acc_up = tl.dot(a, tl.trans(b_up.to(tl.float16)), acc_up)
                 else:
                     kb = k0 // 128
-                    a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
+                    a_s = _block_a_scale(a_scale_ptr, rows, kb, stride_asm, stride_ask, row_ok, a_row_scale, QUANT_A)
                     ws_base = w_scale_ptr + w_expert * stride_wse + kb * stride_wsk
                     w_s = tl.load(ws_base + (offs_wn // 128) * stride_wsn)
                     acc += tl.dot(a, tl.trans(b.to(tl.float16))) * a_s[:, None] * w_s[None, :]
@@ -328,7 +390,7 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
                     acc_up = tl.dot(a, tl.trans(b_up), acc_up)
             else:
                 kb = k0 // 128
-                a_s = tl.load(a_scale_ptr + rows * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)
+                a_s = _block_a_scale(a_scale_ptr, rows, kb, stride_asm, stride_ask, row_ok, a_row_scale, QUANT_A)
                 ws_base = w_scale_ptr + w_expert * stride_wse + kb * stride_wsk
                 col0 = pid_n * BLOCK_N
                 acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * _block_w_scale(ws_base, offs_wn, col0, stride_wsn,
@@ -338,7 +400,10 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
                         ws_base, offs_wn + up_offset, col0 + up_offset, stride_wsn, WS_SCALAR)
 
     if QUANT == 1 or QUANT == 2:
-        a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
+        if QUANT_A:
+            a_s = tl.where(row_ok, a_scale_q, 0.0)
+        else:
+            a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
         ws_base = w_scale_ptr + w_expert * stride_wse
         acc = acc * a_s[:, None] * tl.load(ws_base + offs_wn * stride_wsn)[None, :]
         if UP:
@@ -415,7 +480,8 @@ def moe_gemm_kernel(
         stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
         stride_om, stride_on, stride_osm, stride_be,
         QUANT: tl.constexpr, FUSE_ACT: tl.constexpr, ACT: tl.constexpr, ACT_P0: tl.constexpr,
-        ACT_P1: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, H_TY: tl.constexpr,
+        ACT_P1: tl.constexpr, BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, QUANT_A: tl.constexpr,
+          H_TY: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, TRACK_AMAX: tl.constexpr,
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
@@ -456,7 +522,7 @@ def moe_gemm_kernel(
                   amax_ptr, bias_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w,
                   up_offset, a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
                   stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on,
-                  stride_osm, stride_be, QUANT, FUSE_ACT, ACT, ACT_P0, ACT_P1, BIAS, QUANT_OUT, H_TY,
+                  stride_osm, stride_be, QUANT, FUSE_ACT, ACT, ACT_P0, ACT_P1, BIAS, QUANT_OUT, QUANT_A, H_TY,
                   GATHER_A, SCATTER_OUT, TRACK_AMAX, EVEN_K,
                   TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M // 2, BLOCK_N,
                   BLOCK_K, SUB_K)
@@ -476,7 +542,7 @@ def moe_gemm_kernel(
           bias_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, pid_m, pid_n, N, K, N_w, up_offset,
           a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
           stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_om, stride_on, stride_osm,
-          stride_be, QUANT, FUSE_ACT, ACT, ACT_P0, ACT_P1, BIAS, QUANT_OUT, H_TY, GATHER_A, SCATTER_OUT,
+          stride_be, QUANT, FUSE_ACT, ACT, ACT_P0, ACT_P1, BIAS, QUANT_OUT, QUANT_A, H_TY, GATHER_A, SCATTER_OUT,
           TRACK_AMAX, EVEN_K, TMA_A, TMA_W, FP8_EXACT, FP8_ACC, WS_SCALAR, A_VALUES, W_VALUES, DIRECT, BLOCK_M,
           BLOCK_N, BLOCK_K, SUB_K)
 
@@ -536,7 +602,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
              fp8_acc: str | None = None, pdl_launch: bool = False,
              experts: tuple[int, int] | None = None, out_scale: torch.Tensor | None = None,
              h_dtype: torch.dtype | None = None, row_amax: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None, quantize_a: bool = False,
+             a_amax: torch.Tensor | None = None) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -587,13 +654,24 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
        the model dtype, rows of unit column stride): gate_up's [gate | up] bias, added to each
        product rounded to the model dtype, before the activation; down's, added to its rounded
        output (``ExpertWeights.gate_up_bias`` / ``down_bias``). Padding positions take none.
+    quantize_a: the down GEMM of a direct plan (``plan.direct``) over fp8_tensor, fp8_token or
+       fp8_block weights takes a as h in the model dtype [P, K] and quantizes each tile's one row
+       as it loads it, bit for bit as ``quant.quantize_h`` would (no quantized h is written and
+       read again, and no quantize_h launch sits between the GEMMs). a_amax: fp8_tensor's fp32 [E]
+       per-expert amax of h (the gate_up GEMM's ``amax``), fp8_token's fp32 [P] row maxima (its
+       ``row_amax``), None for fp8_block (each 128-column group's scale is its own; needs
+       block_k a multiple of 128). Not through TMA.
     """
     if row_amax is not None:
         _check_row_amax(row_amax, plan, activation, amax, out_scale)
     if config.engine == "gluon":
         return _gluon(a, w, plan, out, config, activation=activation, gather=gather, amax=amax,
                       fp8_exact=fp8_exact, a_row_div=a_row_div, fp8_acc=fp8_acc, pdl_launch=pdl_launch,
-                      experts=experts, out_scale=out_scale, row_amax=row_amax, bias=bias)
+                      experts=experts, out_scale=out_scale, row_amax=row_amax, bias=bias, quantize_a=quantize_a)
+    if quantize_a:
+        _check_quantize_a(a, w, plan, config, activation, gather, a_amax)
+    elif a_amax is not None:
+        raise ValueError("moe_gemm: a_amax gives the scales of an A quantized as it is loaded; it needs quantize_a=True")
     fp8_acc = config.fp8_acc if fp8_acc is None else fp8_acc
     if config.block_m != plan.block_m:
         # Tiles of another height would index the plan's tiles at the wrong positions.
@@ -612,6 +690,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
                          f"{'M' if gather else 'P'} = {want_rows} = rows * a_row_div")
     a_data, a_scale, a_global, s_am, s_ak, s_ag, a_mode, a_values = _a_operand(a)
     w_data, w_scale, w_global, (s_we, s_wn, s_wk), w_mode, w_values = _w_operand(w)
+    if quantize_a:  # a is quantized in the kernel, to the weights' scheme, with a_amax's scales
+        a_mode, a_scale = w_mode, a_amax if a_amax is not None else a_data
     if a_mode != w_mode:
         raise ValueError(f"moe_gemm: activation scheme (mode {a_mode}) and weight scheme (mode {w_mode}) differ")
     fused = activation is not None
@@ -653,7 +733,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         if _tma_ok(w_data):
             w_arg = TensorDescriptor.from_tensor(w_data.view(e * n_w, k // w_pack), [bn, sub_k // w_pack])
             tma_w = True
-        if not gather and _tma_ok(a_data):
+        if not gather and not quantize_a and _tma_ok(a_data):
             a_arg = TensorDescriptor.from_tensor(a_data, [bm, sub_k // a_pack])
             if config.half_tiles:
                 a_half = TensorDescriptor.from_tensor(a_data, [bm // 2, sub_k // a_pack])
@@ -678,7 +758,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0,
         bias.stride(0) if bias is not None else 0,
         QUANT=w_mode, FUSE_ACT=fused, ACT=act_mode(activation),  # fused
-        ACT_P0=act_p0, ACT_P1=act_p1, BIAS=bias is not None, QUANT_OUT=out_scale is not None, H_TY=h_ty,
+        ACT_P0=act_p0, ACT_P1=act_p1, BIAS=bias is not None, QUANT_OUT=out_scale is not None,
+        QUANT_A=quantize_a, H_TY=h_ty,
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax_mode(amax, row_amax), EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
@@ -700,6 +781,34 @@ def _check_row_amax(row_amax: torch.Tensor, plan: RowAlignment, activation: str 
     if row_amax.dtype != torch.float32 or tuple(row_amax.shape) != (P,) or row_amax.stride(0) != 1:
         raise ValueError(f"moe_gemm: row_amax must be a contiguous float32 [P={P}] buffer; got {row_amax.dtype} "
                          f"{list(row_amax.shape)} with strides {row_amax.stride()}")
+
+
+def _check_quantize_a(a, w, plan: RowAlignment, config: GemmConfig, activation: str | None, gather: bool,
+                      a_amax: torch.Tensor | None) -> None:
+    """Refuses, naming the values, a ``quantize_a`` call ``moe_gemm``'s kernel cannot quantize A in."""
+    mode = kernel_mode(w.scheme) if isinstance(w, QuantizedWeight) else 0
+    if activation is not None or gather or not plan.direct or mode not in (1, 2, 3):
+        raise ValueError(f"moe_gemm: quantize_a quantizes h in the fp8_tensor / fp8_token / fp8_block down GEMM of a "
+                         f"direct plan; got {'gate_up' if activation is not None else 'down'}, gather={gather}, "
+                         f"direct plan: {plan.direct}, weights {getattr(w, 'scheme', 'none')!r}")
+    if not isinstance(a, torch.Tensor) or a.dtype not in H_TYPES or a.dim() != 2:
+        raise ValueError(f"moe_gemm: quantize_a takes h in the model dtype [P, K]; got "
+                         f"{type(a).__name__} {getattr(a, 'dtype', '')} {list(getattr(a, 'shape', []))}")
+    want = {1: ("per-expert amax", plan.start.shape[0]), 2: ("row maxima", plan.padded_rows)}.get(mode)
+    if want is None:
+        if a_amax is not None:
+            raise ValueError("moe_gemm: quantize_a of fp8_block scales each 128-column group by its own amax; "
+                             "a_amax must be None")
+        if k_sub_step(mode, config.block_k) != 128:
+            raise ValueError(f"moe_gemm: quantize_a of fp8_block quantizes one 128-column group per K step; "
+                             f"config.block_k={config.block_k} must be a multiple of 128")
+        return
+    what, n = want
+    if a_amax is None or a_amax.dtype != torch.float32 or tuple(a_amax.shape) != (n,) or a_amax.stride(0) != 1 \
+            or a_amax.device != a.device:
+        raise ValueError(f"moe_gemm: quantize_a of {w.scheme} needs a_amax, the contiguous float32 [{n}] {what} of h "
+                         f"on {a.device}; got "
+                         f"{None if a_amax is None else (a_amax.dtype, list(a_amax.shape), a_amax.stride())}")
 
 
 def _check_quantized_out(out: torch.Tensor, out_scale: torch.Tensor, h_dtype: torch.dtype | None,
@@ -731,7 +840,7 @@ def _check_quantized_out(out: torch.Tensor, out_scale: torch.Tensor, h_dtype: to
 def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, activation: str | None,
            gather: bool, amax: torch.Tensor | None, fp8_exact: bool, a_row_div: int, fp8_acc: str | None,
            pdl_launch: bool, experts: tuple[int, int] | None, out_scale: torch.Tensor | None,
-           row_amax: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+           row_amax: torch.Tensor | None, bias: torch.Tensor | None, quantize_a: bool) -> torch.Tensor:
     """``moe_gemm`` with ``config.engine == "gluon"``: the gate_up GEMM of
     ``kernels.persistent_gate_up`` (rows gathered) or the down GEMM of ``kernels.persistent_down``
     (``kernels.persistent_block_down`` for fp8_block; at padded positions), which take fewer of
@@ -739,7 +848,7 @@ def _gluon(a, w, plan: RowAlignment, out: torch.Tensor, config: GemmConfig, *, a
     gate_up = activation is not None
     given = {"gather": gather != gate_up, "fp8_exact": fp8_exact, "fp8_acc": fp8_acc not in (None, config.fp8_acc),
              "pdl_launch": pdl_launch, "experts": experts is not None, "out_scale": out_scale is not None,
-             "a direct plan": plan.direct, "bias": bias is not None}
+             "a direct plan": plan.direct, "bias": bias is not None, "quantize_a": quantize_a}
     if not gate_up:
         given.update({"amax": amax is not None, "a_row_div": a_row_div != 1})
     if any(given.values()):
