@@ -123,8 +123,15 @@ def test_decode_configs_take_the_direct_plan(interpreted_kernels):
     for rows, E_, H_, I_ in ((8, 256, 7168, 2048), (2, 8, 4096, 14336), (8, 128, 2048, 768)):
         for scheme in SCHEMES:
             assert select(rows, E_, H_, I_, scheme).direct, (rows, E_, scheme)
-            # ... and the fp8 schemes' one token quantizes h in the down GEMM's loads
-            assert select(rows, E_, H_, I_, scheme).quantize_in_down == (scheme.startswith("fp8")), (rows, scheme)
+            # ... and the per-row fp8 schemes' one token quantizes h in the down GEMM's loads, in
+            # 256-column K steps (fp8_block keeps h_quant's way: configs.IN_DOWN_TILES)
+            cfg = select(rows, E_, H_, I_, scheme)
+            assert cfg.quantize_in_down == (scheme in ("fp8_tensor", "fp8_token")), (rows, scheme)
+            assert not cfg.quantize_in_down or (cfg.down.block_m, cfg.down.block_k) == (16, 256), cfg
+    # ... not where the down GEMM's K steps would be 128 columns (I not a multiple of 256), nor for
+    # more rows than one token routes (the sorted plan)
+    assert not select(8, 64, 512, 384, "fp8_tensor").quantize_in_down
+    assert not select(16, 256, 7168, 2048, "fp8_tensor").quantize_in_down
     for scheme in SCHEMES:  # prefill, on either engine
         assert not select(8 * 4096, 256, 7168, 2048, scheme).direct, scheme
         assert not select(8 * 4096, 256, 7168, 2048, scheme, gluon=True).direct, scheme

@@ -766,7 +766,8 @@ def test_decode_tiles_take_deep_k_steps_where_they_were_measured_faster():
     """The fp8 schemes stream 16-row decode tiles with 256-column K steps (gate_up 32 columns at
     4 stages, down 64 at 3) from 16 routed rows on, where K is a multiple of 256: DeepSeek-V3,
     Mixtral and Qwen3 at 16 and 128 tokens ran 1.2-7% faster (fp8_block's steps as two scale
-    groups each). One token (2 or 8 routed rows) ran slower and keeps 128-column steps, as do
+    groups each). One token (2 or 8 routed rows) ran slower and keeps 128-column steps (but in
+    the down GEMM where it quantizes h as it loads it: ``configs.IN_DOWN_TILES``), as do
     bf16, nvfp4, the exact gate_up, 32-row tiles, a K that 256 does not divide, and 64-row tiles
     (Mixtral's 128 tokens: with 256-column steps 4-9% slower on one H200), but on an H100, where
     they ran 2.6-3.7% faster, both 64 columns wide (gate_up at 2 stages, down at 3)."""
@@ -781,7 +782,10 @@ def test_decode_tiles_take_deep_k_steps_where_they_were_measured_faster():
                     (16, 32, 256, 4), (name, tokens, cfg.gate_up)
                 assert (cfg.down.block_n, cfg.down.block_k, cfg.down.num_stages) == (64, 256, 3), (name, cfg.down)
             one = select_config(k, E, H, I, scheme)
-            assert one.gate_up.block_k == one.down.block_k == 128, (name, one)
+            # ... but the down GEMM that quantizes one token's per-row h as it loads it
+            # (configs.IN_DOWN_TILES)
+            assert one.gate_up.block_k == 128 and one.down.block_k == (256 if one.quantize_in_down else 128), \
+                (name, one)
         assert select_config(DEEP_K_MIN_ROWS - 1, 256, 7168, 2048, scheme).gate_up.block_k == 128
         exact = select_config(128, 256, 7168, 2048, scheme, fp8_gate_up="exact")
         assert (exact.gate_up.block_k, exact.down.block_k) == (128, 256)  # the down GEMM is always fp8 MMA

@@ -463,10 +463,9 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # call (scripts/decode_study.py, the bench's L2 flush): 112 and 110 us against 123 us
         # (fp8_tensor, fp8_block), though the plan kernel itself runs 3 us.
         cfg = dataclasses.replace(cfg, direct=True)
-        if get_scheme(scheme).kernel_mode in FP8:
-            # On the direct plan the down GEMM quantizes h's one row per tile as it loads it
-            # (``ExpertsConfig.quantize_in_down``): no quantize_h launch between the GEMMs.
-            cfg = dataclasses.replace(cfg, quantize_in_down=True)
+        if get_scheme(scheme).kernel_mode in (1, 2) and num_rows < DEEP_K_MIN_ROWS and inter % DEEP_K == 0:
+            cfg = dataclasses.replace(cfg, quantize_in_down=True,
+                                      down=_in_down_tile(hidden, min(num_rows, num_experts), sms))
     if not pdl or not decode:
         return cfg
     # Decode only, and quantize_h with the down GEMM only while quantize_h's grid fits in one wave
@@ -484,6 +483,31 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
     separate = quantized and cfg.h_quant != "gate_up"
     chain = "all" if separate and quantize_h_programs(P, inter) <= sms else "gate_up"
     return dataclasses.replace(cfg, pdl=chain)
+
+
+# One token's per-row fp8 h quantized by the down GEMM as it loads its one row
+# (``ExpertsConfig.quantize_in_down``), in 16-row down tiles with 256-column K steps: 64 columns
+# wide at 3 stages, or 32 at 4 where 64 would give fewer programs than multiprocessors. The row is
+# loaded as one element a thread, and only a load of at least 4 bytes a thread goes through the
+# pipeline's asynchronous copies (``LDGSTS``): at 128-column steps each step waits on a 2-byte load
+# from L2 (``LDG.E.U16``; scripts/kernel_resources.py's SASS), which cost Mixtral's 112 steps
+# more than quantize_h does. One H100 80GB HBM3, the bench's experts at one token, this code's
+# first form (128-column steps) against the code before, two alternating rounds
+# (scripts/bench_ab.py, results/h100/in_down-2026-12-07-3e16258-e315596): DeepSeek-V3 fp8_tensor
+# 0.1404-0.1408 against 0.1430-0.1437 ms, fp8_token 0.1412-0.1413 against 0.1437-0.1439, Qwen3
+# fp8_tensor 0.0316-0.0317 against 0.0328-0.0330, but Mixtral fp8_tensor 0.1984-0.1986 against
+# 0.1479-0.1483; the decode tile study of the same lease with 256-column down steps: Mixtral
+# fp8_tensor 0.722 of that time at 32 x 256, 4 stages (0.1435 ms, against the pass's 0.148),
+# DeepSeek-V3 0.975 at 64 x 256, 3 stages. fp8_block's scale groups are 128 columns, so its row
+# stays a 2-byte load a thread: it keeps ``h_quant`` (Mixtral's quantized by gate_up; with
+# 128-column steps Mixtral took 1.45x, DeepSeek-V3 0.99x, Qwen3 1.00x).
+IN_DOWN_TILES = ((64, 3), (32, 4))
+
+
+def _in_down_tile(hidden: int, tiles: int, sms: int) -> GemmConfig:
+    """The down tile of one token's rows whose h the down GEMM quantizes (``IN_DOWN_TILES``)."""
+    block_n, stages = next(((w, s) for w, s in IN_DOWN_TILES if tiles * -(-hidden // w) >= sms), IN_DOWN_TILES[-1])
+    return GemmConfig(16, block_n, DEEP_K, group_m=1, num_warps=4, num_stages=stages)
 
 
 def h_quant_for(mode: int | None, gate_up: GemmConfig, inter: int, where: bool) -> str:
