@@ -498,9 +498,12 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
 # fp8_tensor 0.0316-0.0317 against 0.0328-0.0330, but Mixtral fp8_tensor 0.1984-0.1986 against
 # 0.1479-0.1483; the decode tile study of the same lease with 256-column down steps: Mixtral
 # fp8_tensor 0.722 of that time at 32 x 256, 4 stages (0.1435 ms, against the pass's 0.148),
-# DeepSeek-V3 0.975 at 64 x 256, 3 stages. fp8_block's scale groups are 128 columns, so its row
-# stays a 2-byte load a thread: it keeps ``h_quant`` (Mixtral's quantized by gate_up; with
-# 128-column steps Mixtral took 1.45x, DeepSeek-V3 0.99x, Qwen3 1.00x).
+# DeepSeek-V3 0.975 at 64 x 256, 3 stages. These tiles against the code before, the same A/B
+# (results/h100/in_down-2026-12-07-3e16258-36a02bc): fp8_tensor / fp8_token 0.962 / 0.968
+# (DeepSeek-V3), 0.969 / 0.970 (Mixtral), 0.887 / 0.898 (Qwen3), faster in every round.
+# fp8_block's scale groups are 128 columns, so its row stays a 2-byte load a thread: it keeps
+# ``h_quant`` (Mixtral's quantized by gate_up; in the first form Mixtral took 1.45x, DeepSeek-V3
+# 0.99x, Qwen3 1.00x).
 IN_DOWN_TILES = ((64, 3), (32, 4))
 
 
