@@ -72,8 +72,10 @@ def _config(chosen: ExpertsConfig, scheme: str, inter: int, gate_up: GemmConfig 
     return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant)
 
 
-def variants(chosen: ExpertsConfig, scheme: str, inter: int) -> dict[str, ExpertsConfig]:
-    """The chosen config (first) and its variants, named by what they replace (``_config``)."""
+def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = False) -> dict[str, ExpertsConfig]:
+    """The chosen config (first) and its variants, named by what they replace (``_config``);
+    one_token: the case's calls take the direct plan (one token's rows), where h may be quantized
+    by the down GEMM."""
     bm = chosen.block_m
     out = {"chosen": chosen}
     named = [(f"g{n}x{k}s{s}", (n, k, s), None) for n, k, s in GATE_UP.get(bm, ())]
@@ -84,7 +86,7 @@ def variants(chosen: ExpertsConfig, scheme: str, inter: int) -> dict[str, Expert
                       _tile(chosen.down, d) if d else None)
         if cfg != chosen:
             out[name] = cfg
-    if chosen.direct and get_scheme(scheme).kernel_mode in FP8:
+    if one_token and chosen.direct and get_scheme(scheme).kernel_mode in FP8:
         # Where one token's h is quantized: by the down GEMM as it loads it, or as h_quant says.
         other = not chosen.quantize_in_down
         out["h_in_down" if other else "h_by_h_quant"] = dataclasses.replace(chosen, quantize_in_down=other)
@@ -108,7 +110,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     rec.update(rows=case.M, config=dataclasses.asdict(chosen), variants={}, errors={})
     calls: dict = {}
     reference = None
-    for key, cfg in variants(chosen, scheme, case.I).items():
+    for key, cfg in variants(chosen, scheme, case.I, one_token=case.inp.repeat == case.M).items():
         kernel = TritonExperts(case.cfg.activation, case.cfg.dtype, cfg)
         try:
             out = kernel(case.inp, case.experts)

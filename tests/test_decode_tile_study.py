@@ -4,6 +4,7 @@ The timing itself needs a GPU (the study runs on the GPU machine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -87,3 +88,14 @@ def test_h_is_quantized_where_select_config_would_quantize_it_for_the_replaced_t
             assert base.h_quant == kept, (case, scheme)
             got = {cfg.h_quant for cfg in decode_tile_study.variants(base, scheme, CASES[case][3]).values()}
             assert got == {kept}, (case, scheme, got)
+
+
+def test_one_token_moves_where_h_is_quantized():
+    """At one token (the direct plan) one variant moves h's quantization: to the down GEMM where
+    the chosen config leaves it to h_quant (fp8_block), back to h_quant where the chosen config
+    has the down GEMM quantize it (fp8_tensor, fp8_token); more tokens' calls get neither."""
+    for scheme, name in (("fp8_tensor", "h_by_h_quant"), ("fp8_token", "h_by_h_quant"), ("fp8_block", "h_in_down")):
+        base = select_config(2, 8, 4096, 14336, scheme, 132)  # one Mixtral token
+        out = decode_tile_study.variants(base, scheme, 14336, one_token=True)
+        assert out[name] == dataclasses.replace(base, quantize_in_down=not base.quantize_in_down), scheme
+        assert not {"h_in_down", "h_by_h_quant"} & set(decode_tile_study.variants(base, scheme, 14336)), scheme
