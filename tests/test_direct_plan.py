@@ -150,6 +150,11 @@ def test_quantize_in_down_refusals(interpreted_kernels):
     GemmConfig, ExpertsConfig = k.configs.GemmConfig, k.configs.ExpertsConfig
     with pytest.raises(ValueError, match="quantize_in_down .* needs direct=True and decode_nvfp4='off', got direct=False"):
         ExpertsConfig(GemmConfig(16, 32, 128), GemmConfig(16, 32, 128), quantize_in_down=True)
+    # ... refused by the experts before any launch (the gate_up GEMM would run first)
+    one = ExpertInput(torch.zeros(1, H, dtype=torch.bfloat16), torch.tensor([3, 1]), repeat=2)
+    with pytest.raises(ValueError, match="down.block_k=64 is not a multiple of 128"):
+        k.experts.TritonExperts("silu", torch.bfloat16, ExpertsConfig(
+            GemmConfig(16, 32, 64), GemmConfig(16, 32, 64), direct=True, quantize_in_down=True))(one, _weights("fp8_block"))
     moe_gemm = k.grouped_gemm.moe_gemm
     ids = torch.tensor([3, 1])
     direct, sorted_plan = k.align.direct_rows(ids, E, 16), k.align.align_rows(ids, E, 16)

@@ -146,6 +146,9 @@ class TritonExperts(GroupedExperts):
         if cfg.h_quant == "row_max" and scheme != "fp8_token":
             raise ValueError(f"TritonExperts: config.h_quant='row_max' takes fp8_token's row maxima from the gate_up "
                              f"GEMM; the experts are {scheme}")
+        if cfg.quantize_in_down and scheme == "fp8_block" and cfg.down.block_k % 128:
+            raise ValueError(f"TritonExperts: config.quantize_in_down quantizes fp8_block's h a 128-column scale group "
+                             f"at a time in the down GEMM; down.block_k={cfg.down.block_k} is not a multiple of 128")
         if cfg.decode_nvfp4 != "off" and scheme != "nvfp4":
             raise ValueError(f"TritonExperts: config.decode_nvfp4={cfg.decode_nvfp4!r} decodes nvfp4 operands, but the "
                              f"experts are {scheme}")
