@@ -155,6 +155,10 @@ def test_quantize_in_down_refusals(interpreted_kernels):
     with pytest.raises(ValueError, match="down.block_k=64 is not a multiple of 128"):
         k.experts.TritonExperts("silu", torch.bfloat16, ExpertsConfig(
             GemmConfig(16, 32, 64), GemmConfig(16, 32, 64), direct=True, quantize_in_down=True))(one, _weights("fp8_block"))
+    for scheme in ("none", "nvfp4"):  # nothing to quantize in down, or not these kernels' way
+        with pytest.raises(ValueError, match=f"quantize_in_down quantizes h of fp8_tensor, .* the experts are {scheme}"):
+            k.experts.TritonExperts("silu", torch.bfloat16, ExpertsConfig(
+                GemmConfig(16, 32, 128), GemmConfig(16, 32, 128), direct=True, quantize_in_down=True))(one, _weights(scheme))
     moe_gemm = k.grouped_gemm.moe_gemm
     ids = torch.tensor([3, 1])
     direct, sorted_plan = k.align.direct_rows(ids, E, 16), k.align.align_rows(ids, E, 16)

@@ -463,7 +463,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         # call (scripts/decode_study.py, the bench's L2 flush): 112 and 110 us against 123 us
         # (fp8_tensor, fp8_block), though the plan kernel itself runs 3 us.
         cfg = dataclasses.replace(cfg, direct=True)
-        if get_scheme(scheme).kernel_mode in (1, 2) and num_rows < DEEP_K_MIN_ROWS and inter % DEEP_K == 0:
+        if per_row and num_rows < DEEP_K_MIN_ROWS and inter % DEEP_K == 0:
             cfg = dataclasses.replace(cfg, quantize_in_down=True,
                                       down=_in_down_tile(hidden, min(num_rows, num_experts), sms))
     if not pdl or not decode:

@@ -146,6 +146,9 @@ class TritonExperts(GroupedExperts):
         if cfg.h_quant == "row_max" and scheme != "fp8_token":
             raise ValueError(f"TritonExperts: config.h_quant='row_max' takes fp8_token's row maxima from the gate_up "
                              f"GEMM; the experts are {scheme}")
+        if cfg.quantize_in_down and spec.kernel_mode not in FP8:
+            raise ValueError(f"TritonExperts: config.quantize_in_down quantizes h of fp8_tensor, fp8_token or fp8_block "
+                             f"experts in the down GEMM; the experts are {scheme}")
         if cfg.quantize_in_down and scheme == "fp8_block" and cfg.down.block_k % 128:
             raise ValueError(f"TritonExperts: config.quantize_in_down quantizes fp8_block's h a 128-column scale group "
                              f"at a time in the down GEMM; down.block_k={cfg.down.block_k} is not a multiple of 128")
@@ -159,7 +162,7 @@ class TritonExperts(GroupedExperts):
         # buffers the plan kernel would zero are zeroed here.
         direct = cfg.direct and inp.repeat == M
         # On the direct plan the down GEMM may quantize h's one row per tile as it loads it.
-        in_down = direct and cfg.quantize_in_down and spec.kernel_mode in FP8
+        in_down = direct and cfg.quantize_in_down
         h_quant = "down" if in_down else cfg.h_quant
         new = torch.zeros if direct else torch.empty
         amax = new(E, dtype=torch.float32, device=device) if per_tensor else None
