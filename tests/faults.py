@@ -4,6 +4,8 @@ They are real layers with one deliberate defect each; the harness pickles the cl
 reference, so this module must be importable in spawned ranks (tests/ is on sys.path).
 """
 
+import os
+import tempfile
 import time
 from dataclasses import replace
 
@@ -369,3 +371,46 @@ class UnsquaredRelu(MoELayer):
             register_activation(ActivationKind("relu_unsquared", torch.relu, None, "relu(up), a planted fault",
                                                gated=False))
         self.kernel.activation = "relu_unsquared"
+
+
+# A process-group backend that is gloo, except that rank 0 fails to set up its default group
+# with the error the plan names ({"marker": path, "failures": n, "message": text}), the first n
+# times it tries (counted in the marker file, across worlds). The plan is a JSON file at the path
+# FLAKY_JOIN_ENV holds, set when this module is first imported (collecting the tests, before any
+# fork server is started: its ranks inherit the environment it started with); no file, plain
+# gloo. Registered when this module is imported, so in every rank that unpickles something of it.
+FLAKY_JOIN_ENV = "MOESHARD_TEST_FLAKY_JOIN_PLAN"
+FLAKY_GLOO = "flakygloo"
+os.environ.setdefault(FLAKY_JOIN_ENV, os.path.join(tempfile.gettempdir(), f"moeshard-flaky-join-{os.getpid()}.json"))
+_groups_set_up = [0]  # in this process; the first is the default group, later ones its subgroups
+
+
+def _flaky_gloo(store, rank, size, timeout):
+    import json
+
+    _groups_set_up[0] += 1
+    if rank == 0 and _groups_set_up[0] == 1 and os.path.exists(os.environ[FLAKY_JOIN_ENV]):
+        with open(os.environ[FLAKY_JOIN_ENV]) as f:
+            plan = json.load(f)
+        with open(plan["marker"], "a+") as marker:
+            marker.seek(0)
+            tries = len(marker.read().splitlines())
+            marker.write("try\n")
+        if tries < plan["failures"]:
+            raise RuntimeError(plan["message"])
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+if FLAKY_GLOO not in dist.Backend.backend_list:
+    dist.Backend.register_backend(FLAKY_GLOO, _flaky_gloo, devices=["cpu"])
+
+
+def world_sum() -> float:
+    """The sum of every rank's rank + 1, by all_reduce: proof that the group formed."""
+    value = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(value)
+    return float(value.item())
+
+
+class MoELayerOfThisModule(MoELayer):
+    """MoELayer itself; passing it makes the ranks import this module (and its backend)."""

@@ -25,6 +25,7 @@ world's ``with`` block does).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,7 +42,15 @@ from moeshard.layer import MoELayer
 from moeshard.parallel.processes import start_fork_server
 from moeshard.parallel.rank_failure import SilentRanks, did_not_join, raised_verb, rendezvous_culprits
 from moeshard.parallel.signals import in_process_deadline
-from moeshard.parallel.spawn import CLEAN_EXIT_WAIT_S, LocalWorld, RankChannel, RankError
+from moeshard.parallel.spawn import (
+    CLEAN_EXIT_WAIT_S,
+    JOIN_ATTEMPTS,
+    LocalWorld,
+    RankChannel,
+    RankError,
+    cannot_form,
+    join_failure_line,
+)
 from moeshard.parallel.trace import TRACE_CAPACITY, CollectiveTrace, error_headline, explain_divergence
 
 PEER_REPORT_S = 2.0  # after a rank fails a case: how long its peers may take to report theirs
@@ -163,17 +172,21 @@ class Runner:
     startup_timeout_s: the most a spawn may take before its first case starts.
     explain: "" (no stage recording), "failing" (the ranks record every stage and failing cases
     get a ``StageReport``) or "all" (every case gets one).
+    backend: the spawned worlds' process-group backend (default gloo on cpu, nccl on cuda), as
+    ``LocalWorld``'s.
     """
 
     def __init__(self, device: str = "cpu", case_timeout_s: float = 60.0, startup_timeout_s: float = 120.0,
                  layer_factory: Callable[..., MoELayer] = MoELayer,
-                 on_outcome: Callable[[CaseOutcome], None] = lambda o: None, explain: str = "") -> None:
+                 on_outcome: Callable[[CaseOutcome], None] = lambda o: None, explain: str = "",
+                 backend: str | None = None) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"--device: {device!r} is not one of ['cpu', 'cuda']")
         if explain not in ("", "failing", "all"):
             raise ValueError(f"Runner.explain: {explain!r} is not one of ['', 'failing', 'all']")
         self.device, self.case_timeout_s, self.startup_timeout_s = device, case_timeout_s, startup_timeout_s
         self.layer_factory, self.on_outcome, self.explain = layer_factory, on_outcome, explain
+        self.backend = backend
         self._explain_data = CaseData()
 
     def run(self, cases: list[Case]) -> list[CaseOutcome]:
@@ -240,8 +253,12 @@ class Runner:
     # -- world size > 1 -------------------------------------------------------------------
     def _spawned(self, cases: list[Case], refs: References) -> list[CaseOutcome]:
         outcomes: list[CaseOutcome] = []
+        restarts = JOIN_ATTEMPTS - 1  # for worlds that failed to form transiently, over the whole run
         while len(outcomes) < len(cases):
-            batch = self._one_spawn(cases[len(outcomes):], refs)
+            batch = self._one_spawn(cases[len(outcomes):], refs, may_restart=restarts > 0)
+            if batch is None:
+                restarts -= 1
+                continue
             outcomes.extend(batch)
             if len(batch) == 1 and batch[0].status == "error" and batch[0].seconds == 0.0:
                 # The world failed before its first case started: respawning would fail the same
@@ -253,9 +270,11 @@ class Runner:
                     outcomes.append(outcome)
         return outcomes
 
-    def _one_spawn(self, cases: list[Case], refs: References) -> list[CaseOutcome]:
+    def _one_spawn(self, cases: list[Case], refs: References, may_restart: bool) -> list[CaseOutcome] | None:
         """Runs ``cases`` in one world until they are done or one of them fails hard; returns
-        the outcomes of the cases it finished (the failed one included).
+        the outcomes of the cases it finished (the failed one included). With ``may_restart``,
+        returns None instead when the world failed to form transiently
+        (``LocalWorld.failed_to_join_transiently``: no case started): the caller starts a new one.
 
         ``w`` is the first case that not every rank has finished: the watchdog's deadline is
         its own. Cases before it are reported in order as soon as their reference is ready;
@@ -284,7 +303,7 @@ class Runner:
                 self.on_outcome(outcome)
 
         traces = [CollectiveTrace.shared(TRACE_CAPACITY) for _ in range(world_size)]
-        world = LocalWorld(world_size, device=self.device, timeout_s=self.startup_timeout_s,
+        world = LocalWorld(world_size, device=self.device, timeout_s=self.startup_timeout_s, backend=self.backend,
                            pg_timeout_s=max(1.0, self.case_timeout_s / 2), name="moeshard-check-rank",
                            preload=RANK_MODULES)
         with world:  # leaving it, Ctrl-C (KeyboardInterrupt) included, stops every rank
@@ -311,7 +330,7 @@ class Runner:
                     # one that gave up waiting at the rendezvous leaves a world that cannot form
                     errors.setdefault(w, {})[event.rank] = event.value
                     failed_ranks.add(event.rank)
-                    world.deadline = now if event.value.rendezvous else min(world.deadline, now + PEER_REPORT_S)
+                    world.deadline = now if cannot_form(event.value) else min(world.deadline, now + PEER_REPORT_S)
                 elif event.kind == "died":
                     died.add(event.rank)
                 while w < len(cases) and len(done.get(w, {})) == world_size:
@@ -325,6 +344,12 @@ class Runner:
                     world.deadline = now  # a rank of this case is gone: it cannot finish
             report(wait=True)
             clean = len(outcomes) == len(cases)
+            if not clean and may_restart and not started and world.failed_to_join_transiently():
+                world.stop(0.0)
+                warnings.warn(f"the world of {world_size} ranks failed to join its process group "
+                              f"({join_failure_line(world.errors)}); starting a new one", RuntimeWarning,
+                              stacklevel=2)
+                return None
             if not clean:
                 i = len(outcomes)
                 now = time.monotonic()
@@ -359,7 +384,9 @@ class Runner:
         others = [r for r in range(world_size) if r not in done and r not in errors and r not in dead
                   and r not in culprits]
         if others:
-            if started_at is None:
+            if started_at is None and any(map(cannot_form, errors.values())):
+                parts.append(f"ranks {others} were stopped: the world could not form")
+            elif started_at is None:
                 parts.append(f"ranks {others} did not start the case within {self.startup_timeout_s:g} s")
             else:
                 parts.append(f"ranks {others} hung: no result {now - started_at:.1f} s after the case started "

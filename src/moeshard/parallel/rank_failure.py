@@ -71,6 +71,18 @@ def did_not_join(rank: int, silent: SilentRanks, within: str) -> str:
     return f"rank {rank} did not join the process group within {within}" + (f": its process is {why}" if why else "")
 
 
+# Failures of joining the process group that a new world of the same ranks does not repeat: gloo
+# setting up its pairwise connections on loopback, seen once in about a hundred two-rank worlds
+# while another world was starting on the same machine ("Connection closed by peer").
+TRANSIENT_JOIN_FAILURES = ("Gloo connectFullMesh failed",)
+
+
+def transient_join_failure(err: RankError) -> bool:
+    """Whether a rank's error is a failure to join the process group that a new world would not
+    repeat (``TRANSIENT_JOIN_FAILURES``), not a peer that never came or the rank's own work."""
+    return err.joining and any(text in err.message for text in TRANSIENT_JOIN_FAILURES)
+
+
 def gave_up_waiting(err: RankError) -> bool:
     """Whether a rank's error is a wait for its peers that ran out (a collective's or a store's
     timeout), not a failure of its own work."""

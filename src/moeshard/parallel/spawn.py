@@ -31,6 +31,10 @@ Neither ever hangs:
     (``check_local_world``: at most ``RANKS_PER_CORE`` ranks per usable core on CPU, one per
     GPU on CUDA, and ``RANK_MEMORY_BYTES`` of available memory per rank).
 
+A world that fails to form for a reason a new one does not repeat (gloo failing to set up its
+connections: ``LocalWorld.failed_to_join_transiently``) is started again by ``spawn`` and by the
+harness, once, with a warning; the function had run on no rank.
+
 ``spawn`` waits at most ``timeout_s`` in all; when a rank fails it waits ``grace_s`` more for the
 others to report, then stops them (at once when a rank gave up waiting at the rendezvous: the
 world cannot form any more).  A failed run raises ``RankFailure``: each rank's exception
@@ -44,22 +48,25 @@ import queue as queue_module
 import signal
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from moeshard.parallel.capacity import check_local_world
 from moeshard.parallel.processes import halted_state, rendezvous_progress, rendezvous_store, start_context, stop_processes
-from moeshard.parallel.rank_failure import RankFailure, SilentRanks
+from moeshard.parallel.rank_failure import RankFailure, SilentRanks, transient_join_failure
 from moeshard.parallel.signals import sigint_blocked, signals_deferred
 from moeshard.parallel.worker import DEFAULT_TIMEOUT_S, RankChannel, RankError, loads, rank_main
 from moeshard.validate import positive_int, timeout
 
-__all__ = ["CLEAN_EXIT_WAIT_S", "DEFAULT_TIMEOUT_S", "LocalWorld", "RankChannel", "RankError", "RankEvent",
+__all__ = ["CLEAN_EXIT_WAIT_S", "DEFAULT_TIMEOUT_S", "JOIN_ATTEMPTS", "LocalWorld", "RankChannel", "RankError", "RankEvent",
            "RankFailure", "spawn"]
 
 CLEAN_EXIT_WAIT_S = 10.0  # after a clean run: how long the ranks may take to tear down their groups
 EXIT_REPORT_WAIT_S = 1.0  # a rank that exited may still have its report in the pipe this long
+JOIN_ATTEMPTS = 2  # worlds started in all when one fails to form transiently (failed_to_join_transiently)
+MIN_RESTART_S = 5.0  # a new world is started only with at least this much of the timeout left
 _POLL_S = 0.1
 
 
@@ -243,6 +250,19 @@ class LocalWorld:
                            absent=tuple(r for r in silent if r not in arrived),
                            halted={r: why for r in silent if (why := halted_state(processes[r].pid))})
 
+    def failed_to_join_transiently(self) -> bool:
+        """The world never formed, and only for a reason a new world does not repeat: some rank
+        failed to join the process group with a ``transient_join_failure``, every rank that raised
+        did so while joining, none died or finished, and none of those still running had joined.
+        The function ran on no rank, so starting a new world of the same ranks runs nothing twice."""
+        if self.results or self.died or not self.errors:
+            return False
+        if not all(err.joining for err in self.errors.values()) \
+                or not any(map(transient_join_failure, self.errors.values())):
+            return False
+        running = {rank for rank in range(self.world_size) if rank not in self._ended}
+        return running <= set(self.silent_ranks().not_joined)
+
     def stop(self, wait_s: float = 0.0) -> None:
         """Gives the ranks up to ``wait_s`` to exit on their own, then terminates and kills the
         rest; returns once every child has exited.  Only the first call does anything."""
@@ -270,6 +290,13 @@ class LocalWorld:
                            self.timeout_s, self.exitcodes, dict(self.results), self.silent_ranks(), self.pg_timeout_s)
 
 
+def cannot_form(err: RankError) -> bool:
+    """Whether a rank's error leaves its world unable to form: it gave up waiting at the
+    rendezvous, or setting up the group's connections failed (``transient_join_failure``). Its
+    peers are then stopped at once instead of being waited for."""
+    return err.rendezvous or transient_join_failure(err)
+
+
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), device: str = "cpu",
           timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None, pg_timeout_s: float | None = None,
           grace_s: float = 3.0, preload: tuple[str, ...] = ()) -> list[Any]:
@@ -290,23 +317,44 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), dev
         modules) once, instead of each starting a fresh interpreter.
     Returns the results in rank order.  Raises ``RankFailure`` if any rank raised, died or did
     not finish in time; all children have exited by the time ``spawn`` returns or raises.
+
+    A world that failed to form for a reason a new world does not repeat
+    (``LocalWorld.failed_to_join_transiently``: ``fn`` ran on no rank) is started again, up to
+    ``JOIN_ATTEMPTS`` worlds in all, within the same ``timeout_s``; each new start is announced
+    by a ``RuntimeWarning`` naming the error.
     """
     timeout("spawn", "timeout_s", timeout_s)
     if not grace_s >= 0:
         raise ValueError(f"spawn.grace_s: must be >= 0, got {grace_s!r}")
-    world = LocalWorld(world_size, device=device, timeout_s=timeout_s, backend=backend, pg_timeout_s=pg_timeout_s,
-                       preload=preload)
-    with world:
-        world.start(fn, args)
-        for event in world.events():
-            if event.kind == "raised" and event.value.rendezvous:
-                world.deadline = time.monotonic()  # a rank gave up at the rendezvous: this world cannot form
-            elif event.kind in ("raised", "died"):
-                world.deadline = min(world.deadline, time.monotonic() + grace_s)
-        # After a clean run the ranks are only tearing down their process group: let them exit
-        # on their own for a while.  After a failure, stop them at once.
-        world.stop(CLEAN_EXIT_WAIT_S if world.all_finished else 0.0)
-    failure = world.failure()
-    if failure is not None:
-        raise failure
-    return [world.results[rank] for rank in range(world_size)]
+    end = time.monotonic() + timeout_s
+    for attempt in range(1, JOIN_ATTEMPTS + 1):
+        # The first world gets timeout_s exactly; a new start gets what is left of it.
+        left = timeout_s if attempt == 1 else end - time.monotonic()
+        world = LocalWorld(world_size, device=device, timeout_s=left, backend=backend,
+                           pg_timeout_s=pg_timeout_s, preload=preload)
+        with world:
+            world.start(fn, args)
+            for event in world.events():
+                if event.kind == "raised" and cannot_form(event.value):
+                    world.deadline = time.monotonic()  # this world cannot form: stop it now
+                elif event.kind in ("raised", "died"):
+                    world.deadline = min(world.deadline, time.monotonic() + grace_s)
+            # After a clean run the ranks are only tearing down their process group: let them
+            # exit on their own for a while.  After a failure, stop them at once.
+            world.stop(CLEAN_EXIT_WAIT_S if world.all_finished else 0.0)
+        failure = world.failure()
+        if failure is None:
+            return [world.results[rank] for rank in range(world_size)]
+        if attempt == JOIN_ATTEMPTS or not world.failed_to_join_transiently() \
+                or end - time.monotonic() < MIN_RESTART_S:
+            raise failure
+        warnings.warn(f"spawn(world_size={world_size}): the ranks failed to join the process group "
+                      f"({join_failure_line(world.errors)}); starting a new world "
+                      f"(attempt {attempt + 1} of {JOIN_ATTEMPTS})", RuntimeWarning, stacklevel=2)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def join_failure_line(errors: dict[int, RankError]) -> str:
+    """``rank 0: RuntimeError: Gloo connectFullMesh failed ...``: the first line of each error."""
+    return "; ".join(f"rank {rank}: {err.type_name}: {(err.message.strip().splitlines() or [''])[0]}"
+                     for rank, err in sorted(errors.items()))

@@ -69,18 +69,21 @@ _PR_SET_PDEATHSIG = 1
 @dataclass(frozen=True)
 class RankError:
     """An exception raised on one rank: its type name, message and formatted traceback.
-    ``rendezvous``: raised by joining the process group as a torch ``DistError`` (the store or
-    the group's set-up gave up waiting for its peers), not by the rank's own work."""
+    ``joining``: raised before the rank joined the process group (reaching the store, setting up
+    the group's connections), so the function never ran on it. ``rendezvous``: raised while
+    joining as a torch ``DistError`` (the store or the group's set-up gave up waiting for its
+    peers), not by the rank's own work."""
 
     rank: int
     type_name: str
     message: str
     traceback: str
     rendezvous: bool = False
+    joining: bool = False
 
     @classmethod
-    def of(cls, rank: int, exc: BaseException, rendezvous: bool = False) -> RankError:
-        return cls(rank, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), rendezvous)
+    def of(cls, rank: int, exc: BaseException, rendezvous: bool = False, joining: bool = False) -> RankError:
+        return cls(rank, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), rendezvous, joining)
 
 
 def _rebuild_tensor(raw: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -241,7 +244,8 @@ def rank_main(rank: int, world_size: int, port: int, device: str, fn: Callable[.
         joined = True
         message: tuple = ("ok", rank, dumps(fn(*args)))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        message = ("error", rank, RankError.of(rank, exc, rendezvous=not joined and isinstance(exc, dist.DistError)))
+        message = ("error", rank, RankError.of(rank, exc, rendezvous=not joined and isinstance(exc, dist.DistError),
+                                               joining=not joined))
     _report(queue, message, pg_timeout_s)
     if message[0] == "ok" and dist.is_initialized():
         dist.destroy_process_group()
