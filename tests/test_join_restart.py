@@ -100,3 +100,23 @@ def test_check_reports_a_world_that_fails_to_connect_twice(flaky_join):
     assert outcome.reason.startswith("rank 0 raised RuntimeError: Gloo connectFullMesh failed"), outcome.reason
     assert outcome.reason.endswith("ranks [1] were stopped: the world could not form"), outcome.reason
     assert _tries(marker) == JOIN_ATTEMPTS
+
+
+def test_the_command_prints_moeshards_own_warnings_as_one_line(capsys):
+    """The restart's warning, as `moeshard check` prints it; other libraries' keep their form."""
+    import warnings
+
+    import moeshard.harness.runner as runner_module
+    from moeshard.cli import _warning_shower
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        passed_on = []
+        warnings.showwarning = _warning_shower("check", lambda message, *rest: passed_on.append(str(message)))
+        warnings.warn_explicit("the world of 2 ranks failed to join its process group (rank 0: RuntimeError: Gloo "
+                               "connectFullMesh failed)\nstarting a new one", RuntimeWarning, runner_module.__file__, 258)
+        warnings.warn_explicit("a library's own warning", UserWarning, "/elsewhere/lib.py", 7)
+    assert capsys.readouterr().err.splitlines() == [
+        "moeshard check: warning: the world of 2 ranks failed to join its process group (rank 0: RuntimeError: Gloo "
+        "connectFullMesh failed) | starting a new one"]
+    assert passed_on == ["a library's own warning"]  # to the usual showwarning

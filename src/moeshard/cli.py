@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 
 from moeshard.errors import ExitCode, MoeshardError, Terminated
 
@@ -35,6 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _one_line(text: str) -> str:
     return " | ".join(line.strip() for line in str(text).strip().splitlines() if line.strip())
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warning_shower(command: str, default):
+    """``warnings.showwarning`` for one command: a warning raised by moeshard's own code (a
+    world started again after gloo failed to connect, say) is one line, ``moeshard check:
+    warning: ...``; any other library's keeps its usual form."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not os.path.abspath(filename).startswith(_PACKAGE_DIR):
+            default(message, category, filename, lineno, file, line)
+            return
+        print(f"moeshard {command}: warning: {_one_line(str(message))}", file=file or sys.stderr)
+    return show
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -111,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     stdout = _WatchedStdout(sys.stdout)
     sys.stdout = stdout
     try:
-        code = int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_shower(args.command, warnings.showwarning)
+            code = int(args.func(args))
         sys.stdout.flush()  # here, not at exit: a full disk under > FILE is this command's failure
         return code
     except ValueError as exc:
