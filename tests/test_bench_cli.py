@@ -60,6 +60,27 @@ def test_committed_ratios_follow_from_its_timings(committed):
     assert targets.evaluate(committed["records"])[:len(committed["targets"])] == committed["targets"]
 
 
+def test_the_layer_over_all_its_experts_counts_the_shared_experts_timed_alone():
+    """Hand-computed: DeepSeek-V3 with 12 ms of routed experts, 2 ms of shared experts and a
+    15 ms layer is 80% by the routed experts alone and 93.3% by all its experts; a model without
+    shared experts gives the same ratio both ways; a record from before the bench timed the
+    shared experts, or whose shared timing failed, gives none."""
+    def rec(model, **extra):
+        return {"model": model, "regime": "prefill", "tokens": 4096, "quant": "fp8_tensor", "experts_ms": 12.0,
+                "layer_ms": 15.0, "expert_flops": 10**12, "layer_flops": 10**12, "weight_bytes": 10**9, **extra}
+    records = [rec("deepseek-v3", shared_experts=True, shared_ms=2.0), rec("mixtral-8x7b", shared_experts=False),
+               rec("deepseek-v3"), rec("deepseek-v3", shared_experts=True, shared_error="RuntimeError: x")]
+    runner.derive(records, {"matmul": {"tflops": 989.0}, "copy": {"gbps": 4000.0}})
+    assert records[0]["ratios"]["layer_over_experts"] == pytest.approx(0.8)
+    assert records[0]["ratios"]["layer_over_all_experts"] == pytest.approx(14 / 15)
+    assert records[1]["ratios"]["layer_over_all_experts"] == pytest.approx(0.8)
+    assert "layer_over_all_experts" not in records[2]["ratios"] and "layer_over_all_experts" not in records[3]["ratios"]
+    by_name = {t["name"]: t for t in targets.evaluate(records)}
+    assert [c["met"] for c in by_name["fp8_layer_vs_experts"]["cases"]] == [False, False, False, False]
+    assert [(c["case"], c["met"]) for c in by_name["fp8_layer_vs_all_experts"]["cases"]] == [
+        ("deepseek-v3 T=4096 fp8_tensor", True), ("mixtral-8x7b T=4096 fp8_tensor", False)]
+
+
 def test_report_renders(committed, tmp_path):
     console = Console(record=True, width=200)
     report.print_tables(committed, console)

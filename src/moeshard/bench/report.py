@@ -41,7 +41,7 @@ def results_table(result: dict) -> Table:
         ("model", "left"), ("T", "right"), ("quant", "left"), ("experts ms", "right"),
         ("TFLOP/s", "right"), ("% peak", "right"), ("W GB/s", "right"), ("% copy", "right"),
         ("vs grouped_mm", "right"), ("vs loop", "right"), ("vs bf16", "right"),
-        ("layer ms", "right"), ("layer/experts", "right"))
+        ("layer ms", "right"), ("layer/experts", "right"), ("layer/all experts", "right"))
     for col, just in columns:
         t.add_column(col, justify=just)
     last = None
@@ -65,6 +65,8 @@ def results_table(result: dict) -> Table:
             _styled(_x(q.get("vs_bf16")), _ratio_style(q.get("vs_bf16"), 1.5) if r["quant"] == "fp8_block" and prefill else ""),
             f"{r['layer_ms']:.3f}" if "layer_ms" in r else "",
             _styled(_pct(q.get("layer_over_experts")), _ratio_style(q.get("layer_over_experts"), 0.85) if prefill else ""),
+            _styled(_pct(q.get("layer_over_all_experts")),
+                    _ratio_style(q.get("layer_over_all_experts"), 0.85) if prefill else ""),
         )
     return t
 

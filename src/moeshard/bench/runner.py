@@ -5,6 +5,9 @@ Per case (one model, one token count, one quant) the same routed rows feed:
 * ``experts``: the kernel ``select_kernel`` picks, on the routed rows (graph-replayed);
 * ``layer``: ``MoELayer`` on one GPU, local backend, from hidden states to output
   (router, quantization, dispatch, experts, combine, shared experts; graph-replayed);
+* ``shared``: the layer's shared experts alone on the same hidden states, for the models that
+  have them (graph-replayed): with ``experts`` the expert work of the layer, what is left of
+  the layer's time being the router, quantization, dispatch and combine around it;
 * baselines for bf16 (``moeshard.bench.baselines``) and row-scaled fp8.
 
 Ratios are derived from figures of the same run only.
@@ -114,6 +117,10 @@ def _case(model: ModelOnDevice, scheme: str, experts, kernel, layer: MoELayer | 
     _timed(rec, "experts", lambda: kernel(inp, experts), reps, flush)
     if layer is not None:
         _timed(rec, "layer", lambda: layer(x), reps, flush)
+        shared = layer.shared_experts
+        rec["shared_experts"] = shared is not None
+        if shared is not None:
+            _timed(rec, "shared", lambda: shared(x), reps, flush)
     if opts.baselines and scheme == "none":
         x_sorted, offsets, counts = baselines.sorted_rows(inp, E)
         _timed(rec, "grouped_mm", baselines.grouped_mm(x_sorted, offsets, experts), reps, flush)
@@ -127,6 +134,17 @@ def _case(model: ModelOnDevice, scheme: str, experts, kernel, layer: MoELayer | 
         if fn is not None:
             _timed(rec, "scaled_grouped_mm", fn, reps, flush)
     return rec
+
+
+def all_experts_ms(r: dict) -> float | None:
+    """The record's expert work in ms: the routed experts, plus the shared experts timed alone
+    where the model has them; None where that is not known (a record of a run made before the
+    bench timed the shared experts, or whose shared timing failed)."""
+    if "shared_experts" not in r:
+        return None
+    if not r["shared_experts"]:
+        return r["experts_ms"]
+    return r["experts_ms"] + r["shared_ms"] if "shared_ms" in r else None
 
 
 def derive(records: list[dict], ceilings: dict) -> None:
@@ -145,6 +163,9 @@ def derive(records: list[dict], ceilings: dict) -> None:
             r["layer_tflops"] = r["layer_flops"] / (r["layer_ms"] * 1e-3) / 1e12
             ratios["layer_over_experts"] = r["experts_ms"] / r["layer_ms"]
             ratios["layer_over_experts_flops"] = r["layer_tflops"] / r["expert_tflops"]
+            all_experts = all_experts_ms(r)
+            if all_experts is not None:
+                ratios["layer_over_all_experts"] = all_experts / r["layer_ms"]
         for base in ("grouped_mm", "portable", "loop", "scaled_grouped_mm"):
             if f"{base}_ms" in r:
                 ratios[f"vs_{base}"] = r[f"{base}_ms"] / r["experts_ms"]

@@ -24,7 +24,18 @@ fp8_decode_vs_copy     weight bytes / time / copy bandwidth (fp8, Mixtral and   
                        DeepSeek-V3, 16 to 128 tokens)
 fp8_one_token_vs_copy  the same at 1 token (within 1.2x of copy time)               >= 0.833
 fp8_layer_vs_experts   experts time / whole-layer time (fp8, prefill)               >= 0.85
+layer_vs_all_experts   (experts + shared experts) time / whole-layer time (bf16,    >= 0.85
+                       prefill)
+fp8_layer_vs_all_      the same, fp8, prefill                                       >= 0.85
+experts
 =====================  ==========================================================  =========
+
+The two ``layer_vs_experts`` targets count the routed experts alone as the layer's expert work;
+the two ``all_experts`` ones count the shared experts too (the models that have them: DeepSeek-V3
+here), each timed alone. Both measure what the layer adds around its experts: the router, the
+input quantization, dispatch and combine; with shared experts the first also counts their GEMMs
+as overhead, though they are expert work the model asks for, which the layer runs beside the
+routed path.
 """
 
 from __future__ import annotations
@@ -81,10 +92,13 @@ TARGETS: tuple[tuple[str, str, float, Callable[[dict], bool]], ...] = (
     ("fp8_decode_vs_copy", "vs_copy", 0.85, lambda r: _fp8_decode(r, (16, 128))),
     ("fp8_one_token_vs_copy", "vs_copy", 1 / 1.2, lambda r: _fp8_decode(r, (1, 1))),
     ("fp8_layer_vs_experts", "layer_over_experts", 0.85, lambda r: r["quant"] in FP8 and r["regime"] == "prefill"),
+    ("layer_vs_all_experts", "layer_over_all_experts", 0.85, lambda r: r["quant"] == "none" and r["regime"] == "prefill"),
+    ("fp8_layer_vs_all_experts", "layer_over_all_experts", 0.85,
+     lambda r: r["quant"] in FP8 and r["regime"] == "prefill"),
 )
 # Targets over several schemes name the scheme in each case.
 PER_SCHEME = {"fp8_vs_fused_moe", "fp8_prefill_vs_fused", "fp8_decode_vs_copy", "fp8_one_token_vs_copy",
-              "fp8_layer_vs_experts"}
+              "fp8_layer_vs_experts", "fp8_layer_vs_all_experts"}
 
 
 def _value(r: dict, ratio: str) -> float | None:
