@@ -17,8 +17,10 @@ import torch
 from rich.console import Console
 
 from moeshard import cli
-from moeshard.bench import report, runner, targets
+from moeshard.bench import report, runner, targets, workload
 from moeshard.commands.args import ints
+from moeshard.kernel_choice import select_kernel
+from moeshard.layer import MoELayer
 
 RUN = Path(__file__).resolve().parents[1] / "results" / "h200" / "h200.json"
 
@@ -79,6 +81,31 @@ def test_the_layer_over_all_its_experts_counts_the_shared_experts_timed_alone():
     assert [c["met"] for c in by_name["fp8_layer_vs_experts"]["cases"]] == [False, False, False, False]
     assert [(c["case"], c["met"]) for c in by_name["fp8_layer_vs_all_experts"]["cases"]] == [
         ("deepseek-v3 T=4096 fp8_tensor", True), ("mixtral-8x7b T=4096 fp8_tensor", False)]
+
+
+@pytest.mark.parametrize("model, shared", [("deepseek-v3", True), ("mixtral-8x7b", False)])
+def test_a_case_times_the_layers_shared_experts_alone_where_it_has_them(monkeypatch, model, shared):
+    """The bench's case on CPU with each timing replaced by one call: the shared experts are
+    called on the case's hidden states and recorded where the model has them."""
+    called = []
+
+    def once(rec, key, fn, reps, flush, graph=True):
+        out = fn()
+        called.append((key, tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+        rec[key + "_ms"] = 1.0
+
+    monkeypatch.setattr(runner, "_timed", once)
+    cpu = torch.device("cpu")
+    m = workload.make_model(model, cpu, size="small")
+    opts = runner.BenchOptions(models=(model,), quants=("none",), baselines=False)
+    experts = workload.experts_for(m, "none")
+    layer = MoELayer(m.cfg, opts.quant("none", m.cfg), weights=m.shell, local_experts=experts, device=cpu)
+    kernel = select_kernel(m.cfg.activation, m.cfg.dtype, cpu, "none")
+    rec = runner._case(m, "none", experts, kernel, layer, "prefill", 6, opts, None)
+    assert rec["shared_experts"] is shared and ("shared_ms" in rec) is shared
+    assert [key for key, _ in called] == ["experts", "layer", *(["shared"] if shared else [])]
+    if shared:
+        assert called[-1][1] == (6, m.cfg.hidden_size)
 
 
 def test_report_renders(committed, tmp_path):
