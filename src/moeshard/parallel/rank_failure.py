@@ -153,7 +153,7 @@ class RankFailure(RuntimeError):
         verb = raised_verb(culprits) if not stuck else f"gave up waiting for {'it' if len(stuck) == 1 else 'them'}:"
         lines = [f"spawn(world_size={world_size}) failed:", *head]
         lines += [f"rank {rank} {verb} {err.type_name}: {err.message}" for rank, err in sorted(errors.items())]
-        first = [f"rank {rank} {verb} {err.type_name}: {(err.message.strip().splitlines() or [''])[0]}"
+        first = [f"rank {rank} {verb} {err.type_name}: {err.first_line}"
                  for rank, err in sorted(errors.items())]
         rest = [f"rank {rank} {ended(code)} without reporting a result" for rank, code in sorted(died.items())]
         others = [r for r in missing if r not in died and r not in culprits and r not in stuck]

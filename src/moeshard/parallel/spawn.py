@@ -356,5 +356,4 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), dev
 
 def join_failure_line(errors: dict[int, RankError]) -> str:
     """``rank 0: RuntimeError: Gloo connectFullMesh failed ...``: the first line of each error."""
-    return "; ".join(f"rank {rank}: {err.type_name}: {(err.message.strip().splitlines() or [''])[0]}"
-                     for rank, err in sorted(errors.items()))
+    return "; ".join(f"rank {rank}: {err.type_name}: {err.first_line}" for rank, err in sorted(errors.items()))

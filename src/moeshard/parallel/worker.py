@@ -81,6 +81,11 @@ class RankError:
     rendezvous: bool = False
     joining: bool = False
 
+    @property
+    def first_line(self) -> str:
+        """The message's first non-blank line ("" for an empty message)."""
+        return (self.message.strip().splitlines() or [""])[0]
+
     @classmethod
     def of(cls, rank: int, exc: BaseException, rendezvous: bool = False, joining: bool = False) -> RankError:
         return cls(rank, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), rendezvous, joining)
