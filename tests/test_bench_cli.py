@@ -59,7 +59,7 @@ def test_committed_ratios_follow_from_its_timings(committed):
         for key in old["ratios"]:
             assert new["ratios"][key] == pytest.approx(old["ratios"][key], rel=1e-12), (old["model"], old["tokens"], key)
     # targets added after that run come last; the ones it evaluated are unchanged
-    assert targets.evaluate(committed["records"])[:len(committed["targets"])] == committed["targets"]
+    assert targets.evaluate(committed["records"], committed["device"]["name"])[:len(committed["targets"])] == committed["targets"]
 
 
 def test_the_layer_over_all_its_experts_counts_the_shared_experts_timed_alone():
@@ -77,7 +77,7 @@ def test_the_layer_over_all_its_experts_counts_the_shared_experts_timed_alone():
     assert records[0]["ratios"]["layer_over_all_experts"] == pytest.approx(14 / 15)
     assert records[1]["ratios"]["layer_over_all_experts"] == pytest.approx(0.8)
     assert "layer_over_all_experts" not in records[2]["ratios"] and "layer_over_all_experts" not in records[3]["ratios"]
-    by_name = {t["name"]: t for t in targets.evaluate(records)}
+    by_name = {t["name"]: t for t in targets.evaluate(records, "NVIDIA H200")}
     assert [c["met"] for c in by_name["fp8_layer_vs_experts"]["cases"]] == [False, False, False, False]
     assert [(c["case"], c["met"]) for c in by_name["fp8_layer_vs_all_experts"]["cases"]] == [
         ("deepseek-v3 T=4096 fp8_tensor", True), ("mixtral-8x7b T=4096 fp8_tensor", False)]

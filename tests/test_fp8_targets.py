@@ -22,10 +22,10 @@ def record(model, regime, tokens, quant, experts_ms, **ratios):
             "ratios": ratios}
 
 
-def runs_with(decode_ratio: float, layer_ratio: float) -> dict:
+def runs_with(decode_ratio: float, layer_ratio: float, gpu: str = "NVIDIA H200") -> dict:
     # Mixtral fp8_tensor at 16 tokens: the fused-MoE kernel takes 0.364 ms, so these experts_ms
     # give fused / ours = decode_ratio. DeepSeek-V3 fp8_block at 4096 tokens: 6.43 ms / 1.3.
-    return {"records": [
+    return {"device": {"name": gpu}, "records": [
         record("mixtral-8x7b", "decode", 16, "fp8_tensor", 0.364 / decode_ratio, vs_copy=0.9),
         record("deepseek-v3", "prefill", 4096, "fp8_block", 6.43 / 1.3, layer_over_experts=layer_ratio),
     ]}
@@ -44,6 +44,21 @@ def test_counts_per_run_and_each_miss_with_its_spread_and_how_often_it_missed():
     assert "| `fp8_vs_fused_moe` (>= 0.95) | 1 / 2 of 2 | mixtral-8x7b T=16 fp8_tensor 0.900-0.960 (1 of 2) |" in text
     assert "| `fp8_layer_vs_experts` (>= 0.85) | 0 / 0 of 1 | deepseek-v3 T=4096 fp8_block 0.800-0.840 (2 of 2) |" in text
     assert "== a-1\n  fp8_vs_fused_moe: 1/2; misses: mixtral-8x7b T=16 fp8_tensor 0.900\n" in text
+
+
+def test_a_run_on_another_gpu_than_the_fused_moe_figures_has_no_fused_moe_case_and_says_so():
+    """The fused-MoE figures are an H200's: an H100 run (or one whose GPU is unknown) is not
+    compared with them, while its ratios within the run are still evaluated."""
+    text, summary = fp8_targets.report(["a-1", "a-2"], [runs_with(0.90, 0.80), runs_with(0.90, 0.80, "NVIDIA H100 80GB HBM3")],
+                                       ["# h"])
+    rows = {row["name"]: row for row in summary["targets"]}
+    assert rows["fp8_vs_fused_moe"]["counts"] == [(1, 2), None]
+    assert rows["fp8_layer_vs_experts"]["counts"] == [(0, 1), (0, 1)]
+    assert "# fused-MoE targets: not evaluated on NVIDIA H100 80GB HBM3; their figures are an H200's" in text
+    assert "not evaluated" not in fp8_targets.report(["a-1"], [runs_with(0.9, 0.8)], ["# h"])[0]
+    unknown = {"records": runs_with(0.9, 0.8)["records"]}
+    [fused] = [t for t in fp8_targets.report(["x"], [unknown], ["# h"])[1]["per_run"]["x"] if t["name"] == "fp8_vs_fused_moe"]
+    assert fused["met"] is None and fused["cases"] == []
 
 
 def test_a_miss_that_rounds_to_the_threshold_prints_a_fourth_decimal():

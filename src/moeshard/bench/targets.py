@@ -5,7 +5,9 @@ this run's experts time with ``FUSED_MOE_MS``: the Triton fused-MoE kernel of vL
 GEMM1, silu-and-mul, fp8 quantization of h, GEMM2; the top-k sum left out, as it is left out of
 moeshard's experts time), timed on one H200 (torch 2.11, Triton 3.6) on the inputs of
 ``moeshard.bench.workload`` with the bench's seeds, under CUDA graphs with an L2 flush before
-every repetition. vLLM is not installed on the GPU machine, so those figures are constants here.
+every repetition. vLLM is not installed on the GPU machine, so those figures are constants here,
+and they are compared only with a run on that GPU (``FUSED_MOE_GPU`` in its device name): on any
+other, the fused-MoE targets have no case.
 
 =====================  ==========================================================  =========
 name                   ratio (record filter)                                       threshold
@@ -64,11 +66,21 @@ FUSED_MOE_MS: dict[tuple[str, int, str], float] = {
         (16384, "fp8_block"): 22.6}.items()},
 }
 
+# The GPU FUSED_MOE_MS was timed on, as it appears in torch's device name ("NVIDIA H200").
+FUSED_MOE_GPU = "H200"
+
 FP8 = ("fp8_tensor", "fp8_token", "fp8_block")
 
 
+def fused_moe_applies(device_name: str | None) -> bool:
+    """Whether FUSED_MOE_MS may be compared with a run on the GPU named ``device_name`` (torch's
+    name, for example "NVIDIA H100 80GB HBM3"; None for a run whose device is unknown)."""
+    return device_name is not None and FUSED_MOE_GPU in device_name
+
+
 def vs_fused_moe(r: dict) -> float | None:
-    """fused-MoE ms / our experts ms for a record with a fused-MoE figure, else None."""
+    """fused-MoE ms / our experts ms for a record with a fused-MoE figure, else None. The caller
+    decides whether the run's GPU is the one of those figures (``fused_moe_applies``)."""
     ms = FUSED_MOE_MS.get((r["model"], r["tokens"], r["quant"]))
     return None if ms is None or not r.get("experts_ms") else ms / r["experts_ms"]
 
@@ -101,21 +113,26 @@ PER_SCHEME = {"fp8_vs_fused_moe", "fp8_prefill_vs_fused", "fp8_decode_vs_copy", 
               "fp8_layer_vs_experts", "fp8_layer_vs_all_experts"}
 
 
-def _value(r: dict, ratio: str) -> float | None:
-    return vs_fused_moe(r) if ratio == "vs_fused_moe" else r.get("ratios", {}).get(ratio)
+def _value(r: dict, ratio: str, fused: bool) -> float | None:
+    if ratio == "vs_fused_moe":
+        return vs_fused_moe(r) if fused else None
+    return r.get("ratios", {}).get(ratio)
 
 
-def evaluate(records: list[dict]) -> list[dict]:
+def evaluate(records: list[dict], device_name: str | None) -> list[dict]:
     """One entry per target: the cases it covers with their ratio, and whether each meets it.
 
-    A target with no matching case (not run) is reported with ``met: None``.
+    ``records`` are one run's, on the GPU torch names ``device_name`` (the run's
+    ``device["name"]``). A target with no matching case (not run, or a fused-MoE target on another
+    GPU than ``FUSED_MOE_GPU``) is reported with ``met: None``.
     """
+    fused = fused_moe_applies(device_name)
     out = []
     for name, key, threshold, keep in TARGETS:
         cases: list[dict] = []
         values: list[float] = []
         for r in records:
-            v = _value(r, key) if keep(r) else None
+            v = _value(r, key, fused) if keep(r) else None
             if v is not None:
                 label = f"{r['model']} T={r['tokens']}" + (f" {r['quant']}" if name in PER_SCHEME else "")
                 cases.append({"case": label, "value": v, "met": v >= threshold})

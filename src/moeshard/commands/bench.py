@@ -119,7 +119,7 @@ def run(args) -> int:
         result["tune_best"] = tune.best(result["tune"])
     if not args.tune_only:
         result.update(runner.run(opts, progress))
-        result["targets"] = targets.evaluate(result["records"])
+        result["targets"] = targets.evaluate(result["records"], result["device"]["name"])
     else:
         from moeshard.bench.device import describe
         result["device"] = describe(device)
