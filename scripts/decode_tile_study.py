@@ -17,10 +17,16 @@ bits). fp8_block's h is quantized in the gate_up epilogue by 128-column gate_up 
 ``select_config`` does where the intermediate size is a multiple of 128, and in its own pass
 after narrower ones. Where the chosen config runs one token on the direct plan, one variant moves
 h's quantization: to the down GEMM's loads (``ExpertsConfig.quantize_in_down``) or back to where
-``h_quant`` puts it (the same bits either way). A variant that is refused, or fails to compile or launch, is recorded with
-its error.
+``h_quant`` puts it (the same bits either way). Where the chosen config launches kernels under
+PDL, the variants ``prefetch<k>`` have each down program ask L2 for the first k columns of each
+of its weight rows before it waits on the kernel ahead (``ExpertsConfig.down_prefetch``; the same
+bits); where it launches only the plan and gate_up so, ``pdl_all`` launches the down GEMM (and
+any quantize_h) under PDL too, and the prefetch variants are named ``pdl_all+prefetch<k>``. A variant that is refused, or fails to
+compile or launch, is recorded with its error. ``--only`` keeps the variants whose names start
+with one of its comma-separated prefixes (the chosen config always runs).
 
     PYTHONPATH=src python3 scripts/decode_tile_study.py --json results/h200/decode_tile_study.json
+    PYTHONPATH=src python3 scripts/decode_tile_study.py --tokens 1 --only prefetch,h_in
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ DOWN = {16: ((32, 256, 4), (64, 256, 3), (128, 256, 2), (32, 128, 6), (64, 128, 
 # legal K step) of the single replacements measured at Mixtral's 128 tokens.
 PAIRS = {16: (((32, 256, 4), (64, 256, 3)), ((32, 128, 6), (64, 128, 6)), ((128, 128, 4), (128, 128, 4))),
          64: (((64, 256, 2), (64, 256, 3)), ((64, 128, 3), (128, 128, 3)))}
+# Columns of K of each down weight row prefetched before the down GEMM's wait (a whole row
+# where K is shorter).
+DOWN_PREFETCH = (512, 2048, 16384)
 START = time.monotonic()
 
 
@@ -90,7 +99,25 @@ def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = F
         # Where one token's h is quantized: by the down GEMM as it loads it, or as h_quant says.
         other = not chosen.quantize_in_down
         out["h_in_down" if other else "h_by_h_quant"] = dataclasses.replace(chosen, quantize_in_down=other)
+    if chosen.pdl != "off" and chosen.down.engine == "triton":
+        # The down GEMM under PDL (where the chosen config launches only the plan and gate_up so),
+        # and with its weights asked for before its wait.
+        under, prefix = (chosen, "") if chosen.pdl == "all" else (dataclasses.replace(chosen, pdl="all"), "pdl_all+")
+        if under is not chosen:
+            out["pdl_all"] = under
+        for k in DOWN_PREFETCH:
+            if k != chosen.down_prefetch:
+                out[f"{prefix}prefetch{k}"] = dataclasses.replace(under, down_prefetch=k)
     return out
+
+
+def kept(names: list[str], only: str | None) -> list[str]:
+    """The variant names ``--only`` keeps: all for None, else "chosen" and those starting with one
+    of its comma-separated prefixes."""
+    if only is None:
+        return names
+    prefixes = tuple(p for p in only.split(",") if p)
+    return [n for n in names if n == "chosen" or n.startswith(prefixes)]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -110,7 +137,9 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     rec.update(rows=case.M, config=dataclasses.asdict(chosen), variants={}, errors={})
     calls: dict = {}
     reference = None
-    for key, cfg in variants(chosen, scheme, case.I, one_token=case.inp.repeat == case.M).items():
+    every = variants(chosen, scheme, case.I, one_token=case.inp.repeat == case.M)
+    for key in kept(list(every), args.only):
+        cfg = every[key]
         kernel = TritonExperts(case.cfg.activation, case.cfg.dtype, cfg)
         try:
             out = kernel(case.inp, case.experts)
@@ -122,7 +151,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
             reference = out
         rec["variants"][key] = {"gate_up": list(dataclasses.astuple(cfg.gate_up)[:6]),
                                 "down": list(dataclasses.astuple(cfg.down)[:6]), "h_quant": cfg.h_quant,
-                                "quantize_in_down": cfg.quantize_in_down,
+                                "quantize_in_down": cfg.quantize_in_down, "down_prefetch": cfg.down_prefetch,
                                 "same_bits": bool(torch.equal(out, reference)), "rel_diff": _rel(out, reference)}
         calls[key] = lambda kernel=kernel: kernel(case.inp, case.experts)
     time_variants(rec, calls, flush, args)
@@ -150,6 +179,8 @@ def main() -> None:
     ap = study_parser(__doc__, MODELS, TOKENS, SCHEMES, reps=20)
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="cases starting later than this many seconds after the start are skipped")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated prefixes of the variant names to run (the chosen config always runs)")
     args = ap.parse_args()
     run_on_gpu(args, "scripts/decode_tile_study.py", study, line)
 

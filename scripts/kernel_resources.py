@@ -61,7 +61,7 @@ TILES = ((16, 32, 128, 4, 6), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128
 
 def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, half_tiles: bool = False,
                  pdl: bool = False, quant_out: bool = False, track_amax: int = 0, direct: bool = False,
-                 act: int = 0, bias: bool = False, n: int = 128, quant_a: bool = False):
+                 act: int = 0, bias: bool = False, n: int = 128, quant_a: bool = False, prefetch_bytes: int = 0):
     """``moe_gemm_kernel`` compiled for sm_90a (a Triton ``CompiledKernel``) with the given
     constexprs: tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); quant_out: gate_up
     stores h as fp8_block values and scales (``moe_gemm``'s out_scale); track_amax: 1 per-expert
@@ -70,7 +70,8 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
     activation's kernel mode, with gpt-oss's constants for mode 3; bias: expert biases; n: the
     GEMM's N, which decides fp8_block's scalar weight scale (128 stands for any multiple of it);
     quant_a: the down GEMM of a direct plan reads h in bf16 and quantizes it as it loads it
-    (``moe_gemm``'s quantize_a)."""
+    (``moe_gemm``'s quantize_a); prefetch_bytes: the bytes of each weight row a program asks L2
+    for before its wait on the kernel ahead (``moe_gemm``'s prefetch_w)."""
     bm, bn, bk, warps, stages = tile
     sig = {name: f"*{elt}" if name in ("a_ptr", "a_half_ptr", "w_ptr") else "*fp32" for name in POINTERS}
     sig["out_ptr"] = "*fp8e4nv" if quant_out else "*bf16"
@@ -94,7 +95,7 @@ def compile_gemm(quant: int, elt: str, fused: bool, tile: tuple, fp8_acc: str, h
               "FP8_ACC": FP8_ACC_MODES[fp8_acc],
               # as moe_gemm sets it
               "WS_SCALAR": one_w_scale_per_tile(quant, bn, n, fused), "HALF_TILES": half_tiles,
-              "A_VALUES": False, "W_VALUES": False, "PDL": pdl, "DIRECT": direct,
+              "A_VALUES": False, "W_VALUES": False, "PDL": pdl, "DIRECT": direct, "PREFETCH_BYTES": prefetch_bytes,
               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SUB_K": k_sub_step(quant, bk), "GROUP_M": 1}
     sig.update({name: "constexpr" for name in consts})
     names = list(moe_gemm_kernel.arg_names)

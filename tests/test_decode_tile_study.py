@@ -99,3 +99,29 @@ def test_one_token_moves_where_h_is_quantized():
         out = decode_tile_study.variants(base, scheme, 14336, one_token=True)
         assert out[name] == dataclasses.replace(base, quantize_in_down=not base.quantize_in_down), scheme
         assert not {"h_in_down", "h_by_h_quant"} & set(decode_tile_study.variants(base, scheme, 14336)), scheme
+
+
+def test_prefetch_variants_where_the_down_gemm_waits_under_pdl_and_only_filters_them():
+    """The down weights can be asked for before the down GEMM's wait only where it is launched
+    under PDL. One DeepSeek-V3 token with PDL (the whole chain under PDL) gets a ``prefetch<k>``
+    variant per DOWN_PREFETCH, each the chosen config with down_prefetch=k; one Mixtral token
+    (only the plan and gate_up under PDL) gets ``pdl_all`` and ``pdl_all+prefetch<k>``; without
+    PDL neither. ``--only`` keeps the chosen config and the names with its prefixes."""
+    ks = decode_tile_study.DOWN_PREFETCH
+    base = select_config(8, 256, 7168, 2048, "fp8_tensor", 132, pdl=True)
+    assert base.pdl == "all"
+    out = decode_tile_study.variants(base, "fp8_tensor", 2048, one_token=True)
+    for k in ks:
+        assert out[f"prefetch{k}"] == dataclasses.replace(base, down_prefetch=k)
+    mixtral = select_config(2, 8, 4096, 14336, "fp8_tensor", 132, pdl=True)
+    assert mixtral.pdl == "gate_up"
+    out_m = decode_tile_study.variants(mixtral, "fp8_tensor", 14336, one_token=True)
+    assert out_m["pdl_all"] == dataclasses.replace(mixtral, pdl="all")
+    for k in ks:
+        assert out_m[f"pdl_all+prefetch{k}"] == dataclasses.replace(mixtral, pdl="all", down_prefetch=k)
+    off = decode_tile_study.variants(select_config(2, 8, 4096, 14336, "fp8_tensor", 132), "fp8_tensor", 14336,
+                                     one_token=True)
+    assert not [name for name in off if "prefetch" in name or "pdl" in name]
+    names = list(out)
+    assert decode_tile_study.kept(names, None) == names
+    assert decode_tile_study.kept(names, "prefetch,h_") == ["chosen", "h_by_h_quant", *(f"prefetch{k}" for k in ks)]

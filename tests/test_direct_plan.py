@@ -183,3 +183,39 @@ def test_quantize_in_down_refusals(interpreted_kernels):
                  quantize_a=True)
     with pytest.raises(ValueError, match="a_amax .* needs quantize_a=True"):
         moe_gemm(h, down["fp8_tensor"], direct, out, tile, activation=None, gather=False, a_amax=amax)
+
+
+def test_down_prefetch_refusals_and_the_bytes_each_row_asks_for(interpreted_kernels):
+    """The down weights asked for before the down GEMM's wait: only of a down GEMM launched under
+    PDL on the Triton engine (refused by name otherwise, before any launch); each row asks for
+    its first columns, at most K, in the bulk prefetch's 16-byte unit, and nothing where the
+    rows are not contiguous and aligned or go through TMA (hand-computed)."""
+    k = interpreted_kernels
+    GemmConfig, ExpertsConfig = k.configs.GemmConfig, k.configs.ExpertsConfig
+    tile = GemmConfig(16, 32, 128)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=f"ExpertsConfig.down_prefetch: expected an int >= 0 .* got {bad!r}"):
+            ExpertsConfig(tile, tile, pdl="all", down_prefetch=bad)
+    for pdl in ("off", "gate_up"):
+        with pytest.raises(ValueError, match=f"down_prefetch=512 .* needs pdl='all' .* got pdl='{pdl}'"):
+            ExpertsConfig(tile, tile, pdl=pdl, down_prefetch=512)
+    assert ExpertsConfig(tile, tile, pdl="all", down_prefetch=512).down_prefetch == 512
+    moe_gemm = k.grouped_gemm.moe_gemm
+    ids = torch.tensor([3, 1])
+    plan = k.align.direct_rows(ids, E, 16)
+    h = torch.zeros(plan.padded_rows, I, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="prefetch_w=512 .* needs pdl_launch=True and the Triton engine, "
+                                         "got pdl_launch=False"):
+        moe_gemm(h, _weights("none").down, plan, torch.empty(2, H, dtype=torch.bfloat16), tile, activation=None,
+                 gather=False, prefetch_w=512)
+    with pytest.raises(ValueError, match="prefetch_w must be an int >= 0"):
+        moe_gemm(h, _weights("none").down, plan, torch.empty(2, H, dtype=torch.bfloat16), tile, activation=None,
+                 gather=False, prefetch_w=-8)
+    nbytes = k.grouped_gemm._prefetch_bytes
+    fp8 = torch.zeros(2, 64, 2048, dtype=torch.float8_e4m3fn)
+    bf16 = torch.zeros(2, 64, 2048, dtype=torch.bfloat16)
+    assert nbytes(fp8, 512, False) == 512 and nbytes(fp8, 16384, False) == 2048  # at most the row
+    assert nbytes(bf16, 512, False) == 1024 and nbytes(fp8, 100, False) == 96  # 16-byte unit
+    assert nbytes(fp8, 0, False) == 0 and nbytes(fp8, 512, True) == 0  # none asked; TMA weights
+    assert nbytes(fp8.transpose(1, 2), 512, False) == 0  # rows not contiguous
+    assert nbytes(torch.zeros(2, 64, 2056, dtype=torch.float8_e4m3fn)[:, :, 8:], 512, False) == 0  # unaligned

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,24 @@ def test_every_pdl_kernel_waits_before_it_touches_memory(tmp_path):
     assert run.returncode == 0, run.stdout
     # Every kernel that takes PDL is checked, so a new one cannot skip the check.
     assert {r["function"] for r in rows} == pdl_kernels()
+
+
+def _sass(*ops: str) -> str:
+    """Hand-made SASS: one instruction a line, as cuobjdump prints them."""
+    return "\n".join(f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate(ops))
+
+
+def test_the_order_check_itself_on_hand_made_machine_code():
+    """``order`` on SASS whose verdict is known: a load before the wait breaks the contract unless
+    the kernel is allowed that many early loads (the prefetching down GEMM's one read of its plan),
+    and then L2 prefetches pass too; a store before the wait, or one load too many, still break it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    pdl_order = pytest.importorskip("pdl_order")
+    order = pdl_order.order
+    assert order(_sass("ACQBULK", "LDG.E.64 R2, desc[UR4][R2.64]", "PREEXIT", "EXIT"))["ok"]
+    early = _sass("LDG.E.64 R2, desc[UR4][R2.64]", "UBLKPF.L2 [UR14], UR12", "ACQBULK", "PREEXIT", "EXIT")
+    assert not order(early)["ok"] and order(early, early_loads=1)["ok"]
+    assert not order(_sass("LDG.E.64 R2", "LDG.E R4", "ACQBULK", "EXIT"), early_loads=1)["ok"]
+    assert not order(_sass("LDG.E.64 R2", "STG.E [R2], R4", "ACQBULK", "EXIT"), early_loads=1)["ok"]
+    assert not order(_sass("UBLKPF.L2 [UR14], UR12", "ACQBULK", "EXIT"))["ok"]
+    assert not order(_sass("LDG.E.64 R2", "EXIT", "ACQBULK"), early_loads=1)["ok"]

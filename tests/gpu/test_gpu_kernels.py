@@ -706,14 +706,16 @@ def test_decoded_nvfp4_operands_give_the_codes_bits(decode):
             assert torch.equal(y, y_codes), f"{decode} tma={tma} decode_experts={window}"
 
 
-@pytest.mark.parametrize("chain", ["gate_up", "all"])
+@pytest.mark.parametrize("chain", ["gate_up", "all", "all+prefetch"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("M", [8, 128, 3000], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("M", [1, 8, 128, 3000], ids=lambda m: f"M{m}")
 def test_pdl_gives_the_same_bits(scheme, M, chain):
     """The experts launched with programmatic dependent launch against the same tiles launched
     one after another: the same y, eagerly and under graph replay with new inputs (a kernel that
     read before its wait would see the kernel ahead half done: tests/test_pdl_order.py checks
-    the order in the machine code, this the results)."""
+    the order in the machine code, this the results). "all+prefetch": the down GEMM also asks
+    L2 for its weights before its wait (``ExpertsConfig.down_prefetch``). M=1: one token's row on
+    the direct plan."""
     import dataclasses
 
     from moeshard.kernels import pdl
@@ -727,7 +729,13 @@ def test_pdl_gives_the_same_bits(scheme, M, chain):
     ids = _ids(M, E, seed=M + 5)
     tiles = select_config(M, E, H, I, scheme)  # any chain on any tiles, prefill's TMA tiles included
     serial = TritonExperts("silu", torch.bfloat16, tiles)
-    kernel = TritonExperts("silu", torch.bfloat16, dataclasses.replace(tiles, pdl=chain))
+    if chain == "all+prefetch":
+        if tiles.down.engine != "triton":
+            pytest.skip(f"the {tiles.down.engine} down GEMM is not launched under PDL")
+        under = dataclasses.replace(tiles, pdl="all", down_prefetch=2 * I)  # more than K: a whole row
+    else:
+        under = dataclasses.replace(tiles, pdl=chain)
+    kernel = TritonExperts("silu", torch.bfloat16, under)
 
     def quantized(t):
         return quantize_activations(t, scheme) if scheme != "none" else t

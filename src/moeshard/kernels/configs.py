@@ -175,7 +175,10 @@ class ExpertsConfig:
     fp8_tensor, fp8_token and fp8_block experts): on the direct plan, h stays in the model dtype
     and the down GEMM quantizes each tile's one row as it loads it (``moe_gemm``'s
     ``quantize_a``; the same bits), in place of ``h_quant``'s way, which calls on the sorted plan
-    keep."""
+    keep. down_prefetch (pdl "all", down on the Triton engine): each down GEMM program asks L2 for
+    the first down_prefetch columns of K of each of its weight rows before it waits on the kernel
+    ahead (``moe_gemm``'s ``prefetch_w``), so that the down weights stream while that kernel
+    ends; the same bits. 0: none."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -186,6 +189,7 @@ class ExpertsConfig:
     h_quant: str = "pass"
     direct: bool = False
     quantize_in_down: bool = False
+    down_prefetch: int = 0
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHAINS:
@@ -221,6 +225,13 @@ class ExpertsConfig:
             raise ValueError(f"ExpertsConfig.quantize_in_down quantizes h in the down GEMM of the direct plan; it needs "
                              f"direct=True and decode_nvfp4='off', got direct={self.direct}, "
                              f"decode_nvfp4={self.decode_nvfp4!r}")
+        if not isinstance(self.down_prefetch, int) or isinstance(self.down_prefetch, bool) or self.down_prefetch < 0:
+            raise ValueError(f"ExpertsConfig.down_prefetch: expected an int >= 0 (columns of K; 0: none), "
+                             f"got {self.down_prefetch!r}")
+        if self.down_prefetch and (self.pdl != "all" or self.down.engine != "triton"):
+            raise ValueError(f"ExpertsConfig.down_prefetch={self.down_prefetch} asks for the down weights while the "
+                             f"kernel ahead runs; it needs pdl='all' and the Triton down engine, got "
+                             f"pdl={self.pdl!r}, down.engine={self.down.engine!r}")
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
         # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
         if self.gate_up.block_m % self.down.block_m:

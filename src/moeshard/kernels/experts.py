@@ -214,7 +214,8 @@ class TritonExperts(GroupedExperts):
             w_down = weights.down if window is None else _decoded(weights.down, window)
             moe_gemm(h_in, w_down, down_plan, y, cfg.down, activation=None, gather=False, pdl_launch=back,
                      experts=window, bias=weights.down_bias, quantize_a=in_down,
-                     a_amax=(amax if per_tensor else row_amax) if in_down else None)
+                     a_amax=(amax if per_tensor else row_amax) if in_down else None,
+                     prefetch_w=cfg.down_prefetch if back else 0)
             del w_down
         return y
 

@@ -467,6 +467,26 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
         tl.store(out_ptrs, result, mask=n_ok[None, :])
 
 
+@triton.jit
+def _prefetch_w_rows(w_ptr, tile_expert_ptr, pid_m, pid_n, expert_lo, expert_hi, N, stride_we, stride_wn,
+                     BLOCK_N: tl.constexpr, PREFETCH_BYTES: tl.constexpr):
+    """Asks L2 for the first PREFETCH_BYTES of each of this program's BLOCK_N weight rows (one
+    bulk prefetch a row, ``cp.async.bulk.prefetch.L2``; Hopper and later). A hint with no effect
+    on any value: L2 is the GPU's point of coherence, and the loads that follow read what they
+    would have read. The caller guarantees that the tile plan (``tile_expert_ptr``) was written
+    before the kernel ahead started, so it may be read before ``pdl.enter``; row starts are 16-byte
+    aligned and PREFETCH_BYTES a multiple of 16 within the row (``moe_gemm``)."""
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert >= expert_lo and expert < expert_hi:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        base = w_ptr + (expert - expert_lo).to(tl.int64) * stride_we
+        # Rows past N ask for the expert's first row again: a valid address, a duplicate hint.
+        ptrs = base + tl.where(rows < N, rows, 0).to(tl.int64) * stride_wn
+        size = tl.full([BLOCK_N], PREFETCH_BYTES, tl.int32)
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # num_tiles varies with the routed rows, and the expert window with the chunk; specializing on
 # them would compile a variant per value class.
 @triton.jit(do_not_specialize=["num_tiles", "expert_lo", "expert_hi"])
@@ -486,7 +506,7 @@ def moe_gemm_kernel(
         EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, FP8_EXACT: tl.constexpr,
         FP8_ACC: tl.constexpr, WS_SCALAR: tl.constexpr, HALF_TILES: tl.constexpr,
         A_VALUES: tl.constexpr, W_VALUES: tl.constexpr, PDL: tl.constexpr, DIRECT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+        PREFETCH_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
         GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M consecutive row tiles (mostly one expert) sweep all column
     # blocks together, so each weight tile is read from HBM once per group, not once per tile.
@@ -497,6 +517,11 @@ def moe_gemm_kernel(
     group_size = min(num_tiles - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
+    if PREFETCH_BYTES > 0:
+        # Weights no kernel in the chain writes: asked for while the kernel ahead still runs, so
+        # that its last wave and this kernel's start overlap with weight traffic.
+        _prefetch_w_rows(w_ptr, tile_expert_ptr, pid_m, pid_n, expert_lo, expert_hi, N, stride_we, stride_wn,
+                         BLOCK_N, PREFETCH_BYTES)
     pdl.enter(PDL)
 
     expert = tl.load(tile_expert_ptr + pid_m)
@@ -603,7 +628,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
              experts: tuple[int, int] | None = None, out_scale: torch.Tensor | None = None,
              h_dtype: torch.dtype | None = None, row_amax: torch.Tensor | None = None,
              bias: torch.Tensor | None = None, quantize_a: bool = False,
-             a_amax: torch.Tensor | None = None) -> torch.Tensor:
+             a_amax: torch.Tensor | None = None, prefetch_w: int = 0) -> torch.Tensor:
     """Launches the grouped GEMM; writes and returns ``out``.
 
     a: activations [M / a_row_div, K] (``gather=True``: original rows, routed row m read from row
@@ -661,9 +686,22 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
        per-expert amax of h (the gate_up GEMM's ``amax``), fp8_token's fp32 [P] row maxima (its
        ``row_amax``), None for fp8_block (each 128-column group's scale is its own; needs
        block_k a multiple of 128). Not through TMA.
+    prefetch_w: with pdl_launch, each program first asks L2 for the first ``prefetch_w`` columns
+       of K of each of its weight rows, before it waits for the kernel ahead (``pdl.enter``), so
+       that the weights stream while that kernel ends. Precondition: the plan (its
+       ``tile_expert``) was written before the kernel ahead started, as the down GEMM's is (the
+       plan precedes gate_up). Values are unchanged. Applies to pointer-loaded weights whose rows
+       are contiguous and 16-byte aligned; elsewhere (TMA weights, other layouts) nothing is
+       prefetched. 0: none.
     """
     if row_amax is not None:
         _check_row_amax(row_amax, plan, activation, amax, out_scale)
+    if not isinstance(prefetch_w, int) or isinstance(prefetch_w, bool) or prefetch_w < 0:
+        raise ValueError(f"moe_gemm: prefetch_w must be an int >= 0 (columns of K a row), got {prefetch_w!r}")
+    if prefetch_w and (not pdl_launch or config.engine != "triton"):
+        raise ValueError(f"moe_gemm: prefetch_w={prefetch_w} asks for weights before the wait on the kernel ahead; "
+                         f"it needs pdl_launch=True and the Triton engine, got pdl_launch={pdl_launch}, "
+                         f"engine={config.engine!r}")
     if config.engine == "gluon":
         return _gluon(a, w, plan, out, config, activation=activation, gather=gather, amax=amax,
                       fp8_exact=fp8_exact, a_row_div=a_row_div, fp8_acc=fp8_acc, pdl_launch=pdl_launch,
@@ -747,6 +785,7 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         h_ty = H_TYPES.get(out.dtype, tl.float32)
     grid = (plan.max_tiles * triton.cdiv(n, bn),)
     act_p0, act_p1 = act_constants(activation)
+    prefetch_bytes = _prefetch_bytes(w_data, prefetch_w, tma_w)
     moe_gemm_kernel[grid](
         a_arg, a_half if tma_a else a_arg, a_scale, a_global, w_arg, w_scale, w_global,
         out, out_scale if out_scale is not None else out,
@@ -763,11 +802,23 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
         GATHER_A=gather, SCATTER_OUT=not fused, TRACK_AMAX=amax_mode(amax, row_amax), EVEN_K=k % bk == 0,
         TMA_A=tma_a, TMA_W=tma_w, FP8_EXACT=fp8_exact and w_mode in (1, 2, 3), FP8_ACC=FP8_ACC_MODES[fp8_acc],
         WS_SCALAR=ws_scalar, HALF_TILES=config.half_tiles, A_VALUES=a_values, W_VALUES=w_values,
-        PDL=pdl_launch, DIRECT=plan.direct,
+        PDL=pdl_launch, DIRECT=plan.direct, PREFETCH_BYTES=prefetch_bytes,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUB_K=sub_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(pdl_launch),
     )
     return out
+
+
+def _prefetch_bytes(w: torch.Tensor, columns: int, tma_w: bool) -> int:
+    """Bytes of each weight row of w [E, N_w, K] a program prefetches for ``prefetch_w=columns``:
+    the first ``columns`` of K (at most K), rounded down to the bulk prefetch's 16-byte unit; 0
+    where w is read through TMA or its rows are not contiguous and 16-byte aligned."""
+    es = w.element_size()
+    aligned = w.stride(2) == 1 and w.data_ptr() % 16 == 0 and (w.stride(0) * es) % 16 == 0 \
+        and (w.stride(1) * es) % 16 == 0
+    if not columns or tma_w or not aligned:
+        return 0
+    return min(columns, w.shape[2]) * es // 16 * 16
 
 
 def _check_row_amax(row_amax: torch.Tensor, plan: RowAlignment, activation: str | None,
