@@ -219,3 +219,29 @@ def test_down_prefetch_refusals_and_the_bytes_each_row_asks_for(interpreted_kern
     assert nbytes(fp8, 0, False) == 0 and nbytes(fp8, 512, True) == 0  # none asked; TMA weights
     assert nbytes(fp8.transpose(1, 2), 512, False) == 0  # rows not contiguous
     assert nbytes(torch.zeros(2, 64, 2056, dtype=torch.float8_e4m3fn)[:, :, 8:], 512, False) == 0  # unaligned
+
+
+def test_fp8_block_row_over_two_scale_groups_gives_the_pass_bits(interpreted_kernels, monkeypatch):
+    """fp8_block's one row over a 256-column down step, its two 128-column scale groups loaded at
+    once and quantized each by its own amax (``grouped_gemm._direct_row_fp8_groups``): the bits of
+    quantize_h's pass on the sorted plan."""
+    k = interpreted_kernels
+    GemmConfig, ExpertsConfig = k.configs.GemmConfig, k.configs.ExpertsConfig
+    g = torch.Generator().manual_seed(11)
+    inter = 256
+    gu = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(torch.bfloat16)
+    dn = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    dn[:, :, 128:] *= 40  # the two groups' scales differ
+    w = ExpertWeights(quantize_weight(gu, "fp8_block"), quantize_weight(dn, "fp8_block"), "fp8_block")
+    x = (torch.randn(1, H, generator=g) * 3).to(torch.bfloat16)
+    expert_ids = torch.tensor(IDS["padding"])
+    inp = ExpertInput(x, expert_ids, repeat=K)
+    config = ExpertsConfig(GemmConfig(16, 32, 32), GemmConfig(16, 32, 256))
+    want = k.experts.TritonExperts("silu", torch.bfloat16, config)(inp, w)
+    with monkeypatch.context() as m:
+        m.setattr(k.experts, "quantize_h", lambda *a, **kw: pytest.fail("quantize_h ran"))
+        got = k.experts.TritonExperts("silu", torch.bfloat16,
+                                      dataclasses.replace(config, direct=True, quantize_in_down=True))(inp, w)
+    written = expert_ids >= 0
+    assert torch.equal(got[written], want[written])
+    assert want[written].abs().sum() > 0

@@ -476,7 +476,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         cfg = dataclasses.replace(cfg, direct=True)
         if per_row and num_rows < DEEP_K_MIN_ROWS and inter % DEEP_K == 0:
             cfg = dataclasses.replace(cfg, quantize_in_down=True,
-                                      down=_in_down_tile(hidden, min(num_rows, num_experts), sms))
+                                      down=in_down_tile(hidden, min(num_rows, num_experts), sms))
     if not pdl or not decode:
         return cfg
     # Decode only, and quantize_h with the down GEMM only while quantize_h's grid fits in one wave
@@ -518,7 +518,7 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
 IN_DOWN_TILES = ((64, 3), (32, 4))
 
 
-def _in_down_tile(hidden: int, tiles: int, sms: int) -> GemmConfig:
+def in_down_tile(hidden: int, tiles: int, sms: int) -> GemmConfig:
     """The down tile of one token's rows whose h the down GEMM quantizes (``IN_DOWN_TILES``)."""
     block_n, stages = next(((w, s) for w, s in IN_DOWN_TILES if tiles * -(-hidden // w) >= sms), IN_DOWN_TILES[-1])
     return GemmConfig(16, block_n, DEEP_K, group_m=1, num_warps=4, num_stages=stages)

@@ -223,6 +223,23 @@ def _direct_row_fp8(a_ptr, p0, ka, offs_ka, ka_ok, stride_am, stride_ak, scale, 
 
 
 @triton.jit
+def _direct_row_fp8_groups(a_ptr, p0, k_step, stride_am, stride_ak, BLOCK_M: tl.constexpr, SUB_K: tl.constexpr):
+    """``_direct_row_fp8`` for fp8_block over a 256-column K step at once: the row's two 128-column
+    scale groups loaded in one load (two elements a thread, a load the pipeline stages, where one
+    group's is a 2-byte load it waits on) and quantized each by its own amax; returns (tile, scale)
+    of the first group, then of the second. K is a multiple of the step (``moe_gemm``)."""
+    x = tl.load(a_ptr + p0 * stride_am + (k_step + tl.arange(0, 2 * SUB_K)) * stride_ak).to(tl.float32)
+    q, scales = _fp8_group(tl.reshape(x, (2, SUB_K)), _AMAX_FLOOR, _FP8_MAX)
+    q_lo, q_hi = tl.split(tl.permute(q.to(tl.uint8, bitcast=True), (1, 0)))
+    s_lo, s_hi = tl.split(scales)
+    first = (tl.arange(0, BLOCK_M) == 0)[:, None]
+    zeros = tl.zeros((BLOCK_M, SUB_K), dtype=tl.uint8)
+    lo = tl.where(first, q_lo[None, :], zeros).to(tl.float8e4nv, bitcast=True)
+    hi = tl.where(first, q_hi[None, :], zeros).to(tl.float8e4nv, bitcast=True)
+    return lo, s_lo, hi, s_hi
+
+
+@triton.jit
 def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, out_scale_ptr, amax_ptr,
           bias_ptr, sorted_rows_ptr, p0, expert, w_expert, first, count, direct_row, pid_n, N, K, N_w, up_offset,
           a_row_div, stride_am, stride_ak, stride_asm, stride_ask, stride_ag,
@@ -308,7 +325,8 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     if QUANT_A:
         tl.static_assert(DIRECT and not GATHER_A and not TMA_A and not FUSE_ACT and QUANT >= 1 and QUANT <= 3,
                          "QUANT_A quantizes the one row of a direct fp8 down tile")
-        tl.static_assert(QUANT != 3 or SUB_K == 128, "fp8_block's row is quantized one 128-column group at a time")
+        tl.static_assert(QUANT != 3 or (SUB_K == 128 and BLOCK_K <= 256),
+                         "fp8_block's row is quantized one or two 128-column groups at a time")
         if QUANT == 3:
             a_scale_q = 0.0  # each 128-column group's scale is its own (_direct_row_fp8)
         else:
@@ -319,14 +337,23 @@ def _tile(a_ptr, a_scale_ptr, a_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, ou
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if UP:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # fp8_block's row over a 256-column step: both scale groups from one load (_direct_row_fp8_groups)
+    ROW_GROUPS: tl.constexpr = QUANT_A and QUANT == 3 and BLOCK_K == 2 * SUB_K
     for k_step in range(0, K, BLOCK_K):
+        if ROW_GROUPS:
+            a_lo, s_lo, a_hi, s_hi = _direct_row_fp8_groups(a_ptr, p0, k_step, stride_am, stride_ak, BLOCK_M, SUB_K)
         for k_sub in tl.static_range(0, BLOCK_K, SUB_K):
             k0 = k_step + k_sub
             ka = k0 // A_PACK
             kw = k0 // W_PACK
             ka_ok = ka + offs_ka < K // A_PACK
             kw_ok = kw + offs_kw < K // W_PACK
-            if QUANT_A:
+            if ROW_GROUPS:
+                if k_sub == 0:
+                    a, a_row_scale = a_lo, s_lo
+                else:
+                    a, a_row_scale = a_hi, s_hi
+            elif QUANT_A:
                 a, a_row_scale = _direct_row_fp8(a_ptr, p0, ka, offs_ka, ka_ok, stride_am, stride_ak, a_scale_q,
                                                  QUANT, EVEN_K, BLOCK_M, SUB_K)
             else:
