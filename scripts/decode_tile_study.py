@@ -37,7 +37,17 @@ import time
 import torch
 
 from moeshard.bench.study import routed_case, run_on_gpu, study_parser, time_variants
-from moeshard.kernels.configs import FP8, ExpertsConfig, GemmConfig, gpu_kind, h_quant_for, multiprocessors, select_config
+from moeshard.kernels.configs import (
+    DEEP_K,
+    FP8,
+    ExpertsConfig,
+    GemmConfig,
+    gpu_kind,
+    h_quant_for,
+    in_down_tile,
+    multiprocessors,
+    select_config,
+)
 from moeshard.kernels.experts import TritonExperts, gluon_supported
 from moeshard.kernels.pdl import supported as pdl_supported
 from moeshard.quant import get_scheme
@@ -81,10 +91,12 @@ def _config(chosen: ExpertsConfig, scheme: str, inter: int, gate_up: GemmConfig 
     return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant)
 
 
-def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = False) -> dict[str, ExpertsConfig]:
+def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = False,
+             down_tile: GemmConfig | None = None) -> dict[str, ExpertsConfig]:
     """The chosen config (first) and its variants, named by what they replace (``_config``);
     one_token: the case's calls take the direct plan (one token's rows), where h may be quantized
-    by the down GEMM."""
+    by the down GEMM, and where the chosen config does not, also on ``down_tile``
+    (``configs.in_down_tile``: the tile select_config gives that down GEMM)."""
     bm = chosen.block_m
     out = {"chosen": chosen}
     named = [(f"g{n}x{k}s{s}", (n, k, s), None) for n, k, s in GATE_UP.get(bm, ())]
@@ -99,6 +111,9 @@ def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = F
         # Where one token's h is quantized: by the down GEMM as it loads it, or as h_quant says.
         other = not chosen.quantize_in_down
         out["h_in_down" if other else "h_by_h_quant"] = dataclasses.replace(chosen, quantize_in_down=other)
+        if other and down_tile is not None and down_tile != chosen.down:
+            name = f"h_in_down+d{down_tile.block_n}x{down_tile.block_k}s{down_tile.num_stages}"
+            out[name] = dataclasses.replace(chosen, quantize_in_down=True, down=down_tile)
     if chosen.pdl != "off" and chosen.down.engine == "triton":
         # The down GEMM under PDL (where the chosen config launches only the plan and gate_up so),
         # and with its weights asked for before its wait.
@@ -137,7 +152,9 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     rec.update(rows=case.M, config=dataclasses.asdict(chosen), variants={}, errors={})
     calls: dict = {}
     reference = None
-    every = variants(chosen, scheme, case.I, one_token=case.inp.repeat == case.M)
+    sms = multiprocessors(device.index)
+    tile = in_down_tile(case.H, min(case.M, case.E), sms) if case.I % DEEP_K == 0 else None
+    every = variants(chosen, scheme, case.I, one_token=case.inp.repeat == case.M, down_tile=tile)
     for key in kept(list(every), args.only):
         cfg = every[key]
         kernel = TritonExperts(case.cfg.activation, case.cfg.dtype, cfg)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moeshard.kernels.configs import select_config
+from moeshard.kernels.configs import in_down_tile, select_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -125,3 +125,10 @@ def test_prefetch_variants_where_the_down_gemm_waits_under_pdl_and_only_filters_
     names = list(out)
     assert decode_tile_study.kept(names, None) == names
     assert decode_tile_study.kept(names, "prefetch,h_") == ["chosen", "h_by_h_quant", *(f"prefetch{k}" for k in ks)]
+
+
+    # fp8_block's row over two scale groups: also on the down tile select_config gives h quantized there
+    base = select_config(2, 8, 4096, 14336, "fp8_block", 132)
+    tile = in_down_tile(4096, 2, 132)
+    out = decode_tile_study.variants(base, "fp8_block", 14336, one_token=True, down_tile=tile)
+    assert out["h_in_down+d32x256s4"] == dataclasses.replace(base, quantize_in_down=True, down=tile)

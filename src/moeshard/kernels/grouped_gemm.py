@@ -711,8 +711,8 @@ def moe_gemm(a: torch.Tensor | QuantizedActivations | Nvfp4Values, w: torch.Tens
        as it loads it, bit for bit as ``quant.quantize_h`` would (no quantized h is written and
        read again, and no quantize_h launch sits between the GEMMs). a_amax: fp8_tensor's fp32 [E]
        per-expert amax of h (the gate_up GEMM's ``amax``), fp8_token's fp32 [P] row maxima (its
-       ``row_amax``), None for fp8_block (each 128-column group's scale is its own; needs
-       block_k a multiple of 128). Not through TMA.
+       ``row_amax``), None for fp8_block (each 128-column group's scale is its own; block_k 128,
+       or 256: both groups of a step from one load). Not through TMA.
     prefetch_w: with pdl_launch, each program first asks L2 for the first ``prefetch_w`` columns
        of K of each of its weight rows, before it waits for the kernel ahead (``pdl.enter``), so
        that the weights stream while that kernel ends. Precondition: the plan (its
@@ -877,9 +877,9 @@ def _check_quantize_a(a, w, plan: RowAlignment, config: GemmConfig, activation: 
         if a_amax is not None:
             raise ValueError("moe_gemm: quantize_a of fp8_block scales each 128-column group by its own amax; "
                              "a_amax must be None")
-        if k_sub_step(mode, config.block_k) != 128:
-            raise ValueError(f"moe_gemm: quantize_a of fp8_block quantizes one 128-column group per K step; "
-                             f"config.block_k={config.block_k} must be a multiple of 128")
+        if config.block_k not in (128, 256):
+            raise ValueError(f"moe_gemm: quantize_a of fp8_block quantizes one or two 128-column groups per K step; "
+                             f"config.block_k={config.block_k} must be 128 or 256")
         return
     what, n = want
     if a_amax is None or a_amax.dtype != torch.float32 or tuple(a_amax.shape) != (n,) or a_amax.stride(0) != 1 \
