@@ -149,9 +149,9 @@ class TritonExperts(GroupedExperts):
         if cfg.quantize_in_down and spec.kernel_mode not in FP8:
             raise ValueError(f"TritonExperts: config.quantize_in_down quantizes h of fp8_tensor, fp8_token or fp8_block "
                              f"experts in the down GEMM; the experts are {scheme}")
-        if cfg.quantize_in_down and scheme == "fp8_block" and cfg.down.block_k % 128:
-            raise ValueError(f"TritonExperts: config.quantize_in_down quantizes fp8_block's h a 128-column scale group "
-                             f"at a time in the down GEMM; down.block_k={cfg.down.block_k} is not a multiple of 128")
+        if cfg.quantize_in_down and scheme == "fp8_block" and cfg.down.block_k not in (128, 256):
+            raise ValueError(f"TritonExperts: config.quantize_in_down quantizes fp8_block's h one or two 128-column "
+                             f"scale groups at a time in the down GEMM; down.block_k={cfg.down.block_k} is not 128 or 256")
         if cfg.decode_nvfp4 != "off" and scheme != "nvfp4":
             raise ValueError(f"TritonExperts: config.decode_nvfp4={cfg.decode_nvfp4!r} decodes nvfp4 operands, but the "
                              f"experts are {scheme}")
