@@ -113,6 +113,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def device_line(device: dict) -> str:
+    """A bench JSON's ``device`` as one line ("name NVIDIA H200, capability 9.0, ..."; "?" if none)."""
+    return ", ".join(f"{k} {v}" for k, v in device.items()) or "?"
+
+
 def report(names: list[str], results: list[dict], header: list[str]) -> tuple[str, dict]:
     """The text and the JSON of an evaluation of the bench results ``results`` (their JSONs, in
     the order run), named ``names``."""
@@ -149,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"--report {path}: not a readable bench JSON: {exc}")
             if not isinstance(results[-1], dict) or not isinstance(results[-1].get("records"), list):
                 p.error(f"--report {path}: no 'records' list; is it a moeshard bench JSON?")
+        devices = sorted({device_line(r.get("device") or {}) for r in results})
         text, _ = report([path.stem for path in args.report], results,
                          ["# moeshard bench targets (moeshard.bench.targets.evaluate) of "
-                          + ", ".join(str(path) for path in args.report)])
+                          + ", ".join(str(path) for path in args.report), *(f"# device: {d}" for d in devices)])
         print(text, end="")
         return 0
 
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     header = ["# moeshard bench targets (moeshard.bench.targets.evaluate), runs in the order run: " + ", ".join(names),
               f"# a: moeshard bench {' '.join(bench_args('a', extra))}",
               f"# b: moeshard bench {' '.join(bench_args('b', extra))}",
-              "# device: " + (", ".join(f"{k} {v}" for k, v in device.items()) or "?"),
+              f"# device: {device_line(device)}",
               *(f"# FAILED {line}" for line in failed)]
     text, summary = report(names, results, header)
     (out / "targets.txt").write_text(text)
