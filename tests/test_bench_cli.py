@@ -230,3 +230,23 @@ def test_bench_models_carry_every_weight_the_layer_needs(preset):
     for scheme in ("none", "fp8_token"):
         split = MoELayer(m.cfg, QuantConfig(scheme), weights=m.shell, local_experts=experts_for(m, scheme))
         assert torch.equal(split(x), MoELayer(m.cfg, QuantConfig(scheme), weights=whole)(x)), scheme
+
+
+def test_fused_moe_targets_on_another_gpu_say_why_they_have_no_case():
+    """The fused-MoE figures are an H200's: a run on an H100 gets no fused-MoE case, the entry
+    says why, and the report's row says "not on this GPU" instead of "not run"; on an H200 the
+    same record is compared."""
+    rec = {"model": "mixtral-8x7b", "regime": "prefill", "tokens": 4096, "quant": "fp8_tensor", "experts_ms": 2.0,
+           "ratios": {}}
+    on_h100 = {t["name"]: t for t in targets.evaluate([rec], "NVIDIA H100 80GB HBM3")}
+    fused = on_h100["fp8_prefill_vs_fused"]
+    assert fused["met"] is None and fused["cases"] == []
+    assert fused["not_evaluated"] == "the fused-MoE figures are an H200's; this run is on NVIDIA H100 80GB HBM3"
+    assert "not_evaluated" not in on_h100["fp8_layer_vs_experts"]
+    on_h200 = {t["name"]: t for t in targets.evaluate([rec], "NVIDIA H200")}
+    assert on_h200["fp8_prefill_vs_fused"]["cases"][0]["value"] == pytest.approx(2.61 / 2.0)
+    assert "not_evaluated" not in on_h200["fp8_prefill_vs_fused"]
+    console = Console(width=200, record=True)
+    console.print(report.targets_table(list(on_h100.values())))
+    rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if line.count("│") > 2}
+    assert "not on this GPU" in rows["fp8_prefill_vs_fused"] and "not run" in rows["bf16_vs_peak"]

@@ -76,7 +76,7 @@ def targets_table(targets: list[dict]) -> Table:
     for col in ("target", "threshold", "worst case", "met"):
         t.add_column(col)
     for g in targets:
-        met = {True: "[green]yes", False: "[red]no", None: "not run"}[g["met"]]
+        met = "not on this GPU" if g.get("not_evaluated") else {True: "[green]yes", False: "[red]no", None: "not run"}[g["met"]]
         worst = "" if g["worst"] is None else f"{g['worst']:.2f}"
         t.add_row(g["name"], f">= {g['threshold']}", worst, met)
     return t

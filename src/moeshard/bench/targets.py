@@ -124,7 +124,8 @@ def evaluate(records: list[dict], device_name: str | None) -> list[dict]:
 
     ``records`` are one run's, on the GPU torch names ``device_name`` (the run's
     ``device["name"]``). A target with no matching case (not run, or a fused-MoE target on another
-    GPU than ``FUSED_MOE_GPU``) is reported with ``met: None``.
+    GPU than ``FUSED_MOE_GPU``, which then also carries ``not_evaluated``: why) is reported with
+    ``met: None``.
     """
     fused = fused_moe_applies(device_name)
     out = []
@@ -139,5 +140,8 @@ def evaluate(records: list[dict], device_name: str | None) -> list[dict]:
                 values.append(v)
         met = all(c["met"] for c in cases) if cases else None
         worst = min(values, default=None)
-        out.append({"name": name, "ratio": key, "threshold": threshold, "met": met, "worst": worst, "cases": cases})
+        entry = {"name": name, "ratio": key, "threshold": threshold, "met": met, "worst": worst, "cases": cases}
+        if key == "vs_fused_moe" and not fused:
+            entry["not_evaluated"] = f"the fused-MoE figures are an {FUSED_MOE_GPU}'s; this run is on {device_name}"
+        out.append(entry)
     return out
