@@ -21,9 +21,10 @@ h's quantization: to the down GEMM's loads (``ExpertsConfig.quantize_in_down``) 
 PDL, the variants ``prefetch<k>`` have each down program ask L2 for the first k columns of each
 of its weight rows before it waits on the kernel ahead (``ExpertsConfig.down_prefetch``; the same
 bits); where it launches only the plan and gate_up so, ``pdl_all`` launches the down GEMM (and
-any quantize_h) under PDL too, and the prefetch variants are named ``pdl_all+prefetch<k>``. A variant that is refused, or fails to
-compile or launch, is recorded with its error. ``--only`` keeps the variants whose names start
-with one of its comma-separated prefixes (the chosen config always runs).
+any quantize_h) under PDL too, and the prefetch variants are named ``pdl_all+prefetch<k>``. A
+variant that is refused, or fails to compile or launch, is recorded with its error. ``--only``
+keeps the variants whose names start with one of its comma-separated prefixes (the chosen config
+always runs).
 
     PYTHONPATH=src python3 scripts/decode_tile_study.py --json results/h200/decode_tile_study.json
     PYTHONPATH=src python3 scripts/decode_tile_study.py --tokens 1 --only prefetch,h_in
