@@ -113,10 +113,8 @@ PER_SCHEME = {"fp8_vs_fused_moe", "fp8_prefill_vs_fused", "fp8_decode_vs_copy", 
               "fp8_layer_vs_experts", "fp8_layer_vs_all_experts"}
 
 
-def _value(r: dict, ratio: str, fused: bool) -> float | None:
-    if ratio == "vs_fused_moe":
-        return vs_fused_moe(r) if fused else None
-    return r.get("ratios", {}).get(ratio)
+def _value(r: dict, ratio: str) -> float | None:
+    return vs_fused_moe(r) if ratio == "vs_fused_moe" else r.get("ratios", {}).get(ratio)
 
 
 def evaluate(records: list[dict], device_name: str | None) -> list[dict]:
@@ -130,18 +128,19 @@ def evaluate(records: list[dict], device_name: str | None) -> list[dict]:
     fused = fused_moe_applies(device_name)
     out = []
     for name, key, threshold, keep in TARGETS:
+        if key == "vs_fused_moe" and not fused:
+            out.append({"name": name, "ratio": key, "threshold": threshold, "met": None, "worst": None, "cases": [],
+                        "not_evaluated": f"the fused-MoE figures are an {FUSED_MOE_GPU}'s; this run is on {device_name}"})
+            continue
         cases: list[dict] = []
         values: list[float] = []
         for r in records:
-            v = _value(r, key, fused) if keep(r) else None
+            v = _value(r, key) if keep(r) else None
             if v is not None:
                 label = f"{r['model']} T={r['tokens']}" + (f" {r['quant']}" if name in PER_SCHEME else "")
                 cases.append({"case": label, "value": v, "met": v >= threshold})
                 values.append(v)
         met = all(c["met"] for c in cases) if cases else None
         worst = min(values, default=None)
-        entry = {"name": name, "ratio": key, "threshold": threshold, "met": met, "worst": worst, "cases": cases}
-        if key == "vs_fused_moe" and not fused:
-            entry["not_evaluated"] = f"the fused-MoE figures are an {FUSED_MOE_GPU}'s; this run is on {device_name}"
-        out.append(entry)
+        out.append({"name": name, "ratio": key, "threshold": threshold, "met": met, "worst": worst, "cases": cases})
     return out
