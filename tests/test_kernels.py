@@ -783,10 +783,15 @@ def test_decode_tiles_take_deep_k_steps_where_they_were_measured_faster():
                 assert (cfg.down.block_n, cfg.down.block_k, cfg.down.num_stages) == (64, 256, 3), (name, cfg.down)
             one = select_config(k, E, H, I, scheme)
             # ... but the down GEMM that quantizes one token's per-row h as it loads it
-            # (configs.IN_DOWN_TILES)
-            assert one.gate_up.block_k == 128 and one.down.block_k == (256 if one.quantize_in_down else 128), \
-                (name, one)
-        assert select_config(DEEP_K_MIN_ROWS - 1, 256, 7168, 2048, scheme).gate_up.block_k == 128
+            # (configs.IN_DOWN_TILES); one token's gate_up keeps the streaming width with
+            # 256-column steps (configs._few_rows_gate_up)
+            streaming_width = {"deepseek-v3": 64, "mixtral": 128, "qwen3": 32}[name]
+            assert (one.gate_up.block_n, one.gate_up.block_k, one.gate_up.num_stages) == \
+                (streaming_width, 256, 2 if streaming_width == 128 else 3), (name, one.gate_up)
+            assert one.down.block_k == (256 if one.quantize_in_down else 128), (name, one)
+        few = select_config(DEEP_K_MIN_ROWS - 1, 256, 7168, 2048, scheme).gate_up  # 15 tiles: 128 columns fill the SMs
+        assert (few.block_n, few.block_k, few.num_stages) == (128, 256, 2), few
+        assert select_config(4, 256, 7168 + 128, 2048, scheme).gate_up.block_k == 128  # H not a multiple of 256
         exact = select_config(128, 256, 7168, 2048, scheme, fp8_gate_up="exact")
         assert (exact.gate_up.block_k, exact.down.block_k) == (128, 256)  # the down GEMM is always fp8 MMA
         assert select_config(128, 256, 7168 + 128, 2048 + 128, scheme).gate_up.block_k == 128

@@ -415,6 +415,23 @@ def _streaming(block_m: int, n: int, tiles: int, sms: int, fused: bool, mode: in
     return GemmConfig(block_m, block_n, 128, group_m=1, num_warps=4, num_stages=stages)
 
 
+def _few_rows_gate_up(tile: GemmConfig) -> GemmConfig:
+    """The fp8 gate_up tile of fewer than DEEP_K_MIN_ROWS routed rows (one token's): the streaming
+    tile's width, with DEEP_K-column K steps (2 stages at 128 columns, 3 narrower: the shared
+    memory of its 128-column pipeline). The same bits as 128-column steps (the decode tile study
+    compares them). The decode tile study at one token, these against the 128-column steps, rounds
+    alternating: one H100 80GB HBM3 (results/h100/decode_tile_study-2026-12-07-1f8a85e-*-one-token)
+    Mixtral 0.974 (fp8_tensor), 0.976 (fp8_token), 0.978 (fp8_block) at 128 columns, DeepSeek-V3
+    0.987, 0.987, 0.991 at 64; one H200 (results/h200/one_token-2026-12-07-19a3672) 4.0% off
+    Mixtral fp8_tensor, 1.1% off DeepSeek-V3. The bench's experts at one token against the
+    128-column steps, one H200, two alternating rounds
+    (results/h200/few_rows_gate_up_ab-2026-12-07-4807f79-44ffee9): DeepSeek-V3 0.985 / 0.987 /
+    0.980 (fp8_tensor / fp8_token / fp8_block), Mixtral 0.972 / 0.966 / 0.986, faster in every
+    round; Qwen3 within 0.3%. The deep-K tiles' 32 columns at 4 stages, which 16 rows and more
+    take, were slower at one token (the note above ``DEEP_K``)."""
+    return dataclasses.replace(tile, block_k=DEEP_K, num_stages=2 if tile.block_n >= 128 else 3)
+
+
 def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str,
                   sms: int = 132, fp8_gate_up: str = "mma", pdl: bool = False, gluon: bool = False,
                   gpu: str = "h200") -> ExpertsConfig:
@@ -557,6 +574,8 @@ def _tiles(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str
             gate_up = _deep_k(block_m, inter, tiles, sms, True, gpu)
         else:
             gate_up = _streaming(block_m, inter, tiles, sms, True, mode)
+            if block_m == 16 and mode in (1, 2, FP8_BLOCK) and fp8_gate_up == "mma" and hidden % DEEP_K == 0:
+                gate_up = _few_rows_gate_up(gate_up)
         if deep and inter % DEEP_K == 0:
             down = _deep_k(block_m, hidden, tiles, sms, False, gpu)
         else:
