@@ -22,7 +22,9 @@ PDL, the variants ``prefetch<k>`` have each down program ask L2 for the first k 
 of its weight rows before it waits on the kernel ahead (``ExpertsConfig.down_prefetch``; the same
 bits); where it launches only the plan and gate_up so, ``pdl_all`` launches the down GEMM (and
 any quantize_h) under PDL too, and the prefetch variants are named ``pdl_all+prefetch<k>``. A
-variant that is refused, or fails to compile or launch, is recorded with its error. ``--only``
+variant that is refused, or fails to compile or launch, is recorded with its error. One token's fp8
+rows also run as matrix-vector products (``ExpertsConfig.gemv``), variants ``gemv<gate_up
+block_n>x<down block_n>k<block_k>w<warps>``: fp32 sums of exact products, so not the tiles' bits. ``--only``
 keeps the variants whose names start with one of its comma-separated prefixes (the chosen config
 always runs).
 
@@ -43,6 +45,7 @@ from moeshard.kernels.configs import (
     FP8,
     ExpertsConfig,
     GemmConfig,
+    GemvConfig,
     gpu_kind,
     h_quant_for,
     in_down_tile,
@@ -71,6 +74,11 @@ PAIRS = {16: (((32, 256, 4), (64, 256, 3)), ((32, 128, 6), (64, 128, 6)), ((128,
 # Columns of K of each down weight row prefetched before the down GEMM's wait (a whole row
 # where K is shorter).
 DOWN_PREFETCH = (512, 2048, 16384)
+# One token's fp8 rows as matrix-vector products (``ExpertsConfig.gemv``): (gate_up block_n, down
+# block_n, block_k, num_warps). Each thread's partial sums hold block_n * block_k / (32 * warps)
+# fp32 registers a projection.
+GEMV = ((16, 16, 256, 4), (8, 8, 256, 4), (32, 32, 256, 8), (16, 16, 128, 4), (16, 16, 512, 8),
+        (16, 16, 256, 2), (8, 16, 256, 2), (32, 16, 256, 8), (16, 32, 256, 4), (8, 8, 128, 2))
 START = time.monotonic()
 
 
@@ -115,6 +123,16 @@ def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = F
         if other and down_tile is not None and down_tile != chosen.down:
             name = f"h_in_down+d{down_tile.block_n}x{down_tile.block_k}s{down_tile.num_stages}"
             out[name] = dataclasses.replace(chosen, quantize_in_down=True, down=down_tile)
+    if one_token and chosen.direct and get_scheme(scheme).kernel_mode in FP8:
+        # Both GEMMs as matrix-vector products; under the chosen PDL chain and with the down GEMV
+        # under PDL too.
+        for gu, dn, bk, warps in GEMV:
+            gemv = GemvConfig(gu, dn, bk, warps)
+            out[f"gemv{gu}x{dn}k{bk}w{warps}"] = dataclasses.replace(chosen, gemv=gemv, quantize_in_down=False,
+                                                                    down_prefetch=0)
+            if chosen.pdl == "gate_up" and (gu, dn, bk, warps) == GEMV[0]:
+                out[f"gemv{gu}x{dn}k{bk}w{warps}+pdl_all"] = dataclasses.replace(
+                    chosen, gemv=gemv, quantize_in_down=False, down_prefetch=0, pdl="all")
     if chosen.pdl != "off" and chosen.down.engine == "triton":
         # The down GEMM under PDL (where the chosen config launches only the plan and gate_up so),
         # and with its weights asked for before its wait.
@@ -170,6 +188,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
         rec["variants"][key] = {"gate_up": list(dataclasses.astuple(cfg.gate_up)[:6]),
                                 "down": list(dataclasses.astuple(cfg.down)[:6]), "h_quant": cfg.h_quant,
                                 "quantize_in_down": cfg.quantize_in_down, "down_prefetch": cfg.down_prefetch,
+                                "gemv": cfg.gemv.as_dict() if cfg.gemv is not None else None, "pdl": cfg.pdl,
                                 "same_bits": bool(torch.equal(out, reference)), "rel_diff": _rel(out, reference)}
         calls[key] = lambda kernel=kernel: kernel(case.inp, case.experts)
     time_variants(rec, calls, flush, args)

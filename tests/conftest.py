@@ -27,7 +27,8 @@ TRITON_KERNEL_MODULES = {"align": "moeshard.kernels.align", "combine": "moeshard
                          "experts": "moeshard.kernels.experts", "quant_rows": "moeshard.kernels.quant_rows",
                          "glu": "moeshard.kernels.glu", "topk": "moeshard.kernels.topk",
                          "loads": "moeshard.kernels.loads", "pdl": "moeshard.kernels.pdl",
-                         "layout": "moeshard.kernels.layout", "nvfp4_values": "moeshard.kernels.nvfp4_values"}
+                         "layout": "moeshard.kernels.layout", "nvfp4_values": "moeshard.kernels.nvfp4_values",
+                         "gemv": "moeshard.kernels.gemv"}
 
 _SAVED_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if HAVE_TRITON and not CUDA:
@@ -70,6 +71,7 @@ def interpreted_kernels():
     backends' combine pass), ``grouped_gemm``, ``quant``, ``quant_rows``, ``glu``, ``topk``,
     ``loads`` (the load counter's record pass), ``pdl`` (programmatic dependent launch), ``layout``
     (the experts' input at padded positions), ``nvfp4_values`` (nvfp4 operands decoded before the GEMMs),
+    ``gemv`` (one token's experts as matrix-vector products),
     ``experts`` and ``configs`` (the modules themselves).
 
     Skipped, with the reason, where triton is not installed or CUDA is available (there

@@ -197,6 +197,53 @@ def test_one_token_direct_plan_gives_the_sorted_plans_bits(scheme):
         assert torch.equal(static[live], sorted_plan(inp, w)[live]), (scheme, E, "graph")
 
 
+@pytest.mark.parametrize("gemv", [(16, 16, 256, 4), (32, 8, 512, 8), (8, 32, 128, 2)], ids=str)
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_token", "fp8_block"])
+def test_one_token_gemv_matches_reference(scheme, gemv):
+    """One token's rows as matrix-vector products (``ExpertsConfig.gemv``) against the reference,
+    at DeepSeek-V3's and Mixtral's one-token shapes (8 of 256 experts, 2 of 8) and one with a
+    padding row and an intermediate size no step divides; launched serially and under each PDL
+    chain, the same bits, eagerly and in a replayed CUDA graph with a new input."""
+    for E, H, I, ids in ((256, 1024, 512, [200, 3, 17, 255, 0, 128, 64, 9]), (8, 512, 1792, [5, 2]),
+                         (64, 512, 384, [7, -1, 63, 12])):
+        _one_token_gemv_case(scheme, gemv, E, H, I, ids)
+
+
+def _one_token_gemv_case(scheme: str, gemv: tuple[int, int, int, int], E: int, H: int, I: int,  # noqa: E741
+                         ids: list[int]) -> None:
+    import dataclasses
+
+    from moeshard.kernels.configs import GemvConfig
+    from moeshard.kernels.pdl import supported
+
+    K = len(ids)
+    w = _weights(E, H, I, torch.bfloat16, scheme, seed=E)
+    x = torch.randn(1, H, device="cuda").to(torch.bfloat16)
+    expert_ids = torch.tensor(ids, device="cuda")
+    live = expert_ids >= 0
+    tiles = dataclasses.replace(select_config(K, E, H, I, scheme), pdl="off", quantize_in_down=False)
+    serial = TritonExperts("silu", torch.bfloat16, dataclasses.replace(tiles, gemv=GemvConfig(*gemv)))
+
+    def ref():
+        xq = quantize_activations(x.expand(int(live.sum()), H).contiguous(), scheme)
+        return expert_reference(xq, expert_ids[live], w, "silu", torch.bfloat16)
+
+    def inp():
+        return ExpertInput(quantize_activations(x, scheme), expert_ids, repeat=K)
+
+    want = serial(inp(), w)
+    _check(want[live], ref(), torch.bfloat16, scheme, f"gemv {gemv} E={E}")
+    for chain in ("gate_up", "all") if supported(torch.device("cuda")) else ():
+        kernel = TritonExperts("silu", torch.bfloat16, dataclasses.replace(tiles, gemv=GemvConfig(*gemv), pdl=chain))
+        assert torch.equal(kernel(inp(), w)[live], want[live]), (scheme, E, chain)
+        graph, static = _captured(lambda _, kernel=kernel: kernel(inp(), w), x)
+        x.copy_(torch.randn(1, H, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(static[live], serial(inp(), w)[live]), (scheme, E, chain, "graph")
+        _check(static[live], ref(), torch.bfloat16, scheme, f"gemv {gemv} E={E} {chain} graph")
+        want = serial(inp(), w)
+
+
 @pytest.mark.parametrize("scheme", ["none", "fp8_tensor", "fp8_token", "fp8_block"])
 def test_half_tiles_give_the_whole_tiles_bits(scheme):
     """The prefill tiles ``select_config`` picks, compiled, with and without half tiles: 64 experts

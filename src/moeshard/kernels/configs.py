@@ -146,6 +146,32 @@ class GemmConfig:
 
 
 @dataclass(frozen=True)
+class GemvConfig:
+    """One token's experts as matrix-vector products (``kernels.gemv``): gate_up_block_n gate rows
+    (and as many up rows) and down_block_n down rows of one routed row's expert per program, K in
+    steps of block_k columns (a multiple of 128: fp8_block's scale groups), num_warps per program.
+    Powers of two; fp8_block takes block widths dividing 128 (one weight scale per tile and group)."""
+
+    gate_up_block_n: int = 16
+    down_block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up_block_n", "down_block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name}: expected a power of two, got {value!r}")
+        if self.block_k % 128:
+            raise ValueError(f"GemvConfig.block_k: a multiple of 128 (fp8_block's scale groups), got {self.block_k}")
+        if max(self.gate_up_block_n, self.down_block_n) > 128 or self.num_warps > 16:
+            raise ValueError(f"GemvConfig: block widths up to 128 and up to 16 warps, got {self}")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class ExpertsConfig:
     """Tile shapes of the two GEMMs. The tile plan is built for gate_up's block_m, which
     ``block_m`` names; down's block_m divides it. pdl (``PDL_CHAINS``): which kernels launch
@@ -178,7 +204,10 @@ class ExpertsConfig:
     keep. down_prefetch (pdl "all", down on the Triton engine): each down GEMM program asks L2 for
     the first down_prefetch columns of K of each of its weight rows before it waits on the kernel
     ahead (``moe_gemm``'s ``prefetch_w``), so that the down weights stream while that kernel
-    ends; the same bits. 0: none."""
+    ends; the same bits. 0: none. gemv (with direct; fp8_tensor, fp8_token and fp8_block experts): one
+    token's rows run as matrix-vector products on the CUDA cores (``kernels.gemv``) in place of both
+    tile GEMMs, h quantized as the down GEMV loads it (the tiles' gate_up and down are then unused);
+    fp32 sums of exact products, not the tiles' bits. None: the tile GEMMs."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -190,6 +219,7 @@ class ExpertsConfig:
     direct: bool = False
     quantize_in_down: bool = False
     down_prefetch: int = 0
+    gemv: GemvConfig | None = None
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHAINS:
@@ -232,6 +262,10 @@ class ExpertsConfig:
             raise ValueError(f"ExpertsConfig.down_prefetch={self.down_prefetch} asks for the down weights while the "
                              f"kernel ahead runs; it needs pdl='all' and the Triton down engine, got "
                              f"pdl={self.pdl!r}, down.engine={self.down.engine!r}")
+        if self.gemv is not None and (not self.direct or self.decode_nvfp4 != "off" or self.down_prefetch):
+            raise ValueError(f"ExpertsConfig.gemv runs one token's rows on the direct plan as matrix-vector products; "
+                             f"it needs direct=True, decode_nvfp4='off' and down_prefetch=0, got direct={self.direct}, "
+                             f"decode_nvfp4={self.decode_nvfp4!r}, down_prefetch={self.down_prefetch}")
         # One tile plan, built for gate_up, serves both GEMMs: down may run it in tiles of a
         # divisor of its height (``align.split_tiles``), never taller ones, which would read past it.
         if self.gate_up.block_m % self.down.block_m:

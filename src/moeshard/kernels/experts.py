@@ -40,7 +40,8 @@ from moeshard.experts.base import EXPERT_BLOCKS, FLAT, ExpertInput, ExpertWeight
 from moeshard.experts.grouped import GroupedExperts
 from moeshard.kernels import pdl
 from moeshard.kernels.align import align_rows, direct_rows, max_tiles, split_tiles
-from moeshard.kernels.configs import FP8, FP8_TOKEN, ExpertsConfig, gpu_kind, multiprocessors, select_config
+from moeshard.kernels.configs import FP8, FP8_TOKEN, ExpertsConfig, GemvConfig, gpu_kind, multiprocessors, select_config
+from moeshard.kernels.gemv import down_gemv, gate_up_gemv
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.layout import lay_out_rows
 from moeshard.kernels.modes import GLUON_ACT_MODES
@@ -155,6 +156,9 @@ class TritonExperts(GroupedExperts):
         if cfg.decode_nvfp4 != "off" and scheme != "nvfp4":
             raise ValueError(f"TritonExperts: config.decode_nvfp4={cfg.decode_nvfp4!r} decodes nvfp4 operands, but the "
                              f"experts are {scheme}")
+        if cfg.gemv is not None and spec.kernel_mode not in FP8:
+            raise ValueError(f"TritonExperts: config.gemv computes fp8_tensor, fp8_token or fp8_block experts; "
+                             f"the experts are {scheme}")
         front, back = cfg.pdl != "off", cfg.pdl == "all"  # plan and gate_up; quantize_h and down
         decode_a, decode_w = cfg.decode_nvfp4 != "off", cfg.decode_nvfp4 == "all"
         per_tensor = spec.per_tensor_activation
@@ -162,6 +166,8 @@ class TritonExperts(GroupedExperts):
         # buffers the plan kernel would zero are zeroed here.
         direct = cfg.direct and inp.repeat == M
         # On the direct plan the down GEMM may quantize h's one row per tile as it loads it.
+        if direct and cfg.gemv is not None and isinstance(x, QuantizedActivations):  # fp8: x was quantized above
+            return self._gemv(x, inp, weights, cfg.gemv, front, back)
         in_down = direct and cfg.quantize_in_down
         h_quant = "down" if in_down else cfg.h_quant
         new = torch.zeros if direct else torch.empty
@@ -218,6 +224,29 @@ class TritonExperts(GroupedExperts):
                      prefetch_w=cfg.down_prefetch if back else 0)
             del w_down
         return y
+
+
+    def _gemv(self, x: QuantizedActivations, inp: ExpertInput, weights: ExpertWeights, gemv: GemvConfig,
+              front: bool, back: bool) -> torch.Tensor:
+        """One token's routed rows as matrix-vector products (``ExpertsConfig.gemv``): gate_up
+        (under PDL with ``front``) writes h [M, I] in the model dtype and its scales' maxima, and
+        the down GEMV (under PDL with ``back``) quantizes h's rows as it loads them."""
+        if not isinstance(weights.gate_up, QuantizedWeight) or not isinstance(weights.down, QuantizedWeight):
+            raise TypeError(f"TritonExperts: config.gemv takes fp8 weights, got {type(weights.gate_up).__name__} and "
+                            f"{type(weights.down).__name__}")
+        ids = inp.expert_ids.contiguous()
+        M, E, H, I = ids.shape[0], weights.num_experts, weights.hidden_size, weights.intermediate_size
+        mode = get_scheme(weights.scheme).kernel_mode
+        amax = torch.zeros(E, dtype=torch.float32, device=ids.device) if mode == 1 else None
+        row_amax = torch.zeros(M, dtype=torch.float32, device=ids.device) if mode == FP8_TOKEN else None
+        h = torch.empty(M, I, dtype=self.out_dtype, device=ids.device)
+        gate_up_gemv(x, weights.gate_up, ids, h, gemv, activation=self.activation, x_row_div=inp.repeat,
+                     amax=amax, row_amax=row_amax, bias=weights.gate_up_bias, pdl_launch=front)
+        if amax is not None and inp.amax_reduce is not None:  # replicas on other ranks share the scale
+            amax = inp.amax_reduce(amax)
+        y = torch.empty(M, H, dtype=self.out_dtype, device=ids.device)
+        return down_gemv(h, weights.down, ids, y, gemv, h_amax=amax if amax is not None else row_amax,
+                         bias=weights.down_bias, pdl_launch=back)
 
 
 def _windows(num_experts: int, per_window: int) -> list[tuple[int, int]]:
