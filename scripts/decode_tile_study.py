@@ -75,10 +75,10 @@ PAIRS = {16: (((32, 256, 4), (64, 256, 3)), ((32, 128, 6), (64, 128, 6)), ((128,
 # where K is shorter).
 DOWN_PREFETCH = (512, 2048, 16384)
 # One token's fp8 rows as matrix-vector products (``ExpertsConfig.gemv``): (gate_up block_n, down
-# block_n, block_k, num_warps). Each thread's partial sums hold block_n * block_k / (32 * warps)
-# fp32 registers a projection.
-GEMV = ((16, 16, 256, 4), (8, 8, 256, 4), (32, 32, 256, 8), (16, 16, 128, 4), (16, 16, 512, 8),
-        (16, 16, 256, 2), (8, 16, 256, 2), (32, 16, 256, 8), (16, 32, 256, 4), (8, 8, 128, 2))
+# block_n, block_k, num_warps). Each thread loads block_n * block_k / (32 * warps) bytes of each
+# weight matrix a K step (gate_up: two), in 16-byte loads.
+GEMV = ((16, 16, 256, 4), (32, 32, 256, 4), (32, 16, 512, 4), (64, 32, 256, 4), (16, 16, 512, 4),
+        (8, 8, 256, 4), (16, 16, 256, 2), (32, 32, 256, 8), (64, 64, 256, 8), (16, 32, 256, 4))
 START = time.monotonic()
 
 
