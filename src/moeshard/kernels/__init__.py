@@ -10,7 +10,8 @@ GEMM for every scheme), ``quant`` (activation quantization of h), ``configs`` (t
 (``TritonExperts``, the drop-in for ``GroupedExperts``), ``quant_rows`` (the layer's input
 quantized in one fused pass), ``pdl`` (programmatic dependent launch of the experts' kernels),
 ``layout`` (the experts' input laid out at the tile plan's positions, for gate_up without gather),
-``nvfp4_values`` (nvfp4 operands decoded to fp16 once, before the GEMMs, at prefill).
+``nvfp4_values`` (nvfp4 operands decoded to fp16 once, before the GEMMs, at prefill), ``gemv``
+(one token's fp8 experts as matrix-vector products on the CUDA cores).
 
 Importing this package never imports Triton; ``triton_support`` says whether the kernels can
 run on a device and why not.

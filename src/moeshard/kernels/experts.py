@@ -7,7 +7,8 @@
     h --quantize_h (scheme; per-expert amax, or fp8_token's row maxima, from the GEMM epilogue)--> h_q [P, I]
     h_q --down GEMM, rows scattered to their original order--> y [M, H]
     (one token's fp8 rows on the direct plan, ``ExpertsConfig.quantize_in_down``: no quantize_h;
-    the down GEMM reads h and quantizes each tile's one row as it loads it, the same bits)
+    the down GEMM reads h and quantizes each tile's one row as it loads it, the same bits; or,
+    ``ExpertsConfig.gemv``, both GEMMs as matrix-vector products, ``kernels.gemv``)
     (nvfp4 at prefill, ``ExpertsConfig.decode_nvfp4``: x, h_q and where chosen the weights are
     decoded to fp16 values once, ``kernels.nvfp4_values``, instead of in every GEMM program; the
     weights a window of ``decode_experts`` experts at a time, each GEMM launched per window)
