@@ -24,6 +24,7 @@ import triton
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv_resources import compile_down, compile_gate_up  # noqa: E402
 from kernel_resources import SM90, compile_gemm, cuobjdump  # noqa: E402
 
 from moeshard.kernels import align, quant  # noqa: E402
@@ -143,6 +144,10 @@ KERNELS = (
     ("down fp8_tensor, one token, h quantized, weights prefetched", "moe_gemm_kernel",
      lambda: compile_gemm(1, "fp8e4nv", False, (16, 64, 256, 4, 3), "split", pdl=True, direct=True, quant_a=True,
                           prefetch_bytes=1024)),
+    ("gate_up GEMV fp8_tensor, one token", "_gate_up_gemv_kernel", lambda: compile_gate_up(1, 16, 512, 4)),
+    ("gate_up GEMV fp8_block, one token", "_gate_up_gemv_kernel", lambda: compile_gate_up(3, 16, 512, 4)),
+    ("down GEMV fp8_token, one token", "_down_gemv_kernel", lambda: compile_down(2, 16, 512, 4)),
+    ("down GEMV fp8_block, one token", "_down_gemv_kernel", lambda: compile_down(3, 16, 512, 4)),
     ("quantize_h fp8_tensor", "_quantize_h_kernel", lambda: _quantize_h(1, 0)),
     ("quantize_h fp8_tensor, direct plan", "_quantize_h_kernel", lambda: _quantize_h(1, 0, direct=True)),
     ("quantize_h fp8_token, whole rows", "_quantize_h_kernel", lambda: _quantize_h(2, 0)),
