@@ -150,7 +150,8 @@ class GemvConfig:
     """One token's experts as matrix-vector products (``kernels.gemv``): gate_up_block_n gate rows
     (and as many up rows) and down_block_n down rows of one routed row's expert per program, K in
     steps of block_k columns (a multiple of 128: fp8_block's scale groups), num_warps per program.
-    Powers of two; fp8_block takes block widths dividing 128 (one weight scale per tile and group)."""
+    Powers of two; block widths up to 128, so that an fp8_block tile lies in one 128-row weight
+    block (one weight scale per tile and group)."""
 
     gate_up_block_n: int = 16
     down_block_n: int = 16

@@ -166,9 +166,9 @@ class TritonExperts(GroupedExperts):
         # One token's choices (distinct experts under top-k): a tile per row, no plan kernel. The
         # buffers the plan kernel would zero are zeroed here.
         direct = cfg.direct and inp.repeat == M
-        # On the direct plan the down GEMM may quantize h's one row per tile as it loads it.
         if direct and cfg.gemv is not None and isinstance(x, QuantizedActivations):  # fp8: x was quantized above
             return self._gemv(x, inp, weights, cfg.gemv, front, back)
+        # On the direct plan the down GEMM may quantize h's one row per tile as it loads it.
         in_down = direct and cfg.quantize_in_down
         h_quant = "down" if in_down else cfg.h_quant
         new = torch.zeros if direct else torch.empty
@@ -225,7 +225,6 @@ class TritonExperts(GroupedExperts):
                      prefetch_w=cfg.down_prefetch if back else 0)
             del w_down
         return y
-
 
     def _gemv(self, x: QuantizedActivations, inp: ExpertInput, weights: ExpertWeights, gemv: GemvConfig,
               front: bool, back: bool) -> torch.Tensor:
