@@ -77,8 +77,10 @@ DOWN_PREFETCH = (512, 2048, 16384)
 # One token's fp8 rows as matrix-vector products (``ExpertsConfig.gemv``): (gate_up block_n, down
 # block_n, block_k, num_warps). Each thread loads block_n * block_k / (32 * warps) bytes of each
 # weight matrix a K step (gate_up: two), in 16-byte loads.
+# Wider down programs quantize each row of h fewer times (every down program quantizes the whole row).
 GEMV = ((16, 16, 256, 4), (32, 32, 256, 4), (32, 16, 512, 4), (64, 32, 256, 4), (16, 16, 512, 4),
-        (8, 8, 256, 4), (16, 16, 256, 2), (32, 32, 256, 8), (64, 64, 256, 8), (16, 32, 256, 4))
+        (8, 8, 256, 4), (16, 16, 256, 2), (32, 32, 256, 8), (64, 64, 256, 8), (16, 32, 256, 4),
+        (16, 32, 512, 4), (32, 32, 512, 8), (16, 64, 512, 8))
 START = time.monotonic()
 
 
