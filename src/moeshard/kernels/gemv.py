@@ -79,6 +79,14 @@ def _row_sums(products, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _program(N, BLOCK_N: tl.constexpr):
+    """(routed row, block of BLOCK_N of the N output columns) of this program."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    return pid // num_pid_n, pid % num_pid_n
+
+
+@triton.jit
 def _gate_up_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, amax_ptr, bias_ptr,
                          N, K, up_offset, x_row_div,
                          stride_xm, stride_xk, stride_xsm, stride_xsk,
@@ -89,15 +97,11 @@ def _gate_up_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr,
                          EVEN_K: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (row, n block): h[row, n : n + BLOCK_N] of routed row ``row`` (x row row //
     x_row_div) through expert ids[row]'s gate rows [n, n + BLOCK_N) and up rows up_offset later."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    row = pid // num_pid_n
-    pid_n = pid % num_pid_n
+    row, pid_n = _program(N, BLOCK_N)
     pdl.enter(PDL)
-    expert = tl.load(ids_ptr + row)
+    expert = tl.load(ids_ptr + row).to(tl.int64)  # -1: a padding row
     if expert < 0:
         return
-    expert = expert.to(tl.int64)
     x_row = (row // x_row_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -171,15 +175,11 @@ def _down_gemv_kernel(h_ptr, h_amax_ptr, w_ptr, w_scale_ptr, ids_ptr, y_ptr, bia
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (row, n block): y[row, n : n + BLOCK_N] = h[row] quantized, through expert
     ids[row]'s down rows [n, n + BLOCK_N)."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    row = pid // num_pid_n
-    pid_n = pid % num_pid_n
+    row, pid_n = _program(N, BLOCK_N)
     pdl.enter(PDL)
-    expert = tl.load(ids_ptr + row)
+    expert = tl.load(ids_ptr + row).to(tl.int64)  # -1: a padding row
     if expert < 0:
         return
-    expert = expert.to(tl.int64)
     row64 = row.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
