@@ -10,11 +10,12 @@
 One token reads each routed expert's weights once and multiplies them by one row: the tile GEMMs
 (``grouped_gemm``) hold 16-row tiles of which 15 are padding, and a few programs a multiprocessor
 stream their weights through a shared-memory pipeline. Here every program streams BLOCK_N weight
-rows with plain 16-byte loads into registers, and the products are fp32 FMAs of exact e4m3 x e4m3
-products (each fits in fp32's mantissa), summed in fp32: more accurate than the fp8 tensor cores'
-accumulation that ``TritonExperts`` declares (``ACCUMULATION["fp8_mma"]``), so the reference's
-price of the experts holds. Each thread keeps its own partial sums of a [BLOCK_N, BLOCK_K] tile
-across K, reduced once at the end (no cross-thread reduction per K step).
+rows with plain 16-byte loads into registers, and multiplies in fp32 (an e4m3 x e4m3 product is
+exact there; fp8_block's factor x_q * scales is rounded once), summed in fp32: more accurate than
+the fp8 tensor cores' accumulation that ``TritonExperts`` declares (``ACCUMULATION["fp8_mma"]``),
+so the reference's price of the experts holds. Each thread sums the 16 products of each of its
+16-byte loads itself and keeps one partial sum a load across K; the threads' sums are reduced
+once, at the end (no cross-thread reduction per K step).
 
 Scales, per scheme (``QUANT`` is the scheme's ``kernel_mode``):
 
