@@ -106,6 +106,31 @@ def _hand_row(scheme: str):
     return x, w
 
 
+def _nan_after(scale: torch.Tensor, extra: int = 3) -> torch.Tensor:
+    """``scale`` as a view of a buffer whose last dimension runs ``extra`` NaN groups further: a
+    read past a row's last scale group sees NaN, whatever memory lies there."""
+    padded = torch.full((*scale.shape[:-1], scale.shape[-1] + extra), float("nan"), dtype=scale.dtype)
+    padded[..., : scale.shape[-1]] = scale
+    return padded[..., : scale.shape[-1]]
+
+
+def test_fp8_block_last_partial_step_reads_no_scale_past_k(interpreted_kernels, exact_interpreter):
+    """fp8_block over K = 640 in 512-column steps: the last step's columns past K are zeros, and
+    their groups' scales would lie past each row's five; with NaN there, the output stays finite and
+    equal to the reference (it read none of them), in both GEMVs, with and without prefetch."""
+    k = interpreted_kernels
+    x, w = _problem("fp8_block", 640, 640)
+    w = ExpertWeights(dataclasses.replace(w.gate_up, scale=_nan_after(w.gate_up.scale)),
+                      dataclasses.replace(w.down, scale=_nan_after(w.down.scale)), "fp8_block")
+    xq = quantize_activations(x, "fp8_block")
+    xq = dataclasses.replace(xq, row_scale=_nan_after(xq.row_scale))
+    ids = torch.tensor([1, 4])
+    y = k.experts.TritonExperts("silu", torch.bfloat16, _config(k, k.configs.GemvConfig(16, 16, 512, 4)))(
+        ExpertInput(xq, ids, repeat=2), w)
+    assert torch.isfinite(y).all()
+    assert compare(y, _reference(x, ids, w, "silu"), torch.bfloat16, "fp8_block")[3]
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_one_token_gemv_on_a_hand_computed_row(interpreted_kernels, exact_interpreter, scheme):
     k = interpreted_kernels

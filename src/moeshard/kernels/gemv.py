@@ -55,11 +55,16 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
-def _step_scales(x_scale_ptr, ws_base, k, offs_k, stride_xsk, stride_wsk):
+def _step_scales(x_scale_ptr, ws_base, k, k_ok, offs_k, stride_xsk, stride_wsk, EVEN_K: tl.constexpr):
     """fp8_block's factor of each column [BLOCK_K] of a K step: its 128-column group's activation
-    scale times the tile's weight scale of that group (a tile lies in one 128-row weight block)."""
+    scale times the tile's weight scale of that group (a tile lies in one 128-row weight block).
+    Columns past K (a last, partial step) read no scale, which would lie past the row's groups,
+    and take 0: their values are zeros, and 0 times a scale read past the end could be NaN."""
     groups = (k + offs_k) // 128
-    return tl.load(x_scale_ptr + groups * stride_xsk) * tl.load(ws_base + groups * stride_wsk)
+    if EVEN_K:
+        return tl.load(x_scale_ptr + groups * stride_xsk) * tl.load(ws_base + groups * stride_wsk)
+    return tl.load(x_scale_ptr + groups * stride_xsk, mask=k_ok, other=0.0) * \
+        tl.load(ws_base + groups * stride_wsk, mask=k_ok, other=0.0)
 
 
 @triton.jit
@@ -127,13 +132,13 @@ def _gate_up_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr,
         else:
             a = tl.load(x_ptr + x_row * stride_xm + (k + offs_k) * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
         if QUANT == 3:
-            a_gate = a * _step_scales(xs_row, gate_ws, k, offs_k, stride_xsk, stride_wsk)
+            a_gate = a * _step_scales(xs_row, gate_ws, k, k_ok, offs_k, stride_xsk, stride_wsk, EVEN_K)
         else:
             a_gate = a
         acc += _row_sums(_weights(gate_ptrs + k * stride_wk, k_ok, EVEN_K) * a_gate[None, :], BLOCK_N, BLOCK_K)
         if UP:
             if QUANT == 3:
-                a_up = a * _step_scales(xs_row, up_ws, k, offs_k, stride_xsk, stride_wsk)
+                a_up = a * _step_scales(xs_row, up_ws, k, k_ok, offs_k, stride_xsk, stride_wsk, EVEN_K)
             else:
                 a_up = a
             acc_up += _row_sums(_weights(up_ptrs + k * stride_wk, k_ok, EVEN_K) * a_up[None, :], BLOCK_N, BLOCK_K)
@@ -206,7 +211,11 @@ def _down_gemv_kernel(h_ptr, h_amax_ptr, w_ptr, w_scale_ptr, ids_ptr, y_ptr, bia
             # Each 128-column group by its own amax (a group past K is zeros: the floor scale,
             # zero values); the group's scale and the tile's weight scale folded into the values.
             q, group_scale = _fp8_group(tl.reshape(hv, (BLOCK_K // 128, 128)), _AMAX_FLOOR, _FP8_MAX)
-            ws = tl.load(tile_ws + (k // 128 + tl.arange(0, BLOCK_K // 128)) * stride_wsk)
+            groups = k // 128 + tl.arange(0, BLOCK_K // 128)
+            if EVEN_K:
+                ws = tl.load(tile_ws + groups * stride_wsk)
+            else:  # no scale read past the row's last group (K is whole groups)
+                ws = tl.load(tile_ws + groups * stride_wsk, mask=groups < K // 128, other=0.0)
             a = tl.reshape(q.to(tl.float32) * (group_scale * ws)[:, None], (BLOCK_K,))
         else:
             a = _fp8(hv, h_scale, _FP8_MAX).to(tl.float32)
