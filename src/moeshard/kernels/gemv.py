@@ -230,21 +230,23 @@ def _down_gemv_kernel(h_ptr, h_amax_ptr, w_ptr, w_scale_ptr, ids_ptr, y_ptr, bia
     tl.store(y_ptr + row64 * stride_ym + offs_n, result, mask=n_ok)
 
 
-def _check_weights(w, what: str, block_n: int, block_k: int) -> int:
-    """The weights' kernel mode, after refusing (naming the values) weights the GEMVs cannot take."""
+def _weight_operand(w, what: str):
+    """(kernel mode, scale, (stride_wse, stride_wsn, stride_wsk)) of fp8 weights [E, N_w, K], after
+    refusing (naming the values) weights the GEMVs cannot take. ``GemvConfig`` keeps block widths
+    within one 128-row block and steps of whole 128-column groups; fp8_block's rows and K must be
+    whole groups too (one weight scale per tile and group)."""
     if not isinstance(w, QuantizedWeight):
         raise ValueError(f"{what}: takes fp8_tensor, fp8_token or fp8_block weights, got {type(w).__name__}")
-    _, _, _, _, mode, _ = _w_operand(w)
+    _, scale, _, strides, mode, _ = _w_operand(w)
     if mode not in GEMV_MODES:
         raise ValueError(f"{what}: takes fp8_tensor, fp8_token or fp8_block weights, got {w.scheme!r}")
     if w.data.stride(2) != 1:
         raise ValueError(f"{what}: weight rows must be contiguous along K, got strides {w.data.stride()}")
     e, n_w, k = w.data.shape
-    if mode == 3 and (n_w % 128 or k % 128 or 128 % block_n or block_k % 128):
-        raise ValueError(f"{what}: fp8_block weights take block_n dividing 128 and block_k a multiple of 128 over "
-                         f"rows and K multiples of 128 (one weight scale per tile and group); got block_n={block_n}, "
-                         f"block_k={block_k}, weights [{e}, {n_w}, {k}]")
-    return mode
+    if mode == 3 and (n_w % 128 or k % 128):
+        raise ValueError(f"{what}: fp8_block weights take rows and K multiples of 128 (one weight scale per tile "
+                         f"and group); got weights [{e}, {n_w}, {k}]")
+    return mode, scale, strides
 
 
 def _check_ids(ids: torch.Tensor, num_experts: int, device: torch.device, what: str) -> None:
@@ -268,7 +270,7 @@ def gate_up_gemv(x: QuantizedActivations, w: QuantizedWeight, expert_ids: torch.
     activation. pdl_launch: as ``moe_gemm``'s.
     """
     what = "gate_up_gemv"
-    mode = _check_weights(w, what, config.gate_up_block_n, config.block_k)
+    mode, w_scale, (s_wse, s_wsn, s_wsk) = _weight_operand(w, what)
     if not isinstance(x, QuantizedActivations) or x.scheme != w.scheme or x.data.dim() != 2:
         raise ValueError(f"{what}: x must be [rows, K] activations quantized as the weights ({w.scheme!r}), got "
                          f"{getattr(x, 'scheme', type(x).__name__)!r}")
@@ -296,7 +298,6 @@ def gate_up_gemv(x: QuantizedActivations, w: QuantizedWeight, expert_ids: torch.
     bn, bk = config.gate_up_block_n, config.block_k
     if mode == 3 and n % 128:
         raise ValueError(f"{what}: fp8_block's up rows start at N={n}, not a multiple of 128")
-    _, w_scale, _, (s_wse, s_wsn, s_wsk), _, _ = _w_operand(w)
     act_p0, act_p1 = act_constants(activation)
     track = 1 if amax is not None else 2 if row_amax is not None else 0
     grid = (M * triton.cdiv(n, bn),)
@@ -324,7 +325,7 @@ def down_gemv(h: torch.Tensor, w: QuantizedWeight, expert_ids: torch.Tensor, y: 
     the rounded output.
     """
     what = "down_gemv"
-    mode = _check_weights(w, what, config.down_block_n, config.block_k)
+    mode, w_scale, (s_wse, s_wsn, s_wsk) = _weight_operand(w, what)
     e, n, k = w.data.shape
     M = expert_ids.shape[0]
     _check_ids(expert_ids, e, y.device, what)
@@ -346,7 +347,6 @@ def down_gemv(h: torch.Tensor, w: QuantizedWeight, expert_ids: torch.Tensor, y: 
         raise ValueError(f"{what}: bias must be [E={e}, N={n}] with unit column stride, got {list(bias.shape)} "
                          f"strides {bias.stride()}")
     bn, bk = config.down_block_n, config.block_k
-    _, w_scale, _, (s_wse, s_wsn, s_wsk), _, _ = _w_operand(w)
     grid = (M * triton.cdiv(n, bn),)
     _down_gemv_kernel[grid](
         h, h_amax if h_amax is not None else h, w.data, w_scale, expert_ids, y, bias if bias is not None else y,
