@@ -99,7 +99,7 @@ def _config(chosen: ExpertsConfig, scheme: str, inter: int, gate_up: GemmConfig 
     h_quant = chosen.h_quant
     if h_quant in ("gate_up", "pass"):
         h_quant = h_quant_for(get_scheme(scheme).kernel_mode, g, inter, where=True)
-    return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant)
+    return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant, gemv=None)
 
 
 def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = False,
@@ -125,17 +125,20 @@ def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = F
         if other and down_tile is not None and down_tile != chosen.down:
             name = f"h_in_down+d{down_tile.block_n}x{down_tile.block_k}s{down_tile.num_stages}"
             out[name] = dataclasses.replace(chosen, quantize_in_down=True, down=down_tile)
+    if chosen.gemv is not None:
+        out["tiles"] = dataclasses.replace(chosen, gemv=None)  # the tile GEMMs on the direct plan
     if one_token and chosen.direct and get_scheme(scheme).kernel_mode in FP8:
         # Both GEMMs as matrix-vector products; under the chosen PDL chain and with the down GEMV
         # under PDL too.
         for gu, dn, bk, warps in GEMV:
             gemv = GemvConfig(gu, dn, bk, warps)
-            out[f"gemv{gu}x{dn}k{bk}w{warps}"] = dataclasses.replace(chosen, gemv=gemv, quantize_in_down=False,
-                                                                    down_prefetch=0)
+            if gemv != chosen.gemv:
+                out[f"gemv{gu}x{dn}k{bk}w{warps}"] = dataclasses.replace(chosen, gemv=gemv, quantize_in_down=False,
+                                                                        down_prefetch=0)
             if chosen.pdl == "gate_up" and (gu, dn, bk, warps) == GEMV[0]:
                 out[f"gemv{gu}x{dn}k{bk}w{warps}+pdl_all"] = dataclasses.replace(
                     chosen, gemv=gemv, quantize_in_down=False, down_prefetch=0, pdl="all")
-    if chosen.pdl != "off" and chosen.down.engine == "triton":
+    if chosen.pdl != "off" and chosen.down.engine == "triton" and chosen.gemv is None:
         # The down GEMM under PDL (where the chosen config launches only the plan and gate_up so),
         # and with its weights asked for before its wait.
         under, prefix = (chosen, "") if chosen.pdl == "all" else (dataclasses.replace(chosen, pdl="all"), "pdl_all+")

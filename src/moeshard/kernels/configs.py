@@ -467,6 +467,16 @@ def _few_rows_gate_up(tile: GemmConfig) -> GemmConfig:
     return dataclasses.replace(tile, block_k=DEEP_K, num_stages=2 if tile.block_n >= 128 else 3)
 
 
+# fp8_block's one-token rows as matrix-vector products (``ExpertsConfig.gemv``, ``kernels.gemv``).
+# One H100 80GB HBM3, the decode tile study at one token, two alternating rounds, against the
+# chosen tile GEMMs (results/h100/one_token_gemv-2026-12-07-ef59bbb): DeepSeek-V3 0.946, Mixtral
+# 0.971, Qwen3 0.855 of the time at 16 x 16 x 512 with 4 warps (the fastest at Mixtral and Qwen3;
+# 0.937 at 16 x 16 x 256 with 2 warps at DeepSeek-V3). The per-row schemes keep the tiles: 0.987-0.993
+# at DeepSeek-V3 (32 x 32 x 256, 4 warps), 1.005-1.058 at Mixtral and Qwen3 at best. Not measured
+# on an H200.
+ONE_TOKEN_BLOCK_GEMV = GemvConfig(16, 16, 512, 4)
+
+
 def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, scheme: str,
                   sms: int = 132, fp8_gate_up: str = "mma", pdl: bool = False, gluon: bool = False,
                   gpu: str = "h200") -> ExpertsConfig:
@@ -529,6 +539,9 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         if per_row and num_rows < DEEP_K_MIN_ROWS and inter % DEEP_K == 0:
             cfg = dataclasses.replace(cfg, quantize_in_down=True,
                                       down=in_down_tile(hidden, min(num_rows, num_experts), sms))
+        if get_scheme(scheme).kernel_mode == FP8_BLOCK and num_rows < DEEP_K_MIN_ROWS and inter % 128 == 0 \
+                and hidden % 128 == 0:
+            cfg = dataclasses.replace(cfg, gemv=ONE_TOKEN_BLOCK_GEMV)
     if not pdl or not decode:
         return cfg
     # Decode only, and quantize_h with the down GEMM only while quantize_h's grid fits in one wave
