@@ -75,12 +75,15 @@ PAIRS = {16: (((32, 256, 4), (64, 256, 3)), ((32, 128, 6), (64, 128, 6)), ((128,
 # where K is shorter).
 DOWN_PREFETCH = (512, 2048, 16384)
 # One token's fp8 rows as matrix-vector products (``ExpertsConfig.gemv``): (gate_up block_n, down
-# block_n, block_k, num_warps). Each thread loads block_n * block_k / (32 * warps) bytes of each
-# weight matrix a K step (gate_up: two), in 16-byte loads.
-# Wider down programs quantize each row of h fewer times (every down program quantizes the whole row).
-GEMV = ((16, 16, 256, 4), (32, 32, 256, 4), (32, 16, 512, 4), (64, 32, 256, 4), (16, 16, 512, 4),
-        (8, 8, 256, 4), (16, 16, 256, 2), (32, 32, 256, 8), (64, 64, 256, 8), (16, 32, 256, 4),
-        (16, 32, 512, 4), (32, 32, 512, 8), (16, 64, 512, 8))
+# block_n, block_k, num_warps, prefetch). Each thread loads block_n * block_k / (32 * warps) bytes
+# of each weight matrix a K step (gate_up: two), in 16-byte loads; with prefetch (names ending in
+# "p") the next step's before it multiplies this one's. Wider down programs quantize each row of h
+# fewer times (every down program quantizes the whole row).
+GEMV = ((16, 16, 256, 4, False), (32, 32, 256, 4, False), (32, 16, 512, 4, False), (64, 32, 256, 4, False),
+        (16, 16, 512, 4, False), (8, 8, 256, 4, False), (16, 16, 256, 2, False), (32, 32, 256, 8, False),
+        (64, 64, 256, 8, False), (16, 32, 256, 4, False), (16, 32, 512, 4, False), (32, 32, 512, 8, False),
+        (16, 64, 512, 8, False), (16, 16, 256, 4, True), (16, 16, 512, 4, True), (8, 8, 256, 4, True),
+        (16, 16, 512, 8, True), (32, 32, 256, 8, True))
 START = time.monotonic()
 
 
@@ -99,7 +102,7 @@ def _config(chosen: ExpertsConfig, scheme: str, inter: int, gate_up: GemmConfig 
     h_quant = chosen.h_quant
     if h_quant in ("gate_up", "pass"):
         h_quant = h_quant_for(get_scheme(scheme).kernel_mode, g, inter, where=True)
-    return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant)
+    return dataclasses.replace(chosen, gate_up=g, down=d, h_quant=h_quant, gemv=None)
 
 
 def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = False,
@@ -121,21 +124,24 @@ def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = F
     if one_token and chosen.direct and get_scheme(scheme).kernel_mode in FP8:
         # Where one token's h is quantized: by the down GEMM as it loads it, or as h_quant says.
         other = not chosen.quantize_in_down
-        out["h_in_down" if other else "h_by_h_quant"] = dataclasses.replace(chosen, quantize_in_down=other)
+        out["h_in_down" if other else "h_by_h_quant"] = dataclasses.replace(chosen, quantize_in_down=other, gemv=None)
         if other and down_tile is not None and down_tile != chosen.down:
             name = f"h_in_down+d{down_tile.block_n}x{down_tile.block_k}s{down_tile.num_stages}"
-            out[name] = dataclasses.replace(chosen, quantize_in_down=True, down=down_tile)
+            out[name] = dataclasses.replace(chosen, quantize_in_down=True, down=down_tile, gemv=None)
+    if chosen.gemv is not None:
+        out["tiles"] = dataclasses.replace(chosen, gemv=None)  # the tile GEMMs on the direct plan
     if one_token and chosen.direct and get_scheme(scheme).kernel_mode in FP8:
         # Both GEMMs as matrix-vector products; under the chosen PDL chain and with the down GEMV
         # under PDL too.
-        for gu, dn, bk, warps in GEMV:
-            gemv = GemvConfig(gu, dn, bk, warps)
-            out[f"gemv{gu}x{dn}k{bk}w{warps}"] = dataclasses.replace(chosen, gemv=gemv, quantize_in_down=False,
-                                                                    down_prefetch=0)
-            if chosen.pdl == "gate_up" and (gu, dn, bk, warps) == GEMV[0]:
-                out[f"gemv{gu}x{dn}k{bk}w{warps}+pdl_all"] = dataclasses.replace(
+        for gu, dn, bk, warps, prefetch in GEMV:
+            gemv = GemvConfig(gu, dn, bk, warps, prefetch)
+            name = f"gemv{gu}x{dn}k{bk}w{warps}{'p' if prefetch else ''}"
+            if gemv != chosen.gemv:
+                out[name] = dataclasses.replace(chosen, gemv=gemv, quantize_in_down=False, down_prefetch=0)
+            if chosen.pdl == "gate_up" and (gu, dn, bk, warps, prefetch) == GEMV[0]:
+                out[f"{name}+pdl_all"] = dataclasses.replace(
                     chosen, gemv=gemv, quantize_in_down=False, down_prefetch=0, pdl="all")
-    if chosen.pdl != "off" and chosen.down.engine == "triton":
+    if chosen.pdl != "off" and chosen.down.engine == "triton" and chosen.gemv is None:
         # The down GEMM under PDL (where the chosen config launches only the plan and gate_up so),
         # and with its weights asked for before its wait.
         under, prefix = (chosen, "") if chosen.pdl == "all" else (dataclasses.replace(chosen, pdl="all"), "pdl_all+")

@@ -77,7 +77,8 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     for lay_out in (False, True):
         # A laid-out input reads tiles of the sorted plan, never the direct one.
         laid = dataclasses.replace(sel, lay_out_a=lay_out, direct=sel.direct and not lay_out,
-                                   quantize_in_down=sel.quantize_in_down and not lay_out)
+                                   quantize_in_down=sel.quantize_in_down and not lay_out,
+                                   gemv=None if lay_out else sel.gemv)
         kernel = TritonExperts(cfg.activation, cfg.dtype, laid)
         key = "experts_laid_out" if lay_out else "experts_gather"
         calls[key] = lambda kernel=kernel: kernel(inp, experts)

@@ -36,7 +36,7 @@ def study(name: str, model, tokens: int, scheme: str, flush, args) -> dict:
     device = case.device
     shipped = select_config(case.M, case.E, case.H, case.I, scheme, multiprocessors(device.index),
                             pdl=pdl_supported(device), gluon=gluon_supported(device), gpu=gpu_kind(device.index))
-    configs = {"shipped": shipped, "sorted": dataclasses.replace(shipped, direct=False, quantize_in_down=False),
+    configs = {"shipped": shipped, "sorted": dataclasses.replace(shipped, direct=False, quantize_in_down=False, gemv=None),
                "pdl_off": dataclasses.replace(shipped, pdl="off")}
     kernels = {k: TritonExperts(case.cfg.activation, case.cfg.dtype, c) for k, c in configs.items()}
     calls = {k: (lambda kernel=kernel: kernel(case.inp, case.experts)) for k, kernel in kernels.items()}
