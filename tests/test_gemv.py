@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+from moeshard.activations import activation_names, get_activation
 from moeshard.experts.base import ExpertInput, ExpertWeights
 from moeshard.quant import quantize_activations, quantize_weight
 from moeshard.reference import Reference, expert_reference
@@ -22,6 +23,9 @@ from moeshard.tolerances import compare
 
 SCHEMES = ["fp8_tensor", "fp8_token", "fp8_block"]
 IDS = {"distinct": [5, 0, 3, 2], "padding": [2, -1, 0, 5], "repeated": [1, 1, 4, 0]}
+# Every registered kind the GEMMs' epilogue computes: the layer takes the GEMVs for fp8_block's
+# one-token rows whatever the family's activation.
+KERNEL_ACTIVATIONS = [n for n in activation_names() if get_activation(n).kernel_mode is not None]
 
 
 def _problem(scheme: str, H: int, I: int, E: int = 6, seed: int = 3, bias: bool = False):  # noqa: E741
@@ -76,17 +80,23 @@ def test_one_token_gemv_matches_the_reference(interpreted_kernels, exact_interpr
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("activation", ["gelu", "relu2"])
-def test_one_token_gemv_takes_biases_and_other_activations(interpreted_kernels, exact_interpreter, scheme,
-                                                           activation):
-    """Biases (gpt-oss's) and an ungated kind (one product per column of h)."""
+@pytest.mark.parametrize("activation", KERNEL_ACTIVATIONS)
+def test_one_token_gemv_takes_biases_and_every_kernel_activation(interpreted_kernels, exact_interpreter, scheme,
+                                                                 activation):
+    """Biases (gpt-oss's) and every activation kind with a kernel mode: the clamped and soft-capped
+    kinds with products past their limits, and the ungated ones (one product per column of h)."""
     k = interpreted_kernels
     H, I = 256, 256  # noqa: E741
     x, w = _problem(scheme, H, I, bias=True)
-    if activation == "relu2":
+    x = x * 2  # products up to about 20: past every kind's clamp and cap
+    kind = get_activation(activation)
+    if not kind.gated:
         w = ExpertWeights(quantize_weight(w.gate_up.dequantize()[:, :I].to(torch.bfloat16).contiguous(), scheme),
                           w.down, scheme, gate_up_bias=w.gate_up_bias[:, :I].contiguous(), down_bias=w.down_bias)
     expert_ids = torch.tensor([4, 1, 3])
+    products = x.float() @ w.gate_up.dequantize()[expert_ids].float().transpose(1, 2)
+    limits = [v for name, v in kind.params.items() if name in ("limit", "gate_cap")]
+    assert products.abs().max() > max(limits, default=0.0), (activation, float(products.abs().max()), limits)
     y = _run(k, x, expert_ids, w, k.configs.GemvConfig(16, 16, 128, 4), activation)
     err, atol, rtol, ok = compare(y, _reference(x, expert_ids, w, activation), torch.bfloat16, scheme)
     assert ok, f"{scheme} {activation}: max |err| {err:.3g} > atol {atol} + rtol {rtol} |ref|"
