@@ -63,7 +63,8 @@ def _config(k, gemv, pdl: str = "off"):
 
 @pytest.mark.parametrize("ids", IDS)
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("shape", ["even", "partial", "partial-prefetch"])
+# The prefetch option is not selected (measured slower), so its cases run with the slow tests.
+@pytest.mark.parametrize("shape", ["even", "partial", pytest.param("partial-prefetch", marks=pytest.mark.slow)])
 def test_one_token_gemv_matches_the_reference(interpreted_kernels, exact_interpreter, scheme, ids, shape):
     """Every routed row against the reference; "partial": K not a multiple of the step (the down
     GEMV's last step masked) and N not a multiple of either block width; "-prefetch": each step's
@@ -142,6 +143,7 @@ def test_fp8_block_last_partial_step_reads_no_scale_past_k(interpreted_kernels, 
     assert compare(y, _reference(x, ids, w, "silu"), torch.bfloat16, "fp8_block")[3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_gemv_weights_loaded_a_step_ahead_give_the_same_bits(interpreted_kernels, exact_interpreter, scheme):
     """``GemvConfig.prefetch`` changes when each step's weights are loaded, not what is summed:
