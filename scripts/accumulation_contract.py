@@ -9,7 +9,9 @@ fp16 ("exact"); for the per-row schemes also the prefill tile with each accumula
 with ``expert_reference`` under the contracts of ``ACCUMULATION`` (fp32: 2^-18 of sum |a||b|,
 fp8_mma: 2^-12) and coarser ones. Printed per case: the worst |out - ref| / (atol + rtol |ref| +
 slack), so <= 1 passes. The kernels declare "fp8_mma" for every fp8 scheme (the down GEMM is on
-the fp8 tensor cores in every mode).
+the fp8 tensor cores in every mode but one token's matrix-vector products, whose fp32 sums of exact
+products the same declaration covers). The "token-*" shapes run one token's rows on the tiles of
+the direct plan ("token-tiles") and as matrix-vector products ("token-gemv").
 
 Recorded on one H200 (2026-12-01, results/h200/accumulation_contract-2026-12-01.json): under
 fp8_mma "mma" at most 0.46, "prefill-split" and "prefill-imprecise" 0.52; under fp32 "mma" and
@@ -26,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.kernels.configs import ExpertsConfig, GemmConfig
+from moeshard.kernels.configs import ExpertsConfig, GemmConfig, GemvConfig, gpu_kind, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.numerics import ACCUMULATION
 from moeshard.quant import quantize_activations, quantize_weight
@@ -40,6 +42,10 @@ SHAPES = {"decode": (24, 64, 512, 256), "decode-deep": (128, 32, 7168, 2048), "b
           "prefill": (6144, 8, 1024, 1536), "big": (8192, 8, 4096, 1024), "odd": (999, 12, 256, 336),
           "mixtral": (8192, 8, 4096, 2048), "deepseek": (8192, 16, 7168, 512),
           "mixtral-full": (8192, 8, 4096, 14336), "deepseek-full": (8192, 16, 7168, 2048)}
+# One token's rows (M = top-k distinct experts of one input row), at the bench models' sizes: the
+# tile GEMMs on the direct plan against the matrix-vector products (``ExpertsConfig.gemv``).
+TOKEN_SHAPES = {"token-deepseek": (8, 256, 7168, 2048), "token-mixtral": (2, 8, 4096, 14336),
+                "token-qwen3": (8, 128, 2048, 768)}
 # Accumulation contracts each output is judged under: the declared ones and coarser candidates.
 CONTRACTS = {**ACCUMULATION, "2^-10": 2.0**-10, "2^-9": 2.0**-9, "2^-7": 2.0**-7}
 DTYPE = torch.bfloat16
@@ -51,7 +57,39 @@ def worst_ratio(out: torch.Tensor, ref, scheme: str) -> float:
     return float(((out.double() - ref.out).abs() / bound).max())
 
 
+def token_case(scheme: str, shape: str, seed: int, device: str = "cuda") -> dict:
+    """One token's rows: the tiles ``select_config`` picks on this GPU, without and with the
+    GEMVs (16 x 16 x 512, 4 warps: ``configs.ONE_TOKEN_BLOCK_GEMV``'s shape, for every scheme),
+    each against the reference of the token's row repeated once per routed row. (``device`` "cpu"
+    runs the kernels under Triton's interpreter, where ``TRITON_INTERPRET=1`` was set before
+    moeshard's kernels were imported.)"""
+    M, E, H, I = TOKEN_SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate_up = (torch.randn(E, 2 * I, H, device=device, generator=gen) / H**0.5).to(DTYPE)
+    down = (torch.randn(E, H, I, device=device, generator=gen) / I**0.5).to(DTYPE)
+    weights = ExpertWeights(quantize_weight(gate_up, scheme), quantize_weight(down, scheme), scheme)
+    x = torch.randn(1, H, device=device, generator=gen).to(DTYPE)
+    ids = torch.randperm(E, device=device, generator=gen)[:M]
+    index = 0 if device == "cuda" else None
+    # Per-tensor, per-row and per-group scales of copies of one row are that row's.
+    xs = quantize_activations(x.expand(M, H).contiguous(), scheme)
+    row = {"scheme": scheme, "shape": shape, "seed": seed}
+    refs = {name: expert_reference(xs, ids, weights, "silu", DTYPE, accumulation=acc) for name, acc in CONTRACTS.items()}
+    tiles = replace(select_config(M, E, H, I, scheme, multiprocessors(index), gpu=gpu_kind(index)), gemv=None)
+    modes = {"token-tiles": tiles, "token-gemv": replace(tiles, gemv=GemvConfig(16, 16, 512, 4),
+                                                         quantize_in_down=False, down_prefetch=0)}
+    for mode, config in modes.items():
+        kernel = TritonExperts("silu", DTYPE, config)
+        out = kernel(ExpertInput(quantize_activations(x, scheme), ids, repeat=M), weights)
+        row[f"{mode} declares"] = next(n for n, a in ACCUMULATION.items() if a == kernel.accumulation(scheme))
+        for name, ref in refs.items():
+            row[f"{mode} vs {name}"] = round(worst_ratio(out, ref, scheme), 3)
+    return row
+
+
 def case(scheme: str, shape: str, seed: int) -> dict:
+    if shape in TOKEN_SHAPES:
+        return token_case(scheme, shape, seed)
     M, E, H, I = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(DTYPE)
@@ -82,7 +120,8 @@ def case(scheme: str, shape: str, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of: " + ", ".join(SHAPES))
+    parser.add_argument("--shapes", default=",".join({**SHAPES, **TOKEN_SHAPES}),
+                        help="comma list of: " + ", ".join({**SHAPES, **TOKEN_SHAPES}))
     parser.add_argument("--schemes", default="fp8_tensor,fp8_token,fp8_block")
     args = parser.parse_args()
     if not torch.cuda.is_available():
