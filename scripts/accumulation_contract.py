@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from moeshard.experts.base import ExpertInput, ExpertWeights
-from moeshard.kernels.configs import ExpertsConfig, GemmConfig, GemvConfig, gpu_kind, multiprocessors, select_config
+from moeshard.kernels.configs import ONE_TOKEN_BLOCK_GEMV, ExpertsConfig, GemmConfig, gpu_kind, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
 from moeshard.numerics import ACCUMULATION
 from moeshard.quant import quantize_activations, quantize_weight
@@ -57,17 +57,29 @@ def worst_ratio(out: torch.Tensor, ref, scheme: str) -> float:
     return float(((out.double() - ref.out).abs() / bound).max())
 
 
+def _weights(scheme: str, E: int, H: int, I: int, gen: torch.Generator, device: str) -> ExpertWeights:  # noqa: E741
+    """E experts' random gate_up [E, 2I, H] and down [E, H, I] weights, quantized as ``scheme``."""
+    gate_up = (torch.randn(E, 2 * I, H, device=device, generator=gen) / H**0.5).to(DTYPE)
+    down = (torch.randn(E, H, I, device=device, generator=gen) / I**0.5).to(DTYPE)
+    return ExpertWeights(quantize_weight(gate_up, scheme), quantize_weight(down, scheme), scheme)
+
+
+def _record(row: dict, mode: str, kernel: TritonExperts, out: torch.Tensor, refs: dict, scheme: str) -> None:
+    """The accumulation ``kernel`` declares and its worst ratio under each contract, into ``row``."""
+    row[f"{mode} declares"] = next(n for n, a in ACCUMULATION.items() if a == kernel.accumulation(scheme))
+    for name, ref in refs.items():
+        row[f"{mode} vs {name}"] = round(worst_ratio(out, ref, scheme), 3)
+
+
 def token_case(scheme: str, shape: str, seed: int, device: str = "cuda") -> dict:
     """One token's rows: the tiles ``select_config`` picks on this GPU, without and with the
-    GEMVs (16 x 16 x 512, 4 warps: ``configs.ONE_TOKEN_BLOCK_GEMV``'s shape, for every scheme),
+    GEMVs (``configs.ONE_TOKEN_BLOCK_GEMV``'s shape, for every scheme),
     each against the reference of the token's row repeated once per routed row. (``device`` "cpu"
     runs the kernels under Triton's interpreter, where ``TRITON_INTERPRET=1`` was set before
     moeshard's kernels were imported.)"""
     M, E, H, I = TOKEN_SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(seed)
-    gate_up = (torch.randn(E, 2 * I, H, device=device, generator=gen) / H**0.5).to(DTYPE)
-    down = (torch.randn(E, H, I, device=device, generator=gen) / I**0.5).to(DTYPE)
-    weights = ExpertWeights(quantize_weight(gate_up, scheme), quantize_weight(down, scheme), scheme)
+    weights = _weights(scheme, E, H, I, gen, device)
     x = torch.randn(1, H, device=device, generator=gen).to(DTYPE)
     ids = torch.randperm(E, device=device, generator=gen)[:M]
     index = 0 if device == "cuda" else None
@@ -76,14 +88,12 @@ def token_case(scheme: str, shape: str, seed: int, device: str = "cuda") -> dict
     row = {"scheme": scheme, "shape": shape, "seed": seed}
     refs = {name: expert_reference(xs, ids, weights, "silu", DTYPE, accumulation=acc) for name, acc in CONTRACTS.items()}
     tiles = replace(select_config(M, E, H, I, scheme, multiprocessors(index), gpu=gpu_kind(index)), gemv=None)
-    modes = {"token-tiles": tiles, "token-gemv": replace(tiles, gemv=GemvConfig(16, 16, 512, 4),
+    modes = {"token-tiles": tiles, "token-gemv": replace(tiles, gemv=ONE_TOKEN_BLOCK_GEMV,
                                                          quantize_in_down=False, down_prefetch=0)}
     for mode, config in modes.items():
         kernel = TritonExperts("silu", DTYPE, config)
-        out = kernel(ExpertInput(quantize_activations(x, scheme), ids, repeat=M), weights)
-        row[f"{mode} declares"] = next(n for n, a in ACCUMULATION.items() if a == kernel.accumulation(scheme))
-        for name, ref in refs.items():
-            row[f"{mode} vs {name}"] = round(worst_ratio(out, ref, scheme), 3)
+        _record(row, mode, kernel, kernel(ExpertInput(quantize_activations(x, scheme), ids, repeat=M), weights), refs,
+                scheme)
     return row
 
 
@@ -92,9 +102,7 @@ def case(scheme: str, shape: str, seed: int) -> dict:
         return token_case(scheme, shape, seed)
     M, E, H, I = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(DTYPE)
-    down = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).to(DTYPE)
-    weights = ExpertWeights(quantize_weight(gate_up, scheme), quantize_weight(down, scheme), scheme)
+    weights = _weights(scheme, E, H, I, gen, "cuda")
     x = quantize_activations(torch.randn(M, H, device="cuda", generator=gen).to(DTYPE), scheme)
     ids = torch.randint(0, E, (M,), device="cuda", generator=gen)
     ids[: M // 3] = 1  # one expert with many tiles, some experts with none
@@ -110,10 +118,7 @@ def case(scheme: str, shape: str, seed: int) -> dict:
                                                                             fp8_acc="imprecise"))
         modes["prefill-imprecise-both"] = TritonExperts("silu", DTYPE, both)
     for mode, kernel in modes.items():
-        out = kernel(ExpertInput(x, ids), weights)
-        row[f"{mode} declares"] = next(n for n, a in ACCUMULATION.items() if a == kernel.accumulation(scheme))
-        for name, ref in refs.items():
-            row[f"{mode} vs {name}"] = round(worst_ratio(out, ref, scheme), 3)
+        _record(row, mode, kernel, kernel(ExpertInput(x, ids), weights), refs, scheme)
     return row
 
 
