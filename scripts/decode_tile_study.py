@@ -75,15 +75,12 @@ PAIRS = {16: (((32, 256, 4), (64, 256, 3)), ((32, 128, 6), (64, 128, 6)), ((128,
 # where K is shorter).
 DOWN_PREFETCH = (512, 2048, 16384)
 # One token's fp8 rows as matrix-vector products (``ExpertsConfig.gemv``): (gate_up block_n, down
-# block_n, block_k, num_warps, prefetch). Each thread loads block_n * block_k / (32 * warps) bytes
-# of each weight matrix a K step (gate_up: two), in 16-byte loads; with prefetch (names ending in
-# "p") the next step's before it multiplies this one's. Wider down programs quantize each row of h
-# fewer times (every down program quantizes the whole row).
-GEMV = ((16, 16, 256, 4, False), (32, 32, 256, 4, False), (32, 16, 512, 4, False), (64, 32, 256, 4, False),
-        (16, 16, 512, 4, False), (8, 8, 256, 4, False), (16, 16, 256, 2, False), (32, 32, 256, 8, False),
-        (64, 64, 256, 8, False), (16, 32, 256, 4, False), (16, 32, 512, 4, False), (32, 32, 512, 8, False),
-        (16, 64, 512, 8, False), (16, 16, 256, 4, True), (16, 16, 512, 4, True), (8, 8, 256, 4, True),
-        (16, 16, 512, 8, True), (32, 32, 256, 8, True))
+# block_n, block_k, num_warps). Each thread loads block_n * block_k / (32 * warps) bytes of each
+# weight matrix a K step (gate_up: two), in 16-byte loads.
+# Wider down programs quantize each row of h fewer times (every down program quantizes the whole row).
+GEMV = ((16, 16, 256, 4), (32, 32, 256, 4), (32, 16, 512, 4), (64, 32, 256, 4), (16, 16, 512, 4),
+        (8, 8, 256, 4), (16, 16, 256, 2), (32, 32, 256, 8), (64, 64, 256, 8), (16, 32, 256, 4),
+        (16, 32, 512, 4), (32, 32, 512, 8), (16, 64, 512, 8))
 START = time.monotonic()
 
 
@@ -133,12 +130,12 @@ def variants(chosen: ExpertsConfig, scheme: str, inter: int, one_token: bool = F
     if one_token and chosen.direct and get_scheme(scheme).kernel_mode in FP8:
         # Both GEMMs as matrix-vector products; under the chosen PDL chain and with the down GEMV
         # under PDL too.
-        for gu, dn, bk, warps, prefetch in GEMV:
-            gemv = GemvConfig(gu, dn, bk, warps, prefetch)
-            name = f"gemv{gu}x{dn}k{bk}w{warps}{'p' if prefetch else ''}"
+        for gu, dn, bk, warps in GEMV:
+            gemv = GemvConfig(gu, dn, bk, warps)
+            name = f"gemv{gu}x{dn}k{bk}w{warps}"
             if gemv != chosen.gemv:
                 out[name] = dataclasses.replace(chosen, gemv=gemv, quantize_in_down=False, down_prefetch=0)
-            if chosen.pdl == "gate_up" and (gu, dn, bk, warps, prefetch) == GEMV[0]:
+            if chosen.pdl == "gate_up" and (gu, dn, bk, warps) == GEMV[0]:
                 out[f"{name}+pdl_all"] = dataclasses.replace(
                     chosen, gemv=gemv, quantize_in_down=False, down_prefetch=0, pdl="all")
     if chosen.pdl != "off" and chosen.down.engine == "triton" and chosen.gemv is None:

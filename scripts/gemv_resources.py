@@ -2,8 +2,7 @@
 
 Compiles ``moeshard.kernels.gemv``'s ``_gate_up_gemv_kernel`` and ``_down_gemv_kernel`` for
 Hopper (sm_90a) with the installed Triton, for the fp8 schemes and the block shapes of the decode
-tile study (``scripts/decode_tile_study.py``'s ``GEMV``), with and without ``GemvConfig.prefetch``,
-under PDL, and reads the cubin as
+tile study (``scripts/decode_tile_study.py``'s ``GEMV``), under PDL, and reads the cubin as
 ``scripts/kernel_resources.py`` does: registers and stack (``cuobjdump --dump-resource-usage``),
 local-memory loads and stores (``LDL`` / ``STL``: spills), the weights' 16-byte loads
 (``LDG.E.128``), fp32 FMAs (``FFMA``), e4m3 pair conversions (``F2FP.F16.E4M3.UNPACK_B``) and fp16
@@ -42,10 +41,9 @@ DOWN_INTS = ("N", "K", "stride_hm", "stride_we", "stride_wn", "stride_wse", "str
 # multiples of 16 carry that divisibility (vectorised, aligned loads).
 ALIGNED = ("N", "K", "up_offset", "stride_xm", "stride_we", "stride_wn", "stride_hm", "stride_ym")
 OPS = ("LDG.E.128", "FFMA", "F2FP.F16.E4M3.UNPACK_B", "HADD2.F32", "SHFL.BFLY")
-# (quant mode, block_n, block_k, warps, prefetch) compiled for each kernel.
+# (quant mode, block_n, block_k, warps) compiled for each kernel.
 SHAPES = tuple((quant, *shape) for quant in (1, 2, 3)
-               for shape in ((16, 512, 4, False), (16, 256, 4, False), (32, 256, 4, False), (16, 256, 2, False),
-                             (64, 256, 8, False), (16, 512, 4, True), (16, 256, 4, True)))
+               for shape in ((16, 512, 4), (16, 256, 4), (32, 256, 4), (16, 256, 2), (64, 256, 8)))
 
 
 def _compile(fn, pointers: dict, ints: tuple, consts: dict, warps: int):
@@ -56,17 +54,17 @@ def _compile(fn, pointers: dict, ints: tuple, consts: dict, warps: int):
                           options={"num_warps": warps, "num_stages": 1})
 
 
-def compile_gate_up(quant: int, block_n: int, block_k: int, warps: int, prefetch: bool = False, pdl: bool = True):
+def compile_gate_up(quant: int, block_n: int, block_k: int, warps: int, pdl: bool = True):
     """``_gate_up_gemv_kernel`` for a gated SwiGLU, the scheme's amax tracking as the experts ask."""
     consts = {"stride_xk": 1, "stride_wk": 1, "QUANT": quant, "ACT": 0, "ACT_P0": 0.0, "ACT_P1": 0.0, "UP": True,
               "BIAS": False, "H_TY": tl.bfloat16, "TRACK_AMAX": {1: 1, 2: 2}.get(quant, 0), "EVEN_K": True, "PDL": pdl,
-              "PREFETCH": prefetch, "BLOCK_N": block_n, "BLOCK_K": block_k}
+              "BLOCK_N": block_n, "BLOCK_K": block_k}
     return _compile(_gate_up_gemv_kernel, GATE_UP_POINTERS, GATE_UP_INTS, consts, warps)
 
 
-def compile_down(quant: int, block_n: int, block_k: int, warps: int, prefetch: bool = False, pdl: bool = True):
-    consts = {"stride_wk": 1, "QUANT": quant, "BIAS": False, "EVEN_K": True, "PDL": pdl, "PREFETCH": prefetch,
-              "BLOCK_N": block_n, "BLOCK_K": block_k}
+def compile_down(quant: int, block_n: int, block_k: int, warps: int, pdl: bool = True):
+    consts = {"stride_wk": 1, "QUANT": quant, "BIAS": False, "EVEN_K": True, "PDL": pdl, "BLOCK_N": block_n,
+              "BLOCK_K": block_k}
     return _compile(_down_gemv_kernel, DOWN_POINTERS, DOWN_INTS, consts, warps)
 
 
@@ -85,12 +83,11 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for kernel, build in (("gate_up", compile_gate_up), ("down", compile_down)):
-        for quant, block_n, block_k, warps, prefetch in SHAPES:
+        for quant, block_n, block_k, warps in SHAPES:
             r = {"kernel": kernel, "quant": quant, "block_n": block_n, "block_k": block_k, "warps": warps,
-                 "prefetch": prefetch, **resources(build(quant, block_n, block_k, warps, prefetch))}
+                 **resources(build(quant, block_n, block_k, warps))}
             rows.append(r)
-            print(f"{kernel:8s} mode {quant} {block_n:3d} x {block_k:4d} w{warps}{' prefetch' if prefetch else '':9s} "
-                  f"regs {r['registers']:3d} "
+            print(f"{kernel:8s} mode {quant} {block_n:3d} x {block_k:4d} w{warps}  regs {r['registers']:3d} "
                   f"LDL {r['spill_loads']:3d} STL {r['spill_stores']:3d}  "
                   + "  ".join(f"{op} {r[op]}" for op in OPS), flush=True)
     if args.json:

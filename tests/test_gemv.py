@@ -61,19 +61,18 @@ def _config(k, gemv, pdl: str = "off"):
     return ExpertsConfig(tile, tile, direct=True, gemv=gemv, pdl=pdl)
 
 
-# The prefetch option is not selected (measured slower), and the per-row schemes take the GEMVs
-# only where a config asks for them: their cases beyond the padding row run with the slow tests.
+# The per-row schemes take the GEMVs only where a config asks for them: their cases beyond the
+# padding row run with the slow tests.
 @pytest.mark.parametrize("shape, scheme, ids", [
-    (shape, scheme, ids) if shape != "partial-prefetch" and (scheme == "fp8_block" or ids == "padding")
+    (shape, scheme, ids) if scheme == "fp8_block" or ids == "padding"
     else pytest.param(shape, scheme, ids, marks=pytest.mark.slow)
-    for shape in ("even", "partial", "partial-prefetch") for scheme in SCHEMES for ids in IDS])
+    for shape in ("even", "partial") for scheme in SCHEMES for ids in IDS])
 def test_one_token_gemv_matches_the_reference(interpreted_kernels, exact_interpreter, scheme, ids, shape):
     """Every routed row against the reference; "partial": K not a multiple of the step (the down
-    GEMV's last step masked) and N not a multiple of either block width; "-prefetch": each step's
-    weights loaded a step ahead (``GemvConfig.prefetch``)."""
+    GEMV's last step masked) and N not a multiple of either block width."""
     k = interpreted_kernels
     H, I, gemv = (256, 384, k.configs.GemvConfig(16, 16, 256, 4)) if shape == "even" else \
-        (384, 640, k.configs.GemvConfig(32, 8, 512, 2, prefetch=shape.endswith("prefetch")))  # noqa: E741
+        (384, 640, k.configs.GemvConfig(32, 8, 512, 2))  # noqa: E741
     x, w = _problem(scheme, H, I)
     expert_ids = torch.tensor(IDS[ids])
     y = _run(k, x, expert_ids, w, gemv)
@@ -148,19 +147,6 @@ def test_fp8_block_last_partial_step_reads_no_scale_past_k(interpreted_kernels, 
     assert compare(y, _reference(x, ids, w, "silu"), torch.bfloat16, "fp8_block")[3]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_gemv_weights_loaded_a_step_ahead_give_the_same_bits(interpreted_kernels, exact_interpreter, scheme):
-    """``GemvConfig.prefetch`` changes when each step's weights are loaded, not what is summed:
-    the same bits, over a K of three steps and a masked part (384 and 640 at 256-column steps)."""
-    k = interpreted_kernels
-    x, w = _problem(scheme, 384, 640)
-    ids = torch.tensor([4, 0, -1, 2])
-    plain = _run(k, x, ids, w, k.configs.GemvConfig(16, 16, 256, 4))
-    ahead = _run(k, x, ids, w, k.configs.GemvConfig(16, 16, 256, 4, prefetch=True))
-    assert torch.equal(plain[ids >= 0], ahead[ids >= 0])
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_one_token_gemv_on_a_hand_computed_row(interpreted_kernels, exact_interpreter, scheme):
     k = interpreted_kernels
@@ -200,8 +186,6 @@ def test_gemv_config_refuses_what_it_cannot_run(interpreted_kernels):
         GemvConfig(16, 16, 64)
     with pytest.raises(ValueError, match=r"GemvConfig.gate_up_block_n: expected a power of two, got 24"):
         GemvConfig(24, 16, 256)
-    with pytest.raises(ValueError, match=r"GemvConfig.prefetch: expected a bool, got 1"):
-        GemvConfig(prefetch=1)
     tile = GemmConfig(16, 32, 128)
     with pytest.raises(ValueError, match=r"ExpertsConfig.gemv .* needs direct=True.*direct=False"):
         ExpertsConfig(tile, tile, gemv=GemvConfig())

@@ -151,14 +151,12 @@ class GemvConfig:
     (and as many up rows) and down_block_n down rows of one routed row's expert per program, K in
     steps of block_k columns (a multiple of 128: fp8_block's scale groups), num_warps per program.
     Powers of two; block widths up to 128, so that an fp8_block tile lies in one 128-row weight
-    block (one weight scale per tile and group). prefetch: each thread loads the next K step's
-    weights before it multiplies this step's (registers for two steps' weights; the same bits)."""
+    block (one weight scale per tile and group)."""
 
     gate_up_block_n: int = 16
     down_block_n: int = 16
     block_k: int = 256
     num_warps: int = 4
-    prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "block_k", "num_warps"):
@@ -167,8 +165,6 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name}: expected a power of two, got {value!r}")
         if self.block_k % 128:
             raise ValueError(f"GemvConfig.block_k: a multiple of 128 (fp8_block's scale groups), got {self.block_k}")
-        if not isinstance(self.prefetch, bool):
-            raise ValueError(f"GemvConfig.prefetch: expected a bool, got {self.prefetch!r}")
         if max(self.gate_up_block_n, self.down_block_n) > 128 or self.num_warps > 16:
             raise ValueError(f"GemvConfig: block widths up to 128 and up to 16 warps, got {self}")
 

@@ -69,38 +69,11 @@ def _step_scales(x_scale_ptr, ws_base, k, k_ok, offs_k, stride_xsk, stride_wsk, 
 
 @triton.jit
 def _weights(ptrs, k_ok, EVEN_K: tl.constexpr):
-    """One K step of a program's BLOCK_N weight rows, e4m3 [BLOCK_N, BLOCK_K]; columns past K
-    read as zeros."""
+    """One K step of a program's BLOCK_N weight rows, as fp32 [BLOCK_N, BLOCK_K] (e4m3 -> fp32 is
+    exact); columns past K read as zeros."""
     if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=k_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _first_weights(ptrs, offs_k, K, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weights loaded ahead before the first step: with PREFETCH the first step's, else zeros
-    never read (a loop-carried value needs one of its type)."""
-    if PREFETCH:
-        return _weights(ptrs, offs_k < K, False)
-    return tl.zeros((BLOCK_N, BLOCK_K), dtype=ptrs.dtype.element_ty)
-
-
-@triton.jit
-def _next_weights(ptrs, k, K, offs_k, stride_wk, BLOCK_K: tl.constexpr):
-    """With PREFETCH: the weights [BLOCK_N, BLOCK_K] of the K step after k (masked past K), loaded
-    at the top of step k, so that a thread's loads of the next step are in flight while it
-    multiplies this one's (Triton does not pipeline loads that feed no dot; without this each
-    thread waits on its loads once a step). ``ptrs`` are the weights' at column 0."""
-    nxt = k + BLOCK_K
-    return tl.load(ptrs + nxt * stride_wk, mask=(nxt + offs_k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _step_weights(ptrs, w_ahead, k, k_ok, stride_wk, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weights of the K step at k: those loaded a step ahead (PREFETCH), or loaded now."""
-    if PREFETCH:
-        return w_ahead
-    return _weights(ptrs + k * stride_wk, k_ok, EVEN_K)
+        return tl.load(ptrs).to(tl.float32)
+    return tl.load(ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -127,8 +100,7 @@ def _gate_up_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr,
                          stride_hm, stride_be,
                          QUANT: tl.constexpr, ACT: tl.constexpr, ACT_P0: tl.constexpr, ACT_P1: tl.constexpr,
                          UP: tl.constexpr, BIAS: tl.constexpr, H_TY: tl.constexpr, TRACK_AMAX: tl.constexpr,
-                         EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (row, n block): h[row, n : n + BLOCK_N] of routed row ``row`` (x row row //
     x_row_div) through expert ids[row]'s gate rows [n, n + BLOCK_N) and up rows up_offset later."""
     row, pid_n = _program(N, BLOCK_N)
@@ -151,16 +123,10 @@ def _gate_up_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr,
     gate_ws = ws_base + ((pid_n * BLOCK_N) // 128) * stride_wsn
     up_ws = ws_base + ((pid_n * BLOCK_N + up_offset) // 128) * stride_wsn
     acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-    gate_w = _first_weights(gate_ptrs, offs_k, K, PREFETCH, BLOCK_N, BLOCK_K)
     if UP:
         acc_up = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-        up_w = _first_weights(up_ptrs, offs_k, K, PREFETCH, BLOCK_N, BLOCK_K)
     for k in range(0, K, BLOCK_K):
         k_ok = k + offs_k < K
-        if PREFETCH:
-            gate_now, gate_w = gate_w, _next_weights(gate_ptrs, k, K, offs_k, stride_wk, BLOCK_K)
-            if UP:
-                up_now, up_w = up_w, _next_weights(up_ptrs, k, K, offs_k, stride_wk, BLOCK_K)
         if EVEN_K:
             a = tl.load(x_ptr + x_row * stride_xm + (k + offs_k) * stride_xk).to(tl.float32)
         else:
@@ -169,15 +135,13 @@ def _gate_up_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr,
             a_gate = a * _step_scales(xs_row, gate_ws, k, k_ok, offs_k, stride_xsk, stride_wsk, EVEN_K)
         else:
             a_gate = a
-        w = _step_weights(gate_ptrs, gate_now if PREFETCH else gate_w, k, k_ok, stride_wk, PREFETCH, EVEN_K)
-        acc += _row_sums(w.to(tl.float32) * a_gate[None, :], BLOCK_N, BLOCK_K)
+        acc += _row_sums(_weights(gate_ptrs + k * stride_wk, k_ok, EVEN_K) * a_gate[None, :], BLOCK_N, BLOCK_K)
         if UP:
             if QUANT == 3:
                 a_up = a * _step_scales(xs_row, up_ws, k, k_ok, offs_k, stride_xsk, stride_wsk, EVEN_K)
             else:
                 a_up = a
-            w_up = _step_weights(up_ptrs, up_now if PREFETCH else up_w, k, k_ok, stride_wk, PREFETCH, EVEN_K)
-            acc_up += _row_sums(w_up.to(tl.float32) * a_up[None, :], BLOCK_N, BLOCK_K)
+            acc_up += _row_sums(_weights(up_ptrs + k * stride_wk, k_ok, EVEN_K) * a_up[None, :], BLOCK_N, BLOCK_K)
     gate = tl.sum(acc, axis=1)
     if UP:
         up = tl.sum(acc_up, axis=1)
@@ -214,7 +178,7 @@ def _down_gemv_kernel(h_ptr, h_amax_ptr, w_ptr, w_scale_ptr, ids_ptr, y_ptr, bia
                       stride_hm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
                       stride_ym, stride_be,
                       QUANT: tl.constexpr, BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (row, n block): y[row, n : n + BLOCK_N] = h[row] quantized, through expert
     ids[row]'s down rows [n, n + BLOCK_N)."""
     row, pid_n = _program(N, BLOCK_N)
@@ -237,11 +201,8 @@ def _down_gemv_kernel(h_ptr, h_amax_ptr, w_ptr, w_scale_ptr, ids_ptr, y_ptr, bia
         h_amax = tl.maximum(tl.load(h_amax_ptr + (expert if QUANT == 1 else row64)), _AMAX_FLOOR)
         h_scale = tl.math.div_rn(h_amax, tl.zeros_like(h_amax) + _FP8_MAX)
     acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-    down_w = _first_weights(w_ptrs, offs_k, K, PREFETCH, BLOCK_N, BLOCK_K)
     for k in range(0, K, BLOCK_K):
         k_ok = k + offs_k < K
-        if PREFETCH:
-            down_now, down_w = down_w, _next_weights(w_ptrs, k, K, offs_k, stride_wk, BLOCK_K)
         if EVEN_K:
             hv = tl.load(h_ptr + row64 * stride_hm + k + offs_k).to(tl.float32)
         else:
@@ -258,8 +219,7 @@ def _down_gemv_kernel(h_ptr, h_amax_ptr, w_ptr, w_scale_ptr, ids_ptr, y_ptr, bia
             a = tl.reshape(q.to(tl.float32) * (group_scale * ws)[:, None], (BLOCK_K,))
         else:
             a = _fp8(hv, h_scale, _FP8_MAX).to(tl.float32)
-        w = _step_weights(w_ptrs, down_now if PREFETCH else down_w, k, k_ok, stride_wk, PREFETCH, EVEN_K)
-        acc += _row_sums(w.to(tl.float32) * a[None, :], BLOCK_N, BLOCK_K)
+        acc += _row_sums(_weights(w_ptrs + k * stride_wk, k_ok, EVEN_K) * a[None, :], BLOCK_N, BLOCK_K)
     y = tl.sum(acc, axis=1)
     if QUANT != 3:
         y = y * h_scale * tl.load(ws_base + offs_wn * stride_wsn)
@@ -349,7 +309,7 @@ def gate_up_gemv(x: QuantizedActivations, w: QuantizedWeight, expert_ids: torch.
         h.stride(0), bias.stride(0) if bias is not None else 0,
         QUANT=mode, ACT=act_mode(activation), ACT_P0=act_p0, ACT_P1=act_p1, UP=products == 2,
         BIAS=bias is not None, H_TY=H_TYPES[h.dtype], TRACK_AMAX=track, EVEN_K=k % bk == 0, PDL=pdl_launch,
-        PREFETCH=config.prefetch, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.num_warps, **pdl.launch_options(pdl_launch))
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=config.num_warps, **pdl.launch_options(pdl_launch))
     return h
 
 
@@ -392,7 +352,6 @@ def down_gemv(h: torch.Tensor, w: QuantizedWeight, expert_ids: torch.Tensor, y: 
         h, h_amax if h_amax is not None else h, w.data, w_scale, expert_ids, y, bias if bias is not None else y,
         n, k, h.stride(0), w.data.stride(0), w.data.stride(1), w.data.stride(2), s_wse, s_wsn, s_wsk,
         y.stride(0), bias.stride(0) if bias is not None else 0,
-        QUANT=mode, BIAS=bias is not None, EVEN_K=k % bk == 0, PDL=pdl_launch, PREFETCH=config.prefetch,
-        BLOCK_N=bn, BLOCK_K=bk,
+        QUANT=mode, BIAS=bias is not None, EVEN_K=k % bk == 0, PDL=pdl_launch, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=config.num_warps, **pdl.launch_options(pdl_launch))
     return y
