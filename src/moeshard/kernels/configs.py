@@ -474,7 +474,10 @@ def _few_rows_gate_up(tile: GemmConfig) -> GemmConfig:
 # 0.937 at 16 x 16 x 256 with 2 warps at DeepSeek-V3); the bench against the tiles, two alternating
 # rounds (results/h100/one_token_gemv_select-2026-12-07-6e96125-1f45e87): 0.951, 0.967 and 0.859 of
 # the experts' time. The per-row schemes keep the tiles: 0.982-0.996 at DeepSeek-V3 (32 x 32 x 256,
-# 4 warps), 1.005-1.058 at Mixtral and Qwen3 at best over two studies. Not measured on an H200.
+# 4 warps), 1.005-1.058 at Mixtral and Qwen3 at best over two studies. Taken on an H100 only
+# (``GPU_KINDS``): on an H200 the GEMVs have not been timed, and its faster memory leaves the
+# tiles' fixed costs a larger share, as with the 64-row tiles' K steps above, which won on the
+# H100 and lost on the H200.
 ONE_TOKEN_BLOCK_GEMV = GemvConfig(16, 16, 512, 4)
 
 
@@ -540,8 +543,8 @@ def select_config(num_rows: int, num_experts: int, hidden: int, inter: int, sche
         if per_row and num_rows < DEEP_K_MIN_ROWS and inter % DEEP_K == 0:
             cfg = dataclasses.replace(cfg, quantize_in_down=True,
                                       down=in_down_tile(hidden, min(num_rows, num_experts), sms))
-        if get_scheme(scheme).kernel_mode == FP8_BLOCK and num_rows < DEEP_K_MIN_ROWS and inter % 128 == 0 \
-                and hidden % 128 == 0:
+        if gpu == "h100" and get_scheme(scheme).kernel_mode == FP8_BLOCK and num_rows < DEEP_K_MIN_ROWS \
+                and inter % 128 == 0 and hidden % 128 == 0:
             cfg = dataclasses.replace(cfg, gemv=ONE_TOKEN_BLOCK_GEMV)
     if not pdl or not decode:
         return cfg
