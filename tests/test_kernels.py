@@ -801,10 +801,12 @@ def test_decode_tiles_take_deep_k_steps_where_they_were_measured_faster():
         assert (h100.block_m, h100.gate_up.block_n, h100.gate_up.block_k, h100.gate_up.num_stages) == \
             (64, 64, 256, 2), h100
         assert (h100.down.block_n, h100.down.block_k, h100.down.num_stages) == (64, 256, 3), h100
-        # Everything else an H100 takes as the H200 does.
+        # Everything else an H100 takes as the H200 does, but fp8_block's one-token GEMVs.
         for rows, E, H, I in ((16, 8, 4096, 14336), (2, 8, 4096, 14336), (128 * 8, 256, 7168, 2048),  # noqa: E741
                               (4096 * 2, 8, 4096, 14336), (256, 16, 4096, 14336)):
-            assert select_config(rows, E, H, I, scheme, gpu="h100") == select_config(rows, E, H, I, scheme)
+            h100, h200 = select_config(rows, E, H, I, scheme, gpu="h100"), select_config(rows, E, H, I, scheme)
+            assert (h100.gemv is not None) == (scheme == "fp8_block" and rows == 2), (rows, scheme, h100.gemv)
+            assert h200.gemv is None and dataclasses.replace(h100, gemv=None) == h200, (rows, scheme)
         thirty_two = select_config(256, 16, 4096, 14336, scheme)  # 16 rows per expert: 32-row tiles
         assert thirty_two.block_m == 32 and thirty_two.gate_up.block_k == thirty_two.down.block_k == 128
     for scheme in ("none", "nvfp4"):
