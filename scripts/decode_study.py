@@ -20,7 +20,10 @@ microseconds. This study times, for each model, token count and scheme:
   GEMM's share of the bytes and the down GEMM's alone (``read_gate_up_bytes``,
   ``read_down_bytes``), the floors of those kernels timed alone;
 * the GPU time of each kernel inside the graphed call under the ``write`` flush (the CUDA
-  profiler), so that the call's time splits into kernels and the gaps between them.
+  profiler), so that the call's time splits into kernels and the gaps between them;
+* where one token's rows run as matrix-vector products (``ExpertsConfig.gemv``: the GPU's
+  selected config, or with ``--gemv`` ``configs.ONE_TOKEN_BLOCK_GEMV`` at every fp8 scheme),
+  each GEMV alone (``gemv_gate_up``, ``gemv_down``), against the reader's floors above.
 
     PYTHONPATH=src python3 scripts/decode_study.py --json results/h200/decode_study.json
     PYTHONPATH=src python3 scripts/decode_study.py --cases deepseek-v3:1,mixtral-8x7b:1 --schemes fp8_tensor
@@ -45,8 +48,9 @@ from moeshard.bench.timing import L2Flush, graph_median_ms, graphed
 from moeshard.bench.workload import bytes_per_expert, experts_for, hidden_states, make_model, projection_bytes, routed_input
 from moeshard.config import QuantConfig
 from moeshard.kernels.align import align_rows, split_tiles
-from moeshard.kernels.configs import multiprocessors, select_config
+from moeshard.kernels.configs import FP8, FP8_TOKEN, ONE_TOKEN_BLOCK_GEMV, GemvConfig, gpu_kind, multiprocessors, select_config
 from moeshard.kernels.experts import TritonExperts
+from moeshard.kernels.gemv import down_gemv, gate_up_gemv
 from moeshard.kernels.grouped_gemm import moe_gemm
 from moeshard.kernels.quant import quantize_h
 from moeshard.quant import get_scheme
@@ -127,7 +131,9 @@ def _kernel_us(fn, flush, reps: int) -> list[tuple[str, float]]:
 class Call:
     """One routed call's inputs and stages, as ``TritonExperts`` runs them."""
 
-    def __init__(self, model, tokens: int, scheme: str) -> None:
+    def __init__(self, model, tokens: int, scheme: str, gemv: GemvConfig | None = None) -> None:
+        """gemv: the GEMVs to time alone at one token (fp8 schemes), in place of the selected
+        config's (None: the selected config's, which may be none)."""
         device = model.gate_up.device
         cfg = model.cfg
         self.spec = get_scheme(scheme)
@@ -135,7 +141,7 @@ class Call:
         x = hidden_states(model, tokens, tokens)
         self.inp, _ = routed_input(model, x, QuantConfig(scheme))
         M, E, H, I = self.inp.num_rows, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-        self.sel = select_config(M, E, H, I, scheme, multiprocessors(device.index))
+        self.sel = select_config(M, E, H, I, scheme, multiprocessors(device.index), gpu=gpu_kind(device.index))
         self.amax = torch.empty(E, dtype=torch.float32, device=device) if self.spec.per_tensor_activation else None
         self.plan = align_rows(self.inp.expert_ids, E, self.sel.block_m, amax=self.amax)
         self.h = torch.empty(self.plan.padded_rows, I, dtype=cfg.dtype, device=device)
@@ -152,6 +158,17 @@ class Call:
         self.rows, self.active = M, active
         # The same call with the plan made before it (what the plan costs inside the chain).
         self.experts_plan_ahead = plan_made_ahead(self.experts_call)
+        # One token's GEMVs alone, with h and the scale maxima in buffers of their own (the maxima
+        # are not zeroed again between repetitions: the same loads, atomics and stores).
+        one_token = self.inp.repeat == M and self.spec.kernel_mode in FP8
+        self.gemv = (gemv or self.sel.gemv) if one_token else None
+        if self.gemv is not None:
+            mode = self.spec.kernel_mode
+            self.ids = self.inp.expert_ids.contiguous()
+            self.gemv_h = torch.empty(M, I, dtype=cfg.dtype, device=device)
+            self.gemv_amax = torch.zeros(E, dtype=torch.float32, device=device) if mode == 1 else None
+            self.gemv_row_amax = torch.zeros(M, dtype=torch.float32, device=device) if mode == FP8_TOKEN else None
+            self.gemv_gate_up()
 
     def experts_call(self):
         return self.kernel(self.inp, self.experts)
@@ -170,9 +187,20 @@ class Call:
         return moe_gemm(self.hq, self.experts.down, self.down_plan, self.y, self.sel.down, activation=None,
                         gather=False)
 
+    def gemv_gate_up(self):
+        return gate_up_gemv(self.inp.x, self.experts.gate_up, self.ids, self.gemv_h, self.gemv,
+                            activation=self.cfg.activation, x_row_div=self.inp.repeat, amax=self.gemv_amax,
+                            row_amax=self.gemv_row_amax, bias=self.experts.gate_up_bias)
 
-def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, log) -> dict:
-    call = Call(model, tokens, scheme)
+    def gemv_down(self):
+        return down_gemv(self.gemv_h, self.experts.down, self.ids, self.y, self.gemv,
+                         h_amax=self.gemv_amax if self.gemv_amax is not None else self.gemv_row_amax,
+                         bias=self.experts.down_bias)
+
+
+def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, log,
+          gemv: GemvConfig | None = None) -> dict:
+    call = Call(model, tokens, scheme, gemv)
     device = model.gate_up.device
     stream = torch.empty(int(call.weight_bytes) // 4, dtype=torch.float32, device=device).uniform_()
     stream_out = torch.empty((), dtype=torch.float32, device=device)
@@ -184,9 +212,13 @@ def study(name: str, tokens: int, scheme: str, model, flushes: dict, reps: int, 
               "read_weight_bytes": lambda: torch.sum(stream, dim=0, out=stream_out)}
     if call.spec.quantized:
         stages["quant_h"] = call.quant_h
+    if call.gemv is not None:
+        stages.update(gemv_gate_up=call.gemv_gate_up, gemv_down=call.gemv_down)
     rec = {"model": name, "tokens": tokens, "scheme": scheme, "rows": call.rows, "active": call.active,
            "weight_bytes": call.weight_bytes,
-           "config": {"gate_up": call.sel.gate_up.as_dict(), "down": call.sel.down.as_dict()}, "ms": {}}
+           "config": {"gate_up": call.sel.gate_up.as_dict(), "down": call.sel.down.as_dict(),
+                      "selected_gemv": call.sel.gemv.as_dict() if call.sel.gemv is not None else None,
+                      "timed_gemv": call.gemv.as_dict() if call.gemv is not None else None}, "ms": {}}
     rec["read_sweep"] = {}
     for flush_name, flush in flushes.items():
         rec["ms"][flush_name] = {stage: _ms(fn, flush, reps) for stage, fn in stages.items()}
@@ -225,6 +257,9 @@ def main() -> None:
     ap.add_argument("--ncu", default=None, help="MODEL:SCHEME:TOKENS: run that call eagerly for ncu, then stop")
     ap.add_argument("--cases", default=None, help="MODEL:TOKENS[,...] instead of the default cases")
     ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes (default: %(default)s)")
+    ap.add_argument("--gemv", action="store_true",
+                    help="time one token's GEMVs alone (configs.ONE_TOKEN_BLOCK_GEMV) at every fp8 scheme, also "
+                         "where the GPU's config takes the tile GEMMs")
     args = ap.parse_args()
     cases: dict[str, list[int]] = {}
     for item in args.cases.split(",") if args.cases else [f"{m}:{t}" for m, ts in CASES for t in ts]:
@@ -251,7 +286,8 @@ def main() -> None:
         model = make_model(name, device)
         for tokens in token_counts:
             for scheme in schemes:
-                out.append(study(name, tokens, scheme, model, flushes, args.reps, log))
+                out.append(study(name, tokens, scheme, model, flushes, args.reps, log,
+                                 ONE_TOKEN_BLOCK_GEMV if args.gemv else None))
                 if args.json:
                     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         del model

@@ -79,3 +79,22 @@ def test_a_projections_bytes_count_its_scales():
     assert projection_bytes(torch.zeros(2, 6, 4, dtype=torch.bfloat16)) == 96
     experts = ExpertWeights(gate_up=gate_up, down=down, scheme="fp8_token")
     assert bytes_per_expert(experts) == (projection_bytes(gate_up) + projection_bytes(down)) / 2 == (96 + 56) / 2
+
+
+@pytest.mark.parametrize("scheme", [pytest.param("fp8_tensor", marks=pytest.mark.slow), "fp8_block"])
+def test_the_gemv_stages_are_the_experts_call_on_the_gemvs(interpreted_kernels, exact_interpreter, scheme):
+    """``--gemv``: the two stages timed alone, run one after the other, give the bits the experts'
+    call on the same GEMVs gives, so the stages are the call's kernels and not something cheaper."""
+    import dataclasses
+
+    from moeshard.bench.workload import make_model
+
+    k = interpreted_kernels
+    gemv = k.configs.GemvConfig(16, 16, 128, 4)
+    call = decode_study.Call(make_model("mixtral-8x7b", torch.device("cpu"), size="small"), 1, scheme, gemv)
+    assert call.gemv == gemv  # the one given, whatever the selected config takes
+    call.gemv_gate_up()
+    y = call.gemv_down().clone()
+    config = dataclasses.replace(call.sel, gemv=gemv, quantize_in_down=False)
+    want = k.experts.TritonExperts(call.cfg.activation, call.cfg.dtype, config)(call.inp, call.experts)
+    assert torch.equal(y, want) and y.abs().sum() > 0, scheme
