@@ -78,9 +78,15 @@ DOWN_PREFETCH = (512, 2048, 16384)
 # block_n, block_k, num_warps). Each thread loads block_n * block_k / (32 * warps) bytes of each
 # weight matrix a K step (gate_up: two), in 16-byte loads.
 # Wider down programs quantize each row of h fewer times (every down program quantizes the whole row).
+# The last three against 16 x 16 x 512 with 4 warps in their sm_90a gate_up builds
+# (scripts/gemv_resources.py, fp8_tensor; it: 96 registers, 5 programs a multiprocessor, 80 KB of
+# weights a K step in flight): 2 warps over 16 rows (123 registers, 8 programs, 128 KB), over 8
+# rows (96 registers, 10 programs, 80 KB in programs half as long), and 1024-column steps (124
+# registers, 4 programs, 128 KB).
 GEMV = ((16, 16, 256, 4), (32, 32, 256, 4), (32, 16, 512, 4), (64, 32, 256, 4), (16, 16, 512, 4),
         (8, 8, 256, 4), (16, 16, 256, 2), (32, 32, 256, 8), (64, 64, 256, 8), (16, 32, 256, 4),
-        (16, 32, 512, 4), (32, 32, 512, 8), (16, 64, 512, 8))
+        (16, 32, 512, 4), (32, 32, 512, 8), (16, 64, 512, 8), (16, 16, 512, 2), (8, 8, 512, 2),
+        (16, 16, 1024, 4))
 START = time.monotonic()
 
 
